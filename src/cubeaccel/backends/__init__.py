@@ -1,0 +1,1 @@
+"""How a class of device is prepared, attached and cleaned."""

@@ -1,0 +1,1 @@
+"""The only code that touches the machine (or a simulation of it)."""

@@ -1,0 +1,1 @@
+"""Pure domain types and rules. No I/O, no frameworks."""

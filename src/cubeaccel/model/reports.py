@@ -1,0 +1,104 @@
+"""Messages that cross process boundaries: shim → Cubelet reports and cube-agent's guest report.
+
+Pure data with JSON round-trips, so the shim (a separate process) and the in-process test driver
+speak exactly the same shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class ShimReportKind(StrEnum):
+    VMM_STARTED = "vmm_started"  # details: pid
+    ATTACH_SUCCEEDED = "attach_succeeded"  # VMM confirmed the device and the guest saw it
+    ATTACH_FAILED = "attach_failed"  # details: reason
+    GUEST_REPORT = "guest_report"  # details: GuestReport.to_json()
+    DETACH_CONFIRMED = "detach_confirmed"  # DEVICE_DELETED seen
+    DETACH_TIMEOUT = "detach_timeout"  # no DEVICE_DELETED within the bound
+    VMM_EXITED = "vmm_exited"  # details: pid, returncode — the VMM process is gone (waited for)
+    SHIM_EXITED = "shim_exited"
+
+
+@dataclass(frozen=True)
+class ShimReport:
+    sandbox_id: str
+    kind: ShimReportKind
+    device_ids: tuple[str, ...] = ()
+    details: dict[str, Any] = field(default_factory=dict)
+    at: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sandbox_id": self.sandbox_id,
+            "kind": self.kind.value,
+            "device_ids": list(self.device_ids),
+            "details": self.details,
+            "at": self.at,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ShimReport:
+        return cls(
+            sandbox_id=str(data["sandbox_id"]),
+            kind=ShimReportKind(data["kind"]),
+            device_ids=tuple(str(d) for d in data.get("device_ids", ())),
+            details=dict(data.get("details", {})),
+            at=float(data.get("at", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One timed in-guest probe: what the contract expected, what the guest showed."""
+
+    name: str
+    ok: bool
+    layer: str  # one of the contract layers (guest_kernel, modules_img, kernel_driver, ...)
+    code: str  # stable code when not ok, e.g. compat.kernel_driver_missing; "" when ok
+    expected: str | None = None
+    found: str | None = None
+    duration_ms: float = 0.0
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class GuestReport:
+    """cube-agent's answer to `probe`. Raw facts plus per-probe verdicts.
+
+    Facts are kept raw (kernel release, module lists, PCI devices, versions) so the contract's
+    `check_guest` can judge them again on the host side, independently of the agent's own verdicts.
+    """
+
+    agent_version: int
+    kernel_release: str
+    modules_loaded: tuple[str, ...] = ()
+    module_failures: dict[str, str] = field(default_factory=dict)  # module → error text
+    pci_devices: tuple[dict[str, str], ...] = ()  # {"address", "vendor_id", "device_id", "class"}
+    device_files: dict[str, bool] = field(default_factory=dict)
+    kernel_driver_version: str | None = None
+    libraries: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → {loaded, version, error}
+    cuda: dict[str, Any] | None = None  # {driver_version, init_ok, device_count, error}
+    nvml: dict[str, Any] | None = None
+    probes: tuple[ProbeResult, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GuestReport:
+        return cls(
+            agent_version=int(data["agent_version"]),
+            kernel_release=str(data["kernel_release"]),
+            modules_loaded=tuple(data.get("modules_loaded", ())),
+            module_failures=dict(data.get("module_failures", {})),
+            pci_devices=tuple(dict(d) for d in data.get("pci_devices", ())),
+            device_files=dict(data.get("device_files", {})),
+            kernel_driver_version=data.get("kernel_driver_version"),
+            libraries=dict(data.get("libraries", {})),
+            cuda=data.get("cuda"),
+            nvml=data.get("nvml"),
+            probes=tuple(ProbeResult(**p) for p in data.get("probes", ())),
+        )

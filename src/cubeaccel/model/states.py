@@ -1,0 +1,131 @@
+"""The device state machine as data (ARCHITECTURE §3). The table is the spec; tests enumerate it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from cubeaccel.model.errors import CubeError
+
+
+class DeviceState(StrEnum):
+    INITIALIZED = "initialized"
+    ALLOCATABLE = "allocatable"
+    RESERVED = "reserved"
+    PREPARING = "preparing"
+    ATTACHED = "attached"
+    RELEASING = "releasing"
+    RELEASED = "released"
+    UNHEALTHY = "unhealthy"
+    QUARANTINED = "quarantined"
+    DISABLED = "disabled"
+
+
+class DeviceEvent(StrEnum):
+    VALIDATED = "validated"
+    RESERVE = "reserve"
+    PREPARE = "prepare"
+    ATTACH_SUCCEEDED = "attach_succeeded"
+    STARTUP_FAILED = "startup_failed"
+    ATTACH_FAILED = "attach_failed"
+    TEARDOWN = "teardown"
+    RELEASE_CONFIRMED = "release_confirmed"
+    REVALIDATED = "revalidated"
+    HEALTH_FAILED = "health_failed"
+    QUARANTINE = "quarantine"
+    RECOVER = "recover"
+    DISABLE = "disable"
+    ENABLE = "enable"
+
+
+class Actor(StrEnum):
+    CUBELET = "cubelet"
+    SHIM = "shim"
+    OPERATOR = "operator"
+
+
+S = DeviceState
+E = DeviceEvent
+
+# A tenant (sandbox) may hold the device in these states.
+TENANT_STATES: frozenset[DeviceState] = frozenset({S.RESERVED, S.PREPARING, S.ATTACHED, S.RELEASING})
+ACTIVE_STATES: frozenset[DeviceState] = frozenset(
+    {S.INITIALIZED, S.ALLOCATABLE, S.RESERVED, S.PREPARING, S.ATTACHED, S.RELEASING, S.RELEASED}
+)
+# Safety can be in doubt in every state but the two operator-owned parking states.
+UNCERTAIN_STATES: frozenset[DeviceState] = ACTIVE_STATES | {S.UNHEALTHY}
+
+
+@dataclass(frozen=True)
+class Transition:
+    event: DeviceEvent
+    sources: frozenset[DeviceState]
+    target: DeviceState
+    fired_by: frozenset[Actor]
+    precondition: str
+
+
+def _t(event: E, sources: set[S] | frozenset[S], target: S, by: set[Actor], pre: str) -> Transition:
+    return Transition(event, frozenset(sources), target, frozenset(by), pre)
+
+
+C, SH, OP = Actor.CUBELET, Actor.SHIM, Actor.OPERATOR
+
+TRANSITIONS: tuple[Transition, ...] = (
+    _t(E.VALIDATED, {S.INITIALIZED}, S.ALLOCATABLE, {C}, "driver binding, viable IOMMU group, no holders"),
+    _t(E.RESERVE, {S.ALLOCATABLE}, S.RESERVED, {C}, "atomic; records sandbox, template, contract, memory"),
+    _t(E.PREPARE, {S.RESERVED}, S.PREPARING, {C}, "contract revalidated against this device"),
+    _t(E.ATTACH_SUCCEEDED, {S.PREPARING}, S.ATTACHED, {SH}, "VMM confirmed the device; guest saw it"),
+    _t(E.STARTUP_FAILED, {S.RESERVED, S.PREPARING}, S.RELEASING, {C}, "cleanup must run"),
+    _t(E.ATTACH_FAILED, {S.RESERVED, S.PREPARING}, S.RELEASING, {SH, C}, "cleanup must run"),
+    _t(E.TEARDOWN, {S.ATTACHED}, S.RELEASING, {C}, "sandbox stop, guest validation failure, timeout"),
+    _t(E.RELEASE_CONFIRMED, {S.RELEASING}, S.RELEASED, {C}, "VMM gone or detach confirmed, no holders, reset"),
+    _t(E.REVALIDATED, {S.RELEASED}, S.ALLOCATABLE, {C}, "host state equals expected state"),
+    _t(E.HEALTH_FAILED, ACTIVE_STATES, S.UNHEALTHY, {C}, "hard failure seen"),
+    _t(E.QUARANTINE, UNCERTAIN_STATES, S.QUARANTINED, {C, OP}, "safety cannot be proven"),
+    _t(E.RECOVER, {S.QUARANTINED, S.UNHEALTHY}, S.ALLOCATABLE, {OP}, "Cubelet revalidation passes"),
+    _t(E.DISABLE, set(DeviceState) - {S.DISABLED}, S.DISABLED, {OP}, "-"),
+    _t(E.ENABLE, {S.DISABLED}, S.INITIALIZED, {OP}, "-"),
+)
+
+_BY_KEY: dict[tuple[DeviceState, DeviceEvent], Transition] = {
+    (src, t.event): t for t in TRANSITIONS for src in t.sources
+}
+
+
+class TransitionRefused(CubeError):
+    """A (state, event) pair not in the table, or fired by the wrong actor."""
+
+
+def allowed_events(state: DeviceState) -> list[DeviceEvent]:
+    return sorted({ev for (src, ev) in _BY_KEY if src == state}, key=lambda e: e.value)
+
+
+def lookup(state: DeviceState, event: DeviceEvent) -> Transition | None:
+    return _BY_KEY.get((state, event))
+
+
+def transition(state: DeviceState, event: DeviceEvent, actor: Actor) -> DeviceState:
+    """Return the target state or refuse, naming the current state, the event and what is allowed."""
+    t = _BY_KEY.get((state, event))
+    allowed = [e.value for e in allowed_events(state)]
+    if t is None:
+        raise TransitionRefused(
+            code="state.transition_refused",
+            message=f"event {event.value!r} is not allowed in state {state.value!r}; allowed: {allowed}",
+            layer="cubelet",
+            details={"state": state.value, "event": event.value, "allowed_events": allowed},
+            status=409,
+        )
+    if actor not in t.fired_by:
+        raise TransitionRefused(
+            code="state.actor_not_allowed",
+            message=(
+                f"event {event.value!r} may be fired by {sorted(a.value for a in t.fired_by)}, "
+                f"not {actor.value!r} (state {state.value!r})"
+            ),
+            layer="cubelet",
+            details={"state": state.value, "event": event.value, "actor": actor.value},
+            status=409,
+        )
+    return t.target
