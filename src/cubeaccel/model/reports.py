@@ -12,14 +12,19 @@ from typing import Any
 
 
 class ShimReportKind(StrEnum):
-    VMM_STARTED = "vmm_started"  # details: pid
-    ATTACH_SUCCEEDED = "attach_succeeded"  # VMM confirmed the device and the guest saw it
-    ATTACH_FAILED = "attach_failed"  # details: reason
-    GUEST_REPORT = "guest_report"  # details: GuestReport.to_json()
-    DETACH_CONFIRMED = "detach_confirmed"  # DEVICE_DELETED seen
+    """What a shim tells Cubelet. Only Cubelet turns these into device transitions."""
+
+    VM_STARTED = "vm_started"  # details: pid, vmm, accel (tcg/kvm)
+    MEMORY_PINNED = "memory_pinned"  # details: vmlck_kib, guest_kib
+    GUEST_READY = "guest_ready"  # cube-agent said hello
+    DEVICE_ATTACHED = "device_attached"  # VMM confirmed and the guest saw vendor:device
+    ATTACH_FAILED = "attach_failed"  # details: reason, layer
+    GUEST_VALIDATED = "guest_validated"  # details: report (GuestReport.to_json())
+    GUEST_VALIDATION_FAILED = "guest_validation_failed"  # details: report, violations
+    DEVICE_DETACHED = "device_detached"  # DEVICE_DELETED seen
     DETACH_TIMEOUT = "detach_timeout"  # no DEVICE_DELETED within the bound
-    VMM_EXITED = "vmm_exited"  # details: pid, returncode — the VMM process is gone (waited for)
-    SHIM_EXITED = "shim_exited"
+    VMM_EXITED = "vmm_exited"  # details: pid, status — the VMM process was waited for
+    SHIM_EXITING = "shim_exiting"
 
 
 @dataclass(frozen=True)
