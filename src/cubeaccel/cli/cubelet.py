@@ -1,11 +1,146 @@
-"""`cubeaccel cubelet ...` and the node-level verbs (`devices`, `events`, `demo`)."""
+"""`cubeaccel cubelet ...` and the node-level verbs (`devices`, `device`, `events`, `demo`)."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
 import typer
 
+from cubeaccel.cli.render import console, device_table, event_table
+from cubeaccel.cubelet.client import CubeletClient
+from cubeaccel.model.errors import CubeError
+
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
+
+DEFAULT_STATE = Path(os.environ.get("CUBEACCEL_STATE_DIR", Path.home() / ".local/state/cubeaccel/cubelet"))
+StateDir = Annotated[Path, typer.Option("--state-dir", help="Cubelet state directory (store, socket)")]
+Url = Annotated[str | None, typer.Option("--url", help="Cubelet TCP URL instead of the unix socket")]
+
+
+def _listen(value: str | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise typer.BadParameter(f"expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def _fail(e: CubeError) -> None:
+    console.print(f"[red]error[/red] {e.code} (layer {e.layer}): {e.message}")
+    if e.details:
+        console.print(json.dumps(e.details, indent=2, default=str))
+    raise typer.Exit(1)
+
+
+@app.command("serve")
+def serve_cmd(
+    state_dir: StateDir = DEFAULT_STATE,
+    backend: Annotated[str, typer.Option(help="simulated | vfio | emulated")] = "simulated",
+    profile: Annotated[str, typer.Option(help="simulated devices, e.g. h100x8 or 2xh100,2xt4")] = "h100x8",
+    listen: Annotated[str | None, typer.Option(help="also serve TCP on HOST:PORT")] = None,
+    sysfs_root: Annotated[Path, typer.Option(help="sysfs root for --backend vfio")] = Path("/sys"),
+    allow: Annotated[list[str] | None, typer.Option(help="vendor:device patterns (vfio)")] = None,
+    tick: Annotated[float, typer.Option(help="seconds between periodic reconciles")] = 2.0,
+    reservation_ttl: Annotated[float, typer.Option(help="seconds before an unstarted reservation expires")] = 300.0,
+    release_timeout: Annotated[float, typer.Option(help="seconds release may wait before quarantine")] = 30.0,
+    node: Annotated[str, typer.Option(help="node name")] = "node-1",
+) -> None:
+    """Run Cubelet: initialize the host, reconcile, then serve the API."""
+    from cubeaccel.cubelet.inventory import initialize_host
+    from cubeaccel.cubelet.lifecycle import CubeletConfig
+    from cubeaccel.cubelet.reconcile import reconcile
+    from cubeaccel.cubelet.runtime import RuntimeOptions, build_cubelet
+    from cubeaccel.cubelet.server import Ticker, create_app, serve
+
+    addr = _listen(listen)
+    if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0:
+        raise typer.BadParameter("tick, reservation-ttl and release-timeout must be > 0")
+    try:
+        cubelet = build_cubelet(RuntimeOptions(
+            state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root,
+            allow=tuple(allow or ("10de:*",)),
+            config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout),
+        ))
+        initialize_host(cubelet)
+        repairs = reconcile(cubelet)  # before any capacity is advertised
+    except CubeError as e:
+        _fail(e)
+        return
+    ticker = Ticker(cubelet, tick)
+    ticker.start()
+    sock = state_dir / "cubelet.sock"
+    print(json.dumps({"cubelet": "ready", "socket": str(sock), "backend": backend, "repairs": len(repairs),
+                      "pid": os.getpid()}), flush=True)
+    try:
+        serve(create_app(cubelet), sock, addr)
+    finally:
+        ticker.stop()
+
+
+def _client(state_dir: Path, url: str | None) -> CubeletClient:
+    return CubeletClient(socket=None if url else state_dir / "cubelet.sock", url=url)
+
+
+def devices_cmd(state_dir: StateDir = DEFAULT_STATE, url: Url = None,
+                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Device table: address, model, NUMA, state, sandbox, reason."""
+    try:
+        devs = _client(state_dir, url).devices()
+    except CubeError as e:
+        _fail(e)
+        return
+    if as_json:
+        print(json.dumps({"devices": devs}, indent=2))
+    else:
+        console.print(device_table(devs))
+
+
+def device_cmd(
+    verb: Annotated[str, typer.Argument(help="quarantine | recover | disable | enable")],
+    device_id: Annotated[str, typer.Argument()],
+    who: Annotated[str, typer.Option(help="operator identity (audited)")],
+    reason: Annotated[str, typer.Option(help="why (audited)")],
+    state_dir: StateDir = DEFAULT_STATE,
+    url: Url = None,
+) -> None:
+    """Operator verbs on one device; audited with who and why."""
+    try:
+        d = _client(state_dir, url).verb(device_id, verb, who, reason)
+    except CubeError as e:
+        _fail(e)
+        return
+    console.print(device_table([d], title=f"{verb}: {device_id}"))
+
+
+def events_cmd(state_dir: StateDir = DEFAULT_STATE, url: Url = None,
+               since: Annotated[int, typer.Option(min=0)] = 0,
+               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """The event trail since a cursor."""
+    try:
+        evs = _client(state_dir, url).events(since)
+    except CubeError as e:
+        _fail(e)
+        return
+    if as_json:
+        print(json.dumps(evs, indent=2))
+    else:
+        console.print(event_table(evs["events"]))
+
+
+def demo_cmd(profile: Annotated[str, typer.Option()] = "h100x2") -> None:
+    """One sandbox end to end on a throwaway Cubelet; prints the device table and the event trail."""
+    from cubeaccel.cli.demo import run_demo
+
+    raise typer.Exit(run_demo(profile))
 
 
 def register_top_level(root: typer.Typer) -> None:
     """Node verbs operators type most (`cubeaccel devices`) live at the top level."""
+    root.command("devices")(devices_cmd)
+    root.command("device")(device_cmd)
+    root.command("events")(events_cmd)
+    root.command("demo")(demo_cmd)

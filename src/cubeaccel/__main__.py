@@ -1,0 +1,3 @@
+from cubeaccel.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Cubelet: the node-local owner of every accelerator."""

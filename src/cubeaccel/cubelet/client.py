@@ -1,0 +1,60 @@
+"""HTTP client for the Cubelet API over its unix socket (or TCP). Used by the CLI, the demo and tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cubeaccel.model.errors import CubeError
+
+
+class CubeletClient:
+    def __init__(self, socket: Path | None = None, url: str | None = None, timeout: float = 30.0) -> None:
+        if url is not None:
+            self._http = httpx.Client(base_url=url, timeout=timeout)
+        elif socket is not None:
+            self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://cubelet",
+                                      timeout=timeout)
+        else:
+            raise ValueError("socket or url required")
+
+    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
+        r = self._http.request(method, path, json=json, params=params)
+        body = r.json() if r.content else {}
+        if r.status_code >= 400:
+            err = body.get("error", {}) if isinstance(body, dict) else {}
+            raise CubeError(err.get("code", "http.error"), err.get("message", r.text), err.get("layer", "api"),
+                            err.get("details", {}), r.status_code)
+        return body
+
+    def devices(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/devices")["devices"])
+
+    def reserve(self, sandbox_id: str, count: int = 1, **extra: Any) -> dict[str, Any]:
+        return dict(self.request("POST", "/v1/reservations", {"sandbox_id": sandbox_id, "count": count, **extra}))
+
+    def start(self, sandbox_id: str) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/reservations/{sandbox_id}/start"))
+
+    def release(self, sandbox_id: str) -> dict[str, Any]:
+        return dict(self.request("DELETE", f"/v1/reservations/{sandbox_id}"))
+
+    def reservation(self, sandbox_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/reservations/{sandbox_id}"))
+
+    def events(self, since: int = 0, limit: int = 1000) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/events", params={"since": since, "limit": limit}))
+
+    def verb(self, device_id: str, verb: str, who: str, reason: str) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/devices/{device_id}/{verb}", {"who": who, "reason": reason}))
+
+    def capacity(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/capacity"))
+
+    def health(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/health"))
+
+    def close(self) -> None:
+        self._http.close()

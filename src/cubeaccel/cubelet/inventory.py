@@ -1,0 +1,54 @@
+"""Host initialization: discover → `initialized` → prepare host binding → validate → `allocatable`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cubeaccel.backends.base import Problem
+from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.model.device import DiscoveredDevice
+from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+
+
+def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[str]:
+    """Insert devices the store has never seen, as `initialized`. Known devices are reconcile's job."""
+    new = []
+    expected = getattr(cubelet.backend, "expected_driver", None)
+    with cubelet.lock, cubelet.store.tx() as t:
+        for d in discovered:
+            if t.device(d.device_id) is None:
+                t.insert_device(d, expected, Actor.CUBELET)
+                new.append(d.device_id)
+    return new
+
+
+def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> None:
+    """Bind what the backend needs bound, then validate each `initialized` device."""
+    by_id = {d.device_id: d for d in discovered}
+    # Optional backend hook: VFIO binds to vfio-pci here; backends with nothing to bind lack it.
+    prepare: Callable[[DiscoveredDevice], list[Problem]] | None = getattr(cubelet.backend, "prepare_host", None)
+    with cubelet.lock:
+        for rec in cubelet.store.devices():
+            if rec.state is not DeviceState.INITIALIZED:
+                continue
+            problems: list[Problem] = []
+            if prepare is not None and rec.id in by_id:
+                problems = prepare(by_id[rec.id])
+            if not problems:
+                problems = cubelet.backend.validate(rec)
+            with cubelet.store.tx() as t:
+                cur = t.device(rec.id)
+                if cur is None or cur.state is not DeviceState.INITIALIZED:
+                    continue
+                if problems:
+                    t.transition(cur, DeviceEvent.HEALTH_FAILED, Actor.CUBELET, reason=problems[0].code,
+                                 details={"problems": [p.__dict__ for p in problems]})
+                else:
+                    t.transition(cur, DeviceEvent.VALIDATED, Actor.CUBELET)
+
+
+def initialize_host(cubelet: Cubelet) -> list[DiscoveredDevice]:
+    discovered = cubelet.backend.discover()
+    register_new(cubelet, discovered)
+    validate_initialized(cubelet, discovered)
+    return discovered

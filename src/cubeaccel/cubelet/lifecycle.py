@@ -1,0 +1,321 @@
+"""Reserve → prepare → attach → release → revalidate, driven by Cubelet and by shim reports.
+
+Cubelet alone moves devices in and out of `allocatable`. Shim reports are evidence; the release
+rules (VMM gone or detach confirmed, no holders, reset done, revalidated) decide.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cubeaccel.backends.base import Backend, Problem
+from cubeaccel.cubelet.placement import choose_devices
+from cubeaccel.cubelet.shim_driver import ShimDevice, ShimDriver, ShimSpec, ShimStatus
+from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
+from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+
+S, E = DeviceState, DeviceEvent
+_SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+MAX_COUNT = 64
+
+
+def validate_sandbox_id(sandbox_id: object) -> str:
+    if not isinstance(sandbox_id, str) or _SANDBOX_ID.fullmatch(sandbox_id) is None:
+        raise invalid("reserve.invalid_sandbox_id", f"invalid sandbox id {sandbox_id!r}: [A-Za-z0-9._-], 1-63 chars")
+    return sandbox_id
+
+
+@dataclass(frozen=True)
+class CubeletConfig:
+    node_name: str = "node-1"
+    reservation_ttl_s: float = 300.0  # a reservation whose sandbox never starts expires
+    release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
+
+
+@dataclass(frozen=True)
+class ReservationRequest:
+    count: int = 1
+    accel_class: str | None = None
+    labels: tuple[tuple[str, str], ...] = ()
+    template: str | None = None
+    memory_mib: int = 512
+    vcpus: int = 1
+    pin_memory: bool = True
+    contract: dict[str, Any] | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "class": self.accel_class,
+            "labels": dict(self.labels),
+            "template": self.template,
+            "memory_mib": self.memory_mib,
+            "vcpus": self.vcpus,
+            "pin_memory": self.pin_memory,
+            "contract": self.contract,
+        }
+
+
+def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
+    """Hard problems make a device unhealthy; anything softer means safety is unproven: quarantine."""
+    hard = [p for p in problems if p.hard]
+    first = (hard or problems)[0]
+    return (E.HEALTH_FAILED if hard else E.QUARANTINE), first.code
+
+
+class Cubelet:
+    def __init__(
+        self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.shim = shim
+        self.config = config or CubeletConfig()
+        self.lock = threading.RLock()
+        shim.bind(self.handle_report)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
+        return [d for d in t.devices() if d.sandbox_id == sandbox_id]
+
+    def _fail(self, t: Tx, d: DeviceRecord, problems: list[Problem], details: dict[str, Any] | None = None) -> None:
+        event, reason = problem_event(problems)
+        t.transition(d, event, Actor.CUBELET, reason=reason,
+                     details={"problems": [p.__dict__ for p in problems], **(details or {})})
+
+    # ---- reserve and start ----------------------------------------------------------------------
+    def reserve(self, sandbox_id: str, req: ReservationRequest) -> Reservation:
+        validate_sandbox_id(sandbox_id)
+        if not 1 <= req.count <= MAX_COUNT:
+            raise invalid("reserve.invalid_count", f"count must be 1..{MAX_COUNT}, got {req.count}")
+        params = req.params()
+        with self.lock, self.store.tx() as t:
+            existing = t.reservation(sandbox_id)
+            if existing is not None:
+                if existing.params == params:
+                    return existing
+                raise conflict("reserve.sandbox_conflict",
+                               f"sandbox {sandbox_id} already holds devices with different parameters",
+                               details={"existing": existing.params})
+            devices = t.devices()
+            chosen = choose_devices(devices, req.count, req.accel_class, dict(req.labels))
+            if chosen is None:
+                by_state: dict[str, int] = {}
+                for d in devices:
+                    by_state[d.state.value] = by_state.get(d.state.value, 0) + 1
+                raise conflict("reserve.insufficient_devices",
+                               f"{req.count} device(s) requested, not enough allocatable matching devices",
+                               details={"requested": req.count, "devices_by_state": by_state})
+            for d in chosen:
+                t.transition(d, E.RESERVE, Actor.CUBELET, sandbox_id=sandbox_id,
+                             details={"template": req.template, "memory_mib": req.memory_mib})
+            res = Reservation(sandbox_id, params, [d.id for d in chosen], "reserved", t.now,
+                              t.now + self.config.reservation_ttl_s)
+            t.insert_reservation(res)
+            t.event("reservation_created", Actor.CUBELET, sandbox_id=sandbox_id,
+                    details={"device_ids": res.device_ids, "params": params})
+            return res
+
+    def start(self, sandbox_id: str) -> Reservation:
+        """Revalidate, move devices to `preparing`, record the intent, then launch the shim."""
+        with self.lock:
+            with self.store.tx() as t:
+                res = self._reservation(t, sandbox_id)
+                if res.phase != "reserved":
+                    if res.phase in ("starting", "running"):
+                        return res
+                    raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is being released")
+                devs = self._sandbox_devices(t, sandbox_id)
+                failed = {d.id: self.backend.validate(d) for d in devs}
+                if any(failed.values()):
+                    t.event("startup_failed", Actor.CUBELET, sandbox_id=sandbox_id,
+                            reason="prepare.revalidation_failed",
+                            details={k: [p.__dict__ for p in v] for k, v in failed.items() if v})
+                    start_ok = False
+                else:
+                    for d in devs:
+                        t.transition(d, E.PREPARE, Actor.CUBELET)
+                    res.phase, res.expires_at = "starting", None
+                    res.facts["shim_started"] = True  # intent recorded before the act
+                    t.update_reservation(res)
+                    start_ok = True
+            if not start_ok:
+                self.begin_teardown(sandbox_id, "prepare.revalidation_failed")
+                raise conflict("prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation",
+                               layer="host_hardware")
+            spec = self._spec(sandbox_id)
+            try:
+                self.shim.start(spec)
+            except CubeError as e:
+                self.handle_report(ShimReport(sandbox_id, ShimReportKind.ATTACH_FAILED, (),
+                                              {"reason": e.code, "message": e.message}, time.time()))
+            return self.get_reservation(sandbox_id)
+
+    def _spec(self, sandbox_id: str) -> ShimSpec:
+        with self.store.read() as t:
+            res = self._reservation(t, sandbox_id)
+            devs = self._sandbox_devices(t, sandbox_id)
+        shim_devs = []
+        for d in devs:
+            a = self.backend.attach_spec(d)
+            shim_devs.append(ShimDevice(d.id, str(d.address), a.driver, a.properties,
+                                        f"{d.identity.vendor_id:04x}", f"{d.identity.device_id:04x}"))
+        p = res.params
+        return ShimSpec(sandbox_id, tuple(shim_devs), int(p["memory_mib"]), int(p["vcpus"]),
+                        bool(p["pin_memory"]), p.get("contract"))
+
+    def _reservation(self, t: Tx, sandbox_id: str) -> Reservation:
+        res = t.reservation(sandbox_id)
+        if res is None:
+            raise not_found("reservation.not_found", f"no reservation for sandbox {sandbox_id}")
+        return res
+
+    def get_reservation(self, sandbox_id: str) -> Reservation:
+        with self.store.read() as t:
+            return self._reservation(t, validate_sandbox_id(sandbox_id))
+
+    # ---- shim reports ---------------------------------------------------------------------------
+    def handle_report(self, report: ShimReport) -> None:
+        sid = report.sandbox_id
+        with self.lock:
+            with self.store.tx() as t:
+                res = t.reservation(sid)
+                t.event("shim_report" if res else "shim_report_orphan", Actor.SHIM, sandbox_id=sid,
+                        event=report.kind.value, details=report.details)
+                if res is None:
+                    return
+                k = report.kind
+                if k is ShimReportKind.VM_STARTED:
+                    res.facts["vmm_pid"] = report.details.get("pid")
+                elif k is ShimReportKind.DEVICE_ATTACHED:
+                    for d in self._sandbox_devices(t, sid):
+                        if d.state is S.PREPARING:
+                            t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
+                    res.phase = "running" if res.phase == "starting" else res.phase
+                elif k is ShimReportKind.DEVICE_DETACHED:
+                    res.facts["detach_confirmed"] = True
+                elif k is ShimReportKind.DETACH_TIMEOUT:
+                    res.facts["detach_timeout"] = True
+                elif k is ShimReportKind.VMM_EXITED:
+                    res.facts["vmm_exited"] = True
+                elif k is ShimReportKind.SHIM_EXITING:
+                    res.facts["shim_exited"] = True
+                t.update_reservation(res)
+            if report.kind is ShimReportKind.ATTACH_FAILED:
+                self.begin_teardown(sid, "attach_failed", attach_failed=True)
+            elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED:
+                self.begin_teardown(sid, "guest_validation_failed")
+            elif report.kind is ShimReportKind.VMM_EXITED:
+                self.begin_teardown(sid, "vmm_exited")
+
+    # ---- release --------------------------------------------------------------------------------
+    def release(self, sandbox_id: str, reason: str = "sandbox_deleted") -> Reservation | None:
+        validate_sandbox_id(sandbox_id)
+        self.get_reservation(sandbox_id)  # 404 when unknown
+        self.begin_teardown(sandbox_id, reason)
+        return self.store.reservation(sandbox_id)
+
+    def begin_teardown(self, sandbox_id: str, reason: str, attach_failed: bool = False) -> None:
+        """Enter `releasing` before any cleanup starts, then ask the shim to stop and try to release."""
+        with self.lock:
+            with self.store.tx() as t:
+                res = t.reservation(sandbox_id)
+                if res is None:
+                    return
+                first = res.phase != "releasing"
+                if first:
+                    res.phase, res.releasing_since = "releasing", t.now
+                    res.facts["release_reason"] = reason
+                    t.update_reservation(res)
+                    t.event("teardown_started", Actor.CUBELET, sandbox_id=sandbox_id, reason=reason)
+                for d in self._sandbox_devices(t, sandbox_id):
+                    if d.state is S.ATTACHED:
+                        t.transition(d, E.TEARDOWN, Actor.CUBELET, reason=reason)
+                    elif d.state in (S.RESERVED, S.PREPARING):
+                        ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
+                        t.transition(d, ev, Actor.CUBELET, reason=reason)
+                stop = first and res.facts.get("shim_started") and not res.facts.get("vmm_exited")
+            if stop:
+                self.shim.stop(sandbox_id)
+            self.try_release(sandbox_id)
+
+    def _vmm_status(self, res: Reservation) -> ShimStatus:
+        if not res.facts.get("shim_started"):
+            return ShimStatus(shim_alive=False, vmm_alive=False)
+        return self.shim.status(res.sandbox_id)
+
+    def try_release(self, sandbox_id: str) -> None:
+        """Apply the release rules to every `releasing` device of the sandbox; quarantine on timeout."""
+        with self.lock:
+            res = self.store.reservation(sandbox_id)
+            if res is None:
+                return
+            st = self._vmm_status(res)
+            now = float(self.store.clock())
+            overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
+            if st.vmm_alive and overdue and not res.facts.get("kill_requested"):
+                self.shim.kill(sandbox_id)
+                res.facts["kill_requested"] = True
+                st = self.shim.status(sandbox_id)
+            with self.store.tx() as t:
+                t.update_reservation(res)
+                for d in self._sandbox_devices(t, sandbox_id):
+                    if d.state is S.RELEASING:
+                        self._release_device(t, d, res, st, overdue)
+                    elif d.state is S.RELEASED:
+                        self._revalidate(t, d)
+                remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
+                if not remaining:
+                    t.delete_reservation(sandbox_id)
+                    t.event("reservation_closed", Actor.CUBELET, sandbox_id=sandbox_id,
+                            details={"facts": res.facts})
+
+    def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
+        detached = bool(res.facts.get("detach_confirmed"))
+        if st.vmm_alive is None and not detached:
+            t.transition(d, E.QUARANTINE, Actor.CUBELET, reason="release.vmm_state_unknown")
+            return
+        blocked: str | None = None
+        holders = self.backend.holders(d)
+        if not (st.vmm_alive is False or detached):
+            blocked = "release.vmm_not_exited"
+        elif holders:
+            blocked = "release.holder_stuck"
+        if blocked is not None:
+            if overdue:
+                t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=blocked,
+                             details={"holders": [h.__dict__ for h in holders], "vmm_pid": st.vmm_pid})
+            return
+        problems = self.backend.cleanup(d)
+        if problems:
+            t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=problems[0].code,
+                         details={"problems": [p.__dict__ for p in problems]})
+            return
+        evidence = {"vmm_exited": st.vmm_alive is False, "detach_confirmed": detached, "holders": 0, "reset": True}
+        d = t.transition(d, E.RELEASE_CONFIRMED, Actor.CUBELET, details=evidence)
+        self._revalidate(t, d)
+
+    def _revalidate(self, t: Tx, d: DeviceRecord) -> None:
+        problems = self.backend.validate(d)
+        if problems:
+            t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=problems[0].code,
+                         details={"problems": [p.__dict__ for p in problems]})
+        else:
+            t.transition(d, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+
+    def expire_reservations(self) -> list[str]:
+        now = float(self.store.clock())
+        expired = [r.sandbox_id for r in self.store.reservations()
+                   if r.phase == "reserved" and r.expires_at is not None and r.expires_at < now]
+        for sid in expired:
+            with self.store.tx() as t:
+                t.event("reservation_expired", Actor.CUBELET, sandbox_id=sid, reason="reserve.expired")
+            self.begin_teardown(sid, "reserve.expired")
+        return expired

@@ -1,0 +1,70 @@
+"""Operator verbs: explicit and audited (who, why, when). Never a shortcut around revalidation."""
+
+from __future__ import annotations
+
+from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.errors import conflict, invalid, not_found
+from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+
+
+def _audit(who: str, why: str) -> dict[str, str]:
+    if not who.strip() or not why.strip():
+        raise invalid("operator.audit_required", "operator verbs need a non-empty 'who' and 'reason'")
+    if len(who) > 200 or len(why) > 2000:
+        raise invalid("operator.audit_too_long", "'who' ≤ 200 and 'reason' ≤ 2000 characters")
+    return {"who": who, "why": why}
+
+
+def _device(cubelet: Cubelet, device_id: str) -> DeviceRecord:
+    d = cubelet.store.device(device_id)
+    if d is None:
+        raise not_found("device.not_found", f"no device {device_id!r}")
+    return d
+
+
+def quarantine(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
+    audit = _audit(who, why)
+    with cubelet.lock, cubelet.store.tx() as t:
+        d = _device(cubelet, device_id)
+        return t.transition(d, DeviceEvent.QUARANTINE, Actor.OPERATOR, reason="operator.quarantine", details=audit)
+
+
+def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
+    """Back to `allocatable` only if Cubelet's own revalidation passes now."""
+    audit = _audit(who, why)
+    with cubelet.lock:
+        d = _device(cubelet, device_id)
+        if d.state not in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY):
+            raise conflict("operator.not_recoverable", f"device {device_id} is {d.state.value}",
+                           details={"state": d.state.value})
+        problems = cubelet.backend.validate(d)
+        if problems:
+            raise conflict("recover.validation_failed", f"revalidation of {device_id} failed: {problems[0].message}",
+                           layer="host_hardware", details={"problems": [p.__dict__ for p in problems]})
+        with cubelet.store.tx() as t:
+            return t.transition(d, DeviceEvent.RECOVER, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
+
+
+def disable(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
+    """A device a sandbox holds is not disabled under it: release the sandbox first."""
+    audit = _audit(who, why)
+    with cubelet.lock, cubelet.store.tx() as t:
+        d = _device(cubelet, device_id)
+        if d.state in TENANT_STATES:
+            raise conflict("device.in_use", f"device {device_id} is {d.state.value} for sandbox {d.sandbox_id}",
+                           details={"sandbox_id": d.sandbox_id})
+        return t.transition(d, DeviceEvent.DISABLE, Actor.OPERATOR, reason="operator.disabled", details=audit)
+
+
+def enable(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
+    """disabled → initialized, then the normal validation decides allocatable or not."""
+    from cubeaccel.cubelet.inventory import validate_initialized
+
+    audit = _audit(who, why)
+    with cubelet.lock:
+        with cubelet.store.tx() as t:
+            d = _device(cubelet, device_id)
+            t.transition(d, DeviceEvent.ENABLE, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
+        validate_initialized(cubelet, cubelet.backend.discover())
+        return _device(cubelet, device_id)

@@ -1,0 +1,114 @@
+"""ShimDriver for the real shim: one `cubeaccel shim run` process per sandbox.
+
+Reports arrive over the Cubelet API (`POST /v1/shim-reports` on the unix socket). Liveness is
+learned from the host, never from memory: the shim's pid file plus /proc, and the VMM by the
+`cubeaccel-sandbox=<id>` tag on its command line — so a restarted Cubelet finds both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from cubeaccel.cubelet.shim_driver import ReportSink, ShimSpec, ShimStatus
+
+VMM_TAG = "cubeaccel-sandbox="
+
+
+def _cmdline(pid: int, proc: Path) -> str | None:
+    try:
+        return (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+def _zombie(pid: int, proc: Path) -> bool:
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+
+
+def find_tagged(tag: str, proc: Path = Path("/proc")) -> int | None:
+    """The live process whose command line carries `tag` as a whole word."""
+    try:
+        entries = [p for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        cmd = _cmdline(int(entry), proc)
+        if cmd and tag in cmd.split() and not _zombie(int(entry), proc) and int(entry) != os.getpid():
+            return int(entry)
+    return None
+
+
+class ProcessShimDriver:
+    def __init__(self, state_dir: Path, python: str = sys.executable, proc: Path = Path("/proc")) -> None:
+        self.dir = state_dir / "shims"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.python = python
+        self.proc = proc
+        self.socket = state_dir / "cubelet.sock"
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def bind(self, sink: ReportSink) -> None:
+        """Reports come over HTTP; nothing to bind in-process."""
+
+    def start(self, spec: ShimSpec) -> None:
+        sid = spec.sandbox_id
+        spec_path = self.dir / f"{sid}.json"
+        body = asdict(spec)
+        body["report"] = {"socket": str(self.socket)}
+        body["state_dir"] = str(self.dir / sid)
+        spec_path.write_text(json.dumps(body))
+        log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
+        child = subprocess.Popen(
+            [self.python, "-m", "cubeaccel", "shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._children[sid] = child
+        (self.dir / f"{sid}.pid").write_text(str(child.pid))
+
+    def _shim_pid(self, sandbox_id: str) -> int | None:
+        child = self._children.get(sandbox_id)
+        if child is not None:
+            child.poll()  # reap, so an exited shim is not mistaken for a live zombie
+        try:
+            pid = int((self.dir / f"{sandbox_id}.pid").read_text())
+        except (OSError, ValueError):
+            return None
+        cmd = _cmdline(pid, self.proc)
+        if cmd is None or f"--sandbox {sandbox_id}" not in cmd or _zombie(pid, self.proc):
+            return None
+        return pid
+
+    def stop(self, sandbox_id: str) -> None:
+        pid = self._shim_pid(sandbox_id)
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+
+    def kill(self, sandbox_id: str) -> None:
+        for pid in (self._shim_pid(sandbox_id), find_tagged(VMM_TAG + sandbox_id, self.proc)):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        child = self._children.get(sandbox_id)
+        if child is not None:
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def status(self, sandbox_id: str) -> ShimStatus:
+        if not self.proc.is_dir():
+            return ShimStatus(None, None)
+        vmm = find_tagged(VMM_TAG + sandbox_id, self.proc)
+        return ShimStatus(shim_alive=self._shim_pid(sandbox_id) is not None, vmm_alive=vmm is not None, vmm_pid=vmm)

@@ -1,0 +1,159 @@
+"""Persisted state vs host reality, at startup and periodically, before capacity is advertised.
+
+Checklist per record (design proposal, "Persistence and Reconciliation"): sandbox exists, shim/VMM
+exists, device present at its address with the same identity, expected driver bound, no unexpected
+holder, health passes, persisted state equals reality. Every repair is an event saying what and why.
+Prefer safety: what cannot be proven safe is quarantined; a vanished device stays recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cubeaccel.cubelet.inventory import register_new, validate_initialized
+from cubeaccel.cubelet.lifecycle import Cubelet, problem_event
+from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
+from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+
+S, E = DeviceState, DeviceEvent
+
+
+@dataclass(frozen=True)
+class Repair:
+    device_id: str | None
+    sandbox_id: str | None
+    what: str
+    why: str
+
+
+def _record(cubelet: Cubelet, repairs: list[Repair], r: Repair) -> None:
+    repairs.append(r)
+    with cubelet.store.tx() as t:
+        t.event("reconcile_repair", Actor.CUBELET, device_id=r.device_id, sandbox_id=r.sandbox_id,
+                reason=r.why, details={"what": r.what})
+
+
+def _presence_problem(d: DeviceRecord, found: dict[str, DiscoveredDevice]) -> str | None:
+    f = found.get(d.id)
+    if f is None:
+        return "host.device_missing"
+    if f.identity != d.identity:
+        return "host.identity_changed"
+    return None
+
+
+def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> None:
+    """reserved/preparing/attached: the sandbox, its shim and its VMM must still be there."""
+    sid = d.sandbox_id
+    res = cubelet.store.reservation(sid) if sid else None
+    if res is None:
+        with cubelet.store.tx() as t:
+            cur = t.device(d.id)
+            if cur is not None and cur.state is d.state:
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.no_reservation")
+        _record(cubelet, repairs, Repair(d.id, sid, "quarantined", "tenant state without a reservation"))
+        return
+    if res.phase == "releasing":
+        return  # the release path below owns it
+    if not res.facts.get("shim_started"):
+        return  # reserved, not started: the TTL covers it
+    st = cubelet.shim.status(res.sandbox_id)
+    if st.vmm_alive is None:
+        with cubelet.store.tx() as t:
+            cur = t.device(d.id)
+            if cur is not None and cur.state is d.state:
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.vmm_state_unknown")
+        _record(cubelet, repairs, Repair(d.id, sid, "quarantined", "cannot tell whether the VMM runs"))
+    elif not st.vmm_alive:
+        _record(cubelet, repairs, Repair(d.id, sid, "teardown", "VMM is gone"))
+        cubelet.begin_teardown(res.sandbox_id, "reconcile.vmm_gone")
+    elif st.shim_alive is False:
+        _record(cubelet, repairs, Repair(d.id, sid, "teardown", "shim died; orphaned VMM is stopped"))
+        cubelet.shim.kill(res.sandbox_id)
+        cubelet.begin_teardown(res.sandbox_id, "reconcile.shim_gone")
+
+
+def reconcile(cubelet: Cubelet) -> list[Repair]:
+    repairs: list[Repair] = []
+    with cubelet.lock:
+        discovered = cubelet.backend.discover()
+        for dev_id in register_new(cubelet, discovered):
+            _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
+        found = {d.device_id: d for d in discovered}
+        for d in cubelet.store.devices():
+            if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
+                continue  # parked: only an operator brings these back
+            missing = _presence_problem(d, found)
+            if missing is not None:
+                with cubelet.store.tx() as t:
+                    cur = t.device(d.id)
+                    if cur is not None and cur.state is d.state:
+                        t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
+                _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
+                if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
+                    cubelet.begin_teardown(d.sandbox_id, missing)
+                continue
+            if d.state is S.ALLOCATABLE:
+                problems = cubelet.backend.validate(d)
+                if problems:
+                    event, reason = problem_event(problems)
+                    with cubelet.store.tx() as t:
+                        cur = t.device(d.id)
+                        if cur is not None and cur.state is S.ALLOCATABLE:
+                            t.transition(cur, event, Actor.CUBELET, reason=reason,
+                                         details={"problems": [p.__dict__ for p in problems]})
+                    _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
+            elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
+                _check_tenant(cubelet, d, repairs)
+        validate_initialized(cubelet, discovered)
+        for res in cubelet.store.reservations():
+            if res.phase == "releasing":
+                cubelet.try_release(res.sandbox_id)
+        _released_without_reservation(cubelet, repairs)
+        for sid in cubelet.expire_reservations():
+            repairs.append(Repair(None, sid, "expired", "reserve.expired"))
+        health_check(cubelet)
+    return repairs
+
+
+def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> None:
+    """A crash between release_confirmed and revalidated leaves `released`: revalidate now."""
+    for d in cubelet.store.devices():
+        orphan = d.state is S.RELEASING and not (d.sandbox_id and cubelet.store.reservation(d.sandbox_id))
+        if d.state is S.RELEASED or orphan:
+            with cubelet.store.tx() as t:
+                cur = t.device(d.id)
+                if cur is None or cur.state is not d.state:
+                    continue
+                if cur.state is S.RELEASING:
+                    t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.releasing_without_reservation")
+                    what = "quarantined"
+                else:
+                    problems = cubelet.backend.validate(cur)
+                    if problems:
+                        t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=problems[0].code)
+                        what = "quarantined"
+                    else:
+                        t.transition(cur, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+                        what = "revalidated"
+            why = f"{d.state.value} left by an interrupted release"
+            _record(cubelet, repairs, Repair(d.id, d.sandbox_id, what, why))
+
+
+def health_check(cubelet: Cubelet) -> None:
+    """Periodic: a hard failure on an attached device makes it unhealthy and tears its sandbox down."""
+    with cubelet.lock:
+        for d in cubelet.store.devices():
+            if d.state not in (S.ATTACHED, S.PREPARING):
+                continue
+            problems = [p for p in cubelet.backend.health(d) if p.hard]
+            if not problems:
+                continue
+            with cubelet.store.tx() as t:
+                cur = t.device(d.id)
+                if cur is None or cur.state is not d.state:
+                    continue
+                t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=problems[0].code,
+                             details={"problems": [p.__dict__ for p in problems]})
+            if d.sandbox_id:
+                cubelet.begin_teardown(d.sandbox_id, problems[0].code)

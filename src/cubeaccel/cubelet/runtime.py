@@ -1,0 +1,56 @@
+"""Assemble a Cubelet from command-line choices: store, backend, host, shim driver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cubeaccel.backends.base import Backend
+from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
+from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
+from cubeaccel.cubelet.store import Store
+from cubeaccel.model.errors import invalid
+
+BACKENDS = ("simulated", "vfio", "emulated")
+SIMULATED_ALLOW = ("10de:*", "1234:11e8")
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    state_dir: Path
+    backend: str = "simulated"
+    profile: str = "h100x8"
+    sysfs_root: Path = Path("/sys")
+    allow: tuple[str, ...] = ("10de:*",)
+    config: CubeletConfig = field(default_factory=CubeletConfig)
+
+
+def build_cubelet(opts: RuntimeOptions) -> Cubelet:
+    if opts.backend not in BACKENDS:
+        raise invalid("cubelet.unknown_backend", f"unknown backend {opts.backend!r}; known: {list(BACKENDS)}",
+                      layer="backend")
+    opts.state_dir.mkdir(parents=True, exist_ok=True)
+    store = Store(opts.state_dir / "cubelet.db")
+    backend: Backend
+    shim: ShimDriver
+    if opts.backend == "simulated":
+        from cubeaccel.backends.vfio import VfioBackend
+        from cubeaccel.host.simulated import SimulatedPciHost
+
+        host = SimulatedPciHost(opts.profile, opts.state_dir / "simulated-host.json")
+        backend = VfioBackend(host, allow=SIMULATED_ALLOW)
+        shim = SimulatedShimDriver(host)
+    elif opts.backend == "vfio":
+        from cubeaccel.backends.vfio import VfioBackend
+        from cubeaccel.cubelet.process_shim import ProcessShimDriver
+        from cubeaccel.host.pci import SysfsPciHost
+
+        backend = VfioBackend(SysfsPciHost(str(opts.sysfs_root)), allow=opts.allow)
+        shim = ProcessShimDriver(opts.state_dir)
+    else:
+        from cubeaccel.backends.emulated import EmulatedBackend
+        from cubeaccel.cubelet.process_shim import ProcessShimDriver
+
+        backend = EmulatedBackend()
+        shim = ProcessShimDriver(opts.state_dir)
+    return Cubelet(store, backend, shim, opts.config)

@@ -1,0 +1,221 @@
+"""Cubelet HTTP API (FastAPI) on a unix socket and optionally TCP. Shapes documented in docs/api.md."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+from cubeaccel.cubelet import operator
+from cubeaccel.cubelet.capacity import capacity_summary
+from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
+from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.model.errors import CubeError, invalid, not_found
+from cubeaccel.model.reports import ShimReport
+
+MAX_BODY = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReservationBody(_Strict):
+    sandbox_id: str = Field(max_length=63)
+    count: StrictInt = 1
+    accel_class: str | None = Field(default=None, alias="class", max_length=32)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
+    template: str | None = Field(default=None, max_length=200)
+    memory_mib: StrictInt = Field(default=512, ge=64, le=4 << 20)
+    vcpus: StrictInt = Field(default=1, ge=1, le=256)
+    pin_memory: StrictBool = True
+    contract: dict[str, Any] | None = None
+    start: StrictBool = False
+
+
+class OperatorBody(_Strict):
+    who: str = Field(min_length=1, max_length=200)
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+def _error(e: CubeError) -> JSONResponse:
+    return JSONResponse(status_code=e.status, content=e.to_json())
+
+
+def create_app(cubelet: Cubelet) -> FastAPI:
+    app = FastAPI(title="cubeaccel Cubelet", version="1")
+
+    @app.exception_handler(CubeError)
+    async def _cube_error(_: Request, e: CubeError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        errs = e.errors()
+        code = "api.malformed_json" if any(x.get("type") == "json_invalid" for x in errs) else "api.invalid_request"
+        if any(x.get("type") == "extra_forbidden" for x in errs):
+            code = "api.unknown_field"
+        details = {"errors": [{"loc": list(x.get("loc", ())), "msg": x.get("msg"), "type": x.get("type")}
+                              for x in errs]}
+        msg = "request rejected: " + "; ".join(str(x.get("msg")) for x in errs[:3])
+        return _error(CubeError(code, msg, "api", details, 422))
+
+    @app.middleware("http")
+    async def _limit(request: Request, call_next: Any) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
+            return _error(CubeError("api.body_too_large", f"request body over {MAX_BODY} bytes", "api", {}, 413))
+        return await call_next(request)
+
+    def dev(device_id: str) -> dict[str, Any]:
+        d = cubelet.store.device(device_id)
+        if d is None:
+            raise not_found("device.not_found", f"no device {device_id!r}")
+        return d.to_json()
+
+    @app.get("/v1/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "node": cubelet.config.node_name, "schema_version": cubelet.store.schema_version}
+
+    @app.get("/v1/devices")
+    def devices() -> dict[str, Any]:
+        return {"devices": [d.to_json() for d in cubelet.store.devices()]}
+
+    @app.get("/v1/devices/{device_id}")
+    def device(device_id: str) -> dict[str, Any]:
+        return dev(device_id)
+
+    verbs = {
+        "quarantine": operator.quarantine,
+        "recover": operator.recover,
+        "disable": operator.disable,
+        "enable": operator.enable,
+    }
+
+    @app.post("/v1/devices/{device_id}/{verb}")
+    def device_verb(device_id: str, verb: str, body: OperatorBody) -> dict[str, Any]:
+        fn = verbs.get(verb)
+        if fn is None:
+            raise not_found("api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(verbs)}")
+        dev(device_id)
+        return fn(cubelet, device_id, body.who, body.reason).to_json()
+
+    @app.post("/v1/reservations", status_code=201)
+    def create_reservation(body: ReservationBody) -> dict[str, Any]:
+        req = ReservationRequest(
+            count=body.count, accel_class=body.accel_class, labels=tuple(sorted(body.labels.items())),
+            template=body.template, memory_mib=body.memory_mib, vcpus=body.vcpus, pin_memory=body.pin_memory,
+            contract=body.contract,
+        )
+        res = cubelet.reserve(body.sandbox_id, req)
+        if body.start:
+            res = cubelet.start(body.sandbox_id)
+        return _reservation_json(cubelet, res.sandbox_id)
+
+    @app.get("/v1/reservations")
+    def reservations() -> dict[str, Any]:
+        return {"reservations": [r.to_json() for r in cubelet.store.reservations()]}
+
+    @app.get("/v1/reservations/{sandbox_id}")
+    def reservation(sandbox_id: str) -> dict[str, Any]:
+        cubelet.get_reservation(sandbox_id)
+        return _reservation_json(cubelet, sandbox_id)
+
+    @app.post("/v1/reservations/{sandbox_id}/start")
+    def start(sandbox_id: str) -> dict[str, Any]:
+        cubelet.start(validate_sandbox_id(sandbox_id))
+        return _reservation_json(cubelet, sandbox_id)
+
+    @app.delete("/v1/reservations/{sandbox_id}", status_code=202)
+    def delete_reservation(sandbox_id: str) -> dict[str, Any]:
+        res = cubelet.release(sandbox_id)
+        return {
+            "sandbox_id": sandbox_id,
+            "released": res is None,
+            "reservation": None if res is None else res.to_json(),
+            "devices": [d.to_json() for d in cubelet.store.devices() if d.sandbox_id == sandbox_id],
+        }
+
+    @app.post("/v1/shim-reports", status_code=202)
+    def shim_report(body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            report = ShimReport.from_json(body)
+        except (KeyError, ValueError, TypeError) as e:
+            raise invalid("api.invalid_shim_report", f"invalid shim report: {e}") from e
+        validate_sandbox_id(report.sandbox_id)
+        cubelet.handle_report(report)
+        return {"accepted": True}
+
+    @app.get("/v1/events")
+    def events(since: int = 0, limit: int = 1000, device_id: str | None = None) -> dict[str, Any]:
+        if since < 0 or not 1 <= limit <= 10000:
+            raise invalid("api.invalid_cursor", "since must be ≥ 0 and limit 1..10000")
+        evs = cubelet.store.events(since, limit, device_id)
+        return {"events": [e.to_json() for e in evs], "next": evs[-1].seq if evs else since}
+
+    @app.get("/v1/capacity")
+    def capacity() -> dict[str, Any]:
+        return capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name])
+
+    @app.post("/v1/reconcile")
+    def run_reconcile() -> dict[str, Any]:
+        return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
+
+    return app
+
+
+def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
+    res = cubelet.store.reservation(sandbox_id)
+    devs = [d.to_json() for d in cubelet.store.devices() if d.sandbox_id == sandbox_id]
+    timeline = [
+        {"at": e.at, "kind": e.kind, "event": e.event, "device_id": e.device_id, "to_state": e.to_state}
+        for e in cubelet.store.events(0, 10000)
+        if e.sandbox_id == sandbox_id
+    ]
+    return {"sandbox_id": sandbox_id, "reservation": None if res is None else res.to_json(), "devices": devs,
+            "timeline": timeline}
+
+
+class Ticker:
+    """Periodic reconcile (which also expires reservations and retries releases)."""
+
+    def __init__(self, cubelet: Cubelet, interval_s: float) -> None:
+        self.cubelet = cubelet
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cubelet-ticker", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                reconcile(self.cubelet)
+            except Exception as e:  # a failed tick is logged as an event and retried next tick
+                with self.cubelet.store.tx() as t:
+                    t.event("reconcile_failed", "cubelet", reason=type(e).__name__, details={"error": str(e)})
+
+
+def serve(app: FastAPI, socket_path: Path, listen: tuple[str, int] | None) -> None:
+    import uvicorn
+
+    socket_path.unlink(missing_ok=True)
+    configs = [uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False)]
+    if listen is not None:
+        configs.append(uvicorn.Config(app, host=listen[0], port=listen[1], log_level="warning", access_log=False))
+    servers = [uvicorn.Server(c) for c in configs]
+
+    async def run() -> None:
+        await asyncio.gather(*(s.serve() for s in servers))
+
+    asyncio.run(run())

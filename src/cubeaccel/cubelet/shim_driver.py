@@ -1,0 +1,137 @@
+"""How Cubelet drives the VM side of a sandbox. The shim only reports; Cubelet decides.
+
+`ShimDriver` is the interface a separate shim process is driven through (start, stop, kill,
+status); reports come back to `Cubelet.handle_report` — over HTTP for the real shim, by a direct
+call here. `SimulatedShimDriver` plays shim + VMM on a `SimulatedPciHost`, whose process table
+survives Cubelet restarts exactly as real shim and VMM processes do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cubeaccel.host.pci import Holder
+from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.model.device import PciAddress
+from cubeaccel.model.reports import ShimReport, ShimReportKind
+
+ReportSink = Callable[[ShimReport], None]
+
+
+@dataclass(frozen=True)
+class ShimDevice:
+    device_id: str
+    address: str
+    driver: str
+    properties: dict[str, str]
+    vendor_id: str
+    device_id_hex: str
+
+
+@dataclass(frozen=True)
+class ShimSpec:
+    sandbox_id: str
+    devices: tuple[ShimDevice, ...]
+    memory_mib: int
+    vcpus: int
+    pin_memory: bool
+    contract: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ShimStatus:
+    """None means "cannot tell" — the release rules treat it as unsafe."""
+
+    shim_alive: bool | None
+    vmm_alive: bool | None
+    vmm_pid: int | None = None
+
+
+class ShimDriver(Protocol):
+    def bind(self, sink: ReportSink) -> None: ...
+
+    def start(self, spec: ShimSpec) -> None: ...
+
+    def stop(self, sandbox_id: str) -> None:
+        """Orderly teardown request: detach, stop the VMM, report. Returns without waiting."""
+        ...
+
+    def kill(self, sandbox_id: str) -> None:
+        """Force: SIGKILL shim and VMM. Success is only ever learned from `status`."""
+        ...
+
+    def status(self, sandbox_id: str) -> ShimStatus: ...
+
+
+@dataclass
+class SimulatedShimDriver:
+    """In-process shim over the simulated host, with VM-side fault knobs per sandbox."""
+
+    host: SimulatedPciHost
+    fail_attach: set[str] = field(default_factory=set)
+    uncooperative_guest: set[str] = field(default_factory=set)  # never completes device_del
+    immortal_vmm: set[str] = field(default_factory=set)  # SIGKILL does not take
+    failed_guest_validation: set[str] = field(default_factory=set)
+    sink: ReportSink | None = None
+
+    def bind(self, sink: ReportSink) -> None:
+        self.sink = sink
+
+    def _report(self, sid: str, kind: ShimReportKind, dev_ids: tuple[str, ...] = (), **details: Any) -> None:
+        if self.sink is not None:
+            self.sink(ShimReport(sid, kind, dev_ids, details, time.time()))
+
+    def start(self, spec: ShimSpec) -> None:
+        sid = spec.sandbox_id
+        dev_ids = tuple(d.device_id for d in spec.devices)
+        self.host.spawn(f"shim:{sid}", f"cubeaccel shim run --sandbox {sid}")
+        vmm = self.host.spawn(
+            f"vmm:{sid}", f"qemu-system-x86_64 -name cubeaccel-sandbox={sid}", immortal=sid in self.immortal_vmm
+        )
+        self._report(sid, ShimReportKind.VM_STARTED, pid=vmm, vmm="simulated")
+        if spec.pin_memory:
+            self._report(sid, ShimReportKind.MEMORY_PINNED, vmlck_kib=spec.memory_mib * 1024,
+                         guest_kib=spec.memory_mib * 1024)
+        self._report(sid, ShimReportKind.GUEST_READY)
+        if sid in self.fail_attach:
+            self._report(sid, ShimReportKind.ATTACH_FAILED, dev_ids, reason="device_add failed (injected)",
+                         layer="backend")
+            return
+        for d in spec.devices:
+            self.host.add_holder(PciAddress.parse(d.address), Holder(vmm, "qemu-system-x86_64", "/dev/vfio/sim"))
+        self._report(sid, ShimReportKind.DEVICE_ATTACHED, dev_ids)
+        if sid in self.failed_guest_validation:
+            self._report(sid, ShimReportKind.GUEST_VALIDATION_FAILED, dev_ids,
+                         violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_missing"}])
+        else:
+            self._report(sid, ShimReportKind.GUEST_VALIDATED, dev_ids)
+
+    def stop(self, sandbox_id: str) -> None:
+        vmm = self.host.find_process(f"vmm:{sandbox_id}")
+        if vmm is not None:
+            if sandbox_id in self.uncooperative_guest:
+                self._report(sandbox_id, ShimReportKind.DETACH_TIMEOUT, timeout_s=5.0)
+            else:
+                for f in self.host.functions():
+                    if any(h.pid == vmm for h in self.host.holders(f.address)):
+                        self.host.remove_holders(f.address, vmm)
+                self._report(sandbox_id, ShimReportKind.DEVICE_DETACHED)
+            if self.host.kill(vmm):
+                self._report(sandbox_id, ShimReportKind.VMM_EXITED, pid=vmm, status=0)
+        shim = self.host.find_process(f"shim:{sandbox_id}")
+        if shim is not None and self.host.kill(shim):
+            self._report(sandbox_id, ShimReportKind.SHIM_EXITING)
+
+    def kill(self, sandbox_id: str) -> None:
+        for tag in (f"vmm:{sandbox_id}", f"shim:{sandbox_id}"):
+            pid = self.host.find_process(tag)
+            if pid is not None:
+                self.host.kill(pid)
+
+    def status(self, sandbox_id: str) -> ShimStatus:
+        vmm = self.host.find_process(f"vmm:{sandbox_id}")
+        shim = self.host.find_process(f"shim:{sandbox_id}")
+        return ShimStatus(shim_alive=shim is not None, vmm_alive=vmm is not None, vmm_pid=vmm)

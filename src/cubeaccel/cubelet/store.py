@@ -1,0 +1,399 @@
+"""The Cubelet journal: SQLite (WAL, synchronous=FULL). One store per node; everything else is derived.
+
+Every device state change is a compare-and-swap on (state, generation) with its event row written
+in the same transaction, so a crash at any point leaves either both or neither.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cubeaccel.model.device import (
+    AcceleratorClass,
+    DeviceIdentity,
+    DeviceRecord,
+    DiscoveredDevice,
+    PciAddress,
+)
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
+
+SCHEMA_VERSION = 2
+
+MIGRATIONS: dict[int, str] = {
+    1: """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+    CREATE TABLE devices (
+        id TEXT PRIMARY KEY,
+        address TEXT NOT NULL,
+        backend TEXT NOT NULL,
+        accel_class TEXT NOT NULL,
+        identity TEXT NOT NULL,
+        numa_node INTEGER NOT NULL,
+        iommu_group INTEGER,
+        expected_driver TEXT,
+        labels TEXT NOT NULL,
+        state TEXT NOT NULL,
+        generation INTEGER NOT NULL,
+        reason TEXT,
+        sandbox_id TEXT,
+        updated_at REAL NOT NULL
+    );
+    CREATE TABLE reservations (
+        sandbox_id TEXT PRIMARY KEY,
+        params TEXT NOT NULL,
+        device_ids TEXT NOT NULL,
+        phase TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL
+    );
+    CREATE TABLE events (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        kind TEXT NOT NULL,
+        device_id TEXT,
+        sandbox_id TEXT,
+        event TEXT,
+        from_state TEXT,
+        to_state TEXT,
+        actor TEXT NOT NULL,
+        reason TEXT,
+        details TEXT NOT NULL
+    );
+    CREATE INDEX events_device ON events(device_id, seq);
+    """,
+    2: """
+    ALTER TABLE reservations ADD COLUMN facts TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE reservations ADD COLUMN releasing_since REAL;
+    CREATE INDEX devices_sandbox ON devices(sandbox_id);
+    """,
+}
+
+
+class StaleRecord(CubeError):
+    """The compare-and-swap lost: someone changed the device first."""
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    at: float
+    kind: str
+    device_id: str | None
+    sandbox_id: str | None
+    event: str | None
+    from_state: str | None
+    to_state: str | None
+    actor: str
+    reason: str | None
+    details: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Reservation:
+    """A sandbox's claim on devices. `facts` are host evidence reported on the release path."""
+
+    sandbox_id: str
+    params: dict[str, Any]
+    device_ids: list[str]
+    phase: str  # reserved | starting | running | releasing
+    created_at: float
+    expires_at: float | None
+    facts: dict[str, Any] = field(default_factory=dict)
+    releasing_since: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+_KEEP = object()
+
+
+def _row_to_device(r: sqlite3.Row) -> DeviceRecord:
+    return DeviceRecord(
+        id=r["id"],
+        address=PciAddress.parse(r["address"]),
+        identity=DeviceIdentity.from_json(json.loads(r["identity"])),
+        accel_class=AcceleratorClass(r["accel_class"]),
+        backend=r["backend"],
+        numa_node=r["numa_node"],
+        iommu_group=r["iommu_group"],
+        expected_driver=r["expected_driver"],
+        labels=json.loads(r["labels"]),
+        state=DeviceState(r["state"]),
+        generation=r["generation"],
+        reason=r["reason"],
+        sandbox_id=r["sandbox_id"],
+        updated_at=r["updated_at"],
+    )
+
+
+def _row_to_reservation(r: sqlite3.Row) -> Reservation:
+    return Reservation(
+        sandbox_id=r["sandbox_id"],
+        params=json.loads(r["params"]),
+        device_ids=json.loads(r["device_ids"]),
+        phase=r["phase"],
+        created_at=r["created_at"],
+        expires_at=r["expires_at"],
+        facts=json.loads(r["facts"]),
+        releasing_since=r["releasing_since"],
+    )
+
+
+class Tx:
+    """Operations inside one BEGIN IMMEDIATE … COMMIT."""
+
+    def __init__(self, conn: sqlite3.Connection, now: float) -> None:
+        self.c = conn
+        self.now = now
+
+    # ---- devices --------------------------------------------------------------------------------
+    def device(self, device_id: str) -> DeviceRecord | None:
+        r = self.c.execute("SELECT * FROM devices WHERE id=?", (device_id,)).fetchone()
+        return None if r is None else _row_to_device(r)
+
+    def devices(self, state: DeviceState | None = None) -> list[DeviceRecord]:
+        if state is None:
+            rows = self.c.execute("SELECT * FROM devices ORDER BY address, id").fetchall()
+        else:
+            rows = self.c.execute("SELECT * FROM devices WHERE state=? ORDER BY address", (state.value,)).fetchall()
+        return [_row_to_device(r) for r in rows]
+
+    def insert_device(self, d: DiscoveredDevice, expected_driver: str | None, actor: Actor) -> DeviceRecord:
+        self.c.execute(
+            "INSERT INTO devices (id,address,backend,accel_class,identity,numa_node,iommu_group,expected_driver,"
+            "labels,state,generation,reason,sandbox_id,updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                d.device_id,
+                str(d.address),
+                d.backend,
+                d.accel_class.value,
+                json.dumps(d.identity.to_json()),
+                d.numa_node,
+                d.iommu_group,
+                expected_driver,
+                json.dumps(d.labels, sort_keys=True),
+                DeviceState.INITIALIZED.value,
+                1,
+                None,
+                None,
+                self.now,
+            ),
+        )
+        self.event("discovered", actor, device_id=d.device_id, to_state=DeviceState.INITIALIZED.value,
+                   details={"address": str(d.address), "identity": d.identity.to_json(), "labels": d.labels})
+        rec = self.device(d.device_id)
+        assert rec is not None
+        return rec
+
+    def transition(
+        self,
+        device: DeviceRecord,
+        event: DeviceEvent,
+        actor: Actor,
+        *,
+        reason: str | None = None,
+        sandbox_id: Any = _KEEP,
+        details: dict[str, Any] | None = None,
+    ) -> DeviceRecord:
+        """CAS on (state, generation); the event row lands in the same transaction."""
+        target = transition(device.state, event, actor)
+        new_sandbox = device.sandbox_id if sandbox_id is _KEEP else sandbox_id
+        cur = self.c.execute(
+            "UPDATE devices SET state=?, generation=generation+1, reason=?, sandbox_id=?, updated_at=? "
+            "WHERE id=? AND state=? AND generation=?",
+            (target.value, reason, new_sandbox, self.now, device.id, device.state.value, device.generation),
+        )
+        if cur.rowcount != 1:
+            raise StaleRecord(
+                code="store.stale_record",
+                message=f"device {device.id} changed concurrently (expected {device.state.value}"
+                f"@{device.generation})",
+                layer="cubelet",
+                status=409,
+            )
+        self.event(
+            "transition",
+            actor,
+            device_id=device.id,
+            sandbox_id=new_sandbox or device.sandbox_id,
+            event=event.value,
+            from_state=device.state.value,
+            to_state=target.value,
+            reason=reason,
+            details=details or {},
+        )
+        rec = self.device(device.id)
+        assert rec is not None
+        return rec
+
+    # ---- reservations ---------------------------------------------------------------------------
+    def reservation(self, sandbox_id: str) -> Reservation | None:
+        r = self.c.execute("SELECT * FROM reservations WHERE sandbox_id=?", (sandbox_id,)).fetchone()
+        return None if r is None else _row_to_reservation(r)
+
+    def reservations(self) -> list[Reservation]:
+        rows = self.c.execute("SELECT * FROM reservations ORDER BY created_at").fetchall()
+        return [_row_to_reservation(r) for r in rows]
+
+    def insert_reservation(self, res: Reservation) -> None:
+        self.c.execute(
+            "INSERT INTO reservations (sandbox_id,params,device_ids,phase,created_at,expires_at,facts,releasing_since)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (
+                res.sandbox_id,
+                json.dumps(res.params, sort_keys=True),
+                json.dumps(res.device_ids),
+                res.phase,
+                res.created_at,
+                res.expires_at,
+                json.dumps(res.facts),
+                res.releasing_since,
+            ),
+        )
+
+    def update_reservation(self, res: Reservation) -> None:
+        self.c.execute(
+            "UPDATE reservations SET phase=?, expires_at=?, facts=?, releasing_since=? WHERE sandbox_id=?",
+            (res.phase, res.expires_at, json.dumps(res.facts), res.releasing_since, res.sandbox_id),
+        )
+
+    def delete_reservation(self, sandbox_id: str) -> None:
+        self.c.execute("DELETE FROM reservations WHERE sandbox_id=?", (sandbox_id,))
+
+    # ---- events and meta ------------------------------------------------------------------------
+    def event(
+        self,
+        kind: str,
+        actor: Actor | str,
+        *,
+        device_id: str | None = None,
+        sandbox_id: str | None = None,
+        event: str | None = None,
+        from_state: str | None = None,
+        to_state: str | None = None,
+        reason: str | None = None,
+        details: dict[str, Any] | None = None,
+    ) -> None:
+        self.c.execute(
+            "INSERT INTO events (at,kind,device_id,sandbox_id,event,from_state,to_state,actor,reason,details)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (self.now, kind, device_id, sandbox_id, event, from_state, to_state, str(actor), reason,
+             json.dumps(details or {}, sort_keys=True, default=str)),
+        )
+
+    def meta(self, key: str) -> str | None:
+        r = self.c.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if r is None else str(r["value"])
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.c.execute("INSERT OR REPLACE INTO meta (key,value) VALUES (?,?)", (key, value))
+
+
+class Store:
+    """Thread-safe facade: one connection, one lock, short transactions."""
+
+    def __init__(self, path: Path, *, clock: Any = time.time) -> None:
+        self.path = path
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        self._migrate()
+
+    def _migrate(self) -> None:
+        with self._lock:
+            version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                raise CubeError(
+                    code="store.schema_too_new",
+                    message=f"store schema {version} is newer than this cubeaccel ({SCHEMA_VERSION})",
+                    layer="cubelet",
+                    status=500,
+                )
+            for v in range(version + 1, SCHEMA_VERSION + 1):
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for stmt in MIGRATIONS[v].split(";"):
+                        if stmt.strip():
+                            self._conn.execute(stmt)
+                    self._conn.execute(f"PRAGMA user_version={v}")
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+
+    @property
+    def schema_version(self) -> int:
+        with self._lock:
+            return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+
+    @contextmanager
+    def tx(self) -> Iterator[Tx]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield Tx(self._conn, float(self.clock()))
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    @contextmanager
+    def read(self) -> Iterator[Tx]:
+        with self._lock:
+            yield Tx(self._conn, float(self.clock()))
+
+    def devices(self) -> list[DeviceRecord]:
+        with self.read() as t:
+            return t.devices()
+
+    def device(self, device_id: str) -> DeviceRecord | None:
+        with self.read() as t:
+            return t.device(device_id)
+
+    def reservation(self, sandbox_id: str) -> Reservation | None:
+        with self.read() as t:
+            return t.reservation(sandbox_id)
+
+    def reservations(self) -> list[Reservation]:
+        with self.read() as t:
+            return t.reservations()
+
+    def events(self, since: int = 0, limit: int = 1000, device_id: str | None = None) -> list[Event]:
+        q = "SELECT * FROM events WHERE seq>?"
+        args: list[Any] = [since]
+        if device_id is not None:
+            q += " AND device_id=?"
+            args.append(device_id)
+        q += " ORDER BY seq LIMIT ?"
+        args.append(limit)
+        with self._lock:
+            rows = self._conn.execute(q, args).fetchall()
+        return [
+            Event(
+                seq=r["seq"], at=r["at"], kind=r["kind"], device_id=r["device_id"], sandbox_id=r["sandbox_id"],
+                event=r["event"], from_state=r["from_state"], to_state=r["to_state"], actor=r["actor"],
+                reason=r["reason"], details=json.loads(r["details"]),
+            )
+            for r in rows
+        ]
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()

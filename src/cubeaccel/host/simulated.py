@@ -1,0 +1,328 @@
+"""SimulatedPciHost: an in-memory kernel model with fault injection, optionally persisted to a file.
+
+Persisting matters: a Cubelet killed with SIGKILL must find the same "hardware" (and the same
+simulated VMM holders) when it restarts, exactly as a real host keeps its devices across a
+Cubelet restart. Other processes (tests) inject faults by opening the same file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from cubeaccel.host.pci import Holder, PciFunction, host_error
+from cubeaccel.model.device import PciAddress
+from cubeaccel.model.errors import invalid
+
+
+@dataclass(frozen=True)
+class SimProfile:
+    vendor_id: int
+    device_id: int
+    class_code: int
+    subsystem_device_id: int
+    bar_sizes: tuple[int, ...]
+    native_driver: str | None
+
+
+PROFILES: dict[str, SimProfile] = {
+    "h100": SimProfile(0x10DE, 0x2330, 0x030200, 0x16C1, (16 << 20, 128 << 30, 32 << 20), "nvidia"),
+    "a100": SimProfile(0x10DE, 0x20B2, 0x030200, 0x1463, (16 << 20, 128 << 30, 32 << 20), "nvidia"),
+    "t4": SimProfile(0x10DE, 0x1EB8, 0x030200, 0x12A2, (16 << 20, 256 << 20, 32 << 20), "nvidia"),
+    "edu": SimProfile(0x1234, 0x11E8, 0x00FF00, 0x1100, (1 << 20,), None),
+}
+
+_PART = re.compile(r"(?:(\d{1,3})x([a-z0-9]+)|([a-z0-9]+?)x(\d{1,3})|([a-z0-9]+))")
+MAX_DEVICES = 64
+
+
+def parse_profile_spec(spec: str) -> list[str]:
+    """`h100x8`, `2xh100,2xt4`, `edu` → ordered list of profile names, one per device."""
+    if not isinstance(spec, str) or not spec or len(spec) > 200:
+        raise invalid("host.invalid_profile", f"invalid profile spec {spec!r}", layer="host_hardware")
+    names: list[str] = []
+    for part in spec.lower().split(","):
+        m = _PART.fullmatch(part.strip())
+        if m is None:
+            raise invalid("host.invalid_profile", f"invalid profile part {part!r}", layer="host_hardware")
+        if m[1]:
+            count, name = int(m[1]), m[2]
+        elif m[3]:
+            name, count = m[3], int(m[4])
+        else:
+            name, count = m[5], 1
+        if name not in PROFILES:
+            raise invalid(
+                "host.unknown_profile",
+                f"unknown device profile {name!r}; known: {sorted(PROFILES)}",
+                layer="host_hardware",
+            )
+        if count < 1:
+            raise invalid("host.invalid_profile", f"count must be >= 1 in {part!r}", layer="host_hardware")
+        names += [name] * count
+    if len(names) > MAX_DEVICES:
+        raise invalid("host.invalid_profile", f"at most {MAX_DEVICES} devices", layer="host_hardware")
+    return names
+
+
+class Fault(StrEnum):
+    VANISH = "vanish"  # the function disappears from the bus
+    BIND_FAIL = "bind_fail"  # driver_override/drivers_probe has no effect
+    RESET_FAIL = "reset_fail"  # writing `reset` fails
+    HOLDER_STUCK = "holder_stuck"  # holders never let go
+    HEALTH_FAIL = "health_fail"  # AER fatal error and config space reads 0xffff
+    IDENTITY_CHANGE = "identity_change"  # a different card now answers at the same address
+    GROUP_NOT_VIABLE = "group_not_viable"  # a companion function in the group is on a host driver
+
+
+class SimulatedPciHost:
+    """Implements `PciHost`. State lives in `self._s` (JSON-able) and, with `path`, on disk."""
+
+    def __init__(self, profile: str = "h100x8", path: Path | None = None) -> None:
+        self.path = path
+        self._s: dict[str, Any] = {}
+        if path is not None and path.exists():
+            self._load()
+        else:
+            self._s = self._fresh(parse_profile_spec(profile), profile)
+            self._save()
+
+    # ---- state ----------------------------------------------------------------------------------
+    @staticmethod
+    def _fresh(names: list[str], spec: str) -> dict[str, Any]:
+        funcs: dict[str, dict[str, Any]] = {}
+        half = max(1, (len(names) + 1) // 2)
+        for i, name in enumerate(names):
+            p = PROFILES[name]
+            addr = str(PciAddress(0, 0x10 + i, 0, 0))
+            funcs[addr] = {
+                "profile": name,
+                "vendor_id": p.vendor_id,
+                "device_id": p.device_id,
+                "class_code": p.class_code,
+                "subsystem_device_id": p.subsystem_device_id,
+                "numa_node": 0 if i < half else 1,
+                "iommu_group": 20 + i,
+                "driver": p.native_driver,
+                "bar_sizes": list(p.bar_sizes),
+                "serial": f"SIM-{name.upper()}-{i:04d}",
+            }
+        return {
+            "spec": spec,
+            "functions": funcs,
+            "holders": {},
+            "faults": {},
+            "writes": [],
+            "resets": {},
+            "procs": {},
+            "next_pid": 40000,
+        }
+
+    @contextmanager
+    def _locked(self, write: bool) -> Iterator[None]:
+        if self.path is None:
+            yield
+            return
+        lock = self.path.with_suffix(".lock")
+        with open(lock, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                self._load()
+                yield
+                if write:
+                    self._save()
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    def _load(self) -> None:
+        assert self.path is not None
+        if self.path.exists():
+            self._s = json.loads(self.path.read_text())
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._s))
+        os.replace(tmp, self.path)
+
+    def _faulty(self, fault: Fault, address: PciAddress) -> bool:
+        return fault.value in self._s["faults"].get(str(address), [])
+
+    # ---- fault injection and VM-side simulation ------------------------------------------------
+    def inject(self, fault: Fault, address: PciAddress) -> None:
+        with self._locked(write=True):
+            faults = self._s["faults"].setdefault(str(address), [])
+            if fault.value not in faults:
+                faults.append(fault.value)
+
+    def clear(self, fault: Fault, address: PciAddress) -> None:
+        with self._locked(write=True):
+            faults = self._s["faults"].get(str(address), [])
+            if fault.value in faults:
+                faults.remove(fault.value)
+
+    def add_holder(self, address: PciAddress, holder: Holder) -> None:
+        with self._locked(write=True):
+            self._s["holders"].setdefault(str(address), []).append(
+                {"pid": holder.pid, "command": holder.command, "path": holder.path}
+            )
+
+    def remove_holders(self, address: PciAddress, pid: int) -> bool:
+        """Returns False when the holder refuses to let go (HOLDER_STUCK)."""
+        with self._locked(write=True):
+            if self._faulty(Fault.HOLDER_STUCK, address):
+                return False
+            hs = self._s["holders"].get(str(address), [])
+            self._s["holders"][str(address)] = [h for h in hs if h["pid"] != pid]
+            return True
+
+    # ---- simulated processes (shims and VMMs survive a Cubelet restart, as real ones do) --------
+    def spawn(self, tag: str, command: str, *, immortal: bool = False) -> int:
+        with self._locked(write=True):
+            pid = int(self._s["next_pid"])
+            self._s["next_pid"] = pid + 1
+            self._s["procs"][str(pid)] = {"tag": tag, "command": command, "immortal": immortal}
+            return pid
+
+    def find_process(self, tag: str) -> int | None:
+        with self._locked(write=False):
+            for pid, p in self._s["procs"].items():
+                if p["tag"] == tag:
+                    return int(pid)
+            return None
+
+    def kill(self, pid: int) -> bool:
+        """SIGKILL; False when the process survives (stuck in the kernel, as a VMM in D state can)."""
+        with self._locked(write=True):
+            p = self._s["procs"].get(str(pid))
+            if p is None:
+                return True
+            if p["immortal"]:
+                return False
+            del self._s["procs"][str(pid)]
+            for addr, hs in self._s["holders"].items():
+                if not self._faulty(Fault.HOLDER_STUCK, PciAddress.parse(addr)):
+                    self._s["holders"][addr] = [h for h in hs if h["pid"] != pid]
+            return True
+
+    def alive(self, pid: int) -> bool:
+        with self._locked(write=False):
+            return str(pid) in self._s["procs"]
+
+    def writes(self) -> list[str]:
+        with self._locked(write=False):
+            return list(self._s["writes"])
+
+    def reset_count(self, address: PciAddress) -> int:
+        with self._locked(write=False):
+            return int(self._s["resets"].get(str(address), 0))
+
+    # ---- PciHost --------------------------------------------------------------------------------
+    def _function(self, addr: str) -> PciFunction | None:
+        raw = self._s["functions"].get(addr)
+        address = PciAddress.parse(addr)
+        if raw is None or self._faulty(Fault.VANISH, address):
+            return None
+        f = PciFunction(
+            address=address,
+            vendor_id=raw["vendor_id"],
+            device_id=raw["device_id"],
+            subsystem_vendor_id=raw["vendor_id"],
+            subsystem_device_id=raw["subsystem_device_id"],
+            class_code=raw["class_code"],
+            numa_node=raw["numa_node"],
+            iommu_group=raw["iommu_group"],
+            driver=raw["driver"],
+            bar_sizes=tuple(raw["bar_sizes"]),
+            reset_method=("flr", "bus"),
+            aer_fatal=0,
+            aer_nonfatal=0,
+            serial=raw["serial"],
+        )
+        if self._faulty(Fault.IDENTITY_CHANGE, address):
+            f = replace(f, device_id=f.device_id ^ 0x0001, serial=f"{raw['serial']}-SWAPPED")
+        if self._faulty(Fault.HEALTH_FAIL, address):
+            f = replace(f, aer_fatal=1)
+        return f
+
+    def _companion(self, addr: str) -> PciFunction | None:
+        """The audio function a GPU shares its IOMMU group with, present only under GROUP_NOT_VIABLE."""
+        a = PciAddress.parse(addr)
+        raw = self._s["functions"][addr]
+        return PciFunction(
+            address=PciAddress(a.domain, a.bus, a.slot, 1),
+            vendor_id=raw["vendor_id"],
+            device_id=0x22A3,
+            class_code=0x040300,
+            numa_node=raw["numa_node"],
+            iommu_group=raw["iommu_group"],
+            driver="snd_hda_intel",
+        )
+
+    def functions(self) -> list[PciFunction]:
+        with self._locked(write=False):
+            out = []
+            for addr in sorted(self._s["functions"]):
+                f = self._function(addr)
+                if f is not None:
+                    out.append(f)
+                    if self._faulty(Fault.GROUP_NOT_VIABLE, f.address):
+                        c = self._companion(addr)
+                        assert c is not None
+                        out.append(c)
+            return out
+
+    def function(self, address: PciAddress) -> PciFunction | None:
+        for f in self.functions():
+            if f.address == address:
+                return f
+        return None
+
+    def iommu_group_members(self, group: int) -> list[PciAddress]:
+        return [f.address for f in self.functions() if f.iommu_group == group]
+
+    def bind(self, address: PciAddress, driver: str) -> None:
+        with self._locked(write=True):
+            raw = self._s["functions"].get(str(address))
+            if raw is None or self._faulty(Fault.VANISH, address):
+                raise host_error("host.device_missing", f"no PCI function at {address}")
+            self._s["writes"].append(f"{address}/driver_override={driver}")
+            if raw["driver"]:
+                self._s["writes"].append(f"drivers/{raw['driver']}/unbind={address}")
+            self._s["writes"].append(f"drivers_probe={address}")
+            if self._faulty(Fault.BIND_FAIL, address):
+                raw["driver"] = None
+                raise host_error("host.bind_failed", f"{address} did not bind to {driver}")
+            raw["driver"] = driver
+
+    def reset(self, address: PciAddress) -> None:
+        with self._locked(write=True):
+            if str(address) not in self._s["functions"] or self._faulty(Fault.VANISH, address):
+                raise host_error("host.device_missing", f"no PCI function at {address}")
+            self._s["writes"].append(f"{address}/reset=1")
+            if self._faulty(Fault.RESET_FAIL, address):
+                raise host_error("host.reset_failed", f"writing reset for {address} failed: EIO")
+            self._s["resets"][str(address)] = int(self._s["resets"].get(str(address), 0)) + 1
+
+    def config_vendor_id(self, address: PciAddress) -> int:
+        with self._locked(write=False):
+            if self._faulty(Fault.HEALTH_FAIL, address) or self._faulty(Fault.VANISH, address):
+                return 0xFFFF
+            raw = self._s["functions"].get(str(address))
+            return 0xFFFF if raw is None else int(raw["vendor_id"])
+
+    def holders(self, address: PciAddress) -> list[Holder]:
+        with self._locked(write=False):
+            return [Holder(**h) for h in self._s["holders"].get(str(address), [])]
+
+    def driver_available(self, driver: str) -> bool:
+        return driver in ("vfio-pci", "nvidia")
