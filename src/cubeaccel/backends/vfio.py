@@ -1,17 +1,50 @@
-"""VFIO passthrough: the reference backend. Works on any `PciHost` (real sysfs, fake tree, simulation)."""
+"""VFIO passthrough: the reference backend. Works on any `PciHost` (real sysfs, fake tree, simulation).
+
+The backend describes and acts; Cubelet decides (STYLE §5). Every check returns `Problem`s with
+stable codes; `hard` ones make a device `unhealthy`, soft ones (safety unproven) `quarantined`.
+
+Host preparation API (issue #3 item 4):
+- `prepare(device)` binds the device to vfio-pci (driver_override + unbind + drivers_probe) and returns
+  a `HostPreparation` carrying `original_driver`. The caller persists it (Cubelet store) — the backend
+  keeps no state that must survive a restart.
+- `restore_host(device, original_driver)` gives the device back to that driver (None: leave unbound),
+  e.g. when an operator disables it and asks for the host driver back.
+- `prepare_host(device)` is the older, problems-only form of `prepare`.
+"""
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from cubeaccel.backends.base import AttachSpec, Problem
-from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost
-from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDevice
+from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
+from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsRestore
+from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.states import DeviceState
 
 VFIO_DRIVER = "vfio-pci"
+# Reset methods the kernel may use between tenants. `bus` (secondary bus reset) also resets every
+# other function behind the same bridge; drop it when GPUs share a bridge with anything else.
+DEFAULT_RESET_METHODS: frozenset[str] = frozenset({"flr", "af", "pm", "bus", "device_specific", "cxl_bus"})
+
+Device = DeviceRecord | DiscoveredDevice
+
+
+@dataclass(frozen=True)
+class HostPreparation:
+    """What `prepare` did. Persist `original_driver` to restore the device later."""
+
+    address: PciAddress
+    original_driver: str | None
+    changed: bool
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
 
 
 class VfioBackend:
@@ -19,24 +52,26 @@ class VfioBackend:
 
     name = "vfio"
 
-    def __init__(self, host: PciHost, allow: Sequence[str] = ("10de:*",)) -> None:
+    def __init__(
+        self,
+        host: PciHost,
+        allow: Sequence[str] = ("10de:*",),
+        *,
+        reset_methods: Iterable[str] = DEFAULT_RESET_METHODS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.host = host
-        self.allow = tuple(a.lower() for a in allow)
+        self.specs: tuple[DeviceSpec, ...] = parse_allow(list(allow))
+        self.allow = tuple(str(s) for s in self.specs)
+        self.reset_methods = frozenset(reset_methods)
+        self._clock = clock
+        self._aer_baseline: dict[PciAddress, int] = {}
 
-    def _allowed(self, f: PciFunction) -> bool:
-        vd = f"{f.vendor_id:04x}:{f.device_id:04x}"
-        return any(fnmatch.fnmatchcase(vd, pat) for pat in self.allow)
-
-    def _accel_class(self, f: PciFunction) -> AcceleratorClass | None:
-        cls = AcceleratorClass.from_pci_class(f.class_code)
-        if cls is None and self._allowed(f):
-            return AcceleratorClass.ACCELERATOR
-        return cls if self._allowed(f) else None
-
+    # ---- discovery ------------------------------------------------------------------------------
     def discover(self) -> list[DiscoveredDevice]:
         found = []
         for f in self.host.functions():
-            cls = self._accel_class(f)
+            cls = accelerator_class(f, self.specs)
             if cls is None:
                 continue
             labels = labels_for(f.vendor_id, f.device_id)
@@ -55,34 +90,72 @@ class VfioBackend:
             )
         return found
 
-    def prepare_host(self, device: DiscoveredDevice) -> list[Problem]:
-        """Host initialization: bind to vfio-pci when the operator selected the device."""
-        if device.driver == VFIO_DRIVER:
-            return []
+    # ---- host preparation -----------------------------------------------------------------------
+    def prepare(self, device: Device) -> HostPreparation:
+        """Bind the device to vfio-pci unless it already is; refuse while anyone holds it open."""
+        f = self.host.function(device.address)
+        if f is None:
+            return HostPreparation(device.address, None, False, [_missing(device.address)])
+        if f.driver == VFIO_DRIVER:
+            return HostPreparation(device.address, f.driver, False)
+        problems = []
         if not self.host.driver_available(VFIO_DRIVER):
-            return [Problem("backend.vfio_unavailable", "vfio-pci driver is not available on this host")]
+            problems.append(Problem("backend.vfio_unavailable", "vfio-pci driver is not available on this host"))
+        if f.extra.get("boot_vga") == "1":
+            problems.append(Problem("backend.boot_vga", f"{f.address} drives the host console; not unbinding it"))
+        holders = self.host.holders(device.address)
+        if holders:
+            problems.append(_held(f.address, holders))
+        if problems:
+            return HostPreparation(device.address, f.driver, False, problems)
         try:
             self.host.bind(device.address, VFIO_DRIVER)
         except HostError as e:
-            return [Problem("backend.bind_failed", e.message)]
-        return []
+            return HostPreparation(device.address, f.driver, True, [Problem("backend.bind_failed", e.message)])
+        return HostPreparation(device.address, f.driver, True)
 
-    def _presence(self, device: DeviceRecord) -> tuple[PciFunction | None, list[Problem]]:
+    def prepare_host(self, device: Device) -> list[Problem]:
+        """Host initialization: bind to vfio-pci when the operator selected the device."""
+        return self.prepare(device).problems
+
+    def restore_host(self, device: Device, original_driver: str | None) -> list[Problem]:
+        """Hand the device back to its original host driver (None: leave it unbound)."""
         f = self.host.function(device.address)
         if f is None:
-            return None, [Problem("host.device_missing", f"no PCI function at {device.address}")]
+            return [_missing(device.address)]
+        holders = self.host.holders(device.address)
+        if holders:
+            return [_held(f.address, holders)]
+        try:
+            if isinstance(self.host, SupportsRestore):
+                self.host.restore_driver(device.address, original_driver)
+            elif original_driver is not None:
+                self.host.bind(device.address, original_driver)
+            else:
+                return [Problem("backend.restore_unsupported", "this host cannot leave a device unbound")]
+        except HostError as e:
+            return [Problem("backend.restore_failed", e.message)]
+        return []
+
+    # ---- checks ---------------------------------------------------------------------------------
+    def _presence(self, device: Device) -> tuple[PciFunction | None, list[Problem]]:
+        f = self.host.function(device.address)
+        if f is None:
+            return None, [_missing(device.address)]
         if f.identity != device.identity:
             return f, [
                 Problem(
                     "host.identity_changed",
-                    f"{device.address} is now {f.identity.vendor_device}, was {device.identity.vendor_device}",
+                    f"{device.address} is now {_describe(f)}, was {device.identity.vendor_device}"
+                    + (f" serial {device.identity.serial}" if device.identity.serial else ""),
                 )
             ]
         return f, []
 
-    def _group_problems(self, f: PciFunction) -> list[Problem]:
+    def group_offenders(self, f: PciFunction) -> list[str]:
+        """Functions of `f`'s IOMMU group that keep it from being viable (bridges excepted)."""
         if f.iommu_group is None:
-            return [Problem("backend.no_iommu_group", f"{f.address} has no IOMMU group")]
+            return []
         offenders = []
         for member in self.host.iommu_group_members(f.iommu_group):
             if member == f.address:
@@ -92,6 +165,12 @@ class VfioBackend:
                 continue
             if mf.driver not in (VFIO_DRIVER, None):
                 offenders.append(f"{member}({mf.driver})")
+        return offenders
+
+    def _group_problems(self, f: PciFunction) -> list[Problem]:
+        if f.iommu_group is None:
+            return [Problem("backend.no_iommu_group", f"{f.address} has no IOMMU group (is the IOMMU on?)")]
+        offenders = self.group_offenders(f)
         if offenders:
             return [
                 Problem(
@@ -101,52 +180,120 @@ class VfioBackend:
             ]
         return []
 
+    def _answers(self, address: PciAddress) -> list[Problem]:
+        if self.host.config_vendor_id(address) == 0xFFFF:
+            return [Problem("host.device_not_responding", f"{address} config space reads 0xffff")]
+        return []
+
+    def aer_baseline(self, address: PciAddress) -> int:
+        """Fatal AER count accepted at the last validation; 0 when never validated by this process."""
+        return self._aer_baseline.get(address, 0)
+
+    def set_aer_baseline(self, address: PciAddress, count: int) -> None:
+        self._aer_baseline[address] = count
+
+    def _aer_problems(self, f: PciFunction) -> list[Problem]:
+        base = self.aer_baseline(f.address)
+        if f.aer_fatal is not None and f.aer_fatal > base:
+            return [Problem("host.aer_fatal", f"{f.address} reported {f.aer_fatal - base} new fatal AER error(s)")]
+        return []
+
     def validate(self, device: DeviceRecord) -> list[Problem]:
+        """Everything `initialized → allocatable` needs. Records the AER baseline when it passes."""
         f, problems = self._presence(device)
         if f is None or problems:
             return problems
         if not f.enabled:
-            problems.append(Problem("host.device_disabled", f"{f.address} is disabled in sysfs"))
+            problems.append(Problem("host.device_disabled", f"{f.address} is in an error state"))
         if f.driver != VFIO_DRIVER:
             problems.append(Problem("backend.wrong_driver", f"{f.address} bound to {f.driver}, not vfio-pci"))
         problems += self._group_problems(f)
         holders = self.holders(device)
         if holders:
-            who = ", ".join(f"{h.pid}({h.command})" for h in holders)
-            problems.append(Problem("host.device_held", f"{f.address} is held by {who}", hard=False))
-        if self.host.config_vendor_id(device.address) == 0xFFFF:
-            problems.append(Problem("host.device_not_responding", f"{f.address} config space reads 0xffff"))
+            problems.append(_held(f.address, holders))
+        problems += self._answers(device.address)
+        if not problems and f.aer_fatal is not None:
+            self._aer_baseline[f.address] = f.aer_fatal
         return problems
 
     def health(self, device: DeviceRecord) -> list[Problem]:
+        """Same address, same identity, expected driver, AER fatal count unchanged, answering, no stray holder."""
         f, problems = self._presence(device)
         if f is None or problems:
             return problems
-        if f.driver != VFIO_DRIVER:
-            problems.append(Problem("backend.wrong_driver", f"{f.address} bound to {f.driver}, not vfio-pci"))
-        if f.aer_fatal:
-            problems.append(Problem("host.aer_fatal", f"{f.address} reported {f.aer_fatal} fatal AER errors"))
-        if self.host.config_vendor_id(device.address) == 0xFFFF:
-            problems.append(Problem("host.device_not_responding", f"{f.address} config space reads 0xffff"))
-        if device.state not in (DeviceState.ATTACHED, DeviceState.PREPARING) and self.holders(device):
-            problems.append(Problem("host.unexpected_holder", f"{f.address} is held by a process", hard=False))
+        expected = device.expected_driver or VFIO_DRIVER
+        if f.driver != expected:
+            problems.append(Problem("backend.wrong_driver", f"{f.address} bound to {f.driver}, not {expected}"))
+        if not f.enabled:
+            problems.append(Problem("host.device_disabled", f"{f.address} is in an error state"))
+        problems += self._aer_problems(f)
+        problems += self._answers(device.address)
+        if device.state not in (DeviceState.ATTACHED, DeviceState.PREPARING):
+            holders = self.holders(device)
+            if holders:
+                held = _held(f.address, holders)
+                problems.append(Problem("host.unexpected_holder", held.message, hard=False))
         return problems
 
-    def holders(self, device: DeviceRecord) -> list[Holder]:
+    def holders(self, device: Device) -> list[Holder]:
         return self.host.holders(device.address)
 
+    def wait_released(self, device: Device, timeout_s: float, poll_s: float = 0.05) -> list[Problem]:
+        """Poll until nobody holds the device's files, up to `timeout_s`. A holder that stays → soft problem."""
+        deadline = self._clock() + timeout_s
+        while True:
+            holders = self.holders(device)
+            if not holders:
+                return []
+            if self._clock() >= deadline:
+                return [_held(device.address, holders)]
+            time.sleep(poll_s)
+
+    # ---- cleanup between tenants ----------------------------------------------------------------
+    def _reset_allowed(self, f: PciFunction) -> list[Problem]:
+        # An empty reset_method means "not reported" (older kernels, simulations): the kernel itself then
+        # decides, and refuses the write when the function cannot be reset.
+        if f.reset_method and not set(f.reset_method) & self.reset_methods:
+            return [
+                Problem(
+                    "backend.reset_not_allowed",
+                    f"{f.address} offers reset methods {list(f.reset_method)}, none of {sorted(self.reset_methods)}",
+                    hard=False,
+                )
+            ]
+        return []
+
     def cleanup(self, device: DeviceRecord) -> list[Problem]:
+        """Function-level reset, then prove the device still answers as the same device. Soft on failure."""
         f, problems = self._presence(device)
         if f is None or problems:
             return problems
+        refused = self._reset_allowed(f)
+        if refused:
+            return refused
         try:
             self.host.reset(device.address)
         except HostError as e:
             return [Problem("backend.reset_failed", e.message, hard=False)]
         if self.host.config_vendor_id(device.address) == 0xFFFF:
             return [Problem("backend.reset_failed", f"{device.address} stopped answering after reset", hard=False)]
-        _, after = self._presence(device)
-        return after
+        after, problems = self._presence(device)
+        if after is None or problems:
+            return problems
+        return self._aer_problems(after)
 
     def attach_spec(self, device: DeviceRecord) -> AttachSpec:
         return AttachSpec(driver=VFIO_DRIVER, properties={"host": str(device.address)})
+
+
+def _missing(address: PciAddress) -> Problem:
+    return Problem("host.device_missing", f"no PCI function at {address}")
+
+
+def _held(address: PciAddress, holders: list[Holder]) -> Problem:
+    who = ", ".join(f"{h.pid}({h.command}:{h.path})" for h in holders)
+    return Problem("host.device_held", f"{address} is held by {who}", hard=False)
+
+
+def _describe(f: PciFunction) -> str:
+    return f.identity.vendor_device + (f" serial {f.serial}" if f.serial else "")

@@ -1,7 +1,124 @@
-"""`cubeaccel host ...` commands."""
+"""`cubeaccel host ...`: is this host ready for VFIO passthrough, and which accelerators does it have.
+
+Both commands are read-only: the host is opened with `read_only=True`, so nothing here can write sysfs.
+"""
 
 from __future__ import annotations
 
-import typer
+import json
+from pathlib import Path
+from typing import Any
 
-app = typer.Typer(no_args_is_help=True, help="host commands")
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cubeaccel.backends.vfio import VfioBackend
+from cubeaccel.host.pci import PciFunction
+from cubeaccel.host.readiness import Status, check_host
+from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.model.errors import CubeError
+
+app = typer.Typer(no_args_is_help=True, help="host readiness and discovery (read-only)")
+
+SysfsRoot = typer.Option(Path("/sys"), "--sysfs-root", help="sysfs root (a fake tree in tests)")
+DevRoot = typer.Option(Path("/dev"), "--dev-root", help="/dev root")
+ProcRoot = typer.Option(Path("/proc"), "--proc-root", help="/proc root")
+AsJson = typer.Option(False, "--json", help="print JSON instead of a table")
+
+_MARK = {Status.PASS: "[green]pass[/]", Status.FAIL: "[red]FAIL[/]", Status.WARN: "[yellow]warn[/]"}
+
+
+@app.command("check")
+def check(
+    sysfs_root: Path = SysfsRoot, dev_root: Path = DevRoot, proc_root: Path = ProcRoot, as_json: bool = AsJson
+) -> None:
+    """Check VFIO passthrough prerequisites. Exits 1 when the host cannot pass devices through."""
+    result = check_host(sysfs_root, dev_root, proc_root)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        console = Console()
+        table = Table("check", "status", "reason", title="VFIO passthrough readiness")
+        for c in result.checks:
+            table.add_row(c.name, _MARK[c.status], c.reason + (f" [dim]({c.code})[/]" if c.code else ""))
+        console.print(table)
+        if result.ready:
+            console.print("[green]ready[/]: this host can pass PCI devices through")
+        else:
+            names = ", ".join(c.name for c in result.failures)
+            console.print(f"[red]not ready[/]: this host cannot pass PCI devices through ({names})")
+    raise typer.Exit(0 if result.ready else 1)
+
+
+def function_json(f: PciFunction) -> dict[str, Any]:
+    return {
+        "address": str(f.address),
+        "vendor_device": f.identity.vendor_device,
+        "subsystem": f"{f.subsystem_vendor_id:04x}:{f.subsystem_device_id:04x}",
+        "class": f"{f.class_code:06x}",
+        "revision": f"{f.revision:02x}",
+        "numa_node": f.numa_node,
+        "iommu_group": f.iommu_group,
+        "driver": f.driver,
+        "driver_override": f.driver_override,
+        "bar_sizes": list(f.bar_sizes),
+        "link": {"speed": f.link_speed, "width": f.link_width},
+        "sriov": {"totalvfs": f.sriov_totalvfs, "numvfs": f.sriov_numvfs},
+        "reset_method": list(f.reset_method),
+        "aer": {"fatal": f.aer_fatal, "nonfatal": f.aer_nonfatal},
+        "enabled": f.enabled,
+        "serial": f.serial,
+        "extra": dict(f.extra),
+    }
+
+
+@app.command("discover")
+def discover(
+    sysfs_root: Path = SysfsRoot,
+    allow: list[str] = typer.Option(["10de:*"], "--allow", help="vendor:device[@address] pattern (repeatable)"),
+    show_all: bool = typer.Option(False, "--all", help="also list every PCI function"),
+    as_json: bool = AsJson,
+) -> None:
+    """List the accelerators the VFIO backend would manage (and, with --all, every PCI function)."""
+    host = SysfsPciHost(sysfs_root, read_only=True)
+    try:
+        backend = VfioBackend(host, allow=allow)
+    except CubeError as e:
+        typer.echo(json.dumps(e.to_json()), err=True)
+        raise typer.Exit(2) from e
+    devices = backend.discover()
+    functions = host.functions() if show_all else []
+    if as_json:
+        out: dict[str, Any] = {
+            "allow": list(backend.allow),
+            "accelerators": [
+                {**function_json(f), "class_name": d.accel_class.value, "labels": d.labels}
+                for d in devices
+                if (f := host.function(d.address)) is not None
+            ],
+        }
+        if show_all:
+            out["functions"] = [function_json(f) for f in functions]
+        typer.echo(json.dumps(out, indent=2))
+        return
+    console = Console()
+    table = Table("address", "id", "class", "model", "numa", "group", "driver", title="accelerators")
+    for d in devices:
+        table.add_row(
+            str(d.address), d.identity.vendor_device, d.accel_class.value, d.labels.get("model", ""),
+            str(d.numa_node), _opt(d.iommu_group), d.driver or "-",
+        )  # fmt: skip
+    console.print(table if devices else f"no accelerators match {list(backend.allow)}")
+    if show_all:
+        table = Table("address", "id", "class", "numa", "group", "driver", "reset", title="all PCI functions")
+        for f in functions:
+            table.add_row(
+                str(f.address), f.identity.vendor_device, f"{f.class_code:06x}", str(f.numa_node),
+                _opt(f.iommu_group), f.driver or "-", " ".join(f.reset_method) or "-",
+            )  # fmt: skip
+        console.print(table)
+
+
+def _opt(value: int | None) -> str:
+    return "-" if value is None else str(value)

@@ -7,6 +7,7 @@ learned from the host, never from memory: the shim's pid file plus /proc, and th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,16 +97,12 @@ class ProcessShimDriver:
     def kill(self, sandbox_id: str) -> None:
         for pid in (self._shim_pid(sandbox_id), find_tagged(VMM_TAG + sandbox_id, self.proc)):
             if pid is not None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
         child = self._children.get(sandbox_id)
         if child is not None:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
 
     def status(self, sandbox_id: str) -> ShimStatus:
         if not self.proc.is_dir():

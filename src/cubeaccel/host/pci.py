@@ -7,10 +7,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from cubeaccel.model.device import DeviceIdentity, PciAddress
 from cubeaccel.model.errors import CubeError
+
+if TYPE_CHECKING:  # re-exported lazily below: host.sysfs imports this module
+    from cubeaccel.host.sysfs import SysfsPciHost
 
 
 class HostError(CubeError):
@@ -100,3 +103,32 @@ class PciHost(Protocol):
         ...
 
     def driver_available(self, driver: str) -> bool: ...
+
+
+@runtime_checkable
+class SupportsRestore(Protocol):
+    """Hosts that can undo `bind`: clear driver_override, unbind, hand back to `driver` (None: leave unbound).
+
+    Separate from `PciHost` so existing hosts keep satisfying it; the VFIO backend checks for it.
+    """
+
+    def restore_driver(self, address: PciAddress, driver: str | None) -> None: ...
+
+
+def __getattr__(name: str) -> object:
+    if name == "SysfsPciHost":
+        from cubeaccel.host.sysfs import SysfsPciHost
+
+        return SysfsPciHost
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "Holder",
+    "HostError",
+    "PciFunction",
+    "PciHost",
+    "SupportsRestore",
+    "SysfsPciHost",
+    "host_error",
+]
