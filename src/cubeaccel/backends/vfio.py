@@ -51,6 +51,7 @@ class VfioBackend:
     """Discovers accelerators, keeps them bound to vfio-pci, checks groups/holders, resets between tenants."""
 
     name = "vfio"
+    expected_driver = VFIO_DRIVER
 
     def __init__(
         self,

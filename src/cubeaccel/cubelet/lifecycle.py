@@ -123,7 +123,7 @@ class Cubelet:
                     details={"device_ids": res.device_ids, "params": params})
             return res
 
-    def start(self, sandbox_id: str) -> Reservation:
+    def start(self, sandbox_id: str) -> Reservation | None:
         """Revalidate, move devices to `preparing`, record the intent, then launch the shim."""
         with self.lock:
             with self.store.tx() as t:
@@ -156,7 +156,7 @@ class Cubelet:
             except CubeError as e:
                 self.handle_report(ShimReport(sandbox_id, ShimReportKind.ATTACH_FAILED, (),
                                               {"reason": e.code, "message": e.message}, time.time()))
-            return self.get_reservation(sandbox_id)
+            return self.store.reservation(sandbox_id)  # None when startup failed and released already
 
     def _spec(self, sandbox_id: str) -> ShimSpec:
         with self.store.read() as t:

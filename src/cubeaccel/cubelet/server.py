@@ -113,10 +113,10 @@ def create_app(cubelet: Cubelet) -> FastAPI:
             template=body.template, memory_mib=body.memory_mib, vcpus=body.vcpus, pin_memory=body.pin_memory,
             contract=body.contract,
         )
-        res = cubelet.reserve(body.sandbox_id, req)
+        cubelet.reserve(body.sandbox_id, req)
         if body.start:
-            res = cubelet.start(body.sandbox_id)
-        return _reservation_json(cubelet, res.sandbox_id)
+            cubelet.start(body.sandbox_id)
+        return _reservation_json(cubelet, body.sandbox_id)
 
     @app.get("/v1/reservations")
     def reservations() -> dict[str, Any]:

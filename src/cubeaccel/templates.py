@@ -1,0 +1,199 @@
+"""Reading accelerator templates from YAML or JSON into `model.Template`, rejecting anything unexpected.
+
+This is the edge: pydantic checks the document's shape (unknown fields, missing fields, types) and every
+failure becomes a `CubeError` with a stable `template.*` code and the field path. Whether the values make
+sense together (CUDA vs driver, modules vs kernel) is `contract.check_template`'s job, so that it can name
+the layer; this module only guarantees the values are there and of the right kind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.template_spec import API_VERSION, KIND, Template
+
+MAX_TEMPLATE_BYTES = 1 << 20
+HexId = Annotated[StrictStr, Field(pattern=r"^(0x)?[0-9a-fA-F]{4}$")]
+Name = Annotated[StrictStr, Field(min_length=1, max_length=200)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Metadata(_Strict):
+    name: Name
+    version: Name
+    description: Annotated[StrictStr, Field(max_length=2000)] = ""
+
+
+class _Device(_Strict):
+    vendor_id: HexId
+    device_id: HexId
+    labels: dict[StrictStr, StrictStr] = {}
+    min_memory_gib: Annotated[StrictInt, Field(ge=0)] | None = None
+
+
+class _Accelerator(_Strict):
+    class_: Annotated[Name, Field(alias="class")]
+    backend: Name
+    devices: list[_Device]
+
+
+class _Digest(_Strict):
+    digest: Name
+
+
+class _Kernel(_Strict):
+    version: Name
+    digest: Name
+
+
+class _ModulesImg(_Strict):
+    kernel_version: Name
+    digest: Name
+
+
+class _Guest(_Strict):
+    image: _Digest
+    kernel: _Kernel
+    modules_img: _ModulesImg
+
+
+class _KernelDriver(_Strict):
+    module: Name
+    version: Name
+
+
+class _Userspace(_Strict):
+    version: Name
+    libraries: list[Name] = []
+
+
+class _Driver(_Strict):
+    kernel: _KernelDriver | None = None
+    userspace: _Userspace | None = None
+
+
+class _Cuda(_Strict):
+    version: Name
+    compatibility: Literal["toolkit", "minor_version"] = "toolkit"
+
+
+class _Memory(_Strict):
+    size_mib: StrictInt
+    pinned: StrictBool
+
+
+class _Probes(_Strict):
+    modules: list[Name] = []
+    device_files: list[Name] = []
+    libraries: list[Name] = []
+
+
+class _Spec(_Strict):
+    accelerator: _Accelerator
+    guest: _Guest
+    driver: _Driver | None = None
+    cuda: _Cuda | None = None
+    memory: _Memory
+    hotplug: StrictBool
+    probes: _Probes = _Probes()
+
+
+class _Document(_Strict):
+    apiVersion: StrictStr  # spelled as in the file
+    kind: StrictStr
+    metadata: _Metadata
+    spec: _Spec
+
+
+_CODES = {"extra_forbidden": "template.unknown_field", "missing": "template.missing_field"}
+
+
+def _schema_error(e: ValidationError, source: str) -> CubeError:
+    errors = []
+    for err in e.errors():
+        path = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"]
+        if err["type"] == "string_type" and isinstance(err.get("input"), int | float):
+            msg += " (write version numbers in quotes: YAML reads 12.10 as the number 12.1)"
+        errors.append({"field": path, "code": _CODES.get(err["type"], "template.invalid_field"), "message": msg})
+    # A misspelt field shows up as one unknown and one missing field; the unknown one names the typo.
+    order = {"template.unknown_field": 0, "template.missing_field": 1}
+    errors.sort(key=lambda x: order.get(x["code"], 2))
+    first = errors[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return CubeError(
+        first["code"],
+        f"{source}: {first['field']}: {first['message']}{more}",
+        "template",
+        details={"errors": errors},
+        status=422,
+    )
+
+
+def parse_template(data: object, source: str = "template") -> Template:
+    """A parsed YAML/JSON value (dict) → Template, or a `template.*` CubeError."""
+    if not isinstance(data, dict):
+        raise CubeError(
+            "template.not_a_mapping", f"{source}: expected a mapping, got {type(data).__name__}", "template", status=422
+        )
+    if data.get("apiVersion") != API_VERSION:
+        raise CubeError(
+            "template.unsupported_api_version",
+            f"{source}: apiVersion must be {API_VERSION!r}, got {data.get('apiVersion')!r}",
+            "template",
+            status=422,
+        )
+    if data.get("kind") != KIND:
+        raise CubeError(
+            "template.wrong_kind", f"{source}: kind must be {KIND!r}, got {data.get('kind')!r}", "template", status=422
+        )
+    try:
+        doc = _Document.model_validate(data)
+    except ValidationError as e:
+        raise _schema_error(e, source) from e
+    return Template.from_json(doc.model_dump(by_alias=True))
+
+
+def loads_template(text: str, source: str = "template") -> Template:
+    """Parse YAML (a superset of JSON) text. Duplicate keys are not caught by PyYAML; JSON's are."""
+    if len(text.encode()) > MAX_TEMPLATE_BYTES:
+        raise CubeError(
+            "template.too_large", f"{source}: larger than {MAX_TEMPLATE_BYTES} bytes", "template", status=422
+        )
+    stripped = text.lstrip()
+    if stripped.startswith("{"):
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CubeError("template.invalid_json", f"{source}: {e}", "template", status=422) from e
+    else:
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise CubeError("template.invalid_yaml", f"{source}: {e}", "template", status=422) from e
+    return parse_template(data, source)
+
+
+def load_template(path: str | Path) -> Template:
+    """Read a template file (.yaml, .yml or .json)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()[: MAX_TEMPLATE_BYTES + 1]
+    except FileNotFoundError as e:
+        raise CubeError("template.not_found", f"no such template file: {p}", "template", status=404) from e
+    except (IsADirectoryError, PermissionError) as e:
+        raise CubeError("template.unreadable", f"cannot read {p}: {e.strerror}", "template", status=422) from e
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise CubeError("template.invalid_encoding", f"{p}: not UTF-8 ({e.reason})", "template", status=422) from e
+    return loads_template(text, str(p))

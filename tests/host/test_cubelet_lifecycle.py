@@ -1,0 +1,227 @@
+"""Cubelet lifecycle scenarios on the simulated host: real store, real VFIO backend logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from cubeaccel.cubelet import operator
+from cubeaccel.cubelet.lifecycle import ReservationRequest
+from cubeaccel.host.simulated import Fault
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.states import DeviceState
+from tests.cubelet_harness import Node
+
+S = DeviceState
+
+
+def _sandbox_states(node: Node, sid: str) -> list[DeviceState]:
+    return [d.state for d in node.devices() if d.sandbox_id == sid]
+
+
+def test_host_initialization_binds_to_vfio_then_makes_devices_allocatable(node: Node) -> None:
+    assert set(node.states().values()) == {S.ALLOCATABLE}
+    writes = node.host.writes()
+    first = writes[:3]
+    assert first == ["0000:10:00.0/driver_override=vfio-pci", "drivers/nvidia/unbind=0000:10:00.0",
+                     "drivers_probe=0000:10:00.0"]
+    assert not any("new_id" in w for w in writes)
+
+
+def test_bind_failure_at_host_init_leaves_the_device_unhealthy(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cubeaccel.host.simulated import SimulatedPciHost
+    from cubeaccel.model.device import PciAddress
+
+    SimulatedPciHost("h100x2", tmp_path / "host.json").inject(Fault.BIND_FAIL, PciAddress.parse("0000:11:00.0"))
+    node = Node.create(tmp_path, "h100x2")
+    d = node.device("vfio-0000:11:00.0")
+    assert d.state is S.UNHEALTHY and d.reason == "backend.bind_failed"
+    assert node.device("vfio-0000:10:00.0").state is S.ALLOCATABLE
+
+
+def test_full_cycle_returns_devices_only_after_vmm_exit_and_reset(node: Node) -> None:
+    res = node.cubelet.reserve("sb-1", ReservationRequest(count=2))
+    assert _sandbox_states(node, "sb-1") == [S.RESERVED, S.RESERVED]
+    node.cubelet.start("sb-1")
+    assert _sandbox_states(node, "sb-1") == [S.ATTACHED, S.ATTACHED]
+    node.cubelet.release("sb-1")
+    assert _sandbox_states(node, "sb-1") == []
+    for dev_id in res.device_ids:
+        d = node.device(dev_id)
+        assert d.state is S.ALLOCATABLE and d.sandbox_id is None
+        assert node.host.reset_count(d.address) == 1
+        trail = [e.event for e in node.cubelet.store.events(device_id=dev_id) if e.kind == "transition"]
+        assert trail[-6:] == ["reserve", "prepare", "attach_succeeded", "teardown", "release_confirmed",
+                              "revalidated"]
+    assert node.cubelet.store.reservation("sb-1") is None
+    assert node.repairs() == []
+
+
+def test_multi_device_reservation_prefers_one_numa_node(node: Node) -> None:
+    res = node.cubelet.reserve("sb-numa", ReservationRequest(count=3))
+    numa = {node.device(i).numa_node for i in res.device_ids}
+    assert len(numa) == 1
+
+
+def test_reservation_is_all_or_nothing(node: Node) -> None:
+    node.cubelet.reserve("a", ReservationRequest(count=6))
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("b", ReservationRequest(count=3))
+    assert err.value.code == "reserve.insufficient_devices"
+    assert sum(1 for s in node.states().values() if s is S.ALLOCATABLE) == 2
+    assert node.cubelet.store.reservation("b") is None
+
+
+def test_reservation_is_idempotent_per_sandbox_and_refuses_changed_parameters(node: Node) -> None:
+    a = node.cubelet.reserve("sb", ReservationRequest(count=2))
+    b = node.cubelet.reserve("sb", ReservationRequest(count=2))
+    assert a.device_ids == b.device_ids
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("sb", ReservationRequest(count=3))
+    assert err.value.code == "reserve.sandbox_conflict" and err.value.status == 409
+    assert len(node.cubelet.store.reservation("sb").device_ids) == 2  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("count", [0, -1, 65, 10**12])
+def test_bad_counts_are_refused_and_change_nothing(node: Node, count: int) -> None:
+    before = node.cubelet.store.events()
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("sb", ReservationRequest(count=count))
+    assert err.value.code == "reserve.invalid_count"
+    assert node.cubelet.store.events() == before
+
+
+def test_label_selector_picks_only_matching_devices(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    node = Node.create(tmp_path, "2xh100,2xt4")
+    res = node.cubelet.reserve("t4", ReservationRequest(count=2, labels=(("model", "T4-16GB"),)))
+    assert {node.device(i).labels["model"] for i in res.device_ids} == {"T4-16GB"}
+    with pytest.raises(CubeError):
+        node.cubelet.reserve("t4b", ReservationRequest(count=1, labels=(("model", "T4-16GB"),)))
+
+
+def test_holder_that_never_lets_go_is_quarantined_after_the_release_timeout(node: Node) -> None:
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb")
+    node.host.inject(Fault.HOLDER_STUCK, node.address(dev))
+    node.cubelet.release("sb")
+    assert node.device(dev).state is S.RELEASING  # waiting, never allocatable
+    node.clock.advance(11)
+    node.cubelet.try_release("sb")
+    d = node.device(dev)
+    assert d.state is S.QUARANTINED and d.reason == "release.holder_stuck"
+    assert node.cubelet.store.reservation("sb") is None
+
+
+def test_reset_failure_quarantines(node: Node) -> None:
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb")
+    node.host.inject(Fault.RESET_FAIL, node.address(dev))
+    node.cubelet.release("sb")
+    d = node.device(dev)
+    assert d.state is S.QUARANTINED and d.reason == "backend.reset_failed"
+
+
+def test_uncooperative_guest_detach_timeout_still_releases_after_vmm_exit(node: Node) -> None:
+    node.shim.uncooperative_guest.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    node.cubelet.start("sb")
+    node.cubelet.release("sb")
+    assert "detach_timeout" in [e.event for e in node.cubelet.store.events() if e.sandbox_id == "sb"]
+    assert node.device(res.device_ids[0]).state is S.ALLOCATABLE
+
+
+def test_vmm_that_will_not_die_keeps_device_out_and_then_quarantines(node: Node) -> None:
+    node.shim.uncooperative_guest.add("sb")
+    node.shim.immortal_vmm.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb")
+    node.cubelet.release("sb")
+    assert node.device(dev).state is S.RELEASING
+    node.clock.advance(11)
+    node.cubelet.try_release("sb")
+    d = node.device(dev)
+    assert d.state is S.QUARANTINED and d.reason == "release.vmm_not_exited"
+    with pytest.raises(CubeError) as err:  # the VMM still holds it: recovery must refuse
+        operator.recover(node.cubelet, dev, "alice", "try")
+    assert err.value.code == "recover.validation_failed"
+
+
+def test_attach_failure_releases_devices_that_were_never_attached(node: Node) -> None:
+    node.shim.fail_attach.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=2))
+    node.cubelet.start("sb")
+    for dev in res.device_ids:
+        assert node.device(dev).state is S.ALLOCATABLE
+        events = [e.event for e in node.cubelet.store.events(device_id=dev) if e.kind == "transition"]
+        assert "attach_failed" in events and "attach_succeeded" not in events
+
+
+def test_guest_validation_failure_tears_down_and_cubelet_decides_device_fate(node: Node) -> None:
+    node.shim.failed_guest_validation.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    node.cubelet.start("sb")
+    assert node.device(res.device_ids[0]).state is S.ALLOCATABLE
+    assert "teardown_started" in node.kinds("sb")
+
+
+def test_device_vanishing_while_attached_is_kept_and_unhealthy(node: Node) -> None:
+    res = node.cubelet.reserve("sb", ReservationRequest(count=2))
+    node.cubelet.start("sb")
+    gone, other = res.device_ids
+    node.host.inject(Fault.VANISH, node.address(gone))
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    reconcile(node.cubelet)
+    d = node.device(gone)
+    assert d.state is S.UNHEALTHY and d.reason == "host.device_missing" and d.sandbox_id == "sb"
+    assert node.device(other).state is S.ALLOCATABLE  # its sandbox was torn down and it came back clean
+    assert "unhealthy" in node.repairs()
+
+
+def test_identity_change_at_same_address_is_never_handed_out(node: Node) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    dev = node.devices()[0]
+    node.host.inject(Fault.IDENTITY_CHANGE, dev.address)
+    reconcile(node.cubelet)
+    d = node.device(dev.id)
+    assert d.state is S.UNHEALTHY and d.reason == "host.identity_changed"
+
+
+def test_unstarted_reservation_expires_after_ttl_with_an_event(node: Node) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    node.clock.advance(61)
+    reconcile(node.cubelet)
+    assert node.device(res.device_ids[0]).state is S.ALLOCATABLE
+    assert "reservation_expired" in node.kinds("sb")
+
+
+def test_operator_verbs_are_audited_and_recover_revalidates(node: Node) -> None:
+    dev = node.devices()[0].id
+    q = operator.quarantine(node.cubelet, dev, "alice", "suspect ECC errors")
+    assert q.state is S.QUARANTINED
+    r = operator.recover(node.cubelet, dev, "bob", "ECC clean")
+    assert r.state is S.ALLOCATABLE
+    d = operator.disable(node.cubelet, dev, "carol", "maintenance")
+    assert d.state is S.DISABLED
+    e = operator.enable(node.cubelet, dev, "carol", "done")
+    assert e.state is S.ALLOCATABLE
+    audits = [(ev.event, ev.details.get("who"), ev.details.get("why")) for ev in node.cubelet.store.events(device_id=dev)
+              if ev.actor == "operator"]
+    assert audits == [("quarantine", "alice", "suspect ECC errors"), ("recover", "bob", "ECC clean"),
+                      ("disable", "carol", "maintenance"), ("enable", "carol", "done")]
+    with pytest.raises(CubeError) as err:
+        operator.quarantine(node.cubelet, dev, "", "x")
+    assert err.value.code == "operator.audit_required"
+
+
+def test_disabling_a_device_in_use_is_refused(node: Node) -> None:
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    with pytest.raises(CubeError) as err:
+        operator.disable(node.cubelet, res.device_ids[0], "alice", "maintenance")
+    assert err.value.code == "device.in_use"
+    assert node.device(res.device_ids[0]).state is S.RESERVED

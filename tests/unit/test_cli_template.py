@@ -1,0 +1,86 @@
+"""`cubeaccel template validate|show`: table rows per violation, JSON output, exit status 0/1."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from cubeaccel.cli import app
+from cubeaccel.model.contract import FrozenContract
+from tests.unit.contract_builders import EDU_FILE, H100_FILE, example_doc, set_path
+
+runner = CliRunner()
+
+
+def broken_file(tmp_path: Path) -> Path:
+    doc = example_doc()
+    set_path(doc, "spec.cuda.version", "12.6")  # needs 560.28.03, template has 550.54.15
+    set_path(doc, "spec.memory.pinned", False)  # vfio + hot-plug without pinning
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_validate_accepts_both_examples() -> None:
+    for path in (H100_FILE, EDU_FILE):
+        result = runner.invoke(app, ["template", "validate", str(path)])
+        assert result.exit_code == 0, result.output
+        assert "ok" in result.output and "sha256:" in result.output
+
+
+def test_validate_prints_one_row_per_violation_and_exits_1(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["template", "validate", str(broken_file(tmp_path))])
+    assert result.exit_code == 1
+    rows = [line for line in result.output.splitlines() if "compat." in line]
+    assert len(rows) == 2
+    assert "cuda_runtime" in rows[0] and "compat.cuda_driver_too_old" in rows[0] and "560.28.03" in rows[0]
+    assert "pinned_memory" in rows[1] and "compat.pinned_memory_required" in rows[1]
+    for header in ("layer", "code", "expected", "found", "hint"):
+        assert header in result.output
+
+
+def test_validate_json(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["template", "validate", "--json", str(broken_file(tmp_path))])
+    assert result.exit_code == 1
+    out = json.loads(result.output)
+    assert out["ok"] is False
+    assert [(v["layer"], v["code"]) for v in out["violations"]] == [
+        ("cuda_runtime", "compat.cuda_driver_too_old"),
+        ("pinned_memory", "compat.pinned_memory_required"),
+    ]
+    assert set(out["violations"][0]) == {"layer", "code", "expected", "found", "hint"}
+    ok = json.loads(runner.invoke(app, ["template", "validate", "--json", str(H100_FILE)]).output)
+    assert ok["ok"] is True and ok["template"]["digest"].startswith("sha256:")
+
+
+def test_an_unreadable_template_exits_1_with_its_code(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(H100_FILE.read_text().replace("  hotplug: true", "  hotplug: true\n  surprise: 1"))
+    result = runner.invoke(app, ["template", "validate", "--json", str(bad)])
+    assert result.exit_code == 1
+    assert json.loads(result.output)["error"]["code"] == "template.unknown_field"
+    result = runner.invoke(app, ["template", "validate", str(tmp_path / "missing.yaml")])
+    assert result.exit_code == 1 and "template.not_found" in result.output
+
+
+def test_show_prints_the_frozen_contract() -> None:
+    result = runner.invoke(app, ["template", "show", str(H100_FILE)])
+    assert result.exit_code == 0, result.output
+    assert "cuda12-h100" in result.output and "550.54.15" in result.output and "min_driver_api" in result.output
+    as_json = runner.invoke(app, ["template", "show", "--json", str(H100_FILE)])
+    contract = FrozenContract.from_json(json.loads(as_json.output))
+    assert contract.template_name == "cuda12-h100"
+
+
+def test_the_installed_command_validates_a_file() -> None:
+    exe = Path(sys.executable).parent / "cubeaccel"
+    proc = subprocess.run(
+        [str(exe), "template", "validate", "--json", str(EDU_FILE)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["template"]["name"] == "edu-demo"

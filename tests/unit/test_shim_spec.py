@@ -1,0 +1,89 @@
+"""The shim's spec file: every field validated with a stable code before any VMM starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cubeaccel.model.errors import CubeError
+from cubeaccel.shim.lifecycle import UNSUPPORTED, check_supported
+from cubeaccel.shim.spec import MAX_DEVICES, load_spec, parse_spec
+
+
+def _spec(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "sandbox_id": "sb-1",
+        "devices": [{"device_id": "emulated-0000:e0:00.0", "driver": "edu", "properties": {},
+                     "vendor_id": "1234", "device_id_hex": "11e8"}],
+        "memory_mib": 256, "vcpus": 1, "pin_memory": True, "contract": None,
+        "image_manifest": "/cache/images/k/manifest.json", "start": "template", "state_dir": "/run/sb-1",
+        "report": {"file": "/run/sb-1/reports.jsonl"}, "detach_timeout_s": 5,
+    }
+    base.update(over)
+    return base
+
+
+def _code_field(data: object) -> tuple[str, str]:
+    with pytest.raises(CubeError) as e:
+        parse_spec(data)
+    return e.value.code, e.value.details.get("field", "")
+
+
+def test_a_cubelet_spec_parses_into_typed_fields(tmp_path: Path) -> None:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(_spec(report={"socket": "/run/cubelet.sock"})))
+    spec = load_spec(path)
+    assert spec.devices[0].vendor_device == "1234:11e8"
+    assert spec.report_socket == Path("/run/cubelet.sock") and spec.report_file is None
+    assert spec.detach_timeout_s == 5.0 and spec.start == "template"
+
+
+@pytest.mark.parametrize(("over", "field"), [
+    ({"sandbox_id": "../etc"}, "sandbox_id"),
+    ({"sandbox_id": "a b"}, "sandbox_id"),
+    ({"memory_mib": 0}, "memory_mib"),
+    ({"memory_mib": True}, "memory_mib"),
+    ({"vcpus": 0}, "vcpus"),
+    ({"start": "warm"}, "start"),
+    ({"state_dir": "relative/dir"}, "state_dir"),
+    ({"report": {"socket": "/a", "file": "/b"}}, "report"),
+    ({"report": {"http": "x"}}, "report"),
+    ({"detach_timeout_s": -1}, "detach_timeout_s"),
+    ({"pin_memory": "yes"}, "pin_memory"),
+    ({"contract": []}, "contract"),
+    ({"devices": [{"device_id": "d", "driver": "edu", "properties": {"bus": "pcie.0"}, "vendor_id": "1234",
+                   "device_id_hex": "11e8"}]}, "devices[0].properties"),
+    ({"devices": [{"device_id": "d", "driver": "edu,x=1", "properties": {}, "vendor_id": "1234",
+                   "device_id_hex": "11e8"}]}, "devices[0].driver"),
+    ({"devices": [{"device_id": "d", "driver": "edu", "properties": {}, "vendor_id": "12345",
+                   "device_id_hex": "11e8"}]}, "devices[0].vendor_id"),
+    ({"devices": [{"device_id": "d", "driver": "edu", "properties": {}, "vendor_id": "1234",
+                   "device_id_hex": "11e8"}] * 2}, "devices"),
+    ({"devices": [{}] * (MAX_DEVICES + 1)}, "devices"),
+])
+def test_invalid_fields_are_named(over: dict[str, Any], field: str) -> None:
+    assert _code_field(_spec(**over)) == ("shim.invalid_spec", field)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                    max_leaves=10))
+def test_arbitrary_json_never_crashes_the_parser(data: object) -> None:
+    try:
+        parse_spec(data)
+    except CubeError as e:
+        assert e.code == "shim.invalid_spec"
+
+
+@given(st.sampled_from(sorted(UNSUPPORTED)))
+def test_lifecycle_features_are_refused_for_accelerator_sandboxes(op: str) -> None:
+    with pytest.raises(CubeError) as e:
+        check_supported(op, "sb-1", has_accelerator=True)
+    assert e.value.code == "lifecycle.unsupported_for_accelerator" and e.value.status == 409
+    assert e.value.details["operation"] == op
+    check_supported(op, "sb-1", has_accelerator=False)  # not the shim's business without one
