@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+
+
+class HostPreparation(Protocol):
+    original_driver: str | None
+    changed: bool
+    problems: list[Problem]
 
 
 def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[str]:
@@ -26,20 +33,26 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
     """Bind what the backend needs bound, then validate each `initialized` device."""
     by_id = {d.device_id: d for d in discovered}
     # Optional backend hook: VFIO binds to vfio-pci here; backends with nothing to bind lack it.
-    prepare: Callable[[DiscoveredDevice], list[Problem]] | None = getattr(cubelet.backend, "prepare_host", None)
+    prepare: Callable[[DiscoveredDevice], HostPreparation] | None = getattr(cubelet.backend, "prepare", None)
     with cubelet.lock:
         for rec in cubelet.store.devices():
             if rec.state is not DeviceState.INITIALIZED:
                 continue
             problems: list[Problem] = []
+            original: tuple[str | None] | None = None
             if prepare is not None and rec.id in by_id:
-                problems = prepare(by_id[rec.id])
+                prep = prepare(by_id[rec.id])
+                problems = list(prep.problems)
+                if prep.changed:
+                    original = (prep.original_driver,)
             if not problems:
                 problems = cubelet.backend.validate(rec)
             with cubelet.store.tx() as t:
                 cur = t.device(rec.id)
                 if cur is None or cur.state is not DeviceState.INITIALIZED:
                     continue
+                if original is not None:
+                    t.set_original_driver(cur.id, original[0])
                 if problems:
                     t.transition(cur, DeviceEvent.HEALTH_FAILED, Actor.CUBELET, reason=problems[0].code,
                                  details={"problems": [p.__dict__ for p in problems]})

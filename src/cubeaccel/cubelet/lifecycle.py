@@ -16,9 +16,16 @@ from cubeaccel.backends.base import Backend, Problem
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.shim_driver import ShimDevice, ShimDriver, ShimSpec, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.model.contract import (
+    CompatibilityContract,
+    ContractViolation,
+    Layer,
+    check_device,
+    check_guest,
+)
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
-from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
@@ -63,6 +70,30 @@ class ReservationRequest:
         }
 
 
+def parse_contract(data: dict[str, Any] | None) -> CompatibilityContract | None:
+    """A frozen contract as CubeMaster sends it; tampered or malformed ones are refused up front."""
+    if data is None:
+        return None
+    try:
+        return CompatibilityContract.from_json(data)
+    except CubeError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise invalid("reserve.invalid_contract", f"invalid frozen contract: {e}", layer="template") from e
+
+
+def contract_refusal(violations: list[ContractViolation], count: int) -> CubeError:
+    v = violations[0]
+    return CubeError(
+        code=v.code,
+        message=f"no allocatable device satisfies the contract ({v.layer.value}): expected {v.expected}, "
+        f"found {v.found}",
+        layer=v.layer.value,
+        details={"requested": count, "violations": [x.to_json() for x in violations]},
+        status=409,
+    )
+
+
 def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
     """Hard problems make a device unhealthy; anything softer means safety is unproven: quarantine."""
     hard = [p for p in problems if p.hard]
@@ -95,7 +126,10 @@ class Cubelet:
         validate_sandbox_id(sandbox_id)
         if not 1 <= req.count <= MAX_COUNT:
             raise invalid("reserve.invalid_count", f"count must be 1..{MAX_COUNT}, got {req.count}")
+        contract = parse_contract(req.contract)
         params = req.params()
+        if contract is not None:
+            params.update(memory_mib=contract.memory_mib, pin_memory=contract.pin_memory)
         with self.lock, self.store.tx() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
@@ -105,7 +139,14 @@ class Cubelet:
                                f"sandbox {sandbox_id} already holds devices with different parameters",
                                details={"existing": existing.params})
             devices = t.devices()
-            chosen = choose_devices(devices, req.count, req.accel_class, dict(req.labels))
+            eligible, refused = devices, []
+            if contract is not None:  # stage 3 of the contract: the physical device itself
+                verdicts = {d.id: check_device(contract, d) for d in devices if d.state is S.ALLOCATABLE}
+                eligible = [d for d in devices if not verdicts.get(d.id)]
+                refused = [v for vs in verdicts.values() for v in vs]
+            chosen = choose_devices(eligible, req.count, req.accel_class, dict(req.labels))
+            if chosen is None and refused:
+                raise contract_refusal(refused, req.count)
             if chosen is None:
                 by_state: dict[str, int] = {}
                 for d in devices:
@@ -207,13 +248,34 @@ class Cubelet:
                     res.facts["vmm_exited"] = True
                 elif k is ShimReportKind.SHIM_EXITING:
                     res.facts["shim_exited"] = True
+                violations = self._judge_guest(t, res, report)
                 t.update_reservation(res)
             if report.kind is ShimReportKind.ATTACH_FAILED:
                 self.begin_teardown(sid, "attach_failed", attach_failed=True)
-            elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED:
-                self.begin_teardown(sid, "guest_validation_failed")
+            elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
+                self.begin_teardown(sid, violations[0].code if violations else "guest_validation_failed")
             elif report.kind is ShimReportKind.VMM_EXITED:
                 self.begin_teardown(sid, "vmm_exited")
+
+    def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
+        """Stage 5, judged again on the host: the agent's own verdict is not trusted alone."""
+        raw = report.details.get("report")
+        contract = res.params.get("contract")
+        if report.kind not in (ShimReportKind.GUEST_VALIDATED, ShimReportKind.GUEST_VALIDATION_FAILED):
+            return []
+        if contract is None or not isinstance(raw, dict):
+            return []
+        try:
+            guest = GuestReport.from_json(raw)
+        except (KeyError, TypeError, ValueError) as e:
+            t.event("guest_checked", Actor.CUBELET, sandbox_id=res.sandbox_id, reason="guest.report_malformed",
+                    details={"error": str(e)})
+            return [ContractViolation(Layer.GUEST_KERNEL, "guest.report_malformed", "a GuestReport", str(e))]
+        violations = check_guest(CompatibilityContract.from_json(contract), guest)
+        t.event("guest_checked", Actor.CUBELET, sandbox_id=res.sandbox_id,
+                reason=violations[0].code if violations else None,
+                details={"violations": [v.to_json() for v in violations]})
+        return violations
 
     # ---- release --------------------------------------------------------------------------------
     def release(self, sandbox_id: str, reason: str = "sandbox_deleted") -> Reservation | None:

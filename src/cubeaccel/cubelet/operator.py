@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import conflict, invalid, not_found
@@ -46,15 +49,30 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
             return t.transition(d, DeviceEvent.RECOVER, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
 
 
-def disable(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
-    """A device a sandbox holds is not disabled under it: release the sandbox first."""
+def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver: bool = False) -> DeviceRecord:
+    """A device a sandbox holds is not disabled under it: release the sandbox first.
+
+    With `restore_driver`, the device goes back to the host driver it had before we bound vfio-pci.
+    """
     audit = _audit(who, why)
-    with cubelet.lock, cubelet.store.tx() as t:
-        d = _device(cubelet, device_id)
-        if d.state in TENANT_STATES:
-            raise conflict("device.in_use", f"device {device_id} is {d.state.value} for sandbox {d.sandbox_id}",
-                           details={"sandbox_id": d.sandbox_id})
-        return t.transition(d, DeviceEvent.DISABLE, Actor.OPERATOR, reason="operator.disabled", details=audit)
+    with cubelet.lock:
+        with cubelet.store.tx() as t:
+            d = _device(cubelet, device_id)
+            if d.state in TENANT_STATES:
+                raise conflict("device.in_use", f"device {device_id} is {d.state.value} for sandbox {d.sandbox_id}",
+                               details={"sandbox_id": d.sandbox_id})
+            d = t.transition(d, DeviceEvent.DISABLE, Actor.OPERATOR, reason="operator.disabled",
+                             details={**audit, "restore_driver": restore_driver})
+            original = t.original_driver(d.id)
+        restore: Callable[[DeviceRecord, str | None], list[Problem]] | None = getattr(
+            cubelet.backend, "restore_host", None)
+        if restore_driver and restore is not None:
+            problems = restore(d, original)
+            with cubelet.store.tx() as t:
+                t.event("driver_restored" if not problems else "driver_restore_failed", Actor.OPERATOR,
+                        device_id=d.id, reason=problems[0].code if problems else None,
+                        details={**audit, "driver": original, "problems": [p.__dict__ for p in problems]})
+        return d
 
 
 def enable(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:

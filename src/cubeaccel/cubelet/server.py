@@ -42,6 +42,7 @@ class ReservationBody(_Strict):
 class OperatorBody(_Strict):
     who: str = Field(min_length=1, max_length=200)
     reason: str = Field(min_length=1, max_length=2000)
+    restore_driver: StrictBool = False  # disable only: give the device back to its original host driver
 
 
 def _error(e: CubeError) -> JSONResponse:
@@ -104,6 +105,8 @@ def create_app(cubelet: Cubelet) -> FastAPI:
         if fn is None:
             raise not_found("api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(verbs)}")
         dev(device_id)
+        if verb == "disable":
+            return operator.disable(cubelet, device_id, body.who, body.reason, body.restore_driver).to_json()
         return fn(cubelet, device_id, body.who, body.reason).to_json()
 
     @app.post("/v1/reservations", status_code=201)

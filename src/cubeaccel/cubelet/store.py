@@ -26,7 +26,7 @@ from cubeaccel.model.device import (
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -74,6 +74,9 @@ MIGRATIONS: dict[int, str] = {
     ALTER TABLE reservations ADD COLUMN facts TEXT NOT NULL DEFAULT '{}';
     ALTER TABLE reservations ADD COLUMN releasing_since REAL;
     CREATE INDEX devices_sandbox ON devices(sandbox_id);
+    """,
+    3: """
+    ALTER TABLE devices ADD COLUMN original_driver TEXT;
     """,
 }
 
@@ -293,6 +296,14 @@ class Tx:
             (self.now, kind, device_id, sandbox_id, event, from_state, to_state, str(actor), reason,
              json.dumps(details or {}, sort_keys=True, default=str)),
         )
+
+    def set_original_driver(self, device_id: str, driver: str | None) -> None:
+        """The host driver before we bound vfio-pci: what `disable --restore-driver` gives back."""
+        self.c.execute("UPDATE devices SET original_driver=? WHERE id=?", (driver, device_id))
+
+    def original_driver(self, device_id: str) -> str | None:
+        r = self.c.execute("SELECT original_driver FROM devices WHERE id=?", (device_id,)).fetchone()
+        return None if r is None else r["original_driver"]
 
     def meta(self, key: str) -> str | None:
         r = self.c.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()

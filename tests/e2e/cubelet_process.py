@@ -1,0 +1,63 @@
+"""Start and stop a real `cubeaccel cubelet serve` process for tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from cubeaccel.cubelet.client import CubeletClient
+
+T = TypeVar("T")
+
+
+def poll(fn: Callable[[], T | None], deadline_s: float = 20.0, every_s: float = 0.05) -> T:
+    """Return fn()'s first truthy value, or fail when the deadline passes."""
+    end = time.monotonic() + deadline_s
+    last: object = None
+    while time.monotonic() < end:
+        try:
+            value = fn()
+        except Exception as e:  # not ready yet
+            last = e
+        else:
+            if value:
+                return value
+        time.sleep(every_s)
+    raise AssertionError(f"condition not met within {deadline_s}s (last: {last!r})")
+
+
+class CubeletProcess:
+    def __init__(self, state_dir: Path, profile: str = "h100x8", *extra: str) -> None:
+        self.state_dir = state_dir
+        self.profile = profile
+        self.extra = list(extra)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = CubeletClient(socket=state_dir / "cubelet.sock")
+
+    def start(self) -> CubeletProcess:
+        cmd = [sys.executable, "-m", "cubeaccel", "cubelet", "serve", "--backend", "simulated", "--profile",
+               self.profile, "--state-dir", str(self.state_dir), "--tick", "0.2", *self.extra]
+        log = open(self.state_dir / "cubelet.log", "ab")  # noqa: SIM115 - child owns it
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+        poll(lambda: self.client.health())
+        return self
+
+    def sigkill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,119 @@
+"""The Cubelet API over its unix socket, against a real `cubeaccel cubelet serve` process."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from cubeaccel.cubelet.client import CubeletClient
+from cubeaccel.model.errors import CubeError
+from tests.e2e.cubelet_process import CubeletProcess
+
+
+def _raw(p: CubeletProcess) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(p.state_dir / "cubelet.sock")),
+                        base_url="http://cubelet")
+
+
+def _snapshot(p: CubeletProcess) -> Any:
+    return p.client.devices(), p.client.events()["next"]
+
+
+def test_stable_shapes_and_full_cycle(cubelet_proc: CubeletProcess) -> None:
+    c = cubelet_proc.client
+    devs = c.devices()
+    assert len(devs) == 8
+    assert {"id", "address", "state", "sandbox_id", "reason", "labels"} <= set(devs[0])
+    body = c.reserve("sb-1", 2, start=True)
+    assert [d["state"] for d in body["devices"]] == ["attached", "attached"]
+    out = c.release("sb-1")
+    assert out["released"] is True
+    assert all(d["state"] == "allocatable" for d in c.devices())
+    cap = c.capacity()
+    assert cap["allocatable"] == 8 and cap["groups"][0]["labels"]["model"] == "H100-SXM5-80GB"
+    kinds = [e["kind"] for e in c.events()["events"]]
+    assert "reservation_created" in kinds and "reservation_closed" in kinds and "reconcile_repair" not in kinds
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    (b"{not json", "api.malformed_json"),
+    (b'{"sandbox_id": "a", "count": 1, "gpus": 2}', "api.unknown_field"),
+    (b'{"sandbox_id": "a", "count": -1}', "reserve.invalid_count"),
+    (b'{"sandbox_id": "a", "count": 0}', "reserve.invalid_count"),
+    (b'{"sandbox_id": "a", "count": 100000000000000000000}', "reserve.invalid_count"),
+    (b'{"sandbox_id": "a", "count": "2"}', "api.invalid_request"),
+    (b'{"sandbox_id": "../etc/passwd", "count": 1}', "reserve.invalid_sandbox_id"),
+    (b'{"sandbox_id": "a\\nb", "count": 1}', "reserve.invalid_sandbox_id"),
+    (b'{"count": 1}', "api.invalid_request"),
+    (b'[]', "api.invalid_request"),
+])
+def test_bad_reservation_input_is_4xx_with_a_stable_code_and_changes_nothing(
+    cubelet_proc: CubeletProcess, body: bytes, code: str
+) -> None:
+    before = _snapshot(cubelet_proc)
+    with _raw(cubelet_proc) as h:
+        r = h.post("/v1/reservations", content=body, headers={"content-type": "application/json"})
+    assert 400 <= r.status_code < 500
+    assert r.json()["error"]["code"] == code
+    assert set(r.json()["error"]) == {"code", "layer", "message", "details"}
+    assert _snapshot(cubelet_proc) == before
+
+
+def test_unknown_ids_and_verbs_and_path_tricks(cubelet_proc: CubeletProcess) -> None:
+    with _raw(cubelet_proc) as h:
+        assert h.get("/v1/devices/nope").json()["error"]["code"] == "device.not_found"
+        r = h.post("/v1/devices/vfio-0000:10:00.0/explode", json={"who": "a", "reason": "b"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "api.unknown_verb"
+        r = h.post("/v1/devices/vfio-0000:10:00.0/quarantine", json={"who": "", "reason": "b"})
+        assert r.status_code == 422
+        r = h.delete("/v1/reservations/ghost")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "reservation.not_found"
+        r = h.get("/v1/events", params={"since": -1})
+        assert r.json()["error"]["code"] == "api.invalid_cursor"
+        r = h.post("/v1/shim-reports", json={"sandbox_id": "x", "kind": "nonsense"})
+        assert r.json()["error"]["code"] == "api.invalid_shim_report"
+
+
+def test_same_sandbox_different_parameters_is_a_conflict(cubelet_proc: CubeletProcess) -> None:
+    c = cubelet_proc.client
+    c.reserve("sb", 1)
+    assert c.reserve("sb", 1)["reservation"]["device_ids"]  # idempotent
+    before = _snapshot(cubelet_proc)
+    with pytest.raises(CubeError) as err:
+        c.reserve("sb", 2)
+    assert err.value.code == "reserve.sandbox_conflict" and err.value.status == 409
+    assert _snapshot(cubelet_proc) == before
+
+
+def test_operator_verbs_over_http_are_audited(cubelet_proc: CubeletProcess) -> None:
+    c = cubelet_proc.client
+    dev = c.devices()[0]["id"]
+    assert c.verb(dev, "quarantine", "alice", "ECC")["state"] == "quarantined"
+    assert c.verb(dev, "recover", "bob", "clean")["state"] == "allocatable"
+    ops = [e for e in c.events()["events"] if e["actor"] == "operator"]
+    assert [(e["event"], e["details"]["who"]) for e in ops] == [("quarantine", "alice"), ("recover", "bob")]
+
+
+def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet_proc: CubeletProcess) -> None:
+    sock = cubelet_proc.state_dir / "cubelet.sock"
+
+    def attempt(i: int) -> str:
+        client = CubeletClient(socket=sock)
+        try:
+            client.reserve(f"sb-{i}", 1)
+            return "ok"
+        except CubeError as e:
+            return e.code
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        results = list(pool.map(attempt, range(64)))
+    assert results.count("ok") == 8
+    assert set(results) == {"ok", "reserve.insufficient_devices"}
+    devs = cubelet_proc.client.devices()
+    owners = [d["sandbox_id"] for d in devs]
+    assert len(set(owners)) == 8 and all(d["state"] == "reserved" for d in devs)

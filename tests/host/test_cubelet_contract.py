@@ -1,0 +1,70 @@
+"""Stage 3 (reservation) and stage 5 (guest) of the compatibility contract, inside Cubelet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cubeaccel.cubelet.lifecycle import ReservationRequest
+from cubeaccel.model.contract import freeze
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.states import DeviceState
+from cubeaccel.templates import load_template
+from tests.cubelet_harness import Node
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
+
+
+def _h100_contract() -> dict[str, Any]:
+    return freeze(load_template(EXAMPLES / "cuda12-h100.yaml")).to_json()
+
+
+def test_contract_matching_devices_are_reserved(tmp_path: Path) -> None:
+    node = Node.create(tmp_path, "2xt4,2xh100")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=2, contract=_h100_contract()))
+    assert {node.device(d).labels["model"] for d in res.device_ids} == {"H100-SXM5-80GB"}
+    assert res.params["memory_mib"] == 65536  # the contract's memory wins
+
+
+def test_reservation_refused_by_check_device_leaves_devices_allocatable_and_no_row(tmp_path: Path) -> None:
+    node = Node.create(tmp_path, "t4x2")
+    events_before = len(node.cubelet.store.events())
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=_h100_contract()))
+    assert err.value.layer == "host_hardware"
+    assert err.value.code == "compat.device_not_supported"
+    assert err.value.details["violations"][0]["expected"] == "10de:2330"
+    assert set(node.states().values()) == {DeviceState.ALLOCATABLE}
+    assert node.cubelet.store.reservation("sb") is None
+    assert len(node.cubelet.store.events()) == events_before
+
+
+def test_tampered_contract_is_refused(node: Node) -> None:
+    c = _h100_contract()
+    c["document"]["spec"]["memory"]["size_mib"] = 1024
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=c))
+    assert err.value.code == "contract.digest_mismatch"
+    assert node.cubelet.store.reservation("sb") is None
+
+
+def test_guest_report_without_the_nvidia_driver_tears_the_sandbox_down(node: Node) -> None:
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1, contract=_h100_contract()))
+    node.cubelet.start("sb")
+    dev = res.device_ids[0]
+    assert node.device(dev).state is DeviceState.ATTACHED
+    report = GuestReport(agent_version=1, kernel_release="6.1.0-27-cloud-amd64",
+                         module_failures={"nvidia": "modprobe: FATAL: Module nvidia not found"},
+                         pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330",
+                                       "class": "030200"},))
+    # Even a shim that claims success is judged again on the host.
+    node.cubelet.handle_report(ShimReport("sb", ShimReportKind.GUEST_VALIDATED, (dev,),
+                                          {"report": report.to_json()}, 0.0))
+    checked = [e for e in node.cubelet.store.events() if e.kind == "guest_checked"]
+    layers = {v["layer"] for v in checked[-1].details["violations"]}
+    assert "modules_img" in layers or "kernel_driver" in layers
+    assert node.device(dev).state is DeviceState.ALLOCATABLE  # released through the normal rules
+    assert node.cubelet.store.reservation("sb") is None
