@@ -114,7 +114,7 @@ class Cubelet:
 
     # ---- helpers --------------------------------------------------------------------------------
     def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
-        return [d for d in t.devices() if d.sandbox_id == sandbox_id]
+        return t.devices_of(sandbox_id)
 
     def _fail(self, t: Tx, d: DeviceRecord, problems: list[Problem], details: dict[str, Any] | None = None) -> None:
         event, reason = problem_event(problems)

@@ -142,7 +142,7 @@ def create_app(cubelet: Cubelet) -> FastAPI:
             "sandbox_id": sandbox_id,
             "released": res is None,
             "reservation": None if res is None else res.to_json(),
-            "devices": [d.to_json() for d in cubelet.store.devices() if d.sandbox_id == sandbox_id],
+            "devices": _reservation_json(cubelet, sandbox_id)["devices"],
         }
 
     @app.post("/v1/shim-reports", status_code=202)
@@ -175,11 +175,11 @@ def create_app(cubelet: Cubelet) -> FastAPI:
 
 def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
     res = cubelet.store.reservation(sandbox_id)
-    devs = [d.to_json() for d in cubelet.store.devices() if d.sandbox_id == sandbox_id]
+    with cubelet.store.read() as t:
+        devs = [d.to_json() for d in t.devices_of(sandbox_id)]
     timeline = [
         {"at": e.at, "kind": e.kind, "event": e.event, "device_id": e.device_id, "to_state": e.to_state}
-        for e in cubelet.store.events(0, 10000)
-        if e.sandbox_id == sandbox_id
+        for e in cubelet.store.events(0, 10000, sandbox_id=sandbox_id)
     ]
     return {"sandbox_id": sandbox_id, "reservation": None if res is None else res.to_json(), "devices": devs,
             "timeline": timeline}

@@ -26,7 +26,7 @@ from cubeaccel.model.device import (
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -77,6 +77,9 @@ MIGRATIONS: dict[int, str] = {
     """,
     3: """
     ALTER TABLE devices ADD COLUMN original_driver TEXT;
+    """,
+    4: """
+    CREATE INDEX events_sandbox ON events(sandbox_id, seq);
     """,
 }
 
@@ -172,6 +175,10 @@ class Tx:
             rows = self.c.execute("SELECT * FROM devices ORDER BY address, id").fetchall()
         else:
             rows = self.c.execute("SELECT * FROM devices WHERE state=? ORDER BY address", (state.value,)).fetchall()
+        return [_row_to_device(r) for r in rows]
+
+    def devices_of(self, sandbox_id: str) -> list[DeviceRecord]:
+        rows = self.c.execute("SELECT * FROM devices WHERE sandbox_id=? ORDER BY address", (sandbox_id,)).fetchall()
         return [_row_to_device(r) for r in rows]
 
     def insert_device(self, d: DiscoveredDevice, expected_driver: str | None, actor: Actor) -> DeviceRecord:
@@ -386,12 +393,17 @@ class Store:
         with self.read() as t:
             return t.reservations()
 
-    def events(self, since: int = 0, limit: int = 1000, device_id: str | None = None) -> list[Event]:
+    def events(
+        self, since: int = 0, limit: int = 1000, device_id: str | None = None, sandbox_id: str | None = None
+    ) -> list[Event]:
         q = "SELECT * FROM events WHERE seq>?"
         args: list[Any] = [since]
         if device_id is not None:
             q += " AND device_id=?"
             args.append(device_id)
+        if sandbox_id is not None:
+            q += " AND sandbox_id=?"
+            args.append(sandbox_id)
         q += " ORDER BY seq LIMIT ?"
         args.append(limit)
         with self._lock:

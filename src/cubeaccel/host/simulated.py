@@ -42,6 +42,7 @@ PROFILES: dict[str, SimProfile] = {
 
 _PART = re.compile(r"(?:(\d{1,3})x([a-z0-9]+)|([a-z0-9]+?)x(\d{1,3})|([a-z0-9]+))")
 MAX_DEVICES = 64
+WRITE_LOG = 512
 
 
 def parse_profile_spec(spec: str) -> list[str]:
@@ -89,6 +90,7 @@ class SimulatedPciHost:
     def __init__(self, profile: str = "h100x8", path: Path | None = None) -> None:
         self.path = path
         self._s: dict[str, Any] = {}
+        self._stamp: tuple[int, int, int] | None = None
         if path is not None and path.exists():
             self._load()
         else:
@@ -143,16 +145,26 @@ class SimulatedPciHost:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _load(self) -> None:
+        """Re-read only when another process changed the file (stat is cheap; parsing is not)."""
         assert self.path is not None
-        if self.path.exists():
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return
+        stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        if stamp != self._stamp:
             self._s = json.loads(self.path.read_text())
+            self._stamp = stamp
 
     def _save(self) -> None:
+        del self._s["writes"][:-WRITE_LOG]  # a bounded log: a long-running demo must not grow the file
         if self.path is None:
             return
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self._s))
         os.replace(tmp, self.path)
+        st = self.path.stat()
+        self._stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def _faulty(self, fault: Fault, address: PciAddress) -> bool:
         return fault.value in self._s["faults"].get(str(address), [])
@@ -282,10 +294,14 @@ class SimulatedPciHost:
             return out
 
     def function(self, address: PciAddress) -> PciFunction | None:
-        for f in self.functions():
-            if f.address == address:
-                return f
-        return None
+        with self._locked(write=False):
+            if str(address) in self._s["functions"]:
+                return self._function(str(address))
+            if address.function == 1:  # a companion audio function, present only under GROUP_NOT_VIABLE
+                gpu = str(PciAddress(address.domain, address.bus, address.slot, 0))
+                if gpu in self._s["functions"] and self._faulty(Fault.GROUP_NOT_VIABLE, PciAddress.parse(gpu)):
+                    return self._companion(gpu)
+            return None
 
     def iommu_group_members(self, group: int) -> list[PciAddress]:
         return [f.address for f in self.functions() if f.iommu_group == group]

@@ -1,0 +1,156 @@
+"""Durable reserve+release cycles/s through Cubelet's store, beside raw fsync'd SQLite commits (same run),
+and reserve latency over HTTP (unix socket) with 16 concurrent clients against a real Cubelet process.
+
+Prints one JSON line and a readable table. Run: `make bench` or `.venv/bin/python bench/store_bench.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from cubeaccel.backends.vfio import VfioBackend
+from cubeaccel.cubelet.client import CubeletClient
+from cubeaccel.cubelet.inventory import initialize_host
+from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
+from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
+from cubeaccel.cubelet.store import Store
+from cubeaccel.host.simulated import SimulatedPciHost
+
+
+def raw_commits_per_s(path: Path, seconds: float) -> tuple[float, int]:
+    """Baseline: one-row UPDATE + INSERT per commit, WAL + synchronous=FULL, like our transitions."""
+    c = sqlite3.connect(str(path), isolation_level=None)
+    c.execute("PRAGMA journal_mode=WAL")
+    c.execute("PRAGMA synchronous=FULL")
+    c.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, state TEXT, gen INTEGER)")
+    c.execute("CREATE TABLE e (seq INTEGER PRIMARY KEY AUTOINCREMENT, body TEXT)")
+    c.execute("INSERT INTO t VALUES (1, 'a', 0)")
+    n, end = 0, time.perf_counter() + seconds
+    start = time.perf_counter()
+    while time.perf_counter() < end:
+        c.execute("BEGIN IMMEDIATE")
+        c.execute("UPDATE t SET gen=gen+1 WHERE id=1 AND gen=?", (n,))
+        c.execute("INSERT INTO e (body) VALUES ('x')")
+        c.execute("COMMIT")
+        n += 1
+    rate = n / (time.perf_counter() - start)
+    c.close()
+    return rate, n
+
+
+def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float]:
+    host = SimulatedPciHost("h100x8")  # in-memory hardware: we measure the store, not JSON files
+    store = Store(dir / "cubelet.db")
+    cubelet = Cubelet(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
+    initialize_host(cubelet)
+    n, end = 0, time.perf_counter() + seconds
+    start = time.perf_counter()
+    seq0 = store.events()[-1].seq if store.events() else 0
+    while time.perf_counter() < end:
+        sid = f"b{n}"
+        cubelet.reserve(sid, ReservationRequest(count=1))
+        cubelet.release(sid)
+        n += 1
+    elapsed = time.perf_counter() - start
+    events = len(store.events(seq0, 10**9))
+    store.close()
+    return n / elapsed, n, events / max(n, 1)
+
+
+def http_latency(dir: Path, clients: int, per_client: int) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "cubeaccel", "cubelet", "serve", "--backend", "simulated", "--profile",
+           f"h100x{2 * clients}", "--state-dir", str(dir), "--tick", "60"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sock = dir / "cubelet.sock"
+    try:
+        probe = CubeletClient(socket=sock)
+        end = time.monotonic() + 30
+        while True:
+            try:
+                probe.health()
+                break
+            except Exception:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.05)
+        lat: list[float] = []
+        lock = threading.Lock()
+        errors: list[str] = []
+
+        def worker(w: int) -> None:
+            c = CubeletClient(socket=sock)
+            for i in range(per_client):
+                t0 = time.perf_counter()
+                try:
+                    c.reserve(f"w{w}-{i}", 1)
+                except Exception as e:
+                    errors.append(str(e))
+                    continue
+                dt = time.perf_counter() - t0
+                with lock:
+                    lat.append(dt)
+                c.release(f"w{w}-{i}")
+            c.close()
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(clients)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        lat.sort()
+        return {
+            "reserve_p50_ms": 1000 * statistics.median(lat),
+            "reserve_p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))],
+            "reserves": len(lat),
+            "errors": len(errors),
+            "reserve_release_pairs_per_s": len(lat) / wall,
+        }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def main() -> None:
+    seconds = float(os.environ.get("BENCH_SECONDS", "5"))
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        raw, raw_n = raw_commits_per_s(root / "raw.db", seconds)
+        cyc, cyc_n, events_per_cycle = store_cycles_per_s(root, seconds)
+        (root / "http").mkdir()
+        http = http_latency(root / "http", 16, int(os.environ.get("BENCH_PER_CLIENT", "40")))
+    result = {
+        "bench": "cubelet_store",
+        "raw_fsync_commits_per_s": round(raw, 1),
+        "reserve_release_cycles_per_s": round(cyc, 1),
+        "ratio_cycles_to_raw_commits": round(cyc / raw, 3),
+        "commits_per_cycle": 3,
+        "events_per_cycle": round(events_per_cycle, 1),
+        **{k: round(v, 3) for k, v in http.items()},
+        "cores": os.cpu_count(),
+    }
+    print(json.dumps(result))
+    rows = [
+        ("raw fsync'd SQLite commits/s (baseline)", f"{raw:,.0f}", f"n={raw_n}"),
+        ("durable reserve+release cycles/s", f"{cyc:,.0f}", f"n={cyc_n}"),
+        ("ratio cycles / raw commits", f"{cyc / raw:.3f}", "aim ≥ 0.5"),
+        ("HTTP reserve p50 (16 clients)", f"{http['reserve_p50_ms']:.2f} ms", f"n={http['reserves']:.0f}"),
+        ("HTTP reserve p99 (16 clients)", f"{http['reserve_p99_ms']:.2f} ms", "aim < 10 ms"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, value, note in rows:
+        print(f"{name:<{width}}  {value:>12}  {note}")
+
+
+if __name__ == "__main__":
+    main()
