@@ -114,6 +114,9 @@ def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet_
         results = list(pool.map(attempt, range(64)))
     assert results.count("ok") == 8
     assert set(results) == {"ok", "reserve.insufficient_devices"}
+    with pytest.raises(CubeError) as err:
+        cubelet_proc.client.reserve("one-more", 1)
+    assert err.value.details == {"requested": 1, "devices_by_state": {"reserved": 8}}
     devs = cubelet_proc.client.devices()
     owners = [d["sandbox_id"] for d in devs]
     assert len(set(owners)) == 8 and all(d["state"] == "reserved" for d in devs)

@@ -38,5 +38,5 @@ def not_found(code: str, message: str, **details: Any) -> CubeError:
     return CubeError(code=code, message=message, layer="api", details=details, status=404)
 
 
-def conflict(code: str, message: str, layer: str = "cubelet", **details: Any) -> CubeError:
-    return CubeError(code=code, message=message, layer=layer, details=details, status=409)
+def conflict(code: str, message: str, layer: str = "cubelet", details: dict[str, Any] | None = None) -> CubeError:
+    return CubeError(code=code, message=message, layer=layer, details=details or {}, status=409)
