@@ -349,6 +349,46 @@ def test_port_mode_waits_across_host_eof_instead_of_exiting(monkeypatch: pytest.
         theirs.close()
 
 
+def test_half_a_line_from_a_host_that_went_away_does_not_spoil_the_next_hosts_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import cubeaccel.agent.serve as serve_mod
+
+    real_read, eof_next = os.read, [False]
+    ours, theirs = socket.socketpair()
+
+    def read_then_eof(fd: int, n: int) -> bytes:
+        if fd != theirs.fileno():
+            return real_read(fd, n)
+        if eof_next[0]:
+            eof_next[0] = False
+            return b""  # the old host disconnects after sending half a line
+        data = real_read(fd, n)
+        eof_next[0] = not data.endswith(b"\n")
+        return data
+
+    monkeypatch.setattr(serve_mod.os, "read", read_then_eof)
+    thread = threading.Thread(target=serve, args=(Agent(), theirs.fileno(), theirs.fileno(), ServeOptions(eof="wait")))
+    thread.start()
+    try:
+        peer = Peer(ours.fileno())
+        assert peer.line()["event"] == "ready"
+        peer.send(b'{"v":1,"id":')
+        deadline = time.monotonic() + 5
+        while not eof_next[0]:  # wait until the agent has read the half line on its own
+            assert time.monotonic() < deadline, "agent never read the half line"
+            time.sleep(0.01)
+        peer.send({"v": 1, "id": 2, "method": "hello"})
+        reply, others = peer.reply_to(2)
+        assert reply["ok"] is True
+        assert all("event" in o for o in others)  # a fresh `ready`, and no error about the stale half line
+        assert peer.call("shutdown", request_id=3)["ok"] is True
+    finally:
+        ours.close()
+        thread.join(5)
+        theirs.close()
+
+
 def test_port_names_resolve_through_virtio_ports_links_or_sysfs_names(tmp_path: Path) -> None:
     (tmp_path / "sys/class/virtio-ports/vport1p1").mkdir(parents=True)
     (tmp_path / "sys/class/virtio-ports/vport1p1/name").write_text("org.cubeaccel.agent.0\n")

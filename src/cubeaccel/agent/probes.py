@@ -1,0 +1,262 @@
+"""Guest facts read from /proc, /sys and /dev, and the timed per-probe verdicts built from them.
+
+Every path is taken relative to a configurable root so tests can lay out a fake guest in a temp dir;
+module loading runs a configurable modprobe command so the same code runs in a guest and in tests.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cubeaccel.agent.spec import ProbeSpec, version_matches
+from cubeaccel.model.reports import ProbeResult
+
+_NVRM = re.compile(r"Kernel Module(?: for [^\s]+)?\s+(\d+(?:\.\d+)+)")
+_MAX_ERROR_TEXT = 500
+
+
+@dataclass(frozen=True)
+class ProbeContext:
+    """Where and how to probe. Defaults are the guest's; the CLI and tests override them."""
+
+    root: Path = Path("/")
+    lib_dirs: tuple[str, ...] = ()  # tried before the dynamic linker's own search
+    modprobe: tuple[str, ...] = ("modprobe",)
+    load_modules: bool = False  # run modprobe for the contract's modules before checking them
+    set_persistence: bool = False  # allowed to turn on NVML persistence mode when the contract asks
+    modprobe_timeout_s: float = 30.0
+    cuda_timeout_s: float = 20.0
+
+    def path(self, absolute: str) -> Path:
+        return self.root / absolute.lstrip("/")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a probe function returns; `timed` adds the name, layer and duration."""
+
+    ok: bool
+    code: str = ""
+    expected: str | None = None
+    found: str | None = None
+    detail: str = ""
+
+
+def timed(name: str, layer: str, fn: Callable[[], Verdict]) -> ProbeResult:
+    """Run one probe, measure it, and turn an unexpected exception into a failed probe, not a dead agent."""
+    start = time.monotonic()
+    try:
+        v = fn()
+    except Exception as exc:  # a probe bug must not hide the other probes' results
+        v = Verdict(False, "agent.probe_crashed", detail=f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT])
+    ms = round((time.monotonic() - start) * 1000.0, 3)
+    return ProbeResult(name, v.ok, layer, "" if v.ok else v.code, v.expected, v.found, ms, v.detail)
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def normalize_module(name: str) -> str:
+    """modprobe accepts `nvidia-uvm`; /proc/modules lists `nvidia_uvm`."""
+    return name.replace("-", "_")
+
+
+# ---- facts -------------------------------------------------------------------------------------
+
+
+def kernel_release(ctx: ProbeContext) -> str:
+    text = _read(ctx.path("/proc/sys/kernel/osrelease"))
+    if text is None and ctx.root == Path("/"):
+        return os.uname().release
+    return (text or "").strip()
+
+
+def loaded_modules(ctx: ProbeContext) -> tuple[str, ...]:
+    text = _read(ctx.path("/proc/modules")) or ""
+    return tuple(line.split()[0] for line in text.splitlines() if line.strip())
+
+
+def pci_devices(ctx: ProbeContext) -> tuple[dict[str, str], ...]:
+    """Every PCI function the guest kernel knows, straight from sysfs (no lspci parsing)."""
+    base = ctx.path("/sys/bus/pci/devices")
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return ()
+    out = []
+    for name in names:
+        fields = {"address": name}
+        for key, file in (("vendor_id", "vendor"), ("device_id", "device"), ("class", "class")):
+            raw = (_read(base / name / file) or "").strip().lower()
+            fields[key] = raw[2:] if raw.startswith("0x") else raw
+        out.append(fields)
+    return tuple(out)
+
+
+def device_files(ctx: ProbeContext, paths: tuple[str, ...]) -> dict[str, bool]:
+    return {p: os.path.exists(ctx.path(p)) for p in paths}
+
+
+def kernel_driver_version(ctx: ProbeContext, module: str = "nvidia") -> str | None:
+    """The driver module's version: /sys/module/<module>/version, else NVIDIA's /proc/driver/nvidia/version."""
+    text = _read(ctx.path(f"/sys/module/{normalize_module(module)}/version"))
+    if text and text.strip():
+        return text.strip()
+    text = _read(ctx.path("/proc/driver/nvidia/version"))
+    if text:
+        m = _NVRM.search(text)
+        if m:
+            return m[1]
+    return None
+
+
+def run_modprobe(ctx: ProbeContext, modules: tuple[str, ...]) -> tuple[dict[str, str], list[ProbeResult]]:
+    """modprobe each module on its own so every failure is reported, not just the first."""
+    failures: dict[str, str] = {}
+    results: list[ProbeResult] = []
+    for module in modules:
+
+        def one(module: str = module) -> Verdict:
+            error = _modprobe_one(ctx, module)
+            if error is None:
+                return Verdict(True, expected="loaded", found="loaded")
+            failures[module] = error
+            return Verdict(False, "compat.modules_img_module_failed", "loaded", "failed", error)
+
+        results.append(timed(f"modprobe:{module}", "modules_img", one))
+    return failures, results
+
+
+def _modprobe_one(ctx: ProbeContext, module: str) -> str | None:
+    """None on success, else modprobe's own error text. A hung modprobe is killed with its whole group."""
+    try:
+        proc = subprocess.Popen(
+            [*ctx.modprobe, module],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except FileNotFoundError:
+        return f"modprobe command not found: {ctx.modprobe[0]}"
+    except OSError as exc:
+        return f"modprobe could not run: {exc}"
+    try:
+        out, err = proc.communicate(timeout=ctx.modprobe_timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return f"modprobe timed out after {ctx.modprobe_timeout_s:g}s"
+    if proc.returncode == 0:
+        return None
+    text = (err or out).decode(errors="replace").strip()
+    return (text or f"modprobe exited with status {proc.returncode}")[-_MAX_ERROR_TEXT:]
+
+
+# ---- verdicts ----------------------------------------------------------------------------------
+# Codes match the contract's own check_guest (model/guest_checks.py) so both judges speak alike.
+
+
+def check_kernel(spec: ProbeSpec, release: str) -> ProbeResult:
+    def fn() -> Verdict:
+        expected = spec.guest_kernel or ""
+        ok = release == expected if spec.kernel_exact else version_matches(expected, release)
+        if ok:
+            return Verdict(True, expected=expected, found=release)
+        return Verdict(False, "compat.guest_kernel_mismatch", expected, release or None)
+
+    return timed("guest_kernel", "guest_kernel", fn)
+
+
+def check_modules(
+    ctx: ProbeContext, spec: ProbeSpec, loaded: tuple[str, ...], failures: dict[str, str]
+) -> list[ProbeResult]:
+    """One probe per module. A module that failed to load was already reported by its modprobe probe."""
+    present = {normalize_module(m) for m in loaded}
+    driver = normalize_module(spec.driver_module) if spec.driver_module else None
+    results = []
+    for module in spec.modules:
+        name = normalize_module(module)
+        if module in failures:
+            continue
+        layer, code = (
+            ("kernel_driver", "compat.kernel_driver_not_loaded")
+            if name == driver
+            else (
+                "modules_img",
+                "compat.modules_img_module_missing",
+            )
+        )
+
+        def fn(module: str = module, name: str = name, code: str = code) -> Verdict:
+            if name in present:
+                return Verdict(True, expected="loaded", found="loaded")
+            if ctx.path(f"/sys/module/{name}").is_dir():
+                return Verdict(True, expected="loaded", found="built-in")
+            return Verdict(False, code, "loaded", "absent", f"{module} not in /proc/modules")
+
+        results.append(timed(f"module:{module}", layer, fn))
+    return results
+
+
+def check_pci(spec: ProbeSpec, devices: tuple[dict[str, str], ...]) -> ProbeResult:
+    """Any one of the contract's vendor:device pairs must be in the guest's PCI tree; `found` names where."""
+
+    def fn() -> Verdict:
+        wanted = {(w.vendor_id, w.device_id) for w in spec.pci}
+        matches = [
+            f"{d['vendor_id']}:{d['device_id']}@{d['address']}"
+            for d in devices
+            if (d["vendor_id"], d["device_id"]) in wanted
+        ]
+        expected = " or ".join(w.label for w in spec.pci)
+        if matches:
+            return Verdict(True, expected=expected, found=",".join(matches))
+        seen = ",".join(sorted({f"{d['vendor_id']}:{d['device_id']}" for d in devices})) or None
+        return Verdict(False, "compat.device_not_visible_in_guest", expected, seen, "hot-plug did not reach the guest")
+
+    return timed("pci", "host_hardware", fn)
+
+
+def check_device_files(ctx: ProbeContext, spec: ProbeSpec) -> list[ProbeResult]:
+    results = []
+    for path in spec.device_files:
+
+        def fn(path: str = path) -> Verdict:
+            try:
+                mode = os.stat(ctx.path(path)).st_mode
+            except OSError as exc:
+                return Verdict(
+                    False, "compat.kernel_driver_device_file_missing", "present", "absent", exc.strerror or ""
+                )
+            kind = "char device" if stat.S_ISCHR(mode) else "block device" if stat.S_ISBLK(mode) else "file"
+            return Verdict(True, expected="present", found="present", detail=kind)
+
+        results.append(timed(f"device_file:{path}", "kernel_driver", fn))
+    return results
+
+
+def check_kernel_driver(spec: ProbeSpec, version: str | None) -> ProbeResult:
+    def fn() -> Verdict:
+        expected = spec.kernel_driver or ""
+        if version is None:
+            detail = f"no /sys/module/{spec.driver_module}/version or /proc/driver/nvidia/version"
+            return Verdict(False, "compat.kernel_driver_not_loaded", expected, None, detail)
+        ok = version == expected if spec.kernel_exact else version_matches(expected, version)
+        if ok:
+            return Verdict(True, expected=expected, found=version)
+        return Verdict(False, "compat.kernel_driver_version_mismatch", expected, version)
+
+    return timed("kernel_driver", "kernel_driver", fn)

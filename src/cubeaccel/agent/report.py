@@ -1,0 +1,99 @@
+"""Run every probe the contract asks for, assemble the GuestReport, then judge it with the contract too.
+
+The agent's own per-probe verdicts travel in `GuestReport.probes`; the contract's `check_guest`
+(when this guest's model package has it and the request carried a whole contract) judges the same
+raw facts independently, as Cubelet will on the host.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from cubeaccel.agent import AGENT_VERSION, probes
+from cubeaccel.agent.probes import ProbeContext
+from cubeaccel.agent.spec import ProbeSpec
+from cubeaccel.agent.userspace import Libraries, check_library, check_userspace_version, probe_cuda, probe_nvml
+from cubeaccel.model.reports import GuestReport, ProbeResult
+
+
+def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:
+    """Bottom-up: kernel, modules, PCI, device files, kernel driver, libraries, CUDA, NVML."""
+    results: list[ProbeResult] = []
+    release = probes.kernel_release(ctx)
+    if spec.guest_kernel is not None:
+        results.append(probes.check_kernel(spec, release))
+    failures: dict[str, str] = {}
+    if ctx.load_modules and spec.modules:
+        failures, modprobe_results = probes.run_modprobe(ctx, spec.modules)
+        results += modprobe_results
+    loaded = probes.loaded_modules(ctx)
+    results += probes.check_modules(ctx, spec, loaded, failures)
+    pci = probes.pci_devices(ctx)
+    if spec.pci:
+        results.append(probes.check_pci(spec, pci))
+    files = probes.device_files(ctx, spec.device_files)
+    results += probes.check_device_files(ctx, spec)
+    driver = probes.kernel_driver_version(ctx, spec.driver_module or "nvidia")
+    if spec.kernel_driver is not None:
+        results.append(probes.check_kernel_driver(spec, driver))
+
+    libs: Libraries = {}
+    results += [check_library(want, ctx, libs) for want in spec.libraries]
+    cuda = probe_cuda(spec, ctx, libs, results) if spec.wants_cuda else None
+    nvml = probe_nvml(spec, ctx, libs, results) if spec.wants_nvml else None
+    if spec.userspace_driver is not None:
+        results.append(check_userspace_version(spec.userspace_driver, libs, nvml))
+    return GuestReport(
+        agent_version=AGENT_VERSION,
+        kernel_release=release,
+        modules_loaded=loaded,
+        module_failures=failures,
+        pci_devices=pci,
+        device_files=files,
+        kernel_driver_version=driver,
+        libraries={name: lib.to_json() for name, lib in libs.items()},
+        cuda=cuda,
+        nvml=nvml,
+        probes=tuple(results),
+    )
+
+
+def contract_violations(contract: dict[str, Any], report: GuestReport) -> tuple[list[dict[str, Any]] | None, str]:
+    """The contract's own `check_guest` on this report; never raises.
+
+    Runs only for a whole frozen contract (`contract_version`) or template document (`apiVersion`):
+    a bare probe spec lacks what check_guest needs. Returns (violations or None, a one-line status).
+    """
+    if "contract_version" in contract:
+        kind = "CompatibilityContract"
+    elif "apiVersion" in contract:
+        kind = "Template"
+    else:
+        return None, "skipped: the request carried a probe spec, not a whole contract"
+    try:
+        module = importlib.import_module("cubeaccel.model.contract")
+        check_guest, parse = module.check_guest, getattr(module, kind).from_json
+    except (ImportError, AttributeError) as exc:
+        return None, f"unavailable: {exc}"
+    try:
+        violations = check_guest(parse(contract), report)
+        return [v.to_json() if hasattr(v, "to_json") else {"violation": str(v)} for v in violations], "applied"
+    except Exception as exc:  # the judge failing must not lose the agent's own report
+        return None, f"failed: {type(exc).__name__}: {exc}"[:500]
+
+
+def probe_reply(contract: dict[str, Any], spec: ProbeSpec, ctx: ProbeContext) -> dict[str, Any]:
+    """What the `probe` method returns and `cube-agent probe --json` prints."""
+    report = build_report(spec, ctx)
+    violations, status = contract_violations(contract, report)
+    failed = [p for p in report.probes if not p.ok]
+    layers = {p.layer for p in failed} | {str(v["layer"]) for v in violations or [] if v.get("layer")}
+    return {
+        "ok": not failed and not violations,
+        "failed": [p.name for p in failed],
+        "failed_layers": sorted(layers),
+        "report": report.to_json(),
+        "violations": violations or [],
+        "contract_check": status,
+    }
