@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,7 +150,9 @@ def query_cuda(lib: ctypes.CDLL) -> dict[str, Any]:
         return out
     out["driver_version"] = raw.value  # 12040 = CUDA 12.4, as cuDriverGetVersion returns it
     out["driver_version_text"] = f"{raw.value // 1000}.{(raw.value % 1000) // 10}"
+    started = time.perf_counter()
     rc = init(0)
+    out["init_ms"] = round((time.perf_counter() - started) * 1000.0, 3)  # the probe's own timer only judges
     out["init_result"] = rc
     if rc != 0:
         out["error"] = f"cuInit: {_cuda_error(lib, rc)}"

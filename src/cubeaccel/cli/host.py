@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.host.pci import PciFunction
+from cubeaccel.host.pci import function_json
 from cubeaccel.host.readiness import Status, check_host
 from cubeaccel.host.sysfs import SysfsPciHost
 from cubeaccel.model.errors import CubeError
@@ -49,28 +49,6 @@ def check(
             names = ", ".join(c.name for c in result.failures)
             console.print(f"[red]not ready[/]: this host cannot pass PCI devices through ({names})")
     raise typer.Exit(0 if result.ready else 1)
-
-
-def function_json(f: PciFunction) -> dict[str, Any]:
-    return {
-        "address": str(f.address),
-        "vendor_device": f.identity.vendor_device,
-        "subsystem": f"{f.subsystem_vendor_id:04x}:{f.subsystem_device_id:04x}",
-        "class": f"{f.class_code:06x}",
-        "revision": f"{f.revision:02x}",
-        "numa_node": f.numa_node,
-        "iommu_group": f.iommu_group,
-        "driver": f.driver,
-        "driver_override": f.driver_override,
-        "bar_sizes": list(f.bar_sizes),
-        "link": {"speed": f.link_speed, "width": f.link_width},
-        "sriov": {"totalvfs": f.sriov_totalvfs, "numvfs": f.sriov_numvfs},
-        "reset_method": list(f.reset_method),
-        "aer": {"fatal": f.aer_fatal, "nonfatal": f.aer_nonfatal},
-        "enabled": f.enabled,
-        "serial": f.serial,
-        "extra": dict(f.extra),
-    }
 
 
 @app.command("discover")

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from cubeaccel.model.device import DeviceIdentity, PciAddress
 from cubeaccel.model.errors import CubeError
@@ -132,3 +132,25 @@ __all__ = [
     "SysfsPciHost",
     "host_error",
 ]
+
+
+def function_json(f: PciFunction) -> dict[str, Any]:
+    return {
+        "address": str(f.address),
+        "vendor_device": f.identity.vendor_device,
+        "subsystem": f"{f.subsystem_vendor_id:04x}:{f.subsystem_device_id:04x}",
+        "class": f"{f.class_code:06x}",
+        "revision": f"{f.revision:02x}",
+        "numa_node": f.numa_node,
+        "iommu_group": f.iommu_group,
+        "driver": f.driver,
+        "driver_override": f.driver_override,
+        "bar_sizes": list(f.bar_sizes),
+        "link": {"speed": f.link_speed, "width": f.link_width},
+        "sriov": {"totalvfs": f.sriov_totalvfs, "numvfs": f.sriov_numvfs},
+        "reset_method": list(f.reset_method),
+        "aer": {"fatal": f.aer_fatal, "nonfatal": f.aer_nonfatal},
+        "enabled": f.enabled,
+        "serial": f.serial,
+        "extra": dict(f.extra),
+    }
