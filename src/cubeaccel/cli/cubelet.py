@@ -48,6 +48,7 @@ def serve_cmd(
     reservation_ttl: Annotated[float, typer.Option(help="seconds before an unstarted reservation expires")] = 300.0,
     release_timeout: Annotated[float, typer.Option(help="seconds release may wait before quarantine")] = 30.0,
     node: Annotated[str, typer.Option(help="node name")] = "node-1",
+    master: Annotated[str | None, typer.Option(help="CubeMaster URL to register with (needs --listen)")] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.cubelet.inventory import initialize_host
@@ -57,6 +58,8 @@ def serve_cmd(
     from cubeaccel.cubelet.server import Ticker, create_app, serve
 
     addr = _listen(listen)
+    if master is not None and addr is None:
+        raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
     if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0:
         raise typer.BadParameter("tick, reservation-ttl and release-timeout must be > 0")
     try:
@@ -72,6 +75,12 @@ def serve_cmd(
         return
     ticker = Ticker(cubelet, tick)
     ticker.start()
+    heartbeat = None
+    if master is not None and addr is not None:
+        from cubeaccel.cubelet.heartbeat import Heartbeat
+
+        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick)
+        heartbeat.start()
     sock = state_dir / "cubelet.sock"
     print(json.dumps({"cubelet": "ready", "socket": str(sock), "backend": backend, "repairs": len(repairs),
                       "pid": os.getpid()}), flush=True)
@@ -79,6 +88,8 @@ def serve_cmd(
         serve(create_app(cubelet), sock, addr)
     finally:
         ticker.stop()
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
 def _client(state_dir: Path, url: str | None) -> CubeletClient:

@@ -1,0 +1,81 @@
+"""Cubelet → CubeMaster: register and heartbeat the capacity summary (derived from the store each time)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from cubeaccel import __version__
+from cubeaccel.cubelet.capacity import capacity_summary
+from cubeaccel.cubelet.lifecycle import Cubelet
+
+
+def pinnable_memory_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Memory a new guest could allocate and lock now: MemAvailable (root has CAP_IPC_LOCK)."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def heartbeat_body(cubelet: Cubelet, cubelet_url: str, kernels: list[str], images: list[str]) -> dict[str, Any]:
+    return {
+        "node": cubelet.config.node_name,
+        "cubelet_url": cubelet_url,
+        "version": __version__,
+        "capacity": capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
+        "pinnable_memory_mib": pinnable_memory_mib(),
+        "kernels": kernels,
+        "images": images,
+        "sent_at": time.time(),
+    }
+
+
+class Heartbeat:
+    """Sends a heartbeat every interval; only reachability *changes* become events (no event flood)."""
+
+    def __init__(self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float,
+                 kernels: list[str] | None = None, images: list[str] | None = None) -> None:
+        self.cubelet = cubelet
+        self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
+        self.cubelet_url = cubelet_url
+        self.interval_s = interval_s
+        self.kernels = kernels or []
+        self.images = images or []
+        self._stop = threading.Event()
+        self._reachable: bool | None = None
+        self._thread = threading.Thread(target=self._run, name="cubelet-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def beat(self, http: httpx.Client) -> bool:
+        try:
+            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url, self.kernels, self.images))
+            ok = r.status_code < 300
+            detail = "" if ok else r.text[:500]
+        except httpx.HTTPError as e:
+            ok, detail = False, str(e)
+        if ok != self._reachable:
+            with self.cubelet.store.tx() as t:
+                t.event("master_reachable" if ok else "master_unreachable", "cubelet",
+                        details={"url": self.url, "error": detail})
+            self._reachable = ok
+        return ok
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5.0) as http:
+            while True:
+                self.beat(http)
+                if self._stop.wait(self.interval_s):
+                    return

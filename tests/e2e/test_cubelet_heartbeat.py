@@ -1,0 +1,69 @@
+"""Cubelet started with --master heartbeats its capacity to a real HTTP server."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.cubelet_process import CubeletProcess, poll
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Master(ThreadingHTTPServer):
+    beats: list[tuple[str, dict[str, Any]]]
+    up: bool
+
+
+def _handler(server: _Master) -> type[BaseHTTPRequestHandler]:
+    class H(BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+            server.beats.append((self.path, body))
+            code = 200 if server.up else 503
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"state": "ready"}')
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return H
+
+
+def test_heartbeat_carries_the_capacity_summary_and_reachability_changes_are_events(tmp_path: Path) -> None:
+    master = _Master(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    master.beats, master.up = [], True
+    master.RequestHandlerClass = _handler(master)
+    threading.Thread(target=master.serve_forever, daemon=True).start()
+    port = _free_port()
+    url = f"http://127.0.0.1:{master.server_address[1]}"
+    p = CubeletProcess(tmp_path, "2xh100,2xt4", "--master", url, "--listen", f"127.0.0.1:{port}", "--node", "n7")
+    p.start()
+    try:
+        path, body = poll(lambda: master.beats and master.beats[-1])
+        assert path == "/v1/nodes/n7"
+        assert body["cubelet_url"] == f"http://127.0.0.1:{port}"
+        assert body["capacity"]["total"] == 4 and body["capacity"]["allocatable"] == 4
+        assert {g["labels"]["model"] for g in body["capacity"]["groups"]} == {"H100-SXM5-80GB", "T4-16GB"}
+        assert body["pinnable_memory_mib"] > 0
+        p.client.reserve("sb", 1)
+        poll(lambda: master.beats[-1][1]["capacity"]["allocatable"] == 3)
+        master.up = False
+        poll(lambda: any(e["kind"] == "master_unreachable" for e in p.client.events()["events"]))
+        n = len(master.beats)
+        poll(lambda: len(master.beats) > n + 1)  # keeps trying
+        kinds = [e["kind"] for e in p.client.events()["events"]]
+        assert kinds.count("master_unreachable") == 1  # a change, not a flood
+    finally:
+        p.stop()
+        master.shutdown()
