@@ -1,0 +1,34 @@
+"""The operator CLI against a real Cubelet process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.e2e.cubelet_process import CubeletProcess
+
+
+def _cli(p: CubeletProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cubeaccel", *args, "--state-dir", str(p.state_dir)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_devices_table_verbs_and_events(cubelet_proc: CubeletProcess) -> None:
+    out = _cli(cubelet_proc, "devices")
+    assert out.returncode == 0
+    assert "0000:10:00.0" in out.stdout and "H100-SXM5-80GB" in out.stdout and "allocatable" in out.stdout
+    dev = json.loads(_cli(cubelet_proc, "devices", "--json").stdout)["devices"][0]["id"]
+    q = _cli(cubelet_proc, "device", "quarantine", dev, "--who", "alice", "--reason", "ECC")
+    assert q.returncode == 0 and "quarantined" in q.stdout
+    ev = json.loads(_cli(cubelet_proc, "events", "--json").stdout)["events"]
+    assert ev[-1]["details"]["who"] == "alice" and ev[-1]["to_state"] == "quarantined"
+
+
+def test_cli_errors_print_code_and_layer_and_exit_1(cubelet_proc: CubeletProcess) -> None:
+    out = _cli(cubelet_proc, "device", "recover", "no-such-device", "--who", "a", "--reason", "b")
+    assert out.returncode == 1
+    assert "device.not_found" in out.stdout
+    dev = cubelet_proc.client.devices()[0]["id"]
+    out = _cli(cubelet_proc, "device", "enable", dev, "--who", "a", "--reason", "b")
+    assert out.returncode == 1 and "state.transition_refused" in out.stdout
