@@ -141,7 +141,7 @@ def our_cycle(manifest_path: Path, work: Path, start: str, n: int) -> dict[str, 
     sd.mkdir(parents=True)
     (sd / "spec.json").write_text(json.dumps(spec))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-c", "from cubeaccel.cli import main; main()", "shim", "run",
+    proc = subprocess.Popen([sys.executable, "-m", "cubeaccel.shim", "run",
                              "--sandbox", sandbox, "--spec", str(sd / "spec.json")])
     reports = sd / "reports.jsonl"
     attached_at = None

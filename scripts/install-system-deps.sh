@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
 # Debian packages the tests and the demo need. Idempotent; quiet when everything is present.
+#  - qemu-system-x86: real MicroVMs (tests/vm, the demo); the shim uses q35 + TCG/KVM
+#  - cpio: reading guest images in tests (the builder writes cpio itself)
+#  - apt package lists: `cubeaccel image build` fetches the guest kernel, busybox and python with `apt-get download`
+#  - util-linux (setpriv, prlimit): the pinned-memory test drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK
 set -euo pipefail
 need=()
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
-command -v busybox >/dev/null || [ -x /bin/busybox ] || need+=(busybox-static)
 command -v cpio >/dev/null || need+=(cpio)
 command -v gcc >/dev/null || need+=(gcc)
-if [ ${#need[@]} -gt 0 ]; then
-  if [ "$(id -u)" -ne 0 ]; then echo "missing Debian packages: ${need[*]} (run as root to install)" >&2; exit 0; fi
+command -v setpriv >/dev/null && command -v prlimit >/dev/null || need+=(util-linux)
+lists_missing() {
+  # apt-get download needs package lists with a candidate for the kernel meta-package.
+  local policy
+  policy="$(apt-cache policy linux-image-amd64 2>/dev/null || true)"
+  [[ "$policy" != *"Candidate: "[0-9]* ]]
+}
+if [ ${#need[@]} -gt 0 ] || lists_missing; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing Debian packages or apt lists: ${need[*]:-lists} (run as root to install)" >&2
+    exit 0
+  fi
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq >/dev/null || true
-  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  if [ ${#need[@]} -gt 0 ]; then
+    apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  fi
 fi

@@ -73,7 +73,7 @@ def make_handler(st: State, server_ref: list[_Server]) -> type[BaseHTTPRequestHa
             data = json.loads(self.rfile.read(n))
             return data if isinstance(data, dict) else {}
 
-        def do_GET(self) -> None:  # noqa: N802
+        def do_GET(self) -> None:
             if self.path == "/api/v1/vmm.ping":
                 self._reply(200, {"build_version": "fake", "version": "v40.0-fake", "pid": os.getpid(),
                                   "features": []})
@@ -83,7 +83,7 @@ def make_handler(st: State, server_ref: list[_Server]) -> type[BaseHTTPRequestHa
             else:
                 self._reply(404, text="not found")
 
-        def do_PUT(self) -> None:  # noqa: N802
+        def do_PUT(self) -> None:
             endpoint = self.path.removeprefix("/api/v1/")
             body = self._body()
             if endpoint == "vm.create":

@@ -1,7 +1,44 @@
-"""`cubeaccel shim ...`: one MicroVM per process."""
+"""`cubeaccel shim ...`: one MicroVM per process (started by Cubelet), plus the lookup Cubelet uses after a crash."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import typer
 
+from cubeaccel.model.errors import CubeError
+
 app = typer.Typer(no_args_is_help=True, help="CubeShim: one MicroVM per process")
+
+
+@app.command("run")
+def run(
+    sandbox: str = typer.Option(..., "--sandbox", help="sandbox id (must equal the spec's sandbox_id)"),
+    spec_file: Path = typer.Option(..., "--spec", help="spec JSON written by Cubelet"),
+) -> None:
+    """Run one sandbox's MicroVM until SIGTERM; reports go where the spec says."""
+    from cubeaccel.shim.process import run_shim
+    from cubeaccel.shim.spec import load_spec
+
+    try:
+        spec = load_spec(spec_file)
+        if spec.sandbox_id != sandbox:
+            raise CubeError("shim.invalid_spec", f"--sandbox {sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
+                            layer="template", details={"field": "sandbox_id"}, status=422)
+    except CubeError as e:
+        print(json.dumps(e.to_json()), file=sys.stderr)
+        raise typer.Exit(2) from e
+    raise typer.Exit(run_shim(spec))
+
+
+@app.command("find")
+def find(sandbox: str = typer.Argument(..., help="sandbox id")) -> None:
+    """Print the pid of the sandbox's VMM (found by its command-line tag), exit 1 when none runs."""
+    from cubeaccel.shim.find import find_vmm
+
+    pid = find_vmm(sandbox)
+    if pid is None:
+        raise typer.Exit(1)
+    print(pid)

@@ -1,0 +1,98 @@
+"""QEMU's emulated `edu` PCI device (1234:11e8) as a stand-in accelerator on hosts without GPUs or an IOMMU.
+
+The same lifecycle as VFIO, with the host side made of VMM processes instead of device files: each slot is a
+virtual device with a synthetic address (0000:e0:SS.0) that exists only inside the VMM it is hot-plugged into.
+Holders are live VMM processes found in /proc by their tag and device list (never an in-memory record), so
+Cubelet's release rule — "no holder remains" — means exactly "no VMM that could still have it is alive".
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from cubeaccel.backends.base import AttachSpec, Problem
+from cubeaccel.host.pci import Holder
+from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, DiscoveredDevice, PciAddress
+from cubeaccel.model.profiles import labels_for
+from cubeaccel.model.states import DeviceState
+from cubeaccel.shim.find import vmm_processes
+
+EDU_VENDOR, EDU_DEVICE = 0x1234, 0x11E8
+EDU_IDENTITY = DeviceIdentity(
+    vendor_id=EDU_VENDOR, device_id=EDU_DEVICE, subsystem_vendor_id=0x1AF4, subsystem_device_id=0x1100,
+    class_code=0x00FF00, revision=0x10,
+)
+EMULATED_BUS = 0xE0  # no real bus uses it on our hosts; makes emulated ids obvious in listings
+
+
+def slot_address(index: int) -> PciAddress:
+    return PciAddress(0, EMULATED_BUS, index, 0)
+
+
+class EmulatedBackend:
+    """`slots` virtual edu devices. QEMU must be installed for them to be handed out."""
+
+    name = "emulated"
+
+    def __init__(self, slots: int = 2, proc_root: Path = Path("/proc"), qemu: str | None = None) -> None:
+        if not 0 < slots <= 32:
+            raise ValueError("slots must be 1..32")
+        self.slots = slots
+        self.proc_root = proc_root
+        self.qemu = qemu or os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
+
+    def _addresses(self) -> list[PciAddress]:
+        return [slot_address(i) for i in range(self.slots)]
+
+    def discover(self) -> list[DiscoveredDevice]:
+        out = []
+        for addr in self._addresses():
+            labels = labels_for(EDU_VENDOR, EDU_DEVICE)
+            labels.update(backend=self.name, numa_node="0", **{"class": AcceleratorClass.ACCELERATOR.value})
+            out.append(DiscoveredDevice(address=addr, identity=EDU_IDENTITY, accel_class=AcceleratorClass.ACCELERATOR,
+                                        backend=self.name, numa_node=0, iommu_group=None, driver=None, labels=labels))
+        return out
+
+    def _presence(self, device: DeviceRecord) -> list[Problem]:
+        problems = []
+        if self.qemu is None or not Path(self.qemu).exists():
+            problems.append(Problem("backend.qemu_missing", "qemu-system-x86_64 is not installed on this host"))
+        if device.address not in self._addresses():
+            problems.append(Problem("host.device_missing", f"no emulated slot at {device.address}"))
+        elif device.identity != EDU_IDENTITY:
+            problems.append(Problem("host.identity_changed",
+                                    f"{device.address} is {EDU_IDENTITY.vendor_device}, record says "
+                                    f"{device.identity.vendor_device}"))
+        return problems
+
+    def validate(self, device: DeviceRecord) -> list[Problem]:
+        problems = self._presence(device)
+        held = self.holders(device)
+        if held:
+            who = ", ".join(f"{h.pid}({h.path})" for h in held)
+            problems.append(Problem("host.device_held", f"{device.address} may be held by VMM {who}", hard=False))
+        return problems
+
+    def health(self, device: DeviceRecord) -> list[Problem]:
+        problems = self._presence(device)
+        if device.state not in (DeviceState.ATTACHED, DeviceState.PREPARING) and self.holders(device):
+            problems.append(Problem("host.unexpected_holder", f"{device.address} is in a live VMM", hard=False))
+        return problems
+
+    def holders(self, device: DeviceRecord) -> list[Holder]:
+        """Live VMMs whose tag lists this device (from their environment, read in /proc)."""
+        return [Holder(p.pid, p.command, f"vmm:{p.sandbox_id}") for p in vmm_processes(self.proc_root)
+                if device.id in p.device_ids]
+
+    def cleanup(self, device: DeviceRecord) -> list[Problem]:
+        """An emulated device dies with its VMM: cleanup is proving the VMM is gone."""
+        held = self.holders(device)
+        if held:
+            return [Problem("backend.vmm_still_running",
+                            f"{device.address} still in VMM pid {', '.join(str(h.pid) for h in held)}", hard=False)]
+        return []
+
+    def attach_spec(self, device: DeviceRecord) -> AttachSpec:
+        return AttachSpec(driver="edu", properties={})

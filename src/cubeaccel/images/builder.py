@@ -1,0 +1,209 @@
+"""`cubeaccel image build`: guest kernel + modules.img + rootfs from Debian packages, cached by their inputs.
+
+The cache key hashes every input (exact package versions, the agent's and the builder's source, module set,
+kernel command line), so an unchanged machine reuses the image and any change rebuilds it. Builds go to a
+temporary directory and are renamed into place under a file lock: concurrent builders (parallel test workers,
+two shims) never see a half-written image.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from cubeaccel.images import cpio, kernel, packages, rootfs
+from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
+
+BUILDER_VERSION = 1
+KEEP_IMAGES = 3  # older images are removed after a build (their templates go with the template pruning)
+CMDLINE = "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init 8250.nr_uarts=1 tsc=reliable no_timer_check"
+_SRC_PKG = Path(__file__).resolve().parents[1]  # src/cubeaccel
+
+
+def cache_dir() -> Path:
+    """$CUBEACCEL_CACHE_DIR, else $XDG_CACHE_HOME/cubeaccel, else ~/.cache/cubeaccel."""
+    explicit = os.environ.get("CUBEACCEL_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "cubeaccel"
+
+
+def _tree_digest(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for base in paths:
+        files = sorted(base.rglob("*.py")) if base.is_dir() else [base]
+        for f in files:
+            if "__pycache__" in f.parts:
+                continue
+            h.update(str(f.relative_to(_SRC_PKG)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return "sha256:" + h.hexdigest()
+
+
+def agent_digest() -> str:
+    """What goes into /opt/cubeaccel: the agent and the model it imports."""
+    return _tree_digest([_SRC_PKG / "__init__.py", _SRC_PKG / "agent", _SRC_PKG / "model"])
+
+
+@dataclass(frozen=True)
+class Inputs:
+    kernel_package: packages.Package
+    rootfs_packages: tuple[packages.Package, ...]
+    agent_sha256: str
+    builder_sha256: str
+
+    @property
+    def key(self) -> str:
+        doc = {
+            "builder": BUILDER_VERSION,
+            "builder_sha256": self.builder_sha256,
+            "kernel": self.kernel_package.to_json(),
+            "rootfs": [p.to_json() for p in self.rootfs_packages],
+            "agent": self.agent_sha256,
+            "modules": list(kernel.BOOT_MODULES + kernel.EXTRA_MODULES),
+            "cmdline": CMDLINE,
+        }
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def resolve_inputs() -> Inputs:
+    kpkg_name = packages.kernel_package()
+    pkgs = packages.resolve([kpkg_name, *rootfs.ROOTFS_PACKAGES])
+    builder_src = [_SRC_PKG / "images" / n for n in ("builder.py", "cpio.py", "kernel.py", "rootfs.py")]
+    return Inputs(pkgs[0], tuple(pkgs[1:]), agent_digest(), _tree_digest(builder_src))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def cached(cache: Path, key: str) -> Manifest | None:
+    path = cache / "images" / key / "manifest.json"
+    if not path.exists():
+        return None
+    m = Manifest.load(path)
+    return m if not m.verify() else None
+
+
+def build(cache: Path | None = None, force: bool = False) -> tuple[Manifest, bool]:
+    """Return (manifest, built_now). Reuses a cached image whose inputs and digests match unless `force`."""
+    cache = cache or cache_dir()
+    inputs = resolve_inputs()
+    with _locked(cache / "images" / ".lock"):
+        if not force and (m := cached(cache, inputs.key)) is not None:
+            _point_latest(cache, m)
+            return m, False
+        m = _build(cache, inputs)
+        _point_latest(cache, m)
+        prune(cache / "images", keep=KEEP_IMAGES, protect=m.key)
+        _prune_debs(cache / "debs", {packages.deb_path(cache / "debs", p).name
+                                     for p in (inputs.kernel_package, *inputs.rootfs_packages)})
+        return m, True
+
+
+def prune(root: Path, keep: int, protect: str = "") -> list[str]:
+    """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`."""
+    entries = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith("build-")),
+                     key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = []
+    for p in entries[keep:]:
+        if p.name != protect:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed
+
+
+def _prune_debs(debs: Path, keep: set[str]) -> None:
+    """Downloaded packages of superseded versions (a new kernel point release is ~70 MB) are dropped."""
+    for deb in debs.glob("*.deb"):
+        if deb.name not in keep:
+            deb.unlink(missing_ok=True)
+
+
+def latest(cache: Path | None = None) -> Manifest | None:
+    """The most recently built or reused image (without asking apt), if any."""
+    cache = cache or cache_dir()
+    pointer = cache / "images" / "latest"
+    if not pointer.exists():
+        return None
+    m = Manifest.load(cache / "images" / pointer.read_text().strip() / "manifest.json")
+    return m
+
+
+def _point_latest(cache: Path, m: Manifest) -> None:
+    tmp = cache / "images" / "latest.tmp"
+    tmp.write_text(m.key + "\n")
+    tmp.replace(cache / "images" / "latest")
+
+
+def _build(cache: Path, inputs: Inputs) -> Manifest:
+    debs = packages.download(cache / "debs", [inputs.kernel_package, *inputs.rootfs_packages])
+    final = cache / "images" / inputs.key
+    work = Path(tempfile.mkdtemp(prefix=f"build-{inputs.key}-", dir=cache / "images"))
+    try:
+        out = work / "out"
+        out.mkdir()
+        ktree = work / "kernel"
+        packages.extract(debs[0], ktree)
+        release = packages.kernel_release(inputs.kernel_package.name)
+        vmlinuz = ktree / "boot" / f"vmlinuz-{release}"
+        vmlinuz_sha = sha256_file(vmlinuz) if vmlinuz.exists() else ""
+        kernel.extract_vmlinux(vmlinuz, out / "vmlinux")
+        mods = kernel.build_modules_img(ktree, release, work, out / "modules.img")
+        shutil.rmtree(ktree)
+
+        root = work / "rootfs"
+        for deb in debs[1:]:
+            packages.extract(deb, root)
+        rootfs.prune(root)
+        rootfs.install_busybox(root)
+        rootfs.install_agent(root, _SRC_PKG)
+        rootfs.compile_and_smoke_test(root)
+        with (out / "rootfs.cpio").open("wb") as f:
+            cpio.write_tree(root, f)
+        with (out / "initrd.img").open("wb") as f:
+            for part in ("rootfs.cpio", "modules.img"):
+                with (out / part).open("rb") as src:
+                    shutil.copyfileobj(src, f)
+
+        def art(name: str) -> Artifact:
+            return Artifact(name, sha256_file(out / name))
+
+        m = Manifest(
+            key=inputs.key,
+            kernel_package=inputs.kernel_package.name,
+            kernel_package_version=inputs.kernel_package.version,
+            kernel_release=release,
+            vmlinuz_sha256=vmlinuz_sha,
+            vmlinux=art("vmlinux"),
+            modules_img=art("modules.img"),
+            modules=tuple(mods),
+            rootfs=art("rootfs.cpio"),
+            initrd=art("initrd.img"),
+            packages=tuple(p.to_json() for p in inputs.rootfs_packages),
+            agent_sha256=inputs.agent_sha256,
+            cmdline=CMDLINE,
+            directory=final,
+        )
+        if final.exists():
+            shutil.rmtree(final)
+        out.replace(final)
+        m.save()
+        return m
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

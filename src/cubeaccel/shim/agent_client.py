@@ -1,0 +1,129 @@
+"""Host side of cube-agent's JSON-lines protocol over the VMM's virtio-serial socket.
+
+Own line buffer over `recv` with deadlines (a `makefile()` reader is unusable after a timeout). Unsolicited
+`event` lines (the agent's `ready` announcement) are remembered, not mistaken for replies.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cubeaccel.model.errors import CubeError
+
+PROTOCOL_VERSION = 1
+
+
+def agent_error(code: str, message: str, layer: str = "guest_kernel", **details: Any) -> CubeError:
+    return CubeError(code=code, message=message, layer=layer, details=dict(details), status=500)
+
+
+class AgentClient:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._buf = b""
+        self._next_id = 1
+        self.ready_event: dict[str, Any] | None = None
+
+    def connect(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(str(self.path))
+            except OSError:
+                s.close()
+                if time.monotonic() > deadline:
+                    raise agent_error("agent.connect_failed", f"cannot connect to {self.path}") from None
+                time.sleep(0.02)
+                continue
+            s.setblocking(False)
+            self._sock = s
+            return
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _readline(self, deadline: float) -> dict[str, Any] | None:
+        assert self._sock is not None
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            readable, _, _ = select.select([self._sock], [], [], left)
+            if not readable:
+                return None
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise agent_error("agent.disconnected", "agent channel closed by the VMM")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            return {}
+        return msg if isinstance(msg, dict) else {}
+
+    def _send(self, method: str, params: dict[str, Any]) -> int:
+        assert self._sock is not None
+        rid = self._next_id
+        self._next_id += 1
+        data = json.dumps({"v": PROTOCOL_VERSION, "id": rid, "method": method, "params": params}).encode() + b"\n"
+        self._sock.setblocking(True)
+        try:
+            self._sock.sendall(data)
+        finally:
+            self._sock.setblocking(False)
+        return rid
+
+    def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+        """One request, its reply's `result`; agent errors become CubeErrors with the agent's code and layer."""
+        if self._sock is None:
+            raise agent_error("agent.not_connected", "agent channel not connected")
+        rid = self._send(method, params or {})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._readline(deadline)
+            if msg is None:
+                raise agent_error("agent.timeout", f"no reply to {method} within {timeout_s:.1f} s", method=method)
+            if "event" in msg:
+                self.ready_event = msg
+                continue
+            if msg.get("id") != rid:
+                continue
+            if msg.get("ok"):
+                result = msg.get("result")
+                return result if isinstance(result, dict) else {}
+            err = msg.get("error") or {}
+            raise agent_error(str(err.get("code", "agent.error")), str(err.get("message", "")),
+                              layer=str(err.get("layer", "agent")), details=err.get("details"))
+
+    def wait_hello(self, timeout_s: float, retry_s: float = 2.0,
+                   cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+        """Until the agent answers `hello` (it may still be booting; requests wait in the port until it reads)."""
+        deadline = time.monotonic() + timeout_s
+        while not cancelled():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise agent_error("agent.not_ready", f"cube-agent did not answer within {timeout_s:.0f} s")
+            try:
+                return self.call("hello", timeout_s=min(retry_s, left))
+            except CubeError as e:
+                if e.code != "agent.timeout":
+                    raise
+        raise agent_error("agent.cancelled", "stopped while waiting for cube-agent", layer="cubelet")
+
+    def pci_devices(self, timeout_s: float = 10.0) -> list[dict[str, str]]:
+        """The guest's PCI functions, via a probe with an empty contract (no modules loaded)."""
+        reply = self.call("probe", {"contract": {"probes": {}}, "load_modules": False}, timeout_s)
+        report = reply.get("report", {})
+        devices = report.get("pci_devices", []) if isinstance(report, dict) else []
+        return [d for d in devices if isinstance(d, dict)]

@@ -1,0 +1,87 @@
+"""Finding a sandbox's VMM from /proc, by pid and the tag on its command line — for when the shim is gone.
+
+The shim starts the VMM in its own session so that a dead shim leaves it running; Cubelet then finds it here
+(`find_vmm`) and applies the release rules. Backends use `vmm_processes` to name the holders of a device: the
+VMM's environment carries the Cubelet device ids it may hold.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+TAG_PREFIX = "cubeaccel-sandbox="
+# The tag inside one argv element: QEMU's `-name guest=cubeaccel-sandbox=ID`, or an argv[0] such as
+# `cloud-hypervisor[cubeaccel-sandbox=ID]` for VMMs without a free-form name option.
+_TAG = re.compile(r"(?:^|[=,\[])" + re.escape(TAG_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})")
+ENV_SANDBOX = "CUBEACCEL_SANDBOX"
+ENV_DEVICES = "CUBEACCEL_DEVICES"
+
+
+def argv0_tag(program: str, sandbox_id: str) -> str:
+    return f"{program}[{TAG_PREFIX}{sandbox_id}]"
+
+
+def name_arg(sandbox_id: str) -> str:
+    """QEMU `-name` value carrying the tag (`guest=` keeps QEMU from parsing the tag as an option)."""
+    return f"guest={TAG_PREFIX}{sandbox_id}"
+
+
+@dataclass(frozen=True)
+class VmmProcess:
+    pid: int
+    sandbox_id: str
+    device_ids: tuple[str, ...]
+    command: str
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _state(proc: Path) -> str | None:
+    raw = _read(proc / "stat")
+    if raw is None:
+        return None
+    return raw.rsplit(b")", 1)[-1].split()[0].decode()
+
+
+def inspect(pid: int, proc_root: Path = Path("/proc")) -> VmmProcess | None:
+    """The tagged VMM with this pid, or None (not a VMM of ours, gone, or a zombie)."""
+    proc = proc_root / str(pid)
+    cmdline = _read(proc / "cmdline")
+    if not cmdline or _state(proc) in (None, "Z", "X"):
+        return None
+    argv = [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+    sandbox = None
+    for arg in argv:
+        if m := _TAG.search(arg):
+            sandbox = m.group(1)
+    if sandbox is None:
+        return None
+    devices: tuple[str, ...] = ()
+    env = _read(proc / "environ") or b""
+    for item in env.split(b"\0"):
+        if item.startswith(ENV_DEVICES.encode() + b"="):
+            devices = tuple(d for d in item.split(b"=", 1)[1].decode().split(";") if d)
+    return VmmProcess(pid, sandbox, devices, argv[0] if argv else "")
+
+
+def vmm_processes(proc_root: Path = Path("/proc")) -> list[VmmProcess]:
+    out = []
+    for entry in proc_root.iterdir():
+        if entry.name.isdigit() and (p := inspect(int(entry.name), proc_root)) is not None:
+            out.append(p)
+    return sorted(out, key=lambda p: p.pid)
+
+
+def find_vmm(sandbox_id: str, proc_root: Path = Path("/proc")) -> int | None:
+    """Pid of the live VMM tagged with `sandbox_id`, or None. Zombies do not count: they hold nothing."""
+    for p in vmm_processes(proc_root):
+        if p.sandbox_id == sandbox_id:
+            return p.pid
+    return None

@@ -1,0 +1,263 @@
+"""The shim process: one sandbox's MicroVM from start to a confirmed VMM exit, every step reported.
+
+Order is the safety argument: memory is proven locked before any hot-plug; a device is hot-plugged only after the
+guest's agent answered; it is reported attached only when the guest sees its vendor:device; on teardown it is
+reported detached only on the VMM's removal event, and the VMM's exit is reported only after waitpid. A failed
+step tears down (no device is ever left in a running VM the shim gave up on); Cubelet decides about the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import time
+from types import FrameType
+
+from cubeaccel.images.builder import cache_dir, latest
+from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reports import ShimReportKind as K
+from cubeaccel.shim.agent_client import AgentClient
+from cubeaccel.shim.image_check import image_mismatches
+from cubeaccel.shim.memory import prove_pinned
+from cubeaccel.shim.qemu import QemuVmm
+from cubeaccel.shim.reporter import Reporter
+from cubeaccel.shim.spec import DeviceSpec, ShimSpec
+from cubeaccel.shim.template import ensure_template
+from cubeaccel.shim.vmm import ExitInfo, VmConfig
+
+PIN_PROOF_TIMEOUT_S = 5.0
+VISIBLE_TIMEOUT_S = 10.0
+AGENT_SHUTDOWN_TIMEOUT_S = 2.0
+STOP_GRACE_S = 5.0
+
+
+def qdev_id(index: int) -> str:
+    return f"accel{index}"
+
+
+class Shim:
+    def __init__(self, spec: ShimSpec) -> None:
+        self.spec = spec
+        self.reporter = Reporter(spec.sandbox_id, spec.report_socket, spec.report_file, spec.state_dir)
+        self.vmm: QemuVmm | None = None
+        self.agent: AgentClient | None = None
+        self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
+        self.timeline: dict[str, float] = {}
+        self._stop = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+
+    # -- signals ---------------------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._stop = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def _check_stop(self) -> None:
+        if self._stop:
+            raise CubeError("shim.stop_requested", "teardown requested during startup", layer="cubelet")
+
+    def _phase(self, name: str, t0: float) -> float:
+        self.timeline[name] = round(time.monotonic() - t0, 4)
+        return time.monotonic()
+
+    # -- run -------------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _run(self) -> int:
+        self.spec.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.spec.state_dir / "shim.pid").write_text(f"{os.getpid()}\n")
+        rc = 0
+        reason = "stopped"
+        try:
+            self._start()
+            self._wait()
+            if self.vmm is not None and self.vmm.poll_exit() is not None and not self._stop:
+                rc, reason = 1, "vmm_exited_unexpectedly"  # guest poweroff, crash, or killed from outside
+            else:
+                reason = "stop_requested"
+        except CubeError as e:
+            stopped = e.code in ("shim.stop_requested", "agent.cancelled")
+            rc, reason = (0, "stop_requested") if stopped else (1, e.code)
+            if rc:
+                self.reporter.report(K.ATTACH_FAILED, tuple(d.device_id for d in self.spec.devices),
+                                     reason=e.code, layer=e.layer, message=e.message, **e.details)
+        finally:
+            exit_info = self._teardown()
+            self.reporter.report(K.SHIM_EXITING, reason=reason, exit_code=rc, timeline=self.timeline,
+                                 vmm_exit=exit_info.to_json() if exit_info else None)
+        return rc
+
+    def _vm_config(self, manifest: Manifest) -> VmConfig:
+        return VmConfig(
+            sandbox_id=self.spec.sandbox_id, memory_mib=self.spec.memory_mib, vcpus=self.spec.vcpus,
+            pin_memory=self.spec.pin_memory, kernel=manifest.path(manifest.vmlinux),
+            initrd=manifest.path(manifest.initrd), cmdline=manifest.cmdline, state_dir=self.spec.state_dir,
+            device_ids=tuple(d.device_id for d in self.spec.devices), memory_backend=self.spec.memory_backend,
+        )
+
+    def _start(self) -> None:
+        spec = self.spec
+        manifest = self._manifest()
+        mismatches = image_mismatches(spec.contract, manifest)
+        if mismatches and spec.image_check == "enforce":
+            first = mismatches[0]
+            raise CubeError(first["code"], f"guest image does not match the contract: {first['expected']} pinned, "
+                            f"{first['found']} built", layer=first["layer"], details={"mismatches": mismatches})
+        cfg = self._vm_config(manifest)
+        t = time.monotonic()
+        restore = None
+        if spec.start == "template":
+            restore, created = ensure_template(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
+            t = self._phase("template_create_s" if created else "template_lookup_s", t)
+        self.vmm = vmm = QemuVmm(cfg, restore_from=restore)
+        vmm.start()
+        self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
+        t = self._phase("vmm_start_s", t)
+        self.reporter.report(K.VM_STARTED, pid=vmm.pid, vmm=vmm.kind, accel=vmm.accel, accel_reason=vmm.accel_reason,
+                             start=spec.start, image_digest=manifest.image_digest,
+                             kernel_release=manifest.kernel_release, image_mismatches=mismatches)
+        if spec.pin_memory:
+            proof = self._prove_pinned(vmm)
+            t = self._phase("pin_proof_s", t)
+            self.reporter.report(K.MEMORY_PINNED, **proof)
+        self._check_stop()
+        self.agent = agent = AgentClient(spec.state_dir / "agent.sock")
+        agent.connect(10.0)
+        hello = agent.wait_hello(spec.boot_timeout_s, cancelled=lambda: self._stop)
+        self._check_stop()
+        t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
+        self.reporter.report(K.GUEST_READY, agent=hello)
+        for i, dev in enumerate(spec.devices):
+            self._check_stop()
+            self._attach(vmm, agent, i, dev)
+        t = self._phase("hotplug_to_visible_s", t)
+        if spec.contract is not None and spec.devices:
+            self._validate(agent)
+            self._phase("guest_validation_s", t)
+
+    def _manifest(self) -> Manifest:
+        if self.spec.image_manifest is not None:
+            return Manifest.load(self.spec.image_manifest)
+        built = latest()
+        if built is None:
+            raise CubeError("shim.no_image", "no guest image built yet: run `cubeaccel image build`",
+                            layer="template", status=500)
+        return built
+
+    def _prove_pinned(self, vmm: QemuVmm) -> dict[str, int]:
+        deadline = time.monotonic() + PIN_PROOF_TIMEOUT_S
+        while True:
+            try:
+                return prove_pinned(vmm.pid, self.spec.memory_mib)
+            except CubeError:
+                if time.monotonic() > deadline or vmm.poll_exit() is not None:
+                    raise
+            time.sleep(0.02)
+
+    def _attach(self, vmm: QemuVmm, agent: AgentClient, index: int, dev: DeviceSpec) -> None:
+        qid = qdev_id(index)
+        t0 = time.monotonic()
+        before = {d.get("address") for d in agent.pci_devices()}
+        try:
+            att = vmm.add_device(qid, dev.driver, dev.properties, index)
+        except CubeError as e:
+            raise CubeError("attach.device_add_failed", e.message, layer="backend",
+                            details={"device_id": dev.device_id, "driver": dev.driver}, status=500) from e
+        self.added[qid] = dev
+        deadline = t0 + VISIBLE_TIMEOUT_S
+        while True:
+            seen = [d for d in agent.pci_devices()
+                    if d.get("address") not in before and f"{d.get('vendor_id')}:{d.get('device_id')}"
+                    == dev.vendor_device]
+            if seen:
+                break
+            if time.monotonic() > deadline:
+                raise CubeError("attach.not_visible_in_guest",
+                                f"guest does not see {dev.vendor_device} {VISIBLE_TIMEOUT_S:.0f} s after device_add",
+                                layer="guest_kernel", details={"device_id": dev.device_id}, status=500)
+            time.sleep(0.02)
+        self.reporter.report(K.DEVICE_ATTACHED, (dev.device_id,), qdev_id=qid, bus=att.bus,
+                             guest_address=seen[0].get("address"), vendor_device=dev.vendor_device,
+                             hotplug_ms=round((time.monotonic() - t0) * 1000, 1))
+
+    def _validate(self, agent: AgentClient) -> None:
+        ids = tuple(d.device_id for d in self.spec.devices)
+        try:
+            reply = agent.call("probe", {"contract": self.spec.contract}, timeout_s=60.0)
+        except CubeError as e:
+            self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, reason=e.code, layer=e.layer, message=e.message)
+            raise
+        if reply.get("ok"):
+            self.reporter.report(K.GUEST_VALIDATED, ids, report=reply.get("report"))
+            return
+        self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, report=reply.get("report"),
+                             violations=reply.get("violations"), failed_layers=reply.get("failed_layers"))
+        raise CubeError("guest.validation_failed", "guest does not satisfy the contract", layer="guest_kernel",
+                        details={"failed_layers": reply.get("failed_layers")})
+
+    def _wait(self) -> None:
+        """Until SIGTERM or the VMM exits on its own (guest poweroff, crash, someone killed it)."""
+        assert self.vmm is not None
+        pidfd = os.pidfd_open(self.vmm.pid)
+        try:
+            while not self._stop and self.vmm.poll_exit() is None:
+                select.select([pidfd, self._wake_r], [], [], 1.0)
+        finally:
+            os.close(pidfd)
+
+    # -- teardown --------------------------------------------------------------------------------------------
+    def _teardown(self) -> ExitInfo | None:
+        vmm = self.vmm
+        if vmm is None:
+            return None
+        t = time.monotonic()
+        alive = vmm.poll_exit() is None
+        if alive and self.agent is not None:
+            with contextlib.suppress(CubeError, OSError):
+                self.agent.call("shutdown", {"poweroff": False},
+                                timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s))
+        if self.agent is not None:
+            self.agent.close()
+        if alive and self.added:
+            self._detach(vmm)
+        t = self._phase("detach_s", t)
+        info = vmm.stop(STOP_GRACE_S)
+        self._phase("vmm_exit_s", t)
+        self.reporter.report(K.VMM_EXITED, tuple(d.device_id for d in self.spec.devices), **info.to_json())
+        return info
+
+    def _detach(self, vmm: QemuVmm) -> None:
+        t0 = time.monotonic()
+        requested: set[str] = set()
+        for qid in self.added:
+            try:
+                vmm.request_remove(qid)
+                requested.add(qid)
+            except CubeError as e:
+                self.reporter.report(K.DETACH_TIMEOUT, (self.added[qid].device_id,), qdev_id=qid,
+                                     reason=e.code, message=e.message)
+        removed = vmm.wait_removed(requested, self.spec.detach_timeout_s)
+        for qid in sorted(requested):
+            dev = self.added[qid]
+            if qid in removed:
+                self.reporter.report(K.DEVICE_DETACHED, (dev.device_id,), qdev_id=qid,
+                                     detach_ms=round((time.monotonic() - t0) * 1000, 1))
+            else:
+                self.reporter.report(K.DETACH_TIMEOUT, (dev.device_id,), qdev_id=qid,
+                                     timeout_s=self.spec.detach_timeout_s)
+
+
+def run_shim(spec: ShimSpec) -> int:
+    return Shim(spec).run()

@@ -1,0 +1,74 @@
+"""GPU-capable templates: boot once without any device, pause, save to a file; sandboxes restore from it.
+
+The template's machine (memory size, vCPUs, root ports and their windows, accel, image) is part of its key, so a
+restored sandbox always has the machine its state was saved from. The template VM never has a device attached
+(`QemuVmm.save_state` refuses), and its memory is not locked — each sandbox preallocates and locks its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from cubeaccel.images.builder import prune
+from cubeaccel.images.manifest import Manifest
+from cubeaccel.shim.agent_client import AgentClient
+from cubeaccel.shim.qemu import QemuVmm, qemu_binary
+from cubeaccel.shim.vmm import VmConfig, detect_accel
+
+KEEP_TEMPLATES = 4  # each saved state is about the guest's touched RAM (~150 MB for 256 MiB guests)
+
+
+def template_key(cfg: VmConfig, manifest: Manifest, accel: str) -> str:
+    qemu = Path(qemu_binary())
+    st = qemu.stat()
+    doc = {
+        "image": manifest.image_digest,
+        "cmdline": cfg.cmdline,
+        "memory_mib": cfg.memory_mib,
+        "vcpus": cfg.vcpus,
+        "root_ports": cfg.root_ports,
+        "bar_window_gib": cfg.bar_window_gib,
+        "memory_backend": cfg.memory_backend,
+        "accel": accel,
+        "qemu": [str(qemu), st.st_size, int(st.st_mtime)],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def ensure_template(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = 60.0) -> tuple[Path, bool]:
+    """Path of the saved state for this machine (creating it under a lock if needed) and whether it was created."""
+    key = template_key(cfg, manifest, detect_accel()[0])
+    tdir = root / key
+    state = tdir / "state"
+    tdir.mkdir(parents=True, exist_ok=True)
+    with (tdir / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if state.exists():
+            return state, False
+        run_dir = tdir / f"build-{os.getpid()}"
+        tcfg = replace(cfg, sandbox_id=f"template-{key}", state_dir=run_dir, pin_memory=False, device_ids=())
+        vmm = QemuVmm(tcfg)
+        t0 = time.monotonic()
+        try:
+            vmm.start()
+            agent = AgentClient(run_dir / "agent.sock")
+            agent.connect(10.0)
+            hello = agent.wait_hello(boot_timeout_s)
+            agent.close()  # the guest sees the host leave before it is frozen; sandboxes reconnect
+            vmm.save_state(state)
+        finally:
+            vmm.stop(5.0)
+        meta = {"key": key, "image_digest": manifest.image_digest, "memory_mib": cfg.memory_mib,
+                "vcpus": cfg.vcpus, "accel": vmm.accel, "kernel_release": hello.get("kernel_release"),
+                "build_s": round(time.monotonic() - t0, 3), "state_bytes": state.stat().st_size}
+        (tdir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.rmtree(run_dir, ignore_errors=True)
+    prune(root, keep=KEEP_TEMPLATES, protect=key)
+    return state, True

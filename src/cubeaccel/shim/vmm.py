@@ -1,0 +1,110 @@
+"""What the shim needs from a VMM, independent of QEMU or Cloud Hypervisor.
+
+A `Vmm` starts one MicroVM, adds and removes devices, reports removal only when the VMM says it happened
+(QEMU `DEVICE_DELETED`, Cloud Hypervisor `device-removed`), and stops the process, returning how it exited.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from cubeaccel.model.errors import CubeError
+
+
+def vmm_error(code: str, message: str, layer: str = "backend", **details: Any) -> CubeError:
+    return CubeError(code=code, message=message, layer=layer, details=dict(details), status=500)
+
+
+@dataclass(frozen=True)
+class VmConfig:
+    """One VM's machine. Everything that shapes migration state is here, so a template matches its sandboxes."""
+
+    sandbox_id: str
+    memory_mib: int
+    vcpus: int
+    pin_memory: bool
+    kernel: Path
+    initrd: Path
+    cmdline: str
+    state_dir: Path
+    root_ports: int = 4
+    bar_window_gib: int = 2  # prefetchable 64-bit window reserved per root port (GPU BARs need far more)
+    memory_backend: str = "ram"  # ram | memfd | hugepages (memfd on 2 MiB hugetlbfs pages; needs a hugepage pool)
+    device_ids: tuple[str, ...] = ()  # Cubelet device ids this VMM may hold (tagged for holder lookups)
+
+
+@dataclass(frozen=True)
+class ExitInfo:
+    pid: int
+    status: int  # raw wait status
+    exit_code: int | None
+    signal: int | None
+    how: str  # exited | quit | sigterm | sigkill
+
+    @classmethod
+    def from_wait(cls, pid: int, status: int, how: str) -> ExitInfo:
+        if os.WIFSIGNALED(status):
+            return cls(pid, status, None, os.WTERMSIG(status), how)
+        return cls(pid, status, os.WEXITSTATUS(status), None, how)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "status": self.status, "exit_code": self.exit_code, "signal": self.signal,
+                "how": self.how}
+
+
+@dataclass(frozen=True)
+class Attached:
+    qdev_id: str
+    bus: str
+    guest_bdf: str | None = None
+
+
+class Vmm(Protocol):
+    kind: str  # "qemu" | "cloud-hypervisor"
+
+    @property
+    def pid(self) -> int: ...
+
+    def start(self) -> None:
+        """Launch (cold boot, or restore when configured); returns once the control channel answers."""
+        ...
+
+    def add_device(self, qdev_id: str, driver: str, properties: dict[str, str], slot: int) -> Attached: ...
+
+    def request_remove(self, qdev_id: str) -> None:
+        """Ask for removal. Never means the device is gone."""
+        ...
+
+    def wait_removed(self, qdev_ids: set[str], timeout_s: float) -> set[str]:
+        """Wait (bounded) for the VMM's removal events; returns the ids confirmed removed."""
+        ...
+
+    def poll_exit(self) -> ExitInfo | None: ...
+
+    def stop(self, grace_s: float) -> ExitInfo:
+        """Graceful quit, then SIGKILL after `grace_s`; returns only after the process was waited for."""
+        ...
+
+
+def detect_accel(dev: Path = Path("/dev/kvm"), sys_module: Path = Path("/sys/module")) -> tuple[str, str]:
+    """("kvm"|"tcg", why). KVM only when it can run a stock guest: PVM's /dev/kvm (kvm_pvm) cannot.
+
+    Modules are read from /sys/module (present for built-in modules too, unlike /proc/modules).
+    `CUBEACCEL_ACCEL=tcg|kvm` overrides (an operator who knows better, or tests).
+    """
+    forced = os.environ.get("CUBEACCEL_ACCEL")
+    if forced in ("tcg", "kvm"):
+        return forced, f"forced by CUBEACCEL_ACCEL={forced}"
+    if not dev.exists():
+        return "tcg", f"{dev} does not exist"
+    if (sys_module / "kvm_pvm").exists():
+        return "tcg", "KVM here is kvm_pvm (this host is itself a nested PVM guest): it cannot run a stock kernel"
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return "tcg", f"{dev} is not accessible to this user"
+    hw = sorted(m for m in ("kvm_intel", "kvm_amd") if (sys_module / m).exists())
+    if hw:
+        return "kvm", f"hardware KVM ({', '.join(hw)})"
+    return "tcg", "neither kvm_intel nor kvm_amd is loaded"

@@ -1,0 +1,181 @@
+"""Image builder parts: deterministic cpio, vmlinux from an XZ bzImage, modinfo and modules.dep, manifest."""
+
+from __future__ import annotations
+
+import io
+import lzma
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cubeaccel.images import cpio, kernel
+from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
+from cubeaccel.model.errors import CubeError
+
+REL = "6.1.0-99-amd64"
+
+
+def _tree(root: Path, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.dictionaries(st.from_regex(r"[a-z]{1,6}(/[a-z]{1,6}){0,2}", fullmatch=True), st.binary(max_size=300),
+                       max_size=6))
+def test_cpio_is_deterministic_and_readable_by_cpio(tmp_path_factory: pytest.TempPathFactory,
+                                                    files: dict[str, bytes]) -> None:
+    files = {k: v for k, v in files.items() if not any(o != k and o.startswith(k + "/") for o in files)}
+    root = tmp_path_factory.mktemp("tree")
+    _tree(root, files)
+    a, b = io.BytesIO(), io.BytesIO()
+    cpio.write_tree(root, a, prefix="x/y")
+    cpio.write_tree(root, b, prefix="x/y")
+    assert a.getvalue() == b.getvalue()
+    if shutil.which("cpio"):
+        listing = subprocess.run(["cpio", "-it", "--quiet"], input=a.getvalue(), capture_output=True, check=True)
+        names = set(listing.stdout.decode().split())
+        assert {f"x/y/{k}" for k in files} <= names and "x" in names
+
+
+def test_vmlinux_is_the_xz_payload_of_the_bzimage(tmp_path: Path) -> None:
+    elf = b"\x7fELF" + b"\x02" * 5000
+    (tmp_path / "vmlinuz").write_bytes(b"MZ setup code" * 10 + lzma.compress(elf, format=lzma.FORMAT_XZ) + b"\0" * 9)
+    kernel.extract_vmlinux(tmp_path / "vmlinuz", tmp_path / "vmlinux")
+    assert (tmp_path / "vmlinux").read_bytes() == elf
+    (tmp_path / "gz").write_bytes(b"MZ" + b"\x1f\x8b" * 100)
+    with pytest.raises(CubeError) as e:
+        kernel.extract_vmlinux(tmp_path / "gz", tmp_path / "x")
+    assert e.value.code == "image.kernel_format"
+
+
+def _ko(deps: str, vermagic: str = f"{REL} SMP preempt mod_unload modversions ") -> bytes:
+    return b"\x7fELF junk\0license=GPL\0depends=" + deps.encode() + b"\0vermagic=" + vermagic.encode() + b"\0"
+
+
+def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> None:
+    moddir = tmp_path / "lib/modules" / REL / "kernel"
+    _tree(moddir, {"virtio/virtio.ko": _ko(""), "virtio/virtio_ring.ko": _ko("virtio"),
+                   "virtio/virtio_pci.ko": _ko("virtio_ring,virtio"), "char/virtio_console.ko": _ko("virtio_ring"),
+                   "uio/uio.ko": _ko(""), "uio/uio_pci_generic.ko": _ko("uio"), "pci/pci-stub.ko": _ko(""),
+                   "unrelated/big.ko": _ko("")})
+    mods = kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "modules.img")
+    assert mods == sorted(["virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic",
+                           "pci_stub"])
+    dep = (tmp_path / "work/modules/modules.dep").read_text()
+    assert "kernel/virtio/virtio_pci.ko: kernel/virtio/virtio_ring.ko kernel/virtio/virtio.ko" in dep
+    assert "big.ko" not in dep
+
+
+def test_modules_dep_lists_dependents_before_what_they_need(tmp_path: Path) -> None:
+    # Debian 6.1.0-57: virtio itself needs virtio_ring; modprobe loads the list from its end.
+    moddir = tmp_path / "lib/modules" / REL / "kernel"
+    _tree(moddir, {"virtio/virtio.ko": _ko("virtio_ring"), "virtio/virtio_ring.ko": _ko(""),
+                   "virtio/virtio_pci.ko": _ko("virtio_pci_modern_dev,virtio_ring,virtio"),
+                   "virtio/virtio_pci_modern_dev.ko": _ko("virtio"),
+                   "char/virtio_console.ko": _ko("virtio,virtio_ring"),
+                   "uio/uio_pci_generic.ko": _ko(""), "pci/pci-stub.ko": _ko("")})
+    kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "m.img")
+    lines = dict(line.split(": ", 1) for line in (tmp_path / "work/modules/modules.dep").read_text().splitlines()
+                 if ": " in line)
+    order = [p.rsplit("/", 1)[1][:-3] for p in lines["kernel/virtio/virtio_pci.ko"].split()]
+    assert order == ["virtio_pci_modern_dev", "virtio", "virtio_ring"]
+
+
+def test_a_module_built_for_another_kernel_fails_the_build(tmp_path: Path) -> None:
+    moddir = tmp_path / "lib/modules" / REL / "kernel"
+    _tree(moddir, {"virtio/virtio_pci.ko": _ko("", vermagic="6.1.0-98-amd64 SMP "),
+                   "char/virtio_console.ko": _ko(""), "uio/uio_pci_generic.ko": _ko(""), "pci/pci-stub.ko": _ko("")})
+    with pytest.raises(CubeError) as e:
+        kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "m.img")
+    assert e.value.code == "image.module_vermagic" and e.value.layer == "modules_img"
+
+
+def test_manifest_round_trips_and_detects_a_changed_artifact(tmp_path: Path) -> None:
+    for name in ("vmlinux", "modules.img", "rootfs.cpio", "initrd.img"):
+        (tmp_path / name).write_bytes(name.encode())
+
+    def art(n: str) -> Artifact:
+        return Artifact(n, sha256_file(tmp_path / n))
+
+    m = Manifest(key="k", kernel_package=f"linux-image-{REL}", kernel_package_version="6.1.1-1", kernel_release=REL,
+                 vmlinuz_sha256="sha256:00", vmlinux=art("vmlinux"), modules_img=art("modules.img"),
+                 modules=("virtio",), rootfs=art("rootfs.cpio"), initrd=art("initrd.img"), packages=(),
+                 agent_sha256="sha256:11", cmdline="console=ttyS0", directory=tmp_path)
+    loaded = Manifest.load(m.save())
+    assert loaded == m and loaded.image_digest.startswith("sha256:") and loaded.verify() == []
+    (tmp_path / "rootfs.cpio").write_bytes(b"tampered")
+    assert loaded.verify() == ["rootfs.cpio"]
+    (tmp_path / "manifest.json").write_text("{}")
+    with pytest.raises(CubeError) as e:
+        Manifest.load(tmp_path / "manifest.json")
+    assert e.value.code == "image.manifest_invalid"
+
+
+def _manifest(tmp_path: Path) -> Manifest:
+    for name in ("vmlinux", "modules.img", "rootfs.cpio", "initrd.img"):
+        (tmp_path / name).write_bytes(name.encode())
+
+    def art(n: str) -> Artifact:
+        return Artifact(n, sha256_file(tmp_path / n))
+
+    m = Manifest(key="k", kernel_package=f"linux-image-{REL}", kernel_package_version="1", kernel_release=REL,
+                 vmlinuz_sha256="sha256:aa", vmlinux=art("vmlinux"), modules_img=art("modules.img"), modules=(),
+                 rootfs=art("rootfs.cpio"), initrd=art("initrd.img"), packages=(), agent_sha256="sha256:11",
+                 cmdline="console=ttyS0", directory=tmp_path)
+    m.save()
+    return m
+
+
+def test_contract_pins_are_compared_with_the_built_image(tmp_path: Path) -> None:
+    from cubeaccel.shim.image_check import image_mismatches
+
+    m = _manifest(tmp_path)
+    good = {"document": {"spec": {"guest": {
+        "image": {"digest": m.image_digest}, "kernel": {"version": REL, "digest": "sha256:aa"},
+        "modules_img": {"kernel_version": REL, "digest": m.modules_img.sha256}}}}}
+    assert image_mismatches(good, m) == [] and image_mismatches(None, m) == []
+    bad = {"guest": {"kernel": {"version": "6.1.0-50-amd64"}, "modules_img": {"digest": "sha256:00"}}}
+    assert [(x["layer"], x["code"]) for x in image_mismatches(bad, m)] == [
+        ("guest_kernel", "compat.guest_kernel_mismatch"), ("modules_img", "compat.modules_img_mismatch")]
+
+
+def test_enforced_image_mismatch_fails_before_any_vm_starts(tmp_path: Path) -> None:
+    import json
+
+    from cubeaccel.shim.process import run_shim
+    from cubeaccel.shim.spec import parse_spec
+
+    m = _manifest(tmp_path)
+    spec = parse_spec({"sandbox_id": "sb-x", "devices": [], "memory_mib": 256,
+                       "contract": {"guest": {"modules_img": {"digest": "sha256:00"}}}, "image_check": "enforce",
+                       "image_manifest": str(m.directory / "manifest.json"), "state_dir": str(tmp_path / "st"),
+                       "report": {"file": str(tmp_path / "r.jsonl")}})
+    assert run_shim(spec) == 1
+    reports = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in reports] == ["attach_failed", "shim_exiting"]
+    assert reports[0]["details"]["layer"] == "modules_img"
+
+
+def test_image_show_prints_the_latest_manifest_and_flags_corruption(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    show = [sys.executable, "-c", "from cubeaccel.cli import main; main()", "image", "show", "--cache-dir",
+            str(tmp_path)]
+    assert subprocess.run(show, capture_output=True, text=True).returncode == 1  # nothing built yet
+    img = tmp_path / "images" / "k"
+    img.mkdir(parents=True)
+    m = _manifest(img)
+    (tmp_path / "images" / "latest").write_text("k\n")
+    out = json.loads(subprocess.run(show, capture_output=True, text=True, check=True).stdout)
+    assert out["intact"] and out["image_digest"] == m.image_digest and out["kernel"]["release"] == REL
+    (img / "vmlinux").write_bytes(b"changed")
+    out = json.loads(subprocess.run(show, capture_output=True, text=True, check=True).stdout)
+    assert not out["intact"] and out["corrupt"] == ["vmlinux"]

@@ -1,0 +1,109 @@
+"""Shim parts without a VMM: accel choice, the QEMU command line, the VmLck proof, report delivery."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reports import ShimReportKind
+from cubeaccel.shim.memory import prove_pinned, status_kib
+from cubeaccel.shim.qemu import build_argv
+from cubeaccel.shim.reporter import Reporter
+from cubeaccel.shim.vmm import VmConfig, detect_accel
+
+
+def _cfg(tmp_path: Path, pin: bool = True) -> VmConfig:
+    return VmConfig(sandbox_id="sb-1", memory_mib=512, vcpus=2, pin_memory=pin, kernel=tmp_path / "vmlinux",
+                    initrd=tmp_path / "initrd.img", cmdline="console=ttyS0", state_dir=tmp_path / "state")
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_accel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBEACCEL_ACCEL", raising=False)
+    monkeypatch.setenv("CUBEACCEL_QEMU", "/usr/bin/qemu-system-x86_64")
+
+
+def test_pvm_kvm_falls_back_to_tcg_and_says_why(tmp_path: Path) -> None:
+    dev = tmp_path / "kvm"
+    dev.write_text("")
+    (tmp_path / "mod" / "kvm_pvm").mkdir(parents=True)
+    accel, why = detect_accel(dev, tmp_path / "mod")
+    assert accel == "tcg" and "kvm_pvm" in why
+
+
+def test_hardware_kvm_is_used_and_missing_kvm_is_tcg(tmp_path: Path) -> None:
+    dev = tmp_path / "kvm"
+    dev.write_text("")
+    (tmp_path / "mod" / "kvm_intel").mkdir(parents=True)
+    assert detect_accel(dev, tmp_path / "mod")[0] == "kvm"
+    assert detect_accel(tmp_path / "absent", tmp_path / "mod") == ("tcg", f"{tmp_path / 'absent'} does not exist")
+
+
+def test_command_line_locks_preallocated_memory_and_tags_the_sandbox(tmp_path: Path) -> None:
+    argv = build_argv(_cfg(tmp_path), "tcg")
+    joined = " ".join(argv)
+    assert argv[1:3] == ["-name", "guest=cubeaccel-sandbox=sb-1"]
+    assert "memory-backend-ram,id=m0,size=512M,prealloc=on" in argv
+    assert "-overcommit mem-lock=on" in joined and "tcg,tb-size=64" in argv
+    assert joined.count("pcie-root-port") == 4 and "pref64-reserve=2G" in joined
+    assert "-incoming" not in argv
+    assert "-overcommit" not in build_argv(_cfg(tmp_path, pin=False), "tcg")
+    restore = build_argv(_cfg(tmp_path), "tcg", incoming=True)
+    assert restore[:-2] == argv and restore[-2:] == ["-incoming", "defer"]  # same machine as the template
+    memfd = build_argv(replace(_cfg(tmp_path), memory_backend="memfd"), "tcg")
+    assert "memory-backend-memfd,id=m0,size=512M,prealloc=on" in memfd
+    huge = build_argv(replace(_cfg(tmp_path), memory_backend="hugepages"), "tcg")
+    assert "memory-backend-memfd,id=m0,size=512M,prealloc=on,hugetlb=on,hugetlbsize=2M" in huge
+    kvm = build_argv(_cfg(tmp_path), "kvm")
+    assert "kvm" in kvm and "host" in kvm
+
+
+def test_vmlck_proof_accepts_locked_memory_and_names_the_layer_otherwise(tmp_path: Path) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "status").write_text("Name:\tqemu\nVmLck:\t  600000 kB\nVmRSS:\t  540000 kB\n")
+    assert status_kib(7, tmp_path) == {"VmLck": 600000, "VmRSS": 540000}
+    assert prove_pinned(7, 512, tmp_path)["vmlck_kib"] == 600000
+    with pytest.raises(CubeError) as e:
+        prove_pinned(7, 1024, tmp_path)
+    assert e.value.layer == "pinned_memory" and e.value.code == "pinned_memory.not_locked"
+    assert e.value.details["guest_kib"] == 1024 * 1024 and e.value.details["hint"]
+    with pytest.raises(CubeError):
+        prove_pinned(99, 1, tmp_path)  # gone: nothing locked
+
+
+def test_this_process_is_not_locked_so_the_real_proof_fails() -> None:
+    with pytest.raises(CubeError) as e:
+        prove_pinned(os.getpid(), 64)
+    assert e.value.layer == "pinned_memory"
+
+
+def test_file_reports_are_json_lines_in_order(tmp_path: Path) -> None:
+    r = Reporter("sb-1", None, tmp_path / "r.jsonl", tmp_path)
+    r.report(ShimReportKind.VM_STARTED, pid=1)
+    r.report(ShimReportKind.VMM_EXITED, ("d1",), pid=1, status=0)
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [x["kind"] for x in lines] == ["vm_started", "vmm_exited"] and lines[1]["device_ids"] == ["d1"]
+
+
+def test_undeliverable_socket_reports_are_kept_in_the_state_dir(tmp_path: Path) -> None:
+    r = Reporter("sb-1", tmp_path / "nobody.sock", None, tmp_path, retries=1)
+    r.report(ShimReportKind.SHIM_EXITING)
+    kept = json.loads((tmp_path / "undelivered.jsonl").read_text())
+    assert kept["kind"] == "shim_exiting"
+
+
+@pytest.mark.parametrize("entry", [["-c", "from cubeaccel.cli import main; main()", "shim"], ["-m", "cubeaccel.shim"]])
+def test_cli_rejects_a_spec_for_another_sandbox_with_exit_2(tmp_path: Path, entry: list[str]) -> None:
+    spec = {"sandbox_id": "sb-1", "devices": [], "memory_mib": 256, "image_manifest": "/x/manifest.json",
+            "state_dir": str(tmp_path), "report": {"file": str(tmp_path / "r")}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, *entry, "run", "--sandbox", "sb-2", "--spec", str(tmp_path / "spec.json")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "shim.invalid_spec" in proc.stderr
