@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.cloudhv import CloudHypervisorVmm, parse_events, vm_config
-from cubeaccel.shim.find import find_vmm, inspect
+from cubeaccel.host.vmmproc import find_vmm, inspect
 from cubeaccel.shim.vmm import VmConfig
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_cloudhv.py"))]

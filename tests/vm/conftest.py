@@ -25,7 +25,7 @@ import pytest
 
 from cubeaccel.images.builder import build
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.shim.find import find_vmm
+from cubeaccel.host.vmmproc import find_vmm
 
 pytestmark = pytest.mark.vm
 _STARTED: list[str] = []

@@ -16,7 +16,7 @@ from cubeaccel.images.builder import latest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.states import DeviceState
-from cubeaccel.shim.find import find_vmm, inspect
+from cubeaccel.host.vmmproc import find_vmm, inspect
 
 pytestmark = pytest.mark.vm
 

@@ -17,7 +17,7 @@ from cubeaccel.host.pci import Holder
 from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.states import DeviceState
-from cubeaccel.shim.find import vmm_processes
+from cubeaccel.host.vmmproc import vmm_processes
 
 EDU_VENDOR, EDU_DEVICE = 0x1234, 0x11E8
 EDU_IDENTITY = DeviceIdentity(

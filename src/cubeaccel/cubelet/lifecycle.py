@@ -114,7 +114,11 @@ class Cubelet:
 
     # ---- helpers --------------------------------------------------------------------------------
     def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
-        return t.devices_of(sandbox_id)
+        """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
+        forensics, and a sandbox id may be reused, so membership is the reservation's device list."""
+        res = t.reservation(sandbox_id)
+        ids = set(res.device_ids) if res is not None else set()
+        return [d for d in t.devices_of(sandbox_id) if d.id in ids]
 
     def _fail(self, t: Tx, d: DeviceRecord, problems: list[Problem], details: dict[str, Any] | None = None) -> None:
         event, reason = problem_event(problems)
@@ -236,12 +240,18 @@ class Cubelet:
                 if k is ShimReportKind.VM_STARTED:
                     res.facts["vmm_pid"] = report.details.get("pid")
                 elif k is ShimReportKind.DEVICE_ATTACHED:
-                    for d in self._sandbox_devices(t, sid):
-                        if d.state is S.PREPARING:
+                    named = set(report.device_ids)  # one report per device; none named means all
+                    devs = self._sandbox_devices(t, sid)
+                    for d in devs:
+                        if d.state is S.PREPARING and (not named or d.id in named):
                             t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
-                    res.phase = "running" if res.phase == "starting" else res.phase
+                    if res.phase == "starting" and all(d.state is not S.PREPARING
+                                                       for d in self._sandbox_devices(t, sid)):
+                        res.phase = "running"
                 elif k is ShimReportKind.DEVICE_DETACHED:
-                    res.facts["detach_confirmed"] = True
+                    detached = set(res.facts.get("detached", []))
+                    detached |= set(report.device_ids or res.device_ids)
+                    res.facts["detached"] = sorted(detached)
                 elif k is ShimReportKind.DETACH_TIMEOUT:
                     res.facts["detach_timeout"] = True
                 elif k is ShimReportKind.VMM_EXITED:
@@ -340,7 +350,7 @@ class Cubelet:
                             details={"facts": res.facts})
 
     def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
-        detached = bool(res.facts.get("detach_confirmed"))
+        detached = d.id in res.facts.get("detached", [])
         if st.vmm_alive is None and not detached:
             t.transition(d, E.QUARANTINE, Actor.CUBELET, reason="release.vmm_state_unknown")
             return

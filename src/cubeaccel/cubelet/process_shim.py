@@ -17,9 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cubeaccel.cubelet.shim_driver import ReportSink, ShimSpec, ShimStatus
-
-VMM_TAG = "cubeaccel-sandbox="
-
+from cubeaccel.host.vmmproc import find_vmm
 
 def _cmdline(pid: int, proc: Path) -> str | None:
     try:
@@ -36,22 +34,12 @@ def _zombie(pid: int, proc: Path) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
 
 
-def find_tagged(tag: str, proc: Path = Path("/proc")) -> int | None:
-    """The live process whose command line carries `tag` as a whole word."""
-    try:
-        entries = [p for p in os.listdir(proc) if p.isdigit()]
-    except OSError:
-        return None
-    for entry in entries:
-        cmd = _cmdline(int(entry), proc)
-        if cmd and tag in cmd.split() and not _zombie(int(entry), proc) and int(entry) != os.getpid():
-            return int(entry)
-    return None
-
-
 class ProcessShimDriver:
-    def __init__(self, state_dir: Path, python: str = sys.executable, proc: Path = Path("/proc")) -> None:
+    def __init__(self, state_dir: Path, python: str = sys.executable, proc: Path = Path("/proc"),
+                 start_mode: str = "template", detach_timeout_s: float = 10.0) -> None:
         self.dir = state_dir / "shims"
+        self.start_mode = start_mode
+        self.detach_timeout_s = detach_timeout_s
         self.dir.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.proc = proc
@@ -67,10 +55,12 @@ class ProcessShimDriver:
         body = asdict(spec)
         body["report"] = {"socket": str(self.socket)}
         body["state_dir"] = str(self.dir / sid)
+        body["start"] = self.start_mode
+        body["detach_timeout_s"] = self.detach_timeout_s
         spec_path.write_text(json.dumps(body))
         log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
         child = subprocess.Popen(
-            [self.python, "-m", "cubeaccel", "shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
+            [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self._children[sid] = child
@@ -95,7 +85,7 @@ class ProcessShimDriver:
             os.kill(pid, signal.SIGTERM)
 
     def kill(self, sandbox_id: str) -> None:
-        for pid in (self._shim_pid(sandbox_id), find_tagged(VMM_TAG + sandbox_id, self.proc)):
+        for pid in (self._shim_pid(sandbox_id), find_vmm(sandbox_id, self.proc)):
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -107,5 +97,5 @@ class ProcessShimDriver:
     def status(self, sandbox_id: str) -> ShimStatus:
         if not self.proc.is_dir():
             return ShimStatus(None, None)
-        vmm = find_tagged(VMM_TAG + sandbox_id, self.proc)
+        vmm = find_vmm(sandbox_id, self.proc)
         return ShimStatus(shim_alive=self._shim_pid(sandbox_id) is not None, vmm_alive=vmm is not None, vmm_pid=vmm)

@@ -46,7 +46,7 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
     """reserved/preparing/attached: the sandbox, its shim and its VMM must still be there."""
     sid = d.sandbox_id
     res = cubelet.store.reservation(sid) if sid else None
-    if res is None:
+    if res is None or d.id not in res.device_ids:
         with cubelet.store.tx() as t:
             cur = t.device(d.id)
             if cur is not None and cur.state is d.state:
@@ -119,7 +119,8 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
 def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> None:
     """A crash between release_confirmed and revalidated leaves `released`: revalidate now."""
     for d in cubelet.store.devices():
-        orphan = d.state is S.RELEASING and not (d.sandbox_id and cubelet.store.reservation(d.sandbox_id))
+        res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
+        orphan = d.state is S.RELEASING and not (res and d.id in res.device_ids)
         if d.state is S.RELEASED or orphan:
             with cubelet.store.tx() as t:
                 cur = t.device(d.id)

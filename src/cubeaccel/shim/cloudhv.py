@@ -21,7 +21,7 @@ import httpx
 
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
-from cubeaccel.shim import find
+from cubeaccel.host import vmmproc as find
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, vmm_error
 
 API = "http://localhost/api/v1"

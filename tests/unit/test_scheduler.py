@@ -1,0 +1,114 @@
+"""Scheduler filters, scores and alternatives, on node views built from heartbeat bodies."""
+
+from __future__ import annotations
+
+import pytest
+
+from cubeaccel.master.scheduler import decide, rejection
+from cubeaccel.master.selector import Selector
+from cubeaccel.master.view import NodeView
+from cubeaccel.model.contract import CompatibilityContract
+from cubeaccel.model.request import AcceleratorChoice
+from tests.unit.master_builders import group, h100_contract, view
+
+NOW, STALE = 1001.0, 10.0
+H100 = "H100-SXM5-80GB"
+
+
+def run(nodes: list[NodeView], *choices: AcceleratorChoice, contract: CompatibilityContract | None = None,
+        selector: str | None = None) -> tuple[list[str], dict[str, str]]:
+    c = contract or h100_contract()
+    sel = Selector(selector) if selector else None
+    d = decide(nodes, [(ch, c, sel) for ch in choices], NOW, STALE)
+    reasons = {n: r.label for n, r in d.outcomes[-1].reasons.items()}
+    return [x.node.name for x in d.candidates], reasons
+
+
+def one(count: int = 1, model: str | None = "H100") -> AcceleratorChoice:
+    return AcceleratorChoice("gpu", count, model=model)
+
+
+@pytest.mark.parametrize(("node", "reason"), [
+    (view("n", group(H100, 8), received_at=NOW - 11), "node_stale"),
+    (view("n", group(H100, 8), state="draining"), "node_draining"),
+    (view("n", group("edu", 2, cls="accelerator")), "class_missing"),
+    (view("n", group("T4-16GB", 4)), "device_incompatible"),
+    (view("n", group(H100, 8), backends=("emulated",)), "backend_unsupported"),
+    (view("n", group(H100, 8), pinnable=512), "pinned_memory"),
+    (view("n", group(H100, 8), kernels=["5.10.0-1-amd64"]), "kernel_incompatible"),
+    (view("n", group(H100, 8), images=["sha256:" + "0" * 64]), "image_missing"),
+    (view("n", group(H100, 8, free=0)), "insufficient_devices"),
+])
+def test_each_filter_names_its_reason(node: NodeView, reason: str) -> None:
+    placed, reasons = run([node], one(model=None))
+    assert placed == [] and reasons == {"n": reason}
+
+
+def test_model_shorthand_mismatch_is_labels_mismatch_model() -> None:
+    assert run([view("n", group("T4-16GB", 4))], one(model="B200"))[1] == {"n": "labels_mismatch(model)"}
+
+
+def test_selector_mismatch_is_its_own_reason() -> None:
+    _, reasons = run([view("n", group(H100, 8))], one(), selector="int(device.memory_gib) >= 141")
+    assert reasons == {"n": "selector_mismatch"}
+
+
+def test_selector_sees_class_and_device_ids() -> None:
+    placed, _ = run([view("n", group(H100, 8))], one(),
+                    selector="device.class == 'gpu' && device.vendor_id == '10de' && device.device_id == '2330'")
+    assert placed == ["n"]
+
+
+def test_rejection_counts_reasons_per_node_and_keeps_detail() -> None:
+    nodes = [view(f"full{i}", group(H100, 2, free=0)) for i in range(7)]
+    nodes += [view(f"t4-{i}", group("T4-16GB", 4)) for i in range(3)]
+    nodes += [view(f"small{i}", group(H100, 8), pinnable=100) for i in range(2)]
+    d = decide(nodes, [(one(), h100_contract(), None)], NOW, STALE)
+    err = rejection(d, len(nodes))
+    assert err.code == "schedule.unschedulable" and err.status == 409
+    tried = err.details["tried"][0]
+    assert tried["summary"] == "0/12 nodes: 7 insufficient_devices, 3 labels_mismatch(model), 2 pinned_memory"
+    assert tried["nodes"]["t4-0"]["detail"].startswith("model H100* wanted, node has T4-16GB")
+    assert "65536" not in tried["nodes"]["small0"]["detail"] and "1024 MiB" in tried["nodes"]["small0"]["detail"]
+
+
+def test_packing_prefers_the_fullest_node_that_fits() -> None:
+    nodes = [view("empty", group(H100, 8)), view("half", group(H100, 8, free=3)), view("one", group(H100, 8, free=1))]
+    assert run(nodes, one(2))[0] == ["half", "empty"]
+    assert run(nodes, one(1))[0] == ["one", "half", "empty"]
+
+
+def test_numa_locality_beats_packing_for_multi_device_requests() -> None:
+    split = view("split", group(H100, 8, free=4, numa={"0": 2, "1": 2}))
+    local = view("local", group(H100, 8, free=6, numa={"0": 2, "1": 4}))
+    assert run([split, local], one(4))[0] == ["local", "split"]
+
+
+def test_claims_reduce_free_devices() -> None:
+    n = view("n", group(H100, 2))
+    n.claims = {n.groups[0].key: 2}
+    assert run([n], one())[1] == {"n": "insufficient_devices"}
+
+
+def test_first_alternative_that_fits_anywhere_wins() -> None:
+    nodes = [view("a", group(H100, 2)), view("b", group(H100, 8))]
+    d = decide(nodes, [(one(4), h100_contract(), None), (one(1), h100_contract(), None)], NOW, STALE)
+    assert d.choice is not None and d.choice.count == 4 and [c.node.name for c in d.candidates] == ["b"]
+    d = decide(nodes, [(one(16), h100_contract(), None), (one(2), h100_contract(), None)], NOW, STALE)
+    assert d.choice is not None and d.choice.count == 2 and len(d.outcomes) == 2
+    assert [c.node.name for c in d.candidates] == ["a", "b"]
+
+
+def test_rejection_reports_every_alternative_tried() -> None:
+    d = decide([view("a", group(H100, 1))], [(one(4), h100_contract(), None), (one(2), h100_contract(), None)],
+               NOW, STALE)
+    err = rejection(d, 1)
+    assert [t["accelerator"]["count"] for t in err.details["tried"]] == [4, 2]
+
+
+def test_contract_check_runs_once_per_node_view_and_digest() -> None:
+    n = view("n", group(H100, 8))
+    c = h100_contract()
+    for _ in range(50):
+        run([n], one(), contract=c)
+    assert list(n.contract_memo) == [c.digest]
