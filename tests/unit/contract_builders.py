@@ -111,7 +111,7 @@ def good_h100_report(**changes: Any) -> GuestReport:
 def good_edu_report(**changes: Any) -> GuestReport:
     fields: dict[str, Any] = {
         "agent_version": 1,
-        "kernel_release": "6.1.0-50-amd64",
+        "kernel_release": "6.1.0-57-amd64",
         "modules_loaded": ("virtio_console", "virtio_pci"),
         "pci_devices": ({"address": "0000:01:00.0", "vendor_id": "0x1234", "device_id": "0x11e8", "class": "00ff00"},),
     }

@@ -128,9 +128,9 @@ def test_kernel_driver_version_falls_back_to_proc_driver_nvidia(tmp_path: Path) 
 
 
 def test_guest_kernel_mismatch_names_guest_kernel(tmp_path: Path) -> None:
-    FakeGuest(tmp_path).kernel("6.1.0-50-amd64")
+    FakeGuest(tmp_path).kernel("6.1.0-57-amd64")
     k = by_name(build_report(parse_spec(EDU_SPEC), ProbeContext(root=tmp_path)))["guest_kernel"]
-    assert (k.ok, k.layer, k.code, k.found) == (False, "guest_kernel", "compat.guest_kernel_mismatch", "6.1.0-50-amd64")
+    assert (k.ok, k.layer, k.code, k.found) == (False, "guest_kernel", "compat.guest_kernel_mismatch", "6.1.0-57-amd64")
 
 
 def test_hand_written_contract_shape_accepts_prefix_versions(tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ def test_reservation_refuses_when_the_node_cannot_lock_the_guest_memory() -> Non
 
 def test_the_edu_contract_accepts_the_emulated_edu_device() -> None:
     edu_dev = device(0x1234, 0x11E8, backend="emulated", accel_class=AcceleratorClass.ACCELERATOR)
-    assert check_device(freeze(edu()), edu_dev, pinnable_memory_mib=0) == []  # not pinned: no memory check
+    assert check_device(freeze(edu()), edu_dev, pinnable_memory_mib=1024) == []  # 256 MiB pinned fits
 
 
 # --- scheduling: check_node -------------------------------------------------------------------------------
@@ -80,7 +80,7 @@ def node(**changes: Any) -> NodeSummary:
         "backends": {"vfio", "emulated"},
         "devices": [H100_LABELS, labels_for(0x10DE, 0x20B2)],
         "pinnable_memory_mib": 200_000,
-        "guest_kernels": {"6.1.0-27-cloud-amd64", "6.1.0-50-amd64"},
+        "guest_kernels": {"6.1.0-27-cloud-amd64", "6.1.0-57-amd64"},
         "guest_images": {h100().guest_image_digest},
         "name": "node-a",
     }
@@ -100,7 +100,7 @@ def test_a_node_with_a_free_h100_can_host_the_template() -> None:
         ({"devices": [labels_for(0x10DE, 0x20B2)]}, (Layer.HOST_HARDWARE, "compat.node_no_matching_device")),
         ({"devices": []}, (Layer.HOST_HARDWARE, "compat.node_no_matching_device")),
         ({"pinnable_memory_mib": 1024}, (Layer.PINNED_MEMORY, "compat.node_pinned_memory_insufficient")),
-        ({"guest_kernels": {"6.1.0-50-amd64"}}, (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable")),
+        ({"guest_kernels": {"6.1.0-57-amd64"}}, (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable")),
         ({"guest_images": set()}, (Layer.TEMPLATE, "compat.node_guest_image_unavailable")),
     ],
 )
@@ -139,7 +139,7 @@ CUDA_OK: dict[str, Any] = {"driver_version": 12040, "init_ok": True, "device_cou
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"kernel_release": "6.1.0-50-amd64"}, (Layer.GUEST_KERNEL, "compat.guest_kernel_mismatch")),
+        ({"kernel_release": "6.1.0-57-amd64"}, (Layer.GUEST_KERNEL, "compat.guest_kernel_mismatch")),
         (
             {"modules_loaded": ("nvidia",), "module_failures": {"nvidia-uvm": "modprobe: FATAL: Module not found"}},
             (Layer.MODULES_IMG, "compat.modules_img_module_failed"),

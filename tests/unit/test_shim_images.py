@@ -140,7 +140,7 @@ def test_contract_pins_are_compared_with_the_built_image(tmp_path: Path) -> None
         "image": {"digest": m.image_digest}, "kernel": {"version": REL, "digest": "sha256:aa"},
         "modules_img": {"kernel_version": REL, "digest": m.modules_img.sha256}}}}}
     assert image_mismatches(good, m) == [] and image_mismatches(None, m) == []
-    bad = {"guest": {"kernel": {"version": "6.1.0-50-amd64"}, "modules_img": {"digest": "sha256:00"}}}
+    bad = {"guest": {"kernel": {"version": "6.1.0-57-amd64"}, "modules_img": {"digest": "sha256:00"}}}
     assert [(x["layer"], x["code"]) for x in image_mismatches(bad, m)] == [
         ("guest_kernel", "compat.guest_kernel_mismatch"), ("modules_img", "compat.modules_img_mismatch")]
 

@@ -36,7 +36,7 @@ def test_the_edu_example_has_no_driver_and_no_cuda() -> None:
     t = load_template(EDU_FILE)
     assert (t.backend, t.kernel_driver, t.userspace_driver, t.cuda) == ("emulated", None, None, None)
     assert [d.vendor_device for d in t.devices] == ["1234:11e8"]
-    assert t.guest_kernel.version == t.modules_img.kernel_version == "6.1.0-50-amd64"
+    assert t.guest_kernel.version == t.modules_img.kernel_version == "6.1.0-57-amd64"
 
 
 def test_json_and_yaml_files_of_the_same_document_give_the_same_template(tmp_path: Path) -> None:
