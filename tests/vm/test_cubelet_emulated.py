@@ -1,0 +1,95 @@
+"""Cubelet with the emulated backend: real shim processes, real QEMU MicroVMs, the release rules for real."""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cubeaccel.host.vmmproc import find_vmm
+from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.contract import freeze
+from cubeaccel.model.template_spec import GuestKernel, ModulesImg
+from cubeaccel.templates import load_template
+from tests.e2e.cubelet_process import CubeletProcess, poll
+
+pytestmark = pytest.mark.vm
+EDU = Path(__file__).resolve().parents[2] / "examples" / "templates" / "edu-demo.yaml"
+
+
+def edu_contract(image: Manifest) -> dict[str, Any]:
+    """edu-demo pinned to the image this machine built (Debian moves its kernel; the template follows)."""
+    t = load_template(EDU)
+    t = replace(t, guest_image_digest=image.image_digest,
+                guest_kernel=GuestKernel(image.kernel_release, image.vmlinux.sha256),
+                modules_img=ModulesImg(image.kernel_release, image.modules_img.sha256))
+    return freeze(t).to_json()
+
+
+def _state(p: CubeletProcess, dev: str) -> str:
+    return str(next(d["state"] for d in p.client.devices() if d["id"] == dev))
+
+
+def _kinds(p: CubeletProcess, sid: str) -> list[str]:
+    return [e["event"] or e["kind"] for e in p.client.events(0, 10000)["events"] if e["sandbox_id"] == sid]
+
+
+@pytest.fixture
+def emulated(tmp_path: Path, guest_image: Manifest) -> Any:
+    p = CubeletProcess(tmp_path, "unused", "--backend", "emulated", "--release-timeout", "20")
+    p.start()
+    yield p
+    p.stop()
+    for sid in ("vm-1", "vm-2", "vm-3"):
+        pid = find_vmm(sid)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(emulated: CubeletProcess,
+                                                                         guest_image: Manifest) -> None:
+    body = emulated.client.reserve("vm-1", 1, contract=edu_contract(guest_image), start=True)
+    dev = body["devices"][0]["id"]
+    poll(lambda: "guest_checked" in _kinds(emulated, "vm-1"), 120)
+    assert _state(emulated, dev) == "attached"
+    checked = [e for e in emulated.client.events(0, 10000)["events"] if e["kind"] == "guest_checked"]
+    assert checked[-1]["details"]["violations"] == []
+    assert find_vmm("vm-1") is not None
+    emulated.client.release("vm-1")
+    poll(lambda: _state(emulated, dev) == "allocatable", 60)
+    assert find_vmm("vm-1") is None
+    kinds = _kinds(emulated, "vm-1")
+    for k in ("vm_started", "memory_pinned", "guest_ready", "device_attached", "guest_validated",
+              "device_detached", "vmm_exited", "release_confirmed", "revalidated"):
+        assert k in kinds, (k, kinds)
+    assert kinds.index("vmm_exited") < kinds.index("release_confirmed")
+
+
+def test_shim_killed_mid_sandbox_orphaned_vmm_is_stopped_then_released(emulated: CubeletProcess) -> None:
+    body = emulated.client.reserve("vm-2", 1, start=True, memory_mib=256)
+    dev = body["devices"][0]["id"]
+    poll(lambda: _state(emulated, dev) == "attached", 120)
+    shim_pid = int((emulated.state_dir / "shims" / "vm-2.pid").read_text())
+    vmm = find_vmm("vm-2")
+    assert vmm is not None
+    os.kill(shim_pid, signal.SIGKILL)
+    poll(lambda: _state(emulated, dev) == "allocatable", 60)
+    assert find_vmm("vm-2") is None  # Cubelet stopped the orphan before handing the device out
+    repairs = [e for e in emulated.client.events(0, 10000)["events"] if e["kind"] == "reconcile_repair"]
+    assert any("shim died" in e["reason"] for e in repairs)
+
+
+def test_cubelet_killed_mid_sandbox_keeps_the_vm_and_releases_after_restart(emulated: CubeletProcess) -> None:
+    body = emulated.client.reserve("vm-3", 1, start=True, memory_mib=256)
+    dev = body["devices"][0]["id"]
+    poll(lambda: _state(emulated, dev) == "attached", 120)
+    emulated.sigkill()
+    emulated.start()
+    assert _state(emulated, dev) == "attached"  # shim and VMM outlived Cubelet; nothing falsely freed
+    emulated.client.release("vm-3")
+    poll(lambda: _state(emulated, dev) == "allocatable", 60)
+    assert find_vmm("vm-3") is None
