@@ -232,8 +232,8 @@ class Cubelet:
         with self.lock:
             with self.store.tx() as t:
                 res = t.reservation(sid)
-                t.event("shim_report" if res else "shim_report_orphan", Actor.SHIM, sandbox_id=sid,
-                        event=report.kind.value, details=report.details)
+                details = report.details if res else {**report.details, "reservation": "closed"}
+                t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
                 if res is None:
                     return
                 k = report.kind
