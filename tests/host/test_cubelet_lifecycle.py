@@ -210,8 +210,8 @@ def test_operator_verbs_are_audited_and_recover_revalidates(node: Node) -> None:
     assert d.state is S.DISABLED
     e = operator.enable(node.cubelet, dev, "carol", "done")
     assert e.state is S.ALLOCATABLE
-    audits = [(ev.event, ev.details.get("who"), ev.details.get("why")) for ev in node.cubelet.store.events(device_id=dev)
-              if ev.actor == "operator"]
+    audits = [(ev.event, ev.details.get("who"), ev.details.get("why"))
+              for ev in node.cubelet.store.events(device_id=dev) if ev.actor == "operator"]
     assert audits == [("quarantine", "alice", "suspect ECC errors"), ("recover", "bob", "ECC clean"),
                       ("disable", "carol", "maintenance"), ("enable", "carol", "done")]
     with pytest.raises(CubeError) as err:

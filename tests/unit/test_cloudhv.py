@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cubeaccel.host.vmmproc import find_vmm, inspect
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.cloudhv import CloudHypervisorVmm, parse_events, vm_config
-from cubeaccel.host.vmmproc import find_vmm, inspect
 from cubeaccel.shim.vmm import VmConfig
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_cloudhv.py"))]

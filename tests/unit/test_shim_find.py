@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_address
+from cubeaccel.host.vmmproc import ENV_DEVICES, argv0_tag, find_vmm, inspect, name_arg, vmm_processes
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.states import DeviceState
-from cubeaccel.host.vmmproc import ENV_DEVICES, argv0_tag, find_vmm, inspect, name_arg, vmm_processes
 
 
 def _proc(root: Path, pid: int, argv: list[str], env: dict[str, str], state: str = "S") -> None:

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.host.vmmproc import find_vmm
 from cubeaccel.images.builder import build
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.host.vmmproc import find_vmm
 
 pytestmark = pytest.mark.vm
 _STARTED: list[str] = []

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_address
+from cubeaccel.host.vmmproc import find_vmm, inspect
 from cubeaccel.images.builder import latest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.states import DeviceState
-from cubeaccel.host.vmmproc import find_vmm, inspect
 
 pytestmark = pytest.mark.vm
 

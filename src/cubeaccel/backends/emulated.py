@@ -14,10 +14,10 @@ from pathlib import Path
 
 from cubeaccel.backends.base import AttachSpec, Problem
 from cubeaccel.host.pci import Holder
+from cubeaccel.host.vmmproc import vmm_processes
 from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.states import DeviceState
-from cubeaccel.host.vmmproc import vmm_processes
 
 EDU_VENDOR, EDU_DEVICE = 0x1234, 0x11E8
 EDU_IDENTITY = DeviceIdentity(

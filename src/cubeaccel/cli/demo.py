@@ -110,7 +110,7 @@ def run_demo(profile: str) -> int:
         wait_for(lambda: all(d["state"] == "allocatable" for d in client.devices()), "the release", 120)
         wait_for(lambda: any(e["event"] == "shim_exiting" for e in _events(client, sid)) or backend != "emulated",
                  "the shim to exit", 30)
-        console.print(device_table(client.devices(), title="after release (VMM exited, no holders, reset, revalidated)"))
+        console.print(device_table(client.devices(), title="after release (VMM gone, no holders, reset, revalidated)"))
         print_timeline(_events(client, sid))
         console.print(event_table(client.events(0, 10000)["events"], title="event trail"))
         return 0

@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
+from cubeaccel.host import vmmproc as find
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
-from cubeaccel.host import vmmproc as find
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, vmm_error
 
 API = "http://localhost/api/v1"

@@ -21,8 +21,8 @@ from typing import Any
 from qemu.qmp import ExecuteError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.host import vmmproc as find
+from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, vmm_error
 
