@@ -3,6 +3,7 @@
 #  - qemu-system-x86: real MicroVMs (tests/vm, the demo); the shim uses q35 + TCG/KVM
 #  - cpio: reading guest images in tests (the builder writes cpio itself)
 #  - apt package lists: `cubeaccel image build` fetches the guest kernel, busybox and python with `apt-get download`
+#  - postgresql: server binaries for tests/postgres (initdb/pg_ctl in a temp dir; no system cluster is used)
 #  - util-linux (setpriv, prlimit): the pinned-memory test drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK
 set -euo pipefail
 need=()
@@ -10,6 +11,8 @@ command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v cpio >/dev/null || need+=(cpio)
 command -v gcc >/dev/null || need+=(gcc)
 command -v setpriv >/dev/null && command -v prlimit >/dev/null || need+=(util-linux)
+# PostgreSQL server binaries for the CubeMaster replica tests (a throwaway cluster per test session)
+command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 lists_missing() {
   # apt-get download needs package lists with a candidate for the kernel meta-package.
   local policy
