@@ -19,6 +19,7 @@ from pathlib import Path
 from cubeaccel.cubelet.shim_driver import ReportSink, ShimSpec, ShimStatus
 from cubeaccel.host.vmmproc import find_vmm
 
+
 def _cmdline(pid: int, proc: Path) -> str | None:
     try:
         return (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
