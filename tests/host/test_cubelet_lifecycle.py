@@ -225,3 +225,48 @@ def test_disabling_a_device_in_use_is_refused(node: Node) -> None:
         operator.disable(node.cubelet, res.device_ids[0], "alice", "maintenance")
     assert err.value.code == "device.in_use"
     assert node.device(res.device_ids[0]).state is S.RESERVED
+
+
+def test_a_shim_still_starting_its_vmm_is_not_mistaken_for_a_dead_vm(node: Node) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    node.shim.slow_start.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb")
+    assert reconcile(node.cubelet) == []  # shim alive, no VMM yet: starting, not gone
+    assert node.device(dev).state is S.PREPARING
+    node.shim.finish_start("sb")
+    assert node.device(dev).state is S.ATTACHED
+
+
+@pytest.mark.parametrize(("facts", "shim", "vmm", "gone"), [
+    ({}, None, None, True),  # never started: nothing can hold it
+    ({"shim_started": True}, True, False, False),  # shim alive, VMM not (yet) there: may still appear
+    ({"shim_started": True}, False, False, True),
+    ({"shim_started": True, "vmm_exited": True}, True, False, True),
+    ({"shim_started": True}, True, True, False),
+    ({"shim_started": True}, None, None, None),  # cannot tell: the caller quarantines
+])
+def test_vmm_gone_needs_host_evidence_that_no_vmm_can_appear(
+    facts: dict[str, object], shim: bool | None, vmm: bool | None, gone: bool | None
+) -> None:
+    from cubeaccel.cubelet.lifecycle import Cubelet
+    from cubeaccel.cubelet.shim_driver import ShimStatus
+    from cubeaccel.cubelet.store import Reservation
+
+    res = Reservation("sb", {}, [], "releasing", 0.0, None, facts=dict(facts))
+    assert Cubelet.vmm_gone(res, ShimStatus(shim, vmm)) is gone
+
+
+def test_a_shim_that_never_starts_its_vmm_is_torn_down_after_the_startup_timeout(node: Node) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    node.shim.slow_start.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    node.cubelet.start("sb")
+    node.clock.advance(181)
+    reconcile(node.cubelet)
+    assert node.device(res.device_ids[0]).state is S.ALLOCATABLE
+    assert "the shim did not start a VMM in time" in [
+        e.reason for e in node.cubelet.store.events() if e.kind == "reconcile_repair"]

@@ -44,6 +44,7 @@ class CubeletConfig:
     node_name: str = "node-1"
     reservation_ttl_s: float = 300.0  # a reservation whose sandbox never starts expires
     release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
+    startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,7 @@ class Cubelet:
                         t.transition(d, E.PREPARE, Actor.CUBELET)
                     res.phase, res.expires_at = "starting", None
                     res.facts["shim_started"] = True  # intent recorded before the act
+                    res.facts["started_at"] = t.now
                     t.update_reservation(res)
                     start_ok = True
             if not start_ok:
@@ -323,6 +325,17 @@ class Cubelet:
             return ShimStatus(shim_alive=False, vmm_alive=False)
         return self.shim.status(res.sandbox_id)
 
+    @staticmethod
+    def vmm_gone(res: Reservation, st: ShimStatus) -> bool | None:
+        """True only when no VMM runs *and none can appear*: a live shim may still be spawning one."""
+        if not res.facts.get("shim_started"):
+            return True
+        if st.vmm_alive is None:
+            return None
+        if st.vmm_alive:
+            return False
+        return st.shim_alive is False or bool(res.facts.get("vmm_exited"))
+
     def try_release(self, sandbox_id: str) -> None:
         """Apply the release rules to every `releasing` device of the sandbox; quarantine on timeout."""
         with self.lock:
@@ -332,7 +345,7 @@ class Cubelet:
             st = self._vmm_status(res)
             now = float(self.store.clock())
             overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
-            if st.vmm_alive and overdue and not res.facts.get("kill_requested"):
+            if not self.vmm_gone(res, st) and overdue and not res.facts.get("kill_requested"):
                 self.shim.kill(sandbox_id)
                 res.facts["kill_requested"] = True
                 st = self.shim.status(sandbox_id)
@@ -351,12 +364,13 @@ class Cubelet:
 
     def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
         detached = d.id in res.facts.get("detached", [])
-        if st.vmm_alive is None and not detached:
+        gone = self.vmm_gone(res, st)
+        if gone is None and not detached:
             t.transition(d, E.QUARANTINE, Actor.CUBELET, reason="release.vmm_state_unknown")
             return
         blocked: str | None = None
         holders = self.backend.holders(d)
-        if not (st.vmm_alive is False or detached):
+        if not (gone or detached):
             blocked = "release.vmm_not_exited"
         elif holders:
             blocked = "release.holder_stuck"
@@ -370,7 +384,7 @@ class Cubelet:
             t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=problems[0].code,
                          details={"problems": [p.__dict__ for p in problems]})
             return
-        evidence = {"vmm_exited": st.vmm_alive is False, "detach_confirmed": detached, "holders": 0, "reset": True}
+        evidence = {"vmm_gone": bool(gone), "detach_confirmed": detached, "holders": 0, "reset": True}
         d = t.transition(d, E.RELEASE_CONFIRMED, Actor.CUBELET, details=evidence)
         self._revalidate(t, d)
 

@@ -65,6 +65,14 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.vmm_state_unknown")
         _record(cubelet, repairs, Repair(d.id, sid, "quarantined", "cannot tell whether the VMM runs"))
     elif not st.vmm_alive:
+        if st.shim_alive and not res.facts.get("vmm_pid"):
+            started = float(res.facts.get("started_at", 0.0))
+            if float(cubelet.store.clock()) - started <= cubelet.config.startup_timeout_s:
+                return  # the shim is still starting its VMM
+            _record(cubelet, repairs, Repair(d.id, sid, "teardown", "the shim did not start a VMM in time"))
+            cubelet.shim.kill(res.sandbox_id)
+            cubelet.begin_teardown(res.sandbox_id, "reconcile.startup_timeout")
+            return
         _record(cubelet, repairs, Repair(d.id, sid, "teardown", "VMM is gone"))
         cubelet.begin_teardown(res.sandbox_id, "reconcile.vmm_gone")
     elif st.shim_alive is False:

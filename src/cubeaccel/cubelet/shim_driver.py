@@ -75,7 +75,9 @@ class SimulatedShimDriver:
     uncooperative_guest: set[str] = field(default_factory=set)  # never completes device_del
     immortal_vmm: set[str] = field(default_factory=set)  # SIGKILL does not take
     failed_guest_validation: set[str] = field(default_factory=set)
+    slow_start: set[str] = field(default_factory=set)  # the shim runs, its VMM comes with finish_start()
     sink: ReportSink | None = None
+    _pending: dict[str, ShimSpec] = field(default_factory=dict)
 
     def bind(self, sink: ReportSink) -> None:
         self.sink = sink
@@ -86,8 +88,20 @@ class SimulatedShimDriver:
 
     def start(self, spec: ShimSpec) -> None:
         sid = spec.sandbox_id
-        dev_ids = tuple(d.device_id for d in spec.devices)
         self.host.spawn(f"shim:{sid}", f"cubeaccel shim run --sandbox {sid}")
+        if sid in self.slow_start:
+            self._pending[sid] = spec
+            return
+        self._boot(spec)
+
+    def finish_start(self, sandbox_id: str) -> None:
+        spec = self._pending.pop(sandbox_id)
+        if self.host.find_process(f"shim:{sandbox_id}") is not None:
+            self._boot(spec)
+
+    def _boot(self, spec: ShimSpec) -> None:
+        sid = spec.sandbox_id
+        dev_ids = tuple(d.device_id for d in spec.devices)
         vmm = self.host.spawn(
             f"vmm:{sid}", f"qemu-system-x86_64 -name cubeaccel-sandbox={sid}", immortal=sid in self.immortal_vmm
         )
