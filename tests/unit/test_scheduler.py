@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from cubeaccel.master.scheduler import decide, rejection
+from cubeaccel.master.scheduler import Context, decide, evaluate, explain, rejection
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract
@@ -112,3 +114,30 @@ def test_contract_check_runs_once_per_node_view_and_digest() -> None:
     for _ in range(50):
         run([n], one(), contract=c)
     assert list(n.contract_memo) == [c.digest]
+
+
+NODE = st.tuples(
+    st.sampled_from([H100, "T4-16GB", "A100-SXM4-80GB"]), st.integers(1, 8), st.integers(0, 8),
+    st.sampled_from(["ready", "draining"]), st.booleans(), st.sampled_from([("vfio",), ("emulated",)]),
+    st.sampled_from([512, 1 << 20]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(NODE, min_size=1, max_size=12), st.integers(1, 4), st.sampled_from([None, "H100", "T4"]),
+       st.sampled_from([None, "device.architecture == 'hopper'", "int(device.memory_gib) > 20"]))
+def test_fast_path_picks_exactly_what_the_thorough_filters_allow(
+        spec: list[tuple[str, int, int, str, bool, tuple[str, ...], int]], count: int, model: str | None,
+        selector: str | None) -> None:
+    nodes = []
+    for i, (m, total, free, state, stale, backends, pinnable) in enumerate(spec):
+        nodes.append(view(f"n{i:02d}", group(m, total, min(free, total), numa={"0": min(free, total)}),
+                          state=state, backends=backends, pinnable=pinnable,
+                          received_at=NOW - (20 if stale else 0)))
+    ctx = Context(AcceleratorChoice("gpu", count, selector, model), h100_contract(),
+                  Selector(selector) if selector else None, NOW, STALE)
+    fast, slow = evaluate(nodes, ctx, keep=100), explain(nodes, ctx)
+    assert [(x.node.name, x.group.key) for x in fast.candidates] == \
+        [(x.node.name, x.group.key) for x in slow.candidates]
+    if not fast.candidates:
+        assert set(fast.reasons) == {n.name for n in nodes}

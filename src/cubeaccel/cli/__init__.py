@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from cubeaccel.cli import cubelet, host, image, shim, template
+from cubeaccel.cli import cubelet, host, image, master, shim, template
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="GPU sandboxes for Cube Sandbox.")
 app.add_typer(cubelet.app, name="cubelet")
@@ -12,7 +12,9 @@ app.add_typer(host.app, name="host")
 app.add_typer(template.app, name="template")
 app.add_typer(image.app, name="image")
 app.add_typer(shim.app, name="shim")
+app.add_typer(master.app, name="master")
 cubelet.register_top_level(app)
+master.register_top_level(app)
 
 
 def main() -> None:

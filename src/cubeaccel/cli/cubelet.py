@@ -49,6 +49,8 @@ def serve_cmd(
     release_timeout: Annotated[float, typer.Option(help="seconds release may wait before quarantine")] = 30.0,
     node: Annotated[str, typer.Option(help="node name")] = "node-1",
     master: Annotated[str | None, typer.Option(help="CubeMaster URL to register with (needs --listen)")] = None,
+    pinnable_memory_mib: Annotated[int | None, typer.Option(
+        min=0, help="advertise this much lockable guest memory instead of MemAvailable (simulated nodes)")] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.cubelet.inventory import initialize_host
@@ -79,7 +81,8 @@ def serve_cmd(
     if master is not None and addr is not None:
         from cubeaccel.cubelet.heartbeat import Heartbeat
 
-        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick)
+        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick,
+                              pinnable_memory_mib=pinnable_memory_mib)
         heartbeat.start()
     sock = state_dir / "cubelet.sock"
     print(json.dumps({"cubelet": "ready", "socket": str(sock), "backend": backend, "repairs": len(repairs),
@@ -142,8 +145,8 @@ def events_cmd(state_dir: StateDir = DEFAULT_STATE, url: Url = None,
         console.print(event_table(evs["events"]))
 
 
-def demo_cmd(profile: Annotated[str, typer.Option()] = "h100x2") -> None:
-    """One sandbox end to end on a throwaway Cubelet; prints the device table and the event trail."""
+def demo_cmd(profile: Annotated[str, typer.Option(help="simulated devices, when QEMU is missing")] = "h100x2") -> None:
+    """A GPU-style sandbox end to end on the embedded single node (`up`, create, delete, `down`)."""
     from cubeaccel.cli.demo import run_demo
 
     raise typer.Exit(run_demo(profile))

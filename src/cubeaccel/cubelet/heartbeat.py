@@ -25,16 +25,18 @@ def pinnable_memory_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
     return 0
 
 
-def heartbeat_body(cubelet: Cubelet, cubelet_url: str, kernels: list[str], images: list[str]) -> dict[str, Any]:
+def heartbeat_body(cubelet: Cubelet, cubelet_url: str, kernels: list[str], images: list[str],
+                   pinnable_mib: int | None = None) -> dict[str, Any]:
+    sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
     return {
         "node": cubelet.config.node_name,
         "cubelet_url": cubelet_url,
         "version": __version__,
         "capacity": capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
-        "pinnable_memory_mib": pinnable_memory_mib(),
+        "pinnable_memory_mib": pinnable_memory_mib() if pinnable_mib is None else pinnable_mib,
         "kernels": kernels,
         "images": images,
-        "sent_at": time.time(),
+        "sent_at": sent_at,
     }
 
 
@@ -42,13 +44,15 @@ class Heartbeat:
     """Sends a heartbeat every interval; only reachability *changes* become events (no event flood)."""
 
     def __init__(self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float,
-                 kernels: list[str] | None = None, images: list[str] | None = None) -> None:
+                 kernels: list[str] | None = None, images: list[str] | None = None,
+                 pinnable_memory_mib: int | None = None) -> None:
         self.cubelet = cubelet
         self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
         self.cubelet_url = cubelet_url
         self.interval_s = interval_s
         self.kernels = kernels or []
         self.images = images or []
+        self.pinnable_mib = pinnable_memory_mib
         self._stop = threading.Event()
         self._reachable: bool | None = None
         self._thread = threading.Thread(target=self._run, name="cubelet-heartbeat", daemon=True)
@@ -61,7 +65,8 @@ class Heartbeat:
 
     def beat(self, http: httpx.Client) -> bool:
         try:
-            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url, self.kernels, self.images))
+            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url, self.kernels, self.images,
+                                                       self.pinnable_mib))
             ok = r.status_code < 300
             detail = "" if ok else r.text[:500]
         except httpx.HTTPError as e:

@@ -6,6 +6,7 @@ with the kernel release and the modules.img digest, so a rebuilt image is a diff
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass
@@ -121,3 +122,17 @@ class Manifest:
             if not p.exists() or sha256_file(p) != a.sha256:
                 bad.append(a.path)
         return bad
+
+
+def pin_template_document(document: dict[str, Any], image: Manifest) -> dict[str, Any]:
+    """A template document whose guest image, kernel and modules.img are the ones this host built.
+
+    Debian moves its kernel point release often; the demo and `cubeaccel up` register the emulated
+    template against the image actually in the cache, so its contract is true on this machine.
+    """
+    doc = copy.deepcopy(document)
+    guest = doc["spec"]["guest"]
+    guest["image"]["digest"] = image.image_digest
+    guest["kernel"] = {"version": image.kernel_release, "digest": image.vmlinux.sha256}
+    guest["modules_img"] = {"kernel_version": image.kernel_release, "digest": image.modules_img.sha256}
+    return doc

@@ -1,0 +1,1 @@
+"""CubeMaster: cluster placement from node summaries, templates, sandbox records."""

@@ -1,0 +1,60 @@
+"""HTTP client for the CubeMaster API (CLI, `cubeaccel up`, tests). Errors come back as `CubeError`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from cubeaccel.model.errors import CubeError
+
+
+class MasterClient:
+    def __init__(self, url: str, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+
+    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
+                headers: dict[str, str] | None = None) -> Any:
+        r = self._http.request(method, path, json=json, params=params, headers=headers)
+        try:
+            body = r.json() if r.content else {}
+        except ValueError:
+            body = {}
+        if r.status_code >= 400:
+            err = body.get("error", {}) if isinstance(body, dict) else {}
+            raise CubeError(err.get("code", "http.error"), err.get("message", r.text[:500]), err.get("layer", "api"),
+                            err.get("details", {}), r.status_code)
+        return body
+
+    def health(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/health"))
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/nodes")["nodes"])
+
+    def capacity(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/capacity"))
+
+    def register_template(self, document: dict[str, Any], default: bool = False) -> dict[str, Any]:
+        return dict(self.request("POST", "/v1/templates", document, params={"default": str(default).lower()}))
+
+    def create(self, body: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        return dict(self.request("POST", "/v1/sandboxes", body, headers=headers))
+
+    def sandbox(self, sandbox_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/sandboxes/{sandbox_id}"))
+
+    def sandboxes(self, state: str | None = None) -> list[dict[str, Any]]:
+        params = {"state": state} if state else None
+        return list(self.request("GET", "/v1/sandboxes", params=params)["sandboxes"])
+
+    def delete(self, sandbox_id: str) -> dict[str, Any]:
+        return dict(self.request("DELETE", f"/v1/sandboxes/{sandbox_id}"))
+
+    def node_verb(self, node: str, verb: str, who: str = "operator", reason: str = "") -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/nodes/{node}/{verb}", {"who": who, "reason": reason}))
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,272 @@
+"""Placement decisions from node summaries: filters that say why, scores, ordered alternatives.
+
+Each filter is a small function that returns a `Reason` (or None) for one node, so a rejection can
+say which constraint failed where: "0/12 nodes: 7 insufficient_devices, 3 labels_mismatch(model),
+2 pinned_memory". A node gets the reason of the first filter it fails, in the order of `FILTERS`;
+cheap, operator-visible facts (stale, draining) first, counts last, so the answer names the real
+obstacle rather than its symptom.
+
+The contract stage 2 check (`check_node`) runs once per node view and contract digest, and the CEL
+selector once per distinct label set (`Selector` memo), so a decision over 1,000 nodes is mostly
+dictionary lookups. Pure: no I/O, no clock (callers pass `now`).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cubeaccel.master.selector import Selector
+from cubeaccel.master.view import Group, NodeView
+from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, label_mismatch
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.request import AcceleratorChoice
+
+# check_node's codes → the scheduler's reason names (the layer stays in the detail)
+CONTRACT_REASONS = {
+    "compat.node_backend_unavailable": "backend_unsupported",
+    "compat.node_guest_image_unavailable": "image_missing",
+    "compat.node_guest_kernel_unavailable": "kernel_incompatible",
+    "compat.node_pinned_memory_insufficient": "pinned_memory",
+    "compat.node_no_matching_device": "device_incompatible",
+}
+
+
+@dataclass(frozen=True)
+class Reason:
+    code: str  # node_stale, labels_mismatch, ...
+    detail: str  # what was expected and found on this node
+    key: str = ""  # the label that failed, for labels_mismatch(model)
+
+    @property
+    def label(self) -> str:
+        return f"{self.code}({self.key})" if self.key else self.code
+
+
+@dataclass(frozen=True)
+class Candidate:
+    node: NodeView
+    group: Group
+    score: tuple[float, ...]  # larger is better
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node.name, "group": dict(self.group.labels), "score": list(self.score)}
+
+
+@dataclass
+class Context:
+    """Everything one decision needs besides the nodes."""
+
+    choice: AcceleratorChoice
+    contract: CompatibilityContract
+    selector: Selector | None
+    now: float
+    staleness_s: float
+    matching: list[Group] = field(default_factory=list)  # filled by the group filters for the next ones
+
+
+Filter = Callable[[NodeView, Context], Reason | None]
+
+
+def node_stale(n: NodeView, c: Context) -> Reason | None:
+    if n.stale(c.now, c.staleness_s):
+        return Reason("node_stale", f"last heartbeat {c.now - n.received_at:.1f}s ago (> {c.staleness_s:g}s)")
+    return None
+
+
+def node_draining(n: NodeView, c: Context) -> Reason | None:
+    return Reason("node_draining", "drained by an operator") if n.state != "ready" else None
+
+
+def class_missing(n: NodeView, c: Context) -> Reason | None:
+    c.matching = [g for g in n.groups if g.accel_class == c.choice.accel_class]
+    if not c.matching:
+        have = sorted({g.accel_class for g in n.groups}) or ["no devices"]
+        return Reason("class_missing", f"no {c.choice.accel_class} devices (has {', '.join(have)})")
+    return None
+
+
+def labels_mismatch(n: NodeView, c: Context) -> Reason | None:
+    if c.choice.model is None:
+        return None
+    c.matching = [g for g in c.matching if c.choice.model_matches(g.labels.get("model", ""))]
+    if not c.matching:
+        models = sorted({g.labels.get("model", "?") for g in n.groups if g.accel_class == c.choice.accel_class})
+        return Reason("labels_mismatch", f"model {c.choice.model}* wanted, node has {', '.join(models)}", "model")
+    return None
+
+
+def selector_mismatch(n: NodeView, c: Context) -> Reason | None:
+    sel = c.selector
+    if sel is None:
+        return None
+    c.matching = [g for g in c.matching if sel.matches(g.attributes)]
+    if not c.matching:
+        return Reason("selector_mismatch", f"no device satisfies {sel.expression}")
+    return None
+
+
+def contract(n: NodeView, c: Context) -> Reason | None:
+    """Contract stage 2: backend, pinned memory, kernel, image (check_node), then the device kinds."""
+    vs = n.contract_memo.get(c.contract.digest)
+    if vs is None:
+        summary = NodeSummary(backends=n.backends, devices=[g.attributes for g in n.groups],
+                              pinnable_memory_mib=n.pinnable_memory_mib, guest_kernels=n.kernels,
+                              guest_images=n.images, name=n.name)
+        vs = n.contract_memo[c.contract.digest] = check_node(c.contract, summary)
+    for v in vs:
+        if v.code != "compat.node_no_matching_device":
+            return Reason(CONTRACT_REASONS.get(v.code, v.code), f"{v.layer.value}: expected {v.expected}, "
+                          f"found {v.found}")
+    before, c.matching = c.matching, [g for g in c.matching if _device_ok(n, g, c.contract)]
+    if not c.matching:
+        models = ", ".join(sorted({g.labels.get("model", "?") for g in before}))
+        return Reason("device_incompatible", f"template {c.contract.template_name} supports none of {models}")
+    return None
+
+
+def insufficient_devices(n: NodeView, c: Context) -> Reason | None:
+    c.matching = [g for g in c.matching if n.free(g) >= c.choice.count]
+    if not c.matching:
+        return Reason("insufficient_devices", f"{c.choice.count} wanted, free: " + ", ".join(
+            f"{g.labels.get('model', '?')}={max(0, n.free(g))}" for g in n.groups
+            if g.accel_class == c.choice.accel_class))
+    return None
+
+
+def _device_ok(n: NodeView, g: Group, contract: CompatibilityContract) -> bool:
+    key = (contract.digest, g.key)
+    ok = n.device_memo.get(key)
+    if ok is None:
+        t = contract.template
+        ok = g.labels.get("backend", t.backend) == t.backend and any(
+            label_mismatch(m, g.attributes) is None for m in t.devices)
+        n.device_memo[key] = ok
+    return ok
+
+
+FILTERS: tuple[Filter, ...] = (node_stale, node_draining, class_missing, labels_mismatch, selector_mismatch,
+                               contract, insufficient_devices)
+
+
+def score(n: NodeView, g: Group, count: int) -> tuple[float, ...]:
+    """NUMA locality first (all devices on one NUMA node), then packing (fewest free left behind)."""
+    numa_local = 1.0 if count == 1 or any(v >= count for v in g.by_numa.values()) else 0.0
+    node_free = sum(max(0, n.free(x)) for x in n.groups)
+    return (numa_local, -float(n.free(g) - count), -float(node_free))
+
+
+@dataclass
+class ChoiceOutcome:
+    choice: AcceleratorChoice
+    candidates: list[Candidate]
+    reasons: dict[str, Reason]  # node → why not
+
+
+def explain(nodes: Sequence[NodeView], ctx: Context) -> ChoiceOutcome:
+    """The slow, thorough path: every filter in order on every node, keeping each node's reason."""
+    candidates: list[Candidate] = []
+    reasons: dict[str, Reason] = {}
+    for n in nodes:
+        for f in FILTERS:
+            r = f(n, ctx)
+            if r is not None:
+                reasons[n.name] = r
+                break
+        else:
+            candidates += [Candidate(n, g, score(n, g, ctx.choice.count)) for g in ctx.matching]
+    candidates.sort(key=lambda x: (tuple(-v for v in x.score), x.node.name))  # best first; ties by name
+    return ChoiceOutcome(ctx.choice, candidates, reasons)
+
+
+def _group_ok(g: Group, c: Context) -> bool:
+    """The per-label-set filters (class, model, selector, template's device kinds), independent of the node."""
+    ch = c.choice
+    if g.accel_class != ch.accel_class or not ch.model_matches(g.labels.get("model", "")):
+        return False
+    if c.selector is not None and not c.selector.matches(g.attributes):
+        return False
+    t = c.contract.template
+    return g.labels.get("backend", t.backend) == t.backend and any(
+        label_mismatch(m, g.attributes) is None for m in t.devices)
+
+
+def _node_contract_ok(n: NodeView, c: Context) -> bool:
+    vs = n.contract_memo.get(c.contract.digest)
+    if vs is None:
+        contract(n, Context(c.choice, c.contract, None, c.now, c.staleness_s, list(n.groups)))
+        vs = n.contract_memo[c.contract.digest]
+    return all(v.code == "compat.node_no_matching_device" for v in vs)
+
+
+def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceOutcome:
+    """Fast path: the `keep` best candidates, with verdicts memoised per label set and per node view.
+
+    Same filters as `explain`, without building reasons: only when nothing fits does the thorough path
+    run, to say why. A decision is then one pass of dictionary lookups over the nodes.
+    """
+    verdict: dict[str, bool] = {}
+    cutoff, count = ctx.now - ctx.staleness_s, ctx.choice.count
+    scored: list[tuple[float, float, float, str, int, Group, NodeView]] = []
+    for i, n in enumerate(nodes):
+        if n.received_at < cutoff or n.state != "ready":
+            continue
+        claims = n.claims
+        for g in n.groups:
+            ok = verdict.get(g.key)
+            if ok is None:
+                ok = verdict[g.key] = _group_ok(g, ctx)
+            if not ok or g.allocatable - claims.get(g.key, 0) < count:
+                continue
+            if not _node_contract_ok(n, ctx):
+                break
+            numa, pack, node_free = score(n, g, count)
+            scored.append((-numa, -pack, -node_free, n.name, i, g, n))
+    if not scored:
+        return explain(nodes, ctx)
+    best = heapq.nsmallest(keep, scored, key=lambda x: x[:5])
+    return ChoiceOutcome(ctx.choice, [Candidate(x[6], x[5], (-x[0], -x[1], -x[2])) for x in best], {})
+
+
+@dataclass
+class Decision:
+    choice: AcceleratorChoice | None
+    contract: CompatibilityContract | None
+    candidates: list[Candidate]
+    outcomes: list[ChoiceOutcome]
+
+
+def decide(nodes: Sequence[NodeView], choices: Sequence[tuple[AcceleratorChoice, CompatibilityContract,
+           Selector | None]], now: float, staleness_s: float) -> Decision:
+    """Ordered alternatives: the first choice that fits anywhere wins, its candidates best first."""
+    outcomes = []
+    for choice, contract_, selector in choices:
+        out = evaluate(nodes, Context(choice, contract_, selector, now, staleness_s))
+        outcomes.append(out)
+        if out.candidates:
+            return Decision(choice, contract_, out.candidates, outcomes)
+    return Decision(None, None, [], outcomes)
+
+
+def summarize(out: ChoiceOutcome, total: int) -> str:
+    counts = Counter(r.label for r in out.reasons.values())
+    parts = ", ".join(f"{v} {k}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"0/{total} nodes: {parts}" if parts else f"0/{total} nodes"
+
+
+def rejection(decision: Decision, total: int) -> CubeError:
+    """One error for the user: counts per reason for every choice tried, plus per-node detail."""
+    tried: list[dict[str, Any]] = []
+    for out in decision.outcomes:
+        tried.append({
+            "accelerator": out.choice.to_json(),
+            "summary": summarize(out, total),
+            "reasons": dict(Counter(r.label for r in out.reasons.values())),
+            "nodes": {name: {"reason": r.label, "detail": r.detail} for name, r in sorted(out.reasons.items())},
+        })
+    head = "; ".join(f"{t['accelerator'].get('model') or t['accelerator']['class']}: {t['summary']}" for t in tried)
+    return CubeError("schedule.unschedulable", f"no node can host this sandbox — {head}", "scheduler",
+                     {"nodes_total": total, "tried": tried}, 409)

@@ -1,0 +1,114 @@
+"""CubeMaster's tables and their migrations (SQLAlchemy Core; SQLite or PostgreSQL).
+
+Migrations are an ordered list of functions; `migrate` applies the missing ones in one transaction
+under a lock (a PostgreSQL advisory lock; SQLite's `BEGIN IMMEDIATE`), so replicas starting together
+migrate once. `meta.schema_version` records where a database is.
+
+What keeps two replicas from double-placing is in the shape of these tables, not in a cache:
+- `sandboxes.id` is the primary key and `(tenant, idempotency_key)` is unique: one record per sandbox,
+  however many replicas receive the same create;
+- a placement claims devices by setting `sandboxes.node/group_key/state='placing'` while holding the
+  node's row lock (`SELECT … FROM nodes WHERE name = ? FOR UPDATE`); the claim is admitted only if the
+  node's last summary minus claims it cannot show yet still has room. Claims are derived from the
+  sandbox rows, so there is no counter to drift;
+- the Cubelet reserves devices with its own compare-and-swap, so even a wrong summary cannot put one
+  device in two sandboxes; a refusal there sends the placement to the next candidate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+meta = sa.Table(
+    "meta", metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(200), nullable=False),
+)
+
+nodes = sa.Table(
+    "nodes", metadata,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("cubelet_url", sa.String(300), nullable=False),
+    sa.Column("state", sa.String(16), nullable=False),  # ready | draining
+    sa.Column("heartbeat", sa.JSON, nullable=False),  # the last heartbeat body, as sent
+    sa.Column("received_at", sa.Float, nullable=False),  # master clock
+    sa.Column("sent_at", sa.Float, nullable=False),  # Cubelet clock
+    sa.Column("registered_at", sa.Float, nullable=False),
+    sa.Column("reconciled_at", sa.Float, nullable=True),
+)
+
+templates = sa.Table(
+    "templates", metadata,
+    sa.Column("name", sa.String(200), primary_key=True),
+    sa.Column("version", sa.String(200), primary_key=True),
+    sa.Column("seq", sa.Integer, nullable=False),  # registration order: the latest version wins by name
+    sa.Column("accel_class", sa.String(32), nullable=False),
+    sa.Column("digest", sa.String(80), nullable=False),
+    sa.Column("document", sa.JSON, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+defaults = sa.Table(
+    "template_defaults", metadata,
+    sa.Column("accel_class", sa.String(32), primary_key=True),
+    sa.Column("template_name", sa.String(200), nullable=False),
+)
+
+sandboxes = sa.Table(
+    "sandboxes", metadata,
+    sa.Column("id", sa.String(63), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False),
+    sa.Column("idempotency_key", sa.String(200), nullable=True),
+    sa.Column("request", sa.JSON, nullable=False),  # normalized user request (idempotency compares it)
+    sa.Column("state", sa.String(16), nullable=False),  # scheduling|placing|running|deleting|deleted|failed|lost
+    sa.Column("template_name", sa.String(200), nullable=True),
+    sa.Column("template_version", sa.String(200), nullable=True),
+    sa.Column("contract", sa.JSON, nullable=True),
+    sa.Column("node", sa.String(128), nullable=True),
+    sa.Column("group_key", sa.String(600), nullable=True),
+    sa.Column("accel_class", sa.String(32), nullable=True),
+    sa.Column("count", sa.Integer, nullable=False),
+    sa.Column("device_ids", sa.JSON, nullable=False),
+    sa.Column("cubelet_created_at", sa.Float, nullable=True),  # Cubelet clock, from its reply
+    sa.Column("error", sa.JSON, nullable=True),
+    sa.Column("timeline", sa.JSON, nullable=False),
+    sa.Column("expires_at", sa.Float, nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.UniqueConstraint("tenant", "idempotency_key", name="uq_sandbox_idempotency"),
+    sa.Index("ix_sandboxes_node_state", "node", "state"),
+    sa.Index("ix_sandboxes_state", "state"),
+)
+
+ACTIVE_STATES = ("scheduling", "placing", "running", "deleting")
+
+
+def _v1(conn: sa.Connection) -> None:
+    for t in (nodes, templates, defaults, sandboxes):
+        t.create(conn)
+
+
+MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1)]
+SCHEMA_VERSION = MIGRATIONS[-1][0]
+
+
+def migrate(conn: sa.Connection) -> int:
+    """Bring the schema to SCHEMA_VERSION inside the caller's transaction; returns the version."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.text("SELECT pg_advisory_xact_lock(770707)"))
+    meta.create(conn, checkfirst=True)
+    row = conn.execute(sa.select(meta.c.value).where(meta.c.key == "schema_version")).first()
+    current = int(row[0]) if row else 0
+    for version, step in MIGRATIONS:
+        if version > current:
+            step(conn)
+            current = version
+    if row is None:
+        conn.execute(meta.insert().values(key="schema_version", value=str(current)))
+    else:
+        conn.execute(meta.update().where(meta.c.key == "schema_version").values(value=str(current)))
+    return current

@@ -1,0 +1,236 @@
+"""CubeMaster: two-phase placement (decide from summaries, then the Cubelet reserves), delete, status.
+
+Create: validate everything first (template, class, count, CEL compile) so a bad request is a 4xx
+and changes nothing; insert the sandbox row (`scheduling`; the id and the idempotency key are unique,
+so a retried or duplicated create returns the existing sandbox); decide; claim the best candidate
+under its node's row lock; ask that Cubelet to reserve and start. A Cubelet refusal (stale summary:
+`reserve.insufficient_devices`, `compat.*`) or an unreachable Cubelet gives the claim back and tries
+the next candidate, at most `max_attempts` times. Nothing placed → the row is removed and the user gets
+the reasons (`schedule.unschedulable`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from cubeaccel.cubelet.client import CubeletClient
+from cubeaccel.master.cache import NodeCache
+from cubeaccel.master.registry import Registry
+from cubeaccel.master.scheduler import Candidate, decide, rejection
+from cubeaccel.master.selector import Selector, compile_selector
+from cubeaccel.master.store import MasterStore, Row
+from cubeaccel.model.contract import CompatibilityContract
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+
+RETRYABLE = ("reserve.insufficient_devices", "compat.", "prepare.revalidation_failed")
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    staleness_s: float = 10.0  # a node whose last heartbeat is older is `node_stale`
+    max_attempts: int = 4  # Cubelets asked per create before giving up
+    cubelet_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class CreateSpec:
+    """A validated create request (built by the API layer)."""
+
+    sandbox_id: str | None
+    tenant: str
+    idempotency_key: str | None
+    template: str | None
+    request: AcceleratorRequest
+    memory_mib: int | None
+    vcpus: int
+    timeout_s: float | None
+
+
+Resolved = tuple[AcceleratorChoice, CompatibilityContract, Selector | None]
+
+
+class CubeMaster:
+    def __init__(self, store: MasterStore, config: MasterConfig | None = None) -> None:
+        self.store = store
+        self.config = config or MasterConfig()
+        self.registry = Registry(store)
+        self.cache = NodeCache(store)
+        self._clients: dict[str, CubeletClient] = {}
+        self._clients_lock = threading.Lock()
+
+    def client(self, url: str) -> CubeletClient:
+        with self._clients_lock:
+            c = self._clients.get(url)
+            if c is None:
+                c = self._clients[url] = CubeletClient(url=url, timeout=self.config.cubelet_timeout_s)
+            return c
+
+    # ---- create -----------------------------------------------------------------------------------
+    def resolve(self, spec: CreateSpec) -> list[Resolved]:
+        """Template per choice (explicit, else the class default) and compiled selectors: 4xx on any error."""
+        out: list[Resolved] = []
+        explicit = self.registry.contract(spec.template) if spec.template else None
+        for ch in spec.request.choices:
+            c = explicit or self.registry.default_for(ch.accel_class)
+            if c.accel_class != ch.accel_class:
+                raise CubeError("request.class_mismatch", f"template {c.template_name} is for class "
+                                f"{c.accel_class}, the request asks for {ch.accel_class}", "api",
+                                {"template_class": c.accel_class, "requested": ch.accel_class}, 422)
+            out.append((ch, c, compile_selector(ch.selector) if ch.selector else None))
+        return out
+
+    def create(self, spec: CreateSpec) -> tuple[Row, bool]:
+        """Returns (sandbox, created): created is False for an idempotent repeat."""
+        resolved = self.resolve(spec)
+        now = time.time()
+        sid = spec.sandbox_id or f"sb-{uuid.uuid4().hex[:16]}"
+        normalized = {"template": spec.template, "accelerators": [spec.request.to_json()],
+                      "memory_mib": spec.memory_mib, "vcpus": spec.vcpus, "timeout_s": spec.timeout_s}
+        row = {"id": sid, "tenant": spec.tenant, "idempotency_key": spec.idempotency_key, "request": normalized,
+               "state": "scheduling", "count": spec.request.primary.count, "device_ids": [],
+               "timeline": [{"at": now, "phase": "requested"}], "created_at": now, "updated_at": now,
+               "expires_at": None if spec.timeout_s is None else now + spec.timeout_s}
+        existing = self.store.insert_sandbox(row)
+        if existing is not None:
+            if existing["request"] != normalized or existing["tenant"] != spec.tenant:
+                raise CubeError("sandbox.conflict", f"sandbox {existing['id']} exists with another request",
+                                "api", {"existing": existing["request"]}, 409)
+            return existing, False
+        try:
+            return self._place(sid, spec, resolved), True
+        except BaseException:
+            current = self.store.sandbox(sid)
+            if current is not None and current["state"] in ("scheduling", "placing"):
+                # A refused create leaves no record behind. A create that died after its claim may have left
+                # a reservation on the Cubelet: with no record, the next reconcile releases it there.
+                self.store.delete_sandbox_row(sid)
+                self.cache.invalidate()
+            raise
+
+    def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row:
+        t0 = time.perf_counter()
+        attempts: list[dict[str, Any]] = []
+        tried: set[tuple[str, str]] = set()
+        lost = 0  # claims another placement won first
+        for round_ in range(3):
+            views = self.cache.views(fresh=round_ > 0)
+            decision = decide(views, resolved, time.time(), self.config.staleness_s)
+            if not decision.candidates:
+                if round_ == 0:
+                    continue  # our copy may be old: decide once more on fresh summaries
+                raise _with_attempts(rejection(decision, len(views)), attempts)
+            assert decision.contract is not None and decision.choice is not None
+            decided_ms = (time.perf_counter() - t0) * 1000
+            for cand in decision.candidates:
+                if len(attempts) >= self.config.max_attempts:
+                    break
+                if (cand.node.name, cand.group.key) in tried:
+                    continue
+                tried.add((cand.node.name, cand.group.key))
+                if not self.store.claim(sid, cand.node.name, cand.group.key, decision.choice.count, time.time(),
+                                        self.config.staleness_s):
+                    lost += 1
+                    continue  # another placement got there first; not a Cubelet attempt
+                self.cache.note_claim(cand.node.name, cand.group.key, decision.choice.count)
+                self.store.update_sandbox(sid, "scheduled", detail={"node": cand.node.name,
+                                          "decision_ms": round(decided_ms, 3), **cand.to_json()})
+                placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts)
+                if placed is not None:
+                    return placed
+            if len(attempts) >= self.config.max_attempts:
+                break
+        raise CubeError("schedule.placement_failed", f"{len(attempts)} node(s) refused the reservation and "
+                        f"{lost} candidate(s) were taken by concurrent placements; retry", "scheduler",
+                        {"attempts": attempts, "claims_lost": lost}, 409)
+
+    def _reserve(self, sid: str, spec: CreateSpec, cand: Candidate, choice: AcceleratorChoice,
+                 contract: CompatibilityContract, attempts: list[dict[str, Any]]) -> Row | None:
+        body: dict[str, Any] = {"count": choice.count, "class": choice.accel_class, "labels": dict(cand.group.labels),
+                "template": contract.template_name, "contract": contract.to_json(),
+                "memory_mib": spec.memory_mib or contract.memory_mib, "vcpus": spec.vcpus, "start": True}
+        try:
+            reply = self.client(cand.node.cubelet_url).reserve(sid, **body)
+        except (CubeError, httpx.HTTPError) as e:
+            code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
+            attempts.append({"node": cand.node.name, "code": code, "message": str(e)[:300]})
+            self.store.update_sandbox(sid, "reserve_refused", expect=("placing",), detail=attempts[-1],
+                                      state="scheduling", node=None, group_key=None)
+            self.cache.invalidate()
+            if isinstance(e, CubeError) and not code.startswith(RETRYABLE) and e.status < 500:
+                raise CubeError(code, f"{cand.node.name}: {e.message}", e.layer, {**e.details, "node":
+                                cand.node.name}, e.status) from e
+            return None
+        res = reply.get("reservation") or {}
+        self.store.update_sandbox(
+            sid, "reserved", expect=("placing",),
+            detail={"node": cand.node.name, "cubelet_timeline": reply.get("timeline", [])[-20:]},
+            state="running", device_ids=list(res.get("device_ids", [])), accel_class=choice.accel_class,
+            count=choice.count,
+            template_name=contract.template_name, template_version=contract.template_version,
+            contract=contract.to_json(), cubelet_created_at=res.get("created_at"))
+        row = self.store.sandbox(sid)
+        assert row is not None
+        return row
+
+    # ---- delete -----------------------------------------------------------------------------------
+    def delete(self, sandbox_id: str) -> Row:
+        row = self.get(sandbox_id)
+        if row["state"] == "scheduling" or row["state"] == "placing":
+            raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api", {}, 409)
+        if row["state"] in ("running", "deleting"):
+            self.store.update_sandbox(sandbox_id, "delete_requested" if row["state"] == "running" else None,
+                                      expect=("running", "deleting"), state="deleting")
+            self.release(self.get(sandbox_id))
+        elif row["state"] in ("lost", "failed"):
+            self.store.update_sandbox(sandbox_id, "deleted", state="deleted")
+        return self.get(sandbox_id)
+
+    def release(self, row: Row) -> None:
+        """Ask the node's Cubelet to run its release path; `deleted` only once it says the devices are back."""
+        url = self._node_url(row["node"])
+        try:
+            reply = self.client(url).release(row["id"]) if url else {"released": True}
+        except CubeError as e:
+            reply = {"released": e.code == "reservation.not_found"}
+        except httpx.HTTPError as e:
+            self.store.update_sandbox(row["id"], None, expect=("deleting",), error={"code": "cubelet.unreachable",
+                                      "message": str(e)[:300]})
+            return
+        if reply.get("released"):
+            self.store.update_sandbox(row["id"], "deleted", expect=("deleting",), state="deleted")
+            self.cache.invalidate()
+
+    def _node_url(self, node: str | None) -> str | None:
+        if node is None:
+            return None
+        v = next((v for v in self.cache.views() if v.name == node), None)
+        return v.cubelet_url if v else None
+
+    def get(self, sandbox_id: str) -> Row:
+        row = self.store.sandbox(sandbox_id)
+        if row is None:
+            raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api", {}, 404)
+        return row
+
+
+def _with_attempts(e: CubeError, attempts: list[dict[str, Any]]) -> CubeError:
+    if attempts:
+        e.details["attempts"] = attempts
+    return e
+
+
+def sandbox_json(row: Row) -> dict[str, Any]:
+    return {"id": row["id"], "tenant": row["tenant"], "state": row["state"], "node": row["node"],
+            "class": row["accel_class"], "count": row["count"], "device_ids": row["device_ids"],
+            "template": None if row["template_name"] is None else
+            {"name": row["template_name"], "version": row["template_version"],
+             "digest": (row["contract"] or {}).get("template", {}).get("digest")},
+            "request": row["request"], "error": row["error"], "timeline": row["timeline"],
+            "expires_at": row["expires_at"], "created_at": row["created_at"], "updated_at": row["updated_at"]}

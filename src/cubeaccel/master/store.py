@@ -1,0 +1,245 @@
+"""CubeMaster's store: nodes, templates, sandboxes. SQLite by default, PostgreSQL with `postgresql://`.
+
+Why each write looks the way it does is in `schema.py`'s docstring (no double placement across
+replicas). SQLite connections begin with `BEGIN IMMEDIATE` so a read-then-write transaction never
+fails half-way with "database is locked"; PostgreSQL uses row locks (`FOR UPDATE`) on the node row.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from cubeaccel.master import schema as S
+from cubeaccel.master.view import NodeView, view_from_heartbeat
+from cubeaccel.model.errors import CubeError
+
+Row = dict[str, Any]
+
+
+def engine_for(url: str) -> sa.Engine:
+    """`sqlite:///path`, a plain path, or `postgresql://…` (driven by psycopg 3)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+        return sa.create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+    if not url.startswith("sqlite"):
+        Path(url).parent.mkdir(parents=True, exist_ok=True)
+        url = f"sqlite:///{url}"
+    engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
+                              pool_size=10, max_overflow=20)
+
+    @sa.event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _: Any) -> None:
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        dbapi_conn.execute("PRAGMA journal_mode=WAL")
+        dbapi_conn.execute("PRAGMA busy_timeout=30000")
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+class MasterStore:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = engine_for(url)
+        self.dialect = self.engine.dialect.name
+        with self.engine.begin() as conn:
+            self.schema_version = S.migrate(conn)
+
+    @contextmanager
+    def tx(self) -> Iterator[sa.Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---- nodes ------------------------------------------------------------------------------------
+    def heartbeat(self, body: Mapping[str, Any], now: float, staleness_s: float) -> tuple[str, bool]:
+        """Record a heartbeat; returns (operator state, whether the node is new or was stale)."""
+        view_from_heartbeat(body, now)  # validates the shape before anything is written
+        name = str(body["node"])
+        with self.tx() as c:
+            row = c.execute(sa.select(S.nodes.c.state, S.nodes.c.received_at)
+                            .where(S.nodes.c.name == name).with_for_update()).first()
+            values = {"cubelet_url": str(body["cubelet_url"]), "heartbeat": dict(body), "received_at": now,
+                      "sent_at": float(body.get("sent_at", now))}
+            if row is None:
+                c.execute(S.nodes.insert().values(name=name, state="ready", registered_at=now, **values))
+                return "ready", True
+            c.execute(S.nodes.update().where(S.nodes.c.name == name).values(**values))
+            return str(row.state), now - float(row.received_at) > staleness_s
+
+    def set_node_state(self, name: str, state: str) -> None:
+        with self.tx() as c:
+            if c.execute(S.nodes.update().where(S.nodes.c.name == name).values(state=state)).rowcount != 1:
+                raise CubeError("node.not_found", f"no node {name!r}", "api", {}, 404)
+
+    def mark_reconciled(self, name: str, now: float) -> None:
+        with self.tx() as c:
+            c.execute(S.nodes.update().where(S.nodes.c.name == name).values(reconciled_at=now))
+
+    def node_views(self, known: Mapping[str, tuple[float, str]] | None = None) -> tuple[list[NodeView], list[str]]:
+        """Nodes whose (received_at, state) differ from `known`, freshly parsed, and the names of all nodes.
+
+        A replica re-reads only what changed since its last look; claims are attached by the caller from
+        `claims()`, which is one aggregate query.
+        """
+        known = known or {}
+        with self.tx() as c:
+            index = c.execute(sa.select(S.nodes.c.name, S.nodes.c.received_at, S.nodes.c.state)).all()
+            changed = [r.name for r in index if known.get(r.name) != (r.received_at, r.state)]
+            rows = c.execute(sa.select(S.nodes).where(S.nodes.c.name.in_(changed))).all() if changed else []
+        return [view_from_heartbeat(r.heartbeat, r.received_at, r.state) for r in rows], [r.name for r in index]
+
+    def claims(self) -> dict[str, dict[str, int]]:
+        with self.tx() as c:
+            return _claims(c, None)
+
+    def all_node_views(self) -> list[NodeView]:
+        views, _ = self.node_views()
+        claims = self.claims()
+        for v in views:
+            v.claims = claims.get(v.name, {})
+        return views
+
+    def claim(self, sandbox_id: str, node: str, group_key: str, count: int, now: float,
+              staleness_s: float) -> bool:
+        """Admit a placement on `node` under its row lock, or say no (the caller tries the next node)."""
+        with self.tx() as c:
+            r = c.execute(sa.select(S.nodes).where(S.nodes.c.name == node).with_for_update()).first()
+            if r is None or r.state != "ready" or now - r.received_at > staleness_s:
+                return False
+            view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
+            group = next((g for g in view.groups if g.key == group_key), None)
+            claimed = _claims(c, node).get(node, {}).get(group_key, 0)
+            if group is None or group.allocatable - claimed < count:
+                return False
+            res = c.execute(S.sandboxes.update()
+                            .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state == "scheduling")
+                            .values(node=node, group_key=group_key, count=count, state="placing", updated_at=now))
+            return res.rowcount == 1
+
+    # ---- templates --------------------------------------------------------------------------------
+    def put_template(self, name: str, version: str, accel_class: str, digest: str, document: dict[str, Any],
+                     now: float) -> bool:
+        """Register a version; the same version again must be the same document (else 409)."""
+        with self.tx() as c:
+            old = c.execute(sa.select(S.templates.c.digest).where(
+                S.templates.c.name == name, S.templates.c.version == version)).first()
+            if old is not None:
+                if old.digest != digest:
+                    raise CubeError("template.version_exists", f"template {name} version {version} exists with "
+                                    "another document; register a new version", "template",
+                                    {"digest": old.digest}, 409)
+                return False
+            seq = c.execute(sa.select(sa.func.coalesce(sa.func.max(S.templates.c.seq), 0))).scalar_one() + 1
+            c.execute(S.templates.insert().values(name=name, version=version, seq=seq, accel_class=accel_class,
+                                                  digest=digest, document=document, created_at=now))
+            return True
+
+    def template(self, name: str, version: str | None = None) -> Row | None:
+        q = sa.select(S.templates).where(S.templates.c.name == name)
+        q = q.where(S.templates.c.version == version) if version else q.order_by(S.templates.c.seq.desc())
+        with self.tx() as c:
+            r = c.execute(q.limit(1)).first()
+        return None if r is None else dict(r._mapping)
+
+    def templates(self) -> list[Row]:
+        with self.tx() as c:
+            return [dict(r._mapping) for r in c.execute(sa.select(S.templates).order_by(S.templates.c.seq))]
+
+    def delete_template(self, name: str, version: str | None = None) -> int:
+        with self.tx() as c:
+            q = S.templates.delete().where(S.templates.c.name == name)
+            if version:
+                q = q.where(S.templates.c.version == version)
+            n = c.execute(q).rowcount
+            if not c.execute(sa.select(S.templates.c.name).where(S.templates.c.name == name)).first():
+                c.execute(S.defaults.delete().where(S.defaults.c.template_name == name))
+            return int(n)
+
+    def set_default(self, accel_class: str, name: str) -> None:
+        with self.tx() as c:
+            c.execute(S.defaults.delete().where(S.defaults.c.accel_class == accel_class))
+            c.execute(S.defaults.insert().values(accel_class=accel_class, template_name=name))
+
+    def defaults(self) -> dict[str, str]:
+        with self.tx() as c:
+            return {r.accel_class: r.template_name for r in c.execute(sa.select(S.defaults))}
+
+    # ---- sandboxes --------------------------------------------------------------------------------
+    def insert_sandbox(self, row: Row) -> Row | None:
+        """Insert; on a duplicate id or (tenant, idempotency key) return the existing record instead."""
+        try:
+            with self.tx() as c:
+                c.execute(S.sandboxes.insert().values(**row))
+            return None
+        except sa.exc.IntegrityError:
+            existing = self.sandbox(row["id"])
+            if existing is None and row.get("idempotency_key"):
+                with self.tx() as c:
+                    r = c.execute(sa.select(S.sandboxes).where(
+                        S.sandboxes.c.tenant == row["tenant"],
+                        S.sandboxes.c.idempotency_key == row["idempotency_key"])).first()
+                existing = None if r is None else dict(r._mapping)
+            if existing is None:
+                raise
+            return existing
+
+    def sandbox(self, sandbox_id: str) -> Row | None:
+        with self.tx() as c:
+            r = c.execute(sa.select(S.sandboxes).where(S.sandboxes.c.id == sandbox_id)).first()
+        return None if r is None else dict(r._mapping)
+
+    def sandboxes(self, states: tuple[str, ...] | None = None, node: str | None = None,
+                  limit: int = 1000) -> list[Row]:
+        q = sa.select(S.sandboxes).order_by(S.sandboxes.c.created_at).limit(limit)
+        if states:
+            q = q.where(S.sandboxes.c.state.in_(states))
+        if node:
+            q = q.where(S.sandboxes.c.node == node)
+        with self.tx() as c:
+            return [dict(r._mapping) for r in c.execute(q)]
+
+    def update_sandbox(self, sandbox_id: str, phase: str | None = None, expect: tuple[str, ...] | None = None,
+                       detail: Mapping[str, Any] | None = None, **values: Any) -> bool:
+        """Set columns (and append a timeline entry) if the sandbox is in one of `expect` states."""
+        now = time.time()
+        with self.tx() as c:
+            q = sa.select(S.sandboxes.c.state, S.sandboxes.c.timeline).where(S.sandboxes.c.id == sandbox_id)
+            r = c.execute(q.with_for_update()).first()
+            if r is None or (expect is not None and r.state not in expect):
+                return False
+            if phase is not None:
+                values["timeline"] = [*r.timeline, {"at": now, "phase": phase, **(detail or {})}]
+            c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sandbox_id).values(updated_at=now, **values))
+            return True
+
+    def delete_sandbox_row(self, sandbox_id: str) -> None:
+        with self.tx() as c:
+            c.execute(S.sandboxes.delete().where(S.sandboxes.c.id == sandbox_id))
+
+
+def _claims(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
+    """Devices placed or being placed that the node's last summary (sent at `sent_at`) cannot show."""
+    s, n = S.sandboxes, S.nodes
+    unseen = sa.or_(s.c.state == "placing", sa.and_(
+        s.c.state.in_(("running", "deleting")),
+        sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at)))
+    q = (sa.select(s.c.node, s.c.group_key, sa.func.sum(s.c.count))
+         .select_from(s.join(n, s.c.node == n.c.name)).where(unseen).group_by(s.c.node, s.c.group_key))
+    if node is not None:
+        q = q.where(s.c.node == node)
+    out: dict[str, dict[str, int]] = {}
+    for node_name, key, total in c.execute(q):
+        out.setdefault(node_name, {})[key] = int(total)
+    return out

@@ -1,0 +1,200 @@
+"""`cubeaccel up`: CubeMaster (SQLite in a state dir) + one Cubelet subprocess, on free local ports.
+
+Backend choice, said out loud: `emulated` (QEMU's edu device in real MicroVMs) when QEMU is installed,
+KVM can run a stock guest, and a guest image is built; otherwise `simulated` (simulated GPUs, simulated
+shim). The example templates are registered as the class defaults: edu-demo for `accelerator`,
+cuda12-h100 for `gpu`. `--detach` returns once the node is ready and writes `up.json` (URLs and pids)
+for `cubeaccel sandbox …` and `cubeaccel down`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from cubeaccel.master.client import MasterClient
+from cubeaccel.model.errors import CubeError
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "templates"
+DEFAULTS = {"edu-demo.yaml": "accelerator", "cuda12-h100.yaml": "gpu"}
+SIMULATED_PINNABLE_MIB = 1 << 20  # a simulated node advertises 1 TiB lockable (when Cubelet accepts it)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def choose_backend(requested: str) -> tuple[str, str]:
+    """(backend, why). `emulated` wherever QEMU runs MicroVMs — under TCG too: a sandbox cycle from a
+    template snapshot takes ~2 s here (docs/decisions.md) — and the guest image builds; else `simulated`."""
+    if requested not in ("auto", "simulated", "emulated"):
+        raise CubeError("up.unknown_backend", f"--backend must be auto, simulated or emulated, not {requested!r}",
+                        "api", {}, 422)
+    if requested == "simulated":
+        return requested, "asked for with --backend"
+    qemu = os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
+    if not qemu:
+        if requested == "emulated":
+            raise CubeError("up.qemu_missing", "--backend emulated needs qemu-system-x86_64", "backend", {}, 422)
+        return "simulated", "qemu-system-x86_64 is not installed (`make deps` installs it)"
+    from cubeaccel.images.builder import build
+    from cubeaccel.shim.vmm import detect_accel
+
+    try:
+        image, fresh = build()
+    except CubeError as e:
+        if requested == "emulated":
+            raise
+        return "simulated", f"the guest image could not be built ({e.code}: {e.message})"
+    accel, why = detect_accel()
+    return "emulated", (f"real QEMU MicroVMs with the emulated edu PCI device, accel {accel} ({why}); "
+                        f"guest kernel {image.kernel_release}, image {'built now' if fresh else 'cached'}")
+
+
+def _cubelet_takes_pinnable() -> bool:
+    from cubeaccel.cli.cubelet import serve_cmd
+
+    return "pinnable_memory_mib" in inspect.signature(serve_cmd).parameters
+
+
+def _spawn(argv: list[str], log: Path, detach: bool) -> subprocess.Popen[bytes]:
+    out = open(log, "ab")  # noqa: SIM115 - the child owns it
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=detach)
+
+
+def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[bytes]]) -> Any:
+    end = time.monotonic() + deadline_s
+    last: object = None
+    while time.monotonic() < end:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{what}: process {p.pid} exited with {p.returncode}")
+        try:
+            value = fn()
+            if value:
+                return value
+        except (CubeError, OSError, httpx.HTTPError) as e:
+            last = e
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} not ready within {deadline_s}s ({last})")
+
+
+def register_examples(client: MasterClient, directory: Path = EXAMPLES, pin_to_image: bool = False) -> list[str]:
+    """Register the example templates as class defaults; with `pin_to_image`, edu-demo names this host's image."""
+    done = []
+    for name, cls in DEFAULTS.items():
+        path = directory / name
+        if not path.exists():
+            continue
+        doc = yaml.safe_load(path.read_text())
+        if pin_to_image and doc["spec"]["accelerator"]["backend"] == "emulated":
+            from cubeaccel.images.builder import latest
+            from cubeaccel.images.manifest import pin_template_document
+
+            image = latest()
+            if image is not None:
+                doc = pin_template_document(doc, image)
+        client.register_template(doc, default=True)
+        done.append(f"{path.stem} (default for {cls})")
+    return done
+
+
+def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
+    try:
+        chosen, why = choose_backend(backend)
+    except CubeError as e:
+        print(f"error {e.code}: {e.message}")
+        return 2
+    state_dir.mkdir(parents=True, exist_ok=True)
+    mport, cport = free_port(), free_port()
+    murl = f"http://127.0.0.1:{mport}"
+    py = [sys.executable, "-m", "cubeaccel"]
+    master = _spawn([sys.executable, "-m", "cubeaccel.master", "serve", "--db", str(state_dir / "master.db"),
+                     "--listen", f"127.0.0.1:{mport}"], state_dir / "master.log", detach)
+    cub_argv = [*py, "cubelet", "serve", "--backend", chosen, "--state-dir", str(state_dir / "cubelet"),
+                "--listen", f"127.0.0.1:{cport}", "--master", murl, "--node", "local"]
+    if chosen == "simulated":
+        cub_argv += ["--profile", profile]
+        if _cubelet_takes_pinnable():
+            cub_argv += ["--pinnable-memory-mib", str(SIMULATED_PINNABLE_MIB)]
+    procs = [master]
+    client = MasterClient(murl)
+    try:
+        _wait("CubeMaster", client.health, 30, procs)
+        registered = register_examples(client, pin_to_image=chosen == "emulated")
+        procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
+        _wait("node registration", lambda: [n for n in client.nodes() if n["state"] == "ready"], 60, procs)
+    except (RuntimeError, CubeError, httpx.HTTPError) as e:
+        print(f"error: {e}; logs in {state_dir}")
+        _stop([p.pid for p in procs])
+        return 1
+    except BaseException:
+        _stop([p.pid for p in procs])
+        raise
+    info = {"master_url": murl, "cubelet_url": f"http://127.0.0.1:{cport}", "backend": chosen, "why": why,
+            "pids": [p.pid for p in procs], "state_dir": str(state_dir)}
+    (state_dir / "up.json").write_text(json.dumps(info, indent=2))
+    node = client.nodes()[0]
+    print(f"backend: {chosen} — {why}")
+    print(f"CubeMaster {murl} (SQLite {state_dir / 'master.db'}); node {node['node']}: "
+          f"{node['allocatable']}/{node['total']} devices free")
+    print("templates: " + (", ".join(registered) or f"none found in {EXAMPLES}"))
+    for t in client.request("GET", "/v1/templates")["templates"]:
+        need = client.request("GET", f"/v1/templates/{t['name']}")["document"]["spec"]["memory"]
+        if t["default"] and need["pinned"] and need["size_mib"] > node["pinnable_memory_mib"]:
+            print(f"note: {t['name']} pins {need['size_mib']} MiB and this node can lock "
+                  f"{node['pinnable_memory_mib']} MiB: its sandboxes will be refused with pinned_memory")
+    print(f"try: CUBEACCEL_MASTER={murl} cubeaccel sandbox create --gpu "
+          f"{'H100:1' if chosen == 'simulated' else 'accelerator:1'}")
+    if detach:
+        return 0
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.sigwait({signal.SIGINT, signal.SIGTERM})  # foreground until Ctrl-C or SIGTERM
+    _stop([p.pid for p in procs])
+    (state_dir / "up.json").unlink(missing_ok=True)
+    return 0
+
+
+def _ours(pid: int) -> bool:
+    try:
+        return b"cubeaccel" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _stop(pids: list[int]) -> None:
+    for pid in reversed(pids):
+        if _ours(pid):
+            os.kill(pid, signal.SIGTERM)
+    end = time.monotonic() + 10
+    while time.monotonic() < end and any(_ours(p) for p in pids):
+        time.sleep(0.1)
+    for pid in pids:
+        if _ours(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def run_down(state_dir: Path) -> int:
+    up = state_dir / "up.json"
+    if not up.exists():
+        print(f"nothing to stop: no {up}")
+        return 0
+    info = json.loads(up.read_text())
+    _stop([int(p) for p in info["pids"]])
+    up.unlink()
+    print(f"stopped CubeMaster and Cubelet ({info['master_url']})")
+    return 0

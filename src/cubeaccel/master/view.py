@@ -1,0 +1,117 @@
+"""CubeMaster's picture of a node, built from its latest heartbeat: summaries only, never device state.
+
+A `NodeView` is immutable apart from two memo dicts; a new heartbeat makes a new view. Pending claims
+(placements this cluster made that the node's last summary cannot show yet) are kept beside it, so
+"free" is always derived: summary allocatable minus claims, never a counter kept in sync.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cubeaccel.model.contract import ContractViolation
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.profiles import PROFILES
+
+# model label → (vendor_id, device_id), for summaries whose group labels omit the ids
+_IDS_BY_MODEL = {p.model: (f"{v:04x}", f"{d:04x}") for (v, d), p in PROFILES.items()}
+
+
+@dataclass(frozen=True)
+class Group:
+    """One capacity group: devices of one class with equal summary labels on one node."""
+
+    key: str
+    accel_class: str
+    labels: Mapping[str, str]  # summary labels (the reservation's equality constraints)
+    attributes: Mapping[str, str]  # labels + class + ids: what selectors and the contract see
+    total: int
+    allocatable: int
+    by_numa: Mapping[str, int]
+
+
+@dataclass
+class NodeView:
+    name: str
+    cubelet_url: str
+    state: str  # ready | draining (operator verb); staleness is derived from received_at
+    received_at: float  # master clock
+    sent_at: float  # Cubelet clock (compared with Cubelet-clock reservation times only)
+    version: str
+    backends: frozenset[str]
+    pinnable_memory_mib: int
+    kernels: frozenset[str] | None  # None: the node does not report them, the check is skipped
+    images: frozenset[str] | None
+    groups: tuple[Group, ...]
+    claims: dict[str, int] = field(default_factory=dict)  # group key → devices claimed, not yet in summary
+    contract_memo: dict[str, list[ContractViolation]] = field(default_factory=dict)
+    device_memo: dict[tuple[str, str], bool] = field(default_factory=dict)
+
+    def free(self, g: Group) -> int:
+        return g.allocatable - self.claims.get(g.key, 0)
+
+    def stale(self, now: float, staleness_s: float) -> bool:
+        return now - self.received_at > staleness_s
+
+    def summary_json(self, now: float, staleness_s: float) -> dict[str, Any]:
+        return {
+            "node": self.name, "cubelet_url": self.cubelet_url, "version": self.version,
+            "state": "stale" if self.stale(now, staleness_s) else self.state,
+            "schedulable": self.state == "ready" and not self.stale(now, staleness_s),
+            "last_heartbeat_age_s": round(now - self.received_at, 3),
+            "backends": sorted(self.backends), "pinnable_memory_mib": self.pinnable_memory_mib,
+            "total": sum(g.total for g in self.groups),
+            "allocatable": sum(max(0, self.free(g)) for g in self.groups),
+            "groups": [{"class": g.accel_class, "labels": dict(g.labels), "total": g.total,
+                        "allocatable": max(0, self.free(g)), "claimed": self.claims.get(g.key, 0),
+                        "allocatable_by_numa": dict(g.by_numa)} for g in self.groups],
+        }
+
+
+def group_key(accel_class: str, labels: Mapping[str, str]) -> str:
+    return accel_class + "|" + json.dumps(dict(sorted(labels.items())), separators=(",", ":"))
+
+
+def _attributes(accel_class: str, labels: Mapping[str, str]) -> dict[str, str]:
+    attrs = {**labels, "class": accel_class}
+    if "vendor_id" not in attrs or "device_id" not in attrs:
+        ids = _IDS_BY_MODEL.get(attrs.get("model", ""))
+        if ids is None and ":" in attrs.get("model", ""):  # unknown devices are labelled "vvvv:dddd"
+            vid, _, did = attrs["model"].partition(":")
+            ids = (vid, did)
+        if ids is not None:
+            attrs.setdefault("vendor_id", ids[0])
+            attrs.setdefault("device_id", ids[1])
+    return attrs
+
+
+def _group(raw: Any) -> Group:
+    if not isinstance(raw, Mapping):
+        raise ValueError("group is not an object")
+    cls, labels = str(raw["class"]), {str(k): str(v) for k, v in dict(raw["labels"]).items()}
+    by_state = dict(raw.get("by_state", {}))
+    numa = {str(k): int(v) for k, v in dict(raw.get("allocatable_by_numa", {})).items()}
+    return Group(group_key(cls, labels), cls, labels, _attributes(cls, labels), int(raw["total"]),
+                 int(by_state.get("allocatable", 0)), numa)
+
+
+def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = "ready") -> NodeView:
+    """Validate a heartbeat body (the agreed shape) into a view; malformed bodies are 422s."""
+    try:
+        cap = body["capacity"]
+        kernels, images = body.get("kernels") or None, body.get("images") or None
+        return NodeView(
+            name=str(body["node"]), cubelet_url=str(body["cubelet_url"]), state=state, received_at=received_at,
+            sent_at=float(body.get("sent_at", received_at)), version=str(body.get("version", "")),
+            backends=frozenset(str(b) for b in cap.get("backends", [])),
+            pinnable_memory_mib=int(body.get("pinnable_memory_mib", 0)),
+            kernels=None if kernels is None else frozenset(str(k) for k in kernels),
+            images=None if images is None else frozenset(str(i) for i in images),
+            groups=tuple(_group(g) for g in cap.get("groups", [])),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CubeError("node.invalid_heartbeat", f"malformed heartbeat: {type(e).__name__}: {e}", "api",
+                        {}, 422) from e

@@ -1,0 +1,114 @@
+"""A real CubeMaster process plus real Cubelet processes that heartbeat to it (`--master`)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cubeaccel.master.client import MasterClient
+from cubeaccel.model.errors import CubeError
+from tests.e2e.cubelet_process import CubeletProcess, poll
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def example(name: str, **spec: Any) -> dict[str, Any]:
+    """An example template document with `spec` keys replaced (memory, metadata)."""
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    for path, value in spec.items():
+        node = doc
+        *parents, last = path.split("__")
+        for p in parents:
+            node = node[p]
+        node[last] = value
+    return doc
+
+
+class MasterProcess:
+    def __init__(self, state_dir: Path, db: str | None = None, staleness: float = 1.5) -> None:
+        self.state_dir = state_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.db = db or str(state_dir / "master.db")
+        self.staleness = staleness
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = MasterClient(self.url)
+
+    def start(self) -> MasterProcess:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "cubeaccel.master", "serve", "--db", self.db, "--listen",
+               f"127.0.0.1:{self.port}", "--staleness", str(self.staleness), "--tick", "0.2"]
+        log = open(self.state_dir / "master.log", "ab")  # noqa: SIM115 - child owns it
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        poll(self.client.health)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()
+
+
+def cubelet(state_dir: Path, profile: str, node: str, master_url: str) -> CubeletProcess:
+    port = free_port()
+    return CubeletProcess(state_dir, profile, "--master", master_url, "--listen", f"127.0.0.1:{port}",
+                          "--node", node)
+
+
+def wait_nodes_ready(client: MasterClient, names: set[str], deadline_s: float = 30.0) -> None:
+    poll(lambda: names <= {n["node"] for n in client.nodes() if n["state"] == "ready"}, deadline_s)
+
+
+class Cluster:
+    def __init__(self, root: Path, profiles: dict[str, str]) -> None:
+        self.root = root
+        self.profiles = profiles
+        self.master = MasterProcess(root / "master").start()
+        self.c = self.master.client
+        self.cubelets: dict[str, CubeletProcess] = {}
+        for name, profile in profiles.items():
+            (root / name).mkdir()
+            self.cubelets[name] = cubelet(root / name, profile, name, self.master.url).start()
+        wait_nodes_ready(self.c, set(profiles))
+        self.c.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
+        self.c.register_template(example("cuda12-h100", metadata__name="cuda12-h100-huge",
+                                         spec__memory__size_mib=16 * 1024 * 1024))
+        self.c.register_template(example("edu-demo"), default=True)
+
+    def refused(self, body: dict[str, Any]) -> CubeError:
+        with pytest.raises(CubeError) as e:
+            self.c.create(body)
+        return e.value
+
+    def reasons(self, body: dict[str, Any]) -> dict[str, str]:
+        err = self.refused(body)
+        assert err.code == "schedule.unschedulable", err
+        return {n: d["reason"] for n, d in err.details["tried"][-1]["nodes"].items()}
+
+    def cleanup(self) -> None:
+        for s in self.c.sandboxes("running"):
+            self.c.delete(s["id"])
+        poll(lambda: not self.c.sandboxes("deleting") and not self.c.sandboxes("running"))
+        poll(lambda: all(n["allocatable"] == n["total"] for n in self.c.nodes() if n["node"] in self.profiles))
+
+    def stop(self) -> None:
+        for p in self.cubelets.values():
+            p.stop()
+        self.master.stop()

@@ -1,0 +1,91 @@
+"""Two CubeMaster replicas on one real PostgreSQL never double-place."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cubeaccel.master.store import MasterStore
+from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.e2e.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
+
+pytestmark = pytest.mark.postgres
+
+
+def test_replicas_starting_together_migrate_once(fresh_db: str) -> None:
+    stores: list[MasterStore] = []
+    threads = [threading.Thread(target=lambda: stores.append(MasterStore(fresh_db))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [s.schema_version for s in stores] == [1, 1, 1, 1] and stores[0].dialect == "postgresql"
+    for s in stores:
+        s.close()
+
+
+def test_two_replicas_200_concurrent_creates_against_16_devices_place_exactly_16(fresh_db: str,
+                                                                                 tmp_path: Path) -> None:
+    replicas = [MasterProcess(tmp_path / f"m{i}", db=fresh_db, staleness=5.0).start() for i in range(2)]
+    nodes: list[CubeletProcess] = []
+    try:
+        for i, m in enumerate(replicas):  # each node heartbeats to a different replica
+            (tmp_path / f"n{i}").mkdir()
+            nodes.append(cubelet(tmp_path / f"n{i}", "h100x8", f"n{i}", m.url).start())
+        wait_nodes_ready(replicas[0].client, {"n0", "n1"})
+        replicas[0].client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
+
+        def create(i: int) -> tuple[int, str]:
+            url = replicas[i % 2].url
+            r = httpx.post(f"{url}/v1/sandboxes", json={"gpu": "H100:1", "id": f"sb-{i}"}, timeout=120)
+            body = r.json()
+            return r.status_code, body["id"] if r.status_code == 201 else body["error"]["code"]
+
+        with ThreadPoolExecutor(max_workers=50) as pool:
+            results = list(pool.map(create, range(200)))
+        statuses = Counter(s for s, _ in results)
+        assert statuses == {201: 16, 409: 184}, Counter(results)
+        assert {code for s, code in results if s == 409} == {"schedule.unschedulable"}
+        placed = {sid for s, sid in results if s == 201}
+
+        # the Cubelets' truth: 16 devices, each in exactly one sandbox, and those are the placed ones
+        holders = [d["sandbox_id"] for n in nodes for d in n.client.devices() if d["sandbox_id"]]
+        assert len(holders) == 16 and set(holders) == placed
+        rows = replicas[1].client.sandboxes("running")
+        assert {r["id"] for r in rows} == placed
+        devices = [(r["node"], d) for r in rows for d in r["device_ids"]]
+        assert len(devices) == len(set(devices)) == 16
+        poll(lambda: all(n["allocatable"] == 0 for n in replicas[1].client.nodes()))
+    finally:
+        for n in nodes:
+            n.stop()
+        for m in replicas:
+            m.stop()
+
+
+def test_the_same_create_sent_to_both_replicas_makes_one_sandbox(fresh_db: str, tmp_path: Path) -> None:
+    replicas = [MasterProcess(tmp_path / f"m{i}", db=fresh_db).start() for i in range(2)]
+    (tmp_path / "n").mkdir()
+    node = cubelet(tmp_path / "n", "h100x8", "n", replicas[0].url).start()
+    try:
+        wait_nodes_ready(replicas[1].client, {"n"})
+        replicas[1].client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
+
+        def create(i: int) -> int:
+            r = httpx.post(f"{replicas[i % 2].url}/v1/sandboxes", json={"gpu": "H100:1"},
+                           headers={"Idempotency-Key": "same-request"}, timeout=60)
+            return r.status_code
+
+        with ThreadPoolExecutor(max_workers=10) as pool:
+            codes = list(pool.map(create, range(10)))
+        assert codes.count(201) == 1 and set(codes) <= {200, 201}
+        assert len([d for d in node.client.devices() if d["sandbox_id"]]) == 1
+    finally:
+        node.stop()
+        for m in replicas:
+            m.stop()
