@@ -7,19 +7,16 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from cubeaccel.api_edges import install_api_edges
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.model.errors import CubeError, invalid, not_found
+from cubeaccel.model.errors import invalid, not_found
 from cubeaccel.model.reports import ShimReport
-
-MAX_BODY = 1 << 20
 
 
 class _Strict(BaseModel):
@@ -45,34 +42,10 @@ class OperatorBody(_Strict):
     restore_driver: StrictBool = False  # disable only: give the device back to its original host driver
 
 
-def _error(e: CubeError) -> JSONResponse:
-    return JSONResponse(status_code=e.status, content=e.to_json())
-
-
 def create_app(cubelet: Cubelet) -> FastAPI:
     app = FastAPI(title="cubeaccel Cubelet", version="1")
 
-    @app.exception_handler(CubeError)
-    async def _cube_error(_: Request, e: CubeError) -> JSONResponse:
-        return _error(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        errs = e.errors()
-        code = "api.malformed_json" if any(x.get("type") == "json_invalid" for x in errs) else "api.invalid_request"
-        if any(x.get("type") == "extra_forbidden" for x in errs):
-            code = "api.unknown_field"
-        details = {"errors": [{"loc": list(x.get("loc", ())), "msg": x.get("msg"), "type": x.get("type")}
-                              for x in errs]}
-        msg = "request rejected: " + "; ".join(str(x.get("msg")) for x in errs[:3])
-        return _error(CubeError(code, msg, "api", details, 422))
-
-    @app.middleware("http")
-    async def _limit(request: Request, call_next: Any) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
-            return _error(CubeError("api.body_too_large", f"request body over {MAX_BODY} bytes", "api", {}, 413))
-        return await call_next(request)
+    install_api_edges(app)
 
     def dev(device_id: str) -> dict[str, Any]:
         d = cubelet.store.device(device_id)

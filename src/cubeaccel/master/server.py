@@ -11,16 +11,14 @@ from collections import Counter
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from cubeaccel.api_edges import install_api_edges
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
 
-MAX_BODY = 1 << 20
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 SANDBOX_STATES = ("scheduling", "placing", "running", "deleting", "deleted", "failed", "lost")
 
@@ -50,10 +48,6 @@ class DefaultBody(_Strict):
     template: str = Field(min_length=1, max_length=200)
 
 
-def _error(e: CubeError) -> JSONResponse:
-    return JSONResponse(status_code=e.status, content=e.to_json())
-
-
 def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
     if body.id is not None and _ID.fullmatch(body.id) is None:
         raise CubeError("sandbox.invalid_id", f"invalid sandbox id {body.id!r}: [A-Za-z0-9._-], 1-63 chars",
@@ -74,28 +68,7 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
 def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> FastAPI:
     app = FastAPI(title="cubeaccel CubeMaster", version="1")
 
-    @app.exception_handler(CubeError)
-    async def _cube_error(_: Request, e: CubeError) -> JSONResponse:
-        return _error(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        errs = e.errors()
-        code = "api.malformed_json" if any(x.get("type") == "json_invalid" for x in errs) else "api.invalid_request"
-        if any(x.get("type") == "extra_forbidden" for x in errs):
-            code = "api.unknown_field"
-        details = {"errors": [{"loc": list(x.get("loc", ())), "msg": x.get("msg"), "type": x.get("type")}
-                              for x in errs]}
-        msg = "request rejected: " + "; ".join(f"{'.'.join(map(str, x.get('loc', ())))}: {x.get('msg')}"
-                                               for x in errs[:3])
-        return _error(CubeError(code, msg, "api", details, 422))
-
-    @app.middleware("http")
-    async def _limit(request: Request, call_next: Any) -> Any:
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY):
-            return _error(CubeError("api.body_too_large", f"request body over {MAX_BODY} bytes", "api", {}, 413))
-        return await call_next(request)
+    install_api_edges(app)
 
     cfg = master.config
 

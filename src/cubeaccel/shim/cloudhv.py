@@ -22,7 +22,7 @@ import httpx
 from cubeaccel.host import vmmproc as find
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
-from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, vmm_error
+from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, vmm_error
 
 API = "http://localhost/api/v1"
 
@@ -148,11 +148,7 @@ class CloudHypervisorVmm:
             time.sleep(0.02)
 
     def poll_exit(self) -> ExitInfo | None:
-        if self._exit is None and self._proc is not None:
-            pid, status = os.waitpid(self._proc.pid, os.WNOHANG)
-            if pid:
-                self._exit = ExitInfo.from_wait(pid, status, "exited")
-                self._proc.returncode = status
+        self._exit = reap(self._proc, self._exit)
         return self._exit
 
     def stop(self, grace_s: float = 5.0) -> ExitInfo:

@@ -24,7 +24,7 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 from cubeaccel.host import vmmproc as find
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.memory import pinned_error
-from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, vmm_error
+from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, reap, vmm_error
 
 AGENT_PORT_NAME = "cube-agent"
 QMP_TIMEOUT_S = 10.0
@@ -244,11 +244,7 @@ class QemuVmm:
 
     # -- exit ------------------------------------------------------------------------------------------------
     def poll_exit(self) -> ExitInfo | None:
-        if self._exit is None and self._proc is not None:
-            pid, status = os.waitpid(self._proc.pid, os.WNOHANG)
-            if pid:
-                self._exit = ExitInfo.from_wait(pid, status, "exited")
-                self._proc.returncode = status
+        self._exit = reap(self._proc, self._exit)
         return self._exit
 
     def stop(self, grace_s: float = 5.0) -> ExitInfo:

@@ -7,6 +7,7 @@ A `Vmm` starts one MicroVM, adds and removes devices, reports removal only when 
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,6 +54,16 @@ class ExitInfo:
     def to_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "status": self.status, "exit_code": self.exit_code, "signal": self.signal,
                 "how": self.how}
+
+
+def reap(proc: subprocess.Popen[bytes] | None, known: ExitInfo | None) -> ExitInfo | None:
+    """Non-blocking waitpid of a VMM child: its exit is learned once, from the kernel, never assumed."""
+    if known is None and proc is not None:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = status
+            return ExitInfo.from_wait(pid, status, "exited")
+    return known
 
 
 @dataclass(frozen=True)
