@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from typing import Any
@@ -22,7 +21,7 @@ import httpx
 from cubeaccel.host import vmmproc as find
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
-from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, vmm_error
+from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, stop_child, vmm_error
 
 API = "http://localhost/api/v1"
 
@@ -154,23 +153,12 @@ class CloudHypervisorVmm:
     def stop(self, grace_s: float = 5.0) -> ExitInfo:
         if self._proc is None:
             raise vmm_error("vmm.not_started", "VMM not started")
-        how = "quit"
         if self.poll_exit() is None:
-            try:
+            def ask() -> None:
                 self._api("PUT", "vm.shutdown")
                 self._api("PUT", "vmm.shutdown")
-            except CubeError:
-                how = "sigterm"
-                os.kill(self._proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self.poll_exit() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if self._exit is None:
-                os.kill(self._proc.pid, signal.SIGKILL)
-                _, status = os.waitpid(self._proc.pid, 0)
-                self._exit = ExitInfo.from_wait(self._proc.pid, status, "sigkill")
-            else:
-                self._exit = ExitInfo(self._exit.pid, self._exit.status, self._exit.exit_code, self._exit.signal, how)
+
+            self._exit = stop_child(self._proc, self.poll_exit, ask, grace_s)
         if self._client is not None:
             self._client.close()
             self._client = None

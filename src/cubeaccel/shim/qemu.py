@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 from cubeaccel.host import vmmproc as find
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.memory import pinned_error
-from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, reap, vmm_error
+from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, reap, stop_child, vmm_error
 
 AGENT_PORT_NAME = "cube-agent"
 QMP_TIMEOUT_S = 10.0
@@ -251,22 +250,7 @@ class QemuVmm:
         if self._proc is None:
             raise vmm_error("vmm.not_started", "VMM not started")
         if self.poll_exit() is None:
-            how = "quit"
-            try:
-                self.qmp("quit")
-            except CubeError:
-                how = "sigterm"
-                os.kill(self._proc.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self.poll_exit() is None and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if self._exit is None:
-                os.kill(self._proc.pid, signal.SIGKILL)
-                how = "sigkill"
-                _, status = os.waitpid(self._proc.pid, 0)
-                self._exit = ExitInfo.from_wait(self._proc.pid, status, how)
-            else:
-                self._exit = ExitInfo(self._exit.pid, self._exit.status, self._exit.exit_code, self._exit.signal, how)
+            self._exit = stop_child(self._proc, self.poll_exit, lambda: self.qmp("quit"), grace_s)
         self.close()
         assert self._exit is not None
         return self._exit

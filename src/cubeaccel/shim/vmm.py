@@ -7,7 +7,10 @@ A `Vmm` starts one MicroVM, adds and removes devices, reports removal only when 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,6 +57,30 @@ class ExitInfo:
     def to_json(self) -> dict[str, Any]:
         return {"pid": self.pid, "status": self.status, "exit_code": self.exit_code, "signal": self.signal,
                 "how": self.how}
+
+
+def stop_child(proc: subprocess.Popen[bytes], poll_exit: Callable[[], ExitInfo | None],
+               ask: Callable[[], None], grace_s: float) -> ExitInfo:
+    """Ask the VMM to quit (`ask` raises CubeError when it cannot), SIGTERM if asking failed, SIGKILL after
+    `grace_s`; returns only once the process was waited for, saying how it went."""
+    known = poll_exit()
+    if known is not None:
+        return known
+    how = "quit"
+    try:
+        ask()
+    except CubeError:
+        how = "sigterm"
+        os.kill(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while (known := poll_exit()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if known is None:
+        os.kill(proc.pid, signal.SIGKILL)
+        _, status = os.waitpid(proc.pid, 0)
+        proc.returncode = status
+        return ExitInfo.from_wait(proc.pid, status, "sigkill")
+    return ExitInfo(known.pid, known.status, known.exit_code, known.signal, how)
 
 
 def reap(proc: subprocess.Popen[bytes] | None, known: ExitInfo | None) -> ExitInfo | None:
