@@ -140,6 +140,9 @@ def test_vmm_that_will_not_die_keeps_device_out_and_then_quarantines(node: Node)
     node.cubelet.release("sb")
     assert node.device(dev).state is S.RELEASING
     node.clock.advance(11)
+    node.cubelet.try_release("sb")  # overdue: SIGKILL, then a grace for the kernel to reap it
+    assert node.device(dev).state is S.RELEASING
+    node.clock.advance(11)
     node.cubelet.try_release("sb")
     d = node.device(dev)
     assert d.state is S.QUARANTINED and d.reason == "release.vmm_not_exited"
@@ -244,7 +247,7 @@ def test_a_shim_still_starting_its_vmm_is_not_mistaken_for_a_dead_vm(node: Node)
     ({}, None, None, True),  # never started: nothing can hold it
     ({"shim_started": True}, True, False, False),  # shim alive, VMM not (yet) there: may still appear
     ({"shim_started": True}, False, False, True),
-    ({"shim_started": True, "vmm_exited": True}, True, False, True),
+    ({"shim_started": True, "vmm_exited": True}, True, False, False),  # a report is not evidence: the shim lives
     ({"shim_started": True}, True, True, False),
     ({"shim_started": True}, None, None, None),  # cannot tell: the caller quarantines
 ])
@@ -270,3 +273,45 @@ def test_a_shim_that_never_starts_its_vmm_is_torn_down_after_the_startup_timeout
     assert node.device(res.device_ids[0]).state is S.ALLOCATABLE
     assert "the shim did not start a VMM in time" in [
         e.reason for e in node.cubelet.store.events() if e.kind == "reconcile_repair"]
+
+
+def test_a_stale_or_forged_vmm_exited_report_frees_nothing(node: Node) -> None:
+    """Reviewer's scenario: a report from an earlier start (reused sandbox id) or a forged one."""
+    from cubeaccel.model.reports import ShimReport, ShimReportKind
+
+    node.shim.slow_start.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb")
+    for start_id in (None, "0123456789abcdef"):
+        node.cubelet.handle_report(ShimReport("sb", ShimReportKind.VMM_EXITED, (dev,), {}, 0.0, start_id))
+    assert node.device(dev).state is S.PREPARING
+    assert [e.reason for e in node.cubelet.store.events() if e.kind == "shim_report_rejected"] == [
+        "shim.report_stale", "shim.report_stale"]
+    # Even a genuine vmm_exited is not evidence while the shim lives: it might still start a VMM.
+    genuine = node.cubelet.store.reservation("sb").facts["start_id"]  # type: ignore[union-attr]
+    node.shim.slow_start.discard("sb")
+    node.host.kill = lambda pid: False  # type: ignore[method-assign]  # shim and VMM both refuse to die
+    node.cubelet.handle_report(ShimReport("sb", ShimReportKind.VMM_EXITED, (dev,), {}, 0.0, genuine))
+    assert node.device(dev).state is S.RELEASING
+    assert node.cubelet.store.reservation("sb") is not None
+
+
+def test_reservation_stays_open_until_its_vmm_is_gone_even_when_devices_are_quarantined(node: Node) -> None:
+    node.shim.uncooperative_guest.add("sb")
+    node.shim.immortal_vmm.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb")
+    node.cubelet.release("sb")
+    node.clock.advance(11)
+    node.cubelet.try_release("sb")  # overdue: kill sent, grace starts
+    assert node.device(dev).state is S.RELEASING  # not quarantined before the kill grace has passed
+    node.clock.advance(11)
+    node.cubelet.try_release("sb")
+    assert node.device(dev).state is S.QUARANTINED
+    assert node.cubelet.store.reservation("sb") is not None  # the VMM still runs: not forgotten
+    assert "release_vmm_survives" in node.kinds("sb")
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("sb", ReservationRequest(count=1))
+    assert err.value.code == "sandbox.releasing"

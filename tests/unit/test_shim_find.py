@@ -79,3 +79,20 @@ def test_a_real_tagged_process_is_found_until_it_exits() -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert find_vmm("real-1") is None
+
+
+def test_find_shim_matches_the_exact_sandbox_argument_of_a_live_shim() -> None:
+    from cubeaccel.host.vmmproc import find_shim
+
+    # A stand-in with a shim's argv: python -c '...' shim run --sandbox ab
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "shim", "run", "--sandbox", "ab"])
+    try:
+        deadline = time.monotonic() + 10
+        while find_shim("ab") is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert find_shim("ab") == p.pid
+        assert find_shim("a") is None  # never a prefix match
+    finally:
+        p.kill()
+        p.wait()
+    assert find_shim("ab") is None

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.vmmproc import find_vmm
+from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.template_spec import GuestKernel, ModulesImg
@@ -77,7 +77,8 @@ def test_shim_killed_mid_sandbox_orphaned_vmm_is_stopped_then_released(emulated:
     body = emulated.client.reserve("vm-2", 1, start=True, memory_mib=256)
     dev = body["devices"][0]["id"]
     poll(lambda: _state(emulated, dev) == "attached", 120)
-    shim_pid = int((emulated.state_dir / "shims" / "vm-2.pid").read_text())
+    shim_pid = find_shim("vm-2")
+    assert shim_pid is not None
     vmm = find_vmm("vm-2")
     assert vmm is not None
     os.kill(shim_pid, signal.SIGKILL)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,7 @@ class CubeletConfig:
     reservation_ttl_s: float = 300.0  # a reservation whose sandbox never starts expires
     release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
     startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
+    kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,8 @@ class Cubelet:
         with self.lock, self.store.tx() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
+                if existing.phase == "releasing":
+                    raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is still being released")
                 if existing.params == params:
                     return existing
                 raise conflict("reserve.sandbox_conflict",
@@ -191,6 +195,7 @@ class Cubelet:
                     res.phase, res.expires_at = "starting", None
                     res.facts["shim_started"] = True  # intent recorded before the act
                     res.facts["started_at"] = t.now
+                    res.facts["start_id"] = uuid.uuid4().hex[:16]
                     t.update_reservation(res)
                     start_ok = True
             if not start_ok:
@@ -216,7 +221,7 @@ class Cubelet:
                                         f"{d.identity.vendor_id:04x}", f"{d.identity.device_id:04x}"))
         p = res.params
         return ShimSpec(sandbox_id, tuple(shim_devs), int(p["memory_mib"]), int(p["vcpus"]),
-                        bool(p["pin_memory"]), p.get("contract"))
+                        bool(p["pin_memory"]), p.get("contract"), res.facts.get("start_id"))
 
     def _reservation(self, t: Tx, sandbox_id: str) -> Reservation:
         res = t.reservation(sandbox_id)
@@ -234,6 +239,12 @@ class Cubelet:
         with self.lock:
             with self.store.tx() as t:
                 res = t.reservation(sid)
+                expected = res.facts.get("start_id") if res else None
+                if expected is not None and report.start_id != expected:
+                    # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
+                    t.event("shim_report_rejected", Actor.SHIM, sandbox_id=sid, event=report.kind.value,
+                            reason="shim.report_stale", details={"start_id": report.start_id})
+                    return
                 details = report.details if res else {**report.details, "reservation": "closed"}
                 t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
                 if res is None:
@@ -315,7 +326,7 @@ class Cubelet:
                     elif d.state in (S.RESERVED, S.PREPARING):
                         ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
                         t.transition(d, ev, Actor.CUBELET, reason=reason)
-                stop = first and res.facts.get("shim_started") and not res.facts.get("vmm_exited")
+                stop = first and res.facts.get("shim_started")
             if stop:
                 self.shim.stop(sandbox_id)
             self.try_release(sandbox_id)
@@ -327,17 +338,21 @@ class Cubelet:
 
     @staticmethod
     def vmm_gone(res: Reservation, st: ShimStatus) -> bool | None:
-        """True only when no VMM runs *and none can appear*: a live shim may still be spawning one."""
+        """True only on host evidence that no VMM runs *and none can appear*: a live shim may still spawn
+        one, so its own `vmm_exited` report is not enough — the shim process must be gone too."""
         if not res.facts.get("shim_started"):
             return True
-        if st.vmm_alive is None:
+        if st.vmm_alive is None or st.shim_alive is None:
             return None
-        if st.vmm_alive:
-            return False
-        return st.shim_alive is False or bool(res.facts.get("vmm_exited"))
+        return not st.vmm_alive and not st.shim_alive
 
     def try_release(self, sandbox_id: str) -> None:
-        """Apply the release rules to every `releasing` device of the sandbox; quarantine on timeout."""
+        """Apply the release rules to every `releasing` device of the sandbox.
+
+        Past the release timeout the VMM is killed; only after `kill_grace_s` more are devices that still
+        lack evidence quarantined. The reservation closes only once the VMM is proven gone, so a VMM that
+        outlives its devices is never forgotten (nor its sandbox id reused while it runs).
+        """
         with self.lock:
             res = self.store.reservation(sandbox_id)
             if res is None:
@@ -345,22 +360,31 @@ class Cubelet:
             st = self._vmm_status(res)
             now = float(self.store.clock())
             overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
-            if not self.vmm_gone(res, st) and overdue and not res.facts.get("kill_requested"):
+            gone = self.vmm_gone(res, st)
+            if not gone and overdue and "kill_at" not in res.facts:
                 self.shim.kill(sandbox_id)
-                res.facts["kill_requested"] = True
-                st = self.shim.status(sandbox_id)
+                res.facts["kill_at"] = now
+                st = self._vmm_status(res)
+                gone = self.vmm_gone(res, st)
+            kill_at = res.facts.get("kill_at")
+            give_up = overdue and (bool(gone) or (kill_at is not None and now - kill_at > self.config.kill_grace_s))
             with self.store.tx() as t:
-                t.update_reservation(res)
                 for d in self._sandbox_devices(t, sandbox_id):
                     if d.state is S.RELEASING:
-                        self._release_device(t, d, res, st, overdue)
+                        self._release_device(t, d, res, st, give_up)
                     elif d.state is S.RELEASED:
                         self._revalidate(t, d)
                 remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
-                if not remaining:
+                if not remaining and gone:
                     t.delete_reservation(sandbox_id)
                     t.event("reservation_closed", Actor.CUBELET, sandbox_id=sandbox_id,
                             details={"facts": res.facts})
+                    return
+                if not remaining and give_up and not res.facts.get("vmm_survives"):
+                    res.facts["vmm_survives"] = True
+                    t.event("release_vmm_survives", Actor.CUBELET, sandbox_id=sandbox_id,
+                            reason="release.vmm_not_exited", details={"vmm_pid": st.vmm_pid})
+                t.update_reservation(res)
 
     def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
         detached = d.id in res.facts.get("detached", [])

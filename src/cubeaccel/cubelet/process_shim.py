@@ -1,7 +1,7 @@
 """ShimDriver for the real shim: one `cubeaccel shim run` process per sandbox.
 
 Reports arrive over the Cubelet API (`POST /v1/shim-reports` on the unix socket). Liveness is
-learned from the host, never from memory: the shim's pid file plus /proc, and the VMM by the
+learned from the host, never from memory: the shim by its argv in /proc, and the VMM by the
 `cubeaccel-sandbox=<id>` tag on its command line — so a restarted Cubelet finds both.
 """
 
@@ -17,22 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cubeaccel.cubelet.shim_driver import ReportSink, ShimSpec, ShimStatus
-from cubeaccel.host.vmmproc import find_vmm
-
-
-def _cmdline(pid: int, proc: Path) -> str | None:
-    try:
-        return (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return None
-
-
-def _zombie(pid: int, proc: Path) -> bool:
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+from cubeaccel.host.vmmproc import find_shim, find_vmm
 
 
 class ProcessShimDriver:
@@ -65,20 +50,12 @@ class ProcessShimDriver:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self._children[sid] = child
-        (self.dir / f"{sid}.pid").write_text(str(child.pid))
 
     def _shim_pid(self, sandbox_id: str) -> int | None:
         child = self._children.get(sandbox_id)
-        if child is not None:
-            child.poll()  # reap, so an exited shim is not mistaken for a live zombie
-        try:
-            pid = int((self.dir / f"{sandbox_id}.pid").read_text())
-        except (OSError, ValueError):
-            return None
-        cmd = _cmdline(pid, self.proc)
-        if cmd is None or f"--sandbox {sandbox_id}" not in cmd or _zombie(pid, self.proc):
-            return None
-        return pid
+        if child is not None and child.poll() is not None:
+            del self._children[sandbox_id]  # reaped: not mistaken for a live process
+        return find_shim(sandbox_id, self.proc)
 
     def stop(self, sandbox_id: str) -> None:
         pid = self._shim_pid(sandbox_id)
@@ -90,10 +67,7 @@ class ProcessShimDriver:
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-        child = self._children.get(sandbox_id)
-        if child is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(timeout=5)
+        self._shim_pid(sandbox_id)  # reap if already gone; never block while Cubelet holds its lock
 
     def status(self, sandbox_id: str) -> ShimStatus:
         if not self.proc.is_dir():

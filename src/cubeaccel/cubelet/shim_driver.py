@@ -39,6 +39,7 @@ class ShimSpec:
     vcpus: int
     pin_memory: bool
     contract: dict[str, Any] | None = None
+    start_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,17 +79,30 @@ class SimulatedShimDriver:
     slow_start: set[str] = field(default_factory=set)  # the shim runs, its VMM comes with finish_start()
     sink: ReportSink | None = None
     _pending: dict[str, ShimSpec] = field(default_factory=dict)
+    _start_ids: dict[str, str | None] = field(default_factory=dict)
 
     def bind(self, sink: ReportSink) -> None:
         self.sink = sink
 
     def _report(self, sid: str, kind: ShimReportKind, dev_ids: tuple[str, ...] = (), **details: Any) -> None:
         if self.sink is not None:
-            self.sink(ShimReport(sid, kind, dev_ids, details, time.time()))
+            self.sink(ShimReport(sid, kind, dev_ids, details, time.time(), self._start_id(sid)))
+
+    def _start_id(self, sid: str) -> str | None:
+        """The running shim's own start id (from its "command line"), surviving a Cubelet restart."""
+        if sid in self._start_ids:
+            return self._start_ids[sid]
+        pid = self.host.find_process(f"shim:{sid}")
+        cmd = self.host.command_of(pid) if pid is not None else None
+        if cmd and "--start-id " in cmd:
+            value = cmd.split("--start-id ", 1)[1].split()[0]
+            return None if value == "None" else value
+        return None
 
     def start(self, spec: ShimSpec) -> None:
         sid = spec.sandbox_id
-        self.host.spawn(f"shim:{sid}", f"cubeaccel shim run --sandbox {sid}")
+        self._start_ids[sid] = spec.start_id
+        self.host.spawn(f"shim:{sid}", f"cubeaccel shim run --sandbox {sid} --start-id {spec.start_id}")
         if sid in self.slow_start:
             self._pending[sid] = spec
             return

@@ -226,6 +226,11 @@ class SimulatedPciHost:
                     self._s["holders"][addr] = [h for h in hs if h["pid"] != pid]
             return True
 
+    def command_of(self, pid: int) -> str | None:
+        with self._locked(write=False):
+            p = self._s["procs"].get(str(pid))
+            return None if p is None else str(p["command"])
+
     def alive(self, pid: int) -> bool:
         with self._locked(write=False):
             return str(pid) in self._s["procs"]

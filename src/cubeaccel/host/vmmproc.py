@@ -85,3 +85,31 @@ def find_vmm(sandbox_id: str, proc_root: Path = Path("/proc")) -> int | None:
         if p.sandbox_id == sandbox_id:
             return p.pid
     return None
+
+
+def _argv(pid: int, proc_root: Path) -> list[str] | None:
+    proc = proc_root / str(pid)
+    cmdline = _read(proc / "cmdline")
+    if not cmdline or _state(proc) in (None, "Z", "X"):
+        return None
+    return [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+
+
+def find_shim(sandbox_id: str, proc_root: Path = Path("/proc")) -> int | None:
+    """Pid of the live shim serving `sandbox_id`: argv holds `shim run` and exactly `--sandbox <id>`.
+
+    Found from /proc, not from a pid file, so a Cubelet that crashed between spawning a shim and
+    recording it still finds it (and `--sandbox a` never matches `--sandbox ab`).
+    """
+    try:
+        entries = [e.name for e in proc_root.iterdir() if e.name.isdigit()]
+    except OSError:
+        return None
+    for name in entries:
+        argv = _argv(int(name), proc_root)
+        if not argv or "run" not in argv or not any(a in ("shim", "cubeaccel.shim") for a in argv):
+            continue
+        for i, arg in enumerate(argv[:-1]):
+            if arg == "--sandbox" and argv[i + 1] == sandbox_id:
+                return int(name)
+    return None

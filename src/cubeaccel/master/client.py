@@ -53,8 +53,9 @@ class MasterClient:
     def delete(self, sandbox_id: str) -> dict[str, Any]:
         return dict(self.request("DELETE", f"/v1/sandboxes/{sandbox_id}"))
 
-    def node_verb(self, node: str, verb: str, who: str = "operator", reason: str = "") -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/nodes/{node}/{verb}", {"who": who, "reason": reason}))
+    def node_verb(self, node: str, verb: str, who: str = "operator", reason: str | None = None) -> dict[str, Any]:
+        body = {"who": who} if reason is None else {"who": who, "reason": reason}
+        return dict(self.request("POST", f"/v1/nodes/{node}/{verb}", body))
 
     def close(self) -> None:
         self._http.close()

@@ -17,19 +17,27 @@ from typing import Any
 import httpx
 
 from cubeaccel.master.service import CubeMaster
+from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
 
 ORPHAN_GRACE_S = 60.0  # a reservation younger than this may belong to a create still in flight
 
 
 def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
+    """Compare the node's records with its Cubelet's reservations; 502 `cubelet.unreachable` if it is down.
+
+    Master rows are read before the reservations: a create that completes in between then shows up as
+    `placing` (left alone) instead of as a `running` record the Cubelet "lacks", which would mark it lost
+    and release its live reservation as an orphan on the next pass.
+    """
     view = next((v for v in master.cache.views(fresh=True) if v.name == name), None)
     if view is None:
         return {"node": name, "skipped": "unknown node"}
-    reservations = master.client(view.cubelet_url).request("GET", "/v1/reservations")["reservations"]
+    rows = master.store.sandboxes(states=("running", "deleting"), node=name)
+    reservations = _cubelet_call(master, view.cubelet_url, "GET", "/v1/reservations")["reservations"]
     held = {r["sandbox_id"]: r for r in reservations}
     lost, orphans = [], []
-    for row in master.store.sandboxes(states=("running", "deleting"), node=name):
+    for row in rows:
         if row["id"] in held:
             continue
         if row["state"] == "deleting":
@@ -45,11 +53,53 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
         live = rec is not None and rec["node"] == name and rec["state"] in ("placing", "running", "deleting")
         young = now - float(r.get("created_at") or 0) < ORPHAN_GRACE_S and rec is not None
         if not live and not young:
-            master.client(view.cubelet_url).release(sid)
+            _cubelet_call(master, view.cubelet_url, "DELETE", f"/v1/reservations/{sid}")
             orphans.append(sid)
     master.store.mark_reconciled(name, now)
     master.cache.invalidate()
     return {"node": name, "lost": lost, "released_orphans": orphans}
+
+
+def resolve_abandoned(master: CubeMaster, row: Row) -> str:
+    """Settle a `scheduling`/`placing` row whose create died (a replica crash between claim and reply).
+
+    Its node's Cubelet decides: a running reservation → `running` (the user's sandbox exists); none → `failed`,
+    which also stops the row counting as a claim on the node. A reservation caught half-way (reserved, never
+    started) is released through the Cubelet and the row `failed`. Returns the row's state afterwards.
+    """
+    sid, state = str(row["id"]), str(row["state"])
+    url = master.node_url(row["node"]) if state == "placing" else None
+    res: dict[str, Any] | None = None
+    if url is not None:
+        try:
+            res = _cubelet_call(master, url, "GET", f"/v1/reservations/{sid}").get("reservation")
+        except CubeError as e:
+            if e.code != "reservation.not_found":
+                raise
+    if res is not None and res.get("phase") == "running":
+        master.store.update_sandbox(sid, "reserved", expect=(state,), state="running",
+                                    detail={"node": row["node"], "recovered": True},
+                                    device_ids=list(res.get("device_ids", [])),
+                                    cubelet_created_at=res.get("created_at"))
+    elif res is not None and res.get("phase") == "starting":
+        return state  # the Cubelet is still starting it: look again next tick
+    else:
+        if res is not None and url is not None:
+            _cubelet_call(master, url, "DELETE", f"/v1/reservations/{sid}")
+        master.store.update_sandbox(sid, "failed", expect=(state,), state="failed", error={
+            "code": "sandbox.placement_abandoned", "message": f"the create placing it stopped in state {state} "
+            f"and node {row['node']} holds {'no' if res is None else 'an unstarted'} reservation for it"})
+    master.cache.invalidate()
+    current = master.store.sandbox(sid)
+    return "gone" if current is None else str(current["state"])
+
+
+def _cubelet_call(master: CubeMaster, url: str, method: str, path: str) -> dict[str, Any]:
+    try:
+        return dict(master.client(url).request(method, path))
+    except httpx.HTTPError as e:
+        raise CubeError("cubelet.unreachable", f"Cubelet at {url}: {type(e).__name__}: {e}", "api",
+                        {"cubelet_url": url}, 502) from e
 
 
 class Maintenance:
@@ -91,6 +141,12 @@ class Maintenance:
                 with self._lock:
                     self._pending.add(node)  # try again next tick
         now = time.time()
+        for row in self.master.store.sandboxes(states=("scheduling", "placing")):
+            if self.master.placement_abandoned(row, now):
+                try:
+                    resolve_abandoned(self.master, row)
+                except CubeError as e:
+                    self._note(f"abandoned {row['id']}: {e}")
         for row in self.master.store.sandboxes(states=("running",)):
             if row["expires_at"] is not None and row["expires_at"] < now:
                 self.master.store.update_sandbox(row["id"], "timeout", expect=("running",), state="deleting")

@@ -19,6 +19,7 @@ from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
 
+# TODO(lead): import SANDBOX_ID_RE / NODE_ID_RE from cubeaccel.model.ids once it exists (the Cubelet has a copy).
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 SANDBOX_STATES = ("scheduling", "placing", "running", "deleting", "deleted", "failed", "lost")
 
@@ -40,8 +41,10 @@ class SandboxBody(_Strict):
 
 
 class OperatorBody(_Strict):
+    """Like the Cubelet's operator body, but `reason` may be left out (node verbs need none); empty is a 422."""
+
     who: str = Field(default="operator", min_length=1, max_length=200)
-    reason: str = Field(default="", max_length=2000)
+    reason: str | None = Field(default=None, min_length=1, max_length=2000)
 
 
 class DefaultBody(_Strict):

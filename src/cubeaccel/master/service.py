@@ -38,6 +38,15 @@ class MasterConfig:
     max_attempts: int = 4  # Cubelets asked per create before giving up
     cubelet_timeout_s: float = 30.0
 
+    @property
+    def placement_stale_s(self) -> float:
+        """A `scheduling`/`placing` row untouched this long belongs to a create that died (a replica crash).
+
+        A live create touches its row at every step and waits at most one Cubelet request per step; httpx's
+        timeout applies per phase (connect, then read), hence twice the request timeout.
+        """
+        return 2 * self.cubelet_timeout_s
+
 
 @dataclass(frozen=True)
 class CreateSpec:
@@ -182,8 +191,13 @@ class CubeMaster:
     # ---- delete -----------------------------------------------------------------------------------
     def delete(self, sandbox_id: str) -> Row:
         row = self.get(sandbox_id)
-        if row["state"] == "scheduling" or row["state"] == "placing":
-            raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api", {}, 409)
+        if row["state"] in ("scheduling", "placing"):
+            if not self.placement_abandoned(row, time.time()):
+                raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api", {}, 409)
+            # The create that owned it died: whatever it may have reserved is released on the Cubelet.
+            self.store.update_sandbox(sandbox_id, "delete_requested", expect=(row["state"],), state="deleting",
+                                      detail={"abandoned_in": row["state"]})
+            row = self.get(sandbox_id)
         if row["state"] in ("running", "deleting"):
             self.store.update_sandbox(sandbox_id, "delete_requested" if row["state"] == "running" else None,
                                       expect=("running", "deleting"), state="deleting")
@@ -192,9 +206,13 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "deleted", state="deleted")
         return self.get(sandbox_id)
 
+    def placement_abandoned(self, row: Row, now: float) -> bool:
+        return row["state"] in ("scheduling", "placing") and now - float(row["updated_at"]) > \
+            self.config.placement_stale_s
+
     def release(self, row: Row) -> None:
         """Ask the node's Cubelet to run its release path; `deleted` only once it says the devices are back."""
-        url = self._node_url(row["node"])
+        url = self.node_url(row["node"])
         try:
             reply = self.client(url).release(row["id"]) if url else {"released": True}
         except CubeError as e:
@@ -207,7 +225,7 @@ class CubeMaster:
             self.store.update_sandbox(row["id"], "deleted", expect=("deleting",), state="deleted")
             self.cache.invalidate()
 
-    def _node_url(self, node: str | None) -> str | None:
+    def node_url(self, node: str | None) -> str | None:
         if node is None:
             return None
         v = next((v for v in self.cache.views() if v.name == node), None)

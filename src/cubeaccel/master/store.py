@@ -64,19 +64,28 @@ class MasterStore:
 
     # ---- nodes ------------------------------------------------------------------------------------
     def heartbeat(self, body: Mapping[str, Any], now: float, staleness_s: float) -> tuple[str, bool]:
-        """Record a heartbeat; returns (operator state, whether the node is new or was stale)."""
-        view_from_heartbeat(body, now)  # validates the shape before anything is written
-        name = str(body["node"])
+        """Record a heartbeat; returns (operator state, whether the node is new or was stale).
+
+        A live node's URL is not changed by a heartbeat naming another one (409 `node.url_conflict`):
+        otherwise any caller could redirect a node's reservations. A stale node may come back elsewhere.
+        """
+        view = view_from_heartbeat(body, now)  # validates the shape before anything is written
+        name = view.name
         with self.tx() as c:
-            row = c.execute(sa.select(S.nodes.c.state, S.nodes.c.received_at)
+            row = c.execute(sa.select(S.nodes.c.state, S.nodes.c.received_at, S.nodes.c.cubelet_url)
                             .where(S.nodes.c.name == name).with_for_update()).first()
-            values = {"cubelet_url": str(body["cubelet_url"]), "heartbeat": dict(body), "received_at": now,
-                      "sent_at": float(body.get("sent_at", now))}
+            values = {"cubelet_url": view.cubelet_url, "heartbeat": {**body, "cubelet_url": view.cubelet_url},
+                      "received_at": now, "sent_at": view.sent_at}
             if row is None:
                 c.execute(S.nodes.insert().values(name=name, state="ready", registered_at=now, **values))
                 return "ready", True
+            stale = now - float(row.received_at) > staleness_s
+            if row.cubelet_url != view.cubelet_url and not stale:
+                raise CubeError("node.url_conflict", f"node {name} is live at {row.cubelet_url}; a heartbeat "
+                                f"naming {view.cubelet_url} is refused until it has been stale for "
+                                f"{staleness_s:g}s", "api", {"cubelet_url": row.cubelet_url}, 409)
             c.execute(S.nodes.update().where(S.nodes.c.name == name).values(**values))
-            return str(row.state), now - float(row.received_at) > staleness_s
+            return str(row.state), stale
 
     def set_node_state(self, name: str, state: str) -> None:
         with self.tx() as c:

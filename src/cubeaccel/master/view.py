@@ -8,9 +8,11 @@ A `NodeView` is immutable apart from two memo dicts; a new heartbeat makes a new
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from cubeaccel.model.contract import ContractViolation
 from cubeaccel.model.errors import CubeError
@@ -88,30 +90,60 @@ def _attributes(accel_class: str, labels: Mapping[str, str]) -> dict[str, str]:
     return attrs
 
 
+def _number(raw: Any, what: str) -> float:
+    """A finite JSON number: `"nan"`, NaN/Infinity literals and 1e400 would reach the database or the math."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
+        raise ValueError(f"{what} must be a finite number, got {raw!r}")
+    return float(raw)
+
+
+def _count(raw: Any, what: str) -> int:
+    """A non-negative whole number (device counts, MiB)."""
+    value = _number(raw, what)
+    if value < 0 or value != int(value):
+        raise ValueError(f"{what} must be a non-negative integer, got {raw!r}")
+    return int(value)
+
+
+def cubelet_url(raw: Any) -> str:
+    """`http(s)://host:port` and nothing else: CubeMaster sends requests there, so no other scheme or path."""
+    try:
+        u = urlsplit(raw) if isinstance(raw, str) else None
+        port = u.port if u is not None else None
+    except ValueError:
+        u, port = None, None
+    if (u is None or u.scheme not in ("http", "https") or not u.hostname or port is None or u.username
+            or u.password or u.path not in ("", "/") or u.query or u.fragment):
+        raise CubeError("node.invalid_url", f"cubelet_url must be http(s)://HOST:PORT, got {raw!r}", "api",
+                        {}, 422)
+    return f"{u.scheme}://{u.netloc}"
+
+
 def _group(raw: Any) -> Group:
     if not isinstance(raw, Mapping):
         raise ValueError("group is not an object")
     cls, labels = str(raw["class"]), {str(k): str(v) for k, v in dict(raw["labels"]).items()}
     by_state = dict(raw.get("by_state", {}))
-    numa = {str(k): int(v) for k, v in dict(raw.get("allocatable_by_numa", {})).items()}
-    return Group(group_key(cls, labels), cls, labels, _attributes(cls, labels), int(raw["total"]),
-                 int(by_state.get("allocatable", 0)), numa)
+    numa = {str(k): _count(v, "allocatable_by_numa") for k, v in dict(raw.get("allocatable_by_numa", {})).items()}
+    return Group(group_key(cls, labels), cls, labels, _attributes(cls, labels), _count(raw["total"], "total"),
+                 _count(by_state.get("allocatable", 0), "by_state.allocatable"), numa)
 
 
 def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = "ready") -> NodeView:
     """Validate a heartbeat body (the agreed shape) into a view; malformed bodies are 422s."""
+    url = cubelet_url(body.get("cubelet_url"))
     try:
         cap = body["capacity"]
         kernels, images = body.get("kernels") or None, body.get("images") or None
         return NodeView(
-            name=str(body["node"]), cubelet_url=str(body["cubelet_url"]), state=state, received_at=received_at,
-            sent_at=float(body.get("sent_at", received_at)), version=str(body.get("version", "")),
+            name=str(body["node"]), cubelet_url=url, state=state, received_at=received_at,
+            sent_at=_number(body.get("sent_at", received_at), "sent_at"), version=str(body.get("version", "")),
             backends=frozenset(str(b) for b in cap.get("backends", [])),
-            pinnable_memory_mib=int(body.get("pinnable_memory_mib", 0)),
+            pinnable_memory_mib=_count(body.get("pinnable_memory_mib", 0), "pinnable_memory_mib"),
             kernels=None if kernels is None else frozenset(str(k) for k in kernels),
             images=None if images is None else frozenset(str(i) for i in images),
             groups=tuple(_group(g) for g in cap.get("groups", [])),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise CubeError("node.invalid_heartbeat", f"malformed heartbeat: {type(e).__name__}: {e}", "api",
                         {}, 422) from e

@@ -41,7 +41,8 @@ def qdev_id(index: int) -> str:
 class Shim:
     def __init__(self, spec: ShimSpec) -> None:
         self.spec = spec
-        self.reporter = Reporter(spec.sandbox_id, spec.report_socket, spec.report_file, spec.state_dir)
+        self.reporter = Reporter(spec.sandbox_id, spec.report_socket, spec.report_file, spec.state_dir,
+                                 start_id=spec.start_id)
         self.vmm: QemuVmm | None = None
         self.agent: AgentClient | None = None
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted

@@ -18,8 +18,9 @@ REPORT_PATH = "/v1/shim-reports"
 
 class Reporter:
     def __init__(self, sandbox_id: str, socket_path: Path | None, file_path: Path | None, state_dir: Path,
-                 retries: int = 3) -> None:
+                 retries: int = 3, start_id: str | None = None) -> None:
         self.sandbox_id = sandbox_id
+        self.start_id = start_id
         self.socket_path = socket_path
         self.file_path = file_path
         self.state_dir = state_dir
@@ -27,7 +28,7 @@ class Reporter:
         self.sent: list[ShimReport] = []
 
     def report(self, kind: ShimReportKind, device_ids: tuple[str, ...] = (), /, **details: Any) -> ShimReport:
-        r = ShimReport(self.sandbox_id, kind, device_ids, details, time.time())
+        r = ShimReport(self.sandbox_id, kind, device_ids, details, time.time(), self.start_id)
         body = r.to_json()
         if self.file_path is not None:
             self._append(self.file_path, body)

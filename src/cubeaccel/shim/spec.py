@@ -15,6 +15,7 @@ from typing import Any
 from cubeaccel.model.errors import CubeError
 
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_START_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
 _QDEV_PROP = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_DEVICES = 4  # root ports per VM; fixed so template state matches every sandbox's machine
 
@@ -61,6 +62,7 @@ class ShimSpec:
     boot_timeout_s: float = 60.0
     memory_backend: str = "ram"
     image_check: str = "report"  # report: mismatches go into vm_started; enforce: fail before the VM starts
+    start_id: str | None = None  # Cubelet's nonce for this start; echoed in every report
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -139,10 +141,14 @@ def parse_spec(data: object) -> ShimSpec:
     memory_backend = data.get("memory_backend", "ram")
     if memory_backend not in ("ram", "memfd", "hugepages"):
         raise bad_spec("memory_backend", f"must be ram, memfd or hugepages, got {memory_backend!r:.40}")
+    start_id = data.get("start_id")
+    if start_id is not None and (not isinstance(start_id, str) or not _START_ID.fullmatch(start_id)):
+        raise bad_spec("start_id", "must be 1-64 letters, digits or '-'")
     image_check = data.get("image_check", "report")
     if image_check not in ("report", "enforce"):
         raise bad_spec("image_check", f"must be report or enforce, got {image_check!r:.40}")
     return ShimSpec(
+        start_id=start_id,
         image_check=image_check,
         memory_backend=memory_backend,
         sandbox_id=valid_sandbox_id(data.get("sandbox_id")),
