@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from cubeaccel.model.errors import CubeError
 
@@ -37,6 +38,11 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
     @app.exception_handler(CubeError)
     async def _cube_error(_: Request, e: CubeError) -> JSONResponse:
         return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "api.not_found", 405: "api.method_not_allowed"}.get(e.status_code, "api.http_error")
+        return error_response(CubeError(code, str(e.detail), "api", {}, e.status_code))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:

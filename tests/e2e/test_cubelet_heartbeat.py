@@ -9,6 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from tests.e2e.cubelet_process import CubeletProcess, poll
 
 
@@ -56,6 +58,13 @@ def test_heartbeat_carries_the_capacity_summary_and_reachability_changes_are_eve
         assert body["capacity"]["total"] == 4 and body["capacity"]["allocatable"] == 4
         assert {g["labels"]["model"] for g in body["capacity"]["groups"]} == {"H100-SXM5-80GB", "T4-16GB"}
         assert body["pinnable_memory_mib"] > 0
+        # The TCP listener serves CubeMaster's calls, but never shim evidence or operator verbs.
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/shim-reports", json={"sandbox_id": "x", "kind": "vmm_exited"})
+        assert r.status_code in (404, 405) and r.json()["error"]["code"].startswith("api.")
+        dev = p.client.devices()[0]["id"]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/devices/{dev}/recover", json={"who": "a", "reason": "b"})
+        assert r.status_code in (404, 405)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/devices").status_code == 200
         p.client.reserve("sb", 1)
         poll(lambda: master.beats[-1][1]["capacity"]["allocatable"] == 3)
         master.up = False

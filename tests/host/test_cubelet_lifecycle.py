@@ -315,3 +315,23 @@ def test_reservation_stays_open_until_its_vmm_is_gone_even_when_devices_are_quar
     with pytest.raises(CubeError) as err:
         node.cubelet.reserve("sb", ReservationRequest(count=1))
     assert err.value.code == "sandbox.releasing"
+
+
+def test_fatal_aer_on_an_idle_device_takes_it_out_and_the_accepted_count_survives_restart(node: Node) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    dev = node.devices()[0]
+    node.host.inject(Fault.AER_FATAL, dev.address)
+    reconcile(node.cubelet)
+    assert node.device(dev.id).state is S.UNHEALTHY and node.device(dev.id).reason == "host.aer_fatal"
+    recovered = operator.recover(node.cubelet, dev.id, "alice", "AER checked: link retrained")
+    assert recovered.state is S.ALLOCATABLE
+    # Use it, then crash: the accepted count (1) must not be forgotten, or the attached device would be
+    # judged against 0 and its sandbox torn down for an error the operator already accepted.
+    node.cubelet.reserve("sb", ReservationRequest(count=1, labels=(("numa_node", "0"),)))
+    node.cubelet.start("sb")
+    assert node.device(dev.id).state is S.ATTACHED
+    before = len(node.repairs())
+    node.restart()
+    assert node.device(dev.id).state is S.ATTACHED
+    assert node.repairs()[before:] == []

@@ -187,11 +187,22 @@ class VfioBackend:
         return []
 
     def aer_baseline(self, address: PciAddress) -> int:
-        """Fatal AER count accepted at the last validation; 0 when never validated by this process."""
+        """Fatal AER count accepted so far; 0 when none is known (Cubelet persists and seeds these)."""
         return self._aer_baseline.get(address, 0)
+
+    def aer_baselines(self) -> dict[PciAddress, int]:
+        return dict(self._aer_baseline)
 
     def set_aer_baseline(self, address: PciAddress, count: int) -> None:
         self._aer_baseline[address] = count
+
+    def accept_aer(self, address: PciAddress) -> int | None:
+        """An operator's `recover` acknowledges the errors seen so far: the current count becomes the baseline."""
+        f = self.host.function(address)
+        if f is None or f.aer_fatal is None:
+            return None
+        self._aer_baseline[address] = f.aer_fatal
+        return f.aer_fatal
 
     def _aer_problems(self, f: PciFunction) -> list[Problem]:
         base = self.aer_baseline(f.address)
@@ -200,7 +211,8 @@ class VfioBackend:
         return []
 
     def validate(self, device: DeviceRecord) -> list[Problem]:
-        """Everything `initialized → allocatable` needs. Records the AER baseline when it passes."""
+        """Everything `initialized → allocatable` needs. A fatal AER count above the known baseline fails it;
+        the first time a device is seen, a passing validation records its count as the baseline."""
         f, problems = self._presence(device)
         if f is None or problems:
             return problems
@@ -213,7 +225,9 @@ class VfioBackend:
         if holders:
             problems.append(_held(f.address, holders))
         problems += self._answers(device.address)
-        if not problems and f.aer_fatal is not None:
+        if f.address in self._aer_baseline:
+            problems += self._aer_problems(f)
+        elif not problems and f.aer_fatal is not None:
             self._aer_baseline[f.address] = f.aer_fatal
         return problems
 

@@ -57,7 +57,7 @@ def serve_cmd(
     from cubeaccel.cubelet.lifecycle import CubeletConfig
     from cubeaccel.cubelet.reconcile import reconcile
     from cubeaccel.cubelet.runtime import RuntimeOptions, build_cubelet
-    from cubeaccel.cubelet.server import Ticker, create_app, serve
+    from cubeaccel.cubelet.server import Ticker, serve
 
     addr = _listen(listen)
     if master is not None and addr is None:
@@ -88,7 +88,7 @@ def serve_cmd(
     print(json.dumps({"cubelet": "ready", "socket": str(sock), "backend": backend, "repairs": len(repairs),
                       "pid": os.getpid()}), flush=True)
     try:
-        serve(create_app(cubelet), sock, addr)
+        serve(cubelet, sock, addr)
     finally:
         ticker.stop()
         if heartbeat is not None:
@@ -120,10 +120,13 @@ def device_cmd(
     reason: Annotated[str, typer.Option(help="why (audited)")],
     state_dir: StateDir = DEFAULT_STATE,
     url: Url = None,
+    restore_driver: Annotated[bool, typer.Option(
+        help="disable only: give the device back to the host driver it had before vfio-pci")] = False,
 ) -> None:
     """Operator verbs on one device; audited with who and why."""
     try:
-        d = _client(state_dir, url).verb(device_id, verb, who, reason)
+        extra = {"restore_driver": True} if restore_driver else {}
+        d = _client(state_dir, url).verb(device_id, verb, who, reason, **extra)
     except CubeError as e:
         _fail(e)
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -36,19 +37,20 @@ class CubeletClient:
         return dict(self.request("POST", "/v1/reservations", {"sandbox_id": sandbox_id, "count": count, **extra}))
 
     def start(self, sandbox_id: str) -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/reservations/{sandbox_id}/start"))
+        return dict(self.request("POST", f"/v1/reservations/{quote(sandbox_id, safe='')}/start"))
 
     def release(self, sandbox_id: str) -> dict[str, Any]:
-        return dict(self.request("DELETE", f"/v1/reservations/{sandbox_id}"))
+        return dict(self.request("DELETE", f"/v1/reservations/{quote(sandbox_id, safe='')}"))
 
     def reservation(self, sandbox_id: str) -> dict[str, Any]:
-        return dict(self.request("GET", f"/v1/reservations/{sandbox_id}"))
+        return dict(self.request("GET", f"/v1/reservations/{quote(sandbox_id, safe='')}"))
 
     def events(self, since: int = 0, limit: int = 1000) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/events", params={"since": since, "limit": limit}))
 
-    def verb(self, device_id: str, verb: str, who: str, reason: str) -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/devices/{device_id}/{verb}", {"who": who, "reason": reason}))
+    def verb(self, device_id: str, verb: str, who: str, reason: str, **extra: Any) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/devices/{quote(device_id, safe='')}/{quote(verb, safe='')}",
+                                 {"who": who, "reason": reason, **extra}))
 
     def capacity(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/capacity"))

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from cubeaccel.backends.base import Problem
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
 from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
@@ -54,14 +54,17 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
                 if original is not None:
                     t.set_original_driver(cur.id, original[0])
                 if problems:
-                    t.transition(cur, DeviceEvent.HEALTH_FAILED, Actor.CUBELET, reason=problems[0].code,
-                                 details={"problems": [p.__dict__ for p in problems]})
+                    record_problems(t, cur, problems)
                 else:
                     t.transition(cur, DeviceEvent.VALIDATED, Actor.CUBELET)
 
 
 def initialize_host(cubelet: Cubelet) -> list[DiscoveredDevice]:
+    from cubeaccel.cubelet import backend_facts
+
+    backend_facts.seed(cubelet)  # before any validation compares against them
     discovered = cubelet.backend.discover()
     register_new(cubelet, discovered)
     validate_initialized(cubelet, discovered)
+    backend_facts.persist(cubelet)
     return discovered

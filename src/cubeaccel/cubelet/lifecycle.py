@@ -104,6 +104,13 @@ def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
     return (E.HEALTH_FAILED if hard else E.QUARANTINE), first.code
 
 
+def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: Any) -> DeviceRecord:
+    """The one way a device that failed a check leaves service: unhealthy or quarantined, with its reasons."""
+    event, reason = problem_event(problems)
+    return t.transition(d, event, Actor.CUBELET, reason=reason,
+                        details={"problems": [p.__dict__ for p in problems], **extra})
+
+
 class Cubelet:
     def __init__(
         self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None
@@ -123,16 +130,13 @@ class Cubelet:
         ids = set(res.device_ids) if res is not None else set()
         return [d for d in t.devices_of(sandbox_id) if d.id in ids]
 
-    def _fail(self, t: Tx, d: DeviceRecord, problems: list[Problem], details: dict[str, Any] | None = None) -> None:
-        event, reason = problem_event(problems)
-        t.transition(d, event, Actor.CUBELET, reason=reason,
-                     details={"problems": [p.__dict__ for p in problems], **(details or {})})
-
     # ---- reserve and start ----------------------------------------------------------------------
     def reserve(self, sandbox_id: str, req: ReservationRequest) -> Reservation:
         validate_sandbox_id(sandbox_id)
-        if not 1 <= req.count <= MAX_COUNT:
-            raise invalid("reserve.invalid_count", f"count must be 1..{MAX_COUNT}, got {req.count}")
+        limit = min(MAX_COUNT, self.shim.max_devices)
+        if not 1 <= req.count <= limit:
+            raise invalid("reserve.invalid_count", f"count must be 1..{limit} on this node (one VM takes at most "
+                          f"{self.shim.max_devices} devices), got {req.count}")
         contract = parse_contract(req.contract)
         params = req.params()
         if contract is not None:
@@ -405,8 +409,7 @@ class Cubelet:
             return
         problems = self.backend.cleanup(d)
         if problems:
-            t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=problems[0].code,
-                         details={"problems": [p.__dict__ for p in problems]})
+            record_problems(t, d, problems)
             return
         evidence = {"vmm_gone": bool(gone), "detach_confirmed": detached, "holders": 0, "reset": True}
         d = t.transition(d, E.RELEASE_CONFIRMED, Actor.CUBELET, details=evidence)
@@ -415,8 +418,7 @@ class Cubelet:
     def _revalidate(self, t: Tx, d: DeviceRecord) -> None:
         problems = self.backend.validate(d)
         if problems:
-            t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=problems[0].code,
-                         details={"problems": [p.__dict__ for p in problems]})
+            record_problems(t, d, problems)
         else:
             t.transition(d, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
 

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet.lifecycle import Cubelet
-from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.device import DeviceRecord, PciAddress
 from cubeaccel.model.errors import conflict, invalid, not_found
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
@@ -41,12 +41,17 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
         if d.state not in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY):
             raise conflict("operator.not_recoverable", f"device {device_id} is {d.state.value}",
                            details={"state": d.state.value})
+        accept: Callable[[PciAddress], int | None] | None = getattr(cubelet.backend, "accept_aer", None)
+        accepted = accept(d.address) if accept is not None else None  # the operator acknowledges seen errors
         problems = cubelet.backend.validate(d)
         if problems:
             raise conflict("recover.validation_failed", f"revalidation of {device_id} failed: {problems[0].message}",
                            layer="host_hardware", details={"problems": [p.__dict__ for p in problems]})
         with cubelet.store.tx() as t:
-            return t.transition(d, DeviceEvent.RECOVER, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
+            if accepted is not None:
+                t.set_aer_baseline(d.id, accepted)
+            return t.transition(d, DeviceEvent.RECOVER, Actor.OPERATOR, reason=None, sandbox_id=None,
+                                details={**audit, "aer_fatal_accepted": accepted})
 
 
 def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver: bool = False) -> DeviceRecord:

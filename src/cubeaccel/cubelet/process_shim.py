@@ -18,9 +18,11 @@ from pathlib import Path
 
 from cubeaccel.cubelet.shim_driver import ReportSink, ShimSpec, ShimStatus
 from cubeaccel.host.vmmproc import find_shim, find_vmm
+from cubeaccel.shim.spec import MAX_DEVICES as SHIM_MAX_DEVICES
 
 
 class ProcessShimDriver:
+    max_devices = SHIM_MAX_DEVICES
     def __init__(self, state_dir: Path, python: str = sys.executable, proc: Path = Path("/proc"),
                  start_mode: str = "template", detach_timeout_s: float = 10.0) -> None:
         self.dir = state_dir / "shims"

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cubeaccel.cubelet import backend_facts
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
-from cubeaccel.cubelet.lifecycle import Cubelet, problem_event
+from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
@@ -108,8 +109,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
                     with cubelet.store.tx() as t:
                         cur = t.device(d.id)
                         if cur is not None and cur.state is S.ALLOCATABLE:
-                            t.transition(cur, event, Actor.CUBELET, reason=reason,
-                                         details={"problems": [p.__dict__ for p in problems]})
+                            record_problems(t, cur, problems)
                     _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
             elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
                 _check_tenant(cubelet, d, repairs)
@@ -121,6 +121,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         for sid in cubelet.expire_reservations():
             repairs.append(Repair(None, sid, "expired", "reserve.expired"))
         health_check(cubelet)
+        backend_facts.persist(cubelet)
     return repairs
 
 
@@ -140,8 +141,7 @@ def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> No
                 else:
                     problems = cubelet.backend.validate(cur)
                     if problems:
-                        t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=problems[0].code)
-                        what = "quarantined"
+                        what = record_problems(t, cur, problems).state.value
                     else:
                         t.transition(cur, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
                         what = "revalidated"
@@ -162,7 +162,6 @@ def health_check(cubelet: Cubelet) -> None:
                 cur = t.device(d.id)
                 if cur is None or cur.state is not d.state:
                     continue
-                t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=problems[0].code,
-                             details={"problems": [p.__dict__ for p in problems]})
+                record_problems(t, cur, problems)
             if d.sandbox_id:
                 cubelet.begin_teardown(d.sandbox_id, problems[0].code)

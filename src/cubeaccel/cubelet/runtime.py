@@ -30,6 +30,7 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         raise invalid("cubelet.unknown_backend", f"unknown backend {opts.backend!r}; known: {list(BACKENDS)}",
                       layer="backend")
     opts.state_dir.mkdir(parents=True, exist_ok=True)
+    opts.state_dir.chmod(0o700)  # the unix socket in it carries shim reports and operator verbs
     store = Store(opts.state_dir / "cubelet.db")
     backend: Backend
     shim: ShimDriver

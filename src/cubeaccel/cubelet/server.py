@@ -42,7 +42,9 @@ class OperatorBody(_Strict):
     restore_driver: StrictBool = False  # disable only: give the device back to its original host driver
 
 
-def create_app(cubelet: Cubelet) -> FastAPI:
+def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
+    """`local` (the unix socket, root-owned) also serves shim reports and operator verbs; the TCP listener
+    that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine."""
     app = FastAPI(title="cubeaccel Cubelet", version="1")
 
     install_api_edges(app)
@@ -72,7 +74,6 @@ def create_app(cubelet: Cubelet) -> FastAPI:
         "enable": operator.enable,
     }
 
-    @app.post("/v1/devices/{device_id}/{verb}")
     def device_verb(device_id: str, verb: str, body: OperatorBody) -> dict[str, Any]:
         fn = verbs.get(verb)
         if fn is None:
@@ -118,7 +119,6 @@ def create_app(cubelet: Cubelet) -> FastAPI:
             "devices": _reservation_json(cubelet, sandbox_id)["devices"],
         }
 
-    @app.post("/v1/shim-reports", status_code=202)
     def shim_report(body: dict[str, Any]) -> dict[str, Any]:
         try:
             report = ShimReport.from_json(body)
@@ -130,7 +130,7 @@ def create_app(cubelet: Cubelet) -> FastAPI:
 
     @app.get("/v1/events")
     def events(since: int = 0, limit: int = 1000, device_id: str | None = None) -> dict[str, Any]:
-        if since < 0 or not 1 <= limit <= 10000:
+        if not 0 <= since < 2**62 or not 1 <= limit <= 10000:
             raise invalid("api.invalid_cursor", "since must be ≥ 0 and limit 1..10000")
         evs = cubelet.store.events(since, limit, device_id)
         return {"events": [e.to_json() for e in evs], "next": evs[-1].seq if evs else since}
@@ -139,10 +139,13 @@ def create_app(cubelet: Cubelet) -> FastAPI:
     def capacity() -> dict[str, Any]:
         return capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name])
 
-    @app.post("/v1/reconcile")
     def run_reconcile() -> dict[str, Any]:
         return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
 
+    if local:
+        app.post("/v1/devices/{device_id}/{verb}")(device_verb)
+        app.post("/v1/shim-reports", status_code=202)(shim_report)
+        app.post("/v1/reconcile")(run_reconcile)
     return app
 
 
@@ -182,13 +185,16 @@ class Ticker:
                     t.event("reconcile_failed", "cubelet", reason=type(e).__name__, details={"error": str(e)})
 
 
-def serve(app: FastAPI, socket_path: Path, listen: tuple[str, int] | None) -> None:
+def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None) -> None:
     import uvicorn
 
     socket_path.unlink(missing_ok=True)
-    configs = [uvicorn.Config(app, uds=str(socket_path), log_level="warning", access_log=False)]
+    socket_path.parent.mkdir(parents=True, exist_ok=True)
+    configs = [uvicorn.Config(create_app(cubelet, local=True), uds=str(socket_path), log_level="warning",
+                              access_log=False)]
     if listen is not None:
-        configs.append(uvicorn.Config(app, host=listen[0], port=listen[1], log_level="warning", access_log=False))
+        configs.append(uvicorn.Config(create_app(cubelet, local=False), host=listen[0], port=listen[1],
+                                      log_level="warning", access_log=False))
     servers = [uvicorn.Server(c) for c in configs]
 
     async def run() -> None:

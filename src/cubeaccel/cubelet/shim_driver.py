@@ -52,6 +52,8 @@ class ShimStatus:
 
 
 class ShimDriver(Protocol):
+    max_devices: int  # how many devices one VM can take (root ports)
+
     def bind(self, sink: ReportSink) -> None: ...
 
     def start(self, spec: ShimSpec) -> None: ...
@@ -72,6 +74,7 @@ class SimulatedShimDriver:
     """In-process shim over the simulated host, with VM-side fault knobs per sandbox."""
 
     host: SimulatedPciHost
+    max_devices: int = 64
     fail_attach: set[str] = field(default_factory=set)
     uncooperative_guest: set[str] = field(default_factory=set)  # never completes device_del
     immortal_vmm: set[str] = field(default_factory=set)  # SIGKILL does not take

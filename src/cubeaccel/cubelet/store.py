@@ -26,7 +26,7 @@ from cubeaccel.model.device import (
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 MIGRATIONS: dict[int, str] = {
     1: """
@@ -80,6 +80,9 @@ MIGRATIONS: dict[int, str] = {
     """,
     4: """
     CREATE INDEX events_sandbox ON events(sandbox_id, seq);
+    """,
+    5: """
+    ALTER TABLE devices ADD COLUMN aer_baseline INTEGER;
     """,
 }
 
@@ -307,6 +310,13 @@ class Tx:
     def set_original_driver(self, device_id: str, driver: str | None) -> None:
         """The host driver before we bound vfio-pci: what `disable --restore-driver` gives back."""
         self.c.execute("UPDATE devices SET original_driver=? WHERE id=?", (driver, device_id))
+
+    def aer_baselines(self) -> dict[str, int]:
+        rows = self.c.execute("SELECT id, aer_baseline FROM devices WHERE aer_baseline IS NOT NULL").fetchall()
+        return {r["id"]: int(r["aer_baseline"]) for r in rows}
+
+    def set_aer_baseline(self, device_id: str, count: int) -> None:
+        self.c.execute("UPDATE devices SET aer_baseline=? WHERE id=?", (count, device_id))
 
     def original_driver(self, device_id: str) -> str | None:
         r = self.c.execute("SELECT original_driver FROM devices WHERE id=?", (device_id,)).fetchone()

@@ -82,6 +82,7 @@ class Fault(StrEnum):
     HEALTH_FAIL = "health_fail"  # AER fatal error and config space reads 0xffff
     IDENTITY_CHANGE = "identity_change"  # a different card now answers at the same address
     GROUP_NOT_VIABLE = "group_not_viable"  # a companion function in the group is on a host driver
+    AER_FATAL = "aer_fatal"  # one fatal AER error was logged; the device still answers
 
 
 class SimulatedPciHost:
@@ -267,7 +268,7 @@ class SimulatedPciHost:
         )
         if self._faulty(Fault.IDENTITY_CHANGE, address):
             f = replace(f, device_id=f.device_id ^ 0x0001, serial=f"{raw['serial']}-SWAPPED")
-        if self._faulty(Fault.HEALTH_FAIL, address):
+        if self._faulty(Fault.HEALTH_FAIL, address) or self._faulty(Fault.AER_FATAL, address):
             f = replace(f, aer_fatal=1)
         return f
 
