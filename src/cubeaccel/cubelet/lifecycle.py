@@ -6,7 +6,6 @@ rules (VMM gone or detach confirmed, no holders, reset done, revalidated) decide
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import uuid
@@ -26,16 +25,16 @@ from cubeaccel.model.contract import (
 )
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
+from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
-_SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 MAX_COUNT = 64
 
 
 def validate_sandbox_id(sandbox_id: object) -> str:
-    if not isinstance(sandbox_id, str) or _SANDBOX_ID.fullmatch(sandbox_id) is None:
+    if not isinstance(sandbox_id, str) or SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
         raise invalid("reserve.invalid_sandbox_id", f"invalid sandbox id {sandbox_id!r}: [A-Za-z0-9._-], 1-63 chars")
     return sandbox_id
 

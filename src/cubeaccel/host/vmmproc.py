@@ -11,10 +11,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from cubeaccel.model.ids import SANDBOX_ID_PATTERN
+
 TAG_PREFIX = "cubeaccel-sandbox="
 # The tag inside one argv element: QEMU's `-name guest=cubeaccel-sandbox=ID`, or an argv[0] such as
 # `cloud-hypervisor[cubeaccel-sandbox=ID]` for VMMs without a free-form name option.
-_TAG = re.compile(r"(?:^|[=,\[])" + re.escape(TAG_PREFIX) + r"([A-Za-z0-9][A-Za-z0-9_.-]{0,63})")
+_TAG = re.compile(r"(?:^|[=,\[])" + re.escape(TAG_PREFIX) + f"({SANDBOX_ID_PATTERN})")
 ENV_SANDBOX = "CUBEACCEL_SANDBOX"
 ENV_DEVICES = "CUBEACCEL_DEVICES"
 

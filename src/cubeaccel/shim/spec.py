@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.ids import SANDBOX_ID_RE
 
-_SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SANDBOX_ID = SANDBOX_ID_RE
 _START_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
 _QDEV_PROP = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_DEVICES = 4  # root ports per VM; fixed so template state matches every sandbox's machine
