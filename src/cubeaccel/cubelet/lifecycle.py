@@ -12,9 +12,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.backends.base import Backend, Problem
+from cubeaccel.backends.base import Backend
 from cubeaccel.cubelet.placement import choose_devices
-from cubeaccel.cubelet.shim_driver import ShimDevice, ShimDriver, ShimSpec, ShimStatus
+from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
+from cubeaccel.cubelet.shim_driver import ShimDevice, ShimDriver, ShimSpec
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.contract import (
     CompatibilityContract,
@@ -23,29 +24,21 @@ from cubeaccel.model.contract import (
     check_device,
     check_guest,
 )
-from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
-from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
 MAX_COUNT = 64
+__all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems",
+           "validate_sandbox_id"]
 
 
 def validate_sandbox_id(sandbox_id: object) -> str:
     if not isinstance(sandbox_id, str) or SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
         raise invalid("reserve.invalid_sandbox_id", f"invalid sandbox id {sandbox_id!r}: [A-Za-z0-9._-], 1-63 chars")
     return sandbox_id
-
-
-@dataclass(frozen=True)
-class CubeletConfig:
-    node_name: str = "node-1"
-    reservation_ttl_s: float = 300.0  # a reservation whose sandbox never starts expires
-    release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
-    startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
-    kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
 
 
 @dataclass(frozen=True)
@@ -96,21 +89,7 @@ def contract_refusal(violations: list[ContractViolation], count: int) -> CubeErr
     )
 
 
-def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
-    """Hard problems make a device unhealthy; anything softer means safety is unproven: quarantine."""
-    hard = [p for p in problems if p.hard]
-    first = (hard or problems)[0]
-    return (E.HEALTH_FAILED if hard else E.QUARANTINE), first.code
-
-
-def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: Any) -> DeviceRecord:
-    """The one way a device that failed a check leaves service: unhealthy or quarantined, with its reasons."""
-    event, reason = problem_event(problems)
-    return t.transition(d, event, Actor.CUBELET, reason=reason,
-                        details={"problems": [p.__dict__ for p in problems], **extra})
-
-
-class Cubelet:
+class Cubelet(ReleasePath):
     def __init__(
         self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None
     ) -> None:
@@ -122,13 +101,6 @@ class Cubelet:
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
-        """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
-        forensics, and a sandbox id may be reused, so membership is the reservation's device list."""
-        res = t.reservation(sandbox_id)
-        ids = set(res.device_ids) if res is not None else set()
-        return [d for d in t.devices_of(sandbox_id) if d.id in ids]
-
     # ---- reserve and start ----------------------------------------------------------------------
     def reserve(self, sandbox_id: str, req: ReservationRequest) -> Reservation:
         validate_sandbox_id(sandbox_id)
@@ -309,124 +281,3 @@ class Cubelet:
         self.get_reservation(sandbox_id)  # 404 when unknown
         self.begin_teardown(sandbox_id, reason)
         return self.store.reservation(sandbox_id)
-
-    def begin_teardown(self, sandbox_id: str, reason: str, attach_failed: bool = False) -> None:
-        """Enter `releasing` before any cleanup starts, then ask the shim to stop and try to release."""
-        with self.lock:
-            with self.store.tx() as t:
-                res = t.reservation(sandbox_id)
-                if res is None:
-                    return
-                first = res.phase != "releasing"
-                if first:
-                    res.phase, res.releasing_since = "releasing", t.now
-                    res.facts["release_reason"] = reason
-                    t.update_reservation(res)
-                    t.event("teardown_started", Actor.CUBELET, sandbox_id=sandbox_id, reason=reason)
-                for d in self._sandbox_devices(t, sandbox_id):
-                    if d.state is S.ATTACHED:
-                        t.transition(d, E.TEARDOWN, Actor.CUBELET, reason=reason)
-                    elif d.state in (S.RESERVED, S.PREPARING):
-                        ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
-                        t.transition(d, ev, Actor.CUBELET, reason=reason)
-                stop = first and res.facts.get("shim_started")
-            if stop:
-                self.shim.stop(sandbox_id)
-            self.try_release(sandbox_id)
-
-    def _vmm_status(self, res: Reservation) -> ShimStatus:
-        if not res.facts.get("shim_started"):
-            return ShimStatus(shim_alive=False, vmm_alive=False)
-        return self.shim.status(res.sandbox_id)
-
-    @staticmethod
-    def vmm_gone(res: Reservation, st: ShimStatus) -> bool | None:
-        """True only on host evidence that no VMM runs *and none can appear*: a live shim may still spawn
-        one, so its own `vmm_exited` report is not enough — the shim process must be gone too."""
-        if not res.facts.get("shim_started"):
-            return True
-        if st.vmm_alive is None or st.shim_alive is None:
-            return None
-        return not st.vmm_alive and not st.shim_alive
-
-    def try_release(self, sandbox_id: str) -> None:
-        """Apply the release rules to every `releasing` device of the sandbox.
-
-        Past the release timeout the VMM is killed; only after `kill_grace_s` more are devices that still
-        lack evidence quarantined. The reservation closes only once the VMM is proven gone, so a VMM that
-        outlives its devices is never forgotten (nor its sandbox id reused while it runs).
-        """
-        with self.lock:
-            res = self.store.reservation(sandbox_id)
-            if res is None:
-                return
-            st = self._vmm_status(res)
-            now = float(self.store.clock())
-            overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
-            gone = self.vmm_gone(res, st)
-            if not gone and overdue and "kill_at" not in res.facts:
-                self.shim.kill(sandbox_id)
-                res.facts["kill_at"] = now
-                st = self._vmm_status(res)
-                gone = self.vmm_gone(res, st)
-            kill_at = res.facts.get("kill_at")
-            give_up = overdue and (bool(gone) or (kill_at is not None and now - kill_at > self.config.kill_grace_s))
-            with self.store.tx() as t:
-                for d in self._sandbox_devices(t, sandbox_id):
-                    if d.state is S.RELEASING:
-                        self._release_device(t, d, res, st, give_up)
-                    elif d.state is S.RELEASED:
-                        self._revalidate(t, d)
-                remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
-                if not remaining and gone:
-                    t.delete_reservation(sandbox_id)
-                    t.event("reservation_closed", Actor.CUBELET, sandbox_id=sandbox_id,
-                            details={"facts": res.facts})
-                    return
-                if not remaining and give_up and not res.facts.get("vmm_survives"):
-                    res.facts["vmm_survives"] = True
-                    t.event("release_vmm_survives", Actor.CUBELET, sandbox_id=sandbox_id,
-                            reason="release.vmm_not_exited", details={"vmm_pid": st.vmm_pid})
-                t.update_reservation(res)
-
-    def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
-        detached = d.id in res.facts.get("detached", [])
-        gone = self.vmm_gone(res, st)
-        if gone is None and not detached:
-            t.transition(d, E.QUARANTINE, Actor.CUBELET, reason="release.vmm_state_unknown")
-            return
-        blocked: str | None = None
-        holders = self.backend.holders(d)
-        if not (gone or detached):
-            blocked = "release.vmm_not_exited"
-        elif holders:
-            blocked = "release.holder_stuck"
-        if blocked is not None:
-            if overdue:
-                t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=blocked,
-                             details={"holders": [h.__dict__ for h in holders], "vmm_pid": st.vmm_pid})
-            return
-        problems = self.backend.cleanup(d)
-        if problems:
-            record_problems(t, d, problems)
-            return
-        evidence = {"vmm_gone": bool(gone), "detach_confirmed": detached, "holders": 0, "reset": True}
-        d = t.transition(d, E.RELEASE_CONFIRMED, Actor.CUBELET, details=evidence)
-        self._revalidate(t, d)
-
-    def _revalidate(self, t: Tx, d: DeviceRecord) -> None:
-        problems = self.backend.validate(d)
-        if problems:
-            record_problems(t, d, problems)
-        else:
-            t.transition(d, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
-
-    def expire_reservations(self) -> list[str]:
-        now = float(self.store.clock())
-        expired = [r.sandbox_id for r in self.store.reservations()
-                   if r.phase == "reserved" and r.expires_at is not None and r.expires_at < now]
-        for sid in expired:
-            with self.store.tx() as t:
-                t.event("reservation_expired", Actor.CUBELET, sandbox_id=sid, reason="reserve.expired")
-            self.begin_teardown(sid, "reserve.expired")
-        return expired
