@@ -335,3 +335,17 @@ def test_fatal_aer_on_an_idle_device_takes_it_out_and_the_accepted_count_survive
     node.restart()
     assert node.device(dev.id).state is S.ATTACHED
     assert node.repairs()[before:] == []
+
+
+def test_shim_reports_undelivered_while_cubelet_was_down_are_replayed_by_reconcile(node: Node) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    node.shim.cubelet_down.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    node.cubelet.start("sb")
+    dev = res.device_ids[0]
+    assert node.device(dev).state is S.PREPARING  # device_attached never arrived
+    node.shim.cubelet_down.clear()
+    reconcile(node.cubelet)
+    assert node.device(dev).state is S.ATTACHED
+    assert "replayed" in node.repairs()

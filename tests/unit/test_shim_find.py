@@ -96,3 +96,19 @@ def test_find_shim_matches_the_exact_sandbox_argument_of_a_live_shim() -> None:
         p.kill()
         p.wait()
     assert find_shim("ab") is None
+
+
+def test_process_shim_driver_takes_undelivered_reports_once_and_skips_garbage(tmp_path: Path) -> None:
+    import json as _json
+
+    from cubeaccel.cubelet.process_shim import ProcessShimDriver
+    from cubeaccel.model.reports import ShimReport, ShimReportKind
+
+    driver = ProcessShimDriver(tmp_path)
+    keep = tmp_path / "shims" / "sb" / "undelivered.jsonl"
+    keep.parent.mkdir(parents=True)
+    late = ShimReport("sb", ShimReportKind.DEVICE_ATTACHED, ("d1",), {}, 2.0, "s1")
+    early = ShimReport("sb", ShimReportKind.VM_STARTED, (), {"pid": 7}, 1.0, "s1")
+    keep.write_text(_json.dumps(late.to_json()) + "\n{not json\n" + _json.dumps(early.to_json()) + "\n")
+    assert driver.pending_reports("sb") == [early, late]
+    assert driver.pending_reports("sb") == []

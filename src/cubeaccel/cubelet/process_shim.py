@@ -18,6 +18,7 @@ from pathlib import Path
 
 from cubeaccel.cubelet.shim_driver import ReportSink, ShimSpec, ShimStatus
 from cubeaccel.host.vmmproc import find_shim, find_vmm
+from cubeaccel.model.reports import ShimReport
 from cubeaccel.shim.spec import MAX_DEVICES as SHIM_MAX_DEVICES
 
 
@@ -70,6 +71,22 @@ class ProcessShimDriver:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self._shim_pid(sandbox_id)  # reap if already gone; never block while Cubelet holds its lock
+
+    def pending_reports(self, sandbox_id: str) -> list[ShimReport]:
+        """The shim keeps reports it could not POST in `undelivered.jsonl`; take them (rename first, so a
+        report appended meanwhile lands in a fresh file and is taken next time)."""
+        path = self.dir / sandbox_id / "undelivered.jsonl"
+        taking = path.with_suffix(".taking")
+        try:
+            os.replace(path, taking)
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in taking.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                out.append(ShimReport.from_json(json.loads(line)))
+        taking.unlink()
+        return sorted(out, key=lambda r: r.at)
 
     def status(self, sandbox_id: str) -> ShimStatus:
         if not self.proc.is_dir():

@@ -115,6 +115,13 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
                 _check_tenant(cubelet, d, repairs)
         validate_initialized(cubelet, discovered)
         for res in cubelet.store.reservations():
+            late = cubelet.shim.pending_reports(res.sandbox_id)
+            if late:
+                _record(cubelet, repairs, Repair(None, res.sandbox_id, "replayed",
+                                                 f"{len(late)} shim report(s) undelivered while Cubelet was down"))
+                for report in late:
+                    cubelet.handle_report(report)
+        for res in cubelet.store.reservations():
             if res.phase == "releasing":
                 cubelet.try_release(res.sandbox_id)
         _released_without_reservation(cubelet, repairs)

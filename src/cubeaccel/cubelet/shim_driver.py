@@ -68,6 +68,10 @@ class ShimDriver(Protocol):
 
     def status(self, sandbox_id: str) -> ShimStatus: ...
 
+    def pending_reports(self, sandbox_id: str) -> list[ShimReport]:
+        """Reports the shim could not deliver (Cubelet was down); each is handed over once."""
+        ...
+
 
 @dataclass
 class SimulatedShimDriver:
@@ -80,16 +84,21 @@ class SimulatedShimDriver:
     immortal_vmm: set[str] = field(default_factory=set)  # SIGKILL does not take
     failed_guest_validation: set[str] = field(default_factory=set)
     slow_start: set[str] = field(default_factory=set)  # the shim runs, its VMM comes with finish_start()
+    cubelet_down: set[str] = field(default_factory=set)  # reports cannot be delivered: the shim keeps them
     sink: ReportSink | None = None
     _pending: dict[str, ShimSpec] = field(default_factory=dict)
     _start_ids: dict[str, str | None] = field(default_factory=dict)
+    _undelivered: dict[str, list[ShimReport]] = field(default_factory=dict)
 
     def bind(self, sink: ReportSink) -> None:
         self.sink = sink
 
     def _report(self, sid: str, kind: ShimReportKind, dev_ids: tuple[str, ...] = (), **details: Any) -> None:
-        if self.sink is not None:
-            self.sink(ShimReport(sid, kind, dev_ids, details, time.time(), self._start_id(sid)))
+        report = ShimReport(sid, kind, dev_ids, details, time.time(), self._start_id(sid))
+        if sid in self.cubelet_down:
+            self._undelivered.setdefault(sid, []).append(report)
+        elif self.sink is not None:
+            self.sink(report)
 
     def _start_id(self, sid: str) -> str | None:
         """The running shim's own start id (from its "command line"), surviving a Cubelet restart."""
@@ -161,6 +170,9 @@ class SimulatedShimDriver:
             pid = self.host.find_process(tag)
             if pid is not None:
                 self.host.kill(pid)
+
+    def pending_reports(self, sandbox_id: str) -> list[ShimReport]:
+        return self._undelivered.pop(sandbox_id, [])
 
     def status(self, sandbox_id: str) -> ShimStatus:
         vmm = self.host.find_process(f"vmm:{sandbox_id}")
