@@ -6,6 +6,10 @@ holds, whenever a node registers or comes back from stale (a restarted Cubelet, 
 - a reservation CubeMaster has no live record for (a create that died between claim and reply) →
   `DELETE` on the Cubelet, whose release path decides when the devices are safe again.
 Master never frees a device itself: a record disappearing only asks the Cubelet to release.
+
+A create whose replica died between `claim()` and the Cubelet's reply leaves a `placing` row that would
+count as a claim (and refuse delete) forever; once it is older than any live create could leave it, the
+node's Cubelet says what became of it (`resolve_abandoned`).
 """
 
 from __future__ import annotations

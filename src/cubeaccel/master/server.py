@@ -5,7 +5,6 @@ Errors have the Cubelet's format: `{"error": {"code", "layer", "message", "detai
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
 from typing import Any
@@ -17,10 +16,9 @@ from cubeaccel.api_edges import install_api_edges
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
 
-# TODO(lead): import SANDBOX_ID_RE / NODE_ID_RE from cubeaccel.model.ids once it exists (the Cubelet has a copy).
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 SANDBOX_STATES = ("scheduling", "placing", "running", "deleting", "deleted", "failed", "lost")
 
 
@@ -52,7 +50,7 @@ class DefaultBody(_Strict):
 
 
 def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
-    if body.id is not None and _ID.fullmatch(body.id) is None:
+    if body.id is not None and SANDBOX_ID_RE.fullmatch(body.id) is None:
         raise CubeError("sandbox.invalid_id", f"invalid sandbox id {body.id!r}: [A-Za-z0-9._-], 1-63 chars",
                         "api", {}, 422)
     if body.gpu is not None and body.accelerators is not None:
@@ -83,7 +81,7 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     # ---- nodes ------------------------------------------------------------------------------------
     @app.put("/v1/nodes/{node}")
     def heartbeat(node: str, body: dict[str, Any]) -> dict[str, Any]:
-        if body.get("node") != node or _ID.fullmatch(node) is None:
+        if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
             raise CubeError("node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}",
                             "api", {}, 422)
         state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)

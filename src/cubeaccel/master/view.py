@@ -98,10 +98,10 @@ def _number(raw: Any, what: str) -> float:
 
 
 def _count(raw: Any, what: str) -> int:
-    """A non-negative whole number (device counts, MiB)."""
+    """A whole number in 0..2^53 (device counts, MiB): what a JSON number carries exactly."""
     value = _number(raw, what)
-    if value < 0 or value != int(value):
-        raise ValueError(f"{what} must be a non-negative integer, got {raw!r}")
+    if not 0 <= value <= 2**53 or value != int(value):
+        raise ValueError(f"{what} must be an integer in 0..2^53, got {raw!r}")
     return int(value)
 
 

@@ -1,0 +1,111 @@
+"""CubeMaster's node API refuses bad input with stable codes: heartbeats, Cubelet URLs, operator verbs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cubeaccel.master.server import create_app
+from cubeaccel.master.service import CubeMaster, MasterConfig
+from cubeaccel.master.store import MasterStore
+from cubeaccel.master.view import cubelet_url
+from cubeaccel.model.errors import CubeError
+from tests.unit.master_builders import group, heartbeat
+
+URL = "http://127.0.0.1:9"  # nothing listens there
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[CubeMaster]:
+    m = CubeMaster(MasterStore(str(tmp_path / "m.db")), MasterConfig(staleness_s=10.0))
+    yield m
+    m.store.close()
+
+
+@pytest.fixture
+def api(master: CubeMaster) -> TestClient:
+    return TestClient(create_app(master), raise_server_exceptions=False)
+
+
+def hb(**changes: Any) -> dict[str, Any]:
+    return {**heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL), **changes}
+
+
+def put_raw(api: TestClient, body: str) -> tuple[int, str]:
+    r = api.put("/v1/nodes/n1", content=body.encode(), headers={"content-type": "application/json"})
+    return r.status_code, r.json()["error"]["code"] if r.status_code >= 400 else ""
+
+
+def test_a_valid_heartbeat_registers_the_node(api: TestClient) -> None:
+    assert api.put("/v1/nodes/n1", json=hb()).json() == {"node": "n1", "state": "ready"}
+
+
+@pytest.mark.parametrize("field", ["sent_at", "pinnable_memory_mib"])
+@pytest.mark.parametrize("value", ['"nan"', "NaN", "Infinity", "-Infinity", "1e400", "true", '"5"'])
+def test_numeric_heartbeat_fields_must_be_finite_numbers(api: TestClient, field: str, value: str) -> None:
+    raw = json.dumps(hb())[:-1] + f', "{field}": {value}}}'  # the last key wins in a JSON object
+    assert put_raw(api, raw) == (422, "node.invalid_heartbeat")
+    assert api.get("/v1/nodes").json()["nodes"] == []  # nothing written
+
+
+@pytest.mark.parametrize("where", ["total", "allocatable", "numa"])
+def test_group_counts_must_be_finite_whole_numbers(api: TestClient, where: str) -> None:
+    g = group("H100-SXM5-80GB", 2)
+    if where == "total":
+        g["total"] = 1.5
+    elif where == "allocatable":
+        g["by_state"]["allocatable"] = -1
+    else:
+        g["allocatable_by_numa"] = {"0": 1e300}
+    r = api.put("/v1/nodes/n1", json=heartbeat("n1", g, url=URL))
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "http://host", "ftp://h:21", "http://h:1/path",
+                                 "http://u:p@h:1", "http://h:1?q=1", "http://h:99999", "", 7, None])
+def test_cubelet_url_must_be_http_host_port(api: TestClient, url: Any) -> None:
+    r = api.put("/v1/nodes/n1", json=hb(cubelet_url=url))
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_url")
+
+
+@given(st.text(max_size=40))
+def test_cubelet_url_parser_accepts_only_what_it_can_return_normalised(raw: str) -> None:
+    try:
+        url = cubelet_url(raw)
+    except CubeError as e:
+        assert (e.code, e.status) == ("node.invalid_url", 422)
+        return
+    assert url.startswith(("http://", "https://")) and cubelet_url(url) == url
+
+
+def test_a_live_node_keeps_its_url_until_it_goes_stale(api: TestClient, master: CubeMaster) -> None:
+    assert api.put("/v1/nodes/n1", json=hb()).status_code == 200
+    r = api.put("/v1/nodes/n1", json=hb(cubelet_url="http://10.0.0.66:7701"))
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "node.url_conflict")
+    assert api.get("/v1/nodes/n1").json()["cubelet_url"] == URL
+    # stale (no heartbeat for longer than --staleness): a restarted Cubelet may come back elsewhere
+    master.store.heartbeat(hb(), 1000.0, master.config.staleness_s)
+    master.cache.invalidate()
+    assert api.put("/v1/nodes/n1", json=hb(cubelet_url="http://10.0.0.66:7701")).status_code == 200
+    assert api.get("/v1/nodes/n1").json()["cubelet_url"] == "http://10.0.0.66:7701"
+
+
+def test_reconcile_with_the_cubelet_down_is_a_502(api: TestClient) -> None:
+    api.put("/v1/nodes/n1", json=hb())
+    r = api.post("/v1/nodes/n1/reconcile")
+    assert (r.status_code, r.json()["error"]["code"]) == (502, "cubelet.unreachable")
+
+
+def test_operator_verbs_refuse_an_empty_reason_but_need_none(api: TestClient) -> None:
+    api.put("/v1/nodes/n1", json=hb())
+    r = api.post("/v1/nodes/n1/drain", json={"who": "alice", "reason": ""})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "api.invalid_request"
+    assert api.post("/v1/nodes/n1/drain", json={"who": "alice", "reason": "swap"}).json()["state"] == "draining"
+    assert api.post("/v1/nodes/n1/undrain", json={"who": "alice"}).json()["state"] == "ready"
