@@ -61,6 +61,7 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(emulated
     assert find_vmm("vm-1") is not None
     emulated.client.release("vm-1")
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
+    poll(lambda: "reservation_closed" in _kinds(emulated, "vm-1"), 30)  # closes once shim and VMM are gone
     assert find_vmm("vm-1") is None
     kinds = _kinds(emulated, "vm-1")
     for k in ("vm_started", "memory_pinned", "guest_ready", "device_attached", "guest_validated",
