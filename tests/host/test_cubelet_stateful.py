@@ -46,7 +46,7 @@ class CubeletMachine(RuleBasedStateMachine):
         try:
             self.node.cubelet.reserve(sid, ReservationRequest(count=count))
         except CubeError as e:
-            assert e.code in ("reserve.insufficient_devices", "reserve.sandbox_conflict")
+            assert e.code in ("reserve.insufficient_devices", "reserve.sandbox_conflict", "sandbox.releasing")
 
     @rule(sid=SANDBOXES)
     def start(self, sid: str) -> None:
