@@ -200,3 +200,14 @@ def test_two_devices_go_to_their_own_root_ports_and_both_detach(shim_factory: An
     detached = sorted(r["device_ids"][0] for r in run.reports() if r["kind"] == "device_detached")
     assert detached == ["emulated-0000:e0:00.0", "emulated-0000:e0:01.0"]
     assert run.kinds()[-2:] == ["vmm_exited", "shim_exiting"]
+
+
+def test_nvidia_contract_in_a_guest_without_nvidia_fails_at_modules_img_and_kernel_driver(shim_factory: Any) -> None:
+    contract = {"probes": {"modules": ["nvidia", "nvidia_uvm"], "device_files": ["/dev/nvidia0", "/dev/nvidiactl"],
+                           "pci": [{"vendor_id": "1234", "device_id": "11e8"}]},
+                "kernel_driver": {"version": "550.54.15"}}
+    run = shim_factory(start="template", contract=contract).start()
+    run.wait_for("shim_exiting")
+    failed = run.one("guest_validation_failed")["details"]
+    assert {"modules_img", "kernel_driver"} <= set(failed["failed_layers"])
+    assert "host_hardware" not in failed["failed_layers"]  # the edu device itself was seen

@@ -49,6 +49,8 @@ def serve_cmd(
     release_timeout: Annotated[float, typer.Option(help="seconds release may wait before quarantine")] = 30.0,
     node: Annotated[str, typer.Option(help="node name")] = "node-1",
     master: Annotated[str | None, typer.Option(help="CubeMaster URL to register with (needs --listen)")] = None,
+    vm_start: Annotated[str, typer.Option(help="real MicroVMs: template (snapshot restore) or cold")] = "template",
+    detach_timeout: Annotated[float, typer.Option(help="real MicroVMs: seconds to wait for DEVICE_DELETED")] = 10.0,
     pinnable_memory_mib: Annotated[int | None, typer.Option(
         min=0, help="advertise this much lockable guest memory instead of MemAvailable (simulated nodes)")] = None,
 ) -> None:
@@ -62,12 +64,12 @@ def serve_cmd(
     addr = _listen(listen)
     if master is not None and addr is None:
         raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
-    if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0:
-        raise typer.BadParameter("tick, reservation-ttl and release-timeout must be > 0")
+    if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0 or not 0 < detach_timeout <= 3600:
+        raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
     try:
         cubelet = build_cubelet(RuntimeOptions(
             state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root,
-            allow=tuple(allow or ("10de:*",)),
+            allow=tuple(allow or ("10de:*",)), vm_start=vm_start, detach_timeout_s=detach_timeout,
             config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout),
         ))
         initialize_host(cubelet)

@@ -23,9 +23,13 @@ class RuntimeOptions:
     sysfs_root: Path = Path("/sys")
     allow: tuple[str, ...] = ("10de:*",)
     config: CubeletConfig = field(default_factory=CubeletConfig)
+    vm_start: str = "template"  # real shims: start from the template snapshot, or cold boot
+    detach_timeout_s: float = 10.0  # real shims: how long to wait for DEVICE_DELETED
 
 
 def build_cubelet(opts: RuntimeOptions) -> Cubelet:
+    if opts.vm_start not in ("template", "cold"):
+        raise invalid("cubelet.invalid_vm_start", f"--vm-start must be template or cold, not {opts.vm_start!r}")
     if opts.backend not in BACKENDS:
         raise invalid("cubelet.unknown_backend", f"unknown backend {opts.backend!r}; known: {list(BACKENDS)}",
                       layer="backend")
@@ -47,11 +51,11 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         from cubeaccel.host.pci import SysfsPciHost
 
         backend = VfioBackend(SysfsPciHost(str(opts.sysfs_root)), allow=opts.allow)
-        shim = ProcessShimDriver(opts.state_dir)
+        shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     else:
         from cubeaccel.backends.emulated import EmulatedBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
 
         backend = EmulatedBackend()
-        shim = ProcessShimDriver(opts.state_dir)
+        shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     return Cubelet(store, backend, shim, opts.config)
