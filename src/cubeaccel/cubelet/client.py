@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import httpx
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.http_reply import reply_body
 
 
 class CubeletClient:
@@ -22,13 +22,7 @@ class CubeletClient:
             raise ValueError("socket or url required")
 
     def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        r = self._http.request(method, path, json=json, params=params)
-        body = r.json() if r.content else {}
-        if r.status_code >= 400:
-            err = body.get("error", {}) if isinstance(body, dict) else {}
-            raise CubeError(err.get("code", "http.error"), err.get("message", r.text), err.get("layer", "api"),
-                            err.get("details", {}), r.status_code)
-        return body
+        return reply_body(self._http.request(method, path, json=json, params=params))
 
     def devices(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/devices")["devices"])

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.http_reply import reply_body
 
 
 class MasterClient:
@@ -16,16 +16,7 @@ class MasterClient:
 
     def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
                 headers: dict[str, str] | None = None) -> Any:
-        r = self._http.request(method, path, json=json, params=params, headers=headers)
-        try:
-            body = r.json() if r.content else {}
-        except ValueError:
-            body = {}
-        if r.status_code >= 400:
-            err = body.get("error", {}) if isinstance(body, dict) else {}
-            raise CubeError(err.get("code", "http.error"), err.get("message", r.text[:500]), err.get("layer", "api"),
-                            err.get("details", {}), r.status_code)
-        return body
+        return reply_body(self._http.request(method, path, json=json, params=params, headers=headers))
 
     def health(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/health"))
