@@ -86,8 +86,8 @@ def run_demo(profile: str) -> int:
         console.print(f"[bold]cubeaccel sandbox delete {sid}[/bold]")
         master.delete(sid)
         wait_for(lambda: all(d["state"] == "allocatable" for d in cubelet.devices()), "the release", 120)
-        wait_for(lambda: any(e["event"] == "shim_exiting" for e in _events(cubelet, sid)) or not emulated,
-                 "the shim to exit", 30)
+        wait_for(lambda: any(e["kind"] == "reservation_closed" for e in _events(cubelet, sid)),
+                 "the reservation to close (shim and VMM gone)", 60)
         console.print(device_table(cubelet.devices(), title="after release (VMM gone, no holders, reset, revalidated)"))
         print_timeline(_events(cubelet, sid))
         console.print(event_table(cubelet.events(0, 10000)["events"], title="event trail (Cubelet journal)"))
