@@ -34,6 +34,7 @@ def poll(fn: Callable[[], T | None], deadline_s: float = 20.0, every_s: float = 
 
 class CubeletProcess:
     def __init__(self, state_dir: Path, profile: str = "h100x8", *extra: str) -> None:
+        """`profile` is the simulated host's; with `--backend` in `extra` that backend is used instead."""
         self.state_dir = state_dir
         self.profile = profile
         self.extra = list(extra)
@@ -41,8 +42,9 @@ class CubeletProcess:
         self.client = CubeletClient(socket=state_dir / "cubelet.sock")
 
     def start(self) -> CubeletProcess:
-        cmd = [sys.executable, "-m", "cubeaccel", "cubelet", "serve", "--backend", "simulated", "--profile",
-               self.profile, "--state-dir", str(self.state_dir), "--tick", "0.2", *self.extra]
+        backend = [] if "--backend" in self.extra else ["--backend", "simulated", "--profile", self.profile]
+        cmd = [sys.executable, "-m", "cubeaccel", "cubelet", "serve", *backend, "--state-dir", str(self.state_dir),
+               "--tick", "0.2", *self.extra]
         log = open(self.state_dir / "cubelet.log", "ab")  # noqa: SIM115 - child owns it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         poll(lambda: self.client.health())

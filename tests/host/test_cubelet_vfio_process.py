@@ -26,7 +26,7 @@ def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
     ])
     state = tmp_path / "state"
     state.mkdir()
-    p = CubeletProcess(state, "unused", "--backend", "vfio", "--sysfs-root", str(fake.sys), "--allow", "10de:*")
+    p = CubeletProcess(state, "-", "--backend", "vfio", "--sysfs-root", str(fake.sys), "--allow", "10de:*")
     p.start()
     yield p, fake
     p.stop()

@@ -40,7 +40,7 @@ def _kinds(p: CubeletProcess, sid: str) -> list[str]:
 
 @pytest.fixture
 def emulated(tmp_path: Path, guest_image: Manifest) -> Any:
-    p = CubeletProcess(tmp_path, "unused", "--backend", "emulated", "--release-timeout", "20")
+    p = CubeletProcess(tmp_path, "-", "--backend", "emulated", "--release-timeout", "20")
     p.start()
     yield p
     p.stop()

@@ -30,7 +30,7 @@ def _events(p: CubeletProcess, sid: str) -> list[dict[str, Any]]:
 @pytest.fixture
 def node(tmp_path: Path, guest_image: Manifest, request: pytest.FixtureRequest) -> Iterator[CubeletProcess]:
     extra = getattr(request, "param", ())
-    p = CubeletProcess(tmp_path, "unused", "--backend", "emulated", "--detach-timeout", "1.5",
+    p = CubeletProcess(tmp_path, "-", "--backend", "emulated", "--detach-timeout", "1.5",
                        "--release-timeout", "3", *extra).start()
     yield p
     p.stop()
