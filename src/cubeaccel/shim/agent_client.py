@@ -17,6 +17,7 @@ from typing import Any
 from cubeaccel.model.errors import CubeError
 
 PROTOCOL_VERSION = 1
+MAX_REPLY = 4 << 20  # a guest is untrusted: a reply line larger than this ends the conversation
 
 
 def agent_error(code: str, message: str, layer: str = "guest_kernel", **details: Any) -> CubeError:
@@ -27,7 +28,7 @@ class AgentClient:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._sock: socket.socket | None = None
-        self._buf = b""
+        self._buf = bytearray()
         self._next_id = 1
         self.ready_event: dict[str, Any] | None = None
 
@@ -53,8 +54,12 @@ class AgentClient:
             self._sock = None
 
     def _readline(self, deadline: float) -> dict[str, Any] | None:
+        """One reply line from an untrusted guest: bounded in size and time; anything unreadable is `{}`."""
         assert self._sock is not None
-        while b"\n" not in self._buf:
+        while (end := self._buf.find(b"\n")) < 0:
+            if len(self._buf) > MAX_REPLY:
+                self.close()
+                raise agent_error("agent.reply_too_large", f"agent reply over {MAX_REPLY} bytes without a newline")
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -65,10 +70,11 @@ class AgentClient:
             if not chunk:
                 raise agent_error("agent.disconnected", "agent channel closed by the VMM")
             self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
+        line = bytes(self._buf[:end])
+        del self._buf[: end + 1]
         try:
             msg = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             return {}
         return msg if isinstance(msg, dict) else {}
 
@@ -77,9 +83,11 @@ class AgentClient:
         rid = self._next_id
         self._next_id += 1
         data = json.dumps({"v": PROTOCOL_VERSION, "id": rid, "method": method, "params": params}).encode() + b"\n"
-        self._sock.setblocking(True)
+        self._sock.settimeout(10.0)  # a guest that stops reading must not hang the shim (teardown included)
         try:
             self._sock.sendall(data)
+        except TimeoutError:
+            raise agent_error("agent.timeout", f"agent did not read the {method} request within 10 s") from None
         finally:
             self._sock.setblocking(False)
         return rid
@@ -99,12 +107,14 @@ class AgentClient:
                 continue
             if msg.get("id") != rid:
                 continue
-            if msg.get("ok"):
+            if msg.get("ok") is True:
                 result = msg.get("result")
                 return result if isinstance(result, dict) else {}
-            err = msg.get("error") or {}
-            raise agent_error(str(err.get("code", "agent.error")), str(err.get("message", "")),
-                              layer=str(err.get("layer", "agent")), details=err.get("details"))
+            err = msg.get("error")
+            if not isinstance(err, dict):
+                raise agent_error("agent.bad_reply", f"unreadable error reply to {method}", method=method)
+            raise agent_error(str(err.get("code", "agent.error"))[:100], str(err.get("message", ""))[:1000],
+                              layer=str(err.get("layer", "agent"))[:40], details=err.get("details"))
 
     def wait_hello(self, timeout_s: float, retry_s: float = 2.0,
                    cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:

@@ -94,6 +94,10 @@ class Shim:
             if rc:
                 self.reporter.report(K.ATTACH_FAILED, tuple(d.device_id for d in self.spec.devices),
                                      reason=e.code, layer=e.layer, message=e.message, **e.details)
+        except Exception as e:  # a bug or a hostile guest's reply: still report, still tear down
+            rc, reason = 1, "shim.internal_error"
+            self.reporter.report(K.ATTACH_FAILED, tuple(d.device_id for d in self.spec.devices),
+                                 reason=reason, layer="cubelet", message=f"{type(e).__name__}: {e}"[:500])
         finally:
             exit_info = self._teardown()
             self.reporter.report(K.SHIM_EXITING, reason=reason, exit_code=rc, timeline=self.timeline,
@@ -122,8 +126,14 @@ class Shim:
         if spec.start == "template":
             restore, created = ensure_template(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
             t = self._phase("template_create_s" if created else "template_lookup_s", t)
-        self.vmm = vmm = QemuVmm(cfg, restore_from=restore)
-        vmm.start()
+        vmm = QemuVmm(cfg, restore_from=restore)
+        try:
+            vmm.start()
+        except OSError as e:
+            raise CubeError("vmm.start_failed", f"cannot start the VMM: {e}", layer="backend", status=500) from e
+        finally:
+            if vmm.started:
+                self.vmm = vmm  # only a VMM that exists is torn down
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
         t = self._phase("vmm_start_s", t)
         self.reporter.report(K.VM_STARTED, pid=vmm.pid, vmm=vmm.kind, accel=vmm.accel, accel_reason=vmm.accel_reason,
@@ -170,7 +180,7 @@ class Shim:
     def _attach(self, vmm: QemuVmm, agent: AgentClient, index: int, dev: DeviceSpec) -> None:
         qid = qdev_id(index)
         t0 = time.monotonic()
-        before = {d.get("address") for d in agent.pci_devices()}
+        before = {str(d.get("address")) for d in agent.pci_devices()}
         try:
             att = vmm.add_device(qid, dev.driver, dev.properties, index)
         except CubeError as e:
@@ -180,8 +190,8 @@ class Shim:
         deadline = t0 + VISIBLE_TIMEOUT_S
         while True:
             seen = [d for d in agent.pci_devices()
-                    if d.get("address") not in before and f"{d.get('vendor_id')}:{d.get('device_id')}"
-                    == dev.vendor_device]
+                    if str(d.get("address")) not in before
+                    and f"{d.get('vendor_id')}:{d.get('device_id')}".lower() == dev.vendor_device]
             if seen:
                 break
             if time.monotonic() > deadline:
@@ -226,7 +236,7 @@ class Shim:
         t = time.monotonic()
         alive = vmm.poll_exit() is None
         if alive and self.agent is not None:
-            with contextlib.suppress(CubeError, OSError):
+            with contextlib.suppress(Exception):  # the guest is untrusted: nothing it says stops the teardown
                 self.agent.call("shutdown", {"poweroff": False},
                                 timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s))
         if self.agent is not None:

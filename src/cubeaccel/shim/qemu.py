@@ -94,6 +94,11 @@ class QemuVmm:
 
     # -- process ---------------------------------------------------------------------------------------------
     @property
+    def started(self) -> bool:
+        """A process exists (even if the rest of start failed): it must be stopped and waited for."""
+        return self._proc is not None
+
+    @property
     def pid(self) -> int:
         if self._proc is None:
             raise vmm_error("vmm.not_started", "VMM not started")
