@@ -42,7 +42,7 @@ class Node:
     @classmethod
     def create(cls, dir: Path, profile: str = "h100x8", config: CubeletConfig | None = None) -> Node:
         clock = Clock()
-        cfg = config or CubeletConfig(reservation_ttl_s=60, release_timeout_s=10)
+        cfg = config or CubeletConfig(reservation_ttl_s=60, release_timeout_s=10, pinnable_memory_mib=1 << 20)
         host = SimulatedPciHost(profile, dir / "host.json")
         node = cls(dir, profile, clock, host, SimulatedShimDriver(host), None, cfg)  # type: ignore[arg-type]
         node.cubelet = node._build()

@@ -69,3 +69,26 @@ def test_guest_report_without_the_nvidia_driver_tears_the_sandbox_down(node: Nod
     assert "modules_img" in layers or "kernel_driver" in layers
     assert node.device(dev).state is DeviceState.ALLOCATABLE  # released through the normal rules
     assert node.cubelet.store.reservation("sb") is None
+
+
+def test_a_node_that_cannot_lock_the_guest_memory_refuses_at_the_pinned_memory_layer(tmp_path: Path) -> None:
+    from cubeaccel.cubelet.lifecycle import CubeletConfig
+
+    node = Node.create(tmp_path, "h100x2", CubeletConfig(pinnable_memory_mib=16 * 1024))
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=_h100_contract()))  # pins 64 GiB
+    assert (err.value.layer, err.value.code) == ("pinned_memory", "compat.pinned_memory_insufficient")
+    assert node.cubelet.store.reservation("sb") is None
+
+
+def test_an_inconsistent_frozen_contract_is_refused_even_with_a_valid_digest(node: Node) -> None:
+    from dataclasses import replace
+
+    from cubeaccel.model.template_spec import KernelDriver
+
+    t = load_template(EXAMPLES / "cuda12-h100.yaml")
+    old_driver = replace(t, kernel_driver=KernelDriver("nvidia", "535.104.05"))  # too old for CUDA 12.4
+    with pytest.raises(CubeError) as err:
+        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=freeze(old_driver).to_json()))
+    assert err.value.status == 422 and err.value.layer in ("cuda_runtime", "userspace_driver", "kernel_driver")
+    assert node.cubelet.store.reservation("sb") is None

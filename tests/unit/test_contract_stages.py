@@ -173,6 +173,13 @@ CUDA_OK: dict[str, Any] = {"driver_version": 12040, "init_ok": True, "device_cou
         ({"cuda": {**CUDA_OK, "driver_version": 12020}}, (Layer.CUDA_RUNTIME, "compat.cuda_driver_api_too_old")),
         ({"cuda": {**CUDA_OK, "driver_version": "banana"}}, (Layer.CUDA_RUNTIME, "compat.cuda_driver_api_invalid")),
         ({"cuda": {**CUDA_OK, "device_count": 0}}, (Layer.CUDA_RUNTIME, "compat.cuda_no_device")),
+        # What a guest leaves out or fudges is not a pass (found by review):
+        ({"cuda": {**CUDA_OK, "device_count": None}}, (Layer.CUDA_RUNTIME, "compat.cuda_no_device")),
+        ({"cuda": {**CUDA_OK, "init_ok": "no"}}, (Layer.CUDA_RUNTIME, "compat.cuda_init_failed")),
+        (
+            {"libraries": {**LIBS_OK, "libcuda.so.1": {"loaded": True, "version": None, "error": None}}},
+            (Layer.USERSPACE_DRIVER, "compat.userspace_driver_version_unknown"),
+        ),
     ],
 )
 def test_a_guest_report_broken_in_one_layer_is_judged_in_that_layer(

@@ -99,3 +99,21 @@ def test_cubelet_killed_mid_sandbox_keeps_the_vm_and_releases_after_restart(emul
     emulated.client.release("vm-3")
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
     assert find_vmm("vm-3") is None
+
+
+def test_a_contract_pinning_another_guest_image_never_boots(emulated: CubeletProcess, guest_image: Manifest) -> None:
+    contract = edu_contract(guest_image)
+    t = load_template(EDU)
+    t = replace(t, guest_image_digest="sha256:" + "0" * 64,
+                guest_kernel=GuestKernel(guest_image.kernel_release, guest_image.vmlinux.sha256),
+                modules_img=ModulesImg(guest_image.kernel_release, guest_image.modules_img.sha256))
+    contract = freeze(t).to_json()
+    dev = emulated.client.reserve("vm-img", 1, contract=contract, start=True)["devices"][0]["id"]
+    poll(lambda: any(e["kind"] == "reservation_closed" for e in emulated.client.events(0, 10000)["events"]
+                     if e["sandbox_id"] == "vm-img"), 60)
+    kinds = _kinds(emulated, "vm-img")
+    assert "attach_failed" in kinds and "vm_started" not in kinds  # refused before any VMM started
+    failed = next(e for e in emulated.client.events(0, 10000)["events"]
+                  if e["sandbox_id"] == "vm-img" and e["event"] == "attach_failed" and e["kind"] == "shim_report")
+    assert "image" in failed["details"]["reason"]
+    assert _state(emulated, dev) == "allocatable"

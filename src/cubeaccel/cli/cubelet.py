@@ -70,7 +70,8 @@ def serve_cmd(
         cubelet = build_cubelet(RuntimeOptions(
             state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root,
             allow=tuple(allow or ("10de:*",)), vm_start=vm_start, detach_timeout_s=detach_timeout,
-            config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout),
+            config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout,
+                                 pinnable_memory_mib=pinnable_memory_mib),
         ))
         initialize_host(cubelet)
         repairs = reconcile(cubelet)  # before any capacity is advertised
@@ -83,8 +84,7 @@ def serve_cmd(
     if master is not None and addr is not None:
         from cubeaccel.cubelet.heartbeat import Heartbeat
 
-        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick,
-                              pinnable_memory_mib=pinnable_memory_mib)
+        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick)
         heartbeat.start()
     sock = state_dir / "cubelet.sock"
     print(json.dumps({"cubelet": "ready", "socket": str(sock), "backend": backend, "repairs": len(repairs),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,26 +13,14 @@ from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 
 
-def pinnable_memory_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
-    """Memory a new guest could allocate and lock now: MemAvailable (root has CAP_IPC_LOCK)."""
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def heartbeat_body(cubelet: Cubelet, cubelet_url: str, kernels: list[str], images: list[str],
-                   pinnable_mib: int | None = None) -> dict[str, Any]:
+def heartbeat_body(cubelet: Cubelet, cubelet_url: str, kernels: list[str], images: list[str]) -> dict[str, Any]:
     sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
     return {
         "node": cubelet.config.node_name,
         "cubelet_url": cubelet_url,
         "version": __version__,
         "capacity": capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
-        "pinnable_memory_mib": pinnable_memory_mib() if pinnable_mib is None else pinnable_mib,
+        "pinnable_memory_mib": cubelet.pinnable_mib(),
         "kernels": kernels,
         "images": images,
         "sent_at": sent_at,
@@ -44,15 +31,13 @@ class Heartbeat:
     """Sends a heartbeat every interval; only reachability *changes* become events (no event flood)."""
 
     def __init__(self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float,
-                 kernels: list[str] | None = None, images: list[str] | None = None,
-                 pinnable_memory_mib: int | None = None) -> None:
+                 kernels: list[str] | None = None, images: list[str] | None = None) -> None:
         self.cubelet = cubelet
         self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
         self.cubelet_url = cubelet_url
         self.interval_s = interval_s
         self.kernels = kernels or []
         self.images = images or []
-        self.pinnable_mib = pinnable_memory_mib
         self._stop = threading.Event()
         self._reachable: bool | None = None
         self._thread = threading.Thread(target=self._run, name="cubelet-heartbeat", daemon=True)
@@ -65,8 +50,7 @@ class Heartbeat:
 
     def beat(self, http: httpx.Client) -> bool:
         try:
-            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url, self.kernels, self.images,
-                                                       self.pinnable_mib))
+            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url, self.kernels, self.images))
             ok = r.status_code < 300
             detail = "" if ok else r.text[:500]
         except httpx.HTTPError as e:

@@ -17,12 +17,14 @@ from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
 from cubeaccel.cubelet.shim_driver import ShimDevice, ShimDriver, ShimSpec
 from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.host.meminfo import available_mib
 from cubeaccel.model.contract import (
     CompatibilityContract,
     ContractViolation,
     Layer,
     check_device,
     check_guest,
+    check_template,
 )
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.ids import SANDBOX_ID_RE
@@ -70,11 +72,17 @@ def parse_contract(data: dict[str, Any] | None) -> CompatibilityContract | None:
     if data is None:
         return None
     try:
-        return CompatibilityContract.from_json(data)
+        contract = CompatibilityContract.from_json(data)
     except CubeError:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise invalid("reserve.invalid_contract", f"invalid frozen contract: {e}", layer="template") from e
+    broken = check_template(contract.template)  # a frozen copy is re-checked, not trusted: it crossed a process boundary
+    if broken:
+        v = broken[0]
+        raise CubeError(v.code, f"frozen contract is not consistent ({v.layer.value}): expected {v.expected}, found "
+                        f"{v.found}", v.layer.value, {"violations": [x.to_json() for x in broken]}, 422)
+    return contract
 
 
 def contract_refusal(violations: list[ContractViolation], count: int) -> CubeError:
@@ -101,6 +109,11 @@ class Cubelet(ReleasePath):
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------
+    def pinnable_mib(self) -> int:
+        """Guest memory this node could allocate and lock now (the contract's pinned_memory layer)."""
+        configured = self.config.pinnable_memory_mib
+        return available_mib() if configured is None else configured
+
     # ---- reserve and start ----------------------------------------------------------------------
     def reserve(self, sandbox_id: str, req: ReservationRequest) -> Reservation:
         validate_sandbox_id(sandbox_id)
@@ -125,7 +138,9 @@ class Cubelet(ReleasePath):
             devices = t.devices()
             eligible, refused = devices, []
             if contract is not None:  # stage 3 of the contract: the physical device itself
-                verdicts = {d.id: check_device(contract, d) for d in devices if d.state is S.ALLOCATABLE}
+                pinnable = self.pinnable_mib()
+                verdicts = {d.id: check_device(contract, d, pinnable_memory_mib=pinnable)
+                            for d in devices if d.state is S.ALLOCATABLE}
                 eligible = [d for d in devices if not verdicts.get(d.id)]
                 refused = [v for vs in verdicts.values() for v in vs]
             chosen = choose_devices(eligible, req.count, req.accel_class, dict(req.labels))

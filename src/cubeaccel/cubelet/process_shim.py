@@ -46,6 +46,8 @@ class ProcessShimDriver:
         body["state_dir"] = str(self.dir / sid)
         body["start"] = self.start_mode
         body["detach_timeout_s"] = self.detach_timeout_s
+        # A sandbox with a contract boots only the image, kernel and modules.img that contract pins.
+        body["image_check"] = "enforce" if spec.contract else "report"
         spec_path.write_text(json.dumps(body))
         log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
         child = subprocess.Popen(

@@ -27,6 +27,7 @@ class CubeletConfig:
     release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
     startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
+    pinnable_memory_mib: int | None = None  # lockable guest memory to advertise; None: MemAvailable
 
 
 def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:

@@ -171,7 +171,10 @@ def _userspace(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[
         if not ok:
             found = error[:200] or ("not loaded" if name in r.libraries else "not probed")
             yield V(L.USERSPACE_DRIVER, "compat.userspace_driver_library_missing", f"{name} loads", found)
-        elif version is not None and version != ud.version:
+        elif version is None:
+            yield V(L.USERSPACE_DRIVER, "compat.userspace_driver_version_unknown", f"{name} {ud.version}",
+                    f"{name} loaded, version not reported", "a pinned driver version must be proven, not assumed")
+        elif version != ud.version:
             yield V(
                 L.USERSPACE_DRIVER,
                 "compat.userspace_driver_version_mismatch",
@@ -194,7 +197,7 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
     if c is None:
         yield V(L.CUDA_RUNTIME, "compat.cuda_not_probed", f"a CUDA probe (cuInit) for CUDA {t.cuda.version}", "none")
         return
-    if not c.get("init_ok"):
+    if c.get("init_ok") is not True:
         yield V(
             L.CUDA_RUNTIME,
             "compat.cuda_init_failed",
@@ -217,5 +220,5 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
             f"the guest's libcuda supports CUDA {api.major}.{api.minor}; the workload was built for {t.cuda.version}",
         )
     count = c.get("device_count")
-    if isinstance(count, int) and not isinstance(count, bool) and count < 1:
-        yield V(L.CUDA_RUNTIME, "compat.cuda_no_device", "cuDeviceGetCount >= 1", str(count))
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        yield V(L.CUDA_RUNTIME, "compat.cuda_no_device", "cuDeviceGetCount >= 1", repr(count)[:40])

@@ -279,12 +279,12 @@ def _pinned_memory(t: Template) -> Iterator[ContractViolation]:
     if t.memory_mib < 64 or t.memory_mib > 16 * 1024 * 1024:
         yield V(L.PINNED_MEMORY, "compat.pinned_memory_size_invalid", "64 MiB .. 16 TiB", f"{t.memory_mib} MiB")
     backend = KNOWN_BACKENDS.get(t.backend)
-    if backend is not None and backend.dma and t.hotplug and not t.pin_memory:
+    if backend is not None and backend.dma and not t.pin_memory:
         yield V(
             L.PINNED_MEMORY,
             "compat.pinned_memory_required",
             "memory.pinned: true",
             "memory.pinned: false",
-            f"a hot-plugged {t.backend} device can DMA into any guest page: all memory must be allocated and "
-            "locked before the device is attached",
+            f"a {t.backend} device can DMA into any guest page: all memory must be allocated and locked "
+            "before the device is attached (hot-plugged or not)",
         )
