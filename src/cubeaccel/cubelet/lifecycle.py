@@ -77,7 +77,7 @@ def parse_contract(data: dict[str, Any] | None) -> CompatibilityContract | None:
         raise
     except (KeyError, TypeError, ValueError) as e:
         raise invalid("reserve.invalid_contract", f"invalid frozen contract: {e}", layer="template") from e
-    broken = check_template(contract.template)  # a frozen copy is re-checked, not trusted: it crossed a process boundary
+    broken = check_template(contract.template)  # re-checked, not trusted: it crossed a process boundary
     if broken:
         v = broken[0]
         raise CubeError(v.code, f"frozen contract is not consistent ({v.layer.value}): expected {v.expected}, found "
