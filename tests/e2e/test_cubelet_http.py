@@ -120,3 +120,23 @@ def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet_
     devs = cubelet_proc.client.devices()
     owners = [d["sandbox_id"] for d in devs]
     assert len(set(owners)) == 8 and all(d["state"] == "reserved" for d in devs)
+
+
+@pytest.mark.parametrize("op", ["snapshot", "clone", "rollback", "pause", "resume", "live_migration"])
+def test_lifecycle_operations_a_device_cannot_survive_are_refused(cubelet_proc: CubeletProcess, op: str) -> None:
+    cubelet_proc.client.reserve("sb", 1, start=True)
+    with pytest.raises(CubeError) as err:
+        cubelet_proc.client.request("POST", f"/v1/reservations/sb/{op}")
+    assert (err.value.status, err.value.code) == (409, "lifecycle.unsupported_for_accelerator")
+    assert err.value.details["operation"] == op
+    assert {d["state"] for d in cubelet_proc.client.devices() if d["sandbox_id"] == "sb"} == {"attached"}
+
+
+def test_unknown_lifecycle_operation_and_unknown_sandbox(cubelet_proc: CubeletProcess) -> None:
+    cubelet_proc.client.reserve("sb", 1)
+    with pytest.raises(CubeError) as err:
+        cubelet_proc.client.request("POST", "/v1/reservations/sb/teleport")
+    assert err.value.code == "lifecycle.unknown_operation"
+    with pytest.raises(CubeError) as err:
+        cubelet_proc.client.request("POST", "/v1/reservations/ghost/snapshot")
+    assert err.value.code == "reservation.not_found"

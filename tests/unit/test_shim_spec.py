@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cubeaccel.model.errors import CubeError
-from cubeaccel.shim.lifecycle import UNSUPPORTED, check_supported
+from cubeaccel.model.lifecycle_ops import UNSUPPORTED, check_supported
 from cubeaccel.shim.spec import MAX_DEVICES, load_spec, parse_spec
 
 

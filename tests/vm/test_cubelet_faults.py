@@ -53,6 +53,7 @@ def test_cold_boot_through_cubelet_full_cycle(node: CubeletProcess) -> None:
     assert "boot_to_agent_s" in timeline  # a cold boot, not a restore
 
 
+@pytest.mark.parametrize("node", [("--release-timeout", "30")], indirect=True)  # let the shim time out first
 def test_paused_guest_detach_times_out_and_device_returns_only_after_the_vmm_is_gone(node: CubeletProcess) -> None:
     from qemu.qmp.legacy import QEMUMonitorProtocol
 

@@ -16,6 +16,7 @@ from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.model.errors import invalid, not_found
+from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reports import ShimReport
 
 
@@ -108,6 +109,12 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
     def start(sandbox_id: str) -> dict[str, Any]:
         cubelet.start(validate_sandbox_id(sandbox_id))
         return _reservation_json(cubelet, sandbox_id)
+
+    @app.post("/v1/reservations/{sandbox_id}/{operation}")
+    def lifecycle_operation(sandbox_id: str, operation: str) -> dict[str, Any]:
+        """snapshot, clone, rollback, pause, resume, live_migration: refused for a sandbox holding a device."""
+        res = cubelet.get_reservation(sandbox_id)
+        raise refuse(operation, res.sandbox_id, has_accelerator=bool(res.device_ids))
 
     @app.delete("/v1/reservations/{sandbox_id}", status_code=202)
     def delete_reservation(sandbox_id: str) -> dict[str, Any]:

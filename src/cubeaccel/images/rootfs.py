@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from cubeaccel.agent import AGENT_PORT_NAME
 from cubeaccel.images.packages import image_error
 
 ROOTFS_PACKAGES = (
@@ -28,7 +29,6 @@ ROOTFS_PACKAGES = (
     "liblzma5",
     "libbz2-1.0",
 )
-AGENT_PORT_NAME = "cube-agent"  # virtserialport name= on the VMM side
 AGENT_HOME = "/opt/cubeaccel"
 
 # Large or useless-in-a-guest parts of the packages. Extension modules whose libraries are not in the image go too,

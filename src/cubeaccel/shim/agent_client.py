@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cubeaccel.agent import PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 
-PROTOCOL_VERSION = 1
 MAX_REPLY = 4 << 20  # a guest is untrusted: a reply line larger than this ends the conversation
 
 

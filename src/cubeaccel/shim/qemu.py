@@ -20,12 +20,12 @@ from typing import Any
 from qemu.qmp import ExecuteError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
+from cubeaccel.agent import AGENT_PORT_NAME
 from cubeaccel.host import vmmproc as find
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, reap, stop_child, vmm_error
 
-AGENT_PORT_NAME = "cube-agent"
 QMP_TIMEOUT_S = 10.0
 
 
