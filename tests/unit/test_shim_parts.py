@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +108,21 @@ def test_cli_rejects_a_spec_for_another_sandbox_with_exit_2(tmp_path: Path, entr
     proc = subprocess.run([sys.executable, *entry, "run", "--sandbox", "sb-2", "--spec", str(tmp_path / "spec.json")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "shim.invalid_spec" in proc.stderr
+
+
+def test_a_vmm_whose_exit_is_never_confirmed_is_reported_unreaped_not_exited(monkeypatch: Any) -> None:
+    from cubeaccel.shim import vmm as vmm_mod
+
+    monkeypatch.setattr(vmm_mod, "REAP_AFTER_KILL_S", 0.2)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    def refuse() -> None:
+        raise CubeError("vmm.qmp_failed", "no monitor", "backend")
+
+    try:
+        # poll_exit that never confirms: what a VMM stuck in D state looks like from the shim
+        info = vmm_mod.stop_child(child, lambda: None, refuse, grace_s=0.1)
+        assert info.how == "unreaped" and info.exit_code is None
+    finally:
+        child.kill()
+        child.wait()

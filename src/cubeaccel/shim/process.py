@@ -246,7 +246,8 @@ class Shim:
         t = self._phase("detach_s", t)
         info = vmm.stop(STOP_GRACE_S)
         self._phase("vmm_exit_s", t)
-        self.reporter.report(K.VMM_EXITED, tuple(d.device_id for d in self.spec.devices), **info.to_json())
+        if info.how != "unreaped":  # never report an exit the kernel has not confirmed
+            self.reporter.report(K.VMM_EXITED, tuple(d.device_id for d in self.spec.devices), **info.to_json())
         return info
 
     def _detach(self, vmm: QemuVmm) -> None:

@@ -59,6 +59,9 @@ class ExitInfo:
                 "how": self.how}
 
 
+REAP_AFTER_KILL_S = 30.0
+
+
 def stop_child(proc: subprocess.Popen[bytes], poll_exit: Callable[[], ExitInfo | None],
                ask: Callable[[], None], grace_s: float) -> ExitInfo:
     """Ask the VMM to quit (`ask` raises CubeError when it cannot), SIGTERM if asking failed, SIGKILL after
@@ -77,9 +80,12 @@ def stop_child(proc: subprocess.Popen[bytes], poll_exit: Callable[[], ExitInfo |
         time.sleep(0.01)
     if known is None:
         os.kill(proc.pid, signal.SIGKILL)
-        _, status = os.waitpid(proc.pid, 0)
-        proc.returncode = status
-        return ExitInfo.from_wait(proc.pid, status, "sigkill")
+        deadline = time.monotonic() + REAP_AFTER_KILL_S
+        while (known := poll_exit()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if known is None:  # stuck in the kernel (D state): its exit is NOT confirmed, and never claimed
+            return ExitInfo(proc.pid, -1, None, None, "unreaped")
+        return ExitInfo(known.pid, known.status, known.exit_code, known.signal, "sigkill")
     return ExitInfo(known.pid, known.status, known.exit_code, known.signal, how)
 
 
