@@ -349,3 +349,17 @@ def test_shim_reports_undelivered_while_cubelet_was_down_are_replayed_by_reconci
     reconcile(node.cubelet)
     assert node.device(dev).state is S.ATTACHED
     assert "replayed" in node.repairs()
+
+
+def test_a_shim_that_cannot_be_launched_fails_the_start_and_releases_the_devices(node: Node) -> None:
+    def broken_start(spec: object) -> None:
+        raise OSError(2, "No such file or directory: 'qemu-system-x86_64'")
+
+    node.shim.start = broken_start  # type: ignore[method-assign,assignment]
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    node.cubelet.start("sb")
+    dev = res.device_ids[0]
+    assert node.device(dev).state is S.ALLOCATABLE
+    failed = [e for e in node.cubelet.store.events() if e.kind == "shim_report" and e.event == "attach_failed"]
+    assert failed and failed[0].details["reason"] == "shim.launch_failed"
+    assert node.cubelet.store.reservation("sb") is None

@@ -195,9 +195,10 @@ class Cubelet(ReleasePath):
             spec = self._spec(sandbox_id)
             try:
                 self.shim.start(spec)
-            except CubeError as e:
+            except (CubeError, OSError) as e:  # the shim could not even be launched
+                code = e.code if isinstance(e, CubeError) else "shim.launch_failed"
                 self.handle_report(ShimReport(sandbox_id, ShimReportKind.ATTACH_FAILED, (),
-                                              {"reason": e.code, "message": e.message}, time.time()))
+                                              {"reason": code, "message": str(e)[:500]}, time.time(), spec.start_id))
             return self.store.reservation(sandbox_id)  # None when startup failed and released already
 
     def _spec(self, sandbox_id: str) -> ShimSpec:
