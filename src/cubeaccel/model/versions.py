@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any, Self
 
 from cubeaccel.model.errors import CubeError
 
@@ -37,8 +38,28 @@ def _text(value: object, code: str, what: str, layer: str) -> str:
     return value
 
 
+class _OrderedByKey:
+    """Comparisons through `key`, so a version sorts by meaning, not by its text (and equality stays exact)."""
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        raise NotImplementedError
+
+    def __lt__(self, other: Self) -> bool:
+        return self.key < other.key
+
+    def __le__(self, other: Self) -> bool:
+        return self.key <= other.key
+
+    def __gt__(self, other: Self) -> bool:
+        return self.key > other.key
+
+    def __ge__(self, other: Self) -> bool:
+        return self.key >= other.key
+
+
 @dataclass(frozen=True)
-class DriverVersion:
+class DriverVersion(_OrderedByKey):
     """An NVIDIA driver version. `branch` is the first number (550); ordering is numeric."""
 
     branch: int
@@ -64,18 +85,6 @@ class DriverVersion:
         return (self.branch, self.minor, self.patch or 0)
 
     def at_least(self, other: DriverVersion) -> bool:
-        return self.key >= other.key
-
-    def __lt__(self, other: DriverVersion) -> bool:
-        return self.key < other.key
-
-    def __le__(self, other: DriverVersion) -> bool:
-        return self.key <= other.key
-
-    def __gt__(self, other: DriverVersion) -> bool:
-        return self.key > other.key
-
-    def __ge__(self, other: DriverVersion) -> bool:
         return self.key >= other.key
 
     def __str__(self) -> str:
@@ -124,7 +133,7 @@ class CudaVersion:
 
 
 @dataclass(frozen=True)
-class KernelVersion:
+class KernelVersion(_OrderedByKey):
     """A kernel release string as `uname -r` prints it. Equality is on the full text (the flavour matters:
     a `-cloud-amd64` modules.img does not load into a `-amd64` kernel); ordering is numeric first."""
 
@@ -158,18 +167,6 @@ class KernelVersion:
     @property
     def key(self) -> tuple[int, int, int, int, str, str]:
         return (self.major, self.minor, self.patch, -1 if self.abi is None else self.abi, self.flavour, self.text)
-
-    def __lt__(self, other: KernelVersion) -> bool:
-        return self.key < other.key
-
-    def __le__(self, other: KernelVersion) -> bool:
-        return self.key <= other.key
-
-    def __gt__(self, other: KernelVersion) -> bool:
-        return self.key > other.key
-
-    def __ge__(self, other: KernelVersion) -> bool:
-        return self.key >= other.key
 
     def __str__(self) -> str:
         return self.text
