@@ -32,6 +32,17 @@ def poll(fn: Callable[[], T | None], deadline_s: float = 20.0, every_s: float = 
     raise AssertionError(f"condition not met within {deadline_s}s (last: {last!r})")
 
 
+def terminate(proc: subprocess.Popen[bytes] | None, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after a grace; always waited for (no zombie or stray server after a test)."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class CubeletProcess:
     def __init__(self, state_dir: Path, profile: str = "h100x8", *extra: str) -> None:
         """`profile` is the simulated host's; with `--backend` in `extra` that backend is used instead."""
@@ -56,10 +67,4 @@ class CubeletProcess:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)

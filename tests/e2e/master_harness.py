@@ -13,7 +13,7 @@ import yaml
 
 from cubeaccel.master.client import MasterClient
 from cubeaccel.model.errors import CubeError
-from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.e2e.cubelet_process import CubeletProcess, poll, terminate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
 
@@ -56,13 +56,7 @@ class MasterProcess:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc)
         self.client.close()
 
 
