@@ -69,14 +69,37 @@ def test_command_line_locks_preallocated_memory_and_tags_the_sandbox(tmp_path: P
 def test_vmlck_proof_accepts_locked_memory_and_names_the_layer_otherwise(tmp_path: Path) -> None:
     (tmp_path / "7").mkdir()
     (tmp_path / "7" / "status").write_text("Name:\tqemu\nVmLck:\t  600000 kB\nVmRSS:\t  540000 kB\n")
+    (tmp_path / "7" / "smaps").write_text(_smaps((524288, 524288, 4), (65536, 65536, 4)))
     assert status_kib(7, tmp_path) == {"VmLck": 600000, "VmRSS": 540000}
-    assert prove_pinned(7, 512, tmp_path)["vmlck_kib"] == 600000
+    assert prove_pinned(7, 512, tmp_path)["guest_ram_locked_kib"] == 524288
     with pytest.raises(CubeError) as e:
         prove_pinned(7, 1024, tmp_path)
     assert e.value.layer == "pinned_memory" and e.value.code == "pinned_memory.not_locked"
     assert e.value.details["guest_kib"] == 1024 * 1024 and e.value.details["hint"]
     with pytest.raises(CubeError):
         prove_pinned(99, 1, tmp_path)  # gone: nothing locked
+
+
+def _smaps(*maps: tuple[int, int, int]) -> str:
+    """(size KiB, locked KiB, kernel page KiB) per mapping, in smaps' layout (as read on a real QEMU here)."""
+    out = []
+    for i, (size, locked, page) in enumerate(maps):
+        out.append(f"7f{i:02x}00000000-7f{i:02x}10000000 rw-p 00000000 00:00 0 \nSize:     {size} kB\n"
+                   f"KernelPageSize:        {page} kB\nRss:   {locked} kB\nLocked:   {locked} kB\n")
+    return "".join(out)
+
+
+def test_vmlck_from_qemu_itself_does_not_prove_the_guest_ram_is_locked(tmp_path: Path) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "status").write_text("VmLck:\t  600000 kB\nVmRSS:\t  600000 kB\n")
+    # 600 MB locked in all, but the 512 MiB guest RAM mapping only half: TCG cache and libraries make up VmLck.
+    (tmp_path / "7" / "smaps").write_text(_smaps((524288, 262144, 4), (337856, 337856, 4)))
+    with pytest.raises(CubeError) as e:
+        prove_pinned(7, 512, tmp_path)
+    assert e.value.details["guest_ram_locked_kib"] == 262144
+    # Huge pages are never swapped and not counted as Locked: a huge-page mapping of the guest's size counts.
+    (tmp_path / "7" / "smaps").write_text(_smaps((524288, 0, 2048)))
+    assert prove_pinned(7, 512, tmp_path)["guest_ram_locked_kib"] == 524288
 
 
 def test_this_process_is_not_locked_so_the_real_proof_fails() -> None:
