@@ -149,3 +149,14 @@ def test_a_vmm_whose_exit_is_never_confirmed_is_reported_unreaped_not_exited(mon
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_probe_deadline_outlasts_the_agents_own_step_timeouts() -> None:
+    from cubeaccel.agent.probes import ProbeContext
+    from cubeaccel.shim.process import probe_timeout_s
+
+    ctx = ProbeContext()
+    assert probe_timeout_s(None) == 60.0
+    frozen = {"guest_probes": {"modules": ["nvidia", "nvidia_uvm"], "cuda": {"version": "12.4"}}}
+    assert probe_timeout_s(frozen) > 2 * ctx.modprobe_timeout_s + 2 * ctx.cuda_timeout_s
+    assert probe_timeout_s({"probes": {"modules": ["a", "b", "c"]}}) > 3 * ctx.modprobe_timeout_s

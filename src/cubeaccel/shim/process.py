@@ -15,6 +15,7 @@ import signal
 import time
 from types import FrameType
 
+from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.images.builder import cache_dir, latest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.errors import CubeError
@@ -37,6 +38,20 @@ STOP_GRACE_S = 5.0
 def qdev_id(index: int) -> str:
     return f"accel{index}"
 
+
+
+_AGENT_BOUNDS = ProbeContext()  # cube-agent's own per-step timeouts (defaults, as the guest runs them)
+MODPROBE_TIMEOUT_S, CUDA_TIMEOUT_S = _AGENT_BOUNDS.modprobe_timeout_s, _AGENT_BOUNDS.cuda_timeout_s
+
+
+def probe_timeout_s(contract: dict[str, object] | None) -> float:
+    """Long enough for the agent's own timeouts to fire first, so a slow step is reported at its real layer
+    (modules_img, cuda_runtime) rather than as an `agent.timeout` of the whole probe."""
+    probes = (contract or {}).get("guest_probes") or (contract or {}).get("probes") or {}
+    modules = probes.get("modules", []) if isinstance(probes, dict) else []
+    cuda = isinstance(probes, dict) and bool(probes.get("cuda") or probes.get("libraries"))
+    n = len(modules) if isinstance(modules, list) else 0
+    return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0))
 
 class Shim:
     def __init__(self, spec: ShimSpec) -> None:
@@ -206,7 +221,7 @@ class Shim:
     def _validate(self, agent: AgentClient) -> None:
         ids = tuple(d.device_id for d in self.spec.devices)
         try:
-            reply = agent.call("probe", {"contract": self.spec.contract}, timeout_s=60.0)
+            reply = agent.call("probe", {"contract": self.spec.contract}, timeout_s=probe_timeout_s(self.spec.contract))
         except CubeError as e:
             self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, reason=e.code, layer=e.layer, message=e.message)
             raise
