@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cubelet_process import CubeletProcess
+from tests.e2e.master_harness import Cluster
 
 
 @pytest.fixture
@@ -13,3 +14,19 @@ def cubelet_proc(tmp_path: Path) -> Iterator[CubeletProcess]:
     p = CubeletProcess(tmp_path).start()
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """CubeMaster + one Cubelet per entry of the test module's `PROFILES` (node name → simulated profile)."""
+    cl = Cluster(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), request.module.PROFILES)
+    try:
+        yield cl
+    finally:
+        cl.stop()
+
+
+@pytest.fixture
+def c(cluster: Cluster) -> Iterator[Cluster]:
+    yield cluster
+    cluster.cleanup()

@@ -8,30 +8,13 @@ Templates: cuda12-h100 (1 GiB pinned so these hosts can lock it; the default for
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import httpx
-import pytest
 
 from tests.e2e.cubelet_process import poll
 from tests.e2e.master_harness import Cluster
 
 PROFILES = {"n1": "4xh100,2xt4", "n2": "2xh100", "n3": "2xa100"}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cl = Cluster(tmp_path_factory.mktemp("cluster"), PROFILES)
-    try:
-        yield cl
-    finally:
-        cl.stop()
-
-
-@pytest.fixture
-def c(cluster: Cluster) -> Iterator[Cluster]:
-    yield cluster
-    cluster.cleanup()
 
 
 def holders(cl: Cluster) -> dict[str, str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,21 +16,6 @@ from tests.e2e.cubelet_process import poll
 from tests.e2e.master_harness import Cluster, example
 
 PROFILES = {"a": "2xh100", "b": "2xh100"}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    cl = Cluster(tmp_path_factory.mktemp("lifecycle"), PROFILES)
-    try:
-        yield cl
-    finally:
-        cl.stop()
-
-
-@pytest.fixture
-def c(cluster: Cluster) -> Iterator[Cluster]:
-    yield cluster
-    cluster.cleanup()
 
 
 def node_state(cl: Cluster, name: str) -> str:
