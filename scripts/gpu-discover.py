@@ -75,10 +75,12 @@ def main() -> int:
     ap.add_argument("--sysfs-root", default="/sys")
     ap.add_argument("--allow", action="append", default=None, help="vendor:device pattern (default 10de:*)")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
+    ap.add_argument("--holder-scan-exempt-pid", type=int, action="append", default=[],
+                    help="a process whose fds cannot be read but that holds no device (repeatable)")
     opts = ap.parse_args()
 
     started = time.monotonic()
-    host = SysfsPciHost(opts.sysfs_root, read_only=True)
+    host = SysfsPciHost(opts.sysfs_root, read_only=True, exempt_pids=frozenset(opts.holder_scan_exempt_pid))
     backend = VfioBackend(host, allow=opts.allow or ["10de:*"])
     readiness = check_host(opts.sysfs_root)
     t0 = time.monotonic()

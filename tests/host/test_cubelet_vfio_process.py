@@ -13,6 +13,7 @@ import pytest
 
 from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.host.holder_proc import unreadable_pids
 
 
 @pytest.fixture
@@ -26,7 +27,8 @@ def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
     ])
     state = tmp_path / "state"
     state.mkdir()
-    p = CubeletProcess(state, "-", "--backend", "vfio", "--sysfs-root", str(fake.sys), "--allow", "10de:*")
+    p = CubeletProcess(state, "-", "--backend", "vfio", "--sysfs-root", str(fake.sys), "--allow", "10de:*",
+                       *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()))
     p.start()
     yield p, fake
     p.stop()

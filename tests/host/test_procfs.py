@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from cubeaccel.host import procfs
 from cubeaccel.host.pci import Holder
@@ -32,16 +35,75 @@ def test_fake_proc_tree_holders_of_a_vfio_group_and_nvidia_nodes(tmp_path: Path)
     assert [h.pid for h in procfs.find_holders(both, tmp_path)] == [77, 4242]
 
 
-def test_a_missing_proc_root_has_no_holders(tmp_path: Path) -> None:
-    assert procfs.find_holders(procfs.glob("*"), tmp_path / "nope") == []
+def test_a_missing_proc_root_is_one_unknown_holder(tmp_path: Path) -> None:
+    """Fail closed: when nothing can be seen, nothing is proven free."""
+    found = procfs.find_holders(procfs.glob("*"), tmp_path / "nope")
+    assert len(found) == 1 and found[0].unknown and found[0].pid == 0
+
+
+def test_a_process_whose_fds_cannot_be_read_is_an_unknown_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                  ) -> None:
+    _fake_proc(tmp_path, 4242, "qemu-system-x86", {4: "/dev/vfio/12"})
+    _fake_proc(tmp_path, 99, "bash", {0: "/dev/pts/0"})
+    _fake_proc(tmp_path, 500, "secretive", {})
+    real_scandir = os.scandir
+
+    def scandir(path: Any) -> Any:
+        if str(path).endswith("/500/fd"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(procfs.os, "scandir", scandir)
+    found = procfs.find_holders(procfs.exact(["/dev/vfio/12"]), tmp_path)
+    assert found == [Holder(500, "secretive", procfs.UNREADABLE, unknown=True),
+                     Holder(4242, "qemu-system-x86", "/dev/vfio/12")]
+
+
+def test_an_fd_that_cannot_be_resolved_is_an_unknown_holder_but_a_closed_one_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_proc(tmp_path, 600, "racy", {3: "/dev/null", 4: "/dev/null"})
+    real_readlink = os.readlink
+
+    def readlink(path: Any) -> str:
+        if str(path).endswith("/600/fd/3"):
+            raise FileNotFoundError(2, "closed meanwhile", str(path))
+        return real_readlink(path)
+
+    monkeypatch.setattr(procfs.os, "readlink", readlink)
+    assert procfs.find_holders(procfs.exact(["/dev/vfio/12"]), tmp_path) == []
+
+    def denied(path: Any) -> str:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(procfs.os, "readlink", denied)
+    assert [h.unknown for h in procfs.find_holders(procfs.exact(["/dev/vfio/12"]), tmp_path)] == [True]
+
+
+def _known(holders: list[Holder]) -> list[Holder]:
+    """On a shared host some processes (here: a more privileged PID 1) cannot be read: unknown, not ours."""
+    return [h for h in holders if not h.unknown]
 
 
 def test_real_process_holding_a_file_is_found_in_real_proc(tmp_path: Path) -> None:
     target = Path(os.path.realpath(tmp_path)) / "vfio-12"
     target.write_text("")
-    assert procfs.find_holders(procfs.exact([str(target)])) == []
+    assert _known(procfs.find_holders(procfs.exact([str(target)]))) == []
     with holding(target) as proc:
-        found = procfs.find_holders(procfs.exact([str(target)]))
+        found = _known(procfs.find_holders(procfs.exact([str(target)])))
         assert [(h.pid, h.path) for h in found] == [(proc.pid, str(target))]
         assert found[0].command.startswith("python")
-    assert procfs.find_holders(procfs.exact([str(target)])) == []
+    assert _known(procfs.find_holders(procfs.exact([str(target)]))) == []
+
+
+def test_unknown_holders_in_real_proc_are_exactly_the_processes_we_cannot_read() -> None:
+    unknown = {h.pid for h in procfs.find_holders(procfs.glob("/nonexistent/*")) if h.unknown}
+    for pid in unknown:
+        fd_dir = Path("/proc") / str(pid) / "fd"
+        try:
+            for fd in os.listdir(fd_dir):
+                os.readlink(fd_dir / fd)
+        except FileNotFoundError:
+            continue  # exited since
+        except PermissionError:
+            continue  # really unreadable
+        raise AssertionError(f"pid {pid} was readable but reported unknown")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.host.holder_proc import unreadable_pids
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu-discover.py"
 
@@ -20,7 +21,9 @@ def test_discovers_a_fake_h200_host_without_writing(tmp_path: Path) -> None:
     )  # fmt: skip
     before = sorted((p.relative_to(fake.sys).as_posix(), p.read_bytes()) for p in fake.sys.rglob("*") if p.is_file())
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sysfs-root", str(fake.sys)], capture_output=True, text=True, timeout=60
+        [sys.executable, str(SCRIPT), "--sysfs-root", str(fake.sys),
+         *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids())],
+        capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)

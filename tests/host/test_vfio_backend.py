@@ -13,7 +13,7 @@ from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDev
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
 from tests.host.fake_sysfs import Dev, FakeSysfs
-from tests.host.holder_proc import holding
+from tests.host.holder_proc import holding, unreadable_pids
 
 GPU = "0000:3b:00.0"
 AUDIO = "0000:3b:00.1"
@@ -248,6 +248,7 @@ def _held_tree(tmp_path: Path) -> tuple[FakeSysfs, VfioBackend, Path]:
     group_file.write_text("")
     host = fake.host()
     host.proc_root, host.dev_root = Path("/proc"), dev
+    host.exempt_pids = unreadable_pids()
     return fake, VfioBackend(host), group_file
 
 

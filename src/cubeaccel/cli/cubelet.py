@@ -53,6 +53,9 @@ def serve_cmd(
     detach_timeout: Annotated[float, typer.Option(help="real MicroVMs: seconds to wait for DEVICE_DELETED")] = 10.0,
     pinnable_memory_mib: Annotated[int | None, typer.Option(
         min=0, help="advertise this much lockable guest memory instead of MemAvailable (simulated nodes)")] = None,
+    holder_scan_exempt_pid: Annotated[list[int] | None, typer.Option(
+        help="vfio: a process whose fds cannot be read but that holds no device (repeatable; audited at start)")
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.cubelet.inventory import initialize_host
@@ -70,9 +73,13 @@ def serve_cmd(
         cubelet = build_cubelet(RuntimeOptions(
             state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root,
             allow=tuple(allow or ("10de:*",)), vm_start=vm_start, detach_timeout_s=detach_timeout,
+            holder_scan_exempt_pids=frozenset(holder_scan_exempt_pid or ()),
             config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout,
                                  pinnable_memory_mib=pinnable_memory_mib),
         ))
+        if holder_scan_exempt_pid:
+            with cubelet.store.tx() as t:
+                t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})
         initialize_host(cubelet)
         repairs = reconcile(cubelet)  # before any capacity is advertised
     except CubeError as e:

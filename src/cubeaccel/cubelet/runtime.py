@@ -25,6 +25,7 @@ class RuntimeOptions:
     config: CubeletConfig = field(default_factory=CubeletConfig)
     vm_start: str = "template"  # real shims: start from the template snapshot, or cold boot
     detach_timeout_s: float = 10.0  # real shims: how long to wait for DEVICE_DELETED
+    holder_scan_exempt_pids: frozenset[int] = frozenset()  # vfio: unreadable processes declared harmless
 
 
 def build_cubelet(opts: RuntimeOptions) -> Cubelet:
@@ -50,7 +51,8 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
         from cubeaccel.host.pci import SysfsPciHost
 
-        backend = VfioBackend(SysfsPciHost(str(opts.sysfs_root)), allow=opts.allow)
+        backend = VfioBackend(SysfsPciHost(str(opts.sysfs_root), exempt_pids=opts.holder_scan_exempt_pids),
+                              allow=opts.allow)
         shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     else:
         from cubeaccel.backends.emulated import EmulatedBackend

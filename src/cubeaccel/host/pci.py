@@ -31,6 +31,7 @@ class Holder:
     pid: int
     command: str
     path: str
+    unknown: bool = False  # the process's fds could not be read: it may hold the device (fail closed)
 
 
 @dataclass(frozen=True)

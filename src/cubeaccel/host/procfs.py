@@ -4,8 +4,10 @@ The release path and reconciliation rely on this to prove that the VMM has reall
 before it is reset and handed to the next tenant (ARCHITECTURE §5, step 6). It is read-only and takes
 the proc root as a parameter, so tests run it against a fake tree and against the real `/proc`.
 
-Processes come and go while we scan: a pid or fd that disappears, or that we may not read, is
-skipped — the scan reports what it could see, and the caller decides what "could not see" means.
+Processes come and go while we scan: a pid or fd that disappears is skipped (it holds nothing any more).
+A process whose fds exist but cannot be read (EACCES, an LSM, another user namespace) may hold the device:
+it is reported as an `unknown` holder, so the release path waits and then quarantines (fail closed).
+An unreadable proc root is one unknown holder with pid 0.
 """
 
 from __future__ import annotations
@@ -42,13 +44,22 @@ def _command(pid_dir: Path) -> str:
         return "?"
 
 
+UNREADABLE = "?unreadable"  # the path of an unknown holder
+
+
+def _gone(e: OSError) -> bool:
+    """The process or fd went away while we looked (ESRCH, ENOENT): it holds nothing."""
+    return isinstance(e, (FileNotFoundError, ProcessLookupError))
+
+
 def find_holders(match: Matcher, proc_root: str | os.PathLike[str] = "/proc") -> list[Holder]:
-    """Every (pid, command, path) whose open fd points at a path `match` accepts. Sorted by pid, path."""
+    """Every (pid, command, path) whose open fd points at a path `match` accepts, plus every process whose
+    fds could not be read (`unknown=True`). Sorted by pid, path."""
     root = Path(proc_root)
     try:
         entries = list(os.scandir(root))
     except OSError:
-        return []
+        return [Holder(pid=0, command="?", path=f"{root}: unreadable", unknown=True)]
     found: set[Holder] = set()
     for entry in entries:
         if not entry.name.isdigit():
@@ -56,12 +67,16 @@ def find_holders(match: Matcher, proc_root: str | os.PathLike[str] = "/proc") ->
         pid_dir = root / entry.name
         try:
             fds = list(os.scandir(pid_dir / "fd"))
-        except OSError:  # exited, or not ours to read
+        except OSError as e:
+            if not _gone(e):
+                found.add(Holder(int(entry.name), _command(pid_dir), UNREADABLE, unknown=True))
             continue
         for fd in fds:
             try:
                 target = os.readlink(fd.path)
-            except OSError:
+            except OSError as e:
+                if not _gone(e):
+                    found.add(Holder(int(entry.name), _command(pid_dir), UNREADABLE, unknown=True))
                 continue
             if match(target):
                 found.add(Holder(pid=int(entry.name), command=_command(pid_dir), path=target))

@@ -66,8 +66,12 @@ class SysfsPciHost:
         dev_root: str | os.PathLike[str] = "/dev",
         read_only: bool = False,
         on_write: WriteHook | None = None,
+        exempt_pids: frozenset[int] = frozenset(),
     ) -> None:
         self.root = Path(root)
+        # Processes an operator declared harmless although their fds cannot be read (e.g. a sandbox
+        # runtime's more privileged PID 1): without this, each is an unknown holder of every device.
+        self.exempt_pids = exempt_pids
         self.proc_root = Path(proc_root)
         self.dev_root = Path(dev_root)
         self.read_only = read_only
@@ -250,7 +254,8 @@ class SysfsPciHost:
         files = self.device_files(address)
         if not files:
             return []
-        return procfs.find_holders(procfs.exact(files), self.proc_root)
+        found = procfs.find_holders(procfs.exact(files), self.proc_root)
+        return [h for h in found if not (h.unknown and h.pid in self.exempt_pids)]
 
     # ---- writes ---------------------------------------------------------------------------------
     def _write(self, path: Path, data: str) -> None:
