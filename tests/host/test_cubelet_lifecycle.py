@@ -146,9 +146,38 @@ def test_vmm_that_will_not_die_keeps_device_out_and_then_quarantines(node: Node)
     node.cubelet.try_release("sb")
     d = node.device(dev)
     assert d.state is S.QUARANTINED and d.reason == "release.vmm_not_exited"
-    with pytest.raises(CubeError) as err:  # the VMM still holds it: recovery must refuse
+    with pytest.raises(CubeError) as err:  # the VMM still runs (and holds it): recovery must refuse
         operator.recover(node.cubelet, dev, "alice", "try")
-    assert err.value.code == "recover.validation_failed"
+    assert err.value.code == "recover.vmm_alive"
+
+
+def test_detach_confirmed_while_the_vmm_survives_never_frees_the_device(node: Node) -> None:
+    """The guest let go (device_del completed, no holder left), but the VMM outlives SIGKILL: quarantine, and no
+    operator `recover` while that VMM lives — only its exit makes the device revalidatable."""
+    node.shim.immortal_vmm.add("sb")
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb")
+    node.cubelet.release("sb")
+    assert "device_detached" in [e.event for e in node.cubelet.store.events() if e.sandbox_id == "sb"]
+    assert node.host.holders(node.address(dev)) == []
+    assert node.device(dev).state is S.RELEASING
+    node.clock.advance(11)
+    node.cubelet.try_release("sb")
+    node.clock.advance(11)
+    node.cubelet.try_release("sb")
+    d = node.device(dev)
+    assert d.state is S.QUARANTINED and d.reason == "release.vmm_not_exited"
+    with pytest.raises(CubeError) as err:
+        operator.recover(node.cubelet, dev, "alice", "the guest said it let go")
+    assert err.value.code == "recover.vmm_alive" and err.value.layer == "cubelet"
+    vmm = node.host.find_process("vmm:sb")
+    assert vmm is not None
+    node.host.unstick(vmm)
+    assert node.host.kill(vmm)
+    node.cubelet.try_release("sb")
+    assert node.cubelet.store.reservation("sb") is None  # VMM and shim gone: the reservation closes
+    assert operator.recover(node.cubelet, dev, "alice", "VMM gone now").state is S.ALLOCATABLE
 
 
 def test_attach_failure_releases_devices_that_were_never_attached(node: Node) -> None:

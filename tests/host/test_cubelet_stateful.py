@@ -1,7 +1,7 @@
 """Random reserve/start/release/fault/crash-and-reopen sequences against a real Cubelet + store.
 
-Invariants: no device belongs to two sandboxes; a held device is never allocatable; every change
-has an event; after restart + reconcile every device is in a defined state with consistent records.
+Invariants: no device belongs to two sandboxes; a held device is never allocatable; a device is never
+allocatable while a VMM that had it is alive (whatever the shim reported); every change has an event; after restart + reconcile every device is in a defined state with consistent records.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class CubeletMachine(RuleBasedStateMachine):
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="cubelet-sm-"))
         self.node = Node.create(self.dir, "h100x4")
+        self.vmms_of: dict[str, set[int]] = {}  # device id → pids of every VMM started with it
 
     def teardown(self) -> None:
         self.node.cubelet.store.close()
@@ -50,10 +51,15 @@ class CubeletMachine(RuleBasedStateMachine):
 
     @rule(sid=SANDBOXES)
     def start(self, sid: str) -> None:
+        before = self.node.cubelet.store.reservation(sid)
         try:
             self.node.cubelet.start(sid)
         except CubeError as e:
             assert e.code in ("reservation.not_found", "sandbox.releasing", "prepare.revalidation_failed")
+        pid = self.node.host.find_process(f"vmm:{sid}")
+        if before is not None and pid is not None:
+            for dev in before.device_ids:
+                self.vmms_of.setdefault(dev, set()).add(pid)
 
     @rule(sid=SANDBOXES)
     def release(self, sid: str) -> None:
@@ -108,7 +114,7 @@ class CubeletMachine(RuleBasedStateMachine):
         try:
             operator.recover(self.node.cubelet, d.id, "op", "test")
         except CubeError as e:
-            assert e.code in ("operator.not_recoverable", "recover.validation_failed")
+            assert e.code in ("operator.not_recoverable", "recover.validation_failed", "recover.vmm_alive")
 
     @invariant()
     def no_device_in_two_sandboxes(self) -> None:
@@ -130,6 +136,13 @@ class CubeletMachine(RuleBasedStateMachine):
             if d.state is DeviceState.ALLOCATABLE:
                 assert self.node.host.holders(d.address) == [], d.id
                 assert d.sandbox_id is None
+
+    @invariant()
+    def never_allocatable_while_a_vmm_that_had_it_lives(self) -> None:
+        for d in self.node.devices():
+            if d.state is DeviceState.ALLOCATABLE:
+                alive = [pid for pid in self.vmms_of.get(d.id, ()) if self.node.host.alive(pid)]
+                assert not alive, f"{d.id} allocatable while VMM {alive} that had it lives"
 
     @invariant()
     def every_change_has_an_event(self) -> None:

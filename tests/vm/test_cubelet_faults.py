@@ -68,7 +68,7 @@ def test_paused_guest_detach_times_out_and_device_returns_only_after_the_vmm_is_
     poll(lambda: _dev(node, dev)["state"] == "allocatable", 60)
     assert find_vmm("f-paused") is None
     confirmed = [e for e in _events(node, "f-paused") if e["event"] == "release_confirmed"]
-    assert confirmed[-1]["details"]["detach_confirmed"] is False and confirmed[-1]["details"]["vmm_gone"] is True
+    assert confirmed[-1]["details"]["detach_confirmed"] is False and confirmed[-1]["details"]["vmm_exited"] is True
 
 
 def test_a_holder_that_keeps_the_device_open_ends_in_quarantine(node: CubeletProcess) -> None:

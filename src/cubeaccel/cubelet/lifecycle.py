@@ -1,7 +1,7 @@
 """Reserve → prepare → attach → release → revalidate, driven by Cubelet and by shim reports.
 
 Cubelet alone moves devices in and out of `allocatable`. Shim reports are evidence; the release
-rules (VMM gone or detach confirmed, no holders, reset done, revalidated) decide.
+rules (VMM exited, shim exited or final report, no holders, reset done, revalidated) decide.
 """
 
 from __future__ import annotations

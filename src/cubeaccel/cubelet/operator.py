@@ -41,6 +41,7 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
         if d.state not in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY):
             raise conflict("operator.not_recoverable", f"device {device_id} is {d.state.value}",
                            details={"state": d.state.value})
+        _refuse_while_vmm_may_live(cubelet, d)
         accept: Callable[[PciAddress], int | None] | None = getattr(cubelet.backend, "accept_aer", None)
         accepted = accept(d.address) if accept is not None else None  # the operator acknowledges seen errors
         problems = cubelet.backend.validate(d)
@@ -52,6 +53,20 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
                 t.set_aer_baseline(d.id, accepted)
             return t.transition(d, DeviceEvent.RECOVER, Actor.OPERATOR, reason=None, sandbox_id=None,
                                 details={**audit, "aer_fatal_accepted": accepted})
+
+
+def _refuse_while_vmm_may_live(cubelet: Cubelet, d: DeviceRecord) -> None:
+    """The release rules bind operators too: a device whose last VMM is not proven gone stays out, whatever
+    the revalidation sees (after device_del no holder is visible, yet the VMM may still map its memory)."""
+    res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
+    if res is None or d.id not in res.device_ids:
+        return
+    st = cubelet.shim.status(res.sandbox_id) if res.facts.get("shim_started") else None
+    gone = cubelet.vmm_gone(res, st) if st is not None else True
+    if not gone:
+        raise conflict("recover.vmm_alive", f"the VMM of sandbox {res.sandbox_id} that had {d.id} is not proven "
+                       "gone; it must exit first", layer="cubelet",
+                       details={"sandbox_id": res.sandbox_id, "vmm_pid": st.vmm_pid if st else None})
 
 
 def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver: bool = False) -> DeviceRecord:

@@ -1,8 +1,10 @@
 """The release path: teardown, the release rules on host evidence, revalidation, expiry.
 
-A device leaves a sandbox only when the VMM is proven gone (or the detach confirmed), nothing holds the
-device's files, cleanup (reset) succeeded and revalidation passed; anything unproven past the timeouts is
-quarantined. Reports from the shim are recorded elsewhere; here only host evidence counts.
+The design's release rules, on host evidence at the moment of release, for every backend: the VMM process
+exited (no live process carries the sandbox's tag), the shim exited or its final release report arrived,
+nothing holds the device's files (an fd we cannot read is an unknown holder), and cleanup (reset) succeeded;
+then revalidation. A confirmed detach is recorded but replaces none of these. Anything unproven past the
+timeouts is quarantined. Reports from the shim are recorded elsewhere; here only host evidence counts.
 """
 
 from __future__ import annotations
@@ -92,12 +94,14 @@ class ReleasePath:
     @staticmethod
     def vmm_gone(res: Reservation, st: ShimStatus) -> bool | None:
         """True only on host evidence that no VMM runs *and none can appear*: a live shim may still spawn
-        one, so its own `vmm_exited` report is not enough — the shim process must be gone too."""
+        one, so its own `vmm_exited` report is not enough — the shim process must be gone too, or have sent
+        its final report (`shim_exiting`, sent after its teardown, after which it starts nothing)."""
         if not res.facts.get("shim_started"):
             return True
         if st.vmm_alive is None or st.shim_alive is None:
             return None
-        return not st.vmm_alive and not st.shim_alive
+        shim_done = not st.shim_alive or bool(res.facts.get("shim_exited"))
+        return not st.vmm_alive and shim_done
 
     def try_release(self, sandbox_id: str) -> None:
         """Apply the release rules to every `releasing` device of the sandbox.
@@ -140,27 +144,38 @@ class ReleasePath:
                 t.update_reservation(res)
 
     def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
-        detached = d.id in res.facts.get("detached", [])
+        detached = d.id in res.facts.get("detached", [])  # recorded as evidence, never a substitute
         gone = self.vmm_gone(res, st)
-        if gone is None and not detached:
+        if gone is None:
             t.transition(d, E.QUARANTINE, Actor.CUBELET, reason="release.vmm_state_unknown")
             return
         blocked: str | None = None
-        holders = self.backend.holders(d)
-        if not (gone or detached):
+        holders = self.backend.holders(d) if gone else []
+        if not gone:
             blocked = "release.vmm_not_exited"
+        elif any(h.unknown for h in holders):
+            blocked = "release.holder_unknown"
         elif holders:
             blocked = "release.holder_stuck"
         if blocked is not None:
+            details = {"holders": [h.__dict__ for h in holders], "vmm_pid": st.vmm_pid,
+                       "shim_alive": st.shim_alive, "detach_confirmed": detached}
             if overdue:
-                t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=blocked,
-                             details={"holders": [h.__dict__ for h in holders], "vmm_pid": st.vmm_pid})
+                t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=blocked, details=details)
+                return
+            waiting = res.facts.setdefault("release_waits", {})
+            if blocked not in waiting.get(d.id, []):  # one event per device and cause, not one per tick
+                waiting.setdefault(d.id, []).append(blocked)
+                t.event("release_waiting", Actor.CUBELET, device_id=d.id, sandbox_id=res.sandbox_id,
+                        reason=blocked, details=details)
             return
         problems = self.backend.cleanup(d)
         if problems:
             record_problems(t, d, problems)
             return
-        evidence = {"vmm_gone": bool(gone), "detach_confirmed": detached, "holders": 0, "reset": True}
+        evidence = {"vmm_exited": True, "shim_exited": not st.shim_alive,
+                    "shim_final_report": bool(res.facts.get("shim_exited")), "detach_confirmed": detached,
+                    "holders": 0, "reset": True}
         d = t.transition(d, E.RELEASE_CONFIRMED, Actor.CUBELET, details=evidence)
         self._revalidate(t, d)
 

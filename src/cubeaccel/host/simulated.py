@@ -227,6 +227,13 @@ class SimulatedPciHost:
                     self._s["holders"][addr] = [h for h in hs if h["pid"] != pid]
             return True
 
+    def unstick(self, pid: int) -> None:
+        """The kernel finally lets a stuck (immortal) process go: the next kill takes."""
+        with self._locked(write=True):
+            p = self._s["procs"].get(str(pid))
+            if p is not None:
+                p["immortal"] = False
+
     def command_of(self, pid: int) -> str | None:
         with self._locked(write=False):
             p = self._s["procs"].get(str(pid))
