@@ -1,7 +1,8 @@
 """Random reserve/start/release/fault/crash-and-reopen sequences against a real Cubelet + store.
 
 Invariants: no device belongs to two sandboxes; a held device is never allocatable; a device is never
-allocatable while a VMM that had it is alive (whatever the shim reported); every change has an event; after restart + reconcile every device is in a defined state with consistent records.
+allocatable while a VMM that had it is alive (whatever the shim reported); every change has an event;
+after restart + reconcile every device is in a defined state with consistent records.
 """
 
 from __future__ import annotations
