@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.host.simulated import Fault
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
 from tests.cubelet_harness import Node
 
@@ -392,3 +395,52 @@ def test_a_shim_that_cannot_be_launched_fails_the_start_and_releases_the_devices
     failed = [e for e in node.cubelet.store.events() if e.kind == "shim_report" and e.event == "attach_failed"]
     assert failed and failed[0].details["reason"] == "shim.launch_failed"
     assert node.cubelet.store.reservation("sb") is None
+
+
+def _pushed(node: Node) -> list[tuple[str, dict[str, Any]]]:
+    sent: list[tuple[str, dict[str, Any]]] = []
+    node.cubelet.status_sink = lambda sid, status: sent.append((sid, status))
+    return sent
+
+
+def test_running_only_after_guest_validation_and_cubemaster_is_told_at_once(node: Node) -> None:
+    sent = _pushed(node)
+    node.cubelet.reserve("sb-ok", ReservationRequest(count=1))
+    node.cubelet.start("sb-ok")
+    res = node.cubelet.store.reservation("sb-ok")
+    assert res is not None and res.phase == "running"
+    kinds = [e.event or e.kind for e in node.cubelet.store.events(sandbox_id="sb-ok")]
+    assert kinds.index("guest_validated") < kinds.index("sandbox_running")
+    assert sent == [("sb-ok", {"phase": "running"})]
+
+
+def test_a_guest_validation_failure_is_pushed_with_its_layer(node: Node) -> None:
+    sent = _pushed(node)
+    node.shim.failed_guest_validation.add("sb-bad")
+    node.cubelet.reserve("sb-bad", ReservationRequest(count=1))
+    node.cubelet.start("sb-bad")
+    assert [s["phase"] for _, s in sent] == ["failed"]
+    error = sent[0][1]["error"]
+    assert (error["code"], error["layer"], error["phase"]) == ("guest.validation_failed", "kernel_driver", "starting")
+    assert "sandbox_running" not in node.kinds("sb-bad")
+
+
+def test_without_a_contract_the_device_must_still_be_seen_where_it_was_plugged(node: Node) -> None:
+    sent = _pushed(node)
+    node.shim.slow_start.add("sb-min")
+    res = node.cubelet.reserve("sb-min", ReservationRequest(count=1))
+    node.cubelet.start("sb-min")
+    start_id = node.cubelet.store.reservation("sb-min").facts["start_id"]  # type: ignore[union-attr]
+    dev = res.device_ids[0]
+
+    def report(kind: ShimReportKind, **details: Any) -> None:
+        node.cubelet.handle_report(ShimReport("sb-min", kind, (dev,), details, 0.0, start_id))
+
+    report(ShimReportKind.VM_STARTED, pid=4242)
+    report(ShimReportKind.DEVICE_ATTACHED, guest_address="0000:01:00.0")
+    elsewhere = GuestReport(1, "6.1.0", pci_devices=({"address": "0000:02:00.0", "vendor_id": "10de",
+                                                     "device_id": "2330", "class": "0302"},))
+    report(ShimReportKind.GUEST_VALIDATED, report=elsewhere.to_json())
+    assert [(s["phase"], s["error"]["code"], s["error"]["layer"]) for _, s in sent] == [
+        ("failed", "compat.device_not_visible_in_guest", "host_hardware")]
+    assert node.device(dev).state in (S.RELEASING, S.ALLOCATABLE)

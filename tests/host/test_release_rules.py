@@ -27,7 +27,7 @@ from cubeaccel.cubelet.shim_driver import ShimSpec
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host import procfs
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
 from tests.cubelet_harness import Clock
 from tests.host.fake_sysfs import Dev, FakeSysfs
@@ -125,9 +125,15 @@ class VfioNode:
         self.cubelet.start(self.sid)
         self.report(K.VM_STARTED, pid=self.shims.started[self.sid][1].pid)
         self.report(K.GUEST_READY)
-        self.report(K.DEVICE_ATTACHED)
-        self.report(K.GUEST_VALIDATED)
+        self.report(K.DEVICE_ATTACHED, guest_address="0000:01:00.0")
+        res = self.cubelet.store.reservation(self.sid)
+        assert res is not None and res.phase == "starting"  # attached is not ready: validation comes first
+        guest = GuestReport(1, "6.1.0", pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de",
+                                                      "device_id": "2330", "class": "0302"},))
+        self.report(K.GUEST_VALIDATED, report=guest.to_json())
         assert self.state() is S.ATTACHED
+        res = self.cubelet.store.reservation(self.sid)
+        assert res is not None and res.phase == "running"
 
 
 @pytest.fixture

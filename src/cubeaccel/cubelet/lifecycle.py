@@ -27,6 +27,7 @@ from cubeaccel.model.contract import (
     check_template,
 )
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
+from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -106,6 +107,7 @@ class Cubelet(ReleasePath):
         self.shim = shim
         self.config = config or CubeletConfig()
         self.lock = threading.RLock()
+        self.status_sink = None
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -189,7 +191,7 @@ class Cubelet(ReleasePath):
                     t.update_reservation(res)
                     start_ok = True
             if not start_ok:
-                self.begin_teardown(sandbox_id, "prepare.revalidation_failed")
+                self.begin_teardown(sandbox_id, "prepare.revalidation_failed", layer="host_hardware")
                 raise conflict("prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation",
                                layer="host_hardware")
             spec = self._spec(sandbox_id)
@@ -246,12 +248,12 @@ class Cubelet(ReleasePath):
                 elif k is ShimReportKind.DEVICE_ATTACHED:
                     named = set(report.device_ids)  # one report per device; none named means all
                     devs = self._sandbox_devices(t, sid)
+                    addresses = res.facts.setdefault("guest_addresses", {})
                     for d in devs:
                         if d.state is S.PREPARING and (not named or d.id in named):
                             t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
-                    if res.phase == "starting" and all(d.state is not S.PREPARING
-                                                       for d in self._sandbox_devices(t, sid)):
-                        res.phase = "running"
+                            if isinstance(report.details.get("guest_address"), str):
+                                addresses[d.id] = report.details["guest_address"]
                 elif k is ShimReportKind.DEVICE_DETACHED:
                     detached = set(res.facts.get("detached", []))
                     detached |= set(report.device_ids or res.device_ids)
@@ -263,13 +265,28 @@ class Cubelet(ReleasePath):
                 elif k is ShimReportKind.SHIM_EXITING:
                     res.facts["shim_exited"] = True
                 violations = self._judge_guest(t, res, report)
+                ready = (k is ShimReportKind.GUEST_VALIDATED and not violations and res.phase == "starting"
+                         and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid)))
+                if ready:  # ready means ready: every device attached *and* validated in the guest
+                    res.phase = "running"
+                    res.facts["running_at"] = t.now
+                    t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
                 t.update_reservation(res)
-            if report.kind is ShimReportKind.ATTACH_FAILED:
-                self.begin_teardown(sid, "attach_failed", attach_failed=True)
+            det = report.details
+            if ready:
+                self.notify(sid, {"phase": "running"})
+            elif report.kind is ShimReportKind.ATTACH_FAILED:
+                self.begin_teardown(sid, str(det.get("reason") or "attach_failed"), attach_failed=True,
+                                    layer=str(det.get("layer") or "backend"), message=str(det.get("message") or ""))
             elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
-                self.begin_teardown(sid, violations[0].code if violations else "guest_validation_failed")
+                v = violations[0] if violations else None
+                layers = det.get("failed_layers") if isinstance(det.get("failed_layers"), list) else None
+                layer = v.layer.value if v else str(det.get("layer") or (layers[0] if layers else "guest_kernel"))
+                self.begin_teardown(sid, v.code if v else str(det.get("reason") or "guest.validation_failed"),
+                                    layer=layer, message=f"expected {v.expected}, found {v.found}" if v else
+                                    str(det.get("message") or "the guest does not satisfy the contract"))
             elif report.kind is ShimReportKind.VMM_EXITED:
-                self.begin_teardown(sid, "vmm_exited")
+                self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
 
     def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
         """Stage 5, judged again on the host: the agent's own verdict is not trusted alone."""
@@ -277,15 +294,21 @@ class Cubelet(ReleasePath):
         contract = res.params.get("contract")
         if report.kind not in (ShimReportKind.GUEST_VALIDATED, ShimReportKind.GUEST_VALIDATION_FAILED):
             return []
-        if contract is None or not isinstance(raw, dict):
-            return []
+        if report.kind is ShimReportKind.GUEST_VALIDATION_FAILED and not isinstance(raw, dict):
+            return []  # the agent could not even probe: the shim's own reason decides
         try:
-            guest = GuestReport.from_json(raw)
+            guest = GuestReport.from_json(raw) if isinstance(raw, dict) else None
+            if guest is None:
+                raise ValueError("no guest report: every GPU sandbox is validated in the guest")
         except (KeyError, TypeError, ValueError) as e:
             t.event("guest_checked", Actor.CUBELET, sandbox_id=res.sandbox_id, reason="guest.report_malformed",
                     details={"error": str(e)})
             return [ContractViolation(Layer.GUEST_KERNEL, "guest.report_malformed", "a GuestReport", str(e))]
-        violations = check_guest(CompatibilityContract.from_json(contract), guest)
+        if contract is None:
+            violations = check_minimal(self._sandbox_devices(t, res.sandbox_id),
+                                       res.facts.get("guest_addresses", {}), guest)
+        else:
+            violations = check_guest(CompatibilityContract.from_json(contract), guest)
         t.event("guest_checked", Actor.CUBELET, sandbox_id=res.sandbox_id,
                 reason=violations[0].code if violations else None,
                 details={"violations": [v.to_json() for v in violations]})

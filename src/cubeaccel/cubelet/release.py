@@ -10,6 +10,7 @@ timeouts is quarantined. Reports from the shim are recorded elsewhere; here only
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
+USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
+StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ReleasePath:
     shim: ShimDriver
     config: CubeletConfig
     lock: threading.RLock
+    status_sink: StatusSink | None
 
     def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
         """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
@@ -62,8 +66,18 @@ class ReleasePath:
         ids = set(res.device_ids) if res is not None else set()
         return [d for d in t.devices_of(sandbox_id) if d.id in ids]
 
-    def begin_teardown(self, sandbox_id: str, reason: str, attach_failed: bool = False) -> None:
-        """Enter `releasing` before any cleanup starts, then ask the shim to stop and try to release."""
+    def notify(self, sandbox_id: str, status: dict[str, Any]) -> None:
+        """Tell CubeMaster at once (ready, or failed with code and layer); never blocks the lifecycle."""
+        if self.status_sink is not None:
+            self.status_sink(sandbox_id, status)
+
+    def begin_teardown(self, sandbox_id: str, reason: str, attach_failed: bool = False, layer: str = "cubelet",
+                       message: str = "") -> None:
+        """Enter `releasing` before any cleanup starts, then ask the shim to stop and try to release.
+
+        Any reason but a user's delete is a failure of the sandbox: recorded in the reservation (`failure`,
+        with code and layer, kept in the `reservation_closed` event) and pushed to CubeMaster."""
+        failure: dict[str, Any] | None = None
         with self.lock:
             with self.store.tx() as t:
                 res = t.reservation(sandbox_id)
@@ -71,10 +85,16 @@ class ReleasePath:
                     return
                 first = res.phase != "releasing"
                 if first:
+                    was = res.phase
                     res.phase, res.releasing_since = "releasing", t.now
                     res.facts["release_reason"] = reason
+                    if reason != USER_RELEASE:
+                        failure = {"code": reason, "layer": layer, "message": message[:500] or reason,
+                                   "phase": was}
+                        res.facts["failure"] = failure
                     t.update_reservation(res)
-                    t.event("teardown_started", Actor.CUBELET, sandbox_id=sandbox_id, reason=reason)
+                    t.event("teardown_started", Actor.CUBELET, sandbox_id=sandbox_id, reason=reason,
+                            details={"failure": failure})
                 for d in self._sandbox_devices(t, sandbox_id):
                     if d.state is S.ATTACHED:
                         t.transition(d, E.TEARDOWN, Actor.CUBELET, reason=reason)
@@ -82,6 +102,8 @@ class ReleasePath:
                         ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
                         t.transition(d, ev, Actor.CUBELET, reason=reason)
                 stop = first and res.facts.get("shim_started")
+            if failure is not None:
+                self.notify(sandbox_id, {"phase": "failed", "error": failure})
             if stop:
                 self.shim.stop(sandbox_id)
             self.try_release(sandbox_id)
@@ -193,5 +215,5 @@ class ReleasePath:
         for sid in expired:
             with self.store.tx() as t:
                 t.event("reservation_expired", Actor.CUBELET, sandbox_id=sid, reason="reserve.expired")
-            self.begin_teardown(sid, "reserve.expired")
+            self.begin_teardown(sid, "reserve.expired", message="the reservation was never started")
         return expired

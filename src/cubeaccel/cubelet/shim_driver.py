@@ -15,10 +15,39 @@ from typing import Any, Protocol
 
 from cubeaccel.host.pci import Holder
 from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.device import PciAddress
-from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.model.guest_checks import min_driver_api
+from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 
 ReportSink = Callable[[ShimReport], None]
+
+
+def guest_address(index: int) -> str:
+    """Where the simulated guest sees the index-th hot-plugged device (one root port each, as the real shim)."""
+    return f"0000:{index + 1:02x}:00.0"
+
+
+def simulated_guest_report(spec: ShimSpec) -> GuestReport:
+    """The simulated guest is exactly what its contract asks for (there is no guest to disagree): the host-side
+    judge still runs over it, so a wrong contract, device or address is caught as with a real guest."""
+    pci = tuple({"address": guest_address(i), "vendor_id": d.vendor_id, "device_id": d.device_id_hex,
+                 "class": "0302"} for i, d in enumerate(spec.devices))
+    if spec.contract is None:
+        return GuestReport(agent_version=1, kernel_release="simulated", pci_devices=pci)
+    t = CompatibilityContract.from_json(spec.contract).template
+    modules = ([t.kernel_driver.module] if t.kernel_driver else []) + list(t.probes.modules)
+    libraries: dict[str, dict[str, Any]] = {n: {"loaded": True, "version": None} for n in t.probes.libraries}
+    if t.userspace_driver:
+        libraries |= {n: {"loaded": True, "version": t.userspace_driver.version}
+                      for n in t.userspace_driver.libraries}
+    need = min_driver_api(t)
+    return GuestReport(
+        agent_version=1, kernel_release=t.guest_kernel.version, modules_loaded=tuple(modules), pci_devices=pci,
+        device_files={p: True for p in t.probes.device_files},
+        kernel_driver_version=t.kernel_driver.version if t.kernel_driver else None, libraries=libraries,
+        cuda=None if need is None else {"init_ok": True, "driver_version": need, "device_count": len(spec.devices)},
+    )
 
 
 @dataclass(frozen=True)
@@ -140,14 +169,14 @@ class SimulatedShimDriver:
             self._report(sid, ShimReportKind.ATTACH_FAILED, dev_ids, reason="device_add failed (injected)",
                          layer="backend")
             return
-        for d in spec.devices:
+        for i, d in enumerate(spec.devices):
             self.host.add_holder(PciAddress.parse(d.address), Holder(vmm, "qemu-system-x86_64", "/dev/vfio/sim"))
-        self._report(sid, ShimReportKind.DEVICE_ATTACHED, dev_ids)
+            self._report(sid, ShimReportKind.DEVICE_ATTACHED, (d.device_id,), guest_address=guest_address(i))
         if sid in self.failed_guest_validation:
-            self._report(sid, ShimReportKind.GUEST_VALIDATION_FAILED, dev_ids,
-                         violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_missing"}])
+            self._report(sid, ShimReportKind.GUEST_VALIDATION_FAILED, dev_ids, failed_layers=["kernel_driver"],
+                         violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_not_loaded"}])
         else:
-            self._report(sid, ShimReportKind.GUEST_VALIDATED, dev_ids)
+            self._report(sid, ShimReportKind.GUEST_VALIDATED, dev_ids, report=simulated_guest_report(spec).to_json())
 
     def stop(self, sandbox_id: str) -> None:
         vmm = self.host.find_process(f"vmm:{sandbox_id}")
