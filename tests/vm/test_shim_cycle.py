@@ -20,8 +20,8 @@ from cubeaccel.model.states import DeviceState
 
 pytestmark = pytest.mark.vm
 
-FULL_CYCLE = ["vm_started", "memory_pinned", "guest_ready", "device_attached", "device_detached", "vmm_exited",
-              "shim_exiting"]
+FULL_CYCLE = ["vm_started", "memory_pinned", "guest_ready", "device_attached", "guest_validated", "device_detached",
+              "vmm_exited", "shim_exiting"]
 
 
 def _record(device_id: str) -> DeviceRecord:
@@ -151,7 +151,7 @@ def test_vfio_device_add_failure_is_reported_and_the_vm_torn_down(shim_factory: 
 
 def test_vmm_killed_from_outside_is_reported_without_claiming_a_detach(shim_factory: Any) -> None:
     run = shim_factory(start="template").start()
-    run.wait_for("device_attached")
+    run.wait_for("guest_validated")  # running: every sandbox is validated in the guest first
     vmm_pid = run.one("vm_started")["details"]["pid"]
     os.kill(vmm_pid, signal.SIGKILL)
     run.wait_for("shim_exiting", timeout_s=30)

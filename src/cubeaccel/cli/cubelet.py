@@ -90,7 +90,11 @@ def serve_cmd(
     heartbeat = None
     if master is not None and addr is not None:
         from cubeaccel.cubelet.heartbeat import Heartbeat
+        from cubeaccel.cubelet.status_push import StatusPush
 
+        pusher = StatusPush(master, node)
+        pusher.start()
+        cubelet.status_sink = pusher.push
         heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick)
         heartbeat.start()
     sock = state_dir / "cubelet.sock"

@@ -136,10 +136,13 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         return {"accepted": True}
 
     @app.get("/v1/events")
-    def events(since: int = 0, limit: int = 1000, device_id: str | None = None) -> dict[str, Any]:
+    def events(since: int = 0, limit: int = 1000, device_id: str | None = None,
+               sandbox_id: str | None = None) -> dict[str, Any]:
         if not 0 <= since < 2**62 or not 1 <= limit <= 10000:
             raise invalid("api.invalid_cursor", "since must be ≥ 0 and limit 1..10000")
-        evs = cubelet.store.events(since, limit, device_id)
+        if sandbox_id is not None:
+            validate_sandbox_id(sandbox_id)
+        evs = cubelet.store.events(since, limit, device_id, sandbox_id=sandbox_id)
         return {"events": [e.to_json() for e in evs], "next": evs[-1].seq if evs else since}
 
     @app.get("/v1/capacity")
@@ -165,7 +168,18 @@ def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
         for e in cubelet.store.events(0, 10000, sandbox_id=sandbox_id)
     ]
     return {"sandbox_id": sandbox_id, "reservation": None if res is None else res.to_json(), "devices": devs,
-            "timeline": timeline}
+            "timeline": timeline, "failure": sandbox_failure(cubelet, sandbox_id)}
+
+
+def sandbox_failure(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any] | None:
+    """Why the sandbox's current (or, once closed, last) reservation failed, with code and layer; None if not."""
+    res = cubelet.store.reservation(sandbox_id)
+    if res is not None:
+        failure = res.facts.get("failure")
+        return failure if isinstance(failure, dict) else None
+    closed = [e for e in cubelet.store.events(0, 10000, sandbox_id=sandbox_id) if e.kind == "reservation_closed"]
+    failure = closed[-1].details.get("facts", {}).get("failure") if closed else None
+    return failure if isinstance(failure, dict) else None
 
 
 class Ticker:

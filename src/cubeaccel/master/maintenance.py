@@ -2,7 +2,9 @@
 
 Reconcile compares CubeMaster's sandbox records for a node with the reservations that node's Cubelet
 holds, whenever a node registers or comes back from stale (a restarted Cubelet, a network split):
-- a record the Cubelet does not know → `lost` (the user sees it; the devices were never ours to free);
+- a record the Cubelet does not know → `failed` with the Cubelet's code and layer when its event trail says the
+  reservation closed after a failure (a push that never arrived), else `lost` (the user sees it; the devices
+  were never ours to free);
 - a reservation CubeMaster has no live record for (a create that died between claim and reply) →
   `DELETE` on the Cubelet, whose release path decides when the devices are safe again.
 Master never frees a device itself: a record disappearing only asks the Cubelet to release.
@@ -25,6 +27,7 @@ from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
 
 ORPHAN_GRACE_S = 60.0  # a reservation younger than this may belong to a create still in flight
+STARTING_POLL_AFTER_S = 5.0  # the Cubelet pushes ready/failed at once; polling is only the fallback
 
 
 def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
@@ -37,7 +40,7 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
     view = next((v for v in master.cache.views(fresh=True) if v.name == name), None)
     if view is None:
         return {"node": name, "skipped": "unknown node"}
-    rows = master.store.sandboxes(states=("running", "deleting"), node=name)
+    rows = master.store.sandboxes(states=("starting", "running", "deleting"), node=name)
     reservations = _cubelet_call(master, view.cubelet_url, "GET", "/v1/reservations")["reservations"]
     held = {r["sandbox_id"]: r for r in reservations}
     lost, orphans = [], []
@@ -46,15 +49,21 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
             continue
         if row["state"] == "deleting":
             master.store.update_sandbox(row["id"], "deleted", expect=("deleting",), state="deleted")
-        else:
-            master.store.update_sandbox(row["id"], "lost", expect=("running",), state="lost",
-                                        error={"code": "sandbox.lost", "message": f"node {name} holds no "
-                                               "reservation for it after a restart", "node": name})
-            lost.append(row["id"])
+            continue
+        failure = _closed_failure(master, view.cubelet_url, str(row["id"]))
+        if failure is not None:
+            master.store.update_sandbox(row["id"], "failed", expect=("starting", "running"), state="failed",
+                                        error={**failure, "node": name})
+            continue
+        master.store.update_sandbox(row["id"], "lost", expect=("starting", "running"), state="lost",
+                                    error={"code": "sandbox.lost", "layer": "cubelet", "message": f"node {name} "
+                                           "holds no reservation for it and no record of its end", "node": name})
+        lost.append(row["id"])
     now = time.time()
     for sid, r in held.items():
         rec = master.store.sandbox(sid)
-        live = rec is not None and rec["node"] == name and rec["state"] in ("placing", "running", "deleting")
+        live = rec is not None and rec["node"] == name and rec["state"] in ("placing", "starting", "running",
+                                                                           "deleting")
         young = now - float(r.get("created_at") or 0) < ORPHAN_GRACE_S and rec is not None
         if not live and not young:
             _cubelet_call(master, view.cubelet_url, "DELETE", f"/v1/reservations/{sid}")
@@ -62,6 +71,35 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
     master.store.mark_reconciled(name, now)
     master.cache.invalidate()
     return {"node": name, "lost": lost, "released_orphans": orphans}
+
+
+def _closed_failure(master: CubeMaster, url: str, sid: str) -> dict[str, Any] | None:
+    """The failure the Cubelet recorded when it closed the sandbox's reservation, from its event trail."""
+    events = master.client(url).request("GET", "/v1/events", params={"sandbox_id": sid, "limit": 10000})["events"]
+    closed = [e for e in events if e.get("kind") == "reservation_closed"]
+    failure = ((closed[-1].get("details") or {}).get("facts") or {}).get("failure") if closed else None
+    return failure if isinstance(failure, dict) else None
+
+
+def poll_starting(master: CubeMaster, row: Row) -> str:
+    """The fallback for a lost push: ask the node what became of a sandbox that is still `starting`."""
+    url = master.node_url(row["node"])
+    if url is None:
+        return str(row["state"])
+    try:
+        reply = _cubelet_call(master, url, "GET", f"/v1/reservations/{row['id']}")
+    except CubeError as e:
+        if e.code != "reservation.not_found":
+            raise
+        reply = {"reservation": None, "failure": _closed_failure(master, url, str(row["id"]))}
+    res, failure = reply.get("reservation"), reply.get("failure")
+    if failure or res is None:
+        err = failure or {"code": "sandbox.start_failed", "layer": "cubelet",
+                          "message": "the reservation closed during start"}
+        return master.node_status(str(row["node"]), str(row["id"]), "failed", err)
+    if res.get("phase") == "running":
+        return master.node_status(str(row["node"]), str(row["id"]), "running", None)
+    return str(row["state"])
 
 
 def resolve_abandoned(master: CubeMaster, row: Row) -> str:
@@ -151,9 +189,16 @@ class Maintenance:
                     resolve_abandoned(self.master, row)
                 except CubeError as e:
                     self._note(f"abandoned {row['id']}: {e}")
-        for row in self.master.store.sandboxes(states=("running",)):
+        for row in self.master.store.sandboxes(states=("starting",)):
+            if now - float(row["updated_at"]) > STARTING_POLL_AFTER_S:
+                try:
+                    poll_starting(self.master, row)
+                except (CubeError, httpx.HTTPError, KeyError) as e:
+                    self._note(f"starting {row['id']}: {e}")
+        for row in self.master.store.sandboxes(states=("starting", "running")):
             if row["expires_at"] is not None and row["expires_at"] < now:
-                self.master.store.update_sandbox(row["id"], "timeout", expect=("running",), state="deleting")
+                self.master.store.update_sandbox(row["id"], "timeout", expect=("starting", "running"),
+                                                 state="deleting")
         for row in self.master.store.sandboxes(states=("deleting",)):
             self.master.release(row)
 

@@ -84,7 +84,7 @@ sandboxes = sa.Table(
     sa.Index("ix_sandboxes_state", "state"),
 )
 
-ACTIVE_STATES = ("scheduling", "placing", "running", "deleting")
+ACTIVE_STATES = ("scheduling", "placing", "starting", "running", "deleting")
 
 
 def _v1(conn: sa.Connection) -> None:

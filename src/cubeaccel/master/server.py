@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -19,11 +19,23 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
 
-SANDBOX_STATES = ("scheduling", "placing", "running", "deleting", "deleted", "failed", "lost")
+SANDBOX_STATES = ("scheduling", "placing", "starting", "running", "deleting", "deleted", "failed", "lost")
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class StatusError(_Strict):
+    code: str = Field(min_length=1, max_length=200)
+    layer: str = Field(min_length=1, max_length=64)
+    message: str = Field(default="", max_length=2000)
+    phase: str | None = Field(default=None, max_length=32)  # the Cubelet phase it failed in
+
+
+class StatusBody(_Strict):
+    phase: Literal["running", "failed"]
+    error: StatusError | None = None
 
 
 class SandboxBody(_Strict):
@@ -188,5 +200,11 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202)
     def delete(sandbox_id: str) -> dict[str, Any]:
         return sandbox_json(master.delete(sandbox_id))
+
+    @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status")
+    def sandbox_status(node: str, sandbox_id: str, body: StatusBody) -> dict[str, Any]:
+        """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
+        error = None if body.error is None else body.error.model_dump()
+        return {"state": master.node_status(node, sandbox_id, body.phase, error)}
 
     return app

@@ -177,13 +177,19 @@ class CubeMaster:
                                 cand.node.name}, e.status) from e
             return None
         res = reply.get("reservation") or {}
+        failure = reply.get("failure")
+        # Ready means ready: `running` only once the Cubelet says the guest validated; a start that already
+        # failed (and may be released already) is `failed` with the Cubelet's code and layer.
+        state = "failed" if failure or not res else "running" if res.get("phase") == "running" else "starting"
         self.store.update_sandbox(
             sid, "reserved", expect=("placing",),
             detail={"node": cand.node.name, "cubelet_timeline": reply.get("timeline", [])[-20:]},
-            state="running", device_ids=list(res.get("device_ids", [])), accel_class=choice.accel_class,
+            state=state, device_ids=list(res.get("device_ids", [])), accel_class=choice.accel_class,
             count=choice.count,
             template_name=contract.template_name, template_version=contract.template_version,
-            contract=contract.to_json(), cubelet_created_at=res.get("created_at"))
+            contract=contract.to_json(), cubelet_created_at=res.get("created_at"),
+            **({"error": failure or {"code": "sandbox.start_failed", "layer": "cubelet",
+                                     "message": "the reservation closed during start"}} if state == "failed" else {}))
         row = self.store.sandbox(sid)
         assert row is not None
         return row
@@ -198,13 +204,29 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "delete_requested", expect=(row["state"],), state="deleting",
                                       detail={"abandoned_in": row["state"]})
             row = self.get(sandbox_id)
-        if row["state"] in ("running", "deleting"):
-            self.store.update_sandbox(sandbox_id, "delete_requested" if row["state"] == "running" else None,
-                                      expect=("running", "deleting"), state="deleting")
+        if row["state"] in ("starting", "running", "deleting"):
+            self.store.update_sandbox(sandbox_id, None if row["state"] == "deleting" else "delete_requested",
+                                      expect=("starting", "running", "deleting"), state="deleting")
             self.release(self.get(sandbox_id))
         elif row["state"] in ("lost", "failed"):
             self.store.update_sandbox(sandbox_id, "deleted", state="deleted")
         return self.get(sandbox_id)
+
+    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any] | None) -> str:
+        """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
+        (at start or later) → `failed` with the Cubelet's code and layer. Only that sandbox's own node counts."""
+        row = self.get(sandbox_id)
+        if row["node"] != node:
+            raise CubeError("sandbox.not_on_node", f"sandbox {sandbox_id} is not placed on node {node}", "api",
+                            {"node": row["node"]}, 409)
+        if phase == "running":
+            self.store.update_sandbox(sandbox_id, "ready", expect=("starting",), state="running")
+        else:
+            err = error or {"code": "sandbox.failed", "layer": "cubelet", "message": "reported failed"}
+            self.store.update_sandbox(sandbox_id, "failed", expect=("placing", "starting", "running"),
+                                      state="failed", error={**err, "node": node})
+            self.cache.invalidate()
+        return str(self.get(sandbox_id)["state"])
 
     def placement_abandoned(self, row: Row, now: float) -> bool:
         return row["state"] in ("scheduling", "placing") and now - float(row["updated_at"]) > \

@@ -242,7 +242,7 @@ def _claims(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
     """Devices placed or being placed that the node's last summary (sent at `sent_at`) cannot show."""
     s, n = S.sandboxes, S.nodes
     unseen = sa.or_(s.c.state == "placing", sa.and_(
-        s.c.state.in_(("running", "deleting")),
+        s.c.state.in_(("starting", "running", "deleting")),
         sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at)))
     q = (sa.select(s.c.node, s.c.group_key, sa.func.sum(s.c.count))
          .select_from(s.join(n, s.c.node == n.c.name)).where(unseen).group_by(s.c.node, s.c.group_key))

@@ -169,7 +169,7 @@ class Shim:
             self._check_stop()
             self._attach(vmm, agent, i, dev)
         t = self._phase("hotplug_to_visible_s", t)
-        if spec.contract is not None and spec.devices:
+        if spec.devices:  # every sandbox is validated in the guest; without a contract, the minimal checks
             self._validate(agent)
             self._phase("guest_validation_s", t)
 
@@ -218,10 +218,19 @@ class Shim:
                              guest_address=seen[0].get("address"), vendor_device=dev.vendor_device,
                              hotplug_ms=round((time.monotonic() - t0) * 1000, 1))
 
+    def _probe_contract(self) -> dict[str, object]:
+        """The frozen contract, or the minimum the host knows: its devices' vendor:device (Cubelet also checks
+        that each is at the guest address the shim saw it appear at)."""
+        if self.spec.contract is not None:
+            return self.spec.contract
+        pci = [{"vendor_id": f"{d.vendor_id:04x}", "device_id": f"{d.device_id_hex:04x}"} for d in self.spec.devices]
+        return {"probes": {"pci": pci}}
+
     def _validate(self, agent: AgentClient) -> None:
         ids = tuple(d.device_id for d in self.spec.devices)
+        contract = self._probe_contract()
         try:
-            reply = agent.call("probe", {"contract": self.spec.contract}, timeout_s=probe_timeout_s(self.spec.contract))
+            reply = agent.call("probe", {"contract": contract}, timeout_s=probe_timeout_s(contract))
         except CubeError as e:
             self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, reason=e.code, layer=e.layer, message=e.message)
             raise
