@@ -22,9 +22,16 @@ pytestmark = pytest.mark.vm
 
 @pytest.fixture
 def template_vm(tmp_path: Path, guest_image: Manifest) -> Iterator[QemuVmm]:
-    cfg = VmConfig(sandbox_id=f"template-guard-{tmp_path.name[-8:]}", memory_mib=256, vcpus=1, pin_memory=False,
-                   kernel=guest_image.path(guest_image.vmlinux), initrd=guest_image.path(guest_image.initrd),
-                   cmdline=guest_image.cmdline, state_dir=tmp_path / "vm")
+    cfg = VmConfig(
+        sandbox_id=f"template-guard-{tmp_path.name[-8:]}",
+        memory_mib=256,
+        vcpus=1,
+        pin_memory=False,
+        kernel=guest_image.path(guest_image.vmlinux),
+        initrd=guest_image.path(guest_image.initrd),
+        cmdline=guest_image.cmdline,
+        state_dir=tmp_path / "vm",
+    )
     vmm = QemuVmm(cfg)
     try:
         vmm.start()
@@ -43,8 +50,9 @@ def _behind_root_ports(vmm: QemuVmm) -> list[dict[str, object]]:
     return [f for f in guard.foreign_pci(vmm.qmp("query-pci")) if f["behind"] is not None]
 
 
-def test_a_hot_plugged_edu_is_seen_by_query_pci_and_the_snapshot_is_refused(template_vm: QemuVmm,
-                                                                             tmp_path: Path) -> None:
+def test_a_hot_plugged_edu_is_seen_by_query_pci_and_the_snapshot_is_refused(
+    template_vm: QemuVmm, tmp_path: Path
+) -> None:
     vmm = template_vm
     # Added over QMP behind the shim's back: its own record (`attached`) stays empty.
     vmm.qmp("device_add", driver="edu", id="intruder", bus="rp1")
