@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from cubeaccel.cubelet.client import CubeletClient
+from cubeaccel.host import vmmproc
 
 T = TypeVar("T")
 
@@ -60,6 +61,13 @@ class CubeletProcess:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         poll(lambda: self.client.health())
         return self
+
+    def vmm(self, sandbox_id: str) -> int | None:
+        """Pid of this Cubelet's live VMM for `sandbox_id` (another run on the host may use the same id)."""
+        return vmmproc.find_vmm(sandbox_id, under=self.state_dir.absolute() / "shims")
+
+    def shim(self, sandbox_id: str) -> int | None:
+        return vmmproc.find_shim(sandbox_id, under=self.state_dir.absolute() / "shims")
 
     def sigkill(self) -> None:
         assert self.proc is not None

@@ -1,13 +1,19 @@
-"""Real QEMU MicroVMs: the guest image is built (or reused from the cache) once per session.
+"""Real QEMU MicroVMs: the guest image is built (or reused from the shared cache) once, then used from a
+per-run cache.
 
-Every VMM a test starts is tagged with its sandbox id; teardown finds them by tag (`find_vmm`) and kills them,
-so a failing test never leaves QEMU running. Skipped only where QEMU itself is missing.
+Shared-host rules (other test runs, other worktrees, an operator's Cubelet may run here at the same time):
+- the run's cache (`CUBEACCEL_CACHE_DIR`, set for this process and every shim and Cubelet it starts) is its own:
+  the image is hard-linked (or copied) out of the shared cache under the builder's lock, so another run's build
+  that prunes the shared cache never removes it, and template states are built and pruned per run;
+- device ids carry this run's instance id (`RUN_INSTANCE`), as an emulated Cubelet's carry its own;
+- teardown stops only the VMMs this run started, by the pid files in directories it owns (`tests.vmm_cleanup`).
+Skipped only where QEMU itself is missing.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -23,36 +29,66 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.vmmproc import find_vmm
-from cubeaccel.images.builder import build
+from cubeaccel.backends.emulated import slot_address
+from cubeaccel.images.builder import build, cache_dir
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.device import device_id_for
+from tests.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
-_STARTED: list[str] = []
+RUN_INSTANCE = uuid.uuid4().hex[:8]
 
 
-def _kill_tagged() -> None:
-    """Every VMM this session may have left: the shims' and the template builders' (tag `template-*`)."""
-    from cubeaccel.host.vmmproc import vmm_processes
-
-    pids = {find_vmm(sandbox) for sandbox in _STARTED}
-    pids |= {p.pid for p in vmm_processes() if p.sandbox_id.startswith("template-")}
-    for pid in pids - {None}:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)  # type: ignore[arg-type]
+def emulated_id(index: int) -> str:
+    """This run's emulated device id for slot `index` (what shims tag their VMMs with)."""
+    return device_id_for("emulated", slot_address(index), RUN_INSTANCE)
 
 
-atexit.register(_kill_tagged)
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)  # images are immutable once renamed into place: a hard link is a private copy
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def private_image(shared: Path, run_cache: Path) -> Manifest:
+    """Build (or reuse) the image in the shared cache, then take this run's own copy of it under the builder's
+    lock (a concurrent build prunes only after it holds that lock, so the files are all there while we link)."""
+    for _ in range(3):
+        m, _built = build(shared)
+        with (shared / "images" / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            files = [p for p in m.directory.iterdir() if p.is_file()] if m.directory.is_dir() else []
+            if not (m.directory / "manifest.json").exists() or any(not m.path(a).exists()
+                                                                   for a in (m.vmlinux, m.initrd, m.modules_img)):
+                continue  # pruned between build() and the lock: build again
+            mine = run_cache / "images" / m.key
+            mine.mkdir(parents=True)
+            for f in files:
+                _link_or_copy(f, mine / f.name)
+        (run_cache / "images" / "latest").write_text(m.key + "\n")
+        return Manifest.load(mine / "manifest.json")
+    raise AssertionError(f"the image in {shared} kept being pruned by concurrent builds")
 
 
 @pytest.fixture(scope="session")
-def guest_image() -> Manifest:
+def guest_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Manifest]:
     if shutil.which("qemu-system-x86_64") is None:
         if os.environ.get("CUBEACCEL_REQUIRE_VM"):
             pytest.fail("qemu-system-x86_64 missing but CUBEACCEL_REQUIRE_VM is set (CI must run the VM tests)")
         pytest.skip("qemu-system-x86_64 missing: run scripts/install-system-deps.sh")
-    manifest, _ = build()
-    return manifest
+    base = tmp_path_factory.getbasetemp()
+    atexit.register(kill_started_vmms, base)  # even when the session is torn down abnormally
+    run_cache = base / "cubeaccel-cache"
+    manifest = private_image(cache_dir(), run_cache)
+    env = pytest.MonkeyPatch()
+    env.setenv("CUBEACCEL_CACHE_DIR", str(run_cache))  # inherited by every shim and Cubelet started from here
+    try:
+        yield manifest
+    finally:
+        kill_started_vmms(base)
+        env.undo()
+        shutil.rmtree(run_cache / "templates", ignore_errors=True)  # ~150 MB per machine shape
 
 
 @dataclass
@@ -123,7 +159,7 @@ def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
         base.mkdir()
         spec = {
             "sandbox_id": sandbox,
-            "devices": [device or {"device_id": f"emulated-0000:e0:{i:02x}.0", "driver": "edu", "properties": {},
+            "devices": [device or {"device_id": emulated_id(i), "driver": "edu", "properties": {},
                                    "vendor_id": "1234", "device_id_hex": "11e8"} for i in range(devices)],
             "memory_mib": memory_mib, "vcpus": 1, "pin_memory": pin_memory, "contract": contract,
             "image_manifest": str(guest_image.directory / "manifest.json") if explicit_image else None,
@@ -134,7 +170,6 @@ def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
         (base / "spec.json").write_text(json.dumps(spec))
         run = ShimRun(sandbox, base / "spec.json", base / "reports.jsonl", base / "state")
         runs.append(run)
-        _STARTED.append(sandbox)
         return run
 
     yield make
@@ -142,4 +177,4 @@ def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
         if run.proc is not None and run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
-    _kill_tagged()
+    kill_started_vmms(tmp_path)  # the shims' VMMs run in their own sessions: stopped by their pid files

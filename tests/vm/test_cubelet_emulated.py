@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.template_spec import GuestKernel, ModulesImg
 from cubeaccel.templates import load_template
 from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 EDU = Path(__file__).resolve().parents[2] / "examples" / "templates" / "edu-demo.yaml"
@@ -44,10 +44,7 @@ def emulated(tmp_path: Path, guest_image: Manifest) -> Any:
     p.start()
     yield p
     p.stop()
-    for sid in ("vm-1", "vm-2", "vm-3"):
-        pid = find_vmm(sid)
-        if pid is not None:
-            os.kill(pid, signal.SIGKILL)
+    kill_started_vmms(tmp_path)  # this Cubelet's VMMs only, by their pid files
 
 
 def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(emulated: CubeletProcess,
@@ -58,11 +55,11 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(emulated
     assert _state(emulated, dev) == "attached"
     checked = [e for e in emulated.client.events(0, 10000)["events"] if e["kind"] == "guest_checked"]
     assert checked[-1]["details"]["violations"] == []
-    assert find_vmm("vm-1") is not None
+    assert emulated.vmm("vm-1") is not None
     emulated.client.release("vm-1")
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
     poll(lambda: "reservation_closed" in _kinds(emulated, "vm-1"), 30)  # closes once shim and VMM are gone
-    assert find_vmm("vm-1") is None
+    assert emulated.vmm("vm-1") is None
     kinds = _kinds(emulated, "vm-1")
     for k in ("vm_started", "memory_pinned", "guest_ready", "device_attached", "guest_validated",
               "device_detached", "vmm_exited", "release_confirmed", "revalidated"):
@@ -78,13 +75,13 @@ def test_shim_killed_mid_sandbox_orphaned_vmm_is_stopped_then_released(emulated:
     body = emulated.client.reserve("vm-2", 1, start=True, memory_mib=256)
     dev = body["devices"][0]["id"]
     poll(lambda: _state(emulated, dev) == "attached", 120)
-    shim_pid = find_shim("vm-2")
+    shim_pid = emulated.shim("vm-2")
     assert shim_pid is not None
-    vmm = find_vmm("vm-2")
+    vmm = emulated.vmm("vm-2")
     assert vmm is not None
     os.kill(shim_pid, signal.SIGKILL)
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
-    assert find_vmm("vm-2") is None  # Cubelet stopped the orphan before handing the device out
+    assert emulated.vmm("vm-2") is None  # Cubelet stopped the orphan before handing the device out
     repairs = [e for e in emulated.client.events(0, 10000)["events"] if e["kind"] == "reconcile_repair"]
     assert any("shim died" in e["reason"] for e in repairs)
 
@@ -98,7 +95,7 @@ def test_cubelet_killed_mid_sandbox_keeps_the_vm_and_releases_after_restart(emul
     assert _state(emulated, dev) == "attached"  # shim and VMM outlived Cubelet; nothing falsely freed
     emulated.client.release("vm-3")
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
-    assert find_vmm("vm-3") is None
+    assert emulated.vmm("vm-3") is None
 
 
 def test_a_contract_pinning_another_guest_image_never_boots(emulated: CubeletProcess, guest_image: Manifest) -> None:

@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.vmmproc import ENV_DEVICES, find_vmm
+from cubeaccel.host.vmmproc import ENV_DEVICES
 from cubeaccel.images.manifest import Manifest
 from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 
@@ -34,10 +35,7 @@ def node(tmp_path: Path, guest_image: Manifest, request: pytest.FixtureRequest) 
                        "--release-timeout", "3", *extra).start()
     yield p
     p.stop()
-    for sid in ("f-cold", "f-paused", "f-held"):
-        pid = find_vmm(sid)
-        if pid is not None:
-            os.kill(pid, 9)
+    kill_started_vmms(tmp_path)  # this Cubelet's VMMs only, by their pid files
 
 
 @pytest.mark.parametrize("node", [("--vm-start", "cold")], indirect=True)
@@ -66,7 +64,7 @@ def test_paused_guest_detach_times_out_and_device_returns_only_after_the_vmm_is_
     node.client.release("f-paused")
     poll(lambda: any(e["event"] == "detach_timeout" for e in _events(node, "f-paused")), 60)
     poll(lambda: _dev(node, dev)["state"] == "allocatable", 60)
-    assert find_vmm("f-paused") is None
+    assert node.vmm("f-paused") is None
     confirmed = [e for e in _events(node, "f-paused") if e["event"] == "release_confirmed"]
     assert confirmed[-1]["details"]["detach_confirmed"] is False and confirmed[-1]["details"]["vmm_exited"] is True
 

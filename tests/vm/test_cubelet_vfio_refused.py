@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.vmmproc import find_vmm
 from cubeaccel.images.manifest import Manifest
 from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 
@@ -33,7 +33,8 @@ def test_vfio_hotplug_refused_by_qemu_is_attach_failed_and_released_safely(
         trail = [e["event"] for e in events() if e["device_id"] == dev and e["kind"] == "transition"]
         assert trail[-3:] == ["attach_failed", "release_confirmed", "revalidated"]
         assert "attach_succeeded" not in trail
-        assert find_vmm("vf-1") is None
+        assert p.vmm("vf-1") is None
         assert (fake.sys / "bus/pci/devices/0000:3b:00.0/reset").read_text().strip() == "1"
     finally:
         p.stop()
+        kill_started_vmms(state)

@@ -17,6 +17,7 @@ from cubeaccel.images.builder import latest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.states import DeviceState
+from tests.vm.conftest import RUN_INSTANCE, emulated_id
 
 pytestmark = pytest.mark.vm
 
@@ -40,7 +41,7 @@ def _assert_full_cycle(run: Any, kinds: list[str]) -> None:
     pinned = run.one("memory_pinned")["details"]
     assert pinned["vmlck_kib"] >= pinned["guest_kib"] == 256 * 1024
     attached = run.one("device_attached")
-    assert attached["device_ids"] == ["emulated-0000:e0:00.0"]
+    assert attached["device_ids"] == [emulated_id(0)]
     assert attached["details"]["vendor_device"] == "1234:11e8"
     assert attached["details"]["guest_address"].startswith("0000:")
     exited = run.one("vmm_exited")["details"]
@@ -63,7 +64,7 @@ def test_cold_boot_on_memfd_full_cycle_validates_contract(shim_factory: Any, gue
 def test_template_restore_full_cycle_with_the_latest_image(shim_factory: Any) -> None:
     run = shim_factory(start="template", explicit_image=False).start()
     run.wait_for("device_attached")
-    backend, record = EmulatedBackend(), _record("emulated-0000:e0:00.0")
+    backend, record = EmulatedBackend(RUN_INSTANCE), _record(emulated_id(0))
     vmm_pid = run.one("vm_started")["details"]["pid"]
     assert [h.pid for h in backend.holders(record)] == [vmm_pid]  # found in /proc, not in memory
     assert [p.code for p in backend.cleanup(record)] == ["backend.vmm_still_running"]
@@ -100,7 +101,7 @@ def test_paused_guest_never_completes_detach_so_shim_reports_timeout_then_stops_
     kinds = run.kinds()
     assert "device_detached" not in kinds
     assert kinds[-3:] == ["detach_timeout", "vmm_exited", "shim_exiting"]
-    assert run.one("detach_timeout")["device_ids"] == ["emulated-0000:e0:00.0"]
+    assert run.one("detach_timeout")["device_ids"] == [emulated_id(0)]
     assert _gone(vmm_pid) and run.one("vmm_exited")["details"]["pid"] == vmm_pid
 
 
@@ -127,7 +128,7 @@ def test_killed_shim_leaves_its_vmm_findable_by_pid_and_tag(shim_factory: Any) -
     run.proc.wait(10)
     assert find_vmm(run.sandbox_id) == vmm_pid
     found = inspect(vmm_pid)
-    assert found is not None and found.device_ids == ("emulated-0000:e0:00.0",)
+    assert found is not None and found.device_ids == (emulated_id(0),)
     os.kill(vmm_pid, signal.SIGKILL)  # what Cubelet's release rules do with an orphaned VMM
     deadline = time.monotonic() + 10
     while find_vmm(run.sandbox_id) is not None and time.monotonic() < deadline:
@@ -198,7 +199,7 @@ def test_two_devices_go_to_their_own_root_ports_and_both_detach(shim_factory: An
     assert [r["details"]["bus"] for r in attached] == ["rp1", "rp2"]
     assert len({r["details"]["guest_address"] for r in attached}) == 2
     detached = sorted(r["device_ids"][0] for r in run.reports() if r["kind"] == "device_detached")
-    assert detached == ["emulated-0000:e0:00.0", "emulated-0000:e0:01.0"]
+    assert detached == [emulated_id(0), emulated_id(1)]
     assert run.kinds()[-2:] == ["vmm_exited", "shim_exiting"]
 
 

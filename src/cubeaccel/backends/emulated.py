@@ -4,18 +4,30 @@ The same lifecycle as VFIO, with the host side made of VMM processes instead of 
 virtual device with a synthetic address (0000:e0:SS.0) that exists only inside the VMM it is hot-plugged into.
 Holders are live VMM processes found in /proc by their tag and device list (never an in-memory record), so
 Cubelet's release rule — "no holder remains" — means exactly "no VMM that could still have it is alive".
+
+The slot addresses are the same for every Cubelet, so the device id carries the Cubelet's instance id
+(`emulated-<instance>-0000:e0:00.0`, persisted in its state dir): the id is what the VMM's environment lists, so
+two Cubelets (or two test runs) on one host never count each other's VMMs as holders.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
 from cubeaccel.backends.base import AttachSpec, Problem
 from cubeaccel.host.pci import Holder
 from cubeaccel.host.vmmproc import vmm_processes
-from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, DiscoveredDevice, PciAddress
+from cubeaccel.model.device import (
+    AcceleratorClass,
+    DeviceIdentity,
+    DeviceRecord,
+    DiscoveredDevice,
+    PciAddress,
+    device_id_for,
+)
 from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.states import DeviceState
 
@@ -24,6 +36,7 @@ EDU_IDENTITY = DeviceIdentity(
     vendor_id=EDU_VENDOR, device_id=EDU_DEVICE, subsystem_vendor_id=0x1AF4, subsystem_device_id=0x1100,
     class_code=0x00FF00, revision=0x10,
 )
+INSTANCE_RE = re.compile(r"[a-z0-9]{1,32}")
 EMULATED_BUS = 0xE0  # no real bus uses it on our hosts; makes emulated ids obvious in listings
 
 
@@ -36,9 +49,12 @@ class EmulatedBackend:
 
     name = "emulated"
 
-    def __init__(self, slots: int = 2, proc_root: Path = Path("/proc"), qemu: str | None = None) -> None:
+    def __init__(self, instance: str, slots: int = 2, proc_root: Path = Path("/proc"), qemu: str | None = None) -> None:
         if not 0 < slots <= 32:
             raise ValueError("slots must be 1..32")
+        if not INSTANCE_RE.fullmatch(instance):
+            raise ValueError(f"instance must match {INSTANCE_RE.pattern}, not {instance!r}")
+        self.instance = instance
         self.slots = slots
         self.proc_root = proc_root
         self.qemu = qemu or os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
@@ -46,21 +62,27 @@ class EmulatedBackend:
     def _addresses(self) -> list[PciAddress]:
         return [slot_address(i) for i in range(self.slots)]
 
+    def device_id(self, index: int) -> str:
+        return device_id_for(self.name, slot_address(index), self.instance)
+
     def discover(self) -> list[DiscoveredDevice]:
         out = []
         for addr in self._addresses():
             labels = labels_for(EDU_VENDOR, EDU_DEVICE)
             labels.update(backend=self.name, numa_node="0", **{"class": AcceleratorClass.ACCELERATOR.value})
             out.append(DiscoveredDevice(address=addr, identity=EDU_IDENTITY, accel_class=AcceleratorClass.ACCELERATOR,
-                                        backend=self.name, numa_node=0, iommu_group=None, driver=None, labels=labels))
+                                        backend=self.name, numa_node=0, iommu_group=None, driver=None, labels=labels,
+                                        instance=self.instance))
         return out
 
     def _presence(self, device: DeviceRecord) -> list[Problem]:
         problems = []
         if self.qemu is None or not Path(self.qemu).exists():
             problems.append(Problem("backend.qemu_missing", "qemu-system-x86_64 is not installed on this host"))
-        if device.address not in self._addresses():
-            problems.append(Problem("host.device_missing", f"no emulated slot at {device.address}"))
+        if device.address not in self._addresses() or device.id != device_id_for(self.name, device.address,
+                                                                                  self.instance):
+            problems.append(Problem("host.device_missing",
+                                    f"no emulated slot {device.id} in instance {self.instance}"))
         elif device.identity != EDU_IDENTITY:
             problems.append(Problem("host.identity_changed",
                                     f"{device.address} is {EDU_IDENTITY.vendor_device}, record says "
@@ -82,7 +104,7 @@ class EmulatedBackend:
         return problems
 
     def holders(self, device: DeviceRecord) -> list[Holder]:
-        """Live VMMs whose tag lists this device (from their environment, read in /proc)."""
+        """Live VMMs whose environment (read in /proc) lists this device's id — which names this instance."""
         return [Holder(p.pid, p.command, f"vmm:{p.sandbox_id}") for p in vmm_processes(self.proc_root)
                 if device.id in p.device_ids]
 

@@ -2,7 +2,8 @@
 
 Reports arrive over the Cubelet API (`POST /v1/shim-reports` on the unix socket). Liveness is
 learned from the host, never from memory: the shim by its argv in /proc, and the VMM by the
-`cubeaccel-sandbox=<id>` tag on its command line — so a restarted Cubelet finds both.
+`cubeaccel-sandbox=<id>` tag on its command line — so a restarted Cubelet finds both. Only processes whose files
+lie under this Cubelet's `shims/` directory are its own: another Cubelet on the host may use the same sandbox id.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class ProcessShimDriver:
     max_devices = SHIM_MAX_DEVICES
     def __init__(self, state_dir: Path, python: str = sys.executable, proc: Path = Path("/proc"),
                  start_mode: str = "template", detach_timeout_s: float = 10.0) -> None:
-        self.dir = state_dir / "shims"
+        self.dir = (state_dir / "shims").absolute()  # the prefix its processes' argv is matched against
         self.start_mode = start_mode
         self.detach_timeout_s = detach_timeout_s
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,7 @@ class ProcessShimDriver:
         child = self._children.get(sandbox_id)
         if child is not None and child.poll() is not None:
             del self._children[sandbox_id]  # reaped: not mistaken for a live process
-        return find_shim(sandbox_id, self.proc)
+        return find_shim(sandbox_id, self.proc, under=self.dir)
 
     def stop(self, sandbox_id: str) -> None:
         pid = self._shim_pid(sandbox_id)
@@ -68,7 +69,7 @@ class ProcessShimDriver:
             os.kill(pid, signal.SIGTERM)
 
     def kill(self, sandbox_id: str) -> None:
-        for pid in (self._shim_pid(sandbox_id), find_vmm(sandbox_id, self.proc)):
+        for pid in (self._shim_pid(sandbox_id), find_vmm(sandbox_id, self.proc, under=self.dir)):
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -93,5 +94,5 @@ class ProcessShimDriver:
     def status(self, sandbox_id: str) -> ShimStatus:
         if not self.proc.is_dir():
             return ShimStatus(None, None)
-        vmm = find_vmm(sandbox_id, self.proc)
+        vmm = find_vmm(sandbox_id, self.proc, under=self.dir)
         return ShimStatus(shim_alive=self._shim_pid(sandbox_id) is not None, vmm_alive=vmm is not None, vmm_pid=vmm)

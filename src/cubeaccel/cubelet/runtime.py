@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +29,31 @@ class RuntimeOptions:
     vm_start: str = "template"  # real shims: start from the template snapshot, or cold boot
     detach_timeout_s: float = 10.0  # real shims: how long to wait for DEVICE_DELETED
     holder_scan_exempt_pids: frozenset[int] = frozenset()  # vfio: unreadable processes declared harmless
+
+
+INSTANCE_FILE = "instance-id"
+
+
+def instance_id(state_dir: Path) -> str:
+    """This Cubelet's instance id: made once per state dir, the same after every restart of it.
+
+    Devices that exist only for this Cubelet (emulated ones) carry it in their ids, so another Cubelet on the
+    same host — another test run, a demo — never takes this one's VMMs for holders of its own devices.
+    """
+    path = state_dir / INSTANCE_FILE
+    if not path.exists():
+        tmp = state_dir / f".{INSTANCE_FILE}.{os.getpid()}"
+        tmp.write_text(uuid.uuid4().hex[:8] + "\n")
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)  # complete or absent, never half-written; the first writer wins
+        tmp.unlink()
+    from cubeaccel.backends.emulated import INSTANCE_RE
+
+    found = path.read_text().strip()
+    if not INSTANCE_RE.fullmatch(found):
+        raise invalid("cubelet.invalid_instance_id", f"{path} holds {found[:40]!r}, not an instance id",
+                      layer="cubelet", path=str(path))
+    return found
 
 
 def build_cubelet(opts: RuntimeOptions) -> Cubelet:
@@ -58,6 +86,6 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         from cubeaccel.backends.emulated import EmulatedBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
 
-        backend = EmulatedBackend()
+        backend = EmulatedBackend(instance_id(opts.state_dir))
         shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     return Cubelet(store, backend, shim, opts.config)

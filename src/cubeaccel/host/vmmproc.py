@@ -3,6 +3,10 @@
 The shim starts the VMM in its own session so that a dead shim leaves it running; Cubelet then finds it here
 (`find_vmm`) and applies the release rules. Backends use `vmm_processes` to name the holders of a device: the
 VMM's environment carries the Cubelet device ids it may hold.
+
+A host may run several Cubelets (two test runs, a demo beside a node), and sandbox ids are theirs to choose, so
+a Cubelet looks only at processes under its own state directory (`under`): its shims' `--spec` and its VMMs'
+sockets live there. A tag alone never makes another Cubelet's VMM ours — to wait for, or to kill.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ class VmmProcess:
     sandbox_id: str
     device_ids: tuple[str, ...]
     command: str
+    argv: tuple[str, ...] = ()
+
+    def under(self, root: Path) -> bool:
+        """Whether this VMM's own files (QMP/API sockets, console) lie under `root`."""
+        return _mentions(self.argv, root)
+
+
+def _mentions(argv: tuple[str, ...] | list[str], root: Path) -> bool:
+    prefix = f"{root}/"
+    return any(prefix in a for a in argv)
 
 
 def _read(path: Path) -> bytes | None:
@@ -70,7 +84,7 @@ def inspect(pid: int, proc_root: Path = Path("/proc")) -> VmmProcess | None:
     for item in env.split(b"\0"):
         if item.startswith(ENV_DEVICES.encode() + b"="):
             devices = tuple(d for d in item.split(b"=", 1)[1].decode().split(";") if d)
-    return VmmProcess(pid, sandbox, devices, argv[0] if argv else "")
+    return VmmProcess(pid, sandbox, devices, argv[0] if argv else "", tuple(argv))
 
 
 def vmm_processes(proc_root: Path = Path("/proc")) -> list[VmmProcess]:
@@ -81,10 +95,11 @@ def vmm_processes(proc_root: Path = Path("/proc")) -> list[VmmProcess]:
     return sorted(out, key=lambda p: p.pid)
 
 
-def find_vmm(sandbox_id: str, proc_root: Path = Path("/proc")) -> int | None:
-    """Pid of the live VMM tagged with `sandbox_id`, or None. Zombies do not count: they hold nothing."""
+def find_vmm(sandbox_id: str, proc_root: Path = Path("/proc"), under: Path | None = None) -> int | None:
+    """Pid of the live VMM tagged with `sandbox_id` (and with its files `under` that directory, when given),
+    or None. Zombies do not count: they hold nothing."""
     for p in vmm_processes(proc_root):
-        if p.sandbox_id == sandbox_id:
+        if p.sandbox_id == sandbox_id and (under is None or p.under(under)):
             return p.pid
     return None
 
@@ -97,8 +112,9 @@ def _argv(pid: int, proc_root: Path) -> list[str] | None:
     return [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
 
 
-def find_shim(sandbox_id: str, proc_root: Path = Path("/proc")) -> int | None:
-    """Pid of the live shim serving `sandbox_id`: argv holds `shim run` and exactly `--sandbox <id>`.
+def find_shim(sandbox_id: str, proc_root: Path = Path("/proc"), under: Path | None = None) -> int | None:
+    """Pid of the live shim serving `sandbox_id`: argv holds `shim run` and exactly `--sandbox <id>` (and, when
+    `under` is given, a `--spec` under that directory).
 
     Found from /proc, not from a pid file, so a Cubelet that crashed between spawning a shim and
     recording it still finds it (and `--sandbox a` never matches `--sandbox ab`).
@@ -110,6 +126,9 @@ def find_shim(sandbox_id: str, proc_root: Path = Path("/proc")) -> int | None:
     for name in entries:
         argv = _argv(int(name), proc_root)
         if not argv or "run" not in argv or not any(a in ("shim", "cubeaccel.shim") for a in argv):
+            continue
+        if under is not None and not any(a == "--spec" and _mentions(argv[i + 1:i + 2], under)
+                                         for i, a in enumerate(argv)):
             continue
         for i, arg in enumerate(argv[:-1]):
             if arg == "--sandbox" and argv[i + 1] == sandbox_id:

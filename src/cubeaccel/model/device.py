@@ -125,15 +125,19 @@ class DiscoveredDevice:
     iommu_group: int | None
     driver: str | None
     labels: dict[str, str] = field(default_factory=dict)
+    # The Cubelet instance a device exists for, where its address is synthetic (emulated devices live only in
+    # that Cubelet's VMMs): two Cubelets on one host then never share a device id. Empty for host devices.
+    instance: str = ""
 
     @property
     def device_id(self) -> str:
-        return device_id_for(self.backend, self.address)
+        return device_id_for(self.backend, self.address, self.instance)
 
 
-def device_id_for(backend: str, address: PciAddress) -> str:
-    """Stable id: backend + address. Identity is checked separately, so a swapped card is detected."""
-    return f"{backend}-{address}"
+def device_id_for(backend: str, address: PciAddress, instance: str = "") -> str:
+    """Stable id: backend (+ owning instance) + address. Identity is checked separately, so a swapped card is
+    detected."""
+    return f"{backend}-{instance}-{address}" if instance else f"{backend}-{address}"
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.spec import DeviceSpec, ShimSpec
-from cubeaccel.shim.template import ensure_template
+from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
 
 PIN_PROOF_TIMEOUT_S = 5.0
@@ -138,17 +138,19 @@ class Shim:
         cfg = self._vm_config(manifest)
         t = time.monotonic()
         restore = None
-        if spec.start == "template":
-            restore, created = ensure_template(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
-            t = self._phase("template_create_s" if created else "template_lookup_s", t)
-        vmm = QemuVmm(cfg, restore_from=restore)
-        try:
-            vmm.start()
-        except OSError as e:
-            raise CubeError("vmm.start_failed", f"cannot start the VMM: {e}", layer="backend", status=500) from e
-        finally:
-            if vmm.started:
-                self.vmm = vmm  # only a VMM that exists is torn down
+        with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
+            if spec.start == "template":
+                restore, created = lease.enter_context(
+                    template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s))
+                t = self._phase("template_create_s" if created else "template_lookup_s", t)
+            vmm = QemuVmm(cfg, restore_from=restore)
+            try:
+                vmm.start()
+            except OSError as e:
+                raise CubeError("vmm.start_failed", f"cannot start the VMM: {e}", layer="backend", status=500) from e
+            finally:
+                if vmm.started:
+                    self.vmm = vmm  # only a VMM that exists is torn down
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
         t = self._phase("vmm_start_s", t)
         self.reporter.report(K.VM_STARTED, pid=vmm.pid, vmm=vmm.kind, accel=vmm.accel, accel_reason=vmm.accel_reason,

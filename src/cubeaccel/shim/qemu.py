@@ -23,6 +23,7 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 from cubeaccel.agent import AGENT_PORT_NAME
 from cubeaccel.host import vmmproc as find
 from cubeaccel.model.errors import CubeError
+from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, reap, stop_child, vmm_error
 
@@ -188,22 +189,37 @@ class QemuVmm:
         self.qmp("cont")
 
     def save_state(self, dest: Path, timeout_s: float = 60.0) -> None:
-        """Pause and write the VM's state to `dest`. Refused while any device is attached."""
+        """Pause and write the VM's state to `dest`. Refused while any device is attached, by our own record or
+        by QEMU's answer before and after the migration (the state file is then never put in place)."""
         if self._attached:
             raise CubeError("lifecycle.snapshot_with_device", "a VM with a device attached is never snapshotted",
                             layer="backend", details={"devices": sorted(self._attached)}, status=409)
         tmp = dest.with_suffix(".partial")
         self.qmp("stop")
-        self.qmp("migrate", uri=f"exec:cat > {tmp}")
-        deadline = time.monotonic() + timeout_s
-        while True:
-            status = self.qmp("query-migrate").get("status")
-            if status == "completed":
-                break
-            if status in ("failed", "cancelled") or time.monotonic() > deadline:
-                raise vmm_error("vmm.save_failed", f"template save: migration {status}")
-            time.sleep(0.02)
+        self.refuse_foreign_devices()
+        try:
+            self.qmp("migrate", uri=f"exec:cat > {tmp}")
+            deadline = time.monotonic() + timeout_s
+            while True:
+                status = self.qmp("query-migrate").get("status")
+                if status == "completed":
+                    break
+                if status in ("failed", "cancelled") or time.monotonic() > deadline:
+                    raise vmm_error("vmm.save_failed", f"template save: migration {status}")
+                time.sleep(0.02)
+            self.refuse_foreign_devices()  # nothing was added over another monitor while it was written
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         tmp.replace(dest)
+
+    def refuse_foreign_devices(self) -> None:
+        """Ask QEMU itself what the machine holds (`query-pci` and QOM), refusing anything not in the template."""
+        found = guard.foreign_pci(self.qmp("query-pci"))
+        for path in guard.QOM_DEVICE_PATHS:
+            found += guard.foreign_qom(path, self.qmp("qom-list", path=path))
+        if found:
+            raise guard.snapshot_refused(found)
 
     # -- devices ---------------------------------------------------------------------------------------------
     def add_device(self, qdev_id: str, driver: str, properties: dict[str, str], slot: int) -> Attached:

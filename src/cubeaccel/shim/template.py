@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -42,8 +44,65 @@ def template_key(cfg: VmConfig, manifest: Manifest, accel: str) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
+PRUNE_LOCK = ".prune.lock"  # in the templates root: restores hold it shared, pruning exclusive
+
+
+@contextmanager
+def _root_lock(root: Path, mode: int) -> Iterator[None]:
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / PRUNE_LOCK).open("a") as lock:
+        fcntl.flock(lock, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def template_lease(cfg: VmConfig, manifest: Manifest, root: Path,
+                   boot_timeout_s: float = 60.0) -> Iterator[tuple[Path, bool]]:
+    """The saved state for this machine (created if needed) and whether it was created, held for the caller.
+
+    While the `with` body runs (the caller's restore reads the state), pruning cannot delete it: the lease is a
+    shared lock on the templates root that pruning needs exclusively. A creator prunes after its lease ends.
+    """
+    with _root_lock(root, fcntl.LOCK_SH):
+        state, created = _ensure(cfg, manifest, root, boot_timeout_s)
+        yield state, created
+    if created:
+        prune_templates(root, protect=state.parent.name)
+
+
 def ensure_template(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = 60.0) -> tuple[Path, bool]:
-    """Path of the saved state for this machine (creating it under a lock if needed) and whether it was created."""
+    """Path of the saved state for this machine and whether it was created — unleased: callers that restore
+    from it use `template_lease`, so a concurrent prune cannot remove it under them."""
+    with template_lease(cfg, manifest, root, boot_timeout_s) as found:
+        return found
+
+
+def prune_templates(root: Path, keep: int = KEEP_TEMPLATES, protect: str = "", wait_s: float = 0.0) -> list[str] | None:
+    """Keep the `keep` most recent states; None (nothing removed) when a restore held them for `wait_s`.
+
+    Pruning is housekeeping: a creator tries once and leaves it to the next one rather than delay its sandbox.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + wait_s
+    with (root / PRUNE_LOCK).open("a") as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(0.05)
+        try:
+            return prune(root, keep=keep, protect=protect)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float) -> tuple[Path, bool]:
     key = template_key(cfg, manifest, detect_accel()[0])
     tdir = root / key
     state = tdir / "state"
@@ -70,5 +129,4 @@ def ensure_template(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_
                 "build_s": round(time.monotonic() - t0, 3), "state_bytes": state.stat().st_size}
         (tdir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         shutil.rmtree(run_dir, ignore_errors=True)
-    prune(root, keep=KEEP_TEMPLATES, protect=key)
     return state, True
