@@ -53,6 +53,8 @@ def serve_cmd(
     detach_timeout: Annotated[float, typer.Option(help="real MicroVMs: seconds to wait for DEVICE_DELETED")] = 10.0,
     pinnable_memory_mib: Annotated[int | None, typer.Option(
         min=0, help="advertise this much lockable guest memory instead of MemAvailable (simulated nodes)")] = None,
+    guest_images: Annotated[Path | None, typer.Option(
+        help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set")] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.cubelet.inventory import initialize_host
@@ -70,6 +72,7 @@ def serve_cmd(
         cubelet = build_cubelet(RuntimeOptions(
             state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root,
             allow=tuple(allow or ("10de:*",)), vm_start=vm_start, detach_timeout_s=detach_timeout,
+            guest_images=guest_images,
             config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout,
                                  pinnable_memory_mib=pinnable_memory_mib),
         ))
