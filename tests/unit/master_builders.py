@@ -6,8 +6,8 @@ from typing import Any
 
 from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
 from cubeaccel.master.view import NodeView, view_from_heartbeat
-from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from cubeaccel.model.contract import CompatibilityContract, freeze
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from tests.unit.contract_builders import template
 
 MODELS = {

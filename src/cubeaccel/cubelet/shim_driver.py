@@ -195,8 +195,8 @@ class SimulatedShimDriver:
         if not spec.hotplug:
             return {"reason": "shim.coldplug_unsupported", "layer": "backend",
                     "message": "the template expects cold-plug; this VMM only hot-plugs"}
-        if spec.hotplug and not self.hotplug:
-            return {"reason": "shim.hotplug_unsupported", "layer": "backend", "message": "this VMM cannot hot-plug"}
+        if not self.hotplug:
+            return {"reason": "vmm.hotplug_unsupported", "layer": "backend", "message": "this VMM cannot hot-plug"}
         if spec.image_digest is None or spec.image_digest not in {i.digest for i in self.guest_images}:
             return {"reason": "shim.image_not_found", "layer": "template",
                     "message": f"guest image {spec.image_digest} is not on this node"}

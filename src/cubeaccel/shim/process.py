@@ -23,7 +23,7 @@ from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.image_check import image_mismatches
 from cubeaccel.shim.memory import prove_pinned
-from cubeaccel.shim.qemu import QemuVmm, hotplug_paths
+from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.spec import DeviceSpec, ShimSpec
 from cubeaccel.shim.template import ensure_template
@@ -132,9 +132,6 @@ class Shim:
         if not spec.hotplug:
             raise CubeError("shim.coldplug_unsupported", "the contract expects devices attached at VM start "
                             "(hotplug: false); this shim only hot-plugs", layer="backend", status=500)
-        if not hotplug_paths():
-            raise CubeError("shim.hotplug_unsupported", "this node's VMM cannot hot-plug devices", layer="backend",
-                            status=500)
         manifest = self._manifest()
         mismatches = image_mismatches(spec.contract, manifest)
         if mismatches and spec.image_check == "enforce":
