@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cubeaccel.images import cpio, kernel
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
 from cubeaccel.model.errors import CubeError
+from cubeaccel.shim.spec import ShimSpec, parse_spec
 
 REL = "6.1.0-99-amd64"
 
@@ -149,7 +150,6 @@ def test_enforced_image_mismatch_fails_before_any_vm_starts(tmp_path: Path) -> N
     import json
 
     from cubeaccel.shim.process import run_shim
-    from cubeaccel.shim.spec import parse_spec
 
     m = _manifest(tmp_path)
     spec = parse_spec({"sandbox_id": "sb-x", "devices": [], "memory_mib": 256,
@@ -202,8 +202,7 @@ def _cached(cache: Path, key: str) -> Manifest:
     return m
 
 
-def _shim_spec(tmp_path: Path, **fields: object) -> object:
-    from cubeaccel.shim.spec import parse_spec
+def _shim_spec(tmp_path: Path, **fields: object) -> ShimSpec:
 
     return parse_spec({"sandbox_id": "sb-img", "devices": [], "memory_mib": 256, "state_dir": str(tmp_path / "st"),
                        "report": {"file": str(tmp_path / "r.jsonl")}, **fields})
@@ -222,7 +221,7 @@ def test_the_shim_boots_the_image_named_by_digest_not_the_last_one_built(
     monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
     pinned, newer = _cached(tmp_path / "cache", "old"), _cached(tmp_path / "cache", "new")
     (tmp_path / "cache" / "images" / "latest").write_text("new\n")
-    chosen = Shim(_shim_spec(tmp_path, image_digest=pinned.image_digest))._manifest()  # type: ignore[arg-type]
+    chosen = Shim(_shim_spec(tmp_path, image_digest=pinned.image_digest))._manifest()
     assert chosen.key == "old" and chosen.image_digest == pinned.image_digest != newer.image_digest
 
 
@@ -238,7 +237,7 @@ def test_the_shim_refuses_before_any_vm_starts(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
     _cached(tmp_path / "cache", "only")
     (tmp_path / "cache" / "images" / "latest").write_text("only\n")
-    assert run_shim(_shim_spec(tmp_path, **fields)) == 1  # type: ignore[arg-type]
+    assert run_shim(_shim_spec(tmp_path, **fields)) == 1
     reports = _reports(tmp_path)
     assert [r["kind"] for r in reports] == ["attach_failed", "shim_exiting"]
     details = reports[0]["details"]
