@@ -21,7 +21,7 @@ from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.shim.agent_client import AgentClient
-from cubeaccel.shim.image_check import image_mismatches
+from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
@@ -177,14 +177,15 @@ class Shim:
             self._phase("guest_validation_s", t)
 
     def _manifest(self) -> Manifest:
-        """The image named in the spec: an explicit manifest, else the cached image with `image_digest`.
+        """The image named in the spec: an explicit manifest, else the cached image with `image_digest` (or, when
+        the spec names none, the digest its contract pins).
 
         Never "the last one built": a sandbox boots the guest its contract pins (or the default Cubelet chose
         and recorded), so a rebuild between placement and start cannot change what a sandbox runs.
         """
         if self.spec.image_manifest is not None:
             return Manifest.load(self.spec.image_manifest)
-        digest = self.spec.image_digest
+        digest = self.spec.image_digest or pinned_image_digest(self.spec.contract)
         if digest is None:
             raise CubeError("shim.no_image", "no guest image named, and the node has none: run `cubeaccel image "
                             "build`", layer="template", status=500)
