@@ -9,8 +9,12 @@ from tests.e2e.cubelet_process import poll
 from tests.e2e.master_harness import Cluster, example
 
 PROFILES = {"a": "2xh100", "b": "2xh100"}
-K99 = {"digest": "sha256:" + "9" * 64, "kernel_release": "6.1.0-99-cloud-amd64",
-       "kernel_digests": ["sha256:" + "8" * 64], "modules_img_digest": "sha256:" + "7" * 64}
+K99 = {
+    "digest": "sha256:" + "9" * 64,
+    "kernel_release": "6.1.0-99-cloud-amd64",
+    "kernel_digests": ["sha256:" + "8" * 64],
+    "modules_img_digest": "sha256:" + "7" * 64,
+}
 GUEST_IMAGES = {"b": [K99]}  # a: the default simulated set (what the examples pin); b: only a 6.1.0-99 guest
 
 

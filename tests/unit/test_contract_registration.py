@@ -181,8 +181,12 @@ def test_an_emulated_device_may_be_hot_plugged_without_pinning() -> None:
 def test_a_cold_plug_template_is_refused_at_registration_with_layer_backend() -> None:
     """hotplug: false would mean devices on the VMM command line at start; nothing implements that."""
     (v,) = check_template(template(EDU_FILE, spec__hotplug=False))
-    assert (v.layer, v.code, v.expected, v.found) == (Layer.BACKEND, "compat.coldplug_unsupported", "hotplug: true",
-                                                      "hotplug: false")
+    assert (v.layer, v.code, v.expected, v.found) == (
+        Layer.BACKEND,
+        "compat.coldplug_unsupported",
+        "hotplug: true",
+        "hotplug: false",
+    )
 
 
 def test_persistence_mode_needs_the_userspace_driver() -> None:

@@ -103,14 +103,22 @@ def test_a_node_with_a_free_h100_can_host_the_template() -> None:
         ({"devices": []}, (Layer.HOST_HARDWARE, "compat.node_no_matching_device")),
         ({"pinnable_memory_mib": 1024}, (Layer.PINNED_MEMORY, "compat.node_pinned_memory_insufficient")),
         ({"hotplug": set()}, (Layer.BACKEND, "compat.node_hotplug_unsupported")),
-        ({"guest_images": (replace(pinned_image(h100()), kernel_release="6.1.0-57-amd64"),)},
-         (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable")),
-        ({"guest_images": (replace(pinned_image(h100()), kernel_digests=(edu().guest_kernel.digest,)),)},
-         (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable")),
-        ({"guest_images": (replace(pinned_image(h100()), digest="sha256:" + "3" * 64),)},
-         (Layer.TEMPLATE, "compat.node_guest_image_unavailable")),
-        ({"guest_images": (replace(pinned_image(h100()), modules_img_digest="sha256:" + "3" * 64),)},
-         (Layer.MODULES_IMG, "compat.node_modules_img_unavailable")),
+        (
+            {"guest_images": (replace(pinned_image(h100()), kernel_release="6.1.0-57-amd64"),)},
+            (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable"),
+        ),
+        (
+            {"guest_images": (replace(pinned_image(h100()), kernel_digests=(edu().guest_kernel.digest,)),)},
+            (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable"),
+        ),
+        (
+            {"guest_images": (replace(pinned_image(h100()), digest="sha256:" + "3" * 64),)},
+            (Layer.TEMPLATE, "compat.node_guest_image_unavailable"),
+        ),
+        (
+            {"guest_images": (replace(pinned_image(h100()), modules_img_digest="sha256:" + "3" * 64),)},
+            (Layer.MODULES_IMG, "compat.node_modules_img_unavailable"),
+        ),
     ],
 )
 def test_a_node_is_rejected_with_one_reason_per_missing_piece(

@@ -18,10 +18,13 @@ def test_the_simulated_node_holds_exactly_the_guests_the_example_templates_pin()
     assert (pinned_image(h100()), pinned_image(edu())) == SIMULATED_GUEST_IMAGES
 
 
-@given(DIGESTS, st.from_regex(r"[0-9]\.[0-9]{1,2}\.[0-9]-[0-9]{1,3}-[a-z]{3,8}", fullmatch=True),
-       st.lists(DIGESTS, min_size=1, max_size=4), DIGESTS)
-def test_a_guest_image_fact_round_trips_through_json(digest: str, release: str, kernels: list[str],
-                                                     mods: str) -> None:
+@given(
+    DIGESTS,
+    st.from_regex(r"[0-9]\.[0-9]{1,2}\.[0-9]-[0-9]{1,3}-[a-z]{3,8}", fullmatch=True),
+    st.lists(DIGESTS, min_size=1, max_size=4),
+    DIGESTS,
+)
+def test_a_guest_image_fact_round_trips_through_json(digest: str, release: str, kernels: list[str], mods: str) -> None:
     fact = GuestImageFact(digest, release, tuple(kernels), mods)
     assert parse_guest_images([fact.to_json()]) == (fact,)
 

@@ -44,10 +44,13 @@ def test_guest_init_steps_are_read_and_kept_in_the_document() -> None:
     assert t.to_json()["spec"]["guest"]["init"] == {"load_modules": True, "persistence_mode": True}
 
 
-@pytest.mark.parametrize(("init", "code", "field"), [
-    ({"persistence_mode": "yes"}, "template.invalid_field", "spec.guest.init.persistence_mode"),
-    ({"persistance_mode": True}, "template.unknown_field", "spec.guest.init.persistance_mode"),
-])
+@pytest.mark.parametrize(
+    ("init", "code", "field"),
+    [
+        ({"persistence_mode": "yes"}, "template.invalid_field", "spec.guest.init.persistence_mode"),
+        ({"persistance_mode": True}, "template.unknown_field", "spec.guest.init.persistance_mode"),
+    ],
+)
 def test_guest_init_fields_are_strict(init: dict[str, Any], code: str, field: str) -> None:
     e = code_of(parse_template, set_path(example_doc(), "spec.guest.init", init))
     assert (e.code, e.details["errors"][0]["field"]) == (code, field)

@@ -273,8 +273,14 @@ def check_node(t: Template | CompatibilityContract, node: NodeSummary) -> list[C
             V(L.BACKEND, "compat.node_backend_unavailable", tp.backend, ", ".join(sorted(node.backends)) or "none")
         )
     if tp.hotplug and not node.hotplug:
-        out.append(V(L.BACKEND, "compat.node_hotplug_unsupported", "a VMM that can hot-plug PCI devices",
-                     "no hot-plug path reported"))
+        out.append(
+            V(
+                L.BACKEND,
+                "compat.node_hotplug_unsupported",
+                "a VMM that can hot-plug PCI devices",
+                "no hot-plug path reported",
+            )
+        )
     usable = [
         lbl
         for lbl in node.devices
@@ -316,15 +322,33 @@ def _guest_facts(tp: Template, node: NodeSummary) -> list[ContractViolation]:
         out.append(V(L.GUEST_KERNEL, "compat.node_guest_kernel_unavailable", f"{k.version} ({k.digest})", releases))
     pinned = next((i for i in images if i.digest == tp.guest_image_digest), None)
     if pinned is None:
-        out.append(V(L.TEMPLATE, "compat.node_guest_image_unavailable", tp.guest_image_digest,
-                     f"{len(images)} images" if images else "no guest images"))
+        out.append(
+            V(
+                L.TEMPLATE,
+                "compat.node_guest_image_unavailable",
+                tp.guest_image_digest,
+                f"{len(images)} images" if images else "no guest images",
+            )
+        )
         return out
     if kernel_ok and pinned not in kernel_ok:
-        out.append(V(L.GUEST_KERNEL, "compat.node_guest_kernel_unavailable", f"{k.version} ({k.digest})",
-                     f"image {pinned.digest} boots {pinned.kernel_release}"))
+        out.append(
+            V(
+                L.GUEST_KERNEL,
+                "compat.node_guest_kernel_unavailable",
+                f"{k.version} ({k.digest})",
+                f"image {pinned.digest} boots {pinned.kernel_release}",
+            )
+        )
     if pinned.modules_img_digest != tp.modules_img.digest:
-        out.append(V(L.MODULES_IMG, "compat.node_modules_img_unavailable", tp.modules_img.digest,
-                     f"image {pinned.digest} carries {pinned.modules_img_digest}"))
+        out.append(
+            V(
+                L.MODULES_IMG,
+                "compat.node_modules_img_unavailable",
+                tp.modules_img.digest,
+                f"image {pinned.digest} carries {pinned.modules_img_digest}",
+            )
+        )
     return out
 
 

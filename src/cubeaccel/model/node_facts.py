@@ -38,8 +38,12 @@ class GuestImageFact:
     modules_img_digest: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"digest": self.digest, "kernel_release": self.kernel_release,
-                "kernel_digests": list(self.kernel_digests), "modules_img_digest": self.modules_img_digest}
+        return {
+            "digest": self.digest,
+            "kernel_release": self.kernel_release,
+            "kernel_digests": list(self.kernel_digests),
+            "modules_img_digest": self.modules_img_digest,
+        }
 
     @classmethod
     def from_json(cls, raw: object) -> GuestImageFact:
@@ -54,8 +58,11 @@ class GuestImageFact:
             raise ValueError(f"kernel_release is not a kernel release: {release!r:.80}")
         if not isinstance(mods, str) or not DIGEST.fullmatch(mods):
             raise ValueError(f"modules_img_digest must be sha256:<64 hex>, got {mods!r:.80}")
-        if (not isinstance(kdigests, list) or not 0 < len(kdigests) <= MAX_KERNEL_DIGESTS
-                or not all(isinstance(k, str) and DIGEST.fullmatch(k) for k in kdigests)):
+        if (
+            not isinstance(kdigests, list)
+            or not 0 < len(kdigests) <= MAX_KERNEL_DIGESTS
+            or not all(isinstance(k, str) and DIGEST.fullmatch(k) for k in kdigests)
+        ):
             raise ValueError(f"kernel_digests must be 1..{MAX_KERNEL_DIGESTS} sha256 digests")
         return cls(digest, release, tuple(kdigests), mods)
 

@@ -220,6 +220,8 @@ def _from_doc(doc: dict[str, Any]) -> Template:
             device_files=tuple(str(x) for x in probes.get("device_files", ())),
             libraries=tuple(str(x) for x in probes.get("libraries", ())),
         ),
-        init=GuestInit(load_modules=bool(init.get("load_modules", True)),
-                       persistence_mode=bool(init.get("persistence_mode", False))),
+        init=GuestInit(
+            load_modules=bool(init.get("load_modules", True)),
+            persistence_mode=bool(init.get("persistence_mode", False)),
+        ),
     )
