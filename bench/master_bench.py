@@ -27,6 +27,7 @@ from cubeaccel.master.scheduler import decide, score
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, freeze, label_mismatch
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, pinned_image
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.templates import parse_template
 
@@ -46,6 +47,9 @@ def contract() -> CompatibilityContract:
     return freeze(parse_template(doc))
 
 
+IMAGE = pinned_image(contract().template).to_json()  # every node holds the guest the template pins
+
+
 def heartbeat(i: int, rng: random.Random) -> dict[str, Any]:
     r, acc = rng.random(), 0.0
     model, labels = MODELS[-1][0], MODELS[-1][1]
@@ -58,7 +62,7 @@ def heartbeat(i: int, rng: random.Random) -> dict[str, Any]:
     numa = {"0": min(free, 4), "1": max(0, free - 4)}
     return {"node": f"node-{i:05d}", "cubelet_url": f"http://10.0.{i // 250}.{i % 250}:7701", "version": "0.1.0",
             "sent_at": NOW, "pinnable_memory_mib": rng.choice([1 << 20, 1 << 20, 1 << 20, 512]),
-            "kernels": [], "images": [],
+            "guest_images": [IMAGE], "hotplug": [HOTPLUG_PCIE_ROOT_PORT_ACPI],
             "capacity": {"node": f"node-{i:05d}", "backends": ["vfio"], "total": 8, "groups": [{
                 "class": "gpu", "labels": {**labels, "model": model, "backend": "vfio"}, "total": 8,
                 "by_state": {"allocatable": free, "attached": 8 - free}, "allocatable_by_numa": numa}]}}
@@ -83,7 +87,8 @@ def brute_force(nodes: list[NodeView], choice: AcceleratorChoice, c: Compatibili
         if NOW - n.received_at > STALE or n.state != "ready":
             continue
         summary = NodeSummary(backends=n.backends, devices=[g.attributes for g in n.groups],
-                              pinnable_memory_mib=n.pinnable_memory_mib, name=n.name)
+                              pinnable_memory_mib=n.pinnable_memory_mib, guest_images=n.guest_images,
+                              hotplug=n.hotplug, name=n.name)
         if any(v.code != "compat.node_no_matching_device" for v in check_node(c, summary)):
             continue
         for g in n.groups:

@@ -60,10 +60,16 @@ class _ModulesImg(_Strict):
     digest: Name
 
 
+class _Init(_Strict):
+    load_modules: StrictBool = True
+    persistence_mode: StrictBool = False
+
+
 class _Guest(_Strict):
     image: _Digest
     kernel: _Kernel
     modules_img: _ModulesImg
+    init: _Init | None = None
 
 
 class _KernelDriver(_Strict):

@@ -18,8 +18,13 @@ def cubelet_proc(tmp_path: Path) -> Iterator[CubeletProcess]:
 
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """CubeMaster + one Cubelet per entry of the test module's `PROFILES` (node name → simulated profile)."""
-    cl = Cluster(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]), request.module.PROFILES)
+    """CubeMaster + one Cubelet per entry of the test module's `PROFILES` (node name → simulated profile), with
+    the module's optional `GUEST_IMAGES` (node name → the guest images that simulated node reports)."""
+    cl = Cluster(
+        tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]),
+        request.module.PROFILES,
+        getattr(request.module, "GUEST_IMAGES", None),
+    )
     try:
         yield cl
     finally:

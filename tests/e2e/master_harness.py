@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -60,10 +61,10 @@ class MasterProcess:
         self.client.close()
 
 
-def cubelet(state_dir: Path, profile: str, node: str, master_url: str) -> CubeletProcess:
+def cubelet(state_dir: Path, profile: str, node: str, master_url: str, *extra: str) -> CubeletProcess:
     port = free_port()
     return CubeletProcess(state_dir, profile, "--master", master_url, "--listen", f"127.0.0.1:{port}",
-                          "--node", node)
+                          "--node", node, *extra)
 
 
 def wait_nodes_ready(client: MasterClient, names: set[str], deadline_s: float = 30.0) -> None:
@@ -71,7 +72,9 @@ def wait_nodes_ready(client: MasterClient, names: set[str], deadline_s: float = 
 
 
 class Cluster:
-    def __init__(self, root: Path, profiles: dict[str, str]) -> None:
+    def __init__(self, root: Path, profiles: dict[str, str],
+                 guest_images: dict[str, list[dict[str, Any]]] | None = None) -> None:
+        """`guest_images`: node → the simulated image set it reports instead of the default one."""
         self.root = root
         self.profiles = profiles
         self.master = MasterProcess(root / "master").start()
@@ -79,7 +82,11 @@ class Cluster:
         self.cubelets: dict[str, CubeletProcess] = {}
         for name, profile in profiles.items():
             (root / name).mkdir()
-            self.cubelets[name] = cubelet(root / name, profile, name, self.master.url).start()
+            extra: list[str] = []
+            if guest_images and name in guest_images:
+                (root / name / "guest-images.json").write_text(json.dumps(guest_images[name]))
+                extra = ["--guest-images", str(root / name / "guest-images.json")]
+            self.cubelets[name] = cubelet(root / name, profile, name, self.master.url, *extra).start()
         wait_nodes_ready(self.c, set(profiles))
         self.c.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
         self.c.register_template(example("cuda12-h100", metadata__name="cuda12-h100-huge",

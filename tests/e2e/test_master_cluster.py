@@ -78,20 +78,24 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
         assert c.c.create({"gpu": "H100:2"})["node"] == "n1"  # n2 would pack better, but it is draining
     finally:
         c.c.node_verb("n2", "undrain")
-    # backend, guest kernel and image come from what a node reports; these Cubelets report no kernels or
-    # images (the check is skipped), so a registered node with such a report is sent by hand.
+    # backend, guest kernel and image come from what a node reports; a node reporting other ones is sent by hand.
+    guest = {"digest": "sha256:" + "1" * 64, "kernel_release": "5.10.0-1-amd64",
+             "kernel_digests": ["sha256:" + "2" * 64], "modules_img_digest": "sha256:" + "3" * 64}
     fake = {"node": "fake", "cubelet_url": "http://127.0.0.1:9", "version": "0", "sent_at": 0.0,
-            "pinnable_memory_mib": 1 << 20, "kernels": ["5.10.0-1-amd64"], "images": [],
+            "pinnable_memory_mib": 1 << 20, "guest_images": [guest], "hotplug": ["pcie-root-port-acpi"],
             "capacity": {"node": "fake", "backends": ["vfio"], "total": 1, "groups": [
                 {"class": "gpu", "labels": {"model": "H100-SXM5-80GB", "memory_gib": "80", "backend": "vfio",
                                             "vendor": "nvidia", "architecture": "hopper"}, "total": 1,
                  "by_state": {"allocatable": 1}, "allocatable_by_numa": {"0": 1}}]}}
     httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "kernel_incompatible"
-    fake.update(kernels=[], images=["sha256:" + "1" * 64])
+    h100 = next(i for i in c.c.nodes() if i["node"] == "n1")["guest_images"][0]  # the kernel cuda12-h100 pins
+    fake.update(guest_images=[{**h100, "digest": guest["digest"]}])
     httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "image_missing"
-    fake.update(images=[])
+    fake.update(hotplug=[])
+    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake).raise_for_status()
+    assert c.reasons({"gpu": "H100:8"})["fake"] == "hotplug_unsupported"
     fake["capacity"]["backends"] = ["emulated"]  # type: ignore[index]
     httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "backend_unsupported"

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.cubelet.client import CubeletClient
+from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES, SIMULATED_HOTPLUG
 from cubeaccel.master import schema as S
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CubeMaster
@@ -52,7 +53,8 @@ def master(tmp_path: Path, cubelet: tuple[CubeletProcess, str]) -> Iterator[Cube
 
 def heartbeat(m: CubeMaster, url: str, cub: CubeletClient) -> None:
     body = {"node": NODE, "cubelet_url": url, "version": "test", "sent_at": time.time(),
-            "capacity": cub.capacity(), "pinnable_memory_mib": 1 << 20, "kernels": [], "images": []}
+            "capacity": cub.capacity(), "pinnable_memory_mib": 1 << 20,
+            "guest_images": [i.to_json() for i in SIMULATED_GUEST_IMAGES], "hotplug": list(SIMULATED_HOTPLUG)}
     m.store.heartbeat(body, time.time(), m.config.staleness_s)
     m.cache.invalidate()
 

@@ -92,3 +92,38 @@ def test_an_inconsistent_frozen_contract_is_refused_even_with_a_valid_digest(nod
         node.cubelet.reserve("sb", ReservationRequest(count=1, contract=freeze(old_driver).to_json()))
     assert err.value.status == 422 and err.value.layer in ("cuda_runtime", "userspace_driver", "kernel_driver")
     assert node.cubelet.store.reservation("sb") is None
+
+
+# --- which guest the shim is told to boot -------------------------------------------------------------------
+
+
+def _shim_reports(node: Node, sid: str, kind: str) -> list[dict[str, Any]]:
+    return [e.details for e in node.cubelet.store.events(sandbox_id=sid) if e.kind == "shim_report" and e.event == kind]
+
+
+def test_the_shim_is_told_the_contracts_pinned_image_by_digest(node: Node) -> None:
+    contract = _h100_contract()
+    node.cubelet.reserve("sb", ReservationRequest(count=1, contract=contract))
+    res = node.cubelet.start("sb")
+    pinned = contract["document"]["spec"]["guest"]["image"]["digest"]
+    assert res is not None and res.facts["image_digest"] == pinned
+    assert [r["image_digest"] for r in _shim_reports(node, "sb", "vm_started")] == [pinned]
+
+
+def test_a_sandbox_without_a_contract_boots_the_nodes_default_image_recorded_by_digest(node: Node) -> None:
+    node.cubelet.reserve("sb", ReservationRequest(count=1))
+    res = node.cubelet.start("sb")
+    default = node.shim.node_facts().default_image
+    assert default is not None and res is not None and res.facts["image_digest"] == default
+    assert [r["image_digest"] for r in _shim_reports(node, "sb", "vm_started")] == [default]
+
+
+def test_a_node_without_the_pinned_image_fails_the_start_at_layer_template(tmp_path: Path) -> None:
+    node = Node.create(tmp_path, "h100x2")
+    node.shim.guest_images = node.shim.guest_images[1:]  # only the edu guest is on this node
+    res = node.cubelet.reserve("sb", ReservationRequest(count=1, contract=_h100_contract()))
+    node.cubelet.start("sb")
+    (failed,) = _shim_reports(node, "sb", "attach_failed")
+    assert (failed["reason"], failed["layer"]) == ("shim.image_not_found", "template")
+    assert _shim_reports(node, "sb", "vm_started") == []  # refused before any VMM
+    assert node.device(res.device_ids[0]).state is DeviceState.ALLOCATABLE

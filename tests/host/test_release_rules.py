@@ -60,10 +60,11 @@ class StandInShims(ProcessShimDriver):
 
     def start(self, spec: ShimSpec) -> None:
         sid = spec.sandbox_id
-        shim = subprocess.Popen([sys.executable, "-c", _SHIM, "shim", "run", "--sandbox", sid],
-                                stdin=subprocess.PIPE, text=True)
-        vmm = subprocess.Popen([sys.executable, "-c", _VMM, f"guest=cubeaccel-sandbox={sid}", *self.group_files],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        own = self.dir / sid  # like the real ones: their spec and sockets lie under this Cubelet's shims/ dir
+        shim = subprocess.Popen([sys.executable, "-c", _SHIM, "shim", "run", "--sandbox", sid, "--spec",
+                                 f"{self.dir}/{sid}.json"], stdin=subprocess.PIPE, text=True)
+        vmm = subprocess.Popen([sys.executable, "-c", _VMM, f"guest=cubeaccel-sandbox={sid}", f"qmp={own}/qmp.sock",
+                                *self.group_files], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert vmm.stdout is not None and vmm.stdout.readline().strip() == "ready"
         self.started[sid] = (shim, vmm)
 

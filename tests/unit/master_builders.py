@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, freeze
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from tests.unit.contract_builders import template
 
 MODELS = {
@@ -23,13 +25,23 @@ def group(model: str, total: int, free: int | None = None, numa: dict[str, int] 
             "allocatable_by_numa": numa if numa is not None else {"0": free}}
 
 
+# the guests the example templates pin: a node "has everything" unless a test says otherwise
+EXAMPLE_IMAGES = [i.to_json() for i in SIMULATED_GUEST_IMAGES]
+
+
+def image(**changes: Any) -> dict[str, Any]:
+    """The H100 example's pinned guest as a heartbeat entry, with fields replaced."""
+    return {**EXAMPLE_IMAGES[0], **changes}
+
+
 def heartbeat(node: str, *groups: dict[str, Any], backends: tuple[str, ...] = ("vfio",), pinnable: int = 1 << 20,
-              kernels: list[str] | None = None, images: list[str] | None = None,
+              images: list[dict[str, Any]] | None = None, hotplug: tuple[str, ...] = (HOTPLUG_PCIE_ROOT_PORT_ACPI,),
               url: str = "http://127.0.0.1:1") -> dict[str, Any]:
     return {"node": node, "cubelet_url": url, "version": "0.1.0", "sent_at": 1000.0,
             "capacity": {"node": node, "backends": list(backends), "groups": list(groups),
                          "total": sum(g["total"] for g in groups)},
-            "pinnable_memory_mib": pinnable, "kernels": kernels or [], "images": images or []}
+            "pinnable_memory_mib": pinnable, "guest_images": EXAMPLE_IMAGES if images is None else images,
+            "hotplug": list(hotplug)}
 
 
 def view(*args: Any, received_at: float = 1000.0, state: str = "ready", **kw: Any) -> NodeView:

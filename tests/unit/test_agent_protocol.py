@@ -242,6 +242,18 @@ def test_probe_uses_the_configured_contract_and_loads_modules_first(tmp_path: Pa
     assert loaded["ok"] is True and loaded["modules_loaded"] == ["edu", "virtio_rng"]
 
 
+def test_a_contract_that_says_load_modules_false_gets_no_modprobe(tmp_path: Path) -> None:
+    """The template's guest-init step: modules must already be loaded; the agent runs nothing."""
+    guest = FakeGuest(tmp_path)
+    ctx = ProbeContext(root=tmp_path, modprobe=(guest.modprobe({"nvidia": "FATAL: Module nvidia not found"}),))
+    agent = Agent(ctx=ctx, contract={"modules": ["nvidia"], "load_modules": False})
+    with served(agent, OPTIONS) as (peer, _):
+        result = peer.call("probe")["result"]
+    assert result["report"]["module_failures"] == {}
+    assert not any(p["name"].startswith("modprobe:") for p in result["report"]["probes"])
+    assert result["failed_layers"] == ["modules_img"]  # still checked: nvidia is not loaded
+
+
 def test_shutdown_replies_then_ends_the_serve_loop() -> None:
     agent = Agent()
     with served(agent, OPTIONS) as (peer, thread):

@@ -16,7 +16,7 @@ from cubeaccel.model.contract import CompatibilityContract, FrozenContract, cano
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import CudaSpec
 from cubeaccel.templates import parse_template
-from tests.unit.contract_builders import device, edu, h100
+from tests.unit.contract_builders import device, edu, h100, template
 
 
 def roundtrip(contract: CompatibilityContract) -> CompatibilityContract:
@@ -102,10 +102,27 @@ def test_guest_probes_are_plain_json_the_agent_understands() -> None:
         ],
         "pci": [{"vendor_id": "10de", "device_id": "2330"}],
         "cuda": {"version": "12.4", "min_driver_api": 12040},
+        "load_modules": True,
+        "persistence_mode": False,
     }
     spec = parse_spec(data)  # the stdlib-only agent reads the whole stored contract
     assert spec.guest_kernel == "6.1.0-27-cloud-amd64" and spec.min_driver_api == 12040
     assert [lib.name for lib in spec.libraries] == ["libcuda.so.1", "libnvidia-ml.so.1", "libcudart.so.12"]
+
+
+def test_a_template_asking_for_persistence_mode_carries_it_to_the_agent() -> None:
+    t = template(spec__guest__init={"persistence_mode": True, "load_modules": False})
+    data = json.loads(json.dumps(freeze(t).to_json()))
+    assert (data["guest_probes"]["persistence_mode"], data["guest_probes"]["load_modules"]) == (True, False)
+    spec = parse_spec(data)
+    assert spec.persistence_mode and spec.wants_nvml and spec.load_modules is False
+    assert not parse_spec(freeze(h100()).to_json()).persistence_mode  # only when the contract asks
+
+
+def test_default_guest_init_leaves_the_digest_of_older_contracts_unchanged() -> None:
+    explicit = template(spec__guest__init={"load_modules": True, "persistence_mode": False})
+    assert "init" not in freeze(h100()).to_json()["document"]["spec"]["guest"]
+    assert freeze(explicit).digest == freeze(h100()).digest
 
 
 def test_guest_probes_name_the_reserved_device_when_given() -> None:

@@ -178,6 +178,23 @@ def test_an_emulated_device_may_be_hot_plugged_without_pinning() -> None:
     assert check_template(template(EDU_FILE, spec__memory__pinned=False, spec__hotplug=True)) == []
 
 
+def test_a_cold_plug_template_is_refused_at_registration_with_layer_backend() -> None:
+    """hotplug: false would mean devices on the VMM command line at start; nothing implements that."""
+    (v,) = check_template(template(EDU_FILE, spec__hotplug=False))
+    assert (v.layer, v.code, v.expected, v.found) == (
+        Layer.BACKEND,
+        "compat.coldplug_unsupported",
+        "hotplug: true",
+        "hotplug: false",
+    )
+
+
+def test_persistence_mode_needs_the_userspace_driver() -> None:
+    (v,) = check_template(template(EDU_FILE, spec__guest__init={"persistence_mode": True}))
+    assert (v.layer, v.code) == (Layer.USERSPACE_DRIVER, "compat.persistence_mode_needs_userspace_driver")
+    assert check_template(template(H100_FILE, spec__guest__init={"persistence_mode": True})) == []
+
+
 def test_codes_only_reachable_from_code_built_templates() -> None:
     t = dataclasses.replace(
         h100(),

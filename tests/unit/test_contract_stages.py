@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.model.contract import Layer, NodeSummary, check_device, check_guest, check_node, freeze
 from cubeaccel.model.device import AcceleratorClass
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, pinned_image
 from cubeaccel.model.profiles import labels_for
 from tests.unit.contract_builders import (
     EDU_FILE,
@@ -80,8 +82,8 @@ def node(**changes: Any) -> NodeSummary:
         "backends": {"vfio", "emulated"},
         "devices": [H100_LABELS, labels_for(0x10DE, 0x20B2)],
         "pinnable_memory_mib": 200_000,
-        "guest_kernels": {"6.1.0-27-cloud-amd64", "6.1.0-57-amd64"},
-        "guest_images": {h100().guest_image_digest},
+        "guest_images": (pinned_image(h100()), pinned_image(edu())),
+        "hotplug": {HOTPLUG_PCIE_ROOT_PORT_ACPI},
         "name": "node-a",
     }
     fields.update(changes)
@@ -90,7 +92,7 @@ def node(**changes: Any) -> NodeSummary:
 
 def test_a_node_with_a_free_h100_can_host_the_template() -> None:
     assert check_node(h100(), node()) == []
-    assert check_node(freeze(h100()), node(guest_kernels=None, guest_images=None)) == []
+    assert check_node(freeze(h100()), node()) == []
 
 
 @pytest.mark.parametrize(
@@ -100,14 +102,36 @@ def test_a_node_with_a_free_h100_can_host_the_template() -> None:
         ({"devices": [labels_for(0x10DE, 0x20B2)]}, (Layer.HOST_HARDWARE, "compat.node_no_matching_device")),
         ({"devices": []}, (Layer.HOST_HARDWARE, "compat.node_no_matching_device")),
         ({"pinnable_memory_mib": 1024}, (Layer.PINNED_MEMORY, "compat.node_pinned_memory_insufficient")),
-        ({"guest_kernels": {"6.1.0-57-amd64"}}, (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable")),
-        ({"guest_images": set()}, (Layer.TEMPLATE, "compat.node_guest_image_unavailable")),
+        ({"hotplug": set()}, (Layer.BACKEND, "compat.node_hotplug_unsupported")),
+        (
+            {"guest_images": (replace(pinned_image(h100()), kernel_release="6.1.0-57-amd64"),)},
+            (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable"),
+        ),
+        (
+            {"guest_images": (replace(pinned_image(h100()), kernel_digests=(edu().guest_kernel.digest,)),)},
+            (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable"),
+        ),
+        (
+            {"guest_images": (replace(pinned_image(h100()), digest="sha256:" + "3" * 64),)},
+            (Layer.TEMPLATE, "compat.node_guest_image_unavailable"),
+        ),
+        (
+            {"guest_images": (replace(pinned_image(h100()), modules_img_digest="sha256:" + "3" * 64),)},
+            (Layer.MODULES_IMG, "compat.node_modules_img_unavailable"),
+        ),
     ],
 )
 def test_a_node_is_rejected_with_one_reason_per_missing_piece(
     changes: dict[str, Any], expected: tuple[Layer, str]
 ) -> None:
     assert pairs(check_node(h100(), node(**changes))) == [expected]
+
+
+def test_a_node_with_no_guest_images_hosts_no_template_and_says_so() -> None:
+    kernel, image = check_node(h100(), node(guest_images=()))
+    assert (kernel.layer, kernel.found) == (Layer.GUEST_KERNEL, "no guest images")
+    assert kernel.expected == f"6.1.0-27-cloud-amd64 ({h100().guest_kernel.digest})"
+    assert (image.layer, image.found) == (Layer.TEMPLATE, "no guest images")
 
 
 def test_node_rejection_lists_the_models_it_has() -> None:

@@ -11,7 +11,7 @@ from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
-from tests.unit.master_builders import group, h100_contract, view
+from tests.unit.master_builders import group, h100_contract, heartbeat, image, view
 
 NOW, STALE = 1001.0, 10.0
 H100 = "H100-SXM5-80GB"
@@ -37,13 +37,48 @@ def one(count: int = 1, model: str | None = "H100") -> AcceleratorChoice:
     (view("n", group("T4-16GB", 4)), "device_incompatible"),
     (view("n", group(H100, 8), backends=("emulated",)), "backend_unsupported"),
     (view("n", group(H100, 8), pinnable=512), "pinned_memory"),
-    (view("n", group(H100, 8), kernels=["5.10.0-1-amd64"]), "kernel_incompatible"),
-    (view("n", group(H100, 8), images=["sha256:" + "0" * 64]), "image_missing"),
+    (view("n", group(H100, 8), hotplug=()), "hotplug_unsupported"),
+    (view("n", group(H100, 8), images=[image(kernel_release="5.10.0-1-amd64")]), "kernel_incompatible"),
+    (view("n", group(H100, 8), images=[image(kernel_digests=["sha256:" + "5" * 64])]), "kernel_incompatible"),
+    (view("n", group(H100, 8), images=[]), "kernel_incompatible"),
+    (view("n", group(H100, 8), images=[image(digest="sha256:" + "0" * 64)]), "image_missing"),
+    (view("n", group(H100, 8), images=[image(modules_img_digest="sha256:" + "0" * 64)]), "modules_img_missing"),
     (view("n", group(H100, 8, free=0)), "insufficient_devices"),
 ])
 def test_each_filter_names_its_reason(node: NodeView, reason: str) -> None:
     placed, reasons = run([node], one(model=None))
     assert placed == [] and reasons == {"n": reason}
+
+
+def test_a_template_pinning_a_kernel_the_node_lacks_is_refused_with_layer_guest_kernel() -> None:
+    nodes = [view("old", group(H100, 8), images=[image(kernel_release="5.10.0-1-amd64")]),
+             view("bare", group(H100, 8), images=[]), view("has", group(H100, 8))]
+    assert run(nodes, one())[0] == ["has"]
+    d = decide(nodes[:2], [(one(), h100_contract(), None)], NOW, STALE)
+    nodes_detail = rejection(d, 2).details["tried"][0]["nodes"]
+    assert {n: x["reason"] for n, x in nodes_detail.items()} == {"old": "kernel_incompatible",
+                                                                   "bare": "kernel_incompatible"}
+    assert nodes_detail["old"]["detail"].startswith("guest_kernel: expected 6.1.0-27-cloud-amd64 (sha256:")
+    assert nodes_detail["old"]["detail"].endswith("found 5.10.0-1-amd64")
+    assert nodes_detail["bare"]["detail"].endswith("found no guest images")
+
+
+def test_a_heartbeat_without_node_facts_reports_nothing_bootable() -> None:
+    """Fail closed: a Cubelet that does not say which guests it holds can host no template."""
+    body = heartbeat("legacy", group(H100, 8))
+    del body["guest_images"], body["hotplug"]
+    from cubeaccel.master.view import view_from_heartbeat
+
+    legacy = view_from_heartbeat(body, NOW)
+    assert (legacy.guest_images, legacy.hotplug) == ((), frozenset())
+    assert run([legacy], one())[1] == {"legacy": "hotplug_unsupported"}
+
+
+def test_the_pinned_image_must_carry_the_pinned_kernel_itself() -> None:
+    """The kernel present in another image does not help: the shim boots the image by its digest."""
+    other = image(digest="sha256:" + "0" * 64)
+    wrong_kernel = image(kernel_release="6.1.0-99-cloud-amd64")
+    assert run([view("n", group(H100, 8), images=[other, wrong_kernel])], one())[1] == {"n": "kernel_incompatible"}
 
 
 def test_model_shorthand_mismatch_is_labels_mismatch_model() -> None:

@@ -17,7 +17,7 @@ from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import cubelet_url
 from cubeaccel.model.errors import CubeError
-from tests.unit.master_builders import group, heartbeat
+from tests.unit.master_builders import group, heartbeat, image
 
 URL = "http://127.0.0.1:9"  # nothing listens there
 
@@ -53,6 +53,29 @@ def test_numeric_heartbeat_fields_must_be_finite_numbers(api: TestClient, field:
     raw = json.dumps(hb())[:-1] + f', "{field}": {value}}}'  # the last key wins in a JSON object
     assert put_raw(api, raw) == (422, "node.invalid_heartbeat")
     assert api.get("/v1/nodes").json()["nodes"] == []  # nothing written
+
+
+@pytest.mark.parametrize("facts", [
+    {"guest_images": "sha256:" + "1" * 64},
+    {"guest_images": [{"digest": "sha256:short"}]},
+    {"guest_images": [image(kernel_release="../etc")]},
+    {"guest_images": [image(kernel_digests=[])]},
+    {"guest_images": [image(modules_img_digest=None)]},
+    {"guest_images": [image()] * 257},
+    {"hotplug": "pcie-root-port-acpi"},
+    {"hotplug": ["Bad Path"]},
+])
+def test_node_facts_are_validated_before_anything_is_written(api: TestClient, facts: dict[str, Any]) -> None:
+    r = api.put("/v1/nodes/n1", json=hb(**facts))
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
+    assert api.get("/v1/nodes").json()["nodes"] == []
+
+
+def test_the_node_list_shows_the_guests_and_hot_plug_paths_a_node_reported(api: TestClient) -> None:
+    api.put("/v1/nodes/n1", json=hb()).raise_for_status()
+    (node,) = api.get("/v1/nodes").json()["nodes"]
+    assert node["hotplug"] == ["pcie-root-port-acpi"]
+    assert [i["kernel_release"] for i in node["guest_images"]] == ["6.1.0-27-cloud-amd64", "6.1.0-57-amd64"]
 
 
 @pytest.mark.parametrize("where", ["total", "allocatable", "numa"])

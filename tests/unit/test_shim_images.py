@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cubeaccel.images import cpio, kernel
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
 from cubeaccel.model.errors import CubeError
+from cubeaccel.shim.spec import ShimSpec, parse_spec
 
 REL = "6.1.0-99-amd64"
 
@@ -149,7 +150,6 @@ def test_enforced_image_mismatch_fails_before_any_vm_starts(tmp_path: Path) -> N
     import json
 
     from cubeaccel.shim.process import run_shim
-    from cubeaccel.shim.spec import parse_spec
 
     m = _manifest(tmp_path)
     spec = parse_spec({"sandbox_id": "sb-x", "devices": [], "memory_mib": 256,
@@ -179,3 +179,104 @@ def test_image_show_prints_the_latest_manifest_and_flags_corruption(tmp_path: Pa
     (img / "vmlinux").write_bytes(b"changed")
     out = json.loads(subprocess.run(show, capture_output=True, text=True, check=True).stdout)
     assert not out["intact"] and out["corrupt"] == ["vmlinux"]
+
+
+# --- which image the shim boots ---------------------------------------------------------------------------
+
+
+def _cached(cache: Path, key: str) -> Manifest:
+    """An image in the cache layout `cubeaccel image build` writes, with artifacts unique to `key`."""
+    d = cache / "images" / key
+    d.mkdir(parents=True)
+    for name in ("vmlinux", "modules.img", "rootfs.cpio", "initrd.img"):
+        (d / name).write_bytes(f"{key}:{name}".encode())
+
+    def art(n: str) -> Artifact:
+        return Artifact(n, sha256_file(d / n))
+
+    m = Manifest(key=key, kernel_package=f"linux-image-{REL}", kernel_package_version="1", kernel_release=REL,
+                 vmlinuz_sha256="sha256:" + "a" * 64, vmlinux=art("vmlinux"), modules_img=art("modules.img"),
+                 modules=(), rootfs=art("rootfs.cpio"), initrd=art("initrd.img"), packages=(),
+                 agent_sha256="sha256:11", cmdline="console=ttyS0", directory=d)
+    m.save()
+    return m
+
+
+def _shim_spec(tmp_path: Path, **fields: object) -> ShimSpec:
+
+    return parse_spec({"sandbox_id": "sb-img", "devices": [], "memory_mib": 256, "state_dir": str(tmp_path / "st"),
+                       "report": {"file": str(tmp_path / "r.jsonl")}, **fields})
+
+
+def _reports(tmp_path: Path) -> list[dict[str, object]]:
+    import json
+
+    return [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+
+
+def test_the_shim_boots_the_image_named_by_digest_not_the_last_one_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cubeaccel.shim.process import Shim
+
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    pinned, newer = _cached(tmp_path / "cache", "old"), _cached(tmp_path / "cache", "new")
+    (tmp_path / "cache" / "images" / "latest").write_text("new\n")
+    chosen = Shim(_shim_spec(tmp_path, image_digest=pinned.image_digest))._manifest()
+    assert chosen.key == "old" and chosen.image_digest == pinned.image_digest != newer.image_digest
+
+
+@pytest.mark.parametrize(("fields", "code", "layer"), [
+    ({"image_digest": "sha256:" + "9" * 64}, "shim.image_not_found", "template"),
+    ({}, "shim.no_image", "template"),  # no digest named: never "the latest"
+    ({"hotplug": False}, "shim.coldplug_unsupported", "backend"),
+])
+def test_the_shim_refuses_before_any_vm_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              fields: dict[str, object], code: str, layer: str) -> None:
+    from cubeaccel.shim.process import run_shim
+
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    _cached(tmp_path / "cache", "only")
+    (tmp_path / "cache" / "images" / "latest").write_text("only\n")
+    assert run_shim(_shim_spec(tmp_path, **fields)) == 1
+    reports = _reports(tmp_path)
+    assert [r["kind"] for r in reports] == ["attach_failed", "shim_exiting"]
+    details = reports[0]["details"]
+    assert isinstance(details, dict) and (details["reason"], details["layer"]) == (code, layer)
+
+
+def test_an_image_digest_in_the_spec_must_be_a_digest(tmp_path: Path) -> None:
+    with pytest.raises(CubeError) as e:
+        _shim_spec(tmp_path, image_digest="latest")
+    assert (e.value.code, e.value.details["field"]) == ("shim.invalid_spec", "image_digest")
+
+
+def test_the_node_reports_its_intact_images_newest_first_and_skips_a_corrupt_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from cubeaccel.cubelet.process_shim import ProcessShimDriver
+
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUBEACCEL_QEMU", "/usr/bin/qemu-system-x86_64")
+    old, new, bad = (_cached(tmp_path / "cache", k) for k in ("old", "new", "bad"))
+    for i, m in enumerate((old, bad, new)):
+        os.utime(m.directory / "manifest.json", (1000 + i, 1000 + i))
+    (bad.directory / "rootfs.cpio").write_bytes(b"tampered")
+    driver = ProcessShimDriver(tmp_path / "state")
+    facts = driver.node_facts()
+    assert [f.digest for f in facts.guest_images] == [new.image_digest, old.image_digest]
+    assert facts.guest_images[0] == new.fact() and facts.default_image == new.image_digest
+    assert facts.guest_images[0].kernel_digests == (new.vmlinux.sha256, "sha256:" + "a" * 64)
+    assert facts.hotplug == ("pcie-root-port-acpi",)
+    (new.directory / "vmlinux").write_bytes(b"changed, and longer")  # a change after the first hash is seen
+    assert [f.digest for f in driver.node_facts().guest_images] == [old.image_digest]
+
+
+def test_a_node_without_images_or_qemu_reports_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from cubeaccel.cubelet.process_shim import ProcessShimDriver
+
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "empty"))
+    monkeypatch.setenv("CUBEACCEL_QEMU", "")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    facts = ProcessShimDriver(tmp_path / "state").node_facts()
+    assert (facts.guest_images, facts.hotplug, facts.default_image) == ((), (), None)

@@ -32,6 +32,30 @@ def test_the_h100_example_loads_with_its_values() -> None:
     assert t.devices[0].labels == {"model": "H100-SXM5-80GB", "architecture": "hopper"}
 
 
+def test_guest_init_defaults_to_loading_modules_without_persistence_mode() -> None:
+    t = load_template(H100_FILE)
+    assert (t.init.load_modules, t.init.persistence_mode) == (True, False)
+
+
+def test_guest_init_steps_are_read_and_kept_in_the_document() -> None:
+    doc = set_path(example_doc(), "spec.guest.init", {"persistence_mode": True})
+    t = parse_template(doc)
+    assert (t.init.load_modules, t.init.persistence_mode) == (True, True)
+    assert t.to_json()["spec"]["guest"]["init"] == {"load_modules": True, "persistence_mode": True}
+
+
+@pytest.mark.parametrize(
+    ("init", "code", "field"),
+    [
+        ({"persistence_mode": "yes"}, "template.invalid_field", "spec.guest.init.persistence_mode"),
+        ({"persistance_mode": True}, "template.unknown_field", "spec.guest.init.persistance_mode"),
+    ],
+)
+def test_guest_init_fields_are_strict(init: dict[str, Any], code: str, field: str) -> None:
+    e = code_of(parse_template, set_path(example_doc(), "spec.guest.init", init))
+    assert (e.code, e.details["errors"][0]["field"]) == (code, field)
+
+
 def test_the_edu_example_has_no_driver_and_no_cuda() -> None:
     t = load_template(EDU_FILE)
     assert (t.backend, t.kernel_driver, t.userspace_driver, t.cuda) == ("emulated", None, None, None)

@@ -163,6 +163,7 @@ def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
                                    "vendor_id": "1234", "device_id_hex": "11e8"} for i in range(devices)],
             "memory_mib": memory_mib, "vcpus": 1, "pin_memory": pin_memory, "contract": contract,
             "image_manifest": str(guest_image.directory / "manifest.json") if explicit_image else None,
+            "image_digest": None if explicit_image else guest_image.image_digest,  # else: found in the cache
             "start": start,
             "state_dir": str(base / "state"), "report": report or {"file": str(base / "reports.jsonl")},
             "detach_timeout_s": detach_timeout_s, "memory_backend": memory_backend,

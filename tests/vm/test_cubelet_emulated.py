@@ -112,5 +112,5 @@ def test_a_contract_pinning_another_guest_image_never_boots(emulated: CubeletPro
     assert "attach_failed" in kinds and "vm_started" not in kinds  # refused before any VMM started
     failed = next(e for e in emulated.client.events(0, 10000)["events"]
                   if e["sandbox_id"] == "vm-img" and e["event"] == "attach_failed" and e["kind"] == "shim_report")
-    assert "image" in failed["details"]["reason"]
+    assert (failed["details"]["reason"], failed["details"]["layer"]) == ("shim.image_not_found", "template")
     assert _state(emulated, dev) == "allocatable"

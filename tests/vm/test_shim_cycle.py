@@ -61,7 +61,7 @@ def test_cold_boot_on_memfd_full_cycle_validates_contract(shim_factory: Any, gue
     assert run.one("shim_exiting")["details"]["timeline"]["boot_to_agent_s"] > 0
 
 
-def test_template_restore_full_cycle_with_the_latest_image(shim_factory: Any) -> None:
+def test_template_restore_full_cycle_with_the_image_found_by_digest(shim_factory: Any) -> None:
     run = shim_factory(start="template", explicit_image=False).start()
     run.wait_for("device_attached")
     backend, record = EmulatedBackend(RUN_INSTANCE), _record(emulated_id(0))
@@ -71,8 +71,8 @@ def test_template_restore_full_cycle_with_the_latest_image(shim_factory: Any) ->
     assert run.terminate() == 0
     _assert_full_cycle(run, FULL_CYCLE)
     assert backend.holders(record) == [] and backend.cleanup(record) == []
-    newest = latest()
-    assert newest is not None and run.one("vm_started")["details"]["image_digest"] == newest.image_digest
+    named = json.loads(run.spec_path.read_text())["image_digest"]
+    assert named is not None and run.one("vm_started")["details"]["image_digest"] == named
     timeline = run.one("shim_exiting")["details"]["timeline"]
     assert "restore_to_agent_s" in timeline and "boot_to_agent_s" not in timeline
 

@@ -192,8 +192,10 @@ class Agent:
 
     def _m_probe(self, params: dict[str, Any]) -> dict[str, Any]:
         contract = self._contract(params)
-        ctx = replace(self.ctx, load_modules=self._flag(params, "load_modules", self.load_modules_default))
-        return probe_reply(contract, parse_spec(contract), ctx)
+        spec = parse_spec(contract)
+        wanted = self._flag(params, "load_modules", self.load_modules_default)
+        ctx = replace(self.ctx, load_modules=wanted and spec.load_modules is not False)  # the contract may forbid
+        return probe_reply(contract, spec, ctx)
 
     def _m_load_modules(self, params: dict[str, Any]) -> dict[str, Any]:
         modules = params.get("modules")

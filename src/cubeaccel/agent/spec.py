@@ -9,7 +9,8 @@ Three shapes are accepted (see docs/agent.md):
   `device_files`, `libraries` [{name, version, layer}], `pci`, `cuda` {version, min_driver_api};
 - a hand-written form: `guest_kernel`, `probes` {modules, device_files, libraries, pci}, `kernel_driver`,
   `userspace_driver`, `cuda_runtime`.
-Any of them may carry `persistence_mode: true`.
+Any of them may carry `persistence_mode: true`; the probe spec may carry `load_modules` (the template's
+guest-init step: false means the modules must already be loaded, the agent runs no modprobe).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class ProbeSpec:
     cuda_version: str | None = None
     min_driver_api: int | None = None  # cuDriverGetVersion must be >= this (12040 for 12.4)
     persistence_mode: bool = False
+    load_modules: bool | None = None  # the contract's guest-init step; None: it does not say (agent default)
 
     @property
     def library_names(self) -> tuple[str, ...]:
@@ -202,7 +204,15 @@ def _from_guest_probes(data: dict[str, Any]) -> ProbeSpec:
         cuda_version=cuda_version,
         min_driver_api=min_api,
         persistence_mode=_persistence(data),
+        load_modules=_load_modules(data),
     )
+
+
+def _load_modules(data: dict[str, Any]) -> bool | None:
+    value = data.get("load_modules")
+    if value is not None and not isinstance(value, bool):
+        raise bad_contract("load_modules must be true or false")
+    return value
 
 
 def _from_hand_written(data: dict[str, Any]) -> ProbeSpec:

@@ -56,6 +56,8 @@ def serve_cmd(
     holder_scan_exempt_pid: Annotated[list[int] | None, typer.Option(
         help="vfio: a process whose fds cannot be read but that holds no device (repeatable; audited at start)")
     ] = None,
+    guest_images: Annotated[Path | None, typer.Option(
+        help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set")] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.cubelet.inventory import initialize_host
@@ -74,6 +76,7 @@ def serve_cmd(
             state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root,
             allow=tuple(allow or ("10de:*",)), vm_start=vm_start, detach_timeout_s=detach_timeout,
             holder_scan_exempt_pids=frozenset(holder_scan_exempt_pid or ()),
+            guest_images=guest_images,
             config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout,
                                  pinnable_memory_mib=pinnable_memory_mib),
         ))

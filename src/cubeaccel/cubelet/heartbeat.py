@@ -13,16 +13,17 @@ from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 
 
-def heartbeat_body(cubelet: Cubelet, cubelet_url: str, kernels: list[str], images: list[str]) -> dict[str, Any]:
+def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
     sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
+    facts = cubelet.shim.node_facts()  # learned from the host each beat: an image removed stops being offered
     return {
         "node": cubelet.config.node_name,
         "cubelet_url": cubelet_url,
         "version": __version__,
         "capacity": capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
         "pinnable_memory_mib": cubelet.pinnable_mib(),
-        "kernels": kernels,
-        "images": images,
+        "guest_images": [i.to_json() for i in facts.guest_images],
+        "hotplug": list(facts.hotplug),
         "sent_at": sent_at,
     }
 
@@ -30,14 +31,11 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str, kernels: list[str], image
 class Heartbeat:
     """Sends a heartbeat every interval; only reachability *changes* become events (no event flood)."""
 
-    def __init__(self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float,
-                 kernels: list[str] | None = None, images: list[str] | None = None) -> None:
+    def __init__(self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float) -> None:
         self.cubelet = cubelet
         self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
         self.cubelet_url = cubelet_url
         self.interval_s = interval_s
-        self.kernels = kernels or []
-        self.images = images or []
         self._stop = threading.Event()
         self._reachable: bool | None = None
         self._thread = threading.Thread(target=self._run, name="cubelet-heartbeat", daemon=True)
@@ -50,7 +48,7 @@ class Heartbeat:
 
     def beat(self, http: httpx.Client) -> bool:
         try:
-            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url, self.kernels, self.images))
+            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url))
             ok = r.status_code < 300
             detail = "" if ok else r.text[:500]
         except httpx.HTTPError as e:

@@ -188,6 +188,7 @@ class Cubelet(ReleasePath):
                     res.facts["shim_started"] = True  # intent recorded before the act
                     res.facts["started_at"] = t.now
                     res.facts["start_id"] = uuid.uuid4().hex[:16]
+                    res.facts["image_digest"] = self._image_digest(res)  # what the shim boots, by digest
                     t.update_reservation(res)
                     start_ok = True
             if not start_ok:
@@ -213,8 +214,21 @@ class Cubelet(ReleasePath):
             shim_devs.append(ShimDevice(d.id, str(d.address), a.driver, a.properties,
                                         f"{d.identity.vendor_id:04x}", f"{d.identity.device_id:04x}"))
         p = res.params
+        contract = parse_contract(p.get("contract"))
         return ShimSpec(sandbox_id, tuple(shim_devs), int(p["memory_mib"]), int(p["vcpus"]),
-                        bool(p["pin_memory"]), p.get("contract"), res.facts.get("start_id"))
+                        bool(p["pin_memory"]), p.get("contract"), res.facts.get("start_id"),
+                        image_digest=res.facts.get("image_digest") or self._image_digest(res),
+                        hotplug=contract.hotplug if contract is not None else True)
+
+    def _image_digest(self, res: Reservation) -> str | None:
+        """The contract's pinned guest image; without a contract, the node's default (its newest intact image).
+
+        The shim is always told a digest and never picks one itself; None (no image on the node) makes it refuse.
+        """
+        contract = parse_contract(res.params.get("contract"))
+        if contract is not None:
+            return contract.template.guest_image_digest
+        return self.shim.node_facts().default_image
 
     def _reservation(self, t: Tx, sandbox_id: str) -> Reservation:
         res = t.reservation(sandbox_id)

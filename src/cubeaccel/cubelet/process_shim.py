@@ -17,10 +17,16 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from cubeaccel.cubelet.shim_driver import ReportSink, ShimSpec, ShimStatus
+from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimSpec, ShimStatus
 from cubeaccel.host.vmmproc import find_shim, find_vmm
+from cubeaccel.images.builder import cache_dir, cached_images
+from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
+from cubeaccel.shim.qemu import hotplug_paths
 from cubeaccel.shim.spec import MAX_DEVICES as SHIM_MAX_DEVICES
+
+_Signature = tuple[tuple[int, int], ...]
 
 
 class ProcessShimDriver:
@@ -35,6 +41,7 @@ class ProcessShimDriver:
         self.proc = proc
         self.socket = state_dir / "cubelet.sock"
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._verified: dict[Path, tuple[_Signature, GuestImageFact | None]] = {}
 
     def bind(self, sink: ReportSink) -> None:
         """Reports come over HTTP; nothing to bind in-process."""
@@ -90,6 +97,23 @@ class ProcessShimDriver:
                 out.append(ShimReport.from_json(json.loads(line)))
         taking.unlink()
         return sorted(out, key=lambda r: r.at)
+
+    def node_facts(self) -> NodeFacts:
+        """The intact images of `cubeaccel image build`'s cache (the one the shim boots from) and QEMU's
+        hot-plug paths. Each image is hashed once per change of its files, not on every heartbeat."""
+        facts = [f for m in cached_images(cache_dir())[:MAX_IMAGES] if (f := self._intact(m)) is not None]
+        return NodeFacts(tuple(facts), hotplug_paths())
+
+    def _intact(self, m: Manifest) -> GuestImageFact | None:
+        files = [m.directory / "manifest.json", *(m.path(a) for a in (m.vmlinux, m.modules_img, m.rootfs, m.initrd))]
+        try:
+            sig = tuple((st.st_mtime_ns, st.st_size) for st in (f.stat() for f in files))
+        except OSError:
+            return None
+        memo = self._verified.get(m.directory)
+        if memo is None or memo[0] != sig:
+            memo = self._verified[m.directory] = (sig, None if m.verify() else m.fact())
+        return memo[1]
 
     def status(self, sandbox_id: str) -> ShimStatus:
         if not self.proc.is_dir():

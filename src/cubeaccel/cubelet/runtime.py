@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -13,6 +14,7 @@ from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.model.errors import invalid
+from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images
 
 BACKENDS = ("simulated", "vfio", "emulated")
 SIMULATED_ALLOW = ("10de:*", "1234:11e8")
@@ -29,6 +31,7 @@ class RuntimeOptions:
     vm_start: str = "template"  # real shims: start from the template snapshot, or cold boot
     detach_timeout_s: float = 10.0  # real shims: how long to wait for DEVICE_DELETED
     holder_scan_exempt_pids: frozenset[int] = frozenset()  # vfio: unreadable processes declared harmless
+    guest_images: Path | None = None  # simulated nodes: a JSON list of guest images replacing the default set
 
 
 INSTANCE_FILE = "instance-id"
@@ -56,12 +59,22 @@ def instance_id(state_dir: Path) -> str:
     return found
 
 
+def _guest_images(path: Path) -> tuple[GuestImageFact, ...]:
+    try:
+        return parse_guest_images(json.loads(path.read_text()))
+    except (OSError, ValueError) as e:
+        raise invalid("cubelet.invalid_guest_images", f"{path}: {e}") from e
+
+
 def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     if opts.vm_start not in ("template", "cold"):
         raise invalid("cubelet.invalid_vm_start", f"--vm-start must be template or cold, not {opts.vm_start!r}")
     if opts.backend not in BACKENDS:
         raise invalid("cubelet.unknown_backend", f"unknown backend {opts.backend!r}; known: {list(BACKENDS)}",
                       layer="backend")
+    if opts.guest_images is not None and opts.backend != "simulated":
+        raise invalid("cubelet.guest_images_simulated_only", "--guest-images sets a simulated node's images; real "
+                      "nodes report the images in their cache (`cubeaccel image build`)")
     opts.state_dir.mkdir(parents=True, exist_ok=True)
     opts.state_dir.chmod(0o700)  # the unix socket in it carries shim reports and operator verbs
     store = Store(opts.state_dir / "cubelet.db")
@@ -73,7 +86,8 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
 
         host = SimulatedPciHost(opts.profile, opts.state_dir / "simulated-host.json")
         backend = VfioBackend(host, allow=SIMULATED_ALLOW)
-        shim = SimulatedShimDriver(host)
+        shim = SimulatedShimDriver(host) if opts.guest_images is None else SimulatedShimDriver(
+            host, guest_images=_guest_images(opts.guest_images))
     elif opts.backend == "vfio":
         from cubeaccel.backends.vfio import VfioBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver

@@ -18,6 +18,7 @@ from cubeaccel.host.simulated import SimulatedPciHost
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 
 ReportSink = Callable[[ShimReport], None]
@@ -69,6 +70,33 @@ class ShimSpec:
     pin_memory: bool
     contract: dict[str, Any] | None = None
     start_id: str | None = None
+    image_digest: str | None = None  # the guest to boot, by digest (pinned, else the node's default)
+    hotplug: bool = True  # the contract's attach expectation; the shim refuses what it cannot do
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What this node's VM side can boot and attach, as the heartbeat reports it (docs/api.md)."""
+
+    guest_images: tuple[GuestImageFact, ...]  # newest first: the first is the default for unpinned sandboxes
+    hotplug: tuple[str, ...]
+
+    @property
+    def default_image(self) -> str | None:
+        return self.guest_images[0].digest if self.guest_images else None
+
+
+# The simulated node's guests: exactly what examples/templates pin (cuda12-h100, edu-demo), so a simulated
+# cluster schedules the example templates; tests/unit/test_node_facts.py keeps the two in step.
+SIMULATED_GUEST_IMAGES = (
+    GuestImageFact("sha256:897a06f02fc2d598d90ba3804fdfae7f5955673593b4ec92bbfb9511a436ffb0", "6.1.0-27-cloud-amd64",
+                   ("sha256:59b60c81a0f1731ab449d03dc56330f8ceabc6e30c7a3474c64149309ef13be6",),
+                   "sha256:7409a86b3596e75cb2d757325786351be1561b1d371c14a5c5797174929d533e"),
+    GuestImageFact("sha256:8caef20ed217bdd6b3755d5b737d2e92adc1869db948a7860dd48f280eafbd5f", "6.1.0-57-amd64",
+                   ("sha256:c3718796ffdb206cc149543cf925b868d9cd0cb504ba554539a01303179505aa",),
+                   "sha256:ae179640fd106b304c6cad3fc9f5adc0a2189560c60fb7e8ae1bf143d5fd4bc9"),
+)
+SIMULATED_HOTPLUG = (HOTPLUG_PCIE_ROOT_PORT_ACPI,)  # the simulated VMM plays QEMU
 
 
 @dataclass(frozen=True)
@@ -101,6 +129,10 @@ class ShimDriver(Protocol):
         """Reports the shim could not deliver (Cubelet was down); each is handed over once."""
         ...
 
+    def node_facts(self) -> NodeFacts:
+        """The guest images present and the hot-plug paths of the VMM, learned from the host each call."""
+        ...
+
 
 @dataclass
 class SimulatedShimDriver:
@@ -114,6 +146,8 @@ class SimulatedShimDriver:
     failed_guest_validation: set[str] = field(default_factory=set)
     slow_start: set[str] = field(default_factory=set)  # the shim runs, its VMM comes with finish_start()
     cubelet_down: set[str] = field(default_factory=set)  # reports cannot be delivered: the shim keeps them
+    guest_images: tuple[GuestImageFact, ...] = SIMULATED_GUEST_IMAGES  # the simulated node's image set
+    hotplug: tuple[str, ...] = SIMULATED_HOTPLUG
     sink: ReportSink | None = None
     _pending: dict[str, ShimSpec] = field(default_factory=dict)
     _start_ids: dict[str, str | None] = field(default_factory=dict)
@@ -154,13 +188,20 @@ class SimulatedShimDriver:
         if self.host.find_process(f"shim:{sandbox_id}") is not None:
             self._boot(spec)
 
+    def node_facts(self) -> NodeFacts:
+        return NodeFacts(self.guest_images, self.hotplug)
+
     def _boot(self, spec: ShimSpec) -> None:
         sid = spec.sandbox_id
         dev_ids = tuple(d.device_id for d in spec.devices)
+        refused = self._refusal(spec)
+        if refused is not None:  # as the real shim: before any VMM exists
+            self._report(sid, ShimReportKind.ATTACH_FAILED, dev_ids, **refused)
+            return
         vmm = self.host.spawn(
             f"vmm:{sid}", f"qemu-system-x86_64 -name cubeaccel-sandbox={sid}", immortal=sid in self.immortal_vmm
         )
-        self._report(sid, ShimReportKind.VM_STARTED, pid=vmm, vmm="simulated")
+        self._report(sid, ShimReportKind.VM_STARTED, pid=vmm, vmm="simulated", image_digest=spec.image_digest)
         if spec.pin_memory:
             self._report(sid, ShimReportKind.MEMORY_PINNED, vmlck_kib=spec.memory_mib * 1024,
                          guest_kib=spec.memory_mib * 1024)
@@ -177,6 +218,18 @@ class SimulatedShimDriver:
                          violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_not_loaded"}])
         else:
             self._report(sid, ShimReportKind.GUEST_VALIDATED, dev_ids, report=simulated_guest_report(spec).to_json())
+
+    def _refusal(self, spec: ShimSpec) -> dict[str, str] | None:
+        """The real shim's refusals (shim/process.py), judged on the simulated node's facts."""
+        if not spec.hotplug:
+            return {"reason": "shim.coldplug_unsupported", "layer": "backend",
+                    "message": "the template expects cold-plug; this VMM only hot-plugs"}
+        if not self.hotplug:
+            return {"reason": "vmm.hotplug_unsupported", "layer": "backend", "message": "this VMM cannot hot-plug"}
+        if spec.image_digest is None or spec.image_digest not in {i.digest for i in self.guest_images}:
+            return {"reason": "shim.image_not_found", "layer": "template",
+                    "message": f"guest image {spec.image_digest} is not on this node"}
+        return None
 
     def stop(self, sandbox_id: str) -> None:
         vmm = self.host.find_process(f"vmm:{sandbox_id}")

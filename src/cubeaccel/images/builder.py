@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cubeaccel.images import cpio, kernel, packages, rootfs
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
+from cubeaccel.model.errors import CubeError
 
 BUILDER_VERSION = 1
 KEEP_IMAGES = 3  # older images are removed after a build (their templates go with the template pruning)
@@ -143,6 +144,28 @@ def latest(cache: Path | None = None) -> Manifest | None:
         return None
     m = Manifest.load(cache / "images" / pointer.read_text().strip() / "manifest.json")
     return m
+
+
+def cached_images(cache: Path | None = None) -> list[Manifest]:
+    """Every image in the cache whose manifest loads, newest first; half-built and broken ones are skipped.
+
+    Artifacts are not hashed here (callers that advertise or boot an image decide how much to verify).
+    """
+    root = (cache or cache_dir()) / "images"
+    found = []
+    for path in root.glob("*/manifest.json") if root.is_dir() else ():
+        if path.parent.name.startswith("build-"):
+            continue
+        try:
+            found.append((path.stat().st_mtime, Manifest.load(path)))
+        except (OSError, CubeError):
+            continue
+    return [m for _, m in sorted(found, key=lambda x: (-x[0], x[1].key))]
+
+
+def find_image(digest: str, cache: Path | None = None) -> Manifest | None:
+    """The cached image whose digest is `digest` (a template's `guest.image.digest`), if any."""
+    return next((m for m in cached_images(cache) if m.image_digest == digest), None)
 
 
 def _point_latest(cache: Path, m: Manifest) -> None:

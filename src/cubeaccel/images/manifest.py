@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.node_facts import GuestImageFact
 
 FORMAT = 1
 
@@ -58,6 +59,11 @@ class Manifest:
         for a in (self.vmlinux, self.modules_img, self.rootfs):
             h.update(a.sha256.encode() + b"\n")
         return "sha256:" + h.hexdigest()
+
+    def fact(self) -> GuestImageFact:
+        """This image as a node reports it (heartbeat `guest_images`): what a template may pin to boot it."""
+        kernels = (self.vmlinux.sha256, *((self.vmlinuz_sha256,) if self.vmlinuz_sha256 else ()))
+        return GuestImageFact(self.image_digest, self.kernel_release, kernels, self.modules_img.sha256)
 
     def path(self, artifact: Artifact) -> Path:
         return self.directory / artifact.path

@@ -30,6 +30,8 @@ CONTRACT_REASONS = {
     "compat.node_backend_unavailable": "backend_unsupported",
     "compat.node_guest_image_unavailable": "image_missing",
     "compat.node_guest_kernel_unavailable": "kernel_incompatible",
+    "compat.node_modules_img_unavailable": "modules_img_missing",
+    "compat.node_hotplug_unsupported": "hotplug_unsupported",
     "compat.node_pinned_memory_insufficient": "pinned_memory",
     "compat.node_no_matching_device": "device_incompatible",
 }
@@ -110,12 +112,13 @@ def selector_mismatch(n: NodeView, c: Context) -> Reason | None:
 
 
 def contract(n: NodeView, c: Context) -> Reason | None:
-    """Contract stage 2: backend, pinned memory, kernel, image (check_node), then the device kinds."""
+    """Contract stage 2: backend, hot-plug, pinned memory, kernel, image, modules.img (check_node), then the
+    device kinds."""
     vs = n.contract_memo.get(c.contract.digest)
     if vs is None:
         summary = NodeSummary(backends=n.backends, devices=[g.attributes for g in n.groups],
-                              pinnable_memory_mib=n.pinnable_memory_mib, guest_kernels=n.kernels,
-                              guest_images=n.images, name=n.name)
+                              pinnable_memory_mib=n.pinnable_memory_mib, guest_images=n.guest_images,
+                              hotplug=n.hotplug, name=n.name)
         vs = n.contract_memo[c.contract.digest] = check_node(c.contract, summary)
     for v in vs:
         if v.code != "compat.node_no_matching_device":

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from cubeaccel.model.contract import ContractViolation
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
 from cubeaccel.model.profiles import PROFILES
 
 # model label → (vendor_id, device_id), for summaries whose group labels omit the ids
@@ -45,8 +46,8 @@ class NodeView:
     version: str
     backends: frozenset[str]
     pinnable_memory_mib: int
-    kernels: frozenset[str] | None  # None: the node does not report them, the check is skipped
-    images: frozenset[str] | None
+    guest_images: tuple[GuestImageFact, ...]  # what the node can boot; empty: nothing (every template refused)
+    hotplug: frozenset[str]  # hot-plug paths of the node's VMM; empty: hot-plug templates refused
     groups: tuple[Group, ...]
     claims: dict[str, int] = field(default_factory=dict)  # group key → devices claimed, not yet in summary
     contract_memo: dict[str, list[ContractViolation]] = field(default_factory=dict)
@@ -65,6 +66,7 @@ class NodeView:
             "schedulable": self.state == "ready" and not self.stale(now, staleness_s),
             "last_heartbeat_age_s": round(now - self.received_at, 3),
             "backends": sorted(self.backends), "pinnable_memory_mib": self.pinnable_memory_mib,
+            "guest_images": [i.to_json() for i in self.guest_images], "hotplug": sorted(self.hotplug),
             "total": sum(g.total for g in self.groups),
             "allocatable": sum(max(0, self.free(g)) for g in self.groups),
             "groups": [{"class": g.accel_class, "labels": dict(g.labels), "total": g.total,
@@ -134,14 +136,13 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
     url = cubelet_url(body.get("cubelet_url"))
     try:
         cap = body["capacity"]
-        kernels, images = body.get("kernels") or None, body.get("images") or None
         return NodeView(
             name=str(body["node"]), cubelet_url=url, state=state, received_at=received_at,
             sent_at=_number(body.get("sent_at", received_at), "sent_at"), version=str(body.get("version", "")),
             backends=frozenset(str(b) for b in cap.get("backends", [])),
             pinnable_memory_mib=_count(body.get("pinnable_memory_mib", 0), "pinnable_memory_mib"),
-            kernels=None if kernels is None else frozenset(str(k) for k in kernels),
-            images=None if images is None else frozenset(str(i) for i in images),
+            guest_images=parse_guest_images(body.get("guest_images")),
+            hotplug=parse_hotplug(body.get("hotplug")),
             groups=tuple(_group(g) for g in cap.get("groups", [])),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:

@@ -26,6 +26,7 @@ from typing import Any
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.guest_checks import check_guest_template, min_driver_api, module_key
+from cubeaccel.model.node_facts import GuestImageFact
 from cubeaccel.model.registration_checks import check_template
 from cubeaccel.model.reports import GuestReport
 from cubeaccel.model.template_spec import DeviceMatch, ProbeSpec, Template
@@ -68,7 +69,9 @@ class GuestProbeSpec:
     `modules` starts with the kernel driver's module. `libraries` holds the user-space driver libraries
     (their file version must equal the driver version; layer userspace_driver) and then the runtime
     libraries (only loaded; layer cuda_runtime). `pci`: any one of these must be visible in the guest —
-    the reserved devices when known, else every device kind the template supports.
+    the reserved devices when known, else every device kind the template supports. `load_modules` and
+    `persistence_mode` are the template's guest-init steps (`spec.guest.init`): the agent performs them
+    only because the contract asks.
     """
 
     kernel_release: str
@@ -78,6 +81,8 @@ class GuestProbeSpec:
     libraries: tuple[dict[str, str | None], ...]  # {"name", "version" (or None), "layer"}
     pci: tuple[dict[str, str], ...]  # {"vendor_id", "device_id"}
     cuda: dict[str, Any] | None  # {"version", "min_driver_api"}
+    load_modules: bool = True
+    persistence_mode: bool = False
 
     @classmethod
     def of(cls, t: Template, devices: Sequence[DeviceRecord] | None = None) -> GuestProbeSpec:
@@ -105,6 +110,8 @@ class GuestProbeSpec:
             libraries=tuple(libs),
             pci=tuple({"vendor_id": f"{v:04x}", "device_id": f"{d:04x}"} for v, d in ids),
             cuda={"version": t.cuda.version, "min_driver_api": need} if t.cuda and need is not None else None,
+            load_modules=t.init.load_modules,
+            persistence_mode=t.init.persistence_mode,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -116,6 +123,8 @@ class GuestProbeSpec:
             "libraries": [dict(x) for x in self.libraries],
             "pci": [dict(x) for x in self.pci],
             "cuda": self.cuda,
+            "load_modules": self.load_modules,
+            "persistence_mode": self.persistence_mode,
         }
 
 
@@ -219,15 +228,15 @@ class NodeSummary:
     """What CubeMaster knows about a node: summaries only, never node-local device state.
 
     `devices` holds the label sets of the node's *allocatable* devices (as `profiles.labels_for` writes
-    them). `guest_kernels` / `guest_images` are the kernel releases and image digests cached on the node;
-    None means the node does not report them, and those checks are skipped.
+    them). `guest_images` are the guests the node can boot and `hotplug` the hot-plug paths its VMM
+    supports (model/node_facts.py); empty means none, and a template needing one is refused there.
     """
 
     backends: AbstractSet[str]
     devices: Sequence[Mapping[str, str]]
     pinnable_memory_mib: int
-    guest_kernels: AbstractSet[str] | None = None
-    guest_images: AbstractSet[str] | None = None
+    guest_images: Sequence[GuestImageFact] = ()
+    hotplug: AbstractSet[str] = frozenset()
     name: str = ""
 
 
@@ -263,6 +272,15 @@ def check_node(t: Template | CompatibilityContract, node: NodeSummary) -> list[C
         out.append(
             V(L.BACKEND, "compat.node_backend_unavailable", tp.backend, ", ".join(sorted(node.backends)) or "none")
         )
+    if tp.hotplug and not node.hotplug:
+        out.append(
+            V(
+                L.BACKEND,
+                "compat.node_hotplug_unsupported",
+                "a VMM that can hot-plug PCI devices",
+                "no hot-plug path reported",
+            )
+        )
     usable = [
         lbl
         for lbl in node.devices
@@ -287,22 +305,48 @@ def check_node(t: Template | CompatibilityContract, node: NodeSummary) -> list[C
                 f"{node.pinnable_memory_mib} MiB",
             )
         )
-    if node.guest_kernels is not None and tp.guest_kernel.version not in node.guest_kernels:
-        out.append(
-            V(
-                L.GUEST_KERNEL,
-                "compat.node_guest_kernel_unavailable",
-                tp.guest_kernel.version,
-                ", ".join(sorted(node.guest_kernels)) or "none",
-            )
-        )
-    if node.guest_images is not None and tp.guest_image_digest not in node.guest_images:
+    out.extend(_guest_facts(tp, node))
+    return out
+
+
+def _guest_facts(tp: Template, node: NodeSummary) -> list[ContractViolation]:
+    """The pinned kernel (release + digest), image and modules.img against the guests the node holds.
+
+    The shim boots the image by its digest, so that one image must carry the pinned kernel and modules.img;
+    a node holding the kernel only in another image would fail at the shim, so it is refused here.
+    """
+    out, k, images = [], tp.guest_kernel, node.guest_images
+    releases = ", ".join(sorted({i.kernel_release for i in images})) or "no guest images"
+    kernel_ok = [i for i in images if i.kernel_release == k.version and k.digest in i.kernel_digests]
+    if not kernel_ok:
+        out.append(V(L.GUEST_KERNEL, "compat.node_guest_kernel_unavailable", f"{k.version} ({k.digest})", releases))
+    pinned = next((i for i in images if i.digest == tp.guest_image_digest), None)
+    if pinned is None:
         out.append(
             V(
                 L.TEMPLATE,
                 "compat.node_guest_image_unavailable",
                 tp.guest_image_digest,
-                f"{len(node.guest_images)} images",
+                f"{len(images)} images" if images else "no guest images",
+            )
+        )
+        return out
+    if kernel_ok and pinned not in kernel_ok:
+        out.append(
+            V(
+                L.GUEST_KERNEL,
+                "compat.node_guest_kernel_unavailable",
+                f"{k.version} ({k.digest})",
+                f"image {pinned.digest} boots {pinned.kernel_release}",
+            )
+        )
+    if pinned.modules_img_digest != tp.modules_img.digest:
+        out.append(
+            V(
+                L.MODULES_IMG,
+                "compat.node_modules_img_unavailable",
+                tp.modules_img.digest,
+                f"image {pinned.digest} carries {pinned.modules_img_digest}",
             )
         )
     return out

@@ -136,6 +136,14 @@ def _backend(t: Template) -> Iterator[ContractViolation]:
             repr(t.backend),
             "spec.accelerator.backend names how the device reaches the VM",
         )
+    if not t.hotplug:
+        yield V(
+            L.BACKEND,
+            "compat.coldplug_unsupported",
+            "hotplug: true",
+            "hotplug: false",
+            "devices reach a MicroVM only by hot-plug once its agent answers; attaching at VM start is not implemented",
+        )
 
 
 def _guest_kernel(t: Template) -> Iterator[ContractViolation]:
@@ -206,6 +214,14 @@ def _kernel_driver(t: Template) -> Iterator[ContractViolation]:
 
 def _userspace_driver(t: Template) -> Iterator[ContractViolation]:
     ud, kd = t.userspace_driver, t.kernel_driver
+    if ud is None and t.init.persistence_mode:
+        yield V(
+            L.USERSPACE_DRIVER,
+            "compat.persistence_mode_needs_userspace_driver",
+            "spec.driver.userspace (with libnvidia-ml.so.1)",
+            "none",
+            "cube-agent sets persistence mode through NVML, which the user-space driver provides",
+        )
     if ud is None:
         if t.cuda is not None:
             yield V(

@@ -82,6 +82,22 @@ class ProbeSpec:
 
 
 @dataclass(frozen=True)
+class GuestInit:
+    """Guest-init steps cube-agent performs before it probes, and only because the contract asks.
+
+    `load_modules`: modprobe the probe modules (from modules.img) first; false: they must already be loaded.
+    `persistence_mode`: turn NVML persistence mode on for every device, and require it on (layer
+    userspace_driver); it keeps the driver initialised between CUDA clients, avoiding a cold init each time.
+    """
+
+    load_modules: bool = True
+    persistence_mode: bool = False
+
+    def to_json(self) -> dict[str, bool]:
+        return {"load_modules": self.load_modules, "persistence_mode": self.persistence_mode}
+
+
+@dataclass(frozen=True)
 class Template:
     name: str
     version: str
@@ -99,6 +115,7 @@ class Template:
     cuda: CudaSpec | None = None
     probes: ProbeSpec = field(default_factory=ProbeSpec)
     description: str = ""
+    init: GuestInit = field(default_factory=GuestInit)
 
     def to_json(self) -> dict[str, Any]:
         """The canonical document (same shape as the file). Freezing hashes exactly this."""
@@ -131,6 +148,8 @@ class Template:
                 "libraries": list(self.probes.libraries),
             },
         }
+        if self.init != GuestInit():  # defaults are left out: contracts frozen before `init` keep their digest
+            spec["guest"]["init"] = self.init.to_json()
         meta: dict[str, Any] = {"name": self.name, "version": self.version}
         if self.description:
             meta["description"] = self.description
@@ -169,6 +188,7 @@ def _from_doc(doc: dict[str, Any]) -> Template:
     driver = spec.get("driver") or {}
     kd, ud, cuda = driver.get("kernel"), driver.get("userspace"), spec.get("cuda")
     probes = spec.get("probes") or {}
+    init = guest.get("init") or {}
     return Template(
         name=str(meta["name"]),
         version=str(meta["version"]),
@@ -199,5 +219,9 @@ def _from_doc(doc: dict[str, Any]) -> Template:
             modules=tuple(str(x) for x in probes.get("modules", ())),
             device_files=tuple(str(x) for x in probes.get("device_files", ())),
             libraries=tuple(str(x) for x in probes.get("libraries", ())),
+        ),
+        init=GuestInit(
+            load_modules=bool(init.get("load_modules", True)),
+            persistence_mode=bool(init.get("persistence_mode", False)),
         ),
     )

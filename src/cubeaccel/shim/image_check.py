@@ -23,6 +23,13 @@ def _guest(contract: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def pinned_image_digest(contract: dict[str, Any] | None) -> str | None:
+    """The guest image digest a contract pins (`guest.image.digest`), if it pins one."""
+    image = _guest(contract or {}).get("image")
+    digest = image.get("digest") if isinstance(image, dict) else None
+    return digest if isinstance(digest, str) else None
+
+
 def image_mismatches(contract: dict[str, Any] | None, manifest: Manifest) -> list[dict[str, str]]:
     """Each pinned value that differs from the manifest: {layer, code, expected, found}."""
     guest = _guest(contract or {})

@@ -16,12 +16,12 @@ import time
 from types import FrameType
 
 from cubeaccel.agent.probes import ProbeContext
-from cubeaccel.images.builder import cache_dir, latest
+from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.shim.agent_client import AgentClient
-from cubeaccel.shim.image_check import image_mismatches
+from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
@@ -129,6 +129,9 @@ class Shim:
 
     def _start(self) -> None:
         spec = self.spec
+        if not spec.hotplug:
+            raise CubeError("shim.coldplug_unsupported", "the contract expects devices attached at VM start "
+                            "(hotplug: false); this shim only hot-plugs", layer="backend", status=500)
         manifest = self._manifest()
         mismatches = image_mismatches(spec.contract, manifest)
         if mismatches and spec.image_check == "enforce":
@@ -176,13 +179,25 @@ class Shim:
             self._phase("guest_validation_s", t)
 
     def _manifest(self) -> Manifest:
+        """The image named in the spec: an explicit manifest, else the cached image with `image_digest` (or, when
+        the spec names none, the digest its contract pins).
+
+        Never "the last one built": a sandbox boots the guest its contract pins (or the default Cubelet chose
+        and recorded), so a rebuild between placement and start cannot change what a sandbox runs.
+        """
         if self.spec.image_manifest is not None:
             return Manifest.load(self.spec.image_manifest)
-        built = latest()
-        if built is None:
-            raise CubeError("shim.no_image", "no guest image built yet: run `cubeaccel image build`",
-                            layer="template", status=500)
-        return built
+        digest = self.spec.image_digest or pinned_image_digest(self.spec.contract)
+        if digest is None:
+            raise CubeError("shim.no_image", "no guest image named, and the node has none: run `cubeaccel image "
+                            "build`", layer="template", status=500)
+        found = find_image(digest)  # artifacts were hashed by Cubelet before it advertised the image
+        if found is None or not all(found.path(a).is_file() for a in (found.vmlinux, found.initrd)):
+            have = [m.image_digest for m in cached_images()]
+            raise CubeError("shim.image_not_found", f"guest image {digest} is not in the image cache "
+                            f"{cache_dir() / 'images'} ({len(have)} other images)", layer="template",
+                            details={"expected": digest, "found": have}, status=500)
+        return found
 
     def _prove_pinned(self, vmm: QemuVmm) -> dict[str, int]:
         deadline = time.monotonic() + PIN_PROOF_TIMEOUT_S

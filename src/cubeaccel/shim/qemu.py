@@ -23,6 +23,7 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 from cubeaccel.agent import AGENT_PORT_NAME
 from cubeaccel.host import vmmproc as find
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, reap, stop_child, vmm_error
@@ -35,6 +36,16 @@ def qemu_binary() -> str:
     if not path:
         raise vmm_error("vmm.qemu_missing", "qemu-system-x86_64 not found (apt-get install qemu-system-x86)")
     return path
+
+
+def hotplug_paths() -> tuple[str, ...]:
+    """How this node's VMM attaches devices to a running guest: ACPI hot-plug into a `pcie-root-port`, when QEMU
+    is installed (the shim's only attach path; cold-plug at VM start is not implemented)."""
+    try:
+        qemu_binary()
+    except CubeError:
+        return ()
+    return (HOTPLUG_PCIE_ROOT_PORT_ACPI,)
 
 
 def memory_object(cfg: VmConfig) -> str:

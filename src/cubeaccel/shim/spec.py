@@ -14,6 +14,7 @@ from typing import Any
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import SANDBOX_ID_RE
+from cubeaccel.model.node_facts import DIGEST
 
 _SANDBOX_ID = SANDBOX_ID_RE
 _START_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
@@ -54,7 +55,7 @@ class ShimSpec:
     vcpus: int
     pin_memory: bool
     contract: dict[str, Any] | None
-    image_manifest: Path | None  # None: the most recently built image (`cubeaccel image build`)
+    image_manifest: Path | None  # an explicit image (tools, benchmarks); None: the cached image `image_digest`
     start: str  # cold | template
     state_dir: Path
     report_socket: Path | None
@@ -64,6 +65,8 @@ class ShimSpec:
     memory_backend: str = "ram"
     image_check: str = "report"  # report: mismatches go into vm_started; enforce: fail before the VM starts
     start_id: str | None = None  # Cubelet's nonce for this start; echoed in every report
+    image_digest: str | None = None  # the guest to boot from the image cache (the contract's pin, or the default)
+    hotplug: bool = True  # the contract's attach expectation: true = hot-plug after boot (the only path)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -145,10 +148,18 @@ def parse_spec(data: object) -> ShimSpec:
     start_id = data.get("start_id")
     if start_id is not None and (not isinstance(start_id, str) or not _START_ID.fullmatch(start_id)):
         raise bad_spec("start_id", "must be 1-64 letters, digits or '-'")
+    image_digest = data.get("image_digest")
+    if image_digest is not None and (not isinstance(image_digest, str) or not DIGEST.fullmatch(image_digest)):
+        raise bad_spec("image_digest", "must be sha256:<64 hex> or null")
+    hotplug = data.get("hotplug", True)
+    if not isinstance(hotplug, bool):
+        raise bad_spec("hotplug", "must be true or false")
     image_check = data.get("image_check", "report")
     if image_check not in ("report", "enforce"):
         raise bad_spec("image_check", f"must be report or enforce, got {image_check!r:.40}")
     return ShimSpec(
+        image_digest=image_digest,
+        hotplug=hotplug,
         start_id=start_id,
         image_check=image_check,
         memory_backend=memory_backend,
