@@ -113,7 +113,8 @@ def test_contract_check_runs_once_per_node_view_and_digest() -> None:
     c = h100_contract()
     for _ in range(50):
         run([n], one(), contract=c)
-    assert list(n.contract_memo) == [c.digest]
+    # One entry: the key is the digest and the node's free lockable memory, unchanged here.
+    assert len(n.contract_memo) == 1 and next(iter(n.contract_memo)).startswith(c.digest)
 
 
 NODE = st.tuples(

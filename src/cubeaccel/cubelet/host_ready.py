@@ -39,8 +39,11 @@ class Readiness:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {"ready": self.ready, "checked_at": self.checked_at,
-                "problems": [{"code": p.code, "message": p.message} for p in self.problems]}
+        return {
+            "ready": self.ready,
+            "checked_at": self.checked_at,
+            "problems": [{"code": p.code, "message": p.message} for p in self.problems],
+        }
 
 
 def current(t: Tx) -> Readiness:
@@ -62,9 +65,12 @@ def check(cubelet: Cubelet) -> Readiness:
             t.set_meta(META_KEY, json.dumps(now.to_json()))
             codes = [p.code for p in problems]
             if [p.code for p in before.problems] != codes or before.checked_at is None:
-                t.event("host_ready" if now.ready else "host_not_ready", Actor.CUBELET,
-                        reason=codes[0] if codes else None,
-                        details={**now.to_json(), "was": before.to_json()})
+                t.event(
+                    "host_ready" if now.ready else "host_not_ready",
+                    Actor.CUBELET,
+                    reason=codes[0] if codes else None,
+                    details={**now.to_json(), "was": before.to_json()},
+                )
         if not now.ready:
             _hold(cubelet, problems)
     return now
@@ -88,5 +94,10 @@ def refuse_if_not_ready(t: Tx) -> None:
     if r.ready:
         return
     codes = ", ".join(p.code for p in r.problems)
-    raise CubeError("host.not_ready", f"this node's host is not ready for its backend ({codes}): "
-                    f"{r.problems[0].message}", "host_hardware", r.to_json(), 409)
+    raise CubeError(
+        "host.not_ready",
+        f"this node's host is not ready for its backend ({codes}): {r.problems[0].message}",
+        "host_hardware",
+        r.to_json(),
+        409,
+    )

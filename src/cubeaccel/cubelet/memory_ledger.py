@@ -40,10 +40,16 @@ class Ledger:
         return max(0, self.lockable_mib - self.locked_mib)
 
     def to_json(self) -> dict[str, Any]:
-        return {"lockable_mib": self.lockable_mib, "locked_mib": self.locked_mib, "free_mib": self.free_mib,
-                "source": self.source, "per_vmm_limit_mib": self.per_vmm_limit_mib,
-                "vmm_overhead_mib": QEMU_LOCKED_OVERHEAD_MIB, "vmm_overhead_per_vcpu_mib": QEMU_LOCKED_PER_VCPU_MIB,
-                "sandboxes": dict(self.by_sandbox)}
+        return {
+            "lockable_mib": self.lockable_mib,
+            "locked_mib": self.locked_mib,
+            "free_mib": self.free_mib,
+            "source": self.source,
+            "per_vmm_limit_mib": self.per_vmm_limit_mib,
+            "vmm_overhead_mib": QEMU_LOCKED_OVERHEAD_MIB,
+            "vmm_overhead_per_vcpu_mib": QEMU_LOCKED_PER_VCPU_MIB,
+            "sandboxes": dict(self.by_sandbox),
+        }
 
 
 def ledger(reservations: list[Reservation], configured_mib: int | None) -> Ledger:
@@ -62,12 +68,22 @@ def admit(t: Tx, sandbox_id: str, params: dict[str, Any], configured_mib: int | 
         return led
     details = {"requested_mib": need, "guest_mib": int(params["memory_mib"]), **led.to_json()}
     if led.per_vmm_limit_mib is not None and need > led.per_vmm_limit_mib:
-        raise CubeError("reserve.pinned_memory_over_rlimit",
-                        f"sandbox {sandbox_id} must lock {need} MiB but a VMM may lock only "
-                        f"{led.per_vmm_limit_mib} MiB (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)", "pinned_memory", details, 409)
+        raise CubeError(
+            "reserve.pinned_memory_over_rlimit",
+            f"sandbox {sandbox_id} must lock {need} MiB but a VMM may lock only "
+            f"{led.per_vmm_limit_mib} MiB (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)",
+            "pinned_memory",
+            details,
+            409,
+        )
     if need > led.free_mib:
-        raise CubeError("reserve.pinned_memory_exhausted",
-                        f"sandbox {sandbox_id} must lock {need} MiB (guest {params['memory_mib']} MiB + VMM "
-                        f"overhead); {led.free_mib} of {led.lockable_mib} MiB lockable are free, {led.locked_mib} MiB "
-                        f"held by {len(led.by_sandbox)} sandbox(es)", "pinned_memory", details, 409)
+        raise CubeError(
+            "reserve.pinned_memory_exhausted",
+            f"sandbox {sandbox_id} must lock {need} MiB (guest {params['memory_mib']} MiB + VMM "
+            f"overhead); {led.free_mib} of {led.lockable_mib} MiB lockable are free, {led.locked_mib} MiB "
+            f"held by {len(led.by_sandbox)} sandbox(es)",
+            "pinned_memory",
+            details,
+            409,
+        )
     return led

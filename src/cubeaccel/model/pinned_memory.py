@@ -25,8 +25,13 @@ QEMU_LOCKED_OVERHEAD_MIB = 400  # VmLck above guest RAM, 1 vCPU (measured 387 Mi
 QEMU_LOCKED_PER_VCPU_MIB = 80  # each vCPU after the first (measured 73 MiB)
 
 
-def sandbox_locked_mib(memory_mib: int, vcpus: int, pin_memory: bool, overhead_mib: int = QEMU_LOCKED_OVERHEAD_MIB,
-                       per_vcpu_mib: int = QEMU_LOCKED_PER_VCPU_MIB) -> int:
+def sandbox_locked_mib(
+    memory_mib: int,
+    vcpus: int,
+    pin_memory: bool,
+    overhead_mib: int = QEMU_LOCKED_OVERHEAD_MIB,
+    per_vcpu_mib: int = QEMU_LOCKED_PER_VCPU_MIB,
+) -> int:
     """MiB a sandbox takes from its node's lockable memory; 0 when its memory is not pinned."""
     if not pin_memory:
         return 0
