@@ -52,9 +52,9 @@ def _fix(fake: FakeSysfs) -> None:
     (fake.dev / "vfio" / "vfio").write_text("")
 
 
-def _cubelet(tmp: Path, fake: FakeSysfs, **config: int) -> Cubelet:
+def _cubelet(tmp: Path, fake: FakeSysfs) -> Cubelet:
     backend = VfioBackend(fake.host(), readiness_roots=HostRoots(fake.sys, fake.dev, fake.proc))
-    return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), CubeletConfig(**config))  # type: ignore[arg-type]
+    return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), CubeletConfig())
 
 
 def _kinds(c: Cubelet, *kinds: str) -> list[str]:

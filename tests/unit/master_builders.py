@@ -25,11 +25,18 @@ def group(model: str, total: int, free: int | None = None, numa: dict[str, int] 
 
 def heartbeat(node: str, *groups: dict[str, Any], backends: tuple[str, ...] = ("vfio",), pinnable: int = 1 << 20,
               kernels: list[str] | None = None, images: list[str] | None = None,
-              url: str = "http://127.0.0.1:1") -> dict[str, Any]:
-    return {"node": node, "cubelet_url": url, "version": "0.1.0", "sent_at": 1000.0,
+              url: str = "http://127.0.0.1:1", host_problems: list[tuple[str, str]] | None = None,
+              pinned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`host_problems`: the host is not ready, for these (code, message); `pinned`: the pinned_memory ledger."""
+    body = {"node": node, "cubelet_url": url, "version": "0.1.0", "sent_at": 1000.0,
             "capacity": {"node": node, "backends": list(backends), "groups": list(groups),
                          "total": sum(g["total"] for g in groups)},
             "pinnable_memory_mib": pinnable, "kernels": kernels or [], "images": images or []}
+    if host_problems is not None:
+        body.update(ready=not host_problems, host_problems=[{"code": c, "message": m} for c, m in host_problems])
+    if pinned is not None:
+        body["pinned_memory"] = pinned
+    return body
 
 
 def view(*args: Any, received_at: float = 1000.0, state: str = "ready", **kw: Any) -> NodeView:
