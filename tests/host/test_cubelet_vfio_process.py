@@ -28,6 +28,7 @@ def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
     state = tmp_path / "state"
     state.mkdir()
     p = CubeletProcess(state, "-", "--backend", "vfio", "--sysfs-root", str(fake.sys), "--allow", "10de:*",
+                       "--dev-root", str(fake.dev), "--proc-root", str(fake.proc),
                        *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()))
     p.start()
     yield p, fake

@@ -24,7 +24,7 @@ def test_replicas_starting_together_migrate_once(fresh_db: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert [s.schema_version for s in stores] == [1, 1, 1, 1] and stores[0].dialect == "postgresql"
+    assert [s.schema_version for s in stores] == [2, 2, 2, 2] and stores[0].dialect == "postgresql"
     for s in stores:
         s.close()
 

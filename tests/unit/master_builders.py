@@ -36,12 +36,19 @@ def image(**changes: Any) -> dict[str, Any]:
 
 def heartbeat(node: str, *groups: dict[str, Any], backends: tuple[str, ...] = ("vfio",), pinnable: int = 1 << 20,
               images: list[dict[str, Any]] | None = None, hotplug: tuple[str, ...] = (HOTPLUG_PCIE_ROOT_PORT_ACPI,),
-              url: str = "http://127.0.0.1:1") -> dict[str, Any]:
-    return {"node": node, "cubelet_url": url, "version": "0.1.0", "sent_at": 1000.0,
+              url: str = "http://127.0.0.1:1", host_problems: list[tuple[str, str]] | None = None,
+              pinned: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`host_problems`: the host is not ready, for these (code, message); `pinned`: the pinned_memory ledger."""
+    body = {"node": node, "cubelet_url": url, "version": "0.1.0", "sent_at": 1000.0,
             "capacity": {"node": node, "backends": list(backends), "groups": list(groups),
                          "total": sum(g["total"] for g in groups)},
             "pinnable_memory_mib": pinnable, "guest_images": EXAMPLE_IMAGES if images is None else images,
             "hotplug": list(hotplug)}
+    if host_problems is not None:
+        body.update(ready=not host_problems, host_problems=[{"code": c, "message": m} for c, m in host_problems])
+    if pinned is not None:
+        body["pinned_memory"] = pinned
+    return body
 
 
 def view(*args: Any, received_at: float = 1000.0, state: str = "ready", **kw: Any) -> NodeView:

@@ -22,6 +22,7 @@ S, E = DeviceState, DeviceEvent
 # The ARCHITECTURE §3 table, written out independently of the implementation's encoding.
 EXPECTED: dict[tuple[DeviceState, DeviceEvent], DeviceState] = {
     (S.INITIALIZED, E.VALIDATED): S.ALLOCATABLE,
+    (S.ALLOCATABLE, E.HOST_NOT_READY): S.INITIALIZED,
     (S.ALLOCATABLE, E.RESERVE): S.RESERVED,
     (S.RESERVED, E.PREPARE): S.PREPARING,
     (S.PREPARING, E.ATTACH_SUCCEEDED): S.ATTACHED,

@@ -29,6 +29,13 @@ class AttachSpec:
 class Backend(Protocol):
     name: str
 
+    def readiness(self) -> list[Problem]:
+        """Host-wide prerequisites for this backend (VFIO: IOMMU, vfio-pci, no PVM; emulated: QEMU installed).
+
+        Empty when the host can serve the backend at all. Cubelet runs it before it validates or advertises any
+        device, and again on every reconcile; codes are `host.*`."""
+        ...
+
     def discover(self) -> list[DiscoveredDevice]:
         """Accelerators this backend would manage on this host, with labels."""
         ...

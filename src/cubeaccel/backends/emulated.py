@@ -75,6 +75,13 @@ class EmulatedBackend:
                                         instance=self.instance))
         return out
 
+    def readiness(self) -> list[Problem]:
+        """QEMU installed is all an emulated device needs: no IOMMU, no KVM (TCG runs anywhere)."""
+        if self.qemu is None or not Path(self.qemu).exists():
+            return [Problem("host.qemu_missing", "qemu-system-x86_64 is not installed on this host "
+                            "(apt-get install qemu-system-x86)")]
+        return []
+
     def _presence(self, device: DeviceRecord) -> list[Problem]:
         problems = []
         if self.qemu is None or not Path(self.qemu).exists():

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from cubeaccel.backends.base import AttachSpec, Problem
 from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
 from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsRestore
+from cubeaccel.host.readiness import HostRoots, check_host
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.states import DeviceState
@@ -60,13 +61,25 @@ class VfioBackend:
         *,
         reset_methods: Iterable[str] = DEFAULT_RESET_METHODS,
         clock: Callable[[], float] = time.monotonic,
+        readiness_roots: HostRoots | None = None,
     ) -> None:
+        """`readiness_roots`: where `cubeaccel host check` looks (sysfs, /dev, /proc). None only for a simulated
+        host, which models a kernel with an IOMMU and vfio-pci; a real (or fake-tree) host always passes them."""
         self.host = host
+        self.readiness_roots = readiness_roots
         self.specs: tuple[DeviceSpec, ...] = parse_allow(list(allow))
         self.allow = tuple(str(s) for s in self.specs)
         self.reset_methods = frozenset(reset_methods)
         self._clock = clock
         self._aer_baseline: dict[PciAddress, int] = {}
+
+    # ---- host readiness ---------------------------------------------------------------------------
+    def readiness(self) -> list[Problem]:
+        """`cubeaccel host check`'s failures: passthrough cannot work here (no IOMMU, PVM, no IR, no vfio)."""
+        if self.readiness_roots is None:
+            return []
+        r = self.readiness_roots
+        return [Problem(c.code, c.reason) for c in check_host(r.sys, r.dev, r.proc).failures]
 
     # ---- discovery ------------------------------------------------------------------------------
     def discover(self) -> list[DiscoveredDevice]:

@@ -43,6 +43,8 @@ def serve_cmd(
     profile: Annotated[str, typer.Option(help="simulated devices, e.g. h100x8 or 2xh100,2xt4")] = "h100x8",
     listen: Annotated[str | None, typer.Option(help="also serve TCP on HOST:PORT")] = None,
     sysfs_root: Annotated[Path, typer.Option(help="sysfs root for --backend vfio")] = Path("/sys"),
+    dev_root: Annotated[Path, typer.Option(help="/dev for --backend vfio's host readiness checks")] = Path("/dev"),
+    proc_root: Annotated[Path, typer.Option(help="/proc for --backend vfio's host readiness checks")] = Path("/proc"),
     allow: Annotated[list[str] | None, typer.Option(help="vendor:device patterns (vfio)")] = None,
     tick: Annotated[float, typer.Option(help="seconds between periodic reconciles")] = 2.0,
     reservation_ttl: Annotated[float, typer.Option(help="seconds before an unstarted reservation expires")] = 300.0,
@@ -73,7 +75,8 @@ def serve_cmd(
         raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
     try:
         cubelet = build_cubelet(RuntimeOptions(
-            state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root,
+            state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root, dev_root=dev_root,
+            proc_root=proc_root,
             allow=tuple(allow or ("10de:*",)), vm_start=vm_start, detach_timeout_s=detach_timeout,
             holder_scan_exempt_pids=frozenset(holder_scan_exempt_pid or ()),
             guest_images=guest_images,
@@ -101,8 +104,12 @@ def serve_cmd(
         heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick)
         heartbeat.start()
     sock = state_dir / "cubelet.sock"
+    from cubeaccel.cubelet.heartbeat import host_state
+
+    host, _ = host_state(cubelet)  # serving, but says so when nothing can be handed out on this host
     print(json.dumps({"cubelet": "ready", "socket": str(sock), "backend": backend, "repairs": len(repairs),
-                      "pid": os.getpid()}), flush=True)
+                      "pid": os.getpid(), "host_ready": host["ready"],
+                      "host_problems": [p["code"] for p in host["problems"]]}), flush=True)
     try:
         serve(cubelet, sock, addr)
     finally:

@@ -49,6 +49,9 @@ class CubeletClient:
     def capacity(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/capacity"))
 
+    def host(self) -> dict[str, Any]:
+        return dict(self.request("GET", "/v1/host"))
+
     def health(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/health"))
 

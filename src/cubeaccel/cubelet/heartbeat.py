@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from cubeaccel import __version__
+from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 
@@ -16,16 +17,28 @@ from cubeaccel.cubelet.lifecycle import Cubelet
 def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
     sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
     facts = cubelet.shim.node_facts()  # learned from the host each beat: an image removed stops being offered
+    readiness, pinned = host_state(cubelet)
     return {
         "node": cubelet.config.node_name,
         "cubelet_url": cubelet_url,
         "version": __version__,
         "capacity": capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
-        "pinnable_memory_mib": cubelet.pinnable_mib(),
+        "pinnable_memory_mib": pinned["free_mib"],  # free lockable memory: what a new sandbox may lock
+        "pinned_memory": pinned,
+        "ready": readiness["ready"],
+        "host_problems": readiness["problems"],
         "guest_images": [i.to_json() for i in facts.guest_images],
         "hotplug": list(facts.hotplug),
         "sent_at": sent_at,
     }
+
+
+def host_state(cubelet: Cubelet) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Host readiness and the pinned-memory ledger, as the heartbeat and `GET /v1/host` show them."""
+    with cubelet.store.read() as t:
+        readiness = host_ready.current(t)
+        led = memory_ledger.ledger(t.reservations(), cubelet.config.pinnable_memory_mib)
+    return readiness.to_json(), led.to_json()
 
 
 class Heartbeat:

@@ -1,4 +1,5 @@
-"""Host initialization: discover → `initialized` → prepare host binding → validate → `allocatable`."""
+"""Host initialization: host readiness → discover → `initialized` → prepare host binding → validate →
+`allocatable`. On a host that is not ready devices are registered and stay `initialized` (host_ready.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from cubeaccel.backends.base import Problem
+from cubeaccel.cubelet import host_ready
 from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
 from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -30,7 +32,11 @@ def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[s
 
 
 def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> None:
-    """Bind what the backend needs bound, then validate each `initialized` device."""
+    """Bind what the backend needs bound, then validate each `initialized` device — only on a ready host:
+    nothing is bound to vfio-pci (or handed out) where passthrough cannot work."""
+    with cubelet.store.read() as t:
+        if not host_ready.current(t).ready:
+            return
     by_id = {d.device_id: d for d in discovered}
     # Optional backend hook: VFIO binds to vfio-pci here; backends with nothing to bind lack it.
     prepare: Callable[[DiscoveredDevice], HostPreparation] | None = getattr(cubelet.backend, "prepare", None)
@@ -65,6 +71,7 @@ def initialize_host(cubelet: Cubelet) -> list[DiscoveredDevice]:
     backend_facts.seed(cubelet)  # before any validation compares against them
     discovered = cubelet.backend.discover()
     register_new(cubelet, discovered)
+    host_ready.check(cubelet)  # before anything is bound, validated or advertised
     validate_initialized(cubelet, discovered)
     backend_facts.persist(cubelet)
     return discovered

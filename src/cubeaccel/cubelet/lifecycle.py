@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cubeaccel.backends.base import Backend
+from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
 from cubeaccel.cubelet.shim_driver import ShimDevice, ShimDriver, ShimSpec
@@ -137,6 +138,7 @@ class Cubelet(ReleasePath):
                 raise conflict("reserve.sandbox_conflict",
                                f"sandbox {sandbox_id} already holds devices with different parameters",
                                details={"existing": existing.params})
+            host_ready.refuse_if_not_ready(t)
             devices = t.devices()
             eligible, refused = devices, []
             if contract is not None:  # stage 3 of the contract: the physical device itself
@@ -155,6 +157,7 @@ class Cubelet(ReleasePath):
                 raise conflict("reserve.insufficient_devices",
                                f"{req.count} device(s) requested, not enough allocatable matching devices",
                                details={"requested": req.count, "devices_by_state": by_state})
+            memory_ledger.admit(t, sandbox_id, params, self.config.pinnable_memory_mib)  # devices untouched yet
             for d in chosen:
                 t.transition(d, E.RESERVE, Actor.CUBELET, sandbox_id=sandbox_id,
                              details={"template": req.template, "memory_mib": req.memory_mib})

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cubeaccel.cubelet import backend_facts
+from cubeaccel.cubelet import backend_facts, host_ready
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
@@ -88,6 +88,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         discovered = cubelet.backend.discover()
         for dev_id in register_new(cubelet, discovered):
             _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
+        host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
         found = {d.device_id: d for d in discovered}
         for d in cubelet.store.devices():
             if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):

@@ -26,6 +26,8 @@ class RuntimeOptions:
     backend: str = "simulated"
     profile: str = "h100x8"
     sysfs_root: Path = Path("/sys")
+    dev_root: Path = Path("/dev")  # host readiness only (fake trees in tests); holders are always read in /proc
+    proc_root: Path = Path("/proc")
     allow: tuple[str, ...] = ("10de:*",)
     config: CubeletConfig = field(default_factory=CubeletConfig)
     vm_start: str = "template"  # real shims: start from the template snapshot, or cold boot
@@ -92,9 +94,11 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         from cubeaccel.backends.vfio import VfioBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
         from cubeaccel.host.pci import SysfsPciHost
+        from cubeaccel.host.readiness import HostRoots
 
+        roots = HostRoots(opts.sysfs_root, opts.dev_root, opts.proc_root)
         backend = VfioBackend(SysfsPciHost(str(opts.sysfs_root), exempt_pids=opts.holder_scan_exempt_pids),
-                              allow=opts.allow)
+                              allow=opts.allow, readiness_roots=roots)
         shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     else:
         from cubeaccel.backends.emulated import EmulatedBackend

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 from cubeaccel.api_edges import install_api_edges
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
+from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.model.errors import invalid, not_found
@@ -144,6 +145,13 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
             validate_sandbox_id(sandbox_id)
         evs = cubelet.store.events(since, limit, device_id, sandbox_id=sandbox_id)
         return {"events": [e.to_json() for e in evs], "next": evs[-1].seq if evs else since}
+
+    @app.get("/v1/host")
+    def host() -> dict[str, Any]:
+        """Host readiness (the backend's host-wide checks) and the pinned-memory ledger."""
+        readiness, pinned = host_state(cubelet)
+        return {"node": cubelet.config.node_name, "backend": cubelet.backend.name, **readiness,
+                "pinned_memory": pinned}
 
     @app.get("/v1/capacity")
     def capacity() -> dict[str, Any]:

@@ -193,6 +193,13 @@ class Tx:
         assert rec is not None
         return rec
 
+    def set_reason(self, device: DeviceRecord, reason: str | None) -> bool:
+        """Why a device stays where it is (an `initialized` device on a host that is not ready), without a
+        transition: same state, same generation. False when the device changed meanwhile."""
+        cur = self.c.execute("UPDATE devices SET reason=?, updated_at=? WHERE id=? AND state=? AND generation=?",
+                             (reason, self.now, device.id, device.state.value, device.generation))
+        return cur.rowcount == 1
+
     # ---- reservations ---------------------------------------------------------------------------
     def reservation(self, sandbox_id: str) -> Reservation | None:
         r = self.c.execute("SELECT * FROM reservations WHERE sandbox_id=?", (sandbox_id,)).fetchone()

@@ -56,6 +56,15 @@ class HostReadiness:
         return {"ready": self.ready, "checks": [c.to_json() for c in self.checks], "facts": self.facts}
 
 
+@dataclass(frozen=True)
+class HostRoots:
+    """Where the checks look: the real host's, or a fake tree's `sys`, `dev` and `proc`."""
+
+    sys: Path = Path("/sys")
+    dev: Path = Path("/dev")
+    proc: Path = Path("/proc")
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text(errors="replace")

@@ -33,20 +33,22 @@ class NodeCache:
         with self._lock:
             self._loaded_at = 0.0
 
-    def note_claim(self, node: str, group_key: str, count: int) -> None:
+    def note_claim(self, node: str, group_key: str, count: int, pinned_mib: int = 0) -> None:
         """Our own claim, visible to this replica's next decisions before the next reload."""
         with self._lock:
             v = self._views.get(node)
             if v is not None:
                 v.claims = {**v.claims, group_key: v.claims.get(group_key, 0) + count}
+                v.memory_claims_mib += pinned_mib
 
     def _reload(self) -> None:
         known = {name: (v.received_at, v.state) for name, v in self._views.items()}
         changed, names = self.store.node_views(known)
-        claims = self.store.claims()
+        claims, memory = self.store.claims(), self.store.memory_claims()
         fresh = {name: self._views[name] for name in names if name in self._views}
         fresh.update({v.name: v for v in changed})  # unchanged views keep their contract and device memos
         for name, v in fresh.items():
             v.claims = claims.get(name, {})
+            v.memory_claims_mib = memory.get(name, 0)
         self._views = fresh
         self._loaded_at = time.monotonic()

@@ -3,7 +3,7 @@
 Each filter is a small function that returns a `Reason` (or None) for one node, so a rejection can
 say which constraint failed where: "0/12 nodes: 7 insufficient_devices, 3 labels_mismatch(model),
 2 pinned_memory". A node gets the reason of the first filter it fails, in the order of `FILTERS`;
-cheap, operator-visible facts (stale, draining) first, counts last, so the answer names the real
+cheap, operator-visible facts (stale, draining, host not ready) first, counts last, so the answer names the real
 obstacle rather than its symptom.
 
 The contract stage 2 check (`check_node`) runs once per node view and contract digest, and the CEL
@@ -68,6 +68,7 @@ class Context:
     now: float
     staleness_s: float
     matching: list[Group] = field(default_factory=list)  # filled by the group filters for the next ones
+    vcpus: int = 1  # with the template's memory: what the sandbox locks on its node (VMM overhead per vCPU)
 
 
 Filter = Callable[[NodeView, Context], Reason | None]
@@ -81,6 +82,15 @@ def node_stale(n: NodeView, c: Context) -> Reason | None:
 
 def node_draining(n: NodeView, c: Context) -> Reason | None:
     return Reason("node_draining", "drained by an operator") if n.state != "ready" else None
+
+
+def host_not_ready(n: NodeView, c: Context) -> Reason | None:
+    """The node's Cubelet says its host cannot serve its backend (no IOMMU, PVM, ...): nothing fits there."""
+    if n.host_ready:
+        return None
+    codes = ", ".join(code for code, _ in n.host_problems) or "no reason given"
+    first = f": {n.host_problems[0][1]}" if n.host_problems and n.host_problems[0][1] else ""
+    return Reason("host_not_ready", f"{codes}{first}")
 
 
 def class_missing(n: NodeView, c: Context) -> Reason | None:
@@ -114,12 +124,13 @@ def selector_mismatch(n: NodeView, c: Context) -> Reason | None:
 def contract(n: NodeView, c: Context) -> Reason | None:
     """Contract stage 2: backend, hot-plug, pinned memory, kernel, image, modules.img (check_node), then the
     device kinds."""
-    vs = n.contract_memo.get(c.contract.digest)
+    key, headroom = _memo_key(n, c)
+    vs = n.contract_memo.get(key)
     if vs is None:
         summary = NodeSummary(backends=n.backends, devices=[g.attributes for g in n.groups],
-                              pinnable_memory_mib=n.pinnable_memory_mib, guest_images=n.guest_images,
+                              pinnable_memory_mib=headroom, guest_images=n.guest_images,
                               hotplug=n.hotplug, name=n.name)
-        vs = n.contract_memo[c.contract.digest] = check_node(c.contract, summary)
+        vs = n.contract_memo[key] = check_node(c.contract, summary)
     for v in vs:
         if v.code != "compat.node_no_matching_device":
             return Reason(CONTRACT_REASONS.get(v.code, v.code), f"{v.layer.value}: expected {v.expected}, "
@@ -129,6 +140,15 @@ def contract(n: NodeView, c: Context) -> Reason | None:
         models = ", ".join(sorted({g.labels.get("model", "?") for g in before}))
         return Reason("device_incompatible", f"template {c.contract.template_name} supports none of {models}")
     return None
+
+
+def _memo_key(n: NodeView, c: Context) -> tuple[str, int]:
+    """check_node compares guest RAM with lockable memory; the node's free lockable memory (after claims)
+    less the VMM overhead is that comparison made exact. Claims change between heartbeats, so it is in the key."""
+    t = c.contract.template
+    overhead = n.locked_mib(t.memory_mib, c.vcpus, True) - t.memory_mib
+    headroom = n.free_pinnable_mib() - overhead
+    return f"{c.contract.digest}@{headroom}", headroom
 
 
 def insufficient_devices(n: NodeView, c: Context) -> Reason | None:
@@ -151,8 +171,8 @@ def _device_ok(n: NodeView, g: Group, contract: CompatibilityContract) -> bool:
     return ok
 
 
-FILTERS: tuple[Filter, ...] = (node_stale, node_draining, class_missing, labels_mismatch, selector_mismatch,
-                               contract, insufficient_devices)
+FILTERS: tuple[Filter, ...] = (node_stale, node_draining, host_not_ready, class_missing, labels_mismatch,
+                               selector_mismatch, contract, insufficient_devices)
 
 
 def score(n: NodeView, g: Group, count: int) -> tuple[float, ...]:
@@ -198,10 +218,11 @@ def _group_ok(g: Group, c: Context) -> bool:
 
 
 def _node_contract_ok(n: NodeView, c: Context) -> bool:
-    vs = n.contract_memo.get(c.contract.digest)
+    key, _ = _memo_key(n, c)
+    vs = n.contract_memo.get(key)
     if vs is None:
-        contract(n, Context(c.choice, c.contract, None, c.now, c.staleness_s, list(n.groups)))
-        vs = n.contract_memo[c.contract.digest]
+        contract(n, Context(c.choice, c.contract, None, c.now, c.staleness_s, list(n.groups), c.vcpus))
+        vs = n.contract_memo[key]
     return all(v.code == "compat.node_no_matching_device" for v in vs)
 
 
@@ -215,7 +236,7 @@ def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceO
     cutoff, count = ctx.now - ctx.staleness_s, ctx.choice.count
     scored: list[tuple[float, float, float, str, int, Group, NodeView]] = []
     for i, n in enumerate(nodes):
-        if n.received_at < cutoff or n.state != "ready":
+        if n.received_at < cutoff or n.state != "ready" or not n.host_ready:
             continue
         claims = n.claims
         for g in n.groups:
@@ -243,11 +264,11 @@ class Decision:
 
 
 def decide(nodes: Sequence[NodeView], choices: Sequence[tuple[AcceleratorChoice, CompatibilityContract,
-           Selector | None]], now: float, staleness_s: float) -> Decision:
+           Selector | None]], now: float, staleness_s: float, vcpus: int = 1) -> Decision:
     """Ordered alternatives: the first choice that fits anywhere wins, its candidates best first."""
     outcomes = []
     for choice, contract_, selector in choices:
-        out = evaluate(nodes, Context(choice, contract_, selector, now, staleness_s))
+        out = evaluate(nodes, Context(choice, contract_, selector, now, staleness_s, vcpus=vcpus))
         outcomes.append(out)
         if out.candidates:
             return Decision(choice, contract_, out.candidates, outcomes)

@@ -72,6 +72,7 @@ sandboxes = sa.Table(
     sa.Column("group_key", sa.String(600), nullable=True),
     sa.Column("accel_class", sa.String(32), nullable=True),
     sa.Column("count", sa.Integer, nullable=False),
+    sa.Column("pinned_mib", sa.Integer, nullable=False, server_default="0"),  # lockable memory the placement takes
     sa.Column("device_ids", sa.JSON, nullable=False),
     sa.Column("cubelet_created_at", sa.Float, nullable=True),  # Cubelet clock, from its reply
     sa.Column("error", sa.JSON, nullable=True),
@@ -92,7 +93,13 @@ def _v1(conn: sa.Connection) -> None:
         t.create(conn)
 
 
-MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1)]
+def _v2(conn: sa.Connection) -> None:
+    """Placements claim pinned memory as they claim devices. (A database created at v2 already has it.)"""
+    if "pinned_mib" not in {c["name"] for c in sa.inspect(conn).get_columns("sandboxes")}:
+        conn.execute(sa.text("ALTER TABLE sandboxes ADD COLUMN pinned_mib INTEGER NOT NULL DEFAULT 0"))
+
+
+MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

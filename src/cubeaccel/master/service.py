@@ -29,7 +29,8 @@ from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 
-RETRYABLE = ("reserve.insufficient_devices", "compat.", "prepare.revalidation_failed")
+RETRYABLE = ("reserve.insufficient_devices", "compat.", "prepare.revalidation_failed", "reserve.pinned_memory",
+             "host.not_ready")
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class CubeMaster:
         lost = 0  # claims another placement won first
         for round_ in range(3):
             views = self.cache.views(fresh=round_ > 0)
-            decision = decide(views, resolved, time.time(), self.config.staleness_s)
+            decision = decide(views, resolved, time.time(), self.config.staleness_s, spec.vcpus)
             if not decision.candidates:
                 if round_ == 0:
                     continue  # our copy may be old: decide once more on fresh summaries
@@ -143,11 +144,13 @@ class CubeMaster:
                 if (cand.node.name, cand.group.key) in tried:
                     continue
                 tried.add((cand.node.name, cand.group.key))
+                t = decision.contract.template
+                pinned = cand.node.locked_mib(t.memory_mib, spec.vcpus, t.pin_memory)
                 if not self.store.claim(sid, cand.node.name, cand.group.key, decision.choice.count, time.time(),
-                                        self.config.staleness_s):
+                                        self.config.staleness_s, pinned):
                     lost += 1
                     continue  # another placement got there first; not a Cubelet attempt
-                self.cache.note_claim(cand.node.name, cand.group.key, decision.choice.count)
+                self.cache.note_claim(cand.node.name, cand.group.key, decision.choice.count, pinned)
                 self.store.update_sandbox(sid, "scheduled", detail={"node": cand.node.name,
                                           "decision_ms": round(decided_ms, 3), **cand.to_json()})
                 placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts)

@@ -113,16 +113,23 @@ class MasterStore:
         with self.tx() as c:
             return _claims(c, None)
 
+    def memory_claims(self) -> dict[str, int]:
+        """Per node, MiB of lockable memory placed that its last heartbeat cannot show yet."""
+        with self.tx() as c:
+            return _memory_claims(c, None)
+
     def all_node_views(self) -> list[NodeView]:
         views, _ = self.node_views()
-        claims = self.claims()
+        claims, memory = self.claims(), self.memory_claims()
         for v in views:
             v.claims = claims.get(v.name, {})
+            v.memory_claims_mib = memory.get(v.name, 0)
         return views
 
     def claim(self, sandbox_id: str, node: str, group_key: str, count: int, now: float,
-              staleness_s: float) -> bool:
-        """Admit a placement on `node` under its row lock, or say no (the caller tries the next node)."""
+              staleness_s: float, pinned_mib: int = 0) -> bool:
+        """Admit a placement on `node` under its row lock, or say no (the caller tries the next node).
+        Devices and pinned memory are both re-checked against the summary minus the claims it cannot show."""
         with self.tx() as c:
             r = c.execute(sa.select(S.nodes).where(S.nodes.c.name == node).with_for_update()).first()
             if r is None or r.state != "ready" or now - r.received_at > staleness_s:
@@ -132,9 +139,12 @@ class MasterStore:
             claimed = _claims(c, node).get(node, {}).get(group_key, 0)
             if group is None or group.allocatable - claimed < count:
                 return False
+            if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
+                return False
             res = c.execute(S.sandboxes.update()
                             .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state == "scheduling")
-                            .values(node=node, group_key=group_key, count=count, state="placing", updated_at=now))
+                            .values(node=node, group_key=group_key, count=count, pinned_mib=pinned_mib,
+                                    state="placing", updated_at=now))
             return res.rowcount == 1
 
     # ---- templates --------------------------------------------------------------------------------
@@ -238,12 +248,27 @@ class MasterStore:
             c.execute(S.sandboxes.delete().where(S.sandboxes.c.id == sandbox_id))
 
 
+def _unseen() -> sa.ColumnElement[bool]:
+    """Placements the node's last summary (sent at `sent_at`) cannot show yet."""
+    s, n = S.sandboxes, S.nodes
+    return sa.or_(s.c.state == "placing", sa.and_(
+        s.c.state.in_(("starting", "running", "deleting")),
+        sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at)))
+
+
+def _memory_claims(c: sa.Connection, node: str | None) -> dict[str, int]:
+    s, n = S.sandboxes, S.nodes
+    q = (sa.select(s.c.node, sa.func.sum(s.c.pinned_mib)).select_from(s.join(n, s.c.node == n.c.name))
+         .where(_unseen(), s.c.pinned_mib > 0).group_by(s.c.node))
+    if node is not None:
+        q = q.where(s.c.node == node)
+    return {name: int(total) for name, total in c.execute(q)}
+
+
 def _claims(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
     """Devices placed or being placed that the node's last summary (sent at `sent_at`) cannot show."""
     s, n = S.sandboxes, S.nodes
-    unseen = sa.or_(s.c.state == "placing", sa.and_(
-        s.c.state.in_(("starting", "running", "deleting")),
-        sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at)))
+    unseen = _unseen()
     q = (sa.select(s.c.node, s.c.group_key, sa.func.sum(s.c.count))
          .select_from(s.join(n, s.c.node == n.c.name)).where(unseen).group_by(s.c.node, s.c.group_key))
     if node is not None:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from cubeaccel.model.contract import ContractViolation
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
+from cubeaccel.model.pinned_memory import sandbox_locked_mib
 from cubeaccel.model.profiles import PROFILES
 
 # model label → (vendor_id, device_id), for summaries whose group labels omit the ids
@@ -52,9 +53,23 @@ class NodeView:
     claims: dict[str, int] = field(default_factory=dict)  # group key → devices claimed, not yet in summary
     contract_memo: dict[str, list[ContractViolation]] = field(default_factory=dict)
     device_memo: dict[tuple[str, str], bool] = field(default_factory=dict)
+    # Host readiness as the Cubelet last checked it (`ready`, `host_problems`); absent in a heartbeat: ready.
+    host_ready: bool = True
+    host_problems: tuple[tuple[str, str], ...] = ()  # (code, message)
+    pinned: Mapping[str, Any] = field(default_factory=dict)  # the heartbeat's `pinned_memory` ledger, as sent
+    memory_claims_mib: int = 0  # MiB to be locked by placements the last heartbeat cannot show yet
 
     def free(self, g: Group) -> int:
         return g.allocatable - self.claims.get(g.key, 0)
+
+    def free_pinnable_mib(self) -> int:
+        """Free lockable memory: the heartbeat's, minus what this cluster placed since (as `free` for devices)."""
+        return max(0, self.pinnable_memory_mib - self.memory_claims_mib)
+
+    def locked_mib(self, memory_mib: int, vcpus: int, pin_memory: bool) -> int:
+        """What a sandbox would take from this node's lockable memory, with the node's own VMM overhead."""
+        return sandbox_locked_mib(memory_mib, vcpus, pin_memory, _int(self.pinned.get("vmm_overhead_mib")),
+                                  _int(self.pinned.get("vmm_overhead_per_vcpu_mib")))
 
     def stale(self, now: float, staleness_s: float) -> bool:
         return now - self.received_at > staleness_s
@@ -63,7 +78,11 @@ class NodeView:
         return {
             "node": self.name, "cubelet_url": self.cubelet_url, "version": self.version,
             "state": "stale" if self.stale(now, staleness_s) else self.state,
-            "schedulable": self.state == "ready" and not self.stale(now, staleness_s),
+            "schedulable": self.state == "ready" and self.host_ready and not self.stale(now, staleness_s),
+            "ready": self.host_ready,
+            "host_problems": [{"code": c, "message": m} for c, m in self.host_problems],
+            "pinned_memory": {**self.pinned, "claimed_mib": self.memory_claims_mib,
+                              "free_after_claims_mib": self.free_pinnable_mib()},
             "last_heartbeat_age_s": round(now - self.received_at, 3),
             "backends": sorted(self.backends), "pinnable_memory_mib": self.pinnable_memory_mib,
             "guest_images": [i.to_json() for i in self.guest_images], "hotplug": sorted(self.hotplug),
@@ -73,6 +92,10 @@ class NodeView:
                         "allocatable": max(0, self.free(g)), "claimed": self.claims.get(g.key, 0),
                         "allocatable_by_numa": dict(g.by_numa)} for g in self.groups],
         }
+
+
+def _int(raw: Any) -> int:
+    return int(raw) if isinstance(raw, int) and not isinstance(raw, bool) else 0
 
 
 def group_key(accel_class: str, labels: Mapping[str, str]) -> str:
@@ -131,6 +154,19 @@ def _group(raw: Any) -> Group:
                  _count(by_state.get("allocatable", 0), "by_state.allocatable"), numa)
 
 
+def _host_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Host readiness and the pinned-memory ledger; an older Cubelet sends neither (ready, no VMM overhead)."""
+    ready = body.get("ready", True)
+    if not isinstance(ready, bool):
+        raise ValueError(f"ready must be a boolean, got {ready!r}")
+    problems = tuple((str(p["code"]), str(p.get("message", ""))) for p in body.get("host_problems") or [])
+    pinned = dict(body.get("pinned_memory") or {})
+    for k in ("lockable_mib", "locked_mib", "free_mib", "vmm_overhead_mib", "vmm_overhead_per_vcpu_mib"):
+        if k in pinned:
+            pinned[k] = _count(pinned[k], f"pinned_memory.{k}")
+    return {"host_ready": ready, "host_problems": problems, "pinned": pinned}
+
+
 def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = "ready") -> NodeView:
     """Validate a heartbeat body (the agreed shape) into a view; malformed bodies are 422s."""
     url = cubelet_url(body.get("cubelet_url"))
@@ -144,6 +180,7 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
             guest_images=parse_guest_images(body.get("guest_images")),
             hotplug=parse_hotplug(body.get("hotplug")),
             groups=tuple(_group(g) for g in cap.get("groups", [])),
+            **_host_fields(body),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise CubeError("node.invalid_heartbeat", f"malformed heartbeat: {type(e).__name__}: {e}", "api",

@@ -23,6 +23,7 @@ class DeviceState(StrEnum):
 
 class DeviceEvent(StrEnum):
     VALIDATED = "validated"
+    HOST_NOT_READY = "host_not_ready"
     RESERVE = "reserve"
     PREPARE = "prepare"
     ATTACH_SUCCEEDED = "attach_succeeded"
@@ -73,6 +74,7 @@ C, SH, OP = Actor.CUBELET, Actor.SHIM, Actor.OPERATOR
 
 TRANSITIONS: tuple[Transition, ...] = (
     _t(E.VALIDATED, {S.INITIALIZED}, S.ALLOCATABLE, {C}, "driver binding, viable IOMMU group, no holders"),
+    _t(E.HOST_NOT_READY, {S.ALLOCATABLE}, S.INITIALIZED, {C}, "host readiness failed; no tenant holds it"),
     _t(E.RESERVE, {S.ALLOCATABLE}, S.RESERVED, {C}, "atomic; records sandbox, template, contract, memory"),
     _t(E.PREPARE, {S.RESERVED}, S.PREPARING, {C}, "contract revalidated against this device"),
     _t(E.ATTACH_SUCCEEDED, {S.PREPARING}, S.ATTACHED, {SH}, "VMM confirmed the device; guest saw it"),
