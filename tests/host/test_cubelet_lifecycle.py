@@ -444,3 +444,18 @@ def test_without_a_contract_the_device_must_still_be_seen_where_it_was_plugged(n
     assert [(s["phase"], s["error"]["code"], s["error"]["layer"]) for _, s in sent] == [
         ("failed", "compat.device_not_visible_in_guest", "host_hardware")]
     assert node.device(dev).state in (S.RELEASING, S.ALLOCATABLE)
+
+
+def test_health_failing_after_release_keeps_the_device_out_as_unhealthy(node: Node) -> None:
+    """The VMM is gone and the reset ran, but the post-reset check finds the device broken: never allocatable."""
+    res = node.cubelet.reserve("sb-hf", ReservationRequest(count=1))
+    dev = res.device_ids[0]
+    node.cubelet.start("sb-hf")
+    node.host.inject(Fault.AER_FATAL, node.address(dev))
+    node.cubelet.release("sb-hf")
+    d = node.device(dev)
+    assert d.state is S.UNHEALTHY and d.reason == "host.aer_fatal"
+    trail = [e.event for e in node.cubelet.store.events(device_id=dev) if e.kind == "transition"]
+    assert trail[-2:] == ["teardown", "health_failed"] and "revalidated" not in trail[-3:]
+    assert node.host.reset_count(node.address(dev)) == 1
+    assert node.cubelet.store.reservation("sb-hf") is None
