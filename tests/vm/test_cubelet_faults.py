@@ -56,7 +56,7 @@ def test_paused_guest_detach_times_out_and_device_returns_only_after_the_vmm_is_
     from qemu.qmp.legacy import QEMUMonitorProtocol
 
     dev = node.client.reserve("f-paused", 1, memory_mib=256, start=True)["devices"][0]["id"]
-    poll(lambda: _dev(node, dev)["state"] == "attached", 120)
+    poll(lambda: any(e["event"] == "guest_validated" for e in _events(node, "f-paused")), 120)  # running
     aux = QEMUMonitorProtocol(str(node.state_dir / "shims" / "f-paused" / "qmp-aux.sock"))
     aux.connect()
     aux.cmd("stop")  # the guest can no longer answer the ACPI unplug request

@@ -10,6 +10,7 @@ import pytest
 from cubeaccel.images.manifest import Manifest
 from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.host.holder_proc import unreadable_pids
 from tests.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
@@ -22,7 +23,8 @@ def test_vfio_hotplug_refused_by_qemu_is_attach_failed_and_released_safely(
     state = tmp_path / "state"
     state.mkdir()
     p = CubeletProcess(state, "-", "--backend", "vfio", "--sysfs-root", str(fake.sys),
-                       "--dev-root", str(fake.dev), "--proc-root", str(fake.proc)).start()
+                       "--dev-root", str(fake.dev), "--proc-root", str(fake.proc),
+                       *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids())).start()
     try:
         body = p.client.reserve("vf-1", 1, memory_mib=256, start=True)
         dev = body["devices"][0]["id"]

@@ -30,6 +30,7 @@ def edu_template(image: Manifest, name: str, **probes: Any) -> dict[str, Any]:
 @pytest.fixture
 def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess, CubeletProcess]]:
     master = MasterProcess(tmp_path / "master").start()
+    (tmp_path / "cubelet").mkdir()
     cubelet = CubeletProcess(tmp_path / "cubelet", "-", "--backend", "emulated", "--master", master.url,
                              "--listen", f"127.0.0.1:{free_port()}", "--node", "vm-node", "--release-timeout", "20")
     cubelet.start()

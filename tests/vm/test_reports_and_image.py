@@ -52,7 +52,7 @@ def test_reports_are_posted_to_cubelet_over_its_unix_socket(shim_factory: Any, t
     try:
         run = shim_factory(start="template", report={"socket": str(sock)}).start()
         deadline = time.monotonic() + 60
-        while not any(r["kind"] == "device_attached" for r in received) and time.monotonic() < deadline:
+        while not any(r["kind"] == "guest_validated" for r in received) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert run.terminate() == 0
     finally:
@@ -60,7 +60,7 @@ def test_reports_are_posted_to_cubelet_over_its_unix_socket(shim_factory: Any, t
         server.server_close()
     assert {r["path"] for r in received} == {"/v1/shim-reports"}
     assert [r["kind"] for r in received] == ["vm_started", "memory_pinned", "guest_ready", "device_attached",
-                                             "device_detached", "vmm_exited", "shim_exiting"]
+                                             "guest_validated", "device_detached", "vmm_exited", "shim_exiting"]
     assert all(r["sandbox_id"] == run.sandbox_id for r in received)
     assert not (run.state_dir / "undelivered.jsonl").exists()
 

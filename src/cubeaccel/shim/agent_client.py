@@ -53,8 +53,9 @@ class AgentClient:
             self._sock.close()
             self._sock = None
 
-    def _readline(self, deadline: float) -> dict[str, Any] | None:
-        """One reply line from an untrusted guest: bounded in size and time; anything unreadable is `{}`."""
+    def _readline(self, deadline: float, cancel_fd: int | None = None) -> dict[str, Any] | None:
+        """One reply line from an untrusted guest: bounded in size and time; anything unreadable is `{}`.
+        A readable `cancel_fd` (the shim's stop pipe) ends the wait at once: teardown never waits on a probe."""
         assert self._sock is not None
         while (end := self._buf.find(b"\n")) < 0:
             if len(self._buf) > MAX_REPLY:
@@ -63,9 +64,12 @@ class AgentClient:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            readable, _, _ = select.select([self._sock], [], [], left)
+            waits: list[int] = [self._sock.fileno(), *([] if cancel_fd is None else [cancel_fd])]
+            readable, _, _ = select.select(waits, [], [], left)
             if not readable:
                 return None
+            if cancel_fd is not None and cancel_fd in readable:
+                raise agent_error("agent.cancelled", "stopped while waiting for cube-agent", layer="cubelet")
             chunk = self._sock.recv(65536)
             if not chunk:
                 raise agent_error("agent.disconnected", "agent channel closed by the VMM")
@@ -92,14 +96,15 @@ class AgentClient:
             self._sock.setblocking(False)
         return rid
 
-    def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
+    def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 10.0,
+             cancel_fd: int | None = None) -> dict[str, Any]:
         """One request, its reply's `result`; agent errors become CubeErrors with the agent's code and layer."""
         if self._sock is None:
             raise agent_error("agent.not_connected", "agent channel not connected")
         rid = self._send(method, params or {})
         deadline = time.monotonic() + timeout_s
         while True:
-            msg = self._readline(deadline)
+            msg = self._readline(deadline, cancel_fd)
             if msg is None:
                 raise agent_error("agent.timeout", f"no reply to {method} within {timeout_s:.1f} s", method=method)
             if "event" in msg:
