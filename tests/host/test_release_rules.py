@@ -25,7 +25,9 @@ from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationReque
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.shim_driver import ShimSpec
 from cubeaccel.cubelet.store import Store
+from cubeaccel.cubelet import host_ready
 from cubeaccel.host import procfs
+from cubeaccel.host.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
@@ -149,7 +151,8 @@ def vfio(tmp_path: Path) -> Iterator[VfioNode]:
     clock = Clock()
     (tmp_path / "state").mkdir()
     shims = StandInShims(tmp_path / "state", [str(group)])
-    cubelet = Cubelet(Store(tmp_path / "cubelet.db", clock=clock), VfioBackend(host), shims,
+    backend = VfioBackend(host, readiness_roots=HostRoots(fake.sys, dev, fake.proc))
+    cubelet = Cubelet(Store(tmp_path / "cubelet.db", clock=clock), backend, shims,
                       CubeletConfig(release_timeout_s=10, kill_grace_s=5, pinnable_memory_mib=1 << 20))
     initialize_host(cubelet)
     node = VfioNode(fake, clock, shims, cubelet, f"rr-{uuid.uuid4().hex[:12]}")
@@ -225,3 +228,18 @@ def test_an_unreadable_fd_dir_is_an_unknown_holder_quarantined_after_the_timeout
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
+
+
+def test_a_release_on_a_host_that_stopped_being_ready_gives_nothing_back(vfio: VfioNode) -> None:
+    vfio.running()
+    params = vfio.fake.sys / "module" / "vfio_iommu_type1" / "parameters"
+    params.mkdir(parents=True, exist_ok=True)
+    (params / "allow_unsafe_interrupts").write_text("Y\n")  # an operator turned interrupt isolation off
+    assert not host_ready.check(vfio.cubelet).ready
+    vfio.cubelet.release(vfio.sid)
+    vfio.shims.kill(vfio.sid)
+    vfio.cubelet.try_release(vfio.sid)
+    d = vfio.cubelet.store.device(f"vfio-{GPU}")
+    assert d is not None and (d.state, d.reason) == (S.INITIALIZED, "host.unsafe_interrupts")
+    trail = [e.event for e in vfio.cubelet.store.events(0, 10000, d.id) if e.kind == "transition"]
+    assert trail[-3:] == ["release_confirmed", "revalidated", "host_not_ready"]

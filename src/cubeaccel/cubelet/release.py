@@ -202,11 +202,16 @@ class ReleasePath:
         self._revalidate(t, d)
 
     def _revalidate(self, t: Tx, d: DeviceRecord) -> None:
+        from cubeaccel.cubelet import host_ready  # it builds on the lifecycle; imported late
+
         problems = self.backend.validate(d)
         if problems:
             record_problems(t, d, problems)
-        else:
-            t.transition(d, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+            return
+        d = t.transition(d, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+        readiness = host_ready.current(t)
+        if not readiness.ready:  # a host that stopped being ready gets nothing back, not even for one tick
+            t.transition(d, E.HOST_NOT_READY, Actor.CUBELET, reason=readiness.problems[0].code)
 
     def expire_reservations(self) -> list[str]:
         now = float(self.store.clock())
