@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 
 from cubeaccel.backends.vfio import VfioBackend
+from cubeaccel.cubelet import host_ready
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.shim_driver import ShimSpec
 from cubeaccel.cubelet.store import Store
-from cubeaccel.cubelet import host_ready
 from cubeaccel.host import procfs
 from cubeaccel.host.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
