@@ -63,7 +63,7 @@ def test_cold_boot_on_memfd_full_cycle_validates_contract(shim_factory: Any, gue
 
 def test_template_restore_full_cycle_with_the_image_found_by_digest(shim_factory: Any) -> None:
     run = shim_factory(start="template", explicit_image=False).start()
-    run.wait_for("device_attached")
+    run.wait_for("guest_validated")  # running: a stop before this cancels the probe, and there is no full cycle
     backend, record = EmulatedBackend(RUN_INSTANCE), _record(emulated_id(0))
     vmm_pid = run.one("vm_started")["details"]["pid"]
     assert [h.pid for h in backend.holders(record)] == [vmm_pid]  # found in /proc, not in memory
