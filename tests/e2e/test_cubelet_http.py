@@ -73,6 +73,8 @@ def test_unknown_ids_and_verbs_and_path_tricks(cubelet_proc: CubeletProcess) -> 
         assert r.status_code == 404 and r.json()["error"]["code"] == "reservation.not_found"
         r = h.get("/v1/events", params={"since": -1})
         assert r.json()["error"]["code"] == "api.invalid_cursor"
+        r = h.get("/v1/events", params={"sandbox_id": "../etc"})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "reserve.invalid_sandbox_id"
         r = h.post("/v1/shim-reports", json={"sandbox_id": "x", "kind": "nonsense"})
         assert r.json()["error"]["code"] == "api.invalid_shim_report"
 

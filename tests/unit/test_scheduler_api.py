@@ -132,3 +132,41 @@ def test_operator_verbs_refuse_an_empty_reason_but_need_none(api: TestClient) ->
     assert r.status_code == 422 and r.json()["error"]["code"] == "api.invalid_request"
     assert api.post("/v1/nodes/n1/drain", json={"who": "alice", "reason": "swap"}).json()["state"] == "draining"
     assert api.post("/v1/nodes/n1/undrain", json={"who": "alice"}).json()["state"] == "ready"
+
+
+def _starting(master: CubeMaster, sid: str = "sb-push", node: str = "n1") -> None:
+    now = 1000.0
+    assert master.store.insert_sandbox({
+        "id": sid, "tenant": "t", "idempotency_key": None, "request": {}, "state": "starting", "count": 1,
+        "device_ids": ["d1"], "timeline": [], "created_at": now, "updated_at": now, "expires_at": None}) is None
+    master.store.update_sandbox(sid, None, node=node)
+
+
+@pytest.mark.parametrize("body", [
+    {"phase": "ready"},  # not a phase
+    {"phase": "failed"},  # a failure without its error
+    {"phase": "running", "error": {"code": "x", "layer": "cubelet"}},  # running with an error
+    {"phase": "failed", "error": {"code": "", "layer": "cubelet"}},
+    {"phase": "failed", "error": {"code": "x", "layer": "cubelet", "extra": 1}},
+    {"phase": "failed", "error": {"code": "x" * 201, "layer": "cubelet"}},
+])
+def test_a_malformed_status_push_is_refused_and_changes_nothing(api: TestClient, master: CubeMaster,
+                                                               body: dict[str, Any]) -> None:
+    _starting(master)
+    r = api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=body)
+    assert r.status_code == 422 and r.json()["error"]["layer"] == "api"
+    assert master.store.sandbox("sb-push")["state"] == "starting"  # type: ignore[index]
+
+
+def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, master: CubeMaster) -> None:
+    _starting(master)
+    failed = {"phase": "failed", "error": {"code": "compat.modules_img_module_failed", "layer": "modules_img"}}
+    r = api.put("/v1/nodes/n2/sandboxes/sb-push/status", json=failed)
+    assert (r.status_code, r.json()["error"]["code"]) == (409, "sandbox.not_on_node")
+    assert api.put("/v1/nodes/n1/sandboxes/sb-nope/status", json=failed).status_code == 404
+    assert master.store.sandbox("sb-push")["state"] == "starting"  # type: ignore[index]
+    assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=failed).json() == {"state": "failed"}
+    row = master.store.sandbox("sb-push")
+    assert row is not None and row["error"] == {**failed["error"], "message": "", "phase": None, "node": "n1"}
+    # a late "running" never revives a failed sandbox
+    assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json={"phase": "running"}).json() == {"state": "failed"}

@@ -13,6 +13,7 @@ import pytest
 from cubeaccel.images.manifest import Manifest
 from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.e2e.master_harness import MasterProcess, example, free_port
+from tests.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 
@@ -40,6 +41,7 @@ def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess
     finally:
         cubelet.stop()
         master.stop()
+        kill_started_vmms(tmp_path)  # this Cubelet's VMMs only, by their pid files
 
 
 def _phase_at(sandbox: dict[str, Any], phase: str) -> float:

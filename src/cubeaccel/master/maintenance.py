@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.master.service import CubeMaster
+from cubeaccel.master.service import START_FAILED, CubeMaster
 from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
 
@@ -94,11 +94,9 @@ def poll_starting(master: CubeMaster, row: Row) -> str:
         reply = {"reservation": None, "failure": _closed_failure(master, url, str(row["id"]))}
     res, failure = reply.get("reservation"), reply.get("failure")
     if failure or res is None:
-        err = failure or {"code": "sandbox.start_failed", "layer": "cubelet",
-                          "message": "the reservation closed during start"}
-        return master.node_status(str(row["node"]), str(row["id"]), "failed", err)
+        return master.node_status(str(row["node"]), str(row["id"]), "failed", failure or START_FAILED)
     if res.get("phase") == "running":
-        return master.node_status(str(row["node"]), str(row["id"]), "running", None)
+        return master.node_status(str(row["node"]), str(row["id"]), "running", {})
     return str(row["state"])
 
 

@@ -204,7 +204,10 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status")
     def sandbox_status(node: str, sandbox_id: str, body: StatusBody) -> dict[str, Any]:
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
-        error = None if body.error is None else body.error.model_dump()
+        if (body.phase == "failed") != (body.error is not None):
+            raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not",
+                            "api", {}, 422)
+        error = {} if body.error is None else body.error.model_dump()
         return {"state": master.node_status(node, sandbox_id, body.phase, error)}
 
     return app

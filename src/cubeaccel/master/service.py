@@ -29,6 +29,8 @@ from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 
+# A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
+START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
 RETRYABLE = ("reserve.insufficient_devices", "compat.", "prepare.revalidation_failed", "reserve.pinned_memory",
              "host.not_ready")
 
@@ -184,15 +186,14 @@ class CubeMaster:
         # Ready means ready: `running` only once the Cubelet says the guest validated; a start that already
         # failed (and may be released already) is `failed` with the Cubelet's code and layer.
         state = "failed" if failure or not res else "running" if res.get("phase") == "running" else "starting"
+        error = {"error": failure or START_FAILED} if state == "failed" else {}
         self.store.update_sandbox(
             sid, "reserved", expect=("placing",),
             detail={"node": cand.node.name, "cubelet_timeline": reply.get("timeline", [])[-20:]},
             state=state, device_ids=list(res.get("device_ids", [])), accel_class=choice.accel_class,
             count=choice.count,
             template_name=contract.template_name, template_version=contract.template_version,
-            contract=contract.to_json(), cubelet_created_at=res.get("created_at"),
-            **({"error": failure or {"code": "sandbox.start_failed", "layer": "cubelet",
-                                     "message": "the reservation closed during start"}} if state == "failed" else {}))
+            contract=contract.to_json(), cubelet_created_at=res.get("created_at"), **error)
         row = self.store.sandbox(sid)
         assert row is not None
         return row
@@ -215,7 +216,7 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "deleted", state="deleted")
         return self.get(sandbox_id)
 
-    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any] | None) -> str:
+    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> str:
         """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
         (at start or later) → `failed` with the Cubelet's code and layer. Only that sandbox's own node counts."""
         row = self.get(sandbox_id)
@@ -225,9 +226,8 @@ class CubeMaster:
         if phase == "running":
             self.store.update_sandbox(sandbox_id, "ready", expect=("starting",), state="running")
         else:
-            err = error or {"code": "sandbox.failed", "layer": "cubelet", "message": "reported failed"}
             self.store.update_sandbox(sandbox_id, "failed", expect=("placing", "starting", "running"),
-                                      state="failed", error={**err, "node": node})
+                                      state="failed", error={**error, "node": node})
             self.cache.invalidate()
         return str(self.get(sandbox_id)["state"])
 
