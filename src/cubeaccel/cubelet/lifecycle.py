@@ -314,9 +314,9 @@ class Cubelet(ReleasePath):
         if report.kind is ShimReportKind.GUEST_VALIDATION_FAILED and not isinstance(raw, dict):
             return []  # the agent could not even probe: the shim's own reason decides
         try:
-            guest = GuestReport.from_json(raw) if isinstance(raw, dict) else None
-            if guest is None:
-                raise ValueError("no guest report: every GPU sandbox is validated in the guest")
+            if not isinstance(raw, dict):  # a pass without facts is no pass: every sandbox is validated
+                raise ValueError("no guest report")
+            guest = GuestReport.from_json(raw)
         except (KeyError, TypeError, ValueError) as e:
             t.event("guest_checked", Actor.CUBELET, sandbox_id=res.sandbox_id, reason="guest.report_malformed",
                     details={"error": str(e)})

@@ -61,12 +61,11 @@ def _refuse_while_vmm_may_live(cubelet: Cubelet, d: DeviceRecord) -> None:
     res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
     if res is None or d.id not in res.device_ids:
         return
-    st = cubelet.shim.status(res.sandbox_id) if res.facts.get("shim_started") else None
-    gone = cubelet.vmm_gone(res, st) if st is not None else True
-    if not gone:
+    st = cubelet.vmm_status(res)
+    if not cubelet.vmm_gone(res, st):
         raise conflict("recover.vmm_alive", f"the VMM of sandbox {res.sandbox_id} that had {d.id} is not proven "
                        "gone; it must exit first", layer="cubelet",
-                       details={"sandbox_id": res.sandbox_id, "vmm_pid": st.vmm_pid if st else None})
+                       details={"sandbox_id": res.sandbox_id, "vmm_pid": st.vmm_pid})
 
 
 def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver: bool = False) -> DeviceRecord:

@@ -108,7 +108,7 @@ class ReleasePath:
                 self.shim.stop(sandbox_id)
             self.try_release(sandbox_id)
 
-    def _vmm_status(self, res: Reservation) -> ShimStatus:
+    def vmm_status(self, res: Reservation) -> ShimStatus:
         if not res.facts.get("shim_started"):
             return ShimStatus(shim_alive=False, vmm_alive=False)
         return self.shim.status(res.sandbox_id)
@@ -136,14 +136,14 @@ class ReleasePath:
             res = self.store.reservation(sandbox_id)
             if res is None:
                 return
-            st = self._vmm_status(res)
+            st = self.vmm_status(res)
             now = float(self.store.clock())
             overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
             gone = self.vmm_gone(res, st)
             if not gone and overdue and "kill_at" not in res.facts:
                 self.shim.kill(sandbox_id)
                 res.facts["kill_at"] = now
-                st = self._vmm_status(res)
+                st = self.vmm_status(res)
                 gone = self.vmm_gone(res, st)
             kill_at = res.facts.get("kill_at")
             give_up = overdue and (bool(gone) or (kill_at is not None and now - kill_at > self.config.kill_grace_s))
