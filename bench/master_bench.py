@@ -60,12 +60,29 @@ def heartbeat(i: int, rng: random.Random) -> dict[str, Any]:
             break
     free = rng.choice([8, 8, 8, 6, 4, 3, 2, 1, 0])
     numa = {"0": min(free, 4), "1": max(0, free - 4)}
-    return {"node": f"node-{i:05d}", "cubelet_url": f"http://10.0.{i // 250}.{i % 250}:7701", "version": "0.1.0",
-            "sent_at": NOW, "pinnable_memory_mib": rng.choice([1 << 20, 1 << 20, 1 << 20, 512]),
-            "guest_images": [IMAGE], "hotplug": [HOTPLUG_PCIE_ROOT_PORT_ACPI],
-            "capacity": {"node": f"node-{i:05d}", "backends": ["vfio"], "total": 8, "groups": [{
-                "class": "gpu", "labels": {**labels, "model": model, "backend": "vfio"}, "total": 8,
-                "by_state": {"allocatable": free, "attached": 8 - free}, "allocatable_by_numa": numa}]}}
+    return {
+        "node": f"node-{i:05d}",
+        "cubelet_url": f"http://10.0.{i // 250}.{i % 250}:7701",
+        "version": "0.1.0",
+        "sent_at": NOW,
+        "pinnable_memory_mib": rng.choice([1 << 20, 1 << 20, 1 << 20, 512]),
+        "guest_images": [IMAGE],
+        "hotplug": [HOTPLUG_PCIE_ROOT_PORT_ACPI],
+        "capacity": {
+            "node": f"node-{i:05d}",
+            "backends": ["vfio"],
+            "total": 8,
+            "groups": [
+                {
+                    "class": "gpu",
+                    "labels": {**labels, "model": model, "backend": "vfio"},
+                    "total": 8,
+                    "by_state": {"allocatable": free, "attached": 8 - free},
+                    "allocatable_by_numa": numa,
+                }
+            ],
+        },
+    }
 
 
 def cluster(n: int, seed: int = 7) -> tuple[list[NodeView], list[dict[str, Any]]]:
@@ -79,16 +96,22 @@ def cluster(n: int, seed: int = 7) -> tuple[list[NodeView], list[dict[str, Any]]
     return views, bodies
 
 
-def brute_force(nodes: list[NodeView], choice: AcceleratorChoice, c: CompatibilityContract,
-                sel: Selector) -> tuple[str, str] | None:
+def brute_force(
+    nodes: list[NodeView], choice: AcceleratorChoice, c: CompatibilityContract, sel: Selector
+) -> tuple[str, str] | None:
     """Every device of every node: CEL per device, check_node per node, count free matches, same score."""
     best: tuple[tuple[float, ...], str, str] | None = None
     for n in nodes:
         if NOW - n.received_at > STALE or n.state != "ready":
             continue
-        summary = NodeSummary(backends=n.backends, devices=[g.attributes for g in n.groups],
-                              pinnable_memory_mib=n.pinnable_memory_mib, guest_images=n.guest_images,
-                              hotplug=n.hotplug, name=n.name)
+        summary = NodeSummary(
+            backends=n.backends,
+            devices=[g.attributes for g in n.groups],
+            pinnable_memory_mib=n.pinnable_memory_mib,
+            guest_images=n.guest_images,
+            hotplug=n.hotplug,
+            name=n.name,
+        )
         if any(v.code != "compat.node_no_matching_device" for v in check_node(c, summary)):
             continue
         for g in n.groups:
@@ -132,8 +155,7 @@ def run(n_nodes: int, decisions: int, baseline_decisions: int, seed: int = 11) -
                 v.claims = {}
             continue
         best = d.candidates[0]
-        best.node.claims = {**best.node.claims, best.group.key: best.node.claims.get(best.group.key, 0)
-                            + choice.count}
+        best.node.claims = {**best.node.claims, best.group.key: best.node.claims.get(best.group.key, 0) + choice.count}
         placed += 1
         lat.append(time.perf_counter() - t0)
         if k < baseline_decisions // 4 and d.candidates:  # the baseline agrees on what to pick
@@ -156,14 +178,22 @@ def run(n_nodes: int, decisions: int, baseline_decisions: int, seed: int = 11) -
     ms = sorted(x * 1000 for x in lat)
     bms = sorted(x * 1000 for x in blat)
     out = {
-        "nodes": n_nodes, "devices": n_nodes * 8, "decisions": decisions, "placed": placed,
-        "placements_per_s": round(placed / sum(lat), 1), "wall_per_s_with_churn": round(decisions / wall, 1),
+        "nodes": n_nodes,
+        "devices": n_nodes * 8,
+        "decisions": decisions,
+        "placed": placed,
+        "placements_per_s": round(placed / sum(lat), 1),
+        "wall_per_s_with_churn": round(decisions / wall, 1),
         "rejections": len(rejections),
         "rejection_ms": round(statistics.median(rejections) * 1000, 3) if rejections else None,
-        "p50_ms": round(statistics.median(ms), 3), "p99_ms": round(ms[int(len(ms) * 0.99) - 1], 3),
-        "baseline_decisions": baseline_decisions, "baseline_per_s": round(baseline_decisions / sum(blat), 1),
-        "baseline_p50_ms": round(statistics.median(bms), 3), "baseline_p99_ms": round(bms[int(len(bms) * 0.99) - 1], 3),
-        "agree_with_baseline": f"{agree}/{compared}", "cel_evaluations": sel.evaluations,
+        "p50_ms": round(statistics.median(ms), 3),
+        "p99_ms": round(ms[int(len(ms) * 0.99) - 1], 3),
+        "baseline_decisions": baseline_decisions,
+        "baseline_per_s": round(baseline_decisions / sum(blat), 1),
+        "baseline_p50_ms": round(statistics.median(bms), 3),
+        "baseline_p99_ms": round(bms[int(len(bms) * 0.99) - 1], 3),
+        "agree_with_baseline": f"{agree}/{compared}",
+        "cel_evaluations": sel.evaluations,
     }
     out["speedup"] = round(out["placements_per_s"] / out["baseline_per_s"], 1)
     return out
@@ -173,16 +203,29 @@ def main() -> None:
     quick = "--quick" in sys.argv
     sizes = [(1000, 300 if quick else 2000, 20 if quick else 60), (5000, 100 if quick else 600, 8 if quick else 20)]
     results = [run(n, d, b) for n, d, b in sizes]
-    print(json.dumps({"bench": "master_placement", "selector": SELECTOR, "template": "cuda12-h100",
-                      "results": results}))
-    cols = ["nodes", "placements_per_s", "p50_ms", "p99_ms", "rejection_ms", "baseline_per_s", "baseline_p50_ms",
-            "baseline_p99_ms", "speedup", "agree_with_baseline"]
+    print(
+        json.dumps({"bench": "master_placement", "selector": SELECTOR, "template": "cuda12-h100", "results": results})
+    )
+    cols = [
+        "nodes",
+        "placements_per_s",
+        "p50_ms",
+        "p99_ms",
+        "rejection_ms",
+        "baseline_per_s",
+        "baseline_p50_ms",
+        "baseline_p99_ms",
+        "speedup",
+        "agree_with_baseline",
+    ]
     print(" | ".join(f"{c:>17}" for c in cols))
     for r in results:
         print(" | ".join(f"{r[c]!s:>17}" for c in cols))
     r1k = results[0]
-    print(f"aim at 1,000 nodes: >= 1000 placements/s ({r1k['placements_per_s']}), p99 < 5 ms ({r1k['p99_ms']} ms); "
-          "Kubernetes DRA scheduler_perf threshold: 40-80 pods/s at 500 nodes")
+    print(
+        f"aim at 1,000 nodes: >= 1000 placements/s ({r1k['placements_per_s']}), p99 < 5 ms ({r1k['p99_ms']} ms); "
+        "Kubernetes DRA scheduler_perf threshold: 40-80 pods/s at 500 nodes"
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,12 @@ def raw_cycle(cfg: VmConfig, accel: str, restore: Path | None) -> dict[str, floa
     t: dict[str, float] = {}
     t0 = time.monotonic()
     cfg.state_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(build_argv(cfg, accel, incoming=restore is not None), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        build_argv(cfg, accel, incoming=restore is not None),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         while not (cfg.state_dir / "qmp.sock").exists():
             time.sleep(0.002)
@@ -87,8 +91,13 @@ def raw_cycle(cfg: VmConfig, accel: str, restore: Path | None) -> dict[str, floa
         t1 = time.monotonic()
         if restore is not None:
             qmp.send({"execute": "migrate-incoming", "arguments": {"uri": f"exec:cat {restore}"}})
-            qmp.until(lambda m: m.get("event") == "RESUME" or ("data" in m and m["data"].get("status") == "completed")
-                      or "return" in m)
+            qmp.until(
+                lambda m: (
+                    m.get("event") == "RESUME"
+                    or ("data" in m and m["data"].get("status") == "completed")
+                    or "return" in m
+                )
+            )
             while True:
                 qmp.send({"execute": "query-status"})
                 st = qmp.until(lambda m: "return" in m)["return"]["status"]
@@ -106,11 +115,14 @@ def raw_cycle(cfg: VmConfig, accel: str, restore: Path | None) -> dict[str, floa
         qmp.until(lambda m: "return" in m or "error" in m)
         i = 2
         while True:
-            agent.send({"v": 1, "id": i, "method": "probe", "params": {"contract": {"probes": {}},
-                                                                       "load_modules": False}})
+            agent.send(
+                {"v": 1, "id": i, "method": "probe", "params": {"contract": {"probes": {}}, "load_modules": False}}
+            )
             r = agent.until(lambda m, i=i: m.get("id") == i)
-            if any(d.get("vendor_id") == "1234" and d.get("device_id") == "11e8"
-                   for d in r["result"]["report"]["pci_devices"]):
+            if any(
+                d.get("vendor_id") == "1234" and d.get("device_id") == "11e8"
+                for d in r["result"]["report"]["pci_devices"]
+            ):
                 break
             i += 1
         t["hotplug_to_visible_s"] = time.monotonic() - t2
@@ -133,16 +145,33 @@ def raw_cycle(cfg: VmConfig, accel: str, restore: Path | None) -> dict[str, floa
 def our_cycle(manifest_path: Path, work: Path, start: str, n: int) -> dict[str, float]:
     sandbox = f"bench-{start}-{n}"
     sd = work / sandbox
-    spec = {"sandbox_id": sandbox, "devices": [{"device_id": "emulated-0000:e0:00.0", "driver": "edu",
-                                                 "properties": {}, "vendor_id": "1234", "device_id_hex": "11e8"}],
-            "memory_mib": 256, "vcpus": 1, "pin_memory": True, "contract": None, "image_manifest": str(manifest_path),
-            "start": start, "state_dir": str(sd / "state"), "report": {"file": str(sd / "reports.jsonl")},
-            "detach_timeout_s": 10}
+    spec = {
+        "sandbox_id": sandbox,
+        "devices": [
+            {
+                "device_id": "emulated-0000:e0:00.0",
+                "driver": "edu",
+                "properties": {},
+                "vendor_id": "1234",
+                "device_id_hex": "11e8",
+            }
+        ],
+        "memory_mib": 256,
+        "vcpus": 1,
+        "pin_memory": True,
+        "contract": None,
+        "image_manifest": str(manifest_path),
+        "start": start,
+        "state_dir": str(sd / "state"),
+        "report": {"file": str(sd / "reports.jsonl")},
+        "detach_timeout_s": 10,
+    }
     sd.mkdir(parents=True)
     (sd / "spec.json").write_text(json.dumps(spec))
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "cubeaccel.shim", "run",
-                             "--sandbox", sandbox, "--spec", str(sd / "spec.json")])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cubeaccel.shim", "run", "--sandbox", sandbox, "--spec", str(sd / "spec.json")]
+    )
     reports = sd / "reports.jsonl"
     attached_at = None
     while proc.poll() is None and attached_at is None:
@@ -160,8 +189,10 @@ def our_cycle(manifest_path: Path, work: Path, start: str, n: int) -> dict[str, 
         "spawn_to_qmp_s": tl["spawn_to_qmp_s"],
         "boot_or_restore_to_agent_s": tl.get("boot_to_agent_s", tl.get("restore_to_agent_s", 0.0))
         + tl.get("restore_s", 0.0),
-        "hotplug_to_visible_s": tl["hotplug_to_visible_s"], "detach_s": tl["detach_s"],
-        "vmm_exit_s": tl["vmm_exit_s"], "cycle_s": total,
+        "hotplug_to_visible_s": tl["hotplug_to_visible_s"],
+        "detach_s": tl["detach_s"],
+        "vmm_exit_s": tl["vmm_exit_s"],
+        "cycle_s": total,
     }
 
 
@@ -171,11 +202,29 @@ def memory_cost(gib: int) -> dict[str, float]:
         sock = Path(d) / "qmp.sock"
         accel = detect_accel()[0]
         t0 = time.monotonic()
-        proc = subprocess.Popen(["qemu-system-x86_64", "-S", "-nodefaults", "-display", "none", "-machine",
-                                 "q35,memory-backend=m0", "-accel", "tcg,tb-size=64" if accel == "tcg" else "kvm",
-                                 "-m", f"{gib}G", "-object", f"memory-backend-ram,id=m0,size={gib}G,prealloc=on",
-                                 "-overcommit", "mem-lock=on", "-qmp", f"unix:{sock},server=on,wait=off"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                "qemu-system-x86_64",
+                "-S",
+                "-nodefaults",
+                "-display",
+                "none",
+                "-machine",
+                "q35,memory-backend=m0",
+                "-accel",
+                "tcg,tb-size=64" if accel == "tcg" else "kvm",
+                "-m",
+                f"{gib}G",
+                "-object",
+                f"memory-backend-ram,id=m0,size={gib}G,prealloc=on",
+                "-overcommit",
+                "mem-lock=on",
+                "-qmp",
+                f"unix:{sock},server=on,wait=off",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             while status_kib(proc.pid).get("VmLck", 0) < gib << 20 or not sock.exists():
                 if proc.poll() is not None:
@@ -191,8 +240,13 @@ def memory_cost(gib: int) -> dict[str, float]:
     ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 1, n)
     memset_s = time.monotonic() - t1
     del buf
-    return {"gib": gib, "prealloc_lock_s": lock_s, "memset_s": memset_s,
-            "prealloc_lock_s_per_gib": lock_s / gib, "memset_s_per_gib": memset_s / gib}
+    return {
+        "gib": gib,
+        "prealloc_lock_s": lock_s,
+        "memset_s": memset_s,
+        "prealloc_lock_s_per_gib": lock_s / gib,
+        "memset_s_per_gib": memset_s / gib,
+    }
 
 
 def med(rows: list[dict[str, float]], key: str) -> float:
@@ -213,9 +267,16 @@ def main() -> int:
     result: dict[str, Any] = {"bench": "shim", "accel": accel, "accel_reason": why, "cycles": args.cycles}
     with tempfile.TemporaryDirectory() as work_s:
         work = Path(work_s)
-        base = VmConfig(sandbox_id="bench-raw", memory_mib=256, vcpus=1, pin_memory=True,
-                        kernel=manifest.path(manifest.vmlinux), initrd=manifest.path(manifest.initrd),
-                        cmdline=manifest.cmdline, state_dir=work / "raw")
+        base = VmConfig(
+            sandbox_id="bench-raw",
+            memory_mib=256,
+            vcpus=1,
+            pin_memory=True,
+            kernel=manifest.path(manifest.vmlinux),
+            initrd=manifest.path(manifest.initrd),
+            cmdline=manifest.cmdline,
+            state_dir=work / "raw",
+        )
         state, _ = ensure_template(base, manifest, cache_dir() / "templates")
         for start in ("cold", "template"):
             ours, raw = [], []
@@ -230,16 +291,21 @@ def main() -> int:
             }
     result["memory"] = [{k: round(v, 4) for k, v in memory_cost(int(g)).items()} for g in args.sizes.split(",")]
     print(f"accel: {accel} ({why})")
-    print(f"{'phase (median s)':<28}" + "".join(f"{c:>14}" for c in ("cold ours", "cold raw", "tmpl ours",
-                                                                       "tmpl raw")))
+    print(f"{'phase (median s)':<28}" + "".join(f"{c:>14}" for c in ("cold ours", "cold raw", "tmpl ours", "tmpl raw")))
     for k in (*PHASES, "cycle_s"):
-        print(f"{k:<28}" + "".join(f"{result[s][w][k]:>14.3f}" for s in ("cold", "template")
-                                   for w in ("ours_median", "raw_median")))
-    print(f"overhead ratio (ours/raw whole cycle): cold {result['cold']['overhead_ratio']}, "
-          f"template {result['template']['overhead_ratio']}")
+        print(
+            f"{k:<28}"
+            + "".join(f"{result[s][w][k]:>14.3f}" for s in ("cold", "template") for w in ("ours_median", "raw_median"))
+        )
+    print(
+        f"overhead ratio (ours/raw whole cycle): cold {result['cold']['overhead_ratio']}, "
+        f"template {result['template']['overhead_ratio']}"
+    )
     for m in result["memory"]:
-        print(f"{m['gib']} GiB: prealloc+lock {m['prealloc_lock_s']:.3f} s ({m['prealloc_lock_s_per_gib']:.3f} s/GiB)"
-              f"  memset {m['memset_s']:.3f} s ({m['memset_s_per_gib']:.3f} s/GiB)")
+        print(
+            f"{m['gib']} GiB: prealloc+lock {m['prealloc_lock_s']:.3f} s ({m['prealloc_lock_s_per_gib']:.3f} s/GiB)"
+            f"  memset {m['memset_s']:.3f} s ({m['memset_s_per_gib']:.3f} s/GiB)"
+        )
     print(json.dumps(result))
     return 0
 

@@ -67,8 +67,21 @@ def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float]:
 
 
 def http_latency(dir: Path, clients: int, per_client: int) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "cubeaccel", "cubelet", "serve", "--backend", "simulated", "--profile",
-           f"h100x{2 * clients}", "--state-dir", str(dir), "--tick", "60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "cubeaccel",
+        "cubelet",
+        "serve",
+        "--backend",
+        "simulated",
+        "--profile",
+        f"h100x{2 * clients}",
+        "--state-dir",
+        str(dir),
+        "--tick",
+        "60",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sock = dir / "cubelet.sock"
     try:

@@ -75,8 +75,13 @@ def main() -> int:
     ap.add_argument("--sysfs-root", default="/sys")
     ap.add_argument("--allow", action="append", default=None, help="vendor:device pattern (default 10de:*)")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
-    ap.add_argument("--holder-scan-exempt-pid", type=int, action="append", default=[],
-                    help="a process whose fds cannot be read but that holds no device (repeatable)")
+    ap.add_argument(
+        "--holder-scan-exempt-pid",
+        type=int,
+        action="append",
+        default=[],
+        help="a process whose fds cannot be read but that holds no device (repeatable)",
+    )
     opts = ap.parse_args()
 
     started = time.monotonic()

@@ -58,9 +58,13 @@ class Node:
         self.cubelet.store.close()
         self.host = SimulatedPciHost(self.profile, self.dir / "host.json")
         old = self.shim
-        self.shim = SimulatedShimDriver(self.host, fail_attach=old.fail_attach,
-                                        uncooperative_guest=old.uncooperative_guest, immortal_vmm=old.immortal_vmm,
-                                        failed_guest_validation=old.failed_guest_validation)
+        self.shim = SimulatedShimDriver(
+            self.host,
+            fail_attach=old.fail_attach,
+            uncooperative_guest=old.uncooperative_guest,
+            immortal_vmm=old.immortal_vmm,
+            failed_guest_validation=old.failed_guest_validation,
+        )
         self.cubelet = self._build()
         initialize_host(self.cubelet)
         return reconcile(self.cubelet)

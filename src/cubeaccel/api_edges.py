@@ -27,10 +27,8 @@ def validation_error(e: RequestValidationError) -> CubeError:
     code = "api.malformed_json" if any(x.get("type") == "json_invalid" for x in errs) else "api.invalid_request"
     if any(x.get("type") == "extra_forbidden" for x in errs):
         code = "api.unknown_field"
-    details = {"errors": [{"loc": list(x.get("loc", ())), "msg": x.get("msg"), "type": x.get("type")}
-                          for x in errs]}
-    msg = "request rejected: " + "; ".join(f"{'.'.join(map(str, x.get('loc', ())))}: {x.get('msg')}"
-                                           for x in errs[:3])
+    details = {"errors": [{"loc": list(x.get("loc", ())), "msg": x.get("msg"), "type": x.get("type")} for x in errs]}
+    msg = "request rejected: " + "; ".join(f"{'.'.join(map(str, x.get('loc', ())))}: {x.get('msg')}" for x in errs[:3])
     return CubeError(code, msg, "api", details, 422)
 
 
@@ -53,5 +51,6 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
         size = request.headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > max_body):
             return error_response(
-                CubeError("api.body_too_large", f"request body over {max_body} bytes", "api", {}, 413))
+                CubeError("api.body_too_large", f"request body over {max_body} bytes", "api", {}, 413)
+            )
         return await call_next(request)

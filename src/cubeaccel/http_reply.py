@@ -16,6 +16,11 @@ def reply_body(r: httpx.Response) -> Any:
         body = {}
     if r.status_code >= 400:
         err = body.get("error", {}) if isinstance(body, dict) else {}
-        raise CubeError(err.get("code", "http.error"), err.get("message", r.text[:500]), err.get("layer", "api"),
-                        err.get("details", {}), r.status_code)
+        raise CubeError(
+            err.get("code", "http.error"),
+            err.get("message", r.text[:500]),
+            err.get("layer", "api"),
+            err.get("details", {}),
+            r.status_code,
+        )
     return body

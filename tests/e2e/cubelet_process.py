@@ -55,8 +55,19 @@ class CubeletProcess:
 
     def start(self) -> CubeletProcess:
         backend = [] if "--backend" in self.extra else ["--backend", "simulated", "--profile", self.profile]
-        cmd = [sys.executable, "-m", "cubeaccel", "cubelet", "serve", *backend, "--state-dir", str(self.state_dir),
-               "--tick", "0.2", *self.extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cubeaccel",
+            "cubelet",
+            "serve",
+            *backend,
+            "--state-dir",
+            str(self.state_dir),
+            "--tick",
+            "0.2",
+            *self.extra,
+        ]
         log = open(self.state_dir / "cubelet.log", "ab")  # noqa: SIM115 - child owns it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         poll(lambda: self.client.health())

@@ -49,8 +49,20 @@ class MasterProcess:
 
     def start(self) -> MasterProcess:
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "cubeaccel.master", "serve", "--db", self.db, "--listen",
-               f"127.0.0.1:{self.port}", "--staleness", str(self.staleness), "--tick", "0.2"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cubeaccel.master",
+            "serve",
+            "--db",
+            self.db,
+            "--listen",
+            f"127.0.0.1:{self.port}",
+            "--staleness",
+            str(self.staleness),
+            "--tick",
+            "0.2",
+        ]
         log = open(self.state_dir / "master.log", "ab")  # noqa: SIM115 - child owns it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         poll(self.client.health)
@@ -63,8 +75,9 @@ class MasterProcess:
 
 def cubelet(state_dir: Path, profile: str, node: str, master_url: str, *extra: str) -> CubeletProcess:
     port = free_port()
-    return CubeletProcess(state_dir, profile, "--master", master_url, "--listen", f"127.0.0.1:{port}",
-                          "--node", node, *extra)
+    return CubeletProcess(
+        state_dir, profile, "--master", master_url, "--listen", f"127.0.0.1:{port}", "--node", node, *extra
+    )
 
 
 def wait_nodes_ready(client: MasterClient, names: set[str], deadline_s: float = 30.0) -> None:
@@ -72,8 +85,9 @@ def wait_nodes_ready(client: MasterClient, names: set[str], deadline_s: float = 
 
 
 class Cluster:
-    def __init__(self, root: Path, profiles: dict[str, str],
-                 guest_images: dict[str, list[dict[str, Any]]] | None = None) -> None:
+    def __init__(
+        self, root: Path, profiles: dict[str, str], guest_images: dict[str, list[dict[str, Any]]] | None = None
+    ) -> None:
         """`guest_images`: node → the simulated image set it reports instead of the default one."""
         self.root = root
         self.profiles = profiles
@@ -89,8 +103,9 @@ class Cluster:
             self.cubelets[name] = cubelet(root / name, profile, name, self.master.url, *extra).start()
         wait_nodes_ready(self.c, set(profiles))
         self.c.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
-        self.c.register_template(example("cuda12-h100", metadata__name="cuda12-h100-huge",
-                                         spec__memory__size_mib=16 * 1024 * 1024))
+        self.c.register_template(
+            example("cuda12-h100", metadata__name="cuda12-h100-huge", spec__memory__size_mib=16 * 1024 * 1024)
+        )
         self.c.register_template(example("edu-demo"), default=True)
 
     def refused(self, body: dict[str, Any]) -> CubeError:

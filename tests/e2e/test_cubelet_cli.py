@@ -10,8 +10,12 @@ from tests.e2e.cubelet_process import CubeletProcess
 
 
 def _cli(p: CubeletProcess, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "cubeaccel", *args, "--state-dir", str(p.state_dir)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "cubeaccel", *args, "--state-dir", str(p.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_devices_table_verbs_and_events(cubelet_proc: CubeletProcess) -> None:

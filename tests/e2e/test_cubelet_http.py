@@ -14,8 +14,7 @@ from tests.e2e.cubelet_process import CubeletProcess
 
 
 def _raw(p: CubeletProcess) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(p.state_dir / "cubelet.sock")),
-                        base_url="http://cubelet")
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(p.state_dir / "cubelet.sock")), base_url="http://cubelet")
 
 
 def _snapshot(p: CubeletProcess) -> Any:
@@ -38,18 +37,21 @@ def test_stable_shapes_and_full_cycle(cubelet_proc: CubeletProcess) -> None:
     assert "reservation_created" in kinds and "reservation_closed" in kinds and "reconcile_repair" not in kinds
 
 
-@pytest.mark.parametrize(("body", "code"), [
-    (b"{not json", "api.malformed_json"),
-    (b'{"sandbox_id": "a", "count": 1, "gpus": 2}', "api.unknown_field"),
-    (b'{"sandbox_id": "a", "count": -1}', "reserve.invalid_count"),
-    (b'{"sandbox_id": "a", "count": 0}', "reserve.invalid_count"),
-    (b'{"sandbox_id": "a", "count": 100000000000000000000}', "reserve.invalid_count"),
-    (b'{"sandbox_id": "a", "count": "2"}', "api.invalid_request"),
-    (b'{"sandbox_id": "../etc/passwd", "count": 1}', "reserve.invalid_sandbox_id"),
-    (b'{"sandbox_id": "a\\nb", "count": 1}', "reserve.invalid_sandbox_id"),
-    (b'{"count": 1}', "api.invalid_request"),
-    (b'[]', "api.invalid_request"),
-])
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", "api.malformed_json"),
+        (b'{"sandbox_id": "a", "count": 1, "gpus": 2}', "api.unknown_field"),
+        (b'{"sandbox_id": "a", "count": -1}', "reserve.invalid_count"),
+        (b'{"sandbox_id": "a", "count": 0}', "reserve.invalid_count"),
+        (b'{"sandbox_id": "a", "count": 100000000000000000000}', "reserve.invalid_count"),
+        (b'{"sandbox_id": "a", "count": "2"}', "api.invalid_request"),
+        (b'{"sandbox_id": "../etc/passwd", "count": 1}', "reserve.invalid_sandbox_id"),
+        (b'{"sandbox_id": "a\\nb", "count": 1}', "reserve.invalid_sandbox_id"),
+        (b'{"count": 1}', "api.invalid_request"),
+        (b"[]", "api.invalid_request"),
+    ],
+)
 def test_bad_reservation_input_is_4xx_with_a_stable_code_and_changes_nothing(
     cubelet_proc: CubeletProcess, body: bytes, code: str
 ) -> None:

@@ -46,47 +46,105 @@ def test_placement_prefers_numa_locality_then_packing_and_takes_the_first_altern
     first = c.c.create({"gpu": "H100:2"})
     assert first["node"] == "n1"  # n1 has 3 H100s on NUMA node 0; n2's two sit on different NUMA nodes
     settle(c)
-    alt = c.c.create({"accelerators": [{"class": "gpu", "count": 6, "model": "H100",
-                                        "alternatives": [{"class": "gpu", "count": 2, "model": "H100"}]}]})
+    alt = c.c.create(
+        {
+            "accelerators": [
+                {
+                    "class": "gpu",
+                    "count": 6,
+                    "model": "H100",
+                    "alternatives": [{"class": "gpu", "count": 2, "model": "H100"}],
+                }
+            ]
+        }
+    )
     assert alt["node"] == "n2" and alt["count"] == 2 and len(alt["device_ids"]) == 2  # packing: emptier n1 kept
-    sel = c.c.create({"accelerators": [{"class": "gpu", "selector":
-                                        "device.model.startsWith('H100') && device.architecture == 'hopper'"}]})
+    sel = c.c.create(
+        {
+            "accelerators": [
+                {"class": "gpu", "selector": "device.model.startsWith('H100') && device.architecture == 'hopper'"}
+            ]
+        }
+    )
     assert sel["node"] == "n1"
     placed = holders(c)
     assert len(placed) == 5 and sorted(placed.values()).count(alt["id"]) == 2
     settle(c)
-    assert c.reasons({"gpu": "H100:2"}) == {"n1": "insufficient_devices", "n2": "insufficient_devices",
-                                            "n3": "labels_mismatch(model)"}
+    assert c.reasons({"gpu": "H100:2"}) == {
+        "n1": "insufficient_devices",
+        "n2": "insufficient_devices",
+        "n3": "labels_mismatch(model)",
+    }
 
 
 def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
     assert c.reasons({"gpu": "B200:1"}) == dict.fromkeys(PROFILES, "labels_mismatch(model)")
-    assert c.reasons({"gpu": "T4:1"}) == {"n1": "device_incompatible", "n2": "labels_mismatch(model)",
-                                          "n3": "labels_mismatch(model)"}
+    assert c.reasons({"gpu": "T4:1"}) == {
+        "n1": "device_incompatible",
+        "n2": "labels_mismatch(model)",
+        "n3": "labels_mismatch(model)",
+    }
     assert c.reasons({"gpu": "A100:1"})["n3"] == "device_incompatible"
-    assert c.reasons({"accelerators": [{"class": "gpu", "selector": "int(device.memory_gib) >= 141"}]}) == \
-        dict.fromkeys(PROFILES, "selector_mismatch")
+    assert c.reasons(
+        {"accelerators": [{"class": "gpu", "selector": "int(device.memory_gib) >= 141"}]}
+    ) == dict.fromkeys(PROFILES, "selector_mismatch")
     assert c.reasons({"gpu": "H100:1", "template": "cuda12-h100-huge"}) == {
-        "n1": "pinned_memory", "n2": "pinned_memory", "n3": "labels_mismatch(model)"}
-    assert c.reasons({"gpu": "H100:8"}) == {"n1": "insufficient_devices", "n2": "insufficient_devices",
-                                            "n3": "labels_mismatch(model)"}
+        "n1": "pinned_memory",
+        "n2": "pinned_memory",
+        "n3": "labels_mismatch(model)",
+    }
+    assert c.reasons({"gpu": "H100:8"}) == {
+        "n1": "insufficient_devices",
+        "n2": "insufficient_devices",
+        "n3": "labels_mismatch(model)",
+    }
     assert c.reasons({"gpu": "accelerator:1"}) == dict.fromkeys(PROFILES, "class_missing")
     c.c.node_verb("n2", "drain", "alice", "maintenance")
     try:
-        assert c.reasons({"gpu": "H100:5"}) == {"n1": "insufficient_devices", "n2": "node_draining",
-                                                "n3": "labels_mismatch(model)"}
+        assert c.reasons({"gpu": "H100:5"}) == {
+            "n1": "insufficient_devices",
+            "n2": "node_draining",
+            "n3": "labels_mismatch(model)",
+        }
         assert c.c.create({"gpu": "H100:2"})["node"] == "n1"  # n2 would pack better, but it is draining
     finally:
         c.c.node_verb("n2", "undrain")
     # backend, guest kernel and image come from what a node reports; a node reporting other ones is sent by hand.
-    guest = {"digest": "sha256:" + "1" * 64, "kernel_release": "5.10.0-1-amd64",
-             "kernel_digests": ["sha256:" + "2" * 64], "modules_img_digest": "sha256:" + "3" * 64}
-    fake = {"node": "fake", "cubelet_url": "http://127.0.0.1:9", "version": "0", "sent_at": 0.0,
-            "pinnable_memory_mib": 1 << 20, "guest_images": [guest], "hotplug": ["pcie-root-port-acpi"],
-            "capacity": {"node": "fake", "backends": ["vfio"], "total": 1, "groups": [
-                {"class": "gpu", "labels": {"model": "H100-SXM5-80GB", "memory_gib": "80", "backend": "vfio",
-                                            "vendor": "nvidia", "architecture": "hopper"}, "total": 1,
-                 "by_state": {"allocatable": 1}, "allocatable_by_numa": {"0": 1}}]}}
+    guest = {
+        "digest": "sha256:" + "1" * 64,
+        "kernel_release": "5.10.0-1-amd64",
+        "kernel_digests": ["sha256:" + "2" * 64],
+        "modules_img_digest": "sha256:" + "3" * 64,
+    }
+    fake = {
+        "node": "fake",
+        "cubelet_url": "http://127.0.0.1:9",
+        "version": "0",
+        "sent_at": 0.0,
+        "pinnable_memory_mib": 1 << 20,
+        "guest_images": [guest],
+        "hotplug": ["pcie-root-port-acpi"],
+        "capacity": {
+            "node": "fake",
+            "backends": ["vfio"],
+            "total": 1,
+            "groups": [
+                {
+                    "class": "gpu",
+                    "labels": {
+                        "model": "H100-SXM5-80GB",
+                        "memory_gib": "80",
+                        "backend": "vfio",
+                        "vendor": "nvidia",
+                        "architecture": "hopper",
+                    },
+                    "total": 1,
+                    "by_state": {"allocatable": 1},
+                    "allocatable_by_numa": {"0": 1},
+                }
+            ],
+        },
+    }
     httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "kernel_incompatible"
     h100 = next(i for i in c.c.nodes() if i["node"] == "n1")["guest_images"][0]  # the kernel cuda12-h100 pins

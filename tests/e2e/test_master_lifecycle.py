@@ -32,7 +32,9 @@ def test_killed_cubelet_goes_stale_is_not_scheduled_and_its_restart_reconciles(c
     assert placed == ["b", "b"]  # a's devices are never offered while it is stale
     err = c.refused({"gpu": "H100:1"})
     assert {n: d["reason"] for n, d in err.details["tried"][0]["nodes"].items()} == {
-        "a": "node_stale", "b": "insufficient_devices"}
+        "a": "node_stale",
+        "b": "insufficient_devices",
+    }
     assert c.c.capacity()["by_state"] == {"stale": 1, "ready": 1}
     c.cubelets["a"].start()  # same state dir: the Cubelet's journal survives
     poll(lambda: node_state(c, "a") == "ready")
@@ -60,30 +62,33 @@ def test_master_record_lost_when_the_cubelet_no_longer_holds_it(c: Cluster) -> N
     assert c.c.delete("gone-1")["state"] == "deleted"
 
 
-@pytest.mark.parametrize(("body", "status", "code"), [
-    ({"gpu": "H100:1", "template": "no-such-template"}, 422, "template.unknown"),
-    ({"accelerators": [{"class": "gpu", "selector": "device.model =="}]}, 422, "selector.compile_error"),
-    ({"accelerators": [{"class": "gpu", "selector": "device.model"}]}, 422, "selector.not_boolean"),
-    ({"gpu": "H100:0"}, 422, "request.invalid_count"),
-    ({"gpu": "H100:1000000"}, 422, "request.invalid_count"),
-    ({"accelerators": [{"class": "gpu", "count": 0}]}, 422, "request.invalid_count"),
-    ({"accelerators": [{"class": "gpu", "count": 10**6}]}, 422, "request.invalid_count"),
-    ({"accelerators": [{"class": "tpu", "count": 1}]}, 422, "request.unknown_class"),
-    ({"gpu": "H100:two"}, 422, "request.invalid_shorthand"),
-    ({"gpu": 7}, 422, "request.invalid_shorthand"),
-    ({"gpu": "H100:1", "accelerators": [{"class": "gpu"}]}, 422, "request.ambiguous_accelerators"),
-    ({}, 422, "request.no_accelerator"),
-    ({"gpu": "H100:1", "colour": "red"}, 422, "api.unknown_field"),
-    ({"gpu": "H100:1", "id": "bad id!"}, 422, "sandbox.invalid_id"),
-    ({"gpu": "H100:1", "memory_mib": 1}, 422, "api.invalid_request"),
-    ({"gpu": "accelerator:1", "template": "cuda12-h100"}, 422, "request.class_mismatch"),
-])
-def test_bad_input_is_a_4xx_with_a_code_and_creates_nothing(c: Cluster, body: dict[str, Any], status: int,
-                                                            code: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        ({"gpu": "H100:1", "template": "no-such-template"}, 422, "template.unknown"),
+        ({"accelerators": [{"class": "gpu", "selector": "device.model =="}]}, 422, "selector.compile_error"),
+        ({"accelerators": [{"class": "gpu", "selector": "device.model"}]}, 422, "selector.not_boolean"),
+        ({"gpu": "H100:0"}, 422, "request.invalid_count"),
+        ({"gpu": "H100:1000000"}, 422, "request.invalid_count"),
+        ({"accelerators": [{"class": "gpu", "count": 0}]}, 422, "request.invalid_count"),
+        ({"accelerators": [{"class": "gpu", "count": 10**6}]}, 422, "request.invalid_count"),
+        ({"accelerators": [{"class": "tpu", "count": 1}]}, 422, "request.unknown_class"),
+        ({"gpu": "H100:two"}, 422, "request.invalid_shorthand"),
+        ({"gpu": 7}, 422, "request.invalid_shorthand"),
+        ({"gpu": "H100:1", "accelerators": [{"class": "gpu"}]}, 422, "request.ambiguous_accelerators"),
+        ({}, 422, "request.no_accelerator"),
+        ({"gpu": "H100:1", "colour": "red"}, 422, "api.unknown_field"),
+        ({"gpu": "H100:1", "id": "bad id!"}, 422, "sandbox.invalid_id"),
+        ({"gpu": "H100:1", "memory_mib": 1}, 422, "api.invalid_request"),
+        ({"gpu": "accelerator:1", "template": "cuda12-h100"}, 422, "request.class_mismatch"),
+    ],
+)
+def test_bad_input_is_a_4xx_with_a_code_and_creates_nothing(
+    c: Cluster, body: dict[str, Any], status: int, code: str
+) -> None:
     r = httpx.post(f"{c.master.url}/v1/sandboxes", json=body)
     assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
-    assert c.c.sandboxes() == [] or all(s["state"] == "deleted" or s["state"] == "lost"
-                                        for s in c.c.sandboxes())
+    assert c.c.sandboxes() == [] or all(s["state"] == "deleted" or s["state"] == "lost" for s in c.c.sandboxes())
 
 
 def test_malformed_json_and_bad_templates_are_refused_with_codes(c: Cluster) -> None:

@@ -31,8 +31,9 @@ AN_HOUR = 3600.0  # far older than any live create leaves its row untouched (2 x
 @pytest.fixture(scope="module")
 def cubelet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CubeletProcess, str]]:
     port = free_port()
-    proc = CubeletProcess(tmp_path_factory.mktemp("recovery-cubelet"), "2xh100", "--listen",
-                          f"127.0.0.1:{port}").start()
+    proc = CubeletProcess(
+        tmp_path_factory.mktemp("recovery-cubelet"), "2xh100", "--listen", f"127.0.0.1:{port}"
+    ).start()
     try:
         yield proc, f"http://127.0.0.1:{port}"
     finally:
@@ -52,9 +53,16 @@ def master(tmp_path: Path, cubelet: tuple[CubeletProcess, str]) -> Iterator[Cube
 
 
 def heartbeat(m: CubeMaster, url: str, cub: CubeletClient) -> None:
-    body = {"node": NODE, "cubelet_url": url, "version": "test", "sent_at": time.time(),
-            "capacity": cub.capacity(), "pinnable_memory_mib": 1 << 20,
-            "guest_images": [i.to_json() for i in SIMULATED_GUEST_IMAGES], "hotplug": list(SIMULATED_HOTPLUG)}
+    body = {
+        "node": NODE,
+        "cubelet_url": url,
+        "version": "test",
+        "sent_at": time.time(),
+        "capacity": cub.capacity(),
+        "pinnable_memory_mib": 1 << 20,
+        "guest_images": [i.to_json() for i in SIMULATED_GUEST_IMAGES],
+        "hotplug": list(SIMULATED_HOTPLUG),
+    }
     m.store.heartbeat(body, time.time(), m.config.staleness_s)
     m.cache.invalidate()
 
@@ -62,9 +70,24 @@ def heartbeat(m: CubeMaster, url: str, cub: CubeletClient) -> None:
 def claimed_row(m: CubeMaster, sid: str) -> str:
     """A sandbox row as a create leaves it right after `claim()`: `placing` on NODE. Returns the group key."""
     now = time.time()
-    assert m.store.insert_sandbox({"id": sid, "tenant": "t", "idempotency_key": None, "request": {},
-                                   "state": "scheduling", "count": 1, "device_ids": [], "timeline": [],
-                                   "created_at": now, "updated_at": now, "expires_at": None}) is None
+    assert (
+        m.store.insert_sandbox(
+            {
+                "id": sid,
+                "tenant": "t",
+                "idempotency_key": None,
+                "request": {},
+                "state": "scheduling",
+                "count": 1,
+                "device_ids": [],
+                "timeline": [],
+                "created_at": now,
+                "updated_at": now,
+                "expires_at": None,
+            }
+        )
+        is None
+    )
     key = m.store.all_node_views()[0].groups[0].key
     assert m.store.claim(sid, NODE, key, 1, now, m.config.staleness_s)
     return key
@@ -73,8 +96,7 @@ def claimed_row(m: CubeMaster, sid: str) -> str:
 def age(m: CubeMaster, sid: str, seconds: float) -> None:
     """The replica that owned the create died `seconds` ago: nobody has touched the row since."""
     with m.store.tx() as c:
-        c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sid)
-                  .values(updated_at=time.time() - seconds))
+        c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sid).values(updated_at=time.time() - seconds))
 
 
 def reserve(cub: CubeletClient, sid: str, start: bool = True) -> list[str]:
@@ -83,7 +105,8 @@ def reserve(cub: CubeletClient, sid: str, start: bool = True) -> list[str]:
 
 
 def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
-        master: CubeMaster, cubelet: tuple[CubeletProcess, str]) -> None:
+    master: CubeMaster, cubelet: tuple[CubeletProcess, str]
+) -> None:
     cub = cubelet[0].client
     claimed_row(master, "sb-run")
     devices = reserve(cub, "sb-run")  # the Cubelet did its part; the replica died before recording it
@@ -97,8 +120,7 @@ def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
     poll(lambda: all(d["state"] == "allocatable" for d in cub.devices()))
 
 
-def test_abandoned_placing_row_without_reservation_fails_and_stops_counting_as_a_claim(
-        master: CubeMaster) -> None:
+def test_abandoned_placing_row_without_reservation_fails_and_stops_counting_as_a_claim(master: CubeMaster) -> None:
     key = claimed_row(master, "sb-none")
     assert master.store.claims() == {NODE: {key: 1}}
     age(master, "sb-none", AN_HOUR)
@@ -111,7 +133,8 @@ def test_abandoned_placing_row_without_reservation_fails_and_stops_counting_as_a
 
 
 def test_abandoned_reservation_that_never_started_is_released_on_the_cubelet(
-        master: CubeMaster, cubelet: tuple[CubeletProcess, str]) -> None:
+    master: CubeMaster, cubelet: tuple[CubeletProcess, str]
+) -> None:
     cub = cubelet[0].client
     claimed_row(master, "sb-half")
     reserve(cub, "sb-half", start=False)
@@ -122,7 +145,8 @@ def test_abandoned_reservation_that_never_started_is_released_on_the_cubelet(
 
 
 def test_delete_of_an_abandoned_placing_row_releases_it_instead_of_busy_forever(
-        master: CubeMaster, cubelet: tuple[CubeletProcess, str]) -> None:
+    master: CubeMaster, cubelet: tuple[CubeletProcess, str]
+) -> None:
     cub = cubelet[0].client
     claimed_row(master, "sb-del")
     reserve(cub, "sb-del")
@@ -151,14 +175,21 @@ class _RacingClient(CubeletClient):
 
 
 def test_reconcile_does_not_lose_a_create_that_completes_while_it_reads_the_cubelet(
-        master: CubeMaster, cubelet: tuple[CubeletProcess, str]) -> None:
+    master: CubeMaster, cubelet: tuple[CubeletProcess, str]
+) -> None:
     cub, url = cubelet
     claimed_row(master, "sb-race")
 
     def create_completes() -> None:  # another thread's create: the Cubelet reserves, the row turns running
         devices = reserve(cub.client, "sb-race")
-        assert master.store.update_sandbox("sb-race", "reserved", expect=("placing",), state="running",
-                                           device_ids=devices, cubelet_created_at=time.time())
+        assert master.store.update_sandbox(
+            "sb-race",
+            "reserved",
+            expect=("placing",),
+            state="running",
+            device_ids=devices,
+            cubelet_created_at=time.time(),
+        )
 
     master._clients[url] = _RacingClient(url, create_completes)
     report = reconcile_node(master, NODE)

@@ -21,8 +21,9 @@ def test_backend_choice_says_which_and_why() -> None:
     assert e.value.code == "up.unknown_backend"
 
 
-def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(tmp_path: Path,
-                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert run_up(tmp_path, "simulated", "h100x2", detach=True) == 0
     try:
         out = capsys.readouterr().out

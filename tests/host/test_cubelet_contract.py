@@ -56,14 +56,17 @@ def test_guest_report_without_the_nvidia_driver_tears_the_sandbox_down(node: Nod
     node.cubelet.start("sb")
     dev = res.device_ids[0]
     assert node.device(dev).state is DeviceState.ATTACHED
-    report = GuestReport(agent_version=1, kernel_release="6.1.0-27-cloud-amd64",
-                         module_failures={"nvidia": "modprobe: FATAL: Module nvidia not found"},
-                         pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330",
-                                       "class": "030200"},))
+    report = GuestReport(
+        agent_version=1,
+        kernel_release="6.1.0-27-cloud-amd64",
+        module_failures={"nvidia": "modprobe: FATAL: Module nvidia not found"},
+        pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "030200"},),
+    )
     # Even a shim that claims success is judged again on the host.
     start_id = node.cubelet.store.reservation("sb").facts["start_id"]  # type: ignore[union-attr]
-    node.cubelet.handle_report(ShimReport("sb", ShimReportKind.GUEST_VALIDATED, (dev,),
-                                          {"report": report.to_json()}, 0.0, start_id))
+    node.cubelet.handle_report(
+        ShimReport("sb", ShimReportKind.GUEST_VALIDATED, (dev,), {"report": report.to_json()}, 0.0, start_id)
+    )
     checked = [e for e in node.cubelet.store.events() if e.kind == "guest_checked"]
     layers = {v["layer"] for v in checked[-1].details["violations"]}
     assert "modules_img" in layers or "kernel_driver" in layers

@@ -25,8 +25,11 @@ def test_host_initialization_binds_to_vfio_then_makes_devices_allocatable(node: 
     assert set(node.states().values()) == {S.ALLOCATABLE}
     writes = node.host.writes()
     first = writes[:3]
-    assert first == ["0000:10:00.0/driver_override=vfio-pci", "drivers/nvidia/unbind=0000:10:00.0",
-                     "drivers_probe=0000:10:00.0"]
+    assert first == [
+        "0000:10:00.0/driver_override=vfio-pci",
+        "drivers/nvidia/unbind=0000:10:00.0",
+        "drivers_probe=0000:10:00.0",
+    ]
     assert not any("new_id" in w for w in writes)
 
 
@@ -53,8 +56,7 @@ def test_full_cycle_returns_devices_only_after_vmm_exit_and_reset(node: Node) ->
         assert d.state is S.ALLOCATABLE and d.sandbox_id is None
         assert node.host.reset_count(d.address) == 1
         trail = [e.event for e in node.cubelet.store.events(device_id=dev_id) if e.kind == "transition"]
-        assert trail[-6:] == ["reserve", "prepare", "attach_succeeded", "teardown", "release_confirmed",
-                              "revalidated"]
+        assert trail[-6:] == ["reserve", "prepare", "attach_succeeded", "teardown", "release_confirmed", "revalidated"]
     assert node.cubelet.store.reservation("sb-1") is None
     assert node.repairs() == []
 
@@ -245,10 +247,17 @@ def test_operator_verbs_are_audited_and_recover_revalidates(node: Node) -> None:
     assert d.state is S.DISABLED
     e = operator.enable(node.cubelet, dev, "carol", "done")
     assert e.state is S.ALLOCATABLE
-    audits = [(ev.event, ev.details.get("who"), ev.details.get("why"))
-              for ev in node.cubelet.store.events(device_id=dev) if ev.actor == "operator"]
-    assert audits == [("quarantine", "alice", "suspect ECC errors"), ("recover", "bob", "ECC clean"),
-                      ("disable", "carol", "maintenance"), ("enable", "carol", "done")]
+    audits = [
+        (ev.event, ev.details.get("who"), ev.details.get("why"))
+        for ev in node.cubelet.store.events(device_id=dev)
+        if ev.actor == "operator"
+    ]
+    assert audits == [
+        ("quarantine", "alice", "suspect ECC errors"),
+        ("recover", "bob", "ECC clean"),
+        ("disable", "carol", "maintenance"),
+        ("enable", "carol", "done"),
+    ]
     with pytest.raises(CubeError) as err:
         operator.quarantine(node.cubelet, dev, "", "x")
     assert err.value.code == "operator.audit_required"
@@ -275,14 +284,17 @@ def test_a_shim_still_starting_its_vmm_is_not_mistaken_for_a_dead_vm(node: Node)
     assert node.device(dev).state is S.ATTACHED
 
 
-@pytest.mark.parametrize(("facts", "shim", "vmm", "gone"), [
-    ({}, None, None, True),  # never started: nothing can hold it
-    ({"shim_started": True}, True, False, False),  # shim alive, VMM not (yet) there: may still appear
-    ({"shim_started": True}, False, False, True),
-    ({"shim_started": True, "vmm_exited": True}, True, False, False),  # a report is not evidence: the shim lives
-    ({"shim_started": True}, True, True, False),
-    ({"shim_started": True}, None, None, None),  # cannot tell: the caller quarantines
-])
+@pytest.mark.parametrize(
+    ("facts", "shim", "vmm", "gone"),
+    [
+        ({}, None, None, True),  # never started: nothing can hold it
+        ({"shim_started": True}, True, False, False),  # shim alive, VMM not (yet) there: may still appear
+        ({"shim_started": True}, False, False, True),
+        ({"shim_started": True, "vmm_exited": True}, True, False, False),  # a report is not evidence: the shim lives
+        ({"shim_started": True}, True, True, False),
+        ({"shim_started": True}, None, None, None),  # cannot tell: the caller quarantines
+    ],
+)
 def test_vmm_gone_needs_host_evidence_that_no_vmm_can_appear(
     facts: dict[str, object], shim: bool | None, vmm: bool | None, gone: bool | None
 ) -> None:
@@ -304,7 +316,8 @@ def test_a_shim_that_never_starts_its_vmm_is_torn_down_after_the_startup_timeout
     reconcile(node.cubelet)
     assert node.device(res.device_ids[0]).state is S.ALLOCATABLE
     assert "the shim did not start a VMM in time" in [
-        e.reason for e in node.cubelet.store.events() if e.kind == "reconcile_repair"]
+        e.reason for e in node.cubelet.store.events() if e.kind == "reconcile_repair"
+    ]
 
 
 def test_a_stale_or_forged_vmm_exited_report_frees_nothing(node: Node) -> None:
@@ -319,7 +332,9 @@ def test_a_stale_or_forged_vmm_exited_report_frees_nothing(node: Node) -> None:
         node.cubelet.handle_report(ShimReport("sb", ShimReportKind.VMM_EXITED, (dev,), {}, 0.0, start_id))
     assert node.device(dev).state is S.PREPARING
     assert [e.reason for e in node.cubelet.store.events() if e.kind == "shim_report_rejected"] == [
-        "shim.report_stale", "shim.report_stale"]
+        "shim.report_stale",
+        "shim.report_stale",
+    ]
     # Even a genuine vmm_exited is not evidence while the shim lives: it might still start a VMM.
     genuine = node.cubelet.store.reservation("sb").facts["start_id"]  # type: ignore[union-attr]
     node.shim.slow_start.discard("sb")
@@ -438,11 +453,15 @@ def test_without_a_contract_the_device_must_still_be_seen_where_it_was_plugged(n
 
     report(ShimReportKind.VM_STARTED, pid=4242)
     report(ShimReportKind.DEVICE_ATTACHED, guest_address="0000:01:00.0")
-    elsewhere = GuestReport(1, "6.1.0", pci_devices=({"address": "0000:02:00.0", "vendor_id": "10de",
-                                                     "device_id": "2330", "class": "0302"},))
+    elsewhere = GuestReport(
+        1,
+        "6.1.0",
+        pci_devices=({"address": "0000:02:00.0", "vendor_id": "10de", "device_id": "2330", "class": "0302"},),
+    )
     report(ShimReportKind.GUEST_VALIDATED, report=elsewhere.to_json())
     assert [(s["phase"], s["error"]["code"], s["error"]["layer"]) for _, s in sent] == [
-        ("failed", "compat.device_not_visible_in_guest", "host_hardware")]
+        ("failed", "compat.device_not_visible_in_guest", "host_hardware")
+    ]
     assert node.device(dev).state in (S.RELEASING, S.ALLOCATABLE)
 
 

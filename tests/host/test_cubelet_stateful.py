@@ -25,8 +25,7 @@ from tests.cubelet_harness import Node
 
 SANDBOXES = st.sampled_from([f"s{i}" for i in range(3)])
 DEVICE_INDEX = st.integers(0, 3)
-FAULTS = st.sampled_from([Fault.HOLDER_STUCK, Fault.RESET_FAIL, Fault.VANISH, Fault.HEALTH_FAIL,
-                          Fault.IDENTITY_CHANGE])
+FAULTS = st.sampled_from([Fault.HOLDER_STUCK, Fault.RESET_FAIL, Fault.VANISH, Fault.HEALTH_FAIL, Fault.IDENTITY_CHANGE])
 
 
 class CubeletMachine(RuleBasedStateMachine):
@@ -75,8 +74,10 @@ class CubeletMachine(RuleBasedStateMachine):
         sid = data.draw(st.sampled_from([r.sandbox_id for r in self.node.cubelet.store.reservations()]))
         self.node.cubelet.release(sid)
 
-    @rule(sid=SANDBOXES, knob=st.sampled_from(["fail_attach", "uncooperative_guest", "immortal_vmm",
-                                               "failed_guest_validation"]))
+    @rule(
+        sid=SANDBOXES,
+        knob=st.sampled_from(["fail_attach", "uncooperative_guest", "immortal_vmm", "failed_guest_validation"]),
+    )
     def vm_fault(self, sid: str, knob: str) -> None:
         getattr(self.node.shim, knob).add(sid)
 
@@ -107,8 +108,9 @@ class CubeletMachine(RuleBasedStateMachine):
             if d.state in (DeviceState.RESERVED, DeviceState.PREPARING, DeviceState.ATTACHED):
                 assert d.sandbox_id and self.node.cubelet.store.reservation(d.sandbox_id) is not None
 
-    @precondition(lambda self: any(d.state in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY)
-                                   for d in self.node.devices()))
+    @precondition(
+        lambda self: any(d.state in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY) for d in self.node.devices())
+    )
     @rule(i=DEVICE_INDEX)
     def recover(self, i: int) -> None:
         d = self.node.devices()[i]

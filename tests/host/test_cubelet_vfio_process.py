@@ -18,18 +18,40 @@ from tests.host.holder_proc import unreadable_pids
 
 @pytest.fixture
 def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
-    fake = FakeSysfs.build(tmp_path / "fake", [
-        Dev("0000:3b:00.0", iommu_group=1, driver="vfio-pci", numa_node=0),
-        Dev("0000:86:00.0", iommu_group=2, driver="vfio-pci", numa_node=1),
-        Dev("0000:af:00.0", iommu_group=3, driver="nvidia", numa_node=1),
-        Dev("0000:00:1f.3", vendor=0x8086, device=0x51C8, class_code=0x040300, iommu_group=4,
-            driver="snd_hda_intel", native="snd_hda_intel"),
-    ])
+    fake = FakeSysfs.build(
+        tmp_path / "fake",
+        [
+            Dev("0000:3b:00.0", iommu_group=1, driver="vfio-pci", numa_node=0),
+            Dev("0000:86:00.0", iommu_group=2, driver="vfio-pci", numa_node=1),
+            Dev("0000:af:00.0", iommu_group=3, driver="nvidia", numa_node=1),
+            Dev(
+                "0000:00:1f.3",
+                vendor=0x8086,
+                device=0x51C8,
+                class_code=0x040300,
+                iommu_group=4,
+                driver="snd_hda_intel",
+                native="snd_hda_intel",
+            ),
+        ],
+    )
     state = tmp_path / "state"
     state.mkdir()
-    p = CubeletProcess(state, "-", "--backend", "vfio", "--sysfs-root", str(fake.sys), "--allow", "10de:*",
-                       "--dev-root", str(fake.dev), "--proc-root", str(fake.proc),
-                       *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()))
+    p = CubeletProcess(
+        state,
+        "-",
+        "--backend",
+        "vfio",
+        "--sysfs-root",
+        str(fake.sys),
+        "--allow",
+        "10de:*",
+        "--dev-root",
+        str(fake.dev),
+        "--proc-root",
+        str(fake.proc),
+        *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()),
+    )
     p.start()
     yield p, fake
     p.stop()

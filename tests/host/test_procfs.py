@@ -41,8 +41,9 @@ def test_a_missing_proc_root_is_one_unknown_holder(tmp_path: Path) -> None:
     assert len(found) == 1 and found[0].unknown and found[0].pid == 0
 
 
-def test_a_process_whose_fds_cannot_be_read_is_an_unknown_holder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                  ) -> None:
+def test_a_process_whose_fds_cannot_be_read_is_an_unknown_holder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _fake_proc(tmp_path, 4242, "qemu-system-x86", {4: "/dev/vfio/12"})
     _fake_proc(tmp_path, 99, "bash", {0: "/dev/pts/0"})
     _fake_proc(tmp_path, 500, "secretive", {})
@@ -55,12 +56,15 @@ def test_a_process_whose_fds_cannot_be_read_is_an_unknown_holder(tmp_path: Path,
 
     monkeypatch.setattr(procfs.os, "scandir", scandir)
     found = procfs.find_holders(procfs.exact(["/dev/vfio/12"]), tmp_path)
-    assert found == [Holder(500, "secretive", procfs.UNREADABLE, unknown=True),
-                     Holder(4242, "qemu-system-x86", "/dev/vfio/12")]
+    assert found == [
+        Holder(500, "secretive", procfs.UNREADABLE, unknown=True),
+        Holder(4242, "qemu-system-x86", "/dev/vfio/12"),
+    ]
 
 
 def test_an_fd_that_cannot_be_resolved_is_an_unknown_holder_but_a_closed_one_is_not(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _fake_proc(tmp_path, 600, "racy", {3: "/dev/null", 4: "/dev/null"})
     real_readlink = os.readlink
 

@@ -63,10 +63,17 @@ class StandInShims(ProcessShimDriver):
     def start(self, spec: ShimSpec) -> None:
         sid = spec.sandbox_id
         own = self.dir / sid  # like the real ones: their spec and sockets lie under this Cubelet's shims/ dir
-        shim = subprocess.Popen([sys.executable, "-c", _SHIM, "shim", "run", "--sandbox", sid, "--spec",
-                                 f"{self.dir}/{sid}.json"], stdin=subprocess.PIPE, text=True)
-        vmm = subprocess.Popen([sys.executable, "-c", _VMM, f"guest=cubeaccel-sandbox={sid}", f"qmp={own}/qmp.sock",
-                                *self.group_files], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        shim = subprocess.Popen(
+            [sys.executable, "-c", _SHIM, "shim", "run", "--sandbox", sid, "--spec", f"{self.dir}/{sid}.json"],
+            stdin=subprocess.PIPE,
+            text=True,
+        )
+        vmm = subprocess.Popen(
+            [sys.executable, "-c", _VMM, f"guest=cubeaccel-sandbox={sid}", f"qmp={own}/qmp.sock", *self.group_files],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert vmm.stdout is not None and vmm.stdout.readline().strip() == "ready"
         self.started[sid] = (shim, vmm)
 
@@ -131,8 +138,11 @@ class VfioNode:
         self.report(K.DEVICE_ATTACHED, guest_address="0000:01:00.0")
         res = self.cubelet.store.reservation(self.sid)
         assert res is not None and res.phase == "starting"  # attached is not ready: validation comes first
-        guest = GuestReport(1, "6.1.0", pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de",
-                                                      "device_id": "2330", "class": "0302"},))
+        guest = GuestReport(
+            1,
+            "6.1.0",
+            pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "0302"},),
+        )
         self.report(K.GUEST_VALIDATED, report=guest.to_json())
         assert self.state() is S.ATTACHED
         res = self.cubelet.store.reservation(self.sid)
@@ -152,8 +162,12 @@ def vfio(tmp_path: Path) -> Iterator[VfioNode]:
     (tmp_path / "state").mkdir()
     shims = StandInShims(tmp_path / "state", [str(group)])
     backend = VfioBackend(host, readiness_roots=HostRoots(fake.sys, dev, fake.proc))
-    cubelet = Cubelet(Store(tmp_path / "cubelet.db", clock=clock), backend, shims,
-                      CubeletConfig(release_timeout_s=10, kill_grace_s=5, pinnable_memory_mib=1 << 20))
+    cubelet = Cubelet(
+        Store(tmp_path / "cubelet.db", clock=clock),
+        backend,
+        shims,
+        CubeletConfig(release_timeout_s=10, kill_grace_s=5, pinnable_memory_mib=1 << 20),
+    )
     initialize_host(cubelet)
     node = VfioNode(fake, clock, shims, cubelet, f"rr-{uuid.uuid4().hex[:12]}")
     assert node.state() is S.ALLOCATABLE
@@ -184,8 +198,14 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
     assert vfio.state() is S.ALLOCATABLE
     assert vfio.fake.resets.get(GPU) == 1
     confirmed = [e for e in vfio.cubelet.store.events(0, 10000, sandbox_id=vfio.sid) if e.event == "release_confirmed"]
-    assert confirmed[-1].details == {"vmm_exited": True, "shim_exited": False, "shim_final_report": True,
-                                     "detach_confirmed": True, "holders": 0, "reset": True}
+    assert confirmed[-1].details == {
+        "vmm_exited": True,
+        "shim_exited": False,
+        "shim_final_report": True,
+        "detach_confirmed": True,
+        "holders": 0,
+        "reset": True,
+    }
     assert vfio.cubelet.store.reservation(vfio.sid) is None
 
 

@@ -21,9 +21,16 @@ def test_discovers_a_fake_h200_host_without_writing(tmp_path: Path) -> None:
     )  # fmt: skip
     before = sorted((p.relative_to(fake.sys).as_posix(), p.read_bytes()) for p in fake.sys.rglob("*") if p.is_file())
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sysfs-root", str(fake.sys),
-         *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids())],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--sysfs-root",
+            str(fake.sys),
+            *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)

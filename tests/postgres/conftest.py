@@ -38,11 +38,17 @@ def postgres_url() -> Iterator[str]:
         as_pg = ["runuser", "-u", "postgres", "--"]
         shutil.chown(root, "postgres", "postgres")
     data = root / "data"
-    subprocess.run([*as_pg, initdb, "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "-N"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [*as_pg, initdb, "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "-N"],
+        check=True,
+        capture_output=True,
+    )
     opts = f"-c listen_addresses='' -k {root} -c fsync=off -c synchronous_commit=off -c max_connections=300"
-    subprocess.run([*as_pg, pg_ctl, "-D", str(data), "-o", opts, "-l", str(root / "postgres.log"), "-w", "-t", "60",
-                    "start"], check=True, capture_output=True)
+    subprocess.run(
+        [*as_pg, pg_ctl, "-D", str(data), "-o", opts, "-l", str(root / "postgres.log"), "-w", "-t", "60", "start"],
+        check=True,
+        capture_output=True,
+    )
     try:
         yield f"postgresql://postgres@/postgres?host={root}"
     finally:
@@ -56,8 +62,9 @@ def fresh_db(postgres_url: str) -> Iterator[str]:
     import sqlalchemy as sa
 
     name = f"t_{os.urandom(4).hex()}"
-    admin = sa.create_engine(postgres_url.replace("postgresql://", "postgresql+psycopg://", 1),
-                             isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(
+        postgres_url.replace("postgresql://", "postgresql+psycopg://", 1), isolation_level="AUTOCOMMIT"
+    )
     with admin.connect() as c:
         c.execute(sa.text(f"CREATE DATABASE {name}"))
     try:

@@ -29,8 +29,7 @@ def test_replicas_starting_together_migrate_once(fresh_db: str) -> None:
         s.close()
 
 
-def test_two_replicas_200_concurrent_creates_against_16_devices_place_exactly_16(fresh_db: str,
-                                                                                 tmp_path: Path) -> None:
+def test_two_replicas_200_concurrent_creates_against_16_devices_place_exactly_16(fresh_db: str, tmp_path: Path) -> None:
     replicas = [MasterProcess(tmp_path / f"m{i}", db=fresh_db, staleness=5.0).start() for i in range(2)]
     nodes: list[CubeletProcess] = []
     try:
@@ -80,8 +79,12 @@ def test_the_same_create_sent_to_both_replicas_makes_one_sandbox(fresh_db: str, 
         replicas[1].client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
 
         def create(i: int) -> int:
-            r = httpx.post(f"{replicas[i % 2].url}/v1/sandboxes", json={"gpu": "H100:1"},
-                           headers={"Idempotency-Key": "same-request"}, timeout=60)
+            r = httpx.post(
+                f"{replicas[i % 2].url}/v1/sandboxes",
+                json={"gpu": "H100:1"},
+                headers={"Idempotency-Key": "same-request"},
+                timeout=60,
+            )
             return r.status_code
 
         with ThreadPoolExecutor(max_workers=10) as pool:

@@ -36,8 +36,12 @@ class State:
 
     def event(self, source: str, event: str, properties: dict[str, str] | None = None) -> None:
         now = time.time()
-        obj = {"timestamp": {"secs": int(now), "nanos": int(now % 1 * 1e9)}, "source": source, "event": event,
-               "properties": properties}
+        obj = {
+            "timestamp": {"secs": int(now), "nanos": int(now % 1 * 1e9)},
+            "source": source,
+            "event": event,
+            "properties": properties,
+        }
         with self.lock, open(self.events_path, "a") as f:
             f.write(json.dumps(obj, indent=2) + "\n\n")
 
@@ -75,11 +79,11 @@ def make_handler(st: State, server_ref: list[_Server]) -> type[BaseHTTPRequestHa
 
         def do_GET(self) -> None:
             if self.path == "/api/v1/vmm.ping":
-                self._reply(200, {"build_version": "fake", "version": "v40.0-fake", "pid": os.getpid(),
-                                  "features": []})
+                self._reply(200, {"build_version": "fake", "version": "v40.0-fake", "pid": os.getpid(), "features": []})
             elif self.path == "/api/v1/vm.info" and st.config is not None:
-                self._reply(200, {"config": st.config, "state": st.state, "memory_actual_size":
-                                  st.config["memory"]["size"]})
+                self._reply(
+                    200, {"config": st.config, "state": st.state, "memory_actual_size": st.config["memory"]["size"]}
+                )
             else:
                 self._reply(404, text="not found")
 
@@ -113,10 +117,12 @@ def make_handler(st: State, server_ref: list[_Server]) -> type[BaseHTTPRequestHa
                 if dev_id not in st.devices:
                     return self._reply(500, text="Error removing device from the VM")
                 if not st.ignore_remove:
+
                     def later() -> None:
                         time.sleep(0.05)  # the guest's ACPI eject takes a moment
                         st.devices.pop(dev_id, None)
                         st.event("vm", "device-removed", {"id": dev_id})
+
                     threading.Thread(target=later, daemon=True).start()
                 return self._reply(204)
             if endpoint == "vm.shutdown":

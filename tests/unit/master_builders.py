@@ -17,12 +17,22 @@ MODELS = {
 }
 
 
-def group(model: str, total: int, free: int | None = None, numa: dict[str, int] | None = None,
-          backend: str = "vfio", cls: str = "gpu") -> dict[str, Any]:
+def group(
+    model: str,
+    total: int,
+    free: int | None = None,
+    numa: dict[str, int] | None = None,
+    backend: str = "vfio",
+    cls: str = "gpu",
+) -> dict[str, Any]:
     free = total if free is None else free
-    return {"class": cls, "labels": {**MODELS.get(model, {}), "model": model, "backend": backend},
-            "total": total, "by_state": {"allocatable": free, "attached": total - free},
-            "allocatable_by_numa": numa if numa is not None else {"0": free}}
+    return {
+        "class": cls,
+        "labels": {**MODELS.get(model, {}), "model": model, "backend": backend},
+        "total": total,
+        "by_state": {"allocatable": free, "attached": total - free},
+        "allocatable_by_numa": numa if numa is not None else {"0": free},
+    }
 
 
 # the guests the example templates pin: a node "has everything" unless a test says otherwise
@@ -34,16 +44,33 @@ def image(**changes: Any) -> dict[str, Any]:
     return {**EXAMPLE_IMAGES[0], **changes}
 
 
-def heartbeat(node: str, *groups: dict[str, Any], backends: tuple[str, ...] = ("vfio",), pinnable: int = 1 << 20,
-              images: list[dict[str, Any]] | None = None, hotplug: tuple[str, ...] = (HOTPLUG_PCIE_ROOT_PORT_ACPI,),
-              url: str = "http://127.0.0.1:1", host_problems: list[tuple[str, str]] | None = None,
-              pinned: dict[str, Any] | None = None) -> dict[str, Any]:
+def heartbeat(
+    node: str,
+    *groups: dict[str, Any],
+    backends: tuple[str, ...] = ("vfio",),
+    pinnable: int = 1 << 20,
+    images: list[dict[str, Any]] | None = None,
+    hotplug: tuple[str, ...] = (HOTPLUG_PCIE_ROOT_PORT_ACPI,),
+    url: str = "http://127.0.0.1:1",
+    host_problems: list[tuple[str, str]] | None = None,
+    pinned: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """`host_problems`: the host is not ready, for these (code, message); `pinned`: the pinned_memory ledger."""
-    body = {"node": node, "cubelet_url": url, "version": "0.1.0", "sent_at": 1000.0,
-            "capacity": {"node": node, "backends": list(backends), "groups": list(groups),
-                         "total": sum(g["total"] for g in groups)},
-            "pinnable_memory_mib": pinnable, "guest_images": EXAMPLE_IMAGES if images is None else images,
-            "hotplug": list(hotplug)}
+    body = {
+        "node": node,
+        "cubelet_url": url,
+        "version": "0.1.0",
+        "sent_at": 1000.0,
+        "capacity": {
+            "node": node,
+            "backends": list(backends),
+            "groups": list(groups),
+            "total": sum(g["total"] for g in groups),
+        },
+        "pinnable_memory_mib": pinnable,
+        "guest_images": EXAMPLE_IMAGES if images is None else images,
+        "hotplug": list(hotplug),
+    }
     if host_problems is not None:
         body.update(ready=not host_problems, host_problems=[{"code": c, "message": m} for c, m in host_problems])
     if pinned is not None:

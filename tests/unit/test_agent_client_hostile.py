@@ -37,13 +37,16 @@ def sock(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "agent.sock"
 
 
-@pytest.mark.parametrize(("reply", "code"), [
-    (b'{"v":1,"id":1,"ok":false,"error":"x"}\n', "agent.bad_reply"),
-    (b'{"v":1,"id":1,"ok":false,"error":[1,2]}\n', "agent.bad_reply"),
-    (b"[" * 200_000 + b"\n", "agent.disconnected"),  # unparsable (too deep): ignored, then the guest hangs up
-    (b"x" * (MAX_REPLY + 70_000), "agent.reply_too_large"),  # no newline: the buffer is capped
-    (b'{"v":1,"id":1,"ok":"yes","result":{}}\n', "agent.bad_reply"),  # "ok" must be true, not truthy
-])
+@pytest.mark.parametrize(
+    ("reply", "code"),
+    [
+        (b'{"v":1,"id":1,"ok":false,"error":"x"}\n', "agent.bad_reply"),
+        (b'{"v":1,"id":1,"ok":false,"error":[1,2]}\n', "agent.bad_reply"),
+        (b"[" * 200_000 + b"\n", "agent.disconnected"),  # unparsable (too deep): ignored, then the guest hangs up
+        (b"x" * (MAX_REPLY + 70_000), "agent.reply_too_large"),  # no newline: the buffer is capped
+        (b'{"v":1,"id":1,"ok":"yes","result":{}}\n', "agent.bad_reply"),  # "ok" must be true, not truthy
+    ],
+)
 def test_bad_replies_become_coded_errors(sock: Path, reply: bytes, code: str) -> None:
     t = _guest(sock, reply)
     client = AgentClient(sock)

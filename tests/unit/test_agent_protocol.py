@@ -77,8 +77,9 @@ def served(agent: Agent, options: ServeOptions) -> Iterator[tuple[Peer, threadin
     """The real serve loop in a thread on one end of a socketpair; the test holds the other end."""
     ours, theirs = socket.socketpair()
     result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(serve(agent, theirs.fileno(), theirs.fileno(), options)),
-                              daemon=True)
+    thread = threading.Thread(
+        target=lambda: result.append(serve(agent, theirs.fileno(), theirs.fileno(), options)), daemon=True
+    )
     thread.start()
     peer = Peer(ours.fileno())
     try:
@@ -267,8 +268,9 @@ def test_a_raw_mode_pty_carries_requests_longer_than_a_canonical_tty_line(tmp_pa
     """A serial console is a tty: canonical mode would echo input and cut lines at 4096 bytes."""
     master, slave = os.openpty()
     agent = Agent(ctx=ProbeContext(root=tmp_path))
-    thread = threading.Thread(target=serve, args=(agent, slave, slave, ServeOptions(max_request_bytes=65536)),
-                              daemon=True)
+    thread = threading.Thread(
+        target=serve, args=(agent, slave, slave, ServeOptions(max_request_bytes=65536)), daemon=True
+    )
     thread.start()
     try:
         peer = Peer(master)
@@ -347,8 +349,9 @@ def test_port_mode_waits_across_host_eof_instead_of_exiting(monkeypatch: pytest.
 
     monkeypatch.setattr(serve_mod.os, "read", flaky_read)
     agent = Agent()
-    thread = threading.Thread(target=serve, args=(agent, theirs.fileno(), theirs.fileno(), ServeOptions(eof="wait")),
-                              daemon=True)
+    thread = threading.Thread(
+        target=serve, args=(agent, theirs.fileno(), theirs.fileno(), ServeOptions(eof="wait")), daemon=True
+    )
     thread.start()
     try:
         peer = Peer(ours.fileno())
@@ -384,7 +387,8 @@ def test_half_a_line_from_a_host_that_went_away_does_not_spoil_the_next_hosts_re
 
     monkeypatch.setattr(serve_mod.os, "read", read_then_eof)
     thread = threading.Thread(
-        target=serve, args=(Agent(), theirs.fileno(), theirs.fileno(), ServeOptions(eof="wait")), daemon=True)
+        target=serve, args=(Agent(), theirs.fileno(), theirs.fileno(), ServeOptions(eof="wait")), daemon=True
+    )
     thread.start()
     try:
         peer = Peer(ours.fileno())

@@ -20,9 +20,17 @@ FAKE = [sys.executable, str(Path(__file__).with_name("fake_cloudhv.py"))]
 
 
 def _cfg(tmp_path: Path, sandbox: str = "ch-1") -> VmConfig:
-    return VmConfig(sandbox_id=sandbox, memory_mib=512, vcpus=2, pin_memory=True, kernel=tmp_path / "vmlinux",
-                    initrd=tmp_path / "initrd.img", cmdline="console=ttyS0", state_dir=tmp_path / "state",
-                    device_ids=("vfio-0000:3b:00.0",))
+    return VmConfig(
+        sandbox_id=sandbox,
+        memory_mib=512,
+        vcpus=2,
+        pin_memory=True,
+        kernel=tmp_path / "vmlinux",
+        initrd=tmp_path / "initrd.img",
+        cmdline="console=ttyS0",
+        state_dir=tmp_path / "state",
+        device_ids=("vfio-0000:3b:00.0",),
+    )
 
 
 @pytest.fixture
@@ -80,13 +88,18 @@ def test_api_errors_carry_the_status(vmm: CloudHypervisorVmm) -> None:
     assert e.value.code == "vmm.api_error" and e.value.details["status_code"] == 500
 
 
-_event = st.fixed_dictionaries({"event": st.sampled_from(["booted", "device-removed", "shutdown"]),
-                                "properties": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2)})
+_event = st.fixed_dictionaries(
+    {
+        "event": st.sampled_from(["booted", "device-removed", "shutdown"]),
+        "properties": st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2),
+    }
+)
 
 
 @given(st.lists(_event, max_size=5), st.integers(min_value=0, max_value=40))
-def test_event_stream_decodes_whole_objects_and_ignores_a_partial_tail(events: list[dict[str, object]],
-                                                                        cut: int) -> None:
+def test_event_stream_decodes_whole_objects_and_ignores_a_partial_tail(
+    events: list[dict[str, object]], cut: int
+) -> None:
     text = "".join(json.dumps(e, indent=2) + "\n\n" for e in events)
     assert parse_events(text) == events
     partial = json.dumps({"event": "device-removed", "properties": {"id": "x"}}, indent=2)[:cut]

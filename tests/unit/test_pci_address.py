@@ -15,10 +15,24 @@ def test_round_trip(domain: int, bus: int, slot: int, fn: int) -> None:
     assert PciAddress.parse(str(a).upper()) == a
 
 
-@pytest.mark.parametrize("bad", [
-    "", "0000:3b:00", "0000:3b:00.8", "0000:3b:20.0", "000:3b:00.0", "0000:3b:00.0\n", " 0000:3b:00.0",
-    "../../../etc", "0000:3b:00.0/../x", "0000:3b:0g.0", "00000:3b:00.0", "0000:3b:00.0 ", "0000-3b-00.0",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "0000:3b:00",
+        "0000:3b:00.8",
+        "0000:3b:20.0",
+        "000:3b:00.0",
+        "0000:3b:00.0\n",
+        " 0000:3b:00.0",
+        "../../../etc",
+        "0000:3b:00.0/../x",
+        "0000:3b:0g.0",
+        "00000:3b:00.0",
+        "0000:3b:00.0 ",
+        "0000-3b-00.0",
+    ],
+)
 def test_rejects_anything_but_a_strict_bdf(bad: str) -> None:
     with pytest.raises(CubeError) as err:
         PciAddress.parse(bad)

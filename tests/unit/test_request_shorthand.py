@@ -15,7 +15,8 @@ from cubeaccel.model.request import (
 )
 
 MODEL = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True).filter(
-    lambda s: s.lower() not in ("gpu", "accelerator"))
+    lambda s: s.lower() not in ("gpu", "accelerator")
+)
 
 
 @given(MODEL, st.integers(1, MAX_COUNT))
@@ -67,28 +68,38 @@ def test_model_matches_exactly_or_as_a_dash_prefix_case_insensitively() -> None:
 
 
 def test_long_form_keeps_alternatives_in_order() -> None:
-    req = parse_accelerators([{"class": "gpu", "count": 2, "selector": "device.model == 'x'",
-                               "alternatives": [{"class": "gpu", "count": 1, "model": "A100"},
-                                                {"class": "accelerator"}]}])
+    req = parse_accelerators(
+        [
+            {
+                "class": "gpu",
+                "count": 2,
+                "selector": "device.model == 'x'",
+                "alternatives": [{"class": "gpu", "count": 1, "model": "A100"}, {"class": "accelerator"}],
+            }
+        ]
+    )
     assert [c.accel_class for c in req.choices] == ["gpu", "gpu", "accelerator"]
     assert req.choices[1].model == "A100" and req.choices[2].count == 1
     assert req.to_json()["alternatives"][0] == {"class": "gpu", "count": 1, "model": "A100"}
 
 
-@pytest.mark.parametrize(("items", "code"), [
-    ([], "request.invalid_accelerator"),
-    ({"class": "gpu"}, "request.invalid_accelerator"),
-    ([{"class": "tpu"}], "request.unknown_class"),
-    ([{"class": "gpu", "count": 0}], "request.invalid_count"),
-    ([{"class": "gpu", "count": True}], "request.invalid_count"),
-    ([{"class": "gpu", "count": "2"}], "request.invalid_count"),
-    ([{"class": "gpu", "colour": "red"}], "api.unknown_field"),
-    ([{"class": "gpu"}, {"class": "gpu"}], "request.multiple_accelerator_kinds"),
-    ([{"class": "gpu", "selector": ""}], "selector.invalid"),
-    ([{"class": "gpu", "alternatives": [{"class": "gpu", "alternatives": []}]}], "api.unknown_field"),
-    ([{"class": "gpu", "alternatives": [{}] * 9}], "request.invalid_alternatives"),
-    ([{"class": "gpu", "model": "H100:2"}], "request.invalid_model"),
-])
+@pytest.mark.parametrize(
+    ("items", "code"),
+    [
+        ([], "request.invalid_accelerator"),
+        ({"class": "gpu"}, "request.invalid_accelerator"),
+        ([{"class": "tpu"}], "request.unknown_class"),
+        ([{"class": "gpu", "count": 0}], "request.invalid_count"),
+        ([{"class": "gpu", "count": True}], "request.invalid_count"),
+        ([{"class": "gpu", "count": "2"}], "request.invalid_count"),
+        ([{"class": "gpu", "colour": "red"}], "api.unknown_field"),
+        ([{"class": "gpu"}, {"class": "gpu"}], "request.multiple_accelerator_kinds"),
+        ([{"class": "gpu", "selector": ""}], "selector.invalid"),
+        ([{"class": "gpu", "alternatives": [{"class": "gpu", "alternatives": []}]}], "api.unknown_field"),
+        ([{"class": "gpu", "alternatives": [{}] * 9}], "request.invalid_alternatives"),
+        ([{"class": "gpu", "model": "H100:2"}], "request.invalid_model"),
+    ],
+)
 def test_long_form_errors_have_codes(items: object, code: str) -> None:
     with pytest.raises(CubeError) as e:
         parse_accelerators(items)

@@ -17,8 +17,12 @@ NOW, STALE = 1001.0, 10.0
 H100 = "H100-SXM5-80GB"
 
 
-def run(nodes: list[NodeView], *choices: AcceleratorChoice, contract: CompatibilityContract | None = None,
-        selector: str | None = None) -> tuple[list[str], dict[str, str]]:
+def run(
+    nodes: list[NodeView],
+    *choices: AcceleratorChoice,
+    contract: CompatibilityContract | None = None,
+    selector: str | None = None,
+) -> tuple[list[str], dict[str, str]]:
     c = contract or h100_contract()
     sel = Selector(selector) if selector else None
     d = decide(nodes, [(ch, c, sel) for ch in choices], NOW, STALE)
@@ -30,35 +34,43 @@ def one(count: int = 1, model: str | None = "H100") -> AcceleratorChoice:
     return AcceleratorChoice("gpu", count, model=model)
 
 
-@pytest.mark.parametrize(("node", "reason"), [
-    (view("n", group(H100, 8), received_at=NOW - 11), "node_stale"),
-    (view("n", group(H100, 8), state="draining"), "node_draining"),
-    (view("n", group(H100, 8, free=0), host_problems=[("host.no_iommu", "no IOMMU")]), "host_not_ready"),
-    (view("n", group("edu", 2, cls="accelerator")), "class_missing"),
-    (view("n", group("T4-16GB", 4)), "device_incompatible"),
-    (view("n", group(H100, 8), backends=("emulated",)), "backend_unsupported"),
-    (view("n", group(H100, 8), pinnable=512), "pinned_memory"),
-    (view("n", group(H100, 8), hotplug=()), "hotplug_unsupported"),
-    (view("n", group(H100, 8), images=[image(kernel_release="5.10.0-1-amd64")]), "kernel_incompatible"),
-    (view("n", group(H100, 8), images=[image(kernel_digests=["sha256:" + "5" * 64])]), "kernel_incompatible"),
-    (view("n", group(H100, 8), images=[]), "kernel_incompatible"),
-    (view("n", group(H100, 8), images=[image(digest="sha256:" + "0" * 64)]), "image_missing"),
-    (view("n", group(H100, 8), images=[image(modules_img_digest="sha256:" + "0" * 64)]), "modules_img_missing"),
-    (view("n", group(H100, 8, free=0)), "insufficient_devices"),
-])
+@pytest.mark.parametrize(
+    ("node", "reason"),
+    [
+        (view("n", group(H100, 8), received_at=NOW - 11), "node_stale"),
+        (view("n", group(H100, 8), state="draining"), "node_draining"),
+        (view("n", group(H100, 8, free=0), host_problems=[("host.no_iommu", "no IOMMU")]), "host_not_ready"),
+        (view("n", group("edu", 2, cls="accelerator")), "class_missing"),
+        (view("n", group("T4-16GB", 4)), "device_incompatible"),
+        (view("n", group(H100, 8), backends=("emulated",)), "backend_unsupported"),
+        (view("n", group(H100, 8), pinnable=512), "pinned_memory"),
+        (view("n", group(H100, 8), hotplug=()), "hotplug_unsupported"),
+        (view("n", group(H100, 8), images=[image(kernel_release="5.10.0-1-amd64")]), "kernel_incompatible"),
+        (view("n", group(H100, 8), images=[image(kernel_digests=["sha256:" + "5" * 64])]), "kernel_incompatible"),
+        (view("n", group(H100, 8), images=[]), "kernel_incompatible"),
+        (view("n", group(H100, 8), images=[image(digest="sha256:" + "0" * 64)]), "image_missing"),
+        (view("n", group(H100, 8), images=[image(modules_img_digest="sha256:" + "0" * 64)]), "modules_img_missing"),
+        (view("n", group(H100, 8, free=0)), "insufficient_devices"),
+    ],
+)
 def test_each_filter_names_its_reason(node: NodeView, reason: str) -> None:
     placed, reasons = run([node], one(model=None))
     assert placed == [] and reasons == {"n": reason}
 
 
 def test_a_template_pinning_a_kernel_the_node_lacks_is_refused_with_layer_guest_kernel() -> None:
-    nodes = [view("old", group(H100, 8), images=[image(kernel_release="5.10.0-1-amd64")]),
-             view("bare", group(H100, 8), images=[]), view("has", group(H100, 8))]
+    nodes = [
+        view("old", group(H100, 8), images=[image(kernel_release="5.10.0-1-amd64")]),
+        view("bare", group(H100, 8), images=[]),
+        view("has", group(H100, 8)),
+    ]
     assert run(nodes, one())[0] == ["has"]
     d = decide(nodes[:2], [(one(), h100_contract(), None)], NOW, STALE)
     nodes_detail = rejection(d, 2).details["tried"][0]["nodes"]
-    assert {n: x["reason"] for n, x in nodes_detail.items()} == {"old": "kernel_incompatible",
-                                                                   "bare": "kernel_incompatible"}
+    assert {n: x["reason"] for n, x in nodes_detail.items()} == {
+        "old": "kernel_incompatible",
+        "bare": "kernel_incompatible",
+    }
     assert nodes_detail["old"]["detail"].startswith("guest_kernel: expected 6.1.0-27-cloud-amd64 (sha256:")
     assert nodes_detail["old"]["detail"].endswith("found 5.10.0-1-amd64")
     assert nodes_detail["bare"]["detail"].endswith("found no guest images")
@@ -92,8 +104,11 @@ def test_selector_mismatch_is_its_own_reason() -> None:
 
 
 def test_selector_sees_class_and_device_ids() -> None:
-    placed, _ = run([view("n", group(H100, 8))], one(),
-                    selector="device.class == 'gpu' && device.vendor_id == '10de' && device.device_id == '2330'")
+    placed, _ = run(
+        [view("n", group(H100, 8))],
+        one(),
+        selector="device.class == 'gpu' && device.vendor_id == '10de' && device.device_id == '2330'",
+    )
     assert placed == ["n"]
 
 
@@ -138,8 +153,9 @@ def test_first_alternative_that_fits_anywhere_wins() -> None:
 
 
 def test_rejection_reports_every_alternative_tried() -> None:
-    d = decide([view("a", group(H100, 1))], [(one(4), h100_contract(), None), (one(2), h100_contract(), None)],
-               NOW, STALE)
+    d = decide(
+        [view("a", group(H100, 1))], [(one(4), h100_contract(), None), (one(2), h100_contract(), None)], NOW, STALE
+    )
     err = rejection(d, 1)
     assert [t["accelerator"]["count"] for t in err.details["tried"]] == [4, 2]
 
@@ -154,27 +170,51 @@ def test_contract_check_runs_once_per_node_view_and_digest() -> None:
 
 
 NODE = st.tuples(
-    st.sampled_from([H100, "T4-16GB", "A100-SXM4-80GB"]), st.integers(1, 8), st.integers(0, 8),
-    st.sampled_from(["ready", "draining"]), st.booleans(), st.sampled_from([("vfio",), ("emulated",)]),
+    st.sampled_from([H100, "T4-16GB", "A100-SXM4-80GB"]),
+    st.integers(1, 8),
+    st.integers(0, 8),
+    st.sampled_from(["ready", "draining"]),
+    st.booleans(),
+    st.sampled_from([("vfio",), ("emulated",)]),
     st.sampled_from([512, 1 << 20]),
 )
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(NODE, min_size=1, max_size=12), st.integers(1, 4), st.sampled_from([None, "H100", "T4"]),
-       st.sampled_from([None, "device.architecture == 'hopper'", "int(device.memory_gib) > 20"]))
+@given(
+    st.lists(NODE, min_size=1, max_size=12),
+    st.integers(1, 4),
+    st.sampled_from([None, "H100", "T4"]),
+    st.sampled_from([None, "device.architecture == 'hopper'", "int(device.memory_gib) > 20"]),
+)
 def test_fast_path_picks_exactly_what_the_thorough_filters_allow(
-        spec: list[tuple[str, int, int, str, bool, tuple[str, ...], int]], count: int, model: str | None,
-        selector: str | None) -> None:
+    spec: list[tuple[str, int, int, str, bool, tuple[str, ...], int]],
+    count: int,
+    model: str | None,
+    selector: str | None,
+) -> None:
     nodes = []
     for i, (m, total, free, state, stale, backends, pinnable) in enumerate(spec):
-        nodes.append(view(f"n{i:02d}", group(m, total, min(free, total), numa={"0": min(free, total)}),
-                          state=state, backends=backends, pinnable=pinnable,
-                          received_at=NOW - (20 if stale else 0)))
-    ctx = Context(AcceleratorChoice("gpu", count, selector, model), h100_contract(),
-                  Selector(selector) if selector else None, NOW, STALE)
+        nodes.append(
+            view(
+                f"n{i:02d}",
+                group(m, total, min(free, total), numa={"0": min(free, total)}),
+                state=state,
+                backends=backends,
+                pinnable=pinnable,
+                received_at=NOW - (20 if stale else 0),
+            )
+        )
+    ctx = Context(
+        AcceleratorChoice("gpu", count, selector, model),
+        h100_contract(),
+        Selector(selector) if selector else None,
+        NOW,
+        STALE,
+    )
     fast, slow = evaluate(nodes, ctx, keep=100), explain(nodes, ctx)
-    assert [(x.node.name, x.group.key) for x in fast.candidates] == \
-        [(x.node.name, x.group.key) for x in slow.candidates]
+    assert [(x.node.name, x.group.key) for x in fast.candidates] == [
+        (x.node.name, x.group.key) for x in slow.candidates
+    ]
     if not fast.candidates:
         assert set(fast.reasons) == {n.name for n in nodes}

@@ -55,16 +55,19 @@ def test_numeric_heartbeat_fields_must_be_finite_numbers(api: TestClient, field:
     assert api.get("/v1/nodes").json()["nodes"] == []  # nothing written
 
 
-@pytest.mark.parametrize("facts", [
-    {"guest_images": "sha256:" + "1" * 64},
-    {"guest_images": [{"digest": "sha256:short"}]},
-    {"guest_images": [image(kernel_release="../etc")]},
-    {"guest_images": [image(kernel_digests=[])]},
-    {"guest_images": [image(modules_img_digest=None)]},
-    {"guest_images": [image()] * 257},
-    {"hotplug": "pcie-root-port-acpi"},
-    {"hotplug": ["Bad Path"]},
-])
+@pytest.mark.parametrize(
+    "facts",
+    [
+        {"guest_images": "sha256:" + "1" * 64},
+        {"guest_images": [{"digest": "sha256:short"}]},
+        {"guest_images": [image(kernel_release="../etc")]},
+        {"guest_images": [image(kernel_digests=[])]},
+        {"guest_images": [image(modules_img_digest=None)]},
+        {"guest_images": [image()] * 257},
+        {"hotplug": "pcie-root-port-acpi"},
+        {"hotplug": ["Bad Path"]},
+    ],
+)
 def test_node_facts_are_validated_before_anything_is_written(api: TestClient, facts: dict[str, Any]) -> None:
     r = api.put("/v1/nodes/n1", json=hb(**facts))
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
@@ -91,8 +94,21 @@ def test_group_counts_must_be_finite_whole_numbers(api: TestClient, where: str) 
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
 
 
-@pytest.mark.parametrize("url", ["file:///etc/passwd", "http://host", "ftp://h:21", "http://h:1/path",
-                                 "http://u:p@h:1", "http://h:1?q=1", "http://h:99999", "", 7, None])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "file:///etc/passwd",
+        "http://host",
+        "ftp://h:21",
+        "http://h:1/path",
+        "http://u:p@h:1",
+        "http://h:1?q=1",
+        "http://h:99999",
+        "",
+        7,
+        None,
+    ],
+)
 def test_cubelet_url_must_be_http_host_port(api: TestClient, url: Any) -> None:
     r = api.put("/v1/nodes/n1", json=hb(cubelet_url=url))
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_url")
@@ -136,22 +152,41 @@ def test_operator_verbs_refuse_an_empty_reason_but_need_none(api: TestClient) ->
 
 def _starting(master: CubeMaster, sid: str = "sb-push", node: str = "n1") -> None:
     now = 1000.0
-    assert master.store.insert_sandbox({
-        "id": sid, "tenant": "t", "idempotency_key": None, "request": {}, "state": "starting", "count": 1,
-        "device_ids": ["d1"], "timeline": [], "created_at": now, "updated_at": now, "expires_at": None}) is None
+    assert (
+        master.store.insert_sandbox(
+            {
+                "id": sid,
+                "tenant": "t",
+                "idempotency_key": None,
+                "request": {},
+                "state": "starting",
+                "count": 1,
+                "device_ids": ["d1"],
+                "timeline": [],
+                "created_at": now,
+                "updated_at": now,
+                "expires_at": None,
+            }
+        )
+        is None
+    )
     master.store.update_sandbox(sid, None, node=node)
 
 
-@pytest.mark.parametrize("body", [
-    {"phase": "ready"},  # not a phase
-    {"phase": "failed"},  # a failure without its error
-    {"phase": "running", "error": {"code": "x", "layer": "cubelet"}},  # running with an error
-    {"phase": "failed", "error": {"code": "", "layer": "cubelet"}},
-    {"phase": "failed", "error": {"code": "x", "layer": "cubelet", "extra": 1}},
-    {"phase": "failed", "error": {"code": "x" * 201, "layer": "cubelet"}},
-])
-def test_a_malformed_status_push_is_refused_and_changes_nothing(api: TestClient, master: CubeMaster,
-                                                               body: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"phase": "ready"},  # not a phase
+        {"phase": "failed"},  # a failure without its error
+        {"phase": "running", "error": {"code": "x", "layer": "cubelet"}},  # running with an error
+        {"phase": "failed", "error": {"code": "", "layer": "cubelet"}},
+        {"phase": "failed", "error": {"code": "x", "layer": "cubelet", "extra": 1}},
+        {"phase": "failed", "error": {"code": "x" * 201, "layer": "cubelet"}},
+    ],
+)
+def test_a_malformed_status_push_is_refused_and_changes_nothing(
+    api: TestClient, master: CubeMaster, body: dict[str, Any]
+) -> None:
     _starting(master)
     r = api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=body)
     assert r.status_code == 422 and r.json()["error"]["layer"] == "api"

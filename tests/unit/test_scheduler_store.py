@@ -24,8 +24,18 @@ def store(tmp_path: Path) -> Iterator[MasterStore]:
 
 def sandbox(sid: str, count: int = 1) -> dict[str, Any]:
     now = time.time()
-    return {"id": sid, "tenant": "t", "idempotency_key": None, "request": {}, "state": "scheduling",
-            "count": count, "device_ids": [], "timeline": [], "created_at": now, "updated_at": now}
+    return {
+        "id": sid,
+        "tenant": "t",
+        "idempotency_key": None,
+        "request": {},
+        "state": "scheduling",
+        "count": count,
+        "device_ids": [],
+        "timeline": [],
+        "created_at": now,
+        "updated_at": now,
+    }
 
 
 def test_migrations_run_once_and_reopening_keeps_the_version(tmp_path: Path) -> None:

@@ -36,10 +36,22 @@ def _id(index: int, instance: str = INST) -> str:
 
 def _record(index: int, state: DeviceState = DeviceState.RELEASING, instance: str = INST) -> DeviceRecord:
     addr = slot_address(index)
-    return DeviceRecord(id=_id(index, instance), address=addr, identity=EDU_IDENTITY,
-                        accel_class=AcceleratorClass.ACCELERATOR, backend="emulated", numa_node=0, iommu_group=None,
-                        expected_driver=None, labels={}, state=state, generation=1, reason=None, sandbox_id="sb",
-                        updated_at=0.0)
+    return DeviceRecord(
+        id=_id(index, instance),
+        address=addr,
+        identity=EDU_IDENTITY,
+        accel_class=AcceleratorClass.ACCELERATOR,
+        backend="emulated",
+        numa_node=0,
+        iommu_group=None,
+        expected_driver=None,
+        labels={},
+        state=state,
+        generation=1,
+        reason=None,
+        sandbox_id="sb",
+        updated_at=0.0,
+    )
 
 
 def test_tagged_vmms_are_found_and_untagged_or_zombie_processes_are_not(tmp_path: Path) -> None:
@@ -55,8 +67,7 @@ def test_tagged_vmms_are_found_and_untagged_or_zombie_processes_are_not(tmp_path
 
 
 def test_emulated_backend_holders_are_live_vmms_listing_the_device(tmp_path: Path) -> None:
-    _proc(tmp_path, 20, ["qemu-system-x86_64", "-name", name_arg("sb-a")],
-          {ENV_DEVICES: f"{_id(0)};{_id(1)}"})
+    _proc(tmp_path, 20, ["qemu-system-x86_64", "-name", name_arg("sb-a")], {ENV_DEVICES: f"{_id(0)};{_id(1)}"})
     backend = EmulatedBackend(INST, slots=3, proc_root=tmp_path, qemu=sys.executable)
     held, free = _record(0), _record(2)
     assert [h.pid for h in backend.holders(held)] == [20]
@@ -81,8 +92,7 @@ def test_emulated_backend_discovers_labelled_slots_and_needs_qemu(tmp_path: Path
 
 def test_a_real_tagged_process_is_found_until_it_exits() -> None:
     env = {**os.environ, ENV_DEVICES: _id(0)}
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-name", name_arg("real-1")],
-                            env=env)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-name", name_arg("real-1")], env=env)
     try:
         deadline = time.monotonic() + 5
         while find_vmm("real-1") is None and time.monotonic() < deadline:
@@ -141,10 +151,18 @@ def test_two_cubelets_on_one_host_never_take_each_others_vmms_for_holders(tmp_pa
     a0, b0 = back_a.discover()[0], back_b.discover()[0]
     assert a0.address == b0.address and a0.device_id != b0.device_id  # same slot, different devices
     # Each Cubelet's VMM holds its own slot 0 (same sandbox id: sandbox ids are each Cubelet's to choose).
-    _proc(proc, 30, ["qemu-system-x86_64", "-name", name_arg("sb"), "-qmp", f"unix:{a_dir}/shims/sb/qmp.sock"],
-          {ENV_DEVICES: a0.device_id})
-    _proc(proc, 31, ["qemu-system-x86_64", "-name", name_arg("sb"), "-qmp", f"unix:{b_dir}/shims/sb/qmp.sock"],
-          {ENV_DEVICES: b0.device_id})
+    _proc(
+        proc,
+        30,
+        ["qemu-system-x86_64", "-name", name_arg("sb"), "-qmp", f"unix:{a_dir}/shims/sb/qmp.sock"],
+        {ENV_DEVICES: a0.device_id},
+    )
+    _proc(
+        proc,
+        31,
+        ["qemu-system-x86_64", "-name", name_arg("sb"), "-qmp", f"unix:{b_dir}/shims/sb/qmp.sock"],
+        {ENV_DEVICES: b0.device_id},
+    )
     rec_a, rec_b = _record(0, DeviceState.ATTACHED, a), _record(0, DeviceState.ATTACHED, b)
     assert [h.pid for h in back_a.holders(rec_a)] == [30] and [h.pid for h in back_b.holders(rec_b)] == [31]
     # When b's VMM is gone, a's still-running VMM does not make b's device look held (nor the reverse).
@@ -161,8 +179,12 @@ def test_a_shim_of_another_cubelet_with_the_same_sandbox_id_is_not_ours(tmp_path
     from cubeaccel.host.vmmproc import find_shim
 
     mine, theirs = tmp_path / "a" / "shims", tmp_path / "b" / "shims"
-    _proc(tmp_path / "proc", 40, ["python", "-m", "cubeaccel.shim", "run", "--sandbox", "sb", "--spec",
-                                  f"{theirs}/sb.json"], {})
+    _proc(
+        tmp_path / "proc",
+        40,
+        ["python", "-m", "cubeaccel.shim", "run", "--sandbox", "sb", "--spec", f"{theirs}/sb.json"],
+        {},
+    )
     assert find_shim("sb", tmp_path / "proc") == 40
     assert find_shim("sb", tmp_path / "proc", under=theirs) == 40
     assert find_shim("sb", tmp_path / "proc", under=mine) is None

@@ -27,10 +27,12 @@ def _tree(root: Path, files: dict[str, bytes]) -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.dictionaries(st.from_regex(r"[a-z]{1,6}(/[a-z]{1,6}){0,2}", fullmatch=True), st.binary(max_size=300),
-                       max_size=6))
-def test_cpio_is_deterministic_and_readable_by_cpio(tmp_path_factory: pytest.TempPathFactory,
-                                                    files: dict[str, bytes]) -> None:
+@given(
+    st.dictionaries(st.from_regex(r"[a-z]{1,6}(/[a-z]{1,6}){0,2}", fullmatch=True), st.binary(max_size=300), max_size=6)
+)
+def test_cpio_is_deterministic_and_readable_by_cpio(
+    tmp_path_factory: pytest.TempPathFactory, files: dict[str, bytes]
+) -> None:
     files = {k: v for k, v in files.items() if not any(o != k and o.startswith(k + "/") for o in files)}
     root = tmp_path_factory.mktemp("tree")
     _tree(root, files)
@@ -61,13 +63,23 @@ def _ko(deps: str, vermagic: str = f"{REL} SMP preempt mod_unload modversions ")
 
 def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> None:
     moddir = tmp_path / "lib/modules" / REL / "kernel"
-    _tree(moddir, {"virtio/virtio.ko": _ko(""), "virtio/virtio_ring.ko": _ko("virtio"),
-                   "virtio/virtio_pci.ko": _ko("virtio_ring,virtio"), "char/virtio_console.ko": _ko("virtio_ring"),
-                   "uio/uio.ko": _ko(""), "uio/uio_pci_generic.ko": _ko("uio"), "pci/pci-stub.ko": _ko(""),
-                   "unrelated/big.ko": _ko("")})
+    _tree(
+        moddir,
+        {
+            "virtio/virtio.ko": _ko(""),
+            "virtio/virtio_ring.ko": _ko("virtio"),
+            "virtio/virtio_pci.ko": _ko("virtio_ring,virtio"),
+            "char/virtio_console.ko": _ko("virtio_ring"),
+            "uio/uio.ko": _ko(""),
+            "uio/uio_pci_generic.ko": _ko("uio"),
+            "pci/pci-stub.ko": _ko(""),
+            "unrelated/big.ko": _ko(""),
+        },
+    )
     mods = kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "modules.img")
-    assert mods == sorted(["virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic",
-                           "pci_stub"])
+    assert mods == sorted(
+        ["virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic", "pci_stub"]
+    )
     dep = (tmp_path / "work/modules/modules.dep").read_text()
     assert "kernel/virtio/virtio_pci.ko: kernel/virtio/virtio_ring.ko kernel/virtio/virtio.ko" in dep
     assert "big.ko" not in dep
@@ -76,22 +88,37 @@ def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> Non
 def test_modules_dep_lists_dependents_before_what_they_need(tmp_path: Path) -> None:
     # Debian 6.1.0-57: virtio itself needs virtio_ring; modprobe loads the list from its end.
     moddir = tmp_path / "lib/modules" / REL / "kernel"
-    _tree(moddir, {"virtio/virtio.ko": _ko("virtio_ring"), "virtio/virtio_ring.ko": _ko(""),
-                   "virtio/virtio_pci.ko": _ko("virtio_pci_modern_dev,virtio_ring,virtio"),
-                   "virtio/virtio_pci_modern_dev.ko": _ko("virtio"),
-                   "char/virtio_console.ko": _ko("virtio,virtio_ring"),
-                   "uio/uio_pci_generic.ko": _ko(""), "pci/pci-stub.ko": _ko("")})
+    _tree(
+        moddir,
+        {
+            "virtio/virtio.ko": _ko("virtio_ring"),
+            "virtio/virtio_ring.ko": _ko(""),
+            "virtio/virtio_pci.ko": _ko("virtio_pci_modern_dev,virtio_ring,virtio"),
+            "virtio/virtio_pci_modern_dev.ko": _ko("virtio"),
+            "char/virtio_console.ko": _ko("virtio,virtio_ring"),
+            "uio/uio_pci_generic.ko": _ko(""),
+            "pci/pci-stub.ko": _ko(""),
+        },
+    )
     kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "m.img")
-    lines = dict(line.split(": ", 1) for line in (tmp_path / "work/modules/modules.dep").read_text().splitlines()
-                 if ": " in line)
+    lines = dict(
+        line.split(": ", 1) for line in (tmp_path / "work/modules/modules.dep").read_text().splitlines() if ": " in line
+    )
     order = [p.rsplit("/", 1)[1][:-3] for p in lines["kernel/virtio/virtio_pci.ko"].split()]
     assert order == ["virtio_pci_modern_dev", "virtio", "virtio_ring"]
 
 
 def test_a_module_built_for_another_kernel_fails_the_build(tmp_path: Path) -> None:
     moddir = tmp_path / "lib/modules" / REL / "kernel"
-    _tree(moddir, {"virtio/virtio_pci.ko": _ko("", vermagic="6.1.0-98-amd64 SMP "),
-                   "char/virtio_console.ko": _ko(""), "uio/uio_pci_generic.ko": _ko(""), "pci/pci-stub.ko": _ko("")})
+    _tree(
+        moddir,
+        {
+            "virtio/virtio_pci.ko": _ko("", vermagic="6.1.0-98-amd64 SMP "),
+            "char/virtio_console.ko": _ko(""),
+            "uio/uio_pci_generic.ko": _ko(""),
+            "pci/pci-stub.ko": _ko(""),
+        },
+    )
     with pytest.raises(CubeError) as e:
         kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "m.img")
     assert e.value.code == "image.module_vermagic" and e.value.layer == "modules_img"
@@ -104,10 +131,22 @@ def test_manifest_round_trips_and_detects_a_changed_artifact(tmp_path: Path) -> 
     def art(n: str) -> Artifact:
         return Artifact(n, sha256_file(tmp_path / n))
 
-    m = Manifest(key="k", kernel_package=f"linux-image-{REL}", kernel_package_version="6.1.1-1", kernel_release=REL,
-                 vmlinuz_sha256="sha256:00", vmlinux=art("vmlinux"), modules_img=art("modules.img"),
-                 modules=("virtio",), rootfs=art("rootfs.cpio"), initrd=art("initrd.img"), packages=(),
-                 agent_sha256="sha256:11", cmdline="console=ttyS0", directory=tmp_path)
+    m = Manifest(
+        key="k",
+        kernel_package=f"linux-image-{REL}",
+        kernel_package_version="6.1.1-1",
+        kernel_release=REL,
+        vmlinuz_sha256="sha256:00",
+        vmlinux=art("vmlinux"),
+        modules_img=art("modules.img"),
+        modules=("virtio",),
+        rootfs=art("rootfs.cpio"),
+        initrd=art("initrd.img"),
+        packages=(),
+        agent_sha256="sha256:11",
+        cmdline="console=ttyS0",
+        directory=tmp_path,
+    )
     loaded = Manifest.load(m.save())
     assert loaded == m and loaded.image_digest.startswith("sha256:") and loaded.verify() == []
     (tmp_path / "rootfs.cpio").write_bytes(b"tampered")
@@ -125,10 +164,22 @@ def _manifest(tmp_path: Path) -> Manifest:
     def art(n: str) -> Artifact:
         return Artifact(n, sha256_file(tmp_path / n))
 
-    m = Manifest(key="k", kernel_package=f"linux-image-{REL}", kernel_package_version="1", kernel_release=REL,
-                 vmlinuz_sha256="sha256:aa", vmlinux=art("vmlinux"), modules_img=art("modules.img"), modules=(),
-                 rootfs=art("rootfs.cpio"), initrd=art("initrd.img"), packages=(), agent_sha256="sha256:11",
-                 cmdline="console=ttyS0", directory=tmp_path)
+    m = Manifest(
+        key="k",
+        kernel_package=f"linux-image-{REL}",
+        kernel_package_version="1",
+        kernel_release=REL,
+        vmlinuz_sha256="sha256:aa",
+        vmlinux=art("vmlinux"),
+        modules_img=art("modules.img"),
+        modules=(),
+        rootfs=art("rootfs.cpio"),
+        initrd=art("initrd.img"),
+        packages=(),
+        agent_sha256="sha256:11",
+        cmdline="console=ttyS0",
+        directory=tmp_path,
+    )
     m.save()
     return m
 
@@ -137,13 +188,23 @@ def test_contract_pins_are_compared_with_the_built_image(tmp_path: Path) -> None
     from cubeaccel.shim.image_check import image_mismatches
 
     m = _manifest(tmp_path)
-    good = {"document": {"spec": {"guest": {
-        "image": {"digest": m.image_digest}, "kernel": {"version": REL, "digest": "sha256:aa"},
-        "modules_img": {"kernel_version": REL, "digest": m.modules_img.sha256}}}}}
+    good = {
+        "document": {
+            "spec": {
+                "guest": {
+                    "image": {"digest": m.image_digest},
+                    "kernel": {"version": REL, "digest": "sha256:aa"},
+                    "modules_img": {"kernel_version": REL, "digest": m.modules_img.sha256},
+                }
+            }
+        }
+    }
     assert image_mismatches(good, m) == [] and image_mismatches(None, m) == []
     bad = {"guest": {"kernel": {"version": "6.1.0-57-amd64"}, "modules_img": {"digest": "sha256:00"}}}
     assert [(x["layer"], x["code"]) for x in image_mismatches(bad, m)] == [
-        ("guest_kernel", "compat.guest_kernel_mismatch"), ("modules_img", "compat.modules_img_mismatch")]
+        ("guest_kernel", "compat.guest_kernel_mismatch"),
+        ("modules_img", "compat.modules_img_mismatch"),
+    ]
 
 
 def test_enforced_image_mismatch_fails_before_any_vm_starts(tmp_path: Path) -> None:
@@ -152,10 +213,18 @@ def test_enforced_image_mismatch_fails_before_any_vm_starts(tmp_path: Path) -> N
     from cubeaccel.shim.process import run_shim
 
     m = _manifest(tmp_path)
-    spec = parse_spec({"sandbox_id": "sb-x", "devices": [], "memory_mib": 256,
-                       "contract": {"guest": {"modules_img": {"digest": "sha256:00"}}}, "image_check": "enforce",
-                       "image_manifest": str(m.directory / "manifest.json"), "state_dir": str(tmp_path / "st"),
-                       "report": {"file": str(tmp_path / "r.jsonl")}})
+    spec = parse_spec(
+        {
+            "sandbox_id": "sb-x",
+            "devices": [],
+            "memory_mib": 256,
+            "contract": {"guest": {"modules_img": {"digest": "sha256:00"}}},
+            "image_check": "enforce",
+            "image_manifest": str(m.directory / "manifest.json"),
+            "state_dir": str(tmp_path / "st"),
+            "report": {"file": str(tmp_path / "r.jsonl")},
+        }
+    )
     assert run_shim(spec) == 1
     reports = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in reports] == ["attach_failed", "shim_exiting"]
@@ -167,8 +236,15 @@ def test_image_show_prints_the_latest_manifest_and_flags_corruption(tmp_path: Pa
     import subprocess
     import sys
 
-    show = [sys.executable, "-c", "from cubeaccel.cli import main; main()", "image", "show", "--cache-dir",
-            str(tmp_path)]
+    show = [
+        sys.executable,
+        "-c",
+        "from cubeaccel.cli import main; main()",
+        "image",
+        "show",
+        "--cache-dir",
+        str(tmp_path),
+    ]
     assert subprocess.run(show, capture_output=True, text=True).returncode == 1  # nothing built yet
     img = tmp_path / "images" / "k"
     img.mkdir(parents=True)
@@ -194,18 +270,38 @@ def _cached(cache: Path, key: str) -> Manifest:
     def art(n: str) -> Artifact:
         return Artifact(n, sha256_file(d / n))
 
-    m = Manifest(key=key, kernel_package=f"linux-image-{REL}", kernel_package_version="1", kernel_release=REL,
-                 vmlinuz_sha256="sha256:" + "a" * 64, vmlinux=art("vmlinux"), modules_img=art("modules.img"),
-                 modules=(), rootfs=art("rootfs.cpio"), initrd=art("initrd.img"), packages=(),
-                 agent_sha256="sha256:11", cmdline="console=ttyS0", directory=d)
+    m = Manifest(
+        key=key,
+        kernel_package=f"linux-image-{REL}",
+        kernel_package_version="1",
+        kernel_release=REL,
+        vmlinuz_sha256="sha256:" + "a" * 64,
+        vmlinux=art("vmlinux"),
+        modules_img=art("modules.img"),
+        modules=(),
+        rootfs=art("rootfs.cpio"),
+        initrd=art("initrd.img"),
+        packages=(),
+        agent_sha256="sha256:11",
+        cmdline="console=ttyS0",
+        directory=d,
+    )
     m.save()
     return m
 
 
 def _shim_spec(tmp_path: Path, **fields: object) -> ShimSpec:
 
-    return parse_spec({"sandbox_id": "sb-img", "devices": [], "memory_mib": 256, "state_dir": str(tmp_path / "st"),
-                       "report": {"file": str(tmp_path / "r.jsonl")}, **fields})
+    return parse_spec(
+        {
+            "sandbox_id": "sb-img",
+            "devices": [],
+            "memory_mib": 256,
+            "state_dir": str(tmp_path / "st"),
+            "report": {"file": str(tmp_path / "r.jsonl")},
+            **fields,
+        }
+    )
 
 
 def _reports(tmp_path: Path) -> list[dict[str, object]]:
@@ -215,7 +311,8 @@ def _reports(tmp_path: Path) -> list[dict[str, object]]:
 
 
 def test_the_shim_boots_the_image_named_by_digest_not_the_last_one_built(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from cubeaccel.shim.process import Shim
 
     monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
@@ -225,13 +322,17 @@ def test_the_shim_boots_the_image_named_by_digest_not_the_last_one_built(
     assert chosen.key == "old" and chosen.image_digest == pinned.image_digest != newer.image_digest
 
 
-@pytest.mark.parametrize(("fields", "code", "layer"), [
-    ({"image_digest": "sha256:" + "9" * 64}, "shim.image_not_found", "template"),
-    ({}, "shim.no_image", "template"),  # no digest named: never "the latest"
-    ({"hotplug": False}, "shim.coldplug_unsupported", "backend"),
-])
-def test_the_shim_refuses_before_any_vm_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              fields: dict[str, object], code: str, layer: str) -> None:
+@pytest.mark.parametrize(
+    ("fields", "code", "layer"),
+    [
+        ({"image_digest": "sha256:" + "9" * 64}, "shim.image_not_found", "template"),
+        ({}, "shim.no_image", "template"),  # no digest named: never "the latest"
+        ({"hotplug": False}, "shim.coldplug_unsupported", "backend"),
+    ],
+)
+def test_the_shim_refuses_before_any_vm_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: dict[str, object], code: str, layer: str
+) -> None:
     from cubeaccel.shim.process import run_shim
 
     monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
@@ -251,7 +352,8 @@ def test_an_image_digest_in_the_spec_must_be_a_digest(tmp_path: Path) -> None:
 
 
 def test_the_node_reports_its_intact_images_newest_first_and_skips_a_corrupt_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import os
 
     from cubeaccel.cubelet.process_shim import ProcessShimDriver

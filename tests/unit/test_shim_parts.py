@@ -21,8 +21,16 @@ from cubeaccel.shim.vmm import VmConfig, detect_accel
 
 
 def _cfg(tmp_path: Path, pin: bool = True) -> VmConfig:
-    return VmConfig(sandbox_id="sb-1", memory_mib=512, vcpus=2, pin_memory=pin, kernel=tmp_path / "vmlinux",
-                    initrd=tmp_path / "initrd.img", cmdline="console=ttyS0", state_dir=tmp_path / "state")
+    return VmConfig(
+        sandbox_id="sb-1",
+        memory_mib=512,
+        vcpus=2,
+        pin_memory=pin,
+        kernel=tmp_path / "vmlinux",
+        initrd=tmp_path / "initrd.img",
+        cmdline="console=ttyS0",
+        state_dir=tmp_path / "state",
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -84,8 +92,10 @@ def _smaps(*maps: tuple[int, int, int]) -> str:
     """(size KiB, locked KiB, kernel page KiB) per mapping, in smaps' layout (as read on a real QEMU here)."""
     out = []
     for i, (size, locked, page) in enumerate(maps):
-        out.append(f"7f{i:02x}00000000-7f{i:02x}10000000 rw-p 00000000 00:00 0 \nSize:     {size} kB\n"
-                   f"KernelPageSize:        {page} kB\nRss:   {locked} kB\nLocked:   {locked} kB\n")
+        out.append(
+            f"7f{i:02x}00000000-7f{i:02x}10000000 rw-p 00000000 00:00 0 \nSize:     {size} kB\n"
+            f"KernelPageSize:        {page} kB\nRss:   {locked} kB\nLocked:   {locked} kB\n"
+        )
     return "".join(out)
 
 
@@ -125,11 +135,20 @@ def test_undeliverable_socket_reports_are_kept_in_the_state_dir(tmp_path: Path) 
 
 @pytest.mark.parametrize("entry", [["-c", "from cubeaccel.cli import main; main()", "shim"], ["-m", "cubeaccel.shim"]])
 def test_cli_rejects_a_spec_for_another_sandbox_with_exit_2(tmp_path: Path, entry: list[str]) -> None:
-    spec = {"sandbox_id": "sb-1", "devices": [], "memory_mib": 256, "image_manifest": "/x/manifest.json",
-            "state_dir": str(tmp_path), "report": {"file": str(tmp_path / "r")}}
+    spec = {
+        "sandbox_id": "sb-1",
+        "devices": [],
+        "memory_mib": 256,
+        "image_manifest": "/x/manifest.json",
+        "state_dir": str(tmp_path),
+        "report": {"file": str(tmp_path / "r")},
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
-    proc = subprocess.run([sys.executable, *entry, "run", "--sandbox", "sb-2", "--spec", str(tmp_path / "spec.json")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, *entry, "run", "--sandbox", "sb-2", "--spec", str(tmp_path / "spec.json")],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "shim.invalid_spec" in proc.stderr
 
 

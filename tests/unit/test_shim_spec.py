@@ -18,11 +18,24 @@ from cubeaccel.shim.spec import MAX_DEVICES, load_spec, parse_spec
 def _spec(**over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "sandbox_id": "sb-1",
-        "devices": [{"device_id": "emulated-0000:e0:00.0", "driver": "edu", "properties": {},
-                     "vendor_id": "1234", "device_id_hex": "11e8"}],
-        "memory_mib": 256, "vcpus": 1, "pin_memory": True, "contract": None,
-        "image_manifest": "/cache/images/k/manifest.json", "start": "template", "state_dir": "/run/sb-1",
-        "report": {"file": "/run/sb-1/reports.jsonl"}, "detach_timeout_s": 5,
+        "devices": [
+            {
+                "device_id": "emulated-0000:e0:00.0",
+                "driver": "edu",
+                "properties": {},
+                "vendor_id": "1234",
+                "device_id_hex": "11e8",
+            }
+        ],
+        "memory_mib": 256,
+        "vcpus": 1,
+        "pin_memory": True,
+        "contract": None,
+        "image_manifest": "/cache/images/k/manifest.json",
+        "start": "template",
+        "state_dir": "/run/sb-1",
+        "report": {"file": "/run/sb-1/reports.jsonl"},
+        "detach_timeout_s": 5,
     }
     base.update(over)
     return base
@@ -43,36 +56,80 @@ def test_a_cubelet_spec_parses_into_typed_fields(tmp_path: Path) -> None:
     assert spec.detach_timeout_s == 5.0 and spec.start == "template"
 
 
-@pytest.mark.parametrize(("over", "field"), [
-    ({"sandbox_id": "../etc"}, "sandbox_id"),
-    ({"sandbox_id": "a b"}, "sandbox_id"),
-    ({"memory_mib": 0}, "memory_mib"),
-    ({"memory_mib": True}, "memory_mib"),
-    ({"vcpus": 0}, "vcpus"),
-    ({"start": "warm"}, "start"),
-    ({"state_dir": "relative/dir"}, "state_dir"),
-    ({"report": {"socket": "/a", "file": "/b"}}, "report"),
-    ({"report": {"http": "x"}}, "report"),
-    ({"detach_timeout_s": -1}, "detach_timeout_s"),
-    ({"pin_memory": "yes"}, "pin_memory"),
-    ({"contract": []}, "contract"),
-    ({"devices": [{"device_id": "d", "driver": "edu", "properties": {"bus": "pcie.0"}, "vendor_id": "1234",
-                   "device_id_hex": "11e8"}]}, "devices[0].properties"),
-    ({"devices": [{"device_id": "d", "driver": "edu,x=1", "properties": {}, "vendor_id": "1234",
-                   "device_id_hex": "11e8"}]}, "devices[0].driver"),
-    ({"devices": [{"device_id": "d", "driver": "edu", "properties": {}, "vendor_id": "12345",
-                   "device_id_hex": "11e8"}]}, "devices[0].vendor_id"),
-    ({"devices": [{"device_id": "d", "driver": "edu", "properties": {}, "vendor_id": "1234",
-                   "device_id_hex": "11e8"}] * 2}, "devices"),
-    ({"devices": [{}] * (MAX_DEVICES + 1)}, "devices"),
-])
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [
+        ({"sandbox_id": "../etc"}, "sandbox_id"),
+        ({"sandbox_id": "a b"}, "sandbox_id"),
+        ({"memory_mib": 0}, "memory_mib"),
+        ({"memory_mib": True}, "memory_mib"),
+        ({"vcpus": 0}, "vcpus"),
+        ({"start": "warm"}, "start"),
+        ({"state_dir": "relative/dir"}, "state_dir"),
+        ({"report": {"socket": "/a", "file": "/b"}}, "report"),
+        ({"report": {"http": "x"}}, "report"),
+        ({"detach_timeout_s": -1}, "detach_timeout_s"),
+        ({"pin_memory": "yes"}, "pin_memory"),
+        ({"contract": []}, "contract"),
+        (
+            {
+                "devices": [
+                    {
+                        "device_id": "d",
+                        "driver": "edu",
+                        "properties": {"bus": "pcie.0"},
+                        "vendor_id": "1234",
+                        "device_id_hex": "11e8",
+                    }
+                ]
+            },
+            "devices[0].properties",
+        ),
+        (
+            {
+                "devices": [
+                    {
+                        "device_id": "d",
+                        "driver": "edu,x=1",
+                        "properties": {},
+                        "vendor_id": "1234",
+                        "device_id_hex": "11e8",
+                    }
+                ]
+            },
+            "devices[0].driver",
+        ),
+        (
+            {
+                "devices": [
+                    {"device_id": "d", "driver": "edu", "properties": {}, "vendor_id": "12345", "device_id_hex": "11e8"}
+                ]
+            },
+            "devices[0].vendor_id",
+        ),
+        (
+            {
+                "devices": [
+                    {"device_id": "d", "driver": "edu", "properties": {}, "vendor_id": "1234", "device_id_hex": "11e8"}
+                ]
+                * 2
+            },
+            "devices",
+        ),
+        ({"devices": [{}] * (MAX_DEVICES + 1)}, "devices"),
+    ],
+)
 def test_invalid_fields_are_named(over: dict[str, Any], field: str) -> None:
     assert _code_field(_spec(**over)) == ("shim.invalid_spec", field)
 
 
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-                    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
-                    max_leaves=10))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+        max_leaves=10,
+    )
+)
 def test_arbitrary_json_never_crashes_the_parser(data: object) -> None:
     try:
         parse_spec(data)

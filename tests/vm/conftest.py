@@ -59,8 +59,9 @@ def private_image(shared: Path, run_cache: Path) -> Manifest:
         with (shared / "images" / ".lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             files = [p for p in m.directory.iterdir() if p.is_file()] if m.directory.is_dir() else []
-            if not (m.directory / "manifest.json").exists() or any(not m.path(a).exists()
-                                                                   for a in (m.vmlinux, m.initrd, m.modules_img)):
+            if not (m.directory / "manifest.json").exists() or any(
+                not m.path(a).exists() for a in (m.vmlinux, m.initrd, m.modules_img)
+            ):
                 continue  # pruned between build() and the lock: build again
             mine = run_cache / "images" / m.key
             mine.mkdir(parents=True)
@@ -103,8 +104,18 @@ class ShimRun:
     _seen: list[dict[str, Any]] = field(default_factory=list)
 
     def start(self, wrapper: tuple[str, ...] = ()) -> ShimRun:
-        cmd = [*wrapper, sys.executable, "-c", "from cubeaccel.cli import main; main()",
-               "shim", "run", "--sandbox", self.sandbox_id, "--spec", str(self.spec_path)]
+        cmd = [
+            *wrapper,
+            sys.executable,
+            "-c",
+            "from cubeaccel.cli import main; main()",
+            "shim",
+            "run",
+            "--sandbox",
+            self.sandbox_id,
+            "--spec",
+            str(self.spec_path),
+        ]
         with (self.state_dir.parent / "shim.log").open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
         return self
@@ -150,23 +161,45 @@ class ShimRun:
 def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
     runs: list[ShimRun] = []
 
-    def make(start: str = "template", devices: int = 1, pin_memory: bool = True, contract: dict[str, Any] | None = None,
-             detach_timeout_s: float = 5.0, report: dict[str, str] | None = None, memory_mib: int = 256,
-             explicit_image: bool = True, memory_backend: str = "ram",
-             device: dict[str, Any] | None = None) -> ShimRun:
+    def make(
+        start: str = "template",
+        devices: int = 1,
+        pin_memory: bool = True,
+        contract: dict[str, Any] | None = None,
+        detach_timeout_s: float = 5.0,
+        report: dict[str, str] | None = None,
+        memory_mib: int = 256,
+        explicit_image: bool = True,
+        memory_backend: str = "ram",
+        device: dict[str, Any] | None = None,
+    ) -> ShimRun:
         sandbox = f"t-{uuid.uuid4().hex[:10]}"
         base = tmp_path / sandbox
         base.mkdir()
         spec = {
             "sandbox_id": sandbox,
-            "devices": [device or {"device_id": emulated_id(i), "driver": "edu", "properties": {},
-                                   "vendor_id": "1234", "device_id_hex": "11e8"} for i in range(devices)],
-            "memory_mib": memory_mib, "vcpus": 1, "pin_memory": pin_memory, "contract": contract,
+            "devices": [
+                device
+                or {
+                    "device_id": emulated_id(i),
+                    "driver": "edu",
+                    "properties": {},
+                    "vendor_id": "1234",
+                    "device_id_hex": "11e8",
+                }
+                for i in range(devices)
+            ],
+            "memory_mib": memory_mib,
+            "vcpus": 1,
+            "pin_memory": pin_memory,
+            "contract": contract,
             "image_manifest": str(guest_image.directory / "manifest.json") if explicit_image else None,
             "image_digest": None if explicit_image else guest_image.image_digest,  # else: found in the cache
             "start": start,
-            "state_dir": str(base / "state"), "report": report or {"file": str(base / "reports.jsonl")},
-            "detach_timeout_s": detach_timeout_s, "memory_backend": memory_backend,
+            "state_dir": str(base / "state"),
+            "report": report or {"file": str(base / "reports.jsonl")},
+            "detach_timeout_s": detach_timeout_s,
+            "memory_backend": memory_backend,
         }
         (base / "spec.json").write_text(json.dumps(spec))
         run = ShimRun(sandbox, base / "spec.json", base / "reports.jsonl", base / "state")

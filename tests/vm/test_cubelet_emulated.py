@@ -24,9 +24,12 @@ EDU = Path(__file__).resolve().parents[2] / "examples" / "templates" / "edu-demo
 def edu_contract(image: Manifest) -> dict[str, Any]:
     """edu-demo pinned to the image this machine built (Debian moves its kernel; the template follows)."""
     t = load_template(EDU)
-    t = replace(t, guest_image_digest=image.image_digest,
-                guest_kernel=GuestKernel(image.kernel_release, image.vmlinux.sha256),
-                modules_img=ModulesImg(image.kernel_release, image.modules_img.sha256))
+    t = replace(
+        t,
+        guest_image_digest=image.image_digest,
+        guest_kernel=GuestKernel(image.kernel_release, image.vmlinux.sha256),
+        modules_img=ModulesImg(image.kernel_release, image.modules_img.sha256),
+    )
     return freeze(t).to_json()
 
 
@@ -47,8 +50,9 @@ def emulated(tmp_path: Path, guest_image: Manifest) -> Any:
     kill_started_vmms(tmp_path)  # this Cubelet's VMMs only, by their pid files
 
 
-def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(emulated: CubeletProcess,
-                                                                         guest_image: Manifest) -> None:
+def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
+    emulated: CubeletProcess, guest_image: Manifest
+) -> None:
     body = emulated.client.reserve("vm-1", 1, contract=edu_contract(guest_image), start=True)
     dev = body["devices"][0]["id"]
     poll(lambda: "guest_checked" in _kinds(emulated, "vm-1"), 120)
@@ -61,8 +65,17 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(emulated
     poll(lambda: "reservation_closed" in _kinds(emulated, "vm-1"), 30)  # closes once shim and VMM are gone
     assert emulated.vmm("vm-1") is None
     kinds = _kinds(emulated, "vm-1")
-    for k in ("vm_started", "memory_pinned", "guest_ready", "device_attached", "guest_validated",
-              "device_detached", "vmm_exited", "release_confirmed", "revalidated"):
+    for k in (
+        "vm_started",
+        "memory_pinned",
+        "guest_ready",
+        "device_attached",
+        "guest_validated",
+        "device_detached",
+        "vmm_exited",
+        "release_confirmed",
+        "revalidated",
+    ):
         assert k in kinds, (k, kinds)
     # Released on host evidence: DEVICE_DELETED seen and no live VMM lists the device (the VMM's own exit
     # report may arrive after that; the release never waited for a report, only for /proc).
@@ -101,16 +114,28 @@ def test_cubelet_killed_mid_sandbox_keeps_the_vm_and_releases_after_restart(emul
 def test_a_contract_pinning_another_guest_image_never_boots(emulated: CubeletProcess, guest_image: Manifest) -> None:
     contract = edu_contract(guest_image)
     t = load_template(EDU)
-    t = replace(t, guest_image_digest="sha256:" + "0" * 64,
-                guest_kernel=GuestKernel(guest_image.kernel_release, guest_image.vmlinux.sha256),
-                modules_img=ModulesImg(guest_image.kernel_release, guest_image.modules_img.sha256))
+    t = replace(
+        t,
+        guest_image_digest="sha256:" + "0" * 64,
+        guest_kernel=GuestKernel(guest_image.kernel_release, guest_image.vmlinux.sha256),
+        modules_img=ModulesImg(guest_image.kernel_release, guest_image.modules_img.sha256),
+    )
     contract = freeze(t).to_json()
     dev = emulated.client.reserve("vm-img", 1, contract=contract, start=True)["devices"][0]["id"]
-    poll(lambda: any(e["kind"] == "reservation_closed" for e in emulated.client.events(0, 10000)["events"]
-                     if e["sandbox_id"] == "vm-img"), 60)
+    poll(
+        lambda: any(
+            e["kind"] == "reservation_closed"
+            for e in emulated.client.events(0, 10000)["events"]
+            if e["sandbox_id"] == "vm-img"
+        ),
+        60,
+    )
     kinds = _kinds(emulated, "vm-img")
     assert "attach_failed" in kinds and "vm_started" not in kinds  # refused before any VMM started
-    failed = next(e for e in emulated.client.events(0, 10000)["events"]
-                  if e["sandbox_id"] == "vm-img" and e["event"] == "attach_failed" and e["kind"] == "shim_report")
+    failed = next(
+        e
+        for e in emulated.client.events(0, 10000)["events"]
+        if e["sandbox_id"] == "vm-img" and e["event"] == "attach_failed" and e["kind"] == "shim_report"
+    )
     assert (failed["details"]["reason"], failed["details"]["layer"]) == ("shim.image_not_found", "template")
     assert _state(emulated, dev) == "allocatable"

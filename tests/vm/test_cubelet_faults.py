@@ -31,8 +31,9 @@ def _events(p: CubeletProcess, sid: str) -> list[dict[str, Any]]:
 @pytest.fixture
 def node(tmp_path: Path, guest_image: Manifest, request: pytest.FixtureRequest) -> Iterator[CubeletProcess]:
     extra = getattr(request, "param", ())
-    p = CubeletProcess(tmp_path, "-", "--backend", "emulated", "--detach-timeout", "1.5",
-                       "--release-timeout", "3", *extra).start()
+    p = CubeletProcess(
+        tmp_path, "-", "--backend", "emulated", "--detach-timeout", "1.5", "--release-timeout", "3", *extra
+    ).start()
     yield p
     p.stop()
     kill_started_vmms(tmp_path)  # this Cubelet's VMMs only, by their pid files
@@ -73,8 +74,10 @@ def test_a_holder_that_keeps_the_device_open_ends_in_quarantine(node: CubeletPro
     dev = node.client.reserve("f-held", 1, memory_mib=256, start=True)["devices"][0]["id"]
     poll(lambda: _dev(node, dev)["state"] == "attached", 120)
     # An injected holder: a real process the backend's holder check sees holding this device.
-    intruder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "-name",
-                                 "guest=cubeaccel-sandbox=intruder"], env={**os.environ, ENV_DEVICES: dev})
+    intruder = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(120)", "-name", "guest=cubeaccel-sandbox=intruder"],
+        env={**os.environ, ENV_DEVICES: dev},
+    )
     try:
         node.client.release("f-held")
         poll(lambda: _dev(node, dev)["state"] == "quarantined", 60)

@@ -22,9 +22,19 @@ def test_vfio_hotplug_refused_by_qemu_is_attach_failed_and_released_safely(
     fake = FakeSysfs.build(tmp_path / "fake", [Dev("0000:3b:00.0", iommu_group=1, driver="vfio-pci")])
     state = tmp_path / "state"
     state.mkdir()
-    p = CubeletProcess(state, "-", "--backend", "vfio", "--sysfs-root", str(fake.sys),
-                       "--dev-root", str(fake.dev), "--proc-root", str(fake.proc),
-                       *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids())).start()
+    p = CubeletProcess(
+        state,
+        "-",
+        "--backend",
+        "vfio",
+        "--sysfs-root",
+        str(fake.sys),
+        "--dev-root",
+        str(fake.dev),
+        "--proc-root",
+        str(fake.proc),
+        *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()),
+    ).start()
     try:
         body = p.client.reserve("vf-1", 1, memory_mib=256, start=True)
         dev = body["devices"][0]["id"]

@@ -19,10 +19,15 @@ pytestmark = pytest.mark.vm
 
 
 def edu_template(image: Manifest, name: str, **probes: Any) -> dict[str, Any]:
-    doc = example("edu-demo", metadata__name=name, spec__guest__image__digest=image.image_digest,
-                  spec__guest__kernel__version=image.kernel_release, spec__guest__kernel__digest=image.vmlinux.sha256,
-                  spec__guest__modules_img__kernel_version=image.kernel_release,
-                  spec__guest__modules_img__digest=image.modules_img.sha256)
+    doc = example(
+        "edu-demo",
+        metadata__name=name,
+        spec__guest__image__digest=image.image_digest,
+        spec__guest__kernel__version=image.kernel_release,
+        spec__guest__kernel__digest=image.vmlinux.sha256,
+        spec__guest__modules_img__kernel_version=image.kernel_release,
+        spec__guest__modules_img__digest=image.modules_img.sha256,
+    )
     if probes:
         doc["spec"]["probes"] = probes
     return doc
@@ -32,8 +37,20 @@ def edu_template(image: Manifest, name: str, **probes: Any) -> dict[str, Any]:
 def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess, CubeletProcess]]:
     master = MasterProcess(tmp_path / "master").start()
     (tmp_path / "cubelet").mkdir()
-    cubelet = CubeletProcess(tmp_path / "cubelet", "-", "--backend", "emulated", "--master", master.url,
-                             "--listen", f"127.0.0.1:{free_port()}", "--node", "vm-node", "--release-timeout", "20")
+    cubelet = CubeletProcess(
+        tmp_path / "cubelet",
+        "-",
+        "--backend",
+        "emulated",
+        "--master",
+        master.url,
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        "--node",
+        "vm-node",
+        "--release-timeout",
+        "20",
+    )
     cubelet.start()
     try:
         poll(lambda: any(n["node"] == "vm-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
@@ -59,8 +76,11 @@ def test_a_guest_that_fails_validation_is_failed_at_cubemaster_with_its_layer_wi
     poll(lambda: master.client.sandbox(sid)["state"] == "failed", 120)
     row = master.client.sandbox(sid)
     assert row["error"]["layer"] == "modules_img" and row["error"]["code"].startswith("compat.modules_img")
-    report = next(e for e in cubelet.client.events(0, 10000)["events"]
-                  if e["sandbox_id"] == sid and e["event"] == "guest_validation_failed")
+    report = next(
+        e
+        for e in cubelet.client.events(0, 10000)["events"]
+        if e["sandbox_id"] == sid and e["event"] == "guest_validation_failed"
+    )
     assert _phase_at(row, "failed") - report["at"] <= 2.0
     assert "ready" not in [e["phase"] for e in row["timeline"]]
 
@@ -73,8 +93,11 @@ def test_a_sandbox_is_running_at_cubemaster_only_after_its_guest_validated(
     sb = master.client.create({"template": "edu-ok", "accelerators": [{"class": "accelerator"}]})
     sid = sb["id"]
     poll(lambda: master.client.sandbox(sid)["state"] == "running", 120)
-    validated = next(e for e in cubelet.client.events(0, 10000)["events"]
-                     if e["sandbox_id"] == sid and e["event"] == "guest_validated")
+    validated = next(
+        e
+        for e in cubelet.client.events(0, 10000)["events"]
+        if e["sandbox_id"] == sid and e["event"] == "guest_validated"
+    )
     row = master.client.sandbox(sid)
     assert _phase_at(row, "ready") >= validated["at"] and _phase_at(row, "ready") - validated["at"] <= 2.0
     master.client.delete(sid)

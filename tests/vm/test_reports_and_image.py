@@ -59,8 +59,16 @@ def test_reports_are_posted_to_cubelet_over_its_unix_socket(shim_factory: Any, t
         server.shutdown()
         server.server_close()
     assert {r["path"] for r in received} == {"/v1/shim-reports"}
-    assert [r["kind"] for r in received] == ["vm_started", "memory_pinned", "guest_ready", "device_attached",
-                                             "guest_validated", "device_detached", "vmm_exited", "shim_exiting"]
+    assert [r["kind"] for r in received] == [
+        "vm_started",
+        "memory_pinned",
+        "guest_ready",
+        "device_attached",
+        "guest_validated",
+        "device_detached",
+        "vmm_exited",
+        "shim_exiting",
+    ]
     assert all(r["sandbox_id"] == run.sandbox_id for r in received)
     assert not (run.state_dir / "undelivered.jsonl").exists()
 

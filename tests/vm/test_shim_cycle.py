@@ -21,15 +21,36 @@ from tests.vm.conftest import RUN_INSTANCE, emulated_id
 
 pytestmark = pytest.mark.vm
 
-FULL_CYCLE = ["vm_started", "memory_pinned", "guest_ready", "device_attached", "guest_validated", "device_detached",
-              "vmm_exited", "shim_exiting"]
+FULL_CYCLE = [
+    "vm_started",
+    "memory_pinned",
+    "guest_ready",
+    "device_attached",
+    "guest_validated",
+    "device_detached",
+    "vmm_exited",
+    "shim_exiting",
+]
 
 
 def _record(device_id: str) -> DeviceRecord:
     addr = slot_address(0)
-    return DeviceRecord(id=device_id, address=addr, identity=EDU_IDENTITY, accel_class=AcceleratorClass.ACCELERATOR,
-                        backend="emulated", numa_node=0, iommu_group=None, expected_driver=None, labels={},
-                        state=DeviceState.ATTACHED, generation=1, reason=None, sandbox_id="sb", updated_at=0.0)
+    return DeviceRecord(
+        id=device_id,
+        address=addr,
+        identity=EDU_IDENTITY,
+        accel_class=AcceleratorClass.ACCELERATOR,
+        backend="emulated",
+        numa_node=0,
+        iommu_group=None,
+        expected_driver=None,
+        labels={},
+        state=DeviceState.ATTACHED,
+        generation=1,
+        reason=None,
+        sandbox_id="sb",
+        updated_at=0.0,
+    )
 
 
 def _gone(pid: int) -> bool:
@@ -51,8 +72,10 @@ def _assert_full_cycle(run: Any, kinds: list[str]) -> None:
 
 
 def test_cold_boot_on_memfd_full_cycle_validates_contract(shim_factory: Any, guest_image: Manifest) -> None:
-    contract = {"guest_kernel": {"version": guest_image.kernel_release},
-                "probes": {"pci": [{"vendor_id": "1234", "device_id": "11e8"}]}}
+    contract = {
+        "guest_kernel": {"version": guest_image.kernel_release},
+        "probes": {"pci": [{"vendor_id": "1234", "device_id": "11e8"}]},
+    }
     run = shim_factory(start="cold", contract=contract, memory_backend="memfd").start()
     run.wait_for("guest_validated")
     assert run.one("vm_started")["details"]["accel"] in ("tcg", "kvm")
@@ -109,8 +132,16 @@ def test_paused_guest_never_completes_detach_so_shim_reports_timeout_then_stops_
 def test_insufficient_memlock_fails_with_pinned_memory_before_any_hotplug(shim_factory: Any) -> None:
     run = shim_factory(start="cold")
     # As root, CAP_IPC_LOCK overrides RLIMIT_MEMLOCK: drop it, then set a 64 KiB limit.
-    run.start(wrapper=("setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock",
-                       "prlimit", "--memlock=65536:65536", "--"))
+    run.start(
+        wrapper=(
+            "setpriv",
+            "--inh-caps=-ipc_lock",
+            "--bounding-set=-ipc_lock",
+            "prlimit",
+            "--memlock=65536:65536",
+            "--",
+        )
+    )
     run.wait_for("shim_exiting", timeout_s=60)
     assert run.proc.wait(30) == 1
     failed = run.one("attach_failed")["details"]
@@ -139,8 +170,13 @@ def test_killed_shim_leaves_its_vmm_findable_by_pid_and_tag(shim_factory: Any) -
 
 def test_vfio_device_add_failure_is_reported_and_the_vm_torn_down(shim_factory: Any) -> None:
     # No IOMMU on these machines: QEMU refuses vfio-pci (`no iommu_group found` / no such device).
-    device = {"device_id": "vfio-0000:00:01.0", "driver": "vfio-pci", "properties": {"host": "0000:00:01.0"},
-              "vendor_id": "10de", "device_id_hex": "2330"}
+    device = {
+        "device_id": "vfio-0000:00:01.0",
+        "driver": "vfio-pci",
+        "properties": {"host": "0000:00:01.0"},
+        "vendor_id": "10de",
+        "device_id_hex": "2330",
+    }
     run = shim_factory(start="template", device=device).start()
     run.wait_for("shim_exiting")
     assert run.proc.wait(30) == 1
@@ -175,9 +211,12 @@ def test_frozen_edu_template_contract_is_enforced_on_the_image_and_validated_in_
     edu = load_template(Path(__file__).parents[2] / "examples" / "templates" / "edu-demo.yaml")
     built = latest()  # the session image, or a rebuild if a source file changed meanwhile
     assert built is not None
-    pinned = replace(edu, guest_image_digest=built.image_digest,
-                     guest_kernel=GuestKernel(built.kernel_release, built.vmlinux.sha256),
-                     modules_img=ModulesImg(built.kernel_release, built.modules_img.sha256))
+    pinned = replace(
+        edu,
+        guest_image_digest=built.image_digest,
+        guest_kernel=GuestKernel(built.kernel_release, built.vmlinux.sha256),
+        modules_img=ModulesImg(built.kernel_release, built.modules_img.sha256),
+    )
     run = shim_factory(start="template", contract=freeze(pinned).to_json(), explicit_image=False)
     spec = json.loads(run.spec_path.read_text())
     run.spec_path.write_text(json.dumps({**spec, "image_check": "enforce"}))
@@ -204,9 +243,14 @@ def test_two_devices_go_to_their_own_root_ports_and_both_detach(shim_factory: An
 
 
 def test_nvidia_contract_in_a_guest_without_nvidia_fails_at_modules_img_and_kernel_driver(shim_factory: Any) -> None:
-    contract = {"probes": {"modules": ["nvidia", "nvidia_uvm"], "device_files": ["/dev/nvidia0", "/dev/nvidiactl"],
-                           "pci": [{"vendor_id": "1234", "device_id": "11e8"}]},
-                "kernel_driver": {"version": "550.54.15"}}
+    contract = {
+        "probes": {
+            "modules": ["nvidia", "nvidia_uvm"],
+            "device_files": ["/dev/nvidia0", "/dev/nvidiactl"],
+            "pci": [{"vendor_id": "1234", "device_id": "11e8"}],
+        },
+        "kernel_driver": {"version": "550.54.15"},
+    }
     run = shim_factory(start="template", contract=contract).start()
     run.wait_for("shim_exiting")
     failed = run.one("guest_validation_failed")["details"]

@@ -33,8 +33,12 @@ from cubeaccel.model.states import DeviceState
 
 EDU_VENDOR, EDU_DEVICE = 0x1234, 0x11E8
 EDU_IDENTITY = DeviceIdentity(
-    vendor_id=EDU_VENDOR, device_id=EDU_DEVICE, subsystem_vendor_id=0x1AF4, subsystem_device_id=0x1100,
-    class_code=0x00FF00, revision=0x10,
+    vendor_id=EDU_VENDOR,
+    device_id=EDU_DEVICE,
+    subsystem_vendor_id=0x1AF4,
+    subsystem_device_id=0x1100,
+    class_code=0x00FF00,
+    revision=0x10,
 )
 INSTANCE_RE = re.compile(r"[a-z0-9]{1,32}")
 EMULATED_BUS = 0xE0  # no real bus uses it on our hosts; makes emulated ids obvious in listings
@@ -70,30 +74,47 @@ class EmulatedBackend:
         for addr in self._addresses():
             labels = labels_for(EDU_VENDOR, EDU_DEVICE)
             labels.update(backend=self.name, numa_node="0", **{"class": AcceleratorClass.ACCELERATOR.value})
-            out.append(DiscoveredDevice(address=addr, identity=EDU_IDENTITY, accel_class=AcceleratorClass.ACCELERATOR,
-                                        backend=self.name, numa_node=0, iommu_group=None, driver=None, labels=labels,
-                                        instance=self.instance))
+            out.append(
+                DiscoveredDevice(
+                    address=addr,
+                    identity=EDU_IDENTITY,
+                    accel_class=AcceleratorClass.ACCELERATOR,
+                    backend=self.name,
+                    numa_node=0,
+                    iommu_group=None,
+                    driver=None,
+                    labels=labels,
+                    instance=self.instance,
+                )
+            )
         return out
 
     def readiness(self) -> list[Problem]:
         """QEMU installed is all an emulated device needs: no IOMMU, no KVM (TCG runs anywhere)."""
         if self.qemu is None or not Path(self.qemu).exists():
-            return [Problem("host.qemu_missing", "qemu-system-x86_64 is not installed on this host "
-                            "(apt-get install qemu-system-x86)")]
+            return [
+                Problem(
+                    "host.qemu_missing",
+                    "qemu-system-x86_64 is not installed on this host (apt-get install qemu-system-x86)",
+                )
+            ]
         return []
 
     def _presence(self, device: DeviceRecord) -> list[Problem]:
         problems = []
         if self.qemu is None or not Path(self.qemu).exists():
             problems.append(Problem("backend.qemu_missing", "qemu-system-x86_64 is not installed on this host"))
-        if device.address not in self._addresses() or device.id != device_id_for(self.name, device.address,
-                                                                                  self.instance):
-            problems.append(Problem("host.device_missing",
-                                    f"no emulated slot {device.id} in instance {self.instance}"))
+        if device.address not in self._addresses() or device.id != device_id_for(
+            self.name, device.address, self.instance
+        ):
+            problems.append(Problem("host.device_missing", f"no emulated slot {device.id} in instance {self.instance}"))
         elif device.identity != EDU_IDENTITY:
-            problems.append(Problem("host.identity_changed",
-                                    f"{device.address} is {EDU_IDENTITY.vendor_device}, record says "
-                                    f"{device.identity.vendor_device}"))
+            problems.append(
+                Problem(
+                    "host.identity_changed",
+                    f"{device.address} is {EDU_IDENTITY.vendor_device}, record says {device.identity.vendor_device}",
+                )
+            )
         return problems
 
     def validate(self, device: DeviceRecord) -> list[Problem]:
@@ -112,15 +133,23 @@ class EmulatedBackend:
 
     def holders(self, device: DeviceRecord) -> list[Holder]:
         """Live VMMs whose environment (read in /proc) lists this device's id — which names this instance."""
-        return [Holder(p.pid, p.command, f"vmm:{p.sandbox_id}") for p in vmm_processes(self.proc_root)
-                if device.id in p.device_ids]
+        return [
+            Holder(p.pid, p.command, f"vmm:{p.sandbox_id}")
+            for p in vmm_processes(self.proc_root)
+            if device.id in p.device_ids
+        ]
 
     def cleanup(self, device: DeviceRecord) -> list[Problem]:
         """An emulated device dies with its VMM: cleanup is proving the VMM is gone."""
         held = self.holders(device)
         if held:
-            return [Problem("backend.vmm_still_running",
-                            f"{device.address} still in VMM pid {', '.join(str(h.pid) for h in held)}", hard=False)]
+            return [
+                Problem(
+                    "backend.vmm_still_running",
+                    f"{device.address} still in VMM pid {', '.join(str(h.pid) for h in held)}",
+                    hard=False,
+                )
+            ]
         return []
 
     def attach_spec(self, device: DeviceRecord) -> AttachSpec:

@@ -53,13 +53,20 @@ def serve_cmd(
     master: Annotated[str | None, typer.Option(help="CubeMaster URL to register with (needs --listen)")] = None,
     vm_start: Annotated[str, typer.Option(help="real MicroVMs: template (snapshot restore) or cold")] = "template",
     detach_timeout: Annotated[float, typer.Option(help="real MicroVMs: seconds to wait for DEVICE_DELETED")] = 10.0,
-    pinnable_memory_mib: Annotated[int | None, typer.Option(
-        min=0, help="advertise this much lockable guest memory instead of MemAvailable (simulated nodes)")] = None,
-    holder_scan_exempt_pid: Annotated[list[int] | None, typer.Option(
-        help="vfio: a process whose fds cannot be read but that holds no device (repeatable; audited at start)")
+    pinnable_memory_mib: Annotated[
+        int | None,
+        typer.Option(min=0, help="advertise this much lockable guest memory instead of MemAvailable (simulated nodes)"),
     ] = None,
-    guest_images: Annotated[Path | None, typer.Option(
-        help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set")] = None,
+    holder_scan_exempt_pid: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="vfio: a process whose fds cannot be read but that holds no device (repeatable; audited at start)"
+        ),
+    ] = None,
+    guest_images: Annotated[
+        Path | None,
+        typer.Option(help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set"),
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.cubelet.inventory import initialize_host
@@ -74,15 +81,27 @@ def serve_cmd(
     if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0 or not 0 < detach_timeout <= 3600:
         raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
     try:
-        cubelet = build_cubelet(RuntimeOptions(
-            state_dir=state_dir, backend=backend, profile=profile, sysfs_root=sysfs_root, dev_root=dev_root,
-            proc_root=proc_root,
-            allow=tuple(allow or ("10de:*",)), vm_start=vm_start, detach_timeout_s=detach_timeout,
-            holder_scan_exempt_pids=frozenset(holder_scan_exempt_pid or ()),
-            guest_images=guest_images,
-            config=CubeletConfig(node_name=node, reservation_ttl_s=reservation_ttl, release_timeout_s=release_timeout,
-                                 pinnable_memory_mib=pinnable_memory_mib),
-        ))
+        cubelet = build_cubelet(
+            RuntimeOptions(
+                state_dir=state_dir,
+                backend=backend,
+                profile=profile,
+                sysfs_root=sysfs_root,
+                dev_root=dev_root,
+                proc_root=proc_root,
+                allow=tuple(allow or ("10de:*",)),
+                vm_start=vm_start,
+                detach_timeout_s=detach_timeout,
+                holder_scan_exempt_pids=frozenset(holder_scan_exempt_pid or ()),
+                guest_images=guest_images,
+                config=CubeletConfig(
+                    node_name=node,
+                    reservation_ttl_s=reservation_ttl,
+                    release_timeout_s=release_timeout,
+                    pinnable_memory_mib=pinnable_memory_mib,
+                ),
+            )
+        )
         if holder_scan_exempt_pid:
             with cubelet.store.tx() as t:
                 t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})
@@ -107,9 +126,20 @@ def serve_cmd(
     from cubeaccel.cubelet.heartbeat import host_state
 
     host, _ = host_state(cubelet)  # serving, but says so when nothing can be handed out on this host
-    print(json.dumps({"cubelet": "ready", "socket": str(sock), "backend": backend, "repairs": len(repairs),
-                      "pid": os.getpid(), "host_ready": host["ready"],
-                      "host_problems": [p["code"] for p in host["problems"]]}), flush=True)
+    print(
+        json.dumps(
+            {
+                "cubelet": "ready",
+                "socket": str(sock),
+                "backend": backend,
+                "repairs": len(repairs),
+                "pid": os.getpid(),
+                "host_ready": host["ready"],
+                "host_problems": [p["code"] for p in host["problems"]],
+            }
+        ),
+        flush=True,
+    )
     try:
         serve(cubelet, sock, addr)
     finally:
@@ -122,8 +152,9 @@ def _client(state_dir: Path, url: str | None) -> CubeletClient:
     return CubeletClient(socket=None if url else state_dir / "cubelet.sock", url=url)
 
 
-def devices_cmd(state_dir: StateDir = DEFAULT_STATE, url: Url = None,
-                as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def devices_cmd(
+    state_dir: StateDir = DEFAULT_STATE, url: Url = None, as_json: Annotated[bool, typer.Option("--json")] = False
+) -> None:
     """Device table: address, model, NUMA, state, sandbox, reason."""
     try:
         devs = _client(state_dir, url).devices()
@@ -143,8 +174,9 @@ def device_cmd(
     reason: Annotated[str, typer.Option(help="why (audited)")],
     state_dir: StateDir = DEFAULT_STATE,
     url: Url = None,
-    restore_driver: Annotated[bool, typer.Option(
-        help="disable only: give the device back to the host driver it had before vfio-pci")] = False,
+    restore_driver: Annotated[
+        bool, typer.Option(help="disable only: give the device back to the host driver it had before vfio-pci")
+    ] = False,
 ) -> None:
     """Operator verbs on one device; audited with who and why."""
     try:
@@ -156,9 +188,12 @@ def device_cmd(
     console.print(device_table([d], title=f"{verb}: {device_id}"))
 
 
-def events_cmd(state_dir: StateDir = DEFAULT_STATE, url: Url = None,
-               since: Annotated[int, typer.Option(min=0)] = 0,
-               as_json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def events_cmd(
+    state_dir: StateDir = DEFAULT_STATE,
+    url: Url = None,
+    since: Annotated[int, typer.Option(min=0)] = 0,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
     """The event trail since a cursor."""
     try:
         evs = _client(state_dir, url).events(since)

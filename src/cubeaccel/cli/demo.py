@@ -60,8 +60,11 @@ def run_demo(profile: str) -> int:
     from cubeaccel.master.client import MasterClient
 
     state = Path(tempfile.mkdtemp(prefix="cubeaccel-demo-"))
-    up = subprocess.run([sys.executable, "-m", "cubeaccel", "up", "--detach", "--state-dir", str(state),
-                         "--profile", profile], env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
+    up = subprocess.run(
+        [sys.executable, "-m", "cubeaccel", "up", "--detach", "--state-dir", str(state), "--profile", profile],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=600,
+    )
     if up.returncode != 0:
         console.print(f"[red]cubeaccel up failed[/red] (exit {up.returncode}); logs in {state}")
         return 1
@@ -86,8 +89,11 @@ def run_demo(profile: str) -> int:
         console.print(f"[bold]cubeaccel sandbox delete {sid}[/bold]")
         master.delete(sid)
         wait_for(lambda: all(d["state"] == "allocatable" for d in cubelet.devices()), "the release", 120)
-        wait_for(lambda: any(e["kind"] == "reservation_closed" for e in _events(cubelet, sid)),
-                 "the reservation to close (shim and VMM gone)", 60)
+        wait_for(
+            lambda: any(e["kind"] == "reservation_closed" for e in _events(cubelet, sid)),
+            "the reservation to close (shim and VMM gone)",
+            60,
+        )
         console.print(device_table(cubelet.devices(), title="after release (VMM gone, no holders, reset, revalidated)"))
         print_timeline(_events(cubelet, sid))
         console.print(event_table(cubelet.events(0, 10000)["events"], title="event trail (Cubelet journal)"))

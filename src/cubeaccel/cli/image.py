@@ -28,8 +28,12 @@ def build(
     except CubeError as e:
         print(json.dumps(e.to_json()), file=sys.stderr)
         raise typer.Exit(1) from e
-    out = {"manifest": str(manifest.directory / "manifest.json"), "built": built,
-           "seconds": round(time.monotonic() - t0, 2), **manifest.to_json()}
+    out = {
+        "manifest": str(manifest.directory / "manifest.json"),
+        "built": built,
+        "seconds": round(time.monotonic() - t0, 2),
+        **manifest.to_json(),
+    }
     print(json.dumps(out, indent=2))
 
 
@@ -47,5 +51,14 @@ def show(cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~
         print("no image built yet: run `cubeaccel image build`", file=sys.stderr)
         raise typer.Exit(1)
     bad = manifest.verify()
-    print(json.dumps({"manifest": str(manifest.directory / "manifest.json"), "intact": not bad, "corrupt": bad,
-                      **manifest.to_json()}, indent=2))
+    print(
+        json.dumps(
+            {
+                "manifest": str(manifest.directory / "manifest.json"),
+                "intact": not bad,
+                "corrupt": bad,
+                **manifest.to_json(),
+            },
+            indent=2,
+        )
+    )

@@ -19,8 +19,10 @@ sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes through CubeMast
 
 DEFAULT_STATE = Path(os.environ.get("CUBEACCEL_MASTER_STATE_DIR", Path.home() / ".local/state/cubeaccel/master"))
 UP_STATE = Path(os.environ.get("CUBEACCEL_UP_STATE_DIR", Path.home() / ".local/state/cubeaccel/up"))
-MasterUrl = Annotated[str | None, typer.Option("--master", help="CubeMaster URL (default: $CUBEACCEL_MASTER, "
-                                               "then the one `cubeaccel up` started)")]
+MasterUrl = Annotated[
+    str | None,
+    typer.Option("--master", help="CubeMaster URL (default: $CUBEACCEL_MASTER, then the one `cubeaccel up` started)"),
+]
 AsJson = Annotated[bool, typer.Option("--json")]
 
 
@@ -64,8 +66,9 @@ def _listen(value: str) -> tuple[str, int]:
 
 @app.command("serve")
 def serve_cmd(
-    db: Annotated[str | None, typer.Option(help="sqlite:///PATH (default: STATE_DIR/master.db) or "
-                                           "postgresql://…")] = None,
+    db: Annotated[
+        str | None, typer.Option(help="sqlite:///PATH (default: STATE_DIR/master.db) or postgresql://…")
+    ] = None,
     listen: Annotated[str, typer.Option(help="HOST:PORT")] = "127.0.0.1:7700",
     state_dir: Annotated[Path, typer.Option(help="where the default SQLite database lives")] = DEFAULT_STATE,
     staleness: Annotated[float, typer.Option(help="seconds without a heartbeat before a node is stale")] = 10.0,
@@ -91,8 +94,18 @@ def serve_cmd(
     master = CubeMaster(store, MasterConfig(staleness_s=staleness))
     maintenance = Maintenance(master, tick)
     maintenance.start()
-    print(json.dumps({"cubemaster": "ready", "url": f"http://{host}:{port}", "db": store.dialect,
-                      "schema_version": store.schema_version, "pid": os.getpid()}), flush=True)
+    print(
+        json.dumps(
+            {
+                "cubemaster": "ready",
+                "url": f"http://{host}:{port}",
+                "db": store.dialect,
+                "schema_version": store.schema_version,
+                "pid": os.getpid(),
+            }
+        ),
+        flush=True,
+    )
     try:
         uvicorn.run(create_app(master, maintenance), host=host, port=port, log_level="warning", access_log=False)
     finally:
@@ -100,9 +113,11 @@ def serve_cmd(
 
 
 @app.command("register")
-def register_cmd(path: Annotated[Path, typer.Argument(help="template YAML/JSON")],
-                 default: Annotated[bool, typer.Option(help="make it its class's default")] = False,
-                 url: MasterUrl = None) -> None:
+def register_cmd(
+    path: Annotated[Path, typer.Argument(help="template YAML/JSON")],
+    default: Annotated[bool, typer.Option(help="make it its class's default")] = False,
+    url: MasterUrl = None,
+) -> None:
     """Register a template (checked at registration; the refusal names the layer)."""
     import yaml
 
@@ -124,10 +139,17 @@ def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
     for col in ("node", "state", "heartbeat", "backends", "free/total", "devices"):
         t.add_column(col)
     for n in nodes:
-        groups = ", ".join(f"{g['labels'].get('model', g['class'])} {g['allocatable']}/{g['total']}"
-                           for g in n["groups"])
-        t.add_row(n["node"], n["state"], f"{n['last_heartbeat_age_s']:.1f}s ago", ",".join(n["backends"]),
-                  f"{n['allocatable']}/{n['total']}", groups)
+        groups = ", ".join(
+            f"{g['labels'].get('model', g['class'])} {g['allocatable']}/{g['total']}" for g in n["groups"]
+        )
+        t.add_row(
+            n["node"],
+            n["state"],
+            f"{n['last_heartbeat_age_s']:.1f}s ago",
+            ",".join(n["backends"]),
+            f"{n['allocatable']}/{n['total']}",
+            groups,
+        )
     console.print(t)
 
 
@@ -148,8 +170,9 @@ def sandbox_create(
     template: Annotated[str | None, typer.Option(help="template name (or name@version)")] = None,
     accel_class: Annotated[str | None, typer.Option("--class", help="accelerator class (instead of --gpu)")] = None,
     count: Annotated[int, typer.Option(help="with --class")] = 1,
-    selector: Annotated[str | None, typer.Option(help="CEL over device labels, e.g. "
-                                                 "'int(device.memory_gib) >= 80'")] = None,
+    selector: Annotated[
+        str | None, typer.Option(help="CEL over device labels, e.g. 'int(device.memory_gib) >= 80'")
+    ] = None,
     sandbox_id: Annotated[str | None, typer.Option("--id")] = None,
     memory_mib: Annotated[int | None, typer.Option()] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds until CubeMaster deletes it")] = None,
@@ -177,8 +200,9 @@ def sandbox_create(
 
 
 @sandbox_app.command("list")
-def sandbox_list(state: Annotated[str | None, typer.Option()] = None, url: MasterUrl = None,
-                 as_json: AsJson = False) -> None:
+def sandbox_list(
+    state: Annotated[str | None, typer.Option()] = None, url: MasterUrl = None, as_json: AsJson = False
+) -> None:
     rows = _call(url, lambda c: c.sandboxes(state))
     if as_json:
         print(json.dumps({"sandboxes": rows}, indent=2))
@@ -202,8 +226,7 @@ def up_cmd(
     state_dir: Annotated[Path, typer.Option(help="master database, Cubelet state, logs")] = UP_STATE,
     backend: Annotated[str, typer.Option(help="auto | simulated | emulated")] = "auto",
     profile: Annotated[str, typer.Option(help="simulated devices")] = "h100x2",
-    detach: Annotated[bool, typer.Option(help="return once the node is ready; stop with `cubeaccel down`")]
-    = False,
+    detach: Annotated[bool, typer.Option(help="return once the node is ready; stop with `cubeaccel down`")] = False,
 ) -> None:
     """Embedded single node: CubeMaster (SQLite) + one Cubelet, with the best backend this host supports."""
     from cubeaccel.master.up import run_up

@@ -16,8 +16,14 @@ def device_table(devices: list[dict[str, Any]], title: str = "devices") -> Table
     for col in ("address", "model", "NUMA", "state", "sandbox", "reason"):
         t.add_column(col)
     for d in devices:
-        t.add_row(d["address"], d["labels"].get("model", "?"), str(d["numa_node"]), d["state"],
-                  d["sandbox_id"] or "-", d["reason"] or "-")
+        t.add_row(
+            d["address"],
+            d["labels"].get("model", "?"),
+            str(d["numa_node"]),
+            d["state"],
+            d["sandbox_id"] or "-",
+            d["reason"] or "-",
+        )
     return t
 
 
@@ -28,6 +34,15 @@ def event_table(events: list[dict[str, Any]], title: str = "events") -> Table:
     for e in events:
         when = dt.datetime.fromtimestamp(e["at"], dt.UTC).strftime("%H:%M:%S.%f")[:-3]
         move = f"{e['from_state'] or ''} → {e['to_state']}" if e["to_state"] else ""
-        t.add_row(str(e["seq"]), when, e["kind"], e["device_id"] or "", e["sandbox_id"] or "", e["event"] or "",
-                  move, e["actor"], e["reason"] or "")
+        t.add_row(
+            str(e["seq"]),
+            when,
+            e["kind"],
+            e["device_id"] or "",
+            e["sandbox_id"] or "",
+            e["event"] or "",
+            move,
+            e["actor"],
+            e["reason"] or "",
+        )
     return t

@@ -25,8 +25,13 @@ def run(
     try:
         spec = load_spec(spec_file)
         if spec.sandbox_id != sandbox:
-            raise CubeError("shim.invalid_spec", f"--sandbox {sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
-                            layer="template", details={"field": "sandbox_id"}, status=422)
+            raise CubeError(
+                "shim.invalid_spec",
+                f"--sandbox {sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
+                layer="template",
+                details={"field": "sandbox_id"},
+                status=422,
+            )
     except CubeError as e:
         print(json.dumps(e.to_json()), file=sys.stderr)
         raise typer.Exit(2) from e

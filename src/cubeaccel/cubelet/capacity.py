@@ -16,13 +16,16 @@ def capacity_summary(devices: list[DeviceRecord], node: str, backends: list[str]
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for d in devices:
         key = (d.accel_class.value, *(d.labels.get(k, "") for k in SUMMARY_LABELS))
-        g = groups.setdefault(key, {
-            "class": d.accel_class.value,
-            "labels": {k: d.labels[k] for k in SUMMARY_LABELS if k in d.labels},
-            "total": 0,
-            "by_state": Counter(),
-            "allocatable_by_numa": Counter(),
-        })
+        g = groups.setdefault(
+            key,
+            {
+                "class": d.accel_class.value,
+                "labels": {k: d.labels[k] for k in SUMMARY_LABELS if k in d.labels},
+                "total": 0,
+                "by_state": Counter(),
+                "allocatable_by_numa": Counter(),
+            },
+        )
         g["total"] += 1
         g["by_state"][d.state.value] += 1
         if d.state is DeviceState.ALLOCATABLE:

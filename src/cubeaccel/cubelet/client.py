@@ -16,8 +16,9 @@ class CubeletClient:
         if url is not None:
             self._http = httpx.Client(base_url=url, timeout=timeout)
         elif socket is not None:
-            self._http = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://cubelet",
-                                      timeout=timeout)
+            self._http = httpx.Client(
+                transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://cubelet", timeout=timeout
+            )
         else:
             raise ValueError("socket or url required")
 
@@ -43,8 +44,13 @@ class CubeletClient:
         return dict(self.request("GET", "/v1/events", params={"since": since, "limit": limit}))
 
     def verb(self, device_id: str, verb: str, who: str, reason: str, **extra: Any) -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/devices/{quote(device_id, safe='')}/{quote(verb, safe='')}",
-                                 {"who": who, "reason": reason, **extra}))
+        return dict(
+            self.request(
+                "POST",
+                f"/v1/devices/{quote(device_id, safe='')}/{quote(verb, safe='')}",
+                {"who": who, "reason": reason, **extra},
+            )
+        )
 
     def capacity(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/capacity"))

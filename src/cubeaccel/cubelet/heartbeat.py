@@ -68,8 +68,11 @@ class Heartbeat:
             ok, detail = False, str(e)
         if ok != self._reachable:
             with self.cubelet.store.tx() as t:
-                t.event("master_reachable" if ok else "master_unreachable", "cubelet",
-                        details={"url": self.url, "error": detail})
+                t.event(
+                    "master_reachable" if ok else "master_unreachable",
+                    "cubelet",
+                    details={"url": self.url, "error": detail},
+                )
             self._reachable = ok
         return ok
 

@@ -35,8 +35,7 @@ from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
 MAX_COUNT = 64
-__all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems",
-           "validate_sandbox_id"]
+__all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
 
 
 def validate_sandbox_id(sandbox_id: object) -> str:
@@ -82,8 +81,13 @@ def parse_contract(data: dict[str, Any] | None) -> CompatibilityContract | None:
     broken = check_template(contract.template)  # re-checked, not trusted: it crossed a process boundary
     if broken:
         v = broken[0]
-        raise CubeError(v.code, f"frozen contract is not consistent ({v.layer.value}): expected {v.expected}, found "
-                        f"{v.found}", v.layer.value, {"violations": [x.to_json() for x in broken]}, 422)
+        raise CubeError(
+            v.code,
+            f"frozen contract is not consistent ({v.layer.value}): expected {v.expected}, found {v.found}",
+            v.layer.value,
+            {"violations": [x.to_json() for x in broken]},
+            422,
+        )
     return contract
 
 
@@ -100,9 +104,7 @@ def contract_refusal(violations: list[ContractViolation], count: int) -> CubeErr
 
 
 class Cubelet(ReleasePath):
-    def __init__(
-        self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None
-    ) -> None:
+    def __init__(self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None) -> None:
         self.store = store
         self.backend = backend
         self.shim = shim
@@ -122,8 +124,11 @@ class Cubelet(ReleasePath):
         validate_sandbox_id(sandbox_id)
         limit = min(MAX_COUNT, self.shim.max_devices)
         if not 1 <= req.count <= limit:
-            raise invalid("reserve.invalid_count", f"count must be 1..{limit} on this node (one VM takes at most "
-                          f"{self.shim.max_devices} devices), got {req.count}")
+            raise invalid(
+                "reserve.invalid_count",
+                f"count must be 1..{limit} on this node (one VM takes at most "
+                f"{self.shim.max_devices} devices), got {req.count}",
+            )
         contract = parse_contract(req.contract)
         params = req.params()
         if contract is not None:
@@ -135,16 +140,21 @@ class Cubelet(ReleasePath):
                     raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is still being released")
                 if existing.params == params:
                     return existing
-                raise conflict("reserve.sandbox_conflict",
-                               f"sandbox {sandbox_id} already holds devices with different parameters",
-                               details={"existing": existing.params})
+                raise conflict(
+                    "reserve.sandbox_conflict",
+                    f"sandbox {sandbox_id} already holds devices with different parameters",
+                    details={"existing": existing.params},
+                )
             host_ready.refuse_if_not_ready(t)
             devices = t.devices()
             eligible, refused = devices, []
             if contract is not None:  # stage 3 of the contract: the physical device itself
                 pinnable = self.pinnable_mib()
-                verdicts = {d.id: check_device(contract, d, pinnable_memory_mib=pinnable)
-                            for d in devices if d.state is S.ALLOCATABLE}
+                verdicts = {
+                    d.id: check_device(contract, d, pinnable_memory_mib=pinnable)
+                    for d in devices
+                    if d.state is S.ALLOCATABLE
+                }
                 eligible = [d for d in devices if not verdicts.get(d.id)]
                 refused = [v for vs in verdicts.values() for v in vs]
             chosen = choose_devices(eligible, req.count, req.accel_class, dict(req.labels))
@@ -154,18 +164,30 @@ class Cubelet(ReleasePath):
                 by_state: dict[str, int] = {}
                 for d in devices:
                     by_state[d.state.value] = by_state.get(d.state.value, 0) + 1
-                raise conflict("reserve.insufficient_devices",
-                               f"{req.count} device(s) requested, not enough allocatable matching devices",
-                               details={"requested": req.count, "devices_by_state": by_state})
+                raise conflict(
+                    "reserve.insufficient_devices",
+                    f"{req.count} device(s) requested, not enough allocatable matching devices",
+                    details={"requested": req.count, "devices_by_state": by_state},
+                )
             memory_ledger.admit(t, sandbox_id, params, self.config.pinnable_memory_mib)  # devices untouched yet
             for d in chosen:
-                t.transition(d, E.RESERVE, Actor.CUBELET, sandbox_id=sandbox_id,
-                             details={"template": req.template, "memory_mib": req.memory_mib})
-            res = Reservation(sandbox_id, params, [d.id for d in chosen], "reserved", t.now,
-                              t.now + self.config.reservation_ttl_s)
+                t.transition(
+                    d,
+                    E.RESERVE,
+                    Actor.CUBELET,
+                    sandbox_id=sandbox_id,
+                    details={"template": req.template, "memory_mib": req.memory_mib},
+                )
+            res = Reservation(
+                sandbox_id, params, [d.id for d in chosen], "reserved", t.now, t.now + self.config.reservation_ttl_s
+            )
             t.insert_reservation(res)
-            t.event("reservation_created", Actor.CUBELET, sandbox_id=sandbox_id,
-                    details={"device_ids": res.device_ids, "params": params})
+            t.event(
+                "reservation_created",
+                Actor.CUBELET,
+                sandbox_id=sandbox_id,
+                details={"device_ids": res.device_ids, "params": params},
+            )
             return res
 
     def start(self, sandbox_id: str) -> Reservation | None:
@@ -180,9 +202,13 @@ class Cubelet(ReleasePath):
                 devs = self._sandbox_devices(t, sandbox_id)
                 failed = {d.id: self.backend.validate(d) for d in devs}
                 if any(failed.values()):
-                    t.event("startup_failed", Actor.CUBELET, sandbox_id=sandbox_id,
-                            reason="prepare.revalidation_failed",
-                            details={k: [p.__dict__ for p in v] for k, v in failed.items() if v})
+                    t.event(
+                        "startup_failed",
+                        Actor.CUBELET,
+                        sandbox_id=sandbox_id,
+                        reason="prepare.revalidation_failed",
+                        details={k: [p.__dict__ for p in v] for k, v in failed.items() if v},
+                    )
                     start_ok = False
                 else:
                     for d in devs:
@@ -196,15 +222,24 @@ class Cubelet(ReleasePath):
                     start_ok = True
             if not start_ok:
                 self.begin_teardown(sandbox_id, "prepare.revalidation_failed", layer="host_hardware")
-                raise conflict("prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation",
-                               layer="host_hardware")
+                raise conflict(
+                    "prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation", layer="host_hardware"
+                )
             spec = self._spec(sandbox_id)
             try:
                 self.shim.start(spec)
             except (CubeError, OSError) as e:  # the shim could not even be launched
                 code = e.code if isinstance(e, CubeError) else "shim.launch_failed"
-                self.handle_report(ShimReport(sandbox_id, ShimReportKind.ATTACH_FAILED, (),
-                                              {"reason": code, "message": str(e)[:500]}, time.time(), spec.start_id))
+                self.handle_report(
+                    ShimReport(
+                        sandbox_id,
+                        ShimReportKind.ATTACH_FAILED,
+                        (),
+                        {"reason": code, "message": str(e)[:500]},
+                        time.time(),
+                        spec.start_id,
+                    )
+                )
             return self.store.reservation(sandbox_id)  # None when startup failed and released already
 
     def _spec(self, sandbox_id: str) -> ShimSpec:
@@ -214,14 +249,29 @@ class Cubelet(ReleasePath):
         shim_devs = []
         for d in devs:
             a = self.backend.attach_spec(d)
-            shim_devs.append(ShimDevice(d.id, str(d.address), a.driver, a.properties,
-                                        f"{d.identity.vendor_id:04x}", f"{d.identity.device_id:04x}"))
+            shim_devs.append(
+                ShimDevice(
+                    d.id,
+                    str(d.address),
+                    a.driver,
+                    a.properties,
+                    f"{d.identity.vendor_id:04x}",
+                    f"{d.identity.device_id:04x}",
+                )
+            )
         p = res.params
         contract = parse_contract(p.get("contract"))
-        return ShimSpec(sandbox_id, tuple(shim_devs), int(p["memory_mib"]), int(p["vcpus"]),
-                        bool(p["pin_memory"]), p.get("contract"), res.facts.get("start_id"),
-                        image_digest=res.facts.get("image_digest") or self._image_digest(res),
-                        hotplug=contract.hotplug if contract is not None else True)
+        return ShimSpec(
+            sandbox_id,
+            tuple(shim_devs),
+            int(p["memory_mib"]),
+            int(p["vcpus"]),
+            bool(p["pin_memory"]),
+            p.get("contract"),
+            res.facts.get("start_id"),
+            image_digest=res.facts.get("image_digest") or self._image_digest(res),
+            hotplug=contract.hotplug if contract is not None else True,
+        )
 
     def _image_digest(self, res: Reservation) -> str | None:
         """The contract's pinned guest image; without a contract, the node's default (its newest intact image).
@@ -252,8 +302,14 @@ class Cubelet(ReleasePath):
                 expected = res.facts.get("start_id") if res else None
                 if expected is not None and report.start_id != expected:
                     # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
-                    t.event("shim_report_rejected", Actor.SHIM, sandbox_id=sid, event=report.kind.value,
-                            reason="shim.report_stale", details={"start_id": report.start_id})
+                    t.event(
+                        "shim_report_rejected",
+                        Actor.SHIM,
+                        sandbox_id=sid,
+                        event=report.kind.value,
+                        reason="shim.report_stale",
+                        details={"start_id": report.start_id},
+                    )
                     return
                 details = report.details if res else {**report.details, "reservation": "closed"}
                 t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
@@ -282,8 +338,12 @@ class Cubelet(ReleasePath):
                 elif k is ShimReportKind.SHIM_EXITING:
                     res.facts["shim_exited"] = True
                 violations = self._judge_guest(t, res, report)
-                ready = (k is ShimReportKind.GUEST_VALIDATED and not violations and res.phase == "starting"
-                         and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid)))
+                ready = (
+                    k is ShimReportKind.GUEST_VALIDATED
+                    and not violations
+                    and res.phase == "starting"
+                    and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
+                )
                 if ready:  # ready means ready: every device attached *and* validated in the guest
                     res.phase = "running"
                     res.facts["running_at"] = t.now
@@ -293,15 +353,25 @@ class Cubelet(ReleasePath):
             if ready:
                 self.notify(sid, {"phase": "running"})
             elif report.kind is ShimReportKind.ATTACH_FAILED:
-                self.begin_teardown(sid, str(det.get("reason") or "attach_failed"), attach_failed=True,
-                                    layer=str(det.get("layer") or "backend"), message=str(det.get("message") or ""))
+                self.begin_teardown(
+                    sid,
+                    str(det.get("reason") or "attach_failed"),
+                    attach_failed=True,
+                    layer=str(det.get("layer") or "backend"),
+                    message=str(det.get("message") or ""),
+                )
             elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
                 v = violations[0] if violations else None
                 layers = det.get("failed_layers") if isinstance(det.get("failed_layers"), list) else None
                 layer = v.layer.value if v else str(det.get("layer") or (layers[0] if layers else "guest_kernel"))
-                self.begin_teardown(sid, v.code if v else str(det.get("reason") or "guest.validation_failed"),
-                                    layer=layer, message=f"expected {v.expected}, found {v.found}" if v else
-                                    str(det.get("message") or "the guest does not satisfy the contract"))
+                self.begin_teardown(
+                    sid,
+                    v.code if v else str(det.get("reason") or "guest.validation_failed"),
+                    layer=layer,
+                    message=f"expected {v.expected}, found {v.found}"
+                    if v
+                    else str(det.get("message") or "the guest does not satisfy the contract"),
+                )
             elif report.kind is ShimReportKind.VMM_EXITED:
                 self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
 
@@ -318,17 +388,27 @@ class Cubelet(ReleasePath):
                 raise ValueError("no guest report")
             guest = GuestReport.from_json(raw)
         except (KeyError, TypeError, ValueError) as e:
-            t.event("guest_checked", Actor.CUBELET, sandbox_id=res.sandbox_id, reason="guest.report_malformed",
-                    details={"error": str(e)})
+            t.event(
+                "guest_checked",
+                Actor.CUBELET,
+                sandbox_id=res.sandbox_id,
+                reason="guest.report_malformed",
+                details={"error": str(e)},
+            )
             return [ContractViolation(Layer.GUEST_KERNEL, "guest.report_malformed", "a GuestReport", str(e))]
         if contract is None:
-            violations = check_minimal(self._sandbox_devices(t, res.sandbox_id),
-                                       res.facts.get("guest_addresses", {}), guest)
+            violations = check_minimal(
+                self._sandbox_devices(t, res.sandbox_id), res.facts.get("guest_addresses", {}), guest
+            )
         else:
             violations = check_guest(CompatibilityContract.from_json(contract), guest)
-        t.event("guest_checked", Actor.CUBELET, sandbox_id=res.sandbox_id,
-                reason=violations[0].code if violations else None,
-                details={"violations": [v.to_json() for v in violations]})
+        t.event(
+            "guest_checked",
+            Actor.CUBELET,
+            sandbox_id=res.sandbox_id,
+            reason=violations[0].code if violations else None,
+            details={"violations": [v.to_json() for v in violations]},
+        )
         return violations
 
     # ---- release --------------------------------------------------------------------------------

@@ -39,20 +39,31 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
     with cubelet.lock:
         d = _device(cubelet, device_id)
         if d.state not in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY):
-            raise conflict("operator.not_recoverable", f"device {device_id} is {d.state.value}",
-                           details={"state": d.state.value})
+            raise conflict(
+                "operator.not_recoverable", f"device {device_id} is {d.state.value}", details={"state": d.state.value}
+            )
         _refuse_while_vmm_may_live(cubelet, d)
         accept: Callable[[PciAddress], int | None] | None = getattr(cubelet.backend, "accept_aer", None)
         accepted = accept(d.address) if accept is not None else None  # the operator acknowledges seen errors
         problems = cubelet.backend.validate(d)
         if problems:
-            raise conflict("recover.validation_failed", f"revalidation of {device_id} failed: {problems[0].message}",
-                           layer="host_hardware", details={"problems": [p.__dict__ for p in problems]})
+            raise conflict(
+                "recover.validation_failed",
+                f"revalidation of {device_id} failed: {problems[0].message}",
+                layer="host_hardware",
+                details={"problems": [p.__dict__ for p in problems]},
+            )
         with cubelet.store.tx() as t:
             if accepted is not None:
                 t.set_aer_baseline(d.id, accepted)
-            return t.transition(d, DeviceEvent.RECOVER, Actor.OPERATOR, reason=None, sandbox_id=None,
-                                details={**audit, "aer_fatal_accepted": accepted})
+            return t.transition(
+                d,
+                DeviceEvent.RECOVER,
+                Actor.OPERATOR,
+                reason=None,
+                sandbox_id=None,
+                details={**audit, "aer_fatal_accepted": accepted},
+            )
 
 
 def _refuse_while_vmm_may_live(cubelet: Cubelet, d: DeviceRecord) -> None:
@@ -63,9 +74,12 @@ def _refuse_while_vmm_may_live(cubelet: Cubelet, d: DeviceRecord) -> None:
         return
     st = cubelet.vmm_status(res)
     if not cubelet.vmm_gone(res, st):
-        raise conflict("recover.vmm_alive", f"the VMM of sandbox {res.sandbox_id} that had {d.id} is not proven "
-                       "gone; it must exit first", layer="cubelet",
-                       details={"sandbox_id": res.sandbox_id, "vmm_pid": st.vmm_pid})
+        raise conflict(
+            "recover.vmm_alive",
+            f"the VMM of sandbox {res.sandbox_id} that had {d.id} is not proven gone; it must exit first",
+            layer="cubelet",
+            details={"sandbox_id": res.sandbox_id, "vmm_pid": st.vmm_pid},
+        )
 
 
 def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver: bool = False) -> DeviceRecord:
@@ -78,19 +92,32 @@ def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver
         with cubelet.store.tx() as t:
             d = _device(cubelet, device_id)
             if d.state in TENANT_STATES:
-                raise conflict("device.in_use", f"device {device_id} is {d.state.value} for sandbox {d.sandbox_id}",
-                               details={"sandbox_id": d.sandbox_id})
-            d = t.transition(d, DeviceEvent.DISABLE, Actor.OPERATOR, reason="operator.disabled",
-                             details={**audit, "restore_driver": restore_driver})
+                raise conflict(
+                    "device.in_use",
+                    f"device {device_id} is {d.state.value} for sandbox {d.sandbox_id}",
+                    details={"sandbox_id": d.sandbox_id},
+                )
+            d = t.transition(
+                d,
+                DeviceEvent.DISABLE,
+                Actor.OPERATOR,
+                reason="operator.disabled",
+                details={**audit, "restore_driver": restore_driver},
+            )
             original = t.original_driver(d.id)
         restore: Callable[[DeviceRecord, str | None], list[Problem]] | None = getattr(
-            cubelet.backend, "restore_host", None)
+            cubelet.backend, "restore_host", None
+        )
         if restore_driver and restore is not None:
             problems = restore(d, original)
             with cubelet.store.tx() as t:
-                t.event("driver_restored" if not problems else "driver_restore_failed", Actor.OPERATOR,
-                        device_id=d.id, reason=problems[0].code if problems else None,
-                        details={**audit, "driver": original, "problems": [p.__dict__ for p in problems]})
+                t.event(
+                    "driver_restored" if not problems else "driver_restore_failed",
+                    Actor.OPERATOR,
+                    device_id=d.id,
+                    reason=problems[0].code if problems else None,
+                    details={**audit, "driver": original, "problems": [p.__dict__ for p in problems]},
+                )
         return d
 
 

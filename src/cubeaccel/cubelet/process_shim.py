@@ -31,8 +31,15 @@ _Signature = tuple[tuple[int, int], ...]
 
 class ProcessShimDriver:
     max_devices = SHIM_MAX_DEVICES
-    def __init__(self, state_dir: Path, python: str = sys.executable, proc: Path = Path("/proc"),
-                 start_mode: str = "template", detach_timeout_s: float = 10.0) -> None:
+
+    def __init__(
+        self,
+        state_dir: Path,
+        python: str = sys.executable,
+        proc: Path = Path("/proc"),
+        start_mode: str = "template",
+        detach_timeout_s: float = 10.0,
+    ) -> None:
         self.dir = (state_dir / "shims").absolute()  # the prefix its processes' argv is matched against
         self.start_mode = start_mode
         self.detach_timeout_s = detach_timeout_s
@@ -60,7 +67,9 @@ class ProcessShimDriver:
         log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
         child = subprocess.Popen(
             [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self._children[sid] = child
 

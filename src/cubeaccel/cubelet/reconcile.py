@@ -30,8 +30,14 @@ class Repair:
 def _record(cubelet: Cubelet, repairs: list[Repair], r: Repair) -> None:
     repairs.append(r)
     with cubelet.store.tx() as t:
-        t.event("reconcile_repair", Actor.CUBELET, device_id=r.device_id, sandbox_id=r.sandbox_id,
-                reason=r.why, details={"what": r.what})
+        t.event(
+            "reconcile_repair",
+            Actor.CUBELET,
+            device_id=r.device_id,
+            sandbox_id=r.sandbox_id,
+            reason=r.why,
+            details={"what": r.what},
+        )
 
 
 def _presence_problem(d: DeviceRecord, found: dict[str, DiscoveredDevice]) -> str | None:
@@ -118,8 +124,16 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         for res in cubelet.store.reservations():
             late = cubelet.shim.pending_reports(res.sandbox_id)
             if late:
-                _record(cubelet, repairs, Repair(None, res.sandbox_id, "replayed",
-                                                 f"{len(late)} shim report(s) undelivered while Cubelet was down"))
+                _record(
+                    cubelet,
+                    repairs,
+                    Repair(
+                        None,
+                        res.sandbox_id,
+                        "replayed",
+                        f"{len(late)} shim report(s) undelivered while Cubelet was down",
+                    ),
+                )
                 for report in late:
                     cubelet.handle_report(report)
         for res in cubelet.store.reservations():

@@ -45,8 +45,9 @@ def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
 def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: Any) -> DeviceRecord:
     """The one way a device that failed a check leaves service: unhealthy or quarantined, with its reasons."""
     event, reason = problem_event(problems)
-    return t.transition(d, event, Actor.CUBELET, reason=reason,
-                        details={"problems": [p.__dict__ for p in problems], **extra})
+    return t.transition(
+        d, event, Actor.CUBELET, reason=reason, details={"problems": [p.__dict__ for p in problems], **extra}
+    )
 
 
 class ReleasePath:
@@ -71,8 +72,9 @@ class ReleasePath:
         if self.status_sink is not None:
             self.status_sink(sandbox_id, status)
 
-    def begin_teardown(self, sandbox_id: str, reason: str, attach_failed: bool = False, layer: str = "cubelet",
-                       message: str = "") -> None:
+    def begin_teardown(
+        self, sandbox_id: str, reason: str, attach_failed: bool = False, layer: str = "cubelet", message: str = ""
+    ) -> None:
         """Enter `releasing` before any cleanup starts, then ask the shim to stop and try to release.
 
         Any reason but a user's delete is a failure of the sandbox: recorded in the reservation (`failure`,
@@ -89,12 +91,16 @@ class ReleasePath:
                     res.phase, res.releasing_since = "releasing", t.now
                     res.facts["release_reason"] = reason
                     if reason != USER_RELEASE:
-                        failure = {"code": reason, "layer": layer, "message": message[:500] or reason,
-                                   "phase": was}
+                        failure = {"code": reason, "layer": layer, "message": message[:500] or reason, "phase": was}
                         res.facts["failure"] = failure
                     t.update_reservation(res)
-                    t.event("teardown_started", Actor.CUBELET, sandbox_id=sandbox_id, reason=reason,
-                            details={"failure": failure})
+                    t.event(
+                        "teardown_started",
+                        Actor.CUBELET,
+                        sandbox_id=sandbox_id,
+                        reason=reason,
+                        details={"failure": failure},
+                    )
                 for d in self._sandbox_devices(t, sandbox_id):
                     if d.state is S.ATTACHED:
                         t.transition(d, E.TEARDOWN, Actor.CUBELET, reason=reason)
@@ -156,13 +162,17 @@ class ReleasePath:
                 remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
                 if not remaining and gone:
                     t.delete_reservation(sandbox_id)
-                    t.event("reservation_closed", Actor.CUBELET, sandbox_id=sandbox_id,
-                            details={"facts": res.facts})
+                    t.event("reservation_closed", Actor.CUBELET, sandbox_id=sandbox_id, details={"facts": res.facts})
                     return
                 if not remaining and give_up and not res.facts.get("vmm_survives"):
                     res.facts["vmm_survives"] = True
-                    t.event("release_vmm_survives", Actor.CUBELET, sandbox_id=sandbox_id,
-                            reason="release.vmm_not_exited", details={"vmm_pid": st.vmm_pid})
+                    t.event(
+                        "release_vmm_survives",
+                        Actor.CUBELET,
+                        sandbox_id=sandbox_id,
+                        reason="release.vmm_not_exited",
+                        details={"vmm_pid": st.vmm_pid},
+                    )
                 t.update_reservation(res)
 
     def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
@@ -180,24 +190,39 @@ class ReleasePath:
         elif holders:
             blocked = "release.holder_stuck"
         if blocked is not None:
-            details = {"holders": [h.__dict__ for h in holders], "vmm_pid": st.vmm_pid,
-                       "shim_alive": st.shim_alive, "detach_confirmed": detached}
+            details = {
+                "holders": [h.__dict__ for h in holders],
+                "vmm_pid": st.vmm_pid,
+                "shim_alive": st.shim_alive,
+                "detach_confirmed": detached,
+            }
             if overdue:
                 t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=blocked, details=details)
                 return
             waiting = res.facts.setdefault("release_waits", {})
             if blocked not in waiting.get(d.id, []):  # one event per device and cause, not one per tick
                 waiting.setdefault(d.id, []).append(blocked)
-                t.event("release_waiting", Actor.CUBELET, device_id=d.id, sandbox_id=res.sandbox_id,
-                        reason=blocked, details=details)
+                t.event(
+                    "release_waiting",
+                    Actor.CUBELET,
+                    device_id=d.id,
+                    sandbox_id=res.sandbox_id,
+                    reason=blocked,
+                    details=details,
+                )
             return
         problems = self.backend.cleanup(d)
         if problems:
             record_problems(t, d, problems)
             return
-        evidence = {"vmm_exited": True, "shim_exited": not st.shim_alive,
-                    "shim_final_report": bool(res.facts.get("shim_exited")), "detach_confirmed": detached,
-                    "holders": 0, "reset": True}
+        evidence = {
+            "vmm_exited": True,
+            "shim_exited": not st.shim_alive,
+            "shim_final_report": bool(res.facts.get("shim_exited")),
+            "detach_confirmed": detached,
+            "holders": 0,
+            "reset": True,
+        }
         d = t.transition(d, E.RELEASE_CONFIRMED, Actor.CUBELET, details=evidence)
         self._revalidate(t, d)
 
@@ -215,8 +240,11 @@ class ReleasePath:
 
     def expire_reservations(self) -> list[str]:
         now = float(self.store.clock())
-        expired = [r.sandbox_id for r in self.store.reservations()
-                   if r.phase == "reserved" and r.expires_at is not None and r.expires_at < now]
+        expired = [
+            r.sandbox_id
+            for r in self.store.reservations()
+            if r.phase == "reserved" and r.expires_at is not None and r.expires_at < now
+        ]
         for sid in expired:
             with self.store.tx() as t:
                 t.event("reservation_expired", Actor.CUBELET, sandbox_id=sid, reason="reserve.expired")

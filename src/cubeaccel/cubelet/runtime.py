@@ -56,8 +56,12 @@ def instance_id(state_dir: Path) -> str:
 
     found = path.read_text().strip()
     if not INSTANCE_RE.fullmatch(found):
-        raise invalid("cubelet.invalid_instance_id", f"{path} holds {found[:40]!r}, not an instance id",
-                      layer="cubelet", path=str(path))
+        raise invalid(
+            "cubelet.invalid_instance_id",
+            f"{path} holds {found[:40]!r}, not an instance id",
+            layer="cubelet",
+            path=str(path),
+        )
     return found
 
 
@@ -72,11 +76,15 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     if opts.vm_start not in ("template", "cold"):
         raise invalid("cubelet.invalid_vm_start", f"--vm-start must be template or cold, not {opts.vm_start!r}")
     if opts.backend not in BACKENDS:
-        raise invalid("cubelet.unknown_backend", f"unknown backend {opts.backend!r}; known: {list(BACKENDS)}",
-                      layer="backend")
+        raise invalid(
+            "cubelet.unknown_backend", f"unknown backend {opts.backend!r}; known: {list(BACKENDS)}", layer="backend"
+        )
     if opts.guest_images is not None and opts.backend != "simulated":
-        raise invalid("cubelet.guest_images_simulated_only", "--guest-images sets a simulated node's images; real "
-                      "nodes report the images in their cache (`cubeaccel image build`)")
+        raise invalid(
+            "cubelet.guest_images_simulated_only",
+            "--guest-images sets a simulated node's images; real "
+            "nodes report the images in their cache (`cubeaccel image build`)",
+        )
     opts.state_dir.mkdir(parents=True, exist_ok=True)
     opts.state_dir.chmod(0o700)  # the unix socket in it carries shim reports and operator verbs
     store = Store(opts.state_dir / "cubelet.db")
@@ -88,8 +96,11 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
 
         host = SimulatedPciHost(opts.profile, opts.state_dir / "simulated-host.json")
         backend = VfioBackend(host, allow=SIMULATED_ALLOW)
-        shim = SimulatedShimDriver(host) if opts.guest_images is None else SimulatedShimDriver(
-            host, guest_images=_guest_images(opts.guest_images))
+        shim = (
+            SimulatedShimDriver(host)
+            if opts.guest_images is None
+            else SimulatedShimDriver(host, guest_images=_guest_images(opts.guest_images))
+        )
     elif opts.backend == "vfio":
         from cubeaccel.backends.vfio import VfioBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
@@ -97,8 +108,11 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         from cubeaccel.host.readiness import HostRoots
 
         roots = HostRoots(opts.sysfs_root, opts.dev_root, opts.proc_root)
-        backend = VfioBackend(SysfsPciHost(str(opts.sysfs_root), exempt_pids=opts.holder_scan_exempt_pids),
-                              allow=opts.allow, readiness_roots=roots)
+        backend = VfioBackend(
+            SysfsPciHost(str(opts.sysfs_root), exempt_pids=opts.holder_scan_exempt_pids),
+            allow=opts.allow,
+            readiness_roots=roots,
+        )
         shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     else:
         from cubeaccel.backends.emulated import EmulatedBackend

@@ -88,8 +88,13 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
     @app.post("/v1/reservations", status_code=201)
     def create_reservation(body: ReservationBody) -> dict[str, Any]:
         req = ReservationRequest(
-            count=body.count, accel_class=body.accel_class, labels=tuple(sorted(body.labels.items())),
-            template=body.template, memory_mib=body.memory_mib, vcpus=body.vcpus, pin_memory=body.pin_memory,
+            count=body.count,
+            accel_class=body.accel_class,
+            labels=tuple(sorted(body.labels.items())),
+            template=body.template,
+            memory_mib=body.memory_mib,
+            vcpus=body.vcpus,
+            pin_memory=body.pin_memory,
             contract=body.contract,
         )
         cubelet.reserve(body.sandbox_id, req)
@@ -137,8 +142,9 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         return {"accepted": True}
 
     @app.get("/v1/events")
-    def events(since: int = 0, limit: int = 1000, device_id: str | None = None,
-               sandbox_id: str | None = None) -> dict[str, Any]:
+    def events(
+        since: int = 0, limit: int = 1000, device_id: str | None = None, sandbox_id: str | None = None
+    ) -> dict[str, Any]:
         if not 0 <= since < 2**62 or not 1 <= limit <= 10000:
             raise invalid("api.invalid_cursor", "since must be ≥ 0 and limit 1..10000")
         if sandbox_id is not None:
@@ -150,8 +156,7 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
     def host() -> dict[str, Any]:
         """Host readiness (the backend's host-wide checks) and the pinned-memory ledger."""
         readiness, pinned = host_state(cubelet)
-        return {"node": cubelet.config.node_name, "backend": cubelet.backend.name, **readiness,
-                "pinned_memory": pinned}
+        return {"node": cubelet.config.node_name, "backend": cubelet.backend.name, **readiness, "pinned_memory": pinned}
 
     @app.get("/v1/capacity")
     def capacity() -> dict[str, Any]:
@@ -175,8 +180,13 @@ def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
         {"at": e.at, "kind": e.kind, "event": e.event, "device_id": e.device_id, "to_state": e.to_state}
         for e in cubelet.store.events(0, 10000, sandbox_id=sandbox_id)
     ]
-    return {"sandbox_id": sandbox_id, "reservation": None if res is None else res.to_json(), "devices": devs,
-            "timeline": timeline, "failure": sandbox_failure(cubelet, sandbox_id)}
+    return {
+        "sandbox_id": sandbox_id,
+        "reservation": None if res is None else res.to_json(),
+        "devices": devs,
+        "timeline": timeline,
+        "failure": sandbox_failure(cubelet, sandbox_id),
+    }
 
 
 def sandbox_failure(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any] | None:
@@ -219,11 +229,15 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None) -
 
     socket_path.unlink(missing_ok=True)
     socket_path.parent.mkdir(parents=True, exist_ok=True)
-    configs = [uvicorn.Config(create_app(cubelet, local=True), uds=str(socket_path), log_level="warning",
-                              access_log=False)]
+    configs = [
+        uvicorn.Config(create_app(cubelet, local=True), uds=str(socket_path), log_level="warning", access_log=False)
+    ]
     if listen is not None:
-        configs.append(uvicorn.Config(create_app(cubelet, local=False), host=listen[0], port=listen[1],
-                                      log_level="warning", access_log=False))
+        configs.append(
+            uvicorn.Config(
+                create_app(cubelet, local=False), host=listen[0], port=listen[1], log_level="warning", access_log=False
+            )
+        )
     servers = [uvicorn.Server(c) for c in configs]
 
     async def run() -> None:

@@ -32,21 +32,26 @@ def guest_address(index: int) -> str:
 def simulated_guest_report(spec: ShimSpec) -> GuestReport:
     """The simulated guest is exactly what its contract asks for (there is no guest to disagree): the host-side
     judge still runs over it, so a wrong contract, device or address is caught as with a real guest."""
-    pci = tuple({"address": guest_address(i), "vendor_id": d.vendor_id, "device_id": d.device_id_hex,
-                 "class": "0302"} for i, d in enumerate(spec.devices))
+    pci = tuple(
+        {"address": guest_address(i), "vendor_id": d.vendor_id, "device_id": d.device_id_hex, "class": "0302"}
+        for i, d in enumerate(spec.devices)
+    )
     if spec.contract is None:
         return GuestReport(agent_version=1, kernel_release="simulated", pci_devices=pci)
     t = CompatibilityContract.from_json(spec.contract).template
     modules = ([t.kernel_driver.module] if t.kernel_driver else []) + list(t.probes.modules)
     libraries: dict[str, dict[str, Any]] = {n: {"loaded": True, "version": None} for n in t.probes.libraries}
     if t.userspace_driver:
-        libraries |= {n: {"loaded": True, "version": t.userspace_driver.version}
-                      for n in t.userspace_driver.libraries}
+        libraries |= {n: {"loaded": True, "version": t.userspace_driver.version} for n in t.userspace_driver.libraries}
     need = min_driver_api(t)
     return GuestReport(
-        agent_version=1, kernel_release=t.guest_kernel.version, modules_loaded=tuple(modules), pci_devices=pci,
+        agent_version=1,
+        kernel_release=t.guest_kernel.version,
+        modules_loaded=tuple(modules),
+        pci_devices=pci,
         device_files={p: True for p in t.probes.device_files},
-        kernel_driver_version=t.kernel_driver.version if t.kernel_driver else None, libraries=libraries,
+        kernel_driver_version=t.kernel_driver.version if t.kernel_driver else None,
+        libraries=libraries,
         cuda=None if need is None else {"init_ok": True, "driver_version": need, "device_count": len(spec.devices)},
     )
 
@@ -89,12 +94,18 @@ class NodeFacts:
 # The simulated node's guests: exactly what examples/templates pin (cuda12-h100, edu-demo), so a simulated
 # cluster schedules the example templates; tests/unit/test_node_facts.py keeps the two in step.
 SIMULATED_GUEST_IMAGES = (
-    GuestImageFact("sha256:897a06f02fc2d598d90ba3804fdfae7f5955673593b4ec92bbfb9511a436ffb0", "6.1.0-27-cloud-amd64",
-                   ("sha256:59b60c81a0f1731ab449d03dc56330f8ceabc6e30c7a3474c64149309ef13be6",),
-                   "sha256:7409a86b3596e75cb2d757325786351be1561b1d371c14a5c5797174929d533e"),
-    GuestImageFact("sha256:8caef20ed217bdd6b3755d5b737d2e92adc1869db948a7860dd48f280eafbd5f", "6.1.0-57-amd64",
-                   ("sha256:c3718796ffdb206cc149543cf925b868d9cd0cb504ba554539a01303179505aa",),
-                   "sha256:ae179640fd106b304c6cad3fc9f5adc0a2189560c60fb7e8ae1bf143d5fd4bc9"),
+    GuestImageFact(
+        "sha256:897a06f02fc2d598d90ba3804fdfae7f5955673593b4ec92bbfb9511a436ffb0",
+        "6.1.0-27-cloud-amd64",
+        ("sha256:59b60c81a0f1731ab449d03dc56330f8ceabc6e30c7a3474c64149309ef13be6",),
+        "sha256:7409a86b3596e75cb2d757325786351be1561b1d371c14a5c5797174929d533e",
+    ),
+    GuestImageFact(
+        "sha256:8caef20ed217bdd6b3755d5b737d2e92adc1869db948a7860dd48f280eafbd5f",
+        "6.1.0-57-amd64",
+        ("sha256:c3718796ffdb206cc149543cf925b868d9cd0cb504ba554539a01303179505aa",),
+        "sha256:ae179640fd106b304c6cad3fc9f5adc0a2189560c60fb7e8ae1bf143d5fd4bc9",
+    ),
 )
 SIMULATED_HOTPLUG = (HOTPLUG_PCIE_ROOT_PORT_ACPI,)  # the simulated VMM plays QEMU
 
@@ -203,32 +214,45 @@ class SimulatedShimDriver:
         )
         self._report(sid, ShimReportKind.VM_STARTED, pid=vmm, vmm="simulated", image_digest=spec.image_digest)
         if spec.pin_memory:
-            self._report(sid, ShimReportKind.MEMORY_PINNED, vmlck_kib=spec.memory_mib * 1024,
-                         guest_kib=spec.memory_mib * 1024)
+            self._report(
+                sid, ShimReportKind.MEMORY_PINNED, vmlck_kib=spec.memory_mib * 1024, guest_kib=spec.memory_mib * 1024
+            )
         self._report(sid, ShimReportKind.GUEST_READY)
         if sid in self.fail_attach:
-            self._report(sid, ShimReportKind.ATTACH_FAILED, dev_ids, reason="device_add failed (injected)",
-                         layer="backend")
+            self._report(
+                sid, ShimReportKind.ATTACH_FAILED, dev_ids, reason="device_add failed (injected)", layer="backend"
+            )
             return
         for i, d in enumerate(spec.devices):
             self.host.add_holder(PciAddress.parse(d.address), Holder(vmm, "qemu-system-x86_64", "/dev/vfio/sim"))
             self._report(sid, ShimReportKind.DEVICE_ATTACHED, (d.device_id,), guest_address=guest_address(i))
         if sid in self.failed_guest_validation:
-            self._report(sid, ShimReportKind.GUEST_VALIDATION_FAILED, dev_ids, failed_layers=["kernel_driver"],
-                         violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_not_loaded"}])
+            self._report(
+                sid,
+                ShimReportKind.GUEST_VALIDATION_FAILED,
+                dev_ids,
+                failed_layers=["kernel_driver"],
+                violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_not_loaded"}],
+            )
         else:
             self._report(sid, ShimReportKind.GUEST_VALIDATED, dev_ids, report=simulated_guest_report(spec).to_json())
 
     def _refusal(self, spec: ShimSpec) -> dict[str, str] | None:
         """The real shim's refusals (shim/process.py), judged on the simulated node's facts."""
         if not spec.hotplug:
-            return {"reason": "shim.coldplug_unsupported", "layer": "backend",
-                    "message": "the template expects cold-plug; this VMM only hot-plugs"}
+            return {
+                "reason": "shim.coldplug_unsupported",
+                "layer": "backend",
+                "message": "the template expects cold-plug; this VMM only hot-plugs",
+            }
         if not self.hotplug:
             return {"reason": "vmm.hotplug_unsupported", "layer": "backend", "message": "this VMM cannot hot-plug"}
         if spec.image_digest is None or spec.image_digest not in {i.digest for i in self.guest_images}:
-            return {"reason": "shim.image_not_found", "layer": "template",
-                    "message": f"guest image {spec.image_digest} is not on this node"}
+            return {
+                "reason": "shim.image_not_found",
+                "layer": "template",
+                "message": f"guest image {spec.image_digest} is not on this node",
+            }
         return None
 
     def stop(self, sandbox_id: str) -> None:

@@ -146,8 +146,13 @@ class Tx:
                 self.now,
             ),
         )
-        self.event("discovered", actor, device_id=d.device_id, to_state=DeviceState.INITIALIZED.value,
-                   details={"address": str(d.address), "identity": d.identity.to_json(), "labels": d.labels})
+        self.event(
+            "discovered",
+            actor,
+            device_id=d.device_id,
+            to_state=DeviceState.INITIALIZED.value,
+            details={"address": str(d.address), "identity": d.identity.to_json(), "labels": d.labels},
+        )
         rec = self.device(d.device_id)
         assert rec is not None
         return rec
@@ -173,8 +178,7 @@ class Tx:
         if cur.rowcount != 1:
             raise StaleRecord(
                 code="store.stale_record",
-                message=f"device {device.id} changed concurrently (expected {device.state.value}"
-                f"@{device.generation})",
+                message=f"device {device.id} changed concurrently (expected {device.state.value}@{device.generation})",
                 layer="cubelet",
                 status=409,
             )
@@ -196,8 +200,10 @@ class Tx:
     def set_reason(self, device: DeviceRecord, reason: str | None) -> bool:
         """Why a device stays where it is (an `initialized` device on a host that is not ready), without a
         transition: same state, same generation. False when the device changed meanwhile."""
-        cur = self.c.execute("UPDATE devices SET reason=?, updated_at=? WHERE id=? AND state=? AND generation=?",
-                             (reason, self.now, device.id, device.state.value, device.generation))
+        cur = self.c.execute(
+            "UPDATE devices SET reason=?, updated_at=? WHERE id=? AND state=? AND generation=?",
+            (reason, self.now, device.id, device.state.value, device.generation),
+        )
         return cur.rowcount == 1
 
     # ---- reservations ---------------------------------------------------------------------------
@@ -251,8 +257,18 @@ class Tx:
         self.c.execute(
             "INSERT INTO events (at,kind,device_id,sandbox_id,event,from_state,to_state,actor,reason,details)"
             " VALUES (?,?,?,?,?,?,?,?,?,?)",
-            (self.now, kind, device_id, sandbox_id, event, from_state, to_state, str(actor), reason,
-             json.dumps(details or {}, sort_keys=True, default=str)),
+            (
+                self.now,
+                kind,
+                device_id,
+                sandbox_id,
+                event,
+                from_state,
+                to_state,
+                str(actor),
+                reason,
+                json.dumps(details or {}, sort_keys=True, default=str),
+            ),
         )
 
     def set_original_driver(self, device_id: str, driver: str | None) -> None:
@@ -368,9 +384,17 @@ class Store:
             rows = self._conn.execute(q, args).fetchall()
         return [
             Event(
-                seq=r["seq"], at=r["at"], kind=r["kind"], device_id=r["device_id"], sandbox_id=r["sandbox_id"],
-                event=r["event"], from_state=r["from_state"], to_state=r["to_state"], actor=r["actor"],
-                reason=r["reason"], details=json.loads(r["details"]),
+                seq=r["seq"],
+                at=r["at"],
+                kind=r["kind"],
+                device_id=r["device_id"],
+                sandbox_id=r["sandbox_id"],
+                event=r["event"],
+                from_state=r["from_state"],
+                to_state=r["to_state"],
+                actor=r["actor"],
+                reason=r["reason"],
+                details=json.loads(r["details"]),
             )
             for r in rows
         ]

@@ -127,8 +127,9 @@ def find_shim(sandbox_id: str, proc_root: Path = Path("/proc"), under: Path | No
         argv = _argv(int(name), proc_root)
         if not argv or "run" not in argv or not any(a in ("shim", "cubeaccel.shim") for a in argv):
             continue
-        if under is not None and not any(a == "--spec" and _mentions(argv[i + 1:i + 2], under)
-                                         for i, a in enumerate(argv)):
+        if under is not None and not any(
+            a == "--spec" and _mentions(argv[i + 1 : i + 2], under) for i, a in enumerate(argv)
+        ):
             continue
         for i, arg in enumerate(argv[:-1]):
             if arg == "--sandbox" and argv[i + 1] == sandbox_id:

@@ -112,15 +112,20 @@ def build(cache: Path | None = None, force: bool = False) -> tuple[Manifest, boo
         m = _build(cache, inputs)
         _point_latest(cache, m)
         prune(cache / "images", keep=KEEP_IMAGES, protect=m.key)
-        _prune_debs(cache / "debs", {packages.deb_path(cache / "debs", p).name
-                                     for p in (inputs.kernel_package, *inputs.rootfs_packages)})
+        _prune_debs(
+            cache / "debs",
+            {packages.deb_path(cache / "debs", p).name for p in (inputs.kernel_package, *inputs.rootfs_packages)},
+        )
         return m, True
 
 
 def prune(root: Path, keep: int, protect: str = "") -> list[str]:
     """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`."""
-    entries = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith("build-")),
-                     key=lambda p: p.stat().st_mtime, reverse=True)
+    entries = sorted(
+        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith("build-")),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
     removed = []
     for p in entries[keep:]:
         if p.name != protect:

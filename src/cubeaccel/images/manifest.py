@@ -80,8 +80,11 @@ class Manifest:
                 "vmlinuz_sha256": self.vmlinuz_sha256,
                 "vmlinux": self.vmlinux.to_json(),
             },
-            "modules_img": {**self.modules_img.to_json(), "kernel_release": self.kernel_release,
-                            "modules": list(self.modules)},
+            "modules_img": {
+                **self.modules_img.to_json(),
+                "kernel_release": self.kernel_release,
+                "modules": list(self.modules),
+            },
             "rootfs": {**self.rootfs.to_json(), "packages": list(self.packages), "agent_sha256": self.agent_sha256},
             "initrd": self.initrd.to_json(),
             "cmdline": self.cmdline,

@@ -54,10 +54,40 @@ _PRUNE_DIRS = (
     "etc",
     "var",
 )
-_PRUNE_DYNLOAD_PREFIXES = ("_test", "_xx", "xxlimited", "_curses", "readline", "nis", "_dbm", "_sqlite3", "_crypt",
-                           "audioop", "ossaudiodev", "_ctypes_test")
-_APPLETS = ("sh", "mount", "umount", "mkdir", "cat", "ls", "modprobe", "insmod", "lsmod", "poweroff", "sleep",
-            "usleep", "echo", "uname", "dmesg", "ps", "kill", "sync")
+_PRUNE_DYNLOAD_PREFIXES = (
+    "_test",
+    "_xx",
+    "xxlimited",
+    "_curses",
+    "readline",
+    "nis",
+    "_dbm",
+    "_sqlite3",
+    "_crypt",
+    "audioop",
+    "ossaudiodev",
+    "_ctypes_test",
+)
+_APPLETS = (
+    "sh",
+    "mount",
+    "umount",
+    "mkdir",
+    "cat",
+    "ls",
+    "modprobe",
+    "insmod",
+    "lsmod",
+    "poweroff",
+    "sleep",
+    "usleep",
+    "echo",
+    "uname",
+    "dmesg",
+    "ps",
+    "kill",
+    "sync",
+)
 
 INIT_SCRIPT = f"""#!/bin/sh
 # cubeaccel guest init: mount the basics, load the virtio modules from modules.img, run cube-agent on its port.

@@ -14,8 +14,14 @@ class MasterClient:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, timeout=timeout)
 
-    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None,
-                headers: dict[str, str] | None = None) -> Any:
+    def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
         return reply_body(self._http.request(method, path, json=json, params=params, headers=headers))
 
     def health(self) -> dict[str, Any]:

@@ -52,18 +52,29 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
             continue
         failure = _closed_failure(master, view.cubelet_url, str(row["id"]))
         if failure is not None:
-            master.store.update_sandbox(row["id"], "failed", expect=("starting", "running"), state="failed",
-                                        error={**failure, "node": name})
+            master.store.update_sandbox(
+                row["id"], "failed", expect=("starting", "running"), state="failed", error={**failure, "node": name}
+            )
             continue
-        master.store.update_sandbox(row["id"], "lost", expect=("starting", "running"), state="lost",
-                                    error={"code": "sandbox.lost", "layer": "cubelet", "message": f"node {name} "
-                                           "holds no reservation for it and no record of its end", "node": name})
+        master.store.update_sandbox(
+            row["id"],
+            "lost",
+            expect=("starting", "running"),
+            state="lost",
+            error={
+                "code": "sandbox.lost",
+                "layer": "cubelet",
+                "message": f"node {name} holds no reservation for it and no record of its end",
+                "node": name,
+            },
+        )
         lost.append(row["id"])
     now = time.time()
     for sid, r in held.items():
         rec = master.store.sandbox(sid)
-        live = rec is not None and rec["node"] == name and rec["state"] in ("placing", "starting", "running",
-                                                                           "deleting")
+        live = (
+            rec is not None and rec["node"] == name and rec["state"] in ("placing", "starting", "running", "deleting")
+        )
         young = now - float(r.get("created_at") or 0) < ORPHAN_GRACE_S and rec is not None
         if not live and not young:
             _cubelet_call(master, view.cubelet_url, "DELETE", f"/v1/reservations/{sid}")
@@ -117,18 +128,31 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
             if e.code != "reservation.not_found":
                 raise
     if res is not None and res.get("phase") == "running":
-        master.store.update_sandbox(sid, "reserved", expect=(state,), state="running",
-                                    detail={"node": row["node"], "recovered": True},
-                                    device_ids=list(res.get("device_ids", [])),
-                                    cubelet_created_at=res.get("created_at"))
+        master.store.update_sandbox(
+            sid,
+            "reserved",
+            expect=(state,),
+            state="running",
+            detail={"node": row["node"], "recovered": True},
+            device_ids=list(res.get("device_ids", [])),
+            cubelet_created_at=res.get("created_at"),
+        )
     elif res is not None and res.get("phase") == "starting":
         return state  # the Cubelet is still starting it: look again next tick
     else:
         if res is not None and url is not None:
             _cubelet_call(master, url, "DELETE", f"/v1/reservations/{sid}")
-        master.store.update_sandbox(sid, "failed", expect=(state,), state="failed", error={
-            "code": "sandbox.placement_abandoned", "message": f"the create placing it stopped in state {state} "
-            f"and node {row['node']} holds {'no' if res is None else 'an unstarted'} reservation for it"})
+        master.store.update_sandbox(
+            sid,
+            "failed",
+            expect=(state,),
+            state="failed",
+            error={
+                "code": "sandbox.placement_abandoned",
+                "message": f"the create placing it stopped in state {state} "
+                f"and node {row['node']} holds {'no' if res is None else 'an unstarted'} reservation for it",
+            },
+        )
     master.cache.invalidate()
     current = master.store.sandbox(sid)
     return "gone" if current is None else str(current["state"])
@@ -138,8 +162,9 @@ def _cubelet_call(master: CubeMaster, url: str, method: str, path: str) -> dict[
     try:
         return dict(master.client(url).request(method, path))
     except httpx.HTTPError as e:
-        raise CubeError("cubelet.unreachable", f"Cubelet at {url}: {type(e).__name__}: {e}", "api",
-                        {"cubelet_url": url}, 502) from e
+        raise CubeError(
+            "cubelet.unreachable", f"Cubelet at {url}: {type(e).__name__}: {e}", "api", {"cubelet_url": url}, 502
+        ) from e
 
 
 class Maintenance:
@@ -195,8 +220,7 @@ class Maintenance:
                     self._note(f"starting {row['id']}: {e}")
         for row in self.master.store.sandboxes(states=("starting", "running")):
             if row["expires_at"] is not None and row["expires_at"] < now:
-                self.master.store.update_sandbox(row["id"], "timeout", expect=("starting", "running"),
-                                                 state="deleting")
+                self.master.store.update_sandbox(row["id"], "timeout", expect=("starting", "running"), state="deleting")
         for row in self.master.store.sandboxes(states=("deleting",)):
             self.master.release(row)
 

@@ -28,9 +28,14 @@ class Registry:
         violations = check_template(t)
         if violations:
             v = violations[0]
-            raise CubeError("template.invalid", f"template {t.name} is inconsistent ({v.layer.value}): {v.code}: "
-                            f"expected {v.expected}, found {v.found}", v.layer.value,
-                            {"violations": [x.to_json() for x in violations]}, 422)
+            raise CubeError(
+                "template.invalid",
+                f"template {t.name} is inconsistent ({v.layer.value}): {v.code}: "
+                f"expected {v.expected}, found {v.found}",
+                v.layer.value,
+                {"violations": [x.to_json() for x in violations]},
+                422,
+            )
         c = freeze(t)
         created = self.store.put_template(t.name, t.version, t.accel_class, c.digest, t.to_json(), time.time())
         if default:
@@ -51,8 +56,13 @@ class Registry:
         name, _, version = ref.partition("@")
         row = self.store.template(name, version or None)
         if row is None:
-            raise CubeError("template.unknown", f"no template {ref!r} is registered", "template",
-                            {"template": ref, "known": sorted({r['name'] for r in self.store.templates()})}, 422)
+            raise CubeError(
+                "template.unknown",
+                f"no template {ref!r} is registered",
+                "template",
+                {"template": ref, "known": sorted({r["name"] for r in self.store.templates()})},
+                422,
+            )
         key = (row["name"], row["version"])
         c = self._frozen.get(key)
         if c is None:
@@ -62,9 +72,13 @@ class Registry:
     def default_for(self, accel_class: str) -> CompatibilityContract:
         name = self.store.defaults().get(accel_class)
         if name is None:
-            raise CubeError("template.no_default", f"no template given and no default template for class "
-                            f"{accel_class!r}; register one with default=true", "template",
-                            {"class": accel_class}, 422)
+            raise CubeError(
+                "template.no_default",
+                f"no template given and no default template for class {accel_class!r}; register one with default=true",
+                "template",
+                {"class": accel_class},
+                422,
+            )
         return self.contract(name)
 
     def show(self, ref: str) -> dict[str, Any]:
@@ -86,8 +100,14 @@ class Registry:
         return {"deleted": n, "template": ref}
 
     def _row_json(self, r: Row) -> dict[str, Any]:
-        return {"name": r["name"], "version": r["version"], "class": r["accel_class"], "digest": r["digest"],
-                "default": self.store.defaults().get(r["accel_class"]) == r["name"], "created_at": r["created_at"]}
+        return {
+            "name": r["name"],
+            "version": r["version"],
+            "class": r["accel_class"],
+            "digest": r["digest"],
+            "default": self.store.defaults().get(r["accel_class"]) == r["name"],
+            "created_at": r["created_at"],
+        }
 
     @staticmethod
     def _json(t: Template, digest: str) -> dict[str, Any]:

@@ -127,14 +127,20 @@ def contract(n: NodeView, c: Context) -> Reason | None:
     key, headroom = _memo_key(n, c)
     vs = n.contract_memo.get(key)
     if vs is None:
-        summary = NodeSummary(backends=n.backends, devices=[g.attributes for g in n.groups],
-                              pinnable_memory_mib=headroom, guest_images=n.guest_images,
-                              hotplug=n.hotplug, name=n.name)
+        summary = NodeSummary(
+            backends=n.backends,
+            devices=[g.attributes for g in n.groups],
+            pinnable_memory_mib=headroom,
+            guest_images=n.guest_images,
+            hotplug=n.hotplug,
+            name=n.name,
+        )
         vs = n.contract_memo[key] = check_node(c.contract, summary)
     for v in vs:
         if v.code != "compat.node_no_matching_device":
-            return Reason(CONTRACT_REASONS.get(v.code, v.code), f"{v.layer.value}: expected {v.expected}, "
-                          f"found {v.found}")
+            return Reason(
+                CONTRACT_REASONS.get(v.code, v.code), f"{v.layer.value}: expected {v.expected}, found {v.found}"
+            )
     before, c.matching = c.matching, [g for g in c.matching if _device_ok(n, g, c.contract)]
     if not c.matching:
         models = ", ".join(sorted({g.labels.get("model", "?") for g in before}))
@@ -154,9 +160,15 @@ def _memo_key(n: NodeView, c: Context) -> tuple[str, int]:
 def insufficient_devices(n: NodeView, c: Context) -> Reason | None:
     c.matching = [g for g in c.matching if n.free(g) >= c.choice.count]
     if not c.matching:
-        return Reason("insufficient_devices", f"{c.choice.count} wanted, free: " + ", ".join(
-            f"{g.labels.get('model', '?')}={max(0, n.free(g))}" for g in n.groups
-            if g.accel_class == c.choice.accel_class))
+        return Reason(
+            "insufficient_devices",
+            f"{c.choice.count} wanted, free: "
+            + ", ".join(
+                f"{g.labels.get('model', '?')}={max(0, n.free(g))}"
+                for g in n.groups
+                if g.accel_class == c.choice.accel_class
+            ),
+        )
     return None
 
 
@@ -166,13 +178,22 @@ def _device_ok(n: NodeView, g: Group, contract: CompatibilityContract) -> bool:
     if ok is None:
         t = contract.template
         ok = g.labels.get("backend", t.backend) == t.backend and any(
-            label_mismatch(m, g.attributes) is None for m in t.devices)
+            label_mismatch(m, g.attributes) is None for m in t.devices
+        )
         n.device_memo[key] = ok
     return ok
 
 
-FILTERS: tuple[Filter, ...] = (node_stale, node_draining, host_not_ready, class_missing, labels_mismatch,
-                               selector_mismatch, contract, insufficient_devices)
+FILTERS: tuple[Filter, ...] = (
+    node_stale,
+    node_draining,
+    host_not_ready,
+    class_missing,
+    labels_mismatch,
+    selector_mismatch,
+    contract,
+    insufficient_devices,
+)
 
 
 def score(n: NodeView, g: Group, count: int) -> tuple[float, ...]:
@@ -214,7 +235,8 @@ def _group_ok(g: Group, c: Context) -> bool:
         return False
     t = c.contract.template
     return g.labels.get("backend", t.backend) == t.backend and any(
-        label_mismatch(m, g.attributes) is None for m in t.devices)
+        label_mismatch(m, g.attributes) is None for m in t.devices
+    )
 
 
 def _node_contract_ok(n: NodeView, c: Context) -> bool:
@@ -263,8 +285,13 @@ class Decision:
     outcomes: list[ChoiceOutcome]
 
 
-def decide(nodes: Sequence[NodeView], choices: Sequence[tuple[AcceleratorChoice, CompatibilityContract,
-           Selector | None]], now: float, staleness_s: float, vcpus: int = 1) -> Decision:
+def decide(
+    nodes: Sequence[NodeView],
+    choices: Sequence[tuple[AcceleratorChoice, CompatibilityContract, Selector | None]],
+    now: float,
+    staleness_s: float,
+    vcpus: int = 1,
+) -> Decision:
     """Ordered alternatives: the first choice that fits anywhere wins, its candidates best first."""
     outcomes = []
     for choice, contract_, selector in choices:
@@ -285,12 +312,19 @@ def rejection(decision: Decision, total: int) -> CubeError:
     """One error for the user: counts per reason for every choice tried, plus per-node detail."""
     tried: list[dict[str, Any]] = []
     for out in decision.outcomes:
-        tried.append({
-            "accelerator": out.choice.to_json(),
-            "summary": summarize(out, total),
-            "reasons": dict(Counter(r.label for r in out.reasons.values())),
-            "nodes": {name: {"reason": r.label, "detail": r.detail} for name, r in sorted(out.reasons.items())},
-        })
+        tried.append(
+            {
+                "accelerator": out.choice.to_json(),
+                "summary": summarize(out, total),
+                "reasons": dict(Counter(r.label for r in out.reasons.values())),
+                "nodes": {name: {"reason": r.label, "detail": r.detail} for name, r in sorted(out.reasons.items())},
+            }
+        )
     head = "; ".join(f"{t['accelerator'].get('model') or t['accelerator']['class']}: {t['summary']}" for t in tried)
-    return CubeError("schedule.unschedulable", f"no node can host this sandbox — {head}", "scheduler",
-                     {"nodes_total": total, "tried": tried}, 409)
+    return CubeError(
+        "schedule.unschedulable",
+        f"no node can host this sandbox — {head}",
+        "scheduler",
+        {"nodes_total": total, "tried": tried},
+        409,
+    )

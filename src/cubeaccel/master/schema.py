@@ -24,13 +24,15 @@ import sqlalchemy as sa
 metadata = sa.MetaData()
 
 meta = sa.Table(
-    "meta", metadata,
+    "meta",
+    metadata,
     sa.Column("key", sa.String(64), primary_key=True),
     sa.Column("value", sa.String(200), nullable=False),
 )
 
 nodes = sa.Table(
-    "nodes", metadata,
+    "nodes",
+    metadata,
     sa.Column("name", sa.String(128), primary_key=True),
     sa.Column("cubelet_url", sa.String(300), nullable=False),
     sa.Column("state", sa.String(16), nullable=False),  # ready | draining
@@ -42,7 +44,8 @@ nodes = sa.Table(
 )
 
 templates = sa.Table(
-    "templates", metadata,
+    "templates",
+    metadata,
     sa.Column("name", sa.String(200), primary_key=True),
     sa.Column("version", sa.String(200), primary_key=True),
     sa.Column("seq", sa.Integer, nullable=False),  # registration order: the latest version wins by name
@@ -53,13 +56,15 @@ templates = sa.Table(
 )
 
 defaults = sa.Table(
-    "template_defaults", metadata,
+    "template_defaults",
+    metadata,
     sa.Column("accel_class", sa.String(32), primary_key=True),
     sa.Column("template_name", sa.String(200), nullable=False),
 )
 
 sandboxes = sa.Table(
-    "sandboxes", metadata,
+    "sandboxes",
+    metadata,
     sa.Column("id", sa.String(63), primary_key=True),
     sa.Column("tenant", sa.String(128), nullable=False),
     sa.Column("idempotency_key", sa.String(200), nullable=True),

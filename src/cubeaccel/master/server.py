@@ -63,19 +63,27 @@ class DefaultBody(_Strict):
 
 def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
     if body.id is not None and SANDBOX_ID_RE.fullmatch(body.id) is None:
-        raise CubeError("sandbox.invalid_id", f"invalid sandbox id {body.id!r}: [A-Za-z0-9._-], 1-63 chars",
-                        "api", {}, 422)
+        raise CubeError(
+            "sandbox.invalid_id", f"invalid sandbox id {body.id!r}: [A-Za-z0-9._-], 1-63 chars", "api", {}, 422
+        )
     if body.gpu is not None and body.accelerators is not None:
-        raise CubeError("request.ambiguous_accelerators", "give either gpu (shorthand) or accelerators", "api",
-                        {}, 422)
+        raise CubeError("request.ambiguous_accelerators", "give either gpu (shorthand) or accelerators", "api", {}, 422)
     request: AcceleratorRequest | None = None
     if body.gpu is not None:
         request = parse_shorthand(body.gpu)
     elif body.accelerators is not None:
         request = parse_accelerators(body.accelerators)
     key = header_key or body.idempotency_key
-    return CreateSpec(body.id, body.tenant, key, body.template, request or AcceleratorRequest(()),
-                      body.memory_mib, body.vcpus, body.timeout_s)
+    return CreateSpec(
+        body.id,
+        body.tenant,
+        key,
+        body.template,
+        request or AcceleratorRequest(()),
+        body.memory_mib,
+        body.vcpus,
+        body.timeout_s,
+    )
 
 
 def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> FastAPI:
@@ -87,15 +95,20 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
 
     @app.get("/v1/health")
     def health() -> dict[str, Any]:
-        return {"status": "ok", "schema_version": master.store.schema_version, "db": master.store.dialect,
-                "errors": maintenance.last_errors if maintenance else []}
+        return {
+            "status": "ok",
+            "schema_version": master.store.schema_version,
+            "db": master.store.dialect,
+            "errors": maintenance.last_errors if maintenance else [],
+        }
 
     # ---- nodes ------------------------------------------------------------------------------------
     @app.put("/v1/nodes/{node}")
     def heartbeat(node: str, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
-            raise CubeError("node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}",
-                            "api", {}, 422)
+            raise CubeError(
+                "node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api", {}, 422
+            )
         state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)
         if returned:  # routine heartbeats reach the views within the cache's TTL; new nodes at once
             master.cache.invalidate()
@@ -105,8 +118,9 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
 
     def node_views() -> list[dict[str, Any]]:
         now = time.time()
-        return [v.summary_json(now, cfg.staleness_s) for v in sorted(master.cache.views(fresh=True),
-                                                                   key=lambda v: v.name)]
+        return [
+            v.summary_json(now, cfg.staleness_s) for v in sorted(master.cache.views(fresh=True), key=lambda v: v.name)
+        ]
 
     @app.get("/v1/nodes")
     def nodes() -> dict[str, Any]:
@@ -125,8 +139,9 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
             return reconcile_node(master, node)
         states = {"drain": "draining", "undrain": "ready"}
         if verb not in states:
-            raise CubeError("api.unknown_verb", f"unknown node verb {verb!r}; known: drain, undrain, reconcile",
-                            "api", {}, 404)
+            raise CubeError(
+                "api.unknown_verb", f"unknown node verb {verb!r}; known: drain, undrain, reconcile", "api", {}, 404
+            )
         master.store.set_node_state(node, states[verb])
         master.cache.invalidate()
         return {"node": node, "state": states[verb], "who": (body or OperatorBody()).who}
@@ -141,10 +156,14 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
                 name = f"{g['class']}/{g['labels'].get('model', '?')}"
                 by_model[name] += g["total"]
                 free_model[name] += g["allocatable"] if n["schedulable"] else 0
-        return {"nodes": len(ns), "schedulable_nodes": sum(n["schedulable"] for n in ns),
-                "by_state": dict(Counter(n["state"] for n in ns)), "total": sum(by_model.values()),
-                "allocatable": sum(free_model.values()),
-                "models": {k: {"total": by_model[k], "allocatable": free_model[k]} for k in sorted(by_model)}}
+        return {
+            "nodes": len(ns),
+            "schedulable_nodes": sum(n["schedulable"] for n in ns),
+            "by_state": dict(Counter(n["state"] for n in ns)),
+            "total": sum(by_model.values()),
+            "allocatable": sum(free_model.values()),
+            "models": {k: {"total": by_model[k], "allocatable": free_model[k]} for k in sorted(by_model)},
+        }
 
     # ---- templates --------------------------------------------------------------------------------
     @app.post("/v1/templates", status_code=201)
@@ -174,12 +193,20 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         spec = create_spec(body, request.headers.get("idempotency-key"))
         if not spec.request.choices:
             if spec.template is None:
-                raise CubeError("request.no_accelerator", "give gpu (e.g. 'H100:1'), accelerators or a template",
-                                "api", {}, 422)
+                raise CubeError(
+                    "request.no_accelerator", "give gpu (e.g. 'H100:1'), accelerators or a template", "api", {}, 422
+                )
             cls = master.registry.contract(spec.template).accel_class
-            spec = CreateSpec(spec.sandbox_id, spec.tenant, spec.idempotency_key, spec.template,
-                              AcceleratorRequest((AcceleratorChoice(cls, 1),)), spec.memory_mib, spec.vcpus,
-                              spec.timeout_s)
+            spec = CreateSpec(
+                spec.sandbox_id,
+                spec.tenant,
+                spec.idempotency_key,
+                spec.template,
+                AcceleratorRequest((AcceleratorChoice(cls, 1),)),
+                spec.memory_mib,
+                spec.vcpus,
+                spec.timeout_s,
+            )
         row, created = master.create(spec)
         if not created:
             response.status_code = 200
@@ -188,8 +215,9 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     @app.get("/v1/sandboxes")
     def sandboxes(state: str | None = None, node: str | None = None) -> dict[str, Any]:
         if state is not None and state not in SANDBOX_STATES:
-            raise CubeError("api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api",
-                            {}, 422)
+            raise CubeError(
+                "api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api", {}, 422
+            )
         rows = master.store.sandboxes(states=(state,) if state else None, node=node)
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 
@@ -205,8 +233,9 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     def sandbox_status(node: str, sandbox_id: str, body: StatusBody) -> dict[str, Any]:
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
         if (body.phase == "failed") != (body.error is not None):
-            raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not",
-                            "api", {}, 422)
+            raise CubeError(
+                "api.invalid_request", "a failed status carries an error; a running one does not", "api", {}, 422
+            )
         error = {} if body.error is None else body.error.model_dump()
         return {"state": master.node_status(node, sandbox_id, body.phase, error)}
 

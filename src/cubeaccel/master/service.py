@@ -31,8 +31,13 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
 START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
-RETRYABLE = ("reserve.insufficient_devices", "compat.", "prepare.revalidation_failed", "reserve.pinned_memory",
-             "host.not_ready")
+RETRYABLE = (
+    "reserve.insufficient_devices",
+    "compat.",
+    "prepare.revalidation_failed",
+    "reserve.pinned_memory",
+    "host.not_ready",
+)
 
 
 @dataclass(frozen=True)
@@ -92,9 +97,13 @@ class CubeMaster:
         for ch in spec.request.choices:
             c = explicit or self.registry.default_for(ch.accel_class)
             if c.accel_class != ch.accel_class:
-                raise CubeError("request.class_mismatch", f"template {c.template_name} is for class "
-                                f"{c.accel_class}, the request asks for {ch.accel_class}", "api",
-                                {"template_class": c.accel_class, "requested": ch.accel_class}, 422)
+                raise CubeError(
+                    "request.class_mismatch",
+                    f"template {c.template_name} is for class {c.accel_class}, the request asks for {ch.accel_class}",
+                    "api",
+                    {"template_class": c.accel_class, "requested": ch.accel_class},
+                    422,
+                )
             out.append((ch, c, compile_selector(ch.selector) if ch.selector else None))
         return out
 
@@ -103,17 +112,36 @@ class CubeMaster:
         resolved = self.resolve(spec)
         now = time.time()
         sid = spec.sandbox_id or f"sb-{uuid.uuid4().hex[:16]}"
-        normalized = {"template": spec.template, "accelerators": [spec.request.to_json()],
-                      "memory_mib": spec.memory_mib, "vcpus": spec.vcpus, "timeout_s": spec.timeout_s}
-        row = {"id": sid, "tenant": spec.tenant, "idempotency_key": spec.idempotency_key, "request": normalized,
-               "state": "scheduling", "count": spec.request.primary.count, "device_ids": [],
-               "timeline": [{"at": now, "phase": "requested"}], "created_at": now, "updated_at": now,
-               "expires_at": None if spec.timeout_s is None else now + spec.timeout_s}
+        normalized = {
+            "template": spec.template,
+            "accelerators": [spec.request.to_json()],
+            "memory_mib": spec.memory_mib,
+            "vcpus": spec.vcpus,
+            "timeout_s": spec.timeout_s,
+        }
+        row = {
+            "id": sid,
+            "tenant": spec.tenant,
+            "idempotency_key": spec.idempotency_key,
+            "request": normalized,
+            "state": "scheduling",
+            "count": spec.request.primary.count,
+            "device_ids": [],
+            "timeline": [{"at": now, "phase": "requested"}],
+            "created_at": now,
+            "updated_at": now,
+            "expires_at": None if spec.timeout_s is None else now + spec.timeout_s,
+        }
         existing = self.store.insert_sandbox(row)
         if existing is not None:
             if existing["request"] != normalized or existing["tenant"] != spec.tenant:
-                raise CubeError("sandbox.conflict", f"sandbox {existing['id']} exists with another request",
-                                "api", {"existing": existing["request"]}, 409)
+                raise CubeError(
+                    "sandbox.conflict",
+                    f"sandbox {existing['id']} exists with another request",
+                    "api",
+                    {"existing": existing["request"]},
+                    409,
+                )
             return existing, False
         try:
             return self._place(sid, spec, resolved), True
@@ -148,38 +176,75 @@ class CubeMaster:
                 tried.add((cand.node.name, cand.group.key))
                 t = decision.contract.template
                 pinned = cand.node.locked_mib(t.memory_mib, spec.vcpus, t.pin_memory)
-                if not self.store.claim(sid, cand.node.name, cand.group.key, decision.choice.count, time.time(),
-                                        self.config.staleness_s, pinned):
+                if not self.store.claim(
+                    sid,
+                    cand.node.name,
+                    cand.group.key,
+                    decision.choice.count,
+                    time.time(),
+                    self.config.staleness_s,
+                    pinned,
+                ):
                     lost += 1
                     continue  # another placement got there first; not a Cubelet attempt
                 self.cache.note_claim(cand.node.name, cand.group.key, decision.choice.count, pinned)
-                self.store.update_sandbox(sid, "scheduled", detail={"node": cand.node.name,
-                                          "decision_ms": round(decided_ms, 3), **cand.to_json()})
+                self.store.update_sandbox(
+                    sid,
+                    "scheduled",
+                    detail={"node": cand.node.name, "decision_ms": round(decided_ms, 3), **cand.to_json()},
+                )
                 placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts)
                 if placed is not None:
                     return placed
             if len(attempts) >= self.config.max_attempts:
                 break
-        raise CubeError("schedule.placement_failed", f"{len(attempts)} node(s) refused the reservation and "
-                        f"{lost} candidate(s) were taken by concurrent placements; retry", "scheduler",
-                        {"attempts": attempts, "claims_lost": lost}, 409)
+        raise CubeError(
+            "schedule.placement_failed",
+            f"{len(attempts)} node(s) refused the reservation and "
+            f"{lost} candidate(s) were taken by concurrent placements; retry",
+            "scheduler",
+            {"attempts": attempts, "claims_lost": lost},
+            409,
+        )
 
-    def _reserve(self, sid: str, spec: CreateSpec, cand: Candidate, choice: AcceleratorChoice,
-                 contract: CompatibilityContract, attempts: list[dict[str, Any]]) -> Row | None:
-        body: dict[str, Any] = {"count": choice.count, "class": choice.accel_class, "labels": dict(cand.group.labels),
-                "template": contract.template_name, "contract": contract.to_json(),
-                "memory_mib": spec.memory_mib or contract.memory_mib, "vcpus": spec.vcpus, "start": True}
+    def _reserve(
+        self,
+        sid: str,
+        spec: CreateSpec,
+        cand: Candidate,
+        choice: AcceleratorChoice,
+        contract: CompatibilityContract,
+        attempts: list[dict[str, Any]],
+    ) -> Row | None:
+        body: dict[str, Any] = {
+            "count": choice.count,
+            "class": choice.accel_class,
+            "labels": dict(cand.group.labels),
+            "template": contract.template_name,
+            "contract": contract.to_json(),
+            "memory_mib": spec.memory_mib or contract.memory_mib,
+            "vcpus": spec.vcpus,
+            "start": True,
+        }
         try:
             reply = self.client(cand.node.cubelet_url).reserve(sid, **body)
         except (CubeError, httpx.HTTPError) as e:
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
             attempts.append({"node": cand.node.name, "code": code, "message": str(e)[:300]})
-            self.store.update_sandbox(sid, "reserve_refused", expect=("placing",), detail=attempts[-1],
-                                      state="scheduling", node=None, group_key=None)
+            self.store.update_sandbox(
+                sid,
+                "reserve_refused",
+                expect=("placing",),
+                detail=attempts[-1],
+                state="scheduling",
+                node=None,
+                group_key=None,
+            )
             self.cache.invalidate()
             if isinstance(e, CubeError) and not code.startswith(RETRYABLE) and e.status < 500:
-                raise CubeError(code, f"{cand.node.name}: {e.message}", e.layer, {**e.details, "node":
-                                cand.node.name}, e.status) from e
+                raise CubeError(
+                    code, f"{cand.node.name}: {e.message}", e.layer, {**e.details, "node": cand.node.name}, e.status
+                ) from e
             return None
         res = reply.get("reservation") or {}
         failure = reply.get("failure")
@@ -188,12 +253,20 @@ class CubeMaster:
         state = "failed" if failure or not res else "running" if res.get("phase") == "running" else "starting"
         error = {"error": failure or START_FAILED} if state == "failed" else {}
         self.store.update_sandbox(
-            sid, "reserved", expect=("placing",),
+            sid,
+            "reserved",
+            expect=("placing",),
             detail={"node": cand.node.name, "cubelet_timeline": reply.get("timeline", [])[-20:]},
-            state=state, device_ids=list(res.get("device_ids", [])), accel_class=choice.accel_class,
+            state=state,
+            device_ids=list(res.get("device_ids", [])),
+            accel_class=choice.accel_class,
             count=choice.count,
-            template_name=contract.template_name, template_version=contract.template_version,
-            contract=contract.to_json(), cubelet_created_at=res.get("created_at"), **error)
+            template_name=contract.template_name,
+            template_version=contract.template_version,
+            contract=contract.to_json(),
+            cubelet_created_at=res.get("created_at"),
+            **error,
+        )
         row = self.store.sandbox(sid)
         assert row is not None
         return row
@@ -205,12 +278,21 @@ class CubeMaster:
             if not self.placement_abandoned(row, time.time()):
                 raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api", {}, 409)
             # The create that owned it died: whatever it may have reserved is released on the Cubelet.
-            self.store.update_sandbox(sandbox_id, "delete_requested", expect=(row["state"],), state="deleting",
-                                      detail={"abandoned_in": row["state"]})
+            self.store.update_sandbox(
+                sandbox_id,
+                "delete_requested",
+                expect=(row["state"],),
+                state="deleting",
+                detail={"abandoned_in": row["state"]},
+            )
             row = self.get(sandbox_id)
         if row["state"] in ("starting", "running", "deleting"):
-            self.store.update_sandbox(sandbox_id, None if row["state"] == "deleting" else "delete_requested",
-                                      expect=("starting", "running", "deleting"), state="deleting")
+            self.store.update_sandbox(
+                sandbox_id,
+                None if row["state"] == "deleting" else "delete_requested",
+                expect=("starting", "running", "deleting"),
+                state="deleting",
+            )
             self.release(self.get(sandbox_id))
         elif row["state"] in ("lost", "failed"):
             self.store.update_sandbox(sandbox_id, "deleted", state="deleted")
@@ -221,19 +303,30 @@ class CubeMaster:
         (at start or later) → `failed` with the Cubelet's code and layer. Only that sandbox's own node counts."""
         row = self.get(sandbox_id)
         if row["node"] != node:
-            raise CubeError("sandbox.not_on_node", f"sandbox {sandbox_id} is not placed on node {node}", "api",
-                            {"node": row["node"]}, 409)
+            raise CubeError(
+                "sandbox.not_on_node",
+                f"sandbox {sandbox_id} is not placed on node {node}",
+                "api",
+                {"node": row["node"]},
+                409,
+            )
         if phase == "running":
             self.store.update_sandbox(sandbox_id, "ready", expect=("starting",), state="running")
         else:
-            self.store.update_sandbox(sandbox_id, "failed", expect=("placing", "starting", "running"),
-                                      state="failed", error={**error, "node": node})
+            self.store.update_sandbox(
+                sandbox_id,
+                "failed",
+                expect=("placing", "starting", "running"),
+                state="failed",
+                error={**error, "node": node},
+            )
             self.cache.invalidate()
         return str(self.get(sandbox_id)["state"])
 
     def placement_abandoned(self, row: Row, now: float) -> bool:
-        return row["state"] in ("scheduling", "placing") and now - float(row["updated_at"]) > \
-            self.config.placement_stale_s
+        return (
+            row["state"] in ("scheduling", "placing") and now - float(row["updated_at"]) > self.config.placement_stale_s
+        )
 
     def release(self, row: Row) -> None:
         """Ask the node's Cubelet to run its release path; `deleted` only once it says the devices are back."""
@@ -243,8 +336,9 @@ class CubeMaster:
         except CubeError as e:
             reply = {"released": e.code == "reservation.not_found"}
         except httpx.HTTPError as e:
-            self.store.update_sandbox(row["id"], None, expect=("deleting",), error={"code": "cubelet.unreachable",
-                                      "message": str(e)[:300]})
+            self.store.update_sandbox(
+                row["id"], None, expect=("deleting",), error={"code": "cubelet.unreachable", "message": str(e)[:300]}
+            )
             return
         if reply.get("released"):
             self.store.update_sandbox(row["id"], "deleted", expect=("deleting",), state="deleted")
@@ -270,10 +364,25 @@ def _with_attempts(e: CubeError, attempts: list[dict[str, Any]]) -> CubeError:
 
 
 def sandbox_json(row: Row) -> dict[str, Any]:
-    return {"id": row["id"], "tenant": row["tenant"], "state": row["state"], "node": row["node"],
-            "class": row["accel_class"], "count": row["count"], "device_ids": row["device_ids"],
-            "template": None if row["template_name"] is None else
-            {"name": row["template_name"], "version": row["template_version"],
-             "digest": (row["contract"] or {}).get("template", {}).get("digest")},
-            "request": row["request"], "error": row["error"], "timeline": row["timeline"],
-            "expires_at": row["expires_at"], "created_at": row["created_at"], "updated_at": row["updated_at"]}
+    return {
+        "id": row["id"],
+        "tenant": row["tenant"],
+        "state": row["state"],
+        "node": row["node"],
+        "class": row["accel_class"],
+        "count": row["count"],
+        "device_ids": row["device_ids"],
+        "template": None
+        if row["template_name"] is None
+        else {
+            "name": row["template_name"],
+            "version": row["template_version"],
+            "digest": (row["contract"] or {}).get("template", {}).get("digest"),
+        },
+        "request": row["request"],
+        "error": row["error"],
+        "timeline": row["timeline"],
+        "expires_at": row["expires_at"],
+        "created_at": row["created_at"],
+        "updated_at": row["updated_at"],
+    }

@@ -30,8 +30,9 @@ def engine_for(url: str) -> sa.Engine:
     if not url.startswith("sqlite"):
         Path(url).parent.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{url}"
-    engine = sa.create_engine(url, connect_args={"check_same_thread": False, "timeout": 30},
-                              pool_size=10, max_overflow=20)
+    engine = sa.create_engine(
+        url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=10, max_overflow=20
+    )
 
     @sa.event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _: Any) -> None:
@@ -72,18 +73,31 @@ class MasterStore:
         view = view_from_heartbeat(body, now)  # validates the shape before anything is written
         name = view.name
         with self.tx() as c:
-            row = c.execute(sa.select(S.nodes.c.state, S.nodes.c.received_at, S.nodes.c.cubelet_url)
-                            .where(S.nodes.c.name == name).with_for_update()).first()
-            values = {"cubelet_url": view.cubelet_url, "heartbeat": {**body, "cubelet_url": view.cubelet_url},
-                      "received_at": now, "sent_at": view.sent_at}
+            row = c.execute(
+                sa.select(S.nodes.c.state, S.nodes.c.received_at, S.nodes.c.cubelet_url)
+                .where(S.nodes.c.name == name)
+                .with_for_update()
+            ).first()
+            values = {
+                "cubelet_url": view.cubelet_url,
+                "heartbeat": {**body, "cubelet_url": view.cubelet_url},
+                "received_at": now,
+                "sent_at": view.sent_at,
+            }
             if row is None:
                 c.execute(S.nodes.insert().values(name=name, state="ready", registered_at=now, **values))
                 return "ready", True
             stale = now - float(row.received_at) > staleness_s
             if row.cubelet_url != view.cubelet_url and not stale:
-                raise CubeError("node.url_conflict", f"node {name} is live at {row.cubelet_url}; a heartbeat "
-                                f"naming {view.cubelet_url} is refused until it has been stale for "
-                                f"{staleness_s:g}s", "api", {"cubelet_url": row.cubelet_url}, 409)
+                raise CubeError(
+                    "node.url_conflict",
+                    f"node {name} is live at {row.cubelet_url}; a heartbeat "
+                    f"naming {view.cubelet_url} is refused until it has been stale for "
+                    f"{staleness_s:g}s",
+                    "api",
+                    {"cubelet_url": row.cubelet_url},
+                    409,
+                )
             c.execute(S.nodes.update().where(S.nodes.c.name == name).values(**values))
             return str(row.state), stale
 
@@ -126,8 +140,16 @@ class MasterStore:
             v.memory_claims_mib = memory.get(v.name, 0)
         return views
 
-    def claim(self, sandbox_id: str, node: str, group_key: str, count: int, now: float,
-              staleness_s: float, pinned_mib: int = 0) -> bool:
+    def claim(
+        self,
+        sandbox_id: str,
+        node: str,
+        group_key: str,
+        count: int,
+        now: float,
+        staleness_s: float,
+        pinned_mib: int = 0,
+    ) -> bool:
         """Admit a placement on `node` under its row lock, or say no (the caller tries the next node).
         Devices and pinned memory are both re-checked against the summary minus the claims it cannot show."""
         with self.tx() as c:
@@ -141,28 +163,46 @@ class MasterStore:
                 return False
             if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
                 return False
-            res = c.execute(S.sandboxes.update()
-                            .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state == "scheduling")
-                            .values(node=node, group_key=group_key, count=count, pinned_mib=pinned_mib,
-                                    state="placing", updated_at=now))
+            res = c.execute(
+                S.sandboxes.update()
+                .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state == "scheduling")
+                .values(
+                    node=node, group_key=group_key, count=count, pinned_mib=pinned_mib, state="placing", updated_at=now
+                )
+            )
             return res.rowcount == 1
 
     # ---- templates --------------------------------------------------------------------------------
-    def put_template(self, name: str, version: str, accel_class: str, digest: str, document: dict[str, Any],
-                     now: float) -> bool:
+    def put_template(
+        self, name: str, version: str, accel_class: str, digest: str, document: dict[str, Any], now: float
+    ) -> bool:
         """Register a version; the same version again must be the same document (else 409)."""
         with self.tx() as c:
-            old = c.execute(sa.select(S.templates.c.digest).where(
-                S.templates.c.name == name, S.templates.c.version == version)).first()
+            old = c.execute(
+                sa.select(S.templates.c.digest).where(S.templates.c.name == name, S.templates.c.version == version)
+            ).first()
             if old is not None:
                 if old.digest != digest:
-                    raise CubeError("template.version_exists", f"template {name} version {version} exists with "
-                                    "another document; register a new version", "template",
-                                    {"digest": old.digest}, 409)
+                    raise CubeError(
+                        "template.version_exists",
+                        f"template {name} version {version} exists with another document; register a new version",
+                        "template",
+                        {"digest": old.digest},
+                        409,
+                    )
                 return False
             seq = c.execute(sa.select(sa.func.coalesce(sa.func.max(S.templates.c.seq), 0))).scalar_one() + 1
-            c.execute(S.templates.insert().values(name=name, version=version, seq=seq, accel_class=accel_class,
-                                                  digest=digest, document=document, created_at=now))
+            c.execute(
+                S.templates.insert().values(
+                    name=name,
+                    version=version,
+                    seq=seq,
+                    accel_class=accel_class,
+                    digest=digest,
+                    document=document,
+                    created_at=now,
+                )
+            )
             return True
 
     def template(self, name: str, version: str | None = None) -> Row | None:
@@ -206,9 +246,12 @@ class MasterStore:
             existing = self.sandbox(row["id"])
             if existing is None and row.get("idempotency_key"):
                 with self.tx() as c:
-                    r = c.execute(sa.select(S.sandboxes).where(
-                        S.sandboxes.c.tenant == row["tenant"],
-                        S.sandboxes.c.idempotency_key == row["idempotency_key"])).first()
+                    r = c.execute(
+                        sa.select(S.sandboxes).where(
+                            S.sandboxes.c.tenant == row["tenant"],
+                            S.sandboxes.c.idempotency_key == row["idempotency_key"],
+                        )
+                    ).first()
                 existing = None if r is None else dict(r._mapping)
             if existing is None:
                 raise
@@ -219,8 +262,7 @@ class MasterStore:
             r = c.execute(sa.select(S.sandboxes).where(S.sandboxes.c.id == sandbox_id)).first()
         return None if r is None else dict(r._mapping)
 
-    def sandboxes(self, states: tuple[str, ...] | None = None, node: str | None = None,
-                  limit: int = 1000) -> list[Row]:
+    def sandboxes(self, states: tuple[str, ...] | None = None, node: str | None = None, limit: int = 1000) -> list[Row]:
         q = sa.select(S.sandboxes).order_by(S.sandboxes.c.created_at).limit(limit)
         if states:
             q = q.where(S.sandboxes.c.state.in_(states))
@@ -229,8 +271,14 @@ class MasterStore:
         with self.tx() as c:
             return [dict(r._mapping) for r in c.execute(q)]
 
-    def update_sandbox(self, sandbox_id: str, phase: str | None = None, expect: tuple[str, ...] | None = None,
-                       detail: Mapping[str, Any] | None = None, **values: Any) -> bool:
+    def update_sandbox(
+        self,
+        sandbox_id: str,
+        phase: str | None = None,
+        expect: tuple[str, ...] | None = None,
+        detail: Mapping[str, Any] | None = None,
+        **values: Any,
+    ) -> bool:
         """Set columns (and append a timeline entry) if the sandbox is in one of `expect` states."""
         now = time.time()
         with self.tx() as c:
@@ -251,15 +299,23 @@ class MasterStore:
 def _unseen() -> sa.ColumnElement[bool]:
     """Placements the node's last summary (sent at `sent_at`) cannot show yet."""
     s, n = S.sandboxes, S.nodes
-    return sa.or_(s.c.state == "placing", sa.and_(
-        s.c.state.in_(("starting", "running", "deleting")),
-        sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at)))
+    return sa.or_(
+        s.c.state == "placing",
+        sa.and_(
+            s.c.state.in_(("starting", "running", "deleting")),
+            sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at),
+        ),
+    )
 
 
 def _memory_claims(c: sa.Connection, node: str | None) -> dict[str, int]:
     s, n = S.sandboxes, S.nodes
-    q = (sa.select(s.c.node, sa.func.sum(s.c.pinned_mib)).select_from(s.join(n, s.c.node == n.c.name))
-         .where(_unseen(), s.c.pinned_mib > 0).group_by(s.c.node))
+    q = (
+        sa.select(s.c.node, sa.func.sum(s.c.pinned_mib))
+        .select_from(s.join(n, s.c.node == n.c.name))
+        .where(_unseen(), s.c.pinned_mib > 0)
+        .group_by(s.c.node)
+    )
     if node is not None:
         q = q.where(s.c.node == node)
     return {name: int(total) for name, total in c.execute(q)}
@@ -269,8 +325,12 @@ def _claims(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
     """Devices placed or being placed that the node's last summary (sent at `sent_at`) cannot show."""
     s, n = S.sandboxes, S.nodes
     unseen = _unseen()
-    q = (sa.select(s.c.node, s.c.group_key, sa.func.sum(s.c.count))
-         .select_from(s.join(n, s.c.node == n.c.name)).where(unseen).group_by(s.c.node, s.c.group_key))
+    q = (
+        sa.select(s.c.node, s.c.group_key, sa.func.sum(s.c.count))
+        .select_from(s.join(n, s.c.node == n.c.name))
+        .where(unseen)
+        .group_by(s.c.node, s.c.group_key)
+    )
     if node is not None:
         q = q.where(s.c.node == node)
     out: dict[str, dict[str, int]] = {}

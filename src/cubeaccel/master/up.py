@@ -42,8 +42,9 @@ def choose_backend(requested: str) -> tuple[str, str]:
     """(backend, why). `emulated` wherever QEMU runs MicroVMs — under TCG too: a sandbox cycle from a
     template snapshot takes ~2 s here (docs/decisions.md) — and the guest image builds; else `simulated`."""
     if requested not in ("auto", "simulated", "emulated"):
-        raise CubeError("up.unknown_backend", f"--backend must be auto, simulated or emulated, not {requested!r}",
-                        "api", {}, 422)
+        raise CubeError(
+            "up.unknown_backend", f"--backend must be auto, simulated or emulated, not {requested!r}", "api", {}, 422
+        )
     if requested == "simulated":
         return requested, "asked for with --backend"
     qemu = os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
@@ -61,8 +62,10 @@ def choose_backend(requested: str) -> tuple[str, str]:
             raise
         return "simulated", f"the guest image could not be built ({e.code}: {e.message})"
     accel, why = detect_accel()
-    return "emulated", (f"real QEMU MicroVMs with the emulated edu PCI device, accel {accel} ({why}); "
-                        f"guest kernel {image.kernel_release}, image {'built now' if fresh else 'cached'}")
+    return "emulated", (
+        f"real QEMU MicroVMs with the emulated edu PCI device, accel {accel} ({why}); "
+        f"guest kernel {image.kernel_release}, image {'built now' if fresh else 'cached'}"
+    )
 
 
 def _cubelet_takes_pinnable() -> bool:
@@ -123,10 +126,35 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
     mport, cport = free_port(), free_port()
     murl = f"http://127.0.0.1:{mport}"
     py = [sys.executable, "-m", "cubeaccel"]
-    master = _spawn([sys.executable, "-m", "cubeaccel.master", "serve", "--db", str(state_dir / "master.db"),
-                     "--listen", f"127.0.0.1:{mport}"], state_dir / "master.log", detach)
-    cub_argv = [*py, "cubelet", "serve", "--backend", chosen, "--state-dir", str(state_dir / "cubelet"),
-                "--listen", f"127.0.0.1:{cport}", "--master", murl, "--node", "local"]
+    master = _spawn(
+        [
+            sys.executable,
+            "-m",
+            "cubeaccel.master",
+            "serve",
+            "--db",
+            str(state_dir / "master.db"),
+            "--listen",
+            f"127.0.0.1:{mport}",
+        ],
+        state_dir / "master.log",
+        detach,
+    )
+    cub_argv = [
+        *py,
+        "cubelet",
+        "serve",
+        "--backend",
+        chosen,
+        "--state-dir",
+        str(state_dir / "cubelet"),
+        "--listen",
+        f"127.0.0.1:{cport}",
+        "--master",
+        murl,
+        "--node",
+        "local",
+    ]
     if chosen == "simulated":
         cub_argv += ["--profile", profile]
         if _cubelet_takes_pinnable():
@@ -145,21 +173,33 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
     except BaseException:
         _stop([p.pid for p in procs])
         raise
-    info = {"master_url": murl, "cubelet_url": f"http://127.0.0.1:{cport}", "backend": chosen, "why": why,
-            "pids": [p.pid for p in procs], "state_dir": str(state_dir)}
+    info = {
+        "master_url": murl,
+        "cubelet_url": f"http://127.0.0.1:{cport}",
+        "backend": chosen,
+        "why": why,
+        "pids": [p.pid for p in procs],
+        "state_dir": str(state_dir),
+    }
     (state_dir / "up.json").write_text(json.dumps(info, indent=2))
     node = client.nodes()[0]
     print(f"backend: {chosen} — {why}")
-    print(f"CubeMaster {murl} (SQLite {state_dir / 'master.db'}); node {node['node']}: "
-          f"{node['allocatable']}/{node['total']} devices free")
+    print(
+        f"CubeMaster {murl} (SQLite {state_dir / 'master.db'}); node {node['node']}: "
+        f"{node['allocatable']}/{node['total']} devices free"
+    )
     print("templates: " + (", ".join(registered) or f"none found in {EXAMPLES}"))
     for t in client.request("GET", "/v1/templates")["templates"]:
         need = client.request("GET", f"/v1/templates/{t['name']}")["document"]["spec"]["memory"]
         if t["default"] and need["pinned"] and need["size_mib"] > node["pinnable_memory_mib"]:
-            print(f"note: {t['name']} pins {need['size_mib']} MiB and this node can lock "
-                  f"{node['pinnable_memory_mib']} MiB: its sandboxes will be refused with pinned_memory")
-    print(f"try: CUBEACCEL_MASTER={murl} cubeaccel sandbox create --gpu "
-          f"{'H100:1' if chosen == 'simulated' else 'accelerator:1'}")
+            print(
+                f"note: {t['name']} pins {need['size_mib']} MiB and this node can lock "
+                f"{node['pinnable_memory_mib']} MiB: its sandboxes will be refused with pinned_memory"
+            )
+    print(
+        f"try: CUBEACCEL_MASTER={murl} cubeaccel sandbox create --gpu "
+        f"{'H100:1' if chosen == 'simulated' else 'accelerator:1'}"
+    )
     if detach:
         return 0
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})

@@ -68,29 +68,49 @@ class NodeView:
 
     def locked_mib(self, memory_mib: int, vcpus: int, pin_memory: bool) -> int:
         """What a sandbox would take from this node's lockable memory, with the node's own VMM overhead."""
-        return sandbox_locked_mib(memory_mib, vcpus, pin_memory, _int(self.pinned.get("vmm_overhead_mib")),
-                                  _int(self.pinned.get("vmm_overhead_per_vcpu_mib")))
+        return sandbox_locked_mib(
+            memory_mib,
+            vcpus,
+            pin_memory,
+            _int(self.pinned.get("vmm_overhead_mib")),
+            _int(self.pinned.get("vmm_overhead_per_vcpu_mib")),
+        )
 
     def stale(self, now: float, staleness_s: float) -> bool:
         return now - self.received_at > staleness_s
 
     def summary_json(self, now: float, staleness_s: float) -> dict[str, Any]:
         return {
-            "node": self.name, "cubelet_url": self.cubelet_url, "version": self.version,
+            "node": self.name,
+            "cubelet_url": self.cubelet_url,
+            "version": self.version,
             "state": "stale" if self.stale(now, staleness_s) else self.state,
             "schedulable": self.state == "ready" and self.host_ready and not self.stale(now, staleness_s),
             "ready": self.host_ready,
             "host_problems": [{"code": c, "message": m} for c, m in self.host_problems],
-            "pinned_memory": {**self.pinned, "claimed_mib": self.memory_claims_mib,
-                              "free_after_claims_mib": self.free_pinnable_mib()},
+            "pinned_memory": {
+                **self.pinned,
+                "claimed_mib": self.memory_claims_mib,
+                "free_after_claims_mib": self.free_pinnable_mib(),
+            },
             "last_heartbeat_age_s": round(now - self.received_at, 3),
-            "backends": sorted(self.backends), "pinnable_memory_mib": self.pinnable_memory_mib,
-            "guest_images": [i.to_json() for i in self.guest_images], "hotplug": sorted(self.hotplug),
+            "backends": sorted(self.backends),
+            "pinnable_memory_mib": self.pinnable_memory_mib,
+            "guest_images": [i.to_json() for i in self.guest_images],
+            "hotplug": sorted(self.hotplug),
             "total": sum(g.total for g in self.groups),
             "allocatable": sum(max(0, self.free(g)) for g in self.groups),
-            "groups": [{"class": g.accel_class, "labels": dict(g.labels), "total": g.total,
-                        "allocatable": max(0, self.free(g)), "claimed": self.claims.get(g.key, 0),
-                        "allocatable_by_numa": dict(g.by_numa)} for g in self.groups],
+            "groups": [
+                {
+                    "class": g.accel_class,
+                    "labels": dict(g.labels),
+                    "total": g.total,
+                    "allocatable": max(0, self.free(g)),
+                    "claimed": self.claims.get(g.key, 0),
+                    "allocatable_by_numa": dict(g.by_numa),
+                }
+                for g in self.groups
+            ],
         }
 
 
@@ -137,10 +157,18 @@ def cubelet_url(raw: Any) -> str:
         port = u.port if u is not None else None
     except ValueError:
         u, port = None, None
-    if (u is None or u.scheme not in ("http", "https") or not u.hostname or port is None or u.username
-            or u.password or u.path not in ("", "/") or u.query or u.fragment):
-        raise CubeError("node.invalid_url", f"cubelet_url must be http(s)://HOST:PORT, got {raw!r}", "api",
-                        {}, 422)
+    if (
+        u is None
+        or u.scheme not in ("http", "https")
+        or not u.hostname
+        or port is None
+        or u.username
+        or u.password
+        or u.path not in ("", "/")
+        or u.query
+        or u.fragment
+    ):
+        raise CubeError("node.invalid_url", f"cubelet_url must be http(s)://HOST:PORT, got {raw!r}", "api", {}, 422)
     return f"{u.scheme}://{u.netloc}"
 
 
@@ -150,8 +178,15 @@ def _group(raw: Any) -> Group:
     cls, labels = str(raw["class"]), {str(k): str(v) for k, v in dict(raw["labels"]).items()}
     by_state = dict(raw.get("by_state", {}))
     numa = {str(k): _count(v, "allocatable_by_numa") for k, v in dict(raw.get("allocatable_by_numa", {})).items()}
-    return Group(group_key(cls, labels), cls, labels, _attributes(cls, labels), _count(raw["total"], "total"),
-                 _count(by_state.get("allocatable", 0), "by_state.allocatable"), numa)
+    return Group(
+        group_key(cls, labels),
+        cls,
+        labels,
+        _attributes(cls, labels),
+        _count(raw["total"], "total"),
+        _count(by_state.get("allocatable", 0), "by_state.allocatable"),
+        numa,
+    )
 
 
 def _host_fields(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -173,8 +208,12 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
     try:
         cap = body["capacity"]
         return NodeView(
-            name=str(body["node"]), cubelet_url=url, state=state, received_at=received_at,
-            sent_at=_number(body.get("sent_at", received_at), "sent_at"), version=str(body.get("version", "")),
+            name=str(body["node"]),
+            cubelet_url=url,
+            state=state,
+            received_at=received_at,
+            sent_at=_number(body.get("sent_at", received_at), "sent_at"),
+            version=str(body.get("version", "")),
             backends=frozenset(str(b) for b in cap.get("backends", [])),
             pinnable_memory_mib=_count(body.get("pinnable_memory_mib", 0), "pinnable_memory_mib"),
             guest_images=parse_guest_images(body.get("guest_images")),
@@ -183,5 +222,6 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
             **_host_fields(body),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise CubeError("node.invalid_heartbeat", f"malformed heartbeat: {type(e).__name__}: {e}", "api",
-                        {}, 422) from e
+        raise CubeError(
+            "node.invalid_heartbeat", f"malformed heartbeat: {type(e).__name__}: {e}", "api", {}, 422
+        ) from e

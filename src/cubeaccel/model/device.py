@@ -37,12 +37,7 @@ class PciAddress:
         return cls(int(m[1], 16), int(m[2], 16), int(m[3], 16), int(m[4], 16))
 
     def __post_init__(self) -> None:
-        ok = (
-            0 <= self.domain <= 0xFFFF
-            and 0 <= self.bus <= 0xFF
-            and 0 <= self.slot <= 0x1F
-            and 0 <= self.function <= 7
-        )
+        ok = 0 <= self.domain <= 0xFFFF and 0 <= self.bus <= 0xFF and 0 <= self.slot <= 0x1F and 0 <= self.function <= 7
         if not ok:
             raise invalid("device.invalid_address", f"PCI address out of range: {self!r}")
 

@@ -172,8 +172,13 @@ def _userspace(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[
             found = error[:200] or ("not loaded" if name in r.libraries else "not probed")
             yield V(L.USERSPACE_DRIVER, "compat.userspace_driver_library_missing", f"{name} loads", found)
         elif version is None:
-            yield V(L.USERSPACE_DRIVER, "compat.userspace_driver_version_unknown", f"{name} {ud.version}",
-                    f"{name} loaded, version not reported", "a pinned driver version must be proven, not assumed")
+            yield V(
+                L.USERSPACE_DRIVER,
+                "compat.userspace_driver_version_unknown",
+                f"{name} {ud.version}",
+                f"{name} loaded, version not reported",
+                "a pinned driver version must be proven, not assumed",
+            )
         elif version != ud.version:
             yield V(
                 L.USERSPACE_DRIVER,

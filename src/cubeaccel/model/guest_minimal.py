@@ -24,10 +24,14 @@ def _ids(entry: object) -> tuple[str, str, str] | None:
     return str(fields[0]), str(fields[1]).lower(), str(fields[2]).lower()
 
 
-def check_minimal(devices: Sequence[DeviceRecord], guest_addresses: Mapping[str, str],
-                  report: GuestReport) -> list[ContractViolation]:
-    seen = [ids for e in (report.pci_devices if isinstance(report.pci_devices, tuple | list) else ())
-            if (ids := _ids(e)) is not None]
+def check_minimal(
+    devices: Sequence[DeviceRecord], guest_addresses: Mapping[str, str], report: GuestReport
+) -> list[ContractViolation]:
+    seen = [
+        ids
+        for e in (report.pci_devices if isinstance(report.pci_devices, tuple | list) else ())
+        if (ids := _ids(e)) is not None
+    ]
     out = []
     for d in devices:
         want = (f"{d.identity.vendor_id:04x}", f"{d.identity.device_id:04x}")
@@ -36,6 +40,13 @@ def check_minimal(devices: Sequence[DeviceRecord], guest_addresses: Mapping[str,
         if not where or (address is not None and address not in where):
             expected = f"PCI device {want[0]}:{want[1]}" + (f" at {address}" if address else "")
             found = ", ".join(f"{v}:{i}@{a}" for a, v, i in seen) or "no PCI devices"
-            out.append(ContractViolation(Layer.HOST_HARDWARE, "compat.device_not_visible_in_guest", expected, found,
-                                         "the device the host hot-plugged is not where the guest should see it"))
+            out.append(
+                ContractViolation(
+                    Layer.HOST_HARDWARE,
+                    "compat.device_not_visible_in_guest",
+                    expected,
+                    found,
+                    "the device the host hot-plugged is not where the guest should see it",
+                )
+            )
     return out

@@ -85,8 +85,11 @@ def validate_count(count: object) -> int:
 
 def validate_class(accel_class: object) -> str:
     if not isinstance(accel_class, str) or accel_class not in CLASSES:
-        raise _bad("request.unknown_class", f"unknown accelerator class {accel_class!r}; known: {list(CLASSES)}",
-                   known=list(CLASSES))
+        raise _bad(
+            "request.unknown_class",
+            f"unknown accelerator class {accel_class!r}; known: {list(CLASSES)}",
+            known=list(CLASSES),
+        )
     return accel_class
 
 
@@ -96,8 +99,11 @@ def parse_shorthand(text: object) -> AcceleratorRequest:
         raise _bad("request.invalid_shorthand", f"shorthand must be a string like 'H100:2', got {text!r}")
     m = _SHORTHAND.fullmatch(text.strip())
     if m is None:
-        raise _bad("request.invalid_shorthand", f"invalid accelerator shorthand {text!r}: expected MODEL[:COUNT], "
-                   "e.g. 'H100:2' or 'gpu:1'", shorthand=text)
+        raise _bad(
+            "request.invalid_shorthand",
+            f"invalid accelerator shorthand {text!r}: expected MODEL[:COUNT], e.g. 'H100:2' or 'gpu:1'",
+            shorthand=text,
+        )
     count = validate_count(int(m["count"])) if m["count"] is not None else 1
     token = m["model"]
     if token.lower() in CLASSES:
@@ -117,8 +123,12 @@ def _choice(data: object, where: str) -> AcceleratorChoice:
     model = data.get("model")
     if model is not None and (not isinstance(model, str) or _SHORTHAND.fullmatch(model) is None or ":" in model):
         raise _bad("request.invalid_model", f"{where}.model must be a model name like 'H100', got {model!r}")
-    return AcceleratorChoice(validate_class(data.get("class", AcceleratorClass.GPU.value)),
-                             validate_count(data.get("count", 1)), selector, model)
+    return AcceleratorChoice(
+        validate_class(data.get("class", AcceleratorClass.GPU.value)),
+        validate_count(data.get("count", 1)),
+        selector,
+        model,
+    )
 
 
 def parse_accelerators(items: object) -> AcceleratorRequest:
@@ -130,8 +140,11 @@ def parse_accelerators(items: object) -> AcceleratorRequest:
     if not isinstance(items, list) or not items:
         raise _bad("request.invalid_accelerator", "accelerators must be a non-empty list")
     if len(items) > 1:
-        raise _bad("request.multiple_accelerator_kinds",
-                   "one accelerator entry per sandbox (use alternatives for fallbacks)", entries=len(items))
+        raise _bad(
+            "request.multiple_accelerator_kinds",
+            "one accelerator entry per sandbox (use alternatives for fallbacks)",
+            entries=len(items),
+        )
     first = items[0]
     primary = _choice(first, "accelerators[0]")
     alts = first.get("alternatives", []) if isinstance(first, Mapping) else []

@@ -81,8 +81,9 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t(E.STARTUP_FAILED, {S.RESERVED, S.PREPARING}, S.RELEASING, {C}, "cleanup must run"),
     _t(E.ATTACH_FAILED, {S.RESERVED, S.PREPARING}, S.RELEASING, {SH, C}, "cleanup must run"),
     _t(E.TEARDOWN, {S.ATTACHED}, S.RELEASING, {C}, "sandbox stop, guest validation failure, timeout"),
-    _t(E.RELEASE_CONFIRMED, {S.RELEASING}, S.RELEASED, {C},
-       "VMM exited, shim exited or final report, no holder, reset"),
+    _t(
+        E.RELEASE_CONFIRMED, {S.RELEASING}, S.RELEASED, {C}, "VMM exited, shim exited or final report, no holder, reset"
+    ),
     _t(E.REVALIDATED, {S.RELEASED}, S.ALLOCATABLE, {C}, "host state equals expected state"),
     _t(E.HEALTH_FAILED, ACTIVE_STATES, S.UNHEALTHY, {C}, "hard failure seen"),
     _t(E.QUARANTINE, UNCERTAIN_STATES, S.QUARANTINED, {C, OP}, "safety cannot be proven"),

@@ -26,8 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(Path(args.spec))
         if spec.sandbox_id != args.sandbox:
-            raise CubeError("shim.invalid_spec", f"--sandbox {args.sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
-                            layer="template", details={"field": "sandbox_id"}, status=422)
+            raise CubeError(
+                "shim.invalid_spec",
+                f"--sandbox {args.sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
+                layer="template",
+                details={"field": "sandbox_id"},
+                status=422,
+            )
     except CubeError as e:
         print(json.dumps(e.to_json()), file=sys.stderr)
         return 2

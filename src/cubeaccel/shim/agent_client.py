@@ -96,8 +96,9 @@ class AgentClient:
             self._sock.setblocking(False)
         return rid
 
-    def call(self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 10.0,
-             cancel_fd: int | None = None) -> dict[str, Any]:
+    def call(
+        self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 10.0, cancel_fd: int | None = None
+    ) -> dict[str, Any]:
         """One request, its reply's `result`; agent errors become CubeErrors with the agent's code and layer."""
         if self._sock is None:
             raise agent_error("agent.not_connected", "agent channel not connected")
@@ -118,11 +119,16 @@ class AgentClient:
             err = msg.get("error")
             if not isinstance(err, dict):
                 raise agent_error("agent.bad_reply", f"unreadable error reply to {method}", method=method)
-            raise agent_error(str(err.get("code", "agent.error"))[:100], str(err.get("message", ""))[:1000],
-                              layer=str(err.get("layer", "agent"))[:40], details=err.get("details"))
+            raise agent_error(
+                str(err.get("code", "agent.error"))[:100],
+                str(err.get("message", ""))[:1000],
+                layer=str(err.get("layer", "agent"))[:40],
+                details=err.get("details"),
+            )
 
-    def wait_hello(self, timeout_s: float, retry_s: float = 2.0,
-                   cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+    def wait_hello(
+        self, timeout_s: float, retry_s: float = 2.0, cancelled: Callable[[], bool] = lambda: False
+    ) -> dict[str, Any]:
         """Until the agent answers `hello` (it may still be booting; requests wait in the port until it reads)."""
         deadline = time.monotonic() + timeout_s
         while not cancelled():

@@ -82,8 +82,9 @@ class CloudHypervisorVmm:
         except httpx.HTTPError as e:
             raise vmm_error("vmm.api_failed", f"{endpoint}: {type(e).__name__}: {e}") from e
         if resp.status_code >= 400:
-            raise vmm_error("vmm.api_error", f"{endpoint}: HTTP {resp.status_code}: {resp.text[:300]}",
-                            status_code=resp.status_code)
+            raise vmm_error(
+                "vmm.api_error", f"{endpoint}: HTTP {resp.status_code}: {resp.text[:300]}", status_code=resp.status_code
+            )
         if not resp.content:
             return {}
         data = resp.json()
@@ -95,11 +96,24 @@ class CloudHypervisorVmm:
         self.api_socket.unlink(missing_ok=True)
         self.events_path.write_text("")
         env = {**os.environ, find.ENV_SANDBOX: self.cfg.sandbox_id, find.ENV_DEVICES: ";".join(self.cfg.device_ids)}
-        argv = [find.argv0_tag("cloud-hypervisor", self.cfg.sandbox_id), *self.binary[1:],
-                "--api-socket", f"path={self.api_socket}", "--event-monitor", f"path={self.events_path}"]
+        argv = [
+            find.argv0_tag("cloud-hypervisor", self.cfg.sandbox_id),
+            *self.binary[1:],
+            "--api-socket",
+            f"path={self.api_socket}",
+            "--event-monitor",
+            f"path={self.events_path}",
+        ]
         with (sd / "vmm.log").open("ab") as log:
-            self._proc = subprocess.Popen(argv, executable=self.binary[0], stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=log, env=env, start_new_session=True)
+            self._proc = subprocess.Popen(
+                argv,
+                executable=self.binary[0],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+            )
         self._client = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.api_socket)), timeout=10.0)
         deadline = time.monotonic() + 30.0
         while True:
@@ -117,8 +131,9 @@ class CloudHypervisorVmm:
 
     def add_device(self, qdev_id: str, driver: str, properties: dict[str, str], slot: int) -> Attached:
         if driver != "vfio-pci" or "host" not in properties:
-            raise vmm_error("vmm.unsupported_device",
-                            f"cloud-hypervisor passes through VFIO devices only, not {driver}")
+            raise vmm_error(
+                "vmm.unsupported_device", f"cloud-hypervisor passes through VFIO devices only, not {driver}"
+            )
         bdf = PciAddress.parse(properties["host"])  # validated before it becomes a sysfs path
         info = self._api("PUT", "vm.add-device", {"path": f"/sys/bus/pci/devices/{bdf}/", "id": qdev_id})
         att = Attached(str(info.get("id", qdev_id)), "pci", info.get("bdf"))
@@ -133,8 +148,11 @@ class CloudHypervisorVmm:
             events = parse_events(self.events_path.read_text())
         except OSError:
             return set()
-        return {str(e.get("properties", {}).get("id")) for e in events
-                if e.get("event") == "device-removed" and isinstance(e.get("properties"), dict)}
+        return {
+            str(e.get("properties", {}).get("id"))
+            for e in events
+            if e.get("event") == "device-removed" and isinstance(e.get("properties"), dict)
+        }
 
     def wait_removed(self, qdev_ids: set[str], timeout_s: float) -> set[str]:
         deadline = time.monotonic() + timeout_s
@@ -154,6 +172,7 @@ class CloudHypervisorVmm:
         if self._proc is None:
             raise vmm_error("vmm.not_started", "VMM not started")
         if self.poll_exit() is None:
+
             def ask() -> None:
                 self._api("PUT", "vm.shutdown")
                 self._api("PUT", "vmm.shutdown")

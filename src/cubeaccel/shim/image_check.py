@@ -42,10 +42,18 @@ def image_mismatches(contract: dict[str, Any] | None, manifest: Manifest) -> lis
     checks = [
         ("template", "compat.guest_image_mismatch", pinned("image", "digest"), {manifest.image_digest}),
         ("guest_kernel", "compat.guest_kernel_mismatch", pinned("kernel", "version"), {manifest.kernel_release}),
-        ("guest_kernel", "compat.guest_kernel_digest_mismatch", pinned("kernel", "digest"),
-         {manifest.vmlinux.sha256, manifest.vmlinuz_sha256}),
-        ("modules_img", "compat.modules_img_kernel_mismatch", pinned("modules_img", "kernel_version"),
-         {manifest.kernel_release}),
+        (
+            "guest_kernel",
+            "compat.guest_kernel_digest_mismatch",
+            pinned("kernel", "digest"),
+            {manifest.vmlinux.sha256, manifest.vmlinuz_sha256},
+        ),
+        (
+            "modules_img",
+            "compat.modules_img_kernel_mismatch",
+            pinned("modules_img", "kernel_version"),
+            {manifest.kernel_release},
+        ),
         ("modules_img", "compat.modules_img_mismatch", pinned("modules_img", "digest"), {manifest.modules_img.sha256}),
     ]
     for layer, code, expected, found in checks:

@@ -54,8 +54,9 @@ def memlock_hint() -> str:
 
 
 def pinned_error(code: str, message: str, **details: object) -> CubeError:
-    return CubeError(code=code, message=message, layer="pinned_memory",
-                     details={"hint": memlock_hint(), **details}, status=500)
+    return CubeError(
+        code=code, message=message, layer="pinned_memory", details={"hint": memlock_hint(), **details}, status=500
+    )
 
 
 def guest_ram_locked_kib(pid: int, guest_kib: int, proc_root: Path = Path("/proc")) -> int | None:
@@ -100,6 +101,9 @@ def prove_pinned(pid: int, guest_mib: int, proc_root: Path = Path("/proc")) -> d
             "pinned_memory.not_locked",
             f"VMM {pid}: guest RAM mapping has {ram if ram is not None else 'no'} KiB locked of {guest_kib} KiB "
             f"(VmLck {locked} KiB)",
-            vmlck_kib=locked, vmrss_kib=rss, guest_kib=guest_kib, guest_ram_locked_kib=ram or 0,
+            vmlck_kib=locked,
+            vmrss_kib=rss,
+            guest_kib=guest_kib,
+            guest_ram_locked_kib=ram or 0,
         )
     return {"vmlck_kib": locked, "vmrss_kib": rss, "guest_kib": guest_kib, "guest_ram_locked_kib": ram}

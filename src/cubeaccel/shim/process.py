@@ -39,7 +39,6 @@ def qdev_id(index: int) -> str:
     return f"accel{index}"
 
 
-
 _AGENT_BOUNDS = ProbeContext()  # cube-agent's own per-step timeouts (defaults, as the guest runs them)
 MODPROBE_TIMEOUT_S, CUDA_TIMEOUT_S = _AGENT_BOUNDS.modprobe_timeout_s, _AGENT_BOUNDS.cuda_timeout_s
 
@@ -53,11 +52,13 @@ def probe_timeout_s(contract: dict[str, object] | None) -> float:
     n = len(modules) if isinstance(modules, list) else 0
     return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0))
 
+
 class Shim:
     def __init__(self, spec: ShimSpec) -> None:
         self.spec = spec
-        self.reporter = Reporter(spec.sandbox_id, spec.report_socket, spec.report_file, spec.state_dir,
-                                 start_id=spec.start_id)
+        self.reporter = Reporter(
+            spec.sandbox_id, spec.report_socket, spec.report_file, spec.state_dir, start_id=spec.start_id
+        )
         self.vmm: QemuVmm | None = None
         self.agent: AgentClient | None = None
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
@@ -107,44 +108,75 @@ class Shim:
             stopped = e.code in ("shim.stop_requested", "agent.cancelled")
             rc, reason = (0, "stop_requested") if stopped else (1, e.code)
             if rc:
-                self.reporter.report(K.ATTACH_FAILED, tuple(d.device_id for d in self.spec.devices),
-                                     reason=e.code, layer=e.layer, message=e.message, **e.details)
+                self.reporter.report(
+                    K.ATTACH_FAILED,
+                    tuple(d.device_id for d in self.spec.devices),
+                    reason=e.code,
+                    layer=e.layer,
+                    message=e.message,
+                    **e.details,
+                )
         except Exception as e:  # a bug or a hostile guest's reply: still report, still tear down
             rc, reason = 1, "shim.internal_error"
-            self.reporter.report(K.ATTACH_FAILED, tuple(d.device_id for d in self.spec.devices),
-                                 reason=reason, layer="cubelet", message=f"{type(e).__name__}: {e}"[:500])
+            self.reporter.report(
+                K.ATTACH_FAILED,
+                tuple(d.device_id for d in self.spec.devices),
+                reason=reason,
+                layer="cubelet",
+                message=f"{type(e).__name__}: {e}"[:500],
+            )
         finally:
             exit_info = self._teardown()
-            self.reporter.report(K.SHIM_EXITING, reason=reason, exit_code=rc, timeline=self.timeline,
-                                 vmm_exit=exit_info.to_json() if exit_info else None)
+            self.reporter.report(
+                K.SHIM_EXITING,
+                reason=reason,
+                exit_code=rc,
+                timeline=self.timeline,
+                vmm_exit=exit_info.to_json() if exit_info else None,
+            )
         return rc
 
     def _vm_config(self, manifest: Manifest) -> VmConfig:
         return VmConfig(
-            sandbox_id=self.spec.sandbox_id, memory_mib=self.spec.memory_mib, vcpus=self.spec.vcpus,
-            pin_memory=self.spec.pin_memory, kernel=manifest.path(manifest.vmlinux),
-            initrd=manifest.path(manifest.initrd), cmdline=manifest.cmdline, state_dir=self.spec.state_dir,
-            device_ids=tuple(d.device_id for d in self.spec.devices), memory_backend=self.spec.memory_backend,
+            sandbox_id=self.spec.sandbox_id,
+            memory_mib=self.spec.memory_mib,
+            vcpus=self.spec.vcpus,
+            pin_memory=self.spec.pin_memory,
+            kernel=manifest.path(manifest.vmlinux),
+            initrd=manifest.path(manifest.initrd),
+            cmdline=manifest.cmdline,
+            state_dir=self.spec.state_dir,
+            device_ids=tuple(d.device_id for d in self.spec.devices),
+            memory_backend=self.spec.memory_backend,
         )
 
     def _start(self) -> None:
         spec = self.spec
         if not spec.hotplug:
-            raise CubeError("shim.coldplug_unsupported", "the contract expects devices attached at VM start "
-                            "(hotplug: false); this shim only hot-plugs", layer="backend", status=500)
+            raise CubeError(
+                "shim.coldplug_unsupported",
+                "the contract expects devices attached at VM start (hotplug: false); this shim only hot-plugs",
+                layer="backend",
+                status=500,
+            )
         manifest = self._manifest()
         mismatches = image_mismatches(spec.contract, manifest)
         if mismatches and spec.image_check == "enforce":
             first = mismatches[0]
-            raise CubeError(first["code"], f"guest image does not match the contract: {first['expected']} pinned, "
-                            f"{first['found']} built", layer=first["layer"], details={"mismatches": mismatches})
+            raise CubeError(
+                first["code"],
+                f"guest image does not match the contract: {first['expected']} pinned, {first['found']} built",
+                layer=first["layer"],
+                details={"mismatches": mismatches},
+            )
         cfg = self._vm_config(manifest)
         t = time.monotonic()
         restore = None
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
             if spec.start == "template":
                 restore, created = lease.enter_context(
-                    template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s))
+                    template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
+                )
                 t = self._phase("template_create_s" if created else "template_lookup_s", t)
             vmm = QemuVmm(cfg, restore_from=restore)
             try:
@@ -156,9 +188,17 @@ class Shim:
                     self.vmm = vmm  # only a VMM that exists is torn down
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
         t = self._phase("vmm_start_s", t)
-        self.reporter.report(K.VM_STARTED, pid=vmm.pid, vmm=vmm.kind, accel=vmm.accel, accel_reason=vmm.accel_reason,
-                             start=spec.start, image_digest=manifest.image_digest,
-                             kernel_release=manifest.kernel_release, image_mismatches=mismatches)
+        self.reporter.report(
+            K.VM_STARTED,
+            pid=vmm.pid,
+            vmm=vmm.kind,
+            accel=vmm.accel,
+            accel_reason=vmm.accel_reason,
+            start=spec.start,
+            image_digest=manifest.image_digest,
+            kernel_release=manifest.kernel_release,
+            image_mismatches=mismatches,
+        )
         if spec.pin_memory:
             proof = self._prove_pinned(vmm)
             t = self._phase("pin_proof_s", t)
@@ -189,14 +229,22 @@ class Shim:
             return Manifest.load(self.spec.image_manifest)
         digest = self.spec.image_digest or pinned_image_digest(self.spec.contract)
         if digest is None:
-            raise CubeError("shim.no_image", "no guest image named, and the node has none: run `cubeaccel image "
-                            "build`", layer="template", status=500)
+            raise CubeError(
+                "shim.no_image",
+                "no guest image named, and the node has none: run `cubeaccel image build`",
+                layer="template",
+                status=500,
+            )
         found = find_image(digest)  # artifacts were hashed by Cubelet before it advertised the image
         if found is None or not all(found.path(a).is_file() for a in (found.vmlinux, found.initrd)):
             have = [m.image_digest for m in cached_images()]
-            raise CubeError("shim.image_not_found", f"guest image {digest} is not in the image cache "
-                            f"{cache_dir() / 'images'} ({len(have)} other images)", layer="template",
-                            details={"expected": digest, "found": have}, status=500)
+            raise CubeError(
+                "shim.image_not_found",
+                f"guest image {digest} is not in the image cache {cache_dir() / 'images'} ({len(have)} other images)",
+                layer="template",
+                details={"expected": digest, "found": have},
+                status=500,
+            )
         return found
 
     def _prove_pinned(self, vmm: QemuVmm) -> dict[str, int]:
@@ -216,24 +264,42 @@ class Shim:
         try:
             att = vmm.add_device(qid, dev.driver, dev.properties, index)
         except CubeError as e:
-            raise CubeError("attach.device_add_failed", e.message, layer="backend",
-                            details={"device_id": dev.device_id, "driver": dev.driver}, status=500) from e
+            raise CubeError(
+                "attach.device_add_failed",
+                e.message,
+                layer="backend",
+                details={"device_id": dev.device_id, "driver": dev.driver},
+                status=500,
+            ) from e
         self.added[qid] = dev
         deadline = t0 + VISIBLE_TIMEOUT_S
         while True:
-            seen = [d for d in agent.pci_devices()
-                    if str(d.get("address")) not in before
-                    and f"{d.get('vendor_id')}:{d.get('device_id')}".lower() == dev.vendor_device]
+            seen = [
+                d
+                for d in agent.pci_devices()
+                if str(d.get("address")) not in before
+                and f"{d.get('vendor_id')}:{d.get('device_id')}".lower() == dev.vendor_device
+            ]
             if seen:
                 break
             if time.monotonic() > deadline:
-                raise CubeError("attach.not_visible_in_guest",
-                                f"guest does not see {dev.vendor_device} {VISIBLE_TIMEOUT_S:.0f} s after device_add",
-                                layer="guest_kernel", details={"device_id": dev.device_id}, status=500)
+                raise CubeError(
+                    "attach.not_visible_in_guest",
+                    f"guest does not see {dev.vendor_device} {VISIBLE_TIMEOUT_S:.0f} s after device_add",
+                    layer="guest_kernel",
+                    details={"device_id": dev.device_id},
+                    status=500,
+                )
             time.sleep(0.02)
-        self.reporter.report(K.DEVICE_ATTACHED, (dev.device_id,), qdev_id=qid, bus=att.bus,
-                             guest_address=seen[0].get("address"), vendor_device=dev.vendor_device,
-                             hotplug_ms=round((time.monotonic() - t0) * 1000, 1))
+        self.reporter.report(
+            K.DEVICE_ATTACHED,
+            (dev.device_id,),
+            qdev_id=qid,
+            bus=att.bus,
+            guest_address=seen[0].get("address"),
+            vendor_device=dev.vendor_device,
+            hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
+        )
 
     def _probe_contract(self) -> dict[str, object]:
         """The frozen contract, or the minimum the host knows: its devices' vendor:device (Cubelet also checks
@@ -247,8 +313,9 @@ class Shim:
         ids = tuple(d.device_id for d in self.spec.devices)
         contract = self._probe_contract()
         try:
-            reply = agent.call("probe", {"contract": contract}, timeout_s=probe_timeout_s(contract),
-                               cancel_fd=self._wake_r)
+            reply = agent.call(
+                "probe", {"contract": contract}, timeout_s=probe_timeout_s(contract), cancel_fd=self._wake_r
+            )
         except CubeError as e:
             if e.code == "agent.cancelled":  # teardown was asked for: not a verdict on the guest
                 raise
@@ -257,10 +324,19 @@ class Shim:
         if reply.get("ok"):
             self.reporter.report(K.GUEST_VALIDATED, ids, report=reply.get("report"))
             return
-        self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, report=reply.get("report"),
-                             violations=reply.get("violations"), failed_layers=reply.get("failed_layers"))
-        raise CubeError("guest.validation_failed", "guest does not satisfy the contract", layer="guest_kernel",
-                        details={"failed_layers": reply.get("failed_layers")})
+        self.reporter.report(
+            K.GUEST_VALIDATION_FAILED,
+            ids,
+            report=reply.get("report"),
+            violations=reply.get("violations"),
+            failed_layers=reply.get("failed_layers"),
+        )
+        raise CubeError(
+            "guest.validation_failed",
+            "guest does not satisfy the contract",
+            layer="guest_kernel",
+            details={"failed_layers": reply.get("failed_layers")},
+        )
 
     def _wait(self) -> None:
         """Until SIGTERM or the VMM exits on its own (guest poweroff, crash, someone killed it)."""
@@ -281,8 +357,9 @@ class Shim:
         alive = vmm.poll_exit() is None
         if alive and self.agent is not None:
             with contextlib.suppress(Exception):  # the guest is untrusted: nothing it says stops the teardown
-                self.agent.call("shutdown", {"poweroff": False},
-                                timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s))
+                self.agent.call(
+                    "shutdown", {"poweroff": False}, timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s)
+                )
         if self.agent is not None:
             self.agent.close()
         if alive and self.added:
@@ -302,17 +379,20 @@ class Shim:
                 vmm.request_remove(qid)
                 requested.add(qid)
             except CubeError as e:
-                self.reporter.report(K.DETACH_TIMEOUT, (self.added[qid].device_id,), qdev_id=qid,
-                                     reason=e.code, message=e.message)
+                self.reporter.report(
+                    K.DETACH_TIMEOUT, (self.added[qid].device_id,), qdev_id=qid, reason=e.code, message=e.message
+                )
         removed = vmm.wait_removed(requested, self.spec.detach_timeout_s)
         for qid in sorted(requested):
             dev = self.added[qid]
             if qid in removed:
-                self.reporter.report(K.DEVICE_DETACHED, (dev.device_id,), qdev_id=qid,
-                                     detach_ms=round((time.monotonic() - t0) * 1000, 1))
+                self.reporter.report(
+                    K.DEVICE_DETACHED, (dev.device_id,), qdev_id=qid, detach_ms=round((time.monotonic() - t0) * 1000, 1)
+                )
             else:
-                self.reporter.report(K.DETACH_TIMEOUT, (dev.device_id,), qdev_id=qid,
-                                     timeout_s=self.spec.detach_timeout_s)
+                self.reporter.report(
+                    K.DETACH_TIMEOUT, (dev.device_id,), qdev_id=qid, timeout_s=self.spec.detach_timeout_s
+                )
 
 
 def run_shim(spec: ShimSpec) -> int:

@@ -63,28 +63,55 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
     sd = cfg.state_dir
     cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={cfg.bar_window_gib}G"
     argv = [
-        qemu_binary(), "-name", find.name_arg(cfg.sandbox_id),
-        "-machine", "q35,memory-backend=m0",
-        "-accel", "kvm" if accel == "kvm" else "tcg,tb-size=64",
-        "-smp", str(cfg.vcpus), "-m", f"{cfg.memory_mib}M",
-        "-object", memory_object(cfg),
-        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-        "-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd), "-append", cmdline,
-        "-chardev", f"file,id=con0,path={sd / 'console.log'}", "-serial", "chardev:con0",
-        "-device", "virtio-serial-pci,id=vser0",
-        "-chardev", f"socket,id=agent0,path={sd / 'agent.sock'},server=on,wait=off",
-        "-device", f"virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}",
-        "-qmp", f"unix:{sd / 'qmp.sock'},server=on,wait=off",
+        qemu_binary(),
+        "-name",
+        find.name_arg(cfg.sandbox_id),
+        "-machine",
+        "q35,memory-backend=m0",
+        "-accel",
+        "kvm" if accel == "kvm" else "tcg,tb-size=64",
+        "-smp",
+        str(cfg.vcpus),
+        "-m",
+        f"{cfg.memory_mib}M",
+        "-object",
+        memory_object(cfg),
+        "-nodefaults",
+        "-no-user-config",
+        "-display",
+        "none",
+        "-no-reboot",
+        "-kernel",
+        str(cfg.kernel),
+        "-initrd",
+        str(cfg.initrd),
+        "-append",
+        cmdline,
+        "-chardev",
+        f"file,id=con0,path={sd / 'console.log'}",
+        "-serial",
+        "chardev:con0",
+        "-device",
+        "virtio-serial-pci,id=vser0",
+        "-chardev",
+        f"socket,id=agent0,path={sd / 'agent.sock'},server=on,wait=off",
+        "-device",
+        f"virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}",
+        "-qmp",
+        f"unix:{sd / 'qmp.sock'},server=on,wait=off",
         # A second monitor for Cubelet/operators while the shim holds the first.
-        "-qmp", f"unix:{sd / 'qmp-aux.sock'},server=on,wait=off",
+        "-qmp",
+        f"unix:{sd / 'qmp-aux.sock'},server=on,wait=off",
     ]
     if accel == "kvm":
         argv += ["-cpu", "host"]
     if cfg.pin_memory:
         argv += ["-overcommit", "mem-lock=on"]
     for i in range(cfg.root_ports):
-        argv += ["-device", f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},"
-                 f"pref64-reserve={cfg.bar_window_gib}G"]
+        argv += [
+            "-device",
+            f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={cfg.bar_window_gib}G",
+        ]
     if incoming:
         argv += ["-incoming", "defer"]
     return argv
@@ -126,8 +153,9 @@ class QemuVmm:
         t0 = time.monotonic()
         with (sd / "vmm.log").open("ab") as log:
             # Own session: the VMM must outlive a killed shim so Cubelet can find it by pid + tag.
-            self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                                          start_new_session=True)
+            self._proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+            )
         (sd / "vmm.pid").write_text(f"{self._proc.pid}\n")
         self._connect(t0)
         self.timings["spawn_to_qmp_s"] = time.monotonic() - t0
@@ -146,10 +174,16 @@ class QemuVmm:
         info = self.poll_exit()
         tail = self._log_tail()
         if "mlock" in tail or "locking memory" in tail:
-            return pinned_error("pinned_memory.lock_failed", f"VMM could not lock guest memory: {tail.strip()[-300:]}",
-                                exit=info.to_json() if info else None)
-        return vmm_error("vmm.start_failed", f"QEMU exited during start: {tail.strip()[-500:]}",
-                         exit=info.to_json() if info else None)
+            return pinned_error(
+                "pinned_memory.lock_failed",
+                f"VMM could not lock guest memory: {tail.strip()[-300:]}",
+                exit=info.to_json() if info else None,
+            )
+        return vmm_error(
+            "vmm.start_failed",
+            f"QEMU exited during start: {tail.strip()[-500:]}",
+            exit=info.to_json() if info else None,
+        )
 
     def _connect(self, t0: float) -> None:
         sock = self.cfg.state_dir / "qmp.sock"
@@ -203,8 +237,13 @@ class QemuVmm:
         """Pause and write the VM's state to `dest`. Refused while any device is attached, by our own record or
         by QEMU's answer before and after the migration (the state file is then never put in place)."""
         if self._attached:
-            raise CubeError("lifecycle.snapshot_with_device", "a VM with a device attached is never snapshotted",
-                            layer="backend", details={"devices": sorted(self._attached)}, status=409)
+            raise CubeError(
+                "lifecycle.snapshot_with_device",
+                "a VM with a device attached is never snapshotted",
+                layer="backend",
+                details={"devices": sorted(self._attached)},
+                status=409,
+            )
         tmp = dest.with_suffix(".partial")
         self.qmp("stop")
         self.refuse_foreign_devices()

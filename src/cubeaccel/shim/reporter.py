@@ -17,8 +17,15 @@ REPORT_PATH = "/v1/shim-reports"
 
 
 class Reporter:
-    def __init__(self, sandbox_id: str, socket_path: Path | None, file_path: Path | None, state_dir: Path,
-                 retries: int = 3, start_id: str | None = None) -> None:
+    def __init__(
+        self,
+        sandbox_id: str,
+        socket_path: Path | None,
+        file_path: Path | None,
+        state_dir: Path,
+        retries: int = 3,
+        start_id: str | None = None,
+    ) -> None:
         self.sandbox_id = sandbox_id
         self.start_id = start_id
         self.socket_path = socket_path

@@ -23,8 +23,9 @@ MAX_DEVICES = 4  # root ports per VM; fixed so template state matches every sand
 
 
 def bad_spec(field_name: str, message: str) -> CubeError:
-    return CubeError("shim.invalid_spec", f"{field_name}: {message}", layer="template", details={"field": field_name},
-                     status=422)
+    return CubeError(
+        "shim.invalid_spec", f"{field_name}: {message}", layer="template", details={"field": field_name}, status=422
+    )
 
 
 def valid_sandbox_id(value: object) -> str:
@@ -87,13 +88,22 @@ def _device(i: int, d: object) -> DeviceSpec:
         raise bad_spec(f"{where}.device_id", "must be a non-empty string")
     if not isinstance(driver, str) or not _QDEV_PROP.fullmatch(driver):
         raise bad_spec(f"{where}.driver", f"not a device driver name: {driver!r:.40}")
-    if not isinstance(props, dict) or not all(
-        isinstance(k, str) and _QDEV_PROP.fullmatch(k) and isinstance(v, str) and _QDEV_PROP.fullmatch(v)
-        for k, v in props.items()
-    ) or {"id", "bus", "driver"} & set(props):
+    if (
+        not isinstance(props, dict)
+        or not all(
+            isinstance(k, str) and _QDEV_PROP.fullmatch(k) and isinstance(v, str) and _QDEV_PROP.fullmatch(v)
+            for k, v in props.items()
+        )
+        or {"id", "bus", "driver"} & set(props)
+    ):
         raise bad_spec(f"{where}.properties", "must map names to plain values (id/bus/driver are the shim's)")
-    return DeviceSpec(dev_id, driver, dict(props), _hex16(f"{where}.vendor_id", d.get("vendor_id")),
-                      _hex16(f"{where}.device_id_hex", d.get("device_id_hex")))
+    return DeviceSpec(
+        dev_id,
+        driver,
+        dict(props),
+        _hex16(f"{where}.vendor_id", d.get("vendor_id")),
+        _hex16(f"{where}.device_id_hex", d.get("device_id_hex")),
+    )
 
 
 def parse_spec(data: object) -> ShimSpec:

@@ -59,8 +59,9 @@ def _root_lock(root: Path, mode: int) -> Iterator[None]:
 
 
 @contextmanager
-def template_lease(cfg: VmConfig, manifest: Manifest, root: Path,
-                   boot_timeout_s: float = 60.0) -> Iterator[tuple[Path, bool]]:
+def template_lease(
+    cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = 60.0
+) -> Iterator[tuple[Path, bool]]:
     """The saved state for this machine (created if needed) and whether it was created, held for the caller.
 
     While the `with` body runs (the caller's restore reads the state), pruning cannot delete it: the lease is a
@@ -124,9 +125,16 @@ def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float
             vmm.save_state(state)
         finally:
             vmm.stop(5.0)
-        meta = {"key": key, "image_digest": manifest.image_digest, "memory_mib": cfg.memory_mib,
-                "vcpus": cfg.vcpus, "accel": vmm.accel, "kernel_release": hello.get("kernel_release"),
-                "build_s": round(time.monotonic() - t0, 3), "state_bytes": state.stat().st_size}
+        meta = {
+            "key": key,
+            "image_digest": manifest.image_digest,
+            "memory_mib": cfg.memory_mib,
+            "vcpus": cfg.vcpus,
+            "accel": vmm.accel,
+            "kernel_release": hello.get("kernel_release"),
+            "build_s": round(time.monotonic() - t0, 3),
+            "state_bytes": state.stat().st_size,
+        }
         (tdir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         shutil.rmtree(run_dir, ignore_errors=True)
     return state, True

@@ -55,15 +55,21 @@ class ExitInfo:
         return cls(pid, status, os.WEXITSTATUS(status), None, how)
 
     def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "status": self.status, "exit_code": self.exit_code, "signal": self.signal,
-                "how": self.how}
+        return {
+            "pid": self.pid,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "how": self.how,
+        }
 
 
 REAP_AFTER_KILL_S = 30.0
 
 
-def stop_child(proc: subprocess.Popen[bytes], poll_exit: Callable[[], ExitInfo | None],
-               ask: Callable[[], None], grace_s: float) -> ExitInfo:
+def stop_child(
+    proc: subprocess.Popen[bytes], poll_exit: Callable[[], ExitInfo | None], ask: Callable[[], None], grace_s: float
+) -> ExitInfo:
     """Ask the VMM to quit (`ask` raises CubeError when it cannot), SIGTERM if asking failed, SIGKILL after
     `grace_s`; returns only once the process was waited for, saying how it went."""
     known = poll_exit()
