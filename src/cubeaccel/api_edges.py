@@ -13,13 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from cubeaccel.model.error_catalog import http_status
 from cubeaccel.model.errors import CubeError
 
 MAX_BODY = 1 << 20
 
 
 def error_response(e: CubeError) -> JSONResponse:
-    return JSONResponse(status_code=e.status, content=e.to_json())
+    return JSONResponse(status_code=http_status(e.code, e.status), content=e.to_json())
 
 
 def validation_error(e: RequestValidationError) -> CubeError:

@@ -14,6 +14,14 @@ from cubeaccel.model.reports import ProbeResult
 
 Libraries = dict[str, LoadedLibrary]
 
+# One code per layer a contract may blame a library on (spec._LAYERS): literals, so each one is catalogued.
+LIBRARY_MISSING = {
+    "userspace_driver": "compat.userspace_driver_library_missing",
+    "cuda_runtime": "compat.cuda_runtime_library_missing",
+    "kernel_driver": "compat.kernel_driver_library_missing",
+    "modules_img": "compat.modules_img_library_missing",
+}
+
 
 def check_library(want: LibraryExpectation, ctx: ProbeContext, libs: Libraries) -> ProbeResult:
     """Load one library; if the contract names its version, the file's version must equal it."""
@@ -22,7 +30,7 @@ def check_library(want: LibraryExpectation, ctx: ProbeContext, libs: Libraries) 
         lib = libs[want.name] = load_library(want.name, ctx.lib_dirs)
         expected = want.version or "loadable"
         if lib.handle is None:
-            return Verdict(False, f"compat.{want.layer}_library_missing", expected, "missing", lib.error or "")
+            return Verdict(False, LIBRARY_MISSING[want.layer], expected, "missing", lib.error or "")
         if want.version is not None and lib.version is not None and lib.version != want.version:
             return Verdict(False, "compat.userspace_driver_version_mismatch", expected, lib.version, lib.path or "")
         detail = lib.path or ""

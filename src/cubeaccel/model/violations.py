@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from cubeaccel.model import error_catalog
+
 
 class Layer(StrEnum):
     """The layers of a GPU sandbox's stack, bottom up. Every violation names exactly one."""
@@ -33,6 +35,9 @@ class ContractViolation:
     expected: str
     found: str
     hint: str = ""
+
+    def __post_init__(self) -> None:
+        error_catalog.check(self.code)
 
     def to_json(self) -> dict[str, Any]:
         return {
