@@ -50,24 +50,27 @@ NOT_CODES = {
 # Code-shaped prefixes of f-strings that build messages, not codes.
 NOT_CODE_PREFIXES = {"pci.", "pinned_memory."}
 
-# Constructors whose first argument is a code, and the HTTP status they give it (None: the `status` argument,
-# positional index 4 or keyword, decides; omitted means the catalog's).
-CODE_BUILDERS: dict[str, int | None] = {
-    "CubeError": None,
-    "HostError": None,
-    "StaleRecord": None,
-    "TransitionRefused": None,
-    "invalid": 422,
-    "not_found": 404,
-    "conflict": 409,
-    "_bad": 422,
-    "host_error": 500,
-    "image_error": 500,
-    "vmm_error": 500,
-    "agent_error": 500,
-    "pinned_error": 500,
-    "protocol_error": 400,
+# Constructors whose first argument is a code: (the HTTP status they give it, the layer they default to, whether
+# the layer is an argument — positional index 2 or keyword). Status None: the `status` argument (positional 4 or
+# keyword) decides, and omitted means the catalog's.
+CODE_BUILDERS: dict[str, tuple[int | None, str, bool]] = {
+    "CubeError": (None, "cubelet", True),
+    "HostError": (None, "cubelet", True),
+    "StaleRecord": (None, "cubelet", True),
+    "TransitionRefused": (None, "cubelet", True),
+    "invalid": (422, "api", True),
+    "not_found": (404, "api", False),
+    "conflict": (409, "cubelet", True),
+    "_bad": (422, "api", False),
+    "host_error": (500, "host_hardware", False),
+    "image_error": (500, "guest_kernel", True),
+    "vmm_error": (500, "backend", True),
+    "agent_error": (500, "guest_kernel", True),
+    "pinned_error": (500, "pinned_memory", False),
+    "protocol_error": (400, "agent", False),
 }
+# Codes raised with different layers by different callers (the catalog names the usual one).
+LAYER_VARIES = {"device.invalid_address"}
 
 
 def _modules() -> list[tuple[Path, ast.Module]]:
@@ -136,7 +139,7 @@ def test_every_catalogued_code_is_emitted_somewhere_in_src() -> None:
     assert sorted(c for c in CATALOG if c not in emitted) == []
 
 
-def test_raise_sites_that_state_a_status_state_the_catalogs() -> None:
+def test_raise_sites_that_state_a_status_or_layer_state_the_catalogs() -> None:
     wrong: list[str] = []
     for path, tree in _modules():
         for n in ast.walk(tree):
@@ -144,14 +147,19 @@ def test_raise_sites_that_state_a_status_state_the_catalogs() -> None:
                 continue
             kw = {k.arg: k.value for k in n.keywords}
             code = kw.get("code", n.args[0] if n.args else None)
-            if not isinstance(code, ast.Constant) or not isinstance(code.value, str):
-                continue  # passed through: the runtime guard checks those
-            fixed = CODE_BUILDERS[_name(n) or ""]
+            if not isinstance(code, ast.Constant) or code.value not in CATALOG:
+                continue  # passed through (the runtime guard checks those) or unknown (the literal scan fails)
+            info = CATALOG[code.value]
+            fixed, layer_default, takes_layer = CODE_BUILDERS[_name(n) or ""]
             status_node = kw.get("status", n.args[4] if len(n.args) > 4 else None)
             status = fixed if fixed is not None else getattr(status_node, "value", None)
-            want = CATALOG[code.value].status if code.value in CATALOG else None
-            if isinstance(status, int) and want is not None and status != want:
-                wrong.append(f"{path.relative_to(ROOT)}:{n.lineno}: {code.value} {status}, catalog {want}")
+            layer_node = kw.get("layer", n.args[2] if takes_layer and len(n.args) > 2 else None)
+            layer = layer_default if layer_node is None else getattr(layer_node, "value", None)
+            where = f"{path.relative_to(ROOT)}:{n.lineno}: {code.value}"
+            if isinstance(status, int) and info.status is not None and status != info.status:
+                wrong.append(f"{where} HTTP {status}, catalog {info.status}")
+            if isinstance(layer, str) and layer != info.layer and code.value not in LAYER_VARIES:
+                wrong.append(f"{where} layer {layer}, catalog {info.layer}")
     assert wrong == []
 
 
