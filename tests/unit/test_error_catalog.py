@@ -255,3 +255,16 @@ def test_the_markdown_command_prints_the_table() -> None:
     ).stdout
     assert out == error_catalog.markdown()
     assert "| `host.not_ready` | 409 | host_hardware |" in out
+
+
+def test_the_agent_imports_with_only_agent_and_model_and_no_site_packages(tmp_path: Path) -> None:
+    """What the guest image holds (images/rootfs.py `install_agent`): cubeaccel/{agent,model}, stdlib only."""
+    from cubeaccel.images.rootfs import install_agent
+
+    install_agent(tmp_path, SRC)
+    home = tmp_path / "opt" / "cubeaccel"
+    script = "import sys; sys.path.insert(0, sys.argv[1]); import cubeaccel.agent.__main__"
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script, str(home)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
