@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from cubeaccel.cli.render import console
-from cubeaccel.master.client import MasterClient
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_client import MasterClient
 
 app = typer.Typer(no_args_is_help=True, help="CubeMaster: cluster placement, templates and sandbox records.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes through CubeMaster.")

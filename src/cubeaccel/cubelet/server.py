@@ -10,7 +10,6 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from cubeaccel.api_edges import install_api_edges
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.heartbeat import host_state
@@ -19,6 +18,7 @@ from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.model.errors import invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reports import ShimReport
+from cubeaccel.wire.api_edges import install_api_edges
 
 
 class _Strict(BaseModel):

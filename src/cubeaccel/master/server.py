@@ -12,12 +12,12 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from cubeaccel.api_edges import install_api_edges
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
+from cubeaccel.wire.api_edges import install_api_edges
 
 SANDBOX_STATES = ("scheduling", "placing", "starting", "running", "deleting", "deleted", "failed", "lost")
 
