@@ -14,17 +14,17 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimSpec, ShimStatus
+from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
 from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
 from cubeaccel.shim.qemu import hotplug_paths
-from cubeaccel.shim.spec import MAX_DEVICES as SHIM_MAX_DEVICES
+from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
+from cubeaccel.wire.shim_spec import ShimSpec
 
 _Signature = tuple[tuple[int, int], ...]
 
@@ -56,14 +56,18 @@ class ProcessShimDriver:
     def start(self, spec: ShimSpec) -> None:
         sid = spec.sandbox_id
         spec_path = self.dir / f"{sid}.json"
-        body = asdict(spec)
-        body["report"] = {"socket": str(self.socket)}
-        body["state_dir"] = str(self.dir / sid)
-        body["start"] = self.start_mode
-        body["detach_timeout_s"] = self.detach_timeout_s
-        # A sandbox with a contract boots only the image, kernel and modules.img that contract pins.
-        body["image_check"] = "enforce" if spec.contract else "report"
-        spec_path.write_text(json.dumps(body))
+        launch = ShimSpec.model_validate(
+            {
+                **spec.model_dump(),
+                "report": {"socket": str(self.socket)},
+                "state_dir": self.dir / sid,
+                "start": self.start_mode,
+                "detach_timeout_s": self.detach_timeout_s,
+                # A sandbox with a contract boots only the image, kernel and modules.img that contract pins.
+                "image_check": "enforce" if spec.contract else "report",
+            }
+        )
+        spec_path.write_text(json.dumps(launch.to_json()))
         log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
         child = subprocess.Popen(
             [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
