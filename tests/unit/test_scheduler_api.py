@@ -205,3 +205,11 @@ def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, 
     assert row is not None and row["error"] == {**failed["error"], "message": "", "phase": None, "node": "n1"}
     # a late "running" never revives a failed sandbox
     assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json={"phase": "running"}).json() == {"state": "failed"}
+
+
+def test_a_heartbeat_of_an_unknown_version_is_refused_and_one_without_a_version_is_v1(api: TestClient) -> None:
+    r = api.put("/v1/nodes/n1", json=hb(v=2))
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
+    assert "unsupported Heartbeat version 2" in r.json()["error"]["message"]
+    assert api.get("/v1/nodes").json()["nodes"] == []
+    assert api.put("/v1/nodes/n1", json=hb(v=1)).status_code == 200

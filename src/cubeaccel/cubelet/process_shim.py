@@ -23,6 +23,7 @@ from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
 from cubeaccel.shim.qemu import hotplug_paths
+from cubeaccel.wire.reports import parse_report
 from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
 from cubeaccel.wire.shim_spec import ShimSpec
 
@@ -106,8 +107,8 @@ class ProcessShimDriver:
             return []
         out = []
         for line in taking.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                out.append(ShimReport.from_json(json.loads(line)))
+            with contextlib.suppress(ValueError):  # a torn last line (the shim was killed mid-write) is skipped
+                out.append(parse_report(json.loads(line)))
         taking.unlink()
         return sorted(out, key=lambda r: r.at)
 

@@ -17,8 +17,9 @@ from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sa
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.model.errors import invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
-from cubeaccel.model.reports import ShimReport
 from cubeaccel.wire.api_edges import install_api_edges
+from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.reports import parse_report
 
 
 class _Strict(BaseModel):
@@ -134,8 +135,8 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
 
     def shim_report(body: dict[str, Any]) -> dict[str, Any]:
         try:
-            report = ShimReport.from_json(body)
-        except (KeyError, ValueError, TypeError) as e:
+            report = parse_report(body)
+        except ValueError as e:
             raise invalid("api.invalid_shim_report", f"invalid shim report: {e}") from e
         validate_sandbox_id(report.sandbox_id)
         cubelet.handle_report(report)
@@ -159,7 +160,7 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         return {"node": cubelet.config.node_name, "backend": cubelet.backend.name, **readiness, "pinned_memory": pinned}
 
     @app.get("/v1/capacity")
-    def capacity() -> dict[str, Any]:
+    def capacity() -> CapacitySummary:
         return capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name])
 
     def run_reconcile() -> dict[str, Any]:

@@ -7,9 +7,10 @@ with an `unsupported_version` error that names what this build reads, never half
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
 WIRE_VERSION = 1
@@ -70,3 +71,22 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out
+
+
+def finite(raw: Any) -> float:
+    """A finite JSON number: `"nan"`, NaN/Infinity literals and 1e400 would reach the database or the math."""
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw):
+        raise ValueError(f"must be a finite number, got {raw!r:.40}")
+    return float(raw)
+
+
+def count(raw: Any) -> int:
+    """A whole number in 0..2^53 (device counts, MiB): what a JSON number carries exactly."""
+    value = finite(raw)
+    if not 0 <= value <= 2**53 or value != int(value):
+        raise ValueError(f"must be an integer in 0..2^53, got {raw!r:.40}")
+    return int(value)
+
+
+Finite = Annotated[float, BeforeValidator(finite)]
+Count = Annotated[int, BeforeValidator(count), Field(ge=0, le=2**53)]
