@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
+import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from cubeaccel.cubelet.capacity import capacity_summary
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.model.template_spec import API_VERSION, KIND
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.heartbeat import Heartbeat
+from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.reports import ShimReportBody, parse_report, report_json
+from cubeaccel.wire.templates import TemplateDocument, load_template, parse_template
 from tests.cubelet_harness import Node
 from tests.unit.master_builders import group, heartbeat
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
 
 
 def _refuses_version(model: type[BaseModel], body: dict[str, Any]) -> str:
@@ -66,3 +74,22 @@ def test_a_heartbeat_round_trips_and_reads_an_older_cubelets_body() -> None:
     assert hb.v == 1  # the builder writes no v, as a Cubelet before versions did
     assert Heartbeat.model_validate(json.loads(json.dumps(hb.to_json()))) == hb
     assert "unsupported Heartbeat version 2" in _refuses_version(Heartbeat, body)
+
+
+def test_the_template_document_names_its_version_and_round_trips() -> None:
+    assert get_args(TemplateDocument.model_fields["apiVersion"].annotation) == (API_VERSION,)
+    assert get_args(TemplateDocument.model_fields["kind"].annotation) == (KIND,)
+    t = load_template(EXAMPLES / "edu-demo.yaml")
+    assert parse_template(json.loads(json.dumps(t.to_json()))) == t
+    with pytest.raises(CubeError) as e:
+        parse_template({**t.to_json(), "apiVersion": "cubeaccel/v2"})
+    assert e.value.code == "template.unsupported_api_version"
+
+
+def test_a_client_refuses_a_reply_of_a_version_it_cannot_read() -> None:
+    request = httpx.Request("GET", "http://cubelet/v1/health")
+    assert reply_body(httpx.Response(200, json={"v": 1, "status": "ok"}, request=request))["status"] == "ok"
+    assert reply_body(httpx.Response(200, json={"status": "ok"}, request=request)) == {"status": "ok"}
+    with pytest.raises(CubeError) as e:
+        reply_body(httpx.Response(200, json={"v": 2, "status": "ok"}, request=request))
+    assert e.value.code == "api.unsupported_version" and "/v1/health" in e.value.message

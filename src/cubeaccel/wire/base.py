@@ -20,7 +20,7 @@ UNSUPPORTED_VERSION = "unsupported_version"  # the pydantic error type; the edge
 class Strict(BaseModel):
     """Unknown fields are refused: a typo or a newer sender's field fails loudly instead of being ignored."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class Lenient(BaseModel):
@@ -90,3 +90,16 @@ def count(raw: Any) -> int:
 
 Finite = Annotated[float, BeforeValidator(finite)]
 Count = Annotated[int, BeforeValidator(count), Field(ge=0, le=2**53)]
+
+
+class Record(BaseModel):
+    """A reply's nested record: the documented fields are typed; any others pass through unchanged, so a reply
+    model never drops what a handler sends."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+
+class Reply(Record):
+    """A top-level reply body, with its version."""
+
+    v: Literal[1] = 1
