@@ -16,6 +16,8 @@ from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.model.template_spec import API_VERSION, KIND
+from cubeaccel.wire import cubelet_api as CW
+from cubeaccel.wire import master_api as MW
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.http_reply import reply_body
@@ -93,3 +95,28 @@ def test_a_client_refuses_a_reply_of_a_version_it_cannot_read() -> None:
     with pytest.raises(CubeError) as e:
         reply_body(httpx.Response(200, json={"v": 2, "status": "ok"}, request=request))
     assert e.value.code == "api.unsupported_version" and "/v1/health" in e.value.message
+
+
+REQUESTS: list[BaseModel] = [
+    CW.ReservationBody.model_validate(
+        {"sandbox_id": "sb-1", "count": 2, "class": "gpu", "labels": {"model": "H100"}, "contract": {"a": 1}}
+    ),
+    CW.OperatorBody(who="op", reason="bad fan", restore_driver=True),
+    MW.StatusBody.model_validate(
+        {"phase": "failed", "error": {"code": "compat.x", "layer": "guest_kernel", "phase": "starting"}}
+    ),
+    MW.SandboxBody.model_validate({"id": "sb-1", "gpu": "H100:1", "timeout_s": 30.0, "idempotency_key": "k"}),
+    MW.OperatorBody(reason="maintenance"),
+    MW.DefaultBody(template="cuda12-h100"),
+]
+
+
+@pytest.mark.parametrize("body", REQUESTS, ids=lambda b: type(b).__module__.rsplit(".", 1)[1] + "." + type(b).__name__)
+def test_each_request_body_round_trips_and_refuses_another_version(body: BaseModel) -> None:
+    sent = json.loads(json.dumps(body.model_dump(mode="json", by_alias=True)))
+    assert sent["v"] == 1
+    assert type(body).model_validate(sent) == body
+    assert "version 2" in _refuses_version(type(body), sent)
+    with pytest.raises(ValidationError) as e:
+        type(body).model_validate({**sent, "unknown": 1})
+    assert e.value.errors()[0]["type"] == "extra_forbidden"

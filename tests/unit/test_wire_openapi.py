@@ -16,7 +16,9 @@ from cubeaccel.cubelet.server import create_app as cubelet_app
 from cubeaccel.master.server import create_app as master_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
+from cubeaccel.wire import cubelet_api as CW
 from cubeaccel.wire.api_edges import ErrorReply
+from cubeaccel.wire.base import Reply
 from tests.cubelet_harness import Node
 
 # Routes whose only reply is an error (the lifecycle verbs an accelerator sandbox refuses).
@@ -132,3 +134,28 @@ def test_a_shim_report_of_an_unknown_version_is_refused(cubelet: TestClient) -> 
     r = cubelet.post("/v1/shim-reports", json={"v": 2, "sandbox_id": "sb", "kind": "vm_started"})
     assert r.status_code == 422 and r.json()["error"]["code"] == "api.invalid_shim_report"
     assert "unsupported ShimReportBody version 2" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("route", "model"),
+    [
+        ("/v1/health", CW.Health),
+        ("/v1/devices", CW.DeviceList),
+        ("/v1/events", CW.EventPage),
+        ("/v1/host", CW.HostReply),
+        ("/v1/reservations", CW.ReservationList),
+    ],
+)
+def test_cubelet_replies_round_trip_through_their_models(cubelet: TestClient, route: str, model: type[Reply]) -> None:
+    body = cubelet.get(route).json()
+    assert model.model_validate(body).model_dump(mode="json", by_alias=True) == body
+
+
+def test_a_reservation_reply_round_trips_through_its_model(cubelet: TestClient) -> None:
+    body = cubelet.post("/v1/reservations", json={"sandbox_id": "sb-rt", "count": 1}).json()
+    assert body["devices"] and body["timeline"]
+    assert CW.ReservationView.model_validate(body).model_dump(mode="json", by_alias=True) == body
+    device = cubelet.get(f"/v1/devices/{body['devices'][0]['id']}").json()
+    assert CW.DeviceReply.model_validate(device).model_dump(mode="json", by_alias=True) == device
+    released = cubelet.delete("/v1/reservations/sb-rt").json()
+    assert CW.Release.model_validate(released).model_dump(mode="json", by_alias=True) == released
