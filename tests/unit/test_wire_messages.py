@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from cubeaccel.cubelet.capacity import capacity_summary
+from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.model.template_spec import API_VERSION, KIND
@@ -22,6 +23,7 @@ from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.reports import ShimReportBody, parse_report, report_json
+from cubeaccel.wire.shim_spec import MAX_DEVICES, parse_spec
 from cubeaccel.wire.templates import TemplateDocument, load_template, parse_template
 from tests.cubelet_harness import Node
 from tests.unit.master_builders import group, heartbeat
@@ -120,3 +122,13 @@ def test_each_request_body_round_trips_and_refuses_another_version(body: BaseMod
     with pytest.raises(ValidationError) as e:
         type(body).model_validate({**sent, "unknown": 1})
     assert e.value.errors()[0]["type"] == "extra_forbidden"
+
+
+def test_a_simulated_node_starts_a_sandbox_with_more_devices_than_a_real_shims_root_ports(node: Node) -> None:
+    """The 4-device bound is the real shim's machine (its validation context), not part of the message."""
+    node.cubelet.reserve("sb-8", ReservationRequest(count=8))
+    res = node.cubelet.start("sb-8")
+    assert res is not None and res.phase == "running" and len(res.device_ids) == 8 > MAX_DEVICES
+    with pytest.raises(CubeError) as e:
+        parse_spec({"sandbox_id": "sb", "memory_mib": 64, "devices": [{}] * (MAX_DEVICES + 1)})
+    assert e.value.details["field"] == "devices"

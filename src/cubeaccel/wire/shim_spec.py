@@ -21,6 +21,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
 )
 from pydantic import (
@@ -35,6 +36,7 @@ from cubeaccel.wire.base import Message, Strict, field_path
 _START_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
 _QDEV_PROP = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 MAX_DEVICES = 4  # root ports per VM; fixed so template state matches every sandbox's machine
+SHIM_LIMITS = {"max_devices": MAX_DEVICES}  # validation context for a spec a real shim runs
 
 
 def bad_spec(field_name: str, message: str) -> CubeError:
@@ -103,7 +105,7 @@ class ShimSpec(Message):
     `state_dir`, `report`, `start`, the timeouts and `image_check` before writing the file."""
 
     sandbox_id: StrictStr
-    devices: Annotated[tuple[DeviceSpec, ...], Field(max_length=MAX_DEVICES)] = ()
+    devices: tuple[DeviceSpec, ...] = ()
     memory_mib: Annotated[StrictInt, Field(ge=64, le=4 * 1024 * 1024)]
     vcpus: Annotated[StrictInt, Field(ge=1, le=256)] = 1
     pin_memory: StrictBool = True
@@ -130,10 +132,14 @@ class ShimSpec(Message):
 
     @field_validator("devices", mode="before")
     @classmethod
-    def _few(cls, value: object) -> object:
-        """The count first: five malformed devices are "too many devices", not a complaint about the first."""
-        if not isinstance(value, list | tuple) or len(value) > MAX_DEVICES:
-            raise ValueError(f"must be a list of at most {MAX_DEVICES} devices")
+    def _few(cls, value: object, info: ValidationInfo) -> object:
+        """The count first: five malformed devices are "too many devices", not a complaint about the first.
+
+        The bound is the shim's machine (MAX_DEVICES root ports), given as `context={"max_devices": n}` where a
+        spec is read for a real shim; a simulated node's shim takes more."""
+        limit = (info.context or {}).get("max_devices")
+        if not isinstance(value, list | tuple) or (limit is not None and len(value) > limit):
+            raise ValueError(f"must be a list of at most {limit} devices")
         return value
 
     @field_validator("devices")
@@ -188,7 +194,7 @@ def parse_spec(data: object) -> ShimSpec:
     if not isinstance(data, dict):
         raise bad_spec("spec", "must be a JSON object")
     try:
-        spec = ShimSpec.model_validate(data)
+        spec = ShimSpec.model_validate(data, context=SHIM_LIMITS)
     except ValidationError as e:
         raise spec_error(e) from e
     if spec.state_dir is None:
