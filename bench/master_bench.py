@@ -29,7 +29,7 @@ from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, freeze, label_mismatch
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, pinned_image
 from cubeaccel.model.request import AcceleratorChoice
-from cubeaccel.templates import parse_template
+from cubeaccel.wire.templates import parse_template
 
 ROOT = Path(__file__).resolve().parents[1]
 SELECTOR = "device.architecture == 'hopper' && int(device.memory_gib) >= 80"

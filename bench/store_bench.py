@@ -18,12 +18,12 @@ import time
 from pathlib import Path
 
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.cubelet.client import CubeletClient
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.wire.cubelet_client import CubeletClient
 
 
 def raw_commits_per_s(path: Path, seconds: float) -> tuple[float, int]:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from cubeaccel.cubelet.client import CubeletClient
 from cubeaccel.host import vmmproc
+from cubeaccel.wire.cubelet_client import CubeletClient
 
 T = TypeVar("T")
 

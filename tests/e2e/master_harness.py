@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from cubeaccel.master.client import MasterClient
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_client import MasterClient
 from tests.e2e.cubelet_process import CubeletProcess, poll, terminate
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"

@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from cubeaccel.cubelet.client import CubeletClient
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.cubelet_client import CubeletClient
 from tests.e2e.cubelet_process import CubeletProcess
 
 

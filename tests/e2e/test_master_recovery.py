@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.cubelet.client import CubeletClient
 from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES, SIMULATED_HOTPLUG
 from cubeaccel.master import schema as S
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.cubelet_client import CubeletClient
 from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.e2e.master_harness import free_port
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.master.client import MasterClient
 from cubeaccel.master.up import _cubelet_takes_pinnable, choose_backend, run_down, run_up
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_client import MasterClient
 
 
 def test_backend_choice_says_which_and_why() -> None:

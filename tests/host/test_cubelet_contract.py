@@ -12,7 +12,7 @@ from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
-from cubeaccel.templates import load_template
+from cubeaccel.wire.templates import load_template
 from tests.cubelet_harness import Node
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"

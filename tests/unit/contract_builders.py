@@ -15,7 +15,7 @@ from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.reports import GuestReport
 from cubeaccel.model.states import DeviceState
 from cubeaccel.model.template_spec import Template
-from cubeaccel.templates import parse_template
+from cubeaccel.wire.templates import parse_template
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
 H100_FILE = EXAMPLES / "cuda12-h100.yaml"

@@ -15,7 +15,7 @@ from cubeaccel.agent.spec import parse_spec
 from cubeaccel.model.contract import CompatibilityContract, FrozenContract, canonical_json, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import CudaSpec
-from cubeaccel.templates import parse_template
+from cubeaccel.wire.templates import parse_template
 from tests.unit.contract_builders import device, edu, h100, template
 
 

@@ -44,7 +44,7 @@ def put_raw(api: TestClient, body: str) -> tuple[int, str]:
 
 
 def test_a_valid_heartbeat_registers_the_node(api: TestClient) -> None:
-    assert api.put("/v1/nodes/n1", json=hb()).json() == {"node": "n1", "state": "ready"}
+    assert api.put("/v1/nodes/n1", json=hb()).json() == {"v": 1, "node": "n1", "state": "ready"}
 
 
 @pytest.mark.parametrize("field", ["sent_at", "pinnable_memory_mib"])
@@ -200,8 +200,19 @@ def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, 
     assert (r.status_code, r.json()["error"]["code"]) == (409, "sandbox.not_on_node")
     assert api.put("/v1/nodes/n1/sandboxes/sb-nope/status", json=failed).status_code == 404
     assert master.store.sandbox("sb-push")["state"] == "starting"  # type: ignore[index]
-    assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=failed).json() == {"state": "failed"}
+    assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=failed).json() == {"v": 1, "state": "failed"}
     row = master.store.sandbox("sb-push")
     assert row is not None and row["error"] == {**failed["error"], "message": "", "phase": None, "node": "n1"}
     # a late "running" never revives a failed sandbox
-    assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json={"phase": "running"}).json() == {"state": "failed"}
+    assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json={"phase": "running"}).json() == {
+        "v": 1,
+        "state": "failed",
+    }
+
+
+def test_a_heartbeat_of_an_unknown_version_is_refused_and_one_without_a_version_is_v1(api: TestClient) -> None:
+    r = api.put("/v1/nodes/n1", json=hb(v=2))
+    assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
+    assert "unsupported Heartbeat version 2" in r.json()["error"]["message"]
+    assert api.get("/v1/nodes").json()["nodes"] == []
+    assert api.put("/v1/nodes/n1", json=hb(v=1)).status_code == 200

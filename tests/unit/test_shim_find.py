@@ -128,13 +128,14 @@ def test_process_shim_driver_takes_undelivered_reports_once_and_skips_garbage(tm
 
     from cubeaccel.cubelet.process_shim import ProcessShimDriver
     from cubeaccel.model.reports import ShimReport, ShimReportKind
+    from cubeaccel.wire.reports import report_json
 
     driver = ProcessShimDriver(tmp_path)
     keep = tmp_path / "shims" / "sb" / "undelivered.jsonl"
     keep.parent.mkdir(parents=True)
     late = ShimReport("sb", ShimReportKind.DEVICE_ATTACHED, ("d1",), {}, 2.0, "s1")
     early = ShimReport("sb", ShimReportKind.VM_STARTED, (), {"pid": 7}, 1.0, "s1")
-    keep.write_text(_json.dumps(late.to_json()) + "\n{not json\n" + _json.dumps(early.to_json()) + "\n")
+    keep.write_text(_json.dumps(report_json(late)) + "\n{not json\n" + _json.dumps(report_json(early)) + "\n")
     assert driver.pending_reports("sb") == [early, late]
     assert driver.pending_reports("sb") == []
 

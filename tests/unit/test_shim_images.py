@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from cubeaccel.images import cpio, kernel
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
 from cubeaccel.model.errors import CubeError
-from cubeaccel.shim.spec import ShimSpec, parse_spec
+from cubeaccel.wire.shim_spec import ShimSpec, parse_spec
 
 REL = "6.1.0-99-amd64"
 

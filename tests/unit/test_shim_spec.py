@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.lifecycle_ops import UNSUPPORTED, check_supported
-from cubeaccel.shim.spec import MAX_DEVICES, load_spec, parse_spec
+from cubeaccel.wire.shim_spec import MAX_DEVICES, DeviceSpec, ShimSpec, load_spec, parse_spec
 
 
 def _spec(**over: Any) -> dict[str, Any]:
@@ -144,3 +144,56 @@ def test_lifecycle_features_are_refused_for_accelerator_sandboxes(op: str) -> No
     assert e.value.code == "lifecycle.unsupported_for_accelerator" and e.value.status == 409
     assert e.value.details["operation"] == op
     check_supported(op, "sb-1", has_accelerator=False)  # not the shim's business without one
+
+
+def test_the_spec_cubelet_builds_round_trips_through_the_file_the_shim_reads(tmp_path: Path) -> None:
+    built = ShimSpec(
+        sandbox_id="sb-1",
+        devices=(
+            DeviceSpec(
+                device_id="vfio-0000:e0:00.0",
+                address="0000:e0:00.0",
+                driver="vfio-pci",
+                properties={"host": "0000:e0:00.0"},
+                vendor_id=0x10DE,
+                device_id_hex=0x2330,
+            ),
+        ),
+        memory_mib=512,
+        vcpus=2,
+        pin_memory=True,
+        contract={"template": {"name": "t"}},
+        start_id="abc-1",
+        image_digest="sha256:" + "a" * 64,
+        state_dir=Path("/run/sb-1"),
+        report={"socket": "/run/cubelet.sock"},
+    )
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(built.to_json()))
+    written = json.loads(path.read_text())
+    assert written["v"] == 1 and written["devices"][0]["vendor_id"] == "10de"  # as Cubelet always wrote it
+    assert load_spec(path) == built
+    assert load_spec(path).devices[0].vendor_device == "10de:2330"
+
+
+def test_a_spec_without_a_version_is_version_1_and_another_version_is_refused() -> None:
+    assert parse_spec(_spec()).v == 1
+    with pytest.raises(CubeError) as e:
+        parse_spec(_spec(v=2))
+    assert e.value.code == "shim.invalid_spec" and e.value.details["field"] == "v"
+    assert "unsupported ShimSpec version 2" in e.value.message
+
+
+@pytest.mark.parametrize(
+    ("over", "field"),
+    [({"typo_field": 1}, "typo_field"), ({"devices": [{**_spec()["devices"][0], "extra": "x"}]}, "devices[0].extra")],
+)
+def test_unknown_fields_are_refused_by_name(over: dict[str, Any], field: str) -> None:
+    assert _code_field(_spec(**over)) == ("shim.invalid_spec", field)
+
+
+def test_the_shim_refuses_a_spec_that_does_not_say_where_it_lives_or_reports() -> None:
+    for missing in ("state_dir", "report"):
+        data = _spec()
+        del data[missing]
+        assert _code_field(data) == ("shim.invalid_spec", missing)

@@ -13,7 +13,7 @@ import pytest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.template_spec import GuestKernel, ModulesImg
-from cubeaccel.templates import load_template
+from cubeaccel.wire.templates import load_template
 from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.vmm_cleanup import kill_started_vmms
 

@@ -206,7 +206,7 @@ def test_frozen_edu_template_contract_is_enforced_on_the_image_and_validated_in_
 
     from cubeaccel.model.contract import freeze
     from cubeaccel.model.template_spec import GuestKernel, ModulesImg
-    from cubeaccel.templates import load_template
+    from cubeaccel.wire.templates import load_template
 
     edu = load_template(Path(__file__).parents[2] / "examples" / "templates" / "edu-demo.yaml")
     built = latest()  # the session image, or a rebuild if a source file changed meanwhile

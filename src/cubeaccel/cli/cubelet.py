@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 
 from cubeaccel.cli.render import console, device_table, event_table
-from cubeaccel.cubelet.client import CubeletClient
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.cubelet_client import CubeletClient
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
 

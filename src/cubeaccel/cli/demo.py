@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.cli.render import console, device_table, event_table
-from cubeaccel.cubelet.client import CubeletClient
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.cubelet_client import CubeletClient
 
 
 def wait_for(fn: Any, what: str, deadline_s: float = 120.0) -> Any:
@@ -57,7 +57,7 @@ def print_timeline(events: list[dict[str, Any]]) -> None:
 def run_demo(profile: str) -> int:
     """`cubeaccel up` (embedded CubeMaster + one Cubelet, best backend here), one sandbox created through
     CubeMaster, then deleted; the device table, the timeline and the event trail come from Cubelet."""
-    from cubeaccel.master.client import MasterClient
+    from cubeaccel.wire.master_client import MasterClient
 
     state = Path(tempfile.mkdtemp(prefix="cubeaccel-demo-"))
     up = subprocess.run(

@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from cubeaccel.cli.render import console
-from cubeaccel.master.client import MasterClient
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_client import MasterClient
 
 app = typer.Typer(no_args_is_help=True, help="CubeMaster: cluster placement, templates and sandbox records.")
 sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes through CubeMaster.")
@@ -119,12 +119,12 @@ def register_cmd(
     url: MasterUrl = None,
 ) -> None:
     """Register a template (checked at registration; the refusal names the layer)."""
-    import yaml
+    from cubeaccel.wire.templates import load_document
 
     try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        console.print(f"[red]error[/red] cannot read {path}: {e}")
+        doc = load_document(path)
+    except CubeError as e:
+        console.print(f"[red]error[/red] cannot read {path}: {e.message}")
         raise typer.Exit(1) from e
     console.print_json(json.dumps(_call(url, lambda c: c.register_template(doc, default))))
 

@@ -20,7 +20,7 @@ def run(
 ) -> None:
     """Run one sandbox's MicroVM until SIGTERM; reports go where the spec says."""
     from cubeaccel.shim.process import run_shim
-    from cubeaccel.shim.spec import load_spec
+    from cubeaccel.wire.shim_spec import load_spec
 
     try:
         spec = load_spec(spec_file)

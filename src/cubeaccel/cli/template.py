@@ -17,7 +17,7 @@ from rich.table import Table
 
 from cubeaccel.model.contract import ContractViolation, check_template, freeze
 from cubeaccel.model.errors import CubeError
-from cubeaccel.templates import load_template
+from cubeaccel.wire.templates import load_template
 
 app = typer.Typer(no_args_is_help=True, help="accelerator templates: validate and show")
 

@@ -1,4 +1,6 @@
-"""The capacity summary CubeMaster consumes, derived from the store on every call (never cached)."""
+"""The capacity summary CubeMaster consumes, derived from the store on every call (never cached).
+
+Its shape is `wire.capacity.CapacitySummary`."""
 
 from __future__ import annotations
 
@@ -7,11 +9,12 @@ from typing import Any
 
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.capacity import CapacitySummary
 
 SUMMARY_LABELS = ("vendor", "model", "memory_gib", "architecture", "backend")
 
 
-def capacity_summary(devices: list[DeviceRecord], node: str, backends: list[str]) -> dict[str, Any]:
+def capacity_summary(devices: list[DeviceRecord], node: str, backends: list[str]) -> CapacitySummary:
     by_state = Counter(d.state.value for d in devices)
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for d in devices:
@@ -31,15 +34,17 @@ def capacity_summary(devices: list[DeviceRecord], node: str, backends: list[str]
         if d.state is DeviceState.ALLOCATABLE:
             g["allocatable_by_numa"][str(d.numa_node)] += 1
     reasons = Counter(d.reason for d in devices if d.reason and d.state is not DeviceState.ALLOCATABLE)
-    return {
-        "node": node,
-        "backends": backends,
-        "total": len(devices),
-        "by_state": {s.value: by_state.get(s.value, 0) for s in DeviceState},
-        "allocatable": by_state.get(DeviceState.ALLOCATABLE.value, 0),
-        "groups": [
-            {**g, "by_state": dict(g["by_state"]), "allocatable_by_numa": dict(g["allocatable_by_numa"])}
-            for g in groups.values()
-        ],
-        "unavailable_reasons": dict(reasons),
-    }
+    return CapacitySummary.model_validate(
+        {
+            "node": node,
+            "backends": backends,
+            "total": len(devices),
+            "by_state": {s.value: by_state.get(s.value, 0) for s in DeviceState},
+            "allocatable": by_state.get(DeviceState.ALLOCATABLE.value, 0),
+            "groups": [
+                {**g, "by_state": dict(g["by_state"]), "allocatable_by_numa": dict(g["allocatable_by_numa"])}
+                for g in groups.values()
+            ],
+            "unavailable_reasons": dict(reasons),
+        }
+    )

@@ -1,4 +1,6 @@
-"""Cubelet → CubeMaster: register and heartbeat the capacity summary (derived from the store each time)."""
+"""Cubelet → CubeMaster: register and heartbeat the capacity summary (derived from the store each time).
+
+The body's shape is `wire.heartbeat.Heartbeat`."""
 
 from __future__ import annotations
 
@@ -12,25 +14,26 @@ from cubeaccel import __version__
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
 
 
 def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
     sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
     facts = cubelet.shim.node_facts()  # learned from the host each beat: an image removed stops being offered
     readiness, pinned = host_state(cubelet)
-    return {
-        "node": cubelet.config.node_name,
-        "cubelet_url": cubelet_url,
-        "version": __version__,
-        "capacity": capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
-        "pinnable_memory_mib": pinned["free_mib"],  # free lockable memory: what a new sandbox may lock
-        "pinned_memory": pinned,
-        "ready": readiness["ready"],
-        "host_problems": readiness["problems"],
-        "guest_images": [i.to_json() for i in facts.guest_images],
-        "hotplug": list(facts.hotplug),
-        "sent_at": sent_at,
-    }
+    return HeartbeatBody(
+        node=cubelet.config.node_name,
+        cubelet_url=cubelet_url,
+        version=__version__,
+        capacity=capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
+        pinnable_memory_mib=pinned["free_mib"],  # free lockable memory: what a new sandbox may lock
+        pinned_memory=pinned,
+        ready=readiness["ready"],
+        host_problems=readiness["problems"],
+        guest_images=[i.to_json() for i in facts.guest_images],
+        hotplug=list(facts.hotplug),
+        sent_at=sent_at,
+    ).to_json()
 
 
 def host_state(cubelet: Cubelet) -> tuple[dict[str, Any], dict[str, Any]]:

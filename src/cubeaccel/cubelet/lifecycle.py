@@ -16,7 +16,7 @@ from cubeaccel.backends.base import Backend
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
-from cubeaccel.cubelet.shim_driver import ShimDevice, ShimDriver, ShimSpec
+from cubeaccel.cubelet.shim_driver import ShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.host.meminfo import available_mib
 from cubeaccel.model.contract import (
@@ -32,6 +32,7 @@ from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 
 S, E = DeviceState, DeviceEvent
 MAX_COUNT = 64
@@ -250,25 +251,25 @@ class Cubelet(ReleasePath):
         for d in devs:
             a = self.backend.attach_spec(d)
             shim_devs.append(
-                ShimDevice(
-                    d.id,
-                    str(d.address),
-                    a.driver,
-                    a.properties,
-                    f"{d.identity.vendor_id:04x}",
-                    f"{d.identity.device_id:04x}",
+                DeviceSpec(
+                    device_id=d.id,
+                    address=str(d.address),
+                    driver=a.driver,
+                    properties=a.properties,
+                    vendor_id=d.identity.vendor_id,
+                    device_id_hex=d.identity.device_id,
                 )
             )
         p = res.params
         contract = parse_contract(p.get("contract"))
         return ShimSpec(
-            sandbox_id,
-            tuple(shim_devs),
-            int(p["memory_mib"]),
-            int(p["vcpus"]),
-            bool(p["pin_memory"]),
-            p.get("contract"),
-            res.facts.get("start_id"),
+            sandbox_id=sandbox_id,
+            devices=tuple(shim_devs),
+            memory_mib=int(p["memory_mib"]),
+            vcpus=int(p["vcpus"]),
+            pin_memory=bool(p["pin_memory"]),
+            contract=p.get("contract"),
+            start_id=res.facts.get("start_id"),
             image_digest=res.facts.get("image_digest") or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
         )

@@ -14,17 +14,20 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
-from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimSpec, ShimStatus
+from pydantic import ValidationError
+
+from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
 from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
 from cubeaccel.shim.qemu import hotplug_paths
-from cubeaccel.shim.spec import MAX_DEVICES as SHIM_MAX_DEVICES
+from cubeaccel.wire.reports import parse_report
+from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
+from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec, spec_error
 
 _Signature = tuple[tuple[int, int], ...]
 
@@ -56,14 +59,11 @@ class ProcessShimDriver:
     def start(self, spec: ShimSpec) -> None:
         sid = spec.sandbox_id
         spec_path = self.dir / f"{sid}.json"
-        body = asdict(spec)
-        body["report"] = {"socket": str(self.socket)}
-        body["state_dir"] = str(self.dir / sid)
-        body["start"] = self.start_mode
-        body["detach_timeout_s"] = self.detach_timeout_s
-        # A sandbox with a contract boots only the image, kernel and modules.img that contract pins.
-        body["image_check"] = "enforce" if spec.contract else "report"
-        spec_path.write_text(json.dumps(body))
+        try:
+            launch = self._launch_spec(spec)
+        except ValidationError as e:  # refused here as the shim would refuse it, before any process starts
+            raise spec_error(e) from e
+        spec_path.write_text(json.dumps(launch.to_json()))
         log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
         child = subprocess.Popen(
             [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
@@ -72,6 +72,22 @@ class ProcessShimDriver:
             start_new_session=True,
         )
         self._children[sid] = child
+
+    def _launch_spec(self, spec: ShimSpec) -> ShimSpec:
+        """The sandbox's spec plus where this shim lives and reports, checked with the shim's own limits."""
+        sid = spec.sandbox_id
+        return ShimSpec.model_validate(
+            {
+                **spec.model_dump(),
+                "report": {"socket": str(self.socket)},
+                "state_dir": self.dir / sid,
+                "start": self.start_mode,
+                "detach_timeout_s": self.detach_timeout_s,
+                # A sandbox with a contract boots only the image, kernel and modules.img that contract pins.
+                "image_check": "enforce" if spec.contract else "report",
+            },
+            context=SHIM_LIMITS,
+        )
 
     def _shim_pid(self, sandbox_id: str) -> int | None:
         child = self._children.get(sandbox_id)
@@ -102,8 +118,8 @@ class ProcessShimDriver:
             return []
         out = []
         for line in taking.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError, KeyError, TypeError):
-                out.append(ShimReport.from_json(json.loads(line)))
+            with contextlib.suppress(ValueError):  # a torn last line (the shim was killed mid-write) is skipped
+                out.append(parse_report(json.loads(line)))
         taking.unlink()
         return sorted(out, key=lambda r: r.at)
 

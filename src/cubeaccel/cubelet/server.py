@@ -8,9 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
-from cubeaccel.api_edges import install_api_edges
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.heartbeat import host_state
@@ -18,38 +16,16 @@ from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sa
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.model.errors import invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
-from cubeaccel.model.reports import ShimReport
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class ReservationBody(_Strict):
-    sandbox_id: str = Field(max_length=63)
-    count: StrictInt = 1
-    accel_class: str | None = Field(default=None, alias="class", max_length=32)
-    labels: dict[str, str] = Field(default_factory=dict, max_length=32)
-    template: str | None = Field(default=None, max_length=200)
-    memory_mib: StrictInt = Field(default=512, ge=64, le=4 << 20)
-    vcpus: StrictInt = Field(default=1, ge=1, le=256)
-    pin_memory: StrictBool = True
-    contract: dict[str, Any] | None = None
-    start: StrictBool = False
-
-
-class OperatorBody(_Strict):
-    who: str = Field(min_length=1, max_length=200)
-    reason: str = Field(min_length=1, max_length=2000)
-    restore_driver: StrictBool = False  # disable only: give the device back to its original host driver
+from cubeaccel.wire import cubelet_api as W
+from cubeaccel.wire.api_edges import api_app, json_body
+from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.reports import ShimReportBody, parse_report
 
 
 def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
     """`local` (the unix socket, root-owned) also serves shim reports and operator verbs; the TCP listener
     that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine."""
-    app = FastAPI(title="cubeaccel Cubelet", version="1")
-
-    install_api_edges(app)
+    app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,))
 
     def dev(device_id: str) -> dict[str, Any]:
         d = cubelet.store.device(device_id)
@@ -57,15 +33,15 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
             raise not_found("device.not_found", f"no device {device_id!r}")
         return d.to_json()
 
-    @app.get("/v1/health")
+    @app.get("/v1/health", response_model=W.Health)
     def health() -> dict[str, Any]:
         return {"status": "ok", "node": cubelet.config.node_name, "schema_version": cubelet.store.schema_version}
 
-    @app.get("/v1/devices")
+    @app.get("/v1/devices", response_model=W.DeviceList)
     def devices() -> dict[str, Any]:
         return {"devices": [d.to_json() for d in cubelet.store.devices()]}
 
-    @app.get("/v1/devices/{device_id}")
+    @app.get("/v1/devices/{device_id}", response_model=W.DeviceReply)
     def device(device_id: str) -> dict[str, Any]:
         return dev(device_id)
 
@@ -76,7 +52,7 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         "enable": operator.enable,
     }
 
-    def device_verb(device_id: str, verb: str, body: OperatorBody) -> dict[str, Any]:
+    def device_verb(device_id: str, verb: str, body: W.OperatorBody) -> dict[str, Any]:
         fn = verbs.get(verb)
         if fn is None:
             raise not_found("api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(verbs)}")
@@ -85,8 +61,8 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
             return operator.disable(cubelet, device_id, body.who, body.reason, body.restore_driver).to_json()
         return fn(cubelet, device_id, body.who, body.reason).to_json()
 
-    @app.post("/v1/reservations", status_code=201)
-    def create_reservation(body: ReservationBody) -> dict[str, Any]:
+    @app.post("/v1/reservations", status_code=201, response_model=W.ReservationView)
+    def create_reservation(body: W.ReservationBody) -> dict[str, Any]:
         req = ReservationRequest(
             count=body.count,
             accel_class=body.accel_class,
@@ -102,16 +78,16 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
             cubelet.start(body.sandbox_id)
         return _reservation_json(cubelet, body.sandbox_id)
 
-    @app.get("/v1/reservations")
+    @app.get("/v1/reservations", response_model=W.ReservationList)
     def reservations() -> dict[str, Any]:
         return {"reservations": [r.to_json() for r in cubelet.store.reservations()]}
 
-    @app.get("/v1/reservations/{sandbox_id}")
+    @app.get("/v1/reservations/{sandbox_id}", response_model=W.ReservationView)
     def reservation(sandbox_id: str) -> dict[str, Any]:
         cubelet.get_reservation(sandbox_id)
         return _reservation_json(cubelet, sandbox_id)
 
-    @app.post("/v1/reservations/{sandbox_id}/start")
+    @app.post("/v1/reservations/{sandbox_id}/start", response_model=W.ReservationView)
     def start(sandbox_id: str) -> dict[str, Any]:
         cubelet.start(validate_sandbox_id(sandbox_id))
         return _reservation_json(cubelet, sandbox_id)
@@ -122,7 +98,7 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         res = cubelet.get_reservation(sandbox_id)
         raise refuse(operation, res.sandbox_id, has_accelerator=bool(res.device_ids))
 
-    @app.delete("/v1/reservations/{sandbox_id}", status_code=202)
+    @app.delete("/v1/reservations/{sandbox_id}", status_code=202, response_model=W.Release)
     def delete_reservation(sandbox_id: str) -> dict[str, Any]:
         res = cubelet.release(sandbox_id)
         return {
@@ -134,14 +110,14 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
 
     def shim_report(body: dict[str, Any]) -> dict[str, Any]:
         try:
-            report = ShimReport.from_json(body)
-        except (KeyError, ValueError, TypeError) as e:
+            report = parse_report(body)
+        except ValueError as e:
             raise invalid("api.invalid_shim_report", f"invalid shim report: {e}") from e
         validate_sandbox_id(report.sandbox_id)
         cubelet.handle_report(report)
         return {"accepted": True}
 
-    @app.get("/v1/events")
+    @app.get("/v1/events", response_model=W.EventPage)
     def events(
         since: int = 0, limit: int = 1000, device_id: str | None = None, sandbox_id: str | None = None
     ) -> dict[str, Any]:
@@ -152,23 +128,25 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         evs = cubelet.store.events(since, limit, device_id, sandbox_id=sandbox_id)
         return {"events": [e.to_json() for e in evs], "next": evs[-1].seq if evs else since}
 
-    @app.get("/v1/host")
+    @app.get("/v1/host", response_model=W.HostReply)
     def host() -> dict[str, Any]:
         """Host readiness (the backend's host-wide checks) and the pinned-memory ledger."""
         readiness, pinned = host_state(cubelet)
         return {"node": cubelet.config.node_name, "backend": cubelet.backend.name, **readiness, "pinned_memory": pinned}
 
-    @app.get("/v1/capacity")
-    def capacity() -> dict[str, Any]:
+    @app.get("/v1/capacity", response_model=CapacitySummary)
+    def capacity() -> CapacitySummary:
         return capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name])
 
     def run_reconcile() -> dict[str, Any]:
         return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
 
     if local:
-        app.post("/v1/devices/{device_id}/{verb}")(device_verb)
-        app.post("/v1/shim-reports", status_code=202)(shim_report)
-        app.post("/v1/reconcile")(run_reconcile)
+        app.post("/v1/devices/{device_id}/{verb}", response_model=W.DeviceReply)(device_verb)
+        app.post(
+            "/v1/shim-reports", status_code=202, response_model=W.Accepted, openapi_extra=json_body("ShimReportBody")
+        )(shim_report)
+        app.post("/v1/reconcile", response_model=W.Repairs)(run_reconcile)
     return app
 
 

@@ -20,6 +20,7 @@ from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.wire.shim_spec import ShimSpec
 
 ReportSink = Callable[[ShimReport], None]
 
@@ -33,7 +34,12 @@ def simulated_guest_report(spec: ShimSpec) -> GuestReport:
     """The simulated guest is exactly what its contract asks for (there is no guest to disagree): the host-side
     judge still runs over it, so a wrong contract, device or address is caught as with a real guest."""
     pci = tuple(
-        {"address": guest_address(i), "vendor_id": d.vendor_id, "device_id": d.device_id_hex, "class": "0302"}
+        {
+            "address": guest_address(i),
+            "vendor_id": f"{d.vendor_id:04x}",
+            "device_id": f"{d.device_id_hex:04x}",
+            "class": "0302",
+        }
         for i, d in enumerate(spec.devices)
     )
     if spec.contract is None:
@@ -54,29 +60,6 @@ def simulated_guest_report(spec: ShimSpec) -> GuestReport:
         libraries=libraries,
         cuda=None if need is None else {"init_ok": True, "driver_version": need, "device_count": len(spec.devices)},
     )
-
-
-@dataclass(frozen=True)
-class ShimDevice:
-    device_id: str
-    address: str
-    driver: str
-    properties: dict[str, str]
-    vendor_id: str
-    device_id_hex: str
-
-
-@dataclass(frozen=True)
-class ShimSpec:
-    sandbox_id: str
-    devices: tuple[ShimDevice, ...]
-    memory_mib: int
-    vcpus: int
-    pin_memory: bool
-    contract: dict[str, Any] | None = None
-    start_id: str | None = None
-    image_digest: str | None = None  # the guest to boot, by digest (pinned, else the node's default)
-    hotplug: bool = True  # the contract's attach expectation; the shim refuses what it cannot do
 
 
 @dataclass(frozen=True)
@@ -224,6 +207,7 @@ class SimulatedShimDriver:
             )
             return
         for i, d in enumerate(spec.devices):
+            assert d.address is not None  # Cubelet's lifecycle always names the host device
             self.host.add_holder(PciAddress.parse(d.address), Holder(vmm, "qemu-system-x86_64", "/dev/vfio/sim"))
             self._report(sid, ShimReportKind.DEVICE_ATTACHED, (d.device_id,), guest_address=guest_address(i))
         if sid in self.failed_guest_validation:

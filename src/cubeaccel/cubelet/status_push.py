@@ -12,6 +12,9 @@ import threading
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
+from cubeaccel.wire.master_api import StatusBody
 
 RETRIES = 5
 RETRY_WAIT_S = 0.5
@@ -44,9 +47,14 @@ class StatusPush:
         with httpx.Client(timeout=self.timeout_s) as http:
             while (item := self._queue.get()) is not None:
                 sid, status = item
+                try:  # checked here, not in push(): the lifecycle calls push() holding the node lock
+                    body = StatusBody.model_validate(status).model_dump(mode="json")
+                except ValidationError:
+                    self.dropped += 1  # CubeMaster would refuse it; its poll and reconcile fallbacks cover it
+                    continue
                 for _ in range(RETRIES):
                     try:
-                        r = http.put(f"{self.base}/{sid}/status", json=status)
+                        r = http.put(f"{self.base}/{sid}/status", json=body)
                         if r.status_code < 500:  # 4xx: the master does not know it (any more): nothing to retry
                             self.delivered += r.status_code < 300
                             break

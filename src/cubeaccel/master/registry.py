@@ -15,7 +15,7 @@ from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.contract import CompatibilityContract, Template, check_template, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import validate_class
-from cubeaccel.templates import parse_template
+from cubeaccel.wire.templates import parse_template
 
 
 class Registry:

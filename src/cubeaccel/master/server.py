@@ -7,58 +7,22 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from cubeaccel.api_edges import install_api_edges
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
+from cubeaccel.wire import master_api as W
+from cubeaccel.wire.api_edges import api_app, json_body
+from cubeaccel.wire.heartbeat import Heartbeat
+from cubeaccel.wire.master_api import OperatorBody, SandboxBody
+from cubeaccel.wire.templates import TemplateDocument
 
 SANDBOX_STATES = ("scheduling", "placing", "starting", "running", "deleting", "deleted", "failed", "lost")
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class StatusError(_Strict):
-    code: str = Field(min_length=1, max_length=200)
-    layer: str = Field(min_length=1, max_length=64)
-    message: str = Field(default="", max_length=2000)
-    phase: str | None = Field(default=None, max_length=32)  # the Cubelet phase it failed in
-
-
-class StatusBody(_Strict):
-    phase: Literal["running", "failed"]
-    error: StatusError | None = None
-
-
-class SandboxBody(_Strict):
-    id: str | None = None
-    template: str | None = Field(default=None, min_length=1, max_length=401)
-    accelerators: Any = None
-    gpu: Any = None
-    memory_mib: StrictInt | None = Field(default=None, ge=64, le=16 << 20)
-    vcpus: StrictInt = Field(default=1, ge=1, le=256)
-    timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400)
-    tenant: str = Field(default="default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
-
-
-class OperatorBody(_Strict):
-    """Like the Cubelet's operator body, but `reason` may be left out (node verbs need none); empty is a 422."""
-
-    who: str = Field(default="operator", min_length=1, max_length=200)
-    reason: str | None = Field(default=None, min_length=1, max_length=2000)
-
-
-class DefaultBody(_Strict):
-    template: str = Field(min_length=1, max_length=200)
 
 
 def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
@@ -87,13 +51,11 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
 
 
 def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> FastAPI:
-    app = FastAPI(title="cubeaccel CubeMaster", version="1")
-
-    install_api_edges(app)
+    app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument))
 
     cfg = master.config
 
-    @app.get("/v1/health")
+    @app.get("/v1/health", response_model=W.Health)
     def health() -> dict[str, Any]:
         return {
             "status": "ok",
@@ -103,7 +65,7 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         }
 
     # ---- nodes ------------------------------------------------------------------------------------
-    @app.put("/v1/nodes/{node}")
+    @app.put("/v1/nodes/{node}", response_model=W.HeartbeatAck, openapi_extra=json_body("Heartbeat"))
     def heartbeat(node: str, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
             raise CubeError(
@@ -122,18 +84,18 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
             v.summary_json(now, cfg.staleness_s) for v in sorted(master.cache.views(fresh=True), key=lambda v: v.name)
         ]
 
-    @app.get("/v1/nodes")
+    @app.get("/v1/nodes", response_model=W.NodeList)
     def nodes() -> dict[str, Any]:
         return {"nodes": node_views()}
 
-    @app.get("/v1/nodes/{node}")
+    @app.get("/v1/nodes/{node}", response_model=W.NodeReply)
     def node(node: str) -> dict[str, Any]:
         for n in node_views():
             if n["node"] == node:
                 return n
         raise CubeError("node.not_found", f"no node {node!r}", "api", {}, 404)
 
-    @app.post("/v1/nodes/{node}/{verb}")
+    @app.post("/v1/nodes/{node}/{verb}", response_model=W.NodeVerbReply)
     def node_verb(node: str, verb: str, body: OperatorBody | None = None) -> dict[str, Any]:
         if verb == "reconcile":
             return reconcile_node(master, node)
@@ -146,7 +108,7 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         master.cache.invalidate()
         return {"node": node, "state": states[verb], "who": (body or OperatorBody()).who}
 
-    @app.get("/v1/capacity")
+    @app.get("/v1/capacity", response_model=W.Capacity)
     def capacity() -> dict[str, Any]:
         ns = node_views()
         by_model: Counter[str] = Counter()
@@ -166,29 +128,34 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         }
 
     # ---- templates --------------------------------------------------------------------------------
-    @app.post("/v1/templates", status_code=201)
+    @app.post(
+        "/v1/templates",
+        status_code=201,
+        response_model=W.TemplateRegistered,
+        openapi_extra=json_body("TemplateDocument"),
+    )
     def register_template(document: dict[str, Any], default: bool = False) -> dict[str, Any]:
         return master.registry.register(document, default)
 
-    @app.get("/v1/templates")
+    @app.get("/v1/templates", response_model=W.TemplateList)
     def templates() -> dict[str, Any]:
         return {"templates": master.registry.list(), "defaults": master.store.defaults()}
 
-    @app.get("/v1/templates/{ref}")
+    @app.get("/v1/templates/{ref}", response_model=W.TemplateShown)
     def template(ref: str) -> dict[str, Any]:
         return master.registry.show(ref)
 
-    @app.delete("/v1/templates/{ref}")
+    @app.delete("/v1/templates/{ref}", response_model=W.TemplateDeleted)
     def delete_template(ref: str) -> dict[str, Any]:
         return master.registry.delete(ref)
 
-    @app.put("/v1/template-defaults/{accel_class}")
-    def set_default(accel_class: str, body: DefaultBody) -> dict[str, Any]:
+    @app.put("/v1/template-defaults/{accel_class}", response_model=W.DefaultSet)
+    def set_default(accel_class: str, body: W.DefaultBody) -> dict[str, Any]:
         master.registry.set_default(accel_class, body.template)
         return {"class": accel_class, "template": body.template}
 
     # ---- sandboxes --------------------------------------------------------------------------------
-    @app.post("/v1/sandboxes", status_code=201)
+    @app.post("/v1/sandboxes", status_code=201, response_model=W.SandboxReply)
     def create(body: SandboxBody, request: Request, response: Response) -> dict[str, Any]:
         spec = create_spec(body, request.headers.get("idempotency-key"))
         if not spec.request.choices:
@@ -212,7 +179,7 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
             response.status_code = 200
         return sandbox_json(row)
 
-    @app.get("/v1/sandboxes")
+    @app.get("/v1/sandboxes", response_model=W.SandboxList)
     def sandboxes(state: str | None = None, node: str | None = None) -> dict[str, Any]:
         if state is not None and state not in SANDBOX_STATES:
             raise CubeError(
@@ -221,16 +188,16 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         rows = master.store.sandboxes(states=(state,) if state else None, node=node)
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 
-    @app.get("/v1/sandboxes/{sandbox_id}")
+    @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
     def sandbox(sandbox_id: str) -> dict[str, Any]:
         return sandbox_json(master.get(sandbox_id))
 
-    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202)
+    @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
     def delete(sandbox_id: str) -> dict[str, Any]:
         return sandbox_json(master.delete(sandbox_id))
 
-    @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status")
-    def sandbox_status(node: str, sandbox_id: str, body: StatusBody) -> dict[str, Any]:
+    @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status", response_model=W.StatusReply)
+    def sandbox_status(node: str, sandbox_id: str, body: W.StatusBody) -> dict[str, Any]:
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
         if (body.phase == "failed") != (body.error is not None):
             raise CubeError(

@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.cubelet.client import CubeletClient
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, decide, rejection
@@ -28,6 +27,7 @@ from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.wire.cubelet_client import CubeletClient
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
 START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}

@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import yaml
 
-from cubeaccel.master.client import MasterClient
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_client import MasterClient
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "templates"
 DEFAULTS = {"edu-demo.yaml": "accelerator", "cuda12-h100.yaml": "gpu"}

@@ -8,17 +8,20 @@ A `NodeView` is immutable apart from two memo dicts; a new heartbeat makes a new
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import ValidationError
+
 from cubeaccel.model.contract import ContractViolation
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
+from cubeaccel.model.node_facts import GuestImageFact
 from cubeaccel.model.pinned_memory import sandbox_locked_mib
 from cubeaccel.model.profiles import PROFILES
+from cubeaccel.wire.capacity import CapacityGroup
+from cubeaccel.wire.heartbeat import Heartbeat
 
 # model label → (vendor_id, device_id), for summaries whose group labels omit the ids
 _IDS_BY_MODEL = {p.model: (f"{v:04x}", f"{d:04x}") for (v, d), p in PROFILES.items()}
@@ -135,21 +138,6 @@ def _attributes(accel_class: str, labels: Mapping[str, str]) -> dict[str, str]:
     return attrs
 
 
-def _number(raw: Any, what: str) -> float:
-    """A finite JSON number: `"nan"`, NaN/Infinity literals and 1e400 would reach the database or the math."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
-        raise ValueError(f"{what} must be a finite number, got {raw!r}")
-    return float(raw)
-
-
-def _count(raw: Any, what: str) -> int:
-    """A whole number in 0..2^53 (device counts, MiB): what a JSON number carries exactly."""
-    value = _number(raw, what)
-    if not 0 <= value <= 2**53 or value != int(value):
-        raise ValueError(f"{what} must be an integer in 0..2^53, got {raw!r}")
-    return int(value)
-
-
 def cubelet_url(raw: Any) -> str:
     """`http(s)://host:port` and nothing else: CubeMaster sends requests there, so no other scheme or path."""
     try:
@@ -172,56 +160,47 @@ def cubelet_url(raw: Any) -> str:
     return f"{u.scheme}://{u.netloc}"
 
 
-def _group(raw: Any) -> Group:
-    if not isinstance(raw, Mapping):
-        raise ValueError("group is not an object")
-    cls, labels = str(raw["class"]), {str(k): str(v) for k, v in dict(raw["labels"]).items()}
-    by_state = dict(raw.get("by_state", {}))
-    numa = {str(k): _count(v, "allocatable_by_numa") for k, v in dict(raw.get("allocatable_by_numa", {})).items()}
+def _group(g: CapacityGroup) -> Group:
     return Group(
-        group_key(cls, labels),
-        cls,
-        labels,
-        _attributes(cls, labels),
-        _count(raw["total"], "total"),
-        _count(by_state.get("allocatable", 0), "by_state.allocatable"),
-        numa,
+        group_key(g.accel_class, g.labels),
+        g.accel_class,
+        g.labels,
+        _attributes(g.accel_class, g.labels),
+        g.total,
+        g.by_state.get("allocatable", 0),
+        g.allocatable_by_numa,
     )
 
 
-def _host_fields(body: Mapping[str, Any]) -> dict[str, Any]:
-    """Host readiness and the pinned-memory ledger; an older Cubelet sends neither (ready, no VMM overhead)."""
-    ready = body.get("ready", True)
-    if not isinstance(ready, bool):
-        raise ValueError(f"ready must be a boolean, got {ready!r}")
-    problems = tuple((str(p["code"]), str(p.get("message", ""))) for p in body.get("host_problems") or [])
-    pinned = dict(body.get("pinned_memory") or {})
-    for k in ("lockable_mib", "locked_mib", "free_mib", "vmm_overhead_mib", "vmm_overhead_per_vcpu_mib"):
-        if k in pinned:
-            pinned[k] = _count(pinned[k], f"pinned_memory.{k}")
-    return {"host_ready": ready, "host_problems": problems, "pinned": pinned}
-
-
 def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = "ready") -> NodeView:
-    """Validate a heartbeat body (the agreed shape) into a view; malformed bodies are 422s."""
+    """Validate a heartbeat body (`wire.heartbeat.Heartbeat`) into a view; malformed bodies are 422s."""
     url = cubelet_url(body.get("cubelet_url"))
     try:
-        cap = body["capacity"]
-        return NodeView(
-            name=str(body["node"]),
-            cubelet_url=url,
-            state=state,
-            received_at=received_at,
-            sent_at=_number(body.get("sent_at", received_at), "sent_at"),
-            version=str(body.get("version", "")),
-            backends=frozenset(str(b) for b in cap.get("backends", [])),
-            pinnable_memory_mib=_count(body.get("pinnable_memory_mib", 0), "pinnable_memory_mib"),
-            guest_images=parse_guest_images(body.get("guest_images")),
-            hotplug=parse_hotplug(body.get("hotplug")),
-            groups=tuple(_group(g) for g in cap.get("groups", [])),
-            **_host_fields(body),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        hb = Heartbeat.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
         raise CubeError(
-            "node.invalid_heartbeat", f"malformed heartbeat: {type(e).__name__}: {e}", "api", {}, 422
+            "node.invalid_heartbeat",
+            f"malformed heartbeat: {where}: {first['msg']}"
+            + (f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""),
+            "api",
+            {},
+            422,
         ) from e
+    return NodeView(
+        name=hb.node,
+        cubelet_url=url,
+        state=state,
+        received_at=received_at,
+        sent_at=received_at if hb.sent_at is None else hb.sent_at,
+        version=hb.version,
+        backends=frozenset(hb.capacity.backends),
+        pinnable_memory_mib=hb.pinnable_memory_mib,
+        guest_images=hb.images(),
+        hotplug=hb.hotplug_paths(),
+        groups=tuple(_group(g) for g in hb.capacity.groups),
+        host_ready=hb.ready,
+        host_problems=tuple((p.code, p.message) for p in hb.host_problems),
+        pinned=hb.pinned_memory,
+    )

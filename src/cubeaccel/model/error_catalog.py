@@ -45,6 +45,8 @@ CODES: tuple[CodeInfo, ...] = (
     _c("api.method_not_allowed", 405, "api", "the route exists but not with this method"),
     _c("api.not_found", 404, "api", "no such route"),
     _c("api.unknown_field", 422, "api", "request body has a field the API does not define"),
+    _c("api.unsupported_version", 422, "api", "a request body's `v` is not 1"),
+    _c("api.unsupported_reply_version", 502, "api", "a client got a reply whose `v` it does not read"),
     _c("api.unknown_verb", 404, "api", "operator/maintenance verb that does not exist"),
     _c("http.error", None, "api", "client side: an error reply without a cubeaccel error body; status as received"),
     # ---- Cubelet: devices, reservations, operator ----

@@ -29,39 +29,14 @@ class ShimReportKind(StrEnum):
 
 @dataclass(frozen=True)
 class ShimReport:
+    """Its JSON form (the shim's POST body, an `undelivered.jsonl` line) is `wire.reports.ShimReportBody`."""
+
     sandbox_id: str
     kind: ShimReportKind
     device_ids: tuple[str, ...] = ()
     details: dict[str, Any] = field(default_factory=dict)
     at: float = 0.0
     start_id: str | None = None  # which start of the sandbox this shim serves: stale reports are refused
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "sandbox_id": self.sandbox_id,
-            "kind": self.kind.value,
-            "device_ids": list(self.device_ids),
-            "details": self.details,
-            "at": self.at,
-            "start_id": self.start_id,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ShimReport:
-        device_ids = data.get("device_ids", [])
-        if not isinstance(device_ids, list) or not all(isinstance(d, str) for d in device_ids):
-            raise ValueError("device_ids must be a list of strings")
-        start_id = data.get("start_id")
-        if start_id is not None and not isinstance(start_id, str):
-            raise ValueError("start_id must be a string")
-        return cls(
-            sandbox_id=str(data["sandbox_id"]),
-            kind=ShimReportKind(data["kind"]),
-            device_ids=tuple(device_ids),
-            details=dict(data.get("details", {})),
-            at=float(data.get("at", 0.0)),
-            start_id=start_id,
-        )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 The JSON document has the same shape as the YAML file an operator writes (`apiVersion: cubeaccel/v1`,
 `kind: AcceleratorTemplate`, `metadata`, `spec`), so a frozen contract embeds exactly what was written.
-Schema validation of user input (unknown fields, types) happens at the edge in `cubeaccel.templates`;
+Schema validation of user input (unknown fields, types) happens at the edge in `cubeaccel.wire.templates`;
 this module only builds values and trusts nothing it cannot check cheaply. Semantic checks (versions,
 digests, tables) are `contract.check_template`'s job, so that each failure can name its layer.
 """
@@ -157,7 +157,7 @@ class Template:
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Template:
-        """Build from a document already validated by `cubeaccel.templates` or written by `to_json`.
+        """Build from a document already validated by `cubeaccel.wire.templates` or written by `to_json`.
 
         Shape errors become `template.invalid_document` rather than KeyError/TypeError, because stored
         contracts are read back from disk and a corrupt one must fail with a code, not a traceback.

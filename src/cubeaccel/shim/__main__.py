@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from pathlib import Path
 
     from cubeaccel.shim.process import run_shim
-    from cubeaccel.shim.spec import load_spec
+    from cubeaccel.wire.shim_spec import load_spec
 
     try:
         spec = load_spec(Path(args.spec))

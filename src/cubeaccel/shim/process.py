@@ -25,9 +25,9 @@ from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
-from cubeaccel.shim.spec import DeviceSpec, ShimSpec
 from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
+from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 
 PIN_PROOF_TIMEOUT_S = 5.0
 VISIBLE_TIMEOUT_S = 10.0
@@ -57,7 +57,7 @@ class Shim:
     def __init__(self, spec: ShimSpec) -> None:
         self.spec = spec
         self.reporter = Reporter(
-            spec.sandbox_id, spec.report_socket, spec.report_file, spec.state_dir, start_id=spec.start_id
+            spec.sandbox_id, spec.report_socket, spec.report_file, spec.run_dir, start_id=spec.start_id
         )
         self.vmm: QemuVmm | None = None
         self.agent: AgentClient | None = None
@@ -93,8 +93,8 @@ class Shim:
             os.close(self._wake_w)
 
     def _run(self) -> int:
-        self.spec.state_dir.mkdir(parents=True, exist_ok=True)
-        (self.spec.state_dir / "shim.pid").write_text(f"{os.getpid()}\n")
+        self.spec.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.spec.run_dir / "shim.pid").write_text(f"{os.getpid()}\n")
         rc = 0
         reason = "stopped"
         try:
@@ -145,7 +145,7 @@ class Shim:
             kernel=manifest.path(manifest.vmlinux),
             initrd=manifest.path(manifest.initrd),
             cmdline=manifest.cmdline,
-            state_dir=self.spec.state_dir,
+            state_dir=self.spec.run_dir,
             device_ids=tuple(d.device_id for d in self.spec.devices),
             memory_backend=self.spec.memory_backend,
         )
@@ -204,7 +204,7 @@ class Shim:
             t = self._phase("pin_proof_s", t)
             self.reporter.report(K.MEMORY_PINNED, **proof)
         self._check_stop()
-        self.agent = agent = AgentClient(spec.state_dir / "agent.sock")
+        self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
         agent.connect(10.0)
         hello = agent.wait_hello(spec.boot_timeout_s, cancelled=lambda: self._stop)
         self._check_stop()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.wire.reports import report_json
 
 REPORT_PATH = "/v1/shim-reports"
 
@@ -36,7 +37,7 @@ class Reporter:
 
     def report(self, kind: ShimReportKind, device_ids: tuple[str, ...] = (), /, **details: Any) -> ShimReport:
         r = ShimReport(self.sandbox_id, kind, device_ids, details, time.time(), self.start_id)
-        body = r.to_json()
+        body = report_json(r)
         if self.file_path is not None:
             self._append(self.file_path, body)
         elif self.socket_path is not None and not self._post(body):

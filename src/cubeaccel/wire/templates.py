@@ -27,97 +27,99 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class _Metadata(_Strict):
+class TemplateMetadata(_Strict):
     name: Name
     version: Name
     description: Annotated[StrictStr, Field(max_length=2000)] = ""
 
 
-class _Device(_Strict):
+class TemplateDevice(_Strict):
     vendor_id: HexId
     device_id: HexId
     labels: dict[StrictStr, StrictStr] = {}
     min_memory_gib: Annotated[StrictInt, Field(ge=0)] | None = None
 
 
-class _Accelerator(_Strict):
+class TemplateAccelerator(_Strict):
     class_: Annotated[Name, Field(alias="class")]
     backend: Name
-    devices: list[_Device]
+    devices: list[TemplateDevice]
 
 
-class _Digest(_Strict):
+class TemplateDigest(_Strict):
     digest: Name
 
 
-class _Kernel(_Strict):
+class TemplateKernel(_Strict):
     version: Name
     digest: Name
 
 
-class _ModulesImg(_Strict):
+class TemplateModulesImg(_Strict):
     kernel_version: Name
     digest: Name
 
 
-class _Init(_Strict):
+class TemplateInit(_Strict):
     load_modules: StrictBool = True
     persistence_mode: StrictBool = False
 
 
-class _Guest(_Strict):
-    image: _Digest
-    kernel: _Kernel
-    modules_img: _ModulesImg
-    init: _Init | None = None
+class TemplateGuest(_Strict):
+    image: TemplateDigest
+    kernel: TemplateKernel
+    modules_img: TemplateModulesImg
+    init: TemplateInit | None = None
 
 
-class _KernelDriver(_Strict):
+class TemplateKernelDriver(_Strict):
     module: Name
     version: Name
 
 
-class _Userspace(_Strict):
+class TemplateUserspace(_Strict):
     version: Name
     libraries: list[Name] = []
 
 
-class _Driver(_Strict):
-    kernel: _KernelDriver | None = None
-    userspace: _Userspace | None = None
+class TemplateDriver(_Strict):
+    kernel: TemplateKernelDriver | None = None
+    userspace: TemplateUserspace | None = None
 
 
-class _Cuda(_Strict):
+class TemplateCuda(_Strict):
     version: Name
     compatibility: Literal["toolkit", "minor_version"] = "toolkit"
 
 
-class _Memory(_Strict):
+class TemplateMemory(_Strict):
     size_mib: StrictInt
     pinned: StrictBool
 
 
-class _Probes(_Strict):
+class TemplateProbes(_Strict):
     modules: list[Name] = []
     device_files: list[Name] = []
     libraries: list[Name] = []
 
 
-class _Spec(_Strict):
-    accelerator: _Accelerator
-    guest: _Guest
-    driver: _Driver | None = None
-    cuda: _Cuda | None = None
-    memory: _Memory
+class TemplateSpec(_Strict):
+    accelerator: TemplateAccelerator
+    guest: TemplateGuest
+    driver: TemplateDriver | None = None
+    cuda: TemplateCuda | None = None
+    memory: TemplateMemory
     hotplug: StrictBool
-    probes: _Probes = _Probes()
+    probes: TemplateProbes = TemplateProbes()
 
 
-class _Document(_Strict):
-    apiVersion: StrictStr  # spelled as in the file
-    kind: StrictStr
-    metadata: _Metadata
-    spec: _Spec
+class TemplateDocument(_Strict):
+    """The template file as an operator writes it; `apiVersion` is its version (parse_template names a wrong one)."""
+
+    apiVersion: Literal["cubeaccel/v1"]  # spelled as in the file; = template_spec.API_VERSION
+    kind: Literal["AcceleratorTemplate"]  # = template_spec.KIND
+    metadata: TemplateMetadata
+    spec: TemplateSpec
 
 
 _CODES = {"extra_forbidden": "template.unknown_field", "missing": "template.missing_field"}
@@ -163,14 +165,14 @@ def parse_template(data: object, source: str = "template") -> Template:
             "template.wrong_kind", f"{source}: kind must be {KIND!r}, got {data.get('kind')!r}", "template", status=422
         )
     try:
-        doc = _Document.model_validate(data)
+        doc = TemplateDocument.model_validate(data)
     except ValidationError as e:
         raise _schema_error(e, source) from e
     return Template.from_json(doc.model_dump(by_alias=True))
 
 
-def loads_template(text: str, source: str = "template") -> Template:
-    """Parse YAML (a superset of JSON) text. Duplicate keys are not caught by PyYAML; JSON's are."""
+def loads_document(text: str, source: str = "template") -> object:
+    """YAML (a superset of JSON) text → the value it holds. Duplicate keys are not caught by PyYAML; JSON's are."""
     if len(text.encode()) > MAX_TEMPLATE_BYTES:
         raise CubeError(
             "template.too_large", f"{source}: larger than {MAX_TEMPLATE_BYTES} bytes", "template", status=422
@@ -186,11 +188,11 @@ def loads_template(text: str, source: str = "template") -> Template:
             data = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise CubeError("template.invalid_yaml", f"{source}: {e}", "template", status=422) from e
-    return parse_template(data, source)
+    return data
 
 
-def load_template(path: str | Path) -> Template:
-    """Read a template file (.yaml, .yml or .json)."""
+def load_document(path: str | Path) -> object:
+    """A template file's (.yaml, .yml or .json) value, unchecked: for sending to CubeMaster, which checks it."""
     p = Path(path)
     try:
         raw = p.read_bytes()[: MAX_TEMPLATE_BYTES + 1]
@@ -202,4 +204,13 @@ def load_template(path: str | Path) -> Template:
         text = raw.decode()
     except UnicodeDecodeError as e:
         raise CubeError("template.invalid_encoding", f"{p}: not UTF-8 ({e.reason})", "template", status=422) from e
-    return loads_template(text, str(p))
+    return loads_document(text, str(p))
+
+
+def loads_template(text: str, source: str = "template") -> Template:
+    return parse_template(loads_document(text, source), source)
+
+
+def load_template(path: str | Path) -> Template:
+    """Read a template file (.yaml, .yml or .json)."""
+    return parse_template(load_document(path), str(path))

@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import httpx
 
-from cubeaccel.http_reply import reply_body
+from cubeaccel.wire.http_reply import reply_body
 
 
 class CubeletClient:

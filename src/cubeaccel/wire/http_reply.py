@@ -1,4 +1,7 @@
-"""Client side of the API edge: a reply body, or the server's `{"error": {...}}` back as a `CubeError`."""
+"""Client side of the API edge: a reply body, or the server's `{"error": {...}}` back as a `CubeError`.
+
+A reply names its version in `v` (wire/base.py); one this client cannot read is refused, not half-read.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from typing import Any
 import httpx
 
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.base import WIRE_VERSION
 
 
 def reply_body(r: httpx.Response) -> Any:
@@ -22,5 +26,13 @@ def reply_body(r: httpx.Response) -> Any:
             err.get("layer", "api"),
             err.get("details", {}),
             r.status_code,
+        )
+    if isinstance(body, dict) and body.get("v", WIRE_VERSION) != WIRE_VERSION:
+        raise CubeError(
+            "api.unsupported_reply_version",
+            f"{r.request.method} {r.request.url.path}: reply of version {body['v']!r:.20}; this client reads v1",
+            "api",
+            {"v": body["v"]},
+            502,
         )
     return body

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.http_reply import reply_body
+from cubeaccel.wire.http_reply import reply_body
 
 
 class MasterClient:

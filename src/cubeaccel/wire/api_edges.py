@@ -1,0 +1,126 @@
+"""What every cubeaccel HTTP API does at its edge: one error format, stable codes, a body size limit, the docs.
+
+Cubelet and CubeMaster both install these, so a client sees the same `{"error": {code, layer, message,
+details}}` for a malformed body, an unknown field or an oversized request whichever component it calls.
+The served OpenAPI documents that error body (`ErrorReply`) for every route; there is no docs UI (FastAPI's
+Swagger UI and ReDoc pages load scripts from a CDN), only `/openapi.json` (docs/decisions.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+
+from cubeaccel.model.error_catalog import http_status
+from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.base import UNSUPPORTED_VERSION, Strict
+
+MAX_BODY = 1 << 20
+
+
+class ErrorDetail(Strict):
+    code: str  # stable, e.g. api.unknown_field, reserve.no_capacity
+    layer: str  # where it failed: api, template, host_hardware, guest_kernel, ...
+    message: str
+    details: dict[str, Any]
+
+
+class ErrorReply(Strict):
+    """The body of every error reply, whatever the status (`CubeError.to_json()`)."""
+
+    error: ErrorDetail
+
+
+def _err(description: str) -> dict[str, Any]:
+    return {"model": ErrorReply, "description": description}
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: _err("no such resource (`api.not_found`, `*.not_found`)"),
+    409: _err("refused in the current state (a conflict)"),
+    413: _err("request body too large (`api.body_too_large`)"),
+    422: _err("request rejected: malformed JSON, unknown field, bad value, unsupported version"),
+    "default": _err("any other error, in the same format"),
+}
+
+
+def api_app(title: str, body_models: tuple[type[BaseModel], ...] = ()) -> FastAPI:
+    """A FastAPI app with our edges, the error schema on every route and no CDN-loaded docs UI.
+
+    `body_models` are the models of bodies a route reads as a plain dict (to keep its own error code);
+    their schemas are added to the OpenAPI components so `json_body(name)` can refer to them.
+    """
+    app = FastAPI(title=title, version="1", docs_url=None, redoc_url=None, responses=ERROR_RESPONSES)
+    install_api_edges(app)
+    base_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = base_openapi()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in body_models:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in js.pop("$defs", {}).items():
+                    components.setdefault(name, sub)
+                components.setdefault(model.__name__, js)
+            for item in schema.get("paths", {}).values():  # a json_body() ref replaces FastAPI's bare-dict schema
+                for op in item.values():
+                    for media in op.get("requestBody", {}).get("content", {}).values():
+                        if "$ref" in media.get("schema", {}):
+                            media["schema"] = {"$ref": media["schema"]["$ref"]}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app
+
+
+def json_body(model: str) -> dict[str, Any]:
+    """`openapi_extra` for a route that reads its body as a dict: document it as `model`."""
+    schema = {"$ref": f"#/components/schemas/{model}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def error_response(e: CubeError) -> JSONResponse:
+    return JSONResponse(status_code=http_status(e.code, e.status), content=e.to_json())
+
+
+def validation_error(e: RequestValidationError) -> CubeError:
+    errs = e.errors()
+    code = "api.malformed_json" if any(x.get("type") == "json_invalid" for x in errs) else "api.invalid_request"
+    if any(x.get("type") == "extra_forbidden" for x in errs):
+        code = "api.unknown_field"
+    if any(x.get("type") == UNSUPPORTED_VERSION for x in errs):
+        code = "api.unsupported_version"
+    details = {"errors": [{"loc": list(x.get("loc", ())), "msg": x.get("msg"), "type": x.get("type")} for x in errs]}
+    msg = "request rejected: " + "; ".join(f"{'.'.join(map(str, x.get('loc', ())))}: {x.get('msg')}" for x in errs[:3])
+    return CubeError(code, msg, "api", details, 422)
+
+
+def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
+    @app.exception_handler(CubeError)
+    async def _cube_error(_: Request, e: CubeError) -> JSONResponse:
+        return error_response(e)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "api.not_found", 405: "api.method_not_allowed"}.get(e.status_code, "api.http_error")
+        return error_response(CubeError(code, str(e.detail), "api", {}, e.status_code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(e))
+
+    @app.middleware("http")
+    async def _limit(request: Request, call_next: Any) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > max_body):
+            return error_response(
+                CubeError("api.body_too_large", f"request body over {max_body} bytes", "api", {}, 413)
+            )
+        return await call_next(request)

@@ -1,0 +1,105 @@
+"""The two bases every wire model builds on: strict shapes, and messages that carry a version.
+
+A message names its version in `v` (`version` is taken: the heartbeat's `version` is the package's). A body
+without `v` is version 1, the shape every sender wrote before the field existed; any other value is refused
+with an `unsupported_version` error that names what this build reads, never half-parsed.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+WIRE_VERSION = 1
+UNSUPPORTED_VERSION = "unsupported_version"  # the pydantic error type; the edges turn it into a stable code
+
+
+class Strict(BaseModel):
+    """Unknown fields are refused: a typo or a newer sender's field fails loudly instead of being ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Lenient(BaseModel):
+    """Unknown fields are ignored: for documents read back from storage or sent by a newer peer."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+
+def _check_version(cls: type[BaseModel], value: Any) -> Any:
+    if isinstance(value, bool) or value != WIRE_VERSION:
+        raise PydanticCustomError(
+            UNSUPPORTED_VERSION,
+            "unsupported {kind} version {got}: this build reads v{known}",
+            {"kind": cls.__name__, "got": repr(value)[:40], "known": WIRE_VERSION},
+        )
+    return value
+
+
+class Message(Strict):
+    """A strict top-level message with its version."""
+
+    v: Literal[1] = 1
+
+    @field_validator("v", mode="before")
+    @classmethod
+    def _known_version(cls, value: Any) -> Any:
+        return _check_version(cls, value)
+
+
+class LenientMessage(Lenient):
+    """A lenient top-level message with its version (extra fields ignored, unknown versions still refused)."""
+
+    v: Literal[1] = 1
+
+    @field_validator("v", mode="before")
+    @classmethod
+    def _known_version(cls, value: Any) -> Any:
+        return _check_version(cls, value)
+
+
+def is_unsupported_version(e: ValidationError) -> bool:
+    return any(x.get("type") == UNSUPPORTED_VERSION for x in e.errors())
+
+
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """("devices", 0, "driver") → "devices[0].driver", as the hand validators named fields."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def finite(raw: Any) -> float:
+    """A finite JSON number: `"nan"`, NaN/Infinity literals and 1e400 would reach the database or the math."""
+    if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw):
+        raise ValueError(f"must be a finite number, got {raw!r:.40}")
+    return float(raw)
+
+
+def count(raw: Any) -> int:
+    """A whole number in 0..2^53 (device counts, MiB): what a JSON number carries exactly."""
+    value = finite(raw)
+    if not 0 <= value <= 2**53 or value != int(value):
+        raise ValueError(f"must be an integer in 0..2^53, got {raw!r:.40}")
+    return int(value)
+
+
+Finite = Annotated[float, BeforeValidator(finite)]
+Count = Annotated[int, BeforeValidator(count), Field(ge=0, le=2**53)]
+
+
+class Record(BaseModel):
+    """A reply's nested record: the documented fields are typed; any others pass through unchanged, so a reply
+    model never drops what a handler sends."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+
+class Reply(Record):
+    """A top-level reply body, with its version."""
+
+    v: Literal[1] = 1

@@ -1,0 +1,71 @@
+"""Cubelet → CubeMaster heartbeat (`PUT /v1/nodes/{node}`): the capacity summary plus what the node can boot.
+
+CubeMaster stores the body as sent and parses it again on every read, so this model reads every heartbeat an
+older Cubelet wrote: fields added since (readiness, pinned memory, guest images, hot-plug paths) have the
+defaults an older Cubelet meant, and unknown fields are ignored. `version` is the Cubelet's package version;
+the message's own version is `v`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, StrictBool, StrictStr, field_validator
+
+from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
+from cubeaccel.wire.base import Count, Finite, Lenient, LenientMessage, count
+from cubeaccel.wire.capacity import CapacitySummary
+
+PINNED_COUNTS = ("lockable_mib", "locked_mib", "free_mib", "vmm_overhead_mib", "vmm_overhead_per_vcpu_mib")
+
+
+def _none_is_empty(raw: Any) -> Any:
+    return [] if raw is None else raw
+
+
+class HostProblem(Lenient):
+    code: Annotated[str, BeforeValidator(str)]
+    message: Annotated[str, BeforeValidator(str)] = ""
+
+
+class Heartbeat(LenientMessage):
+    node: StrictStr
+    cubelet_url: StrictStr  # checked by CubeMaster (`node.invalid_url`) before the rest
+    version: Annotated[str, BeforeValidator(str)] = ""
+    capacity: CapacitySummary
+    pinnable_memory_mib: Count = 0  # free lockable memory: what a new sandbox may lock
+    pinned_memory: dict[str, Any] = {}  # the ledger (cubelet/memory_ledger.py); its counts are checked
+    ready: StrictBool = True
+    host_problems: Annotated[list[HostProblem], BeforeValidator(_none_is_empty)] = []
+    guest_images: list[dict[str, Any]] | None = None  # newest first; checked by model.node_facts
+    hotplug: list[Any] | None = None
+    sent_at: Finite | None = None  # Cubelet clock, read before the capacity: the summary is at least this fresh
+
+    @field_validator("pinned_memory", mode="before")
+    @classmethod
+    def _pinned_counts(cls, raw: Any) -> Any:
+        raw = raw or {}
+        if isinstance(raw, dict):
+            return {k: count(v) if k in PINNED_COUNTS else v for k, v in raw.items()}
+        return raw
+
+    @field_validator("guest_images", mode="after")
+    @classmethod
+    def _images(cls, raw: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        parse_guest_images(raw)  # a ValueError names what is wrong
+        return raw
+
+    @field_validator("hotplug", mode="after")
+    @classmethod
+    def _hotplug(cls, raw: list[Any] | None) -> list[Any] | None:
+        parse_hotplug(raw)
+        return raw
+
+    def images(self) -> tuple[GuestImageFact, ...]:
+        return parse_guest_images(self.guest_images)
+
+    def hotplug_paths(self) -> frozenset[str]:
+        return parse_hotplug(self.hotplug)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)

@@ -1,0 +1,175 @@
+"""CubeMaster HTTP request and reply bodies (docs/master.md). Requests are strict; replies type what they document."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictInt
+
+from cubeaccel.wire.base import Message, Record, Reply, Strict
+
+
+class StatusError(Strict):
+    code: str = Field(min_length=1, max_length=200)
+    layer: str = Field(min_length=1, max_length=64)
+    message: str = Field(default="", max_length=2000)
+    phase: str | None = Field(default=None, max_length=32)  # the Cubelet phase it failed in
+
+
+class StatusBody(Message):
+    """Cubelet's push for one sandbox: ready (guest validated), or failed with code and layer."""
+
+    phase: Literal["running", "failed"]
+    error: StatusError | None = None
+
+
+class SandboxBody(Message):
+    id: str | None = None
+    template: str | None = Field(default=None, min_length=1, max_length=401)
+    accelerators: Any = None
+    gpu: Any = None
+    memory_mib: StrictInt | None = Field(default=None, ge=64, le=16 << 20)
+    vcpus: StrictInt = Field(default=1, ge=1, le=256)
+    timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400)
+    tenant: str = Field(default="default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+class OperatorBody(Message):
+    """Like the Cubelet's operator body, but `reason` may be left out (node verbs need none); empty is a 422."""
+
+    who: str = Field(default="operator", min_length=1, max_length=200)
+    reason: str | None = Field(default=None, min_length=1, max_length=2000)
+
+
+class DefaultBody(Message):
+    template: str = Field(min_length=1, max_length=200)
+
+
+class Health(Reply):
+    status: Literal["ok"]
+    schema_version: int
+    db: str
+    errors: list[Any]  # the maintenance loop's last errors
+
+
+class HeartbeatAck(Reply):
+    node: str
+    state: str  # the operator state: ready | draining
+
+
+class NodeSummary(Record):
+    node: str
+    cubelet_url: str
+    version: str
+    state: str  # ready | draining | stale
+    schedulable: bool
+    ready: bool
+    host_problems: list[dict[str, Any]]
+    pinned_memory: dict[str, Any]
+    last_heartbeat_age_s: float
+    backends: list[str]
+    pinnable_memory_mib: int
+    guest_images: list[dict[str, Any]]
+    hotplug: list[str]
+    total: int
+    allocatable: int
+    groups: list[dict[str, Any]]
+
+
+class NodeReply(NodeSummary):
+    v: Literal[1] = 1
+
+
+class NodeList(Reply):
+    nodes: list[NodeSummary]
+
+
+class NodeVerbReply(Reply):
+    """drain/undrain: node, state, who; reconcile: what the reconcile did (its own fields)."""
+
+    node: str
+
+
+class ModelCapacity(Record):
+    total: int
+    allocatable: int
+
+
+class Capacity(Reply):
+    nodes: int
+    schedulable_nodes: int
+    by_state: dict[str, int]
+    total: int
+    allocatable: int
+    models: dict[str, ModelCapacity]  # "class/model" → counts
+
+
+class TemplateRef(Record):
+    name: str
+    version: str
+    accel_class: str = Field(alias="class")
+    digest: str
+    default: bool  # the class's default template
+
+
+class TemplateRow(TemplateRef):
+    created_at: float
+
+
+class TemplateRegistered(TemplateRef):
+    v: Literal[1] = 1
+    backend: str
+    created: bool  # false: the same document was registered before (idempotent)
+
+
+class TemplateShown(TemplateRow):
+    v: Literal[1] = 1
+    versions: list[str]
+    document: dict[str, Any]
+
+
+class TemplateList(Reply):
+    templates: list[TemplateRow]
+    defaults: dict[str, str]  # class → template name
+
+
+class TemplateDeleted(Reply):
+    deleted: int
+    template: str
+
+
+class DefaultSet(Reply):
+    accel_class: str = Field(alias="class")
+    template: str
+
+
+class Sandbox(Record):
+    """`sandbox_json`: one sandbox record."""
+
+    id: str
+    tenant: str
+    state: str
+    node: str | None
+    accel_class: str | None = Field(alias="class")
+    count: int | None
+    device_ids: Any
+    template: dict[str, Any] | None
+    request: Any
+    error: Any
+    timeline: Any
+    expires_at: float | None
+    created_at: float
+    updated_at: float
+
+
+class SandboxReply(Sandbox):
+    v: Literal[1] = 1
+
+
+class SandboxList(Reply):
+    sandboxes: list[Sandbox]
+
+
+class StatusReply(Reply):
+    state: str

@@ -1,0 +1,212 @@
+"""The shim's input: the spec Cubelet writes for one sandbox, one pydantic model for both sides.
+
+Cubelet builds a `ShimSpec` (the driver that launches a process adds where it lives and reports), writes it
+as JSON, and the shim reads it back with `load_spec`. Every refusal is `shim.invalid_spec` with
+details.field naming the field, because the spec crosses a process boundary and a wrong value must fail before
+a VMM is started, never halfway through a hot-plug.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BeforeValidator,
+    Field,
+    PlainSerializer,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic import (
+    Strict as StrictMode,
+)
+
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.ids import SANDBOX_ID_RE
+from cubeaccel.model.node_facts import DIGEST
+from cubeaccel.wire.base import Message, Strict, field_path
+
+_START_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
+_QDEV_PROP = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+MAX_DEVICES = 4  # root ports per VM; fixed so template state matches every sandbox's machine
+SHIM_LIMITS = {"max_devices": MAX_DEVICES}  # validation context for a spec a real shim runs
+
+
+def bad_spec(field_name: str, message: str) -> CubeError:
+    return CubeError(
+        "shim.invalid_spec", f"{field_name}: {message}", layer="template", details={"field": field_name}, status=422
+    )
+
+
+def _hex16(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 0xFFFF:
+        return value
+    if isinstance(value, str) and re.fullmatch(r"(?:0x)?[0-9a-fA-F]{4}", value):
+        return int(value[-4:], 16)
+    raise ValueError(f"must be a 16-bit PCI id (4 hex digits), got {value!r:.40}")
+
+
+def _abs_path(value: object) -> object:
+    if isinstance(value, Path):
+        value = str(value)
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise ValueError("must be an absolute path")
+    return Path(value)
+
+
+def _qdev_name(value: object) -> object:
+    if not isinstance(value, str) or not _QDEV_PROP.fullmatch(value):
+        raise ValueError(f"not a device driver name: {value!r:.40}")
+    return value
+
+
+# Written as Cubelet always wrote them ("10de"); read as 4 hex digits, 0x-prefixed or not, or a JSON integer.
+PciId = Annotated[int, BeforeValidator(_hex16), PlainSerializer(lambda v: f"{v:04x}", return_type=str)]
+AbsPath = Annotated[Path, BeforeValidator(_abs_path)]
+Seconds = Annotated[float, StrictMode(), Field(gt=0, le=3600)]
+
+
+class DeviceSpec(Strict):
+    device_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]  # Cubelet's id: emulated-0000:e0:00.0
+    driver: Annotated[str, BeforeValidator(_qdev_name)]  # QMP device_add driver: edu, vfio-pci
+    properties: dict[str, str] = {}
+    vendor_id: PciId
+    device_id_hex: PciId  # the PCI device id the guest must see
+    address: StrictStr | None = None  # the host PCI address (Cubelet's; the shim attaches by `properties`)
+
+    @field_validator("properties", mode="before")
+    @classmethod
+    def _plain_properties(cls, value: object) -> object:
+        if (
+            not isinstance(value, dict)
+            or not all(
+                isinstance(k, str) and _QDEV_PROP.fullmatch(k) and isinstance(v, str) and _QDEV_PROP.fullmatch(v)
+                for k, v in value.items()
+            )
+            or {"id", "bus", "driver"} & set(value)
+        ):
+            raise ValueError("must map names to plain values (id/bus/driver are the shim's)")
+        return value
+
+    @property
+    def vendor_device(self) -> str:
+        return f"{self.vendor_id:04x}:{self.device_id_hex:04x}"
+
+
+class ShimSpec(Message):
+    """What one shim run does. Cubelet's lifecycle fills the sandbox's half; the process driver adds
+    `state_dir`, `report`, `start`, the timeouts and `image_check` before writing the file."""
+
+    sandbox_id: StrictStr
+    devices: tuple[DeviceSpec, ...] = ()
+    memory_mib: Annotated[StrictInt, Field(ge=64, le=4 * 1024 * 1024)]
+    vcpus: Annotated[StrictInt, Field(ge=1, le=256)] = 1
+    pin_memory: StrictBool = True
+    contract: dict[str, Any] | None = None
+    start_id: Annotated[StrictStr, Field(pattern=_START_ID.pattern)] | None = None  # echoed in every report
+    image_digest: Annotated[StrictStr, Field(pattern=f"^{DIGEST.pattern}$")] | None = None  # the guest to boot
+    hotplug: StrictBool = True  # the contract's attach expectation: true = hot-plug after boot (the only path)
+    image_manifest: AbsPath | None = None  # an explicit image (tools, benchmarks); None: the cache's image_digest
+    start: Literal["cold", "template"] = "cold"
+    state_dir: AbsPath | None = None  # required by the shim (load_spec); set by the driver that launches it
+    report: dict[str, str] | None = None  # {"socket": PATH} or {"file": PATH}; required by the shim
+    detach_timeout_s: Seconds = 10.0
+    boot_timeout_s: Seconds = 60.0
+    memory_backend: Literal["ram", "memfd", "hugepages"] = "ram"
+    image_check: Literal["report", "enforce"] = "report"  # enforce: a mismatch fails before the VM starts
+
+    @field_validator("sandbox_id")
+    @classmethod
+    def _sandbox_id(cls, value: str) -> str:
+        """Sandbox ids end up in argv tags, file names and /proc scans: letters, digits, `_.-`, ≤ 63."""
+        if not SANDBOX_ID_RE.fullmatch(value):
+            raise ValueError(f"must match {SANDBOX_ID_RE.pattern}, got {value!r:.80}")
+        return value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _few(cls, value: object, info: ValidationInfo) -> object:
+        """The count first: five malformed devices are "too many devices", not a complaint about the first.
+
+        The bound is the shim's machine (MAX_DEVICES root ports), given as `context={"max_devices": n}` where a
+        spec is read for a real shim; a simulated node's shim takes more."""
+        limit = (info.context or {}).get("max_devices")
+        if not isinstance(value, list | tuple) or (limit is not None and len(value) > limit):
+            raise ValueError(f"must be a list of at most {limit} devices")
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _distinct(cls, value: tuple[DeviceSpec, ...]) -> tuple[DeviceSpec, ...]:
+        if len({d.device_id for d in value}) != len(value):
+            raise ValueError("device ids must be distinct")
+        return value
+
+    @field_validator("report", mode="before")
+    @classmethod
+    def _one_target(cls, value: object) -> object:
+        if value is None:
+            return value
+        if not isinstance(value, dict) or len(value) != 1 or not {"socket", "file"} & set(value):
+            raise ValueError('must be {"socket": PATH} or {"file": PATH}')
+        target = next(iter(value.values()))
+        if not isinstance(target, str) or not target.startswith("/"):
+            raise ValueError("path must be absolute")
+        return value
+
+    @property
+    def run_dir(self) -> Path:
+        """The shim's state directory; parse_spec has made sure there is one."""
+        if self.state_dir is None:
+            raise bad_spec("state_dir", "must be an absolute path")
+        return self.state_dir
+
+    @property
+    def report_socket(self) -> Path | None:
+        return Path(self.report["socket"]) if self.report and "socket" in self.report else None
+
+    @property
+    def report_file(self) -> Path | None:
+        return Path(self.report["file"]) if self.report and "file" in self.report else None
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def spec_error(e: ValidationError) -> CubeError:
+    """The outermost failure names the field (a list too long before the items in it)."""
+    errs = sorted(e.errors(), key=lambda x: len(x["loc"]))
+    first = errs[0]
+    name = field_path(first["loc"]) or "spec"
+    msg = first["msg"].removeprefix("Value error, ")
+    return bad_spec(name, msg + (f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""))
+
+
+def parse_spec(data: object) -> ShimSpec:
+    """A spec the shim can run: valid, and saying where the shim keeps its state and sends its reports."""
+    if not isinstance(data, dict):
+        raise bad_spec("spec", "must be a JSON object")
+    try:
+        spec = ShimSpec.model_validate(data, context=SHIM_LIMITS)
+    except ValidationError as e:
+        raise spec_error(e) from e
+    if spec.state_dir is None:
+        raise bad_spec("state_dir", "must be an absolute path")
+    if spec.report is None:
+        raise bad_spec("report", 'must be {"socket": PATH} or {"file": PATH}')
+    return spec
+
+
+def load_spec(path: Path) -> ShimSpec:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CubeError("shim.invalid_spec", f"cannot read spec {path}: {e}", layer="template", status=422) from e
+    return parse_spec(data)
