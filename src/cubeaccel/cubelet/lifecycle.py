@@ -31,9 +31,11 @@ from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
+P, RE = ReservationPhase, ReservationEvent
 MAX_COUNT = 64
 __all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
 
@@ -136,7 +138,7 @@ class Cubelet(ReleasePath):
         with self.lock, self.store.tx() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
-                if existing.phase == "releasing":
+                if existing.phase is P.RELEASING:
                     raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is still being released")
                 if existing.params == params:
                     return existing
@@ -179,7 +181,7 @@ class Cubelet(ReleasePath):
                     details={"template": req.template, "memory_mib": req.memory_mib},
                 )
             res = Reservation(
-                sandbox_id, params, [d.id for d in chosen], "reserved", t.now, t.now + self.config.reservation_ttl_s
+                sandbox_id, params, [d.id for d in chosen], P.RESERVED, t.now, t.now + self.config.reservation_ttl_s
             )
             t.insert_reservation(res)
             t.event(
@@ -195,8 +197,8 @@ class Cubelet(ReleasePath):
         with self.lock:
             with self.store.tx() as t:
                 res = self._reservation(t, sandbox_id)
-                if res.phase != "reserved":
-                    if res.phase in ("starting", "running"):
+                if res.phase is not P.RESERVED:
+                    if res.phase in STARTED_PHASES:
                         return res
                     raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is being released")
                 devs = self._sandbox_devices(t, sandbox_id)
@@ -213,7 +215,8 @@ class Cubelet(ReleasePath):
                 else:
                     for d in devs:
                         t.transition(d, E.PREPARE, Actor.CUBELET)
-                    res.phase, res.expires_at = "starting", None
+                    res.fire(RE.START)
+                    res.expires_at = None
                     res.facts["shim_started"] = True  # intent recorded before the act
                     res.facts["started_at"] = t.now
                     res.facts["start_id"] = uuid.uuid4().hex[:16]
@@ -341,11 +344,11 @@ class Cubelet(ReleasePath):
                 ready = (
                     k is ShimReportKind.GUEST_VALIDATED
                     and not violations
-                    and res.phase == "starting"
+                    and res.phase is P.STARTING
                     and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
                 )
                 if ready:  # ready means ready: every device attached *and* validated in the guest
-                    res.phase = "running"
+                    res.fire(RE.READY)
                     res.facts["running_at"] = t.now
                     t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
                 t.update_reservation(res)

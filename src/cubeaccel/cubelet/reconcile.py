@@ -14,6 +14,7 @@ from cubeaccel.cubelet import backend_facts, host_ready
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
+from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
@@ -60,7 +61,7 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.no_reservation")
         _record(cubelet, repairs, Repair(d.id, sid, "quarantined", "tenant state without a reservation"))
         return
-    if res.phase == "releasing":
+    if res.phase is ReservationPhase.RELEASING:
         return  # the release path below owns it
     if not res.facts.get("shim_started"):
         return  # reserved, not started: the TTL covers it
@@ -137,7 +138,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
                 for report in late:
                     cubelet.handle_report(report)
         for res in cubelet.store.reservations():
-            if res.phase == "releasing":
+            if res.phase is ReservationPhase.RELEASING:
                 cubelet.try_release(res.sandbox_id)
         _released_without_reservation(cubelet, repairs)
         for sid in cubelet.expire_reservations():

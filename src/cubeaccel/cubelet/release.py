@@ -18,9 +18,11 @@ from cubeaccel.backends.base import Backend, Problem
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
+P, RE = ReservationPhase, ReservationEvent
 USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
 StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
 
@@ -85,10 +87,11 @@ class ReleasePath:
                 res = t.reservation(sandbox_id)
                 if res is None:
                     return
-                first = res.phase != "releasing"
+                first = res.phase is not P.RELEASING
                 if first:
-                    was = res.phase
-                    res.phase, res.releasing_since = "releasing", t.now
+                    was = res.phase.value
+                    res.fire(RE.TEARDOWN)
+                    res.releasing_since = t.now
                     res.facts["release_reason"] = reason
                     if reason != USER_RELEASE:
                         failure = {"code": reason, "layer": layer, "message": message[:500] or reason, "phase": was}
@@ -243,7 +246,7 @@ class ReleasePath:
         expired = [
             r.sandbox_id
             for r in self.store.reservations()
-            if r.phase == "reserved" and r.expires_at is not None and r.expires_at < now
+            if r.phase is P.RESERVED and r.expires_at is not None and r.expires_at < now
         ]
         for sid in expired:
             with self.store.tx() as t:

@@ -25,6 +25,7 @@ from cubeaccel.model.device import (
     PciAddress,
 )
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase, next_phase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
 
 
@@ -57,11 +58,15 @@ class Reservation:
     sandbox_id: str
     params: dict[str, Any]
     device_ids: list[str]
-    phase: str  # reserved | starting | running | releasing
+    phase: ReservationPhase
     created_at: float
     expires_at: float | None
     facts: dict[str, Any] = field(default_factory=dict)
     releasing_since: float | None = None
+
+    def fire(self, event: ReservationEvent) -> None:
+        """Change the phase through the table (`reservation.transition_refused` if it does not allow it)."""
+        self.phase = next_phase(self.phase, event)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -94,7 +99,7 @@ def _row_to_reservation(r: sqlite3.Row) -> Reservation:
         sandbox_id=r["sandbox_id"],
         params=json.loads(r["params"]),
         device_ids=json.loads(r["device_ids"]),
-        phase=r["phase"],
+        phase=ReservationPhase(r["phase"]),
         created_at=r["created_at"],
         expires_at=r["expires_at"],
         facts=json.loads(r["facts"]),
@@ -223,7 +228,7 @@ class Tx:
                 res.sandbox_id,
                 json.dumps(res.params, sort_keys=True),
                 json.dumps(res.device_ids),
-                res.phase,
+                res.phase.value,
                 res.created_at,
                 res.expires_at,
                 json.dumps(res.facts),
@@ -234,7 +239,7 @@ class Tx:
     def update_reservation(self, res: Reservation) -> None:
         self.c.execute(
             "UPDATE reservations SET phase=?, expires_at=?, facts=?, releasing_since=? WHERE sandbox_id=?",
-            (res.phase, res.expires_at, json.dumps(res.facts), res.releasing_since, res.sandbox_id),
+            (res.phase.value, res.expires_at, json.dumps(res.facts), res.releasing_since, res.sandbox_id),
         )
 
     def delete_reservation(self, sandbox_id: str) -> None:

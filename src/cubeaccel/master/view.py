@@ -19,6 +19,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
 from cubeaccel.model.pinned_memory import sandbox_locked_mib
 from cubeaccel.model.profiles import PROFILES
+from cubeaccel.model.sandbox_states import NodeState
 
 # model label → (vendor_id, device_id), for summaries whose group labels omit the ids
 _IDS_BY_MODEL = {p.model: (f"{v:04x}", f"{d:04x}") for (v, d), p in PROFILES.items()}
@@ -41,7 +42,7 @@ class Group:
 class NodeView:
     name: str
     cubelet_url: str
-    state: str  # ready | draining (operator verb); staleness is derived from received_at
+    state: str  # a NodeState (operator verb); staleness is derived from received_at
     received_at: float  # master clock
     sent_at: float  # Cubelet clock (compared with Cubelet-clock reservation times only)
     version: str
@@ -85,7 +86,7 @@ class NodeView:
             "cubelet_url": self.cubelet_url,
             "version": self.version,
             "state": "stale" if self.stale(now, staleness_s) else self.state,
-            "schedulable": self.state == "ready" and self.host_ready and not self.stale(now, staleness_s),
+            "schedulable": self.state == NodeState.READY and self.host_ready and not self.stale(now, staleness_s),
             "ready": self.host_ready,
             "host_problems": [{"code": c, "message": m} for c, m in self.host_problems],
             "pinned_memory": {
@@ -202,7 +203,7 @@ def _host_fields(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"host_ready": ready, "host_problems": problems, "pinned": pinned}
 
 
-def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = "ready") -> NodeView:
+def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = NodeState.READY) -> NodeView:
     """Validate a heartbeat body (the agreed shape) into a view; malformed bodies are 422s."""
     url = cubelet_url(body.get("cubelet_url"))
     try:
