@@ -217,10 +217,11 @@ class Cubelet(ReleasePath):
                         t.transition(d, E.PREPARE, Actor.CUBELET)
                     res.fire(RE.START)
                     res.expires_at = None
-                    res.facts["shim_started"] = True  # intent recorded before the act
-                    res.facts["started_at"] = t.now
-                    res.facts["start_id"] = uuid.uuid4().hex[:16]
-                    res.facts["image_digest"] = self._image_digest(res)  # what the shim boots, by digest
+                    cp = res.checkpoint
+                    cp.shim_started = True  # intent recorded before the act
+                    cp.started_at = t.now
+                    cp.start_id = uuid.uuid4().hex[:16]
+                    cp.image_digest = self._image_digest(res)  # what the shim boots, by digest
                     t.update_reservation(res)
                     start_ok = True
             if not start_ok:
@@ -271,8 +272,8 @@ class Cubelet(ReleasePath):
             int(p["vcpus"]),
             bool(p["pin_memory"]),
             p.get("contract"),
-            res.facts.get("start_id"),
-            image_digest=res.facts.get("image_digest") or self._image_digest(res),
+            res.checkpoint.start_id,
+            image_digest=res.checkpoint.image_digest or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
         )
 
@@ -302,7 +303,7 @@ class Cubelet(ReleasePath):
         with self.lock:
             with self.store.tx() as t:
                 res = t.reservation(sid)
-                expected = res.facts.get("start_id") if res else None
+                expected = res.checkpoint.start_id if res else None
                 if expected is not None and report.start_id != expected:
                     # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
                     t.event(
@@ -318,28 +319,24 @@ class Cubelet(ReleasePath):
                 t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
                 if res is None:
                     return
-                k = report.kind
+                k, cp = report.kind, res.checkpoint
                 if k is ShimReportKind.VM_STARTED:
-                    res.facts["vmm_pid"] = report.details.get("pid")
+                    pid = report.details.get("pid")
+                    cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
                 elif k is ShimReportKind.DEVICE_ATTACHED:
                     named = set(report.device_ids)  # one report per device; none named means all
                     devs = self._sandbox_devices(t, sid)
-                    addresses = res.facts.setdefault("guest_addresses", {})
+                    addresses = cp.guest_addresses
                     for d in devs:
                         if d.state is S.PREPARING and (not named or d.id in named):
                             t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
                             if isinstance(report.details.get("guest_address"), str):
                                 addresses[d.id] = report.details["guest_address"]
                 elif k is ShimReportKind.DEVICE_DETACHED:
-                    detached = set(res.facts.get("detached", []))
-                    detached |= set(report.device_ids or res.device_ids)
-                    res.facts["detached"] = sorted(detached)
-                elif k is ShimReportKind.DETACH_TIMEOUT:
-                    res.facts["detach_timeout"] = True
-                elif k is ShimReportKind.VMM_EXITED:
-                    res.facts["vmm_exited"] = True
+                    cp.detached = sorted(set(cp.detached) | set(report.device_ids or res.device_ids))
                 elif k is ShimReportKind.SHIM_EXITING:
-                    res.facts["shim_exited"] = True
+                    cp.shim_exited = True
+                # detach_timeout and vmm_exited are history (the shim_report event above), not release evidence
                 violations = self._judge_guest(t, res, report)
                 ready = (
                     k is ShimReportKind.GUEST_VALIDATED
@@ -349,7 +346,6 @@ class Cubelet(ReleasePath):
                 )
                 if ready:  # ready means ready: every device attached *and* validated in the guest
                     res.fire(RE.READY)
-                    res.facts["running_at"] = t.now
                     t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
                 t.update_reservation(res)
             det = report.details
@@ -400,9 +396,7 @@ class Cubelet(ReleasePath):
             )
             return [ContractViolation(Layer.GUEST_KERNEL, "guest.report_malformed", "a GuestReport", str(e))]
         if contract is None:
-            violations = check_minimal(
-                self._sandbox_devices(t, res.sandbox_id), res.facts.get("guest_addresses", {}), guest
-            )
+            violations = check_minimal(self._sandbox_devices(t, res.sandbox_id), res.checkpoint.guest_addresses, guest)
         else:
             violations = check_guest(CompatibilityContract.from_json(contract), guest)
         t.event(

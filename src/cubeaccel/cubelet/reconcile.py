@@ -63,7 +63,7 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
         return
     if res.phase is ReservationPhase.RELEASING:
         return  # the release path below owns it
-    if not res.facts.get("shim_started"):
+    if not res.checkpoint.shim_started:
         return  # reserved, not started: the TTL covers it
     st = cubelet.shim.status(res.sandbox_id)
     if st.vmm_alive is None:
@@ -73,8 +73,8 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.vmm_state_unknown")
         _record(cubelet, repairs, Repair(d.id, sid, "quarantined", "cannot tell whether the VMM runs"))
     elif not st.vmm_alive:
-        if st.shim_alive and not res.facts.get("vmm_pid"):
-            started = float(res.facts.get("started_at", 0.0))
+        if st.shim_alive and not res.checkpoint.vmm_pid:
+            started = res.checkpoint.started_at or 0.0
             if float(cubelet.store.clock()) - started <= cubelet.config.startup_timeout_s:
                 return  # the shim is still starting its VMM
             _record(cubelet, repairs, Repair(d.id, sid, "teardown", "the shim did not start a VMM in time"))

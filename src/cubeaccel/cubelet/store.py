@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.cubelet.schema import MIGRATIONS, SCHEMA_VERSION
+from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.device import (
     AcceleratorClass,
     DeviceIdentity,
@@ -53,7 +54,7 @@ class Event:
 
 @dataclass
 class Reservation:
-    """A sandbox's claim on devices. `facts` are host evidence reported on the release path."""
+    """A sandbox's claim on devices; `checkpoint` is what Cubelet recorded about its start and release."""
 
     sandbox_id: str
     params: dict[str, Any]
@@ -61,7 +62,7 @@ class Reservation:
     phase: ReservationPhase
     created_at: float
     expires_at: float | None
-    facts: dict[str, Any] = field(default_factory=dict)
+    checkpoint: ReservationCheckpoint = field(default_factory=ReservationCheckpoint)
     releasing_since: float | None = None
 
     def fire(self, event: ReservationEvent) -> None:
@@ -69,7 +70,17 @@ class Reservation:
         self.phase = next_phase(self.phase, event)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The API's shape; the checkpoint keeps its old wire name, `facts`."""
+        return {
+            "sandbox_id": self.sandbox_id,
+            "params": self.params,
+            "device_ids": self.device_ids,
+            "phase": self.phase.value,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "facts": self.checkpoint.to_json(),
+            "releasing_since": self.releasing_since,
+        }
 
 
 _KEEP = object()
@@ -102,7 +113,7 @@ def _row_to_reservation(r: sqlite3.Row) -> Reservation:
         phase=ReservationPhase(r["phase"]),
         created_at=r["created_at"],
         expires_at=r["expires_at"],
-        facts=json.loads(r["facts"]),
+        checkpoint=ReservationCheckpoint.from_json(json.loads(r["checkpoint"])),
         releasing_since=r["releasing_since"],
     )
 
@@ -222,7 +233,8 @@ class Tx:
 
     def insert_reservation(self, res: Reservation) -> None:
         self.c.execute(
-            "INSERT INTO reservations (sandbox_id,params,device_ids,phase,created_at,expires_at,facts,releasing_since)"
+            "INSERT INTO reservations (sandbox_id,params,device_ids,phase,created_at,expires_at,checkpoint,"
+            "releasing_since)"
             " VALUES (?,?,?,?,?,?,?,?)",
             (
                 res.sandbox_id,
@@ -231,15 +243,21 @@ class Tx:
                 res.phase.value,
                 res.created_at,
                 res.expires_at,
-                json.dumps(res.facts),
+                json.dumps(res.checkpoint.to_json()),
                 res.releasing_since,
             ),
         )
 
     def update_reservation(self, res: Reservation) -> None:
         self.c.execute(
-            "UPDATE reservations SET phase=?, expires_at=?, facts=?, releasing_since=? WHERE sandbox_id=?",
-            (res.phase.value, res.expires_at, json.dumps(res.facts), res.releasing_since, res.sandbox_id),
+            "UPDATE reservations SET phase=?, expires_at=?, checkpoint=?, releasing_since=? WHERE sandbox_id=?",
+            (
+                res.phase.value,
+                res.expires_at,
+                json.dumps(res.checkpoint.to_json()),
+                res.releasing_since,
+                res.sandbox_id,
+            ),
         )
 
     def delete_reservation(self, sandbox_id: str) -> None:
@@ -326,9 +344,13 @@ class Store:
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 self._conn.execute("BEGIN IMMEDIATE")
                 try:
-                    for stmt in MIGRATIONS[v].split(";"):
-                        if stmt.strip():
-                            self._conn.execute(stmt)
+                    step = MIGRATIONS[v]
+                    if callable(step):
+                        step(self._conn)
+                    else:
+                        for stmt in step.split(";"):
+                            if stmt.strip():
+                                self._conn.execute(stmt)
                     self._conn.execute(f"PRAGMA user_version={v}")
                     self._conn.execute("COMMIT")
                 except BaseException:
