@@ -20,6 +20,7 @@ from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.cubelet_client import CubeletClient
 from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.e2e.master_harness import free_port
@@ -185,8 +186,9 @@ def test_reconcile_does_not_lose_a_create_that_completes_while_it_reads_the_cube
         assert master.store.update_sandbox(
             "sb-race",
             "reserved",
-            expect=("placing",),
-            state="running",
+            expect=(SandboxState.PLACING,),
+            event=SandboxEvent.READY,
+            by=SandboxActor.PLACEMENT,
             device_ids=devices,
             cubelet_created_at=time.time(),
         )

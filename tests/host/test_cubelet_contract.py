@@ -63,7 +63,7 @@ def test_guest_report_without_the_nvidia_driver_tears_the_sandbox_down(node: Nod
         pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "030200"},),
     )
     # Even a shim that claims success is judged again on the host.
-    start_id = node.cubelet.store.reservation("sb").facts["start_id"]  # type: ignore[union-attr]
+    start_id = node.cubelet.store.reservation("sb").checkpoint.start_id  # type: ignore[union-attr]
     node.cubelet.handle_report(
         ShimReport("sb", ShimReportKind.GUEST_VALIDATED, (dev,), {"report": report.to_json()}, 0.0, start_id)
     )
@@ -109,7 +109,7 @@ def test_the_shim_is_told_the_contracts_pinned_image_by_digest(node: Node) -> No
     node.cubelet.reserve("sb", ReservationRequest(count=1, contract=contract))
     res = node.cubelet.start("sb")
     pinned = contract["document"]["spec"]["guest"]["image"]["digest"]
-    assert res is not None and res.facts["image_digest"] == pinned
+    assert res is not None and res.checkpoint.image_digest == pinned
     assert [r["image_digest"] for r in _shim_reports(node, "sb", "vm_started")] == [pinned]
 
 
@@ -117,7 +117,7 @@ def test_a_sandbox_without_a_contract_boots_the_nodes_default_image_recorded_by_
     node.cubelet.reserve("sb", ReservationRequest(count=1))
     res = node.cubelet.start("sb")
     default = node.shim.node_facts().default_image
-    assert default is not None and res is not None and res.facts["image_digest"] == default
+    assert default is not None and res is not None and res.checkpoint.image_digest == default
     assert [r["image_digest"] for r in _shim_reports(node, "sb", "vm_started")] == [default]
 
 

@@ -290,19 +290,22 @@ def test_a_shim_still_starting_its_vmm_is_not_mistaken_for_a_dead_vm(node: Node)
         ({}, None, None, True),  # never started: nothing can hold it
         ({"shim_started": True}, True, False, False),  # shim alive, VMM not (yet) there: may still appear
         ({"shim_started": True}, False, False, True),
-        ({"shim_started": True, "vmm_exited": True}, True, False, False),  # a report is not evidence: the shim lives
+        ({"shim_started": True, "shim_exited": True}, True, False, True),  # its final report: it starts nothing
+        ({"shim_started": True, "shim_exited": True}, True, True, False),  # …but a live VMM is a live VMM
         ({"shim_started": True}, True, True, False),
         ({"shim_started": True}, None, None, None),  # cannot tell: the caller quarantines
     ],
 )
 def test_vmm_gone_needs_host_evidence_that_no_vmm_can_appear(
-    facts: dict[str, object], shim: bool | None, vmm: bool | None, gone: bool | None
+    facts: dict[str, bool], shim: bool | None, vmm: bool | None, gone: bool | None
 ) -> None:
     from cubeaccel.cubelet.lifecycle import Cubelet
     from cubeaccel.cubelet.shim_driver import ShimStatus
     from cubeaccel.cubelet.store import Reservation
+    from cubeaccel.model.checkpoint import ReservationCheckpoint
+    from cubeaccel.model.reservation_states import ReservationPhase
 
-    res = Reservation("sb", {}, [], "releasing", 0.0, None, facts=dict(facts))
+    res = Reservation("sb", {}, [], ReservationPhase.RELEASING, 0.0, None, ReservationCheckpoint(**facts))
     assert Cubelet.vmm_gone(res, ShimStatus(shim, vmm)) is gone
 
 
@@ -336,7 +339,7 @@ def test_a_stale_or_forged_vmm_exited_report_frees_nothing(node: Node) -> None:
         "shim.report_stale",
     ]
     # Even a genuine vmm_exited is not evidence while the shim lives: it might still start a VMM.
-    genuine = node.cubelet.store.reservation("sb").facts["start_id"]  # type: ignore[union-attr]
+    genuine = node.cubelet.store.reservation("sb").checkpoint.start_id  # type: ignore[union-attr]
     node.shim.slow_start.discard("sb")
     node.host.kill = lambda pid: False  # type: ignore[method-assign]  # shim and VMM both refuse to die
     node.cubelet.handle_report(ShimReport("sb", ShimReportKind.VMM_EXITED, (dev,), {}, 0.0, genuine))
@@ -445,7 +448,7 @@ def test_without_a_contract_the_device_must_still_be_seen_where_it_was_plugged(n
     node.shim.slow_start.add("sb-min")
     res = node.cubelet.reserve("sb-min", ReservationRequest(count=1))
     node.cubelet.start("sb-min")
-    start_id = node.cubelet.store.reservation("sb-min").facts["start_id"]  # type: ignore[union-attr]
+    start_id = node.cubelet.store.reservation("sb-min").checkpoint.start_id  # type: ignore[union-attr]
     dev = res.device_ids[0]
 
     def report(kind: ShimReportKind, **details: Any) -> None:

@@ -11,8 +11,10 @@ from cubeaccel.cubelet.heartbeat import heartbeat_body
 from cubeaccel.cubelet.lifecycle import CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.memory_ledger import ledger
 from cubeaccel.cubelet.store import Reservation
+from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import QEMU_LOCKED_OVERHEAD_MIB, QEMU_LOCKED_PER_VCPU_MIB
+from cubeaccel.model.reservation_states import ReservationPhase as P
 from cubeaccel.model.states import DeviceState
 from tests.cubelet_harness import Node
 
@@ -91,8 +93,8 @@ def test_without_a_configured_size_lockable_is_memavailable_plus_what_started_vm
 ) -> None:
     monkeypatch.setattr("cubeaccel.cubelet.memory_ledger.available_mib", lambda: 10_000)
     params = {"memory_mib": 1000, "vcpus": 1, "pin_memory": True}
-    started = Reservation("s", params, [], "running", 0.0, None, {"shim_started": True})
-    waiting = Reservation("w", params, [], "reserved", 0.0, None, {})
+    started = Reservation("s", params, [], P.RUNNING, 0.0, None, ReservationCheckpoint(shim_started=True))
+    waiting = Reservation("w", params, [], P.RESERVED, 0.0, None)
     led = ledger([started, waiting], None)
     one = 1000 + QEMU_LOCKED_OVERHEAD_MIB
     assert (led.source, led.lockable_mib, led.locked_mib, led.free_mib) == (

@@ -118,7 +118,7 @@ class VfioNode:
 
     def report(self, kind: ShimReportKind, **details: Any) -> None:
         res = self.cubelet.store.reservation(self.sid)
-        start_id = res.facts.get("start_id") if res else None
+        start_id = res.checkpoint.start_id if res else None
         dev_ids = tuple(res.device_ids) if res else ()
         self.cubelet.handle_report(ShimReport(self.sid, kind, dev_ids, details, 0.0, start_id))
 

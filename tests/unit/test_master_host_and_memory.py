@@ -15,6 +15,7 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import view_from_heartbeat
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
+from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
 from tests.unit.master_builders import group, h100_contract, heartbeat, view
 
 H100 = "H100-SXM5-80GB"
@@ -114,7 +115,9 @@ def test_a_heartbeat_that_shows_the_reservation_absorbs_the_memory_claim(tmp_pat
         }
     )
     assert store.claim("a", "n", key, 1, now, 10, 40 * GIB + 400)
-    store.update_sandbox("a", "reserved", state="running", cubelet_created_at=1500.0)
+    store.update_sandbox(
+        "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
+    )
     assert store.all_node_views()[0].free_pinnable_mib() == 60 * GIB - 400
     hb = heartbeat("n", group(H100, 8, free=7), pinnable=60 * GIB - 400, pinned=LEDGER)
     hb["sent_at"] = 1501.0

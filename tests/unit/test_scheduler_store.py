@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.master.store import MasterStore
+from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxEvent
 from tests.unit.master_builders import group, heartbeat
 
 H100 = "H100-SXM5-80GB"
@@ -59,7 +60,9 @@ def test_a_heartbeat_sent_after_the_reservation_absorbs_the_claim(store: MasterS
     key = store.all_node_views()[0].groups[0].key
     store.insert_sandbox(sandbox("a"))
     assert store.claim("a", "n", key, 1, time.time(), 10)
-    store.update_sandbox("a", "reserved", state="running", cubelet_created_at=1500.0)
+    store.update_sandbox(
+        "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
+    )
     assert store.all_node_views()[0].claims == {key: 1}  # the last summary (sent at 1000) cannot show it
     hb = heartbeat("n", group(H100, 2, free=1))
     hb["sent_at"] = 1501.0
@@ -73,7 +76,7 @@ def test_no_claim_on_stale_draining_or_unknown_nodes(store: MasterStore) -> None
     store.insert_sandbox(sandbox("a"))
     assert not store.claim("a", "n", key, 1, time.time(), 10)  # stale
     store.heartbeat(heartbeat("n", group(H100, 8)), time.time(), 10)
-    store.set_node_state("n", "draining")
+    store.node_event("n", NodeEvent.DRAIN)
     assert not store.claim("a", "n", key, 1, time.time(), 10)
     assert not store.claim("a", "other", key, 1, time.time(), 10)
 

@@ -31,10 +31,12 @@ from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 
 S, E = DeviceState, DeviceEvent
+P, RE = ReservationPhase, ReservationEvent
 MAX_COUNT = 64
 __all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
 
@@ -137,7 +139,7 @@ class Cubelet(ReleasePath):
         with self.lock, self.store.tx() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
-                if existing.phase == "releasing":
+                if existing.phase is P.RELEASING:
                     raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is still being released")
                 if existing.params == params:
                     return existing
@@ -180,7 +182,7 @@ class Cubelet(ReleasePath):
                     details={"template": req.template, "memory_mib": req.memory_mib},
                 )
             res = Reservation(
-                sandbox_id, params, [d.id for d in chosen], "reserved", t.now, t.now + self.config.reservation_ttl_s
+                sandbox_id, params, [d.id for d in chosen], P.RESERVED, t.now, t.now + self.config.reservation_ttl_s
             )
             t.insert_reservation(res)
             t.event(
@@ -196,8 +198,8 @@ class Cubelet(ReleasePath):
         with self.lock:
             with self.store.tx() as t:
                 res = self._reservation(t, sandbox_id)
-                if res.phase != "reserved":
-                    if res.phase in ("starting", "running"):
+                if res.phase is not P.RESERVED:
+                    if res.phase in STARTED_PHASES:
                         return res
                     raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is being released")
                 devs = self._sandbox_devices(t, sandbox_id)
@@ -214,11 +216,13 @@ class Cubelet(ReleasePath):
                 else:
                     for d in devs:
                         t.transition(d, E.PREPARE, Actor.CUBELET)
-                    res.phase, res.expires_at = "starting", None
-                    res.facts["shim_started"] = True  # intent recorded before the act
-                    res.facts["started_at"] = t.now
-                    res.facts["start_id"] = uuid.uuid4().hex[:16]
-                    res.facts["image_digest"] = self._image_digest(res)  # what the shim boots, by digest
+                    res.fire(RE.START)
+                    res.expires_at = None
+                    cp = res.checkpoint
+                    cp.shim_started = True  # intent recorded before the act
+                    cp.started_at = t.now
+                    cp.start_id = uuid.uuid4().hex[:16]
+                    cp.image_digest = self._image_digest(res)  # what the shim boots, by digest
                     t.update_reservation(res)
                     start_ok = True
             if not start_ok:
@@ -269,8 +273,8 @@ class Cubelet(ReleasePath):
             vcpus=int(p["vcpus"]),
             pin_memory=bool(p["pin_memory"]),
             contract=p.get("contract"),
-            start_id=res.facts.get("start_id"),
-            image_digest=res.facts.get("image_digest") or self._image_digest(res),
+            start_id=res.checkpoint.start_id,
+            image_digest=res.checkpoint.image_digest or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
         )
 
@@ -300,7 +304,7 @@ class Cubelet(ReleasePath):
         with self.lock:
             with self.store.tx() as t:
                 res = t.reservation(sid)
-                expected = res.facts.get("start_id") if res else None
+                expected = res.checkpoint.start_id if res else None
                 if expected is not None and report.start_id != expected:
                     # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
                     t.event(
@@ -316,38 +320,33 @@ class Cubelet(ReleasePath):
                 t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
                 if res is None:
                     return
-                k = report.kind
+                k, cp = report.kind, res.checkpoint
                 if k is ShimReportKind.VM_STARTED:
-                    res.facts["vmm_pid"] = report.details.get("pid")
+                    pid = report.details.get("pid")
+                    cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
                 elif k is ShimReportKind.DEVICE_ATTACHED:
                     named = set(report.device_ids)  # one report per device; none named means all
                     devs = self._sandbox_devices(t, sid)
-                    addresses = res.facts.setdefault("guest_addresses", {})
+                    addresses = cp.guest_addresses
                     for d in devs:
                         if d.state is S.PREPARING and (not named or d.id in named):
                             t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
                             if isinstance(report.details.get("guest_address"), str):
                                 addresses[d.id] = report.details["guest_address"]
                 elif k is ShimReportKind.DEVICE_DETACHED:
-                    detached = set(res.facts.get("detached", []))
-                    detached |= set(report.device_ids or res.device_ids)
-                    res.facts["detached"] = sorted(detached)
-                elif k is ShimReportKind.DETACH_TIMEOUT:
-                    res.facts["detach_timeout"] = True
-                elif k is ShimReportKind.VMM_EXITED:
-                    res.facts["vmm_exited"] = True
+                    cp.detached = sorted(set(cp.detached) | set(report.device_ids or res.device_ids))
                 elif k is ShimReportKind.SHIM_EXITING:
-                    res.facts["shim_exited"] = True
+                    cp.shim_exited = True
+                # detach_timeout and vmm_exited are history (the shim_report event above), not release evidence
                 violations = self._judge_guest(t, res, report)
                 ready = (
                     k is ShimReportKind.GUEST_VALIDATED
                     and not violations
-                    and res.phase == "starting"
+                    and res.phase is P.STARTING
                     and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
                 )
                 if ready:  # ready means ready: every device attached *and* validated in the guest
-                    res.phase = "running"
-                    res.facts["running_at"] = t.now
+                    res.fire(RE.READY)
                     t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
                 t.update_reservation(res)
             det = report.details
@@ -398,9 +397,7 @@ class Cubelet(ReleasePath):
             )
             return [ContractViolation(Layer.GUEST_KERNEL, "guest.report_malformed", "a GuestReport", str(e))]
         if contract is None:
-            violations = check_minimal(
-                self._sandbox_devices(t, res.sandbox_id), res.facts.get("guest_addresses", {}), guest
-            )
+            violations = check_minimal(self._sandbox_devices(t, res.sandbox_id), res.checkpoint.guest_addresses, guest)
         else:
             violations = check_guest(CompatibilityContract.from_json(contract), guest)
         t.event(

@@ -56,7 +56,7 @@ def ledger(reservations: list[Reservation], configured_mib: int | None) -> Ledge
     by_sandbox = {r.sandbox_id: n for r in reservations if (n := locked_mib(r.params))}
     if configured_mib is not None:
         return Ledger(configured_mib, "configured", by_sandbox, memlock_limit_mib())
-    started = sum(by_sandbox.get(r.sandbox_id, 0) for r in reservations if r.facts.get("shim_started"))
+    started = sum(by_sandbox.get(r.sandbox_id, 0) for r in reservations if r.checkpoint.shim_started)
     return Ledger(available_mib() + started, "meminfo", by_sandbox, memlock_limit_mib())
 
 

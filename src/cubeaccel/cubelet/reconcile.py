@@ -14,6 +14,7 @@ from cubeaccel.cubelet import backend_facts, host_ready
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
+from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
@@ -60,9 +61,9 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.no_reservation")
         _record(cubelet, repairs, Repair(d.id, sid, "quarantined", "tenant state without a reservation"))
         return
-    if res.phase == "releasing":
+    if res.phase is ReservationPhase.RELEASING:
         return  # the release path below owns it
-    if not res.facts.get("shim_started"):
+    if not res.checkpoint.shim_started:
         return  # reserved, not started: the TTL covers it
     st = cubelet.shim.status(res.sandbox_id)
     if st.vmm_alive is None:
@@ -72,8 +73,8 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.vmm_state_unknown")
         _record(cubelet, repairs, Repair(d.id, sid, "quarantined", "cannot tell whether the VMM runs"))
     elif not st.vmm_alive:
-        if st.shim_alive and not res.facts.get("vmm_pid"):
-            started = float(res.facts.get("started_at", 0.0))
+        if st.shim_alive and not res.checkpoint.vmm_pid:
+            started = res.checkpoint.started_at or 0.0
             if float(cubelet.store.clock()) - started <= cubelet.config.startup_timeout_s:
                 return  # the shim is still starting its VMM
             _record(cubelet, repairs, Repair(d.id, sid, "teardown", "the shim did not start a VMM in time"))
@@ -137,7 +138,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
                 for report in late:
                     cubelet.handle_report(report)
         for res in cubelet.store.reservations():
-            if res.phase == "releasing":
+            if res.phase is ReservationPhase.RELEASING:
                 cubelet.try_release(res.sandbox_id)
         _released_without_reservation(cubelet, repairs)
         for sid in cubelet.expire_reservations():

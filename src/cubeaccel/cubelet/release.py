@@ -17,10 +17,13 @@ from typing import Any
 from cubeaccel.backends.base import Backend, Problem
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
+P, RE = ReservationPhase, ReservationEvent
 USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
 StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
 
@@ -79,27 +82,27 @@ class ReleasePath:
 
         Any reason but a user's delete is a failure of the sandbox: recorded in the reservation (`failure`,
         with code and layer, kept in the `reservation_closed` event) and pushed to CubeMaster."""
-        failure: dict[str, Any] | None = None
+        failure: SandboxFailure | None = None
         with self.lock:
             with self.store.tx() as t:
                 res = t.reservation(sandbox_id)
                 if res is None:
                     return
-                first = res.phase != "releasing"
+                first = res.phase is not P.RELEASING
                 if first:
-                    was = res.phase
-                    res.phase, res.releasing_since = "releasing", t.now
-                    res.facts["release_reason"] = reason
+                    was = res.phase.value
+                    res.fire(RE.TEARDOWN)
+                    res.releasing_since = t.now
                     if reason != USER_RELEASE:
-                        failure = {"code": reason, "layer": layer, "message": message[:500] or reason, "phase": was}
-                        res.facts["failure"] = failure
+                        failure = SandboxFailure(reason, layer, message[:500] or reason, was)
+                        res.checkpoint.failure = failure
                     t.update_reservation(res)
                     t.event(
                         "teardown_started",
                         Actor.CUBELET,
                         sandbox_id=sandbox_id,
-                        reason=reason,
-                        details={"failure": failure},
+                        reason=reason,  # the teardown reason lives here, in the event trail
+                        details={"failure": None if failure is None else failure.to_json()},
                     )
                 for d in self._sandbox_devices(t, sandbox_id):
                     if d.state is S.ATTACHED:
@@ -107,15 +110,15 @@ class ReleasePath:
                     elif d.state in (S.RESERVED, S.PREPARING):
                         ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
                         t.transition(d, ev, Actor.CUBELET, reason=reason)
-                stop = first and res.facts.get("shim_started")
+                stop = first and res.checkpoint.shim_started
             if failure is not None:
-                self.notify(sandbox_id, {"phase": "failed", "error": failure})
+                self.notify(sandbox_id, {"phase": "failed", "error": failure.to_json()})
             if stop:
                 self.shim.stop(sandbox_id)
             self.try_release(sandbox_id)
 
     def vmm_status(self, res: Reservation) -> ShimStatus:
-        if not res.facts.get("shim_started"):
+        if not res.checkpoint.shim_started:
             return ShimStatus(shim_alive=False, vmm_alive=False)
         return self.shim.status(res.sandbox_id)
 
@@ -124,11 +127,11 @@ class ReleasePath:
         """True only on host evidence that no VMM runs *and none can appear*: a live shim may still spawn
         one, so its own `vmm_exited` report is not enough — the shim process must be gone too, or have sent
         its final report (`shim_exiting`, sent after its teardown, after which it starts nothing)."""
-        if not res.facts.get("shim_started"):
+        if not res.checkpoint.shim_started:
             return True
         if st.vmm_alive is None or st.shim_alive is None:
             return None
-        shim_done = not st.shim_alive or bool(res.facts.get("shim_exited"))
+        shim_done = not st.shim_alive or res.checkpoint.shim_exited
         return not st.vmm_alive and shim_done
 
     def try_release(self, sandbox_id: str) -> None:
@@ -146,12 +149,12 @@ class ReleasePath:
             now = float(self.store.clock())
             overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
             gone = self.vmm_gone(res, st)
-            if not gone and overdue and "kill_at" not in res.facts:
+            if not gone and overdue and res.checkpoint.kill_at is None:
                 self.shim.kill(sandbox_id)
-                res.facts["kill_at"] = now
+                res.checkpoint.kill_at = now
                 st = self.vmm_status(res)
                 gone = self.vmm_gone(res, st)
-            kill_at = res.facts.get("kill_at")
+            kill_at = res.checkpoint.kill_at
             give_up = overdue and (bool(gone) or (kill_at is not None and now - kill_at > self.config.kill_grace_s))
             with self.store.tx() as t:
                 for d in self._sandbox_devices(t, sandbox_id):
@@ -162,10 +165,15 @@ class ReleasePath:
                 remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
                 if not remaining and gone:
                     t.delete_reservation(sandbox_id)
-                    t.event("reservation_closed", Actor.CUBELET, sandbox_id=sandbox_id, details={"facts": res.facts})
+                    t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
+                        "reservation_closed",
+                        Actor.CUBELET,
+                        sandbox_id=sandbox_id,
+                        details={"facts": res.checkpoint.to_json()},
+                    )
                     return
-                if not remaining and give_up and not res.facts.get("vmm_survives"):
-                    res.facts["vmm_survives"] = True
+                if not remaining and give_up and not res.checkpoint.vmm_survives:
+                    res.checkpoint.vmm_survives = True
                     t.event(
                         "release_vmm_survives",
                         Actor.CUBELET,
@@ -176,7 +184,7 @@ class ReleasePath:
                 t.update_reservation(res)
 
     def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
-        detached = d.id in res.facts.get("detached", [])  # recorded as evidence, never a substitute
+        detached = d.id in res.checkpoint.detached  # recorded as evidence, never a substitute
         gone = self.vmm_gone(res, st)
         if gone is None:
             t.transition(d, E.QUARANTINE, Actor.CUBELET, reason="release.vmm_state_unknown")
@@ -199,7 +207,7 @@ class ReleasePath:
             if overdue:
                 t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=blocked, details=details)
                 return
-            waiting = res.facts.setdefault("release_waits", {})
+            waiting = res.checkpoint.release_waits
             if blocked not in waiting.get(d.id, []):  # one event per device and cause, not one per tick
                 waiting.setdefault(d.id, []).append(blocked)
                 t.event(
@@ -218,7 +226,7 @@ class ReleasePath:
         evidence = {
             "vmm_exited": True,
             "shim_exited": not st.shim_alive,
-            "shim_final_report": bool(res.facts.get("shim_exited")),
+            "shim_final_report": res.checkpoint.shim_exited,
             "detach_confirmed": detached,
             "holders": 0,
             "reset": True,
@@ -243,7 +251,7 @@ class ReleasePath:
         expired = [
             r.sandbox_id
             for r in self.store.reservations()
-            if r.phase == "reserved" and r.expires_at is not None and r.expires_at < now
+            if r.phase is P.RESERVED and r.expires_at is not None and r.expires_at < now
         ]
         for sid in expired:
             with self.store.tx() as t:

@@ -1,10 +1,43 @@
-"""The Cubelet journal's schema and its forward migrations. `PRAGMA user_version` is the version."""
+"""The Cubelet journal's schema and its forward migrations. `PRAGMA user_version` is the version.
+
+A migration is SQL (statements split on `;`) or, where rows must be rewritten, a function of the connection;
+either runs inside the one transaction that also sets the new version.
+"""
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 5
+import json
+import sqlite3
+from collections.abc import Callable
 
-MIGRATIONS: dict[int, str] = {
+from cubeaccel.model.checkpoint import ReservationCheckpoint
+from cubeaccel.model.errors import CubeError
+
+SCHEMA_VERSION = 6
+
+
+def _v6_checkpoint(conn: sqlite3.Connection) -> None:
+    """`reservations.facts` (a free-form dict) becomes `reservations.checkpoint` (a versioned
+    `ReservationCheckpoint`); the keys no decision read are dropped (`checkpoint.UNREAD_FACTS`)."""
+    conn.execute("""ALTER TABLE reservations ADD COLUMN checkpoint TEXT NOT NULL DEFAULT '{"v": 1}'""")
+    for sandbox_id, facts in conn.execute("SELECT sandbox_id, facts FROM reservations").fetchall():
+        try:
+            checkpoint = ReservationCheckpoint.from_facts(json.loads(facts))
+        except ValueError as e:  # also json's decode error; the whole migration rolls back
+            raise CubeError(
+                code="store.migration_failed",
+                message=f"reservation {sandbox_id}: its facts do not convert to a checkpoint: {e}",
+                layer="cubelet",
+                details={"sandbox_id": sandbox_id, "facts": facts[:2000]},
+                status=500,
+            ) from e
+        conn.execute(
+            "UPDATE reservations SET checkpoint=? WHERE sandbox_id=?", (json.dumps(checkpoint.to_json()), sandbox_id)
+        )
+    conn.execute("ALTER TABLE reservations DROP COLUMN facts")
+
+
+MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     1: """
     CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
     CREATE TABLE devices (
@@ -60,4 +93,5 @@ MIGRATIONS: dict[int, str] = {
     5: """
     ALTER TABLE devices ADD COLUMN aer_baseline INTEGER;
     """,
+    6: _v6_checkpoint,
 }

@@ -171,8 +171,7 @@ def sandbox_failure(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any] | None:
     """Why the sandbox's current (or, once closed, last) reservation failed, with code and layer; None if not."""
     res = cubelet.store.reservation(sandbox_id)
     if res is not None:
-        failure = res.facts.get("failure")
-        return failure if isinstance(failure, dict) else None
+        return None if res.checkpoint.failure is None else res.checkpoint.failure.to_json()
     closed = [e for e in cubelet.store.events(0, 10000, sandbox_id=sandbox_id) if e.kind == "reservation_closed"]
     failure = closed[-1].details.get("facts", {}).get("failure") if closed else None
     return failure if isinstance(failure, dict) else None

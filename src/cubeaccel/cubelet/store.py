@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.cubelet.schema import MIGRATIONS, SCHEMA_VERSION
+from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.device import (
     AcceleratorClass,
     DeviceIdentity,
@@ -25,6 +26,7 @@ from cubeaccel.model.device import (
     PciAddress,
 )
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase, next_phase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
 
 
@@ -52,19 +54,33 @@ class Event:
 
 @dataclass
 class Reservation:
-    """A sandbox's claim on devices. `facts` are host evidence reported on the release path."""
+    """A sandbox's claim on devices; `checkpoint` is what Cubelet recorded about its start and release."""
 
     sandbox_id: str
     params: dict[str, Any]
     device_ids: list[str]
-    phase: str  # reserved | starting | running | releasing
+    phase: ReservationPhase
     created_at: float
     expires_at: float | None
-    facts: dict[str, Any] = field(default_factory=dict)
+    checkpoint: ReservationCheckpoint = field(default_factory=ReservationCheckpoint)
     releasing_since: float | None = None
 
+    def fire(self, event: ReservationEvent) -> None:
+        """Change the phase through the table (`reservation.transition_refused` if it does not allow it)."""
+        self.phase = next_phase(self.phase, event)
+
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The API's shape; the checkpoint keeps its old wire name, `facts`."""
+        return {
+            "sandbox_id": self.sandbox_id,
+            "params": self.params,
+            "device_ids": self.device_ids,
+            "phase": self.phase.value,
+            "created_at": self.created_at,
+            "expires_at": self.expires_at,
+            "facts": self.checkpoint.to_json(),
+            "releasing_since": self.releasing_since,
+        }
 
 
 _KEEP = object()
@@ -94,10 +110,10 @@ def _row_to_reservation(r: sqlite3.Row) -> Reservation:
         sandbox_id=r["sandbox_id"],
         params=json.loads(r["params"]),
         device_ids=json.loads(r["device_ids"]),
-        phase=r["phase"],
+        phase=ReservationPhase(r["phase"]),
         created_at=r["created_at"],
         expires_at=r["expires_at"],
-        facts=json.loads(r["facts"]),
+        checkpoint=ReservationCheckpoint.from_json(json.loads(r["checkpoint"])),
         releasing_since=r["releasing_since"],
     )
 
@@ -217,24 +233,31 @@ class Tx:
 
     def insert_reservation(self, res: Reservation) -> None:
         self.c.execute(
-            "INSERT INTO reservations (sandbox_id,params,device_ids,phase,created_at,expires_at,facts,releasing_since)"
+            "INSERT INTO reservations (sandbox_id,params,device_ids,phase,created_at,expires_at,checkpoint,"
+            "releasing_since)"
             " VALUES (?,?,?,?,?,?,?,?)",
             (
                 res.sandbox_id,
                 json.dumps(res.params, sort_keys=True),
                 json.dumps(res.device_ids),
-                res.phase,
+                res.phase.value,
                 res.created_at,
                 res.expires_at,
-                json.dumps(res.facts),
+                json.dumps(res.checkpoint.to_json()),
                 res.releasing_since,
             ),
         )
 
     def update_reservation(self, res: Reservation) -> None:
         self.c.execute(
-            "UPDATE reservations SET phase=?, expires_at=?, facts=?, releasing_since=? WHERE sandbox_id=?",
-            (res.phase, res.expires_at, json.dumps(res.facts), res.releasing_since, res.sandbox_id),
+            "UPDATE reservations SET phase=?, expires_at=?, checkpoint=?, releasing_since=? WHERE sandbox_id=?",
+            (
+                res.phase.value,
+                res.expires_at,
+                json.dumps(res.checkpoint.to_json()),
+                res.releasing_since,
+                res.sandbox_id,
+            ),
         )
 
     def delete_reservation(self, sandbox_id: str) -> None:
@@ -321,9 +344,13 @@ class Store:
             for v in range(version + 1, SCHEMA_VERSION + 1):
                 self._conn.execute("BEGIN IMMEDIATE")
                 try:
-                    for stmt in MIGRATIONS[v].split(";"):
-                        if stmt.strip():
-                            self._conn.execute(stmt)
+                    step = MIGRATIONS[v]
+                    if callable(step):
+                        step(self._conn)
+                    else:
+                        for stmt in step.split(";"):
+                            if stmt.strip():
+                                self._conn.execute(stmt)
                     self._conn.execute(f"PRAGMA user_version={v}")
                     self._conn.execute("COMMIT")
                 except BaseException:

@@ -25,6 +25,10 @@ import httpx
 from cubeaccel.master.service import START_FAILED, CubeMaster
 from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.model.sandbox_states import HELD_STATES, PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+
+SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE
 
 ORPHAN_GRACE_S = 60.0  # a reservation younger than this may belong to a create still in flight
 STARTING_POLL_AFTER_S = 5.0  # the Cubelet pushes ready/failed at once; polling is only the fallback
@@ -40,27 +44,33 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
     view = next((v for v in master.cache.views(fresh=True) if v.name == name), None)
     if view is None:
         return {"node": name, "skipped": "unknown node"}
-    rows = master.store.sandboxes(states=("starting", "running", "deleting"), node=name)
+    rows = master.store.sandboxes(states=HELD_STATES, node=name)
     reservations = _cubelet_call(master, view.cubelet_url, "GET", "/v1/reservations")["reservations"]
     held = {r["sandbox_id"]: r for r in reservations}
     lost, orphans = [], []
     for row in rows:
         if row["id"] in held:
             continue
-        if row["state"] == "deleting":
-            master.store.update_sandbox(row["id"], "deleted", expect=("deleting",), state="deleted")
+        if row["state"] is SS.DELETING:
+            master.store.update_sandbox(row["id"], "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=MAINT)
             continue
         failure = _closed_failure(master, view.cubelet_url, str(row["id"]))
         if failure is not None:
             master.store.update_sandbox(
-                row["id"], "failed", expect=("starting", "running"), state="failed", error={**failure, "node": name}
+                row["id"],
+                "failed",
+                expect=(SS.STARTING, SS.RUNNING),
+                event=SE.FAIL,
+                by=MAINT,
+                error={**failure, "node": name},
             )
             continue
         master.store.update_sandbox(
             row["id"],
             "lost",
-            expect=("starting", "running"),
-            state="lost",
+            expect=(SS.STARTING, SS.RUNNING),
+            event=SE.LOSE,
+            by=MAINT,
             error={
                 "code": "sandbox.lost",
                 "layer": "cubelet",
@@ -72,9 +82,7 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
     now = time.time()
     for sid, r in held.items():
         rec = master.store.sandbox(sid)
-        live = (
-            rec is not None and rec["node"] == name and rec["state"] in ("placing", "starting", "running", "deleting")
-        )
+        live = rec is not None and rec["node"] == name and rec["state"] in (SS.PLACING, *HELD_STATES)
         young = now - float(r.get("created_at") or 0) < ORPHAN_GRACE_S and rec is not None
         if not live and not young:
             _cubelet_call(master, view.cubelet_url, "DELETE", f"/v1/reservations/{sid}")
@@ -106,7 +114,7 @@ def poll_starting(master: CubeMaster, row: Row) -> str:
     res, failure = reply.get("reservation"), reply.get("failure")
     if failure or res is None:
         return master.node_status(str(row["node"]), str(row["id"]), "failed", failure or START_FAILED)
-    if res.get("phase") == "running":
+    if res.get("phase") == ReservationPhase.RUNNING:
         return master.node_status(str(row["node"]), str(row["id"]), "running", {})
     return str(row["state"])
 
@@ -119,7 +127,7 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
     started) is released through the Cubelet and the row `failed`. Returns the row's state afterwards.
     """
     sid, state = str(row["id"]), str(row["state"])
-    url = master.node_url(row["node"]) if state == "placing" else None
+    url = master.node_url(row["node"]) if row["state"] is SS.PLACING else None
     res: dict[str, Any] | None = None
     if url is not None:
         try:
@@ -127,17 +135,18 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
         except CubeError as e:
             if e.code != "reservation.not_found":
                 raise
-    if res is not None and res.get("phase") == "running":
+    if res is not None and res.get("phase") == ReservationPhase.RUNNING:
         master.store.update_sandbox(
             sid,
             "reserved",
-            expect=(state,),
-            state="running",
+            expect=(row["state"],),
+            event=SE.READY,
+            by=MAINT,
             detail={"node": row["node"], "recovered": True},
             device_ids=list(res.get("device_ids", [])),
             cubelet_created_at=res.get("created_at"),
         )
-    elif res is not None and res.get("phase") == "starting":
+    elif res is not None and res.get("phase") == ReservationPhase.STARTING:
         return state  # the Cubelet is still starting it: look again next tick
     else:
         if res is not None and url is not None:
@@ -145,8 +154,9 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
         master.store.update_sandbox(
             sid,
             "failed",
-            expect=(state,),
-            state="failed",
+            expect=(row["state"],),
+            event=SE.FAIL,
+            by=MAINT,
             error={
                 "code": "sandbox.placement_abandoned",
                 "message": f"the create placing it stopped in state {state} "
@@ -206,22 +216,22 @@ class Maintenance:
                 with self._lock:
                     self._pending.add(node)  # try again next tick
         now = time.time()
-        for row in self.master.store.sandboxes(states=("scheduling", "placing")):
+        for row in self.master.store.sandboxes(states=PLACEMENT_STATES):
             if self.master.placement_abandoned(row, now):
                 try:
                     resolve_abandoned(self.master, row)
                 except CubeError as e:
                     self._note(f"abandoned {row['id']}: {e}")
-        for row in self.master.store.sandboxes(states=("starting",)):
+        for row in self.master.store.sandboxes(states=(SS.STARTING,)):
             if now - float(row["updated_at"]) > STARTING_POLL_AFTER_S:
                 try:
                     poll_starting(self.master, row)
                 except (CubeError, httpx.HTTPError, KeyError) as e:
                     self._note(f"starting {row['id']}: {e}")
-        for row in self.master.store.sandboxes(states=("starting", "running")):
+        for row in self.master.store.sandboxes(states=(SS.STARTING, SS.RUNNING)):
             if row["expires_at"] is not None and row["expires_at"] < now:
-                self.master.store.update_sandbox(row["id"], "timeout", expect=("starting", "running"), state="deleting")
-        for row in self.master.store.sandboxes(states=("deleting",)):
+                self.master.store.update_sandbox(row["id"], "timeout", event=SE.TIMEOUT, by=MAINT)
+        for row in self.master.store.sandboxes(states=(SS.DELETING,)):
             self.master.release(row)
 
     def _note(self, msg: str) -> None:

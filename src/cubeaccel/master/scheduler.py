@@ -24,6 +24,7 @@ from cubeaccel.master.view import Group, NodeView
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, label_mismatch
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
+from cubeaccel.model.sandbox_states import NodeState
 
 # check_node's codes → the scheduler's reason names (the layer stays in the detail)
 CONTRACT_REASONS = {
@@ -81,7 +82,7 @@ def node_stale(n: NodeView, c: Context) -> Reason | None:
 
 
 def node_draining(n: NodeView, c: Context) -> Reason | None:
-    return Reason("node_draining", "drained by an operator") if n.state != "ready" else None
+    return Reason("node_draining", "drained by an operator") if n.state != NodeState.READY else None
 
 
 def host_not_ready(n: NodeView, c: Context) -> Reason | None:
@@ -258,7 +259,7 @@ def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceO
     cutoff, count = ctx.now - ctx.staleness_s, ctx.choice.count
     scored: list[tuple[float, float, float, str, int, Group, NodeView]] = []
     for i, n in enumerate(nodes):
-        if n.received_at < cutoff or n.state != "ready" or not n.host_ready:
+        if n.received_at < cutoff or n.state != NodeState.READY or not n.host_ready:
             continue
         claims = n.claims
         for g in n.groups:

@@ -35,7 +35,7 @@ nodes = sa.Table(
     metadata,
     sa.Column("name", sa.String(128), primary_key=True),
     sa.Column("cubelet_url", sa.String(300), nullable=False),
-    sa.Column("state", sa.String(16), nullable=False),  # ready | draining
+    sa.Column("state", sa.String(16), nullable=False),  # a NodeState value: ready | draining
     sa.Column("heartbeat", sa.JSON, nullable=False),  # the last heartbeat body, as sent
     sa.Column("received_at", sa.Float, nullable=False),  # master clock
     sa.Column("sent_at", sa.Float, nullable=False),  # Cubelet clock
@@ -69,7 +69,7 @@ sandboxes = sa.Table(
     sa.Column("tenant", sa.String(128), nullable=False),
     sa.Column("idempotency_key", sa.String(200), nullable=True),
     sa.Column("request", sa.JSON, nullable=False),  # normalized user request (idempotency compares it)
-    sa.Column("state", sa.String(16), nullable=False),  # scheduling|placing|running|deleting|deleted|failed|lost
+    sa.Column("state", sa.String(16), nullable=False),  # a SandboxState value (model/sandbox_states.py)
     sa.Column("template_name", sa.String(200), nullable=True),
     sa.Column("template_version", sa.String(200), nullable=True),
     sa.Column("contract", sa.JSON, nullable=True),
@@ -89,8 +89,6 @@ sandboxes = sa.Table(
     sa.Index("ix_sandboxes_node_state", "node", "state"),
     sa.Index("ix_sandboxes_state", "state"),
 )
-
-ACTIVE_STATES = ("scheduling", "placing", "starting", "running", "deleting")
 
 
 def _v1(conn: sa.Connection) -> None:

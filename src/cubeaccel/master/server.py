@@ -16,13 +16,14 @@ from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
+from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.api_edges import api_app, json_body
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
 from cubeaccel.wire.templates import TemplateDocument
 
-SANDBOX_STATES = ("scheduling", "placing", "starting", "running", "deleting", "deleted", "failed", "lost")
+SANDBOX_STATES = tuple(s.value for s in SandboxState)
 
 
 def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
@@ -99,14 +100,13 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     def node_verb(node: str, verb: str, body: OperatorBody | None = None) -> dict[str, Any]:
         if verb == "reconcile":
             return reconcile_node(master, node)
-        states = {"drain": "draining", "undrain": "ready"}
-        if verb not in states:
+        if verb not in ("drain", "undrain"):
             raise CubeError(
                 "api.unknown_verb", f"unknown node verb {verb!r}; known: drain, undrain, reconcile", "api", {}, 404
             )
-        master.store.set_node_state(node, states[verb])
+        state = master.store.node_event(node, NodeEvent(verb))
         master.cache.invalidate()
-        return {"node": node, "state": states[verb], "who": (body or OperatorBody()).who}
+        return {"node": node, "state": state.value, "who": (body or OperatorBody()).who}
 
     @app.get("/v1/capacity", response_model=W.Capacity)
     def capacity() -> dict[str, Any]:
@@ -185,7 +185,7 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
             raise CubeError(
                 "api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api", {}, 422
             )
-        rows = master.store.sandboxes(states=(state,) if state else None, node=node)
+        rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)

@@ -27,7 +27,11 @@ from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.cubelet_client import CubeletClient
+
+SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
 START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
@@ -124,7 +128,7 @@ class CubeMaster:
             "tenant": spec.tenant,
             "idempotency_key": spec.idempotency_key,
             "request": normalized,
-            "state": "scheduling",
+            "state": SS.SCHEDULING.value,  # born here; every later change is an event through the table
             "count": spec.request.primary.count,
             "device_ids": [],
             "timeline": [{"at": now, "phase": "requested"}],
@@ -147,7 +151,7 @@ class CubeMaster:
             return self._place(sid, spec, resolved), True
         except BaseException:
             current = self.store.sandbox(sid)
-            if current is not None and current["state"] in ("scheduling", "placing"):
+            if current is not None and current["state"] in PLACEMENT_STATES:
                 # A refused create leaves no record behind. A create that died after its claim may have left
                 # a reservation on the Cubelet: with no record, the next reconcile releases it there.
                 self.store.delete_sandbox_row(sid)
@@ -234,9 +238,9 @@ class CubeMaster:
             self.store.update_sandbox(
                 sid,
                 "reserve_refused",
-                expect=("placing",),
                 detail=attempts[-1],
-                state="scheduling",
+                event=SE.REFUSED,
+                by=SA.PLACEMENT,
                 node=None,
                 group_key=None,
             )
@@ -250,14 +254,17 @@ class CubeMaster:
         failure = reply.get("failure")
         # Ready means ready: `running` only once the Cubelet says the guest validated; a start that already
         # failed (and may be released already) is `failed` with the Cubelet's code and layer.
-        state = "failed" if failure or not res else "running" if res.get("phase") == "running" else "starting"
-        error = {"error": failure or START_FAILED} if state == "failed" else {}
+        event = (
+            SE.FAIL if failure or not res else SE.READY if res.get("phase") == ReservationPhase.RUNNING else SE.STARTED
+        )
+        error = {"error": failure or START_FAILED} if event is SE.FAIL else {}
         self.store.update_sandbox(
             sid,
             "reserved",
-            expect=("placing",),
+            expect=(SS.PLACING,),
             detail={"node": cand.node.name, "cubelet_timeline": reply.get("timeline", [])[-20:]},
-            state=state,
+            event=event,
+            by=SA.PLACEMENT,
             device_ids=list(res.get("device_ids", [])),
             accel_class=choice.accel_class,
             count=choice.count,
@@ -274,7 +281,7 @@ class CubeMaster:
     # ---- delete -----------------------------------------------------------------------------------
     def delete(self, sandbox_id: str) -> Row:
         row = self.get(sandbox_id)
-        if row["state"] in ("scheduling", "placing"):
+        if row["state"] in PLACEMENT_STATES:
             if not self.placement_abandoned(row, time.time()):
                 raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api", {}, 409)
             # The create that owned it died: whatever it may have reserved is released on the Cubelet.
@@ -282,20 +289,22 @@ class CubeMaster:
                 sandbox_id,
                 "delete_requested",
                 expect=(row["state"],),
-                state="deleting",
                 detail={"abandoned_in": row["state"]},
+                event=SE.DELETE,
+                by=SA.USER,
             )
             row = self.get(sandbox_id)
-        if row["state"] in ("starting", "running", "deleting"):
+        if row["state"] in (SS.STARTING, SS.RUNNING, SS.DELETING):
             self.store.update_sandbox(
                 sandbox_id,
-                None if row["state"] == "deleting" else "delete_requested",
-                expect=("starting", "running", "deleting"),
-                state="deleting",
+                None if row["state"] is SS.DELETING else "delete_requested",
+                expect=(SS.STARTING, SS.RUNNING, SS.DELETING),
+                event=SE.DELETE,
+                by=SA.USER,
             )
-            self.release(self.get(sandbox_id))
-        elif row["state"] in ("lost", "failed"):
-            self.store.update_sandbox(sandbox_id, "deleted", state="deleted")
+            self.release(self.get(sandbox_id), by=SA.USER)
+        elif row["state"] in (SS.LOST, SS.FAILED):
+            self.store.update_sandbox(sandbox_id, "deleted", event=SE.DELETED, by=SA.USER)
         return self.get(sandbox_id)
 
     def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> str:
@@ -311,24 +320,23 @@ class CubeMaster:
                 409,
             )
         if phase == "running":
-            self.store.update_sandbox(sandbox_id, "ready", expect=("starting",), state="running")
+            self.store.update_sandbox(sandbox_id, "ready", expect=(SS.STARTING,), event=SE.READY, by=SA.CUBELET)
         else:
             self.store.update_sandbox(
                 sandbox_id,
                 "failed",
-                expect=("placing", "starting", "running"),
-                state="failed",
+                expect=(SS.PLACING, SS.STARTING, SS.RUNNING),
+                event=SE.FAIL,
+                by=SA.CUBELET,
                 error={**error, "node": node},
             )
             self.cache.invalidate()
         return str(self.get(sandbox_id)["state"])
 
     def placement_abandoned(self, row: Row, now: float) -> bool:
-        return (
-            row["state"] in ("scheduling", "placing") and now - float(row["updated_at"]) > self.config.placement_stale_s
-        )
+        return row["state"] in PLACEMENT_STATES and now - float(row["updated_at"]) > self.config.placement_stale_s
 
-    def release(self, row: Row) -> None:
+    def release(self, row: Row, by: SandboxActor = SA.MAINTENANCE) -> None:
         """Ask the node's Cubelet to run its release path; `deleted` only once it says the devices are back."""
         url = self.node_url(row["node"])
         try:
@@ -337,11 +345,11 @@ class CubeMaster:
             reply = {"released": e.code == "reservation.not_found"}
         except httpx.HTTPError as e:
             self.store.update_sandbox(
-                row["id"], None, expect=("deleting",), error={"code": "cubelet.unreachable", "message": str(e)[:300]}
+                row["id"], None, expect=(SS.DELETING,), error={"code": "cubelet.unreachable", "message": str(e)[:300]}
             )
             return
         if reply.get("released"):
-            self.store.update_sandbox(row["id"], "deleted", expect=("deleting",), state="deleted")
+            self.store.update_sandbox(row["id"], "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=by)
             self.cache.invalidate()
 
     def node_url(self, node: str | None) -> str | None:

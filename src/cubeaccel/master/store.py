@@ -18,8 +18,26 @@ import sqlalchemy as sa
 from cubeaccel.master import schema as S
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.sandbox_states import (
+    HELD_STATES,
+    NODE_MACHINE,
+    SANDBOX_MACHINE,
+    NodeEvent,
+    NodeState,
+    SandboxActor,
+    SandboxEvent,
+    SandboxState,
+)
+from cubeaccel.model.states import Actor
 
 Row = dict[str, Any]
+SS = SandboxState
+
+
+def _row(r: sa.Row[Any]) -> Row:
+    row = dict(r._mapping)
+    row["state"] = SandboxState(row["state"])
+    return row
 
 
 def engine_for(url: str) -> sa.Engine:
@@ -85,8 +103,8 @@ class MasterStore:
                 "sent_at": view.sent_at,
             }
             if row is None:
-                c.execute(S.nodes.insert().values(name=name, state="ready", registered_at=now, **values))
-                return "ready", True
+                c.execute(S.nodes.insert().values(name=name, state=NodeState.READY.value, registered_at=now, **values))
+                return NodeState.READY.value, True
             stale = now - float(row.received_at) > staleness_s
             if row.cubelet_url != view.cubelet_url and not stale:
                 raise CubeError(
@@ -101,10 +119,15 @@ class MasterStore:
             c.execute(S.nodes.update().where(S.nodes.c.name == name).values(**values))
             return str(row.state), stale
 
-    def set_node_state(self, name: str, state: str) -> None:
+    def node_event(self, name: str, event: NodeEvent, actor: Actor = Actor.OPERATOR) -> NodeState:
+        """An operator's drain/undrain, through the node table; returns the node's state afterwards."""
         with self.tx() as c:
-            if c.execute(S.nodes.update().where(S.nodes.c.name == name).values(state=state)).rowcount != 1:
+            r = c.execute(sa.select(S.nodes.c.state).where(S.nodes.c.name == name).with_for_update()).first()
+            if r is None:
                 raise CubeError("node.not_found", f"no node {name!r}", "api", {}, 404)
+            target = NODE_MACHINE.transition(NodeState(r.state), event, actor)
+            c.execute(S.nodes.update().where(S.nodes.c.name == name).values(state=target.value))
+            return target
 
     def mark_reconciled(self, name: str, now: float) -> None:
         with self.tx() as c:
@@ -154,7 +177,7 @@ class MasterStore:
         Devices and pinned memory are both re-checked against the summary minus the claims it cannot show."""
         with self.tx() as c:
             r = c.execute(sa.select(S.nodes).where(S.nodes.c.name == node).with_for_update()).first()
-            if r is None or r.state != "ready" or now - r.received_at > staleness_s:
+            if r is None or r.state != NodeState.READY or now - r.received_at > staleness_s:
                 return False
             view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
             group = next((g for g in view.groups if g.key == group_key), None)
@@ -163,11 +186,18 @@ class MasterStore:
                 return False
             if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
                 return False
+            guard = SANDBOX_MACHINE.sources(SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
+            target = SANDBOX_MACHINE.transition(SS.SCHEDULING, SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
             res = c.execute(
                 S.sandboxes.update()
-                .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state == "scheduling")
+                .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state.in_([g.value for g in guard]))
                 .values(
-                    node=node, group_key=group_key, count=count, pinned_mib=pinned_mib, state="placing", updated_at=now
+                    node=node,
+                    group_key=group_key,
+                    count=count,
+                    pinned_mib=pinned_mib,
+                    state=target.value,
+                    updated_at=now,
                 )
             )
             return res.rowcount == 1
@@ -252,7 +282,7 @@ class MasterStore:
                             S.sandboxes.c.idempotency_key == row["idempotency_key"],
                         )
                     ).first()
-                existing = None if r is None else dict(r._mapping)
+                existing = None if r is None else _row(r)
             if existing is None:
                 raise
             return existing
@@ -260,32 +290,56 @@ class MasterStore:
     def sandbox(self, sandbox_id: str) -> Row | None:
         with self.tx() as c:
             r = c.execute(sa.select(S.sandboxes).where(S.sandboxes.c.id == sandbox_id)).first()
-        return None if r is None else dict(r._mapping)
+        return None if r is None else _row(r)
 
-    def sandboxes(self, states: tuple[str, ...] | None = None, node: str | None = None, limit: int = 1000) -> list[Row]:
+    def sandboxes(
+        self, states: tuple[SandboxState, ...] | None = None, node: str | None = None, limit: int = 1000
+    ) -> list[Row]:
         q = sa.select(S.sandboxes).order_by(S.sandboxes.c.created_at).limit(limit)
         if states:
-            q = q.where(S.sandboxes.c.state.in_(states))
+            q = q.where(S.sandboxes.c.state.in_([s.value for s in states]))
         if node:
             q = q.where(S.sandboxes.c.node == node)
         with self.tx() as c:
-            return [dict(r._mapping) for r in c.execute(q)]
+            return [_row(r) for r in c.execute(q)]
 
     def update_sandbox(
         self,
         sandbox_id: str,
         phase: str | None = None,
-        expect: tuple[str, ...] | None = None,
+        expect: tuple[SandboxState, ...] | None = None,
         detail: Mapping[str, Any] | None = None,
+        *,
+        event: SandboxEvent | None = None,
+        by: SandboxActor | None = None,
         **values: Any,
     ) -> bool:
-        """Set columns (and append a timeline entry) if the sandbox is in one of `expect` states."""
+        """Set columns (and append a timeline entry `phase`) if the sandbox is in one of `expect` states.
+
+        A state change is an `event` fired `by` an actor, never a `state=` value: the table decides the target,
+        and its guard is the states that actor may fire the event from, narrowed by `expect`. An `expect` naming
+        a state the table does not allow is refused (`sandbox.transition_refused`) whatever the row's state,
+        so an illegal call fails in every test, not only when the row happens to be in that state. False when
+        the row is gone or in none of the guard's states (it moved on first).
+        """
+        if "state" in values:
+            raise TypeError("update_sandbox: change the state with event=, not state=")
+        guard: frozenset[SandboxState] | None = None if expect is None else frozenset(expect)
+        if event is not None:
+            if by is None:
+                raise TypeError("update_sandbox: an event needs the actor firing it (by=)")
+            allowed = SANDBOX_MACHINE.sources(event, by)
+            for s in guard or ():
+                SANDBOX_MACHINE.transition(s, event, by)  # raises for a state outside the table
+            guard = allowed if guard is None else guard & allowed
         now = time.time()
         with self.tx() as c:
             q = sa.select(S.sandboxes.c.state, S.sandboxes.c.timeline).where(S.sandboxes.c.id == sandbox_id)
             r = c.execute(q.with_for_update()).first()
-            if r is None or (expect is not None and r.state not in expect):
+            if r is None or (guard is not None and SandboxState(r.state) not in guard):
                 return False
+            if event is not None and by is not None:
+                values["state"] = SANDBOX_MACHINE.transition(SandboxState(r.state), event, by).value
             if phase is not None:
                 values["timeline"] = [*r.timeline, {"at": now, "phase": phase, **(detail or {})}]
             c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sandbox_id).values(updated_at=now, **values))
@@ -300,9 +354,9 @@ def _unseen() -> sa.ColumnElement[bool]:
     """Placements the node's last summary (sent at `sent_at`) cannot show yet."""
     s, n = S.sandboxes, S.nodes
     return sa.or_(
-        s.c.state == "placing",
+        s.c.state == SS.PLACING.value,
         sa.and_(
-            s.c.state.in_(("starting", "running", "deleting")),
+            s.c.state.in_([h.value for h in HELD_STATES]),
             sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at),
         ),
     )

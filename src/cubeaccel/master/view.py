@@ -20,6 +20,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact
 from cubeaccel.model.pinned_memory import sandbox_locked_mib
 from cubeaccel.model.profiles import PROFILES
+from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.wire.capacity import CapacityGroup
 from cubeaccel.wire.heartbeat import Heartbeat
 
@@ -44,7 +45,7 @@ class Group:
 class NodeView:
     name: str
     cubelet_url: str
-    state: str  # ready | draining (operator verb); staleness is derived from received_at
+    state: str  # a NodeState (operator verb); staleness is derived from received_at
     received_at: float  # master clock
     sent_at: float  # Cubelet clock (compared with Cubelet-clock reservation times only)
     version: str
@@ -88,7 +89,7 @@ class NodeView:
             "cubelet_url": self.cubelet_url,
             "version": self.version,
             "state": "stale" if self.stale(now, staleness_s) else self.state,
-            "schedulable": self.state == "ready" and self.host_ready and not self.stale(now, staleness_s),
+            "schedulable": self.state == NodeState.READY and self.host_ready and not self.stale(now, staleness_s),
             "ready": self.host_ready,
             "host_problems": [{"code": c, "message": m} for c, m in self.host_problems],
             "pinned_memory": {
@@ -172,7 +173,7 @@ def _group(g: CapacityGroup) -> Group:
     )
 
 
-def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = "ready") -> NodeView:
+def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str = NodeState.READY) -> NodeView:
     """Validate a heartbeat body (`wire.heartbeat.Heartbeat`) into a view; malformed bodies are 422s."""
     url = cubelet_url(body.get("cubelet_url"))
     try:
