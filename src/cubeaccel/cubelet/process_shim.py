@@ -18,12 +18,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimSpec, ShimStatus
+from cubeaccel.host.hypervisor import hotplug_paths
 from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
-from cubeaccel.shim.qemu import hotplug_paths
 from cubeaccel.shim.spec import MAX_DEVICES as SHIM_MAX_DEVICES
 
 _Signature = tuple[tuple[int, int], ...]

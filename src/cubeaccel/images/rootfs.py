@@ -13,8 +13,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from cubeaccel.agent import AGENT_PORT_NAME
 from cubeaccel.images.packages import image_error
+from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 
 ROOTFS_PACKAGES = (
     "busybox-static",
