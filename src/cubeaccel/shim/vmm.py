@@ -1,7 +1,7 @@
-"""What the shim needs from a VMM, independent of QEMU or Cloud Hypervisor.
+"""What the shim needs from a VMM (today QEMU, `shim/qemu.py`; docs/decisions.md says why only QEMU).
 
 A `Vmm` starts one MicroVM, adds and removes devices, reports removal only when the VMM says it happened
-(QEMU `DEVICE_DELETED`, Cloud Hypervisor `device-removed`), and stops the process, returning how it exited.
+(QEMU `DEVICE_DELETED`), and stops the process, returning how it exited.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class Attached:
 
 
 class Vmm(Protocol):
-    kind: str  # "qemu" | "cloud-hypervisor"
+    kind: str  # "qemu"
 
     @property
     def pid(self) -> int: ...
