@@ -9,7 +9,6 @@ Host preparation API (issue #3 item 4):
   keeps no state that must survive a restart.
 - `restore_host(device, original_driver)` gives the device back to that driver (None: leave unbound),
   e.g. when an operator disables it and asks for the host driver back.
-- `prepare_host(device)` is the older, problems-only form of `prepare`.
 Both are the `HostBinding` capability, the AER baselines the `AerBaselines` one (`backends/base.py`).
 """
 
@@ -114,10 +113,6 @@ class VfioBackend:
         except HostError as e:
             return HostPreparation(device.address, f.driver, True, [Problem("backend.bind_failed", e.message)])
         return HostPreparation(device.address, f.driver, True)
-
-    def prepare_host(self, device: Device) -> list[Problem]:
-        """Host initialization: bind to vfio-pci when the operator selected the device."""
-        return self.prepare(device).problems
 
     def restore_host(self, device: Device, original_driver: str | None) -> list[Problem]:
         """Hand the device back to its original host driver (None: leave it unbound)."""

@@ -109,7 +109,6 @@ def reap(proc: subprocess.Popen[bytes] | None, known: ExitInfo | None) -> ExitIn
 class Attached:
     qdev_id: str
     bus: str
-    guest_bdf: str | None = None
 
 
 class Vmm(Protocol):
