@@ -21,12 +21,14 @@ demo: deps
 test: deps
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench scripts
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/pytest -q -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench scripts
+	$(BIN)/lint-imports
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

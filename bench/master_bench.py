@@ -42,7 +42,7 @@ NOW, STALE = 1_000_000.0, 10.0
 
 
 def contract() -> CompatibilityContract:
-    doc = yaml.safe_load((ROOT / "examples/templates/cuda12-h100.yaml").read_text())
+    doc = yaml.safe_load((ROOT / "src/cubeaccel/examples/templates/cuda12-h100.yaml").read_text())
     doc["spec"]["memory"]["size_mib"] = 1024
     return freeze(parse_template(doc))
 

@@ -27,11 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cubeaccel.host.hypervisor import detect_accel
 from cubeaccel.images.builder import build, cache_dir
 from cubeaccel.shim.memory import status_kib
 from cubeaccel.shim.qemu import build_argv
 from cubeaccel.shim.template import ensure_template
-from cubeaccel.shim.vmm import VmConfig, detect_accel
+from cubeaccel.shim.vmm import VmConfig
 
 PHASES = ("spawn_to_qmp_s", "boot_or_restore_to_agent_s", "hotplug_to_visible_s", "detach_s", "vmm_exit_s")
 

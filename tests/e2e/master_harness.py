@@ -16,7 +16,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
 from tests.e2e.cubelet_process import CubeletProcess, poll, terminate
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 
 
 def free_port() -> int:
@@ -52,7 +52,8 @@ class MasterProcess:
         cmd = [
             sys.executable,
             "-m",
-            "cubeaccel.master",
+            "cubeaccel",
+            "master",
             "serve",
             "--db",
             self.db,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.master.up import _cubelet_takes_pinnable, choose_backend, run_down, run_up
+import cubeaccel
+from cubeaccel.master.up import DEFAULTS, EXAMPLES, choose_backend, run_down, run_up
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
 
@@ -19,6 +20,16 @@ def test_backend_choice_says_which_and_why() -> None:
     with pytest.raises(CubeError) as e:
         choose_backend("magic")
     assert e.value.code == "up.unknown_backend"
+
+
+def test_example_templates_are_package_data_so_an_installed_wheel_registers_them() -> None:
+    """`up` must not read a source checkout: the defaults live inside the `cubeaccel` package (hatch puts every
+    file under src/cubeaccel in the wheel) and are found through importlib.resources."""
+    package = Path(cubeaccel.__file__).resolve().parent
+    for name in DEFAULTS:
+        found = EXAMPLES / name
+        assert found.is_file(), name
+        assert package in Path(str(found)).resolve().parents, f"{found} is outside the package"
 
 
 def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
@@ -34,13 +45,7 @@ def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
         assert node["state"] == "ready" and node["total"] == 2
         defaults = c.request("GET", "/v1/templates")["defaults"]
         assert defaults == {"gpu": "cuda12-h100", "accelerator": "edu-demo"}
-        if _cubelet_takes_pinnable():
-            assert c.create({"gpu": "H100:1"})["state"] == "running"
-        else:  # the example pins 64 GiB; this host's Cubelet advertises what it can really lock
-            try:
-                assert c.create({"gpu": "H100:1"})["state"] == "running"
-            except CubeError as e:
-                assert e.details["tried"][0]["nodes"]["local"]["reason"] == "pinned_memory"
+        assert c.create({"gpu": "H100:1"})["state"] == "running"  # the example pins 64 GiB: up's node can lock it
         c.close()
     finally:
         assert run_down(tmp_path) == 0

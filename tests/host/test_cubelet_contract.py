@@ -15,7 +15,7 @@ from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.templates import load_template
 from tests.cubelet_harness import Node
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 
 
 def _h100_contract() -> dict[str, Any]:

@@ -17,7 +17,7 @@ from cubeaccel.model.states import DeviceState
 from cubeaccel.model.template_spec import Template
 from cubeaccel.wire.templates import parse_template
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 H100_FILE = EXAMPLES / "cuda12-h100.yaml"
 EDU_FILE = EXAMPLES / "edu-demo.yaml"
 _DOCS: dict[Path, dict[str, Any]] = {}

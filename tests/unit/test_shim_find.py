@@ -15,7 +15,7 @@ import uuid
 from pathlib import Path
 
 from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_address
-from cubeaccel.host.vmmproc import ENV_DEVICES, argv0_tag, find_vmm, inspect, name_arg, vmm_processes
+from cubeaccel.host.vmmproc import ENV_DEVICES, find_vmm, inspect, name_arg, vmm_processes
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, device_id_for
 from cubeaccel.model.states import DeviceState
 
@@ -56,7 +56,7 @@ def _record(index: int, state: DeviceState = DeviceState.RELEASING, instance: st
 
 def test_tagged_vmms_are_found_and_untagged_or_zombie_processes_are_not(tmp_path: Path) -> None:
     _proc(tmp_path, 10, ["qemu-system-x86_64", "-name", name_arg("sb-a")], {ENV_DEVICES: "emulated-0000:e0:00.0"})
-    _proc(tmp_path, 11, [argv0_tag("cloud-hypervisor", "sb-b"), "--api-socket", "path=/x"], {})
+    _proc(tmp_path, 11, ["qemu-system-x86_64", "-name", f"{name_arg('sb-b')},debug-threads=on"], {})
     _proc(tmp_path, 12, ["cat"], {"CUBEACCEL_SANDBOX": "sb-a"})  # inherited env alone is not a VMM
     _proc(tmp_path, 13, ["qemu-system-x86_64", "-name", name_arg("sb-c")], {}, state="Z")
     (tmp_path / "self").mkdir()

@@ -12,12 +12,13 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.host.hypervisor import detect_accel
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.shim.memory import prove_pinned, status_kib
 from cubeaccel.shim.qemu import build_argv
 from cubeaccel.shim.reporter import Reporter
-from cubeaccel.shim.vmm import VmConfig, detect_accel
+from cubeaccel.shim.vmm import VmConfig
 
 
 def _cfg(tmp_path: Path, pin: bool = True) -> VmConfig:

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.host.hypervisor import detect_accel
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.template import prune_templates, template_key, template_lease
-from cubeaccel.shim.vmm import VmConfig, detect_accel
+from cubeaccel.shim.vmm import VmConfig
 
 
 def _fn(slot: int, vendor: int, device: int, qdev: str = "", func: int = 0, bridge: Any = None) -> dict[str, Any]:

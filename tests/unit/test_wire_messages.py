@@ -28,7 +28,7 @@ from cubeaccel.wire.templates import TemplateDocument, load_template, parse_temp
 from tests.cubelet_harness import Node
 from tests.unit.master_builders import group, heartbeat
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "templates"
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 
 
 def _refuses_version(model: type[BaseModel], body: dict[str, Any]) -> str:

@@ -18,7 +18,7 @@ from tests.e2e.cubelet_process import CubeletProcess, poll
 from tests.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
-EDU = Path(__file__).resolve().parents[2] / "examples" / "templates" / "edu-demo.yaml"
+EDU = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates" / "edu-demo.yaml"
 
 
 def edu_contract(image: Manifest) -> dict[str, Any]:

@@ -208,7 +208,7 @@ def test_frozen_edu_template_contract_is_enforced_on_the_image_and_validated_in_
     from cubeaccel.model.template_spec import GuestKernel, ModulesImg
     from cubeaccel.wire.templates import load_template
 
-    edu = load_template(Path(__file__).parents[2] / "examples" / "templates" / "edu-demo.yaml")
+    edu = load_template(Path(__file__).parents[2] / "src" / "cubeaccel" / "examples" / "templates" / "edu-demo.yaml")
     built = latest()  # the session image, or a rebuild if a source file changed meanwhile
     assert built is not None
     pinned = replace(

@@ -1,8 +1,6 @@
 """cube-agent: in-guest validation of an accelerator against the template's compatibility contract.
 
-Runs inside small guests, so it imports only the Python standard library and `cubeaccel.model`.
+Runs inside small guests, so it imports only the Python standard library and `cubeaccel.model`. What the host side
+shares with it (versions, port name, step timeouts) is in `cubeaccel.model.agent_protocol`: nothing outside the
+guest imports this package.
 """
-
-AGENT_VERSION = 1  # GuestReport.agent_version: bumped when the report's meaning changes
-AGENT_PORT_NAME = "cube-agent"  # the virtserialport name the VMM gives the agent's channel
-PROTOCOL_VERSION = 1  # "v" in every protocol line: bumped when the wire format changes

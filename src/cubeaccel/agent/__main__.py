@@ -21,6 +21,7 @@ from cubeaccel.agent.protocol import DEFAULT_MAX_REQUEST_BYTES, Agent
 from cubeaccel.agent.report import probe_reply
 from cubeaccel.agent.serve import ServeOptions, log, open_port, poweroff, resolve_port, serve
 from cubeaccel.agent.spec import parse_spec
+from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.errors import CubeError
 
 LIB_PATH_ENV = "CUBE_AGENT_LIB_PATH"  # colon-separated directories tried before the dynamic linker
@@ -55,8 +56,10 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--lib-path", default=None, help=f"directories searched first for driver libraries (env {LIB_PATH_ENV})"
     )
     p.add_argument("--modprobe", default="modprobe", help="modprobe command line (default: modprobe)")
-    p.add_argument("--modprobe-timeout", type=float, default=30.0, metavar="S")
-    p.add_argument("--cuda-timeout", type=float, default=20.0, metavar="S", help="deadline for cuInit/NVML calls")
+    p.add_argument("--modprobe-timeout", type=float, default=MODPROBE_TIMEOUT_S, metavar="S")
+    p.add_argument(
+        "--cuda-timeout", type=float, default=CUDA_TIMEOUT_S, metavar="S", help="deadline for cuInit/NVML calls"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cubeaccel.agent.spec import ProbeSpec, version_matches
+from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.reports import ProbeResult
 
 _NVRM = re.compile(r"Kernel Module(?: for [^\s]+)?\s+(\d+(?:\.\d+)+)")
@@ -32,8 +33,8 @@ class ProbeContext:
     modprobe: tuple[str, ...] = ("modprobe",)
     load_modules: bool = False  # run modprobe for the contract's modules before checking them
     set_persistence: bool = False  # allowed to turn on NVML persistence mode when the contract asks
-    modprobe_timeout_s: float = 30.0
-    cuda_timeout_s: float = 20.0
+    modprobe_timeout_s: float = MODPROBE_TIMEOUT_S
+    cuda_timeout_s: float = CUDA_TIMEOUT_S
 
     def path(self, absolute: str) -> Path:
         return self.root / absolute.lstrip("/")

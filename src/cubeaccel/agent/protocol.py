@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from cubeaccel.agent import AGENT_VERSION, PROTOCOL_VERSION
 from cubeaccel.agent.probes import ProbeContext, kernel_release, loaded_modules, run_modprobe
 from cubeaccel.agent.report import probe_reply
 from cubeaccel.agent.spec import bad_contract, parse_spec
+from cubeaccel.model.agent_protocol import AGENT_VERSION, PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024

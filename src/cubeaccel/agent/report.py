@@ -10,10 +10,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from cubeaccel.agent import AGENT_VERSION, probes
+from cubeaccel.agent import probes
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.spec import ProbeSpec
 from cubeaccel.agent.userspace import Libraries, check_library, check_userspace_version, probe_cuda, probe_nvml
+from cubeaccel.model.agent_protocol import AGENT_VERSION
 from cubeaccel.model.reports import GuestReport, ProbeResult
 
 

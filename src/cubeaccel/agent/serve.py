@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from cubeaccel.agent import PROTOCOL_VERSION
 from cubeaccel.agent.protocol import DEFAULT_MAX_REQUEST_BYTES, Agent, LineFramer, encode, reply_error
+from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 
 EOF_RETRY_S = 0.2  # poll interval while a virtio port's host side is away (EOF is always "readable")

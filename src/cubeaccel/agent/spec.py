@@ -26,8 +26,6 @@ _NAME = re.compile(r"[A-Za-z0-9_.+-]{1,128}")
 _VERSION = re.compile(r"[A-Za-z0-9_.+~-]{1,64}")
 _LAYERS = ("userspace_driver", "cuda_runtime", "kernel_driver", "modules_img")
 
-NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm")
-
 
 def bad_contract(message: str, **details: Any) -> CubeError:
     return CubeError("agent.invalid_contract", message, layer="template", details=details, status=422)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from cubeaccel.host.pci import Holder
-from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
+from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,63 @@ class Backend(Protocol):
         ...
 
     def attach_spec(self, device: DeviceRecord) -> AttachSpec: ...
+
+
+@dataclass(frozen=True)
+class HostPreparation:
+    """What `HostBinding.prepare` did. Cubelet persists `original_driver` to restore the device later."""
+
+    address: PciAddress
+    original_driver: str | None
+    changed: bool
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@runtime_checkable
+class HostBinding(Protocol):
+    """A backend that binds devices to a host driver before validating them (VFIO: vfio-pci) and can give them
+    back. Backends with nothing to bind (emulated) lack it; their devices expect no driver."""
+
+    expected_driver: str
+
+    def prepare(self, device: DiscoveredDevice) -> HostPreparation:
+        """Bind the device unless it already is; refuse while anyone holds it open."""
+        ...
+
+    def restore_host(self, device: DeviceRecord, original_driver: str | None) -> list[Problem]:
+        """Hand the device back to its original host driver (None: leave it unbound)."""
+        ...
+
+
+@runtime_checkable
+class AerBaselines(Protocol):
+    """A backend that judges devices by fatal AER counts above a baseline. The baselines are facts a restart
+    needs: the backend keeps them in memory, Cubelet persists and seeds them (`cubelet/backend_facts.py`)."""
+
+    def aer_baselines(self) -> dict[PciAddress, int]: ...
+
+    def set_aer_baseline(self, address: PciAddress, count: int) -> None: ...
+
+    def accept_aer(self, address: PciAddress) -> int | None:
+        """An operator's `recover` acknowledges the errors seen so far; returns the new baseline (None: unknown)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do beyond `Backend`, decided once, when Cubelet is given the backend: call sites ask
+    `cubelet.capabilities`, never the backend object what methods it happens to have."""
+
+    binding: HostBinding | None
+    aer: AerBaselines | None
+
+    @classmethod
+    def of(cls, backend: Backend) -> Capabilities:
+        return cls(
+            binding=backend if isinstance(backend, HostBinding) else None,
+            aer=backend if isinstance(backend, AerBaselines) else None,
+        )

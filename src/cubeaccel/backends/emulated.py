@@ -12,12 +12,11 @@ two Cubelets (or two test runs) on one host never count each other's VMMs as hol
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from pathlib import Path
 
 from cubeaccel.backends.base import AttachSpec, Problem
+from cubeaccel.host.hypervisor import find_qemu
 from cubeaccel.host.pci import Holder
 from cubeaccel.host.vmmproc import vmm_processes
 from cubeaccel.model.device import (
@@ -61,7 +60,7 @@ class EmulatedBackend:
         self.instance = instance
         self.slots = slots
         self.proc_root = proc_root
-        self.qemu = qemu or os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
+        self.qemu = qemu or find_qemu()
 
     def _addresses(self) -> list[PciAddress]:
         return [slot_address(i) for i in range(self.slots)]

@@ -9,16 +9,15 @@ Host preparation API (issue #3 item 4):
   keeps no state that must survive a restart.
 - `restore_host(device, original_driver)` gives the device back to that driver (None: leave unbound),
   e.g. when an operator disables it and asks for the host driver back.
-- `prepare_host(device)` is the older, problems-only form of `prepare`.
+Both are the `HostBinding` capability, the AER baselines the `AerBaselines` one (`backends/base.py`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 
-from cubeaccel.backends.base import AttachSpec, Problem
+from cubeaccel.backends.base import AttachSpec, HostPreparation, Problem
 from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
 from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsRestore
 from cubeaccel.host.readiness import HostRoots, check_host
@@ -32,20 +31,6 @@ VFIO_DRIVER = "vfio-pci"
 DEFAULT_RESET_METHODS: frozenset[str] = frozenset({"flr", "af", "pm", "bus", "device_specific", "cxl_bus"})
 
 Device = DeviceRecord | DiscoveredDevice
-
-
-@dataclass(frozen=True)
-class HostPreparation:
-    """What `prepare` did. Persist `original_driver` to restore the device later."""
-
-    address: PciAddress
-    original_driver: str | None
-    changed: bool
-    problems: list[Problem] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
 
 
 class VfioBackend:
@@ -66,6 +51,7 @@ class VfioBackend:
         """`readiness_roots`: where `cubeaccel host check` looks (sysfs, /dev, /proc). None only for a simulated
         host, which models a kernel with an IOMMU and vfio-pci; a real (or fake-tree) host always passes them."""
         self.host = host
+        self._restorer = host if isinstance(host, SupportsRestore) else None  # a host capability, asked once
         self.readiness_roots = readiness_roots
         self.specs: tuple[DeviceSpec, ...] = parse_allow(list(allow))
         self.allow = tuple(str(s) for s in self.specs)
@@ -128,10 +114,6 @@ class VfioBackend:
             return HostPreparation(device.address, f.driver, True, [Problem("backend.bind_failed", e.message)])
         return HostPreparation(device.address, f.driver, True)
 
-    def prepare_host(self, device: Device) -> list[Problem]:
-        """Host initialization: bind to vfio-pci when the operator selected the device."""
-        return self.prepare(device).problems
-
     def restore_host(self, device: Device, original_driver: str | None) -> list[Problem]:
         """Hand the device back to its original host driver (None: leave it unbound)."""
         f = self.host.function(device.address)
@@ -141,8 +123,8 @@ class VfioBackend:
         if holders:
             return [_held(f.address, holders)]
         try:
-            if isinstance(self.host, SupportsRestore):
-                self.host.restore_driver(device.address, original_driver)
+            if self._restorer is not None:
+                self._restorer.restore_driver(device.address, original_driver)
             elif original_driver is not None:
                 self.host.bind(device.address, original_driver)
             else:

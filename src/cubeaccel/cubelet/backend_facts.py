@@ -6,28 +6,25 @@ and seeds a fresh backend from the store at startup, so "nothing a restart needs
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from cubeaccel.cubelet.lifecycle import Cubelet
-from cubeaccel.model.device import PciAddress
 
 
 def seed(cubelet: Cubelet) -> None:
-    setter: Callable[[PciAddress, int], None] | None = getattr(cubelet.backend, "set_aer_baseline", None)
-    if setter is None:
+    aer = cubelet.capabilities.aer
+    if aer is None:
         return
     with cubelet.store.read() as t:
         stored = t.aer_baselines()
         for d in t.devices():
             if d.id in stored:
-                setter(d.address, stored[d.id])
+                aer.set_aer_baseline(d.address, stored[d.id])
 
 
 def persist(cubelet: Cubelet) -> None:
-    getter: Callable[[], dict[PciAddress, int]] | None = getattr(cubelet.backend, "aer_baselines", None)
-    if getter is None:
+    aer = cubelet.capabilities.aer
+    if aer is None:
         return
-    known = getter()
+    known = aer.aer_baselines()
     with cubelet.store.tx() as t:
         stored = t.aer_baselines()
         for d in t.devices():

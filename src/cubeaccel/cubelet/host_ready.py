@@ -14,19 +14,30 @@ a change (not every tick) is one `host_ready` / `host_not_ready` event.
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from cubeaccel.backends.base import Problem
-from cubeaccel.cubelet.store import Tx
+from cubeaccel.backends.base import Backend, Problem
+from cubeaccel.cubelet.store import Store, Tx
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
-if TYPE_CHECKING:
-    from cubeaccel.cubelet.lifecycle import Cubelet
-
 META_KEY = "host_readiness"
 NOT_CHECKED = Problem("host.not_checked", "host readiness has not been checked yet")
+
+
+class Cubelet(Protocol):
+    """What a check needs of `lifecycle.Cubelet` (which imports this module, so it is not imported here)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]: ...
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol
-
 from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet import host_ready
 from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
@@ -13,16 +10,11 @@ from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 
-class HostPreparation(Protocol):
-    original_driver: str | None
-    changed: bool
-    problems: list[Problem]
-
-
 def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[str]:
     """Insert devices the store has never seen, as `initialized`. Known devices are reconcile's job."""
     new = []
-    expected = getattr(cubelet.backend, "expected_driver", None)
+    binding = cubelet.capabilities.binding
+    expected = binding.expected_driver if binding is not None else None
     with cubelet.lock, cubelet.store.tx() as t:
         for d in discovered:
             if t.device(d.device_id) is None:
@@ -38,16 +30,15 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
         if not host_ready.current(t).ready:
             return
     by_id = {d.device_id: d for d in discovered}
-    # Optional backend hook: VFIO binds to vfio-pci here; backends with nothing to bind lack it.
-    prepare: Callable[[DiscoveredDevice], HostPreparation] | None = getattr(cubelet.backend, "prepare", None)
+    binding = cubelet.capabilities.binding  # VFIO binds to vfio-pci here; emulated has nothing to bind
     with cubelet.lock:
         for rec in cubelet.store.devices():
             if rec.state is not DeviceState.INITIALIZED:
                 continue
             problems: list[Problem] = []
             original: tuple[str | None] | None = None
-            if prepare is not None and rec.id in by_id:
-                prep = prepare(by_id[rec.id])
+            if binding is not None and rec.id in by_id:
+                prep = binding.prepare(by_id[rec.id])
                 problems = list(prep.problems)
                 if prep.changed:
                     original = (prep.original_driver,)

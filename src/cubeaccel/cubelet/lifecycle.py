@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.backends.base import Backend
+from cubeaccel.backends.base import Backend, Capabilities
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
@@ -110,6 +110,7 @@ class Cubelet(ReleasePath):
     def __init__(self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None) -> None:
         self.store = store
         self.backend = backend
+        self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
         self.shim = shim
         self.config = config or CubeletConfig()
         self.lock = threading.RLock()

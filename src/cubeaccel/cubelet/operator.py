@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet.lifecycle import Cubelet
-from cubeaccel.model.device import DeviceRecord, PciAddress
+from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import conflict, invalid, not_found
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
@@ -43,8 +40,8 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
                 "operator.not_recoverable", f"device {device_id} is {d.state.value}", details={"state": d.state.value}
             )
         _refuse_while_vmm_may_live(cubelet, d)
-        accept: Callable[[PciAddress], int | None] | None = getattr(cubelet.backend, "accept_aer", None)
-        accepted = accept(d.address) if accept is not None else None  # the operator acknowledges seen errors
+        aer = cubelet.capabilities.aer
+        accepted = aer.accept_aer(d.address) if aer is not None else None  # the operator acknowledges seen errors
         problems = cubelet.backend.validate(d)
         if problems:
             raise conflict(
@@ -105,11 +102,9 @@ def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver
                 details={**audit, "restore_driver": restore_driver},
             )
             original = t.original_driver(d.id)
-        restore: Callable[[DeviceRecord, str | None], list[Problem]] | None = getattr(
-            cubelet.backend, "restore_host", None
-        )
-        if restore_driver and restore is not None:
-            problems = restore(d, original)
+        binding = cubelet.capabilities.binding
+        if restore_driver and binding is not None:
+            problems = binding.restore_host(d, original)
             with cubelet.store.tx() as t:
                 t.event(
                     "driver_restored" if not problems else "driver_restore_failed",

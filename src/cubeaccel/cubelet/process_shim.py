@@ -19,12 +19,12 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
+from cubeaccel.host.hypervisor import hotplug_paths
 from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
-from cubeaccel.shim.qemu import hotplug_paths
 from cubeaccel.wire.reports import parse_report
 from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec, spec_error

@@ -104,8 +104,8 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     elif opts.backend == "vfio":
         from cubeaccel.backends.vfio import VfioBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
-        from cubeaccel.host.pci import SysfsPciHost
         from cubeaccel.host.readiness import HostRoots
+        from cubeaccel.host.sysfs import SysfsPciHost
 
         roots = HostRoots(opts.sysfs_root, opts.dev_root, opts.proc_root)
         backend = VfioBackend(

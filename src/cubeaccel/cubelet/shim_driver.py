@@ -74,8 +74,8 @@ class NodeFacts:
         return self.guest_images[0].digest if self.guest_images else None
 
 
-# The simulated node's guests: exactly what examples/templates pin (cuda12-h100, edu-demo), so a simulated
-# cluster schedules the example templates; tests/unit/test_node_facts.py keeps the two in step.
+# The simulated node's guests: exactly what the example templates (src/cubeaccel/examples/templates) pin, so a
+# simulated cluster schedules them; tests/unit/test_node_facts.py keeps the two in step.
 SIMULATED_GUEST_IMAGES = (
     GuestImageFact(
         "sha256:897a06f02fc2d598d90ba3804fdfae7f5955673593b4ec92bbfb9511a436ffb0",

@@ -1,19 +1,17 @@
 """PCI host boundary: what the kernel tells us about PCI functions, and the few writes we make.
 
-`PciHost` is implemented by `SysfsPciHost` (real /sys, or a fake tree on disk) and by
-`SimulatedPciHost` (in-memory kernel model with fault injection). Backends only see this protocol.
+`PciHost` is implemented by `host.sysfs.SysfsPciHost` (real /sys, or a fake tree on disk) and by
+`host.simulated.SimulatedPciHost` (in-memory kernel model with fault injection). Backends only see this protocol;
+both implementations import this module, never the other way round.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from cubeaccel.model.device import DeviceIdentity, PciAddress
 from cubeaccel.model.errors import CubeError
-
-if TYPE_CHECKING:  # re-exported lazily below: host.sysfs imports this module
-    from cubeaccel.host.sysfs import SysfsPciHost
 
 
 class HostError(CubeError):
@@ -114,25 +112,6 @@ class SupportsRestore(Protocol):
     """
 
     def restore_driver(self, address: PciAddress, driver: str | None) -> None: ...
-
-
-def __getattr__(name: str) -> object:
-    if name == "SysfsPciHost":
-        from cubeaccel.host.sysfs import SysfsPciHost
-
-        return SysfsPciHost
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "Holder",
-    "HostError",
-    "PciFunction",
-    "PciHost",
-    "SupportsRestore",
-    "SysfsPciHost",
-    "host_error",
-]
 
 
 def function_json(f: PciFunction) -> dict[str, Any]:

@@ -18,15 +18,10 @@ from pathlib import Path
 from cubeaccel.model.ids import SANDBOX_ID_PATTERN
 
 TAG_PREFIX = "cubeaccel-sandbox="
-# The tag inside one argv element: QEMU's `-name guest=cubeaccel-sandbox=ID`, or an argv[0] such as
-# `cloud-hypervisor[cubeaccel-sandbox=ID]` for VMMs without a free-form name option.
-_TAG = re.compile(r"(?:^|[=,\[])" + re.escape(TAG_PREFIX) + f"({SANDBOX_ID_PATTERN})")
+# The tag inside one argv element: QEMU's `-name guest=cubeaccel-sandbox=ID`.
+_TAG = re.compile(r"(?:^|[=,])" + re.escape(TAG_PREFIX) + f"({SANDBOX_ID_PATTERN})")
 ENV_SANDBOX = "CUBEACCEL_SANDBOX"
 ENV_DEVICES = "CUBEACCEL_DEVICES"
-
-
-def argv0_tag(program: str, sandbox_id: str) -> str:
-    return f"{program}[{TAG_PREFIX}{sandbox_id}]"
 
 
 def name_arg(sandbox_id: str) -> str:

@@ -8,13 +8,12 @@ boot under TCG costs seconds. cube-agent (`src/cubeaccel/agent` + `src/cubeaccel
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
-from cubeaccel.agent import AGENT_PORT_NAME
 from cubeaccel.images.packages import image_error
+from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 
 ROOTFS_PACKAGES = (
     "busybox-static",
@@ -187,13 +186,3 @@ def compile_and_smoke_test(root: Path) -> None:
             f"guest python failed to compile or import its modules: {proc.stderr.strip()[-800:]}",
             layer="template",
         )
-
-
-def tree_size(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            p = Path(dirpath) / f
-            if not p.is_symlink():
-                total += p.stat().st_size
-    return total

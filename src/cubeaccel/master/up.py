@@ -9,27 +9,29 @@ for `cubeaccel sandbox …` and `cubeaccel down`.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from cubeaccel.host.hypervisor import detect_accel, find_qemu
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "templates"
+# Package data, so an installed wheel registers them too (not a path into a source checkout).
+EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
 DEFAULTS = {"edu-demo.yaml": "accelerator", "cuda12-h100.yaml": "gpu"}
-SIMULATED_PINNABLE_MIB = 1 << 20  # a simulated node advertises 1 TiB lockable (when Cubelet accepts it)
+SIMULATED_PINNABLE_MIB = 1 << 20  # a simulated node advertises 1 TiB lockable
 
 
 def free_port() -> int:
@@ -47,13 +49,11 @@ def choose_backend(requested: str) -> tuple[str, str]:
         )
     if requested == "simulated":
         return requested, "asked for with --backend"
-    qemu = os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
-    if not qemu:
+    if not find_qemu():
         if requested == "emulated":
             raise CubeError("up.qemu_missing", "--backend emulated needs qemu-system-x86_64", "backend", {}, 422)
         return "simulated", "qemu-system-x86_64 is not installed (`make deps` installs it)"
     from cubeaccel.images.builder import build
-    from cubeaccel.shim.vmm import detect_accel
 
     try:
         image, fresh = build()
@@ -66,12 +66,6 @@ def choose_backend(requested: str) -> tuple[str, str]:
         f"real QEMU MicroVMs with the emulated edu PCI device, accel {accel} ({why}); "
         f"guest kernel {image.kernel_release}, image {'built now' if fresh else 'cached'}"
     )
-
-
-def _cubelet_takes_pinnable() -> bool:
-    from cubeaccel.cli.cubelet import serve_cmd
-
-    return "pinnable_memory_mib" in inspect.signature(serve_cmd).parameters
 
 
 def _spawn(argv: list[str], log: Path, detach: bool) -> subprocess.Popen[bytes]:
@@ -96,12 +90,12 @@ def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[by
     raise RuntimeError(f"{what} not ready within {deadline_s}s ({last})")
 
 
-def register_examples(client: MasterClient, directory: Path = EXAMPLES, pin_to_image: bool = False) -> list[str]:
+def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> list[str]:
     """Register the example templates as class defaults; with `pin_to_image`, edu-demo names this host's image."""
     done = []
     for name, cls in DEFAULTS.items():
         path = directory / name
-        if not path.exists():
+        if not path.is_file():
             continue
         doc = yaml.safe_load(path.read_text())
         if pin_to_image and doc["spec"]["accelerator"]["backend"] == "emulated":
@@ -112,7 +106,7 @@ def register_examples(client: MasterClient, directory: Path = EXAMPLES, pin_to_i
             if image is not None:
                 doc = pin_template_document(doc, image)
         client.register_template(doc, default=True)
-        done.append(f"{path.stem} (default for {cls})")
+        done.append(f"{name.removesuffix('.yaml')} (default for {cls})")
     return done
 
 
@@ -128,9 +122,8 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
     py = [sys.executable, "-m", "cubeaccel"]
     master = _spawn(
         [
-            sys.executable,
-            "-m",
-            "cubeaccel.master",
+            *py,
+            "master",
             "serve",
             "--db",
             str(state_dir / "master.db"),
@@ -156,9 +149,7 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
         "local",
     ]
     if chosen == "simulated":
-        cub_argv += ["--profile", profile]
-        if _cubelet_takes_pinnable():
-            cub_argv += ["--pinnable-memory-mib", str(SIMULATED_PINNABLE_MIB)]
+        cub_argv += ["--profile", profile, "--pinnable-memory-mib", str(SIMULATED_PINNABLE_MIB)]
     procs = [master]
     client = MasterClient(murl)
     try:

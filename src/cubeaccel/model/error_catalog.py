@@ -160,8 +160,6 @@ CODES: tuple[CodeInfo, ...] = (
     _c("lifecycle.snapshot_with_device", 409, "backend", "a VM holding a device is never saved as a template state"),
     _c("lifecycle.unknown_operation", 409, "backend", "a lifecycle operation cubeaccel does not know"),
     _c("lifecycle.unsupported_for_accelerator", 409, "backend", "pause/snapshot/migrate refused for GPU sandboxes"),
-    _c("vmm.api_error", None, "backend", "failure: the VMM API answered with an error"),
-    _c("vmm.api_failed", None, "backend", "failure: the VMM API could not be reached"),
     _c("vmm.hotplug_unsupported", None, "backend", "failure: this node's VMM cannot hot-plug PCI devices"),
     _c("vmm.not_started", None, "backend", "the VMM driver was used before start (a bug)"),
     _c("vmm.qemu_missing", None, "backend", "failure: qemu-system-x86_64 is not installed"),
@@ -172,7 +170,6 @@ CODES: tuple[CodeInfo, ...] = (
     _c("vmm.save_failed", None, "backend", "saving a template state failed"),
     _c("vmm.start_failed", None, "backend", "failure: the VMM process could not start or exited early"),
     _c("vmm.status_timeout", None, "backend", "failure: QEMU did not report its run state in time"),
-    _c("vmm.unsupported_device", None, "backend", "failure: the VMM cannot attach this kind of device"),
     # ---- shim ↔ cube-agent (shim side: sandbox failures) ----
     _c("agent.bad_reply", None, "guest_kernel", "failure: cube-agent sent a reply that does not parse"),
     _c("agent.cancelled", None, "cubelet", "a stop arrived during guest validation (no verdict)"),

@@ -29,9 +29,3 @@ def refuse(operation: str, sandbox_id: str, has_accelerator: bool = True) -> Cub
         details={"operation": operation, "sandbox_id": sandbox_id, "has_accelerator": has_accelerator},
         status=409,
     )
-
-
-def check_supported(operation: str, sandbox_id: str, has_accelerator: bool) -> None:
-    """Sandboxes without an accelerator are not the shim's business to restrict; with one, these are refused."""
-    if has_accelerator or operation not in UNSUPPORTED:
-        raise refuse(operation, sandbox_id, has_accelerator)

@@ -44,11 +44,6 @@ class AcceleratorChoice:
         want, have = self.model.lower(), model_label.lower()
         return have == want or have.startswith(want + "-")
 
-    def describe(self) -> str:
-        what = self.model or self.accel_class
-        sel = f" where {self.selector}" if self.selector else ""
-        return f"{self.count}x {what}{sel}"
-
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"class": self.accel_class, "count": self.count}
         if self.selector is not None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.agent import PROTOCOL_VERSION
+from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 
 MAX_REPLY = 4 << 20  # a guest is untrusted: a reply line larger than this ends the conversation

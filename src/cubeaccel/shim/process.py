@@ -15,9 +15,9 @@ import signal
 import time
 from types import FrameType
 
-from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.shim.agent_client import AgentClient
@@ -37,10 +37,6 @@ STOP_GRACE_S = 5.0
 
 def qdev_id(index: int) -> str:
     return f"accel{index}"
-
-
-_AGENT_BOUNDS = ProbeContext()  # cube-agent's own per-step timeouts (defaults, as the guest runs them)
-MODPROBE_TIMEOUT_S, CUDA_TIMEOUT_S = _AGENT_BOUNDS.modprobe_timeout_s, _AGENT_BOUNDS.cuda_timeout_s
 
 
 def probe_timeout_s(contract: dict[str, object] | None) -> float:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -20,32 +19,22 @@ from typing import Any
 from qemu.qmp import ExecuteError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
-from cubeaccel.agent import AGENT_PORT_NAME
 from cubeaccel.host import vmmproc as find
+from cubeaccel.host.hypervisor import detect_accel, find_qemu
+from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.memory import pinned_error
-from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, detect_accel, reap, stop_child, vmm_error
+from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, stop_child, vmm_error
 
 QMP_TIMEOUT_S = 10.0
 
 
 def qemu_binary() -> str:
-    path = os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
+    path = find_qemu()
     if not path:
         raise vmm_error("vmm.qemu_missing", "qemu-system-x86_64 not found (apt-get install qemu-system-x86)")
     return path
-
-
-def hotplug_paths() -> tuple[str, ...]:
-    """How this node's VMM attaches devices to a running guest: ACPI hot-plug into a `pcie-root-port`, when QEMU
-    is installed (the shim's only attach path; cold-plug at VM start is not implemented)."""
-    try:
-        qemu_binary()
-    except CubeError:
-        return ()
-    return (HOTPLUG_PCIE_ROOT_PORT_ACPI,)
 
 
 def memory_object(cfg: VmConfig) -> str:

@@ -18,11 +18,12 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from cubeaccel.host.hypervisor import detect_accel
 from cubeaccel.images.builder import prune
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.qemu import QemuVmm, qemu_binary
-from cubeaccel.shim.vmm import VmConfig, detect_accel
+from cubeaccel.shim.vmm import VmConfig
 
 KEEP_TEMPLATES = 4  # each saved state is about the guest's touched RAM (~150 MB for 256 MiB guests)
 

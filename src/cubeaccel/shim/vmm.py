@@ -1,7 +1,7 @@
-"""What the shim needs from a VMM, independent of QEMU or Cloud Hypervisor.
+"""What the shim needs from a VMM (today QEMU, `shim/qemu.py`; docs/decisions.md says why only QEMU).
 
 A `Vmm` starts one MicroVM, adds and removes devices, reports removal only when the VMM says it happened
-(QEMU `DEVICE_DELETED`, Cloud Hypervisor `device-removed`), and stops the process, returning how it exited.
+(QEMU `DEVICE_DELETED`), and stops the process, returning how it exited.
 """
 
 from __future__ import annotations
@@ -109,11 +109,10 @@ def reap(proc: subprocess.Popen[bytes] | None, known: ExitInfo | None) -> ExitIn
 class Attached:
     qdev_id: str
     bus: str
-    guest_bdf: str | None = None
 
 
 class Vmm(Protocol):
-    kind: str  # "qemu" | "cloud-hypervisor"
+    kind: str  # "qemu"
 
     @property
     def pid(self) -> int: ...
@@ -137,24 +136,3 @@ class Vmm(Protocol):
     def stop(self, grace_s: float) -> ExitInfo:
         """Graceful quit, then SIGKILL after `grace_s`; returns only after the process was waited for."""
         ...
-
-
-def detect_accel(dev: Path = Path("/dev/kvm"), sys_module: Path = Path("/sys/module")) -> tuple[str, str]:
-    """("kvm"|"tcg", why). KVM only when it can run a stock guest: PVM's /dev/kvm (kvm_pvm) cannot.
-
-    Modules are read from /sys/module (present for built-in modules too, unlike /proc/modules).
-    `CUBEACCEL_ACCEL=tcg|kvm` overrides (an operator who knows better, or tests).
-    """
-    forced = os.environ.get("CUBEACCEL_ACCEL")
-    if forced in ("tcg", "kvm"):
-        return forced, f"forced by CUBEACCEL_ACCEL={forced}"
-    if not dev.exists():
-        return "tcg", f"{dev} does not exist"
-    if (sys_module / "kvm_pvm").exists():
-        return "tcg", "KVM here is kvm_pvm (this host is itself a nested PVM guest): it cannot run a stock kernel"
-    if not os.access(dev, os.R_OK | os.W_OK):
-        return "tcg", f"{dev} is not accessible to this user"
-    hw = sorted(m for m in ("kvm_intel", "kvm_amd") if (sys_module / m).exists())
-    if hw:
-        return "kvm", f"hardware KVM ({', '.join(hw)})"
-    return "tcg", "neither kvm_intel nor kvm_amd is loaded"

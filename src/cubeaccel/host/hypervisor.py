@@ -1,0 +1,46 @@
+"""What this host offers for running MicroVMs: the QEMU binary, whether KVM can run a stock guest, and so how
+devices reach a running guest.
+
+Here, not in the shim, because three callers need the answers without driving a VMM: the shim (to start one),
+the Cubelet (to advertise hot-plug paths) and `cubeaccel up` (to choose a backend).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
+
+
+def find_qemu() -> str | None:
+    """`CUBEACCEL_QEMU`, else qemu-system-x86_64 on PATH; None when neither exists."""
+    return os.environ.get("CUBEACCEL_QEMU") or shutil.which("qemu-system-x86_64")
+
+
+def hotplug_paths() -> tuple[str, ...]:
+    """How this node's VMM attaches devices to a running guest: ACPI hot-plug into a `pcie-root-port`, when QEMU
+    is installed (the shim's only attach path; cold-plug at VM start is not implemented)."""
+    return (HOTPLUG_PCIE_ROOT_PORT_ACPI,) if find_qemu() else ()
+
+
+def detect_accel(dev: Path = Path("/dev/kvm"), sys_module: Path = Path("/sys/module")) -> tuple[str, str]:
+    """("kvm"|"tcg", why). KVM only when it can run a stock guest: PVM's /dev/kvm (kvm_pvm) cannot.
+
+    Modules are read from /sys/module (present for built-in modules too, unlike /proc/modules).
+    `CUBEACCEL_ACCEL=tcg|kvm` overrides (an operator who knows better, or tests).
+    """
+    forced = os.environ.get("CUBEACCEL_ACCEL")
+    if forced in ("tcg", "kvm"):
+        return forced, f"forced by CUBEACCEL_ACCEL={forced}"
+    if not dev.exists():
+        return "tcg", f"{dev} does not exist"
+    if (sys_module / "kvm_pvm").exists():
+        return "tcg", "KVM here is kvm_pvm (this host is itself a nested PVM guest): it cannot run a stock kernel"
+    if not os.access(dev, os.R_OK | os.W_OK):
+        return "tcg", f"{dev} is not accessible to this user"
+    hw = sorted(m for m in ("kvm_intel", "kvm_amd") if (sys_module / m).exists())
+    if hw:
+        return "kvm", f"hardware KVM ({', '.join(hw)})"
+    return "tcg", "neither kvm_intel nor kvm_amd is loaded"

@@ -1,0 +1,14 @@
+"""What the host side and cube-agent must agree on, in one place both may import.
+
+The agent runs in the guest and imports only the standard library and `cubeaccel.model`; the host side never
+imports `cubeaccel.agent` (an import-linter contract holds both). So the versions, the port name and the
+agent's own step timeouts (which the shim's probe deadline must outlast) live here.
+"""
+
+from __future__ import annotations
+
+AGENT_VERSION = 1  # GuestReport.agent_version: bumped when the report's meaning changes
+AGENT_PORT_NAME = "cube-agent"  # the virtserialport name the VMM gives the agent's channel
+PROTOCOL_VERSION = 1  # "v" in every protocol line: bumped when the wire format changes
+MODPROBE_TIMEOUT_S = 30.0  # one `modprobe` in the guest, unless the agent's command line says otherwise
+CUDA_TIMEOUT_S = 20.0  # one CUDA/NVML query in the guest, likewise
