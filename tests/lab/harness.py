@@ -4,7 +4,8 @@ real Linux VFIO stack (vfio, vfio_iommu_type1, vfio-pci from the Debian kernel p
 The initrd is the cached guest image's rootfs (busybox + python3.11) followed by two more cpio archives, which the
 kernel unpacks over it: the VFIO module closure (cached per kernel package) and an overlay with the lab's init,
 the scenario scripts and cubeaccel's stdlib-only layers (model, host, backends) precompiled for the guest's 3.11.
-With `with_qemu` a QEMU (binary, libraries, TCG module, firmware; cached) is added so a VMM can hold the device.
+With `with_qemu` a QEMU (binary, libraries, TCG module, firmware; cached) is added so a VMM can hold the device,
+and the Cubelet's closure (cubelet, shim, agent, images; qemu.qmp; sqlite3) so the Cubelet itself runs there.
 
 One boot runs many scenarios (`tests/lab/guest/scenarios.py`); results are JSON lines on the serial console. A
 boot that never reaches the runner is retried once; everything has a deadline. Measured facts and pitfalls:
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import inspect
 import json
 import os
 import py_compile
@@ -47,6 +49,10 @@ _MODULE_GLOBS = (
 )
 # cubeaccel's parts the scenarios import: stdlib only (the guest has no pydantic).
 GUEST_PACKAGES = ("model", "host", "backends")
+# With a VMM, the Cubelet runs in the guest too: its closure (still no pydantic), qemu.qmp and sqlite3.
+CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images")
+_SQLITE_GLOBS = ("./usr/lib/python3.11/sqlite3/*", "./usr/lib/python3.11/lib-dynload/_sqlite3*")
+LIBSQLITE = "/usr/lib/x86_64-linux-gnu/libsqlite3.so.0"
 QEMU = "qemu-system-x86_64"
 QEMU_FIRMWARE = (
     "/usr/share/seabios/bios-256k.bin",
@@ -67,6 +73,8 @@ LAB_DEVICES = (
     "-device", "edu,id=mf0,addr=05.0,multifunction=on",
     "-device", "edu,id=mf1,addr=05.1",
 )  # fmt: skip
+# Read once at import: tests/vm points CUBEACCEL_CACHE_DIR at a per-run cache (no .debs there) for its session.
+SHARED_CACHE = cache_dir()
 CMDLINE = "console=ttyS0 loglevel=1 panic=-1 rdinit=/init 8250.nr_uarts=1 tsc=reliable no_timer_check"
 
 
@@ -96,7 +104,8 @@ def _digest(*parts: object) -> str:
 
 
 def _cached(path: Path, make: Any) -> Path:
-    """`make(tmp)` once per cache key (the file name); atomic rename, so concurrent runs share it safely."""
+    """`make(tmp)` once per cache key (the file name); atomic rename, so concurrent runs share it safely. A new
+    key removes the files of older keys of the same kind (the QEMU bundle is ~50 MB)."""
     if path.exists():
         return path
     with _locked(path.parent / ".lock"):
@@ -104,6 +113,10 @@ def _cached(path: Path, make: Any) -> Path:
             tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             make(tmp)
             tmp.replace(path)
+            kind = path.name.split("-", 1)[0]
+            for old in path.parent.glob(f"{kind}-*.cpio"):
+                if old != path:
+                    old.unlink(missing_ok=True)  # a run using it holds its own concatenated initrd
     return path
 
 
@@ -177,14 +190,41 @@ def _compile_into(src: Path, dst: Path, guest_dir: str) -> None:
         )
 
 
-def _overlay_cpio(dest: Path) -> None:
+def _qmp_package() -> Path:
+    import qemu.qmp  # the shim's QMP client (pure Python): from this interpreter's site-packages
+
+    return Path(qemu.qmp.__file__).parent
+
+
+def _sqlite(stdlib_deb: Path, root: Path) -> None:
+    """sqlite3 as the guest image prunes it: the module and extension from the same Debian package, the library
+    from this (Debian) host."""
+    dpkg = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(stdlib_deb)], stdout=subprocess.PIPE)
+    tar = subprocess.run(["tar", "-x", "-C", str(root), "--wildcards", *_SQLITE_GLOBS], stdin=dpkg.stdout)
+    dpkg.wait()
+    if dpkg.returncode != 0 or tar.returncode != 0:
+        raise LabError(f"extracting sqlite3 from {stdlib_deb.name} failed")
+    lib = root / LIBSQLITE.lstrip("/")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(LIBSQLITE).resolve(), lib)
+
+
+def _overlay_cpio(dest: Path, cubelet_from: Path | None) -> None:
+    """The lab's init and scenarios, cubeaccel's guest-side packages; with `cubelet_from` (the python stdlib .deb)
+    also the Cubelet's closure."""
     with tempfile.TemporaryDirectory(prefix="lab-overlay-") as tmp:
         root = Path(tmp)
         pkg = root / "opt" / "cubeaccel" / "cubeaccel"
         _compile_into(SRC_PKG / "__init__.py", pkg / "__init__.py", "/opt/cubeaccel/cubeaccel")
-        for sub in GUEST_PACKAGES:
+        subs = GUEST_PACKAGES + (CUBELET_PACKAGES if cubelet_from else ())
+        for sub in subs:
             for f in sorted((SRC_PKG / sub).glob("*.py")):
                 _compile_into(f, pkg / sub / f.name, f"/opt/cubeaccel/cubeaccel/{sub}")
+        if cubelet_from is not None:
+            qmp = _qmp_package()
+            for f in sorted(qmp.glob("*.py")):
+                _compile_into(f, root / "opt" / "cubeaccel" / "qemu" / "qmp" / f.name, "/opt/cubeaccel/qemu/qmp")
+            _sqlite(cubelet_from, root)
         for f in sorted(GUEST_DIR.glob("*.py")):
             _compile_into(f, root / "lab" / f.name, "/lab")
         shutil.copy2(GUEST_DIR / "init", root / "init")
@@ -193,38 +233,70 @@ def _overlay_cpio(dest: Path) -> None:
             cpio.write_tree(root, f)
 
 
-def build_lab_image(work: Path, with_qemu: bool = False) -> LabImage:
-    """Build (or reuse) everything the lab boots into `work` (a directory this run owns)."""
-    t0 = time.monotonic()
-    cache = cache_dir()
+@dataclass(frozen=True)
+class LabParts:
+    """What every lab image shares: the guest image's kernel and rootfs (this run's links), the VFIO modules."""
+
+    vmlinux: Path
+    rootfs: Path
+    modules: Path
+    stdlib_deb: Path
+    kernel_release: str
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)  # cached images are immutable once in place: a hard link is a private copy
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
+def lab_parts(work: Path) -> LabParts:
+    """Build (or reuse) the guest image and the VFIO module closure; take this run's own links into `work`."""
+    cache = SHARED_CACHE
     manifest, _built = build(cache)
     inputs = resolve_inputs()
     release = packages.kernel_release(inputs.kernel_package.name)
     lab_cache = cache / "lab"
     lab_cache.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    with _locked(cache / "images" / ".lock"):  # the image may be pruned by a concurrent build: copy it now
+    stdlib = next(p for p in inputs.rootfs_packages if p.name == "libpython3.11-stdlib")
+    with _locked(cache / "images" / ".lock"):  # a concurrent build may prune the image: link it while locked
         for name in ("vmlinux", "rootfs.cpio"):
-            shutil.copyfile(manifest.directory / name, work / name)
-        (deb,) = packages.download(cache / "debs", [inputs.kernel_package])
-    harness = (Path(__file__).read_bytes(), (SRC_PKG / "images" / "kernel.py").read_bytes())
+            _link_or_copy(manifest.directory / name, work / name)
+        deb, stdlib_deb = packages.download(cache / "debs", [inputs.kernel_package, stdlib])
+    key = (inspect.getsource(_modules_cpio), _MODULE_GLOBS, (SRC_PKG / "images" / "kernel.py").read_bytes())
     mods = _cached(
-        lab_cache / f"modules-{release}-{_digest(inputs.kernel_package.to_json(), LAB_MODULES, *harness)}.cpio",
+        lab_cache / f"modules-{release}-{_digest(inputs.kernel_package.to_json(), LAB_MODULES, *key)}.cpio",
         lambda tmp: _modules_cpio(deb, release, tmp),
     )
-    parts = [work / "rootfs.cpio", mods]
+    _link_or_copy(mods, work / "modules.cpio")
+    return LabParts(work / "vmlinux", work / "rootfs.cpio", work / "modules.cpio", stdlib_deb, release)
+
+
+def build_lab_image(work: Path, with_qemu: bool = False, parts: LabParts | None = None) -> LabImage:
+    """The initrd the lab boots, in `work` (a directory this run owns): rootfs + modules [+ QEMU] + overlay."""
+    t0 = time.monotonic()
+    parts = parts or lab_parts(work)
+    archives = [parts.rootfs, parts.modules]
     if with_qemu:
         binary = Path(shutil.which(QEMU) or QEMU)
         st = binary.stat()
-        parts.append(_cached(lab_cache / f"qemu-{_digest(st.st_size, st.st_mtime_ns, QEMU_FIRMWARE)}.cpio", _qemu_cpio))
-    _overlay_cpio(work / "overlay.cpio")
-    parts.append(work / "overlay.cpio")
+        bundle = _cached(
+            SHARED_CACHE / "lab" / f"qemu-{_digest(st.st_size, st.st_mtime_ns, QEMU_FIRMWARE)}.cpio", _qemu_cpio
+        )
+        _link_or_copy(bundle, work / "qemu.cpio")
+        archives.append(work / "qemu.cpio")
+    overlay = work / ("overlay-qemu.cpio" if with_qemu else "overlay.cpio")
+    _overlay_cpio(overlay, parts.stdlib_deb if with_qemu else None)
+    archives.append(overlay)
     initrd = work / ("initrd-qemu.img" if with_qemu else "initrd.img")
     with initrd.open("wb") as out:
-        for p in parts:
+        for p in archives:
             with p.open("rb") as src:
                 shutil.copyfileobj(src, out)
-    return LabImage(work / "vmlinux", initrd, release, time.monotonic() - t0, initrd.stat().st_size)
+    return LabImage(parts.vmlinux, initrd, parts.kernel_release, time.monotonic() - t0, initrd.stat().st_size)
 
 
 @dataclass
@@ -266,8 +338,10 @@ def _parse(console: str) -> tuple[dict[str, dict[str, Any]], bool, bool]:
     return results, ready, done
 
 
-def _qemu_cmd(image: LabImage, log: Path, plan: list[str], iommu: bool, memory_mib: int, timeout_s: int) -> list[str]:
-    append = f"{CMDLINE} lab.plan={','.join(plan)} lab.timeout={timeout_s}"
+def _qemu_cmd(
+    image: LabImage, log: Path, plan: list[str], iommu: bool, memory_mib: int, timeout_s: int, modules: str
+) -> list[str]:
+    append = f"{CMDLINE} lab.plan={','.join(plan)} lab.timeout={timeout_s} lab.modules={modules}"
     if iommu:
         append += " intel_iommu=on"
     return [
@@ -298,6 +372,7 @@ def boot(
     total_timeout_s: float = 240.0,
     scenario_timeout_s: int = 60,
     retries: int = 1,
+    modules: str = "scenarios",
 ) -> BootResult:
     """Boot the lab guest, run `plan`, return its results. A boot that never reaches the runner is retried."""
     if shutil.which(QEMU) is None:
@@ -305,7 +380,7 @@ def boot(
     last = ""
     for attempt in range(1, retries + 2):
         log = work / f"console-{os.getpid()}-{time.monotonic_ns()}.log"
-        cmd = _qemu_cmd(image, log, plan, iommu, memory_mib, scenario_timeout_s)
+        cmd = _qemu_cmd(image, log, plan, iommu, memory_mib, scenario_timeout_s, modules)
         t0 = time.monotonic()
         with (work / "qemu-stderr.log").open("ab") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
