@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.backends.vfio import VfioBackend
+from cubeaccel.host import procfs
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
@@ -348,3 +349,23 @@ def test_the_enable_count_of_a_device_on_another_driver_is_not_a_holder(tmp_path
     fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="nvidia")])
     (fake.devdir(GPU) / "enable").write_text("1\n")  # nvidia enables its devices while bound
     assert fake.host().holders(PciAddress.parse(GPU)) == []
+
+
+def test_an_exempt_unreadable_process_does_not_hide_the_open_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="vfio-pci")])
+    (fake.devdir(GPU) / "enable").write_text("1\n")
+    (fake.proc / "1" / "fd").mkdir(parents=True)
+    real_scandir = os.scandir
+
+    def scandir(path: object) -> object:
+        if str(path) == str(fake.proc / "1" / "fd"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(procfs.os, "scandir", scandir)
+    host = fake.host()
+    host.exempt_pids = frozenset({1})  # an unreadable pid 1 the operator declared harmless
+    (h,) = host.holders(PciAddress.parse(GPU))
+    assert (h.pid, h.unknown) == (0, True)

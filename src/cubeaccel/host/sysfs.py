@@ -264,10 +264,11 @@ class SysfsPciHost:
         means a holder we cannot name: every process with a VFIO device fd, or else an unknown one (fail closed).
         """
         files = self.device_files(address)
-        found = procfs.find_holders(procfs.exact(files), self.proc_root) if files else []
-        if not found:
-            found = self._enabled_holders(address)
-        return [h for h in found if not (h.unknown and h.pid in self.exempt_pids)]
+        found = self._not_exempt(procfs.find_holders(procfs.exact(files), self.proc_root) if files else [])
+        return found or self._not_exempt(self._enabled_holders(address))
+
+    def _not_exempt(self, holders: list[Holder]) -> list[Holder]:
+        return [h for h in holders if not (h.unknown and h.pid in self.exempt_pids)]
 
     def _enabled_holders(self, address: PciAddress) -> list[Holder]:
         if self._link_name(address, "driver") != VFIO_PCI:
@@ -275,7 +276,8 @@ class SysfsPciHost:
         count = parse_int(self._read(address, "enable"))
         if not count:
             return []
-        candidates = procfs.find_holders(procfs.exact([VFIO_DEVICE_FD]), self.proc_root)
+        # unreadable processes were judged by the first scan already (unknown holders, or exempt)
+        candidates = [h for h in procfs.find_holders(procfs.exact([VFIO_DEVICE_FD]), self.proc_root) if not h.unknown]
         if candidates:
             return candidates
         path = f"{self.device_path(address, 'enable')}={count} (no process visible here)"
