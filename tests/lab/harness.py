@@ -209,7 +209,7 @@ def _sqlite(stdlib_deb: Path, root: Path) -> None:
     shutil.copyfile(Path(LIBSQLITE).resolve(), lib)
 
 
-def _overlay_cpio(dest: Path, cubelet_from: Path | None) -> None:
+def _overlay_cpio(dest: Path, cubelet_from: Path | None, extra: dict[str, Path] | None = None) -> None:
     """The lab's init and scenarios, cubeaccel's guest-side packages; with `cubelet_from` (the python stdlib .deb)
     also the Cubelet's closure."""
     with tempfile.TemporaryDirectory(prefix="lab-overlay-") as tmp:
@@ -227,6 +227,9 @@ def _overlay_cpio(dest: Path, cubelet_from: Path | None) -> None:
             _sqlite(cubelet_from, root)
         for f in sorted(GUEST_DIR.glob("*.py")):
             _compile_into(f, root / "lab" / f.name, "/lab")
+        for guest_path, src in (extra or {}).items():
+            (root / guest_path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, root / guest_path.lstrip("/"))
         shutil.copy2(GUEST_DIR / "init", root / "init")
         (root / "init").chmod(0o755)
         with dest.open("wb") as f:
@@ -275,8 +278,16 @@ def lab_parts(work: Path) -> LabParts:
     return LabParts(work / "vmlinux", work / "rootfs.cpio", work / "modules.cpio", stdlib_deb, release)
 
 
-def build_lab_image(work: Path, with_qemu: bool = False, parts: LabParts | None = None) -> LabImage:
-    """The initrd the lab boots, in `work` (a directory this run owns): rootfs + modules [+ QEMU] + overlay."""
+def build_lab_image(
+    work: Path,
+    with_qemu: bool = False,
+    parts: LabParts | None = None,
+    extra: dict[str, Path] | None = None,
+    name: str = "",
+) -> LabImage:
+    """The initrd the lab boots, in `work` (a directory this run owns): rootfs + modules [+ QEMU] + overlay.
+
+    `extra`: more files for the overlay (guest path → file here); `name` tells images in one `work` apart."""
     t0 = time.monotonic()
     parts = parts or lab_parts(work)
     archives = [parts.rootfs, parts.modules]
@@ -288,10 +299,11 @@ def build_lab_image(work: Path, with_qemu: bool = False, parts: LabParts | None 
         )
         _link_or_copy(bundle, work / "qemu.cpio")
         archives.append(work / "qemu.cpio")
-    overlay = work / ("overlay-qemu.cpio" if with_qemu else "overlay.cpio")
-    _overlay_cpio(overlay, parts.stdlib_deb if with_qemu else None)
+    tag = name or ("qemu" if with_qemu else "base")
+    overlay = work / f"overlay-{tag}.cpio"
+    _overlay_cpio(overlay, parts.stdlib_deb if with_qemu else None, extra)
     archives.append(overlay)
-    initrd = work / ("initrd-qemu.img" if with_qemu else "initrd.img")
+    initrd = work / f"initrd-{tag}.img"
     with initrd.open("wb") as out:
         for p in archives:
             with p.open("rb") as src:

@@ -41,6 +41,7 @@ class Qmp:
                     raise
                 time.sleep(0.05)
         self.buf = b""
+        self.events: list[dict[str, Any]] = []
         self._read()  # greeting
         self.cmd("qmp_capabilities")
 
@@ -54,12 +55,29 @@ class Qmp:
         msg: dict[str, Any] = json.loads(line)
         return msg
 
+    def wait_event(self, name: str, timeout_s: float) -> dict[str, Any] | None:
+        """The first `name` event (already buffered or arriving) within `timeout_s`, else None."""
+        end = time.monotonic() + timeout_s
+        for ev in self.events:
+            if ev.get("event") == name:
+                return ev
+        while time.monotonic() < end:
+            self.sock.settimeout(max(0.05, end - time.monotonic()))
+            try:
+                msg = self._read()
+            except TimeoutError:
+                break
+            if msg.get("event") == name:
+                return msg
+        return None
+
     def cmd(self, name: str, **args: Any) -> dict[str, Any]:
         self.sock.sendall(json.dumps({"execute": name, "arguments": args}).encode() + b"\n")
         while True:
             msg = self._read()
             if "return" in msg or "error" in msg:
                 return msg
+            self.events.append(msg)
 
     def close(self) -> None:
         self.sock.close()
