@@ -44,6 +44,8 @@ def codes(problems: list[dict[str, Any]]) -> list[str]:
 
 
 def test_lab_boot_is_fast_enough_for_ci(lab: BootResult) -> None:
+    elapsed = {name: r.get("elapsed_s") for name, r in lab.results.items()}
+    print(f"lab boot: ready {lab.ready_s:.1f} s, done {lab.total_s:.1f} s, attempts {lab.attempts}; {elapsed}")
     assert lab.attempts <= 2
     assert lab.ready_s < 60 and lab.total_s < 120, (lab.ready_s, lab.total_s)
 

@@ -100,6 +100,12 @@ def test_the_cubelet_keeps_a_device_out_of_service_until_every_holder_is_gone(la
     }
 
 
+def test_vmm_lab_boot_time(lab: BootResult) -> None:
+    elapsed = {name: r.get("elapsed_s") for name, r in lab.results.items()}
+    print(f"vmm lab boot: ready {lab.ready_s:.1f} s, done {lab.total_s:.1f} s, attempts {lab.attempts}; {elapsed}")
+    assert lab.attempts <= 2 and lab.total_s < 150
+
+
 def test_open_release_reset_validate_cycles(lab: BootResult) -> None:
     cycles = lab.scenario("vmm_cycles")["cycles"]
     assert len(cycles) == 3 and all(c["holder_seen"] and c["ok"] for c in cycles), cycles
