@@ -99,8 +99,28 @@ def test_a_function_without_reset_method_has_no_reset_attribute_and_reset_fails(
     fake = FakeSysfs.build(tmp_path, [Dev(GPU, reset_method=())])
     with pytest.raises(HostError) as e:
         fake.host().reset(ADDR)
-    assert e.value.code == "host.reset_failed"
+    assert e.value.code == "host.no_reset_method"  # not ENOENT from a write (seen on a real 6.1 kernel)
+    assert "no reset method" in e.value.message and fake.writes == []
     assert not (fake.devdir(GPU) / "reset").exists(), "a write must never create an attribute"
+
+
+def test_restore_to_a_driver_without_an_id_table_binds_it_by_override(tmp_path: Path) -> None:
+    """uio_pci_generic / pci-stub match no device by id: clearing the override left the device unbound."""
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="uio_pci_generic", native=None)])
+    fake.add_driver("uio_pci_generic")
+    host = fake.host()
+    host.bind(ADDR, "vfio-pci")
+    fake.writes.clear()
+    host.restore_driver(ADDR, "uio_pci_generic")
+    assert fake.write_log() == [
+        f"bus/pci/devices/{GPU}/driver_override=",
+        f"bus/pci/drivers/vfio-pci/unbind={GPU}",
+        f"bus/pci/drivers_probe={GPU}",
+        f"bus/pci/devices/{GPU}/driver_override=uio_pci_generic",
+        f"bus/pci/drivers_probe={GPU}",
+    ]
+    f = host.function(ADDR)
+    assert f is not None and (f.driver, f.driver_override) == ("uio_pci_generic", "uio_pci_generic")
 
 
 def test_read_only_host_refuses_every_write_before_touching_files(fake: FakeSysfs) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.backends.vfio import VfioBackend
+from cubeaccel.host import procfs
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
@@ -281,3 +282,90 @@ def test_attach_spec_names_the_host_address(tmp_path: Path) -> None:
     backend = VfioBackend(_tree(tmp_path).host())
     spec = backend.attach_spec(_device(backend, GPU2))
     assert (spec.driver, spec.properties) == ("vfio-pci", {"host": GPU2})
+
+
+# ---- defects a real 6.1 VFIO stack showed (tests/lab): the same facts in a fake tree -------------------------------
+def test_prepare_without_an_iommu_group_writes_nothing_and_names_the_group(tmp_path: Path) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=None)], iommu=False)
+    backend = VfioBackend(fake.host())
+    prep = backend.prepare(_device(backend, GPU))
+    assert _codes(prep.problems) == ["backend.no_iommu_group"] and "iommu_group" in prep.problems[0].message
+    assert not prep.changed and fake.writes == []  # was: unbound from nvidia, then `bind_failed`
+
+
+def test_cleanup_of_a_function_without_a_reset_method_is_a_clear_soft_problem(tmp_path: Path) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="vfio-pci", reset_method=())])
+    backend = VfioBackend(fake.host())
+    (p,) = backend.cleanup(_device(backend, GPU, DeviceState.RELEASING))
+    assert (p.code, p.hard) == ("backend.no_reset_method", False)
+    assert fake.writes == []
+
+
+def _vfio_dev(fake: FakeSysfs, address: str, n: int, with_node: bool) -> None:
+    (fake.devdir(address) / "vfio-dev" / f"vfio{n}").mkdir(parents=True)
+    if with_node:
+        (fake.dev / "vfio" / "devices").mkdir(parents=True, exist_ok=True)
+        (fake.dev / "vfio" / "devices" / f"vfio{n}").write_text("")
+
+
+def test_device_files_name_the_vfio_cdev_only_where_the_kernel_made_it(tmp_path: Path) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="vfio-pci"), Dev(GPU2, iommu_group=30)])
+    _vfio_dev(fake, GPU, 0, with_node=False)  # Linux 6.1..6.5: sysfs vfio-dev/vfio0, no /dev node
+    _vfio_dev(fake, GPU2, 1, with_node=True)  # 6.6+
+    host = fake.host()
+    assert host.device_files(PciAddress.parse(GPU)) == [str(fake.dev / "vfio" / "12")]
+    assert host.device_files(PciAddress.parse(GPU2)) == [
+        str(fake.dev / "vfio" / "30"),
+        str(fake.dev / "vfio" / "devices" / "vfio1"),
+    ]
+
+
+def _fd(fake: FakeSysfs, pid: int, comm: str, target: str) -> None:
+    (fake.proc / str(pid) / "fd").mkdir(parents=True)
+    (fake.proc / str(pid) / "comm").write_text(comm + "\n")
+    (fake.proc / str(pid) / "fd" / "7").symlink_to(target)
+
+
+def test_an_open_vfio_device_fd_without_its_group_fd_is_a_holder(tmp_path: Path) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="vfio-pci")])
+    backend = VfioBackend(fake.host())
+    device = _device(backend, GPU)
+    (fake.devdir(GPU) / "enable").write_text("1\n")  # vfio-pci enabled it: some device fd is open
+    _fd(fake, 4242, "qemu-system-x86", "anon_inode:[vfio-device]")
+    assert [(h.pid, h.path, h.unknown) for h in backend.holders(device)] == [(4242, "anon_inode:[vfio-device]", False)]
+    assert "host.device_held" in _codes(backend.validate(device))
+    assert _codes(backend.wait_released(device, 0.0)) == ["host.device_held"]
+
+
+def test_an_open_device_fd_outside_our_pid_namespace_is_an_unknown_holder(tmp_path: Path) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="vfio-pci")])
+    backend = VfioBackend(fake.host())
+    (fake.devdir(GPU) / "enable").write_text("1\n")  # and no process here has any fd for it
+    (h,) = backend.holders(_device(backend, GPU))
+    assert (h.pid, h.unknown) == (0, True) and "enable=1" in h.path
+
+
+def test_the_enable_count_of_a_device_on_another_driver_is_not_a_holder(tmp_path: Path) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="nvidia")])
+    (fake.devdir(GPU) / "enable").write_text("1\n")  # nvidia enables its devices while bound
+    assert fake.host().holders(PciAddress.parse(GPU)) == []
+
+
+def test_an_exempt_unreadable_process_does_not_hide_the_open_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeSysfs.build(tmp_path, [Dev(GPU, iommu_group=12, driver="vfio-pci")])
+    (fake.devdir(GPU) / "enable").write_text("1\n")
+    (fake.proc / "1" / "fd").mkdir(parents=True)
+    real_scandir = os.scandir
+
+    def scandir(path: object) -> object:
+        if str(path) == str(fake.proc / "1" / "fd"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(procfs.os, "scandir", scandir)
+    host = fake.host()
+    host.exempt_pids = frozenset({1})  # an unreadable pid 1 the operator declared harmless
+    (h,) = host.holders(PciAddress.parse(GPU))
+    assert (h.pid, h.unknown) == (0, True)

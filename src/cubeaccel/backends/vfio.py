@@ -103,6 +103,15 @@ class VfioBackend:
             problems.append(Problem("backend.vfio_unavailable", "vfio-pci driver is not available on this host"))
         if f.extra.get("boot_vga") == "1":
             problems.append(Problem("backend.boot_vga", f"{f.address} drives the host console; not unbinding it"))
+        if f.iommu_group is None:
+            # vfio-pci's probe would fail (-22) after the device was already unbound from its driver
+            problems.append(
+                Problem(
+                    "backend.no_iommu_group",
+                    f"{f.address} has no iommu_group: vfio-pci cannot bind a device no IOMMU covers "
+                    "(enable VT-d/AMD-Vi in firmware, boot with intel_iommu=on)",
+                )
+            )
         holders = self.host.holders(device.address)
         if holders:
             problems.append(_held(f.address, holders))
@@ -284,7 +293,8 @@ class VfioBackend:
         try:
             self.host.reset(device.address)
         except HostError as e:
-            return [Problem("backend.reset_failed", e.message, hard=False)]
+            code = "backend.no_reset_method" if e.code == "host.no_reset_method" else "backend.reset_failed"
+            return [Problem(code, e.message, hard=False)]
         if self.host.config_vendor_id(device.address) == 0xFFFF:
             return [Problem("backend.reset_failed", f"{device.address} stopped answering after reset", hard=False)]
         after, problems = self._presence(device)

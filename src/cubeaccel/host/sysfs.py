@@ -50,6 +50,8 @@ DEVICE_ATTRS: Final = frozenset(
     }
 )  # fmt: skip
 _WRITABLE: Final = frozenset({"driver_override", "reset"})
+VFIO_PCI: Final = "vfio-pci"
+VFIO_DEVICE_FD: Final = "anon_inode:[vfio-device]"  # /proc/PID/fd target of a VFIO device fd
 CONFIG_READ_BYTES: Final = 4096
 
 WriteHook = Callable[[Path, str], None]
@@ -232,7 +234,10 @@ class SysfsPciHost:
         if f.iommu_group is not None:
             files.append(str(self.dev_root / "vfio" / str(f.iommu_group)))
         if "vfio_cdev" in f.extra:
-            files.append(str(self.dev_root / "vfio" / "devices" / f.extra["vfio_cdev"]))
+            # sysfs names vfio-dev/vfioN from Linux 6.1, the /dev node exists only from 6.6 (CONFIG_VFIO_DEVICE_CDEV)
+            cdev = self.dev_root / "vfio" / "devices" / f.extra["vfio_cdev"]
+            if cdev.exists():
+                files.append(str(cdev))
         minor = self._nvidia_minor(address)
         if minor is not None:
             files.append(str(self.dev_root / f"nvidia{minor}"))
@@ -251,11 +256,32 @@ class SysfsPciHost:
         return None
 
     def holders(self, address: PciAddress) -> list[Holder]:
+        """fd holders of the device files; for a vfio-pci device also the kernel's own count of open device fds.
+
+        A VMM may close its group fd and keep only the device fd (`anon_inode:[vfio-device]`, which on 6.1 does not
+        say which device), and a holder outside our PID namespace has no /proc entry here at all. vfio-pci enables
+        the device on the first open and disables it on the last close, so `enable` > 0 with no fd holder found
+        means a holder we cannot name: every process with a VFIO device fd, or else an unknown one (fail closed).
+        """
         files = self.device_files(address)
-        if not files:
+        found = self._not_exempt(procfs.find_holders(procfs.exact(files), self.proc_root) if files else [])
+        return found or self._not_exempt(self._enabled_holders(address))
+
+    def _not_exempt(self, holders: list[Holder]) -> list[Holder]:
+        return [h for h in holders if not (h.unknown and h.pid in self.exempt_pids)]
+
+    def _enabled_holders(self, address: PciAddress) -> list[Holder]:
+        if self._link_name(address, "driver") != VFIO_PCI:
+            return []  # other drivers enable their devices while bound: the count says nothing about users
+        count = parse_int(self._read(address, "enable"))
+        if not count:
             return []
-        found = procfs.find_holders(procfs.exact(files), self.proc_root)
-        return [h for h in found if not (h.unknown and h.pid in self.exempt_pids)]
+        # unreadable processes were judged by the first scan already (unknown holders, or exempt)
+        candidates = [h for h in procfs.find_holders(procfs.exact([VFIO_DEVICE_FD]), self.proc_root) if not h.unknown]
+        if candidates:
+            return candidates
+        path = f"{self.device_path(address, 'enable')}={count} (no process visible here)"
+        return [Holder(pid=0, command="?", path=path, unknown=True)]
 
     # ---- writes ---------------------------------------------------------------------------------
     def _write(self, path: Path, data: str) -> None:
@@ -315,12 +341,25 @@ class SysfsPciHost:
         if driver is not None:
             valid_driver_name(driver)
         now = self._move(address, "\n", probe=driver is not None)
+        if now is None and driver is not None:
+            # A driver without an id table (uio_pci_generic, pci-stub) binds only by override, as it was bound
+            # before: name it in driver_override (left set, as an operator's binding had it) and probe again.
+            self._write(self.device_path(address, "driver_override"), driver + "\n")
+            self._write(self.root / "bus" / "pci" / "drivers_probe", str(address))
+            now = self._link_name(address, "driver")
         if now != driver:
             raise host_error("host.restore_failed", f"{address} is bound to {now}, expected {driver}", bound=now)
 
     def reset(self, address: PciAddress) -> None:
         """Function-level reset: one write of `1` to `reset`; the kernel picks the method from reset_method."""
         self._require(address)
+        if not self.read_only and not self.device_path(address, "reset").exists():
+            # The kernel hides `reset` when the function has no reset method (no FLR, PM or bus reset possible).
+            raise host_error(
+                "host.no_reset_method",
+                f"{address} has no reset method (no `reset` attribute): it cannot be reset between tenants",
+                address=str(address),
+            )
         try:
             self._write(self.device_path(address, "reset"), "1")
         except HostError as e:
