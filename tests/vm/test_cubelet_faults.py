@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.host.unix_path import connect_path
 from cubeaccel.host.vmmproc import ENV_DEVICES
 from cubeaccel.images.manifest import Manifest
 from tests.e2e.cubelet_process import CubeletProcess, poll
@@ -58,7 +59,7 @@ def test_paused_guest_detach_times_out_and_device_returns_only_after_the_vmm_is_
 
     dev = node.client.reserve("f-paused", 1, memory_mib=256, start=True)["devices"][0]["id"]
     poll(lambda: any(e["event"] == "guest_validated" for e in _events(node, "f-paused")), 120)  # running
-    aux = QEMUMonitorProtocol(str(node.state_dir / "shims" / "f-paused" / "qmp-aux.sock"))
+    aux = QEMUMonitorProtocol(connect_path(node.state_dir / "shims" / "f-paused" / "qmp-aux.sock"))
     aux.connect()
     aux.cmd("stop")  # the guest can no longer answer the ACPI unplug request
     aux.close()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_address
+from cubeaccel.host.unix_path import connect_path
 from cubeaccel.host.vmmproc import find_vmm, inspect
 from cubeaccel.images.builder import latest
 from cubeaccel.images.manifest import Manifest
@@ -115,7 +116,7 @@ def test_paused_guest_never_completes_detach_so_shim_reports_timeout_then_stops_
 
     run = shim_factory(start="template", detach_timeout_s=1.5).start()
     run.wait_for("device_attached")
-    aux = QEMUMonitorProtocol(str(run.state_dir / "qmp-aux.sock"))
+    aux = QEMUMonitorProtocol(connect_path(run.state_dir / "qmp-aux.sock"))
     aux.connect()
     aux.cmd("stop")  # the guest can no longer answer the ACPI unplug request
     aux.close()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 
@@ -37,7 +38,7 @@ class AgentClient:
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.connect(str(self.path))
+                s.connect(connect_path(self.path))
             except OSError:
                 s.close()
                 if time.monotonic() > deadline:

@@ -21,6 +21,7 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from cubeaccel.host import vmmproc as find
 from cubeaccel.host.hypervisor import detect_accel, find_qemu
+from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim import snapshot_guard as guard
@@ -82,15 +83,16 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
         "chardev:con0",
         "-device",
         "virtio-serial-pci,id=vser0",
+        # Sockets by names relative to the VMM's cwd (its state dir): a full path may pass AF_UNIX's 108 bytes.
         "-chardev",
-        f"socket,id=agent0,path={sd / 'agent.sock'},server=on,wait=off",
+        "socket,id=agent0,path=agent.sock,server=on,wait=off",
         "-device",
         f"virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}",
         "-qmp",
-        f"unix:{sd / 'qmp.sock'},server=on,wait=off",
+        "unix:qmp.sock,server=on,wait=off",
         # A second monitor for Cubelet/operators while the shim holds the first.
         "-qmp",
-        f"unix:{sd / 'qmp-aux.sock'},server=on,wait=off",
+        "unix:qmp-aux.sock,server=on,wait=off",
     ]
     if accel == "kvm":
         argv += ["-cpu", "host"]
@@ -143,7 +145,7 @@ class QemuVmm:
         with (sd / "vmm.log").open("ab") as log:
             # Own session: the VMM must outlive a killed shim so Cubelet can find it by pid + tag.
             self._proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True, cwd=sd
             )
         (sd / "vmm.pid").write_text(f"{self._proc.pid}\n")
         self._connect(t0)
@@ -181,7 +183,7 @@ class QemuVmm:
             if self.poll_exit() is not None:
                 raise self._early_exit()
             if sock.exists():
-                qmp = QEMUMonitorProtocol(str(sock))
+                qmp = QEMUMonitorProtocol(connect_path(sock))
                 try:
                     qmp.connect()
                 except (QMPError, OSError):
