@@ -47,12 +47,16 @@ _MODULE_GLOBS = (
     "*/modules.builtin",
     "*/modules.order",
 )
-# cubeaccel's parts the scenarios import: stdlib only (the guest has no pydantic).
+# cubeaccel's parts the backend scenarios import: stdlib only.
 GUEST_PACKAGES = ("model", "host", "backends")
-# With a VMM, the Cubelet runs in the guest too: its closure (still no pydantic), qemu.qmp and sqlite3.
-CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images")
+# With a VMM, the Cubelet runs in the guest too: its closure (the wire models need pydantic), qemu.qmp, sqlite3.
+CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images", "wire")
+# Third-party distributions the Cubelet's closure imports, copied from this interpreter's site-packages (pure
+# Python but pydantic_core, a cp311 manylinux extension that loads on the guest's Debian 3.11).
+CUBELET_THIRD_PARTY = ("pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection")
 _SQLITE_GLOBS = ("./usr/lib/python3.11/sqlite3/*", "./usr/lib/python3.11/lib-dynload/_sqlite3*")
 LIBSQLITE = "/usr/lib/x86_64-linux-gnu/libsqlite3.so.0"
+LIBGCC = "/usr/lib/x86_64-linux-gnu/libgcc_s.so.1"  # pydantic_core's one library beyond glibc
 QEMU = "qemu-system-x86_64"
 QEMU_FIRMWARE = (
     "/usr/share/seabios/bios-256k.bin",
@@ -196,6 +200,33 @@ def _qmp_package() -> Path:
     return Path(qemu.qmp.__file__).parent
 
 
+def _third_party(root: Path) -> None:
+    """CUBELET_THIRD_PARTY into /opt/cubeaccel: .py compiled like cubeaccel's own, everything else copied."""
+    import importlib.util
+
+    for name in CUBELET_THIRD_PARTY:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise LabError(f"{name} is not installed in this interpreter (the Cubelet's closure needs it)")
+        origin = Path(spec.origin)
+        top = origin.parent if spec.submodule_search_locations else origin
+        files = sorted(top.rglob("*")) if top.is_dir() else [top]
+        base = top.parent
+        for f in files:
+            if not f.is_file() or "__pycache__" in f.parts:
+                continue
+            rel = f.relative_to(base)
+            dst = root / "opt" / "cubeaccel" / rel
+            if f.suffix == ".py":
+                _compile_into(f, dst, f"/opt/cubeaccel/{rel.parent}")
+            else:
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(f, dst)
+    lib = root / LIBGCC.lstrip("/")
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(Path(LIBGCC).resolve(), lib)
+
+
 def _sqlite(stdlib_deb: Path, root: Path) -> None:
     """sqlite3 as the guest image prunes it: the module and extension from the same Debian package, the library
     from this (Debian) host."""
@@ -224,6 +255,7 @@ def _overlay_cpio(dest: Path, cubelet_from: Path | None, extra: dict[str, Path] 
             qmp = _qmp_package()
             for f in sorted(qmp.glob("*.py")):
                 _compile_into(f, root / "opt" / "cubeaccel" / "qemu" / "qmp" / f.name, "/opt/cubeaccel/qemu/qmp")
+            _third_party(root)
             _sqlite(cubelet_from, root)
         for f in sorted(GUEST_DIR.glob("*.py")):
             _compile_into(f, root / "lab" / f.name, "/lab")

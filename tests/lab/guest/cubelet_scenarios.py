@@ -111,7 +111,7 @@ def cubelet_cycle() -> dict[str, Any]:
 
     def report(kind: ShimReportKind, **details: Any) -> None:
         res = cubelet.store.reservation(sid)
-        start_id = res.facts.get("start_id") if res else None
+        start_id = res.checkpoint.start_id if res else None
         cubelet.handle_report(ShimReport(sid, kind, tuple(res.device_ids) if res else (), details, 0.0, start_id))
 
     def waits() -> list[str | None]:
