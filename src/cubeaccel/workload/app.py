@@ -321,9 +321,8 @@ def _boundary(ctype: str) -> str:
 
 
 def _accepts_gzip(header: str) -> bool:
-    """envd picks gzip when the client accepts it with q>0 and prefers it to identity (RFC 9110 §12.5.3)."""
-    best: tuple[float, str] = (0.0, "identity")
-    identity_q = 1.0
+    """envd's parseAcceptEncoding: the highest-q acceptable coding wins; `*` means gzip only if identity is refused."""
+    codings: list[tuple[str, float]] = []
     for item in header.split(","):
         name, _, params = item.strip().partition(";")
         q = 1.0
@@ -333,13 +332,23 @@ def _accepts_gzip(header: str) -> bool:
                 try:
                     q = float(v)
                 except ValueError:
-                    q = 0.0
-        name = name.strip().lower()
+                    q = 1.0  # Go ignores an unparsable q
+        if name.strip():
+            codings.append((name.strip().lower(), q))
+    identity_ok = any(n == "identity" and q > 0 for n, q in codings)
+    identity_refused = any(n == "identity" and q == 0 for n, q in codings) or (
+        any(n == "*" and q == 0 for n, q in codings) and not identity_ok
+    )
+    for name, q in sorted(codings, key=lambda nq: -nq[1]):
+        if q == 0:
+            continue
         if name == "identity":
-            identity_q = q
-        if name in ("gzip", "*") and q > best[0]:
-            best = (q, "gzip")
-    return best[1] == "gzip" and best[0] > 0 and best[0] >= identity_q
+            return False
+        if name == "*":
+            return identity_refused
+        if name == "gzip":
+            return True
+    return False
 
 
 def _timeout(request: Request) -> float | None:
