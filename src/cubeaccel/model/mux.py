@@ -342,6 +342,10 @@ class Session:
             self.streams.clear()
             self.closed = True
 
+    @property
+    def pending_output(self) -> int:
+        return len(self._out)
+
     def data_to_send(self) -> bytes:
         out, self._out, self._control = bytes(self._out), bytearray(), 0
         return out
