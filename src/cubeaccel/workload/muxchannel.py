@@ -134,8 +134,9 @@ class MuxChannel:
                 stream = self._streams.get(sid)
                 if stream is None or stream.reset or self.ended or stream.write_closed:
                     raise BrokenPipeError(errno.EPIPE, "mux stream closed")
-                if self.session.send_window(sid) > 0:
-                    n = self.session.send(sid, bytes(data))
+                window = self.session.send_window(sid)
+                if window > 0:
+                    n = self.session.send(sid, bytes(data[:window]))  # copy only what the credit allows
                     self._cv.notify_all()
                     return n
                 self._cv.wait()
