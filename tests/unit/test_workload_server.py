@@ -397,5 +397,9 @@ def test_unknown_routes_and_methods(wl: WorkloadClient) -> None:
     )
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
     assert wl.http.get("/nope").status_code == 404
+    r = wl.unary("filesystem.Filesystem/Stat", {"path": "/tmp/nul\u0000byte"})  # lstat raises ValueError
+    assert r.status_code == 500 and r.json()["code"] == "internal"
+    s = wl.collect("process.Process/Start", {"process": {"cmd": "/bin/echo", "args": ["a\u0000b"]}})
+    assert s.error is not None and s.error["code"] == "invalid_argument"
     # the connection is still good after all of that
     assert wl.ok("process.Process/List", {}) is not None and json.dumps(wl.ok("process.Process/List", {}))

@@ -22,11 +22,11 @@ from cubeaccel.workload import ENVD_VERSION
 from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs
 from cubeaccel.workload.connect import ConnectError
-from cubeaccel.workload.http1 import HttpError, Request, Response
+from cubeaccel.workload.http1 import HttpError, Request, Response, log
 from cubeaccel.workload.process import SIGNAL_ENUM, ProcessTable, Subscriber
 from cubeaccel.workload.users import User, expand_and_resolve, lookup
 
-MAX_UNARY_BODY = 16 * 1024 * 1024  # SendInput carries stdin: allow sizeable writes
+MAX_UNARY_BODY = 4 * 1024 * 1024  # SendInput carries stdin (base64): sizeable, but bounded per connection
 DEFAULT_KEEPALIVE_S = 90.0  # envd's default when Keepalive-Ping-Interval is absent
 
 Unary = Callable[["Workload", dict[str, Any], User], dict[str, Any]]
@@ -137,6 +137,10 @@ class Workload:
         except ConnectError as err:
             response.send_json(err.http_status, err.to_json())
             return
+        except Exception as exc:  # a bug or an unexpected OS error: still a Connect error, and keep serving
+            internal = _internal(name, exc)
+            response.send_json(internal.http_status, internal.to_json())
+            return
         response.send_json(200, reply)
 
     def _stream(self, name: str, ctype: str, request: Request, response: Response) -> None:
@@ -160,9 +164,10 @@ class Workload:
                 proc = self.processes.find(c.get_obj(message, "process"), include_ended=True)
                 sub = proc.subscribe()
                 first = {"event": {"start": {"pid": proc.pid}}}
-        except ConnectError as err:
+        except Exception as exc:
+            failure = exc if isinstance(exc, ConnectError) else _internal(name, exc)
             response.start_chunked(200, headers)
-            response.chunk(c.end_stream(err))
+            response.chunk(c.end_stream(failure))
             response.end()
             return
         try:
@@ -349,6 +354,11 @@ def _accepts_gzip(header: str) -> bool:
         if name == "gzip":
             return True
     return False
+
+
+def _internal(name: str, exc: Exception) -> ConnectError:
+    log(f"{name}: {type(exc).__name__}: {exc}")
+    return ConnectError("internal", f"{type(exc).__name__}: {exc}"[:300])
 
 
 def _timeout(request: Request) -> float | None:

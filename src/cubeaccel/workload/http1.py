@@ -14,6 +14,7 @@ growing a buffer.
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.client
 import io
 import json
@@ -21,6 +22,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from email.message import Message
@@ -29,6 +31,7 @@ from urllib.parse import parse_qs, urlsplit
 
 MAX_LINE = 65536
 MAX_CHUNK_LINE = 1024
+TRANSIENT_ACCEPT_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED)
 DRAIN_LIMIT = 1024 * 1024  # unread request body we still drain to keep a connection alive
 REASONS = {
     100: "Continue",
@@ -138,10 +141,14 @@ class SocketListener:
         return name if isinstance(name, str) else f"{name[0]}:{name[1]}"
 
     def accept(self) -> Connection:
-        try:
-            sock, addr = self.sock.accept()
-        except OSError as exc:
-            raise ListenerClosed(str(exc)) from None
+        while True:
+            try:
+                sock, addr = self.sock.accept()
+                break
+            except OSError as exc:
+                if self._closed or exc.errno not in TRANSIENT_ACCEPT_ERRORS:
+                    raise ListenerClosed(str(exc)) from None
+                time.sleep(0.1)  # out of fds or memory for a moment: the listener itself is fine
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return socket_connection(sock, str(addr) if addr else "unix")
@@ -395,7 +402,10 @@ def serve_connection(conn: Connection, handler: Handler) -> None:
                     response.keep_alive = False
                     response.send_json(500, {"code": 500, "message": f"internal error: {type(exc).__name__}"})
                 return
-            if not response.finished:
+            if not response.started:  # a handler that answered nothing: never leave the client waiting
+                response.keep_alive = False
+                response.send_json(500, {"code": 500, "message": "no response"})
+            elif not response.finished:
                 response.end()
             if not response.keep_alive or not request.body.drain():
                 return
