@@ -6,6 +6,7 @@ One server per module (starting Python costs); every test uses its own paths und
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import json
@@ -403,3 +404,47 @@ def test_unknown_routes_and_methods(wl: WorkloadClient) -> None:
     assert s.error is not None and s.error["code"] == "invalid_argument"
     # the connection is still good after all of that
     assert wl.ok("process.Process/List", {}) is not None and json.dumps(wl.ok("process.Process/List", {}))
+
+
+def raw_exchange(server: ServerProcess, data: bytes) -> bytes:
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(20)
+        s.connect(str(server.socket_path))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused before it read it all
+            s.sendall(data)
+        out = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := s.recv(65536):
+                out += chunk
+        return out
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET /health HTTP/1.1\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n", b"431"),
+        (b"GET /health HTTP/1.1\r\n" + b"".join(b"H%d: v\r\n" % i for i in range(200)) + b"\r\n", b"431"),
+        (b"GARBAGE\r\n\r\n", b"400"),
+        (b"GET /health HTTP/2.0\r\n\r\n", b"505"),
+        (b"POST /process.Process/List HTTP/1.1\r\nContent-Length: -5\r\n\r\n", b"400"),
+    ],
+)
+def test_malformed_http_is_refused_and_the_server_stays_up(
+    server: ServerProcess, wl: WorkloadClient, request_bytes: bytes, status: bytes
+) -> None:
+    reply = raw_exchange(server, request_bytes)
+    assert reply.split(b" ", 2)[1].startswith(status), reply[:200]
+    assert wl.http.get("/health").status_code == 204
+
+
+def test_an_oversized_unary_body_is_refused_without_buffering_it(server: ServerProcess, wl: WorkloadClient) -> None:
+    head = (
+        b"POST /process.Process/SendInput HTTP/1.1\r\nContent-Type: application/json\r\n"
+        b"X-Access-Token: " + wl.token.encode() + b"\r\nContent-Length: 104857600\r\n\r\n"
+    )
+    reply = raw_exchange(server, head + b"x" * (5 * MiB))
+    assert b" 429 " in reply.split(b"\r\n", 1)[0] and b"resource_exhausted" in reply
+    assert server.rss_kib("VmHWM") < 64 * 1024
+    assert wl.http.get("/health").status_code == 204
