@@ -169,3 +169,33 @@ def test_unauthenticated_over_the_mux(host: Host) -> None:
         "POST", "/process.Process/List", b"{}", {"Content-Type": "application/json", "X-Access-Token": "nope"}
     )
     assert status == 401 and json.loads(body)["code"] == "unauthenticated"
+
+
+def test_the_host_vanishing_mid_stream_ends_the_guest_and_its_commands(host: Host, tmp_path: Path) -> None:
+    pidfile = tmp_path / "cmd.pid"
+    conn = host.channel.open()
+    body = encode_envelope({"process": {"cmd": "/bin/sh", "args": ["-c", f"echo $$ > {pidfile}; exec sleep 1000"]}})
+    head = (
+        f"POST /process.Process/Start HTTP/1.1\r\nHost: w\r\nX-Access-Token: {host.token}\r\n"
+        f"Content-Type: application/connect+json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    conn.writer.write(head.encode() + body)
+    conn.writer.flush()
+    deadline = time.monotonic() + 20
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        assert time.monotonic() < deadline, "command did not start"
+        time.sleep(0.02)
+    pid = int(pidfile.read_text())
+    with socket.socket(fileno=os.dup(host.channel.rfd)) as sock:
+        sock.shutdown(socket.SHUT_RDWR)  # the channel drops mid-stream
+    while host.proc.poll() is None or _state(pid) != "Z":  # the guest exits and SIGKILLs the command's group
+        assert time.monotonic() < deadline + 20, "guest or its command outlived the channel"
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    """The process state letter; a reaped (gone) process counts as a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "Z"
