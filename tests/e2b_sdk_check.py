@@ -53,6 +53,21 @@ def main() -> int:
     assert h.wait().stdout == "hello\n"
     h = sbx.commands.run("sleep 0.5; echo late", background=True)
     assert sbx.commands.connect(h.pid).wait().stdout == "late\n"
+    from e2b.sandbox.commands.command_handle import PtySize  # type: ignore[import-not-found]
+
+    got = bytearray()
+    term = sbx.pty.create(PtySize(rows=24, cols=80), cwd=scratch)
+    sbx.pty.resize(term.pid, PtySize(rows=40, cols=120))
+    sbx.pty.send_stdin(term.pid, b"stty size; exit 0\n")
+    term.wait(on_pty=lambda data: got.extend(data))
+    assert b"40 120" in got, bytes(got)
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    if hasattr(sbx.commands, "stream_input"):
+        sbx.commands.stream_input(h.pid, ["a", b"b\n"])
+    else:
+        sbx.commands.send_stdin(h.pid, "ab\n")
+    sbx.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "ab\n"
     blob = os.urandom(5 * 1024 * 1024)
     info = sbx.files.write(f"{scratch}/sdk/blob.bin", blob)
     assert info.path == f"{scratch}/sdk/blob.bin"

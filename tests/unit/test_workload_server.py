@@ -385,7 +385,7 @@ def test_dotdot_and_home_relative_paths(wl: WorkloadClient) -> None:
 def test_unknown_routes_and_methods(wl: WorkloadClient) -> None:
     r = wl.unary("filesystem.Filesystem/WatchDir", {"path": "/"})
     assert r.json()["code"] == "unimplemented"
-    r = wl.unary("process.Process/Update", {})
+    r = wl.unary("filesystem.Filesystem/CreateWatcher", {"path": "/"})
     assert r.status_code == 501
     r = wl.http.post(
         "/process.Process/List", content=b"\x00", headers=wl.headers({"Content-Type": "application/proto"})
@@ -448,3 +448,58 @@ def test_an_oversized_unary_body_is_refused_without_buffering_it(server: ServerP
     assert b" 429 " in reply.split(b"\r\n", 1)[0] and b"resource_exhausted" in reply
     assert server.rss_kib("VmHWM") < 64 * 1024
     assert wl.http.get("/health").status_code == 204
+
+
+def test_pty_sessions_resize_and_take_input(wl: WorkloadClient) -> None:
+    script = "stty size; cut -d' ' -f7 /proc/$$/stat; read x; stty size; echo got $x"
+    body = {"process": {"cmd": "/bin/bash", "args": ["-c", script]}, "pty": {"size": {"cols": 100, "rows": 30}}}
+    with wl.stream("process.Process/Start", body) as messages:
+        pid = next(messages)["event"]["start"]["pid"]
+        seen = b""
+        while seen.count(b"\r\n") < 2:
+            seen += base64.b64decode(next(messages)["event"]["data"]["pty"])
+        assert seen.startswith(b"30 100\r\n")  # a terminal: CRLF
+        assert int(seen.split(b"\r\n")[1]) != 0  # tty_nr: the pty is the controlling terminal
+        sel = {"process": {"pid": pid}}
+        assert wl.ok("process.Process/Update", {**sel, "pty": {"size": {"cols": 120, "rows": 40}}}) == {}
+        r = wl.unary("process.Process/SendInput", {**sel, "input": {"stdin": base64.b64encode(b"x").decode()}})
+        assert r.json()["code"] == "internal"  # a pty command takes pty input only
+        assert wl.unary("process.Process/CloseStdin", sel).json()["code"] == "unknown"
+        wl.ok("process.Process/SendInput", {**sel, "input": {"pty": base64.b64encode(b"go\n").decode()}})
+        rest = list(messages)
+    out = seen + b"".join(base64.b64decode(m["event"]["data"]["pty"]) for m in rest if "data" in m.get("event", {}))
+    assert b"40 120\r\n" in out and b"got go\r\n" in out
+    assert rest[-2]["event"]["end"]["status"] == "exit status 0"
+    r = wl.unary("process.Process/Update", {"process": {"pid": pid}, "pty": {"size": {"cols": 1, "rows": 1}}})
+    assert r.json()["code"] == "not_found"
+
+
+def test_stream_input_applies_envelopes_in_order(wl: WorkloadClient) -> None:
+    from cubeaccel.workload.connect import encode_envelope
+
+    body = {"process": {"cmd": "/bin/cat"}, "stdin": True}
+    with wl.stream("process.Process/Start", body) as messages:
+        pid = next(messages)["event"]["start"]["pid"]
+
+        def envelopes() -> Iterator[bytes]:
+            yield encode_envelope({"start": {"process": {"pid": pid}}})
+            for piece in (b"first ", b"second\n"):
+                yield encode_envelope({"data": {"input": {"stdin": base64.b64encode(piece).decode()}}})
+                yield encode_envelope({"keepalive": {}})
+
+        r = wl.http.post(
+            "/process.Process/StreamInput",
+            content=envelopes(),
+            headers=wl.headers({"Content-Type": "application/connect+json"}),
+        )
+        assert r.status_code == 200 and r.content == encode_envelope({}) + b"\x02\x00\x00\x00\x02{}"
+        wl.ok("process.Process/CloseStdin", {"process": {"pid": pid}})
+        rest = list(messages)
+    out = b"".join(base64.b64decode(m["event"]["data"]["stdout"]) for m in rest if "data" in m.get("event", {}))
+    assert out == b"first second\n"
+    r = wl.http.post(
+        "/process.Process/StreamInput",
+        content=encode_envelope({"data": {"input": {"stdin": "eA=="}}}),
+        headers=wl.headers({"Content-Type": "application/connect+json"}),
+    )
+    assert r.status_code == 200 and b'"failed_precondition"' in r.content

@@ -23,7 +23,7 @@ from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError, Request, Response, log
-from cubeaccel.workload.process import SIGNAL_ENUM, ProcessTable, Subscriber
+from cubeaccel.workload.process import SIGNAL_ENUM, Process, ProcessTable, Subscriber
 from cubeaccel.workload.users import User, expand_and_resolve, lookup
 
 MAX_UNARY_BODY = 4 * 1024 * 1024  # SendInput carries stdin (base64): sizeable, but bounded per connection
@@ -59,7 +59,7 @@ class Workload:
                 response.send_json(405, {"code": 405, "message": "method not allowed"})
             return
         name = route.lstrip("/")
-        if name in UNARY or name in STREAMING or name.split("/", 1)[0] in SERVICES:
+        if name in UNARY or name in STREAMING or name == CLIENT_STREAMING or name.split("/", 1)[0] in SERVICES:
             self._rpc(name, request, response)
             return
         response.send_json(404, {"code": 404, "message": f"no route {route}"})
@@ -112,7 +112,7 @@ class Workload:
             response.send_json(405, {"code": "unimplemented", "message": "Connect calls are POST"})
             return
         ctype = request.header("Content-Type").split(";")[0].strip().lower()
-        if name in STREAMING or ctype.startswith("application/connect+"):
+        if name in STREAMING or name == CLIENT_STREAMING or ctype.startswith("application/connect+"):
             self._stream(name, ctype, request, response)
         else:
             self._unary(name, ctype, request, response)
@@ -148,6 +148,9 @@ class Workload:
         if ctype != "application/connect+json":
             response.send(415, [("Accept-Post", "application/json, application/connect+json")])
             return
+        if name == CLIENT_STREAMING:
+            self._client_stream(request, response)
+            return
         try:
             if not self._token_ok(request):
                 raise ConnectError("unauthenticated", "missing or wrong access token")
@@ -178,6 +181,45 @@ class Workload:
             response.end()
         finally:
             proc.unsubscribe(sub)
+
+    def _client_stream(self, request: Request, response: Response) -> None:
+        """StreamInput: envelopes applied in arrival order (start, data..., keepalive); one reply at the end."""
+        try:
+            if not self._token_ok(request):
+                raise ConnectError("unauthenticated", "missing or wrong access token")
+            decoder = c.EnvelopeDecoder()
+            proc: Process | None = None
+            while True:
+                try:
+                    data = request.body.read(65536)
+                except HttpError as err:
+                    raise ConnectError("invalid_argument", str(err)) from None
+                if not data:
+                    decoder.finish()
+                    break
+                for env in decoder.feed(data):
+                    if env.flags & c.FLAG_COMPRESSED:
+                        raise ConnectError("unimplemented", "compressed messages are not supported")
+                    msg = env.message()
+                    if (start := c.get_obj(msg, "start")) is not None:
+                        proc = self.processes.find(c.get_obj(start, "process"))
+                    elif (event := c.get_obj(msg, "data")) is not None:
+                        if proc is None:
+                            raise ConnectError("failed_precondition", "input before the start event")
+                        _input(proc, c.get_obj(event, "input") or {})
+                    elif c.get_obj(msg, "keepalive") is None:
+                        raise ConnectError("unimplemented", "invalid event type")
+        except Exception as exc:
+            failure = exc if isinstance(exc, ConnectError) else _internal(CLIENT_STREAMING, exc)
+            response.keep_alive = response.keep_alive and request.body.done
+            response.start_chunked(200, [("Content-Type", "application/connect+json")])
+            response.chunk(c.end_stream(failure))
+            response.end()
+            return
+        response.start_chunked(200, [("Content-Type", "application/connect+json")])
+        response.chunk(c.encode_envelope({}))
+        response.chunk(c.end_stream())
+        response.end()
 
     @staticmethod
     def _read_envelope(request: Request) -> dict[str, Any]:
@@ -389,13 +431,27 @@ def _list(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
 
 def _send_input(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
     proc = w.processes.find(c.get_obj(msg, "process"))
-    given = c.get_obj(msg, "input") or {}
-    if c.get(given, "pty") is not None:
-        raise ConnectError("internal", "error writing to tty: tty not assigned to process")
+    _input(proc, c.get_obj(msg, "input") or {})
+    return {}
+
+
+def _input(proc: Process, given: dict[str, Any]) -> None:
+    pty = c.get_bytes(given, "pty")
+    if pty is not None:
+        proc.write_pty(pty)
+        return
     data = c.get_bytes(given, "stdin")
     if data is None:
         raise ConnectError("unimplemented", "invalid input type <nil>")
     proc.write_stdin(data)
+
+
+def _update(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    proc = w.processes.find(c.get_obj(msg, "process"))
+    pty = c.get_obj(msg, "pty")
+    if pty is not None:
+        size = c.get_obj(pty, "size") or {}
+        proc.resize(c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
     return {}
 
 
@@ -422,6 +478,7 @@ UNARY: dict[str, Unary] = {
     "process.Process/List": _list,
     "process.Process/SendInput": _send_input,
     "process.Process/CloseStdin": _close_stdin,
+    "process.Process/Update": _update,
     "process.Process/SendSignal": _send_signal,
     "filesystem.Filesystem/Stat": lambda w, m, u: fs.stat_rpc(_path(w, m, u)),
     "filesystem.Filesystem/ListDir": lambda w, m, u: fs.list_dir(_path(w, m, u), c.get_uint32(m, "depth")),
@@ -430,4 +487,5 @@ UNARY: dict[str, Unary] = {
     "filesystem.Filesystem/Remove": lambda w, m, u: fs.remove(_path(w, m, u)),
 }
 STREAMING = ("process.Process/Start", "process.Process/Connect")
+CLIENT_STREAMING = "process.Process/StreamInput"
 SERVICES = ("process.Process", "filesystem.Filesystem")

@@ -120,6 +120,7 @@ class Process:
     _stdin_lock: threading.Lock = field(default_factory=threading.Lock)
     end: dict[str, Any] | None = None
     killed: threading.Event = field(default_factory=threading.Event)
+    tty: int | None = None  # the pty master, for a command started with a pty
 
     def subscribe(self) -> Subscriber:
         sub = Subscriber()
@@ -158,7 +159,32 @@ class Process:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signum)
 
+    def write_pty(self, data: bytes) -> None:
+        if self.tty is None:
+            raise ConnectError("internal", "error writing to tty: tty not assigned to process")
+        with self._stdin_lock:
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.tty, view) :]
+            except OSError as exc:
+                raise ConnectError(
+                    "internal", f"error writing to tty of process '{self.pid}': {exc.strerror}"
+                ) from None
+
+    def resize(self, cols: int, rows: int) -> None:
+        if self.tty is None:
+            raise ConnectError("internal", "error resizing tty: tty not assigned to process")
+        try:
+            set_winsize(self.tty, cols, rows)
+        except OSError as exc:
+            raise ConnectError("internal", f"error resizing tty: {exc.strerror}") from None
+
     def write_stdin(self, data: bytes) -> None:
+        if self.tty is not None:
+            raise ConnectError(
+                "internal", "error writing to stdin: tty assigned to process — input should be written to the pty"
+            )
         with self._stdin_lock:
             stdin = self.popen.stdin
             if stdin is None or stdin.closed:
@@ -173,6 +199,11 @@ class Process:
                 ) from None
 
     def close_stdin(self) -> None:
+        if self.tty is not None:
+            raise ConnectError("unknown", "cannot close stdin for PTY process — send Ctrl+D (0x04) instead")
+        self._close_stdin()
+
+    def _close_stdin(self) -> None:
         with self._stdin_lock:
             stdin = self.popen.stdin
             if stdin is not None and not stdin.closed:
@@ -193,8 +224,7 @@ class ProcessTable:
         from cubeaccel.workload import connect as c
 
         config = c.get_obj(request, "process") or {}
-        if c.get_obj(request, "pty") is not None:
-            raise ConnectError("unimplemented", "pty is not supported by this workload service")
+        pty = c.get_obj(request, "pty")
         cmd = c.get_str(config, "cmd")
         if not cmd:
             raise ConnectError("invalid_argument", "process.cmd is required")
@@ -223,23 +253,37 @@ class ProcessTable:
         with self._lock:
             if len(self.live) >= self.max_processes:
                 raise ConnectError("resource_exhausted", f"{len(self.live)} processes running (limit)")
+        master = slave = None
+        streams: dict[str, Any] = {
+            "stdin": subprocess.PIPE if stdin else subprocess.DEVNULL,
+            "stdout": subprocess.PIPE,
+            "stderr": subprocess.PIPE,
+        }
+        if pty is not None:
+            size = c.get_obj(pty, "size") or {}
+            master, slave = os.openpty()
+            set_winsize(master, c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
+            streams = {"stdin": slave, "stdout": slave, "stderr": slave, "preexec_fn": _controlling_tty}
         try:
             popen = subprocess.Popen(
                 [cmd, *args],
                 cwd=cwd,
                 env=env,
-                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
                 start_new_session=True,  # own session and process group: killpg reaches all it starts
                 close_fds=True,
                 bufsize=0,
+                **streams,
                 **creds,
             )
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, subprocess.SubprocessError) as exc:
+            if master is not None:
+                os.close(master)
             raise ConnectError(
                 "invalid_argument", f"error starting process '{' '.join([cmd, *args])}': {exc}"
             ) from None
+        finally:
+            if slave is not None:
+                os.close(slave)
         shown: dict[str, Any] = {"cmd": cmd}
         if args:
             shown["args"] = args
@@ -247,7 +291,7 @@ class ProcessTable:
             shown["envs"] = envs
         if cwd_in is not None:
             shown["cwd"] = cwd_in
-        proc = Process(popen.pid, shown, tag, popen)
+        proc = Process(popen.pid, shown, tag, popen, tty=master)
         first = proc.subscribe()  # before any output can be read: the starter sees all of it
         with self._lock:
             self.retained.pop(proc.pid, None)
@@ -256,11 +300,14 @@ class ProcessTable:
         return proc, first
 
     def _watch(self, proc: Process, timeout_s: float | None) -> None:
-        assert proc.popen.stdout is not None and proc.popen.stderr is not None
-        readers = [
-            threading.Thread(target=self._pump, args=(proc, proc.popen.stdout, "stdout"), daemon=True),
-            threading.Thread(target=self._pump, args=(proc, proc.popen.stderr, "stderr"), daemon=True),
-        ]
+        if proc.tty is not None:
+            readers = [threading.Thread(target=self._pump, args=(proc, proc.tty, "pty"), daemon=True)]
+        else:
+            assert proc.popen.stdout is not None and proc.popen.stderr is not None
+            readers = [
+                threading.Thread(target=self._pump, args=(proc, proc.popen.stdout, "stdout"), daemon=True),
+                threading.Thread(target=self._pump, args=(proc, proc.popen.stderr, "stderr"), daemon=True),
+            ]
         for t in readers:
             t.start()
         timer: threading.Timer | None = None
@@ -277,7 +324,7 @@ class ProcessTable:
                 t.join(KILL_GRACE_S if proc.killed.is_set() else None)
             if timer is not None:
                 timer.cancel()
-            proc.close_stdin()
+            proc._close_stdin()
             proc.finish(end_event(returncode))
             with self._lock:
                 if self.live.get(proc.pid) is proc:
@@ -289,7 +336,8 @@ class ProcessTable:
 
     @staticmethod
     def _pump(proc: Process, pipe: Any, kind: str) -> None:
-        fd = pipe.fileno()
+        """Output to subscribers until EOF (a pty master reads EIO once the last slave fd is closed)."""
+        fd = pipe if isinstance(pipe, int) else pipe.fileno()
         try:
             while True:
                 try:
@@ -301,7 +349,7 @@ class ProcessTable:
                 proc.publish(kind, data)
         finally:
             with contextlib.suppress(OSError):
-                pipe.close()
+                os.close(fd) if isinstance(pipe, int) else pipe.close()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -351,3 +399,19 @@ class ProcessTable:
 
 
 OnEvent = Callable[[dict[str, Any]], None]
+
+
+def set_winsize(fd: int, cols: int, rows: int) -> None:
+    import fcntl
+    import struct
+    import termios  # only where ptys are used: a pruned guest Python may lack it
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows & 0xFFFF, cols & 0xFFFF, 0, 0))
+
+
+def _controlling_tty() -> None:
+    """In the child, after setsid: make the pty (now fd 0) the controlling terminal, as creack/pty does."""
+    import fcntl
+    import termios
+
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
