@@ -61,6 +61,7 @@ class MuxChannel:
         self._incoming: deque[int] = deque()
         self.error: MuxError | OSError | None = None
         self.ended = False
+        self._closing = False  # close() asked: the writer flushes what is queued (the GOAWAY) and stops
         self._reader = threading.Thread(target=self._read_loop, daemon=True, name="mux reader")
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="mux writer")
         self._reader.start()
@@ -89,8 +90,9 @@ class MuxChannel:
             if not self.ended:
                 with contextlib.suppress(MuxError):
                     self.session.go_away()
-                self._cv.notify_all()
-        self._writer.join(5)
+            self._closing = True
+            self._cv.notify_all()
+        self._writer.join(5)  # bounded: a peer that stopped reading cannot hold us
         self._end(None)
 
     def _connection(self, sid: int) -> Connection:
@@ -221,10 +223,10 @@ class MuxChannel:
     def _write_loop(self) -> None:
         while True:
             with self._cv:
-                while not self.session.pending_output and not self.ended:
+                while not self.session.pending_output and not self.ended and not self._closing:
                     self._cv.wait()
                 out = self.session.data_to_send()
-                finished = self.ended
+                finished = self.ended or self._closing
             if out:
                 try:
                     _write_all(self.wfd, out)
