@@ -6,6 +6,7 @@ Kept apart from the tests so the benchmark can reuse it. Only processes it start
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -180,3 +181,56 @@ def workload_server(tmp: Path, *extra: str) -> Iterator[ServerProcess]:
             proc.kill()
             proc.wait(5)
         stderr.close()
+
+
+class MuxTcpProxy:
+    """What the shim will do, for tests: each TCP connection accepted here becomes one mux stream to the guest."""
+
+    def __init__(self, channel: Any) -> None:
+        import socket
+        import threading
+
+        self.channel = channel
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            stream = self.channel.open()
+            threading.Thread(target=self._up, args=(client, stream), daemon=True).start()
+            threading.Thread(target=self._down, args=(client, stream), daemon=True).start()
+
+    @staticmethod
+    def _up(client: Any, stream: Any) -> None:
+        try:
+            while data := client.recv(65536):
+                stream.writer.write(data)
+                stream.writer.flush()
+        except OSError:
+            pass
+        finally:
+            stream.close()
+
+    @staticmethod
+    def _down(client: Any, stream: Any) -> None:
+        import socket
+
+        try:
+            while data := stream.reader.read1(65536):
+                client.sendall(data)
+        except (OSError, ValueError):
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+            client.close()
+
+    def close(self) -> None:
+        self.sock.close()

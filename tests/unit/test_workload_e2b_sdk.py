@@ -19,32 +19,45 @@ SDK_PYTHON = os.environ.get("CUBEACCEL_E2B_PYTHON")
 
 
 @pytest.mark.skipif(not SDK_PYTHON, reason="CUBEACCEL_E2B_PYTHON not set (a Python with the e2b SDK)")
-@pytest.mark.parametrize(("http_version", "envd_version"), [("1.1", "0.5.7"), ("2", "99.99.99")])
-def test_e2b_sdk_drives_the_workload_service(tmp_path: Path, http_version: str, envd_version: str) -> None:
+@pytest.mark.parametrize(
+    ("transport", "http_version", "envd_version"),
+    [("tcp", "1.1", "0.5.7"), ("tcp", "2", "99.99.99"), ("mux", "1.1", "0.5.7")],
+)
+def test_e2b_sdk_drives_the_workload_service(
+    tmp_path: Path, transport: str, http_version: str, envd_version: str
+) -> None:
+    """`mux`: the SDK talks TCP to a proxy that puts each connection on its own mux stream, as the shim will."""
     import socket
     import sys
     import time
 
     token = "sdk-" + os.urandom(8).hex()
     (tmp_path / "token").write_text(token)
-    with socket.socket() as s:  # a free port for the server (closed before it binds)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    proxy = channel = None
+    pass_fds: tuple[int, ...] = ()
+    if transport == "tcp":
+        with socket.socket() as s:  # a free port for the server (closed before it binds)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        where = ["--tcp", f"127.0.0.1:{port}"]
+    else:
+        guest_end, host_end = socket.socketpair()
+        where, pass_fds = ["--mux-fd", str(guest_end.fileno())], (guest_end.fileno(),)
     err = tmp_path / "stderr"
     server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "cubeaccel.workload",
-            "serve",
-            "--tcp",
-            f"127.0.0.1:{port}",
-            "--token-file",
-            str(tmp_path / "token"),
-        ],
+        [sys.executable, "-m", "cubeaccel.workload", "serve", *where, "--token-file", str(tmp_path / "token")],
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         stderr=err.open("wb"),
+        pass_fds=pass_fds,
     )
+    if transport == "mux":
+        from cubeaccel.workload.muxchannel import MuxChannel
+        from tests.workload_client import MuxTcpProxy
+
+        guest_end.close()
+        channel = MuxChannel(host_end.fileno(), host_end.fileno(), client=True)
+        proxy = MuxTcpProxy(channel)
+        port = proxy.port
     try:
         deadline = time.monotonic() + 20
         while b"serving on" not in err.read_bytes():
@@ -68,5 +81,9 @@ def test_e2b_sdk_drives_the_workload_service(tmp_path: Path, http_version: str, 
         assert check.returncode == 0, check.stdout + check.stderr
         assert "all checks passed" in check.stdout
     finally:
+        if proxy is not None and channel is not None:
+            proxy.close()
+            channel.close()
+            host_end.close()
         server.terminate()
         server.wait(10)
