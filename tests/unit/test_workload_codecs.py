@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
+import pwd
 import signal
 import stat
 from pathlib import Path
@@ -209,3 +211,36 @@ def test_paths_resolve_as_envd_resolves_them() -> None:
 )
 def test_accept_encoding(header: str, gzip: bool) -> None:
     assert _accepts_gzip(header) is gzip
+
+
+def test_a_connection_from_a_pair_of_raw_byte_streams(tmp_path: Path) -> None:
+    """The listener seam: HTTP served over two pipes (no socket), as a mux stream or any byte pair would be."""
+    import threading
+
+    from cubeaccel.workload.app import Workload
+    from cubeaccel.workload.http1 import buffered_pair, serve_connection
+
+    to_server_r, to_server_w = os.pipe()
+    from_server_r, from_server_w = os.pipe()
+    closed = threading.Event()
+    conn = buffered_pair(io.FileIO(to_server_r, "r"), io.FileIO(from_server_w, "w"), closed.set)
+    app = Workload(token=b"t", default_user=pwd.getpwuid(os.geteuid()).pw_name)
+    server = threading.Thread(target=serve_connection, args=(conn, app), daemon=True)
+    server.start()
+    body = json.dumps({"path": str(tmp_path)}).encode()
+    os.write(
+        to_server_w,
+        b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+        b"POST /filesystem.Filesystem/Stat HTTP/1.1\r\nHost: x\r\nX-Access-Token: t\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
+    os.close(to_server_w)  # EOF after two keep-alive requests
+    server.join(10)
+    assert not server.is_alive()
+    conn.writer.close()  # type: ignore[attr-defined]  # our write end: the reader below then sees EOF
+    with io.FileIO(from_server_r, "r") as f:
+        reply = f.read()
+    assert reply.startswith(b"HTTP/1.1 204 No Content\r\n")
+    second = reply.split(b"HTTP/1.1 ", 2)[2]
+    assert second.startswith(b"200 OK") and b'"FILE_TYPE_DIRECTORY"' in second
+    assert closed.is_set()

@@ -313,7 +313,7 @@ class Workload:
         elif media.startswith("multipart/"):
             boundary = _boundary(ctype)
             for headers, part in fs.Multipart(read, boundary).parts():
-                disposition = Messageish(headers)
+                disposition = PartDisposition(headers)
                 if disposition.param("name") != "file":
                     continue
                 if request.param("path") is not None:
@@ -339,7 +339,7 @@ class Workload:
         response.send_json(200, uploaded)
 
 
-class Messageish:
+class PartDisposition:
     """Content-Disposition parameters of a multipart part."""
 
     def __init__(self, headers: Any) -> None:

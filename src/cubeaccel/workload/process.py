@@ -16,7 +16,6 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,9 +395,6 @@ class ProcessTable:
             procs = list(self.live.values())
         for p in procs:
             p.signal(signal.SIGKILL)
-
-
-OnEvent = Callable[[dict[str, Any]], None]
 
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
