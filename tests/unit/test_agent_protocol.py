@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.protocol import METHODS, Agent, LineFramer
-from cubeaccel.agent.serve import ServeOptions, resolve_port, serve
+from cubeaccel.agent.serve import ServeOptions, serve
+from cubeaccel.guest.virtio_port import resolve_port
 from cubeaccel.model.errors import CubeError
 from tests.unit.test_agent_fakes import EDU, FakeGuest
 
@@ -420,4 +421,4 @@ def test_port_names_resolve_through_virtio_ports_links_or_sysfs_names(tmp_path: 
     assert resolve_port("org.cubeaccel.agent.0", tmp_path) == tmp_path / "dev/virtio-ports/org.cubeaccel.agent.0"
     with pytest.raises(CubeError) as err:
         resolve_port("org.other", tmp_path, wait_s=0.1)
-    assert err.value.code == "agent.port_not_found"
+    assert err.value.code == "guest.port_not_found"

@@ -167,7 +167,7 @@ def test_the_catalog_is_well_formed() -> None:
     codes = [c.code for c in CODES]
     assert len(codes) == len(set(codes)), "a code is listed twice"
     assert len(codes) > 250
-    layers = {layer.value for layer in Layer} | {"api", "cubelet", "scheduler", "agent"}
+    layers = {layer.value for layer in Layer} | {"api", "cubelet", "scheduler", "agent", "workload"}
     for c in CODES:
         assert c.layer in layers, c
         assert c.status is None or 400 <= c.status <= 599, c
@@ -257,8 +257,8 @@ def test_the_markdown_command_prints_the_table() -> None:
     assert "| `host.not_ready` | 409 | host_hardware |" in out
 
 
-def test_the_agent_imports_with_only_agent_and_model_and_no_site_packages(tmp_path: Path) -> None:
-    """What the guest image holds (images/rootfs.py `install_agent`): cubeaccel/{agent,model}, stdlib only."""
+def test_the_agent_imports_from_the_guest_packages_alone_with_no_site_packages(tmp_path: Path) -> None:
+    """What the guest image holds (images/rootfs.py `install_agent`, GUEST_SOURCE_PACKAGES), stdlib only."""
     from cubeaccel.images.rootfs import install_agent
 
     install_agent(tmp_path, SRC)

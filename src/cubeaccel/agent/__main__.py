@@ -19,8 +19,9 @@ from typing import Any
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.protocol import DEFAULT_MAX_REQUEST_BYTES, Agent
 from cubeaccel.agent.report import probe_reply
-from cubeaccel.agent.serve import ServeOptions, log, open_port, poweroff, resolve_port, serve
+from cubeaccel.agent.serve import ServeOptions, log, poweroff, serve
 from cubeaccel.agent.spec import parse_spec
+from cubeaccel.guest.virtio_port import open_port, resolve_port
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.errors import CubeError
 

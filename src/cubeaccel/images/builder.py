@@ -50,8 +50,8 @@ def _tree_digest(paths: list[Path]) -> str:
 
 
 def agent_digest() -> str:
-    """What goes into /opt/cubeaccel: the agent and the model it imports."""
-    return _tree_digest([_SRC_PKG / "__init__.py", _SRC_PKG / "agent", _SRC_PKG / "model"])
+    """What goes into /opt/cubeaccel: the guest-side packages."""
+    return _tree_digest([_SRC_PKG / "__init__.py", *(_SRC_PKG / sub for sub in rootfs.GUEST_SOURCE_PACKAGES)])
 
 
 @dataclass(frozen=True)

@@ -145,13 +145,17 @@ def install_busybox(root: Path) -> None:
     init.chmod(0o755)
 
 
+# What of cubeaccel runs in the guest (stdlib only; layering contracts in pyproject.toml keep it so).
+GUEST_SOURCE_PACKAGES = ("agent", "guest", "model")
+
+
 def install_agent(root: Path, src_pkg: Path) -> None:
-    """Copy cubeaccel/{agent,model} (stdlib-only) into /opt/cubeaccel; the build fails if the agent is absent."""
+    """Copy GUEST_SOURCE_PACKAGES into /opt/cubeaccel; the build fails if the agent is absent."""
     dest = root / AGENT_HOME.lstrip("/")
     pkg = dest / "cubeaccel"
     pkg.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src_pkg / "__init__.py", pkg / "__init__.py")
-    for sub in ("agent", "model"):
+    for sub in GUEST_SOURCE_PACKAGES:
         if (src_pkg / sub).is_dir():
             shutil.copytree(src_pkg / sub, pkg / sub, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if not (pkg / "agent" / "__main__.py").exists():

@@ -1,0 +1,491 @@
+"""Routing, authentication and the Connect handlers: one `Workload` serves every connection.
+
+Authentication follows envd (internal/api/auth.go): `GET /health` is open; every RPC needs `X-Access-Token`;
+`/files` accepts the token or envd's signed URL (`signature=v1_<base64 sha256(path:op:user:token[:exp])>`).
+Tokens are compared with `hmac.compare_digest` and never logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import signal
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cubeaccel.workload import ENVD_VERSION
+from cubeaccel.workload import connect as c
+from cubeaccel.workload import files as fs
+from cubeaccel.workload.connect import ConnectError
+from cubeaccel.workload.http1 import HttpError, Request, Response, log
+from cubeaccel.workload.process import SIGNAL_ENUM, Process, ProcessTable, Subscriber
+from cubeaccel.workload.users import User, expand_and_resolve, lookup
+
+MAX_UNARY_BODY = 4 * 1024 * 1024  # SendInput carries stdin (base64): sizeable, but bounded per connection
+DEFAULT_KEEPALIVE_S = 90.0  # envd's default when Keepalive-Ping-Interval is absent
+
+Unary = Callable[["Workload", dict[str, Any], User], dict[str, Any]]
+
+
+@dataclass
+class Workload:
+    token: bytes
+    default_user: str
+    default_workdir: str | None = None
+    processes: ProcessTable = field(default_factory=ProcessTable)
+
+    def __post_init__(self) -> None:
+        if not self.token:
+            raise ValueError("an access token is required")
+        self.processes.default_workdir = self.default_workdir
+
+    # ---- entry point ---------------------------------------------------------------------------------------
+    def __call__(self, request: Request, response: Response) -> None:
+        route = request.path
+        if route == "/health" and request.method in ("GET", "HEAD"):
+            response.send(204, [("X-Envd-Version", ENVD_VERSION)])
+            return
+        if route == "/files":
+            if request.method == "GET":
+                self._download(request, response)
+            elif request.method == "POST":
+                self._upload(request, response)
+            else:
+                response.send_json(405, {"code": 405, "message": "method not allowed"})
+            return
+        name = route.lstrip("/")
+        if name in UNARY or name in STREAMING or name == CLIENT_STREAMING or name.split("/", 1)[0] in SERVICES:
+            self._rpc(name, request, response)
+            return
+        response.send_json(404, {"code": 404, "message": f"no route {route}"})
+
+    # ---- authentication ------------------------------------------------------------------------------------
+    def _token_ok(self, request: Request) -> bool:
+        given = request.header("X-Access-Token").encode("utf-8", "surrogateescape")
+        return hmac.compare_digest(given, self.token)
+
+    def _signature_ok(self, request: Request, operation: str) -> str | None:
+        """None if the request is authorised for `operation` on /files, else envd's reason."""
+        if request.header("X-Access-Token"):
+            return None if self._token_ok(request) else "access token present in header but does not match"
+        signature = request.param("signature")
+        if signature is None:
+            return "unauthorized access, please provide a valid access token or method signing if supported"
+        expiration = request.param("signature_expiration")
+        fields = [request.param("path") or "", operation, request.param("username") or "", self.token.decode()]
+        if expiration is not None:
+            fields.append(expiration)
+        digest = hashlib.sha256(":".join(fields).encode()).digest()
+        expected = "v1_" + base64.b64encode(digest).decode().rstrip("=")
+        if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogateescape")):
+            return "invalid signature"
+        if expiration is not None:
+            try:
+                if int(expiration) < time.time():
+                    return "signature is already expired"
+            except ValueError:
+                return "invalid signature expiration"
+        return None
+
+    def _rpc_user(self, request: Request) -> User:
+        """Basic auth names the user (`user:`), else the default user (envd permissions.GetAuthUser)."""
+        name = self.default_user
+        auth = request.header("Authorization")
+        if auth.lower().startswith("basic "):
+            try:
+                name = base64.b64decode(auth[6:].strip(), validate=True).decode().split(":", 1)[0]
+            except (binascii.Error, UnicodeDecodeError, ValueError):
+                raise ConnectError("unauthenticated", "invalid basic auth header") from None
+        try:
+            return lookup(name)
+        except KeyError:
+            raise ConnectError("unauthenticated", f"invalid username: '{name}'") from None
+
+    # ---- Connect -------------------------------------------------------------------------------------------
+    def _rpc(self, name: str, request: Request, response: Response) -> None:
+        if request.method != "POST":
+            response.send_json(405, {"code": "unimplemented", "message": "Connect calls are POST"})
+            return
+        ctype = request.header("Content-Type").split(";")[0].strip().lower()
+        if name in STREAMING or name == CLIENT_STREAMING or ctype.startswith("application/connect+"):
+            self._stream(name, ctype, request, response)
+        else:
+            self._unary(name, ctype, request, response)
+
+    def _unary(self, name: str, ctype: str, request: Request, response: Response) -> None:
+        if ctype != "application/json":
+            response.send(415, [("Accept-Post", "application/json, application/connect+json")])
+            return
+        try:
+            if not self._token_ok(request):
+                raise ConnectError("unauthenticated", "missing or wrong access token")
+            handler = UNARY.get(name)
+            if handler is None:
+                raise ConnectError("unimplemented", f"{name} is not implemented")
+            body = request.body.read_all(MAX_UNARY_BODY)
+            reply = handler(self, c.parse_message(body), self._rpc_user(request))
+        except HttpError as err:
+            error = ConnectError("resource_exhausted" if err.status == 413 else "invalid_argument", str(err))
+            response.keep_alive = False
+            response.send_json(error.http_status, error.to_json())
+            return
+        except ConnectError as err:
+            response.send_json(err.http_status, err.to_json())
+            return
+        except Exception as exc:  # a bug or an unexpected OS error: still a Connect error, and keep serving
+            internal = _internal(name, exc)
+            response.send_json(internal.http_status, internal.to_json())
+            return
+        response.send_json(200, reply)
+
+    def _stream(self, name: str, ctype: str, request: Request, response: Response) -> None:
+        headers = [("Content-Type", "application/connect+json")]
+        if ctype != "application/connect+json":
+            response.send(415, [("Accept-Post", "application/json, application/connect+json")])
+            return
+        if name == CLIENT_STREAMING:
+            self._client_stream(request, response)
+            return
+        try:
+            if not self._token_ok(request):
+                raise ConnectError("unauthenticated", "missing or wrong access token")
+            if name not in STREAMING:
+                raise ConnectError("unimplemented", f"{name} is not implemented")
+            if request.header("Connect-Content-Encoding", "identity").lower() != "identity":
+                raise ConnectError("unimplemented", "compressed requests are not supported")
+            message = self._read_envelope(request)
+            user = self._rpc_user(request)
+            if name == "process.Process/Start":
+                proc, sub = self.processes.start(message, user, _timeout(request))
+                first = {"event": {"start": {"pid": proc.pid}}}
+            else:
+                proc = self.processes.find(c.get_obj(message, "process"), include_ended=True)
+                sub = proc.subscribe()
+                first = {"event": {"start": {"pid": proc.pid}}}
+        except Exception as exc:
+            failure = exc if isinstance(exc, ConnectError) else _internal(name, exc)
+            response.start_chunked(200, headers)
+            response.chunk(c.end_stream(failure))
+            response.end()
+            return
+        try:
+            response.start_chunked(200, headers)
+            response.chunk(c.encode_envelope(first))
+            self._relay(sub, _keepalive(request), response)
+            response.chunk(c.end_stream())
+            response.end()
+        finally:
+            proc.unsubscribe(sub)
+
+    def _client_stream(self, request: Request, response: Response) -> None:
+        """StreamInput: envelopes applied in arrival order (start, data..., keepalive); one reply at the end."""
+        try:
+            if not self._token_ok(request):
+                raise ConnectError("unauthenticated", "missing or wrong access token")
+            decoder = c.EnvelopeDecoder()
+            proc: Process | None = None
+            while True:
+                try:
+                    data = request.body.read(65536)
+                except HttpError as err:
+                    raise ConnectError("invalid_argument", str(err)) from None
+                if not data:
+                    decoder.finish()
+                    break
+                for env in decoder.feed(data):
+                    if env.flags & c.FLAG_COMPRESSED:
+                        raise ConnectError("unimplemented", "compressed messages are not supported")
+                    msg = env.message()
+                    if (start := c.get_obj(msg, "start")) is not None:
+                        proc = self.processes.find(c.get_obj(start, "process"))
+                    elif (event := c.get_obj(msg, "data")) is not None:
+                        if proc is None:
+                            raise ConnectError("failed_precondition", "input before the start event")
+                        _input(proc, c.get_obj(event, "input") or {})
+                    elif c.get_obj(msg, "keepalive") is None:
+                        raise ConnectError("unimplemented", "invalid event type")
+        except Exception as exc:
+            failure = exc if isinstance(exc, ConnectError) else _internal(CLIENT_STREAMING, exc)
+            response.keep_alive = response.keep_alive and request.body.done
+            response.start_chunked(200, [("Content-Type", "application/connect+json")])
+            response.chunk(c.end_stream(failure))
+            response.end()
+            return
+        response.start_chunked(200, [("Content-Type", "application/connect+json")])
+        response.chunk(c.encode_envelope({}))
+        response.chunk(c.end_stream())
+        response.end()
+
+    @staticmethod
+    def _read_envelope(request: Request) -> dict[str, Any]:
+        try:
+            head = request.body.read_exact(c.ENVELOPE.size)
+            if len(head) < c.ENVELOPE.size:
+                raise ConnectError("invalid_argument", "request envelope missing")
+            flags, length = c.ENVELOPE.unpack(head)
+            if flags & c.FLAG_COMPRESSED:
+                raise ConnectError("unimplemented", "compressed messages are not supported")
+            if length > c.DEFAULT_MAX_MESSAGE:
+                raise ConnectError("resource_exhausted", f"request message of {length} bytes is too large")
+            payload = request.body.read_exact(length)
+            if len(payload) < length:
+                raise ConnectError("invalid_argument", "request envelope cut short")
+            if request.body.read(1):
+                raise ConnectError("invalid_argument", "a server-streaming call takes exactly one request message")
+        except HttpError as err:
+            raise ConnectError("invalid_argument", str(err)) from None
+        return c.parse_message(payload)
+
+    @staticmethod
+    def _relay(sub: Subscriber, keepalive_s: float, response: Response) -> None:
+        """Output events until the end event; a keepalive after `keepalive_s` without one (envd resets it on data)."""
+        while True:
+            item = sub.get(keepalive_s)
+            if item is None:
+                response.chunk(c.encode_envelope({"event": {"keepalive": {}}}))
+            elif isinstance(item, tuple):
+                kind, data = item
+                response.chunk(c.encode_envelope({"event": {"data": {kind: c.b64(data)}}}))
+            else:
+                response.chunk(c.encode_envelope({"event": {"end": item}}))
+                return
+
+    # ---- /files --------------------------------------------------------------------------------------------
+    def _files_user(self, request: Request) -> User:
+        name = request.param("username") or self.default_user
+        try:
+            return lookup(name)
+        except KeyError:
+            raise HttpError(401, f"error looking up user '{name}': user: unknown user {name}") from None
+
+    def _files_path(self, request: Request, user: User) -> str:
+        try:
+            return expand_and_resolve(request.param("path") or "", user, self.default_workdir)
+        except ConnectError as err:
+            raise HttpError(400, f"error expanding and resolving path: {err.message}") from None
+
+    def _download(self, request: Request, response: Response) -> None:
+        reason = self._signature_ok(request, "read")
+        if reason is not None:
+            raise HttpError(401, reason)
+        path = self._files_path(request, self._files_user(request))
+        size, f, ctype = fs.open_download(path)
+        name = path.rsplit("/", 1)[-1].replace('"', "")
+        headers = [("Content-Disposition", f'inline; filename="{name}"'), ("Vary", "Accept-Encoding")]
+        with f:
+            if _accepts_gzip(request.header("Accept-Encoding")):
+                response.start_chunked(200, [("Content-Type", ctype), ("Content-Encoding", "gzip"), *headers])
+                deflater = zlib.compressobj(1, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+                while piece := f.read(fs.PIECE):
+                    response.chunk(deflater.compress(piece))
+                response.chunk(deflater.flush())
+                response.end()
+                return
+            response.start_fixed(200, [("Content-Type", ctype), *headers], size)
+            sent = 0
+            while sent < size and (piece := f.read(min(fs.PIECE, size - sent))):
+                response.write(piece)
+                sent += len(piece)
+            if sent < size:  # the file shrank under us: the length we promised cannot be kept
+                response.keep_alive = False
+                raise ConnectionError("file shrank during download")
+
+    def _upload(self, request: Request, response: Response) -> None:
+        reason = self._signature_ok(request, "write")
+        if reason is not None:
+            raise HttpError(401, reason)
+        user = self._files_user(request)
+        read = fs.decoded(request.body.read, request.header("Content-Encoding"))
+        ctype = request.header("Content-Type")
+        media = ctype.split(";")[0].strip().lower()
+        uploaded: list[dict[str, str]] = []
+        if media == "application/octet-stream":
+            if request.param("path") is None:
+                raise HttpError(400, "path query parameter is required for raw body upload")
+            path = self._files_path(request, user)
+            fs.write_file(path, fs.pieces_of(read), user)
+            uploaded.append({"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"})
+        elif media.startswith("multipart/"):
+            boundary = _boundary(ctype)
+            for headers, part in fs.Multipart(read, boundary).parts():
+                disposition = PartDisposition(headers)
+                if disposition.param("name") != "file":
+                    continue
+                if request.param("path") is not None:
+                    path = self._files_path(request, user)
+                else:
+                    filename = disposition.param("filename")
+                    if not filename:
+                        raise HttpError(400, "error getting multipart custom part file name: no file name")
+                    try:
+                        path = expand_and_resolve(filename, user, self.default_workdir)
+                    except ConnectError as err:
+                        raise HttpError(400, f"error resolving path: {err.message}") from None
+                if any(u["path"] == path for u in uploaded):
+                    raise HttpError(
+                        400, f"you cannot upload multiple files to the same path '{path}' in one upload request"
+                    )
+                fs.write_file(path, fs.pieces_of(part), user)
+                uploaded.append({"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"})
+        else:
+            raise HttpError(
+                400, f"unsupported content type: {ctype}, expected multipart/form-data or application/octet-stream"
+            )
+        response.send_json(200, uploaded)
+
+
+class PartDisposition:
+    """Content-Disposition parameters of a multipart part."""
+
+    def __init__(self, headers: Any) -> None:
+        self._h = headers
+
+    def param(self, name: str) -> str | None:
+        value = self._h.get_param(name, header="content-disposition")
+        if value is None:
+            return None
+        if isinstance(value, tuple):  # RFC 2231 encoded
+            from email.utils import collapse_rfc2231_value
+
+            return collapse_rfc2231_value(value)
+        return str(value)
+
+
+def _boundary(ctype: str) -> str:
+    from email.message import Message
+
+    msg = Message()
+    msg["Content-Type"] = ctype
+    boundary = msg.get_boundary()
+    if not boundary or len(boundary) > 200:
+        raise HttpError(400, "error parsing multipart form: no boundary")
+    return boundary
+
+
+def _accepts_gzip(header: str) -> bool:
+    """envd's parseAcceptEncoding: the highest-q acceptable coding wins; `*` means gzip only if identity is refused."""
+    codings: list[tuple[str, float]] = []
+    for item in header.split(","):
+        name, _, params = item.strip().partition(";")
+        q = 1.0
+        for p in params.split(";"):
+            k, _, v = p.strip().partition("=")
+            if k.lower() == "q":
+                try:
+                    q = float(v)
+                except ValueError:
+                    q = 1.0  # Go ignores an unparsable q
+        if name.strip():
+            codings.append((name.strip().lower(), q))
+    identity_ok = any(n == "identity" and q > 0 for n, q in codings)
+    identity_refused = any(n == "identity" and q == 0 for n, q in codings) or (
+        any(n == "*" and q == 0 for n, q in codings) and not identity_ok
+    )
+    for name, q in sorted(codings, key=lambda nq: -nq[1]):
+        if q == 0:
+            continue
+        if name == "identity":
+            return False
+        if name == "*":
+            return identity_refused
+        if name == "gzip":
+            return True
+    return False
+
+
+def _internal(name: str, exc: Exception) -> ConnectError:
+    log(f"{name}: {type(exc).__name__}: {exc}")
+    return ConnectError("internal", f"{type(exc).__name__}: {exc}"[:300])
+
+
+def _timeout(request: Request) -> float | None:
+    value = request.header("Connect-Timeout-Ms")
+    if not value:
+        return None
+    try:
+        ms = int(value)
+    except ValueError:
+        raise ConnectError("invalid_argument", f"bad Connect-Timeout-Ms {value[:20]!r}") from None
+    return ms / 1000 if ms > 0 else None
+
+
+def _keepalive(request: Request) -> float:
+    try:
+        return max(0.05, float(int(request.header("Keepalive-Ping-Interval"))))
+    except ValueError:
+        return DEFAULT_KEEPALIVE_S
+
+
+# ---- handlers ------------------------------------------------------------------------------------------------
+
+
+def _list(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    processes = w.processes.list()
+    return {"processes": processes} if processes else {}
+
+
+def _send_input(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    proc = w.processes.find(c.get_obj(msg, "process"))
+    _input(proc, c.get_obj(msg, "input") or {})
+    return {}
+
+
+def _input(proc: Process, given: dict[str, Any]) -> None:
+    pty = c.get_bytes(given, "pty")
+    if pty is not None:
+        proc.write_pty(pty)
+        return
+    data = c.get_bytes(given, "stdin")
+    if data is None:
+        raise ConnectError("unimplemented", "invalid input type <nil>")
+    proc.write_stdin(data)
+
+
+def _update(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    proc = w.processes.find(c.get_obj(msg, "process"))
+    pty = c.get_obj(msg, "pty")
+    if pty is not None:
+        size = c.get_obj(pty, "size") or {}
+        proc.resize(c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
+    return {}
+
+
+def _close_stdin(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    w.processes.find(c.get_obj(msg, "process")).close_stdin()
+    return {}
+
+
+def _send_signal(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    proc = w.processes.find(c.get_obj(msg, "process"))
+    signum = c.get_enum(msg, "signal", SIGNAL_ENUM)
+    if signum not in (signal.SIGKILL, signal.SIGTERM):
+        names = {v: k for k, v in SIGNAL_ENUM.items()}
+        raise ConnectError("unimplemented", f"invalid signal: {names.get(signum, signum)}")
+    proc.signal(signum)
+    return {}
+
+
+def _path(w: Workload, msg: dict[str, Any], user: User, name: str = "path") -> str:
+    return expand_and_resolve(c.get_str(msg, name), user, w.default_workdir)
+
+
+UNARY: dict[str, Unary] = {
+    "process.Process/List": _list,
+    "process.Process/SendInput": _send_input,
+    "process.Process/CloseStdin": _close_stdin,
+    "process.Process/Update": _update,
+    "process.Process/SendSignal": _send_signal,
+    "filesystem.Filesystem/Stat": lambda w, m, u: fs.stat_rpc(_path(w, m, u)),
+    "filesystem.Filesystem/ListDir": lambda w, m, u: fs.list_dir(_path(w, m, u), c.get_uint32(m, "depth")),
+    "filesystem.Filesystem/MakeDir": lambda w, m, u: fs.make_dir(_path(w, m, u), u),
+    "filesystem.Filesystem/Move": lambda w, m, u: fs.move(_path(w, m, u, "source"), _path(w, m, u, "destination"), u),
+    "filesystem.Filesystem/Remove": lambda w, m, u: fs.remove(_path(w, m, u)),
+}
+STREAMING = ("process.Process/Start", "process.Process/Connect")
+CLIENT_STREAMING = "process.Process/StreamInput"
+SERVICES = ("process.Process", "filesystem.Filesystem")
