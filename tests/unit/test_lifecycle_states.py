@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.cubelet.store import Reservation, Store
-from cubeaccel.model.machine import Machine, rule
+from cubeaccel.model.machine import Machine, TransitionRefused, rule
 from cubeaccel.model.reservation_states import (
     RESERVATION_MACHINE,
     ReservationEvent,
@@ -26,7 +26,7 @@ from cubeaccel.model.sandbox_states import (
     SandboxEvent,
     SandboxState,
 )
-from cubeaccel.model.states import Actor, TransitionRefused
+from cubeaccel.model.states import Actor
 
 P, RE = ReservationPhase, ReservationEvent
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cubeaccel.master.store import MasterStore
+from cubeaccel.model.machine import TransitionRefused
 from cubeaccel.model.sandbox_states import (
     NODE_MACHINE,
     SANDBOX_MACHINE,
@@ -23,7 +24,6 @@ from cubeaccel.model.sandbox_states import (
     SandboxEvent,
     SandboxState,
 )
-from cubeaccel.model.states import TransitionRefused
 from tests.unit.master_builders import group, heartbeat
 from tests.unit.test_scheduler_store import sandbox
 

@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 
+from cubeaccel.model.machine import TransitionRefused
 from cubeaccel.model.states import (
     TRANSITIONS,
     Actor,
     DeviceEvent,
     DeviceState,
-    TransitionRefused,
     allowed_events,
     lookup,
     transition,

@@ -1,8 +1,7 @@
 """A state machine as data: rules (event, from, to, who may fire it), a lookup, and a refusal that says why.
 
-The device machine in `states.py` predates this and keeps its own module-level functions; the reservation,
-sandbox and node machines are instances of `Machine`, so all four refuse the same way (state, event, allowed
-events in `details`; 409).
+The device (`states.py`), reservation, sandbox and node machines are instances of `Machine`, so all four refuse
+the same way (state, event, allowed events in `details`; 409).
 """
 
 from __future__ import annotations
@@ -12,11 +11,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Generic, TypeVar
 
-from cubeaccel.model.states import TransitionRefused
+from cubeaccel.model.errors import CubeError
 
 S = TypeVar("S", bound=StrEnum)
 E = TypeVar("E", bound=StrEnum)
 A = TypeVar("A", bound=StrEnum)
+
+
+class TransitionRefused(CubeError):
+    """A (state, event) pair not in the table, or fired by the wrong actor."""
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.model.machine import Machine, Rule, rule
 
 
 class DeviceState(StrEnum):
@@ -57,22 +56,16 @@ ACTIVE_STATES: frozenset[DeviceState] = frozenset(
 UNCERTAIN_STATES: frozenset[DeviceState] = ACTIVE_STATES | {S.UNHEALTHY}
 
 
-@dataclass(frozen=True)
-class Transition:
-    event: DeviceEvent
-    sources: frozenset[DeviceState]
-    target: DeviceState
-    fired_by: frozenset[Actor]
-    precondition: str
+Transition = Rule  # the device table's rows: (event, sources, target, fired_by, precondition)
 
 
-def _t(event: E, sources: set[S] | frozenset[S], target: S, by: set[Actor], pre: str) -> Transition:
-    return Transition(event, frozenset(sources), target, frozenset(by), pre)
+def _t(event: E, sources: set[S] | frozenset[S], target: S, by: set[Actor], pre: str) -> Transition[S, E, Actor]:
+    return rule(event, sources, target, by, pre)
 
 
 C, SH, OP = Actor.CUBELET, Actor.SHIM, Actor.OPERATOR
 
-TRANSITIONS: tuple[Transition, ...] = (
+TRANSITIONS: tuple[Transition[S, E, Actor], ...] = (
     _t(E.VALIDATED, {S.INITIALIZED}, S.ALLOCATABLE, {C}, "driver binding, viable IOMMU group, no holders"),
     _t(E.HOST_NOT_READY, {S.ALLOCATABLE}, S.INITIALIZED, {C}, "host readiness failed; no tenant holds it"),
     _t(E.RESERVE, {S.ALLOCATABLE}, S.RESERVED, {C}, "atomic; records sandbox, template, contract, memory"),
@@ -92,44 +85,19 @@ TRANSITIONS: tuple[Transition, ...] = (
     _t(E.ENABLE, {S.DISABLED}, S.INITIALIZED, {OP}, "-"),
 )
 
-_BY_KEY: dict[tuple[DeviceState, DeviceEvent], Transition] = {
-    (src, t.event): t for t in TRANSITIONS for src in t.sources
-}
-
-
-class TransitionRefused(CubeError):
-    """A (state, event) pair not in the table, or fired by the wrong actor."""
+DEVICE_MACHINE: Machine[DeviceState, DeviceEvent, Actor] = Machine(
+    "device", "cubelet", TRANSITIONS, ("state.transition_refused", "state.actor_not_allowed")
+)
 
 
 def allowed_events(state: DeviceState) -> list[DeviceEvent]:
-    return sorted({ev for (src, ev) in _BY_KEY if src == state}, key=lambda e: e.value)
+    return DEVICE_MACHINE.allowed_events(state)
 
 
-def lookup(state: DeviceState, event: DeviceEvent) -> Transition | None:
-    return _BY_KEY.get((state, event))
+def lookup(state: DeviceState, event: DeviceEvent) -> Transition[S, E, Actor] | None:
+    return DEVICE_MACHINE.lookup(state, event)
 
 
 def transition(state: DeviceState, event: DeviceEvent, actor: Actor) -> DeviceState:
     """Return the target state or refuse, naming the current state, the event and what is allowed."""
-    t = _BY_KEY.get((state, event))
-    allowed = [e.value for e in allowed_events(state)]
-    if t is None:
-        raise TransitionRefused(
-            code="state.transition_refused",
-            message=f"event {event.value!r} is not allowed in state {state.value!r}; allowed: {allowed}",
-            layer="cubelet",
-            details={"state": state.value, "event": event.value, "allowed_events": allowed},
-            status=409,
-        )
-    if actor not in t.fired_by:
-        raise TransitionRefused(
-            code="state.actor_not_allowed",
-            message=(
-                f"event {event.value!r} may be fired by {sorted(a.value for a in t.fired_by)}, "
-                f"not {actor.value!r} (state {state.value!r})"
-            ),
-            layer="cubelet",
-            details={"state": state.value, "event": event.value, "actor": actor.value},
-            status=409,
-        )
-    return t.target
+    return DEVICE_MACHINE.transition(state, event, actor)
