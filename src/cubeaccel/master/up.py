@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import yaml
 
 from cubeaccel.host.hypervisor import detect_accel, find_qemu
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.wire.templates import loads_document
 
 # Package data, so an installed wheel registers them too (not a path into a source checkout).
 EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
@@ -97,7 +97,9 @@ def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, p
         path = directory / name
         if not path.is_file():
             continue
-        doc = yaml.safe_load(path.read_text())
+        doc = loads_document(path.read_text(), name)
+        if not isinstance(doc, dict):
+            raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
         if pin_to_image and doc["spec"]["accelerator"]["backend"] == "emulated":
             from cubeaccel.images.builder import latest
             from cubeaccel.images.manifest import pin_template_document
