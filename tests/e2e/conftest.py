@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cubelet_process import CubeletProcess
-from tests.e2e.master_harness import Cluster
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_harness import Cluster
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.e2e.cubelet_process import CubeletProcess
+from tests.support.cubelet_process import CubeletProcess
 
 
 def _cli(p: CubeletProcess, *args: str) -> subprocess.CompletedProcess[str]:

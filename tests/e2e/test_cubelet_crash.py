@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.host.simulated import SimulatedPciHost
-from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.poll import poll
 
 STEPS = ["reserved", "attached", "releasing_stuck_holder"]
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.poll import poll
 
 
 def _free_port() -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.cubelet_client import CubeletClient
-from tests.e2e.cubelet_process import CubeletProcess
+from tests.support.cubelet_process import CubeletProcess
 
 
 def _raw(p: CubeletProcess) -> httpx.Client:

@@ -10,7 +10,7 @@ import pytest
 
 from cubeaccel.host import procfs
 from cubeaccel.host.pci import Holder
-from tests.host.holder_proc import holding
+from tests.support.holder_proc import holding
 
 
 def _fake_proc(root: Path, pid: int, comm: str, fds: dict[int, str]) -> None:
