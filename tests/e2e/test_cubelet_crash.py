@@ -1,4 +1,6 @@
-"""SIGKILL the real Cubelet process between lifecycle steps; the restarted one must converge safely."""
+"""SIGKILL the real Cubelet process between lifecycle steps; the restarted one must converge safely.
+
+Each test starts its own Cubelet: it kills and restarts it, which no shared process survives."""
 
 from __future__ import annotations
 

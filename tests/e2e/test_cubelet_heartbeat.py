@@ -1,4 +1,6 @@
-"""Cubelet started with --master heartbeats its capacity to a real HTTP server."""
+"""Cubelet started with --master heartbeats its capacity to a real HTTP server.
+
+The test starts its own Cubelet: it needs `--master` pointing at this test's server and a fresh event log."""
 
 from __future__ import annotations
 
