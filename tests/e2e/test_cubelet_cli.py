@@ -18,7 +18,7 @@ def _cli(p: CubeletProcess, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_devices_table_verbs_and_events(cubelet: CubeletProcess) -> None:
+def test_devices_table_a_quarantine_and_its_event(cubelet: CubeletProcess) -> None:
     out = _cli(cubelet, "devices")
     assert out.returncode == 0
     assert "0000:10:00.0" in out.stdout and "H100-SXM5-80GB" in out.stdout and "allocatable" in out.stdout
@@ -29,7 +29,7 @@ def test_devices_table_verbs_and_events(cubelet: CubeletProcess) -> None:
     assert ev[-1]["details"]["who"] == "alice" and ev[-1]["to_state"] == "quarantined"
 
 
-def test_cli_errors_print_code_and_layer_and_exit_1(cubelet: CubeletProcess) -> None:
+def test_cli_errors_print_their_code_and_exit_1(cubelet: CubeletProcess) -> None:
     out = _cli(cubelet, "device", "recover", "no-such-device", "--who", "a", "--reason", "b")
     assert out.returncode == 1
     assert "device.not_found" in out.stdout

@@ -45,7 +45,7 @@ def _handler(server: _Master) -> type[BaseHTTPRequestHandler]:
     return H
 
 
-def test_heartbeat_carries_the_capacity_summary_and_reachability_changes_are_events(tmp_path: Path) -> None:
+def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_event(tmp_path: Path) -> None:
     master = _Master(("127.0.0.1", 0), BaseHTTPRequestHandler)
     master.beats, master.up = [], True
     master.RequestHandlerClass = _handler(master)
