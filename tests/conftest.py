@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.model import error_catalog
-from tests.cubelet_harness import Node
+from tests.support.cubelet_harness import Node
 
 
 @pytest.fixture(autouse=True)

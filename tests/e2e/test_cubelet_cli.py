@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.e2e.cubelet_process import CubeletProcess
+from tests.support.cubelet_process import CubeletProcess
 
 
 def _cli(p: CubeletProcess, *args: str) -> subprocess.CompletedProcess[str]:
@@ -18,21 +18,21 @@ def _cli(p: CubeletProcess, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_devices_table_verbs_and_events(cubelet_proc: CubeletProcess) -> None:
-    out = _cli(cubelet_proc, "devices")
+def test_devices_table_a_quarantine_and_its_event(cubelet: CubeletProcess) -> None:
+    out = _cli(cubelet, "devices")
     assert out.returncode == 0
     assert "0000:10:00.0" in out.stdout and "H100-SXM5-80GB" in out.stdout and "allocatable" in out.stdout
-    dev = json.loads(_cli(cubelet_proc, "devices", "--json").stdout)["devices"][0]["id"]
-    q = _cli(cubelet_proc, "device", "quarantine", dev, "--who", "alice", "--reason", "ECC")
+    dev = json.loads(_cli(cubelet, "devices", "--json").stdout)["devices"][0]["id"]
+    q = _cli(cubelet, "device", "quarantine", dev, "--who", "alice", "--reason", "ECC")
     assert q.returncode == 0 and "quarantined" in q.stdout
-    ev = json.loads(_cli(cubelet_proc, "events", "--json").stdout)["events"]
+    ev = json.loads(_cli(cubelet, "events", "--json").stdout)["events"]
     assert ev[-1]["details"]["who"] == "alice" and ev[-1]["to_state"] == "quarantined"
 
 
-def test_cli_errors_print_code_and_layer_and_exit_1(cubelet_proc: CubeletProcess) -> None:
-    out = _cli(cubelet_proc, "device", "recover", "no-such-device", "--who", "a", "--reason", "b")
+def test_cli_errors_print_their_code_and_exit_1(cubelet: CubeletProcess) -> None:
+    out = _cli(cubelet, "device", "recover", "no-such-device", "--who", "a", "--reason", "b")
     assert out.returncode == 1
     assert "device.not_found" in out.stdout
-    dev = cubelet_proc.client.devices()[0]["id"]
-    out = _cli(cubelet_proc, "device", "enable", dev, "--who", "a", "--reason", "b")
+    dev = cubelet.client.devices()[0]["id"]
+    out = _cli(cubelet, "device", "enable", dev, "--who", "a", "--reason", "b")
     assert out.returncode == 1 and "state.transition_refused" in out.stdout

@@ -1,4 +1,6 @@
-"""SIGKILL the real Cubelet process between lifecycle steps; the restarted one must converge safely."""
+"""SIGKILL the real Cubelet process between lifecycle steps; the restarted one must converge safely.
+
+Each test starts its own Cubelet: it kills and restarts it, which no shared process survives."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.host.simulated import SimulatedPciHost
-from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.poll import poll
 
 STEPS = ["reserved", "attached", "releasing_stuck_holder"]
 

@@ -1,4 +1,6 @@
-"""Cubelet started with --master heartbeats its capacity to a real HTTP server."""
+"""Cubelet started with --master heartbeats its capacity to a real HTTP server.
+
+The test starts its own Cubelet: it needs `--master` pointing at this test's server and a fresh event log."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.poll import poll
 
 
 def _free_port() -> int:
@@ -42,7 +45,7 @@ def _handler(server: _Master) -> type[BaseHTTPRequestHandler]:
     return H
 
 
-def test_heartbeat_carries_the_capacity_summary_and_reachability_changes_are_events(tmp_path: Path) -> None:
+def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_event(tmp_path: Path) -> None:
     master = _Master(("127.0.0.1", 0), BaseHTTPRequestHandler)
     master.beats, master.up = [], True
     master.RequestHandlerClass = _handler(master)

@@ -10,7 +10,7 @@ import pytest
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.cubelet_client import CubeletClient
-from tests.e2e.cubelet_process import CubeletProcess
+from tests.support.cubelet_process import CubeletProcess
 
 
 def _raw(p: CubeletProcess) -> httpx.Client:
@@ -21,8 +21,8 @@ def _snapshot(p: CubeletProcess) -> Any:
     return p.client.devices(), p.client.events()["next"]
 
 
-def test_stable_shapes_and_full_cycle(cubelet_proc: CubeletProcess) -> None:
-    c = cubelet_proc.client
+def test_stable_shapes_and_full_cycle(cubelet: CubeletProcess) -> None:
+    c = cubelet.client
     devs = c.devices()
     assert len(devs) == 8
     assert {"id", "address", "state", "sandbox_id", "reason", "labels"} <= set(devs[0])
@@ -53,19 +53,19 @@ def test_stable_shapes_and_full_cycle(cubelet_proc: CubeletProcess) -> None:
     ],
 )
 def test_bad_reservation_input_is_4xx_with_a_stable_code_and_changes_nothing(
-    cubelet_proc: CubeletProcess, body: bytes, code: str
+    cubelet: CubeletProcess, body: bytes, code: str
 ) -> None:
-    before = _snapshot(cubelet_proc)
-    with _raw(cubelet_proc) as h:
+    before = _snapshot(cubelet)
+    with _raw(cubelet) as h:
         r = h.post("/v1/reservations", content=body, headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500
     assert r.json()["error"]["code"] == code
     assert set(r.json()["error"]) == {"code", "layer", "message", "details"}
-    assert _snapshot(cubelet_proc) == before
+    assert _snapshot(cubelet) == before
 
 
-def test_unknown_ids_and_verbs_and_path_tricks(cubelet_proc: CubeletProcess) -> None:
-    with _raw(cubelet_proc) as h:
+def test_unknown_ids_and_verbs_and_path_tricks(cubelet: CubeletProcess) -> None:
+    with _raw(cubelet) as h:
         assert h.get("/v1/devices/nope").json()["error"]["code"] == "device.not_found"
         r = h.post("/v1/devices/vfio-0000:10:00.0/explode", json={"who": "a", "reason": "b"})
         assert r.status_code == 404 and r.json()["error"]["code"] == "api.unknown_verb"
@@ -81,28 +81,29 @@ def test_unknown_ids_and_verbs_and_path_tricks(cubelet_proc: CubeletProcess) -> 
         assert r.json()["error"]["code"] == "api.invalid_shim_report"
 
 
-def test_same_sandbox_different_parameters_is_a_conflict(cubelet_proc: CubeletProcess) -> None:
-    c = cubelet_proc.client
+def test_same_sandbox_different_parameters_is_a_conflict(cubelet: CubeletProcess) -> None:
+    c = cubelet.client
     c.reserve("sb", 1)
     assert c.reserve("sb", 1)["reservation"]["device_ids"]  # idempotent
-    before = _snapshot(cubelet_proc)
+    before = _snapshot(cubelet)
     with pytest.raises(CubeError) as err:
         c.reserve("sb", 2)
     assert err.value.code == "reserve.sandbox_conflict" and err.value.status == 409
-    assert _snapshot(cubelet_proc) == before
+    assert _snapshot(cubelet) == before
 
 
-def test_operator_verbs_over_http_are_audited(cubelet_proc: CubeletProcess) -> None:
-    c = cubelet_proc.client
+def test_operator_verbs_over_http_are_audited(cubelet: CubeletProcess) -> None:
+    c = cubelet.client
     dev = c.devices()[0]["id"]
+    since = c.events()["next"]  # the module's Cubelet: earlier tests' events are not this test's
     assert c.verb(dev, "quarantine", "alice", "ECC")["state"] == "quarantined"
     assert c.verb(dev, "recover", "bob", "clean")["state"] == "allocatable"
-    ops = [e for e in c.events()["events"] if e["actor"] == "operator"]
+    ops = [e for e in c.events(since)["events"] if e["actor"] == "operator"]
     assert [(e["event"], e["details"]["who"]) for e in ops] == [("quarantine", "alice"), ("recover", "bob")]
 
 
-def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet_proc: CubeletProcess) -> None:
-    sock = cubelet_proc.state_dir / "cubelet.sock"
+def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet: CubeletProcess) -> None:
+    sock = cubelet.state_dir / "cubelet.sock"
 
     def attempt(i: int) -> str:
         client = CubeletClient(socket=sock)
@@ -119,28 +120,28 @@ def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet_
     assert results.count("ok") == 8
     assert set(results) == {"ok", "reserve.insufficient_devices"}
     with pytest.raises(CubeError) as err:
-        cubelet_proc.client.reserve("one-more", 1)
+        cubelet.client.reserve("one-more", 1)
     assert err.value.details == {"requested": 1, "devices_by_state": {"reserved": 8}}
-    devs = cubelet_proc.client.devices()
+    devs = cubelet.client.devices()
     owners = [d["sandbox_id"] for d in devs]
     assert len(set(owners)) == 8 and all(d["state"] == "reserved" for d in devs)
 
 
 @pytest.mark.parametrize("op", ["snapshot", "clone", "rollback", "pause", "resume", "live_migration"])
-def test_lifecycle_operations_a_device_cannot_survive_are_refused(cubelet_proc: CubeletProcess, op: str) -> None:
-    cubelet_proc.client.reserve("sb", 1, start=True)
+def test_lifecycle_operations_a_device_cannot_survive_are_refused(cubelet: CubeletProcess, op: str) -> None:
+    cubelet.client.reserve("sb", 1, start=True)
     with pytest.raises(CubeError) as err:
-        cubelet_proc.client.request("POST", f"/v1/reservations/sb/{op}")
+        cubelet.client.request("POST", f"/v1/reservations/sb/{op}")
     assert (err.value.status, err.value.code) == (409, "lifecycle.unsupported_for_accelerator")
     assert err.value.details["operation"] == op
-    assert {d["state"] for d in cubelet_proc.client.devices() if d["sandbox_id"] == "sb"} == {"attached"}
+    assert {d["state"] for d in cubelet.client.devices() if d["sandbox_id"] == "sb"} == {"attached"}
 
 
-def test_unknown_lifecycle_operation_and_unknown_sandbox(cubelet_proc: CubeletProcess) -> None:
-    cubelet_proc.client.reserve("sb", 1)
+def test_unknown_lifecycle_operation_and_unknown_sandbox(cubelet: CubeletProcess) -> None:
+    cubelet.client.reserve("sb", 1)
     with pytest.raises(CubeError) as err:
-        cubelet_proc.client.request("POST", "/v1/reservations/sb/teleport")
+        cubelet.client.request("POST", "/v1/reservations/sb/teleport")
     assert err.value.code == "lifecycle.unknown_operation"
     with pytest.raises(CubeError) as err:
-        cubelet_proc.client.request("POST", "/v1/reservations/ghost/snapshot")
+        cubelet.client.request("POST", "/v1/reservations/ghost/snapshot")
     assert err.value.code == "reservation.not_found"

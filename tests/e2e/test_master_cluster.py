@@ -11,8 +11,8 @@ import re
 
 import httpx
 
-from tests.e2e.cubelet_process import poll
-from tests.e2e.master_harness import Cluster
+from tests.support.master_harness import Cluster
+from tests.support.poll import poll
 
 PROFILES = {"n1": "4xh100,2xt4", "n2": "2xh100", "n3": "2xa100"}
 

@@ -11,8 +11,9 @@ import pytest
 
 from cubeaccel.host.readiness import check_host
 from cubeaccel.model.errors import CubeError
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.e2e.master_harness import MasterProcess, example, free_port
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_harness import MasterProcess, example, free_port
+from tests.support.poll import poll
 
 GIB = 1024
 

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from cubeaccel.cli.master import register_top_level
 from cubeaccel.model.errors import CubeError
-from tests.e2e.cubelet_process import poll
-from tests.e2e.master_harness import Cluster, example
+from tests.support.master_harness import Cluster, example
+from tests.support.poll import poll
 
 PROFILES = {"a": "2xh100", "b": "2xh100"}
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.e2e.cubelet_process import poll
-from tests.e2e.master_harness import Cluster, example
+from tests.support.master_harness import Cluster, example
+from tests.support.poll import poll
 
 PROFILES = {"a": "2xh100", "b": "2xh100"}
 K99 = {

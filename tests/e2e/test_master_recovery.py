@@ -22,8 +22,9 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.cubelet_client import CubeletClient
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.e2e.master_harness import free_port
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_harness import free_port
+from tests.support.poll import poll
 
 NODE = "n1"
 AN_HOUR = 3600.0  # far older than any live create leaves its row untouched (2 x Cubelet request timeout)

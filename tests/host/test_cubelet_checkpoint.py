@@ -23,7 +23,7 @@ from cubeaccel.model.checkpoint import (
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
-from tests.cubelet_harness import Node
+from tests.support.cubelet_harness import Node
 
 S, P = DeviceState, ReservationPhase
 

@@ -13,7 +13,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.templates import load_template
-from tests.cubelet_harness import Node
+from tests.support.cubelet_harness import Node
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 

@@ -19,7 +19,7 @@ from cubeaccel.cubelet.store import Store
 from cubeaccel.host.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
-from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.support.fake_sysfs import Dev, FakeSysfs
 
 S = DeviceState
 GPU, NV = "0000:3b:00.0", "0000:af:00.0"  # one already on vfio-pci, one still on nvidia

@@ -12,7 +12,7 @@ from cubeaccel.host.simulated import Fault
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
-from tests.cubelet_harness import Node
+from tests.support.cubelet_harness import Node
 
 S = DeviceState
 

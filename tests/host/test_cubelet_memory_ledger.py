@@ -16,7 +16,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import QEMU_LOCKED_OVERHEAD_MIB, QEMU_LOCKED_PER_VCPU_MIB
 from cubeaccel.model.reservation_states import ReservationPhase as P
 from cubeaccel.model.states import DeviceState
-from tests.cubelet_harness import Node
+from tests.support.cubelet_harness import Node
 
 GIB = 1024
 LOCKABLE = 100 * GIB

@@ -21,7 +21,7 @@ from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.host.simulated import Fault
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import TENANT_STATES, DeviceState
-from tests.cubelet_harness import Node
+from tests.support.cubelet_harness import Node
 
 SANDBOXES = st.sampled_from([f"s{i}" for i in range(3)])
 DEVICE_INDEX = st.integers(0, 3)

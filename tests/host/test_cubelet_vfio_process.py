@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.host.fake_sysfs import Dev, FakeSysfs
-from tests.host.holder_proc import unreadable_pids
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.fake_sysfs import Dev, FakeSysfs
+from tests.support.holder_proc import unreadable_pids
+from tests.support.poll import poll
 
 
 @pytest.fixture

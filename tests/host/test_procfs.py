@@ -10,7 +10,7 @@ import pytest
 
 from cubeaccel.host import procfs
 from cubeaccel.host.pci import Holder
-from tests.host.holder_proc import holding
+from tests.support.holder_proc import holding
 
 
 def _fake_proc(root: Path, pid: int, comm: str, fds: dict[int, str]) -> None:
@@ -99,7 +99,7 @@ def test_real_process_holding_a_file_is_found_in_real_proc(tmp_path: Path) -> No
     assert _known(procfs.find_holders(procfs.exact([str(target)]))) == []
 
 
-def test_unknown_holders_in_real_proc_are_exactly_the_processes_we_cannot_read() -> None:
+def test_every_unknown_holder_in_real_proc_is_a_process_we_cannot_read() -> None:
     unknown = {h.pid for h in procfs.find_holders(procfs.glob("/nonexistent/*")) if h.unknown}
     for pid in unknown:
         fd_dir = Path("/proc") / str(pid) / "fd"

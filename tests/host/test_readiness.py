@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cubeaccel.cli import app
 from cubeaccel.host.readiness import Status, check_host
-from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.support.fake_sysfs import Dev, FakeSysfs
 
 
 def _status(fake: FakeSysfs) -> dict[str, tuple[Status, str]]:

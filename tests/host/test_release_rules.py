@@ -31,9 +31,9 @@ from cubeaccel.host.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
-from tests.cubelet_harness import Clock
-from tests.host.fake_sysfs import Dev, FakeSysfs
-from tests.host.holder_proc import unreadable_pids
+from tests.support.cubelet_harness import Clock
+from tests.support.fake_sysfs import Dev, FakeSysfs
+from tests.support.holder_proc import unreadable_pids
 
 S, K = DeviceState, ShimReportKind
 GPU = "0000:3b:00.0"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cubeaccel.backends.vfio_spec import DeviceSpec
 from cubeaccel.cli import app
 from cubeaccel.model.errors import CubeError
-from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.support.fake_sysfs import Dev, FakeSysfs
 
 
 def _fake(tmp_path: Path) -> FakeSysfs:

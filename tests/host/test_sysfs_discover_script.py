@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.host.fake_sysfs import Dev, FakeSysfs
-from tests.host.holder_proc import unreadable_pids
+from tests.support.fake_sysfs import Dev, FakeSysfs
+from tests.support.holder_proc import unreadable_pids
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu-discover.py"
 

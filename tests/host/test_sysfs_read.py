@@ -9,7 +9,7 @@ import pytest
 
 from cubeaccel.host.pci import HostError
 from cubeaccel.model.device import PciAddress
-from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.support.fake_sysfs import Dev, FakeSysfs
 
 GPU = "0000:3b:00.0"
 AUDIO = "0000:3b:00.1"

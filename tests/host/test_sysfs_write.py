@@ -10,7 +10,7 @@ from cubeaccel.host.pci import HostError
 from cubeaccel.host.sysfs import SysfsPciHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
-from tests.host.fake_sysfs import Dev, FakeSysfs
+from tests.support.fake_sysfs import Dev, FakeSysfs
 
 GPU = "0000:3b:00.0"
 ADDR = PciAddress.parse(GPU)

@@ -13,8 +13,8 @@ from cubeaccel.host import procfs
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
-from tests.host.fake_sysfs import Dev, FakeSysfs
-from tests.host.holder_proc import holding, unreadable_pids
+from tests.support.fake_sysfs import Dev, FakeSysfs
+from tests.support.holder_proc import holding, unreadable_pids
 
 GPU = "0000:3b:00.0"
 AUDIO = "0000:3b:00.1"

@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 from cubeaccel.master.store import MasterStore
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.e2e.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
+from tests.support.poll import poll
 
 pytestmark = pytest.mark.postgres
 

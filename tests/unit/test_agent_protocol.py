@@ -28,6 +28,7 @@ from cubeaccel.agent.protocol import METHODS, Agent, LineFramer
 from cubeaccel.agent.serve import ServeOptions, serve
 from cubeaccel.guest.virtio_port import resolve_port
 from cubeaccel.model.errors import CubeError
+from tests.support.poll import poll
 from tests.unit.test_agent_fakes import EDU, FakeGuest
 
 EDU_SPEC = {"kernel_release": "6.1.0-27-amd64", "pci": [{"vendor_id": EDU[0], "device_id": EDU[1]}]}
@@ -395,10 +396,7 @@ def test_half_a_line_from_a_host_that_went_away_does_not_spoil_the_next_hosts_re
         peer = Peer(ours.fileno())
         assert peer.line()["event"] == "ready"
         peer.send(b'{"v":1,"id":')
-        deadline = time.monotonic() + 5
-        while not eof_next[0]:  # wait until the agent has read the half line on its own
-            assert time.monotonic() < deadline, "agent never read the half line"
-            time.sleep(0.01)
+        poll(lambda: eof_next[0], 5, 0.01, what="agent read the half line on its own")
         peer.send({"v": 1, "id": 2, "method": "hello"})
         reply, others = peer.reply_to(2)
         assert reply["ok"] is True

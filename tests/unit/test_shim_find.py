@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_addr
 from cubeaccel.host.vmmproc import ENV_DEVICES, find_vmm, inspect, name_arg, vmm_processes
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, device_id_for
 from cubeaccel.model.states import DeviceState
+from tests.support.poll import poll
 
 INST = uuid.uuid4().hex[:8]
 
@@ -94,10 +94,7 @@ def test_a_real_tagged_process_is_found_until_it_exits() -> None:
     env = {**os.environ, ENV_DEVICES: _id(0)}
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-name", name_arg("real-1")], env=env)
     try:
-        deadline = time.monotonic() + 5
-        while find_vmm("real-1") is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert find_vmm("real-1") == proc.pid
+        assert poll(lambda: find_vmm("real-1"), 5, 0.01) == proc.pid
         assert [h.pid for h in EmulatedBackend(INST).holders(_record(0, DeviceState.ATTACHED))] == [proc.pid]
         assert EmulatedBackend("0ther").holders(_record(0, DeviceState.ATTACHED, "0ther")) == []
     finally:
@@ -112,10 +109,7 @@ def test_find_shim_matches_the_exact_sandbox_argument_of_a_live_shim() -> None:
     # A stand-in with a shim's argv: python -c '...' shim run --sandbox ab
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "shim", "run", "--sandbox", "ab"])
     try:
-        deadline = time.monotonic() + 10
-        while find_shim("ab") is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert find_shim("ab") == p.pid
+        assert poll(lambda: find_shim("ab"), 10, 0.02) == p.pid
         assert find_shim("a") is None  # never a prefix match
     finally:
         p.kill()

@@ -19,7 +19,7 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.wire import cubelet_api as CW
 from cubeaccel.wire.api_edges import ErrorReply
 from cubeaccel.wire.base import Reply
-from tests.cubelet_harness import Node
+from tests.support.cubelet_harness import Node
 
 # Routes whose only reply is an error (the lifecycle verbs an accelerator sandbox refuses).
 ALWAYS_REFUSED = {("post", "/v1/reservations/{sandbox_id}/{operation}")}

@@ -6,7 +6,7 @@ Shared-host rules (other test runs, other worktrees, an operator's Cubelet may r
   the image is hard-linked (or copied) out of the shared cache under the builder's lock, so another run's build
   that prunes the shared cache never removes it, and template states are built and pruned per run;
 - device ids carry this run's instance id (`RUN_INSTANCE`), as an emulated Cubelet's carry its own;
-- teardown stops only the VMMs this run started, by the pid files in directories it owns (`tests.vmm_cleanup`).
+- teardown stops only the VMMs this run started, by the pid files in directories it owns (`tests.support.vmm_cleanup`).
 Skipped only where QEMU itself is missing.
 """
 
@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,7 +32,8 @@ from cubeaccel.backends.emulated import slot_address
 from cubeaccel.images.builder import build, cache_dir
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import device_id_for
-from tests.vmm_cleanup import kill_started_vmms
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 RUN_INSTANCE = uuid.uuid4().hex[:8]
@@ -129,15 +129,19 @@ class ShimRun:
         return [r["kind"] for r in self.reports()]
 
     def wait_for(self, kind: str, timeout_s: float = 90.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for r in self.reports():
+        def found() -> dict[str, Any] | None:
+            reports = self.reports()
+            for r in reports:
                 if r["kind"] == kind:
                     return r
-            if kind != "shim_exiting" and "shim_exiting" in self.kinds():
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"no {kind} report; got {self.kinds()}\n{self.log_tail()}")
+            exited = kind != "shim_exiting" and any(r["kind"] == "shim_exiting" for r in reports)
+            assert not exited, f"the shim exited before {kind}"
+            return None
+
+        try:
+            return poll(found, timeout_s)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\nno {kind} report; got {self.kinds()}\n{self.log_tail()}") from None
 
     def one(self, kind: str) -> dict[str, Any]:
         found = [r for r in self.reports() if r["kind"] == kind]

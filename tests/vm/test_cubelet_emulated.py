@@ -14,8 +14,9 @@ from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.template_spec import GuestKernel, ModulesImg
 from cubeaccel.wire.templates import load_template
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.vmm_cleanup import kill_started_vmms
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 EDU = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates" / "edu-demo.yaml"

@@ -15,8 +15,9 @@ import pytest
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.host.vmmproc import ENV_DEVICES
 from cubeaccel.images.manifest import Manifest
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.vmm_cleanup import kill_started_vmms
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.host.fake_sysfs import Dev, FakeSysfs
-from tests.host.holder_proc import unreadable_pids
-from tests.vmm_cleanup import kill_started_vmms
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.fake_sysfs import Dev, FakeSysfs
+from tests.support.holder_proc import unreadable_pids
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 

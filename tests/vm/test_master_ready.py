@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.e2e.master_harness import MasterProcess, example, free_port
-from tests.vmm_cleanup import kill_started_vmms
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_harness import MasterProcess, example, free_port
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from socketserver import UnixStreamServer
@@ -14,6 +13,7 @@ import pytest
 
 from cubeaccel.images.builder import build, cache_dir
 from cubeaccel.images.manifest import Manifest
+from tests.support.poll import poll
 
 pytestmark = pytest.mark.vm
 
@@ -51,9 +51,7 @@ def test_reports_are_posted_to_cubelet_over_its_unix_socket(shim_factory: Any, t
     server = _serve(sock, received)
     try:
         run = shim_factory(start="template", report={"socket": str(sock)}).start()
-        deadline = time.monotonic() + 60
-        while not any(r["kind"] == "guest_validated" for r in received) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        poll(lambda: any(r["kind"] == "guest_validated" for r in received), 60)
         assert run.terminate() == 0
     finally:
         server.shutdown()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from cubeaccel.images.builder import latest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.states import DeviceState
+from tests.support.poll import poll
 from tests.vm.conftest import RUN_INSTANCE, emulated_id
 
 pytestmark = pytest.mark.vm
@@ -162,10 +162,7 @@ def test_killed_shim_leaves_its_vmm_findable_by_pid_and_tag(shim_factory: Any) -
     found = inspect(vmm_pid)
     assert found is not None and found.device_ids == (emulated_id(0),)
     os.kill(vmm_pid, signal.SIGKILL)  # what Cubelet's release rules do with an orphaned VMM
-    deadline = time.monotonic() + 10
-    while find_vmm(run.sandbox_id) is not None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert find_vmm(run.sandbox_id) is None
+    poll(lambda: find_vmm(run.sandbox_id) is None, 10, 0.02)
     assert "vmm_exited" not in run.kinds()  # nobody waited for it: the shim never claims an exit it did not see
 
 
@@ -230,10 +227,13 @@ def test_frozen_edu_template_contract_is_enforced_on_the_image_and_validated_in_
 
 def test_two_devices_go_to_their_own_root_ports_and_both_detach(shim_factory: Any) -> None:
     run = shim_factory(start="template", devices=2).start()
-    deadline = time.monotonic() + 60
-    while run.kinds().count("device_attached") < 2 and time.monotonic() < deadline:
-        assert "shim_exiting" not in run.kinds(), run.log_tail()
-        time.sleep(0.05)
+
+    def both_attached() -> bool:
+        kinds = run.kinds()
+        assert "shim_exiting" not in kinds, run.log_tail()  # fails the wait at once
+        return kinds.count("device_attached") >= 2
+
+    poll(both_attached, 60)
     assert run.terminate() == 0
     attached = [r for r in run.reports() if r["kind"] == "device_attached"]
     assert [r["details"]["bus"] for r in attached] == ["rp1", "rp2"]

@@ -3,7 +3,6 @@ answer (`query-pci`), not from the shim's record of what it attached."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.vmm import VmConfig
-from tests.vmm_cleanup import kill_started_vmms
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 
@@ -57,10 +57,8 @@ def test_a_hot_plugged_edu_is_seen_by_query_pci_and_the_snapshot_is_refused(
     # Added over QMP behind the shim's back: its own record (`attached`) stays empty.
     vmm.qmp("device_add", driver="edu", id="intruder", bus="rp1")
     assert vmm.attached == {}
-    deadline = time.monotonic() + 10
-    while not _behind_root_ports(vmm) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert [(f["behind"], f["vendor_device"]) for f in _behind_root_ports(vmm)] == [("rp1", "1234:11e8")]
+    found = poll(lambda: _behind_root_ports(vmm), 10, 0.02)
+    assert [(f["behind"], f["vendor_device"]) for f in found] == [("rp1", "1234:11e8")]
     state = tmp_path / "state"
     with pytest.raises(CubeError) as e:
         vmm.save_state(state)

@@ -6,31 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from cubeaccel.host import vmmproc
 from cubeaccel.wire.cubelet_client import CubeletClient
-
-T = TypeVar("T")
-
-
-def poll(fn: Callable[[], T | None], deadline_s: float = 20.0, every_s: float = 0.05) -> T:
-    """Return fn()'s first truthy value, or fail when the deadline passes."""
-    end = time.monotonic() + deadline_s
-    last: object = None
-    while time.monotonic() < end:
-        try:
-            value = fn()
-        except Exception as e:  # not ready yet
-            last = e
-        else:
-            if value:
-                return value
-        time.sleep(every_s)
-    raise AssertionError(f"condition not met within {deadline_s}s (last: {last!r})")
+from tests.support.poll import poll
 
 
 def terminate(proc: subprocess.Popen[bytes] | None, grace_s: float = 10.0) -> None:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import time
 from pathlib import Path
 
 from cubeaccel.host.vmmproc import inspect
+from tests.support.poll import poll
 
 
 def started_vmms(root: Path) -> list[int]:
@@ -35,7 +35,6 @@ def kill_started_vmms(root: Path, timeout_s: float = 10.0) -> list[int]:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + timeout_s
-    while any(inspect(pid) is not None for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.02)  # not our child (its own session): init reaps it
+    # Not our child (its own session): init reaps it.
+    poll(lambda: all(inspect(pid) is None for pid in pids), timeout_s, 0.02, what=f"VMMs {pids} gone")
     return pids

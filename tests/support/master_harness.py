@@ -14,7 +14,8 @@ import yaml
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
-from tests.e2e.cubelet_process import CubeletProcess, poll, terminate
+from tests.support.cubelet_process import CubeletProcess, terminate
+from tests.support.poll import poll
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 
