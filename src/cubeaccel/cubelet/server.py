@@ -3,29 +3,43 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import threading
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.model.errors import invalid, not_found
+from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.wire import cubelet_api as W
-from cubeaccel.wire.api_edges import api_app, json_body
+from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
 
-def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
+def create_app(cubelet: Cubelet, local: bool = True, token: str | None = None) -> FastAPI:
     """`local` (the unix socket, root-owned) also serves shim reports and operator verbs; the TCP listener
-    that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine."""
+    that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine.
+    The TCP listener (`local=False`) answers only a caller presenting this node's token (CubeMaster)."""
     app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,))
+    if not local:
+        if not token:
+            raise ValueError("the Cubelet's TCP API needs the node token it accepts")
+        expected = f"Bearer {token}".encode()
+
+        @app.middleware("http")
+        async def _only_master(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/v1/health" and not hmac.compare_digest(given, expected):
+                code = "auth.invalid_credential" if given else "auth.missing_credential"
+                return error_response(CubeError(code, "the Cubelet's TCP API answers CubeMaster only", "api", {}, 401))
+            return await call_next(request)
 
     def dev(device_id: str) -> dict[str, Any]:
         d = cubelet.store.device(device_id)
@@ -201,7 +215,7 @@ class Ticker:
                     t.event("reconcile_failed", "cubelet", reason=type(e).__name__, details={"error": str(e)})
 
 
-def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None) -> None:
+def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, token: str | None = None) -> None:
     import uvicorn
 
     socket_path.unlink(missing_ok=True)
@@ -212,7 +226,11 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None) -
     if listen is not None:
         configs.append(
             uvicorn.Config(
-                create_app(cubelet, local=False), host=listen[0], port=listen[1], log_level="warning", access_log=False
+                create_app(cubelet, local=False, token=token),
+                host=listen[0],
+                port=listen[1],
+                log_level="warning",
+                access_log=False,
             )
         )
     servers = [uvicorn.Server(c) for c in configs]
