@@ -88,7 +88,7 @@ def test_the_same_create_sent_to_both_replicas_makes_one_sandbox(fresh_db: str, 
             r = httpx.post(
                 f"{replicas[i % 2].url}/v1/sandboxes",
                 json={"gpu": "H100:1"},
-                headers={"Idempotency-Key": "same-request"},
+                headers={"Idempotency-Key": "same-request", **replicas[0].headers()},
                 timeout=60,
             )
             return r.status_code
