@@ -49,6 +49,9 @@ def serve_cmd(
     tick: Annotated[float, typer.Option(help="seconds between periodic reconciles")] = 2.0,
     reservation_ttl: Annotated[float, typer.Option(help="seconds before an unstarted reservation expires")] = 300.0,
     release_timeout: Annotated[float, typer.Option(help="seconds release may wait before quarantine")] = 30.0,
+    default_lifetime: Annotated[
+        float, typer.Option(help="seconds a started sandbox lives when its creator named no lifetime")
+    ] = 24 * 3600.0,
     node: Annotated[str, typer.Option(help="node name")] = "node-1",
     master: Annotated[str | None, typer.Option(help="CubeMaster URL to register with (needs --listen)")] = None,
     node_token_file: Annotated[
@@ -85,7 +88,13 @@ def serve_cmd(
     if addr is not None and node_token_file is None:
         raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
     token = node_token_file.read_text().strip() if node_token_file is not None else None
-    if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0 or not 0 < detach_timeout <= 3600:
+    if (
+        tick <= 0
+        or reservation_ttl <= 0
+        or release_timeout <= 0
+        or default_lifetime <= 0
+        or not 0 < detach_timeout <= 3600
+    ):
         raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
     try:
         cubelet = build_cubelet(
@@ -104,6 +113,7 @@ def serve_cmd(
                 config=CubeletConfig(
                     node_name=node,
                     reservation_ttl_s=reservation_ttl,
+                    default_lifetime_s=default_lifetime,
                     release_timeout_s=release_timeout,
                     pinnable_memory_mib=pinnable_memory_mib,
                 ),

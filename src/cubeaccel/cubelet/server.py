@@ -86,6 +86,7 @@ def create_app(cubelet: Cubelet, local: bool = True, token: str | None = None) -
             vcpus=body.vcpus,
             pin_memory=body.pin_memory,
             contract=body.contract,
+            lifetime_s=body.lifetime_s,
         )
         cubelet.reserve(body.sandbox_id, req)
         if body.start:

@@ -36,6 +36,7 @@ SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
 START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
+LIFETIME_SLACK_S = 60.0  # CubeMaster times a sandbox out first; the Cubelet's own lifetime is the backstop
 RETRYABLE = (
     "reserve.insufficient_devices",
     "compat.",
@@ -250,6 +251,9 @@ class CubeMaster:
             "vcpus": spec.vcpus,
             "start": True,
         }
+        row = self.store.sandbox(sid)
+        if row is not None and row["expires_at"] is not None:  # the Cubelet's backstop, a minute after ours
+            body["lifetime_s"] = max(1.0, float(row["expires_at"]) - time.time() + LIFETIME_SLACK_S)
         try:
             reply = self.client(cand.node.cubelet_url).reserve(sid, **body)
         except (CubeError, httpx.HTTPError) as e:

@@ -323,6 +323,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("selector.not_boolean", 422, "api", "the node selector does not evaluate to a boolean"),
     _c("up.qemu_missing", None, "backend", "`cubeaccel up --backend emulated` without qemu-system-x86_64"),
     _c("up.unknown_backend", None, "api", "`cubeaccel up` with a backend that does not exist"),
+    _c("sandbox.lifetime_expired", None, "cubelet", "the Cubelet tore a sandbox down at the end of its lifetime"),
     # ---- identities, quotas (docs/security.md) ----
     _c("auth.missing_credential", 401, "api", "the route needs a credential (`Authorization: Bearer`); none sent"),
     _c("auth.invalid_credential", 401, "api", "the credential is unknown, malformed or revoked"),
