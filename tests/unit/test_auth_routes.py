@@ -220,3 +220,8 @@ def test_repeated_failures_from_one_source_are_throttled(world: World) -> None:
     assert (r.status_code, r.json()["error"]["code"]) == (429, "auth.throttled")
     assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 429  # the source, not the key, is throttled
     assert world.keys["wrong_key"] not in world.audit.read_text() and world.keys["tenant"] not in r.text
+
+
+def test_the_database_holding_the_node_secret_is_owner_only(tmp_path: Path) -> None:
+    MasterStore(str(tmp_path / "fresh.db")).close()
+    assert (tmp_path / "fresh.db").stat().st_mode & 0o777 == 0o600

@@ -7,6 +7,7 @@ fails half-way with "database is locked"; PostgreSQL uses row locks (`FOR UPDATE
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ def engine_for(url: str) -> sa.Engine:
         return sa.create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
     if not url.startswith("sqlite"):
         Path(url).parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(url, os.O_RDWR | os.O_CREAT, 0o600))  # key digests and the node secret: owner only
         url = f"sqlite:///{url}"
     engine = sa.create_engine(
         url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=10, max_overflow=20

@@ -200,7 +200,8 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
             )
     print(f"keys (0600): admin {state_dir / 'admin.key'}, tenant default {state_dir / 'default.key'}")
     print(
-        f"try: CUBEACCEL_MASTER={murl} cubeaccel sandbox create --gpu "
+        f"try: CUBEACCEL_MASTER={murl} CUBEACCEL_API_KEY=$(cat {state_dir / 'default.key'}) "
+        "cubeaccel sandbox create --gpu "
         f"{'H100:1' if chosen == 'simulated' else 'accelerator:1'}"
     )
     if detach:
