@@ -81,3 +81,23 @@ def test_a_scripted_session_is_audited_once_per_mutation_and_verify_finds_tamper
     assert bad.returncode == 1 and "line 4: prev" in bad.stdout, bad.stdout
     q = audit("--file", str(log), "--tenant", "acme", "--action", "sandbox:")
     assert {json.loads(x)["action"] for x in q.stdout.splitlines()} == {"sandbox:create", "sandbox:delete"}
+
+
+def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Cluster) -> None:
+    node = c.cubelets["n1"]
+    sb = c.c.create({"gpu": "H100:1"})
+    c.c.delete(sb["id"])
+    poll(lambda: c.c.sandbox(sb["id"])["state"] == "deleted")
+    dev = node.client.devices()[0]["id"]
+    node.client.verb(dev, "quarantine", "ops", "suspect")
+    node.client.verb(dev, "recover", "ops", "checked")
+    log = node.state_dir / "audit.jsonl"
+    entries = [json.loads(x) for x in log.read_text().splitlines()]
+    mine = Counter((e["action"], e["identity"]) for e in entries if sb["id"] in e["target"] or dev in e["target"])
+    via_master = "node-token:n1 (CubeMaster)"
+    assert mine[("device:assign", via_master)] == 0  # POST /v1/reservations names the sandbox in its body
+    assert mine[("device:release", via_master)] == 1
+    assert mine[("device:quarantine", "local-socket")] == 1 and mine[("device:recover", "local-socket")] == 1
+    assigns = [e for e in entries if e["action"] == "device:assign" and e["identity"] == via_master]
+    assert len(assigns) >= 1 and all(e["outcome"] == "ok" for e in assigns)
+    assert audit("--file", str(log), "--verify").returncode == 0

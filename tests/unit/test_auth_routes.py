@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
+from cubeaccel.host.audit import verify
 from cubeaccel.master import schema as S
-from cubeaccel.master.audit import verify
 from cubeaccel.master.auth import ADMIN, TENANT, Quota
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster, MasterConfig

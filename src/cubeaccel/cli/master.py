@@ -355,8 +355,8 @@ def audit_cmd(
     verify: Annotated[bool, typer.Option(help="check the hash chain; exit 1 on any break")] = False,
 ) -> None:
     """Query (or verify) CubeMaster's audit log, a local file of hash-chained JSON lines."""
-    from cubeaccel.master.audit import read
-    from cubeaccel.master.audit import verify as check
+    from cubeaccel.host.audit import read
+    from cubeaccel.host.audit import verify as check
 
     if not path.exists():
         console.print(f"[red]error[/red] no audit log at {path}")

@@ -15,7 +15,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute
 
-from cubeaccel.master.audit import AuditLog
+from cubeaccel.host.audit import AuditLog
 from cubeaccel.master.auth import ADMIN, ANON, ANONYMOUS, DEFAULT_TENANT, NODE, TENANT, Identity, Quota, forbidden
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json

@@ -1,4 +1,4 @@
-"""The audit trail: append-only, fsync'd, hash-chained JSON lines (one file per CubeMaster replica).
+"""An audit trail: append-only, fsync'd, hash-chained JSON lines (one file per CubeMaster replica, per Cubelet).
 
 Each entry carries `prev` (the hash of the line before it; 64 zeros for the first) and `hash`, the sha256 of
 its own canonical JSON without `hash`. Editing a line breaks its hash; removing or reordering one breaks the
