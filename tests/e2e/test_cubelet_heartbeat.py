@@ -68,6 +68,9 @@ def test_heartbeat_carries_the_capacity_summary_and_reachability_changes_are_eve
         wrong = {"Authorization": "Bearer cbn:n7:1:" + "0" * 64}
         assert httpx.get(f"{base}/v1/devices", headers=wrong).json()["error"]["code"] == "auth.invalid_credential"
         assert httpx.delete(f"{base}/v1/reservations/sb", headers=wrong).status_code == 401
+        for _ in range(17):  # 20 failures from this source so far
+            assert httpx.get(f"{base}/v1/devices", headers=wrong).status_code == 401
+        assert httpx.get(f"{base}/v1/devices", headers=wrong).json()["error"]["code"] == "auth.throttled"
         h = {"Authorization": f"Bearer {p.token}"}
         r = httpx.post(f"{base}/v1/shim-reports", json={"sandbox_id": "x", "kind": "vmm_exited"}, headers=h)
         assert r.status_code in (404, 405) and r.json()["error"]["code"].startswith("api.")

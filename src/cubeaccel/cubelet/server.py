@@ -17,6 +17,7 @@ from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.host.audit import AuditLog
+from cubeaccel.host.throttle import Throttle
 from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.wire import cubelet_api as W
@@ -39,11 +40,18 @@ def create_app(
         if not token:
             raise ValueError("the Cubelet's TCP API needs the node token it accepts")
         expected = f"Bearer {token}".encode()
+        throttle = Throttle()
 
         @app.middleware("http")
         async def _only_master(request: Request, call_next: Any) -> Any:
             given = request.headers.get("authorization", "").encode()
             if request.url.path != "/v1/health" and not hmac.compare_digest(given, expected):
+                source = request.client.host if request.client else "?"
+                try:
+                    throttle.check(source)
+                except CubeError as e:
+                    return error_response(e)
+                throttle.fail(source)
                 code = "auth.invalid_credential" if given else "auth.missing_credential"
                 return error_response(CubeError(code, "the Cubelet's TCP API answers CubeMaster only", "api", {}, 401))
             return await call_next(request)
