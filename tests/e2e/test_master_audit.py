@@ -96,7 +96,8 @@ def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Clus
     mine = Counter((e["action"], e["identity"]) for e in entries if sb["id"] in e["target"] or dev in e["target"])
     via_master = "node-token:n1 (CubeMaster)"
     assert mine[("device:assign", via_master)] == 0  # POST /v1/reservations names the sandbox in its body
-    assert mine[("device:release", via_master)] == 1
+    # one entry per release request; CubeMaster's maintenance may ask again while the release is under way
+    assert mine[("device:release", via_master)] >= 1
     assert mine[("device:quarantine", "local-socket")] == 1 and mine[("device:recover", "local-socket")] == 1
     assigns = [e for e in entries if e["action"] == "device:assign" and e["identity"] == via_master]
     assert len(assigns) >= 1 and all(e["outcome"] == "ok" for e in assigns)
