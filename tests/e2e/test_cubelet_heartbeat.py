@@ -25,6 +25,7 @@ def _free_port() -> int:
 
 class _Master(ThreadingHTTPServer):
     beats: list[tuple[str, dict[str, Any]]]
+    auth: list[str]
     up: bool
 
 
@@ -33,6 +34,8 @@ def _handler(server: _Master) -> type[BaseHTTPRequestHandler]:
         def do_PUT(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["content-length"])))
             server.beats.append((self.path, body))
+            if self.headers["authorization"] not in server.auth:
+                server.auth.append(self.headers["authorization"])
             code = 200 if server.up else 503
             self.send_response(code)
             self.send_header("content-type", "application/json")
@@ -47,7 +50,7 @@ def _handler(server: _Master) -> type[BaseHTTPRequestHandler]:
 
 def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_event(tmp_path: Path) -> None:
     master = _Master(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    master.beats, master.up = [], True
+    master.beats, master.auth, master.up = [], [], True
     master.RequestHandlerClass = _handler(master)
     threading.Thread(target=master.serve_forever, daemon=True).start()
     port = _free_port()
@@ -61,13 +64,23 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
         assert body["capacity"]["total"] == 4 and body["capacity"]["allocatable"] == 4
         assert {g["labels"]["model"] for g in body["capacity"]["groups"]} == {"H100-SXM5-80GB", "T4-16GB"}
         assert body["pinnable_memory_mib"] > 0
-        # The TCP listener serves CubeMaster's calls, but never shim evidence or operator verbs.
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/shim-reports", json={"sandbox_id": "x", "kind": "vmm_exited"})
+        # The TCP listener serves CubeMaster's calls (its node token), but never shim evidence or operator verbs.
+        base = f"http://127.0.0.1:{port}"
+        assert master.auth == [f"Bearer {p.token}"]  # every heartbeat carried the node's token
+        assert httpx.get(f"{base}/v1/devices").json()["error"]["code"] == "auth.missing_credential"
+        wrong = {"Authorization": "Bearer cbn:n7:1:" + "0" * 64}
+        assert httpx.get(f"{base}/v1/devices", headers=wrong).json()["error"]["code"] == "auth.invalid_credential"
+        assert httpx.delete(f"{base}/v1/reservations/sb", headers=wrong).status_code == 401
+        for _ in range(17):  # 20 failures from this source so far
+            assert httpx.get(f"{base}/v1/devices", headers=wrong).status_code == 401
+        assert httpx.get(f"{base}/v1/devices", headers=wrong).json()["error"]["code"] == "auth.throttled"
+        h = {"Authorization": f"Bearer {p.token}"}
+        r = httpx.post(f"{base}/v1/shim-reports", json={"sandbox_id": "x", "kind": "vmm_exited"}, headers=h)
         assert r.status_code in (404, 405) and r.json()["error"]["code"].startswith("api.")
         dev = p.client.devices()[0]["id"]
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/devices/{dev}/recover", json={"who": "a", "reason": "b"})
+        r = httpx.post(f"{base}/v1/devices/{dev}/recover", json={"who": "a", "reason": "b"}, headers=h)
         assert r.status_code in (404, 405)
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/devices").status_code == 200
+        assert httpx.get(f"{base}/v1/devices", headers=h).status_code == 200
         p.client.reserve("sb", 1)
         poll(lambda: master.beats[-1][1]["capacity"]["allocatable"] == 3)
         master.up = False

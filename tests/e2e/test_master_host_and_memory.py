@@ -56,6 +56,8 @@ def test_vfio_cubelet_on_this_host_advertises_nothing_and_cubemaster_refuses_wit
         f"127.0.0.1:{free_port()}",
         "--node",
         "this-host",
+        "--node-token-file",
+        str(master.enrol("this-host", state)),
     ).start()
     try:
         host = p.client.host()
@@ -122,6 +124,8 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
         f"127.0.0.1:{free_port()}",
         "--node",
         "n100",
+        "--node-token-file",
+        str(master.enrol("n100", state)),
     ).start()
     try:
         poll(lambda: _node(master, "n100"))

@@ -86,27 +86,33 @@ def test_master_record_lost_when_the_cubelet_no_longer_holds_it(c: Cluster) -> N
 def test_bad_input_is_a_4xx_with_a_code_and_creates_nothing(
     c: Cluster, body: dict[str, Any], status: int, code: str
 ) -> None:
-    r = httpx.post(f"{c.master.url}/v1/sandboxes", json=body)
+    r = httpx.post(f"{c.master.url}/v1/sandboxes", json=body, headers=c.master.headers())
     assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
     assert c.c.sandboxes() == [] or all(s["state"] == "deleted" or s["state"] == "lost" for s in c.c.sandboxes())
 
 
 def test_malformed_json_and_bad_templates_are_refused_with_codes(c: Cluster) -> None:
-    r = httpx.post(f"{c.master.url}/v1/sandboxes", content=b"{nope", headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{c.master.url}/v1/sandboxes",
+        content=b"{nope",
+        headers={**c.master.headers(), "content-type": "application/json"},
+    )
     assert (r.status_code, r.json()["error"]["code"]) == (422, "api.malformed_json")
     bad = example("cuda12-h100", metadata__name="broken")
     bad["spec"]["cuda"]["version"] = "12.8"  # needs a newer driver than 550.54.15
-    r = httpx.post(f"{c.master.url}/v1/templates", json=bad)
+    r = httpx.post(f"{c.master.url}/v1/templates", json=bad, headers=c.master.headers())
     assert r.status_code == 422 and r.json()["error"]["code"] == "template.invalid"
     assert r.json()["error"]["layer"] == "cuda_runtime"
-    r = httpx.post(f"{c.master.url}/v1/templates", json={"apiVersion": "cubeaccel/v1"})
+    r = httpx.post(f"{c.master.url}/v1/templates", json={"apiVersion": "cubeaccel/v1"}, headers=c.master.headers())
     assert r.status_code == 422 and r.json()["error"]["code"].startswith("template.")
     changed = example("cuda12-h100", spec__memory__size_mib=2048)
-    r = httpx.post(f"{c.master.url}/v1/templates", json=changed)
+    r = httpx.post(f"{c.master.url}/v1/templates", json=changed, headers=c.master.headers())
     assert (r.status_code, r.json()["error"]["code"]) == (409, "template.version_exists")
-    r = httpx.put(f"{c.master.url}/v1/nodes/x", json={"node": "y"})
+    r = httpx.put(f"{c.master.url}/v1/nodes/x", json={"node": "y"}, headers=c.master.headers("x"))
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.name_mismatch")
-    r = httpx.put(f"{c.master.url}/v1/nodes/x", json={"node": "x", "cubelet_url": "http://h:1"})
+    r = httpx.put(
+        f"{c.master.url}/v1/nodes/x", json={"node": "x", "cubelet_url": "http://h:1"}, headers=c.master.headers("x")
+    )
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
 
 
@@ -126,8 +132,8 @@ def test_templates_are_versioned_and_sandboxes_keep_their_frozen_version(c: Clus
 
 
 def test_create_is_idempotent_per_id_and_per_idempotency_key(c: Cluster) -> None:
-    r1 = httpx.post(f"{c.master.url}/v1/sandboxes", json={"gpu": "H100:1", "id": "idem-1"})
-    r2 = httpx.post(f"{c.master.url}/v1/sandboxes", json={"gpu": "H100:1", "id": "idem-1"})
+    r1 = httpx.post(f"{c.master.url}/v1/sandboxes", json={"gpu": "H100:1", "id": "idem-1"}, headers=c.master.headers())
+    r2 = httpx.post(f"{c.master.url}/v1/sandboxes", json={"gpu": "H100:1", "id": "idem-1"}, headers=c.master.headers())
     assert (r1.status_code, r2.status_code) == (201, 200)
     assert r1.json()["device_ids"] == r2.json()["device_ids"]
     with pytest.raises(CubeError) as e:
@@ -157,7 +163,7 @@ def test_cli_sandbox_create_list_show_delete_and_nodes(c: Cluster) -> None:
     root = typer.Typer()
     register_top_level(root)
     run = CliRunner().invoke
-    env = {"CUBEACCEL_MASTER": c.master.url, "COLUMNS": "200"}
+    env = {"CUBEACCEL_MASTER": c.master.url, "CUBEACCEL_API_KEY": c.master.admin_key, "COLUMNS": "200"}
     out = run(root, ["sandbox", "create", "--gpu", "H100:1", "--json", "--id", "cli-1"], env=env)
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["state"] == "running"

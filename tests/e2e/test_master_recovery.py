@@ -46,6 +46,7 @@ def cubelet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CubeletP
 def master(tmp_path: Path, cubelet: tuple[CubeletProcess, str]) -> Iterator[CubeMaster]:
     proc, url = cubelet
     m = CubeMaster(MasterStore(str(tmp_path / "m.db")))
+    m.auth.current_node_token = lambda node: proc.token  # type: ignore[method-assign]  # the standalone node's
     heartbeat(m, url, proc.client)
     yield m
     for r in proc.client.request("GET", "/v1/reservations")["reservations"]:  # leave the Cubelet empty
@@ -164,8 +165,8 @@ def test_delete_of_an_abandoned_placing_row_releases_it_instead_of_busy_forever(
 class _RacingClient(CubeletClient):
     """Runs `between` right after the Cubelet answered `GET /v1/reservations`, before reconcile goes on."""
 
-    def __init__(self, url: str, between: Callable[[], None]) -> None:
-        super().__init__(url=url)
+    def __init__(self, url: str, between: Callable[[], None], token: str | None) -> None:
+        super().__init__(url=url, token=token)
         self.between: Callable[[], None] | None = between
 
     def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
@@ -194,7 +195,8 @@ def test_reconcile_does_not_lose_a_create_that_completes_while_it_reads_the_cube
             cubelet_created_at=time.time(),
         )
 
-    master._clients[url] = _RacingClient(url, create_completes)
+    token = master.auth.current_node_token(NODE)
+    master._clients[(url, token)] = _RacingClient(url, create_completes, token)
     report = reconcile_node(master, NODE)
     assert report["lost"] == [] and master.store.sandbox("sb-race")["state"] == "running"  # type: ignore[index]
     assert reconcile_node(master, NODE)["released_orphans"] == []

@@ -40,7 +40,12 @@ def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
         out = capsys.readouterr().out
         assert "backend: simulated — asked for with --backend" in out
         info = json.loads((tmp_path / "up.json").read_text())
-        c = MasterClient(info["master_url"])
+        assert (tmp_path / "admin.key").stat().st_mode & 0o777 == 0o600
+        secrets = [(tmp_path / f).read_text().strip() for f in ("admin.key", "default.key", "node-local.token")]
+        for pid in info["pids"]:  # no credential on a command line (`ps`)
+            argv = Path(f"/proc/{pid}/cmdline").read_text()
+            assert not any(s in argv for s in secrets), argv
+        c = MasterClient(info["master_url"], key=(tmp_path / "admin.key").read_text().strip())
         [node] = c.nodes()
         assert node["state"] == "ready" and node["total"] == 2
         defaults = c.request("GET", "/v1/templates")["defaults"]

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from cubeaccel.master.store import MasterStore
+from cubeaccel.wire.master_client import MasterClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
 from tests.support.poll import poll
@@ -25,7 +26,7 @@ def test_replicas_starting_together_migrate_once(fresh_db: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert [s.schema_version for s in stores] == [2, 2, 2, 2] and stores[0].dialect == "postgresql"
+    assert [s.schema_version for s in stores] == [3, 3, 3, 3] and stores[0].dialect == "postgresql"
     for s in stores:
         s.close()
 
@@ -42,7 +43,12 @@ def test_two_replicas_200_concurrent_creates_against_16_devices_place_exactly_16
 
         def create(i: int) -> tuple[int, str]:
             url = replicas[i % 2].url
-            r = httpx.post(f"{url}/v1/sandboxes", json={"gpu": "H100:1", "id": f"sb-{i}"}, timeout=120)
+            r = httpx.post(
+                f"{url}/v1/sandboxes",
+                json={"gpu": "H100:1", "id": f"sb-{i}"},
+                headers=replicas[0].headers(),
+                timeout=120,
+            )
             body = r.json()
             return r.status_code, body["id"] if r.status_code == 201 else body["error"]["code"]
 
@@ -83,7 +89,7 @@ def test_the_same_create_sent_to_both_replicas_makes_one_sandbox(fresh_db: str, 
             r = httpx.post(
                 f"{replicas[i % 2].url}/v1/sandboxes",
                 json={"gpu": "H100:1"},
-                headers={"Idempotency-Key": "same-request"},
+                headers={"Idempotency-Key": "same-request", **replicas[0].headers()},
                 timeout=60,
             )
             return r.status_code
@@ -94,5 +100,51 @@ def test_the_same_create_sent_to_both_replicas_makes_one_sandbox(fresh_db: str, 
         assert len([d for d in node.client.devices() if d["sandbox_id"]]) == 1
     finally:
         node.stop()
+        for m in replicas:
+            m.stop()
+
+
+def test_50_concurrent_creates_from_a_tenant_with_a_4_gpu_quota_through_two_replicas_admit_exactly_4(
+    fresh_db: str, tmp_path: Path
+) -> None:
+    replicas = [MasterProcess(tmp_path / f"m{i}", db=fresh_db, staleness=5.0).start() for i in range(2)]
+    nodes: list[CubeletProcess] = []
+    try:
+        for i, m in enumerate(replicas):
+            (tmp_path / f"n{i}").mkdir()
+            nodes.append(cubelet(tmp_path / f"n{i}", "h100x8", f"n{i}", m.url).start())
+        wait_nodes_ready(replicas[0].client, {"n0", "n1"})
+        replicas[0].client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
+        quota = {"max_accelerators": {"gpu": 4}}
+        key = replicas[0].client.request("POST", "/v1/tenants", {"name": "q4", "quota": quota})["key"]
+
+        def create(i: int) -> tuple[int, str]:
+            r = httpx.post(
+                f"{replicas[i % 2].url}/v1/sandboxes",
+                json={"gpu": "H100:1", "id": f"q-{i}"},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=120,
+            )
+            body = r.json()
+            return r.status_code, body["id"] if r.status_code == 201 else body["error"]["code"]
+
+        with ThreadPoolExecutor(max_workers=50) as pool:
+            results = list(pool.map(create, range(50)))
+        assert Counter(s for s, _ in results) == {201: 4, 429: 46}, Counter(results)
+        assert {code for s, code in results if s == 429} == {"quota.accelerators"}
+        placed = {sid for s, sid in results if s == 201}
+        holders = [d["sandbox_id"] for n in nodes for d in n.client.devices() if d["sandbox_id"]]
+        assert set(holders) == placed and len(holders) == 4
+
+        tenant = MasterClient(replicas[1].url, key=key)
+        for sid in placed:
+            tenant.delete(sid)
+        poll(lambda: all(s["state"] == "deleted" for s in tenant.sandboxes()), 60)
+        again = [create(100 + i) for i in range(5)]  # the quota is free again: 4 more, then refused
+        assert [s for s, _ in again] == [201, 201, 201, 201, 429], again
+        tenant.close()
+    finally:
+        for n in nodes:
+            n.stop()
         for m in replicas:
             m.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -32,6 +33,14 @@ class CubeletProcess:
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = CubeletClient(socket=state_dir / "cubelet.sock")
+        self.token: str | None = None
+        if "--node-token-file" in self.extra:
+            self.token = Path(self.extra[self.extra.index("--node-token-file") + 1]).read_text().strip()
+        elif "--listen" in self.extra:  # a standalone TCP listener: the token a test's client presents
+            self.token = f"cbn:test:1:{secrets.token_hex(16)}"
+            state_dir.mkdir(parents=True, exist_ok=True)
+            (state_dir / "node.token").write_text(self.token)
+            self.extra += ["--node-token-file", str(state_dir / "node.token")]
 
     def start(self) -> CubeletProcess:
         backend = [] if "--backend" in self.extra else ["--backend", "simulated", "--profile", self.profile]

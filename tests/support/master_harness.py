@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -38,6 +39,9 @@ def example(name: str, **spec: Any) -> dict[str, Any]:
     return doc
 
 
+RUNNING: dict[str, MasterProcess] = {}  # url → process: cubelet() enrols its node through the admin key
+
+
 class MasterProcess:
     def __init__(self, state_dir: Path, db: str | None = None, staleness: float = 1.5) -> None:
         self.state_dir = state_dir
@@ -47,6 +51,7 @@ class MasterProcess:
         self.staleness = staleness
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = MasterClient(self.url)
+        self._tokens: dict[str, str] = {}
 
     def start(self) -> MasterProcess:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -64,21 +69,72 @@ class MasterProcess:
             str(self.staleness),
             "--tick",
             "0.2",
+            "--bootstrap",
+            str(self.state_dir),
+            "--audit-log",
+            str(self.audit_log),
         ]
         log = open(self.state_dir / "master.log", "ab")  # noqa: SIM115 - child owns it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         poll(self.client.health)
+        self.admin_key = self._key("admin")
+        self.tenant_key = self._key("default")
+        self.client.close()
+        self.client = MasterClient(self.url, key=self.admin_key)
+        RUNNING[self.url] = self
         return self
 
+    @property
+    def audit_log(self) -> Path:
+        return self.state_dir / "audit.jsonl"
+
+    def _key(self, name: str) -> str:
+        """This process's bootstrap key, or (a replica on a shared database) the first replica's."""
+        path = self.state_dir / f"{name}.key"
+        if path.exists():
+            return path.read_text().strip()
+        other = next(m for m in RUNNING.values() if m.db == self.db)
+        return other.admin_key if name == "admin" else other.tenant_key
+
+    def enrol(self, node: str, state_dir: Path) -> Path:
+        """A node token for `node`, in a 0600 file under `state_dir` (the Cubelet's --node-token-file)."""
+        token = self.client.request("POST", f"/v1/nodes/{node}/credential")["token"]
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path = state_dir / "node.token"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        return path
+
+    def headers(self, node: str | None = None) -> dict[str, str]:
+        """Credentials for a raw HTTP call: the admin key, or (`node`) that node's token, enrolled on first use."""
+        if node is None:
+            return {"Authorization": f"Bearer {self.admin_key}"}
+        if node not in self._tokens:
+            self._tokens[node] = self.client.request("POST", f"/v1/nodes/{node}/credential")["token"]
+        return {"Authorization": f"Bearer {self._tokens[node]}"}
+
     def stop(self) -> None:
+        RUNNING.pop(self.url, None)
         terminate(self.proc)
         self.client.close()
 
 
 def cubelet(state_dir: Path, profile: str, node: str, master_url: str, *extra: str) -> CubeletProcess:
     port = free_port()
+    token = RUNNING[master_url].enrol(node, state_dir)
     return CubeletProcess(
-        state_dir, profile, "--master", master_url, "--listen", f"127.0.0.1:{port}", "--node", node, *extra
+        state_dir,
+        profile,
+        "--master",
+        master_url,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--node",
+        node,
+        "--node-token-file",
+        str(token),
+        *extra,
     )
 
 

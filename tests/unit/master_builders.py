@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
+
 from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, freeze
@@ -84,3 +86,26 @@ def view(*args: Any, received_at: float = 1000.0, state: str = "ready", **kw: An
 
 def h100_contract(memory_mib: int = 1024) -> CompatibilityContract:
     return freeze(template(spec__memory__size_mib=memory_mib))
+
+
+class Credentials(httpx.Auth):
+    """What each caller of an in-process CubeMaster would present: a node's PUTs under /v1/nodes/NODE carry
+    that node's token (enrolled on first use), everything else the admin key."""
+
+    def __init__(self, master: Any) -> None:
+        from cubeaccel.master.auth import ADMIN
+
+        self.master = master
+        _, self.admin = master.auth.create_key(ADMIN)
+        self.tokens: dict[str, str] = {}
+
+    def auth_flow(self, request: httpx.Request) -> Any:
+        parts = request.url.path.split("/")
+        if request.method == "PUT" and parts[1:3] == ["v1", "nodes"] and len(parts) > 3:
+            node = parts[3]
+            if node not in self.tokens:
+                self.tokens[node] = self.master.auth.enrol_node(node)
+            request.headers["Authorization"] = f"Bearer {self.tokens[node]}"
+        else:
+            request.headers["Authorization"] = f"Bearer {self.admin}"
+        yield request

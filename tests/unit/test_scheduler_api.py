@@ -17,7 +17,7 @@ from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import cubelet_url
 from cubeaccel.model.errors import CubeError
-from tests.unit.master_builders import group, heartbeat, image
+from tests.unit.master_builders import Credentials, group, heartbeat, image
 
 URL = "http://127.0.0.1:9"  # nothing listens there
 
@@ -31,7 +31,9 @@ def master(tmp_path: Path) -> Iterator[CubeMaster]:
 
 @pytest.fixture
 def api(master: CubeMaster) -> TestClient:
-    return TestClient(create_app(master), raise_server_exceptions=False)
+    c = TestClient(create_app(master), raise_server_exceptions=False)
+    c.auth = Credentials(master)
+    return c
 
 
 def hb(**changes: Any) -> dict[str, Any]:

@@ -40,8 +40,8 @@ def sandbox(sid: str, count: int = 1) -> dict[str, Any]:
 
 
 def test_migrations_run_once_and_reopening_keeps_the_version(tmp_path: Path) -> None:
-    assert MasterStore(str(tmp_path / "m.db")).schema_version == 2
-    assert MasterStore(str(tmp_path / "m.db")).schema_version == 2
+    assert MasterStore(str(tmp_path / "m.db")).schema_version == 3
+    assert MasterStore(str(tmp_path / "m.db")).schema_version == 3
 
 
 def test_claims_are_admitted_only_while_the_summary_minus_claims_has_room(store: MasterStore) -> None:

@@ -20,6 +20,7 @@ from cubeaccel.wire import cubelet_api as CW
 from cubeaccel.wire.api_edges import ErrorReply
 from cubeaccel.wire.base import Reply
 from tests.support.cubelet_harness import Node
+from tests.unit.master_builders import Credentials
 
 # Routes whose only reply is an error (the lifecycle verbs an accelerator sandbox refuses).
 ALWAYS_REFUSED = {("post", "/v1/reservations/{sandbox_id}/{operation}")}
@@ -33,7 +34,9 @@ def cubelet(node: Node) -> TestClient:
 @pytest.fixture
 def master(tmp_path: Path) -> Iterator[TestClient]:
     m = CubeMaster(MasterStore(str(tmp_path / "m.db")), MasterConfig(staleness_s=10.0))
-    yield TestClient(master_app(m), raise_server_exceptions=False)
+    c = TestClient(master_app(m), raise_server_exceptions=False)
+    c.auth = Credentials(m)
+    yield c
     m.store.close()
 
 

@@ -51,6 +51,8 @@ def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess
         "vm-node",
         "--release-timeout",
         "20",
+        "--node-token-file",
+        str(master.enrol("vm-node", tmp_path / "cubelet")),
     )
     cubelet.start()
     try:

@@ -49,8 +49,15 @@ def serve_cmd(
     tick: Annotated[float, typer.Option(help="seconds between periodic reconciles")] = 2.0,
     reservation_ttl: Annotated[float, typer.Option(help="seconds before an unstarted reservation expires")] = 300.0,
     release_timeout: Annotated[float, typer.Option(help="seconds release may wait before quarantine")] = 30.0,
+    default_lifetime: Annotated[
+        float, typer.Option(help="seconds a started sandbox lives when its creator named no lifetime")
+    ] = 24 * 3600.0,
     node: Annotated[str, typer.Option(help="node name")] = "node-1",
     master: Annotated[str | None, typer.Option(help="CubeMaster URL to register with (needs --listen)")] = None,
+    node_token_file: Annotated[
+        Path | None,
+        typer.Option(help="this node's token from enrolment (0600): sent to CubeMaster, asked of callers on --listen"),
+    ] = None,
     vm_start: Annotated[str, typer.Option(help="real MicroVMs: template (snapshot restore) or cold")] = "template",
     detach_timeout: Annotated[float, typer.Option(help="real MicroVMs: seconds to wait for DEVICE_DELETED")] = 10.0,
     pinnable_memory_mib: Annotated[
@@ -78,7 +85,16 @@ def serve_cmd(
     addr = _listen(listen)
     if master is not None and addr is None:
         raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
-    if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0 or not 0 < detach_timeout <= 3600:
+    if addr is not None and node_token_file is None:
+        raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
+    token = node_token_file.read_text().strip() if node_token_file is not None else None
+    if (
+        tick <= 0
+        or reservation_ttl <= 0
+        or release_timeout <= 0
+        or default_lifetime <= 0
+        or not 0 < detach_timeout <= 3600
+    ):
         raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
     try:
         cubelet = build_cubelet(
@@ -97,6 +113,7 @@ def serve_cmd(
                 config=CubeletConfig(
                     node_name=node,
                     reservation_ttl_s=reservation_ttl,
+                    default_lifetime_s=default_lifetime,
                     release_timeout_s=release_timeout,
                     pinnable_memory_mib=pinnable_memory_mib,
                 ),
@@ -117,10 +134,10 @@ def serve_cmd(
         from cubeaccel.cubelet.heartbeat import Heartbeat
         from cubeaccel.cubelet.status_push import StatusPush
 
-        pusher = StatusPush(master, node)
+        pusher = StatusPush(master, node, token=token)
         pusher.start()
         cubelet.status_sink = pusher.push
-        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick)
+        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick, token=token)
         heartbeat.start()
     sock = state_dir / "cubelet.sock"
     from cubeaccel.cubelet.heartbeat import host_state
@@ -141,7 +158,7 @@ def serve_cmd(
         flush=True,
     )
     try:
-        serve(cubelet, sock, addr)
+        serve(cubelet, sock, addr, token)
     finally:
         ticker.stop()
         if heartbeat is not None:

@@ -69,7 +69,9 @@ def run_demo(profile: str) -> int:
         console.print(f"[red]cubeaccel up failed[/red] (exit {up.returncode}); logs in {state}")
         return 1
     info = json.loads((state / "up.json").read_text())
-    master, cubelet = MasterClient(info["master_url"]), CubeletClient(url=info["cubelet_url"])
+    tenant_key = (state / "default.key").read_text().strip()  # the default tenant's key `up` wrote (0600)
+    master = MasterClient(info["master_url"], key=tenant_key)
+    cubelet = CubeletClient(socket=state / "cubelet" / "cubelet.sock")  # local operator view
     emulated = info["backend"] == "emulated"
     try:
         request = {"gpu": "accelerator:1"} if emulated else {"gpu": "H100:1"}

@@ -26,6 +26,24 @@ MasterUrl = Annotated[
 AsJson = Annotated[bool, typer.Option("--json")]
 
 
+def write_secret(path: Path, value: str) -> None:
+    """A key file, 0600 from its first byte (never readable by others, even briefly)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+
+
+def api_key() -> str | None:
+    """$CUBEACCEL_API_KEY, else the admin key `cubeaccel up` wrote into its state dir."""
+    if os.environ.get("CUBEACCEL_API_KEY"):
+        return os.environ["CUBEACCEL_API_KEY"]
+    for path in (UP_STATE / "admin.key",):
+        if path.exists():
+            return path.read_text().strip()
+    return None
+
+
 def master_url(explicit: str | None) -> str:
     if explicit:
         return explicit
@@ -45,7 +63,7 @@ def fail(e: CubeError) -> None:
 
 
 def _call(url: str | None, fn: Any) -> Any:
-    client = MasterClient(master_url(url))
+    client = MasterClient(master_url(url), key=api_key())
     try:
         return fn(client)
     except CubeError as e:
@@ -73,6 +91,11 @@ def serve_cmd(
     state_dir: Annotated[Path, typer.Option(help="where the default SQLite database lives")] = DEFAULT_STATE,
     staleness: Annotated[float, typer.Option(help="seconds without a heartbeat before a node is stale")] = 10.0,
     tick: Annotated[float, typer.Option(help="seconds between maintenance passes")] = 1.0,
+    audit_log: Annotated[Path | None, typer.Option(help="audit log (default: STATE_DIR/audit.jsonl)")] = None,
+    bootstrap: Annotated[
+        Path | None,
+        typer.Option(help="first start: write an admin key and the default tenant's key (0600) into this directory"),
+    ] = None,
 ) -> None:
     """Run CubeMaster: migrate the database, then serve the API."""
     import uvicorn
@@ -92,6 +115,12 @@ def serve_cmd(
         fail(e)
         return
     master = CubeMaster(store, MasterConfig(staleness_s=staleness))
+    if bootstrap is not None:
+        from cubeaccel.master.auth import bootstrap as make_keys
+
+        keys = make_keys(master.auth)
+        for name, key in (keys or {}).items():
+            write_secret(bootstrap / f"{name}.key", key)
     maintenance = Maintenance(master, tick)
     maintenance.start()
     print(
@@ -107,7 +136,8 @@ def serve_cmd(
         flush=True,
     )
     try:
-        uvicorn.run(create_app(master, maintenance), host=host, port=port, log_level="warning", access_log=False)
+        app = create_app(master, maintenance, audit=audit_log or state_dir / "audit.jsonl")
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
     finally:
         maintenance.stop()
 
@@ -241,7 +271,117 @@ def down_cmd(state_dir: Annotated[Path, typer.Option()] = UP_STATE) -> None:
     raise typer.Exit(run_down(state_dir))
 
 
+tenant_app = typer.Typer(no_args_is_help=True, help="Tenants (admin key): each gets an API key, shown once.")
+key_app = typer.Typer(no_args_is_help=True, help="API keys (admin key).")
+node_cred_app = typer.Typer(no_args_is_help=True, help="Node credentials (admin key).")
+
+
+@tenant_app.command("create")
+def tenant_create(
+    name: str,
+    max_sandboxes: Annotated[int | None, typer.Option(min=0)] = None,
+    max_accelerators: Annotated[list[str] | None, typer.Option(help="CLASS=N, repeatable")] = None,
+    max_pinned_mib: Annotated[int | None, typer.Option(min=0)] = None,
+    max_lifetime: Annotated[float | None, typer.Option(help="seconds")] = None,
+    default_lifetime: Annotated[float | None, typer.Option(help="seconds")] = None,
+    url: MasterUrl = None,
+) -> None:
+    """Create a tenant and its first key (printed once; store it now)."""
+    accels = {}
+    for item in max_accelerators or ():
+        cls, _, n = item.partition("=")
+        if not n.isdigit():
+            raise typer.BadParameter(f"expected CLASS=N, got {item!r}")
+        accels[cls] = int(n)
+    quota = {
+        "max_sandboxes": max_sandboxes,
+        "max_accelerators": accels,
+        "max_pinned_mib": max_pinned_mib,
+        "max_lifetime_s": max_lifetime,
+        "default_lifetime_s": default_lifetime,
+    }
+    r = _call(url, lambda c: c.request("POST", "/v1/tenants", {"name": name, "quota": quota}))
+    print(json.dumps(r, indent=2))
+
+
+@tenant_app.command("list")
+def tenant_list(url: MasterUrl = None) -> None:
+    print(json.dumps(_call(url, lambda c: c.request("GET", "/v1/tenants"))["tenants"], indent=2))
+
+
+@tenant_app.command("revoke")
+def tenant_revoke(name: str, url: MasterUrl = None) -> None:
+    """Revoke a tenant and every key it has."""
+    print(json.dumps(_call(url, lambda c: c.request("DELETE", f"/v1/tenants/{name}"))))
+
+
+@key_app.command("create")
+def key_create(
+    tenant: Annotated[str | None, typer.Option(help="a tenant's key; without it an admin key")] = None,
+    url: MasterUrl = None,
+) -> None:
+    """A new key (printed once)."""
+    path = f"/v1/tenants/{tenant}/keys" if tenant else "/v1/admin-keys"
+    print(json.dumps(_call(url, lambda c: c.request("POST", path)), indent=2))
+
+
+@key_app.command("revoke")
+def key_revoke(key_id: str, url: MasterUrl = None) -> None:
+    print(json.dumps(_call(url, lambda c: c.request("DELETE", f"/v1/keys/{key_id}"))))
+
+
+@node_cred_app.command("enrol")
+def node_enrol(
+    node: str,
+    out: Annotated[Path, typer.Option(help="write the token here (0600) for the Cubelet's --node-token-file")],
+    url: MasterUrl = None,
+) -> None:
+    """A token for `node` (any earlier one stops working), written 0600, never printed."""
+    r = _call(url, lambda c: c.request("POST", f"/v1/nodes/{node}/credential"))
+    write_secret(out, r["token"])
+    print(f"node {node}: token written to {out}")
+
+
+@node_cred_app.command("revoke")
+def node_revoke(node: str, url: MasterUrl = None) -> None:
+    print(json.dumps(_call(url, lambda c: c.request("DELETE", f"/v1/nodes/{node}/credential"))))
+
+
+def audit_cmd(
+    path: Annotated[Path, typer.Option("--file", help="audit log")] = UP_STATE / "audit.jsonl",
+    since: Annotated[float | None, typer.Option(help="unix time")] = None,
+    tenant: Annotated[str | None, typer.Option()] = None,
+    action: Annotated[str | None, typer.Option(help="e.g. sandbox:create, or a prefix: sandbox:")] = None,
+    verify: Annotated[bool, typer.Option(help="check the hash chain; exit 1 on any break")] = False,
+) -> None:
+    """Query (or verify) CubeMaster's audit log, a local file of hash-chained JSON lines."""
+    from cubeaccel.host.audit import read
+    from cubeaccel.host.audit import verify as check
+
+    if not path.exists():
+        console.print(f"[red]error[/red] no audit log at {path}")
+        raise typer.Exit(1)
+    if verify:
+        problems = check(path)
+        for p in problems:
+            print(p)
+        print("audit log intact" if not problems else f"{len(problems)} break(s) in the chain")
+        raise typer.Exit(1 if problems else 0)
+    for e in read(path):
+        if since is not None and e["at"] < since:
+            continue
+        if tenant is not None and e.get("tenant") != tenant:
+            continue
+        if action is not None and not str(e["action"]).startswith(action):
+            continue
+        print(json.dumps(e, sort_keys=True))
+
+
 def register_top_level(root: typer.Typer) -> None:
+    root.add_typer(tenant_app, name="tenant")
+    root.add_typer(key_app, name="key")
+    root.add_typer(node_cred_app, name="node-credential")
+    root.command("audit")(audit_cmd)
     root.command("nodes")(nodes_cmd)
     root.command("up")(up_cmd)
     root.command("down")(down_cmd)

@@ -47,8 +47,11 @@ def host_state(cubelet: Cubelet) -> tuple[dict[str, Any], dict[str, Any]]:
 class Heartbeat:
     """Sends a heartbeat every interval; only reachability *changes* become events (no event flood)."""
 
-    def __init__(self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float) -> None:
+    def __init__(
+        self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float, token: str | None = None
+    ) -> None:
         self.cubelet = cubelet
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
         self.cubelet_url = cubelet_url
         self.interval_s = interval_s
@@ -80,7 +83,7 @@ class Heartbeat:
         return ok
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0) as http:
+        with httpx.Client(timeout=5.0, headers=self.headers) as http:
             while True:
                 self.beat(http)
                 if self._stop.wait(self.interval_s):

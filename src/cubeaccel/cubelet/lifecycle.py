@@ -57,6 +57,7 @@ class ReservationRequest:
     vcpus: int = 1
     pin_memory: bool = True
     contract: dict[str, Any] | None = None
+    lifetime_s: float | None = None  # from start; None: the Cubelet's default_lifetime_s (no sandbox lives forever)
 
     def params(self) -> dict[str, Any]:
         return {
@@ -68,6 +69,7 @@ class ReservationRequest:
             "vcpus": self.vcpus,
             "pin_memory": self.pin_memory,
             "contract": self.contract,
+            "lifetime_s": self.lifetime_s,
         }
 
 

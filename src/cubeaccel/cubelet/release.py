@@ -32,6 +32,7 @@ StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "er
 class CubeletConfig:
     node_name: str = "node-1"
     reservation_ttl_s: float = 300.0  # a reservation whose sandbox never starts expires
+    default_lifetime_s: float = 24 * 3600.0  # a started sandbox that named no lifetime is torn down after this
     release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
     startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
@@ -257,4 +258,14 @@ class ReleasePath:
             with self.store.tx() as t:
                 t.event("reservation_expired", Actor.CUBELET, sandbox_id=sid, reason="reserve.expired")
             self.begin_teardown(sid, "reserve.expired", message="the reservation was never started")
+        for r in self.store.reservations():  # every sandbox has a lifetime, also one created here directly
+            started = r.checkpoint.started_at
+            lifetime = float(r.params.get("lifetime_s") or self.config.default_lifetime_s)
+            if r.phase in (P.STARTING, P.RUNNING) and started is not None and now - started > lifetime:
+                with self.store.tx() as t:
+                    t.event(
+                        "lifetime_expired", Actor.CUBELET, sandbox_id=r.sandbox_id, reason="sandbox.lifetime_expired"
+                    )
+                self.begin_teardown(r.sandbox_id, "sandbox.lifetime_expired", message=f"lived past {lifetime:g}s")
+                expired.append(r.sandbox_id)
         return expired

@@ -3,29 +3,82 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import threading
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.model.errors import invalid, not_found
+from cubeaccel.host.audit import AuditLog
+from cubeaccel.host.throttle import Throttle
+from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.wire import cubelet_api as W
-from cubeaccel.wire.api_edges import api_app, json_body
+from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
+# Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
+AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
 
-def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
+
+def create_app(
+    cubelet: Cubelet, local: bool = True, token: str | None = None, audit: AuditLog | None = None
+) -> FastAPI:
     """`local` (the unix socket, root-owned) also serves shim reports and operator verbs; the TCP listener
-    that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine."""
+    that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine.
+    The TCP listener (`local=False`) answers only a caller presenting this node's token (CubeMaster)."""
     app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,))
+    if not local:
+        if not token:
+            raise ValueError("the Cubelet's TCP API needs the node token it accepts")
+        expected = f"Bearer {token}".encode()
+        throttle = Throttle()
+
+        @app.middleware("http")
+        async def _only_master(request: Request, call_next: Any) -> Any:
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path != "/v1/health" and not hmac.compare_digest(given, expected):
+                source = request.client.host if request.client else "?"
+                try:
+                    throttle.check(source)
+                except CubeError as e:
+                    return error_response(e)
+                throttle.fail(source)
+                code = "auth.invalid_credential" if given else "auth.missing_credential"
+                return error_response(CubeError(code, "the Cubelet's TCP API answers CubeMaster only", "api", {}, 401))
+            return await call_next(request)
+
+    if audit is not None:
+        who = "local-socket" if local else f"node-token:{cubelet.config.node_name} (CubeMaster)"
+
+        @app.middleware("http")
+        async def _audit(request: Request, call_next: Any) -> Any:
+            """Device assignment (reserve/start), release, operator verbs, reconcile, and every refusal."""
+            response = await call_next(request)
+            path, refused = request.url.path, response.status_code >= 400
+            mutation = request.method not in ("GET", "HEAD", "OPTIONS") and path not in AUDIT_REFUSALS_ONLY
+            if refused or mutation:
+                await run_in_threadpool(
+                    audit.append,
+                    _action(request),
+                    who if response.status_code != 401 else "anonymous",
+                    "refused" if refused else "ok",
+                    status=response.status_code,
+                    reason=getattr(request.state, "error_code", None),
+                    source=request.client.host if request.client else None,
+                    request_id=request.headers.get("x-request-id"),
+                    target=path,
+                    node=cubelet.config.node_name,
+                )
+            return response
 
     def dev(device_id: str) -> dict[str, Any]:
         d = cubelet.store.device(device_id)
@@ -72,6 +125,7 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
             vcpus=body.vcpus,
             pin_memory=body.pin_memory,
             contract=body.contract,
+            lifetime_s=body.lifetime_s,
         )
         cubelet.reserve(body.sandbox_id, req)
         if body.start:
@@ -150,6 +204,26 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
     return app
 
 
+ACTIONS = {
+    ("POST", "/v1/reservations"): "device:assign",
+    ("POST", "/v1/reservations/{sandbox_id}/start"): "sandbox:start",
+    ("DELETE", "/v1/reservations/{sandbox_id}"): "device:release",
+    ("POST", "/v1/shim-reports"): "shim:report",
+    ("POST", "/v1/reconcile"): "node:reconcile",
+}
+
+
+def _action(request: Request) -> str:
+    route = request.scope.get("route")
+    path = str(getattr(route, "path", request.url.path))
+    params = request.path_params
+    if path == "/v1/devices/{device_id}/{verb}":
+        return f"device:{params.get('verb')}"
+    if path == "/v1/reservations/{sandbox_id}/{operation}":
+        return f"sandbox:{params.get('operation')}"
+    return ACTIONS.get((request.method, path), f"{request.method} {path}")
+
+
 def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
     res = cubelet.store.reservation(sandbox_id)
     with cubelet.store.read() as t:
@@ -201,18 +275,25 @@ class Ticker:
                     t.event("reconcile_failed", "cubelet", reason=type(e).__name__, details={"error": str(e)})
 
 
-def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None) -> None:
+def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, token: str | None = None) -> None:
     import uvicorn
 
+    audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
     socket_path.unlink(missing_ok=True)
     socket_path.parent.mkdir(parents=True, exist_ok=True)
     configs = [
-        uvicorn.Config(create_app(cubelet, local=True), uds=str(socket_path), log_level="warning", access_log=False)
+        uvicorn.Config(
+            create_app(cubelet, local=True, audit=audit), uds=str(socket_path), log_level="warning", access_log=False
+        )
     ]
     if listen is not None:
         configs.append(
             uvicorn.Config(
-                create_app(cubelet, local=False), host=listen[0], port=listen[1], log_level="warning", access_log=False
+                create_app(cubelet, local=False, token=token, audit=audit),
+                host=listen[0],
+                port=listen[1],
+                log_level="warning",
+                access_log=False,
             )
         )
     servers = [uvicorn.Server(c) for c in configs]

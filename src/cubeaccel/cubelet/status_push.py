@@ -21,7 +21,8 @@ RETRY_WAIT_S = 0.5
 
 
 class StatusPush:
-    def __init__(self, master_url: str, node: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, master_url: str, node: str, timeout_s: float = 5.0, token: str | None = None) -> None:
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base = f"{master_url.rstrip('/')}/v1/nodes/{node}/sandboxes"
         self.timeout_s = timeout_s
         self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=10000)
@@ -44,7 +45,7 @@ class StatusPush:
         self._queue.put(None)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=self.timeout_s) as http:
+        with httpx.Client(timeout=self.timeout_s, headers=self.headers) as http:
             while (item := self._queue.get()) is not None:
                 sid, status = item
                 try:  # checked here, not in push(): the lifecycle calls push() holding the node lock

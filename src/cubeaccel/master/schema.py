@@ -91,6 +91,36 @@ sandboxes = sa.Table(
 )
 
 
+tenants = sa.Table(
+    "tenants",
+    metadata,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("quota", sa.JSON, nullable=False),  # master/auth.py Quota; locked by every claim of the tenant
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=True),
+)
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", sa.String(16), primary_key=True),  # the public part of the key (cbk_<id>_<secret>)
+    sa.Column("digest", sa.String(64), nullable=False),  # sha256 of the whole key; the key itself is never stored
+    sa.Column("role", sa.String(16), nullable=False),  # admin | tenant
+    sa.Column("tenant", sa.String(128), nullable=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float, nullable=True),
+)
+
+node_credentials = sa.Table(
+    "node_credentials",
+    metadata,
+    sa.Column("node", sa.String(128), primary_key=True),
+    sa.Column("generation", sa.Integer, nullable=False),  # a token names its generation; re-enrol/revoke bumps it
+    sa.Column("revoked", sa.Boolean, nullable=False),
+    sa.Column("enrolled_at", sa.Float, nullable=False),
+)
+
+
 def _v1(conn: sa.Connection) -> None:
     for t in (nodes, templates, defaults, sandboxes):
         t.create(conn)
@@ -102,7 +132,17 @@ def _v2(conn: sa.Connection) -> None:
         conn.execute(sa.text("ALTER TABLE sandboxes ADD COLUMN pinned_mib INTEGER NOT NULL DEFAULT 0"))
 
 
-MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2)]
+def _v3(conn: sa.Connection) -> None:
+    """Identities: tenants (with quotas), hashed API keys, node credential generations, the node-token secret."""
+    import secrets
+
+    for t in (tenants, api_keys, node_credentials):
+        t.create(conn, checkfirst=True)
+    if conn.execute(sa.select(meta.c.key).where(meta.c.key == "node_secret")).first() is None:
+        conn.execute(meta.insert().values(key="node_secret", value=secrets.token_hex(32)))
+
+
+MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -6,11 +6,17 @@ Errors have the Cubelet's format: `{"error": {"code", "layer", "message", "detai
 from __future__ import annotations
 
 import time
+import uuid
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.routing import BaseRoute
 
+from cubeaccel.host.audit import AuditLog
+from cubeaccel.master.auth import ADMIN, ANON, ANONYMOUS, DEFAULT_TENANT, NODE, TENANT, Identity, Quota, forbidden
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
@@ -24,6 +30,47 @@ from cubeaccel.wire.master_api import OperatorBody, SandboxBody
 from cubeaccel.wire.templates import TemplateDocument
 
 SANDBOX_STATES = tuple(s.value for s in SandboxState)
+
+PUBLIC = frozenset({ANONYMOUS, ADMIN, TENANT, NODE})
+USERS = frozenset({ADMIN, TENANT})
+ADMINS = frozenset({ADMIN})
+NODES = frozenset({NODE})
+
+# Who may call each route, and the action name the audit log gives it. A route with no row is refused with
+# 500 `auth.no_policy` (fail closed), and tests/unit/test_auth_routes.py fails for it.
+POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
+    ("GET", "/v1/health"): (PUBLIC, "health"),
+    ("GET", "/v1/whoami"): (PUBLIC - {ANONYMOUS}, "whoami"),
+    ("PUT", "/v1/nodes/{node}"): (NODES, "node:heartbeat"),
+    ("PUT", "/v1/nodes/{node}/sandboxes/{sandbox_id}/status"): (NODES, "node:sandbox_status"),
+    ("GET", "/v1/nodes"): (ADMINS, "node:list"),
+    ("GET", "/v1/nodes/{node}"): (ADMINS, "node:show"),
+    ("POST", "/v1/nodes/{node}/{verb}"): (ADMINS, "node:verb"),
+    ("POST", "/v1/nodes/{node}/credential"): (ADMINS, "node:enrol"),
+    ("DELETE", "/v1/nodes/{node}/credential"): (ADMINS, "node:revoke"),
+    ("GET", "/v1/capacity"): (USERS, "capacity"),
+    ("POST", "/v1/templates"): (ADMINS, "template:register"),
+    ("GET", "/v1/templates"): (USERS, "template:list"),
+    ("GET", "/v1/templates/{ref}"): (USERS, "template:show"),
+    ("DELETE", "/v1/templates/{ref}"): (ADMINS, "template:delete"),
+    ("PUT", "/v1/template-defaults/{accel_class}"): (ADMINS, "template:set_default"),
+    ("POST", "/v1/sandboxes"): (USERS, "sandbox:create"),
+    ("GET", "/v1/sandboxes"): (USERS, "sandbox:list"),
+    ("GET", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:show"),
+    ("DELETE", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:delete"),
+    ("POST", "/v1/tenants"): (ADMINS, "tenant:create"),
+    ("GET", "/v1/tenants"): (ADMINS, "tenant:list"),
+    ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
+    ("POST", "/v1/tenants/{tenant}/keys"): (ADMINS, "key:create"),
+    ("POST", "/v1/admin-keys"): (ADMINS, "key:create_admin"),
+    ("DELETE", "/v1/keys/{key_id}"): (ADMINS, "key:revoke"),
+}
+# Mutations audited only when refused: a routine heartbeat every few seconds would drown the log.
+AUDIT_REFUSALS_ONLY = {"node:heartbeat"}
+
+
+def route_key(route: BaseRoute, method: str) -> tuple[str, str]:
+    return method, str(getattr(route, "path", ""))
 
 
 def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
@@ -41,7 +88,7 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
     key = header_key or body.idempotency_key
     return CreateSpec(
         body.id,
-        body.tenant,
+        body.tenant or "default",
         key,
         body.template,
         request or AcceleratorRequest(()),
@@ -51,10 +98,122 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
     )
 
 
-def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> FastAPI:
+def create_app(
+    master: CubeMaster, maintenance: Maintenance | None = None, audit: AuditLog | Path | None = None
+) -> FastAPI:
+    """`audit`: the audit log (a path or an open log); None keeps none (unit tests that do not look at it)."""
     app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument))
+    auth = master.auth
+    log = AuditLog(audit) if isinstance(audit, Path) else audit
+
+    def authorize(request: Request) -> Identity:
+        """Every route: who is calling (401 without a valid credential), and may they (403)?"""
+        rule = POLICY.get(route_key(request.scope["route"], request.method))
+        request.state.action = rule[1] if rule else f"{request.method} {request.url.path}"
+        if rule is None:
+            raise CubeError("auth.no_policy", "this route has no access rule (refused)", "api", {}, 500)
+        roles, _ = rule
+        if ANONYMOUS in roles:  # public (health): no credential is looked at
+            request.state.identity = ANON
+            return ANON
+        source = request.client.host if request.client else "?"
+        ident = auth.authenticate(request.headers.get("authorization"), source) or ANON
+        request.state.identity = ident
+        if ident.role not in roles:
+            if ident.role == ANONYMOUS:
+                raise CubeError("auth.missing_credential", "this route needs a credential", "api", {}, 401)
+            raise forbidden(f"a {ident.role} credential may not call {rule[1]}")
+        node_param = request.path_params.get("node")
+        if ident.role == NODE and "node" in request.path_params and node_param != ident.node:
+            raise CubeError(
+                "auth.wrong_node", f"node {ident.node}'s credential cannot act as node {node_param}", "api", {}, 403
+            )
+        return ident
+
+    app.router.dependencies.append(Depends(authorize))
+
+    @app.middleware("http")
+    async def _audit(request: Request, call_next: Any) -> Any:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid
+        response = await call_next(request)
+        response.headers["x-request-id"] = rid
+        action = getattr(request.state, "action", None)
+        refused = response.status_code >= 400
+        mutation = request.method not in ("GET", "HEAD", "OPTIONS")
+        audited = refused or (mutation and action not in AUDIT_REFUSALS_ONLY)
+        if log is not None and action is not None and audited:
+            ident: Identity = getattr(request.state, "identity", ANON)
+            await run_in_threadpool(
+                log.append,
+                action,
+                ident.label(),
+                "ok" if not refused else "refused",
+                status=response.status_code,
+                reason=getattr(request.state, "error_code", None),
+                source=request.client.host if request.client else None,
+                request_id=rid,
+                target=request.url.path,
+                tenant=getattr(request.state, "tenant", ident.tenant),
+            )
+        return response
+
+    def owned(ident: Identity, sandbox_id: str) -> dict[str, Any]:
+        """A tenant sees only its own sandboxes: another tenant's is 404, as if it did not exist."""
+        row = master.get(sandbox_id)
+        if ident.role == TENANT and row["tenant"] != ident.tenant:
+            raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api", {}, 404)
+        return row
 
     cfg = master.config
+
+    @app.get("/v1/whoami", response_model=W.WhoAmI)
+    def whoami(request: Request) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        return {"role": ident.role, "tenant": ident.tenant, "node": ident.node, "key_id": ident.key_id}
+
+    # ---- identities ---------------------------------------------------------------------------------
+    @app.post("/v1/tenants", status_code=201, response_model=W.TenantCreated)
+    def create_tenant(body: W.TenantBody, request: Request) -> dict[str, Any]:
+        request.state.tenant = body.name
+        auth.create_tenant(body.name, Quota.from_json(body.quota.model_dump()))
+        kid, key = auth.create_key(TENANT, body.name)
+        return {"name": body.name, "key_id": kid, "key": key}
+
+    @app.get("/v1/tenants", response_model=W.TenantList)
+    def tenants() -> dict[str, Any]:
+        return {"tenants": auth.tenants()}
+
+    @app.delete("/v1/tenants/{tenant}", response_model=W.Revoked)
+    def revoke_tenant(tenant: str, request: Request) -> dict[str, Any]:
+        request.state.tenant = tenant
+        auth.revoke_tenant(tenant)
+        return {"revoked": tenant}
+
+    @app.post("/v1/tenants/{tenant}/keys", status_code=201, response_model=W.KeyCreated)
+    def create_key(tenant: str, request: Request) -> dict[str, Any]:
+        request.state.tenant = tenant
+        kid, key = auth.create_key(TENANT, tenant)
+        return {"key_id": kid, "key": key, "tenant": tenant}
+
+    @app.post("/v1/admin-keys", status_code=201, response_model=W.KeyCreated)
+    def create_admin_key() -> dict[str, Any]:
+        kid, key = auth.create_key(ADMIN)
+        return {"key_id": kid, "key": key, "tenant": None}
+
+    @app.delete("/v1/keys/{key_id}", response_model=W.Revoked)
+    def revoke_key(key_id: str) -> dict[str, Any]:
+        auth.revoke_key(key_id)
+        return {"revoked": key_id}
+
+    @app.post("/v1/nodes/{node}/credential", status_code=201, response_model=W.NodeCredential)
+    def enrol(node: str) -> dict[str, Any]:
+        return {"node": node, "token": auth.enrol_node(node)}
+
+    @app.delete("/v1/nodes/{node}/credential", response_model=W.Revoked)
+    def revoke_node(node: str) -> dict[str, Any]:
+        auth.revoke_node(node)
+        return {"revoked": node}
 
     @app.get("/v1/health", response_model=W.Health)
     def health() -> dict[str, Any]:
@@ -97,7 +256,7 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         raise CubeError("node.not_found", f"no node {node!r}", "api", {}, 404)
 
     @app.post("/v1/nodes/{node}/{verb}", response_model=W.NodeVerbReply)
-    def node_verb(node: str, verb: str, body: OperatorBody | None = None) -> dict[str, Any]:
+    def node_verb(node: str, verb: str, request: Request, body: OperatorBody | None = None) -> dict[str, Any]:
         if verb == "reconcile":
             return reconcile_node(master, node)
         if verb not in ("drain", "undrain"):
@@ -106,7 +265,8 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
             )
         state = master.store.node_event(node, NodeEvent(verb))
         master.cache.invalidate()
-        return {"node": node, "state": state.value, "who": (body or OperatorBody()).who}
+        ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
+        return {"node": node, "state": state.value, "who": ident.label()}
 
     @app.get("/v1/capacity", response_model=W.Capacity)
     def capacity() -> dict[str, Any]:
@@ -157,6 +317,14 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     # ---- sandboxes --------------------------------------------------------------------------------
     @app.post("/v1/sandboxes", status_code=201, response_model=W.SandboxReply)
     def create(body: SandboxBody, request: Request, response: Response) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        if ident.role == TENANT:
+            if body.tenant not in (None, ident.tenant):
+                raise forbidden(f"tenant {ident.tenant}'s key cannot create for tenant {body.tenant}")
+            body = body.model_copy(update={"tenant": ident.tenant})
+        elif body.tenant is None:
+            body = body.model_copy(update={"tenant": DEFAULT_TENANT})
+        request.state.tenant = body.tenant
         spec = create_spec(body, request.headers.get("idempotency-key"))
         if not spec.request.choices:
             if spec.template is None:
@@ -180,20 +348,24 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         return sandbox_json(row)
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
-    def sandboxes(state: str | None = None, node: str | None = None) -> dict[str, Any]:
+    def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> dict[str, Any]:
         if state is not None and state not in SANDBOX_STATES:
             raise CubeError(
                 "api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api", {}, 422
             )
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
+        ident: Identity = request.state.identity
+        if ident.role == TENANT:
+            rows = [r for r in rows if r["tenant"] == ident.tenant]
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
-    def sandbox(sandbox_id: str) -> dict[str, Any]:
-        return sandbox_json(master.get(sandbox_id))
+    def sandbox(sandbox_id: str, request: Request) -> dict[str, Any]:
+        return sandbox_json(owned(request.state.identity, sandbox_id))
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
-    def delete(sandbox_id: str) -> dict[str, Any]:
+    def delete(sandbox_id: str, request: Request) -> dict[str, Any]:
+        request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
         return sandbox_json(master.delete(sandbox_id))
 
     @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status", response_model=W.StatusReply)

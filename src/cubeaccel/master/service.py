@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, decide, rejection
@@ -35,6 +36,7 @@ SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
 START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
+LIFETIME_SLACK_S = 60.0  # CubeMaster times a sandbox out first; the Cubelet's own lifetime is the backstop
 RETRYABLE = (
     "reserve.insufficient_devices",
     "compat.",
@@ -49,6 +51,7 @@ class MasterConfig:
     staleness_s: float = 10.0  # a node whose last heartbeat is older is `node_stale`
     max_attempts: int = 4  # Cubelets asked per create before giving up
     cubelet_timeout_s: float = 30.0
+    default_lifetime_s: float = 24 * 3600.0  # every sandbox has a lifetime; a tenant's quota may set its own
 
     @property
     def placement_stale_s(self) -> float:
@@ -83,14 +86,20 @@ class CubeMaster:
         self.config = config or MasterConfig()
         self.registry = Registry(store)
         self.cache = NodeCache(store)
-        self._clients: dict[str, CubeletClient] = {}
+        self.auth = Auth(store)
+        self._clients: dict[tuple[str, str | None], CubeletClient] = {}
         self._clients_lock = threading.Lock()
 
     def client(self, url: str) -> CubeletClient:
+        """A client for the Cubelet at `url`, presenting that node's token (its TCP API asks for it)."""
+        node = next((v.name for v in self.cache.views() if v.cubelet_url == url), None)
+        token = None if node is None else self.auth.current_node_token(node)
         with self._clients_lock:
-            c = self._clients.get(url)
+            c = self._clients.get((url, token))
             if c is None:
-                c = self._clients[url] = CubeletClient(url=url, timeout=self.config.cubelet_timeout_s)
+                c = self._clients[(url, token)] = CubeletClient(
+                    url=url, timeout=self.config.cubelet_timeout_s, token=token
+                )
             return c
 
     # ---- create -----------------------------------------------------------------------------------
@@ -114,6 +123,16 @@ class CubeMaster:
     def create(self, spec: CreateSpec) -> tuple[Row, bool]:
         """Returns (sandbox, created): created is False for an idempotent repeat."""
         resolved = self.resolve(spec)
+        quota = self.auth.quota(spec.tenant)
+        lifetime = spec.timeout_s or quota.default_lifetime_s or self.config.default_lifetime_s
+        if quota.max_lifetime_s is not None and lifetime > quota.max_lifetime_s:
+            raise CubeError(
+                "quota.lifetime",
+                f"tenant {spec.tenant}'s sandboxes live at most {quota.max_lifetime_s:g}s; asked for {lifetime:g}s",
+                "scheduler",
+                {"max_lifetime_s": quota.max_lifetime_s, "requested_s": lifetime},
+                422,
+            )
         now = time.time()
         sid = spec.sandbox_id or f"sb-{uuid.uuid4().hex[:16]}"
         normalized = {
@@ -134,7 +153,7 @@ class CubeMaster:
             "timeline": [{"at": now, "phase": "requested"}],
             "created_at": now,
             "updated_at": now,
-            "expires_at": None if spec.timeout_s is None else now + spec.timeout_s,
+            "expires_at": now + lifetime,
         }
         existing = self.store.insert_sandbox(row)
         if existing is not None:
@@ -188,6 +207,8 @@ class CubeMaster:
                     time.time(),
                     self.config.staleness_s,
                     pinned,
+                    tenant=spec.tenant,
+                    accel_class=decision.choice.accel_class,
                 ):
                     lost += 1
                     continue  # another placement got there first; not a Cubelet attempt
@@ -230,6 +251,9 @@ class CubeMaster:
             "vcpus": spec.vcpus,
             "start": True,
         }
+        row = self.store.sandbox(sid)
+        if row is not None and row["expires_at"] is not None:  # the Cubelet's backstop, a minute after ours
+            body["lifetime_s"] = max(1.0, float(row["expires_at"]) - time.time() + LIFETIME_SLACK_S)
         try:
             reply = self.client(cand.node.cubelet_url).reserve(sid, **body)
         except (CubeError, httpx.HTTPError) as e:

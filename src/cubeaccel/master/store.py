@@ -7,6 +7,7 @@ fails half-way with "database is locked"; PostgreSQL uses row locks (`FOR UPDATE
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ def engine_for(url: str) -> sa.Engine:
         return sa.create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
     if not url.startswith("sqlite"):
         Path(url).parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(url, os.O_RDWR | os.O_CREAT, 0o600))  # key digests and the node secret: owner only
         url = f"sqlite:///{url}"
     engine = sa.create_engine(
         url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=10, max_overflow=20
@@ -172,9 +174,15 @@ class MasterStore:
         now: float,
         staleness_s: float,
         pinned_mib: int = 0,
+        *,
+        tenant: str | None = None,
+        accel_class: str | None = None,
     ) -> bool:
         """Admit a placement on `node` under its row lock, or say no (the caller tries the next node).
-        Devices and pinned memory are both re-checked against the summary minus the claims it cannot show."""
+        Devices and pinned memory are both re-checked against the summary minus the claims it cannot show.
+        The tenant's quota is checked in the same transaction under the tenant's row lock (taken after the
+        node's, always in that order), so concurrent creates through any replica cannot overshoot it: a
+        refusal raises `quota.*`."""
         with self.tx() as c:
             r = c.execute(sa.select(S.nodes).where(S.nodes.c.name == node).with_for_update()).first()
             if r is None or r.state != NodeState.READY or now - r.received_at > staleness_s:
@@ -186,6 +194,8 @@ class MasterStore:
                 return False
             if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
                 return False
+            if tenant is not None:
+                _check_quota(c, sandbox_id, tenant, accel_class, count, pinned_mib)
             guard = SANDBOX_MACHINE.sources(SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
             target = SANDBOX_MACHINE.transition(SS.SCHEDULING, SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
             res = c.execute(
@@ -196,6 +206,7 @@ class MasterStore:
                     group_key=group_key,
                     count=count,
                     pinned_mib=pinned_mib,
+                    accel_class=accel_class,
                     state=target.value,
                     updated_at=now,
                 )
@@ -348,6 +359,48 @@ class MasterStore:
     def delete_sandbox_row(self, sandbox_id: str) -> None:
         with self.tx() as c:
             c.execute(S.sandboxes.delete().where(S.sandboxes.c.id == sandbox_id))
+
+
+def _check_quota(
+    c: sa.Connection, sandbox_id: str, tenant: str, accel_class: str | None, count: int, pinned_mib: int
+) -> None:
+    """Raise `quota.*` if admitting this placement takes `tenant` over its quota (nothing is written)."""
+    t = c.execute(sa.select(S.tenants.c.quota).where(S.tenants.c.name == tenant).with_for_update()).first()
+    if t is None:
+        return  # a tenant with no record (an admin's create for a name never registered) has no quota
+    q: Mapping[str, Any] = t.quota or {}
+    s = S.sandboxes
+    mine = sa.and_(
+        s.c.tenant == tenant,
+        s.c.id != sandbox_id,
+        s.c.state.in_([SS.PLACING.value, *(h.value for h in HELD_STATES)]),
+    )
+    n, pinned = c.execute(
+        sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(s.c.pinned_mib), 0)).where(mine)
+    ).one()
+    if q.get("max_sandboxes") is not None and n + 1 > q["max_sandboxes"]:
+        raise _quota("quota.sandboxes", tenant, "concurrent sandboxes", q["max_sandboxes"], int(n), 1)
+    if q.get("max_pinned_mib") is not None and pinned + pinned_mib > q["max_pinned_mib"]:
+        raise _quota(
+            "quota.pinned_memory", tenant, "MiB of pinned memory", q["max_pinned_mib"], int(pinned), pinned_mib
+        )
+    limit = (q.get("max_accelerators") or {}).get(accel_class or "")
+    if limit is not None:
+        used = c.execute(
+            sa.select(sa.func.coalesce(sa.func.sum(s.c.count), 0)).where(mine, s.c.accel_class == accel_class)
+        ).scalar_one()
+        if used + count > limit:
+            raise _quota("quota.accelerators", tenant, f"{accel_class} accelerators", limit, int(used), count)
+
+
+def _quota(code: str, tenant: str, what: str, limit: int, used: int, asked: int) -> CubeError:
+    return CubeError(
+        code,
+        f"tenant {tenant} may hold {limit} {what}; {used} in use, this request asks for {asked}",
+        "scheduler",
+        {"limit": limit, "in_use": used, "requested": asked},
+        429,
+    )
 
 
 def _unseen() -> sa.ColumnElement[bool]:

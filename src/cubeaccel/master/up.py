@@ -131,6 +131,10 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
             str(state_dir / "master.db"),
             "--listen",
             f"127.0.0.1:{mport}",
+            "--audit-log",
+            str(state_dir / "audit.jsonl"),
+            "--bootstrap",
+            str(state_dir),
         ],
         state_dir / "master.log",
         detach,
@@ -149,6 +153,8 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
         murl,
         "--node",
         "local",
+        "--node-token-file",
+        str(state_dir / "node-local.token"),
     ]
     if chosen == "simulated":
         cub_argv += ["--profile", profile, "--pinnable-memory-mib", str(SIMULATED_PINNABLE_MIB)]
@@ -156,6 +162,11 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
     client = MasterClient(murl)
     try:
         _wait("CubeMaster", client.health, 30, procs)
+        admin = (state_dir / "admin.key").read_text().strip()  # written 0600 by CubeMaster's first start
+        client.close()
+        client = MasterClient(murl, key=admin)
+        token = client.request("POST", "/v1/nodes/local/credential")["token"]
+        _write_secret(state_dir / "node-local.token", token)
         registered = register_examples(client, pin_to_image=chosen == "emulated")
         procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
         _wait("node registration", lambda: [n for n in client.nodes() if n["state"] == "ready"], 60, procs)
@@ -189,8 +200,10 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
                 f"note: {t['name']} pins {need['size_mib']} MiB and this node can lock "
                 f"{node['pinnable_memory_mib']} MiB: its sandboxes will be refused with pinned_memory"
             )
+    print(f"keys (0600): admin {state_dir / 'admin.key'}, tenant default {state_dir / 'default.key'}")
     print(
-        f"try: CUBEACCEL_MASTER={murl} cubeaccel sandbox create --gpu "
+        f"try: CUBEACCEL_MASTER={murl} CUBEACCEL_API_KEY=$(cat {state_dir / 'default.key'}) "
+        "cubeaccel sandbox create --gpu "
         f"{'H100:1' if chosen == 'simulated' else 'accelerator:1'}"
     )
     if detach:
@@ -200,6 +213,12 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
     _stop([p.pid for p in procs])
     (state_dir / "up.json").unlink(missing_ok=True)
     return 0
+
+
+def _write_secret(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
 
 
 def _ours(pid: int) -> bool:

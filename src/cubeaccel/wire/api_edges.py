@@ -104,7 +104,8 @@ def validation_error(e: RequestValidationError) -> CubeError:
 
 def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
     @app.exception_handler(CubeError)
-    async def _cube_error(_: Request, e: CubeError) -> JSONResponse:
+    async def _cube_error(request: Request, e: CubeError) -> JSONResponse:
+        request.state.error_code = e.code  # for the audit log
         return error_response(e)
 
     @app.exception_handler(HTTPException)
@@ -113,8 +114,10 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
         return error_response(CubeError(code, str(e.detail), "api", {}, e.status_code))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(e))
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = validation_error(e)
+        request.state.error_code = err.code
+        return error_response(err)
 
     @app.middleware("http")
     async def _limit(request: Request, call_next: Any) -> Any:

@@ -19,6 +19,7 @@ class ReservationBody(Message):
     vcpus: StrictInt = Field(default=1, ge=1, le=256)
     pin_memory: StrictBool = True
     contract: dict[str, Any] | None = None
+    lifetime_s: float | None = Field(default=None, gt=0, le=31 * 86400)  # None: the Cubelet's default
     start: StrictBool = False
 
 

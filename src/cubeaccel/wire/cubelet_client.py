@@ -12,9 +12,13 @@ from cubeaccel.wire.http_reply import reply_body
 
 
 class CubeletClient:
-    def __init__(self, socket: Path | None = None, url: str | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self, socket: Path | None = None, url: str | None = None, timeout: float = 30.0, token: str | None = None
+    ) -> None:
+        """`token`: the node token the Cubelet's TCP listener asks for (CubeMaster's; none on the unix socket)."""
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         if url is not None:
-            self._http = httpx.Client(base_url=url, timeout=timeout)
+            self._http = httpx.Client(base_url=url, timeout=timeout, headers=headers)
         elif socket is not None:
             self._http = httpx.Client(
                 transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://cubelet", timeout=timeout

@@ -31,7 +31,7 @@ class SandboxBody(Message):
     memory_mib: StrictInt | None = Field(default=None, ge=64, le=16 << 20)
     vcpus: StrictInt = Field(default=1, ge=1, le=256)
     timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400)
-    tenant: str = Field(default="default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+    tenant: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a tenant key's own
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
 
@@ -173,3 +173,57 @@ class SandboxList(Reply):
 
 class StatusReply(Reply):
     state: str
+
+
+# ---- identities (docs/security.md) ----------------------------------------------------------------------
+class QuotaBody(Strict):
+    max_sandboxes: StrictInt | None = Field(default=None, ge=0)
+    max_accelerators: dict[str, StrictInt] = Field(default_factory=dict)  # by class
+    max_pinned_mib: StrictInt | None = Field(default=None, ge=0)
+    max_lifetime_s: float | None = Field(default=None, gt=0)
+    default_lifetime_s: float | None = Field(default=None, gt=0)
+
+
+class TenantBody(Message):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    quota: QuotaBody = Field(default_factory=QuotaBody)
+
+
+class TenantCreated(Reply):
+    name: str
+    key_id: str
+    key: str  # shown once
+
+
+class TenantRow(Record):
+    name: str
+    quota: dict[str, Any]
+    created_at: float
+    revoked: bool
+    keys: list[str]
+
+
+class TenantList(Reply):
+    tenants: list[TenantRow]
+
+
+class KeyCreated(Reply):
+    key_id: str
+    key: str  # shown once
+    tenant: str | None
+
+
+class Revoked(Reply):
+    revoked: str
+
+
+class NodeCredential(Reply):
+    node: str
+    token: str  # shown once; the Cubelet reads it from --node-token-file
+
+
+class WhoAmI(Reply):
+    role: str
+    tenant: str | None
+    node: str | None
+    key_id: str | None

@@ -10,9 +10,11 @@ from cubeaccel.wire.http_reply import reply_body
 
 
 class MasterClient:
-    def __init__(self, url: str, timeout: float = 60.0) -> None:
+    def __init__(self, url: str, timeout: float = 60.0, key: str | None = None) -> None:
+        """`key`: an API key (tenant or admin) or a node token, sent as a bearer credential."""
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
 
     def request(
         self,

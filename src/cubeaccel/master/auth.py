@@ -1,0 +1,271 @@
+"""Who is calling CubeMaster: tenants and admins with API keys, nodes with per-node tokens (docs/security.md).
+
+API keys are `cbk_<id>_<secret>` with a 256-bit random secret: shown once, stored as sha256 (a slow hash buys
+nothing for a random 256-bit secret), looked up by `id` and compared in constant time. A node token is
+`cbn:<node>:<generation>:<hmac>`, an HMAC of the node and its generation under a secret in the database:
+CubeMaster stores no token, can present a node's token to that node's Cubelet, and revokes one by bumping
+the generation (docs/decisions.md). Repeated failures from one source are throttled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+
+from cubeaccel.host.throttle import Throttle
+from cubeaccel.master import schema as S
+from cubeaccel.master.store import MasterStore
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.ids import NODE_ID_RE
+
+ADMIN, TENANT, NODE, ANONYMOUS = "admin", "tenant", "node", "anonymous"
+DEFAULT_TENANT = "default"
+TENANT_RE = NODE_ID_RE
+
+
+@dataclass(frozen=True)
+class Identity:
+    role: str
+    tenant: str | None = None
+    node: str | None = None
+    key_id: str | None = None
+
+    def label(self) -> str:
+        """The identity as the audit log names it (never the secret)."""
+        if self.role == NODE:
+            return f"node:{self.node}"
+        if self.role == TENANT:
+            return f"tenant:{self.tenant}/{self.key_id}"
+        if self.role == ADMIN:
+            return f"admin/{self.key_id}"
+        return ANONYMOUS
+
+
+ANON = Identity(ANONYMOUS)
+
+
+@dataclass(frozen=True)
+class Quota:
+    """None is unlimited. Lifetimes in seconds; `default_lifetime_s` applies to a create that names none."""
+
+    max_sandboxes: int | None = None
+    max_accelerators: dict[str, int] = field(default_factory=dict)  # by class
+    max_pinned_mib: int | None = None
+    max_lifetime_s: float | None = None
+    default_lifetime_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "max_sandboxes": self.max_sandboxes,
+            "max_accelerators": dict(self.max_accelerators),
+            "max_pinned_mib": self.max_pinned_mib,
+            "max_lifetime_s": self.max_lifetime_s,
+            "default_lifetime_s": self.default_lifetime_s,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Quota:
+        return Quota(
+            d.get("max_sandboxes"),
+            {str(k): int(v) for k, v in (d.get("max_accelerators") or {}).items()},
+            d.get("max_pinned_mib"),
+            d.get("max_lifetime_s"),
+            d.get("default_lifetime_s"),
+        )
+
+
+def unauthorized(code: str, message: str) -> CubeError:
+    return CubeError(code, message, "api", {}, 401)
+
+
+def forbidden(message: str) -> CubeError:
+    return CubeError("auth.forbidden", message, "api", {}, 403)
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Auth:
+    def __init__(self, store: MasterStore, throttle: Throttle | None = None) -> None:
+        self.store = store
+        self.throttle = throttle or Throttle()
+        with store.tx() as c:
+            self._secret = bytes.fromhex(
+                c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == "node_secret")).scalar_one()
+            )
+
+    # ---- verifying ----------------------------------------------------------------------------------
+    def authenticate(self, header: str | None, source: str) -> Identity | None:
+        """The caller's identity from an `Authorization: Bearer …` header; None when there is none."""
+        if not header:
+            return None
+        self.throttle.check(source)
+        scheme, _, token = header.partition(" ")
+        ident = self._verify(token.strip()) if scheme.lower() == "bearer" else None
+        if ident is None:
+            self.throttle.fail(source)
+            raise unauthorized("auth.invalid_credential", "the credential is unknown, malformed or revoked")
+        return ident
+
+    def _verify(self, token: str) -> Identity | None:
+        if token.startswith("cbn:"):
+            parts = token.split(":")
+            if len(parts) != 4 or not parts[2].isdigit():
+                return None
+            node, gen = parts[1], int(parts[2])
+            if not hmac.compare_digest(self.node_token(node, gen), token):
+                return None
+            with self.store.tx() as c:
+                r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == node)).first()
+            if r is None or r.revoked or r.generation != gen:
+                return None
+            return Identity(NODE, node=node)
+        parts = token.split("_")
+        if len(parts) != 3 or parts[0] != "cbk":
+            return None
+        with self.store.tx() as c:
+            r = c.execute(sa.select(S.api_keys).where(S.api_keys.c.id == parts[1])).first()
+            if r is None or r.revoked_at is not None or not hmac.compare_digest(r.digest, _digest(token)):
+                return None
+            if r.role == TENANT:
+                t = c.execute(sa.select(S.tenants.c.revoked_at).where(S.tenants.c.name == r.tenant)).first()
+                if t is None or t.revoked_at is not None:
+                    return None
+        return Identity(str(r.role), tenant=r.tenant, key_id=str(r.id))
+
+    def node_token(self, node: str, generation: int) -> str:
+        mac = hmac.new(self._secret, f"{node}:{generation}".encode(), hashlib.sha256).hexdigest()
+        return f"cbn:{node}:{generation}:{mac}"
+
+    def current_node_token(self, node: str) -> str | None:
+        """What CubeMaster presents to `node`'s Cubelet (None: never enrolled or revoked)."""
+        with self.store.tx() as c:
+            r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == node)).first()
+        return None if r is None or r.revoked else self.node_token(node, int(r.generation))
+
+    # ---- managing -----------------------------------------------------------------------------------
+    def create_key(self, role: str, tenant: str | None = None) -> tuple[str, str]:
+        """(key id, the key): the key is returned once and stored only as a digest."""
+        if role not in (ADMIN, TENANT) or (role == TENANT) != (tenant is not None):
+            raise ValueError(f"bad key role {role!r} for tenant {tenant!r}")
+        kid = secrets.token_hex(4)
+        key = f"cbk_{kid}_{secrets.token_urlsafe(32).replace('_', '-')}"
+        with self.store.tx() as c:
+            if tenant is not None:
+                t = c.execute(sa.select(S.tenants.c.revoked_at).where(S.tenants.c.name == tenant)).first()
+                if t is None or t.revoked_at is not None:
+                    raise CubeError("tenant.not_found", f"no tenant {tenant!r}", "api", {}, 404)
+            c.execute(
+                S.api_keys.insert().values(
+                    id=kid, digest=_digest(key), role=role, tenant=tenant, created_at=time.time()
+                )
+            )
+        return kid, key
+
+    def revoke_key(self, kid: str) -> None:
+        with self.store.tx() as c:
+            n = c.execute(
+                S.api_keys.update()
+                .where(S.api_keys.c.id == kid, S.api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=time.time())
+            ).rowcount
+        if n != 1:
+            raise CubeError("key.not_found", f"no live key {kid!r}", "api", {}, 404)
+
+    def has_admin(self) -> bool:
+        with self.store.tx() as c:
+            q = sa.select(S.api_keys.c.id).where(S.api_keys.c.role == ADMIN, S.api_keys.c.revoked_at.is_(None))
+            return c.execute(q.limit(1)).first() is not None
+
+    def create_tenant(self, name: str, quota: Quota) -> None:
+        if TENANT_RE.fullmatch(name) is None:
+            raise CubeError("tenant.invalid_name", f"invalid tenant name {name!r}", "api", {}, 422)
+        with self.store.tx() as c:
+            r = c.execute(sa.select(S.tenants.c.name).where(S.tenants.c.name == name)).first()
+            if r is not None:
+                raise CubeError("tenant.exists", f"tenant {name!r} exists", "api", {}, 409)
+            c.execute(S.tenants.insert().values(name=name, quota=quota.to_json(), created_at=time.time()))
+
+    def tenants(self) -> list[dict[str, Any]]:
+        with self.store.tx() as c:
+            keys: dict[str, list[str]] = {}
+            for k in c.execute(sa.select(S.api_keys).where(S.api_keys.c.revoked_at.is_(None))):
+                keys.setdefault(k.tenant or "", []).append(k.id)
+            return [
+                {
+                    "name": r.name,
+                    "quota": r.quota,
+                    "created_at": r.created_at,
+                    "revoked": r.revoked_at is not None,
+                    "keys": sorted(keys.get(r.name, [])),
+                }
+                for r in c.execute(sa.select(S.tenants).order_by(S.tenants.c.name))
+            ]
+
+    def revoke_tenant(self, name: str) -> None:
+        with self.store.tx() as c:
+            n = c.execute(
+                S.tenants.update()
+                .where(S.tenants.c.name == name, S.tenants.c.revoked_at.is_(None))
+                .values(revoked_at=time.time())
+            ).rowcount
+            c.execute(S.api_keys.update().where(S.api_keys.c.tenant == name).values(revoked_at=time.time()))
+        if n != 1:
+            raise CubeError("tenant.not_found", f"no live tenant {name!r}", "api", {}, 404)
+
+    def quota(self, tenant: str) -> Quota:
+        with self.store.tx() as c:
+            r = c.execute(sa.select(S.tenants.c.quota).where(S.tenants.c.name == tenant)).first()
+        return Quota() if r is None else Quota.from_json(r.quota)
+
+    def enrol_node(self, node: str) -> str:
+        """A fresh token for `node`; any earlier one stops working."""
+        if NODE_ID_RE.fullmatch(node) is None:
+            raise CubeError("node.invalid_name", f"invalid node name {node!r}", "api", {}, 422)
+        with self.store.tx() as c:
+            r = c.execute(
+                sa.select(S.node_credentials).where(S.node_credentials.c.node == node).with_for_update()
+            ).first()
+            gen = 1 if r is None else int(r.generation) + 1
+            if r is None:
+                c.execute(
+                    S.node_credentials.insert().values(
+                        node=node, generation=gen, revoked=False, enrolled_at=time.time()
+                    )
+                )
+            else:
+                c.execute(
+                    S.node_credentials.update()
+                    .where(S.node_credentials.c.node == node)
+                    .values(generation=gen, revoked=False, enrolled_at=time.time())
+                )
+        return self.node_token(node, gen)
+
+    def revoke_node(self, node: str) -> None:
+        with self.store.tx() as c:
+            n = c.execute(
+                S.node_credentials.update().where(S.node_credentials.c.node == node).values(revoked=True)
+            ).rowcount
+        if n != 1:
+            raise CubeError("node.not_found", f"node {node!r} was never enrolled", "api", {}, 404)
+
+
+def bootstrap(auth: Auth) -> dict[str, str] | None:
+    """First start: an admin key, the `default` tenant and its key (None when an admin key exists already)."""
+    if auth.has_admin():
+        return None
+    _, admin = auth.create_key(ADMIN)
+    try:
+        auth.create_tenant(DEFAULT_TENANT, Quota())
+    except CubeError as e:
+        if e.code != "tenant.exists":
+            raise
+    _, tenant = auth.create_key(TENANT, DEFAULT_TENANT)
+    return {"admin": admin, DEFAULT_TENANT: tenant}

@@ -1,0 +1,227 @@
+"""Every CubeMaster route x every kind of caller: the expected status, and no state change for a refusal.
+
+The table below is written by hand (it is the access rule, said independently of the server's POLICY); the
+cases are generated from the app's route list, so a route added without a row here fails
+`test_every_route_has_a_row`.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from cubeaccel.host.audit import verify
+from cubeaccel.master import schema as S
+from cubeaccel.master.auth import ADMIN, TENANT, Quota
+from cubeaccel.master.server import create_app
+from cubeaccel.master.service import CubeMaster, MasterConfig
+from cubeaccel.master.store import MasterStore
+from tests.unit.master_builders import group, heartbeat
+
+URL = "http://127.0.0.1:9"
+CALLERS = ("none", "wrong_key", "other_tenant", "tenant", "admin", "node")
+T, A, N = frozenset({"tenant", "other_tenant"}), frozenset({"admin"}), frozenset({"node"})
+ANY = frozenset(CALLERS)
+AUTHED = ANY - {"none", "wrong_key"}
+
+# (method, path) → who may call it. "other_tenant" on a route naming tenant t1's sandbox gets 404, not 403.
+ALLOWED: dict[tuple[str, str], frozenset[str]] = {
+    ("GET", "/v1/health"): ANY,
+    ("GET", "/v1/whoami"): AUTHED,
+    ("PUT", "/v1/nodes/{node}"): N,
+    ("PUT", "/v1/nodes/{node}/sandboxes/{sandbox_id}/status"): N,
+    ("GET", "/v1/nodes"): A,
+    ("GET", "/v1/nodes/{node}"): A,
+    ("POST", "/v1/nodes/{node}/{verb}"): A,
+    ("POST", "/v1/nodes/{node}/credential"): A,
+    ("DELETE", "/v1/nodes/{node}/credential"): A,
+    ("GET", "/v1/capacity"): T | A,
+    ("POST", "/v1/templates"): A,
+    ("GET", "/v1/templates"): T | A,
+    ("GET", "/v1/templates/{ref}"): T | A,
+    ("DELETE", "/v1/templates/{ref}"): A,
+    ("PUT", "/v1/template-defaults/{accel_class}"): A,
+    ("POST", "/v1/sandboxes"): T | A,
+    ("GET", "/v1/sandboxes"): T | A,
+    ("GET", "/v1/sandboxes/{sandbox_id}"): T | A,
+    ("DELETE", "/v1/sandboxes/{sandbox_id}"): T | A,
+    ("POST", "/v1/tenants"): A,
+    ("GET", "/v1/tenants"): A,
+    ("DELETE", "/v1/tenants/{tenant}"): A,
+    ("POST", "/v1/tenants/{tenant}/keys"): A,
+    ("POST", "/v1/admin-keys"): A,
+    ("DELETE", "/v1/keys/{key_id}"): A,
+}
+OWNED = {"/v1/sandboxes/{sandbox_id}"}  # routes naming t1's sandbox: other tenants see a 404
+PARAMS = {
+    "node": "n1",
+    "sandbox_id": "sb-t1",
+    "ref": "nope",
+    "accel_class": "gpu",
+    "verb": "drain",
+    "tenant": "t9",
+    "key_id": "0000",
+}
+BODIES: dict[tuple[str, str], Any] = {
+    ("PUT", "/v1/nodes/{node}"): heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL),
+    ("PUT", "/v1/nodes/{node}/sandboxes/{sandbox_id}/status"): {"phase": "running"},
+    ("POST", "/v1/nodes/{node}/{verb}"): {},
+    ("POST", "/v1/templates"): {},
+    ("PUT", "/v1/template-defaults/{accel_class}"): {"template": "nope"},
+    ("POST", "/v1/sandboxes"): {"gpu": "H100:1"},
+    ("POST", "/v1/tenants"): {"name": "t9"},
+}
+
+
+def routes() -> list[tuple[str, str]]:
+    with tempfile.TemporaryDirectory() as d:
+        store = MasterStore(str(Path(d) / "m.db"))
+        app = create_app(CubeMaster(store))
+        store.close()
+    return sorted(
+        (m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods if r.path != "/openapi.json"
+    )
+
+
+class World:
+    def __init__(self, tmp_path: Path) -> None:
+        self.master = CubeMaster(MasterStore(str(tmp_path / "m.db")), MasterConfig(staleness_s=10.0))
+        self.audit = tmp_path / "audit.jsonl"
+        self.api = TestClient(create_app(self.master, audit=self.audit), raise_server_exceptions=False)
+        auth = self.master.auth
+        for t in ("t1", "t2"):
+            auth.create_tenant(t, Quota())
+        _, admin = auth.create_key(ADMIN)
+        _, t1 = auth.create_key(TENANT, "t1")
+        _, t2 = auth.create_key(TENANT, "t2")
+        self.keys = {
+            "none": None,
+            "wrong_key": t1[:-4] + ("AAAA" if not t1.endswith("AAAA") else "BBBB"),
+            "tenant": t1,
+            "other_tenant": t2,
+            "admin": admin,
+            "node": auth.enrol_node("n1"),
+        }
+        self.master.store.heartbeat(heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL), time.time(), 10.0)
+        now = time.time()
+        self.master.store.insert_sandbox(
+            {
+                "id": "sb-t1",
+                "tenant": "t1",
+                "idempotency_key": None,
+                "request": {},
+                "state": "failed",
+                "count": 1,
+                "device_ids": [],
+                "timeline": [],
+                "created_at": now,
+                "updated_at": now,
+            }
+        )
+
+    def call(self, caller: str, method: str, path: str) -> Any:
+        key = self.keys[caller]
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        url = path.format(**PARAMS)
+        body = BODIES.get((method, path))
+        return self.api.request(method, url, headers=headers, json=body)
+
+    def snapshot(self) -> str:
+        """Every table but the heartbeat bookkeeping columns a refused call cannot touch anyway."""
+        out = {}
+        with self.master.store.tx() as c:
+            for t in S.metadata.sorted_tables:
+                out[t.name] = [dict(r._mapping) for r in c.execute(sa.select(t))]
+        return json.dumps(out, sort_keys=True, default=str)
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[World]:
+    w = World(tmp_path)
+    yield w
+    w.master.store.close()
+
+
+def test_every_route_has_a_row() -> None:
+    assert set(routes()) == set(ALLOWED), "a route without an access row (add it to ALLOWED and to POLICY)"
+
+
+def expected(method: str, path: str, caller: str) -> int | None:
+    """The refusal status for `caller`, or None when the call is allowed (any non-auth outcome then)."""
+    allowed = ALLOWED[(method, path)]
+    if caller in ("none", "wrong_key") and caller not in allowed:
+        return 401
+    if caller == "other_tenant" and path in OWNED and caller in allowed:
+        return 404
+    return None if caller in allowed else 403
+
+
+@pytest.mark.parametrize(("method", "path"), routes())
+def test_route_by_caller(world: World, method: str, path: str) -> None:
+    # refusals first (each must leave the database exactly as it was), then the allowed calls
+    order = sorted(CALLERS, key=lambda c: expected(method, path, c) is None)
+    for caller in order:
+        status = expected(method, path, caller)
+        before = world.snapshot()
+        r = world.call(caller, method, path)
+        if status is None:
+            assert r.status_code not in (401, 403), (caller, r.status_code, r.text)
+            continue
+        assert r.status_code == status, (caller, r.status_code, r.text)
+        assert world.snapshot() == before, f"{caller} was refused but the state changed"
+        if status in (401, 403):
+            assert r.json()["error"]["code"].startswith("auth."), r.text
+            logged = [json.loads(x) for x in world.audit.read_text().splitlines()]
+            assert logged[-1]["status"] == status and logged[-1]["outcome"] == "refused"
+    assert verify(world.audit) == []
+
+
+def test_a_node_cannot_report_as_another_node_and_a_revoked_or_replaced_token_is_refused(world: World) -> None:
+    hb = heartbeat("n2", group("H100-SXM5-80GB", 2), url=URL)
+    n1 = {"Authorization": f"Bearer {world.keys['node']}"}
+    r = world.api.put("/v1/nodes/n2", json=hb, headers=n1)
+    assert (r.status_code, r.json()["error"]["code"]) == (403, "auth.wrong_node")
+    forged = {"Authorization": "Bearer cbn:n2:1:" + "0" * 64}
+    assert world.api.put("/v1/nodes/n2", json=hb, headers=forged).status_code == 401
+    assert world.master.store.sandbox("sb-t1") is not None
+    assert [v.name for v in world.master.store.all_node_views()] == ["n1"]
+    old = world.keys["node"]
+    new = world.master.auth.enrol_node("n1")  # re-enrolment: the earlier token (a replay of it) stops working
+    body = heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL)
+    assert world.api.put("/v1/nodes/n1", json=body, headers={"Authorization": f"Bearer {old}"}).status_code == 401
+    assert world.api.put("/v1/nodes/n1", json=body, headers={"Authorization": f"Bearer {new}"}).status_code == 200
+    world.master.auth.revoke_node("n1")
+    assert world.api.put("/v1/nodes/n1", json=body, headers={"Authorization": f"Bearer {new}"}).status_code == 401
+
+
+def test_a_tenant_lists_only_its_own_sandboxes_and_a_revoked_key_stops_working(world: World) -> None:
+    def ids(caller: str) -> list[str]:
+        return [s["id"] for s in world.call(caller, "GET", "/v1/sandboxes").json()["sandboxes"]]
+
+    assert ids("tenant") == ["sb-t1"] and ids("other_tenant") == [] and ids("admin") == ["sb-t1"]
+    kid = world.keys["tenant"].split("_")[1]
+    assert world.call("admin", "DELETE", f"/v1/keys/{kid}").status_code == 200
+    assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 401
+
+
+def test_repeated_failures_from_one_source_are_throttled(world: World) -> None:
+    for _ in range(world.master.auth.throttle.limit):
+        assert world.call("wrong_key", "GET", "/v1/sandboxes").status_code == 401
+    r = world.call("wrong_key", "GET", "/v1/sandboxes")
+    assert (r.status_code, r.json()["error"]["code"]) == (429, "auth.throttled")
+    assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 429  # the source, not the key, is throttled
+    assert world.keys["wrong_key"] not in world.audit.read_text() and world.keys["tenant"] not in r.text
+
+
+def test_the_database_holding_the_node_secret_is_owner_only(tmp_path: Path) -> None:
+    MasterStore(str(tmp_path / "fresh.db")).close()
+    assert (tmp_path / "fresh.db").stat().st_mode & 0o777 == 0o600
