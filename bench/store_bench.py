@@ -66,7 +66,10 @@ def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float]:
     return n / elapsed, n, events / max(n, 1)
 
 
-def http_latency(dir: Path, clients: int, per_client: int) -> dict[str, float]:
+def http_latency(dir: Path, clients: int, per_client: int, reset_delay_s: float = 0.0) -> dict[str, float]:
+    """`reset_delay_s`: every device reset on the simulated host takes this long (a real FLR ≥ 100 ms)."""
+    host = SimulatedPciHost(f"h100x{2 * clients}", dir / "simulated-host.json")  # the file the server opens
+    host.set_reset_delay(reset_delay_s)
     cmd = [
         sys.executable,
         "-m",

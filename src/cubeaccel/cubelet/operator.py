@@ -121,9 +121,8 @@ def enable(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord
     from cubeaccel.cubelet.inventory import validate_initialized
 
     audit = _audit(who, why)
-    with cubelet.lock:
-        with cubelet.store.tx() as t:
-            d = _device(cubelet, device_id)
-            t.transition(d, DeviceEvent.ENABLE, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
-        validate_initialized(cubelet, cubelet.backend.discover())
-        return _device(cubelet, device_id)
+    with cubelet.lock, cubelet.store.tx() as t:
+        d = _device(cubelet, device_id)
+        t.transition(d, DeviceEvent.ENABLE, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
+    validate_initialized(cubelet, cubelet.backend.discover())  # host I/O under the device's lock, not the node's
+    return _device(cubelet, device_id)

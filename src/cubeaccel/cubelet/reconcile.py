@@ -65,6 +65,9 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
         return  # the release path below owns it
     if not res.checkpoint.shim_started:
         return  # reserved, not started: the TTL covers it
+    with cubelet.lock:
+        if res.sandbox_id in cubelet.launching:
+            return  # its shim is being launched right now (outside the lock): no evidence either way yet
     st = cubelet.shim.status(res.sandbox_id)
     if st.vmm_alive is None:
         with cubelet.store.tx() as t:
@@ -89,62 +92,71 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
         cubelet.begin_teardown(res.sandbox_id, "reconcile.shim_gone")
 
 
+def _unchanged(cur: DeviceRecord | None, d: DeviceRecord) -> bool:
+    """The compare-and-swap a check's outcome needs: the record the host work looked at is still the one stored."""
+    return cur is not None and (cur.state, cur.generation) == (d.state, d.generation)
+
+
 def reconcile(cubelet: Cubelet) -> list[Repair]:
+    """One pass, one device at a time: host I/O runs under that device's lock with no transaction open and
+    without the lifecycle lock, so reservations, releases and reads go on during a pass."""
     repairs: list[Repair] = []
-    with cubelet.lock:
-        discovered = cubelet.backend.discover()
-        for dev_id in register_new(cubelet, discovered):
-            _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
-        host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
-        found = {d.device_id: d for d in discovered}
-        for d in cubelet.store.devices():
-            if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
-                continue  # parked: only an operator brings these back
-            missing = _presence_problem(d, found)
-            if missing is not None:
-                with cubelet.store.tx() as t:
-                    cur = t.device(d.id)
-                    if cur is not None and cur.state is d.state:
-                        t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
-                _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
-                if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
-                    cubelet.begin_teardown(d.sandbox_id, missing)
-                continue
-            if d.state is S.ALLOCATABLE:
+    discovered = cubelet.backend.discover()
+    for dev_id in register_new(cubelet, discovered):
+        _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
+    host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
+    found = {d.device_id: d for d in discovered}
+    for d in cubelet.store.devices():
+        if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
+            continue  # parked: only an operator brings these back
+        missing = _presence_problem(d, found)
+        if missing is not None:
+            with cubelet.lock, cubelet.store.tx() as t:
+                cur = t.device(d.id)
+                if cur is not None and cur.state is d.state:
+                    t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
+            _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
+            if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
+                cubelet.begin_teardown(d.sandbox_id, missing)
+            continue
+        if d.state is S.ALLOCATABLE:
+            with cubelet.device_locks.hold(d.id):
                 problems = cubelet.backend.validate(d)
                 if problems:
                     event, reason = problem_event(problems)
-                    with cubelet.store.tx() as t:
+                    with cubelet.lock, cubelet.store.tx() as t:
                         cur = t.device(d.id)
-                        if cur is not None and cur.state is S.ALLOCATABLE:
+                        applied = _unchanged(cur, d)
+                        if applied and cur is not None:
                             record_problems(t, cur, problems)
-                    _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
-            elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
-                _check_tenant(cubelet, d, repairs)
-        validate_initialized(cubelet, discovered)
-        for res in cubelet.store.reservations():
-            late = cubelet.shim.pending_reports(res.sandbox_id)
-            if late:
-                _record(
-                    cubelet,
-                    repairs,
-                    Repair(
-                        None,
-                        res.sandbox_id,
-                        "replayed",
-                        f"{len(late)} shim report(s) undelivered while Cubelet was down",
-                    ),
-                )
-                for report in late:
-                    cubelet.handle_report(report)
-        for res in cubelet.store.reservations():
-            if res.phase is ReservationPhase.RELEASING:
-                cubelet.try_release(res.sandbox_id)
-        _released_without_reservation(cubelet, repairs)
-        for sid in cubelet.expire_reservations():
-            repairs.append(Repair(None, sid, "expired", "reserve.expired"))
-        health_check(cubelet)
-        backend_facts.persist(cubelet)
+                    if applied:
+                        _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
+        elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
+            _check_tenant(cubelet, d, repairs)
+    validate_initialized(cubelet, discovered)
+    for res in cubelet.store.reservations():
+        late = cubelet.shim.pending_reports(res.sandbox_id)
+        if late:
+            _record(
+                cubelet,
+                repairs,
+                Repair(
+                    None,
+                    res.sandbox_id,
+                    "replayed",
+                    f"{len(late)} shim report(s) undelivered while Cubelet was down",
+                ),
+            )
+            for report in late:
+                cubelet.handle_report(report)
+    for res in cubelet.store.reservations():
+        if res.phase is ReservationPhase.RELEASING:
+            cubelet.try_release(res.sandbox_id)
+    _released_without_reservation(cubelet, repairs)
+    for sid in cubelet.expire_reservations():
+        repairs.append(Repair(None, sid, "expired", "reserve.expired"))
+    health_check(cubelet)
+    backend_facts.persist(cubelet)
     return repairs
 
 
@@ -153,38 +165,39 @@ def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> No
     for d in cubelet.store.devices():
         res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
         orphan = d.state is S.RELEASING and not (res and d.id in res.device_ids)
-        if d.state is S.RELEASED or orphan:
-            with cubelet.store.tx() as t:
+        if d.state is not S.RELEASED and not orphan:
+            continue
+        with cubelet.device_locks.hold(d.id):
+            problems = cubelet.backend.validate(d) if d.state is S.RELEASED else []
+            with cubelet.lock, cubelet.store.tx() as t:
                 cur = t.device(d.id)
-                if cur is None or cur.state is not d.state:
+                if cur is None or not _unchanged(cur, d):
                     continue
                 if cur.state is S.RELEASING:
                     t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.releasing_without_reservation")
                     what = "quarantined"
+                elif problems:
+                    what = record_problems(t, cur, problems).state.value
                 else:
-                    problems = cubelet.backend.validate(cur)
-                    if problems:
-                        what = record_problems(t, cur, problems).state.value
-                    else:
-                        t.transition(cur, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
-                        what = "revalidated"
-            why = f"{d.state.value} left by an interrupted release"
-            _record(cubelet, repairs, Repair(d.id, d.sandbox_id, what, why))
+                    t.transition(cur, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+                    what = "revalidated"
+        why = f"{d.state.value} left by an interrupted release"
+        _record(cubelet, repairs, Repair(d.id, d.sandbox_id, what, why))
 
 
 def health_check(cubelet: Cubelet) -> None:
     """Periodic: a hard failure on an attached device makes it unhealthy and tears its sandbox down."""
-    with cubelet.lock:
-        for d in cubelet.store.devices():
-            if d.state not in (S.ATTACHED, S.PREPARING):
-                continue
+    for d in cubelet.store.devices():
+        if d.state not in (S.ATTACHED, S.PREPARING):
+            continue
+        with cubelet.device_locks.hold(d.id):
             problems = [p for p in cubelet.backend.health(d) if p.hard]
             if not problems:
                 continue
-            with cubelet.store.tx() as t:
+            with cubelet.lock, cubelet.store.tx() as t:
                 cur = t.device(d.id)
                 if cur is None or cur.state is not d.state:
                     continue
                 record_problems(t, cur, problems)
-            if d.sandbox_id:
-                cubelet.begin_teardown(d.sandbox_id, problems[0].code)
+        if d.sandbox_id:
+            cubelet.begin_teardown(d.sandbox_id, problems[0].code)
