@@ -15,7 +15,7 @@ def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[s
     new = []
     binding = cubelet.capabilities.binding
     expected = binding.expected_driver if binding is not None else None
-    with cubelet.lock, cubelet.store.tx() as t:
+    with cubelet.change() as t:
         for d in discovered:
             if t.device(d.device_id) is None:
                 t.insert_device(d, expected, Actor.CUBELET)
@@ -44,7 +44,7 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
                     original = (prep.original_driver,)
             if not problems:
                 problems = cubelet.backend.validate(rec)
-            with cubelet.lock, cubelet.store.tx() as t:
+            with cubelet.change() as t:
                 cur = t.device(rec.id)
                 if cur is None or cur.state is not DeviceState.INITIALIZED:
                     continue

@@ -141,7 +141,7 @@ class Cubelet(ReleasePath):
         params = req.params()
         if contract is not None:
             params.update(memory_mib=contract.memory_mib, pin_memory=contract.pin_memory)
-        with self.lock, self.store.tx() as t:
+        with self.change() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
                 if existing.phase is P.RELEASING:
@@ -220,7 +220,7 @@ class Cubelet(ReleasePath):
                 self.launching.discard(sandbox_id)
 
     def _start(self, sandbox_id: str, devs: list[DeviceRecord], failed: dict[str, list[Problem]]) -> Reservation | None:
-        with self.lock, self.store.tx() as t:
+        with self.change() as t:
             res = self._reservation(t, sandbox_id)
             if res.phase is not P.RESERVED:
                 if res.phase in STARTED_PHASES:
@@ -323,7 +323,7 @@ class Cubelet(ReleasePath):
     # ---- shim reports ---------------------------------------------------------------------------
     def handle_report(self, report: ShimReport) -> None:
         sid = report.sandbox_id
-        with self.lock, self.store.tx() as t:  # the lock covers the transaction; teardown takes it itself
+        with self.change() as t:  # the lock covers the transaction; teardown takes it itself
             res = t.reservation(sid)
             expected = res.checkpoint.start_id if res else None
             if expected is not None and report.start_id != expected:

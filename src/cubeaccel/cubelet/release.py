@@ -10,7 +10,8 @@ timeouts is quarantined. Reports from the shim are recorded elsewhere; here only
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,16 @@ class ReleasePath:
     device_locks: KeyedLocks
     status_sink: StatusSink | None
 
+    @contextmanager
+    def change(self) -> Iterator[Tx]:
+        """One lifecycle decision: under the lifecycle lock, in one transaction, durable on return — but the
+        wait for the disk happens after the lock is let go, so concurrent decisions share one commit."""
+        try:
+            with self.lock, self.store.tx(durable=False) as t:
+                yield t
+        finally:
+            self.store.flush()
+
     def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
         """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
         forensics, and a sandbox id may be reused, so membership is the reservation's device list."""
@@ -98,7 +109,7 @@ class ReleasePath:
         with code and layer, kept in the `reservation_closed` event) and pushed to CubeMaster. The lifecycle
         lock covers only the transaction: stopping the shim and the release itself are host work."""
         failure: SandboxFailure | None = None
-        with self.lock, self.store.tx() as t:
+        with self.change() as t:
             res = t.reservation(sandbox_id)
             if res is None:
                 return
@@ -171,7 +182,7 @@ class ReleasePath:
             if not gone and overdue and res.checkpoint.kill_at is None:
                 self.shim.kill(sandbox_id)
                 res.checkpoint.kill_at = now
-                with self.lock, self.store.tx() as t:
+                with self.change() as t:
                     cur = t.reservation(sandbox_id)
                     if cur is not None and cur.checkpoint.kill_at is None:
                         cur.checkpoint.kill_at = now
@@ -192,7 +203,7 @@ class ReleasePath:
                     else:
                         continue
                     self._apply_outcome(d, sandbox_id, outcome)
-            with self.lock, self.store.tx() as t:
+            with self.change() as t:
                 cur = t.reservation(sandbox_id)
                 if cur is None:
                     return
@@ -257,7 +268,7 @@ class ReleasePath:
     def _apply_outcome(self, d: DeviceRecord, sandbox_id: str, o: ReleaseOutcome) -> None:
         """One short transaction, a compare-and-swap on the record the host work started from: a device that
         changed meanwhile (an operator, reconcile) keeps what they decided."""
-        with self.lock, self.store.tx() as t:
+        with self.change() as t:
             cur = t.device(d.id)
             if cur is None or (cur.state, cur.generation) != (d.state, d.generation):
                 return

@@ -426,8 +426,12 @@ class Store:
             raise CubeError("store.commit_failed", f"the store could not commit: {err}", "cubelet", status=500)
 
     @contextmanager
-    def tx(self) -> Iterator[Tx]:
-        """One atomic change, durable when the block exits (its batch committed with synchronous=FULL)."""
+    def tx(self, *, durable: bool = True) -> Iterator[Tx]:
+        """One atomic change, durable when the block exits (its batch committed with synchronous=FULL).
+
+        `durable=False` returns as soon as the change is in the batch; the caller then calls `flush()`
+        (`Cubelet.change()` does, once it has let go of the lifecycle lock, so that waiting for the disk never
+        holds the node's decisions up and concurrent changes share one commit). This thread's reads flush first."""
         depth = int(getattr(self._local, "depth", 0))
         with self._lock:
             if self._closed:
@@ -450,6 +454,16 @@ class Store:
                 self._local.depth = depth
             self._conn.execute(f"RELEASE {name}")
         if depth == 0:
+            if durable:
+                self._await(batch)
+            else:
+                self._local.unflushed = batch
+
+    def flush(self) -> None:
+        """Wait until this thread's changes made with `durable=False` are durable."""
+        batch = int(getattr(self._local, "unflushed", 0))
+        if batch:
+            self._local.unflushed = 0
             self._await(batch)
 
     @contextmanager
@@ -460,6 +474,7 @@ class Store:
             with self._lock:
                 yield Tx(self._conn, float(self.clock()))
             return
+        self.flush()  # read your own writes
         conn: sqlite3.Connection | None = getattr(self._local, "reader", None)
         if conn is None:
             conn = self._connect()
