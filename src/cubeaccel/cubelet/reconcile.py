@@ -8,6 +8,8 @@ Prefer safety: what cannot be proven safe is quarantined; a vanished device stay
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from cubeaccel.cubelet import backend_facts, host_ready
@@ -50,7 +52,21 @@ def _presence_problem(d: DeviceRecord, found: dict[str, DiscoveredDevice]) -> st
     return None
 
 
-def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> None:
+Later = list[Callable[[], None]]
+
+
+def _teardown(cubelet: Cubelet, sandbox_id: str, reason: str, kill: bool = False) -> Callable[[], None]:
+    """A teardown the pass starts after its host snapshot is closed: release work reads the live host."""
+
+    def run() -> None:
+        if kill:
+            cubelet.shim.kill(sandbox_id)
+        cubelet.begin_teardown(sandbox_id, reason)
+
+    return run
+
+
+def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair], later: Later) -> None:
     """reserved/preparing/attached: the sandbox, its shim and its VMM must still be there."""
     sid = d.sandbox_id
     res = cubelet.store.reservation(sid) if sid else None
@@ -81,15 +97,19 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
             if float(cubelet.store.clock()) - started <= cubelet.config.startup_timeout_s:
                 return  # the shim is still starting its VMM
             _record(cubelet, repairs, Repair(d.id, sid, "teardown", "the shim did not start a VMM in time"))
-            cubelet.shim.kill(res.sandbox_id)
-            cubelet.begin_teardown(res.sandbox_id, "reconcile.startup_timeout")
+            later.append(_teardown(cubelet, res.sandbox_id, "reconcile.startup_timeout", kill=True))
             return
         _record(cubelet, repairs, Repair(d.id, sid, "teardown", "VMM is gone"))
-        cubelet.begin_teardown(res.sandbox_id, "reconcile.vmm_gone")
+        later.append(_teardown(cubelet, res.sandbox_id, "reconcile.vmm_gone"))
     elif st.shim_alive is False:
         _record(cubelet, repairs, Repair(d.id, sid, "teardown", "shim died; orphaned VMM is stopped"))
-        cubelet.shim.kill(res.sandbox_id)
-        cubelet.begin_teardown(res.sandbox_id, "reconcile.shim_gone")
+        later.append(_teardown(cubelet, res.sandbox_id, "reconcile.shim_gone", kill=True))
+
+
+def _snapshot(cubelet: Cubelet) -> AbstractContextManager[None]:
+    """The pass reads the host once (each function, group and config space), where the backend can."""
+    snaps = cubelet.capabilities.snapshots
+    return snaps.snapshot() if snaps is not None else nullcontext()
 
 
 def _unchanged(cur: DeviceRecord | None, d: DeviceRecord) -> bool:
@@ -101,39 +121,43 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
     """One pass, one device at a time: host I/O runs under that device's lock with no transaction open and
     without the lifecycle lock, so reservations, releases and reads go on during a pass."""
     repairs: list[Repair] = []
-    discovered = cubelet.backend.discover()
-    for dev_id in register_new(cubelet, discovered):
-        _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
-    host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
-    found = {d.device_id: d for d in discovered}
-    for d in cubelet.store.devices():
-        if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
-            continue  # parked: only an operator brings these back
-        missing = _presence_problem(d, found)
-        if missing is not None:
-            with cubelet.lock, cubelet.store.tx() as t:
-                cur = t.device(d.id)
-                if cur is not None and cur.state is d.state:
-                    t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
-            _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
-            if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
-                cubelet.begin_teardown(d.sandbox_id, missing)
-            continue
-        if d.state is S.ALLOCATABLE:
-            with cubelet.device_locks.hold(d.id):
-                problems = cubelet.backend.validate(d)
-                if problems:
-                    event, reason = problem_event(problems)
-                    with cubelet.lock, cubelet.store.tx() as t:
-                        cur = t.device(d.id)
-                        applied = _unchanged(cur, d)
-                        if applied and cur is not None:
-                            record_problems(t, cur, problems)
-                    if applied:
-                        _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
-        elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
-            _check_tenant(cubelet, d, repairs)
-    validate_initialized(cubelet, discovered)
+    later: Later = []
+    with _snapshot(cubelet):
+        discovered = cubelet.backend.discover()
+        for dev_id in register_new(cubelet, discovered):  # new devices: one transaction
+            _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
+        host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
+        found = {d.device_id: d for d in discovered}
+        for d in cubelet.store.devices():
+            if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
+                continue  # parked: only an operator brings these back
+            missing = _presence_problem(d, found)
+            if missing is not None:
+                with cubelet.change() as t:
+                    cur = t.device(d.id)
+                    if cur is not None and cur.state is d.state:
+                        t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
+                _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
+                if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
+                    later.append(_teardown(cubelet, d.sandbox_id, missing))
+                continue
+            if d.state is S.ALLOCATABLE:
+                with cubelet.device_locks.hold(d.id):
+                    problems = cubelet.backend.validate(d)
+                    if problems:
+                        event, reason = problem_event(problems)
+                        with cubelet.change() as t:
+                            cur = t.device(d.id)
+                            applied = _unchanged(cur, d)
+                            if applied and cur is not None:
+                                record_problems(t, cur, problems)
+                        if applied:
+                            _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
+            elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
+                _check_tenant(cubelet, d, repairs, later)
+        validate_initialized(cubelet, discovered)
+    for run in later:
+        run()
     for res in cubelet.store.reservations():
         late = cubelet.shim.pending_reports(res.sandbox_id)
         if late:
@@ -169,7 +193,7 @@ def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> No
             continue
         with cubelet.device_locks.hold(d.id):
             problems = cubelet.backend.validate(d) if d.state is S.RELEASED else []
-            with cubelet.lock, cubelet.store.tx() as t:
+            with cubelet.change() as t:
                 cur = t.device(d.id)
                 if cur is None or not _unchanged(cur, d):
                     continue
@@ -194,7 +218,7 @@ def health_check(cubelet: Cubelet) -> None:
             problems = [p for p in cubelet.backend.health(d) if p.hard]
             if not problems:
                 continue
-            with cubelet.lock, cubelet.store.tx() as t:
+            with cubelet.change() as t:
                 cur = t.device(d.id)
                 if cur is None or cur.state is not d.state:
                     continue
