@@ -449,6 +449,10 @@ class Store:
             except BaseException:
                 self._conn.execute(f"ROLLBACK TO {name}")
                 self._conn.execute(f"RELEASE {name}")
+                if depth == 0:  # end the batch soon even if nothing else comes: no write lock left held
+                    with self._cv:
+                        self._pending = True
+                        self._cv.notify_all()
                 raise
             finally:
                 self._local.depth = depth
