@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -101,6 +102,14 @@ class AerBaselines(Protocol):
         ...
 
 
+@runtime_checkable
+class HostSnapshots(Protocol):
+    """A backend whose host reads can be answered from one snapshot for a reconcile pass (VFIO: each function,
+    group and config space read once per pass, not once per device)."""
+
+    def snapshot(self) -> AbstractContextManager[None]: ...
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do beyond `Backend`, decided once, when Cubelet is given the backend: call sites ask
@@ -108,10 +117,12 @@ class Capabilities:
 
     binding: HostBinding | None
     aer: AerBaselines | None
+    snapshots: HostSnapshots | None = None
 
     @classmethod
     def of(cls, backend: Backend) -> Capabilities:
         return cls(
             binding=backend if isinstance(backend, HostBinding) else None,
             aer=backend if isinstance(backend, AerBaselines) else None,
+            snapshots=backend if isinstance(backend, HostSnapshots) else None,
         )

@@ -14,13 +14,16 @@ Both are the `HostBinding` capability, the AER baselines the `AerBaselines` one 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 from cubeaccel.backends.base import AttachSpec, HostPreparation, Problem
 from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
 from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsRestore
 from cubeaccel.host.readiness import HostRoots, check_host
+from cubeaccel.host.snapshot import SnapshotHost
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.states import DeviceState
@@ -50,7 +53,8 @@ class VfioBackend:
     ) -> None:
         """`readiness_roots`: where `cubeaccel host check` looks (sysfs, /dev, /proc). None only for a simulated
         host, which models a kernel with an IOMMU and vfio-pci; a real (or fake-tree) host always passes them."""
-        self.host = host
+        self._host = host
+        self._pass = threading.local()  # the snapshot of the reconcile pass running in this thread, if any
         self._restorer = host if isinstance(host, SupportsRestore) else None  # a host capability, asked once
         self.readiness_roots = readiness_roots
         self.specs: tuple[DeviceSpec, ...] = parse_allow(list(allow))
@@ -58,6 +62,24 @@ class VfioBackend:
         self.reset_methods = frozenset(reset_methods)
         self._clock = clock
         self._aer_baseline: dict[PciAddress, int] = {}
+
+    @property
+    def host(self) -> PciHost:
+        snap: SnapshotHost | None = getattr(self._pass, "host", None)
+        return self._host if snap is None else snap
+
+    @contextmanager
+    def snapshot(self) -> Iterator[None]:
+        """This thread's host reads come from one snapshot until the block ends (a write drops it); other
+        threads — a release resetting a device meanwhile — read the host itself."""
+        if getattr(self._pass, "host", None) is not None:
+            yield
+            return
+        self._pass.host = SnapshotHost(self._host)
+        try:
+            yield
+        finally:
+            self._pass.host = None
 
     # ---- host readiness ---------------------------------------------------------------------------
     def readiness(self) -> list[Problem]:

@@ -15,7 +15,7 @@ def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[s
     new = []
     binding = cubelet.capabilities.binding
     expected = binding.expected_driver if binding is not None else None
-    with cubelet.lock, cubelet.store.tx() as t:
+    with cubelet.change() as t:
         for d in discovered:
             if t.device(d.device_id) is None:
                 t.insert_device(d, expected, Actor.CUBELET)
@@ -31,10 +31,10 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
             return
     by_id = {d.device_id: d for d in discovered}
     binding = cubelet.capabilities.binding  # VFIO binds to vfio-pci here; emulated has nothing to bind
-    with cubelet.lock:
-        for rec in cubelet.store.devices():
-            if rec.state is not DeviceState.INITIALIZED:
-                continue
+    for rec in cubelet.store.devices():
+        if rec.state is not DeviceState.INITIALIZED:
+            continue
+        with cubelet.device_locks.hold(rec.id):  # binding and validation are host I/O: no lifecycle lock
             problems: list[Problem] = []
             original: tuple[str | None] | None = None
             if binding is not None and rec.id in by_id:
@@ -44,7 +44,7 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
                     original = (prep.original_driver,)
             if not problems:
                 problems = cubelet.backend.validate(rec)
-            with cubelet.store.tx() as t:
+            with cubelet.change() as t:
                 cur = t.device(rec.id)
                 if cur is None or cur.state is not DeviceState.INITIALIZED:
                     continue

@@ -12,8 +12,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.backends.base import Backend, Capabilities
+from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
+from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
 from cubeaccel.cubelet.shim_driver import ShimDriver
@@ -27,6 +28,7 @@ from cubeaccel.model.contract import (
     check_guest,
     check_template,
 )
+from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.ids import SANDBOX_ID_RE
@@ -115,7 +117,9 @@ class Cubelet(ReleasePath):
         self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
         self.shim = shim
         self.config = config or CubeletConfig()
-        self.lock = threading.RLock()
+        self.lock = threading.RLock()  # lifecycle decisions: held only around short transactions, never host I/O
+        self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
+        self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
         self.status_sink = None
         shim.bind(self.handle_report)
 
@@ -139,7 +143,7 @@ class Cubelet(ReleasePath):
         params = req.params()
         if contract is not None:
             params.update(memory_mib=contract.memory_mib, pin_memory=contract.pin_memory)
-        with self.lock, self.store.tx() as t:
+        with self.change() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
                 if existing.phase is P.RELEASING:
@@ -197,58 +201,75 @@ class Cubelet(ReleasePath):
             return res
 
     def start(self, sandbox_id: str) -> Reservation | None:
-        """Revalidate, move devices to `preparing`, record the intent, then launch the shim."""
+        """Revalidate, move devices to `preparing`, record the intent, then launch the shim.
+
+        Revalidation is host I/O and runs before the transaction; the transaction then moves exactly the
+        records that were validated (a compare-and-swap on their generation)."""
+        with self.store.read() as t:
+            res = self._reservation(t, sandbox_id)
+            devs = self._sandbox_devices(t, sandbox_id)
+        if res.phase is not P.RESERVED:
+            if res.phase in STARTED_PHASES:
+                return res
+            raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is being released")
+        failed = {d.id: self.backend.validate(d) for d in devs}
         with self.lock:
-            with self.store.tx() as t:
-                res = self._reservation(t, sandbox_id)
-                if res.phase is not P.RESERVED:
-                    if res.phase in STARTED_PHASES:
-                        return res
-                    raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is being released")
-                devs = self._sandbox_devices(t, sandbox_id)
-                failed = {d.id: self.backend.validate(d) for d in devs}
-                if any(failed.values()):
-                    t.event(
-                        "startup_failed",
-                        Actor.CUBELET,
-                        sandbox_id=sandbox_id,
-                        reason="prepare.revalidation_failed",
-                        details={k: [p.__dict__ for p in v] for k, v in failed.items() if v},
-                    )
-                    start_ok = False
-                else:
-                    for d in devs:
-                        t.transition(d, E.PREPARE, Actor.CUBELET)
-                    res.fire(RE.START)
-                    res.expires_at = None
-                    cp = res.checkpoint
-                    cp.shim_started = True  # intent recorded before the act
-                    cp.started_at = t.now
-                    cp.start_id = uuid.uuid4().hex[:16]
-                    cp.image_digest = self._image_digest(res)  # what the shim boots, by digest
-                    t.update_reservation(res)
-                    start_ok = True
-            if not start_ok:
-                self.begin_teardown(sandbox_id, "prepare.revalidation_failed", layer="host_hardware")
-                raise conflict(
-                    "prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation", layer="host_hardware"
+            self.launching.add(sandbox_id)  # before the intent is durable: reconcile must not judge a launch
+        try:
+            return self._start(sandbox_id, devs, failed)
+        finally:
+            with self.lock:
+                self.launching.discard(sandbox_id)
+
+    def _start(self, sandbox_id: str, devs: list[DeviceRecord], failed: dict[str, list[Problem]]) -> Reservation | None:
+        with self.change() as t:
+            res = self._reservation(t, sandbox_id)
+            if res.phase is not P.RESERVED:
+                if res.phase in STARTED_PHASES:
+                    return res
+                raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is being released")
+            if any(failed.values()):
+                t.event(
+                    "startup_failed",
+                    Actor.CUBELET,
+                    sandbox_id=sandbox_id,
+                    reason="prepare.revalidation_failed",
+                    details={k: [p.__dict__ for p in v] for k, v in failed.items() if v},
                 )
-            spec = self._spec(sandbox_id)
-            try:
-                self.shim.start(spec)
-            except (CubeError, OSError) as e:  # the shim could not even be launched
-                code = e.code if isinstance(e, CubeError) else "shim.launch_failed"
-                self.handle_report(
-                    ShimReport(
-                        sandbox_id,
-                        ShimReportKind.ATTACH_FAILED,
-                        (),
-                        {"reason": code, "message": str(e)[:500]},
-                        time.time(),
-                        spec.start_id,
-                    )
+                start_ok = False
+            else:
+                for d in devs:
+                    t.transition(d, E.PREPARE, Actor.CUBELET)
+                res.fire(RE.START)
+                res.expires_at = None
+                cp = res.checkpoint
+                cp.shim_started = True  # intent recorded before the act
+                cp.started_at = t.now
+                cp.start_id = uuid.uuid4().hex[:16]
+                cp.image_digest = self._image_digest(res)  # what the shim boots, by digest
+                t.update_reservation(res)
+                start_ok = True
+        if not start_ok:
+            self.begin_teardown(sandbox_id, "prepare.revalidation_failed", layer="host_hardware")
+            raise conflict(
+                "prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation", layer="host_hardware"
+            )
+        spec = self._spec(sandbox_id)
+        try:
+            self.shim.start(spec)
+        except (CubeError, OSError) as e:  # the shim could not even be launched
+            code = e.code if isinstance(e, CubeError) else "shim.launch_failed"
+            self.handle_report(
+                ShimReport(
+                    sandbox_id,
+                    ShimReportKind.ATTACH_FAILED,
+                    (),
+                    {"reason": code, "message": str(e)[:500]},
+                    time.time(),
+                    spec.start_id,
                 )
-            return self.store.reservation(sandbox_id)  # None when startup failed and released already
+            )
+        return self.store.reservation(sandbox_id)  # None when startup failed and released already
 
     def _spec(self, sandbox_id: str) -> ShimSpec:
         with self.store.read() as t:
@@ -304,79 +325,78 @@ class Cubelet(ReleasePath):
     # ---- shim reports ---------------------------------------------------------------------------
     def handle_report(self, report: ShimReport) -> None:
         sid = report.sandbox_id
-        with self.lock:
-            with self.store.tx() as t:
-                res = t.reservation(sid)
-                expected = res.checkpoint.start_id if res else None
-                if expected is not None and report.start_id != expected:
-                    # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
-                    t.event(
-                        "shim_report_rejected",
-                        Actor.SHIM,
-                        sandbox_id=sid,
-                        event=report.kind.value,
-                        reason="shim.report_stale",
-                        details={"start_id": report.start_id},
-                    )
-                    return
-                details = report.details if res else {**report.details, "reservation": "closed"}
-                t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
-                if res is None:
-                    return
-                k, cp = report.kind, res.checkpoint
-                if k is ShimReportKind.VM_STARTED:
-                    pid = report.details.get("pid")
-                    cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
-                elif k is ShimReportKind.DEVICE_ATTACHED:
-                    named = set(report.device_ids)  # one report per device; none named means all
-                    devs = self._sandbox_devices(t, sid)
-                    addresses = cp.guest_addresses
-                    for d in devs:
-                        if d.state is S.PREPARING and (not named or d.id in named):
-                            t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
-                            if isinstance(report.details.get("guest_address"), str):
-                                addresses[d.id] = report.details["guest_address"]
-                elif k is ShimReportKind.DEVICE_DETACHED:
-                    cp.detached = sorted(set(cp.detached) | set(report.device_ids or res.device_ids))
-                elif k is ShimReportKind.SHIM_EXITING:
-                    cp.shim_exited = True
-                # detach_timeout and vmm_exited are history (the shim_report event above), not release evidence
-                violations = self._judge_guest(t, res, report)
-                ready = (
-                    k is ShimReportKind.GUEST_VALIDATED
-                    and not violations
-                    and res.phase is P.STARTING
-                    and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
+        with self.change() as t:  # the lock covers the transaction; teardown takes it itself
+            res = t.reservation(sid)
+            expected = res.checkpoint.start_id if res else None
+            if expected is not None and report.start_id != expected:
+                # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
+                t.event(
+                    "shim_report_rejected",
+                    Actor.SHIM,
+                    sandbox_id=sid,
+                    event=report.kind.value,
+                    reason="shim.report_stale",
+                    details={"start_id": report.start_id},
                 )
-                if ready:  # ready means ready: every device attached *and* validated in the guest
-                    res.fire(RE.READY)
-                    t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
-                t.update_reservation(res)
-            det = report.details
-            if ready:
-                self.notify(sid, {"phase": "running"})
-            elif report.kind is ShimReportKind.ATTACH_FAILED:
-                self.begin_teardown(
-                    sid,
-                    str(det.get("reason") or "attach_failed"),
-                    attach_failed=True,
-                    layer=str(det.get("layer") or "backend"),
-                    message=str(det.get("message") or ""),
-                )
-            elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
-                v = violations[0] if violations else None
-                layers = det.get("failed_layers") if isinstance(det.get("failed_layers"), list) else None
-                layer = v.layer.value if v else str(det.get("layer") or (layers[0] if layers else "guest_kernel"))
-                self.begin_teardown(
-                    sid,
-                    v.code if v else str(det.get("reason") or "guest.validation_failed"),
-                    layer=layer,
-                    message=f"expected {v.expected}, found {v.found}"
-                    if v
-                    else str(det.get("message") or "the guest does not satisfy the contract"),
-                )
-            elif report.kind is ShimReportKind.VMM_EXITED:
-                self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
+                return
+            details = report.details if res else {**report.details, "reservation": "closed"}
+            t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
+            if res is None:
+                return
+            k, cp = report.kind, res.checkpoint
+            if k is ShimReportKind.VM_STARTED:
+                pid = report.details.get("pid")
+                cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+            elif k is ShimReportKind.DEVICE_ATTACHED:
+                named = set(report.device_ids)  # one report per device; none named means all
+                devs = self._sandbox_devices(t, sid)
+                addresses = cp.guest_addresses
+                for d in devs:
+                    if d.state is S.PREPARING and (not named or d.id in named):
+                        t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
+                        if isinstance(report.details.get("guest_address"), str):
+                            addresses[d.id] = report.details["guest_address"]
+            elif k is ShimReportKind.DEVICE_DETACHED:
+                cp.detached = sorted(set(cp.detached) | set(report.device_ids or res.device_ids))
+            elif k is ShimReportKind.SHIM_EXITING:
+                cp.shim_exited = True
+            # detach_timeout and vmm_exited are history (the shim_report event above), not release evidence
+            violations = self._judge_guest(t, res, report)
+            ready = (
+                k is ShimReportKind.GUEST_VALIDATED
+                and not violations
+                and res.phase is P.STARTING
+                and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
+            )
+            if ready:  # ready means ready: every device attached *and* validated in the guest
+                res.fire(RE.READY)
+                t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
+            t.update_reservation(res)
+        det = report.details
+        if ready:
+            self.notify(sid, {"phase": "running"})
+        elif report.kind is ShimReportKind.ATTACH_FAILED:
+            self.begin_teardown(
+                sid,
+                str(det.get("reason") or "attach_failed"),
+                attach_failed=True,
+                layer=str(det.get("layer") or "backend"),
+                message=str(det.get("message") or ""),
+            )
+        elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
+            v = violations[0] if violations else None
+            layers = det.get("failed_layers") if isinstance(det.get("failed_layers"), list) else None
+            layer = v.layer.value if v else str(det.get("layer") or (layers[0] if layers else "guest_kernel"))
+            self.begin_teardown(
+                sid,
+                v.code if v else str(det.get("reason") or "guest.validation_failed"),
+                layer=layer,
+                message=f"expected {v.expected}, found {v.found}"
+                if v
+                else str(det.get("message") or "the guest does not satisfy the contract"),
+            )
+        elif report.kind is ShimReportKind.VMM_EXITED:
+            self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
 
     def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
         """Stage 5, judged again on the host: the agent's own verdict is not trusted alone."""

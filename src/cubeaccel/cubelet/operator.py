@@ -25,7 +25,7 @@ def _device(cubelet: Cubelet, device_id: str) -> DeviceRecord:
 
 def quarantine(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
     audit = _audit(who, why)
-    with cubelet.lock, cubelet.store.tx() as t:
+    with cubelet.change() as t:
         d = _device(cubelet, device_id)
         return t.transition(d, DeviceEvent.QUARANTINE, Actor.OPERATOR, reason="operator.quarantine", details=audit)
 
@@ -121,9 +121,8 @@ def enable(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord
     from cubeaccel.cubelet.inventory import validate_initialized
 
     audit = _audit(who, why)
-    with cubelet.lock:
-        with cubelet.store.tx() as t:
-            d = _device(cubelet, device_id)
-            t.transition(d, DeviceEvent.ENABLE, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
-        validate_initialized(cubelet, cubelet.backend.discover())
-        return _device(cubelet, device_id)
+    with cubelet.change() as t:
+        d = _device(cubelet, device_id)
+        t.transition(d, DeviceEvent.ENABLE, Actor.OPERATOR, reason=None, sandbox_id=None, details=audit)
+    validate_initialized(cubelet, cubelet.backend.discover())  # host I/O under the device's lock, not the node's
+    return _device(cubelet, device_id)

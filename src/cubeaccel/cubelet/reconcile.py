@@ -8,6 +8,8 @@ Prefer safety: what cannot be proven safe is quarantined; a vanished device stay
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from cubeaccel.cubelet import backend_facts, host_ready
@@ -50,7 +52,21 @@ def _presence_problem(d: DeviceRecord, found: dict[str, DiscoveredDevice]) -> st
     return None
 
 
-def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> None:
+Later = list[Callable[[], None]]
+
+
+def _teardown(cubelet: Cubelet, sandbox_id: str, reason: str, kill: bool = False) -> Callable[[], None]:
+    """A teardown the pass starts after its host snapshot is closed: release work reads the live host."""
+
+    def run() -> None:
+        if kill:
+            cubelet.shim.kill(sandbox_id)
+        cubelet.begin_teardown(sandbox_id, reason)
+
+    return run
+
+
+def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair], later: Later) -> None:
     """reserved/preparing/attached: the sandbox, its shim and its VMM must still be there."""
     sid = d.sandbox_id
     res = cubelet.store.reservation(sid) if sid else None
@@ -65,6 +81,9 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
         return  # the release path below owns it
     if not res.checkpoint.shim_started:
         return  # reserved, not started: the TTL covers it
+    with cubelet.lock:
+        if res.sandbox_id in cubelet.launching:
+            return  # its shim is being launched right now (outside the lock): no evidence either way yet
     st = cubelet.shim.status(res.sandbox_id)
     if st.vmm_alive is None:
         with cubelet.store.tx() as t:
@@ -78,22 +97,34 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> N
             if float(cubelet.store.clock()) - started <= cubelet.config.startup_timeout_s:
                 return  # the shim is still starting its VMM
             _record(cubelet, repairs, Repair(d.id, sid, "teardown", "the shim did not start a VMM in time"))
-            cubelet.shim.kill(res.sandbox_id)
-            cubelet.begin_teardown(res.sandbox_id, "reconcile.startup_timeout")
+            later.append(_teardown(cubelet, res.sandbox_id, "reconcile.startup_timeout", kill=True))
             return
         _record(cubelet, repairs, Repair(d.id, sid, "teardown", "VMM is gone"))
-        cubelet.begin_teardown(res.sandbox_id, "reconcile.vmm_gone")
+        later.append(_teardown(cubelet, res.sandbox_id, "reconcile.vmm_gone"))
     elif st.shim_alive is False:
         _record(cubelet, repairs, Repair(d.id, sid, "teardown", "shim died; orphaned VMM is stopped"))
-        cubelet.shim.kill(res.sandbox_id)
-        cubelet.begin_teardown(res.sandbox_id, "reconcile.shim_gone")
+        later.append(_teardown(cubelet, res.sandbox_id, "reconcile.shim_gone", kill=True))
+
+
+def _snapshot(cubelet: Cubelet) -> AbstractContextManager[None]:
+    """The pass reads the host once (each function, group and config space), where the backend can."""
+    snaps = cubelet.capabilities.snapshots
+    return snaps.snapshot() if snaps is not None else nullcontext()
+
+
+def _unchanged(cur: DeviceRecord | None, d: DeviceRecord) -> bool:
+    """The compare-and-swap a check's outcome needs: the record the host work looked at is still the one stored."""
+    return cur is not None and (cur.state, cur.generation) == (d.state, d.generation)
 
 
 def reconcile(cubelet: Cubelet) -> list[Repair]:
+    """One pass, one device at a time: host I/O runs under that device's lock with no transaction open and
+    without the lifecycle lock, so reservations, releases and reads go on during a pass."""
     repairs: list[Repair] = []
-    with cubelet.lock:
+    later: Later = []
+    with _snapshot(cubelet):
         discovered = cubelet.backend.discover()
-        for dev_id in register_new(cubelet, discovered):
+        for dev_id in register_new(cubelet, discovered):  # new devices: one transaction
             _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
         host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
         found = {d.device_id: d for d in discovered}
@@ -102,49 +133,54 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
                 continue  # parked: only an operator brings these back
             missing = _presence_problem(d, found)
             if missing is not None:
-                with cubelet.store.tx() as t:
+                with cubelet.change() as t:
                     cur = t.device(d.id)
                     if cur is not None and cur.state is d.state:
                         t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
                 _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
                 if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
-                    cubelet.begin_teardown(d.sandbox_id, missing)
+                    later.append(_teardown(cubelet, d.sandbox_id, missing))
                 continue
             if d.state is S.ALLOCATABLE:
-                problems = cubelet.backend.validate(d)
-                if problems:
-                    event, reason = problem_event(problems)
-                    with cubelet.store.tx() as t:
-                        cur = t.device(d.id)
-                        if cur is not None and cur.state is S.ALLOCATABLE:
-                            record_problems(t, cur, problems)
-                    _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
+                with cubelet.device_locks.hold(d.id):
+                    problems = cubelet.backend.validate(d)
+                    if problems:
+                        event, reason = problem_event(problems)
+                        with cubelet.change() as t:
+                            cur = t.device(d.id)
+                            applied = _unchanged(cur, d)
+                            if applied and cur is not None:
+                                record_problems(t, cur, problems)
+                        if applied:
+                            _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
             elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
-                _check_tenant(cubelet, d, repairs)
+                _check_tenant(cubelet, d, repairs, later)
         validate_initialized(cubelet, discovered)
-        for res in cubelet.store.reservations():
-            late = cubelet.shim.pending_reports(res.sandbox_id)
-            if late:
-                _record(
-                    cubelet,
-                    repairs,
-                    Repair(
-                        None,
-                        res.sandbox_id,
-                        "replayed",
-                        f"{len(late)} shim report(s) undelivered while Cubelet was down",
-                    ),
-                )
-                for report in late:
-                    cubelet.handle_report(report)
-        for res in cubelet.store.reservations():
-            if res.phase is ReservationPhase.RELEASING:
-                cubelet.try_release(res.sandbox_id)
-        _released_without_reservation(cubelet, repairs)
-        for sid in cubelet.expire_reservations():
-            repairs.append(Repair(None, sid, "expired", "reserve.expired"))
-        health_check(cubelet)
-        backend_facts.persist(cubelet)
+    for run in later:
+        run()
+    for res in cubelet.store.reservations():
+        late = cubelet.shim.pending_reports(res.sandbox_id)
+        if late:
+            _record(
+                cubelet,
+                repairs,
+                Repair(
+                    None,
+                    res.sandbox_id,
+                    "replayed",
+                    f"{len(late)} shim report(s) undelivered while Cubelet was down",
+                ),
+            )
+            for report in late:
+                cubelet.handle_report(report)
+    for res in cubelet.store.reservations():
+        if res.phase is ReservationPhase.RELEASING:
+            cubelet.try_release(res.sandbox_id)
+    _released_without_reservation(cubelet, repairs)
+    for sid in cubelet.expire_reservations():
+        repairs.append(Repair(None, sid, "expired", "reserve.expired"))
+    health_check(cubelet)
+    backend_facts.persist(cubelet)
     return repairs
 
 
@@ -153,38 +189,39 @@ def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> No
     for d in cubelet.store.devices():
         res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
         orphan = d.state is S.RELEASING and not (res and d.id in res.device_ids)
-        if d.state is S.RELEASED or orphan:
-            with cubelet.store.tx() as t:
+        if d.state is not S.RELEASED and not orphan:
+            continue
+        with cubelet.device_locks.hold(d.id):
+            problems = cubelet.backend.validate(d) if d.state is S.RELEASED else []
+            with cubelet.change() as t:
                 cur = t.device(d.id)
-                if cur is None or cur.state is not d.state:
+                if cur is None or not _unchanged(cur, d):
                     continue
                 if cur.state is S.RELEASING:
                     t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="reconcile.releasing_without_reservation")
                     what = "quarantined"
+                elif problems:
+                    what = record_problems(t, cur, problems).state.value
                 else:
-                    problems = cubelet.backend.validate(cur)
-                    if problems:
-                        what = record_problems(t, cur, problems).state.value
-                    else:
-                        t.transition(cur, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
-                        what = "revalidated"
-            why = f"{d.state.value} left by an interrupted release"
-            _record(cubelet, repairs, Repair(d.id, d.sandbox_id, what, why))
+                    t.transition(cur, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+                    what = "revalidated"
+        why = f"{d.state.value} left by an interrupted release"
+        _record(cubelet, repairs, Repair(d.id, d.sandbox_id, what, why))
 
 
 def health_check(cubelet: Cubelet) -> None:
     """Periodic: a hard failure on an attached device makes it unhealthy and tears its sandbox down."""
-    with cubelet.lock:
-        for d in cubelet.store.devices():
-            if d.state not in (S.ATTACHED, S.PREPARING):
-                continue
+    for d in cubelet.store.devices():
+        if d.state not in (S.ATTACHED, S.PREPARING):
+            continue
+        with cubelet.device_locks.hold(d.id):
             problems = [p for p in cubelet.backend.health(d) if p.hard]
             if not problems:
                 continue
-            with cubelet.store.tx() as t:
+            with cubelet.change() as t:
                 cur = t.device(d.id)
                 if cur is None or cur.state is not d.state:
                     continue
                 record_problems(t, cur, problems)
-            if d.sandbox_id:
-                cubelet.begin_teardown(d.sandbox_id, problems[0].code)
+        if d.sandbox_id:
+            cubelet.begin_teardown(d.sandbox_id, problems[0].code)

@@ -10,11 +10,13 @@ timeouts is quarantined. Reports from the shim are recorded elsewhere; here only
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from cubeaccel.backends.base import Backend, Problem
+from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.checkpoint import SandboxFailure
@@ -54,6 +56,18 @@ def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: An
     )
 
 
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    """What the host work on one device found, applied later in one transaction. At most one of the first
+    three; none of them means cleanup succeeded (`evidence` when it was a release) and `revalidation` decides."""
+
+    quarantine: tuple[str, dict[str, Any] | None] | None = None
+    waiting: tuple[str, dict[str, Any]] | None = None
+    cleanup: list[Problem] | None = None
+    evidence: dict[str, Any] | None = None
+    revalidation: list[Problem] | None = None
+
+
 class ReleasePath:
     """Mixed into `Cubelet`: the attributes below are Cubelet's."""
 
@@ -62,7 +76,18 @@ class ReleasePath:
     shim: ShimDriver
     config: CubeletConfig
     lock: threading.RLock
+    device_locks: KeyedLocks
     status_sink: StatusSink | None
+
+    @contextmanager
+    def change(self) -> Iterator[Tx]:
+        """One lifecycle decision: under the lifecycle lock, in one transaction, durable on return — but the
+        wait for the disk happens after the lock is let go, so concurrent decisions share one commit."""
+        try:
+            with self.lock, self.store.tx(durable=False) as t:
+                yield t
+        finally:
+            self.store.flush()
 
     def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
         """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
@@ -82,41 +107,41 @@ class ReleasePath:
         """Enter `releasing` before any cleanup starts, then ask the shim to stop and try to release.
 
         Any reason but a user's delete is a failure of the sandbox: recorded in the reservation (`failure`,
-        with code and layer, kept in the `reservation_closed` event) and pushed to CubeMaster."""
+        with code and layer, kept in the `reservation_closed` event) and pushed to CubeMaster. The lifecycle
+        lock covers only the transaction: stopping the shim and the release itself are host work."""
         failure: SandboxFailure | None = None
-        with self.lock:
-            with self.store.tx() as t:
-                res = t.reservation(sandbox_id)
-                if res is None:
-                    return
-                first = res.phase is not P.RELEASING
-                if first:
-                    was = res.phase.value
-                    res.fire(RE.TEARDOWN)
-                    res.releasing_since = t.now
-                    if reason != USER_RELEASE:
-                        failure = SandboxFailure(reason, layer, message[:500] or reason, was)
-                        res.checkpoint.failure = failure
-                    t.update_reservation(res)
-                    t.event(
-                        "teardown_started",
-                        Actor.CUBELET,
-                        sandbox_id=sandbox_id,
-                        reason=reason,  # the teardown reason lives here, in the event trail
-                        details={"failure": None if failure is None else failure.to_json()},
-                    )
-                for d in self._sandbox_devices(t, sandbox_id):
-                    if d.state is S.ATTACHED:
-                        t.transition(d, E.TEARDOWN, Actor.CUBELET, reason=reason)
-                    elif d.state in (S.RESERVED, S.PREPARING):
-                        ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
-                        t.transition(d, ev, Actor.CUBELET, reason=reason)
-                stop = first and res.checkpoint.shim_started
-            if failure is not None:
-                self.notify(sandbox_id, {"phase": "failed", "error": failure.to_json()})
-            if stop:
-                self.shim.stop(sandbox_id)
-            self.try_release(sandbox_id)
+        with self.change() as t:
+            res = t.reservation(sandbox_id)
+            if res is None:
+                return
+            first = res.phase is not P.RELEASING
+            if first:
+                was = res.phase.value
+                res.fire(RE.TEARDOWN)
+                res.releasing_since = t.now
+                if reason != USER_RELEASE:
+                    failure = SandboxFailure(reason, layer, message[:500] or reason, was)
+                    res.checkpoint.failure = failure
+                t.update_reservation(res)
+                t.event(
+                    "teardown_started",
+                    Actor.CUBELET,
+                    sandbox_id=sandbox_id,
+                    reason=reason,  # the teardown reason lives here, in the event trail
+                    details={"failure": None if failure is None else failure.to_json()},
+                )
+            for d in self._sandbox_devices(t, sandbox_id):
+                if d.state is S.ATTACHED:
+                    t.transition(d, E.TEARDOWN, Actor.CUBELET, reason=reason)
+                elif d.state in (S.RESERVED, S.PREPARING):
+                    ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
+                    t.transition(d, ev, Actor.CUBELET, reason=reason)
+            stop = first and res.checkpoint.shim_started
+        if failure is not None:
+            self.notify(sandbox_id, {"phase": "failed", "error": failure.to_json()})
+        if stop:
+            self.shim.stop(sandbox_id)
+        self.try_release(sandbox_id)
 
     def vmm_status(self, res: Reservation) -> ShimStatus:
         if not res.checkpoint.shim_started:
@@ -141,8 +166,13 @@ class ReleasePath:
         Past the release timeout the VMM is killed; only after `kill_grace_s` more are devices that still
         lack evidence quarantined. The reservation closes only once the VMM is proven gone, so a VMM that
         outlives its devices is never forgotten (nor its sandbox id reused while it runs).
+
+        The devices are durably `releasing` (or `released`) here, so nothing else hands them out: the host
+        work — VMM status, holder scans, reset, revalidation — runs under the sandbox's and then each device's
+        own lock with no transaction open and without the lifecycle lock, and each outcome lands in one short
+        compare-and-swap transaction. Other devices' reservations and every read go on meanwhile.
         """
-        with self.lock:
+        with self.device_locks.hold(f"sandbox:{sandbox_id}"):
             res = self.store.reservation(sandbox_id)
             if res is None:
                 return
@@ -153,16 +183,31 @@ class ReleasePath:
             if not gone and overdue and res.checkpoint.kill_at is None:
                 self.shim.kill(sandbox_id)
                 res.checkpoint.kill_at = now
+                with self.change() as t:
+                    cur = t.reservation(sandbox_id)
+                    if cur is not None and cur.checkpoint.kill_at is None:
+                        cur.checkpoint.kill_at = now
+                        t.update_reservation(cur)
                 st = self.vmm_status(res)
                 gone = self.vmm_gone(res, st)
             kill_at = res.checkpoint.kill_at
             give_up = overdue and (bool(gone) or (kill_at is not None and now - kill_at > self.config.kill_grace_s))
-            with self.store.tx() as t:
-                for d in self._sandbox_devices(t, sandbox_id):
+            for device_id in res.device_ids:
+                with self.device_locks.hold(device_id):
+                    d = self.store.device(device_id)
+                    if d is None or d.sandbox_id != sandbox_id:
+                        continue
                     if d.state is S.RELEASING:
-                        self._release_device(t, d, res, st, give_up)
+                        outcome = self._judge_release(d, res, st, give_up)
                     elif d.state is S.RELEASED:
-                        self._revalidate(t, d)
+                        outcome = ReleaseOutcome(revalidation=self.backend.validate(d))
+                    else:
+                        continue
+                    self._apply_outcome(d, sandbox_id, outcome)
+            with self.change() as t:
+                cur = t.reservation(sandbox_id)
+                if cur is None:
+                    return
                 remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
                 if not remaining and gone:
                     t.delete_reservation(sandbox_id)
@@ -170,11 +215,11 @@ class ReleasePath:
                         "reservation_closed",
                         Actor.CUBELET,
                         sandbox_id=sandbox_id,
-                        details={"facts": res.checkpoint.to_json()},
+                        details={"facts": cur.checkpoint.to_json()},
                     )
                     return
-                if not remaining and give_up and not res.checkpoint.vmm_survives:
-                    res.checkpoint.vmm_survives = True
+                if not remaining and give_up and not cur.checkpoint.vmm_survives:
+                    cur.checkpoint.vmm_survives = True
                     t.event(
                         "release_vmm_survives",
                         Actor.CUBELET,
@@ -182,14 +227,14 @@ class ReleasePath:
                         reason="release.vmm_not_exited",
                         details={"vmm_pid": st.vmm_pid},
                     )
-                t.update_reservation(res)
+                    t.update_reservation(cur)
 
-    def _release_device(self, t: Tx, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> None:
+    def _judge_release(self, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> ReleaseOutcome:
+        """The release rules on host evidence (holders, reset, revalidation): host I/O, no transaction open."""
         detached = d.id in res.checkpoint.detached  # recorded as evidence, never a substitute
         gone = self.vmm_gone(res, st)
         if gone is None:
-            t.transition(d, E.QUARANTINE, Actor.CUBELET, reason="release.vmm_state_unknown")
-            return
+            return ReleaseOutcome(quarantine=("release.vmm_state_unknown", None))
         blocked: str | None = None
         holders = self.backend.holders(d) if gone else []
         if not gone:
@@ -206,24 +251,11 @@ class ReleasePath:
                 "detach_confirmed": detached,
             }
             if overdue:
-                t.transition(d, E.QUARANTINE, Actor.CUBELET, reason=blocked, details=details)
-                return
-            waiting = res.checkpoint.release_waits
-            if blocked not in waiting.get(d.id, []):  # one event per device and cause, not one per tick
-                waiting.setdefault(d.id, []).append(blocked)
-                t.event(
-                    "release_waiting",
-                    Actor.CUBELET,
-                    device_id=d.id,
-                    sandbox_id=res.sandbox_id,
-                    reason=blocked,
-                    details=details,
-                )
-            return
+                return ReleaseOutcome(quarantine=(blocked, details))
+            return ReleaseOutcome(waiting=(blocked, details))
         problems = self.backend.cleanup(d)
         if problems:
-            record_problems(t, d, problems)
-            return
+            return ReleaseOutcome(cleanup=problems)
         evidence = {
             "vmm_exited": True,
             "shim_exited": not st.shim_alive,
@@ -232,13 +264,43 @@ class ReleasePath:
             "holders": 0,
             "reset": True,
         }
-        d = t.transition(d, E.RELEASE_CONFIRMED, Actor.CUBELET, details=evidence)
-        self._revalidate(t, d)
+        return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
 
-    def _revalidate(self, t: Tx, d: DeviceRecord) -> None:
+    def _apply_outcome(self, d: DeviceRecord, sandbox_id: str, o: ReleaseOutcome) -> None:
+        """One short transaction, a compare-and-swap on the record the host work started from: a device that
+        changed meanwhile (an operator, reconcile) keeps what they decided."""
+        with self.change() as t:
+            cur = t.device(d.id)
+            if cur is None or (cur.state, cur.generation) != (d.state, d.generation):
+                return
+            if o.quarantine is not None:
+                reason, details = o.quarantine
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=reason, details=details)
+            elif o.waiting is not None:
+                blocked, details = o.waiting
+                res = t.reservation(sandbox_id)
+                waiting = res.checkpoint.release_waits if res is not None else {}
+                if res is not None and blocked not in waiting.get(d.id, []):  # one event per device and cause
+                    waiting.setdefault(d.id, []).append(blocked)
+                    t.update_reservation(res)
+                    t.event(
+                        "release_waiting",
+                        Actor.CUBELET,
+                        device_id=d.id,
+                        sandbox_id=sandbox_id,
+                        reason=blocked,
+                        details=details,
+                    )
+            elif o.cleanup:
+                record_problems(t, cur, o.cleanup)
+            else:
+                if o.evidence is not None:
+                    cur = t.transition(cur, E.RELEASE_CONFIRMED, Actor.CUBELET, details=o.evidence)
+                self._finish_revalidation(t, cur, o.revalidation or [])
+
+    def _finish_revalidation(self, t: Tx, d: DeviceRecord, problems: list[Problem]) -> None:
         from cubeaccel.cubelet import host_ready  # it builds on the lifecycle; imported late
 
-        problems = self.backend.validate(d)
         if problems:
             record_problems(t, d, problems)
             return

@@ -11,7 +11,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -318,18 +318,42 @@ class Tx:
 
 
 class Store:
-    """Thread-safe facade: one connection, one lock, short transactions."""
+    """Thread-safe facade over one writer connection with group commit, and a read connection per thread.
+
+    A transaction's body runs on the writer connection (under its lock, as a SAVEPOINT inside the open batch);
+    the store's writer thread then commits everything batched so far in one durable COMMIT
+    (`synchronous=FULL`), and `tx()` returns only once its batch is durable — so a reply sent after it never
+    announces a change a crash could lose, and concurrent changes share one fsync. A body that raises is rolled
+    back alone (its savepoint), never its batch-mates. Reads use their thread's own connection in WAL mode: they
+    see only committed state and never wait for a commit or for the writer.
+    """
 
     def __init__(self, path: Path, *, clock: Any = time.time) -> None:
         self.path = path
         self.clock = clock
-        self._lock = threading.RLock()
-        self._conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=30)
-        self._conn.row_factory = sqlite3.Row
+        self._lock = threading.RLock()  # the writer connection
+        self._conn = self._connect()
         self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
         self._migrate()
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._cv = threading.Condition(threading.Lock())
+        self._batch = 0  # the newest batch opened on the writer connection
+        self._open = False  # a batch is open (BEGIN IMMEDIATE issued, not yet committed)
+        self._pending = False  # the writer is asked to commit
+        self._committed = 0  # every batch up to this one is durable (or failed: `_failed`)
+        self._failed: dict[int, BaseException] = {}
+        self._closed = False
+        self.commits = 0  # durable commits so far (the benchmark's commits per cycle)
+        self._writer = threading.Thread(target=self._commit_loop, name="cubelet-store-writer", daemon=True)
+        self._writer.start()
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        return conn
 
     def _migrate(self) -> None:
         with self._lock:
@@ -359,24 +383,113 @@ class Store:
 
     @property
     def schema_version(self) -> int:
-        with self._lock:
-            return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+        with self.read() as t:
+            return int(t.c.execute("PRAGMA user_version").fetchone()[0])
+
+    # ---- group commit ---------------------------------------------------------------------------
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if not self._pending:
+                    return
+                self._pending = False
+            err: BaseException | None = None
+            with self._lock:
+                batch = self._batch
+                if self._open:
+                    try:
+                        self._conn.execute("COMMIT")
+                        self.commits += 1
+                    except BaseException as e:  # disk full, I/O error: every waiter of the batch hears it
+                        err = e
+                        with suppress(sqlite3.Error):
+                            self._conn.execute("ROLLBACK")
+                    self._open = False
+            with self._cv:
+                if err is not None:
+                    self._failed[batch] = err
+                    for old in [b for b in self._failed if b < batch - 1000]:
+                        del self._failed[old]
+                self._committed = max(self._committed, batch)
+                self._cv.notify_all()
+
+    def _await(self, batch: int) -> None:
+        with self._cv:
+            self._pending = True
+            self._cv.notify_all()
+            while self._committed < batch:
+                self._cv.wait()
+            err = next((e for b, e in self._failed.items() if b == batch), None)
+        if err is not None:
+            raise CubeError("store.commit_failed", f"the store could not commit: {err}", "cubelet", status=500)
 
     @contextmanager
-    def tx(self) -> Iterator[Tx]:
+    def tx(self, *, durable: bool = True) -> Iterator[Tx]:
+        """One atomic change, durable when the block exits (its batch committed with synchronous=FULL).
+
+        `durable=False` returns as soon as the change is in the batch; the caller then calls `flush()`
+        (`Cubelet.change()` does, once it has let go of the lifecycle lock, so that waiting for the disk never
+        holds the node's decisions up and concurrent changes share one commit). This thread's reads flush first."""
+        depth = int(getattr(self._local, "depth", 0))
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
+            if self._closed:
+                raise CubeError("store.closed", "the store is closed", "cubelet", status=500)
+            if not self._open:
+                self._conn.execute("BEGIN IMMEDIATE")
+                self._open = True
+                self._batch += 1
+            batch = self._batch
+            name = f"tx{depth}"
+            self._conn.execute(f"SAVEPOINT {name}")
+            self._local.depth = depth + 1
             try:
                 yield Tx(self._conn, float(self.clock()))
             except BaseException:
-                self._conn.execute("ROLLBACK")
+                self._conn.execute(f"ROLLBACK TO {name}")
+                self._conn.execute(f"RELEASE {name}")
+                if depth == 0:  # end the batch soon even if nothing else comes: no write lock left held
+                    with self._cv:
+                        self._pending = True
+                        self._cv.notify_all()
                 raise
-            self._conn.execute("COMMIT")
+            finally:
+                self._local.depth = depth
+            self._conn.execute(f"RELEASE {name}")
+        if depth == 0:
+            if durable:
+                self._await(batch)
+            else:
+                self._local.unflushed = batch
+
+    def flush(self) -> None:
+        """Wait until this thread's changes made with `durable=False` are durable."""
+        batch = int(getattr(self._local, "unflushed", 0))
+        if batch:
+            self._local.unflushed = 0
+            self._await(batch)
 
     @contextmanager
     def read(self) -> Iterator[Tx]:
-        with self._lock:
-            yield Tx(self._conn, float(self.clock()))
+        """A consistent snapshot of committed state, on this thread's own connection; inside a transaction
+        of this thread, the transaction itself (it must see its own changes)."""
+        if getattr(self._local, "depth", 0):
+            with self._lock:
+                yield Tx(self._conn, float(self.clock()))
+            return
+        self.flush()  # read your own writes
+        conn: sqlite3.Connection | None = getattr(self._local, "reader", None)
+        if conn is None:
+            conn = self._connect()
+            self._local.reader = conn
+            with self._cv:
+                self._readers.append(conn)
+        conn.execute("BEGIN")
+        try:
+            yield Tx(conn, float(self.clock()))
+        finally:
+            conn.execute("COMMIT")
 
     def devices(self) -> list[DeviceRecord]:
         with self.read() as t:
@@ -407,8 +520,8 @@ class Store:
             args.append(sandbox_id)
         q += " ORDER BY seq LIMIT ?"
         args.append(limit)
-        with self._lock:
-            rows = self._conn.execute(q, args).fetchall()
+        with self.read() as t:
+            rows = t.c.execute(q, args).fetchall()
         return [
             Event(
                 seq=r["seq"],
@@ -427,5 +540,17 @@ class Store:
         ]
 
     def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._pending = True
+            self._cv.notify_all()
+        self._writer.join()
         with self._lock:
+            if self._open:  # a body outside tx() never leaves one open; belt and braces
+                self._conn.execute("COMMIT")
+                self._open = False
             self._conn.close()
+        with self._cv:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()

@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -247,6 +248,12 @@ class SimulatedPciHost:
         with self._locked(write=False):
             return list(self._s["writes"])
 
+    def set_reset_delay(self, seconds: float) -> None:
+        """How long every reset takes (a real FLR takes ≥ 100 ms, a bus reset ~1 s); persisted, so a test or a
+        benchmark can slow the resets of a Cubelet running in another process."""
+        with self._locked(write=True):
+            self._s["reset_delay_s"] = float(seconds)
+
     def reset_count(self, address: PciAddress) -> int:
         with self._locked(write=False):
             return int(self._s["resets"].get(str(address), 0))
@@ -341,6 +348,9 @@ class SimulatedPciHost:
             if self._faulty(Fault.RESET_FAIL, address):
                 raise host_error("host.reset_failed", f"writing reset for {address} failed: EIO")
             self._s["resets"][str(address)] = int(self._s["resets"].get(str(address), 0)) + 1
+            delay = float(self._s.get("reset_delay_s", 0.0))
+        if delay > 0:  # the reset "runs" outside the file lock: resets of different devices overlap, as on a host
+            time.sleep(delay)
 
     def config_vendor_id(self, address: PciAddress) -> int:
         with self._locked(write=False):
