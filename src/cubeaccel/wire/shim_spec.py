@@ -121,6 +121,9 @@ class ShimSpec(Message):
     boot_timeout_s: Seconds = 60.0
     memory_backend: Literal["ram", "memfd", "hugepages"] = "ram"
     image_check: Literal["report", "enforce"] = "report"  # enforce: a mismatch fails before the VM starts
+    # Bridge the guest's workload service to `workload.sock`; its access token comes on the shim's stdin (one
+    # line), never in this file: the host keeps only its hash.
+    workload: StrictBool = False
 
     @field_validator("sandbox_id")
     @classmethod
