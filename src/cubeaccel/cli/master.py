@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.table import Table
@@ -37,7 +37,7 @@ def master_url(explicit: str | None) -> str:
     return "http://127.0.0.1:7700"
 
 
-def fail(e: CubeError) -> None:
+def fail(e: CubeError) -> NoReturn:
     console.print(f"[red]error[/red] {e.code} (layer {e.layer}): {e.message}")
     if e.details:
         console.print_json(json.dumps(e.details, default=str))
@@ -197,6 +197,8 @@ def sandbox_create(
         print(json.dumps(s, indent=2))
     else:
         console.print(_sandbox_table([s]))
+        if s.get("access_token"):  # shown once: only its hash is kept
+            console.print(f"access token (for exec/cp; shown once): {s['access_token']}")
 
 
 @sandbox_app.command("list")
@@ -246,3 +248,133 @@ def register_top_level(root: typer.Typer) -> None:
     root.command("up")(up_cmd)
     root.command("down")(down_cmd)
     root.add_typer(sandbox_app, name="sandbox")
+
+
+# ---- workloads: exec and cp, through the sandbox's node (Cubelet's proxy) ------------------------------------------
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help="the sandbox's access token (from `sandbox create`; default $CUBEACCEL_SANDBOX_TOKEN)"
+    ),
+]
+
+
+def _workload(sandbox_id: str, url: str | None, token: str | None, timeout: float | None = None) -> Any:
+    """A workload client for the sandbox, at its node's Cubelet proxy (the node comes from CubeMaster)."""
+    from urllib.parse import quote
+
+    from cubeaccel.wire.workload_client import WorkloadClient
+
+    token = token or os.environ.get("CUBEACCEL_SANDBOX_TOKEN")
+    if not token:
+        fail(CubeError("workload.unauthenticated", "no access token: --token or $CUBEACCEL_SANDBOX_TOKEN", "api"))
+    row = _call(url, lambda c: c.sandbox(sandbox_id))
+    nodes = {n["node"]: n for n in _call(url, lambda c: c.nodes())}
+    node = nodes.get(row.get("node") or "")
+    if row.get("state") != "running" or node is None:
+        fail(CubeError("workload.not_running", f"sandbox {sandbox_id} is {row.get('state')}, not running", "api"))
+    base = f"{str(node['cubelet_url']).rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
+    return WorkloadClient.over(base, str(token), timeout=timeout)
+
+
+def _env_pairs(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep or not k:
+            raise typer.BadParameter(f"--env wants K=V, got {v!r}")
+        out[k] = val
+    return out
+
+
+@sandbox_app.command("exec", context_settings={"allow_interspersed_args": False})
+def sandbox_exec(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id")],
+    cmd: Annotated[list[str], typer.Argument(help="the command and its arguments (after --)")],
+    env: Annotated[list[str], typer.Option("--env", help="K=V, repeatable")] = [],  # noqa: B006 - typer reads it
+    cwd: Annotated[str | None, typer.Option(help="working directory in the guest")] = None,
+    user: Annotated[str | None, typer.Option(help="guest user (default: user)")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds before the command's group is SIGKILLed")] = None,
+    no_stdin: Annotated[bool, typer.Option("--no-stdin", help="do not pass this process's stdin")] = False,
+    token: TokenOpt = None,
+    url: MasterUrl = None,
+) -> None:
+    """Run CMD in the sandbox: stdout/stderr stream live, stdin is passed, the exit code is the command's."""
+    import sys
+
+    if cmd and cmd[0] == "--":  # kept by click when interspersed options are off
+        cmd = cmd[1:]
+    if not cmd:
+        raise typer.BadParameter("no command after --")
+    wl = _workload(sandbox_id, url, token)
+
+    def out(b: bytes) -> None:
+        sys.stdout.buffer.write(b)
+        sys.stdout.buffer.flush()
+
+    def err(b: bytes) -> None:
+        sys.stderr.buffer.write(b)
+        sys.stderr.buffer.flush()
+
+    try:
+        result = wl.exec(
+            cmd,
+            envs=_env_pairs(env),
+            cwd=cwd,
+            user=user,
+            timeout_s=timeout,
+            stdin=None if no_stdin or sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer,
+            on_stdout=out,
+            on_stderr=err,
+        )
+    except CubeError as e:
+        fail(e)
+    except OSError as e:
+        console.print(f"[red]error[/red] cannot reach the sandbox's node: {e}")
+        raise typer.Exit(1) from e
+    finally:
+        wl.close()
+    raise typer.Exit(result.exit_code)
+
+
+def _remote(arg: str) -> tuple[str, str] | None:
+    """`SB:/path` → (SB, /path); a local path (no colon before the first slash) → None."""
+    head, sep, path = arg.partition(":")
+    if not sep or "/" in head or not head or not path:
+        return None
+    return head, path
+
+
+@sandbox_app.command("cp")
+def sandbox_cp(
+    src: Annotated[str, typer.Argument(help="local path or SB:/path")],
+    dst: Annotated[str, typer.Argument(help="local path or SB:/path")],
+    user: Annotated[str | None, typer.Option(help="guest user owning what is written (default: user)")] = None,
+    token: TokenOpt = None,
+    url: MasterUrl = None,
+) -> None:
+    """Copy one file into or out of a sandbox (streamed; parents are created in the guest)."""
+    rs, rd = _remote(src), _remote(dst)
+    if (rs is None) == (rd is None):
+        raise typer.BadParameter("exactly one of SRC and DST is SB:/path")
+    remote = rs or rd
+    assert remote is not None
+    wl = _workload(remote[0], url, token)
+    try:
+        if rd is not None:
+            with open(src, "rb") as f:
+                wl.upload(rd[1], f, user=user)
+        else:
+            assert rs is not None
+            target = Path(dst)
+            if target.is_dir():
+                target = target / Path(rs[1]).name
+            with open(target, "wb") as f:
+                wl.download(rs[1], f, user=user)
+    except CubeError as e:
+        fail(e)
+    except OSError as e:
+        console.print(f"[red]error[/red] {e}")
+        raise typer.Exit(1) from e
+    finally:
+        wl.close()

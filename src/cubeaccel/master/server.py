@@ -177,7 +177,7 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
         row, created = master.create(spec)
         if not created:
             response.status_code = 200
-        return sandbox_json(row)
+        return {**sandbox_json(row), "access_token": master.issued_tokens.pop(str(row["id"]), None)}
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
     def sandboxes(state: str | None = None, node: str | None = None) -> dict[str, Any]:

@@ -85,6 +85,7 @@ class CubeMaster:
         self.cache = NodeCache(store)
         self._clients: dict[str, CubeletClient] = {}
         self._clients_lock = threading.Lock()
+        self.issued_tokens: dict[str, str] = {}  # sandbox → its workload token until the create's reply takes it
 
     def client(self, url: str) -> CubeletClient:
         with self._clients_lock:
@@ -252,6 +253,8 @@ class CubeMaster:
             return None
         res = reply.get("reservation") or {}
         failure = reply.get("failure")
+        if isinstance(reply.get("access_token"), str):
+            self.issued_tokens[sid] = reply["access_token"]  # passed to the create's caller, never stored
         # Ready means ready: `running` only once the Cubelet says the guest validated; a start that already
         # failed (and may be released already) is `failed` with the Cubelet's code and layer.
         event = (

@@ -165,6 +165,8 @@ class Sandbox(Record):
 
 class SandboxReply(Sandbox):
     v: Literal[1] = 1
+    # The create that started it gets the sandbox's workload access token, once (nothing stores it); else None.
+    access_token: str | None = None
 
 
 class SandboxList(Reply):
