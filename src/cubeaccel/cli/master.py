@@ -153,6 +153,72 @@ def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
     console.print(t)
 
 
+# The node's events that are phases of a start, in the words the issue uses.
+NODE_PHASES = {
+    "vm_started": "VM up",
+    "memory_pinned": "memory pinned",
+    "device_attached": "device attached",
+    "workload_ready": "workload service up",
+    "guest_validated": "guest validated",
+}
+
+
+def _wait_running(url: str | None, s: dict[str, Any], quiet: bool, timeout_s: float) -> dict[str, Any]:
+    """Poll CubeMaster (and the node's event journal, for the VM's phases) until running or failed."""
+    import time
+
+    from cubeaccel.wire.cubelet_client import CubeletClient
+
+    sid, t0, shown, seen = str(s["id"]), time.time(), 0, set()
+    deadline = time.monotonic() + timeout_s
+
+    lines: list[tuple[float, str]] = []
+
+    def say(at: float, what: str) -> None:
+        lines.append((at, what))
+
+    def flush() -> None:  # one poll's phases from both sources, in time order
+        if not quiet:
+            for at, what in sorted(lines):
+                console.print(f"  {max(0.0, at - t0):7.2f}s  {what}")
+        lines.clear()
+
+    node_client: CubeletClient | None = None
+    try:
+        while True:
+            s = _call(url, lambda c: c.sandbox(sid))
+            for e in s.get("timeline", [])[shown:]:
+                say(float(e["at"]), str(e["phase"]))
+            shown = len(s.get("timeline", []))
+            if node_client is None and s.get("node"):
+                nodes = {n["node"]: n for n in _call(url, lambda c: c.nodes())}
+                if s["node"] in nodes:
+                    node_client = CubeletClient(url=str(nodes[s["node"]]["cubelet_url"]))
+            if node_client is not None:
+                try:
+                    page = node_client.request("GET", "/v1/events", params={"limit": 10000, "sandbox_id": sid})
+                    events = list(page["events"])
+                except (CubeError, OSError):
+                    events = []  # the node's journal is a nicety; CubeMaster's state decides
+                for e in events:
+                    label = NODE_PHASES.get(str(e.get("event")))
+                    if label and label not in seen:
+                        seen.add(label)
+                        say(float(e["at"]), label)
+            flush()
+            if s.get("state") in ("running", "failed", "deleted") or time.monotonic() > deadline:
+                if s.get("state") == "failed" and not quiet:
+                    err = s.get("error") or {}
+                    console.print(
+                        f"[red]failed[/red] {err.get('code')} (layer {err.get('layer')}): {err.get('message')}"
+                    )
+                return s
+            time.sleep(0.2)
+    finally:
+        if node_client is not None:
+            node_client.close()
+
+
 def _sandbox_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="sandboxes")
     for col in ("id", "state", "node", "template", "devices", "error"):
@@ -177,10 +243,14 @@ def sandbox_create(
     memory_mib: Annotated[int | None, typer.Option()] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds until CubeMaster deletes it")] = None,
     tenant: Annotated[str, typer.Option()] = "default",
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="return once running (or failed), phases shown")
+    ] = True,
+    wait_timeout: Annotated[float, typer.Option(help="seconds --wait waits")] = 600.0,
     url: MasterUrl = None,
     as_json: AsJson = False,
 ) -> None:
-    """Create a sandbox; on refusal, print why per node."""
+    """Create a sandbox and wait until it runs (phases shown live); on refusal or failure, print why."""
     body: dict[str, Any] = {"tenant": tenant}
     if gpu:
         body["gpu"] = gpu
@@ -193,12 +263,18 @@ def sandbox_create(
         if v is not None:
             body[k] = v
     s = _call(url, lambda c: c.create(body))
+    token = s.get("access_token")
+    if wait and s.get("state") not in ("running", "failed", "deleted"):
+        s = _wait_running(url, s, quiet=as_json, timeout_s=wait_timeout)
+        s["access_token"] = token
     if as_json:
         print(json.dumps(s, indent=2))
     else:
         console.print(_sandbox_table([s]))
         if s.get("access_token"):  # shown once: only its hash is kept
             console.print(f"access token (for exec/cp; shown once): {s['access_token']}")
+    if s.get("state") == "failed":
+        raise typer.Exit(1)
 
 
 @sandbox_app.command("list")
