@@ -73,6 +73,9 @@ def serve_cmd(
     state_dir: Annotated[Path, typer.Option(help="where the default SQLite database lives")] = DEFAULT_STATE,
     staleness: Annotated[float, typer.Option(help="seconds without a heartbeat before a node is stale")] = 10.0,
     tick: Annotated[float, typer.Option(help="seconds between maintenance passes")] = 1.0,
+    default_timeout: Annotated[
+        float, typer.Option(help="lifetime of a sandbox created without --timeout, seconds (0: none)")
+    ] = 3600.0,
 ) -> None:
     """Run CubeMaster: migrate the database, then serve the API."""
     import uvicorn
@@ -91,7 +94,7 @@ def serve_cmd(
     except CubeError as e:
         fail(e)
         return
-    master = CubeMaster(store, MasterConfig(staleness_s=staleness))
+    master = CubeMaster(store, MasterConfig(staleness_s=staleness, default_timeout_s=default_timeout or None))
     maintenance = Maintenance(master, tick)
     maintenance.start()
     print(
@@ -292,6 +295,15 @@ def sandbox_list(
 def sandbox_show(sandbox_id: str, url: MasterUrl = None) -> None:
     """One sandbox with its per-phase timeline."""
     print(json.dumps(_call(url, lambda c: c.sandbox(sandbox_id)), indent=2))
+
+
+@sandbox_app.command("timeout")
+def sandbox_timeout(
+    sandbox_id: str, seconds: Annotated[float, typer.Argument(help="from now")], url: MasterUrl = None
+) -> None:
+    """Extend (or shorten) a sandbox's lifetime; at expiry it is deleted through the release path."""
+    s = _call(url, lambda c: c.set_timeout(sandbox_id, seconds))
+    console.print(f"{sandbox_id} expires at {s['expires_at']:.0f} (in {seconds:.0f} s)")
 
 
 @sandbox_app.command("delete")

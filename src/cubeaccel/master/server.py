@@ -192,6 +192,10 @@ def create_app(master: CubeMaster, maintenance: Maintenance | None = None) -> Fa
     def sandbox(sandbox_id: str) -> dict[str, Any]:
         return sandbox_json(master.get(sandbox_id))
 
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
+    def set_timeout(sandbox_id: str, body: W.TimeoutBody) -> dict[str, Any]:
+        return sandbox_json(master.set_timeout(sandbox_id, body.timeout_s))
+
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
     def delete(sandbox_id: str) -> dict[str, Any]:
         return sandbox_json(master.delete(sandbox_id))

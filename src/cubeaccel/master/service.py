@@ -49,6 +49,7 @@ class MasterConfig:
     staleness_s: float = 10.0  # a node whose last heartbeat is older is `node_stale`
     max_attempts: int = 4  # Cubelets asked per create before giving up
     cubelet_timeout_s: float = 30.0
+    default_timeout_s: float | None = None  # a sandbox created without timeout_s lives this long (None: forever)
 
     @property
     def placement_stale_s(self) -> float:
@@ -122,7 +123,7 @@ class CubeMaster:
             "accelerators": [spec.request.to_json()],
             "memory_mib": spec.memory_mib,
             "vcpus": spec.vcpus,
-            "timeout_s": spec.timeout_s,
+            "timeout_s": spec.timeout_s or self.config.default_timeout_s,
         }
         row = {
             "id": sid,
@@ -135,7 +136,9 @@ class CubeMaster:
             "timeline": [{"at": now, "phase": "requested"}],
             "created_at": now,
             "updated_at": now,
-            "expires_at": None if spec.timeout_s is None else now + spec.timeout_s,
+            "expires_at": None
+            if not (spec.timeout_s or self.config.default_timeout_s)
+            else now + float(spec.timeout_s or self.config.default_timeout_s or 0),
         }
         existing = self.store.insert_sandbox(row)
         if existing is not None:
@@ -280,6 +283,23 @@ class CubeMaster:
         row = self.store.sandbox(sid)
         assert row is not None
         return row
+
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> Row:
+        """Extend (or shorten) a live sandbox's lifetime: it now expires `timeout_s` from now; at expiry the
+        maintenance pass deletes it through the release path (event `timeout`)."""
+        row = self.get(sandbox_id)
+        ok = self.store.update_sandbox(
+            sandbox_id,
+            "timeout_set",
+            expect=(SS.STARTING, SS.RUNNING),
+            detail={"timeout_s": timeout_s},
+            expires_at=time.time() + timeout_s,
+        )
+        if not ok:
+            raise CubeError(
+                "sandbox.not_live", f"sandbox {sandbox_id} is {row['state']}: its lifetime is over", "api", {}, 409
+            )
+        return self.get(sandbox_id)
 
     # ---- delete -----------------------------------------------------------------------------------
     def delete(self, sandbox_id: str) -> Row:

@@ -205,6 +205,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("workload.unauthenticated", 401, "api", "workload proxy: missing or wrong sandbox access token"),
     _c("workload.not_running", 409, "api", "workload proxy: the sandbox is not running on this node"),
     _c("workload.unavailable", 503, "api", "workload proxy: the sandbox's workload endpoint cannot be reached"),
+    _c("sandbox.not_live", 409, "api", "a lifetime change for a sandbox that is no longer starting or running"),
     _c("workload.refused", None, "workload", "the workload service refused a call (`connect_code` names envd's code)"),
     _c("workload.bad_reply", None, "workload", "the workload service's reply does not parse as envd's protocol"),
     _c("mux.stream_closed", 502, "workload", "guest channel: a local send on a stream that is closed for sending"),

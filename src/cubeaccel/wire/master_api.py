@@ -35,6 +35,10 @@ class SandboxBody(Message):
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
 
 
+class TimeoutBody(Message):
+    timeout_s: float = Field(gt=0, le=30 * 86400)
+
+
 class OperatorBody(Message):
     """Like the Cubelet's operator body, but `reason` may be left out (node verbs need none); empty is a 422."""
 
