@@ -115,6 +115,16 @@ def test_cp_round_trips_a_binary_file(sandbox: dict[str, Any], tmp_path: Path) -
     r = cli(sandbox, "cp", f"{sandbox['id']}:/tmp/cp/in.bin", str(tmp_path / "out.bin"))
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "out.bin").read_bytes() == blob
+    # a body with a Content-Length above the API's 1 MiB limit passes the proxy (it streams), as the SDK sends it
+    url = next(n["cubelet_url"] for n in sandbox["master"].client.nodes() if n["node"] == "wl-node")
+    r = httpx.post(
+        f"{url}/v1/sandboxes/{sandbox['id']}/workload/files",
+        params={"path": "/tmp/cp/sized.bin"},
+        content=blob[: 2 * MiB],
+        headers={"X-Access-Token": sandbox["token"], "Content-Type": "application/octet-stream"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
 
 
 def test_the_proxy_refuses_a_missing_or_wrong_token(sandbox: dict[str, Any]) -> None:
