@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -142,6 +143,21 @@ def test_create_is_idempotent_per_id_and_per_idempotency_key(c: Cluster) -> None
     k1 = c.c.create({"gpu": "H100:1"}, idempotency_key="client-42")
     k2 = c.c.create({"gpu": "H100:1"}, idempotency_key="client-42")
     assert k1["id"] == k2["id"] and len(c.c.sandboxes("running")) == 2
+
+
+def test_a_lifetime_is_extended_then_expires_through_the_release_path(c: Cluster) -> None:
+    s = c.c.create({"gpu": "H100:1", "timeout_s": 1.0})
+    extended = c.c.set_timeout(s["id"], 60)
+    assert extended["expires_at"] > s["expires_at"] + 50
+    time.sleep(1.5)  # past the first deadline: nothing to poll for, the extension must hold
+    assert c.c.sandbox(s["id"])["state"] == "running"
+    c.c.set_timeout(s["id"], 0.3)
+    poll(lambda: c.c.sandbox(s["id"])["state"] == "deleted")
+    phases = [p["phase"] for p in c.c.sandbox(s["id"])["timeline"]]
+    assert "timeout_set" in phases and phases[-2:] == ["timeout", "deleted"]
+    with pytest.raises(CubeError) as e:
+        c.c.set_timeout(s["id"], 10)
+    assert (e.value.status, e.value.code) == (409, "sandbox.not_live")
 
 
 def test_delete_gives_devices_back_through_the_cubelet_and_timeouts_delete(c: Cluster) -> None:

@@ -54,6 +54,7 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/sandboxes"): T | A,
     ("GET", "/v1/sandboxes/{sandbox_id}"): T | A,
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): T | A,
+    ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): T | A,
     ("POST", "/v1/tenants"): A,
     ("GET", "/v1/tenants"): A,
     ("DELETE", "/v1/tenants/{tenant}"): A,
@@ -61,7 +62,8 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/v1/admin-keys"): A,
     ("DELETE", "/v1/keys/{key_id}"): A,
 }
-OWNED = {"/v1/sandboxes/{sandbox_id}"}  # routes naming t1's sandbox: other tenants see a 404
+# routes naming t1's sandbox: other tenants see a 404
+OWNED = {"/v1/sandboxes/{sandbox_id}", "/v1/sandboxes/{sandbox_id}/timeout"}
 PARAMS = {
     "node": "n1",
     "sandbox_id": "sb-t1",
@@ -78,6 +80,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("POST", "/v1/templates"): {},
     ("PUT", "/v1/template-defaults/{accel_class}"): {"template": "nope"},
     ("POST", "/v1/sandboxes"): {"gpu": "H100:1"},
+    ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): {"timeout_s": 60},
     ("POST", "/v1/tenants"): {"name": "t9"},
 }
 

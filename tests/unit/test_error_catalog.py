@@ -31,7 +31,7 @@ CODE_SHAPE = re.compile(r"^[a-z][a-z0-9_]*\.[a-z][a-z0-9_]*$")
 NOT_CODES = {
     # file names in state dirs, images and the source tree
     "admin.key", "default.key", "audit.jsonl", "node.token",
-    "agent.sock", "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
+    "agent.sock", "workload.sock", "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
     "shim.pid", "undelivered.jsonl", "up.json", "vmm.log", "vmm.pid",
@@ -69,6 +69,7 @@ CODE_BUILDERS: dict[str, tuple[int | None, str, bool]] = {
     "agent_error": (500, "guest_kernel", True),
     "pinned_error": (500, "pinned_memory", False),
     "protocol_error": (400, "agent", False),
+    "workload_error": (502, "workload", False),
 }
 # Codes raised with different layers by different callers (the catalog names the usual one).
 LAYER_VARIES = {"device.invalid_address"}

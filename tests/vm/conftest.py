@@ -101,6 +101,7 @@ class ShimRun:
     reports_path: Path
     state_dir: Path
     proc: subprocess.Popen[bytes] | None = None
+    workload_token: str | None = None  # given on stdin, as Cubelet does, when the spec asks for the workload bridge
     _seen: list[dict[str, Any]] = field(default_factory=list)
 
     def start(self, wrapper: tuple[str, ...] = ()) -> ShimRun:
@@ -117,7 +118,11 @@ class ShimRun:
             str(self.spec_path),
         ]
         with (self.state_dir.parent / "shim.log").open("ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+            stdin = subprocess.PIPE if self.workload_token else subprocess.DEVNULL
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=stdin)
+        if self.workload_token and self.proc.stdin is not None:
+            self.proc.stdin.write(self.workload_token.encode() + b"\n")
+            self.proc.stdin.close()
         return self
 
     def reports(self) -> list[dict[str, Any]]:

@@ -54,6 +54,37 @@ def print_timeline(events: list[dict[str, Any]]) -> None:
             console.print(f"  {k:<24} {v:8.3f}")
 
 
+# Every PCI function the guest sees whose ids are the emulated edu device's (1234:11e8), from sysfs.
+GUEST_DEVICE_SCRIPT = (
+    "for d in /sys/bus/pci/devices/*; do v=$(cat $d/vendor); i=$(cat $d/device); "
+    "drv=$(readlink $d/driver 2>/dev/null); "
+    'if [ "$v:$i" = "0x1234:0x11e8" ]; then echo "$(basename $d) vendor=$v device=$i driver=${drv:-none}"; fi; done'
+)
+
+
+def show_device_in_guest(cubelet_url: str, sid: str, token: str) -> None:
+    """A command run inside the sandbox (through Cubelet's proxy, as `cubeaccel sandbox exec` does) that shows
+    the hot-plugged device as the guest kernel sees it."""
+    from cubeaccel.wire.workload_client import WorkloadClient
+
+    console.print(f"[bold]cubeaccel sandbox exec {sid} -- sh -c '<list PCI functions 1234:11e8 from sysfs>'[/bold]")
+    wl = WorkloadClient.over(f"{cubelet_url.rstrip('/')}/v1/sandboxes/{sid}/workload", token, timeout=60)
+    out: list[bytes] = []
+    try:
+        t0 = time.monotonic()
+        result = wl.exec(["/bin/sh", "-c", GUEST_DEVICE_SCRIPT], on_stdout=out.append, on_stderr=out.append)
+        took = time.monotonic() - t0
+    except (CubeError, OSError) as e:
+        console.print(f"[red]exec in the guest failed[/red]: {e}")
+        return
+    finally:
+        wl.close()
+    text = b"".join(out).decode(errors="replace").rstrip()
+    console.print(
+        f"[green]in the guest[/green] (exit {result.exit_code}, {took * 1000:.0f} ms):\n{text or '(nothing)'}"
+    )
+
+
 def run_demo(profile: str) -> int:
     """`cubeaccel up` (embedded CubeMaster + one Cubelet, best backend here), one sandbox created through
     CubeMaster, then deleted; the device table, the timeline and the event trail come from Cubelet."""
@@ -88,6 +119,8 @@ def run_demo(profile: str) -> int:
 
         wait_for(ready, "the sandbox to run with its device attached and validated", 180)
         console.print(device_table(cubelet.devices(), title=f"sandbox {sid} running"))
+        if emulated and sb.get("access_token"):
+            show_device_in_guest(info["cubelet_url"], sid, sb["access_token"])
         console.print(f"[bold]cubeaccel sandbox delete {sid}[/bold]")
         master.delete(sid)
         wait_for(lambda: all(d["state"] == "allocatable" for d in cubelet.devices()), "the release", 120)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.table import Table
@@ -55,7 +55,7 @@ def master_url(explicit: str | None) -> str:
     return "http://127.0.0.1:7700"
 
 
-def fail(e: CubeError) -> None:
+def fail(e: CubeError) -> NoReturn:
     console.print(f"[red]error[/red] {e.code} (layer {e.layer}): {e.message}")
     if e.details:
         console.print_json(json.dumps(e.details, default=str))
@@ -96,6 +96,9 @@ def serve_cmd(
         Path | None,
         typer.Option(help="first start: write an admin key and the default tenant's key (0600) into this directory"),
     ] = None,
+    default_timeout: Annotated[
+        float, typer.Option(min=1.0, help="lifetime of a sandbox created without a timeout, seconds")
+    ] = 3600.0,
 ) -> None:
     """Run CubeMaster: migrate the database, then serve the API."""
     import uvicorn
@@ -114,7 +117,7 @@ def serve_cmd(
     except CubeError as e:
         fail(e)
         return
-    master = CubeMaster(store, MasterConfig(staleness_s=staleness))
+    master = CubeMaster(store, MasterConfig(staleness_s=staleness, default_lifetime_s=default_timeout))
     if bootstrap is not None:
         from cubeaccel.master.auth import bootstrap as make_keys
 
@@ -183,6 +186,72 @@ def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
     console.print(t)
 
 
+# The node's events that are phases of a start, in the words the issue uses.
+NODE_PHASES = {
+    "vm_started": "VM up",
+    "memory_pinned": "memory pinned",
+    "device_attached": "device attached",
+    "workload_ready": "workload service up",
+    "guest_validated": "guest validated",
+}
+
+
+def _wait_running(url: str | None, s: dict[str, Any], quiet: bool, timeout_s: float) -> dict[str, Any]:
+    """Poll CubeMaster (and the node's event journal, for the VM's phases) until running or failed."""
+    import time
+
+    from cubeaccel.wire.cubelet_client import CubeletClient
+
+    sid, t0, shown, seen = str(s["id"]), time.time(), 0, set()
+    deadline = time.monotonic() + timeout_s
+
+    lines: list[tuple[float, str]] = []
+
+    def say(at: float, what: str) -> None:
+        lines.append((at, what))
+
+    def flush() -> None:  # one poll's phases from both sources, in time order
+        if not quiet:
+            for at, what in sorted(lines):
+                console.print(f"  {max(0.0, at - t0):7.2f}s  {what}")
+        lines.clear()
+
+    node_client: CubeletClient | None = None
+    try:
+        while True:
+            s = _call(url, lambda c: c.sandbox(sid))
+            for e in s.get("timeline", [])[shown:]:
+                say(float(e["at"]), str(e["phase"]))
+            shown = len(s.get("timeline", []))
+            if node_client is None and s.get("node"):
+                nodes = {n["node"]: n for n in _call(url, lambda c: c.nodes())}
+                if s["node"] in nodes:
+                    node_client = CubeletClient(url=str(nodes[s["node"]]["cubelet_url"]))
+            if node_client is not None:
+                try:
+                    page = node_client.request("GET", "/v1/events", params={"limit": 10000, "sandbox_id": sid})
+                    events = list(page["events"])
+                except (CubeError, OSError):
+                    events = []  # the node's journal is a nicety; CubeMaster's state decides
+                for e in events:
+                    label = NODE_PHASES.get(str(e.get("event")))
+                    if label and label not in seen:
+                        seen.add(label)
+                        say(float(e["at"]), label)
+            flush()
+            if s.get("state") in ("running", "failed", "deleted") or time.monotonic() > deadline:
+                if s.get("state") == "failed" and not quiet:
+                    err = s.get("error") or {}
+                    console.print(
+                        f"[red]failed[/red] {err.get('code')} (layer {err.get('layer')}): {err.get('message')}"
+                    )
+                return s
+            time.sleep(0.2)
+    finally:
+        if node_client is not None:
+            node_client.close()
+
+
 def _sandbox_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="sandboxes")
     for col in ("id", "state", "node", "template", "devices", "error"):
@@ -207,10 +276,14 @@ def sandbox_create(
     memory_mib: Annotated[int | None, typer.Option()] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds until CubeMaster deletes it")] = None,
     tenant: Annotated[str, typer.Option()] = "default",
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="return once running (or failed), phases shown")
+    ] = True,
+    wait_timeout: Annotated[float, typer.Option(help="seconds --wait waits")] = 600.0,
     url: MasterUrl = None,
     as_json: AsJson = False,
 ) -> None:
-    """Create a sandbox; on refusal, print why per node."""
+    """Create a sandbox and wait until it runs (phases shown live); on refusal or failure, print why."""
     body: dict[str, Any] = {"tenant": tenant}
     if gpu:
         body["gpu"] = gpu
@@ -223,10 +296,18 @@ def sandbox_create(
         if v is not None:
             body[k] = v
     s = _call(url, lambda c: c.create(body))
+    token = s.get("access_token")
+    if wait and s.get("state") not in ("running", "failed", "deleted"):
+        s = _wait_running(url, s, quiet=as_json, timeout_s=wait_timeout)
+        s["access_token"] = token
     if as_json:
         print(json.dumps(s, indent=2))
     else:
         console.print(_sandbox_table([s]))
+        if s.get("access_token"):  # shown once: only its hash is kept
+            console.print(f"access token (for exec/cp; shown once): {s['access_token']}")
+    if s.get("state") == "failed":
+        raise typer.Exit(1)
 
 
 @sandbox_app.command("list")
@@ -244,6 +325,15 @@ def sandbox_list(
 def sandbox_show(sandbox_id: str, url: MasterUrl = None) -> None:
     """One sandbox with its per-phase timeline."""
     print(json.dumps(_call(url, lambda c: c.sandbox(sandbox_id)), indent=2))
+
+
+@sandbox_app.command("timeout")
+def sandbox_timeout(
+    sandbox_id: str, seconds: Annotated[float, typer.Argument(help="from now")], url: MasterUrl = None
+) -> None:
+    """Extend (or shorten) a sandbox's lifetime; at expiry it is deleted through the release path."""
+    s = _call(url, lambda c: c.set_timeout(sandbox_id, seconds))
+    console.print(f"{sandbox_id} expires at {s['expires_at']:.0f} (in {seconds:.0f} s)")
 
 
 @sandbox_app.command("delete")
@@ -386,3 +476,133 @@ def register_top_level(root: typer.Typer) -> None:
     root.command("up")(up_cmd)
     root.command("down")(down_cmd)
     root.add_typer(sandbox_app, name="sandbox")
+
+
+# ---- workloads: exec and cp, through the sandbox's node (Cubelet's proxy) ------------------------------------------
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help="the sandbox's access token (from `sandbox create`; default $CUBEACCEL_SANDBOX_TOKEN)"
+    ),
+]
+
+
+def _workload(sandbox_id: str, url: str | None, token: str | None, timeout: float | None = None) -> Any:
+    """A workload client for the sandbox, at its node's Cubelet proxy (the node comes from CubeMaster)."""
+    from urllib.parse import quote
+
+    from cubeaccel.wire.workload_client import WorkloadClient
+
+    token = token or os.environ.get("CUBEACCEL_SANDBOX_TOKEN")
+    if not token:
+        fail(CubeError("workload.unauthenticated", "no access token: --token or $CUBEACCEL_SANDBOX_TOKEN", "api"))
+    row = _call(url, lambda c: c.sandbox(sandbox_id))
+    nodes = {n["node"]: n for n in _call(url, lambda c: c.nodes())}
+    node = nodes.get(row.get("node") or "")
+    if row.get("state") != "running" or node is None:
+        fail(CubeError("workload.not_running", f"sandbox {sandbox_id} is {row.get('state')}, not running", "api"))
+    base = f"{str(node['cubelet_url']).rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
+    return WorkloadClient.over(base, str(token), timeout=timeout)
+
+
+def _env_pairs(values: list[str]) -> dict[str, str]:
+    out = {}
+    for v in values:
+        k, sep, val = v.partition("=")
+        if not sep or not k:
+            raise typer.BadParameter(f"--env wants K=V, got {v!r}")
+        out[k] = val
+    return out
+
+
+@sandbox_app.command("exec", context_settings={"allow_interspersed_args": False})
+def sandbox_exec(
+    sandbox_id: Annotated[str, typer.Argument(help="sandbox id")],
+    cmd: Annotated[list[str], typer.Argument(help="the command and its arguments (after --)")],
+    env: Annotated[list[str], typer.Option("--env", help="K=V, repeatable")] = [],  # noqa: B006 - typer reads it
+    cwd: Annotated[str | None, typer.Option(help="working directory in the guest")] = None,
+    user: Annotated[str | None, typer.Option(help="guest user (default: user)")] = None,
+    timeout: Annotated[float | None, typer.Option(help="seconds before the command's group is SIGKILLed")] = None,
+    no_stdin: Annotated[bool, typer.Option("--no-stdin", help="do not pass this process's stdin")] = False,
+    token: TokenOpt = None,
+    url: MasterUrl = None,
+) -> None:
+    """Run CMD in the sandbox: stdout/stderr stream live, stdin is passed, the exit code is the command's."""
+    import sys
+
+    if cmd and cmd[0] == "--":  # kept by click when interspersed options are off
+        cmd = cmd[1:]
+    if not cmd:
+        raise typer.BadParameter("no command after --")
+    wl = _workload(sandbox_id, url, token)
+
+    def out(b: bytes) -> None:
+        sys.stdout.buffer.write(b)
+        sys.stdout.buffer.flush()
+
+    def err(b: bytes) -> None:
+        sys.stderr.buffer.write(b)
+        sys.stderr.buffer.flush()
+
+    try:
+        result = wl.exec(
+            cmd,
+            envs=_env_pairs(env),
+            cwd=cwd,
+            user=user,
+            timeout_s=timeout,
+            stdin=None if no_stdin or sys.stdin is None or sys.stdin.isatty() else sys.stdin.buffer,
+            on_stdout=out,
+            on_stderr=err,
+        )
+    except CubeError as e:
+        fail(e)
+    except OSError as e:
+        console.print(f"[red]error[/red] cannot reach the sandbox's node: {e}")
+        raise typer.Exit(1) from e
+    finally:
+        wl.close()
+    raise typer.Exit(result.exit_code)
+
+
+def _remote(arg: str) -> tuple[str, str] | None:
+    """`SB:/path` → (SB, /path); a local path (no colon before the first slash) → None."""
+    head, sep, path = arg.partition(":")
+    if not sep or "/" in head or not head or not path:
+        return None
+    return head, path
+
+
+@sandbox_app.command("cp")
+def sandbox_cp(
+    src: Annotated[str, typer.Argument(help="local path or SB:/path")],
+    dst: Annotated[str, typer.Argument(help="local path or SB:/path")],
+    user: Annotated[str | None, typer.Option(help="guest user owning what is written (default: user)")] = None,
+    token: TokenOpt = None,
+    url: MasterUrl = None,
+) -> None:
+    """Copy one file into or out of a sandbox (streamed; parents are created in the guest)."""
+    rs, rd = _remote(src), _remote(dst)
+    if (rs is None) == (rd is None):
+        raise typer.BadParameter("exactly one of SRC and DST is SB:/path")
+    remote = rs or rd
+    assert remote is not None
+    wl = _workload(remote[0], url, token)
+    try:
+        if rd is not None:
+            with open(src, "rb") as f:
+                wl.upload(rd[1], f, user=user)
+        else:
+            assert rs is not None
+            target = Path(dst)
+            if target.is_dir():
+                target = target / Path(rs[1]).name
+            with open(target, "wb") as f:
+                wl.download(rs[1], f, user=user)
+    except CubeError as e:
+        fail(e)
+    except OSError as e:
+        console.print(f"[red]error[/red] {e}")
+        raise typer.Exit(1) from e
+    finally:
+        wl.close()

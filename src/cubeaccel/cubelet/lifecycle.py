@@ -6,11 +6,16 @@ rules (VMM exited, shim exited or final report, no holders, reset done, revalida
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
+
+from pydantic import SecretStr
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
@@ -41,6 +46,10 @@ S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
 MAX_COUNT = 64
 __all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def validate_sandbox_id(sandbox_id: object) -> str:
@@ -121,6 +130,7 @@ class Cubelet(ReleasePath):
         self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
         self.status_sink = None
+        self.issued_tokens: dict[str, str] = {}  # sandbox → workload token not yet given to the caller
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -247,6 +257,8 @@ class Cubelet(ReleasePath):
                 cp.started_at = t.now
                 cp.start_id = uuid.uuid4().hex[:16]
                 cp.image_digest = self._image_digest(res)  # what the shim boots, by digest
+                token = secrets.token_urlsafe(32)  # this start's workload token: only its hash is kept
+                cp.workload_token_sha256 = token_digest(token)
                 t.update_reservation(res)
                 start_ok = True
         if not start_ok:
@@ -254,7 +266,8 @@ class Cubelet(ReleasePath):
             raise conflict(
                 "prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation", layer="host_hardware"
             )
-        spec = self._spec(sandbox_id)
+        spec = self._spec(sandbox_id).model_copy(update={"workload": True, "workload_token": SecretStr(token)})
+        self.issued_tokens[sandbox_id] = token  # handed to the caller by the API reply, once (take_token)
         try:
             self.shim.start(spec)
         except (CubeError, OSError) as e:  # the shim could not even be launched
@@ -270,6 +283,18 @@ class Cubelet(ReleasePath):
                 )
             )
         return self.store.reservation(sandbox_id)  # None when startup failed and released already
+
+    def take_token(self, sandbox_id: str) -> str | None:
+        """The workload token issued by this process's last start of the sandbox, once: a second call, a later
+        read or a restarted Cubelet gets None (the caller that started it got it)."""
+        with self.lock:
+            return self.issued_tokens.pop(sandbox_id, None)
+
+    def workload_token_ok(self, sandbox_id: str, token: str) -> bool:
+        """Whether `token` is the one issued for the sandbox's current start (compared by hash, constant time)."""
+        res = self.store.reservation(sandbox_id)
+        want = None if res is None else res.checkpoint.workload_token_sha256
+        return want is not None and hmac.compare_digest(token_digest(token), want)
 
     def _spec(self, sandbox_id: str) -> ShimSpec:
         with self.store.read() as t:

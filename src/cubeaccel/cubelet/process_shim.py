@@ -65,12 +65,18 @@ class ProcessShimDriver:
             raise spec_error(e) from e
         spec_path.write_text(json.dumps(launch.to_json()))
         log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
+        token = spec.workload_token.get_secret_value() if spec.workload_token is not None else None
         child = subprocess.Popen(
             [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
+            stdin=subprocess.PIPE if token else subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        if token and child.stdin is not None:  # the token never touches the disk: one line on the shim's stdin
+            with contextlib.suppress(OSError):
+                child.stdin.write(token.encode() + b"\n")
+            child.stdin.close()
         self._children[sid] = child
 
     def _launch_spec(self, spec: ShimSpec) -> ShimSpec:
@@ -94,6 +100,10 @@ class ProcessShimDriver:
         if child is not None and child.poll() is not None:
             del self._children[sandbox_id]  # reaped: not mistaken for a live process
         return find_shim(sandbox_id, self.proc, under=self.dir)
+
+    def workload_socket(self, sandbox_id: str) -> Path:
+        """Where this sandbox's shim bridges the guest's workload service (the Cubelet proxy connects here)."""
+        return self.dir / sandbox_id / "workload.sock"
 
     def stop(self, sandbox_id: str) -> None:
         pid = self._shim_pid(sandbox_id)

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import re
 import threading
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+import httpx
+from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
@@ -18,8 +22,10 @@ from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sa
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.throttle import Throttle
+from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
+from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
@@ -45,7 +51,9 @@ def create_app(
         @app.middleware("http")
         async def _only_master(request: Request, call_next: Any) -> Any:
             given = request.headers.get("authorization", "").encode()
-            if request.url.path != "/v1/health" and not hmac.compare_digest(given, expected):
+            # The workload proxy checks the sandbox's own access token (hashed in its checkpoint) instead.
+            exempt = request.url.path == "/v1/health" or _WORKLOAD_PATH.match(request.url.path) is not None
+            if not exempt and not hmac.compare_digest(given, expected):
                 source = request.client.host if request.client else "?"
                 try:
                     throttle.check(source)
@@ -130,7 +138,7 @@ def create_app(
         cubelet.reserve(body.sandbox_id, req)
         if body.start:
             cubelet.start(body.sandbox_id)
-        return _reservation_json(cubelet, body.sandbox_id)
+        return {**_reservation_json(cubelet, body.sandbox_id), "access_token": cubelet.take_token(body.sandbox_id)}
 
     @app.get("/v1/reservations", response_model=W.ReservationList)
     def reservations() -> dict[str, Any]:
@@ -144,7 +152,7 @@ def create_app(
     @app.post("/v1/reservations/{sandbox_id}/start", response_model=W.ReservationView)
     def start(sandbox_id: str) -> dict[str, Any]:
         cubelet.start(validate_sandbox_id(sandbox_id))
-        return _reservation_json(cubelet, sandbox_id)
+        return {**_reservation_json(cubelet, sandbox_id), "access_token": cubelet.take_token(sandbox_id)}
 
     @app.post("/v1/reservations/{sandbox_id}/{operation}")
     def lifecycle_operation(sandbox_id: str, operation: str) -> dict[str, Any]:
@@ -195,6 +203,7 @@ def create_app(
     def run_reconcile() -> dict[str, Any]:
         return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
 
+    add_workload_proxy(app, cubelet)
     if local:
         app.post("/v1/devices/{device_id}/{verb}", response_model=W.DeviceReply)(device_verb)
         app.post(
@@ -302,3 +311,80 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, t
         await asyncio.gather(*(s.serve() for s in servers))
 
     asyncio.run(run())
+
+
+# ---- the workload proxy ------------------------------------------------------------------------------------------
+WORKLOAD_PREFIX = "/v1/sandboxes/"  # + {sandbox_id}/workload/{path}: envd's API of that sandbox, streamed through
+_WORKLOAD_PATH = re.compile(r"^/v1/sandboxes/[^/]+/workload/")
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
+
+
+def workload_socket(cubelet: Cubelet, sandbox_id: str) -> Path:
+    """The running sandbox's bridge socket, or the refusal a caller gets."""
+    res = cubelet.store.reservation(sandbox_id)
+    if res is None or res.phase is not ReservationPhase.RUNNING:
+        raise CubeError(
+            "workload.not_running", f"sandbox {sandbox_id} is not running here", "api", {"sandbox_id": sandbox_id}, 409
+        )
+    find = getattr(cubelet.shim, "workload_socket", None)  # only drivers that run real shims have one
+    path = find(sandbox_id) if find is not None else None
+    if not isinstance(path, Path) or not path.exists():
+        raise CubeError(
+            "workload.unavailable",
+            f"sandbox {sandbox_id} has no workload endpoint",
+            "api",
+            {"sandbox_id": sandbox_id},
+            503,
+        )
+    return path
+
+
+def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
+    """Route `…/{sandbox_id}/workload/{path}` to that sandbox's shim socket, bodies streamed both ways (never
+    buffered whole). The caller's `X-Access-Token` is checked against the start's stored hash here, and again by
+    the guest; `GET health` and envd's signed `/files` URLs pass to the guest, which checks them."""
+
+    @app.api_route(
+        WORKLOAD_PREFIX + "{sandbox_id}/workload/{path:path}",
+        methods=["GET", "POST", "HEAD"],
+        include_in_schema=False,
+    )
+    async def workload(sandbox_id: str, path: str, request: Request) -> Response:
+        validate_sandbox_id(sandbox_id)
+        token = request.headers.get("x-access-token")
+        if token is not None:
+            if not cubelet.workload_token_ok(sandbox_id, token):
+                raise CubeError("workload.unauthenticated", "missing or wrong access token", "api", {}, 401)
+        elif not (path == "health" or (path == "files" and "signature" in request.query_params)):
+            raise CubeError("workload.unauthenticated", "missing or wrong access token", "api", {}, 401)
+        sock = workload_socket(cubelet, sandbox_id)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=connect_path(sock)),
+            base_url="http://workload",
+            timeout=httpx.Timeout(None, connect=10.0),
+        )
+        has_body = request.method == "POST"
+        upstream_req = client.build_request(
+            request.method,
+            "/" + path,
+            params=list(request.query_params.multi_items()),
+            headers=headers,
+            content=request.stream() if has_body else None,
+        )
+        try:
+            upstream = await client.send(upstream_req, stream=True)
+        except httpx.HTTPError as e:
+            await client.aclose()
+            raise CubeError("workload.unavailable", f"workload endpoint: {e}", "api", {}, 503) from e
+
+        async def body() -> Any:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:
+                await upstream.aclose()
+                await client.aclose()
+
+        out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP - {"content-length"}}
+        return StreamingResponse(body(), status_code=upstream.status_code, headers=out)

@@ -1,9 +1,11 @@
-"""The guest root filesystem: busybox + a pruned python3.11 + cube-agent, as an initramfs tree.
+"""The guest root filesystem: busybox + bash/coreutils + a pruned python3.11 + cube-agent + cube-workload.
 
 Built from extracted Debian packages (no debootstrap): busybox-static provides the shell and `modprobe`; python
 comes from python3.11-minimal and libpython3.11-stdlib plus the shared libraries their core modules need. Bytecode
 is compiled once here with the guest's own interpreter (unchecked-hash pycs), because compiling the stdlib on every
-boot under TCG costs seconds. cube-agent (`src/cubeaccel/agent` + `src/cubeaccel/model`) lives in /opt/cubeaccel.
+boot under TCG costs seconds. cube-agent and cube-workload (`src/cubeaccel/{agent,workload,guest,model}`) live in
+/opt/cubeaccel. bash and coreutils are there because the E2B SDK runs every command as `/bin/bash -l -c CMD`;
+`/etc/passwd` names `root` and `user` (envd's default user), each with a home.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from cubeaccel.images.packages import image_error
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
+from cubeaccel.model.mux import WORKLOAD_PORT_NAME
 
 ROOTFS_PACKAGES = (
     "busybox-static",
@@ -27,6 +30,15 @@ ROOTFS_PACKAGES = (
     "libssl3",
     "liblzma5",
     "libbz2-1.0",
+    # the workload's shell and tools (bash -l -c CMD), and their libraries
+    "bash",
+    "libtinfo6",
+    "coreutils",
+    "libacl1",
+    "libattr1",
+    "libgmp10",
+    "libselinux1",
+    "libpcre2-8-0",
 )
 AGENT_HOME = "/opt/cubeaccel"
 
@@ -88,17 +100,34 @@ _APPLETS = (
     "sync",
 )
 
+WORKLOAD_USER = "user"
+PASSWD = "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+GROUP = "root:x:0:\nuser:x:1000:\n"
+
 INIT_SCRIPT = f"""#!/bin/sh
-# cubeaccel guest init: mount the basics, load the virtio modules from modules.img, run cube-agent on its port.
+# cubeaccel guest init: mount the basics, load the virtio modules from modules.img, run cube-workload and
+# cube-agent, each on its own virtio-serial port.
 export PATH=/bin:/usr/bin:/sbin:/usr/sbin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-mkdir -p /tmp /run && mount -t tmpfs tmpfs /tmp
+mkdir -p /tmp /run /dev/pts && mount -t tmpfs tmpfs /tmp && chmod 1777 /tmp
+mount -t devpts devpts /dev/pts
+chown 1000:1000 /home/user && chmod 0750 /home/user /root
 modprobe virtio_pci
 modprobe virtio_console
 echo "cube-init: kernel $(uname -r)"
-export PYTHONPATH={AGENT_HOME} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH={AGENT_HOME} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/root
+# The workload service takes its access token from the host at the start of each channel session (not from a
+# file): a guest restored from a template snapshot booted before its sandbox, and its token, existed.
+(
+  while true; do
+    python3 -m cubeaccel.workload serve --mux-port {WORKLOAD_PORT_NAME} --token-from-channel \\
+      --default-user {WORKLOAD_USER} </dev/null
+    echo "cube-init: workload exited $?"
+    sleep 1
+  done
+) &
 while true; do
   python3 -m cubeaccel.agent serve --port {AGENT_PORT_NAME} --wait-port 10 --eof wait
   rc=$?
@@ -131,8 +160,10 @@ def install_busybox(root: Path) -> None:
     bb = root / "bin" / "busybox"
     if not bb.exists():
         raise image_error("image.busybox_missing", "busybox-static did not provide /bin/busybox", layer="template")
-    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "run", "root"):
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "run", "root", "etc", "home/user"):
         (root / d).mkdir(parents=True, exist_ok=True)
+    (root / "etc/passwd").write_text(PASSWD)
+    (root / "etc/group").write_text(GROUP)
     for applet in _APPLETS:
         link = root / "bin" / applet
         if not link.exists():
@@ -146,7 +177,7 @@ def install_busybox(root: Path) -> None:
 
 
 # What of cubeaccel runs in the guest (stdlib only; layering contracts in pyproject.toml keep it so).
-GUEST_SOURCE_PACKAGES = ("agent", "guest", "model")
+GUEST_SOURCE_PACKAGES = ("agent", "workload", "guest", "model")
 
 
 def install_agent(root: Path, src_pkg: Path) -> None:
@@ -160,6 +191,8 @@ def install_agent(root: Path, src_pkg: Path) -> None:
             shutil.copytree(src_pkg / sub, pkg / sub, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     if not (pkg / "agent" / "__main__.py").exists():
         raise image_error("image.agent_missing", f"no cube-agent at {src_pkg / 'agent'}", layer="template")
+    if not (pkg / "workload" / "__main__.py").exists():
+        raise image_error("image.agent_missing", f"no cube-workload at {src_pkg / 'workload'}", layer="template")
 
 
 def guest_python(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -179,8 +212,8 @@ def compile_and_smoke_test(root: Path) -> None:
         f"ok = compileall.compile_dir(sys.argv[1], ddir='/usr/lib/python3.11', quiet=2, workers=0,"
         " invalidation_mode=mode)\n"
         f"ok &= compileall.compile_dir(sys.argv[2], ddir='{AGENT_HOME}', quiet=2, invalidation_mode=mode)\n"
-        "import json, ctypes, hashlib, select, socket, struct, fcntl, termios, lzma, zlib\n"
-        "import cubeaccel.agent.__main__\n"
+        "import json, ctypes, hashlib, select, socket, struct, fcntl, termios, pty, tty, lzma, zlib, gzip\n"
+        "import cubeaccel.agent.__main__, cubeaccel.workload.__main__, cubeaccel.workload.app\n"
         "sys.exit(0 if ok else 3)\n"
     )
     proc = guest_python(root, "-c", script, str(root / "usr/lib/python3.11"), str(root / AGENT_HOME.lstrip("/")))

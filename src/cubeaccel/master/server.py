@@ -58,6 +58,7 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("GET", "/v1/sandboxes"): (USERS, "sandbox:list"),
     ("GET", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:show"),
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:delete"),
+    ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): (USERS, "sandbox:set_timeout"),
     ("POST", "/v1/tenants"): (ADMINS, "tenant:create"),
     ("GET", "/v1/tenants"): (ADMINS, "tenant:list"),
     ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
@@ -345,7 +346,7 @@ def create_app(
         row, created = master.create(spec)
         if not created:
             response.status_code = 200
-        return sandbox_json(row)
+        return {**sandbox_json(row), "access_token": master.issued_tokens.pop(str(row["id"]), None)}
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
     def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> dict[str, Any]:
@@ -362,6 +363,11 @@ def create_app(
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
     def sandbox(sandbox_id: str, request: Request) -> dict[str, Any]:
         return sandbox_json(owned(request.state.identity, sandbox_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
+    def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> dict[str, Any]:
+        request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
+        return sandbox_json(master.set_timeout(sandbox_id, body.timeout_s))
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
     def delete(sandbox_id: str, request: Request) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.wire.master_api import MAX_LIFETIME_S
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 
@@ -51,7 +52,7 @@ class MasterConfig:
     staleness_s: float = 10.0  # a node whose last heartbeat is older is `node_stale`
     max_attempts: int = 4  # Cubelets asked per create before giving up
     cubelet_timeout_s: float = 30.0
-    default_lifetime_s: float = 24 * 3600.0  # every sandbox has a lifetime; a tenant's quota may set its own
+    default_lifetime_s: float = 3600.0  # every sandbox has a lifetime; a tenant's quota may set its own
 
     @property
     def placement_stale_s(self) -> float:
@@ -89,6 +90,7 @@ class CubeMaster:
         self.auth = Auth(store)
         self._clients: dict[tuple[str, str | None], CubeletClient] = {}
         self._clients_lock = threading.Lock()
+        self.issued_tokens: dict[str, str] = {}  # sandbox → its workload token until the create's reply takes it
 
     def client(self, url: str) -> CubeletClient:
         """A client for the Cubelet at `url`, presenting that node's token (its TCP API asks for it)."""
@@ -252,8 +254,9 @@ class CubeMaster:
             "start": True,
         }
         row = self.store.sandbox(sid)
-        if row is not None and row["expires_at"] is not None:  # the Cubelet's backstop, a minute after ours
-            body["lifetime_s"] = max(1.0, float(row["expires_at"]) - time.time() + LIFETIME_SLACK_S)
+        if row is not None:  # the Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)
+            deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])
+            body["lifetime_s"] = max(1.0, deadline - time.time() + LIFETIME_SLACK_S)
         try:
             reply = self.client(cand.node.cubelet_url).reserve(sid, **body)
         except (CubeError, httpx.HTTPError) as e:
@@ -276,6 +279,8 @@ class CubeMaster:
             return None
         res = reply.get("reservation") or {}
         failure = reply.get("failure")
+        if isinstance(reply.get("access_token"), str):
+            self.issued_tokens[sid] = reply["access_token"]  # passed to the create's caller, never stored
         # Ready means ready: `running` only once the Cubelet says the guest validated; a start that already
         # failed (and may be released already) is `failed` with the Cubelet's code and layer.
         event = (
@@ -301,6 +306,36 @@ class CubeMaster:
         row = self.store.sandbox(sid)
         assert row is not None
         return row
+
+    def _lifetime_cap(self, tenant: str) -> float:
+        return self.auth.quota(tenant).max_lifetime_s or MAX_LIFETIME_S
+
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> Row:
+        """Extend (or shorten) a live sandbox's lifetime: it now expires `timeout_s` from now; at expiry the
+        maintenance pass deletes it through the release path (event `timeout`). Never past its tenant's maximum
+        lifetime counted from creation, which is also what its Cubelet enforces as a backstop."""
+        row = self.get(sandbox_id)
+        cap = self._lifetime_cap(row["tenant"])
+        if time.time() + timeout_s > float(row["created_at"]) + cap:
+            raise CubeError(
+                "quota.lifetime",
+                f"sandbox {sandbox_id} may live at most {cap:g}s from its creation",
+                "scheduler",
+                {"max_lifetime_s": cap, "requested_s": timeout_s},
+                422,
+            )
+        ok = self.store.update_sandbox(
+            sandbox_id,
+            "timeout_set",
+            expect=(SS.STARTING, SS.RUNNING),
+            detail={"timeout_s": timeout_s},
+            expires_at=time.time() + timeout_s,
+        )
+        if not ok:
+            raise CubeError(
+                "sandbox.not_live", f"sandbox {sandbox_id} is {row['state']}: its lifetime is over", "api", {}, 409
+            )
+        return self.get(sandbox_id)
 
     # ---- delete -----------------------------------------------------------------------------------
     def delete(self, sandbox_id: str) -> Row:

@@ -47,6 +47,9 @@ class ReservationCheckpoint:
     started_at: float | None = None  # reconcile's startup timeout counts from here
     start_id: str | None = None  # this start's nonce: the shim echoes it, reports with another one are refused
     image_digest: str | None = None  # what the shim boots, by digest
+    # sha256 (hex) of this start's workload access token: the proxy checks callers against it; the token itself
+    # went to the caller once and to the shim on its stdin, and is never stored
+    workload_token_sha256: str | None = None
     # ---- evidence the shim reported (judged, never trusted alone) ----
     vmm_pid: int | None = None  # the shim said it started a VMM (identity is found in /proc, not by this pid)
     guest_addresses: dict[str, str] = field(default_factory=dict)  # device id → guest PCI address
@@ -66,6 +69,7 @@ class ReservationCheckpoint:
             "started_at": self.started_at,
             "start_id": self.start_id,
             "image_digest": self.image_digest,
+            "workload_token_sha256": self.workload_token_sha256,
             "vmm_pid": self.vmm_pid,
             "guest_addresses": dict(self.guest_addresses),
             "detached": list(self.detached),
@@ -99,6 +103,7 @@ class ReservationCheckpoint:
             started_at=_num(data, "started_at"),
             start_id=_str(data, "start_id"),
             image_digest=_str(data, "image_digest"),
+            workload_token_sha256=_str(data, "workload_token_sha256"),
             vmm_pid=_int(data, "vmm_pid"),
             guest_addresses=_str_map(data, "guest_addresses"),
             detached=_str_list(data.get("detached", []), "detached"),

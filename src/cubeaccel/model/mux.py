@@ -36,6 +36,31 @@ DEFAULT_INITIAL_WINDOW = 256 * 1024
 DEFAULT_MAX_STREAMS = 256
 DEFAULT_MAX_CONTROL_BACKLOG = 64 * 1024  # unsent control bytes (ping answers, resets) before the peer is a flooder
 
+# The workload channel: its virtserialport name, and the line the host writes before each session's first frame.
+# The access token travels on the channel itself, so a guest restored from a template snapshot (booted before its
+# sandbox had a token) learns it from the shim that restored it; only the host end can write to the port.
+WORKLOAD_PORT_NAME = "org.cubeaccel.workload.0"
+TOKEN_PREAMBLE = b"CUBE-WORKLOAD-TOKEN "
+MAX_PREAMBLE = 256
+
+
+def token_preamble(token: str) -> bytes:
+    """`CUBE-WORKLOAD-TOKEN <token>\\n`: a token is URL-safe text, never a newline or a space."""
+    raw = token.encode()
+    if not raw or len(TOKEN_PREAMBLE) + len(raw) + 1 > MAX_PREAMBLE or any(c <= 0x20 or c > 0x7E for c in raw):
+        raise ValueError("a workload token is 1..200 printable ASCII characters without spaces")
+    return TOKEN_PREAMBLE + raw + b"\n"
+
+
+def parse_preamble(line: bytes) -> bytes | None:
+    """The token of a preamble line (without its newline), or None when the line is not one."""
+    if not line.startswith(TOKEN_PREAMBLE):
+        return None
+    token = line[len(TOKEN_PREAMBLE) :]
+    if not token or any(c <= 0x20 or c > 0x7E for c in token):
+        return None
+    return token
+
 
 class FrameType(IntEnum):
     OPEN = 0

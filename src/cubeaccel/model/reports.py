@@ -17,6 +17,7 @@ class ShimReportKind(StrEnum):
     VM_STARTED = "vm_started"  # details: pid, vmm, accel (tcg/kvm)
     MEMORY_PINNED = "memory_pinned"  # details: vmlck_kib, guest_kib
     GUEST_READY = "guest_ready"  # cube-agent said hello
+    WORKLOAD_READY = "workload_ready"  # the workload service answered over its channel; details: health_ms
     DEVICE_ATTACHED = "device_attached"  # VMM confirmed and the guest saw vendor:device
     ATTACH_FAILED = "attach_failed"  # details: reason, layer
     GUEST_VALIDATED = "guest_validated"  # details: report (GuestReport.to_json())

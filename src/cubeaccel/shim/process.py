@@ -12,6 +12,7 @@ import contextlib
 import os
 import select
 import signal
+import sys
 import time
 from types import FrameType
 
@@ -27,6 +28,7 @@ from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
+from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 
 PIN_PROOF_TIMEOUT_S = 5.0
@@ -50,8 +52,10 @@ def probe_timeout_s(contract: dict[str, object] | None) -> float:
 
 
 class Shim:
-    def __init__(self, spec: ShimSpec) -> None:
+    def __init__(self, spec: ShimSpec, workload_token: str | None = None) -> None:
         self.spec = spec
+        self.workload_token = workload_token
+        self.bridge: WorkloadBridge | None = None
         self.reporter = Reporter(
             spec.sandbox_id, spec.report_socket, spec.report_file, spec.run_dir, start_id=spec.start_id
         )
@@ -183,6 +187,13 @@ class Shim:
                 if vmm.started:
                     self.vmm = vmm  # only a VMM that exists is torn down
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
+        if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
+            if not self.workload_token:
+                raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
+            self.bridge = WorkloadBridge(
+                spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
+            )
+            self.bridge.start(10.0)
         t = self._phase("vmm_start_s", t)
         self.reporter.report(
             K.VM_STARTED,
@@ -210,6 +221,10 @@ class Shim:
             self._check_stop()
             self._attach(vmm, agent, i, dev)
         t = self._phase("hotplug_to_visible_s", t)
+        if self.bridge is not None:  # before validation: a sandbox reported validated is one that can run work
+            took = self.bridge.wait_healthy(spec.boot_timeout_s, cancelled=lambda: self._stop)
+            t = self._phase("workload_up_s", t)
+            self.reporter.report(K.WORKLOAD_READY, health_ms=round(took * 1000, 1), socket="workload.sock")
         if spec.devices:  # every sandbox is validated in the guest; without a contract, the minimal checks
             self._validate(agent)
             self._phase("guest_validation_s", t)
@@ -351,6 +366,8 @@ class Shim:
             return None
         t = time.monotonic()
         alive = vmm.poll_exit() is None
+        if self.bridge is not None:  # workload connections end first; the guest kills their commands
+            self.bridge.close()
         if alive and self.agent is not None:
             with contextlib.suppress(Exception):  # the guest is untrusted: nothing it says stops the teardown
                 self.agent.call(
@@ -391,5 +408,13 @@ class Shim:
                 )
 
 
+def read_workload_token() -> str | None:
+    """The token line Cubelet writes to the shim's stdin (and closes); None when stdin is a terminal or empty."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    line = sys.stdin.buffer.readline(512).strip()
+    return line.decode("ascii", errors="replace") or None
+
+
 def run_shim(spec: ShimSpec) -> int:
-    return Shim(spec).run()
+    return Shim(spec, read_workload_token() if spec.workload else None).run()

@@ -1,7 +1,8 @@
 """`QemuVmm`: one QEMU MicroVM driven over QMP (qemu.qmp's synchronous client).
 
 Machine: q35 with ACPI PCI hot-plug on `pcie-root-port`s (native pciehp costs ~6 s per unplug), guest RAM from a
-preallocated memory backend locked with `-overcommit mem-lock=on`, a virtio-serial port for cube-agent, the serial
+preallocated memory backend locked with `-overcommit mem-lock=on`, virtio-serial ports for cube-agent and for the
+workload service, the serial
 console in a log file, and the sandbox tag on the command line. KVM when it can really run a guest, otherwise TCG
 with a 64 MiB translation cache (the default 1 GiB would be locked too). Template state is saved and restored
 by migration to and from a file (`exec:cat`).
@@ -24,6 +25,7 @@ from cubeaccel.host.hypervisor import detect_accel, find_qemu
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.mux import WORKLOAD_PORT_NAME
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, stop_child, vmm_error
@@ -88,6 +90,11 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
         "socket,id=agent0,path=agent.sock,server=on,wait=off",
         "-device",
         f"virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}",
+        # The workload's own port: a workload never shares a channel with validation.
+        "-chardev",
+        "socket,id=workload0,path=workload-vmm.sock,server=on,wait=off",
+        "-device",
+        f"virtserialport,bus=vser0.0,chardev=workload0,name={WORKLOAD_PORT_NAME}",
         "-qmp",
         "unix:qmp.sock,server=on,wait=off",
         # A second monitor for Cubelet/operators while the shim holds the first.
@@ -137,7 +144,7 @@ class QemuVmm:
     def start(self) -> None:
         sd = self.cfg.state_dir
         sd.mkdir(parents=True, exist_ok=True)
-        for name in ("qmp.sock", "qmp-aux.sock", "agent.sock"):
+        for name in ("qmp.sock", "qmp-aux.sock", "agent.sock", "workload-vmm.sock"):
             (sd / name).unlink(missing_ok=True)
         argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None)
         env = {**os.environ, find.ENV_SANDBOX: self.cfg.sandbox_id, find.ENV_DEVICES: ";".join(self.cfg.device_ids)}

@@ -122,7 +122,9 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
     @app.middleware("http")
     async def _limit(request: Request, call_next: Any) -> Any:
         size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > max_body):
+        # Cubelet's workload proxy streams uploads of any size to the guest (flow-controlled, never held whole).
+        streamed = request.url.path.startswith("/v1/sandboxes/") and "/workload/" in request.url.path
+        if size is not None and not streamed and (not size.isdigit() or int(size) > max_body):
             return error_response(
                 CubeError("api.body_too_large", f"request body over {max_body} bytes", "api", {}, 413)
             )

@@ -92,6 +92,8 @@ class ReservationView(Reply):
     devices: list[Device]
     timeline: list[TimelineEntry]
     failure: dict[str, Any] | None
+    # The workload access token of the start this reply reports, given once (only its hash is kept); else None.
+    access_token: str | None = None
 
 
 class ReservationList(Reply):

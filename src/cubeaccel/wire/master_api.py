@@ -23,6 +23,9 @@ class StatusBody(Message):
     error: StatusError | None = None
 
 
+MAX_LIFETIME_S = 30 * 86400.0  # no sandbox lives longer, whatever its tenant's quota says
+
+
 class SandboxBody(Message):
     id: str | None = None
     template: str | None = Field(default=None, min_length=1, max_length=401)
@@ -30,9 +33,13 @@ class SandboxBody(Message):
     gpu: Any = None
     memory_mib: StrictInt | None = Field(default=None, ge=64, le=16 << 20)
     vcpus: StrictInt = Field(default=1, ge=1, le=256)
-    timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400)
+    timeout_s: float | None = Field(default=None, gt=0, le=MAX_LIFETIME_S)
     tenant: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a tenant key's own
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+
+
+class TimeoutBody(Message):
+    timeout_s: float = Field(gt=0, le=MAX_LIFETIME_S)
 
 
 class OperatorBody(Message):
@@ -165,6 +172,8 @@ class Sandbox(Record):
 
 class SandboxReply(Sandbox):
     v: Literal[1] = 1
+    # The create that started it gets the sandbox's workload access token, once (nothing stores it); else None.
+    access_token: str | None = None
 
 
 class SandboxList(Reply):

@@ -49,6 +49,9 @@ class MasterClient:
         params = {"state": state} if state else None
         return list(self.request("GET", "/v1/sandboxes", params=params)["sandboxes"])
 
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> dict[str, Any]:
+        return dict(self.request("POST", f"/v1/sandboxes/{sandbox_id}/timeout", {"timeout_s": timeout_s}))
+
     def delete(self, sandbox_id: str) -> dict[str, Any]:
         return dict(self.request("DELETE", f"/v1/sandboxes/{sandbox_id}"))
 

@@ -17,6 +17,7 @@ from pydantic import (
     BeforeValidator,
     Field,
     PlainSerializer,
+    SecretStr,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -121,6 +122,11 @@ class ShimSpec(Message):
     boot_timeout_s: Seconds = 60.0
     memory_backend: Literal["ram", "memfd", "hugepages"] = "ram"
     image_check: Literal["report", "enforce"] = "report"  # enforce: a mismatch fails before the VM starts
+    # Bridge the guest's workload service to `workload.sock`; its access token comes on the shim's stdin (one
+    # line), never in this file: the host keeps only its hash.
+    workload: StrictBool = False
+    # In memory only (Cubelet → its process driver → the shim's stdin): never dumped, so never in the spec file.
+    workload_token: SecretStr | None = Field(default=None, exclude=True)
 
     @field_validator("sandbox_id")
     @classmethod

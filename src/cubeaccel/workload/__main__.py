@@ -12,12 +12,14 @@ import argparse
 import json
 import os
 import pwd
+import select
 import signal
 import sys
 import threading
 from pathlib import Path
 from types import FrameType
 
+from cubeaccel.model.mux import MAX_PREAMBLE, parse_preamble
 from cubeaccel.workload.app import Workload
 from cubeaccel.workload.http1 import Server, SocketListener, log
 from cubeaccel.workload.muxchannel import MuxChannel
@@ -37,6 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--mux-port", metavar="NAME|PATH", help="virtio-serial port carrying the mux framing")
     where.add_argument("--mux-fd", type=int, metavar="FD", help="inherited fd carrying the mux framing (tests)")
     srv.add_argument("--token-file", metavar="FILE", help=f"access token file (else ${TOKEN_ENV})")
+    srv.add_argument(
+        "--token-from-channel",
+        action="store_true",
+        help="with --mux-port/--mux-fd: the host sends the token before each session (a restored snapshot's way)",
+    )
     srv.add_argument("--default-user", default=None, help="user for calls that name none (default: our own)")
     srv.add_argument("--default-workdir", default=None, help="cwd and base for relative paths (default: home)")
     srv.add_argument("--env-file", metavar="FILE", help="JSON object of environment variables for every command")
@@ -46,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _token(args: argparse.Namespace) -> bytes:
+    if args.token_from_channel:
+        if args.mux_port is None and args.mux_fd is None:
+            raise SystemExit("cube-workload: --token-from-channel needs --mux-port or --mux-fd")
+        return os.urandom(32).hex().encode()  # unknowable until each session's preamble replaces it
     if args.token_file:
         token = Path(args.token_file).read_bytes().strip()
     else:
@@ -114,6 +125,14 @@ def _serve_mux(args: argparse.Namespace, workload: Workload) -> int:
     log(f"serving on mux {where}")
     try:
         while not stopped.is_set():
+            if args.token_from_channel:
+                token = read_preamble(fd, stopped)
+                if token is None:
+                    if not reconnect:
+                        break
+                    stopped.wait(EOF_RETRY_S)
+                    continue
+                workload.token = token
             server = Server(MuxChannel(fd, fd, client=False), workload, args.max_connections)
             current[:] = [server]
             server.serve_forever()
@@ -123,6 +142,26 @@ def _serve_mux(args: argparse.Namespace, workload: Workload) -> int:
     finally:
         workload.processes.kill_all()
     return 0
+
+
+def read_preamble(fd: int, stopped: threading.Event) -> bytes | None:
+    """The token line the host writes before a session's first frame, read a byte at a time so that no frame
+    byte is taken from the channel; None on EOF (the host is away) or a malformed line (the host is not ours)."""
+    line = bytearray()
+    while not stopped.is_set() and len(line) <= MAX_PREAMBLE:
+        try:
+            b = os.read(fd, 1)
+        except BlockingIOError:
+            select.select([fd], [], [], EOF_RETRY_S)
+            continue
+        except OSError:
+            return None
+        if not b:
+            return None
+        if b == b"\n":
+            return parse_preamble(bytes(line))
+        line += b
+    return None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""Workloads in a real MicroVM: exec round trip and file MiB/s through the whole path, side by side with the same
+operation on the raw channel in the same run.
+
+Whole path = TCP to Cubelet's proxy → the shim's `workload.sock` → mux over virtio-serial → the guest's
+cube-workload. Raw channel = the shim's `workload.sock` directly (the bridge and the virtio-serial port, no
+proxy). exec = one `process.Process/Start` of `/bin/true` until its end-of-stream (p50/p99 of N per run);
+files = one upload (octet-stream) and one download of a random file. 3 runs each, min/median/max, with
+/proc/loadavg (the machine is shared). One CubeMaster, one emulated Cubelet, one sandbox.
+
+Run: `PYTHONPATH=src:. .venv/bin/python bench/workload_vm_bench.py [--n 30] [--mib 16]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.cubelet_process import CubeletProcess, poll
+from tests.e2e.master_harness import MasterProcess, free_port
+from tests.vm.test_master_ready import edu_template
+from tests.vmm_cleanup import kill_started_vmms
+
+from cubeaccel.images.builder import build
+from cubeaccel.wire.workload_client import WorkloadClient
+
+MiB = 1024 * 1024
+
+
+def exec_times(wl: WorkloadClient, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = wl.exec(["/bin/true"])
+        out.append(time.perf_counter() - t0)
+        assert r.exit_code == 0
+    return sorted(out)
+
+
+def pct(xs: list[float], p: float) -> float:
+    return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
+
+
+def file_rates(wl: WorkloadClient, mib: int) -> tuple[float, float]:
+    blob = os.urandom(mib * MiB)
+    path = f"/tmp/bench-{os.getpid()}.bin"
+    t0 = time.perf_counter()
+    wl.upload(path, io.BytesIO(blob))
+    up = mib / (time.perf_counter() - t0)
+    sink = io.BytesIO()
+    t0 = time.perf_counter()
+    wl.download(path, sink)
+    down = mib / (time.perf_counter() - t0)
+    assert sink.getvalue() == blob
+    wl.exec(["/bin/rm", "-f", path])
+    return up, down
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"min": round(min(xs), 2), "median": round(statistics.median(xs), 2), "max": round(max(xs), 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--mib", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    build()
+    base = Path(tempfile.mkdtemp(prefix="wl-bench-"))
+    master = MasterProcess(base / "master").start()
+    (base / "cubelet").mkdir()
+    port = free_port()
+    cubelet = CubeletProcess(
+        base / "cubelet", "-", "--backend", "emulated", "--master", master.url, "--listen", f"127.0.0.1:{port}",
+        "--node", "bench",
+    )  # fmt: skip
+    cubelet.start()
+    results: dict[str, Any] = {"load_before": Path("/proc/loadavg").read_text().split()[:3]}
+    try:
+        poll(lambda: any(n["node"] == "bench" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        master.client.register_template(edu_template(build()[0], "edu-bench"))
+        sb = master.client.create({"template": "edu-bench", "accelerators": [{"class": "accelerator"}]})
+        sid, token = sb["id"], sb["access_token"]
+        poll(lambda: master.client.sandbox(sid)["state"] == "running", 240)
+        sock = base / "cubelet" / "shims" / sid / "workload.sock"
+        paths = {
+            "whole_path": WorkloadClient.over(f"http://127.0.0.1:{port}/v1/sandboxes/{sid}/workload", token),
+            "raw_channel": WorkloadClient.over("http://workload", token, uds=str(sock)),
+        }
+        for name, wl in paths.items():
+            exec_times(wl, 3)  # warm: connections, bash caches
+            p50s, p99s, ups, downs = [], [], [], []
+            for _ in range(args.runs):
+                ts = exec_times(wl, args.n)
+                p50s.append(pct(ts, 0.5) * 1000)
+                p99s.append(pct(ts, 0.99) * 1000)
+                up, down = file_rates(wl, args.mib)
+                ups.append(up)
+                downs.append(down)
+            results[name] = {
+                "exec_true_p50_ms": summary(p50s),
+                "exec_true_p99_ms": summary(p99s),
+                f"upload_{args.mib}MiB_MiBps": summary(ups),
+                f"download_{args.mib}MiB_MiBps": summary(downs),
+            }
+            wl.close()
+        results["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
+        master.client.delete(sid)
+        poll(lambda: master.client.sandbox(sid)["state"] == "deleted", 90)
+    finally:
+        cubelet.stop()
+        master.stop()
+        kill_started_vmms(base)
+    print(json.dumps(results))
+    for name in ("whole_path", "raw_channel"):
+        for k, v in results.get(name, {}).items():
+            print(f"{name:<12} {k:<26} min {v['min']:>8} median {v['median']:>8} max {v['max']:>8}")
+    print("load", results["load_before"], "→", results.get("load_after"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
