@@ -35,15 +35,22 @@ def _c(code: str, status: int | None, layer: str, meaning: str) -> CodeInfo:
 # fmt: off
 CODES: tuple[CodeInfo, ...] = (
     # ---- API edge (Cubelet and CubeMaster) ----
-    _c("api.body_too_large", 413, "api", "request body over the limit (1 MiB)"),
+    _c("api.bad_http_request", 400, "api", "not an HTTP/1.1 request uvicorn can parse (headers over 16 KiB, bad framing)"),
+    _c("api.body_timeout", 408, "api", "the request body did not arrive within the body deadline (30 s)"),
+    _c("api.body_too_large", 413, "api", "request body over the limit (1 MiB), counted on the bytes read (chunked too)"),
     _c("api.http_error", None, "api", "any other HTTP error raised by the framework; status as the framework chose"),
+    _c("api.byte_order_mark", 422, "api", "a JSON body starts with a UTF-8 byte-order mark"),
+    _c("api.duplicate_key", 422, "api", "a JSON object names one key twice"),
     _c("api.invalid_cursor", 422, "api", "events `since` cursor is not a non-negative integer"),
     _c("api.invalid_request", 422, "api", "request body or query fails validation (type, range, missing field)"),
     _c("api.invalid_shim_report", 422, "api", "a shim report body that does not parse"),
     _c("api.invalid_state", 422, "api", "sandbox list filtered by a state that does not exist"),
     _c("api.malformed_json", 422, "api", "request body is not valid JSON"),
     _c("api.method_not_allowed", 405, "api", "the route exists but not with this method"),
+    _c("api.non_finite_number", 422, "api", "NaN, Infinity or a number too large for a double (1e400) in JSON"),
     _c("api.not_found", 404, "api", "no such route"),
+    _c("api.number_out_of_range", 422, "api", "an integer in a free-form field (report details) beyond ±2^63"),
+    _c("api.too_deep", 422, "api", "JSON nested deeper than 32 levels"),
     _c("api.unknown_field", 422, "api", "request body has a field the API does not define"),
     _c("api.unsupported_version", 422, "api", "a request body's `v` is not 1"),
     _c("api.unsupported_reply_version", 502, "api", "a client got a reply whose `v` it does not read"),
