@@ -81,6 +81,7 @@ def serve_cmd(
     from cubeaccel.master.server import create_app
     from cubeaccel.master.service import CubeMaster, MasterConfig
     from cubeaccel.master.store import MasterStore
+    from cubeaccel.wire.http_server import server_config
 
     host, port = _listen(listen)
     if staleness <= 0 or tick <= 0:
@@ -107,7 +108,7 @@ def serve_cmd(
         flush=True,
     )
     try:
-        uvicorn.run(create_app(master, maintenance), host=host, port=port, log_level="warning", access_log=False)
+        uvicorn.Server(server_config(create_app(master, maintenance), host=host, port=port)).run()
     finally:
         maintenance.stop()
 

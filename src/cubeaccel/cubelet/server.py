@@ -19,6 +19,7 @@ from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire.api_edges import api_app, json_body
 from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.http_server import server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
 
@@ -206,15 +207,9 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None) -
 
     socket_path.unlink(missing_ok=True)
     socket_path.parent.mkdir(parents=True, exist_ok=True)
-    configs = [
-        uvicorn.Config(create_app(cubelet, local=True), uds=str(socket_path), log_level="warning", access_log=False)
-    ]
+    configs = [server_config(create_app(cubelet, local=True), uds=str(socket_path))]
     if listen is not None:
-        configs.append(
-            uvicorn.Config(
-                create_app(cubelet, local=False), host=listen[0], port=listen[1], log_level="warning", access_log=False
-            )
-        )
+        configs.append(server_config(create_app(cubelet, local=False), host=listen[0], port=listen[1]))
     servers = [uvicorn.Server(c) for c in configs]
 
     async def run() -> None:

@@ -35,9 +35,9 @@ def _c(code: str, status: int | None, layer: str, meaning: str) -> CodeInfo:
 # fmt: off
 CODES: tuple[CodeInfo, ...] = (
     # ---- API edge (Cubelet and CubeMaster) ----
-    _c("api.bad_http_request", 400, "api", "not an HTTP/1.1 request uvicorn can parse (headers over 16 KiB, bad framing)"),
+    _c("api.bad_http_request", 400, "api", "an HTTP request that does not parse (headers over 16 KiB, bad framing)"),
     _c("api.body_timeout", 408, "api", "the request body did not arrive within the body deadline (30 s)"),
-    _c("api.body_too_large", 413, "api", "request body over the limit (1 MiB), counted on the bytes read (chunked too)"),
+    _c("api.body_too_large", 413, "api", "request body over 1 MiB, counted on the bytes read (chunked too)"),
     _c("api.http_error", None, "api", "any other HTTP error raised by the framework; status as the framework chose"),
     _c("api.byte_order_mark", 422, "api", "a JSON body starts with a UTF-8 byte-order mark"),
     _c("api.duplicate_key", 422, "api", "a JSON object names one key twice"),
@@ -184,7 +184,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("agent.cancelled", None, "cubelet", "a stop arrived during guest validation (no verdict)"),
     _c("agent.connect_failed", None, "guest_kernel", "failure: the agent port could not be opened"),
     _c("agent.disconnected", None, "guest_kernel", "failure: cube-agent closed the port"),
-    _c("agent.error", None, "agent", "failure: cube-agent replied with an error without a code"),
+    _c("agent.error", None, "agent", "failure: the agent replied with a code it never sends (`details.guest_code`)"),
     _c("agent.not_connected", None, "guest_kernel", "the agent client was used before connecting (a bug)"),
     _c("agent.not_ready", None, "guest_kernel", "failure: cube-agent did not answer hello in time"),
     _c("agent.reply_too_large", None, "guest_kernel", "failure: a cube-agent reply over the size limit"),
@@ -305,6 +305,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("node.name_mismatch", 422, "api", "the heartbeat's node name differs from the URL's"),
     _c("node.not_found", 404, "api", "no node with this name"),
     _c("node.url_conflict", 409, "api", "another node is registered with this cubelet_url"),
+    _c("request.invalid_idempotency_key", 422, "api", "Idempotency-Key header empty, over 200 chars or unprintable"),
     _c("request.ambiguous_accelerators", 422, "api", "both the gpu shorthand and accelerators given"),
     _c("request.class_mismatch", 422, "api", "the requested class differs from the template's"),
     _c("request.invalid_accelerator", 422, "api", "an accelerator choice of the wrong shape"),
@@ -317,6 +318,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("request.unknown_class", 422, "api", "accelerator class is not gpu or accelerator"),
     _c("sandbox.busy", 409, "api", "the sandbox is being placed; retry"),
     _c("sandbox.conflict", 409, "api", "the sandbox id exists with different parameters"),
+    _c("sandbox.create_in_progress", 409, "api", "a create with this id or key is still placing after the wait; retry"),
     _c("sandbox.invalid_id", 422, "api", "sandbox id is not 1-64 of letters, digits and `_.-`"),
     _c("sandbox.lost", None, "cubelet", "sandbox error: its node's Cubelet no longer knows it"),
     _c("sandbox.not_found", 404, "api", "no sandbox with this id"),
