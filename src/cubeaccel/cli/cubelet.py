@@ -76,6 +76,9 @@ def serve_cmd(
     from cubeaccel.cubelet.server import Ticker, serve
 
     addr = _listen(listen)
+    from cubeaccel.host.private import private_umask
+
+    private_umask()  # the store, the socket, shims' dirs and VMM files: owner-only whatever the parent
     if master is not None and addr is None:
         raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
     if tick <= 0 or reservation_ttl <= 0 or release_timeout <= 0 or not 0 < detach_timeout <= 3600:

@@ -84,6 +84,9 @@ def serve_cmd(
     from cubeaccel.wire.http_server import server_config
 
     host, port = _listen(listen)
+    from cubeaccel.host.private import private_umask
+
+    private_umask()  # master.db (every tenant's records) is owner-only whatever the state dir allows
     if staleness <= 0 or tick <= 0:
         raise typer.BadParameter("staleness and tick must be > 0")
     url = db or str(state_dir / "master.db")

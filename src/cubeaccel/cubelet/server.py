@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -206,8 +208,17 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None) -
     import uvicorn
 
     socket_path.unlink(missing_ok=True)
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
-    configs = [server_config(create_app(cubelet, local=True), uds=str(socket_path))]
+    socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Bound here, not by uvicorn, which chmods a unix socket it creates to 0666: this one takes shim reports
+    # (VM evidence) and operator verbs, so only its owner may connect.
+    local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        local.bind(str(socket_path))
+    finally:
+        os.umask(old)
+    os.chmod(socket_path, 0o600)
+    configs = [server_config(create_app(cubelet, local=True), fd=local.fileno())]
     if listen is not None:
         configs.append(server_config(create_app(cubelet, local=False), host=listen[0], port=listen[1]))
     servers = [uvicorn.Server(c) for c in configs]

@@ -15,6 +15,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from cubeaccel.host.private import private_file
 from cubeaccel.master import schema as S
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.errors import CubeError
@@ -47,7 +48,7 @@ def engine_for(url: str) -> sa.Engine:
         url = "postgresql+psycopg://" + url.split("://", 1)[1]
         return sa.create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
     if not url.startswith("sqlite"):
-        Path(url).parent.mkdir(parents=True, exist_ok=True)
+        private_file(Path(url))  # SQLite gives its -wal/-shm files the database file's mode
         url = f"sqlite:///{url}"
     engine = sa.create_engine(
         url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=10, max_overflow=20
