@@ -108,6 +108,16 @@ class CubeMaster:
                     {"template_class": c.accel_class, "requested": ch.accel_class},
                     422,
                 )
+            if spec.memory_mib is not None and spec.memory_mib != c.memory_mib:
+                # The template fixes the guest's memory (its snapshot, its pinned-memory check): a request that
+                # asks for another size is refused, never silently given the template's.
+                raise CubeError(
+                    "request.memory_mismatch",
+                    f"memory_mib {spec.memory_mib} differs from template {c.template_name}'s {c.memory_mib} MiB",
+                    "api",
+                    {"requested": spec.memory_mib, "template": c.template_name, "template_memory_mib": c.memory_mib},
+                    422,
+                )
             out.append((ch, c, compile_selector(ch.selector) if ch.selector else None))
         return out
 
