@@ -26,12 +26,19 @@ class JsonRefused(ValueError):
         self.code = code
 
 
-def check_value(value: Any, max_depth: int = MAX_DEPTH, int_bound: int | None = None) -> None:
+def check_value(
+    value: Any, max_depth: int = MAX_DEPTH, int_bound: int | None = None, max_nodes: int | None = None
+) -> None:
     """Refuse non-finite numbers, nesting deeper than `max_depth` and, with `int_bound`, integers outside
-    ±int_bound. Iterative, so a hostile depth cannot exhaust the stack here."""
+    ±int_bound; with `max_nodes`, more values than that (YAML aliases can share one list exponentially often).
+    Iterative, so a hostile depth cannot exhaust the stack here."""
     stack: list[tuple[Any, int]] = [(value, 1)]
+    seen = 0
     while stack:
         v, depth = stack.pop()
+        seen += 1
+        if max_nodes is not None and seen > max_nodes:
+            raise JsonRefused("api.too_many_values", f"more than {max_nodes} values")
         if isinstance(v, float):
             if not math.isfinite(v):
                 raise JsonRefused("api.non_finite_number", f"a number must be finite, got {v!r}")
