@@ -82,3 +82,29 @@ def test_an_undelivered_report_with_infinity_is_skipped_at_replay(tmp_path: Path
     ]
     (driver.dir / "sb" / "undelivered.jsonl").write_text("\n".join(lines) + "\n")
     assert [r.details for r in driver.pending_reports("sb")] == [{"pid": 7}]
+
+
+def test_the_start_nonce_is_not_served_over_tcp(tmp_path: Path) -> None:
+    """Issue 19 #13: the nonce that makes a shim report count was returned by the TCP API."""
+    n, local, start_id = _running(tmp_path)
+    tcp = TestClient(create_app(n.cubelet, local=False), raise_server_exceptions=False)
+    replies = [
+        tcp.get("/v1/reservations/sb").text,
+        tcp.get("/v1/reservations").text,
+        tcp.post("/v1/reservations", json={"sandbox_id": "sb", "count": 1, "start": True}).text,
+    ]
+    assert all(start_id not in r for r in replies)
+    assert local.get("/v1/reservations/sb").json()["reservation"]["facts"]["start_id"] == start_id
+
+
+def test_a_report_for_a_reservation_not_yet_started_is_refused(tmp_path: Path) -> None:
+    """Before the start no shim runs and no nonce exists: a report then (a forged vm_started naming some pid)
+    used to be accepted and recorded as the VMM's pid."""
+    n = Node.create(tmp_path)
+    client = TestClient(create_app(n.cubelet), raise_server_exceptions=False)
+    assert client.post("/v1/reservations", json={"sandbox_id": "sb", "count": 1}).status_code == 201
+    body = {"sandbox_id": "sb", "kind": "vm_started", "details": {"pid": 1}}
+    assert client.post("/v1/shim-reports", json=body).status_code == 202
+    res = n.cubelet.store.reservation("sb")
+    assert res is not None and res.checkpoint.vmm_pid is None
+    assert [e.reason for e in n.cubelet.store.events() if e.kind == "shim_report_rejected"] == ["shim.report_stale"]

@@ -307,8 +307,9 @@ class Cubelet(ReleasePath):
             with self.store.tx() as t:
                 res = t.reservation(sid)
                 expected = res.checkpoint.start_id if res else None
-                if expected is not None and report.start_id != expected:
-                    # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
+                if res is not None and (expected is None or report.start_id != expected):
+                    # A late report from an earlier start (reused sandbox id), a forged one, or one for a
+                    # reservation no shim serves yet (not started: no nonce to match): evidence of nothing.
                     t.event(
                         "shim_report_rejected",
                         Actor.SHIM,

@@ -16,6 +16,7 @@ from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.store import Reservation
 from cubeaccel.model.errors import invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.wire import cubelet_api as W
@@ -79,21 +80,21 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         cubelet.reserve(body.sandbox_id, req)
         if body.start:
             cubelet.start(body.sandbox_id)
-        return _reservation_json(cubelet, body.sandbox_id)
+        return _reservation_json(cubelet, body.sandbox_id, local)
 
     @app.get("/v1/reservations", response_model=W.ReservationList)
     def reservations() -> dict[str, Any]:
-        return {"reservations": [r.to_json() for r in cubelet.store.reservations()]}
+        return {"reservations": [_view(r, local) for r in cubelet.store.reservations()]}
 
     @app.get("/v1/reservations/{sandbox_id}", response_model=W.ReservationView)
     def reservation(sandbox_id: str) -> dict[str, Any]:
         cubelet.get_reservation(sandbox_id)
-        return _reservation_json(cubelet, sandbox_id)
+        return _reservation_json(cubelet, sandbox_id, local)
 
     @app.post("/v1/reservations/{sandbox_id}/start", response_model=W.ReservationView)
     def start(sandbox_id: str) -> dict[str, Any]:
         cubelet.start(validate_sandbox_id(sandbox_id))
-        return _reservation_json(cubelet, sandbox_id)
+        return _reservation_json(cubelet, sandbox_id, local)
 
     @app.post("/v1/reservations/{sandbox_id}/{operation}")
     def lifecycle_operation(sandbox_id: str, operation: str) -> dict[str, Any]:
@@ -107,7 +108,7 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
         return {
             "sandbox_id": sandbox_id,
             "released": res is None,
-            "reservation": None if res is None else res.to_json(),
+            "reservation": None if res is None else _view(res, local),
             "devices": _reservation_json(cubelet, sandbox_id)["devices"],
         }
 
@@ -153,7 +154,16 @@ def create_app(cubelet: Cubelet, local: bool = True) -> FastAPI:
     return app
 
 
-def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
+def _view(res: Reservation, local: bool) -> dict[str, Any]:
+    """A reservation as served. The start nonce (`facts.start_id`) is what makes a shim report count: it goes
+    to the shim in its spec and is shown on the root-only unix socket, never over TCP."""
+    out = res.to_json()
+    if not local:
+        out["facts"] = {k: v for k, v in out["facts"].items() if k != "start_id"}
+    return out
+
+
+def _reservation_json(cubelet: Cubelet, sandbox_id: str, local: bool = True) -> dict[str, Any]:
     res = cubelet.store.reservation(sandbox_id)
     with cubelet.store.read() as t:
         devs = [d.to_json() for d in t.devices_of(sandbox_id)]
@@ -163,7 +173,7 @@ def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
     ]
     return {
         "sandbox_id": sandbox_id,
-        "reservation": None if res is None else res.to_json(),
+        "reservation": None if res is None else _view(res, local),
         "devices": devs,
         "timeline": timeline,
         "failure": sandbox_failure(cubelet, sandbox_id),
