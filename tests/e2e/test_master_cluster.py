@@ -2,7 +2,8 @@
 
 n1: 4x H100 + 2x T4   n2: 2x H100   n3: 2x A100
 Templates: cuda12-h100 (1 GiB pinned so these hosts can lock it; the default for gpu), cuda12-h100-huge
-(16 TiB pinned: no node can), edu-demo (class accelerator, emulated backend; the default for accelerator).
+(4 TiB pinned, the most a template may ask: no node can), edu-demo (class accelerator, emulated backend;
+the default for accelerator).
 """
 
 from __future__ import annotations

@@ -55,3 +55,25 @@ def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
     finally:
         assert run_down(tmp_path) == 0
     assert not (tmp_path / "up.json").exists()
+
+
+def test_down_ends_the_sandboxes_up_started_through_the_release_path(tmp_path: Path) -> None:
+    """Issue 19 #7: `down` stopped the daemons and left every sandbox's shim and VMM running. It now deletes
+    them through CubeMaster and waits until the Cubelet holds nothing (its store says so after the stop)."""
+    import sqlite3
+
+    assert run_up(tmp_path, "simulated", "h100x2", detach=True) == 0
+    try:
+        info = json.loads((tmp_path / "up.json").read_text())
+        c = MasterClient(info["master_url"], key=(tmp_path / "default.key").read_text().strip())
+        ids = [c.create({"gpu": "H100:1"})["id"] for _ in range(2)]
+        c.close()
+    finally:
+        assert run_down(tmp_path) == 0
+    with sqlite3.connect(tmp_path / "cubelet" / "cubelet.db") as db:
+        assert db.execute("SELECT sandbox_id FROM reservations").fetchall() == []
+        closed = {r[0] for r in db.execute("SELECT sandbox_id FROM events WHERE kind = 'reservation_closed'")}
+        states = {r[0] for r in db.execute("SELECT state FROM devices")}
+    assert closed == set(ids) and states == {"allocatable"}
+    with sqlite3.connect(tmp_path / "master.db") as db:
+        assert {r[0] for r in db.execute("SELECT state FROM sandboxes")} == {"deleted"}

@@ -144,10 +144,14 @@ def test_vmm_that_will_not_die_keeps_device_out_and_then_quarantines(node: Node)
     node.cubelet.start("sb")
     node.cubelet.release("sb")
     assert node.device(dev).state is S.RELEASING
-    node.clock.advance(11)
-    node.cubelet.try_release("sb")  # overdue: SIGKILL, then a grace for the kernel to reap it
+    # Its shim is gone after the stop and the VMM is not: SIGKILL at once (nothing else will stop it), then
+    # the grace for the kernel to reap it; quarantine only once the release timeout has passed too.
+    res_now = node.cubelet.store.reservation("sb")
+    assert res_now is not None and res_now.checkpoint.kill_at is not None
+    node.clock.advance(5)
+    node.cubelet.try_release("sb")
     assert node.device(dev).state is S.RELEASING
-    node.clock.advance(11)
+    node.clock.advance(6)
     node.cubelet.try_release("sb")
     d = node.device(dev)
     assert d.state is S.QUARANTINED and d.reason == "release.vmm_not_exited"
@@ -353,11 +357,11 @@ def test_reservation_stays_open_until_its_vmm_is_gone_even_when_devices_are_quar
     res = node.cubelet.reserve("sb", ReservationRequest(count=1))
     dev = res.device_ids[0]
     node.cubelet.start("sb")
-    node.cubelet.release("sb")
-    node.clock.advance(11)
-    node.cubelet.try_release("sb")  # overdue: kill sent, grace starts
+    node.cubelet.release("sb")  # the shim is gone after its stop: its VMM is killed at once, grace starts
+    node.clock.advance(5)
+    node.cubelet.try_release("sb")
     assert node.device(dev).state is S.RELEASING  # not quarantined before the kill grace has passed
-    node.clock.advance(11)
+    node.clock.advance(6)
     node.cubelet.try_release("sb")
     assert node.device(dev).state is S.QUARANTINED
     assert node.cubelet.store.reservation("sb") is not None  # the VMM still runs: not forgotten

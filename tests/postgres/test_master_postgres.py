@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.wire.master_client import MasterClient
 from tests.support.cubelet_process import CubeletProcess
@@ -26,7 +27,7 @@ def test_replicas_starting_together_migrate_once(fresh_db: str) -> None:
         t.start()
     for t in threads:
         t.join()
-    assert [s.schema_version for s in stores] == [3, 3, 3, 3] and stores[0].dialect == "postgresql"
+    assert [s.schema_version for s in stores] == [SCHEMA_VERSION] * 4 and stores[0].dialect == "postgresql"
     for s in stores:
         s.close()
 
@@ -148,3 +149,10 @@ def test_50_concurrent_creates_from_a_tenant_with_a_4_gpu_quota_through_two_repl
             n.stop()
         for m in replicas:
             m.stop()
+
+
+def test_idempotent_creates_racing_on_two_replicas_agree_on_every_outcome(fresh_db: str) -> None:
+    """Issue 19 #4 on PostgreSQL: no UniqueViolation escapes, no phantom, one placement per key."""
+    from tests.unit.test_master_idempotency import race
+
+    race(fresh_db, keys=20, per_key=8)

@@ -162,7 +162,7 @@ class Cluster:
         wait_nodes_ready(self.c, set(profiles))
         self.c.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
         self.c.register_template(
-            example("cuda12-h100", metadata__name="cuda12-h100-huge", spec__memory__size_mib=16 * 1024 * 1024)
+            example("cuda12-h100", metadata__name="cuda12-h100-huge", spec__memory__size_mib=4 * 1024 * 1024)
         )
         self.c.register_template(example("edu-demo"), default=True)
 

@@ -84,3 +84,45 @@ def test_the_installed_command_validates_a_file() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["template"]["name"] == "edu-demo"
+
+
+def _validate_json(path: Path) -> tuple[int, dict[str, object]]:
+    """`template validate --json` in a child with a deadline: the hostile inputs used to hang or exhaust memory."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "cubeaccel", "template", "validate", str(path), "--json"],
+        capture_output=True,
+        timeout=30,
+    )
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def test_validate_refuses_special_files_without_reading_them(tmp_path: Path) -> None:
+    """Issue 19 #10: /dev/zero read until MemoryError; /dev/urandom and a FIFO with no writer hung."""
+    import os
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    for path in (Path("/dev/zero"), Path("/dev/urandom"), fifo):
+        rc, out = _validate_json(path)
+        assert rc == 1 and out["error"]["code"] == "template.not_a_file", (path, out)  # type: ignore[index]
+
+
+def test_validate_refuses_deep_nesting_with_a_code_not_a_traceback(tmp_path: Path) -> None:
+    deep_json = tmp_path / "deep.json"
+    deep_json.write_text('{"a": ' * 5000 + "1" + "}" * 5000)
+    deep_yaml = tmp_path / "deep.yaml"
+    deep_yaml.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    mid_yaml = tmp_path / "mid.yaml"
+    mid_yaml.write_text("a: " + "[" * 40 + "]" * 40 + "\n")  # parses, but past the depth bound
+    for path in (deep_json, deep_yaml, mid_yaml):
+        rc, out = _validate_json(path)
+        assert rc == 1 and out["error"]["code"] == "template.too_deep", (path, out)  # type: ignore[index]
+
+
+def test_validate_refuses_a_yaml_alias_bomb(tmp_path: Path) -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(lines) + "\n")
+    rc, out = _validate_json(bomb)
+    assert rc == 1 and out["error"]["code"] == "template.too_large", out  # type: ignore[index]

@@ -46,6 +46,8 @@ NOT_CODES = {
     "libraries.version", "probes.libraries", "probes.modules",
     # a prefix CubeMaster matches retryable codes by (reserve.pinned_memory_*), not a code itself
     "reserve.pinned_memory",
+    # ASGI message types
+    "http.disconnect", "http.request",
 }  # fmt: skip
 
 # Code-shaped prefixes of f-strings that build messages, not codes.

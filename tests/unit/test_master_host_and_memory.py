@@ -11,6 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from cubeaccel.master.scheduler import decide, rejection
+from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import view_from_heartbeat
 from cubeaccel.model.errors import CubeError
@@ -136,7 +137,7 @@ def test_migration_to_v2_adds_the_pinned_column_to_an_existing_database(tmp_path
         c.execute(sa.text("UPDATE meta SET value='1' WHERE key='schema_version'"))
     engine.dispose()
     store = MasterStore(str(db))
-    assert store.schema_version == 3
+    assert store.schema_version == SCHEMA_VERSION
     with store.tx() as c:
         assert "pinned_mib" in {col["name"] for col in sa.inspect(c).get_columns("sandboxes")}
     store.close()

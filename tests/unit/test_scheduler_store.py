@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxEvent
 from tests.unit.master_builders import group, heartbeat
@@ -40,8 +41,8 @@ def sandbox(sid: str, count: int = 1) -> dict[str, Any]:
 
 
 def test_migrations_run_once_and_reopening_keeps_the_version(tmp_path: Path) -> None:
-    assert MasterStore(str(tmp_path / "m.db")).schema_version == 3
-    assert MasterStore(str(tmp_path / "m.db")).schema_version == 3
+    assert MasterStore(str(tmp_path / "m.db")).schema_version == SCHEMA_VERSION
+    assert MasterStore(str(tmp_path / "m.db")).schema_version == SCHEMA_VERSION
 
 
 def test_claims_are_admitted_only_while_the_summary_minus_claims_has_room(store: MasterStore) -> None:

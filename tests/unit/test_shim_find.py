@@ -183,3 +183,37 @@ def test_a_shim_of_another_cubelet_with_the_same_sandbox_id_is_not_ours(tmp_path
     assert find_shim("sb", tmp_path / "proc") == 40
     assert find_shim("sb", tmp_path / "proc", under=theirs) == 40
     assert find_shim("sb", tmp_path / "proc", under=mine) is None
+
+
+def test_a_tagged_process_without_evidence_is_no_holder(tmp_path: Path) -> None:
+    """Issue 19 #6: any local user (or another Cubelet) could run a process with the tag and the device list
+    and quarantine emulated devices. A holder's files must lie under this Cubelet's shims dir and it must
+    run as the Cubelet's uid."""
+    shims, proc = tmp_path / "cubelet" / "shims", tmp_path / "proc"
+    back = EmulatedBackend(INST, slots=1, proc_root=proc, qemu=sys.executable, vmm_root=shims, uid=1000)
+    rec = _record(0, DeviceState.ALLOCATABLE)
+
+    def tagged(pid: int, files: Path, uid: int) -> None:
+        _proc(
+            proc,
+            pid,
+            ["qemu-system-x86_64", "-name", name_arg("sb"), "-D", f"{files}/sb/vmm.log"],
+            {ENV_DEVICES: rec.id},
+        )
+        (proc / str(pid) / "status").write_text(f"Name:\tqemu\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+
+    tagged(50, tmp_path / "elsewhere", 1000)  # our uid, files elsewhere: another Cubelet or a forgery
+    tagged(51, shims, 65534)  # names our dir, but another user's process
+    assert back.holders(rec) == []
+    assert back.validate(rec) == [] and back.health(rec) == []
+    tagged(52, shims, 1000)  # our own VMM
+    assert [h.pid for h in back.holders(rec)] == [52]
+
+
+def test_the_runtime_builds_the_emulated_backend_with_its_evidence(tmp_path: Path) -> None:
+    from cubeaccel.cubelet.runtime import RuntimeOptions, build_cubelet
+
+    opts = RuntimeOptions(state_dir=tmp_path, backend="emulated")
+    backend = build_cubelet(opts).backend
+    assert isinstance(backend, EmulatedBackend)
+    assert backend.vmm_root == (tmp_path / "shims").absolute() and backend.uid == os.getuid()

@@ -75,9 +75,11 @@ def test_paused_guest_detach_times_out_and_device_returns_only_after_the_vmm_is_
 def test_a_holder_that_keeps_the_device_open_ends_in_quarantine(node: CubeletProcess) -> None:
     dev = node.client.reserve("f-held", 1, memory_mib=256, start=True)["devices"][0]["id"]
     poll(lambda: _dev(node, dev)["state"] == "attached", 120)
-    # An injected holder: a real process the backend's holder check sees holding this device.
+    # An injected holder: a real process the backend's holder check sees holding this device — with the
+    # evidence a VMM of this Cubelet carries (its files under the shims dir, this uid), else it is no holder.
+    files = f"{node.state_dir.absolute()}/shims/intruder/vmm.log"
     intruder = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(120)", "-name", "guest=cubeaccel-sandbox=intruder"],
+        [sys.executable, "-c", "import time; time.sleep(120)", "-name", "guest=cubeaccel-sandbox=intruder", files],
         env={**os.environ, ENV_DEVICES: dev},
     )
     try:

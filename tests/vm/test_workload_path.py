@@ -44,6 +44,8 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> 
         "wl-node",
         "--release-timeout",
         "20",
+        "--node-token-file",
+        str(master.enrol("wl-node", base / "cubelet")),
     )
     cubelet.start()
     try:
@@ -59,7 +61,12 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> 
 
 
 def cli(sb: dict[str, Any], *args: str, stdin: bytes | None = None, token: str | None = None) -> Any:
-    env = {**os.environ, "CUBEACCEL_MASTER": sb["master"].url, "CUBEACCEL_SANDBOX_TOKEN": token or sb["token"]}
+    env = {
+        **os.environ,
+        "CUBEACCEL_MASTER": sb["master"].url,
+        "CUBEACCEL_API_KEY": sb["master"].admin_key,
+        "CUBEACCEL_SANDBOX_TOKEN": token or sb["token"],
+    }
     return subprocess.run(
         [sys.executable, "-c", "from cubeaccel.cli import main; main()", "sandbox", *args],
         input=stdin if stdin is not None else b"",

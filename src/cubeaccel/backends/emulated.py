@@ -52,7 +52,19 @@ class EmulatedBackend:
 
     name = "emulated"
 
-    def __init__(self, instance: str, slots: int = 2, proc_root: Path = Path("/proc"), qemu: str | None = None) -> None:
+    def __init__(
+        self,
+        instance: str,
+        slots: int = 2,
+        proc_root: Path = Path("/proc"),
+        qemu: str | None = None,
+        vmm_root: Path | None = None,
+        uid: int | None = None,
+    ) -> None:
+        """`vmm_root` (the Cubelet's shims directory) and `uid` (the Cubelet's) tie a holder to evidence: a
+        process counts only when its own files lie under `vmm_root` and it runs as `uid`. A tag and a device
+        list in an environment are words anyone can write; a local user's or another Cubelet's process that
+        copies them must not quarantine this Cubelet's devices. The runtime always passes both."""
         if not 0 < slots <= 32:
             raise ValueError("slots must be 1..32")
         if not INSTANCE_RE.fullmatch(instance):
@@ -61,6 +73,8 @@ class EmulatedBackend:
         self.slots = slots
         self.proc_root = proc_root
         self.qemu = qemu or find_qemu()
+        self.vmm_root = vmm_root
+        self.uid = uid
 
     def _addresses(self) -> list[PciAddress]:
         return [slot_address(i) for i in range(self.slots)]
@@ -136,6 +150,8 @@ class EmulatedBackend:
             Holder(p.pid, p.command, f"vmm:{p.sandbox_id}")
             for p in vmm_processes(self.proc_root)
             if device.id in p.device_ids
+            and (self.vmm_root is None or p.under(self.vmm_root))
+            and (self.uid is None or p.uid == self.uid)
         ]
 
     def cleanup(self, device: DeviceRecord) -> list[Problem]:

@@ -83,6 +83,9 @@ def serve_cmd(
     from cubeaccel.cubelet.server import Ticker, serve
 
     addr = _listen(listen)
+    from cubeaccel.host.private import private_umask
+
+    private_umask()  # the store, the socket, shims' dirs and VMM files: owner-only whatever the parent
     if master is not None and addr is None:
         raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
     if addr is not None and node_token_file is None:

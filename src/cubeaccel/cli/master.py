@@ -107,8 +107,12 @@ def serve_cmd(
     from cubeaccel.master.server import create_app
     from cubeaccel.master.service import CubeMaster, MasterConfig
     from cubeaccel.master.store import MasterStore
+    from cubeaccel.wire.http_server import server_config
 
     host, port = _listen(listen)
+    from cubeaccel.host.private import private_umask
+
+    private_umask()  # master.db (every tenant's records) is owner-only whatever the state dir allows
     if staleness <= 0 or tick <= 0:
         raise typer.BadParameter("staleness and tick must be > 0")
     url = db or str(state_dir / "master.db")
@@ -140,7 +144,7 @@ def serve_cmd(
     )
     try:
         app = create_app(master, maintenance, audit=audit_log or state_dir / "audit.jsonl")
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+        uvicorn.Server(server_config(app, host=host, port=port)).run()
     finally:
         maintenance.stop()
 

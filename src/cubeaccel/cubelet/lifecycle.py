@@ -45,6 +45,7 @@ from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
 MAX_COUNT = 64
+PID_LIMIT = 1 << 22  # the kernel's pid_max ceiling: a larger "pid" from a guest is no process
 __all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
 
 
@@ -353,8 +354,9 @@ class Cubelet(ReleasePath):
         with self.change() as t:  # the lock covers the transaction; teardown takes it itself
             res = t.reservation(sid)
             expected = res.checkpoint.start_id if res else None
-            if expected is not None and report.start_id != expected:
-                # A late report from an earlier start (reused sandbox id), or a forged one: evidence of nothing.
+            if res is not None and (expected is None or report.start_id != expected):
+                # A late report from an earlier start (reused sandbox id), a forged one, or one for a
+                # reservation no shim serves yet (not started: no nonce to match): evidence of nothing.
                 t.event(
                     "shim_report_rejected",
                     Actor.SHIM,
@@ -371,7 +373,7 @@ class Cubelet(ReleasePath):
             k, cp = report.kind, res.checkpoint
             if k is ShimReportKind.VM_STARTED:
                 pid = report.details.get("pid")
-                cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else None
+                cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT else None
             elif k is ShimReportKind.DEVICE_ATTACHED:
                 named = set(report.device_ids)  # one report per device; none named means all
                 devs = self._sandbox_devices(t, sid)
@@ -435,7 +437,7 @@ class Cubelet(ReleasePath):
             if not isinstance(raw, dict):  # a pass without facts is no pass: every sandbox is validated
                 raise ValueError("no guest report")
             guest = GuestReport.from_json(raw)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:  # the guest wrote it
             t.event(
                 "guest_checked",
                 Actor.CUBELET,

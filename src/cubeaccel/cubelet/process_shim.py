@@ -25,6 +25,7 @@ from cubeaccel.images.builder import cache_dir, cached_images
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
+from cubeaccel.wire import json_guard
 from cubeaccel.wire.reports import parse_report
 from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec, spec_error
@@ -128,8 +129,9 @@ class ProcessShimDriver:
             return []
         out = []
         for line in taking.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):  # a torn last line (the shim was killed mid-write) is skipped
-                out.append(parse_report(json.loads(line)))
+            # a torn last line (the shim was killed mid-write) or one the wire model refuses is skipped
+            with contextlib.suppress(ValueError, RecursionError):
+                out.append(parse_report(json_guard.loads(line)))
         taking.unlink()
         return sorted(out, key=lambda r: r.at)
 

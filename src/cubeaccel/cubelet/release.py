@@ -180,7 +180,10 @@ class ReleasePath:
             now = float(self.store.clock())
             overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
             gone = self.vmm_gone(res, st)
-            if not gone and overdue and res.checkpoint.kill_at is None:
+            # A shim that died mid-teardown will never stop its VMM: waiting for the timeout only holds the
+            # devices and the pinned memory. Its VMM is killed now; the release rules still need proof it is gone.
+            orphaned = st.shim_alive is False and st.vmm_alive is True
+            if not gone and (overdue or orphaned) and res.checkpoint.kill_at is None:
                 self.shim.kill(sandbox_id)
                 res.checkpoint.kill_at = now
                 with self.change() as t:

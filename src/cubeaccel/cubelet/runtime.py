@@ -118,6 +118,8 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         from cubeaccel.backends.emulated import EmulatedBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
 
-        backend = EmulatedBackend(instance_id(opts.state_dir))
+        backend = EmulatedBackend(
+            instance_id(opts.state_dir), vmm_root=(opts.state_dir / "shims").absolute(), uid=os.getuid()
+        )
         shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     return Cubelet(store, backend, shim, opts.config)

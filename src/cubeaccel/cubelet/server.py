@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import re
+import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.store import Reservation
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.throttle import Throttle
 from cubeaccel.host.unix_path import connect_path
@@ -29,6 +32,7 @@ from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.http_server import server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
 # Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
@@ -138,21 +142,24 @@ def create_app(
         cubelet.reserve(body.sandbox_id, req)
         if body.start:
             cubelet.start(body.sandbox_id)
-        return {**_reservation_json(cubelet, body.sandbox_id), "access_token": cubelet.take_token(body.sandbox_id)}
+        return {
+            **_reservation_json(cubelet, body.sandbox_id, local),
+            "access_token": cubelet.take_token(body.sandbox_id),
+        }
 
     @app.get("/v1/reservations", response_model=W.ReservationList)
     def reservations() -> dict[str, Any]:
-        return {"reservations": [r.to_json() for r in cubelet.store.reservations()]}
+        return {"reservations": [_view(r, local) for r in cubelet.store.reservations()]}
 
     @app.get("/v1/reservations/{sandbox_id}", response_model=W.ReservationView)
     def reservation(sandbox_id: str) -> dict[str, Any]:
         cubelet.get_reservation(sandbox_id)
-        return _reservation_json(cubelet, sandbox_id)
+        return _reservation_json(cubelet, sandbox_id, local)
 
     @app.post("/v1/reservations/{sandbox_id}/start", response_model=W.ReservationView)
     def start(sandbox_id: str) -> dict[str, Any]:
         cubelet.start(validate_sandbox_id(sandbox_id))
-        return {**_reservation_json(cubelet, sandbox_id), "access_token": cubelet.take_token(sandbox_id)}
+        return {**_reservation_json(cubelet, sandbox_id, local), "access_token": cubelet.take_token(sandbox_id)}
 
     @app.post("/v1/reservations/{sandbox_id}/{operation}")
     def lifecycle_operation(sandbox_id: str, operation: str) -> dict[str, Any]:
@@ -166,7 +173,7 @@ def create_app(
         return {
             "sandbox_id": sandbox_id,
             "released": res is None,
-            "reservation": None if res is None else res.to_json(),
+            "reservation": None if res is None else _view(res, local),
             "devices": _reservation_json(cubelet, sandbox_id)["devices"],
         }
 
@@ -233,7 +240,16 @@ def _action(request: Request) -> str:
     return ACTIONS.get((request.method, path), f"{request.method} {path}")
 
 
-def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
+def _view(res: Reservation, local: bool) -> dict[str, Any]:
+    """A reservation as served. The start nonce (`facts.start_id`) is what makes a shim report count: it goes
+    to the shim in its spec and is shown on the root-only unix socket, never over TCP."""
+    out = res.to_json()
+    if not local:
+        out["facts"] = {k: v for k, v in out["facts"].items() if k != "start_id"}
+    return out
+
+
+def _reservation_json(cubelet: Cubelet, sandbox_id: str, local: bool = True) -> dict[str, Any]:
     res = cubelet.store.reservation(sandbox_id)
     with cubelet.store.read() as t:
         devs = [d.to_json() for d in t.devices_of(sandbox_id)]
@@ -243,7 +259,7 @@ def _reservation_json(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any]:
     ]
     return {
         "sandbox_id": sandbox_id,
-        "reservation": None if res is None else res.to_json(),
+        "reservation": None if res is None else _view(res, local),
         "devices": devs,
         "timeline": timeline,
         "failure": sandbox_failure(cubelet, sandbox_id),
@@ -289,21 +305,20 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, t
 
     audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
     socket_path.unlink(missing_ok=True)
-    socket_path.parent.mkdir(parents=True, exist_ok=True)
-    configs = [
-        uvicorn.Config(
-            create_app(cubelet, local=True, audit=audit), uds=str(socket_path), log_level="warning", access_log=False
-        )
-    ]
+    socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # Bound here, not by uvicorn, which chmods a unix socket it creates to 0666: this one takes shim reports
+    # (VM evidence) and operator verbs, so only its owner may connect.
+    local = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)
+    try:
+        local.bind(str(socket_path))
+    finally:
+        os.umask(old)
+    os.chmod(socket_path, 0o600)
+    configs = [server_config(create_app(cubelet, local=True, audit=audit), fd=local.fileno())]
     if listen is not None:
         configs.append(
-            uvicorn.Config(
-                create_app(cubelet, local=False, token=token, audit=audit),
-                host=listen[0],
-                port=listen[1],
-                log_level="warning",
-                access_log=False,
-            )
+            server_config(create_app(cubelet, local=False, token=token, audit=audit), host=listen[0], port=listen[1])
         )
     servers = [uvicorn.Server(c) for c in configs]
 

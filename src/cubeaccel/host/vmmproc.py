@@ -36,6 +36,7 @@ class VmmProcess:
     device_ids: tuple[str, ...]
     command: str
     argv: tuple[str, ...] = ()
+    uid: int | None = None  # real uid from /proc/<pid>/status; None when unreadable
 
     def under(self, root: Path) -> bool:
         """Whether this VMM's own files (QMP/API sockets, console) lie under `root`."""
@@ -79,7 +80,15 @@ def inspect(pid: int, proc_root: Path = Path("/proc")) -> VmmProcess | None:
     for item in env.split(b"\0"):
         if item.startswith(ENV_DEVICES.encode() + b"="):
             devices = tuple(d for d in item.split(b"=", 1)[1].decode().split(";") if d)
-    return VmmProcess(pid, sandbox, devices, argv[0] if argv else "", tuple(argv))
+    return VmmProcess(pid, sandbox, devices, argv[0] if argv else "", tuple(argv), _uid(proc))
+
+
+def _uid(proc: Path) -> int | None:
+    for line in (_read(proc / "status") or b"").splitlines():
+        if line.startswith(b"Uid:"):
+            fields = line.split()
+            return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return None
 
 
 def vmm_processes(proc_root: Path = Path("/proc")) -> list[VmmProcess]:

@@ -90,6 +90,20 @@ sandboxes = sa.Table(
     sa.Index("ix_sandboxes_state", "state"),
 )
 
+# One row per keyed create, written in the same transaction as its sandbox row: the atomic claim. It outlives
+# a refusal (which deletes the sandbox row and records the error here), so a retry, on any replica, gets the
+# original outcome instead of a fresh placement, a 500 or a row that is about to vanish.
+idempotency = sa.Table(
+    "idempotency",
+    metadata,
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("idempotency_key", sa.String(200), primary_key=True),
+    sa.Column("sandbox_id", sa.String(63), nullable=False),
+    sa.Column("request", sa.JSON, nullable=False),
+    sa.Column("refusal", sa.JSON, nullable=True),  # the CubeError a refused create answered with
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
 
 tenants = sa.Table(
     "tenants",
@@ -142,7 +156,12 @@ def _v3(conn: sa.Connection) -> None:
         conn.execute(meta.insert().values(key="node_secret", value=secrets.token_hex(32)))
 
 
-MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3)]
+def _v4(conn: sa.Connection) -> None:
+    """Idempotency claims (issue 19): keyed creates already recorded keep their sandbox row as their claim."""
+    idempotency.create(conn, checkfirst=True)
+
+
+MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

@@ -30,6 +30,7 @@ from cubeaccel.wire.master_api import OperatorBody, SandboxBody
 from cubeaccel.wire.templates import TemplateDocument
 
 SANDBOX_STATES = tuple(s.value for s in SandboxState)
+MAX_IDEMPOTENCY_KEY = 200  # the body field's bound and the column's width
 
 PUBLIC = frozenset({ANONYMOUS, ADMIN, TENANT, NODE})
 USERS = frozenset({ADMIN, TENANT})
@@ -86,6 +87,14 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
         request = parse_shorthand(body.gpu)
     elif body.accelerators is not None:
         request = parse_accelerators(body.accelerators)
+    if header_key is not None and not (0 < len(header_key) <= MAX_IDEMPOTENCY_KEY and header_key.isprintable()):
+        raise CubeError(
+            "request.invalid_idempotency_key",
+            f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY} printable characters, got {len(header_key)}",
+            "api",
+            {},
+            422,
+        )
     key = header_key or body.idempotency_key
     return CreateSpec(
         body.id,

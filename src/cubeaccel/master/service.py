@@ -119,6 +119,16 @@ class CubeMaster:
                     {"template_class": c.accel_class, "requested": ch.accel_class},
                     422,
                 )
+            if spec.memory_mib is not None and spec.memory_mib != c.memory_mib:
+                # The template fixes the guest's memory (its snapshot, its pinned-memory check): a request that
+                # asks for another size is refused, never silently given the template's.
+                raise CubeError(
+                    "request.memory_mismatch",
+                    f"memory_mib {spec.memory_mib} differs from template {c.template_name}'s {c.memory_mib} MiB",
+                    "api",
+                    {"requested": spec.memory_mib, "template": c.template_name, "template_memory_mib": c.memory_mib},
+                    422,
+                )
             out.append((ch, c, compile_selector(ch.selector) if ch.selector else None))
         return out
 
@@ -157,27 +167,57 @@ class CubeMaster:
             "updated_at": now,
             "expires_at": now + lifetime,
         }
-        existing = self.store.insert_sandbox(row)
+        existing = self._claim(row, spec)
         if existing is not None:
-            if existing["request"] != normalized or existing["tenant"] != spec.tenant:
-                raise CubeError(
-                    "sandbox.conflict",
-                    f"sandbox {existing['id']} exists with another request",
-                    "api",
-                    {"existing": existing["request"]},
-                    409,
-                )
             return existing, False
         try:
             return self._place(sid, spec, resolved), True
-        except BaseException:
-            current = self.store.sandbox(sid)
-            if current is not None and current["state"] in PLACEMENT_STATES:
-                # A refused create leaves no record behind. A create that died after its claim may have left
-                # a reservation on the Cubelet: with no record, the next reconcile releases it there.
-                self.store.delete_sandbox_row(sid)
-                self.cache.invalidate()
+        except BaseException as e:
+            # A refused create leaves no record behind, but its idempotency claim keeps the refusal for a retry.
+            # A create that died after its claim may have left a reservation on the Cubelet: with no record,
+            # the next reconcile releases it there.
+            self.store.refuse_create(sid, e.to_json()["error"] if isinstance(e, CubeError) else None)
+            self.cache.invalidate()
             raise
+
+    def _claim(self, row: Row, spec: CreateSpec) -> Row | None:
+        """Record the create (None), or the outcome an earlier create with the same id or key had: its record
+        once it left placement, or its refusal raised again. A twin that arrives while the first is still
+        placing waits for that outcome rather than answer with a record that a refusal is about to delete."""
+        deadline = time.monotonic() + self.config.placement_stale_s
+        while True:
+            kind, existing = self.store.claim_sandbox(row)
+            if kind == "inserted":
+                return None
+            if kind == "refused":
+                assert existing is not None
+                self._same_request(existing["request"], existing["sandbox_id"], row)
+                r = existing["refusal"]
+                raise CubeError(r["code"], r["message"], r["layer"], {**r["details"], "replayed": True}, 0)
+            if existing is not None:
+                self._same_request(existing["request"], existing["id"], row, existing["tenant"])
+                if SS(existing["state"]) not in PLACEMENT_STATES or self.placement_abandoned(existing, time.time()):
+                    return existing
+            if time.monotonic() > deadline:
+                raise CubeError(
+                    "sandbox.create_in_progress",
+                    f"sandbox {row['id'] if existing is None else existing['id']} is still being placed; retry",
+                    "api",
+                    {},
+                    409,
+                )
+            time.sleep(0.05)
+
+    @staticmethod
+    def _same_request(request: Any, sandbox_id: str, row: Row, tenant: str | None = None) -> None:
+        if request != row["request"] or (tenant is not None and tenant != row["tenant"]):
+            raise CubeError(
+                "sandbox.conflict",
+                f"sandbox {sandbox_id} exists with another request",
+                "api",
+                {"existing": request},
+                409,
+            )
 
     def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row:
         t0 = time.perf_counter()

@@ -7,7 +7,6 @@ fails half-way with "database is locked"; PostgreSQL uses row locks (`FOR UPDATE
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -16,12 +15,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from cubeaccel.host.private import private_file
 from cubeaccel.master import schema as S
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import (
     HELD_STATES,
     NODE_MACHINE,
+    PLACEMENT_STATES,
     SANDBOX_MACHINE,
     NodeEvent,
     NodeState,
@@ -48,7 +49,9 @@ def engine_for(url: str) -> sa.Engine:
         return sa.create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
     if not url.startswith("sqlite"):
         Path(url).parent.mkdir(parents=True, exist_ok=True)
-        os.close(os.open(url, os.O_RDWR | os.O_CREAT, 0o600))  # key digests and the node secret: owner only
+        private_file(
+            Path(url)
+        )  # key digests, the node secret; SQLite gives its -wal/-shm files the database file's mode
         url = f"sqlite:///{url}"
     engine = sa.create_engine(
         url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=10, max_overflow=20
@@ -279,24 +282,68 @@ class MasterStore:
     # ---- sandboxes --------------------------------------------------------------------------------
     def insert_sandbox(self, row: Row) -> Row | None:
         """Insert; on a duplicate id or (tenant, idempotency key) return the existing record instead."""
+        kind, existing = self.claim_sandbox(row)
+        return existing if kind == "sandbox" else None
+
+    def claim_sandbox(self, row: Row) -> tuple[str, Row | None]:
+        """Insert the record and, with a key, its idempotency claim, in one transaction. Returns
+        ("inserted", None); ("sandbox", existing) on a duplicate id or key whose record exists;
+        ("refused", claim) when the keyed create was refused (its claim holds the refusal); or ("retry", None)
+        when the row that conflicted is gone (a refusal deleted it between our insert and our look)."""
+        key = row.get("idempotency_key")
         try:
             with self.tx() as c:
-                c.execute(S.sandboxes.insert().values(**row))
-            return None
-        except sa.exc.IntegrityError:
-            existing = self.sandbox(row["id"])
-            if existing is None and row.get("idempotency_key"):
-                with self.tx() as c:
-                    r = c.execute(
-                        sa.select(S.sandboxes).where(
-                            S.sandboxes.c.tenant == row["tenant"],
-                            S.sandboxes.c.idempotency_key == row["idempotency_key"],
+                if key:
+                    c.execute(
+                        S.idempotency.insert().values(
+                            tenant=row["tenant"],
+                            idempotency_key=key,
+                            sandbox_id=row["id"],
+                            request=row["request"],
+                            refusal=None,
+                            created_at=row["created_at"],
                         )
-                    ).first()
-                existing = None if r is None else _row(r)
-            if existing is None:
-                raise
-            return existing
+                    )
+                c.execute(S.sandboxes.insert().values(**row))
+            return "inserted", None
+        except sa.exc.IntegrityError:
+            pass
+        if key:
+            claim = self.idempotency_claim(row["tenant"], key)
+            if claim is not None:
+                if claim["refusal"] is not None:
+                    return "refused", claim
+                existing = self.sandbox(claim["sandbox_id"])
+                if existing is not None:
+                    return "sandbox", existing
+        existing = self.sandbox(row["id"])
+        return ("sandbox", existing) if existing is not None else ("retry", None)
+
+    def idempotency_claim(self, tenant: str, key: str) -> Row | None:
+        with self.tx() as c:
+            r = c.execute(
+                sa.select(S.idempotency).where(S.idempotency.c.tenant == tenant, S.idempotency.c.idempotency_key == key)
+            ).first()
+        return None if r is None else dict(r._mapping)
+
+    def refuse_create(self, sandbox_id: str, refusal: dict[str, Any] | None) -> None:
+        """A create that failed before its sandbox existed anywhere: delete its row (while a create still owns
+        it) and, in the same transaction, record the refusal on its idempotency claim — or, with no refusal to
+        replay (the create died of something else), drop the claim so a retry places afresh."""
+        with self.tx() as c:
+            gone = c.execute(
+                S.sandboxes.delete().where(
+                    S.sandboxes.c.id == sandbox_id,
+                    S.sandboxes.c.state.in_([s.value for s in PLACEMENT_STATES]),
+                )
+            ).rowcount
+            if not gone:
+                return
+            claims = S.idempotency.c.sandbox_id == sandbox_id
+            if refusal is None:
+                c.execute(S.idempotency.delete().where(claims))
+            else:
+                c.execute(S.idempotency.update().where(claims).values(refusal=refusal))
 
     def sandbox(self, sandbox_id: str) -> Row | None:
         with self.tx() as c:

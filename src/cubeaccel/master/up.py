@@ -9,6 +9,7 @@ for `cubeaccel sandbox …` and `cubeaccel down`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -210,6 +211,7 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
         return 0
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.sigwait({signal.SIGINT, signal.SIGTERM})  # foreground until Ctrl-C or SIGTERM
+    _report_left(end_sandboxes(murl, f"http://127.0.0.1:{cport}", state_dir))
     _stop([p.pid for p in procs])
     (state_dir / "up.json").unlink(missing_ok=True)
     return 0
@@ -219,6 +221,56 @@ def _write_secret(path: Path, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(value + "\n")
+
+
+def _secret(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s: float = 60.0) -> list[str]:
+    """End every sandbox `up` served, through the release path, before its daemons stop: a stopped Cubelet
+    leaves its shims and VMMs (and their pinned memory) running. Deletes each sandbox at CubeMaster, then
+    releases whatever the Cubelet still holds (a sandbox CubeMaster never recorded included) and waits until
+    it holds nothing. Returns the sandbox ids still held at the deadline."""
+    from cubeaccel.wire.cubelet_client import CubeletClient
+
+    m = MasterClient(master_url, timeout=10.0, key=_secret(state_dir / "admin.key"))
+    try:
+        rows = m.sandboxes()
+    except (CubeError, httpx.HTTPError):
+        rows = []
+    for row in rows:
+        if row["state"] not in ("deleted", "deleting"):
+            with contextlib.suppress(CubeError, httpx.HTTPError):
+                m.delete(row["id"])
+    m.close()
+    c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
+    end = time.monotonic() + deadline_s
+    held: list[str] = []
+    try:
+        while True:
+            try:
+                reservations = c.request("GET", "/v1/reservations")["reservations"]
+            except (CubeError, httpx.HTTPError):
+                return held  # no Cubelet to ask: nothing more this command can end
+            held = [r["sandbox_id"] for r in reservations]
+            if not held or time.monotonic() > end:
+                return held
+            for r in reservations:
+                if r["phase"] != "releasing":
+                    with contextlib.suppress(CubeError, httpx.HTTPError):
+                        c.release(r["sandbox_id"])
+            time.sleep(0.2)
+    finally:
+        c.close()
+
+
+def _report_left(held: list[str]) -> None:
+    if held:
+        print(f"warning: still held after the release timeout, stopping anyway: {', '.join(held)}")
 
 
 def _ours(pid: int) -> bool:
@@ -246,6 +298,7 @@ def run_down(state_dir: Path) -> int:
         print(f"nothing to stop: no {up}")
         return 0
     info = json.loads(up.read_text())
+    _report_left(end_sandboxes(info["master_url"], info["cubelet_url"], state_dir))
     _stop([int(p) for p in info["pids"]])
     up.unlink()
     print(f"stopped CubeMaster and Cubelet ({info['master_url']})")

@@ -12,3 +12,22 @@ AGENT_PORT_NAME = "cube-agent"  # the virtserialport name the VMM gives the agen
 PROTOCOL_VERSION = 1  # "v" in every protocol line: bumped when the wire format changes
 MODPROBE_TIMEOUT_S = 30.0  # one `modprobe` in the guest, unless the agent's command line says otherwise
 CUDA_TIMEOUT_S = 20.0  # one CUDA/NVML query in the guest, likewise
+
+# The error codes cube-agent itself replies with. A guest is untrusted: any other code in an error reply (say
+# `shim.stop_requested` or `agent.cancelled`, which the shim acts on) is reported as `agent.error` with the
+# guest's text in `details.guest_code`, so nothing a guest says can steer the host.
+GUEST_ERROR_CODES = frozenset(
+    {
+        "agent.bad_json",
+        "agent.bad_request",
+        "agent.internal_error",
+        "agent.invalid_contract",
+        "agent.invalid_params",
+        "guest.port_not_found",
+        "agent.probe_crashed",
+        "agent.read_timeout",
+        "agent.request_too_large",
+        "agent.unknown_method",
+        "agent.unsupported_version",
+    }
+)

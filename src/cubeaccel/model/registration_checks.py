@@ -19,6 +19,7 @@ from cubeaccel.model.compat_tables import (
 )
 from cubeaccel.model.device import AcceleratorClass
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.profiles import PROFILES
 from cubeaccel.model.template_spec import CUDA_COMPAT_MODES, DeviceMatch, Template
 from cubeaccel.model.versions import CudaVersion, DriverVersion, KernelVersion
@@ -292,8 +293,9 @@ def _cuda_runtime(t: Template) -> Iterator[ContractViolation]:
 
 
 def _pinned_memory(t: Template) -> Iterator[ContractViolation]:
-    if t.memory_mib < 64 or t.memory_mib > 16 * 1024 * 1024:
-        yield V(L.PINNED_MEMORY, "compat.pinned_memory_size_invalid", "64 MiB .. 16 TiB", f"{t.memory_mib} MiB")
+    if not MIN_MEMORY_MIB <= t.memory_mib <= MAX_MEMORY_MIB:
+        want = f"{MIN_MEMORY_MIB} MiB .. {MAX_MEMORY_MIB >> 20} TiB"
+        yield V(L.PINNED_MEMORY, "compat.pinned_memory_size_invalid", want, f"{t.memory_mib} MiB")
     backend = KNOWN_BACKENDS.get(t.backend)
     if backend is not None and backend.dma and not t.pin_memory:
         yield V(

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.host.unix_path import connect_path
-from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
+from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
+from cubeaccel.model.error_catalog import CATALOG
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire import json_guard
 
 MAX_REPLY = 4 << 20  # a guest is untrusted: a reply line larger than this ends the conversation
 
@@ -78,23 +80,32 @@ class AgentClient:
         line = bytes(self._buf[:end])
         del self._buf[: end + 1]
         try:
-            msg = json.loads(line)
+            msg = json_guard.loads(line)  # NaN, 1e400, a duplicated key or deep nesting: unreadable, like junk
         except (ValueError, RecursionError):
             return {}
         return msg if isinstance(msg, dict) else {}
 
-    def _send(self, method: str, params: dict[str, Any]) -> int:
+    def _send(self, method: str, params: dict[str, Any], deadline: float) -> int:
+        """A guest that stops reading must not hang the shim (teardown included): the send has what is left of
+        the call's own bound, never more."""
         assert self._sock is not None
         rid = self._next_id
         self._next_id += 1
         data = json.dumps({"v": PROTOCOL_VERSION, "id": rid, "method": method, "params": params}).encode() + b"\n"
-        self._sock.settimeout(10.0)  # a guest that stops reading must not hang the shim (teardown included)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise agent_error("agent.timeout", f"no time left to send {method}", method=method)
+        self._sock.settimeout(left)
         try:
             self._sock.sendall(data)
         except TimeoutError:
-            raise agent_error("agent.timeout", f"agent did not read the {method} request within 10 s") from None
+            self.close()  # a half-sent line would garble the next request
+            raise agent_error(
+                "agent.timeout", f"agent did not read the {method} request in time", method=method
+            ) from None
         finally:
-            self._sock.setblocking(False)
+            if self._sock is not None:
+                self._sock.setblocking(False)
         return rid
 
     def call(
@@ -103,8 +114,8 @@ class AgentClient:
         """One request, its reply's `result`; agent errors become CubeErrors with the agent's code and layer."""
         if self._sock is None:
             raise agent_error("agent.not_connected", "agent channel not connected")
-        rid = self._send(method, params or {})
         deadline = time.monotonic() + timeout_s
+        rid = self._send(method, params or {}, deadline)
         while True:
             msg = self._readline(deadline, cancel_fd)
             if msg is None:
@@ -120,11 +131,15 @@ class AgentClient:
             err = msg.get("error")
             if not isinstance(err, dict):
                 raise agent_error("agent.bad_reply", f"unreadable error reply to {method}", method=method)
+            said = str(err.get("code", "agent.error"))[:100]
+            code = said if said in GUEST_ERROR_CODES else "agent.error"  # never a host code from a guest
+            details = err.get("details")
             raise agent_error(
-                str(err.get("code", "agent.error"))[:100],
+                code,
                 str(err.get("message", ""))[:1000],
-                layer=str(err.get("layer", "agent"))[:40],
-                details=err.get("details"),
+                layer=CATALOG[code].layer,
+                details=details if isinstance(details, dict) else None,
+                **({} if code == said else {"guest_code": said}),
             )
 
     def wait_hello(

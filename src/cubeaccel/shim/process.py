@@ -16,6 +16,7 @@ import sys
 import time
 from types import FrameType
 
+from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
@@ -417,4 +418,5 @@ def read_workload_token() -> str | None:
 
 
 def run_shim(spec: ShimSpec) -> int:
+    private_umask()  # its dir, QMP/agent sockets, logs and the template snapshot QEMU writes: owner-only
     return Shim(spec, read_workload_token() if spec.workload else None).run()

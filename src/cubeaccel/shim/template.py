@@ -124,6 +124,7 @@ def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float
             hello = agent.wait_hello(boot_timeout_s)
             agent.close()  # the guest sees the host leave before it is frozen; sandboxes reconnect
             vmm.save_state(state)
+            os.chmod(state, 0o600)  # guest memory: QEMU creates the file with its own mode
         finally:
             vmm.stop(5.0)
         meta = {

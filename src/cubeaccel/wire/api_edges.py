@@ -8,6 +8,8 @@ Swagger UI and ReDoc pages load scripts from a CDN), only `/openapi.json` (docs/
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,7 +20,9 @@ from starlette.exceptions import HTTPException
 
 from cubeaccel.model.error_catalog import http_status
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire import json_guard
 from cubeaccel.wire.base import UNSUPPORTED_VERSION, Strict
+from cubeaccel.wire.http_server import HttpLimits
 
 MAX_BODY = 1 << 20
 
@@ -119,13 +123,83 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
         request.state.error_code = err.code
         return error_response(err)
 
-    @app.middleware("http")
-    async def _limit(request: Request, call_next: Any) -> Any:
-        size = request.headers.get("content-length")
-        # Cubelet's workload proxy streams uploads of any size to the guest (flow-controlled, never held whole).
-        streamed = request.url.path.startswith("/v1/sandboxes/") and "/workload/" in request.url.path
-        if size is not None and not streamed and (not size.isdigit() or int(size) > max_body):
-            return error_response(
-                CubeError("api.body_too_large", f"request body over {max_body} bytes", "api", {}, 413)
-            )
-        return await call_next(request)
+    app.add_middleware(EdgeGuard, max_body=max_body, body_timeout_s=HttpLimits.from_env().body_timeout_s)
+
+
+class EdgeGuard:
+    """Pure ASGI middleware in front of every route: the body is read here, counted by the bytes that
+    actually arrive (a chunked body has no Content-Length to trust), within a deadline, and parsed as strict
+    JSON before a route sees it. A refusal answers in the error format and closes the connection, so the
+    rest of an oversized body is never read."""
+
+    def __init__(self, app: Any, max_body: int = MAX_BODY, body_timeout_s: float = 30.0) -> None:
+        self.app = app
+        self.max_body = max_body
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if path.startswith("/v1/sandboxes/") and "/workload/" in path:
+            # Cubelet's workload proxy streams bodies of any size to the guest (flow-controlled, never held whole).
+            await self.app(scope, receive, send)
+            return
+        size = dict(scope.get("headers", ())).get(b"content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.max_body):
+            await self._refuse(scope, send, self._too_large())
+            return
+        chunks: list[bytes] = []
+        total = 0
+        deadline = time.monotonic() + self.body_timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                msg = f"request body not received within {self.body_timeout_s:g} s"
+                await self._refuse(scope, send, CubeError("api.body_timeout", msg, "api", {}, 408))
+                return
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body:
+                await self._refuse(scope, send, self._too_large())
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        if body:
+            try:
+                json_guard.loads(body)
+            except json_guard.JsonRefused as e:
+                await self._refuse(
+                    scope, send, CubeError(e.code, f"request rejected: {e}", "api", {}, 422), close=False
+                )
+                return
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self) -> CubeError:
+        return CubeError("api.body_too_large", f"request body over {self.max_body} bytes", "api", {}, 413)
+
+    @staticmethod
+    async def _refuse(scope: Any, send: Any, e: CubeError, close: bool = True) -> None:
+        response = error_response(e)
+        if close:
+            response.headers["connection"] = "close"
+        await response(scope, _nothing, send)
+
+
+async def _nothing() -> Any:
+    return {"type": "http.disconnect"}

@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt
 
+from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.wire.base import Message, Record, Reply
 
 
@@ -15,7 +16,7 @@ class ReservationBody(Message):
     accel_class: str | None = Field(default=None, alias="class", max_length=32)
     labels: dict[str, str] = Field(default_factory=dict, max_length=32)
     template: str | None = Field(default=None, max_length=200)
-    memory_mib: StrictInt = Field(default=512, ge=64, le=4 << 20)
+    memory_mib: StrictInt = Field(default=512, ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)
     vcpus: StrictInt = Field(default=1, ge=1, le=256)
     pin_memory: StrictBool = True
     contract: dict[str, Any] | None = None

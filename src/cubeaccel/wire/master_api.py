@@ -6,6 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictInt
 
+from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.wire.base import Message, Record, Reply, Strict
 
 
@@ -31,7 +32,7 @@ class SandboxBody(Message):
     template: str | None = Field(default=None, min_length=1, max_length=401)
     accelerators: Any = None
     gpu: Any = None
-    memory_mib: StrictInt | None = Field(default=None, ge=64, le=16 << 20)
+    memory_mib: StrictInt | None = Field(default=None, ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)
     vcpus: StrictInt = Field(default=1, ge=1, le=256)
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_LIFETIME_S)
     tenant: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a tenant key's own

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import StrictStr
+from pydantic import StrictStr, field_validator
 
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.wire.base import Finite, LenientMessage
+from cubeaccel.wire.json_guard import INT64, check_value
 
 
 class ShimReportBody(LenientMessage):
@@ -21,6 +22,14 @@ class ShimReportBody(LenientMessage):
     details: dict[str, Any] = {}
     at: Finite = 0.0
     start_id: StrictStr | None = None  # which start of the sandbox the shim serves: stale reports are refused
+
+    @field_validator("details")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any]) -> dict[str, Any]:
+        """The details carry what the guest said (its report, pids, sizes): every number finite and within
+        64 bits, the nesting bounded, before the judge, the store or `os.kill` sees one."""
+        check_value(value, int_bound=INT64)
+        return value
 
     @classmethod
     def of(cls, r: ShimReport) -> ShimReportBody:

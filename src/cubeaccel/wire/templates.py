@@ -9,6 +9,8 @@ the layer; this module only guarantees the values are there and of the right kin
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,8 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import API_VERSION, KIND, Template
+from cubeaccel.wire import json_guard
 
 MAX_TEMPLATE_BYTES = 1 << 20
+MAX_TEMPLATE_VALUES = 100_000  # a real template has under 200; YAML aliases can multiply a small file
 HexId = Annotated[StrictStr, Field(pattern=r"^(0x)?[0-9a-fA-F]{4}$")]
 Name = Annotated[StrictStr, Field(min_length=1, max_length=200)]
 
@@ -178,28 +182,61 @@ def loads_document(text: str, source: str = "template") -> object:
             "template.too_large", f"{source}: larger than {MAX_TEMPLATE_BYTES} bytes", "template", status=422
         )
     stripped = text.lstrip()
-    if stripped.startswith("{"):
-        try:
-            data: Any = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CubeError("template.invalid_json", f"{source}: {e}", "template", status=422) from e
-    else:
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise CubeError("template.invalid_yaml", f"{source}: {e}", "template", status=422) from e
+    too_deep = CubeError(
+        "template.too_deep", f"{source}: nested deeper than {json_guard.MAX_DEPTH} levels", "template", status=422
+    )
+    try:
+        if stripped.startswith("{"):
+            try:
+                data: Any = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise CubeError("template.invalid_json", f"{source}: {e}", "template", status=422) from e
+        else:
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise CubeError("template.invalid_yaml", f"{source}: {e}", "template", status=422) from e
+    except RecursionError:
+        raise too_deep from None
+    try:
+        json_guard.check_value(data, max_nodes=MAX_TEMPLATE_VALUES)
+    except json_guard.JsonRefused as e:
+        if e.code == "api.too_deep":
+            raise too_deep from None
+        code = "template.too_large" if e.code == "api.too_many_values" else "template.invalid_field"
+        raise CubeError(code, f"{source}: {e}", "template", status=422) from None
     return data
 
 
 def load_document(path: str | Path) -> object:
-    """A template file's (.yaml, .yml or .json) value, unchecked: for sending to CubeMaster, which checks it."""
+    """A template file's (.yaml, .yml or .json) value, unchecked: for sending to CubeMaster, which checks it.
+
+    Only a regular file is read, and only up to the size limit: `/dev/zero` read until MemoryError, and
+    `/dev/urandom` or a FIFO with no writer hung (opened non-blocking, checked before any read)."""
     p = Path(path)
     try:
-        raw = p.read_bytes()[: MAX_TEMPLATE_BYTES + 1]
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError as e:
         raise CubeError("template.not_found", f"no such template file: {p}", "template", status=404) from e
-    except (IsADirectoryError, PermissionError) as e:
+    except OSError as e:
         raise CubeError("template.unreadable", f"cannot read {p}: {e.strerror}", "template", status=422) from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise CubeError("template.unreadable", f"cannot read {p}: Is a directory", "template", status=422)
+        if not stat.S_ISREG(mode):
+            raise CubeError(
+                "template.not_a_file", f"{p} is not a regular file (a device, FIFO or socket)", "template", status=422
+            )
+        chunks, size = [], 0
+        while size <= MAX_TEMPLATE_BYTES and (chunk := os.read(fd, 65536)):
+            chunks.append(chunk)
+            size += len(chunk)
+        raw = b"".join(chunks)[: MAX_TEMPLATE_BYTES + 1]
+    except OSError as e:
+        raise CubeError("template.unreadable", f"cannot read {p}: {e.strerror}", "template", status=422) from e
+    finally:
+        os.close(fd)
     try:
         text = raw.decode()
     except UnicodeDecodeError as e:

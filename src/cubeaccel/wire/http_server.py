@@ -1,0 +1,114 @@
+"""How every cubeaccel listener is served: uvicorn with bounded headers, idle connections and bodies.
+
+uvicorn closes an idle keep-alive connection, but not a connection whose request headers never finish
+(2,000 half-sent requests stayed open), and it answers a malformed request with plain text. `GuardedH11`
+adds a header deadline — a connection that has not sent complete request headers within it is closed —
+and answers protocol errors in the API's JSON error format. The body deadline and the body size limit are
+the API edge's (`api_edges.EdgeGuard`), counted on the bytes actually read, chunked bodies included.
+
+The bounds can be tightened for tests through the environment (`CUBEACCEL_HTTP_HEADER_TIMEOUT_S`,
+`CUBEACCEL_HTTP_BODY_TIMEOUT_S`, `CUBEACCEL_HTTP_IDLE_TIMEOUT_S`); docs/api.md lists the defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+from uvicorn import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MAX_HEADER_BYTES = 16 * 1024  # request line + headers; a larger one is a protocol error
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    header_timeout_s: float = 10.0  # from connect (or the end of the last response) to complete headers
+    body_timeout_s: float = 30.0  # from the headers to the last body byte
+    idle_timeout_s: int = 5  # a keep-alive connection with no new request
+
+    @classmethod
+    def from_env(cls) -> HttpLimits:
+        d = cls()
+        return cls(
+            float(os.environ.get("CUBEACCEL_HTTP_HEADER_TIMEOUT_S", d.header_timeout_s)),
+            float(os.environ.get("CUBEACCEL_HTTP_BODY_TIMEOUT_S", d.body_timeout_s)),
+            int(os.environ.get("CUBEACCEL_HTTP_IDLE_TIMEOUT_S", d.idle_timeout_s)),
+        )
+
+
+def _error_bytes(code: str, message: str) -> bytes:
+    return json.dumps({"error": {"code": code, "layer": "api", "message": message, "details": {}}}).encode()
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on request headers and JSON protocol errors."""
+
+    header_timeout_s = HttpLimits().header_timeout_s
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE:  # bytes of a new request: its headers now have a deadline
+            self._arm()
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._disarm()
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        body = _error_bytes("api.bad_http_request", msg)
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:  # h11 cannot frame a reply in this state: just close
+            pass
+        self.transport.close()
+
+
+def server_config(app: Any, limits: HttpLimits | None = None, **where: Any) -> Config:
+    """A uvicorn Config for one listener (`host`/`port` or `uds`) with cubeaccel's bounds."""
+    limits = limits or HttpLimits.from_env()
+    protocol = type("GuardedH11Bound", (GuardedH11,), {"header_timeout_s": limits.header_timeout_s})
+    return Config(
+        app,
+        http=protocol,
+        timeout_keep_alive=limits.idle_timeout_s,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        log_level="warning",
+        access_log=False,
+        **where,
+    )
