@@ -23,6 +23,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.cubelet_client import CubeletClient
 from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_builders import sandbox_row
 from tests.support.master_harness import free_port
 from tests.support.poll import poll
 
@@ -73,24 +74,7 @@ def heartbeat(m: CubeMaster, url: str, cub: CubeletClient) -> None:
 def claimed_row(m: CubeMaster, sid: str) -> str:
     """A sandbox row as a create leaves it right after `claim()`: `placing` on NODE. Returns the group key."""
     now = time.time()
-    assert (
-        m.store.insert_sandbox(
-            {
-                "id": sid,
-                "tenant": "t",
-                "idempotency_key": None,
-                "request": {},
-                "state": "scheduling",
-                "count": 1,
-                "device_ids": [],
-                "timeline": [],
-                "created_at": now,
-                "updated_at": now,
-                "expires_at": None,
-            }
-        )
-        is None
-    )
+    assert m.store.insert_sandbox(sandbox_row(sid, now, expires_at=None)) is None
     key = m.store.all_node_views()[0].groups[0].key
     assert m.store.claim(sid, NODE, key, 1, now, m.config.staleness_s)
     return key

@@ -25,7 +25,7 @@ from cubeaccel.master.auth import ADMIN, TENANT, Quota
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
-from tests.unit.master_builders import group, heartbeat
+from tests.support.master_builders import group, heartbeat, sandbox_row
 
 URL = "http://127.0.0.1:9"
 CALLERS = ("none", "wrong_key", "other_tenant", "tenant", "admin", "node")
@@ -116,20 +116,7 @@ class World:
         }
         self.master.store.heartbeat(heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL), time.time(), 10.0)
         now = time.time()
-        self.master.store.insert_sandbox(
-            {
-                "id": "sb-t1",
-                "tenant": "t1",
-                "idempotency_key": None,
-                "request": {},
-                "state": "failed",
-                "count": 1,
-                "device_ids": [],
-                "timeline": [],
-                "created_at": now,
-                "updated_at": now,
-            }
-        )
+        self.master.store.insert_sandbox(sandbox_row("sb-t1", now, tenant="t1", state="failed"))
 
     def call(self, caller: str, method: str, path: str) -> Any:
         key = self.keys[caller]

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from cubeaccel.cli import app
 from cubeaccel.model.contract import FrozenContract
-from tests.unit.contract_builders import EDU_FILE, H100_FILE, example_doc, set_path
+from tests.support.contract_builders import EDU_FILE, H100_FILE, example_doc, set_path
 
 runner = CliRunner()
 

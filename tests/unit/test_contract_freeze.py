@@ -16,7 +16,7 @@ from cubeaccel.model.contract import CompatibilityContract, FrozenContract, cano
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import CudaSpec
 from cubeaccel.wire.templates import parse_template
-from tests.unit.contract_builders import device, edu, h100, template
+from tests.support.contract_builders import device, edu, h100, template
 
 
 def roundtrip(contract: CompatibilityContract) -> CompatibilityContract:

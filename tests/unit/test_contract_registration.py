@@ -15,7 +15,7 @@ from cubeaccel.model.compat_tables import (
 from cubeaccel.model.contract import Layer, check_template
 from cubeaccel.model.template_spec import CudaSpec, KernelDriver
 from cubeaccel.model.versions import CudaVersion, DriverVersion
-from tests.unit.contract_builders import EDU_FILE, H100_FILE, edu, h100, template
+from tests.support.contract_builders import EDU_FILE, H100_FILE, edu, h100, template
 
 B200 = [{"vendor_id": "10de", "device_id": "2901", "labels": {"model": "B200-180GB"}}]
 A100 = [{"vendor_id": "10de", "device_id": "20b2", "labels": {"model": "A100-SXM4-80GB"}}]

@@ -17,7 +17,7 @@ from cubeaccel.master.view import view_from_heartbeat
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
-from tests.unit.master_builders import group, h100_contract, heartbeat, view
+from tests.support.master_builders import group, h100_contract, heartbeat, sandbox_row, view
 
 H100 = "H100-SXM5-80GB"
 GIB = 1024
@@ -65,20 +65,7 @@ def test_memory_claimed_between_heartbeats_is_deducted(tmp_path: Path, memory_gi
     for i in range(3):
         sid = f"sb-{i}"
         now = time.time()
-        store.insert_sandbox(
-            {
-                "id": sid,
-                "tenant": "t",
-                "idempotency_key": None,
-                "request": {},
-                "state": "scheduling",
-                "count": 1,
-                "device_ids": [],
-                "timeline": [],
-                "created_at": now,
-                "updated_at": now,
-            }
-        )
+        store.insert_sandbox(sandbox_row(sid, now))
         views = store.all_node_views()
         reasons = _reasons(views, memory_gib * GIB)
         if reasons:
@@ -101,20 +88,7 @@ def test_a_heartbeat_that_shows_the_reservation_absorbs_the_memory_claim(tmp_pat
     store.heartbeat(heartbeat("n", group(H100, 8), pinnable=100 * GIB, pinned=LEDGER), time.time(), 10)
     key = store.all_node_views()[0].groups[0].key
     now = time.time()
-    store.insert_sandbox(
-        {
-            "id": "a",
-            "tenant": "t",
-            "idempotency_key": None,
-            "request": {},
-            "state": "scheduling",
-            "count": 1,
-            "device_ids": [],
-            "timeline": [],
-            "created_at": now,
-            "updated_at": now,
-        }
-    )
+    store.insert_sandbox(sandbox_row("a", now))
     assert store.claim("a", "n", key, 1, now, 10, 40 * GIB + 400)
     store.update_sandbox(
         "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0

@@ -22,7 +22,7 @@ from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
-from tests.unit.master_builders import Credentials
+from tests.support.master_builders import Credentials
 
 REFUSAL = "schedule.placement_failed"
 

@@ -16,7 +16,7 @@ from cubeaccel.master.up import EXAMPLES
 from cubeaccel.model.limits import MAX_MEMORY_MIB
 from cubeaccel.wire.cubelet_api import ReservationBody
 from cubeaccel.wire.master_api import SandboxBody
-from tests.unit.master_builders import Credentials
+from tests.support.master_builders import Credentials
 
 
 @pytest.fixture

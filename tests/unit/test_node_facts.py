@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug, pinned_image
-from tests.unit.contract_builders import edu, h100
+from tests.support.contract_builders import edu, h100
 
 DIGESTS = st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True)
 

@@ -24,7 +24,7 @@ from cubeaccel.model.sandbox_states import (
     SandboxEvent,
     SandboxState,
 )
-from tests.unit.master_builders import group, heartbeat
+from tests.support.master_builders import group, heartbeat
 from tests.unit.test_scheduler_store import sandbox
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor

@@ -11,7 +11,7 @@ from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
-from tests.unit.master_builders import group, h100_contract, heartbeat, image, view
+from tests.support.master_builders import group, h100_contract, heartbeat, image, view
 
 NOW, STALE = 1001.0, 10.0
 H100 = "H100-SXM5-80GB"

@@ -17,7 +17,7 @@ from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import cubelet_url
 from cubeaccel.model.errors import CubeError
-from tests.unit.master_builders import Credentials, group, heartbeat, image
+from tests.support.master_builders import Credentials, group, heartbeat, image, sandbox_row
 
 URL = "http://127.0.0.1:9"  # nothing listens there
 
@@ -159,22 +159,7 @@ def test_operator_verbs_refuse_an_empty_reason_but_need_none(api: TestClient) ->
 def _starting(master: CubeMaster, sid: str = "sb-push", node: str = "n1") -> None:
     now = 1000.0
     assert (
-        master.store.insert_sandbox(
-            {
-                "id": sid,
-                "tenant": "t",
-                "idempotency_key": None,
-                "request": {},
-                "state": "starting",
-                "count": 1,
-                "device_ids": ["d1"],
-                "timeline": [],
-                "created_at": now,
-                "updated_at": now,
-                "expires_at": None,
-            }
-        )
-        is None
+        master.store.insert_sandbox(sandbox_row(sid, now, state="starting", device_ids=["d1"], expires_at=None)) is None
     )
     master.store.update_sandbox(sid, None, node=node)
 

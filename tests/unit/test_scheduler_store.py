@@ -12,7 +12,7 @@ import pytest
 from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxEvent
-from tests.unit.master_builders import group, heartbeat
+from tests.support.master_builders import group, heartbeat, sandbox_row
 
 H100 = "H100-SXM5-80GB"
 
@@ -26,18 +26,7 @@ def store(tmp_path: Path) -> Iterator[MasterStore]:
 
 def sandbox(sid: str, count: int = 1) -> dict[str, Any]:
     now = time.time()
-    return {
-        "id": sid,
-        "tenant": "t",
-        "idempotency_key": None,
-        "request": {},
-        "state": "scheduling",
-        "count": count,
-        "device_ids": [],
-        "timeline": [],
-        "created_at": now,
-        "updated_at": now,
-    }
+    return sandbox_row(sid, now, count=count)
 
 
 def test_migrations_run_once_and_reopening_keeps_the_version(tmp_path: Path) -> None:

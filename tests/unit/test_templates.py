@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.templates import MAX_TEMPLATE_BYTES, load_template, loads_template, parse_template
-from tests.unit.contract_builders import EDU_FILE, H100_FILE, example_doc, h100, set_path
+from tests.support.contract_builders import EDU_FILE, H100_FILE, example_doc, h100, set_path
 
 
 def code_of(fn: Any, *args: Any) -> CubeError:

@@ -26,7 +26,7 @@ from cubeaccel.wire.reports import ShimReportBody, parse_report, report_json
 from cubeaccel.wire.shim_spec import MAX_DEVICES, parse_spec
 from cubeaccel.wire.templates import TemplateDocument, load_template, parse_template
 from tests.support.cubelet_harness import Node
-from tests.unit.master_builders import group, heartbeat
+from tests.support.master_builders import group, heartbeat
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 

@@ -20,7 +20,7 @@ from cubeaccel.wire import cubelet_api as CW
 from cubeaccel.wire.api_edges import ErrorReply
 from cubeaccel.wire.base import Reply
 from tests.support.cubelet_harness import Node
-from tests.unit.master_builders import Credentials
+from tests.support.master_builders import Credentials
 
 # Routes whose only reply is an error (the lifecycle verbs an accelerator sandbox refuses).
 ALWAYS_REFUSED = {("post", "/v1/reservations/{sandbox_id}/{operation}")}

@@ -10,13 +10,30 @@ from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
-from tests.unit.contract_builders import template
+from tests.support.contract_builders import template
 
 MODELS = {
     "H100-SXM5-80GB": {"vendor": "nvidia", "memory_gib": "80", "architecture": "hopper"},
     "T4-16GB": {"vendor": "nvidia", "memory_gib": "16", "architecture": "turing"},
     "A100-SXM4-80GB": {"vendor": "nvidia", "memory_gib": "80", "architecture": "ampere"},
 }
+
+
+def sandbox_row(sid: str, at: float, **over: Any) -> dict[str, Any]:
+    """A CubeMaster sandbox row as `insert_sandbox` takes it: born `scheduling`, nothing placed yet."""
+    return {
+        "id": sid,
+        "tenant": "t",
+        "idempotency_key": None,
+        "request": {},
+        "state": "scheduling",
+        "count": 1,
+        "device_ids": [],
+        "timeline": [],
+        "created_at": at,
+        "updated_at": at,
+        **over,
+    }
 
 
 def group(
