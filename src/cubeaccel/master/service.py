@@ -22,7 +22,7 @@ import httpx
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.registry import Registry
-from cubeaccel.master.scheduler import Candidate, decide, rejection
+from cubeaccel.master.scheduler import Candidate, rejection
 from cubeaccel.master.selector import Selector, compile_selector
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.contract import CompatibilityContract
@@ -225,12 +225,13 @@ class CubeMaster:
         tried: set[tuple[str, str]] = set()
         lost = 0  # claims another placement won first
         for round_ in range(3):
-            views = self.cache.views(fresh=round_ > 0)
-            decision = decide(views, resolved, time.time(), self.config.staleness_s, spec.vcpus)
+            decision, total = self.cache.decide(
+                resolved, time.time(), self.config.staleness_s, spec.vcpus, fresh=round_ > 0
+            )
             if not decision.candidates:
                 if round_ == 0:
                     continue  # our copy may be old: decide once more on fresh summaries
-                raise _with_attempts(rejection(decision, len(views)), attempts)
+                raise _with_attempts(rejection(decision, total), attempts)
             assert decision.contract is not None and decision.choice is not None
             decided_ms = (time.perf_counter() - t0) * 1000
             for cand in decision.candidates:
