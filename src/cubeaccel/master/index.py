@@ -8,14 +8,17 @@ group keys that pass the request's filters, starting at `free >= count`, and sto
 also pass the per-node checks (staleness, contract): its cost follows the number of distinct label sets and the
 candidates skipped, not the number of nodes.
 
-Entries change only when a node's view (heartbeat, operator state) or its claims change; `NodeCache` makes
-those calls. Draining and not-ready nodes have no entries; staleness depends on the clock, so it is checked
+Entries are also split by the node's boot facts (backends, guest images, hot-plug paths) and by the power of two
+of its free lockable memory, so a contract a whole class of nodes cannot meet skips their entries in one step:
+otherwise the nodes no template fits would stay at the front of the packing order and every decision would walk
+over them. Entries change only when a node's view (heartbeat, operator state) or its claims change; `NodeCache`
+makes those calls. Draining and not-ready nodes have no entries; staleness depends on the clock, so it is checked
 while merging. A refusal still runs the thorough `explain` over every view, so its reasons are the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from sortedcontainers import SortedList
@@ -27,11 +30,22 @@ from cubeaccel.model.sandbox_states import NodeState
 Entry = tuple[int, int, str, int]
 
 
+# (group key, boot facts, bit length of free lockable MiB)
+SlotKey = tuple[str, Hashable, int]
+
+
+def facts_key(v: NodeView) -> Hashable:
+    return (v.backends, v.guest_images, v.hotplug)
+
+
 @dataclass
 class Slot:
-    """All entries of one group key; `group` is any one of them (class, labels and attributes are the key's)."""
+    """Entries of one group key on nodes with the same boot facts and lockable-memory magnitude. `group` and
+    `node` are any one of them: what the slot's entries share (labels, facts) is read from them."""
 
     group: Group
+    node: NodeView
+    memory_bits: int  # every node here has free lockable MiB < 2**memory_bits
     by_width: dict[int, SortedList] = field(default_factory=dict)  # widest NUMA node's free count → entries
 
     def streams(self, count: int) -> Iterator[tuple[bool, Iterator[Entry]]]:
@@ -43,8 +57,9 @@ class Slot:
 class NodeIndex:
     def __init__(self) -> None:
         self._views: dict[str, NodeView] = {}
-        self._slots: dict[str, Slot] = {}
-        self._entries: dict[str, list[tuple[str, int, Entry]]] = {}  # node → (group key, width, entry)
+        self._slots: dict[SlotKey, Slot] = {}
+        self._entries: dict[str, list[tuple[SlotKey, int, Entry]]] = {}  # node → (slot, width, entry)
+        self.facts_memo: dict[tuple[str, Hashable], bool] = {}  # (contract digest, facts) → boot facts fit
 
     def views(self) -> list[NodeView]:
         return list(self._views.values())
@@ -73,8 +88,9 @@ class NodeIndex:
         v = self._views.get(name)
         if v is None:
             return
+        bits = v.free_pinnable_mib().bit_length()
         v.memory_claims_mib = memory_mib
-        if v.claims == claims:
+        if v.claims == claims and v.free_pinnable_mib().bit_length() == bits:
             return
         v.claims = dict(claims)
         self._drop_entries(name)
@@ -93,18 +109,20 @@ class NodeIndex:
         if v.state != NodeState.READY or not v.host_ready:
             return
         node_free = sum(max(0, v.free(g)) for g in v.groups)
-        added: list[tuple[str, int, Entry]] = []
+        facts, bits = facts_key(v), v.free_pinnable_mib().bit_length()
+        added: list[tuple[SlotKey, int, Entry]] = []
         for pos, g in enumerate(v.groups):
             free = v.free(g)
             if free < 1:
                 continue
             width = max(g.by_numa.values(), default=0)
             entry = (free, node_free, v.name, pos)
-            slot = self._slots.get(g.key)
+            key = (g.key, facts, bits)
+            slot = self._slots.get(key)
             if slot is None:
-                slot = self._slots[g.key] = Slot(g)
+                slot = self._slots[key] = Slot(g, v, bits)
             slot.by_width.setdefault(width, SortedList()).add(entry)
-            added.append((g.key, width, entry))
+            added.append((key, width, entry))
         if added:
             self._entries[v.name] = added
 

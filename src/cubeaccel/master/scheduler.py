@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.master.index import Entry, NodeIndex
+from cubeaccel.master.index import Entry, NodeIndex, Slot, facts_key
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import Group, NodeView
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, label_mismatch
@@ -283,9 +283,14 @@ def evaluate_indexed(index: NodeIndex, ctx: Context, keep: int = 16) -> ChoiceOu
     """`evaluate`'s answer from the index: the same candidates in the same order, visiting only the entries
     that can fit (`free >= count`) of the label sets that pass, best first, until `keep` pass the node checks."""
     count, cutoff = ctx.choice.count, ctx.now - ctx.staleness_s
+    t = ctx.contract.template
+    verdict: dict[str, bool] = {}
     streams: list[Iterator[tuple[int, int, int, str, int]]] = []
     for slot in index.slots():
-        if not _group_ok(slot.group, ctx):
+        ok = verdict.get(slot.group.key)
+        if ok is None:
+            ok = verdict[slot.group.key] = _group_ok(slot.group, ctx)
+        if not ok or (t.pin_memory and (1 << slot.memory_bits) - 1 < t.memory_mib) or not _facts_ok(index, slot, ctx):
             continue
         for local, entries in slot.streams(count):
             streams.append(_ranked(0 if local else 1, entries))
@@ -301,6 +306,26 @@ def evaluate_indexed(index: NodeIndex, ctx: Context, keep: int = 16) -> ChoiceOu
     if not out:
         return explain(index.views(), ctx)
     return ChoiceOutcome(ctx.choice, out, {})
+
+
+def _facts_ok(index: NodeIndex, slot: Slot, ctx: Context) -> bool:
+    """Contract stage 2 on the boot facts the slot's nodes share, memory aside (checked per node)."""
+    key = (ctx.contract.digest, facts_key(slot.node))
+    ok = index.facts_memo.get(key)
+    if ok is None:
+        n = slot.node
+        summary = NodeSummary(
+            backends=n.backends,
+            devices=[slot.group.attributes],
+            pinnable_memory_mib=1 << 62,
+            guest_images=n.guest_images,
+            hotplug=n.hotplug,
+            name=n.name,
+        )
+        ok = index.facts_memo[key] = all(
+            v.code == "compat.node_no_matching_device" for v in check_node(ctx.contract, summary)
+        )
+    return ok
 
 
 def _ranked(far: int, entries: Iterator[Entry]) -> Iterator[tuple[int, int, int, str, int]]:
