@@ -86,17 +86,38 @@ class Reservation:
 _KEEP = object()
 
 
+# Decoded immutable columns by their stored text: a device's address, identity and labels are written once at
+# registration and read on every transition (a reserve+release cycle decodes ~15 device rows).
+_DECODED: dict[tuple[str, str, str], tuple[PciAddress, DeviceIdentity, dict[str, str]]] = {}
+_DECODED_MAX = 8192
+
+
+def _immutable_columns(r: sqlite3.Row) -> tuple[PciAddress, DeviceIdentity, dict[str, str]]:
+    key = (r["address"], r["identity"], r["labels"])
+    hit = _DECODED.get(key)
+    if hit is None:
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        hit = _DECODED[key] = (
+            PciAddress.parse(key[0]),
+            DeviceIdentity.from_json(json.loads(key[1])),
+            json.loads(key[2]),
+        )
+    return hit
+
+
 def _row_to_device(r: sqlite3.Row) -> DeviceRecord:
+    address, identity, labels = _immutable_columns(r)
     return DeviceRecord(
         id=r["id"],
-        address=PciAddress.parse(r["address"]),
-        identity=DeviceIdentity.from_json(json.loads(r["identity"])),
+        address=address,
+        identity=identity,
         accel_class=AcceleratorClass(r["accel_class"]),
         backend=r["backend"],
         numa_node=r["numa_node"],
         iommu_group=r["iommu_group"],
         expected_driver=r["expected_driver"],
-        labels=json.loads(r["labels"]),
+        labels=dict(labels),  # a copy: callers may build on it
         state=DeviceState(r["state"]),
         generation=r["generation"],
         reason=r["reason"],
