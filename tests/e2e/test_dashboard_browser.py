@@ -59,21 +59,27 @@ def test_the_dashboard_shows_the_stack_and_a_quarantine_within_2s(c: Cluster, br
     cell = f'document.querySelector(\'.dev[data-device="{target["id"]}"][data-node="b"]\')'
     row = f"document.querySelector('tr[data-quarantined=\"{target['id']}\"]')"
     assert browser.evaluate(f"{cell}.dataset.state") == "allocatable"
+    t0 = time.monotonic()  # before the verb: the 2 s include its own round trip
     c.cubelets["b"].client.verb(target["id"], "quarantine", "tests", "dashboard check")
-    t0 = time.monotonic()
+    try:
+        _shown_within_2s(browser, cell, row, t0, tmp_path)
+    finally:
+        c.cubelets["b"].client.verb(target["id"], "recover", "tests", "dashboard check done")
+    poll(lambda: browser.evaluate(f"{cell}.dataset.state") == "allocatable", 5, what="recovered on the page")
+
+
+def _shown_within_2s(browser: Browser, cell: str, row: str, t0: float, tmp_path: Path) -> None:
     poll(
         lambda: browser.evaluate(f"{cell}.dataset.state") == "quarantined" and browser.evaluate(f"{row} !== null"),
-        QUARANTINE_SHOWN_WITHIN_S,
+        max(0.0, QUARANTINE_SHOWN_WITHIN_S - (time.monotonic() - t0)),
         every_s=0.02,
-        what=f"quarantine of {target['id']} on the page",
+        what=f"quarantine on the page ({cell})",
     )
     took = time.monotonic() - t0
     assert "operator.quarantine" in browser.evaluate(f"{row}.textContent")
     assert "operator.quarantine" in browser.evaluate(f"{cell}.title")
     print(f"quarantine shown after {took:.3f} s")  # the measured number, in -s runs
     browser.screenshot(tmp_path / "dashboard.png")
-    c.cubelets["b"].client.verb(target["id"], "recover", "tests", "dashboard check done")
-    poll(lambda: browser.evaluate(f"{cell}.dataset.state") == "allocatable", 5, what="recovered on the page")
 
 
 def test_the_page_loads_nothing_from_elsewhere() -> None:
