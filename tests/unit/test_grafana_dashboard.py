@@ -29,7 +29,8 @@ def exported(*registries: CollectorRegistry) -> dict[str, set[str]]:
             for family in collector.collect():
                 labels |= {k for s in family.samples for k in s.labels} | set(getattr(family, "_labelnames", ()))
                 for suffix in SUFFIXES.get(family.type, ("",)):
-                    out.setdefault(family.name + suffix, set()).update(labels | ({"le"} if suffix == "_bucket" else set()))
+                    extra = {"le"} if suffix == "_bucket" else set()
+                    out.setdefault(family.name + suffix, set()).update(labels | extra)
     return out
 
 

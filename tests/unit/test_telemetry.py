@@ -109,7 +109,7 @@ def test_every_request_is_one_line_with_its_route_and_id_and_no_credential(logs:
     master.store.close()
 
 
-def test_the_request_id_goes_into_the_shim_spec_and_onto_the_transition_lines(logs: io.StringIO, tmp_path: Path) -> None:
+def test_the_request_id_goes_into_the_shim_spec_and_onto_transition_lines(logs: io.StringIO, tmp_path: Path) -> None:
     node = Node.create(tmp_path, "2xh100")
     node.shim.slow_start.add("sb-rid")  # the spec stays with the driver, as a real shim's spec file would
     api = TestClient(cubelet_app(node.cubelet), raise_server_exceptions=False)
