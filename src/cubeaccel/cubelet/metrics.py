@@ -22,7 +22,7 @@ from cubeaccel.cubelet.store import Event
 from cubeaccel.model.cold_start import MILESTONES, cold_start_phases
 from cubeaccel.model.device import DeviceRecord, PciAddress
 from cubeaccel.model.states import DeviceState
-from cubeaccel.wire.telemetry import ApiTelemetry
+from cubeaccel.wire.telemetry import ApiTelemetry, log_many
 
 if TYPE_CHECKING:
     from cubeaccel.cubelet.lifecycle import Cubelet
@@ -161,23 +161,9 @@ class CubeletMetrics:
     def on_events(self, events: list[Event]) -> None:
         for e in events:
             self._count(e)
-            if log.isEnabledFor(logging.INFO):
-                log.info(
-                    e.kind,
-                    extra={
-                        "fields": {
-                            "node": self.cubelet.config.node_name,
-                            "kind": e.kind,
-                            "device_id": e.device_id,
-                            "sandbox_id": e.sandbox_id,
-                            "event": e.event,
-                            "from_state": e.from_state,
-                            "to_state": e.to_state,
-                            "actor": e.actor,
-                            "reason": e.reason,
-                        }
-                    },
-                )
+        if log.isEnabledFor(logging.INFO):  # one line per event, one write per transaction
+            node = self.cubelet.config.node_name
+            log_many(log, logging.INFO, [(e.kind, {"node": node, **_event_fields(e)}) for e in events])
 
     def _count(self, e: Event) -> None:
         kind, sid = e.kind, e.sandbox_id
@@ -228,6 +214,19 @@ class CubeletMetrics:
         self.starts.labels("running").inc()
         for phase, seconds in cold_start_phases(trail).items():
             self.cold_start.labels(phase).observe(seconds)
+
+
+def _event_fields(e: Event) -> dict[str, Any]:
+    return {
+        "kind": e.kind,
+        "device_id": e.device_id,
+        "sandbox_id": e.sandbox_id,
+        "event": e.event,
+        "from_state": e.from_state,
+        "to_state": e.to_state,
+        "actor": e.actor,
+        "reason": e.reason,
+    }
 
 
 def metrics_of(cubelet: Cubelet) -> CubeletMetrics:
