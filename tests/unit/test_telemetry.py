@@ -2,23 +2,32 @@
 
 from __future__ import annotations
 
+import contextvars
 import io
 import json
 import logging
+import socketserver
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
 
+from cubeaccel.cubelet.metrics import CubeletMetrics
 from cubeaccel.cubelet.server import create_app as cubelet_app
 from cubeaccel.master.auth import ADMIN
 from cubeaccel.master.server import create_app as master_app
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.cold_start import cold_start_phases
-from cubeaccel.wire.telemetry import REDACTED, configure_logging, log_fields, parse_level
+from cubeaccel.model.reports import ShimReportKind
+from cubeaccel.model.states import Actor, DeviceEvent
+from cubeaccel.shim.reporter import Reporter
+from cubeaccel.wire.telemetry import REDACTED, configure_logging, log_fields, parse_level, set_request_id
 from tests.support.cubelet_harness import Node
 
 
@@ -120,3 +129,60 @@ def test_the_request_id_goes_into_the_shim_spec_and_onto_transition_lines(logs: 
     moved = [x for x in lines(logs) if x["msg"] == "transition" and x.get("sandbox_id") == "sb-rid"]
     assert [(x["event"], x["request_id"]) for x in moved] == [("reserve", "create-42"), ("prepare", "create-42")]
     node.cubelet.store.close()
+
+
+def _samples(registry: CollectorRegistry, name: str) -> dict[frozenset[tuple[str, str]], float]:
+    return {frozenset(s.labels.items()): s.value for f in registry.collect() for s in f.samples if s.name == name}
+
+
+def test_counters_come_from_committed_events_only_and_scrubs_are_timed(tmp_path: Path) -> None:
+    node = Node.create(tmp_path, "2xh100")
+    m = CubeletMetrics(node.cubelet)
+    dev = node.cubelet.store.devices()[0]
+    with pytest.raises(RuntimeError), node.cubelet.store.tx() as t:  # a change that rolls back counts nothing
+        t.transition(dev, DeviceEvent.QUARANTINE, Actor.OPERATOR, reason="operator.quarantine")
+        raise RuntimeError("abandoned")
+    assert _samples(m.registry, "cubeaccel_device_quarantines_total") == {}
+    with node.cubelet.store.tx() as t:
+        t.transition(dev, DeviceEvent.QUARANTINE, Actor.OPERATOR, reason="operator.quarantine")
+        t.event("scrub_finished", Actor.CUBELET, device_id=dev.id, details={"ok": False, "duration_s": 1.5})
+    quarantines = _samples(m.registry, "cubeaccel_device_quarantines_total")
+    assert quarantines == {frozenset({("reason", "operator.quarantine")}): 1}
+    scrubs = _samples(m.registry, "cubeaccel_scrub_duration_seconds_sum")
+    assert scrubs == {frozenset({("class", "gpu"), ("outcome", "failed")}): 1.5}
+    node.cubelet.store.close()
+
+
+class _Headers(BaseHTTPRequestHandler):
+    seen: list[str | None] = []
+
+    def do_POST(self) -> None:
+        _Headers.seen.append(self.headers.get("X-Request-Id"))
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(202)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        return None
+
+
+class _UnixHttp(socketserver.UnixStreamServer):
+    def get_request(self) -> tuple[Any, Any]:
+        conn, _ = super().get_request()
+        return conn, ("local", 0)
+
+
+def test_a_shim_sends_its_spec_request_id_with_every_report(tmp_path: Path) -> None:
+    sock = tmp_path / "c.sock"
+    server = _UnixHttp(str(sock), _Headers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ctx = contextvars.copy_context()  # the shim adopts its spec's id for the whole process: a context here
+        ctx.run(set_request_id, "create-7")
+        ctx.run(Reporter("sb-1", sock, None, tmp_path).report, ShimReportKind.VM_STARTED)
+        Reporter("sb-1", sock, None, tmp_path).report(ShimReportKind.SHIM_EXITING)  # outside: none
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert _Headers.seen == ["create-7", None]

@@ -52,8 +52,9 @@ def device_labels(node: str, d: DeviceRecord) -> dict[str, str]:
 class _Devices(Collector):
     """Computed from the store at each scrape: never out of step with it."""
 
-    def __init__(self, cubelet: Cubelet) -> None:
+    def __init__(self, cubelet: Cubelet, classes: dict[str, str]) -> None:
         self.cubelet = cubelet
+        self.classes = classes
 
     def collect(self) -> Iterator[Metric]:
         node = self.cubelet.config.node_name
@@ -66,6 +67,7 @@ class _Devices(Collector):
         for d in self.cubelet.store.devices():
             lb = device_labels(node, d)
             per_device.add_metric([*lb.values(), d.state.value, d.reason or ""], 1)
+            self.classes[d.id] = lb["class"]
             counts.setdefault((lb["class"], lb["modelName"]), dict.fromkeys(STATES, 0))[d.state.value] += 1
         by_state = GaugeMetricFamily(
             "cubeaccel_devices",
@@ -89,7 +91,6 @@ class CubeletMetrics:
         self.cubelet = cubelet
         r = self.registry = CollectorRegistry()
         self.api = ApiTelemetry(r, "cubelet")
-        r.register(_Devices(cubelet))
         self.transitions = Counter(
             "cubeaccel_device_transitions",
             "Device state transitions by event, actor and target state",
@@ -144,13 +145,17 @@ class CubeletMetrics:
             registry=r,
             buckets=PHASE_BUCKETS,
         )
+        # device → class, for events that name only the device (scrub); refreshed at every scrape
+        self.classes: dict[str, str] = {d.id: d.accel_class.value for d in cubelet.store.devices()}
+        r.register(_Devices(cubelet, self.classes))
         self._lock = threading.Lock()
         self._trails: dict[str, list[tuple[str, str | None, float]]] = {}  # in-flight starts' milestones
         self._teardowns: dict[str, float] = {}  # sandbox → teardown start
         cubelet.store.listeners.append(self.on_events)
 
     def observe_scrub(self, seconds: float, accel_class: str, ok: bool) -> None:
-        """For the release path's scrub step (or emit an event `scrub_*` with `duration_s`: counted the same)."""
+        """For a scrub step; the release path's `scrub_finished` event (`details.duration_s`, `details.ok`) is
+        counted the same way without a call."""
         self.scrub.labels(accel_class, "ok" if ok else "failed").observe(seconds)
 
     def refused(self, code: str) -> None:
@@ -180,8 +185,9 @@ class CubeletMetrics:
         elif kind == "release_waiting":
             self.release_waits.labels(e.reason or "none").inc()
         elif kind.startswith("scrub") and isinstance(e.details.get("duration_s"), int | float):
-            cls = str(e.details.get("class") or e.details.get("accel_class") or "")
-            self.observe_scrub(float(e.details["duration_s"]), cls, ok=e.reason is None)
+            cls = str(e.details.get("class") or self.classes.get(e.device_id or "", ""))
+            ok = e.details.get("ok")
+            self.observe_scrub(float(e.details["duration_s"]), cls, ok=ok if isinstance(ok, bool) else e.reason is None)
         elif kind == "teardown_started" and sid is not None:
             with self._lock:
                 self._teardowns[sid] = e.at
