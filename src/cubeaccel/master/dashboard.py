@@ -50,7 +50,7 @@ class DashboardFeed:
     def _gather(self) -> dict[str, Any]:
         now = time.time()
         staleness = self.master.config.staleness_s
-        views = sorted(self.master.cache.views(fresh=True), key=lambda v: v.name)
+        views = sorted(self.master.cache.views(), key=lambda v: v.name)  # the cache (0.25 s TTL)
         summaries = {v.name: v.summary_json(now, staleness) for v in views}
         asks = {v.name: self._pool.submit(self._ask, v.cubelet_url) for v in views if not v.stale(now, staleness)}
         nodes: list[dict[str, Any]] = []
