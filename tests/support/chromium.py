@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,9 @@ class Browser:
         poll(lambda: active.exists() and len(active.read_text().splitlines()) >= 2, 30, what="chromium's DevTools")
         port = int(active.read_text().splitlines()[0])
         pages = poll(lambda: [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json() if t["type"] == "page"])
-        self.ws: ClientConnection = connect(pages[0]["webSocketDebuggerUrl"], max_size=None, open_timeout=10)
+        self._stack = ExitStack()
+        url = pages[0]["webSocketDebuggerUrl"]
+        self.ws: ClientConnection = self._stack.enter_context(connect(url, max_size=None, open_timeout=10))
         self._id = 0
 
     def call(self, method: str, **params: Any) -> dict[str, Any]:
@@ -84,7 +87,7 @@ class Browser:
 
     def close(self) -> None:
         try:
-            self.ws.close()
+            self._stack.close()
         finally:
             terminate(self.proc, grace_s=5.0)
             self.proc = None
