@@ -3,9 +3,11 @@ calls never reach envd). The envd path with a real MicroVM is tests/e2b/test_e2b
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +15,7 @@ import pytest
 from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
 
-from tests.support.frontdoor_process import FrontDoorProcess
+from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import Cluster
 
 NODE = "fd-n1"
@@ -183,3 +185,48 @@ def test_pause_snapshots_and_unknown_routes_are_refused_clearly(stack: dict[str,
         assert rest(stack, "GET", "/v2/sandboxes", key="").status_code == 401
     finally:
         sbx.kill()
+
+
+def test_the_domain_way_over_https_and_http2(
+    stack: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E2B_DOMAIN: REST at https://api.<domain>, with an operator certificate from a test CA. The SDK resolves
+    names itself (Rust), so a loopback CONNECT proxy stands in for DNS; TLS is end to end."""
+    ca, chain, key = tls_files(tmp_path / "tls", "e2b.test")
+    ctx = ssl.create_default_context(cafile=str(ca))
+    cl = stack["cluster"]
+    fd = FrontDoorProcess(
+        tmp_path / "fd-tls",
+        cl.master.url,
+        cl.master.admin_key,
+        "--domain",
+        "e2b.test",
+        "--cert",
+        str(chain),
+        "--key",
+        str(key),
+        verify=ctx,
+    )
+    fd.secret_file.write_text(stack["fd"].secret_file.read_text())  # a replica: the same secret
+    fd.start()
+    proxy = ConnectProxy(("127.0.0.1", fd.port))
+    try:
+        with httpx.Client(http2=True, verify=ctx) as h2:
+            r = h2.get(f"https://127.0.0.1:{fd.port}/v2/sandboxes", headers={"X-API-Key": stack["key"]})
+            assert r.status_code == 200 and r.http_version == "HTTP/2", r
+        with httpx.Client(http2=False, verify=ctx) as h1:
+            r = h1.get(f"https://127.0.0.1:{fd.port}/v2/sandboxes", headers={"X-API-Key": stack["key"]})
+            assert r.status_code == 200 and r.http_version == "HTTP/1.1", r
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        tls = {"api_key": stack["key"], "domain": "e2b.test", "proxy": proxy.url, "request_timeout": 60}
+        sbx = Sandbox.create("cuda12-h100", metadata={"way": "domain"}, **tls)
+        assert sbx.sandbox_domain == "e2b.test"
+        listed = Sandbox.list(query=SandboxQuery(metadata={"way": "domain"}), **tls).next_items()
+        assert [s.sandbox_id for s in listed] == [sbx.sandbox_id]
+        # the plain replica hands out the same envd token: the secret, not a replica's memory, derives it
+        assert Sandbox.connect(sbx.sandbox_id, **opts(stack))._envd_access_token == sbx._envd_access_token
+        assert Sandbox.kill(sbx.sandbox_id, **tls) is True
+        assert "api.e2b.test:443" in proxy.seen
+    finally:
+        proxy.close()
+        fd.stop()
