@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -21,8 +22,9 @@ from e2b.exceptions import AuthenticationException, FileNotFoundException, Sandb
 from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.workload_client import WorkloadClient
 from tests.support.cubelet_process import CubeletProcess
-from tests.support.frontdoor_process import FrontDoorProcess
+from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import MasterProcess, free_port
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
@@ -203,6 +205,43 @@ def test_a_wrong_access_token_is_an_authentication_error(stack: dict[str, Any], 
         bad.commands.run("echo no")
     with pytest.raises(AuthenticationException):
         bad.files.read("/tmp/e2b/blob.bin")
+
+
+def test_the_domain_way_https_http2_and_http1_through_a_replica(
+    stack: dict[str, Any], sbx: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second front door (same secret: a replica) with TLS from a test CA serves the E2B_DOMAIN way; the SDK
+    connects by id and drives envd at https://49983-<id>.<domain> (a loopback CONNECT proxy stands in for DNS)."""
+    ca, chain, key = tls_files(tmp_path / "tls", DOMAIN)
+    ctx = ssl.create_default_context(cafile=str(ca))
+    m = stack["master"]
+    fd = FrontDoorProcess(
+        tmp_path / "fd-tls", m.url, m.admin_key, "--domain", DOMAIN, "--cert", str(chain), "--key", str(key), verify=ctx
+    )
+    fd.secret_file.write_text(stack["fd"].secret_file.read_text())
+    fd.start()
+    proxy = ConnectProxy(("127.0.0.1", fd.port))
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        tls = {"api_key": stack["key"], "domain": DOMAIN, "proxy": proxy.url, "request_timeout": 300}
+        there = Sandbox.connect(sbx.sandbox_id, **tls)
+        assert there.commands.run("echo $FROM_CREATE over tls").stdout == "yes over tls\n"
+        blob = os.urandom(MiB)
+        there.files.write("/tmp/e2b/tls.bin", blob)
+        assert sbx.files.read("/tmp/e2b/tls.bin", format="bytes") == blob  # the same guest, either way
+        assert f"49983-{sbx.sandbox_id}.{DOMAIN}:443" in proxy.seen  # envd by Host name, not by header
+        host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}
+        for http2, version in ((True, "HTTP/2"), (False, "HTTP/1.1")):
+            with httpx.Client(http2=http2, verify=ctx, base_url=f"https://127.0.0.1:{fd.port}", headers=host) as h:
+                r = h.get("/health")
+                assert (r.status_code, r.http_version) == (204, version)
+                out = bytearray()
+                wl = WorkloadClient(h, sbx._envd_access_token or "")
+                run = wl.exec(["/bin/sh", "-c", "echo a; sleep 1; echo b"], on_stdout=out.extend)
+                assert (run.exit_code, bytes(out)) == (0, b"a\nb\n"), run
+    finally:
+        proxy.close()
+        fd.stop()
 
 
 def test_set_timeout_connect_and_list_by_metadata(stack: dict[str, Any], sbx: Sandbox) -> None:
