@@ -94,8 +94,13 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
     def token(sandbox_id: str) -> str:
         return M.envd_token(cfg.secret, sandbox_id)
 
-    async def sandbox(key: str, sandbox_id: str) -> dict[str, Any]:
-        row: dict[str, Any] = await master.call("GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}", key)
+    async def sandbox(key: str, sandbox_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """`wait_s`: CubeMaster holds the reply until the sandbox settles (running, failed, gone), where it has
+        `?wait=`; where it has not, the parameter is ignored and the caller polls."""
+        params = {"wait": f"{wait_s:.1f}"} if wait_s > 0 else None
+        row: dict[str, Any] = await master.call(
+            "GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}", key, params=params
+        )
         return row
 
     async def live(key: str, sandbox_id: str) -> dict[str, Any]:
@@ -135,9 +140,11 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                 raise Refusal(
                     504, f"cubeaccel (api): sandbox {sid} was not running after {cfg.create_wait_s:g}s; deleted"
                 )
-            await asyncio.sleep(pause)
-            pause = min(pause * 1.5, 0.5)
-            row = await sandbox(key, sid)
+            t0 = time.monotonic()
+            row = await sandbox(key, sid, wait_s=max(0.1, min(20.0, deadline - t0)))
+            if time.monotonic() - t0 < pause:  # answered at once: a CubeMaster without `?wait=`, poll gently
+                await asyncio.sleep(pause)
+                pause = min(pause * 1.5, 0.25)
         return row
 
     async def connect(request: Request) -> Response:
