@@ -58,12 +58,11 @@ def sdk_once(stack: dict[str, Any], opts: dict[str, Any]) -> float:
 
 
 def cli_once(stack: dict[str, Any]) -> float:
-    env = {**os.environ, "CUBEACCEL_MASTER": stack["master"].url, "CUBEACCEL_API_KEY": stack["master"].tenant_key}
+    env = {**os.environ, "CUBEACCEL_MASTER": stack["master"].url, "CUBEACCEL_API_KEY": stack["master"].admin_key}
     cli = [sys.executable, "-c", "from cubeaccel.cli import main; main()", "sandbox"]
     t0 = time.perf_counter()
-    out = subprocess.run(
-        [*cli, "create", "--template", TEMPLATE, "--wait", "--json"], env=env, capture_output=True, check=True
-    )
+    out = subprocess.run([*cli, "create", "--template", TEMPLATE, "--wait", "--json"], env=env, capture_output=True)
+    assert out.returncode == 0, (out.stdout + out.stderr).decode(errors="replace")[-2000:]
     s = json.loads(out.stdout)
     env["CUBEACCEL_SANDBOX_TOKEN"] = s["access_token"]
     subprocess.run([*cli, "exec", s["id"], "--", "/bin/bash", "-l", "-c", "true"], env=env, check=True)
