@@ -3,6 +3,8 @@ calls never reach envd). The envd path with a real MicroVM is tests/e2b/test_e2b
 
 from __future__ import annotations
 
+import hashlib
+import json
 import ssl
 import time
 from collections.abc import Iterator
@@ -230,3 +232,20 @@ def test_the_domain_way_over_https_and_http2(
     finally:
         proxy.close()
         fd.stop()
+
+
+def test_the_envd_token_reaches_the_node_as_its_hash_and_is_stored_nowhere(stack: dict[str, Any]) -> None:
+    sbx = Sandbox.create("cuda12-h100", envs={"SECRETISH": "v"}, **opts(stack))
+    try:
+        token = sbx._envd_access_token
+        assert token and len(token) >= 32
+        cl = stack["cluster"]
+        row = cl.c.sandbox(sbx.sandbox_id)
+        facts = cl.cubelets[NODE].client.reservation(sbx.sandbox_id)["reservation"]["facts"]
+        assert facts["workload_token_sha256"] == hashlib.sha256(token.encode()).hexdigest()
+        assert token not in json.dumps(row) and row["request"]["env_vars"] == {"SECRETISH": "v"}
+        for path in cl.root.rglob("*"):  # not in any file: databases, journals, logs, audit logs
+            if path.is_file() and not path.is_socket() and path.stat().st_size < 64 * 1024 * 1024:
+                assert token.encode() not in path.read_bytes(), path
+    finally:
+        sbx.kill()

@@ -24,13 +24,11 @@ class StatusBody(Message):
     error: StatusError | None = None
 
 
-MAX_LIFETIME_S = 30 * 86400.0
+MAX_LIFETIME_S = 30 * 86400.0  # no sandbox lives longer, whatever its tenant's quota says
 MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 MetaValue = Annotated[str, StringConstraints(max_length=2048)]
 EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
-EnvValue = Annotated[
-    str, StringConstraints(max_length=32768)
-]  # no sandbox lives longer, whatever its tenant's quota says
+EnvValue = Annotated[str, StringConstraints(max_length=32768)]
 
 
 class SandboxBody(Message):
