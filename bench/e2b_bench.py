@@ -3,7 +3,7 @@
 1. create → first command returned: the SDK (`Sandbox.create` then `commands.run("true")`, which the SDK runs
    as `/bin/bash -l -c true`) against the CLI (`cubeaccel sandbox create --wait` then `cubeaccel sandbox exec
    SB -- /bin/bash -l -c true`, each a new process, as a user types them). Runs alternate; p50/p99 of N each.
-   Each sandbox is deleted and its device back to allocatable before the next (the node has one device).
+   Each sandbox is deleted and its device back to allocatable before the next (one sandbox at a time).
 2. the front door's added latency per envd call: the same unary call (`process.Process/List`) and the same
    command (`Start /bin/true` to its end) through the front door and straight to the node's Cubelet proxy, on one
    sandbox; p50/p99 of M calls each, interleaved.

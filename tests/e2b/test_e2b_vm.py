@@ -18,7 +18,7 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox, SandboxQuery
 from e2b.connection_config import ConnectionConfig
-from e2b.exceptions import AuthenticationException, FileNotFoundException, SandboxException
+from e2b.exceptions import AuthenticationException, FileNotFoundException, NotFoundException, SandboxException
 from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
@@ -259,6 +259,21 @@ def test_set_timeout_connect_and_list_by_metadata(stack: dict[str, Any], sbx: Sa
     assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"}), **opts(stack)).next_items() == []
 
 
+def test_refusals_name_the_layer_a_wrong_key_and_another_tenant(stack: dict[str, Any], sbx: Sandbox) -> None:
+    with pytest.raises(SandboxException) as e:  # more devices than the node has
+        Sandbox.create(
+            TEMPLATE, metadata={"cubeaccel.accelerators": '[{"class": "accelerator", "count": 8}]'}, **opts(stack)
+        )
+    assert "cubeaccel (scheduler)" in str(e.value) and f"{NODE}:" in str(e.value), e.value
+    with pytest.raises(AuthenticationException):
+        Sandbox.connect(sbx.sandbox_id, **opts(stack, api_key="cbk_0000_not-a-key"))
+    other = stack["master"].client.request("POST", "/v1/tenants", {"name": "e2b-other"})["key"]
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sbx.sandbox_id, **opts(stack, api_key=other))
+    assert Sandbox.kill(sbx.sandbox_id, **opts(stack, api_key=other)) is False
+    assert sbx.is_running()
+
+
 def test_kill_twice_then_the_sandbox_is_gone_for_the_sdk(stack: dict[str, Any], sbx: Sandbox) -> None:
     dev = stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
     assert sbx.kill() is True
@@ -290,7 +305,7 @@ def sdk_215_path() -> Path:
 
 
 def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None:
-    """After the module's sandbox is gone (the emulated node has one device)."""
+    """After the module's sandbox is gone: its own create, run and kill."""
     url = stack["fd"].url
     env = {
         "PATH": os.environ["PATH"],
