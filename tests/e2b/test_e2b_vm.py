@@ -332,3 +332,15 @@ def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None
         False,
     )
     assert stack["master"].client.sandbox(seen["sandbox_id"])["state"] in ("deleting", "deleted")
+
+
+def test_a_guest_that_fails_validation_reaches_the_sdk_with_its_layer(
+    stack: dict[str, Any], guest_image: Manifest
+) -> None:
+    stack["master"].client.register_template(edu_template(guest_image, "edu-e2b-needs-nvidia", modules=["nvidia"]))
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create("edu-e2b-needs-nvidia", **opts(stack))
+    msg = str(e.value)
+    assert "cubeaccel (modules_img): compat.modules_img" in msg, msg
+    failed = [s for s in stack["master"].client.sandboxes() if s["state"] == "failed"]
+    assert failed and all(s["error"]["layer"] == "modules_img" for s in failed)
