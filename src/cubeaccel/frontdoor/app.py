@@ -136,7 +136,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                 raise Refusal(500, f"cubeaccel (api): sandbox {sid} ended while starting ({row['state']})")
             if time.monotonic() > deadline:
                 with contextlib.suppress(Refusal):
-                    await master.call("DELETE", f"/v1/sandboxes/{sid}", key)
+                    await master.call("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", key)
                 raise Refusal(
                     504, f"cubeaccel (api): sandbox {sid} was not running after {cfg.create_wait_s:g}s; deleted"
                 )
@@ -153,7 +153,9 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         req: ConnectBody = await body_of(request, ConnectBody, required=False)
         row = await live(key, sid)
         if req.timeout is not None and time.time() + req.timeout > float(row.get("expires_at") or 0):
-            row = await master.call("POST", f"/v1/sandboxes/{sid}/timeout", key, {"timeout_s": float(req.timeout)})
+            row = await master.call(
+                "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": float(req.timeout)}
+            )
         return JSONResponse(M.created(row, token(sid), cfg.domain).body(), status_code=200)
 
     async def get_info(request: Request) -> Response:
