@@ -153,7 +153,7 @@ def create_app(
             metrics.refused(e.code)
             raise
         if body.start:
-            cubelet.start(body.sandbox_id)
+            cubelet.start(body.sandbox_id, body.workload_token.get_secret_value() if body.workload_token else None)
         return {
             **_reservation_json(cubelet, body.sandbox_id, local),
             "access_token": cubelet.take_token(body.sandbox_id),
