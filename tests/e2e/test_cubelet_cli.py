@@ -25,14 +25,16 @@ def test_devices_table_a_quarantine_and_its_event(cubelet: CubeletProcess) -> No
     dev = json.loads(_cli(cubelet, "devices", "--json").stdout)["devices"][0]["id"]
     q = _cli(cubelet, "device", "quarantine", dev, "--who", "alice", "--reason", "ECC")
     assert q.returncode == 0 and "quarantined" in q.stdout
-    ev = json.loads(_cli(cubelet, "events", "--json").stdout)["events"]
-    assert ev[-1]["details"]["who"] == "alice" and ev[-1]["to_state"] == "quarantined"
+    ev = json.loads(_cli(cubelet, "events", "--json").stdout)["events"]  # newest first
+    assert ev[0]["details"]["who"] == "alice" and ev[0]["to_state"] == "quarantined"
+    table = _cli(cubelet, "events", "--device", dev, "--event", "quarantine")
+    assert "operator:alice" in table.stdout and "ECC" in table.stdout  # who and why, for an operator's action
 
 
 def test_cli_errors_print_their_code_and_exit_1(cubelet: CubeletProcess) -> None:
     out = _cli(cubelet, "device", "recover", "no-such-device", "--who", "a", "--reason", "b")
     assert out.returncode == 1
-    assert "device.not_found" in out.stdout
+    assert "device.not_found" in out.stderr and out.stdout == ""  # errors on stderr
     dev = cubelet.client.devices()[0]["id"]
     out = _cli(cubelet, "device", "enable", dev, "--who", "a", "--reason", "b")
-    assert out.returncode == 1 and "state.transition_refused" in out.stdout
+    assert out.returncode == 1 and "state.transition_refused" in out.stderr

@@ -113,11 +113,76 @@ def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, p
     return done
 
 
+def running(state_dir: Path) -> dict[str, Any] | None:
+    """The stack `up.json` describes, if its processes are alive and its CubeMaster answers; else None."""
+    try:
+        info = json.loads((state_dir / "up.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not all(_ours(int(p)) for p in info.get("pids", [])):
+        return None
+    c = MasterClient(str(info["master_url"]), timeout=5.0)
+    try:
+        c.health()
+    except (CubeError, httpx.HTTPError):
+        return None
+    finally:
+        c.close()
+    return info
+
+
+def _report_running(info: dict[str, Any]) -> None:
+    print(
+        f"already running: CubeMaster {info['master_url']}, Cubelet {info['cubelet_url']} "
+        f"(backend {info['backend']}, pids {', '.join(str(p) for p in info['pids'])}); "
+        f"nothing started. Stop it with `cubeaccel down --state-dir {info['state_dir']}`"
+    )
+
+
 def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
+    """Start the stack, or — when one already runs on `state_dir` — say so and start nothing.
+
+    `up.lock` is held while starting (and for a foreground `up`'s whole life), so two `up`s racing on one
+    directory never start two pairs; the second waits for the first's `up.json` and reports it. CubeMaster and
+    the Cubelet also lock their own state (`master.lock`, `cubelet/cubelet.lock`): a stack started some other
+    way on this directory makes this one fail instead of running beside it."""
+    from cubeaccel.host import statelock
+
+    if (info := running(state_dir)) is not None:
+        _report_running(info)
+        return 0
+    try:
+        lock = statelock.acquire(state_dir, "up")
+    except CubeError as e:
+        end = time.monotonic() + 120  # another `up` is starting here: report its stack once it is up
+        while time.monotonic() < end:
+            if (info := running(state_dir)) is not None:
+                _report_running(info)
+                return 0
+            if statelock.holder(state_dir / "up.lock") is None:
+                break
+            time.sleep(0.2)
+        print(f"error {e.code}: {e.message}", file=sys.stderr)
+        return statelock.LOCKED_EXIT
+    try:
+        return _up_locked(state_dir, backend, profile, detach)
+    finally:
+        lock.release()
+
+
+def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
+    if (info := running(state_dir)) is not None:  # started between our check and our lock
+        _report_running(info)
+        return 0
+    stale = state_dir / "up.json"
+    if stale.exists():  # a stack that died (or was killed): what is left of it is stopped, then started afresh
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            _stop([int(p) for p in json.loads(stale.read_text())["pids"]])
+        stale.unlink(missing_ok=True)
     try:
         chosen, why = choose_backend(backend)
     except CubeError as e:
-        print(f"error {e.code}: {e.message}")
+        print(f"error {e.code}: {e.message}", file=sys.stderr)
         return 2
     state_dir.mkdir(parents=True, exist_ok=True)
     mport, cport = free_port(), free_port()
@@ -130,6 +195,8 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
             "serve",
             "--db",
             str(state_dir / "master.db"),
+            "--state-dir",
+            str(state_dir),
             "--listen",
             f"127.0.0.1:{mport}",
             "--audit-log",
@@ -172,7 +239,7 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
         procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
         _wait("node registration", lambda: [n for n in client.nodes() if n["state"] == "ready"], 60, procs)
     except (RuntimeError, CubeError, httpx.HTTPError) as e:
-        print(f"error: {e}; logs in {state_dir}")
+        print(f"error: {e}; logs in {state_dir}", file=sys.stderr)
         _stop([p.pid for p in procs])
         return 1
     except BaseException:
