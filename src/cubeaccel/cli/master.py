@@ -145,8 +145,17 @@ def serve_cmd(
         flush=True,
     )
     try:
+        import asyncio
+
+        from cubeaccel.host import sdnotify
+
         app = create_app(master, maintenance, audit=audit_log or state_dir / "audit.jsonl")
-        uvicorn.Server(server_config(app, host=host, port=port)).run()
+        server = uvicorn.Server(server_config(app, host=host, port=port))
+
+        async def run() -> None:  # uvicorn's own run(), plus READY=1 for systemd once it listens
+            await asyncio.gather(server.serve(), sdnotify.when_started([server], f"CubeMaster on {host}:{port}"))
+
+        asyncio.run(run())
     finally:
         maintenance.stop()
         lock.release()
