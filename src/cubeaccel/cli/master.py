@@ -36,9 +36,11 @@ def write_secret(path: Path, value: str) -> None:
 
 
 def api_key() -> str | None:
-    """$CUBEACCEL_API_KEY, else the admin key `cubeaccel up` wrote into its state dir."""
+    """$CUBEACCEL_API_KEY, else $CUBEACCEL_API_KEY_FILE's, else the admin key `cubeaccel up` wrote."""
     if os.environ.get("CUBEACCEL_API_KEY"):
         return os.environ["CUBEACCEL_API_KEY"]
+    if os.environ.get("CUBEACCEL_API_KEY_FILE"):
+        return Path(os.environ["CUBEACCEL_API_KEY_FILE"]).read_text().strip()
     for path in (UP_STATE / "admin.key",):
         if path.exists():
             return path.read_text().strip()

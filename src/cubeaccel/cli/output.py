@@ -50,7 +50,11 @@ STATE_STYLES = {
 }
 
 
-ONE_LINE = {"cli.unreachable", "state.locked"}  # their message names everything; details only under -o json
+ONE_LINE = {
+    "cli.unreachable",
+    "state.locked",
+    "config.invalid",
+}  # their message names everything; details only under -o json
 
 
 def set_format(value: str) -> None:
