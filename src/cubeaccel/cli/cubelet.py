@@ -343,3 +343,37 @@ def register_top_level(root: typer.Typer) -> None:
     root.command("events")(events_cmd)
     root.add_typer(reservation_app, name="reservation")
     root.command("demo")(demo_cmd)
+
+
+@app.command("backup")
+def backup_cmd(
+    out: Annotated[Path, typer.Argument(help="a new directory for the backup")],
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Back up a (running) Cubelet's store with SQLite's online backup, plus its instance id and audit log."""
+    from cubeaccel.cubelet.runtime import INSTANCE_FILE
+    from cubeaccel.host.backup import backup
+
+    side = [state_dir / n for n in (INSTANCE_FILE, "simulated-host.json", "audit.jsonl")]
+    try:
+        info = backup(state_dir / "cubelet.db", side, out, "cubelet")
+    except CubeError as e:
+        _fail(e)
+        return
+    output.emit(info, lambda: console.print(f"backed up {state_dir} to {out} ({sum(info['rows'].values())} rows)"))
+
+
+@app.command("restore")
+def restore_cmd(
+    backup_dir: Annotated[Path, typer.Argument(help="a directory written by `cubeaccel cubelet backup`")],
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Restore a backup into a fresh state directory (refused where a store exists or a Cubelet runs)."""
+    from cubeaccel.host.backup import restore
+
+    try:
+        info = restore(backup_dir, state_dir, "cubelet")
+    except CubeError as e:
+        _fail(e)
+        return
+    output.emit(info, lambda: console.print(f"restored {backup_dir} into {state_dir}: start `cubeaccel cubelet serve`"))

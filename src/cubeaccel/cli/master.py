@@ -663,3 +663,50 @@ def sandbox_cp(
         raise typer.Exit(1) from e
     finally:
         wl.close()
+
+
+# ---- backup and restore (SQLite; PostgreSQL uses pg_dump, docs/service.md) ------------------------------------------
+def _sqlite_path(db: str | None, state_dir: Path) -> Path:
+    if db is None:
+        return state_dir / "master.db"
+    if db.startswith("postgresql"):
+        fail(
+            CubeError(
+                "backup.failed",
+                "a PostgreSQL database is backed up with pg_dump (docs/service.md), not by this command",
+                "api",
+                {"db": db.split("@")[-1]},
+            )
+        )
+    return Path(db.removeprefix("sqlite:///"))
+
+
+@app.command("backup")
+def backup_cmd(
+    out: Annotated[Path, typer.Argument(help="a new directory for the backup")],
+    state_dir: Annotated[Path, typer.Option(help="CubeMaster's state directory")] = DEFAULT_STATE,
+    db: Annotated[str | None, typer.Option(help="sqlite:///PATH (default: STATE_DIR/master.db)")] = None,
+) -> None:
+    """Back up a (running) CubeMaster's SQLite database with the online backup API, plus its audit log."""
+    from cubeaccel.host.backup import backup
+
+    try:
+        info = backup(_sqlite_path(db, state_dir), [state_dir / "audit.jsonl"], out, "master")
+    except CubeError as e:
+        fail(e)
+    output.emit(info, lambda: console.print(f"backed up CubeMaster to {out} ({sum(info['rows'].values())} rows)"))
+
+
+@app.command("restore")
+def restore_cmd(
+    backup_dir: Annotated[Path, typer.Argument(help="a directory written by `cubeaccel master backup`")],
+    state_dir: Annotated[Path, typer.Option(help="a fresh state directory")] = DEFAULT_STATE,
+) -> None:
+    """Restore a backup into a fresh state directory (refused where a database exists or a CubeMaster runs)."""
+    from cubeaccel.host.backup import restore
+
+    try:
+        info = restore(backup_dir, state_dir, "master")
+    except CubeError as e:
+        fail(e)
+    output.emit(info, lambda: console.print(f"restored {backup_dir} into {state_dir}: start `cubeaccel master serve`"))
