@@ -407,7 +407,9 @@ def up_cmd(
     """Embedded single node: CubeMaster (SQLite) + one Cubelet, with the best backend this host supports."""
     from cubeaccel.master.up import run_up
 
-    raise typer.Exit(run_up(state_dir, backend, profile, detach))
+    with output.Progress("up") as progress:
+        rc = run_up(state_dir, backend, profile, detach, on_phase=progress.phase)
+    raise typer.Exit(rc)
 
 
 def down_cmd(state_dir: Annotated[Path, typer.Option()] = UP_STATE) -> None:

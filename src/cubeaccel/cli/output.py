@@ -169,3 +169,47 @@ def stderr_line(message: str) -> None:
         console(stderr=True).print(message)
     else:
         print(message, file=sys.stderr)
+
+
+class Progress:
+    """Live phases of long work on a terminal (stderr, so stdout stays the result): a spinner on the current phase,
+    a line with its duration when it ends. Silent under -o json|yaml and when stderr is not a terminal."""
+
+    def __init__(self, title: str) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._con = Console(stderr=True)
+        self._on = not machine() and self._con.is_terminal
+        self._title = title
+        self._status: Any = None
+        self._phase: str | None = None
+        self._t0 = self._start = self._clock()
+
+    def __enter__(self) -> Progress:
+        if self._on:
+            self._status = self._con.status(self._title)
+            self._status.__enter__()
+        return self
+
+    def phase(self, text: str) -> None:
+        """Begin the phase `text`; an empty `text` ends the display (the work goes on quietly)."""
+        self._done()
+        self._phase, self._t0 = text or None, self._clock()
+        if not text:
+            self.__exit__(None, None, None)
+            self._on, self._status = False, None
+        elif self._status is not None:
+            self._status.update(f"{self._title}: {text}")
+
+    def _done(self) -> None:
+        if self._on and self._phase is not None:
+            self._con.print(f"  [green]✓[/] {self._phase} [dim]{self._clock() - self._t0:.1f}s[/]")
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self._done()
+        if self._status is not None:
+            self._status.__exit__(*exc)
+            if exc[0] is None:
+                self._con.print(f"[bold]{self._title}[/]: done in {self._clock() - self._start:.1f}s")

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -41,7 +42,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def choose_backend(requested: str) -> tuple[str, str]:
+def _quiet(_: str) -> None:
+    pass
+
+
+def choose_backend(requested: str, on_phase: Callable[[str], None] = _quiet) -> tuple[str, str]:
     """(backend, why). `emulated` wherever QEMU runs MicroVMs — under TCG too: a sandbox cycle from a
     template snapshot takes ~2 s here (docs/decisions.md) — and the guest image builds; else `simulated`."""
     if requested not in ("auto", "simulated", "emulated"):
@@ -57,7 +62,7 @@ def choose_backend(requested: str) -> tuple[str, str]:
     from cubeaccel.images.builder import build
 
     try:
-        image, fresh = build()
+        image, fresh = build(on_phase=lambda p: on_phase(f"guest image: {p}"))
     except CubeError as e:
         if requested == "emulated":
             raise
@@ -139,7 +144,9 @@ def _report_running(info: dict[str, Any]) -> None:
     )
 
 
-def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
+def run_up(
+    state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None] = _quiet
+) -> int:
     """Start the stack, or — when one already runs on `state_dir` — say so and start nothing.
 
     `up.lock` is held while starting (and for a foreground `up`'s whole life), so two `up`s racing on one
@@ -165,12 +172,12 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
         print(f"error {e.code}: {e.message}", file=sys.stderr)
         return statelock.LOCKED_EXIT
     try:
-        return _up_locked(state_dir, backend, profile, detach)
+        return _up_locked(state_dir, backend, profile, detach, on_phase)
     finally:
         lock.release()
 
 
-def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
+def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None]) -> int:
     if (info := running(state_dir)) is not None:  # started between our check and our lock
         _report_running(info)
         return 0
@@ -180,10 +187,12 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool) -> int
             _stop([int(p) for p in json.loads(stale.read_text())["pids"]])
         stale.unlink(missing_ok=True)
     try:
-        chosen, why = choose_backend(backend)
+        on_phase("choosing the backend")
+        chosen, why = choose_backend(backend, on_phase)
     except CubeError as e:
         print(f"error {e.code}: {e.message}", file=sys.stderr)
         return 2
+    on_phase("starting CubeMaster")
     state_dir.mkdir(parents=True, exist_ok=True)
     mport, cport = free_port(), free_port()
     murl = f"http://127.0.0.1:{mport}"
@@ -230,12 +239,14 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool) -> int
     client = MasterClient(murl)
     try:
         _wait("CubeMaster", client.health, 30, procs)
+        on_phase("registering the example templates")
         admin = (state_dir / "admin.key").read_text().strip()  # written 0600 by CubeMaster's first start
         client.close()
         client = MasterClient(murl, key=admin)
         token = client.request("POST", "/v1/nodes/local/credential")["token"]
         _write_secret(state_dir / "node-local.token", token)
         registered = register_examples(client, pin_to_image=chosen == "emulated")
+        on_phase(f"starting the Cubelet ({chosen}) and waiting for it to register")
         procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
         _wait("node registration", lambda: [n for n in client.nodes() if n["state"] == "ready"], 60, procs)
     except (RuntimeError, CubeError, httpx.HTTPError) as e:
@@ -245,6 +256,7 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool) -> int
     except BaseException:
         _stop([p.pid for p in procs])
         raise
+    on_phase("")  # started: the live phases end here, before the summary on stdout
     info = {
         "master_url": murl,
         "cubelet_url": f"http://127.0.0.1:{cport}",
