@@ -224,9 +224,18 @@ def device_cmd(
         bool, typer.Option(help="disable only: give the device back to the host driver it had before vfio-pci")
     ] = False,
 ) -> None:
-    """Operator verbs on one device; audited with who and why."""
+    """Operator verbs on one device (by its full id or its PCI address); audited with who and why."""
     extra = {"restore_driver": True} if restore_driver else {}
-    d = _Node(state_dir, url)(lambda c: c.verb(device_id, verb, who, reason, **extra))
+
+    def act(c: CubeletClient) -> dict[str, Any]:
+        devs = c.devices()
+        if not any(d["id"] == device_id for d in devs):
+            by_address = [d["id"] for d in devs if d["address"] == device_id]
+            if len(by_address) == 1:  # `0000:10:00.0` as `devices` shows it in the address column
+                return c.verb(by_address[0], verb, who, reason, **extra)
+        return c.verb(device_id, verb, who, reason, **extra)
+
+    d = _Node(state_dir, url)(act)
     output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} (by {who}: {reason})")))
 
 
