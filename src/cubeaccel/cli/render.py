@@ -15,8 +15,13 @@ console = make_console()
 
 def device_table(devices: list[dict[str, Any]], title: str = "devices") -> Table:
     t = Table(title=title)
-    t.add_column("id", no_wrap=True)  # the full id: what `device quarantine ID` takes
-    for col in ("address", "model", "NUMA", "state", "sandbox", "reason"):
+    # The full id, never cut: it is what `device quarantine ID` takes. The other columns fold around it.
+    t.add_column("id", no_wrap=True, min_width=max((len(d["id"]) for d in devices), default=2))
+    t.add_column("address", no_wrap=True)
+    for col in ("model", "NUMA"):
+        t.add_column(col, overflow="fold")
+    t.add_column("state", no_wrap=True)
+    for col in ("sandbox", "reason"):
         t.add_column(col, overflow="fold")
     for d in devices:
         t.add_row(
