@@ -34,7 +34,7 @@ NOT_CODES = {
     "agent.sock", "workload.sock", "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
-    "shim.pid", "undelivered.jsonl", "up.json", "up.lock", "config.toml", "vmm.log", "vmm.pid",
+    "shim.pid", "undelivered.jsonl", "up.json", "up.lock", "config.toml", "backup.json", "vmm.log", "vmm.pid",
     # module names (python -m, loggers)
     "cubeaccel.master", "cubeaccel.shim",
     # kernel parameters
