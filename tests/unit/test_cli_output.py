@@ -100,3 +100,18 @@ def test_a_pipe_gets_a_wide_console_and_ids_are_never_cut() -> None:
     narrow.print(device_table([dev]))
     text = narrow.export_text()
     assert long_id in text and "0000:00:05.0" in text and "quarantined" in text  # never wrapped or cut
+
+
+def test_version_and_shell_completion() -> None:
+    import os
+    import subprocess
+    import sys
+
+    import cubeaccel
+
+    run = [sys.executable, "-m", "cubeaccel"]
+    v = subprocess.run([*run, "--version"], capture_output=True, text=True, check=False)
+    assert v.returncode == 0 and v.stdout == f"cubeaccel {cubeaccel.__version__}\n"
+    env = {**os.environ, "COMP_WORDS": "cubeaccel node ", "COMP_CWORD": "2", "_CUBEACCEL_COMPLETE": "complete_bash"}
+    words = subprocess.run(run, capture_output=True, text=True, env=env, check=False).stdout.split()
+    assert {"list", "drain", "undrain"} <= set(words)
