@@ -61,6 +61,9 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/v1/tenants/{tenant}/keys"): A,
     ("POST", "/v1/admin-keys"): A,
     ("DELETE", "/v1/keys/{key_id}"): A,
+    ("GET", "/metrics"): A,
+    ("GET", "/dashboard"): ANY,  # the static page; its data is admins'
+    ("GET", "/v1/dashboard"): A,
 }
 # routes naming t1's sandbox: other tenants see a 404
 OWNED = {"/v1/sandboxes/{sandbox_id}", "/v1/sandboxes/{sandbox_id}/timeout"}

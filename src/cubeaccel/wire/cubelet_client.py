@@ -9,6 +9,7 @@ from urllib.parse import quote
 import httpx
 
 from cubeaccel.wire.http_reply import reply_body
+from cubeaccel.wire.telemetry import add_request_id
 
 
 class CubeletClient:
@@ -17,17 +18,30 @@ class CubeletClient:
     ) -> None:
         """`token`: the node token the Cubelet's TCP listener asks for (CubeMaster's; none on the unix socket)."""
         headers = {"Authorization": f"Bearer {token}"} if token else None
+        hooks = {"request": [add_request_id]}  # the caller's request id goes on (CubeMaster → Cubelet)
         if url is not None:
-            self._http = httpx.Client(base_url=url, timeout=timeout, headers=headers)
+            self._http = httpx.Client(base_url=url, timeout=timeout, headers=headers, event_hooks=hooks)
         elif socket is not None:
             self._http = httpx.Client(
-                transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://cubelet", timeout=timeout
+                transport=httpx.HTTPTransport(uds=str(socket)),
+                base_url="http://cubelet",
+                timeout=timeout,
+                event_hooks=hooks,
             )
         else:
             raise ValueError("socket or url required")
 
-    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        return reply_body(self._http.request(method, path, json=json, params=params))
+    def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        """`timeout`: this call's, instead of the client's (the dashboard asks every node and waits little)."""
+        wait = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+        return reply_body(self._http.request(method, path, json=json, params=params, timeout=wait))
 
     def devices(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/devices")["devices"])

@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 
 from cubeaccel.wire.http_reply import reply_body
+from cubeaccel.wire.telemetry import add_request_id
 
 
 class MasterClient:
@@ -14,7 +15,9 @@ class MasterClient:
         """`key`: an API key (tenant or admin) or a node token, sent as a bearer credential."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {key}"} if key else None
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers)
+        self._http = httpx.Client(
+            base_url=self.url, timeout=timeout, headers=headers, event_hooks={"request": [add_request_id]}
+        )
 
     def request(
         self,
