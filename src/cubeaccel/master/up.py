@@ -144,9 +144,7 @@ def _report_running(info: dict[str, Any]) -> None:
     )
 
 
-def run_up(
-    state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None] = _quiet
-) -> int:
+def run_up(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None] = _quiet) -> int:
     """Start the stack, or — when one already runs on `state_dir` — say so and start nothing.
 
     `up.lock` is held while starting (and for a foreground `up`'s whole life), so two `up`s racing on one
