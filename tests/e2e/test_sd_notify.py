@@ -90,3 +90,26 @@ def test_notify_reaches_an_abstract_socket_and_is_a_no_op_outside_systemd(monkey
         assert _messages(s)["READY"] == "1"
     monkeypatch.delenv("NOTIFY_SOCKET")
     assert sdnotify.ready("x") is False
+
+
+def test_a_server_without_a_started_flag_is_ready_once_it_accepts(
+    notify_socket: socket.socket, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`when_listening`, for the front door (Hypercorn): READY only after the port accepts a connection."""
+    import asyncio
+
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify.sock"))
+    port = free_port()
+
+    async def scenario() -> bool:
+        waiter = asyncio.create_task(sdnotify.when_listening("127.0.0.1", port, "api"))
+        await asyncio.sleep(0.3)
+        assert not waiter.done()  # nothing listens yet: no READY
+        server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", port)
+        try:
+            return await asyncio.wait_for(waiter, 10)
+        finally:
+            server.close()
+
+    assert asyncio.run(scenario())
+    assert _messages(notify_socket)["READY"] == "1"

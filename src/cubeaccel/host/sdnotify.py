@@ -47,3 +47,19 @@ async def when_started(servers: Sequence[Any], status: str) -> None:
     while not any(s.should_exit for s in servers):
         await asyncio.sleep(0.1)
     stopping()
+
+
+async def when_listening(host: str, port: int, status: str, deadline_s: float = 60.0) -> bool:
+    """READY once `host:port` accepts a TCP connection: for servers with no `started` flag (Hypercorn, the front
+    door) — run beside them, e.g. `asyncio.gather(serve(...), when_listening(host, port, "api"))`."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + deadline_s
+    while loop.time() < end:
+        try:
+            _, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(0.05)
+            continue
+        writer.close()
+        return ready(status)
+    return False
