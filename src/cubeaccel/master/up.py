@@ -245,8 +245,17 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         _write_secret(state_dir / "node-local.token", token)
         registered = register_examples(client, pin_to_image=chosen == "emulated")
         on_phase(f"starting the Cubelet ({chosen}) and waiting for it to register")
+        spawned = time.time()
         procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
-        _wait("node registration", lambda: [n for n in client.nodes() if n["state"] == "ready"], 60, procs)
+
+        def registered_now() -> bool:
+            # A heartbeat from this Cubelet, not the node row an earlier run (or a restored backup) left `ready`.
+            return any(
+                n["node"] == "local" and n["state"] == "ready" and n["last_heartbeat_age_s"] <= time.time() - spawned
+                for n in client.nodes()
+            )
+
+        _wait("node registration", registered_now, 60, procs)
     except (RuntimeError, CubeError, httpx.HTTPError) as e:
         print(f"error: {e}; logs in {state_dir}", file=sys.stderr)
         _stop([p.pid for p in procs])
