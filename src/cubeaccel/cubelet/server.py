@@ -365,7 +365,10 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, t
     servers = [uvicorn.Server(c) for c in configs]
 
     async def run() -> None:
-        await asyncio.gather(*(s.serve() for s in servers))
+        from cubeaccel.host import sdnotify
+
+        status = f"cubelet {cubelet.config.node_name}: serving {socket_path}"
+        await asyncio.gather(*(s.serve() for s in servers), sdnotify.when_started(servers, status))
 
     asyncio.run(run())
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from cubeaccel.frontdoor.app import FrontDoorConfig, create_app
+from cubeaccel.host import sdnotify
 
 
 def read_secret(path: Path) -> str:
@@ -39,6 +40,12 @@ def serve(cfg: FrontDoorConfig, listen: str, certfile: Path | None = None, keyfi
             loop.add_signal_handler(sig, stop.set)
         scheme = "https" if certfile else "http"
         print(f"cubeaccel api: serving E2B on {scheme}://{listen} (CubeMaster {cfg.master_url})", file=sys.stderr)
-        await hypercorn_serve(create_app(cfg), hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        host, _, port = listen.rpartition(":")
+        ready = asyncio.create_task(sdnotify.when_listening(host.strip("[]") or "127.0.0.1", int(port), "api"))
+        try:
+            await hypercorn_serve(create_app(cfg), hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        finally:
+            ready.cancel()
+            sdnotify.stopping()
 
     asyncio.run(run())
