@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.workload.connect import ConnectError
+from cubeaccel.workload.limits import CommandLimits
 from cubeaccel.workload.users import User, expand_and_resolve
 
 CHUNK = 32 * 1024
@@ -215,6 +216,7 @@ class ProcessTable:
     default_env: dict[str, str] = field(default_factory=dict)
     default_workdir: str | None = None
     max_processes: int = 256
+    limits: CommandLimits | None = None  # the guest's cgroup and rlimits for commands (limits.py)
     live: dict[int, Process] = field(default_factory=dict)
     retained: dict[int, tuple[float, Process]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -263,6 +265,11 @@ class ProcessTable:
             master, slave = os.openpty()
             set_winsize(master, c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
             streams = {"stdin": slave, "stdout": slave, "stderr": slave, "preexec_fn": _controlling_tty}
+        if self.limits is not None:  # the child joins the commands' cgroup as root, then drops privileges
+            limits, tty = self.limits, pty is not None
+            uid, gid, groups = (user.uid, user.gid, user.groups()) if creds else (None, None, None)
+            streams["preexec_fn"] = lambda: limits.preexec(uid, gid, groups, tty)
+            creds = {}
         try:
             popen = subprocess.Popen(
                 [cmd, *args],
