@@ -499,8 +499,9 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
                 upstreams.drop(sandbox_id)
                 if not (connect_stream and tracker.at_boundary):
                     raise
+                code = "workload.channel_closed"  # ours, in the message; the Connect code is envd's vocabulary
                 yield _end_of_stream_error(
-                    "unavailable", f"workload.channel_closed: the sandbox's workload channel broke mid-stream ({e})"
+                    "unavailable", f"{code}: the sandbox's workload channel broke mid-stream ({e})"
                 )
             finally:
                 await upstream.aclose()

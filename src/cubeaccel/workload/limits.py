@@ -8,9 +8,13 @@ raise theirs (envd's 100): a command at its limits cannot stop us from accepting
 killing it, and an OOM picks a command. Commands of a non-root user also get RLIMIT_NPROC (per uid; the kernel
 exempts root, hence the cgroup).
 
-The child joins the group and drops privileges in `preexec` (after fork, before exec): joining after the fork
-from the parent would let a fast fork bomb's first children escape, and once setuid it could no longer write
-the root-owned `cgroup.procs`.
+How a command gets there before any of its code runs: it starts as `/bin/sh -c 'kill -STOP $$; exec "$@"' sh
+CMD ARGS…` (busybox, as the target user, plain `fork`+`exec`: no Python runs in the child). We wait until it has
+stopped itself, move it into the group, set its RLIMIT_NPROC (`prlimit`) and oom_score_adj from outside, and send
+SIGCONT; it then `exec`s the command, already confined. Not `preexec_fn`: Python code in a child forked from our
+threaded process copies much of our heap (64 concurrent starts ran a 256 MiB guest out of memory), and after
+setuid the child could no longer write the root-owned `cgroup.procs`; joining from the parent without stopping
+the child first would let a fast fork bomb's first children escape.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +36,9 @@ COMMAND_OOM_SCORE_ADJ = 100
 COMMAND_CPU_WEIGHT = 20  # of the default 100: the services win the CPU from a busy command
 
 
+GATE = 'kill -STOP $$; exec "$@"'  # sh -c GATE sh CMD ARGS…: stops itself until confined
+
+
 @dataclass
 class CommandLimits:
     """What each command gets; `procs` is the group's `cgroup.procs` (None: no cgroup v2 here)."""
@@ -38,26 +46,26 @@ class CommandLimits:
     max_tasks: int = DEFAULT_MAX_TASKS
     procs: str | None = None
     memory_max: int | None = None
+    shell: str = "/bin/sh"
 
-    def preexec(self, uid: int | None, gid: int | None, groups: list[int] | None, tty: bool) -> None:
-        """In the child: join the group, limit a non-root user, drop privileges, take the pty. Only os calls
-        here (the parent has threads; nothing that takes a Python-level lock)."""
+    def gated(self, argv: list[str]) -> list[str]:
+        return [self.shell, "-c", GATE, "sh", *argv]
+
+    def confine(self, pid: int, uid: int) -> int | None:
+        """From the parent: wait for the gate to stop, confine, continue it. Returns the child's exit code if it
+        ended instead of stopping (then the caller must not wait for it again)."""
+        _, status = os.waitpid(pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):
+            return os.waitstatus_to_exitcode(status)
         if self.procs is not None:
-            _write("/proc/self/oom_score_adj", str(COMMAND_OOM_SCORE_ADJ).encode())
-            _write(self.procs, b"0")
+            with contextlib.suppress(OSError):
+                _write(f"/proc/{pid}/oom_score_adj", str(COMMAND_OOM_SCORE_ADJ).encode())
+                _write(self.procs, str(pid).encode())
         if uid:
-            resource.setrlimit(resource.RLIMIT_NPROC, (self.max_tasks, self.max_tasks))
-        if groups is not None:
-            os.setgroups(groups)
-        if gid is not None:
-            os.setgid(gid)
-        if uid is not None:
-            os.setuid(uid)
-        if tty:
-            import fcntl
-            import termios
-
-            fcntl.ioctl(0, termios.TIOCSCTTY, 0)  # after setsid: the pty (fd 0) becomes the controlling terminal
+            with contextlib.suppress(OSError, ValueError):
+                resource.prlimit(pid, resource.RLIMIT_NPROC, (self.max_tasks, self.max_tasks))
+        os.kill(pid, signal.SIGCONT)
+        return None
 
 
 def _write(path: str, data: bytes) -> None:

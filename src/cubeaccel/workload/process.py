@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -265,14 +266,17 @@ class ProcessTable:
             master, slave = os.openpty()
             set_winsize(master, c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
             streams = {"stdin": slave, "stdout": slave, "stderr": slave, "preexec_fn": _controlling_tty}
-        if self.limits is not None:  # the child joins the commands' cgroup as root, then drops privileges
-            limits, tty = self.limits, pty is not None
-            uid, gid, groups = (user.uid, user.gid, user.groups()) if creds else (None, None, None)
-            streams["preexec_fn"] = lambda: limits.preexec(uid, gid, groups, tty)
-            creds = {}
+        argv = [cmd, *args]
+        gated = self.limits is not None and pty is None  # the pty path keeps its preexec_fn (no gate)
+        if gated:
+            assert self.limits is not None
+            probe = cmd if os.path.isabs(cmd) or "/" not in cmd else os.path.join(cwd, cmd)
+            if shutil.which(probe, path=env["PATH"]) is None:  # as a direct exec would: invalid_argument at Start
+                raise ConnectError("invalid_argument", f"error starting process '{' '.join(argv)}': not found")
+            argv = self.limits.gated(argv)
         try:
             popen = subprocess.Popen(
-                [cmd, *args],
+                argv,
                 cwd=cwd,
                 env=env,
                 start_new_session=True,  # own session and process group: killpg reaches all it starts
@@ -290,6 +294,11 @@ class ProcessTable:
         finally:
             if slave is not None:
                 os.close(slave)
+        if gated:
+            assert self.limits is not None
+            ended = self.limits.confine(popen.pid, user.uid)
+            if ended is not None:
+                popen.returncode = ended  # reaped already; wait() returns it
         shown: dict[str, Any] = {"cmd": cmd}
         if args:
             shown["args"] = args
