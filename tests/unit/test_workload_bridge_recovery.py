@@ -32,6 +32,12 @@ from tests.workload_client import ROOT, WorkloadClient
 
 MiB = 1024 * 1024
 
+def echo(wl: WorkloadClient, text: str) -> bytes:
+    """`/bin/echo TEXT` run directly (not `bash -l`: a login shell on a shared host may stall in its profile)."""
+    body = {"process": {"cmd": "/bin/echo", "args": [text]}, "stdin": False}
+    return wl.collect("process.Process/Start", body).output()
+
+
 
 class RespawningPort:
     """Listens where the VMM would; every connection gets a new service process (the guest init's restart)."""
@@ -92,13 +98,13 @@ def test_a_service_that_dies_is_reached_again_after_the_bridge_reconnects(
     respawning: tuple[RespawningPort, WorkloadBridge, WorkloadClient],
 ) -> None:
     port, bridge, wl = respawning
-    assert wl.run("echo first").output() == b"first\n"
+    assert echo(wl, "first") == b"first\n"
     first = port.procs[0]
     first.send_signal(signal.SIGKILL)  # the service dies; its end of the channel closes (EOF at the bridge)
     first.wait(10)
     port.conns[0].close()
     poll(lambda: bridge.sessions >= 2 and not bridge.ended, 30, what="the bridge reconnected")
-    assert wl.run("echo again").output() == b"again\n"
+    assert echo(wl, "again") == b"again\n"
     assert len(port.procs) == 2
 
 
@@ -108,14 +114,14 @@ def test_a_restarted_service_that_says_goaway_gets_a_new_session(
     """A virtio port shows the host no close when the guest service restarts: the connection stays up, and the
     new service's GOAWAY is the only sign. The bridge must start a new session on it, not wait for EOF."""
     port, bridge, wl = respawning
-    assert wl.run("echo first").output() == b"first\n"
+    assert echo(wl, "first") == b"first\n"
     port.procs[0].send_signal(signal.SIGKILL)
     port.procs[0].wait(10)
     goaway = Session(client=False)
     goaway.go_away()
     port.conns[0].sendall(goaway.data_to_send())  # the connection stays open, as QEMU's would
     poll(lambda: bridge.sessions >= 2 and not bridge.ended, 30, what="a new session after GOAWAY")
-    assert wl.run("echo again").output() == b"again\n"
+    assert echo(wl, "again") == b"again\n"
 
 
 def test_the_guest_finds_the_preamble_after_frames_of_a_stale_session() -> None:

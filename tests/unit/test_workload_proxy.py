@@ -18,7 +18,7 @@ from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.workload.connect import encode_envelope
 from tests.support.cubelet_harness import Node
 from tests.unit.test_workload_bridge import FakePort
-from tests.unit.test_workload_bridge_recovery import ScriptedGuest
+from tests.unit.test_workload_bridge_recovery import ScriptedGuest, echo
 from tests.workload_client import WorkloadClient
 
 
@@ -53,7 +53,7 @@ def test_the_proxy_reuses_its_connection_to_the_shim(proxied: tuple[WorkloadBrid
     bridge, wl = proxied
     before = bridge.connections
     for i in range(10):
-        assert wl.run(f"echo {i}").output() == f"{i}\n".encode()
+        assert echo(wl, f"{i}") == f"{i}\n".encode()
         assert wl.http.get("/files", params={"path": "/etc/hostname"}, headers=wl.headers()).status_code in (
             200,
             404,
