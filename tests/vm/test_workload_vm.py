@@ -317,7 +317,10 @@ def test_a_fork_bomb_is_contained_and_the_sandbox_still_runs_commands(vm: ShimRu
         during.http.close()
     thread.join(180)
     assert len(done) == 1 and isinstance(done[0], Stream), done
-    assert done[0].end["status"] == "signal: killed"
+    # the bomb's first shell returns at once (exit 0); its children hold the output open until the timeout's
+    # SIGKILL of the group ends them all, and only then does the end event come
+    assert done[0].end["status"] in ("exit status 0", "signal: killed"), done[0].end
+    assert time.monotonic() - t0 >= 25
     assert time.monotonic() - t0 < 150
 
     def drained() -> bool:
@@ -332,7 +335,7 @@ def test_the_channel_recovers_when_the_guest_service_restarts(wl: WorkloadClient
     """The service is killed inside the guest; init starts a new one, which says GOAWAY on the port; the shim's
     bridge reconnects and sends the token again, so the next call works, served by the new process."""
     before = int(wl.run("echo $PPID").output())
-    wl.run(f"setsid sh -c 'sleep 1; kill -9 {before}' </dev/null >/dev/null 2>&1 &", user="root")
+    wl.run(f"(sleep 1; kill -9 {before}) </dev/null >/dev/null 2>&1 &", user="root")
 
     def served_by_a_new_service() -> int | None:
         c = client(vm, timeout=30)
