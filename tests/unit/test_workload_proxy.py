@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.server import _EnvelopeTracker, create_app
@@ -87,18 +89,24 @@ def test_a_guest_that_breaks_mid_stream_ends_the_stream_with_a_clear_error(
         node.cubelet.store.close()
 
 
-@pytest.mark.parametrize("cut", [1, 3, 5, 6, 17])
-def test_the_envelope_tracker_knows_the_boundaries_however_bytes_are_cut(cut: int) -> None:
-    wire = encode_envelope({"a": 1}) + encode_envelope({}) + encode_envelope({"b": "x" * 40})
-    tracker = _EnvelopeTracker()
-    seen: list[Any] = []
-    for i in range(0, len(wire), cut):
-        tracker.feed(wire[i : i + cut])
-        seen.append(tracker.at_boundary)
-    assert tracker.at_boundary
+@given(
+    st.lists(st.dictionaries(st.text(max_size=5), st.text(max_size=40), max_size=3), min_size=1, max_size=6),
+    st.lists(st.integers(1, 70), min_size=1, max_size=30),
+)
+def test_the_envelope_tracker_knows_the_boundaries_however_bytes_are_cut(msgs: list[Any], cuts: list[int]) -> None:
+    envelopes = [encode_envelope(m) for m in msgs]
+    wire = b"".join(envelopes)
+    boundaries, at = {0}, 0
+    for e in envelopes:
+        at += len(e)
+        boundaries.add(at)
+    tracker, pos, i = _EnvelopeTracker(), 0, 0
+    while pos < len(wire):
+        step = cuts[i % len(cuts)]
+        tracker.feed(wire[pos : pos + step])
+        pos = min(len(wire), pos + step)
+        i += 1
+        assert tracker.at_boundary == (pos in boundaries), (pos, sorted(boundaries))
     ended = _EnvelopeTracker()
     ended.feed(wire + bytes([0x02, 0, 0, 0, 2]) + b"{}")
-    assert ended.ended and not ended.at_boundary
-    partial = _EnvelopeTracker()
-    partial.feed(wire[:7])
-    assert not partial.at_boundary
+    assert ended.ended and not ended.at_boundary  # after the end-of-stream envelope nothing may be appended
