@@ -38,7 +38,7 @@ def _run(table: ProcessTable, cmd: str, *args: str, cwd: str | None = None) -> t
 
 
 def test_a_gated_command_runs_exactly_as_a_direct_one(tmp_path: Path) -> None:
-    gated = ProcessTable(limits=limits.CommandLimits(procs=None))
+    gated = ProcessTable(limits=limits.CommandLimits(procs=None, shell="/bin/bash"))  # the guest's: busybox ash
     plain = ProcessTable()
     script = 'printf "%s|" "$0" "$1" "$ONE" "$(pwd)"; echo; exit 3'
     for table in (gated, plain):
@@ -47,6 +47,8 @@ def test_a_gated_command_runs_exactly_as_a_direct_one(tmp_path: Path) -> None:
         assert end["exitCode"] == 3
     out, end = _run(gated, "true")  # found on PATH, as exec "$@" finds it
     assert out == b"" and end.get("exitCode", 0) == 0
+    out, _ = _run(gated, "sh", "-c", 'echo "$0"')  # argv[0] as given, though the gate execs the absolute path
+    assert out == b"sh\n"
     with pytest.raises(ConnectError) as err:
         _run(gated, "/no/such/binary")
     assert err.value.code == "invalid_argument"
@@ -55,7 +57,7 @@ def test_a_gated_command_runs_exactly_as_a_direct_one(tmp_path: Path) -> None:
 def test_confine_writes_the_pid_into_the_groups_procs_file_while_the_command_is_stopped(tmp_path: Path) -> None:
     procs = tmp_path / "cgroup.procs"
     procs.write_text("")
-    table = ProcessTable(limits=limits.CommandLimits(procs=str(procs)))
+    table = ProcessTable(limits=limits.CommandLimits(procs=str(procs), shell="/bin/bash"))
     out, end = _run(table, "/bin/sh", "-c", "echo $$")
     assert end.get("exitCode", 0) == 0
     assert procs.read_text() == out.decode().strip()  # the command's own pid (sh exec'd it: same pid)

@@ -215,6 +215,15 @@ def test_commands_do_not_inherit_the_services_environment(wl: WorkloadClient) ->
     assert leaked == []
 
 
+def test_a_bare_command_name_runs_the_images_binary_with_its_argv0(wl: WorkloadClient) -> None:
+    """Commands pass a busybox gate (workload/limits.py); busybox ash would run its own applet for a bare name, so
+    the service resolves it on PATH first: `ls` is coreutils' ls, and argv[0] stays what the caller sent."""
+    out = wl.collect("process.Process/Start", {"process": {"cmd": "ls", "args": ["--version"]}, "stdin": False})
+    assert out.output().startswith(b"ls (GNU coreutils)"), out.output()[:200]
+    body = {"process": {"cmd": "bash", "args": ["-c", 'echo "$0" "$BASH"']}, "stdin": False}
+    assert wl.collect("process.Process/Start", body).output() == b"bash /bin/bash\n"
+
+
 PORT_PROBE = (
     "import errno, os, sys\n"
     "name = sys.argv[1]\n"

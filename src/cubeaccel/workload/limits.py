@@ -8,9 +8,10 @@ raise theirs (envd's 100): a command at its limits cannot stop us from accepting
 killing it, and an OOM picks a command. Commands of a non-root user also get RLIMIT_NPROC (per uid; the kernel
 exempts root, hence the cgroup).
 
-How a command gets there before any of its code runs: it starts as `/bin/sh -c 'kill -STOP $$; exec "$@"' sh
-CMD ARGS…` (busybox, as the target user, plain `fork`+`exec`: no Python runs in the child). We wait until it has
-stopped itself, move it into the group, set its RLIMIT_NPROC (`prlimit`) and oom_score_adj from outside, and send
+How a command gets there before any of its code runs: it starts as
+`/bin/sh -c 'kill -STOP $$; exec -a "$0" "$@"' CMD /abs/path/of/CMD ARGS…` (busybox, as the target user, plain
+`fork`+`exec`: no Python runs in the child). We wait until it has stopped itself, move it into the group, set
+its RLIMIT_NPROC (`prlimit`) and oom_score_adj from outside, and send
 SIGCONT; it then `exec`s the command, already confined. Not `preexec_fn`: Python code in a child forked from our
 threaded process copies much of our heap (64 concurrent starts ran a 256 MiB guest out of memory), and after
 setuid the child could no longer write the root-owned `cgroup.procs`; joining from the parent without stopping
@@ -36,7 +37,9 @@ COMMAND_OOM_SCORE_ADJ = 100
 COMMAND_CPU_WEIGHT = 20  # of the default 100: the services win the CPU from a busy command
 
 
-GATE = 'kill -STOP $$; exec "$@"'  # sh -c GATE sh CMD ARGS…: stops itself until confined
+# sh -c GATE ARGV0 PATH ARGS…: stops itself until confined, then becomes PATH with argv[0] kept. PATH is absolute:
+# the guest's busybox ash runs its own applet for a bare name (`exec ls` would be busybox's ls, not coreutils').
+GATE = 'kill -STOP $$; exec -a "$0" "$@"'
 
 
 @dataclass
@@ -48,8 +51,8 @@ class CommandLimits:
     memory_max: int | None = None
     shell: str = "/bin/sh"
 
-    def gated(self, argv: list[str]) -> list[str]:
-        return [self.shell, "-c", GATE, "sh", *argv]
+    def gated(self, argv0: str, path: str, args: list[str]) -> list[str]:
+        return [self.shell, "-c", GATE, argv0, path, *args]
 
     def confine(self, pid: int, uid: int) -> int | None:
         """From the parent: wait for the gate to stop, confine, continue it. Returns the child's exit code if it

@@ -271,9 +271,10 @@ class ProcessTable:
         if gated:
             assert self.limits is not None
             probe = cmd if os.path.isabs(cmd) or "/" not in cmd else os.path.join(cwd, cmd)
-            if shutil.which(probe, path=env["PATH"]) is None:  # as a direct exec would: invalid_argument at Start
+            found = shutil.which(probe, path=env["PATH"])
+            if found is None:  # as a direct exec would: invalid_argument at Start
                 raise ConnectError("invalid_argument", f"error starting process '{' '.join(argv)}': not found")
-            argv = self.limits.gated(argv)
+            argv = self.limits.gated(cmd, os.path.abspath(os.path.join(cwd, found)), args)
         try:
             popen = subprocess.Popen(
                 argv,
