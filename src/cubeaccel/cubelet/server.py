@@ -370,6 +370,7 @@ class WorkloadUpstreams:
     def __init__(self, cubelet: Cubelet) -> None:
         self._cubelet = cubelet
         self._clients: dict[tuple[str, int], tuple[Path, httpx.AsyncClient]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def get(self, sandbox_id: str, sock: Path) -> httpx.AsyncClient:
         key = (sandbox_id, id(asyncio.get_running_loop()))
@@ -404,10 +405,11 @@ class WorkloadUpstreams:
             if key[1] != loop or res is None or res.phase is not ReservationPhase.RUNNING:
                 self._retire(self._clients.pop(key)[1])
 
-    @staticmethod
-    def _retire(client: httpx.AsyncClient) -> None:
+    def _retire(self, client: httpx.AsyncClient) -> None:
         with contextlib.suppress(RuntimeError):  # its loop is gone: nothing left to close there
-            asyncio.get_running_loop().create_task(client.aclose())
+            task = asyncio.get_running_loop().create_task(client.aclose())
+            self._closing.add(task)  # held until done: the loop keeps only a weak reference to a task
+            task.add_done_callback(self._closing.discard)
 
 
 class _EnvelopeTracker:
