@@ -32,11 +32,11 @@ from tests.workload_client import ROOT, WorkloadClient
 
 MiB = 1024 * 1024
 
+
 def echo(wl: WorkloadClient, text: str) -> bytes:
     """`/bin/echo TEXT` run directly (not `bash -l`: a login shell on a shared host may stall in its profile)."""
     body = {"process": {"cmd": "/bin/echo", "args": [text]}, "stdin": False}
     return wl.collect("process.Process/Start", body).output()
-
 
 
 class RespawningPort:
