@@ -52,6 +52,9 @@ NOT_CODES = {
     "reserve.pinned_memory",
     # ASGI message types
     "http.disconnect", "http.request",
+    # cgroup v2 interface files (workload/limits.py)
+    "cgroup.controllers", "cgroup.procs", "cgroup.subtree_control", "cpu.weight", "memory.max",
+    "pids.max",
 }  # fmt: skip
 
 # Code-shaped prefixes of f-strings that build messages, not codes.

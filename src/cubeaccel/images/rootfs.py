@@ -119,11 +119,12 @@ modprobe virtio_console
 echo "cube-init: kernel $(uname -r)"
 export PYTHONPATH={AGENT_HOME} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/root
 # The workload service takes its access token from the host at the start of each channel session (not from a
-# file): a guest restored from a template snapshot booted before its sandbox, and its token, existed.
+# file): a guest restored from a template snapshot booted before its sandbox, and its token, existed. Commands
+# run in a cgroup with pids/memory limits (--limit-commands); a restart tells the host to reconnect.
 (
   while true; do
     python3 -m cubeaccel.workload serve --mux-port {WORKLOAD_PORT_NAME} --token-from-channel \\
-      --default-user {WORKLOAD_USER} </dev/null
+      --default-user {WORKLOAD_USER} --limit-commands --restart-marker /run/cube-workload.started </dev/null
     echo "cube-init: workload exited $?"
     sleep 1
   done

@@ -473,6 +473,24 @@ class CubeMaster:
         v = next((v for v in self.cache.views() if v.name == node), None)
         return v.cubelet_url if v else None
 
+    def start_phases(self, row: Row) -> tuple[list[dict[str, Any]], bool]:
+        """The sandbox's start phases from its node's event journal (VM up, memory pinned, device attached,
+        workload service up, guest validated), first of each, in time order; and whether the node answered.
+        Through CubeMaster because only CubeMaster holds the node token that the Cubelet's TCP API asks for."""
+        url = self.node_url(row["node"])
+        if url is None:
+            return [], False
+        try:
+            page = self.client(url).request("GET", "/v1/events", params={"limit": 10000, "sandbox_id": row["id"]})
+        except (CubeError, httpx.HTTPError, OSError):
+            return [], False
+        phases: dict[str, dict[str, Any]] = {}
+        for e in page.get("events", []):
+            label = NODE_PHASES.get(str(e.get("event")))
+            if label is not None and label not in phases:
+                phases[label] = {"phase": label, "event": e["event"], "at": float(e["at"])}
+        return sorted(phases.values(), key=lambda p: float(p["at"])), True
+
     def get(self, sandbox_id: str) -> Row:
         row = self.store.sandbox(sandbox_id)
         if row is None:
@@ -484,6 +502,17 @@ def _with_attempts(e: CubeError, attempts: list[dict[str, Any]]) -> CubeError:
     if attempts:
         e.details["attempts"] = attempts
     return e
+
+
+# The node's events that are phases of a start, in the words of issue 12 (`GET /v1/sandboxes/{id}/events`).
+NODE_PHASES = {
+    "vm_started": "VM up",
+    "memory_pinned": "memory pinned",
+    "device_attached": "device attached",
+    "workload_ready": "workload service up",
+    "guest_validated": "guest validated",
+}
+SETTLED_STATES = ("running", "failed", "deleting", "deleted", "lost")  # where a create's wait ends
 
 
 def sandbox_json(row: Row) -> dict[str, Any]:

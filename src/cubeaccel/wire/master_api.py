@@ -188,6 +188,21 @@ class SandboxReply(Sandbox):
     access_token: str | None = None
 
 
+class StartPhase(Record):
+    phase: str  # "VM up", "memory pinned", "device attached", "workload service up", "guest validated"
+    event: str  # the node's event kind it comes from
+    at: float
+
+
+class SandboxEvents(Reply):
+    """`GET /v1/sandboxes/{id}/events`: the start phases the node recorded (through CubeMaster)."""
+
+    sandbox_id: str
+    state: str
+    phases: list[StartPhase]
+    node_answered: bool  # False: no node yet, or it did not answer (the phases may be incomplete)
+
+
 class SandboxList(Reply):
     sandboxes: list[Sandbox]
 
