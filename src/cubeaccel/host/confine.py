@@ -48,6 +48,10 @@ class ConfinePolicy:
     memlock: str = "auto"  # auto | rlimit | cap_ipc_lock
     fault: str | None = None
 
+    @property
+    def uids(self) -> range:
+        return range(self.uid_start, self.uid_start + self.uid_count)
+
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ConfinePolicy:
         e = os.environ if env is None else env
