@@ -226,7 +226,8 @@ class QemuVmm:
         try:
             listeners = [_listen(sd / name) for name in SOCKETS]
             console = os.open(sd / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            fds = VmmFds(*(s.fileno() for s in listeners), console)
+            qmp, aux, agent, workload = (s.fileno() for s in listeners)
+            fds = VmmFds(qmp, aux, agent, workload, console)
             argv = build_argv(self.cfg, self.accel, fds, incoming=self.restore_from is not None)
             vfio = bool(self.cfg.vfio_hosts)
             memlock = None if mode == "none" else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio)
