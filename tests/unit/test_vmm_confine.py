@@ -25,6 +25,7 @@ from cubeaccel.host.confine import (
 )
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.confined import launch_argv, setpriv_argv, vmm_exposure
+from cubeaccel.shim.vmm import VmConfig
 
 ALL = (1 << 41) - 1
 STATUS = """Name:\tqemu-system-x86
@@ -128,11 +129,17 @@ def test_policy_from_the_environment() -> None:
         assert e.value.code == "vmm.confine_config"
 
 
+def _vm(vfio_hosts: tuple[str, ...] = ()) -> VmConfig:
+    return VmConfig(
+        "sb", 256, 1, True, Path("/img/vmlinux"), Path("/img/initrd.img"), "", Path("/sd"), vfio_hosts=vfio_hosts
+    )
+
+
 def test_a_vmm_sees_only_qemu_its_kernel_initrd_and_the_nodes_it_needs(tmp_path: Path) -> None:
-    plain = vmm_exposure(Path("/img/vmlinux"), Path("/img/initrd.img"), "tcg")
+    plain = vmm_exposure(_vm(), "tcg")
     assert plain.trees_ro == ("/usr",) and plain.read_only == ("/img/vmlinux", "/img/initrd.img")
     assert plain.devices == ("/dev/null", "/dev/zero", "/dev/urandom") and plain.owned == ()
-    assert "/dev/kvm" in vmm_exposure(Path("/k"), Path("/i"), "kvm").devices
+    assert "/dev/kvm" in vmm_exposure(_vm(), "kvm").devices
     # VFIO: the container, the device's group node (handed to the VMM's uid) and sysfs, read-only.
     sys_root, dev_root = tmp_path / "sys", tmp_path / "dev"
     (sys_root / "kernel" / "iommu_groups" / "7").mkdir(parents=True)
@@ -140,11 +147,11 @@ def test_a_vmm_sees_only_qemu_its_kernel_initrd_and_the_nodes_it_needs(tmp_path:
     os.symlink(sys_root / "kernel" / "iommu_groups" / "7", sys_root / "bus/pci/devices/0000:3b:00.0/iommu_group")
     (dev_root / "vfio").mkdir(parents=True)
     (dev_root / "vfio" / "7").write_text("")
-    gpu = vmm_exposure(Path("/k"), Path("/i"), "kvm", ("0000:3b:00.0",), sys_root, dev_root)
+    gpu = vmm_exposure(_vm(("0000:3b:00.0",)), "kvm", sys_root, dev_root)
     assert gpu.owned == (dev_root / "vfio" / "7",)
     assert str(dev_root / "vfio" / "vfio") in gpu.devices and str(sys_root) in gpu.trees_ro
     # No IOMMU group: nothing is handed over (QEMU refuses the device as before).
-    assert vmm_exposure(Path("/k"), Path("/i"), "kvm", ("0000:00:01.0",), sys_root, dev_root).owned == ()
+    assert vmm_exposure(_vm(("0000:00:01.0",)), "kvm", sys_root, dev_root).owned == ()
 
 
 def test_hand_over_and_take_back_a_group_node(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from cubeaccel.host import vmm_launch
 from cubeaccel.host.confine import expected_caps
+from cubeaccel.shim.vmm import VmConfig
 
 VMM_ROOT_DIR = "vmm-root"  # under the state dir: the mount point of the VMM's own root (empty on the host)
 BASE_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")
@@ -51,30 +52,26 @@ def vfio_group_node(host_address: str, sys_root: Path = Path("/sys"), dev_root: 
 
 
 def vmm_exposure(
-    kernel: Path,
-    initrd: Path,
-    accel: str,
-    vfio_hosts: tuple[str, ...] = (),
-    sys_root: Path = Path("/sys"),
-    dev_root: Path = Path("/dev"),
+    cfg: VmConfig, accel: str, sys_root: Path = Path("/sys"), dev_root: Path = Path("/dev")
 ) -> VmmExposure:
     """Everything a VMM may open: QEMU itself (/usr), its kernel and initrd, /dev/null, zero, urandom, /dev/kvm
     under KVM, and for VFIO the container, each device's group node (handed to the VMM's uid) and sysfs, read-only
-    (QEMU's vfio-pci reads the device's sysfs directory). Sockets, console and state files come as descriptors."""
+    (QEMU's vfio-pci reads the device's sysfs directory). Sockets, console and state files come as descriptors.
+    A host path QEMU opens by name for a new device (a shared directory, a disk image) belongs here too."""
     devices = list(BASE_DEVICES)
     trees = ["/usr"]
     owned: list[Path] = []
     if accel == "kvm":
         devices.append(str(dev_root / "kvm"))
-    groups = [g for h in vfio_hosts if (g := vfio_group_node(h, sys_root, dev_root)) is not None]
-    if vfio_hosts:
+    groups = [g for h in cfg.vfio_hosts if (g := vfio_group_node(h, sys_root, dev_root)) is not None]
+    if cfg.vfio_hosts:
         trees.append(str(sys_root))
     if groups:
         devices.append(str(dev_root / "vfio" / "vfio"))
     for g in dict.fromkeys(groups):
         devices.append(str(g))
         owned.append(g)
-    return VmmExposure(tuple(trees), (str(kernel), str(initrd)), (), tuple(devices), tuple(owned))
+    return VmmExposure(tuple(trees), (str(cfg.kernel), str(cfg.initrd)), (), tuple(devices), tuple(owned))
 
 
 def setpriv_argv(uid: int, gid: int, mode: str) -> list[str]:

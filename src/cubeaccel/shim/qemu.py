@@ -210,7 +210,7 @@ class QemuVmm:
             )
         lease = confine.allocate_uid(self.policy)
         try:
-            exposure = vmm_exposure(self.cfg.kernel, self.cfg.initrd, self.accel, self.cfg.vfio_hosts)
+            exposure = vmm_exposure(self.cfg, self.accel)
             confine.hand_over(exposure.owned, lease.uid, lease.gid)
         except BaseException:
             lease.close()
