@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,15 @@ def test_the_launcher_pivots_into_a_root_holding_only_what_was_named(tmp_path: P
     assert r.returncode == 0, r.stderr
     links = {n for n in ("bin", "sbin", "lib", "lib32", "lib64", "libx32") if os.path.islink(f"/{n}")}  # merged /usr
     assert r.stdout.strip() == f"{sorted({'usr', 'dev', str(tmp_path).split('/')[1], *links})} False"
+
+
+def test_a_launcher_failure_is_reported_as_confinement_failed_not_as_a_qemu_crash(tmp_path: Path) -> None:
+    from cubeaccel.shim.qemu import QemuVmm
+
+    vmm = QemuVmm(replace(_vm(), state_dir=tmp_path), policy=ConfinePolicy(lock_dir=tmp_path / "uids"))
+    step = {"confine_error": "unshare mount namespace", "errno": 1, "message": "Operation not permitted"}
+    (tmp_path / "vmm.log").write_text("noise\n" + json.dumps(step) + "\n")
+    err = vmm._early_exit()
+    assert err.code == "vmm.confinement_failed" and err.details["step"] == step
+    (tmp_path / "vmm.log").write_text("qemu-system-x86_64: -device foo: 'foo' is not a valid device model name\n")
+    assert vmm._early_exit().code == "vmm.start_failed"
