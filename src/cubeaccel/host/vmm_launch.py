@@ -73,7 +73,7 @@ def build_root(cfg: dict[str, Any]) -> None:
     os.umask(0o022)  # the shim's is 077: the VMM's uid must traverse the directories made here (read-only tmpfs)
     _check(_libc.unshare(CLONE_NEWNS), "unshare mount namespace")
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host, nor back
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(root, mode=0o700, exist_ok=True)  # the mount point, on the host: owner-only like the state dir
     mount("cubeaccel-vmm", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
     for tree in cfg.get("trees_ro", []):
         bind(root, tree, MS_RDONLY | MS_NOSUID | MS_NODEV, tree=True)
