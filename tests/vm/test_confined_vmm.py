@@ -127,7 +127,7 @@ def test_a_vmm_failing_verification_is_refused_before_any_hotplug(
     shim_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CUBEACCEL_VMM_CONFINE_FAULT", "wrong_uid")  # verification expects another uid
-    run = shim_factory(start="template").start()
+    run = shim_factory(start="cold").start()  # cold: a template VM would be refused the same way, first
     run.wait_for("shim_exiting")
     assert run.proc.wait(30) == 1
     failed = run.one("attach_failed")["details"]
