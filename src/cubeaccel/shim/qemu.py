@@ -61,6 +61,9 @@ class VmmFds:
         return (self.qmp, self.qmp_aux, self.agent, self.workload, self.console)
 
 
+SHAPE_FDS = VmmFds(3, 4, 5, 6, 7)  # placeholders for a command line that is only read, never run
+
+
 def qemu_binary() -> str:
     path = find_qemu()
     if not path:
@@ -78,9 +81,11 @@ def memory_object(cfg: VmConfig) -> str:
     return f"memory-backend-ram,{size}"
 
 
-def build_argv(cfg: VmConfig, accel: str, fds: VmmFds, incoming: bool = False) -> list[str]:
-    """The full QEMU command line. Pure: unit tests read it, and template save/restore must produce the same one."""
+def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | None = None) -> list[str]:
+    """The full QEMU command line. Pure: unit tests read it, and template save/restore must produce the same one.
+    `fds`: the descriptors `QemuVmm.start` made; without them, placeholders (the command line's shape only)."""
     sd = cfg.state_dir
+    fds = fds or SHAPE_FDS
     cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={cfg.bar_window_gib}G"
     argv = [
         qemu_binary(),
@@ -228,7 +233,7 @@ class QemuVmm:
             console = os.open(sd / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             qmp, aux, agent, workload = (s.fileno() for s in listeners)
             fds = VmmFds(qmp, aux, agent, workload, console)
-            argv = build_argv(self.cfg, self.accel, fds, incoming=self.restore_from is not None)
+            argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None, fds=fds)
             vfio = bool(self.cfg.vfio_hosts)
             memlock = None if mode == "none" else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio)
             launch = exposure.config(sd / VMM_ROOT_DIR, memlock, memlock_required=mode == "rlimit")
