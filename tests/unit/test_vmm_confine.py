@@ -140,7 +140,8 @@ def test_a_vmm_sees_only_qemu_its_kernel_initrd_and_the_nodes_it_needs(tmp_path:
     plain = vmm_exposure(_vm(), "tcg")
     assert plain.trees_ro == ("/usr",) and plain.read_only == ("/img/vmlinux", "/img/initrd.img")
     assert plain.devices == ("/dev/null", "/dev/zero", "/dev/urandom") and plain.owned == ()
-    assert "/dev/kvm" in vmm_exposure(_vm(), "kvm").devices
+    kvm = vmm_exposure(_vm(), "kvm")  # its own /dev/kvm node: the host's stays root:kvm
+    assert kvm.private_nodes == ("/dev/kvm",) and "/dev/kvm" not in kvm.devices
     # VFIO: the container, the device's group node (handed to the VMM's uid) and sysfs, read-only.
     sys_root, dev_root = tmp_path / "sys", tmp_path / "dev"
     (sys_root / "kernel" / "iommu_groups" / "7").mkdir(parents=True)
@@ -205,8 +206,18 @@ def test_the_launcher_pivots_into_a_root_holding_only_what_was_named(tmp_path: P
     shown = tmp_path / "shown.txt"
     shown.write_text("kernel")
     (tmp_path / "hidden.txt").write_text("secret")
-    cfg = {"root": str(tmp_path / "root"), "trees_ro": ["/usr"], "read_only": [str(shown)], "devices": ["/dev/null"]}
-    probe = f"import os; print(sorted(os.listdir('/')), os.path.exists({str(tmp_path / 'hidden.txt')!r}))"
+    cfg = {
+        "root": str(tmp_path / "root"),
+        "trees_ro": ["/usr"],
+        "read_only": [str(shown)],
+        "devices": ["/dev/null"],
+        "private_nodes": [["/dev/zero", 1_900_000_042, 1_900_000_042]],  # as /dev/kvm under KVM
+    }
+    probe = (
+        "import os; st = os.stat('/dev/zero'); "
+        f"print(sorted(os.listdir('/')), os.path.exists({str(tmp_path / 'hidden.txt')!r}), "
+        "sorted(os.listdir('/dev')), st.st_uid, oct(st.st_mode & 0o777), os.stat('/dev/null').st_uid)"
+    )
     r = subprocess.run(
         [sys.executable, "-S", vmm_launch.__file__, json.dumps(cfg), "--", "/usr/bin/python3", "-I", "-c", probe],
         capture_output=True,
@@ -215,7 +226,9 @@ def test_the_launcher_pivots_into_a_root_holding_only_what_was_named(tmp_path: P
     )
     assert r.returncode == 0, r.stderr
     links = {n for n in ("bin", "sbin", "lib", "lib32", "lib64", "libx32") if os.path.islink(f"/{n}")}  # merged /usr
-    assert r.stdout.strip() == f"{sorted({'usr', 'dev', str(tmp_path).split('/')[1], *links})} False"
+    top = sorted({"usr", "dev", str(tmp_path).split("/")[1], *links})
+    assert r.stdout.strip() == f"{top} False ['null', 'zero'] 1900000042 0o600 0"
+    assert os.stat("/dev/zero").st_uid == 0  # the host's node is untouched
 
 
 def test_a_launcher_failure_is_reported_as_confinement_failed_not_as_a_qemu_crash(tmp_path: Path) -> None:

@@ -56,6 +56,7 @@ def test_vmm_runs_as_its_own_uid_without_capabilities_under_seccomp(shim_factory
     mounts = _mount_points(pid)  # only QEMU itself, the guest's kernel and initrd, and three device nodes
     assert mounts == {
         "/",
+        "/dev",
         "/usr",
         str(guest_image.path(guest_image.vmlinux)),
         str(guest_image.path(guest_image.initrd)),

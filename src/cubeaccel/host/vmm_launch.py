@@ -19,6 +19,7 @@ import json
 import os
 import resource
 import shutil
+import stat
 import sys
 from typing import Any, NoReturn
 
@@ -75,6 +76,8 @@ def build_root(cfg: dict[str, Any]) -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing mounted here reaches the host, nor back
     os.makedirs(root, mode=0o700, exist_ok=True)  # the mount point, on the host: owner-only like the state dir
     mount("cubeaccel-vmm", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    os.mkdir(root + "/dev")  # its own tmpfs: the one place device nodes work (read-only once built)
+    mount("cubeaccel-vmm-dev", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
     for tree in cfg.get("trees_ro", []):
         bind(root, tree, MS_RDONLY | MS_NOSUID | MS_NODEV, tree=True)
     for link in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # merged /usr: the loader's paths
@@ -86,6 +89,8 @@ def build_root(cfg: dict[str, Any]) -> None:
         bind(root, path, MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for node in cfg.get("devices", []):
         bind(root, node, MS_NOSUID | MS_NOEXEC)
+    for path, uid, gid in cfg.get("private_nodes", []):
+        private_node(root, path, uid, gid)
     old = root + "/.host"
     os.mkdir(old)
     _check(_libc.syscall(SYS_PIVOT_ROOT, root.encode(), old.encode()), "pivot_root")
@@ -93,6 +98,24 @@ def build_root(cfg: dict[str, Any]) -> None:
     _check(_libc.umount2(b"/.host", MNT_DETACH), "detach the host's tree")
     os.rmdir("/.host")
     mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    mount(None, "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+
+
+def private_node(root: str, path: str, uid: int, gid: int) -> None:
+    """A node of the same device as `path`, owned by the VMM's uid, in the VMM's /dev only: for nodes many VMMs
+    share (/dev/kvm is root:kvm 0660 on the host), so no host node's ownership or group changes."""
+    if not path.startswith("/dev/"):
+        fail("private node outside /dev", path=path)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        fail("missing", path=path, message=str(e))
+    if not stat.S_ISCHR(st.st_mode):
+        fail("not a character device", path=path)
+    dst = root + path
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    os.mknod(dst, stat.S_IFCHR | 0o600, st.st_rdev)
+    os.chown(dst, uid, gid)
 
 
 def set_limits(cfg: dict[str, Any]) -> None:

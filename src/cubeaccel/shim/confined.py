@@ -27,14 +27,16 @@ class VmmExposure:
     read_write: tuple[str, ...] = ()
     devices: tuple[str, ...] = BASE_DEVICES
     owned: tuple[Path, ...] = field(default=())  # device nodes chowned to the VMM's uid for its lifetime
+    private_nodes: tuple[str, ...] = ()  # shared nodes (/dev/kvm): a copy owned by the VMM's uid in its /dev only
 
-    def config(self, root: Path, memlock: int | None, memlock_required: bool) -> dict[str, object]:
+    def config(self, root: Path, uid: int, gid: int, memlock: int | None, memlock_required: bool) -> dict[str, object]:
         return {
             "root": str(root),
             "trees_ro": list(self.trees_ro),
             "read_only": list(self.read_only),
             "read_write": list(self.read_write),
             "devices": list(self.devices),
+            "private_nodes": [[p, uid, gid] for p in self.private_nodes],
             "memlock": memlock,
             "memlock_required": memlock_required,
         }
@@ -55,14 +57,14 @@ def vmm_exposure(
     cfg: VmConfig, accel: str, sys_root: Path = Path("/sys"), dev_root: Path = Path("/dev")
 ) -> VmmExposure:
     """Everything a VMM may open: QEMU itself (/usr), its kernel and initrd, /dev/null, zero, urandom, /dev/kvm
-    under KVM, and for VFIO the container, each device's group node (handed to the VMM's uid) and sysfs, read-only
-    (QEMU's vfio-pci reads the device's sysfs directory). Sockets, console and state files come as descriptors.
+    under KVM (its own node, owned by its uid), and for VFIO the container, each device's group node (handed to
+    the VMM's uid) and sysfs, read-only (QEMU's vfio-pci reads the device's sysfs directory). Sockets, console
+    and state files come as descriptors.
     A host path QEMU opens by name for a new device (a shared directory, a disk image) belongs here too."""
     devices = list(BASE_DEVICES)
     trees = ["/usr"]
     owned: list[Path] = []
-    if accel == "kvm":
-        devices.append(str(dev_root / "kvm"))
+    private = ("/dev/kvm",) if accel == "kvm" else ()  # root:kvm 0660 on the host, shared by every VMM
     groups = [g for h in cfg.vfio_hosts if (g := vfio_group_node(h, sys_root, dev_root)) is not None]
     if cfg.vfio_hosts:
         trees.append(str(sys_root))
@@ -71,7 +73,7 @@ def vmm_exposure(
     for g in dict.fromkeys(groups):
         devices.append(str(g))
         owned.append(g)
-    return VmmExposure(tuple(trees), (str(cfg.kernel), str(cfg.initrd)), (), tuple(devices), tuple(owned))
+    return VmmExposure(tuple(trees), (str(cfg.kernel), str(cfg.initrd)), (), tuple(devices), tuple(owned), private)
 
 
 def setpriv_argv(uid: int, gid: int, mode: str) -> list[str]:

@@ -236,7 +236,9 @@ class QemuVmm:
             argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None, fds=fds)
             vfio = bool(self.cfg.vfio_hosts)
             memlock = None if mode == "none" else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio)
-            launch = exposure.config(sd / VMM_ROOT_DIR, memlock, memlock_required=mode == "rlimit")
+            launch = exposure.config(
+                sd / VMM_ROOT_DIR, lease.uid, lease.gid, memlock, memlock_required=mode == "rlimit"
+            )
             cmd = launch_argv(json.dumps(launch), lease.uid, lease.gid, mode, argv)
             env = {
                 **os.environ,
@@ -285,7 +287,13 @@ class QemuVmm:
         return {
             **proof,
             "memlock_mode": self.memlock_mode,
-            "exposed": [*exposure.trees_ro, *exposure.read_only, *exposure.read_write, *exposure.devices],
+            "exposed": [
+                *exposure.trees_ro,
+                *exposure.read_only,
+                *exposure.read_write,
+                *exposure.devices,
+                *exposure.private_nodes,
+            ],
             "handed_over": [str(p) for p in exposure.owned],
         }
 
