@@ -96,6 +96,7 @@ def test_memlock_limit_is_guest_ram_plus_what_qemu_itself_locks() -> None:
     assert memlock_limit_bytes(256, "kvm", vfio=False) == (256 + confine.QEMU_LOCK_OVERHEAD_MIB) * mib
     # VFIO type1 pinning and mlock both charge locked_vm: guest RAM counts twice.
     assert memlock_limit_bytes(4096, "kvm", vfio=True) == (8192 + confine.QEMU_LOCK_OVERHEAD_MIB) * mib
+    assert memlock_limit_bytes(4096, "kvm", vfio=True, mlock=False) == 4096 * mib  # VFIO pins; nothing else locks
 
 
 def test_uid_leases_are_exclusive_until_closed(tmp_path: Path) -> None:

@@ -151,9 +151,11 @@ def memlock_mode(policy: ConfinePolicy, pin_memory: bool, caps: dict[str, int] |
     return None
 
 
-def memlock_limit_bytes(memory_mib: int, accel: str, vfio: bool) -> int:
-    """What the VMM locks: guest RAM (counted twice with VFIO: type1 pinning and mlock both charge locked_vm),
-    TCG's translation cache, and QEMU's own mappings (mlockall locks everything it maps)."""
+def memlock_limit_bytes(memory_mib: int, accel: str, vfio: bool, mlock: bool = True) -> int:
+    """What the VMM locks: guest RAM (counted twice with VFIO and mlock: type1 pinning and mlock both charge
+    locked_vm), and under mlockall also TCG's translation cache and QEMU's own mappings (it locks all it maps)."""
+    if not mlock:
+        return memory_mib * 1024 * 1024 if vfio else 0
     guest = memory_mib * (2 if vfio else 1)
     tb = TCG_TB_MIB if accel != "kvm" else 0
     return (guest + tb + QEMU_LOCK_OVERHEAD_MIB) * 1024 * 1024

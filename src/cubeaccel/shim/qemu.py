@@ -205,7 +205,8 @@ class QemuVmm:
 
     def _confinement(self) -> tuple[str, confine.UidLease, VmmExposure]:
         """Decide how memory is locked, take a uid, name what the VMM may see and hand it its device nodes."""
-        mode = confine.memlock_mode(self.policy, self.cfg.pin_memory)
+        # VFIO pins guest RAM itself (type1), mem-lock or not: it needs the same right to lock memory.
+        mode = confine.memlock_mode(self.policy, self.cfg.pin_memory or bool(self.cfg.vfio_hosts))
         if mode is None:
             raise pinned_error(
                 "pinned_memory.lock_unavailable",
@@ -235,7 +236,11 @@ class QemuVmm:
             fds = VmmFds(qmp, aux, agent, workload, console)
             argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None, fds=fds)
             vfio = bool(self.cfg.vfio_hosts)
-            memlock = None if mode == "none" else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio)
+            memlock = (
+                None
+                if mode == "none"
+                else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio, mlock=self.cfg.pin_memory)
+            )
             launch = exposure.config(
                 sd / VMM_ROOT_DIR, lease.uid, lease.gid, memlock, memlock_required=mode == "rlimit"
             )
