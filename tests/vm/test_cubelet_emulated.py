@@ -74,6 +74,7 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
     kinds = _kinds(emulated, "vm-1")
     for k in (
         "vm_started",
+        "vmm_confined",
         "memory_pinned",
         "guest_ready",
         "device_attached",

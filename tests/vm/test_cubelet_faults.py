@@ -46,7 +46,7 @@ def test_cold_boot_through_cubelet_full_cycle(node: CubeletProcess) -> None:
     dev = node.client.reserve("f-cold", 1, memory_mib=256, start=True)["devices"][0]["id"]
     poll(lambda: _dev(node, dev)["state"] == "attached", 120)
     shim_kinds = [e["event"] for e in _events(node, "f-cold") if e["kind"] == "shim_report"]
-    assert shim_kinds[:4] == ["vm_started", "memory_pinned", "guest_ready", "device_attached"]
+    assert shim_kinds[:5] == ["vm_started", "vmm_confined", "memory_pinned", "guest_ready", "device_attached"]
     node.client.release("f-cold")
     poll(lambda: any(e["kind"] == "reservation_closed" for e in _events(node, "f-cold")), 60)
     assert _dev(node, dev)["state"] == "allocatable"

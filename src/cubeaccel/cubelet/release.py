@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.backends.base import Backend, Problem
+from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
@@ -73,6 +73,7 @@ class ReleasePath:
 
     store: Store
     backend: Backend
+    capabilities: Capabilities
     shim: ShimDriver
     config: CubeletConfig
     lock: threading.RLock
@@ -256,6 +257,9 @@ class ReleasePath:
             if overdue:
                 return ReleaseOutcome(quarantine=(blocked, details))
             return ReleaseOutcome(waiting=(blocked, details))
+        unreturned = self._reclaim_nodes(d)
+        if unreturned:  # still openable by the last tenant's uid: never handed to the next one
+            return ReleaseOutcome(quarantine=(unreturned[0].code, {"problems": [p.__dict__ for p in unreturned]}))
         problems = self.backend.cleanup(d)
         if problems:
             return ReleaseOutcome(cleanup=problems)
@@ -268,6 +272,11 @@ class ReleasePath:
             "reset": True,
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
+
+    def _reclaim_nodes(self, d: DeviceRecord) -> list[Problem]:
+        """Release step: device nodes handed to the VMM's uid go back to root (VFIO group nodes)."""
+        nodes = self.capabilities.nodes
+        return nodes.reclaim_nodes(d) if nodes is not None else []
 
     def _apply_outcome(self, d: DeviceRecord, sandbox_id: str, o: ReleaseOutcome) -> None:
         """One short transaction, a compare-and-swap on the record the host work started from: a device that

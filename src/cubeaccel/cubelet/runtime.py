@@ -117,9 +117,13 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     else:
         from cubeaccel.backends.emulated import EmulatedBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
+        from cubeaccel.host.confine import ConfinePolicy
 
         backend = EmulatedBackend(
-            instance_id(opts.state_dir), vmm_root=(opts.state_dir / "shims").absolute(), uid=os.getuid()
+            instance_id(opts.state_dir),
+            vmm_root=(opts.state_dir / "shims").absolute(),
+            uid=os.getuid(),
+            vmm_uids=ConfinePolicy.from_env().uids,
         )
         shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
     return Cubelet(store, backend, shim, opts.config)

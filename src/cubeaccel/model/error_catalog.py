@@ -102,6 +102,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("cubelet.invalid_vm_start", 422, "api", "Cubelet config: unknown VM start mode"),
     _c("cubelet.unknown_backend", 422, "backend", "Cubelet config: no such backend"),
     # ---- Cubelet: release, reconcile (sandbox failures and device reasons) ----
+    _c("release.device_node_not_returned", None, "cubelet", "quarantine: a VMM's device node was not taken back"),
     _c("release.holder_stuck", None, "cubelet", "quarantine: a process still holds the device after the release"),
     _c("release.holder_unknown", None, "cubelet", "quarantine: a process whose fds cannot be read may hold the device"),
     _c("release.vmm_not_exited", None, "cubelet", "quarantine: the VMM did not exit within the release deadline"),
@@ -168,6 +169,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("shim.report_stale", None, "cubelet", "event reason: a shim report from an earlier start was ignored"),
     _c("shim.stop_requested", None, "cubelet", "teardown was requested during startup (not a failure of the VM)"),
     _c("pinned_memory.lock_failed", None, "pinned_memory", "failure: the VMM could not lock guest RAM"),
+    _c("pinned_memory.lock_unavailable", None, "pinned_memory", "failure: no way for a VMM to lock memory here"),
     _c("pinned_memory.not_locked", None, "pinned_memory", "failure: guest RAM is not locked after start"),
     _c("lifecycle.snapshot_with_device", 409, "backend", "a VM holding a device is never saved as a template state"),
     _c("lifecycle.unknown_operation", 409, "backend", "a lifecycle operation cubeaccel does not know"),
@@ -180,6 +182,11 @@ CODES: tuple[CodeInfo, ...] = (
     _c("vmm.qmp_timeout", None, "backend", "failure: QEMU did not answer QMP in time"),
     _c("vmm.restore_failed", None, "backend", "failure: restoring the template state failed"),
     _c("vmm.save_failed", None, "backend", "saving a template state failed"),
+    _c("vmm.confine_config", None, "backend", "failure: the VMM confinement settings (CUBEACCEL_VMM_*) are invalid"),
+    _c("vmm.confinement_failed", None, "backend", "failure: the VMM could not be confined: it never ran"),
+    _c("vmm.device_node_refused", None, "backend", "failure: a VMM device node is a symlink"),
+    _c("vmm.no_uid", None, "backend", "failure: every uid of the VMM uid range is in use"),
+    _c("vmm.not_confined", None, "backend", "failure: /proc shows the VMM not confined as launched"),
     _c("vmm.start_failed", None, "backend", "failure: the VMM process could not start or exited early"),
     _c("vmm.status_timeout", None, "backend", "failure: QEMU did not report its run state in time"),
     # ---- shim ↔ cube-agent (shim side: sandbox failures) ----

@@ -150,6 +150,9 @@ class Shim:
             state_dir=self.spec.run_dir,
             device_ids=tuple(d.device_id for d in self.spec.devices),
             memory_backend=self.spec.memory_backend,
+            vfio_hosts=tuple(
+                h for d in self.spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))
+            ),
         )
 
     def _start(self) -> None:
@@ -207,7 +210,11 @@ class Shim:
             image_digest=manifest.image_digest,
             kernel_release=manifest.kernel_release,
             image_mismatches=mismatches,
+            uid=vmm.lease.uid if vmm.lease else None,
         )
+        # Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own mounts).
+        self.reporter.report(K.VMM_CONFINED, **vmm.verify_confined())
+        t = self._phase("confinement_proof_s", t)
         if spec.pin_memory:
             proof = self._prove_pinned(vmm)
             t = self._phase("pin_proof_s", t)

@@ -38,6 +38,7 @@ class VmConfig:
     bar_window_gib: int = 2  # prefetchable 64-bit window reserved per root port (GPU BARs need far more)
     memory_backend: str = "ram"  # ram | memfd | hugepages (memfd on 2 MiB hugetlbfs pages; needs a hugepage pool)
     device_ids: tuple[str, ...] = ()  # Cubelet device ids this VMM may hold (tagged for holder lookups)
+    vfio_hosts: tuple[str, ...] = ()  # host PCI addresses of its vfio-pci devices: their group nodes are exposed
 
 
 @dataclass(frozen=True)
