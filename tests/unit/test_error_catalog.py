@@ -34,7 +34,7 @@ NOT_CODES = {
     "agent.sock", "workload.sock", "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
-    "shim.pid", "undelivered.jsonl", "up.json", "vmm.log", "vmm.pid",
+    "shim.pid", "undelivered.jsonl", "up.json", "vmm.log", "vmm.pid", "scratch.img", "mkfs.ext4",
     # module names (python -m, loggers)
     "cubeaccel.master", "cubeaccel.shim",
     # kernel parameters

@@ -21,6 +21,7 @@ from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
@@ -39,6 +40,12 @@ class CubeletConfig:
     startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
     pinnable_memory_mib: int | None = None  # lockable guest memory to advertise; None: MemAvailable
+    # Sandbox networks (host/netpolicy.py): each sandbox's veth /30 comes from `network_pool`; its uplink end goes
+    # into `network_uplink_netns` (None: the host's namespace, where the operator routes the pool onward).
+    network_pool: str = "100.96.0.0/16"
+    network_uplink_netns: str | None = None
+    # Host directories templates may show read-only in guests (`spec.sandbox.filesystem.readonly_mounts`).
+    readonly_mount_allowlist: tuple[str, ...] = ()
 
 
 def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
@@ -212,6 +219,8 @@ class ReleasePath:
                 if cur is None:
                     return
                 remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
+                if not remaining and gone and not self._sandbox_host_released(t, cur):
+                    return  # retried on the next pass: the reservation outlives its network until it is gone
                 if not remaining and gone:
                     t.delete_reservation(sandbox_id)
                     t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
@@ -231,6 +240,38 @@ class ReleasePath:
                         details={"vmm_pid": st.vmm_pid},
                     )
                     t.update_reservation(cur)
+
+    def _sandbox_host_released(self, t: Tx, res: Reservation) -> bool:
+        """The sandbox's own host state, once its VMM is proven gone: its network namespace (TAP, veth, rules)
+        and its scratch disk. Idempotent; False (and an event) while the network could not be removed."""
+        from cubeaccel.host import netpolicy  # host I/O of the release path only
+
+        sid = res.sandbox_id
+        removed = self.shim.release_files(sid)
+        net = res.checkpoint.network
+        if net is not None:
+            try:
+                netpolicy.teardown(sid, node=self.config.node_name, uplink_netns=net.get("uplink_netns"))
+            except CubeError as e:
+                t.event(
+                    "network_teardown_failed",
+                    Actor.CUBELET,
+                    sandbox_id=sid,
+                    reason="network.teardown_failed",
+                    details={"message": e.message},
+                )
+                return False
+            t.event("network_removed", Actor.CUBELET, sandbox_id=sid, details={"netns": net.get("netns")})
+            self.audit_host("network:teardown", sid, netns=net.get("netns"))
+        if removed:
+            t.event("sandbox_files_removed", Actor.CUBELET, sandbox_id=sid, details={"files": removed})
+        return True
+
+    def audit_host(self, action: str, sandbox_id: str, **fields: Any) -> None:
+        """Host changes made for a sandbox (not API requests) go into the Cubelet's audit trail too."""
+        audit = getattr(self, "audit", None)
+        if audit is not None:
+            audit.append(action, "cubelet", "ok", target=sandbox_id, node=self.config.node_name, **fields)
 
     def _judge_release(self, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> ReleaseOutcome:
         """The release rules on host evidence (holders, reset, revalidation): host I/O, no transaction open."""

@@ -105,6 +105,7 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
         body.memory_mib,
         body.vcpus,
         body.timeout_s,
+        body.network,
     )
 
 

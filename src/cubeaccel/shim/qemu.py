@@ -54,6 +54,8 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
     """The full QEMU command line. Pure: unit tests read it, and template save/restore must produce the same one."""
     sd = cfg.state_dir
     cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={cfg.bar_window_gib}G"
+    if extra := cfg.guest_cmdline():
+        cmdline += " " + extra
     argv = [
         qemu_binary(),
         "-name",
@@ -110,8 +112,40 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
             "-device",
             f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={cfg.bar_window_gib}G",
         ]
+    argv += policy_argv(cfg)
     if incoming:
         argv += ["-incoming", "defer"]
+    return argv
+
+
+def policy_argv(cfg: VmConfig) -> list[str]:
+    """The sandbox policy's devices, on the root complex (the root ports stay free for hot-plug).
+
+    The NIC is an fd QEMU inherits (no /dev/net/tun, no CAP_NET_ADMIN in the VMM) with no option ROM (no
+    firmware file to read); the scratch disk is a file in the state dir, named relative to it like the sockets;
+    read-only mounts are 9p shares QEMU itself refuses to write (`readonly=on`)."""
+    argv: list[str] = []
+    if cfg.tap_fd is not None:
+        argv += [
+            "-netdev",
+            f"tap,id=net0,fd={cfg.tap_fd},vhost=off",
+            "-device",
+            f"virtio-net-pci,netdev=net0,mac={cfg.mac},romfile=",
+        ]
+    if cfg.scratch_disk is not None:
+        argv += [
+            "-drive",
+            f"file={cfg.scratch_disk},if=none,id=scratch0,format=raw,discard=unmap",
+            "-device",
+            "virtio-blk-pci,drive=scratch0,serial=cube-scratch",
+        ]
+    for i, (source, _target) in enumerate(cfg.ro_mounts):
+        argv += [
+            "-fsdev",
+            f"local,id=ro{i},path={source},security_model=none,readonly=on",
+            "-device",
+            f"virtio-9p-pci,fsdev=ro{i},mount_tag=cube-ro{i}",
+        ]
     return argv
 
 
@@ -152,7 +186,14 @@ class QemuVmm:
         with (sd / "vmm.log").open("ab") as log:
             # Own session: the VMM must outlive a killed shim so Cubelet can find it by pid + tag.
             self._proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True, cwd=sd
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                start_new_session=True,
+                cwd=sd,
+                pass_fds=() if self.cfg.tap_fd is None else (self.cfg.tap_fd,),
             )
         (sd / "vmm.pid").write_text(f"{self._proc.pid}\n")
         self._connect(t0)

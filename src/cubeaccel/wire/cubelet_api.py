@@ -22,6 +22,7 @@ class ReservationBody(Message):
     contract: dict[str, Any] | None = None
     lifetime_s: float | None = Field(default=None, gt=0, le=31 * 86400)  # None: the Cubelet's default
     start: StrictBool = False
+    network: dict[str, Any] | None = None  # narrows the contract's network policy (model/sandbox_policy.py)
 
 
 class OperatorBody(Message):

@@ -37,6 +37,8 @@ class SandboxBody(Message):
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_LIFETIME_S)
     tenant: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a tenant key's own
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+    # Narrows the template's network policy ({"mode": "allowlist", "egress": [...]} or {"mode": "none"}); never widens.
+    network: dict[str, Any] | None = None
 
 
 class TimeoutBody(Message):
