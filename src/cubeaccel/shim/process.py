@@ -67,7 +67,7 @@ class Shim:
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
         self.timeline: dict[str, float] = {}
         self._stop = False
-        self._tap_fd: int | None = None  # ours until the VMM inherited it; closed after its start
+        self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
@@ -145,11 +145,12 @@ class Shim:
         spec = self.spec
         if spec.scratch_mib is not None:
             scratch.create_scratch(spec.run_dir / scratch.SCRATCH_FILE, spec.scratch_mib)
-            cfg = replace(cfg, scratch_disk=scratch.SCRATCH_FILE)
+            self._policy_fds.append(os.open(spec.run_dir / scratch.SCRATCH_FILE, os.O_RDWR | os.O_CLOEXEC))
+            cfg = replace(cfg, scratch_fd=self._policy_fds[-1])
         if spec.network is not None:
-            self._tap_fd = netpolicy.open_tap(spec.network.netns, spec.network.tap)
+            self._policy_fds.append(netpolicy.open_tap(spec.network.netns, spec.network.tap))
             net = f"{spec.network.guest_cidr},{spec.network.gateway}"
-            cfg = replace(cfg, tap_fd=self._tap_fd, mac=spec.network.mac, guest_net=net)
+            cfg = replace(cfg, tap_fd=self._policy_fds[-1], mac=spec.network.mac, guest_net=net)
         if spec.readonly_mounts:
             cfg = replace(cfg, ro_mounts=tuple((str(m.source), m.target) for m in spec.readonly_mounts))
         return cfg
@@ -204,9 +205,8 @@ class Shim:
             finally:
                 if vmm.started:
                     self.vmm = vmm  # only a VMM that exists is torn down
-                if self._tap_fd is not None:  # the VMM holds its own copy now
-                    os.close(self._tap_fd)
-                    self._tap_fd = None
+                while self._policy_fds:  # the VMM holds its own copies now
+                    os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
         if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
             if not self.workload_token:

@@ -123,8 +123,10 @@ def policy_argv(cfg: VmConfig) -> list[str]:
 
     The NIC is an fd QEMU inherits (no /dev/net/tun, no CAP_NET_ADMIN in the VMM) with no option ROM (no
     firmware file to read); the scratch disk is a file in the state dir, named relative to it like the sockets;
-    read-only mounts are 9p shares QEMU itself refuses to write (`readonly=on`)."""
+    the scratch disk likewise an inherited fd (`-add-fd`, opened as `/dev/fdset/N`), so a confined VMM opens no
+    host file for either; read-only mounts are 9p shares QEMU itself refuses to write (`readonly=on`)."""
     argv: list[str] = []
+    fdset = 9  # an fd set of its own, apart from any the launch path uses
     if cfg.tap_fd is not None:
         argv += [
             "-netdev",
@@ -132,10 +134,12 @@ def policy_argv(cfg: VmConfig) -> list[str]:
             "-device",
             f"virtio-net-pci,netdev=net0,mac={cfg.mac},romfile=",
         ]
-    if cfg.scratch_disk is not None:
+    if cfg.scratch_fd is not None:
         argv += [
+            "-add-fd",
+            f"fd={cfg.scratch_fd},set={fdset},opaque=scratch.img",
             "-drive",
-            f"file={cfg.scratch_disk},if=none,id=scratch0,format=raw,discard=unmap",
+            f"file=/dev/fdset/{fdset},if=none,id=scratch0,format=raw,discard=unmap,locking=off",
             "-device",
             "virtio-blk-pci,drive=scratch0,serial=cube-scratch",
         ]
@@ -193,7 +197,7 @@ class QemuVmm:
                 env=env,
                 start_new_session=True,
                 cwd=sd,
-                pass_fds=() if self.cfg.tap_fd is None else (self.cfg.tap_fd,),
+                pass_fds=self.cfg.inherited_fds,
             )
         (sd / "vmm.pid").write_text(f"{self._proc.pid}\n")
         self._connect(t0)

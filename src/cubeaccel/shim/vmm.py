@@ -43,19 +43,24 @@ class VmConfig:
     tap_fd: int | None = None  # an open TAP in the sandbox's network namespace (host/netpolicy.open_tap)
     mac: str | None = None
     guest_net: str | None = None  # "ADDR/PREFIX,GATEWAY", told to the guest on its command line
-    scratch_disk: str | None = None  # file name in state_dir: the workload's capped writable disk
+    scratch_fd: int | None = None  # an open (read-write) fd on the workload's capped disk (host/scratch.py)
     ro_mounts: tuple[tuple[str, str], ...] = ()  # (host directory, guest directory), shared read-only (9p)
 
     @property
     def policy_devices(self) -> bool:
-        return self.tap_fd is not None or self.scratch_disk is not None or bool(self.ro_mounts)
+        return self.tap_fd is not None or self.scratch_fd is not None or bool(self.ro_mounts)
+
+    @property
+    def inherited_fds(self) -> tuple[int, ...]:
+        """Descriptors the VMM must inherit for the policy devices (a confined VMM opens no host file itself)."""
+        return tuple(fd for fd in (self.tap_fd, self.scratch_fd) if fd is not None)
 
     def guest_cmdline(self) -> str:
         """What the guest's init reads from /proc/cmdline to bring up the policy devices (images/rootfs.py)."""
         args = []
         if self.guest_net:
             args.append(f"cube.net={self.guest_net}")
-        if self.scratch_disk:
+        if self.scratch_fd is not None:
             args.append("cube.scratch=vda")
         if self.ro_mounts:
             args.append("cube.ro=" + ",".join(f"cube-ro{i}:{target}" for i, (_, target) in enumerate(self.ro_mounts)))
