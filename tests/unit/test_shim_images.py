@@ -84,8 +84,10 @@ def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> Non
     )
     mods = kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "modules.img")
     assert mods == sorted(
-        ["virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic", "pci_stub"]
-        + ["virtio_net", "virtio_blk", "ext4", "9pnet_virtio", "9p"]
+        [
+            *("virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic", "pci_stub"),
+            *("virtio_net", "virtio_blk", "ext4", "9pnet_virtio", "9p"),
+        ]
     )
     dep = (tmp_path / "work/modules/modules.dep").read_text()
     assert "kernel/virtio/virtio_pci.ko: kernel/virtio/virtio_ring.ko kernel/virtio/virtio.ko" in dep
