@@ -14,6 +14,7 @@ def _cfg(
     mac: str | None = None,
     guest_net: str | None = None,
     scratch_fd: int | None = None,
+    scratch_ro_fd: int | None = None,
     ro_mounts: tuple[tuple[str, str], ...] = (),
 ) -> VmConfig:
     return VmConfig(
@@ -29,6 +30,7 @@ def _cfg(
         mac=mac,
         guest_net=guest_net,
         scratch_fd=scratch_fd,
+        scratch_ro_fd=scratch_ro_fd,
         ro_mounts=ro_mounts,
     )
 
@@ -40,14 +42,16 @@ def test_a_closed_sandbox_gets_no_nic_no_disk_no_share() -> None:
 
 
 def test_nic_and_scratch_disk_are_inherited_descriptors_and_the_guest_is_told_its_address() -> None:
-    cfg = _cfg(tap_fd=7, mac="52:54:00:aa:bb:cc", guest_net="169.254.100.2/30,169.254.100.1", scratch_fd=8)
+    cfg = _cfg(
+        tap_fd=7, mac="52:54:00:aa:bb:cc", guest_net="169.254.100.2/30,169.254.100.1", scratch_fd=8, scratch_ro_fd=9
+    )
     argv = policy_argv(cfg)
     assert "tap,id=net0,fd=7,vhost=off" in argv
     assert "virtio-net-pci,netdev=net0,mac=52:54:00:aa:bb:cc,romfile=" in argv
-    assert "fd=8,set=9,opaque=scratch.img" in argv
+    assert "fd=8,set=9,opaque=scratch.img" in argv and "fd=9,set=9,opaque=scratch.img" in argv
     assert any(a.startswith("file=/dev/fdset/9,") for a in argv)
     assert not any("path=" in a or "ifname=" in a for a in argv)  # no host file or TAP name is opened by QEMU
-    assert cfg.inherited_fds == (7, 8) and cfg.policy_devices
+    assert cfg.inherited_fds == (7, 8, 9) and cfg.policy_devices
     assert cfg.guest_cmdline() == "cube.net=169.254.100.2/30,169.254.100.1 cube.scratch=vda"
 
 

@@ -27,7 +27,7 @@ from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]  # two cold boots under TCG on a shared host
 ALLOWED, OTHER = "192.0.2.10", "192.0.2.20"
 PORT, OTHER_PORT = 8080, 8081
 SCRATCH_MIB = 64

@@ -145,8 +145,9 @@ class Shim:
         spec = self.spec
         if spec.scratch_mib is not None:
             scratch.create_scratch(spec.run_dir / scratch.SCRATCH_FILE, spec.scratch_mib)
-            self._policy_fds.append(os.open(spec.run_dir / scratch.SCRATCH_FILE, os.O_RDWR | os.O_CLOEXEC))
-            cfg = replace(cfg, scratch_fd=self._policy_fds[-1])
+            for mode in (os.O_RDWR, os.O_RDONLY):
+                self._policy_fds.append(os.open(spec.run_dir / scratch.SCRATCH_FILE, mode | os.O_CLOEXEC))
+            cfg = replace(cfg, scratch_fd=self._policy_fds[-2], scratch_ro_fd=self._policy_fds[-1])
         if spec.network is not None:
             self._policy_fds.append(netpolicy.open_tap(spec.network.netns, spec.network.tap))
             net = f"{spec.network.guest_cidr},{spec.network.gateway}"

@@ -138,8 +138,9 @@ def policy_argv(cfg: VmConfig) -> list[str]:
         argv += [
             "-add-fd",
             f"fd={cfg.scratch_fd},set={fdset},opaque=scratch.img",
+            *(["-add-fd", f"fd={cfg.scratch_ro_fd},set={fdset},opaque=scratch.img"] if cfg.scratch_ro_fd else []),
             "-drive",
-            f"file=/dev/fdset/{fdset},if=none,id=scratch0,format=raw,discard=unmap,locking=off",
+            f"file=/dev/fdset/{fdset},if=none,id=scratch0,format=raw,discard=unmap",
             "-device",
             "virtio-blk-pci,drive=scratch0,serial=cube-scratch",
         ]

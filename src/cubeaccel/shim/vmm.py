@@ -43,7 +43,10 @@ class VmConfig:
     tap_fd: int | None = None  # an open TAP in the sandbox's network namespace (host/netpolicy.open_tap)
     mac: str | None = None
     guest_net: str | None = None  # "ADDR/PREFIX,GATEWAY", told to the guest on its command line
-    scratch_fd: int | None = None  # an open (read-write) fd on the workload's capped disk (host/scratch.py)
+    # fds on the workload's capped disk (host/scratch.py): read-write, and read-only (QEMU opens an image
+    # read-only first, and an fd set answers only with an fd of the asked access mode)
+    scratch_fd: int | None = None
+    scratch_ro_fd: int | None = None
     ro_mounts: tuple[tuple[str, str], ...] = ()  # (host directory, guest directory), shared read-only (9p)
 
     @property
@@ -53,7 +56,7 @@ class VmConfig:
     @property
     def inherited_fds(self) -> tuple[int, ...]:
         """Descriptors the VMM must inherit for the policy devices (a confined VMM opens no host file itself)."""
-        return tuple(fd for fd in (self.tap_fd, self.scratch_fd) if fd is not None)
+        return tuple(fd for fd in (self.tap_fd, self.scratch_fd, self.scratch_ro_fd) if fd is not None)
 
     def guest_cmdline(self) -> str:
         """What the guest's init reads from /proc/cmdline to bring up the policy devices (images/rootfs.py)."""
