@@ -214,13 +214,17 @@ class ReleasePath:
                     else:
                         continue
                     self._apply_outcome(d, sandbox_id, outcome)
+            # The sandbox's own host state (network namespace, scratch disk): host work, outside the lock too.
+            host_events = self._release_sandbox_host(res) if gone else []
             with self.change() as t:
                 cur = t.reservation(sandbox_id)
                 if cur is None:
                     return
-                remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
-                if not remaining and gone and not self._sandbox_host_released(t, cur):
+                for kind, reason, details in host_events:
+                    t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
+                if any(kind == "network_teardown_failed" for kind, _, _ in host_events):
                     return  # retried on the next pass: the reservation outlives its network until it is gone
+                remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
                 if not remaining and gone:
                     t.delete_reservation(sandbox_id)
                     t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
@@ -241,31 +245,25 @@ class ReleasePath:
                     )
                     t.update_reservation(cur)
 
-    def _sandbox_host_released(self, t: Tx, res: Reservation) -> bool:
-        """The sandbox's own host state, once its VMM is proven gone: its network namespace (TAP, veth, rules)
-        and its scratch disk. Idempotent; False (and an event) while the network could not be removed."""
+    def _release_sandbox_host(self, res: Reservation) -> list[tuple[str, str | None, dict[str, Any]]]:
+        """Once the VMM is proven gone: remove the sandbox's network namespace (TAP, veth, rules) and its scratch
+        disk. Idempotent (run on every pass until the reservation closes); returns the events to record, one
+        `network_teardown_failed` while the namespace could not be removed."""
         from cubeaccel.host import netpolicy  # host I/O of the release path only
 
-        sid = res.sandbox_id
-        removed = self.shim.release_files(sid)
+        sid, out = res.sandbox_id, []
+        if removed := self.shim.release_files(sid):
+            out.append(("sandbox_files_removed", None, {"files": removed}))
         net = res.checkpoint.network
         if net is not None:
             try:
-                netpolicy.teardown(sid, node=self.config.node_name, uplink_netns=net.get("uplink_netns"))
+                found = netpolicy.teardown(sid, node=self.config.node_name, uplink_netns=net.get("uplink_netns"))
             except CubeError as e:
-                t.event(
-                    "network_teardown_failed",
-                    Actor.CUBELET,
-                    sandbox_id=sid,
-                    reason="network.teardown_failed",
-                    details={"message": e.message},
-                )
-                return False
-            t.event("network_removed", Actor.CUBELET, sandbox_id=sid, details={"netns": net.get("netns")})
-            self.audit_host("network:teardown", sid, netns=net.get("netns"))
-        if removed:
-            t.event("sandbox_files_removed", Actor.CUBELET, sandbox_id=sid, details={"files": removed})
-        return True
+                return [*out, ("network_teardown_failed", "network.teardown_failed", {"message": e.message})]
+            if found:
+                out.append(("network_removed", None, {"netns": net.get("netns")}))
+                self.audit_host("network:teardown", sid, netns=net.get("netns"))
+        return out
 
     def audit_host(self, action: str, sandbox_id: str, **fields: Any) -> None:
         """Host changes made for a sandbox (not API requests) go into the Cubelet's audit trail too."""
