@@ -114,6 +114,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         str(master.enrol("policy-node", base / "cubelet")),
     )
     cubelet.start()
+    started: list[str] = []
     try:
         poll(lambda: any(n["node"] == "policy-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
         closed = edu_template(guest_image, "edu-closed")
@@ -126,9 +127,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         master.client.register_template(tool)
         acc = [{"class": "accelerator"}]
         sb_closed = master.client.create({"template": "edu-closed", "accelerators": acc})
+        started.append(sb_closed["id"])
         # the request narrows the template's two destinations to one
         narrowed = {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}"]}
         sb_tool = master.client.create({"template": "edu-tool", "accelerators": acc, "network": narrowed})
+        started.append(sb_tool["id"])
         for sb in (sb_closed, sb_tool):
             poll(lambda sb=sb: master.client.sandbox(sb["id"])["state"] == "running", 240)
         yield {
@@ -143,6 +146,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         cubelet.stop()
         master.stop()
         kill_started_vmms(base)
+        for sid in started:  # a failed run leaves no namespace behind (only this run's sandboxes, by name)
+            subprocess.run(["ip", "netns", "del", f"cube-{sid}"], check=False, capture_output=True, timeout=30)
 
 
 def run(stack: dict[str, Any], which: str, *argv: str, user: str | None = None) -> subprocess.CompletedProcess[bytes]:

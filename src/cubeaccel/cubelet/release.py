@@ -251,7 +251,8 @@ class ReleasePath:
         `network_teardown_failed` while the namespace could not be removed."""
         from cubeaccel.host import netpolicy  # host I/O of the release path only
 
-        sid, out = res.sandbox_id, []
+        sid = res.sandbox_id
+        out: list[tuple[str, str | None, dict[str, Any]]] = []
         if removed := self.shim.release_files(sid):
             out.append(("sandbox_files_removed", None, {"files": removed}))
         net = res.checkpoint.network

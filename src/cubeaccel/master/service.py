@@ -150,7 +150,7 @@ class CubeMaster:
             )
         now = time.time()
         sid = spec.sandbox_id or f"sb-{uuid.uuid4().hex[:16]}"
-        normalized = {
+        normalized: dict[str, Any] = {
             "template": spec.template,
             "accelerators": [spec.request.to_json()],
             "memory_mib": spec.memory_mib,
