@@ -226,7 +226,6 @@ def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host
     sid = stack["tool"]["id"]
     disk = stack["base"] / "cubelet" / "shims" / sid / "scratch.img"
     assert disk.stat().st_size == SCRATCH_MIB * 1024 * 1024
-    host_free = shutil.disk_usage(disk.parent).free
     fill = (
         "import errno\n"
         "n = 0\n"
@@ -244,29 +243,26 @@ def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host
     assert code == b"ENOSPC" and SCRATCH_MIB // 2 < int(mib) <= SCRATCH_MIB, r.stdout
     r = run(stack, "tool", "sh", "-c", "echo more > /home/user/x")
     assert r.returncode != 0 and b"No space left" in r.stderr
-    # the host paid at most the cap for it, and its own free space is not where the limit came from
-    assert disk.stat().st_blocks * 512 <= (SCRATCH_MIB + 1) * 1024 * 1024
-    assert host_free - shutil.disk_usage(disk.parent).free <= (SCRATCH_MIB + 8) * 1024 * 1024
+    # the host paid at most the cap for it: the file neither grew nor allocated more than its size (the limit is
+    # the disk's, not the host filesystem's free space, which other runs on this host change meanwhile)
+    st = disk.stat()
+    assert st.st_size == SCRATCH_MIB * 1024 * 1024 and st.st_blocks * 512 <= st.st_size
 
 
 def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
     master, cubelet, sid = stack["master"], stack["cubelet"], stack["tool"]["id"]
     facts = cubelet.client.reservation(sid)["reservation"]["facts"]["network"]
+
+    def uplink_links() -> set[str]:
+        return {x["ifname"] for x in json.loads(sh("ip", "-n", stack["uplink"], "-j", "link", "show"))}
+
+    assert facts["uplink_if"] in uplink_links()
     master.client.delete(sid)
     master.client.delete(stack["closed"]["id"])
     poll(lambda: master.client.sandbox(sid)["state"] == "deleted", 120)
     poll(lambda: not Path(f"/run/netns/cube-{sid}").exists(), 60)
     assert not (stack["base"] / "cubelet" / "shims" / sid / "scratch.img").exists()
-    links = json.loads(sh("ip", "-n", stack["uplink"], "-j", "link", "show"))
-    poll(
-        lambda: (
-            facts["uplink_if"]
-            not in {x["ifname"] for x in json.loads(sh("ip", "-n", stack["uplink"], "-j", "link", "show"))}
-        ),
-        30,
-    )
-    assert all(
-        x["ifname"] in ("lo", "srv0") for x in json.loads(sh("ip", "-n", stack["uplink"], "-j", "link", "show"))
-    ), links
+    # the kernel frees a namespace (and the veth pair with it) shortly after its last user is gone
+    poll(lambda: uplink_links() <= {"lo", "srv0", "srv1"}, 30, what=f"only the test's own links: {uplink_links()}")
     kinds = [e["kind"] for e in cubelet.client.events()["events"] if e.get("sandbox_id") == sid]
     assert "network_applied" in kinds and "network_removed" in kinds

@@ -239,12 +239,18 @@ def teardown(sandbox_id: str, *, node: str, uplink_netns: str | None = None) -> 
         found = True
         _ip(None, "netns", "del", netns_name(sandbox_id))
     upif = uplink_ifname(sandbox_id, node)
-    if uplink_netns is None or (NETNS_DIR / uplink_netns).exists():
-        links = json.loads(_ip(uplink_netns, "-j", "link", "show") or "[]")
-        if any(link.get("ifname") == upif for link in links):
-            found = True
+    if (uplink_netns is None or (NETNS_DIR / uplink_netns).exists()) and _has_link(uplink_netns, upif):
+        found = True
+        try:
             _ip(uplink_netns, "link", "del", upif)
+        except CubeError:
+            if _has_link(uplink_netns, upif):  # not the kernel's own cleanup of the namespace racing us
+                raise
     return found
+
+
+def _has_link(netns: str | None, name: str) -> bool:
+    return any(link.get("ifname") == name for link in json.loads(_ip(netns, "-j", "link", "show") or "[]"))
 
 
 def open_tap(netns_path: Path, name: str) -> int:
