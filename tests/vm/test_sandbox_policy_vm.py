@@ -1,9 +1,10 @@
 """Network and filesystem policy with real MicroVMs, through CubeMaster → Cubelet → shim → guest (workload exec).
 
-Two sandboxes (two boots): `closed` has the default policy (no NIC, no scratch disk); `tool` has an egress
-allowlist of one address and port, and a 64 MiB scratch disk. The uplink of the sandbox networks is a namespace
-this test makes (`cbt-<run>`): a dummy interface with two addresses and a server on two ports, no route anywhere,
-so nothing the guest sends can leave it. Everything is removed in teardown, by name and by pid.
+Two sandboxes (two boots): `closed` has the default policy (no NIC, no scratch disk, no share); `tool` has an
+egress allowlist of one address and port, a 64 MiB scratch disk and one allowlisted host directory shown
+read-only. The uplink of the sandbox networks is a namespace this test makes (`cbt-<run>`): two addresses and a
+server on two ports, no route anywhere, so nothing the guest sends can leave it. Everything is removed in
+teardown, by name and by pid.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
     base = tmp_path_factory.mktemp("policy")
     master = MasterProcess(base / "master").start()
     (base / "cubelet").mkdir()
+    shared = base / "models"  # the one host directory the operator allowlists, shown read-only in `tool`
+    shared.mkdir()
+    (shared / "weights.txt").write_text("read-only weights\n")
     cubelet = CubeletProcess(
         base / "cubelet",
         "-",
@@ -110,6 +114,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         "20",
         "--network-uplink-netns",
         uplink,
+        "--allow-readonly-mount",
+        str(shared),
         "--node-token-file",
         str(master.enrol("policy-node", base / "cubelet")),
     )
@@ -121,7 +127,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         tool = edu_template(guest_image, "edu-tool")
         tool["spec"]["sandbox"] = {
             "network": {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}", f"{OTHER}/32:{PORT}"]},
-            "filesystem": {"scratch_mib": SCRATCH_MIB},
+            "filesystem": {
+                "scratch_mib": SCRATCH_MIB,
+                "readonly_mounts": [{"source": str(shared), "target": "/models"}],
+            },
         }
         master.client.register_template(closed)
         master.client.register_template(tool)
@@ -138,6 +147,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
             "master": master,
             "cubelet": cubelet,
             "base": base,
+            "shared": shared,
             "uplink": uplink,
             "closed": sb_closed,
             "tool": sb_tool,
@@ -220,6 +230,17 @@ def test_a_request_cannot_widen_the_template_network(stack: dict[str, Any]) -> N
             {"template": "edu-tool", "accelerators": [{"class": "accelerator"}], "network": wider}
         )
     assert e.value.code == "network.policy_widened"
+
+
+def test_only_the_allowlisted_host_directory_is_shared_and_only_for_reading(stack: dict[str, Any]) -> None:
+    r = run(stack, "tool", "cat", "/models/weights.txt")
+    assert r.returncode == 0 and r.stdout == b"read-only weights\n", r.stderr
+    for user in (None, "root"):  # not even the guest's root can write through it
+        r = run(stack, "tool", "sh", "-c", "echo x > /models/new", user=user)
+        assert r.returncode != 0 and b"Read-only file system" in r.stderr, r.stderr
+    assert sorted(p.name for p in stack["shared"].iterdir()) == ["weights.txt"]
+    r = run(stack, "closed", "sh", "-c", "cat /proc/mounts; ls /models")
+    assert b" 9p " not in r.stdout and r.returncode != 0  # the closed sandbox shares nothing
 
 
 def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host_alone(stack: dict[str, Any]) -> None:
