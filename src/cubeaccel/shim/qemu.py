@@ -122,9 +122,9 @@ def policy_argv(cfg: VmConfig) -> list[str]:
     """The sandbox policy's devices, on the root complex (the root ports stay free for hot-plug).
 
     The NIC is an fd QEMU inherits (no /dev/net/tun, no CAP_NET_ADMIN in the VMM) with no option ROM (no
-    firmware file to read); the scratch disk is a file in the state dir, named relative to it like the sockets;
-    the scratch disk likewise an inherited fd (`-add-fd`, opened as `/dev/fdset/N`), so a confined VMM opens no
-    host file for either; read-only mounts are 9p shares QEMU itself refuses to write (`readonly=on`)."""
+    firmware file to read); the scratch disk likewise inherited fds (`-add-fd`, opened as `/dev/fdset/N`), so a
+    confined VMM opens no host file for either; read-only mounts are 9p shares QEMU itself refuses to write
+    (`readonly=on`), whose source a confined VMM must see."""
     argv: list[str] = []
     fdset = 9  # an fd set of its own, apart from any the launch path uses
     if cfg.tap_fd is not None:
