@@ -168,9 +168,12 @@ def run(stack: dict[str, Any], which: str, *argv: str, user: str | None = None) 
         "CUBEACCEL_API_KEY": stack["master"].admin_key,
         "CUBEACCEL_SANDBOX_TOKEN": sb["access_token"],
     }
-    cmd = [sys.executable, "-c", "from cubeaccel.cli import main; main()", "sandbox", "exec"]
+    # --no-stdin: nothing to send, and no stdin reader left running at the CLI's exit
+    cmd = [sys.executable, "-c", "from cubeaccel.cli import main; main()", "sandbox", "exec", "--no-stdin"]
     cmd += ["--user", user] if user else []
-    return subprocess.run([*cmd, sb["id"], "--", *argv], capture_output=True, env=env, timeout=180, input=b"")
+    return subprocess.run(
+        [*cmd, sb["id"], "--", *argv], capture_output=True, env=env, timeout=180, stdin=subprocess.DEVNULL
+    )
 
 
 def probe(stack: dict[str, Any], which: str, *targets: str) -> dict[str, str]:
