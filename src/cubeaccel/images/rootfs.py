@@ -131,7 +131,7 @@ for arg in $(cat /proc/cmdline); do
       # The workload's writable places (/tmp, the users' homes) live on the capped disk; the rest is root's.
       dev="/dev/${{arg#cube.scratch=}}"
       modprobe virtio_blk && modprobe crc32c_generic && modprobe ext4 && mkdir -p /scratch \
-        && mount -t ext4 -o nosuid,nodev "$dev" /scratch \
+        && mount -t ext4 -o nosuid,nodev,noinit_itable "$dev" /scratch \
         && mkdir -p /scratch/tmp /scratch/home/user /scratch/root && chmod 1777 /scratch/tmp \
         && chown 1000:1000 /scratch/home/user && chmod 0750 /scratch/home/user /scratch/root \
         && mount --bind /scratch/tmp /tmp && mount --bind /scratch/home/user /home/user \
