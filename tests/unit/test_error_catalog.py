@@ -39,6 +39,7 @@ NOT_CODES = {
     "frontdoor.secret",
     # the E2B front door's metadata key for an accelerator request
     "cubeaccel.accelerators",
+    "scratch.img", "mkfs.ext4",
     # module names (python -m, loggers)
     "cubeaccel.master", "cubeaccel.shim", "cubeaccel.api", "cubeaccel.cubelet",
     # kernel parameters

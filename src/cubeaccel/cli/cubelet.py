@@ -84,6 +84,16 @@ def serve_cmd(
         typer.Option(help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set"),
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="JSON logs on stderr: debug|info|warning|error")] = None,
+    network_pool: Annotated[str, typer.Option(help="sandbox networks: IPv4 pool for each sandbox's veth /30")] = (
+        "100.96.0.0/16"
+    ),
+    network_uplink_netns: Annotated[
+        str | None, typer.Option(help="sandbox networks: named netns for the uplink ends (default: the host's)")
+    ] = None,
+    allow_readonly_mount: Annotated[
+        list[str] | None,
+        typer.Option(help="a host directory templates may show read-only in guests (repeatable; default none)"),
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.wire.telemetry import configure_logging
@@ -138,6 +148,9 @@ def serve_cmd(
                     default_lifetime_s=default_lifetime,
                     release_timeout_s=release_timeout,
                     pinnable_memory_mib=pinnable_memory_mib,
+                    network_pool=network_pool,
+                    network_uplink_netns=network_uplink_netns,
+                    readonly_mount_allowlist=tuple(allow_readonly_mount or ()),
                 ),
             )
         )

@@ -21,6 +21,7 @@ from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
@@ -39,6 +40,12 @@ class CubeletConfig:
     startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
     pinnable_memory_mib: int | None = None  # lockable guest memory to advertise; None: MemAvailable
+    # Sandbox networks (host/netpolicy.py): each sandbox's veth /30 comes from `network_pool`; its uplink end goes
+    # into `network_uplink_netns` (None: the host's namespace, where the operator routes the pool onward).
+    network_pool: str = "100.96.0.0/16"
+    network_uplink_netns: str | None = None
+    # Host directories templates may show read-only in guests (`spec.sandbox.filesystem.readonly_mounts`).
+    readonly_mount_allowlist: tuple[str, ...] = ()
 
 
 def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
@@ -208,10 +215,16 @@ class ReleasePath:
                     else:
                         continue
                     self._apply_outcome(d, sandbox_id, outcome)
+            # The sandbox's own host state (network namespace, scratch disk): host work, outside the lock too.
+            host_events = self._release_sandbox_host(res) if gone else []
             with self.change() as t:
                 cur = t.reservation(sandbox_id)
                 if cur is None:
                     return
+                for kind, reason, details in host_events:
+                    t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
+                if any(kind == "network_teardown_failed" for kind, _, _ in host_events):
+                    return  # retried on the next pass: the reservation outlives its network until it is gone
                 remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
                 if not remaining and gone:
                     t.delete_reservation(sandbox_id)
@@ -232,6 +245,33 @@ class ReleasePath:
                         details={"vmm_pid": st.vmm_pid},
                     )
                     t.update_reservation(cur)
+
+    def _release_sandbox_host(self, res: Reservation) -> list[tuple[str, str | None, dict[str, Any]]]:
+        """Once the VMM is proven gone: remove the sandbox's network namespace (TAP, veth, rules) and its scratch
+        disk. Idempotent (run on every pass until the reservation closes); returns the events to record, one
+        `network_teardown_failed` while the namespace could not be removed."""
+        from cubeaccel.host import netpolicy  # host I/O of the release path only
+
+        sid = res.sandbox_id
+        out: list[tuple[str, str | None, dict[str, Any]]] = []
+        if removed := self.shim.release_files(sid):
+            out.append(("sandbox_files_removed", None, {"files": removed}))
+        net = res.checkpoint.network
+        if net is not None:
+            try:
+                found = netpolicy.teardown(sid, node=self.config.node_name, uplink_netns=net.get("uplink_netns"))
+            except CubeError as e:
+                return [*out, ("network_teardown_failed", "network.teardown_failed", {"message": e.message})]
+            if found:
+                out.append(("network_removed", None, {"netns": net.get("netns")}))
+                self.audit_host("network:teardown", sid, netns=net.get("netns"))
+        return out
+
+    def audit_host(self, action: str, sandbox_id: str, **fields: Any) -> None:
+        """Host changes made for a sandbox (not API requests) go into the Cubelet's audit trail too."""
+        audit = getattr(self, "audit", None)
+        if audit is not None:
+            audit.append(action, "cubelet", "ok", target=sandbox_id, node=self.config.node_name, **fields)
 
     def _judge_release(self, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> ReleaseOutcome:
         """The release rules on host evidence (holders, reset, revalidation): host I/O, no transaction open."""

@@ -148,6 +148,7 @@ def create_app(
             pin_memory=body.pin_memory,
             contract=body.contract,
             lifetime_s=body.lifetime_s,
+            network=body.network,
         )
         try:
             cubelet.reserve(body.sandbox_id, req)
@@ -348,6 +349,7 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, t
     import uvicorn
 
     audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
+    cubelet.audit = audit  # host changes for sandboxes (their networks) are audited beside the requests
     socket_path.unlink(missing_ok=True)
     socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Bound here, not by uvicorn, which chmods a unix socket it creates to 0666: this one takes shim reports

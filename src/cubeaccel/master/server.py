@@ -129,6 +129,7 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
         dict(body.metadata),
         dict(body.env_vars),
         body.workload_token,
+        body.network,
     )
 
 

@@ -68,6 +68,7 @@ def vmm_exposure(
     groups = [g for h in cfg.vfio_hosts if (g := vfio_group_node(h, sys_root, dev_root)) is not None]
     if cfg.vfio_hosts:
         trees.append(str(sys_root))
+    trees += [source for source, _ in cfg.ro_mounts]  # the sandbox's read-only 9p shares (QEMU opens them by name)
     if groups:
         devices.append(str(dev_root / "vfio" / "vfio"))
     for g in dict.fromkeys(groups):

@@ -14,8 +14,10 @@ import select
 import signal
 import sys
 import time
+from dataclasses import replace
 from types import FrameType
 
+from cubeaccel.host import netpolicy, scratch
 from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
@@ -66,6 +68,7 @@ class Shim:
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
         self.timeline: dict[str, float] = {}
         self._stop = False
+        self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
@@ -138,6 +141,22 @@ class Shim:
             )
         return rc
 
+    def _policy_devices(self, cfg: VmConfig) -> VmConfig:
+        """The sandbox policy's host ends, made before the VMM: the scratch disk and an fd on the TAP."""
+        spec = self.spec
+        if spec.scratch_mib is not None:
+            scratch.create_scratch(spec.run_dir / scratch.SCRATCH_FILE, spec.scratch_mib)
+            for mode in (os.O_RDWR, os.O_RDONLY):
+                self._policy_fds.append(os.open(spec.run_dir / scratch.SCRATCH_FILE, mode | os.O_CLOEXEC))
+            cfg = replace(cfg, scratch_fd=self._policy_fds[-2], scratch_ro_fd=self._policy_fds[-1])
+        if spec.network is not None:
+            self._policy_fds.append(netpolicy.open_tap(spec.network.netns, spec.network.tap))
+            net = f"{spec.network.guest_cidr},{spec.network.gateway}"
+            cfg = replace(cfg, tap_fd=self._policy_fds[-1], mac=spec.network.mac, guest_net=net)
+        if spec.readonly_mounts:
+            cfg = replace(cfg, ro_mounts=tuple((str(m.source), m.target) for m in spec.readonly_mounts))
+        return cfg
+
     def _vm_config(self, manifest: Manifest) -> VmConfig:
         return VmConfig(
             sandbox_id=self.spec.sandbox_id,
@@ -174,11 +193,11 @@ class Shim:
                 layer=first["layer"],
                 details={"mismatches": mismatches},
             )
-        cfg = self._vm_config(manifest)
+        cfg = self._policy_devices(self._vm_config(manifest))
         t = time.monotonic()
         restore = None
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
-            if spec.start == "template":
+            if spec.start == "template" and not spec.policy_devices:  # NIC/disk/mount: another machine
                 restore, created = lease.enter_context(
                     template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
                 )
@@ -191,6 +210,8 @@ class Shim:
             finally:
                 if vmm.started:
                     self.vmm = vmm  # only a VMM that exists is torn down
+                while self._policy_fds:  # the VMM holds its own copies now
+                    os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
         if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
             if not self.workload_token:
@@ -389,6 +410,8 @@ class Shim:
         t = self._phase("detach_s", t)
         info = vmm.stop(STOP_GRACE_S)
         self._phase("vmm_exit_s", t)
+        if info.how != "unreaped":  # the scratch disk goes with the VMM (the release path makes sure of it)
+            scratch.remove_scratch(self.spec.run_dir)
         if info.how != "unreaped":  # never report an exit the kernel has not confirmed
             self.reporter.report(K.VMM_EXITED, tuple(d.device_id for d in self.spec.devices), **info.to_json())
         return info

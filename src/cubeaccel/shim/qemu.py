@@ -87,6 +87,8 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
     sd = cfg.state_dir
     fds = fds or SHAPE_FDS
     cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={cfg.bar_window_gib}G"
+    if extra := cfg.guest_cmdline():
+        cmdline += " " + extra
     argv = [
         qemu_binary(),
         "-name",
@@ -153,6 +155,7 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
             "-device",
             f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={cfg.bar_window_gib}G",
         ]
+    argv += policy_argv(cfg)
     if incoming:
         argv += ["-incoming", "defer"]
     return argv
@@ -169,6 +172,42 @@ def _listen(path: Path) -> socket.socket:
     s.bind(connect_path(path))  # owner-only: the shim's umask; the VMM never needs the file, only the descriptor
     s.listen(8)
     return s
+
+
+def policy_argv(cfg: VmConfig) -> list[str]:
+    """The sandbox policy's devices, on the root complex (the root ports stay free for hot-plug).
+
+    The NIC is an fd QEMU inherits (no /dev/net/tun, no CAP_NET_ADMIN in the VMM) with no option ROM (no
+    firmware file to read); the scratch disk likewise inherited fds (`-add-fd`, opened as `/dev/fdset/N`), so a
+    confined VMM opens no host file for either; read-only mounts are 9p shares QEMU itself refuses to write
+    (`readonly=on`), whose source a confined VMM must see."""
+    argv: list[str] = []
+    fdset = 9  # an fd set of its own, apart from any the launch path uses
+    if cfg.tap_fd is not None:
+        argv += [
+            "-netdev",
+            f"tap,id=net0,fd={cfg.tap_fd},vhost=off",
+            "-device",
+            f"virtio-net-pci,netdev=net0,mac={cfg.mac},romfile=",
+        ]
+    if cfg.scratch_fd is not None:
+        argv += [
+            "-add-fd",
+            f"fd={cfg.scratch_fd},set={fdset},opaque=scratch.img",
+            *(["-add-fd", f"fd={cfg.scratch_ro_fd},set={fdset},opaque=scratch.img"] if cfg.scratch_ro_fd else []),
+            "-drive",
+            f"file=/dev/fdset/{fdset},if=none,id=scratch0,format=raw,discard=unmap",
+            "-device",
+            "virtio-blk-pci,drive=scratch0,serial=cube-scratch",
+        ]
+    for i, (source, _target) in enumerate(cfg.ro_mounts):
+        argv += [
+            "-fsdev",
+            f"local,id=ro{i},path={source},security_model=none,readonly=on",
+            "-device",
+            f"virtio-9p-pci,fsdev=ro{i},mount_tag=cube-ro{i}",
+        ]
+    return argv
 
 
 class QemuVmm:
@@ -262,7 +301,7 @@ class QemuVmm:
                     env=env,
                     start_new_session=True,
                     cwd="/",
-                    pass_fds=(*fds.all(), lease.fd),
+                    pass_fds=(*fds.all(), lease.fd, *self.cfg.inherited_fds),
                 )
         except BaseException:
             if self._proc is None:  # nothing runs as the uid: give it and the nodes back now
