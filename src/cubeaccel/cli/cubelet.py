@@ -74,6 +74,16 @@ def serve_cmd(
         Path | None,
         typer.Option(help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set"),
     ] = None,
+    scrub: Annotated[
+        list[str] | None,
+        typer.Option(help="CLASS=none|trusted-vm: scrub policy per device class (default trusted-vm; docs/scrub.md)"),
+    ] = None,
+    scrub_timeout: Annotated[
+        float, typer.Option(help="seconds the scrub VM may take (boot, zero, verify, teardown) before quarantine")
+    ] = 600.0,
+    scrub_image: Annotated[
+        str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.cubelet.inventory import initialize_host
@@ -97,9 +107,13 @@ def serve_cmd(
         or release_timeout <= 0
         or default_lifetime <= 0
         or not 0 < detach_timeout <= 3600
+        or scrub_timeout <= 0
     ):
-        raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
+        raise typer.BadParameter("tick, reservation-ttl, release-timeout, detach-timeout and scrub-timeout must be > 0")
+    from cubeaccel.cubelet.scrub import parse_policy
+
     try:
+        scrub_policy = parse_policy(scrub or [])
         cubelet = build_cubelet(
             RuntimeOptions(
                 state_dir=state_dir,
@@ -119,7 +133,10 @@ def serve_cmd(
                     default_lifetime_s=default_lifetime,
                     release_timeout_s=release_timeout,
                     pinnable_memory_mib=pinnable_memory_mib,
+                    scrub_policy=scrub_policy,
+                    scrub_timeout_s=scrub_timeout,
                 ),
+                scrub_image=scrub_image,
             )
         )
         if holder_scan_exempt_pid:
