@@ -385,7 +385,8 @@ class ReleasePath:
         o = job.outcome
         assert o is not None
         problems: list[Problem] = []
-        if o.ok:
+        if o.ok:  # the scrub VM was a VMM like a tenant's: what the release path takes back from one (the VFIO
+            # group node handed to its uid, issue 15 part 1) must be taken back here too, before this reset
             problems = self.backend.cleanup(d) or self.backend.validate(d)
         duration = round(time.monotonic() - job.started, 3)
         with self.change() as t:
