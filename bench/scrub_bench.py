@@ -25,6 +25,8 @@ from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 
+from cubeaccel.images.builder import build
+
 
 def one_run(p: CubeletProcess, i: int) -> dict[str, Any]:
     sid = f"bench-{i}"
@@ -66,6 +68,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--vm-start", default="template", choices=("template", "cold"))
     args = ap.parse_args()
+    image, _ = build()  # the image with this tree's agent (the scrub VM boots the one carrying it)
+    print(json.dumps({"image": image.image_digest, "agent_sha256": image.agent_sha256}), flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         p = CubeletProcess(Path(d), "-", "--backend", "emulated", "--vm-start", args.vm_start)

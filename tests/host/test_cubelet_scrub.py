@@ -12,7 +12,13 @@ import pytest
 from cubeaccel.backends.base import AttachSpec
 from cubeaccel.cubelet.lifecycle import CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.cubelet.scrub import ScrubOutcome, ScrubPolicy, UnavailableScrubRunner, parse_policy
+from cubeaccel.cubelet.scrub import (
+    ProcessScrubRunner,
+    ScrubOutcome,
+    ScrubPolicy,
+    UnavailableScrubRunner,
+    parse_policy,
+)
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
@@ -155,3 +161,19 @@ def test_policy_parsing_refuses_what_it_does_not_know() -> None:
         with pytest.raises(CubeError) as e:
             parse_policy([bad])
         assert e.value.code == "cubelet.invalid_scrub_policy"
+
+
+def test_the_process_runner_boots_only_an_image_with_this_cubelets_agent(
+    node: Node, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An empty cache (or one holding only other trees' images): the scrub fails before any process starts."""
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "empty-cache"))
+    runner = ProcessScrubRunner(tmp_path / "state")
+    d = node.device("vfio-0000:10:00.0")
+    out = runner.run(d, AttachSpec("vfio-pci", {"host": "0000:10:00.0"}), 5.0)
+    assert not out.ok and "cubeaccel image build" in out.message
+    assert not (tmp_path / "state" / "shims").exists() or not any((tmp_path / "state" / "shims").iterdir())
+    pinned = ProcessScrubRunner(tmp_path / "state", image_digest="sha256:" + "a" * 64)
+    spec = pinned.spec("scrub-0123456789ab", d, AttachSpec("vfio-pci", {"host": "0000:10:00.0"}))
+    assert spec.scrub == "cuda" and spec.workload is False and spec.devices[0].driver == "vfio-pci"
+    assert spec.report == {"file": str((tmp_path / "state/shims/scrub-0123456789ab/scrub-reports.jsonl").absolute())}

@@ -121,12 +121,15 @@ class ProcessScrubRunner:
         self.detach_timeout_s = detach_timeout_s
 
     def _image(self) -> str | None:
+        """The operator's `--scrub-image`, else the newest built image that carries *this* Cubelet's agent: the
+        scrub op is the one this code ships, never whatever agent the newest image in a shared cache happens to
+        have (an older one answers `agent.unknown_method`)."""
         if self.image_digest is not None:
             return self.image_digest
-        from cubeaccel.images.builder import cached_images
+        from cubeaccel.images.builder import agent_digest, cached_images
 
-        images = cached_images()
-        return images[0].image_digest if images else None
+        mine = agent_digest()
+        return next((m.image_digest for m in cached_images() if m.agent_sha256 == mine), None)
 
     def spec(self, sid: str, device: DeviceRecord, attach: AttachSpec) -> ShimSpec:
         run_dir = self.dir / sid
@@ -163,6 +166,9 @@ class ProcessScrubRunner:
             spec = self.spec(sid, device, attach)
         except ValueError as e:
             return ScrubOutcome(False, f"cannot build the scrub VM's spec: {e}"[:500], {"scrub_vm": sid})
+        if spec.image_digest is None:
+            why = "no built guest image carries this Cubelet's agent: run `cubeaccel image build` (or --scrub-image)"
+            return ScrubOutcome(False, why, {"scrub_vm": sid})
         run_dir = self.dir / sid
         run_dir.mkdir(parents=True, exist_ok=True)
         spec_path = self.dir / f"{sid}.json"
