@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,7 +38,7 @@ def one_run(p: CubeletProcess, i: int) -> dict[str, Any]:
     poll(lambda: next(d for d in p.client.devices() if d["id"] == dev)["state"] != "releasing", 120)
 
     def finished() -> dict[str, Any] | None:
-        evs = [e for e in p.client.events(0, 100000)["events"] if e["kind"] == "scrub_finished" and e["sandbox_id"]]
+        evs = [e for e in p.client.events(0, 10000)["events"] if e["kind"] == "scrub_finished" and e["sandbox_id"]]
         return next((e for e in evs if e["sandbox_id"] == sid), None)
 
     done = poll(finished, 600)
@@ -71,16 +72,17 @@ def main() -> None:
     image, _ = build()  # the image with this tree's agent (the scrub VM boots the one carrying it)
     print(json.dumps({"image": image.image_digest, "agent_sha256": image.agent_sha256}), flush=True)
     rows = []
-    with tempfile.TemporaryDirectory() as d:
-        p = CubeletProcess(Path(d), "-", "--backend", "emulated", "--vm-start", args.vm_start)
-        p.start()
-        try:
-            for i in range(args.runs):
-                rows.append(one_run(p, i))
-                print(json.dumps(rows[-1]), flush=True)
-        finally:
-            p.stop()
-            kill_started_vmms(Path(d))
+    d = Path(tempfile.mkdtemp(prefix="scrub-bench-"))  # kept when a run fails: its logs say why
+    p = CubeletProcess(d, "-", "--backend", "emulated", "--vm-start", args.vm_start)
+    p.start()
+    try:
+        for i in range(args.runs):
+            rows.append(one_run(p, i))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        p.stop()
+        kill_started_vmms(d)
+    shutil.rmtree(d, ignore_errors=True)
     for key in [k for k in rows[0] if k not in ("run", "loadavg", "bytes")]:
         xs = [float(r[key]) for r in rows if r[key] is not None]
         if xs:
