@@ -24,6 +24,7 @@ from cubeaccel.cubelet import host_ready
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
+from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimSpec
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host import procfs
@@ -167,6 +168,7 @@ def vfio(tmp_path: Path) -> Iterator[VfioNode]:
         backend,
         shims,
         CubeletConfig(release_timeout_s=10, kill_grace_s=5, pinnable_memory_mib=1 << 20),
+        scrub_runner=SimulatedScrubRunner(),  # stand-in shims: the scrub VM is stood in too (tests/vm runs one)
     )
     initialize_host(cubelet)
     node = VfioNode(fake, clock, shims, cubelet, f"rr-{uuid.uuid4().hex[:12]}")
@@ -196,7 +198,7 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
     vfio.report(K.SHIM_EXITING)
     vfio.cubelet.try_release(vfio.sid)
     assert vfio.state() is S.ALLOCATABLE
-    assert vfio.fake.resets.get(GPU) == 1
+    assert vfio.fake.resets.get(GPU) == 2  # after the tenant's VMM, and again after the scrub VM
     confirmed = [e for e in vfio.cubelet.store.events(0, 10000, sandbox_id=vfio.sid) if e.event == "release_confirmed"]
     assert confirmed[-1].details == {
         "vmm_exited": True,
@@ -205,6 +207,7 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
         "detach_confirmed": True,
         "holders": 0,
         "reset": True,
+        "scrub_owed": True,
     }
     assert vfio.cubelet.store.reservation(vfio.sid) is None
 

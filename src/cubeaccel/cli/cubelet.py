@@ -94,6 +94,16 @@ def serve_cmd(
         list[str] | None,
         typer.Option(help="a host directory templates may show read-only in guests (repeatable; default none)"),
     ] = None,
+    scrub: Annotated[
+        list[str] | None,
+        typer.Option(help="CLASS=none|trusted-vm: scrub policy per device class (default trusted-vm; docs/scrub.md)"),
+    ] = None,
+    scrub_timeout: Annotated[
+        float, typer.Option(help="seconds the scrub VM may take (boot, zero, verify, teardown) before quarantine")
+    ] = 600.0,
+    scrub_image: Annotated[
+        str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.wire.telemetry import configure_logging
@@ -126,9 +136,13 @@ def serve_cmd(
         or release_timeout <= 0
         or default_lifetime <= 0
         or not 0 < detach_timeout <= 3600
+        or scrub_timeout <= 0
     ):
-        raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
+        raise typer.BadParameter("tick, reservation-ttl, release-timeout, detach-timeout and scrub-timeout must be > 0")
+    from cubeaccel.cubelet.scrub import parse_policy
+
     try:
+        scrub_policy = parse_policy(scrub or [])
         cubelet = build_cubelet(
             RuntimeOptions(
                 state_dir=state_dir,
@@ -151,7 +165,10 @@ def serve_cmd(
                     network_pool=network_pool,
                     network_uplink_netns=network_uplink_netns,
                     readonly_mount_allowlist=tuple(allow_readonly_mount or ()),
+                    scrub_policy=scrub_policy,
+                    scrub_timeout_s=scrub_timeout,
                 ),
+                scrub_image=scrub_image,
             )
         )
         from cubeaccel.cubelet.metrics import metrics_of

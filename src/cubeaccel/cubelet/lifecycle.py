@@ -23,8 +23,9 @@ from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
-from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
-from cubeaccel.cubelet.shim_driver import ShimDriver
+from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
+from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
+from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.host import netpolicy
 from cubeaccel.host.audit import AuditLog
@@ -136,7 +137,14 @@ def contract_refusal(violations: list[ContractViolation], count: int) -> CubeErr
 
 
 class Cubelet(ReleasePath):
-    def __init__(self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        backend: Backend,
+        shim: ShimDriver,
+        config: CubeletConfig | None = None,
+        scrub_runner: ScrubRunner | None = None,
+    ) -> None:
         self.store = store
         self.backend = backend
         self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
@@ -148,6 +156,11 @@ class Cubelet(ReleasePath):
         self.status_sink = None
         self.issued_tokens: dict[str, str] = {}  # sandbox → workload token not yet given to the caller
         self.audit: AuditLog | None = None  # set by the server: host changes made for sandboxes are audited
+        # The simulated node plays its scrub VMs as it plays its sandboxes' VMs; any other node without a runner
+        # fails every scrub it owes (quarantine), never skips one.
+        simulated = isinstance(shim, SimulatedShimDriver)
+        self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
+        self.scrubs: dict[str, ScrubJob] = {}
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------

@@ -10,13 +10,15 @@ timeouts is quarantined. Reports from the shim are recorded elsewhere; here only
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet.locks import KeyedLocks
+from cubeaccel.cubelet.scrub import DEFAULT_POLICY, ScrubOutcome, ScrubPolicy, ScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.checkpoint import SandboxFailure
@@ -27,6 +29,7 @@ from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceStat
 
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
+SCRUB_PENDING = "release.scrub_pending"  # a released device's reason while its scrub is owed or running
 USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
 StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
 
@@ -46,6 +49,8 @@ class CubeletConfig:
     network_uplink_netns: str | None = None
     # Host directories templates may show read-only in guests (`spec.sandbox.filesystem.readonly_mounts`).
     readonly_mount_allowlist: tuple[str, ...] = ()
+    scrub_policy: dict[str, ScrubPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICY))  # per device class
+    scrub_timeout_s: float = 600.0  # boot + zero + verify + teardown of the scrub VM, else quarantine
 
 
 def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
@@ -75,8 +80,23 @@ class ReleaseOutcome:
     revalidation: list[Problem] | None = None
 
 
+@dataclass
+class ScrubJob:
+    """One scrub of one device in `released`, for the record generation it started from. In memory only: after a
+    restart a `released` device that owes a scrub simply gets a new one (scrubbing twice is safe; skipping is not)."""
+
+    generation: int
+    started: float
+    outcome: ScrubOutcome | None = None
+
+
 class ReleasePath:
-    """Mixed into `Cubelet`: the attributes below are Cubelet's."""
+    """Mixed into `Cubelet`: the attributes below are Cubelet's.
+
+    Order of the release path, per device: VMM (and shim) exited → no holder → cleanup (reset) →
+    `release_confirmed` (released) → scrub, where the class's policy asks for one (scrub VM, then reset again)
+    → revalidation → allocatable. Steps other releases add (VFIO group hand-back, network and scratch teardown)
+    come before `release_confirmed`: the scrub VM gets a device nothing of the tenant's still touches."""
 
     store: Store
     backend: Backend
@@ -86,6 +106,8 @@ class ReleasePath:
     lock: threading.RLock
     device_locks: KeyedLocks
     status_sink: StatusSink | None
+    scrub_runner: ScrubRunner
+    scrubs: dict[str, ScrubJob]
 
     @contextmanager
     def change(self) -> Iterator[Tx]:
@@ -215,6 +237,7 @@ class ReleasePath:
                     else:
                         continue
                     self._apply_outcome(d, sandbox_id, outcome)
+                    self.advance_scrub(device_id)
             # The sandbox's own host state (network namespace, scratch disk): host work, outside the lock too.
             host_events = self._release_sandbox_host(res) if gone else []
             with self.change() as t:
@@ -310,6 +333,8 @@ class ReleasePath:
             "detach_confirmed": detached,
             "holders": 0,
             "reset": True,
+            # A device no VMM of the tenant's ever had (a reservation that never started) holds nothing of theirs.
+            "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM and res.checkpoint.shim_started,
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
 
@@ -347,8 +372,95 @@ class ReleasePath:
                 record_problems(t, cur, o.cleanup)
             else:
                 if o.evidence is not None:
-                    cur = t.transition(cur, E.RELEASE_CONFIRMED, Actor.CUBELET, details=o.evidence)
+                    pending = SCRUB_PENDING if o.evidence.get("scrub_owed") else None
+                    cur = t.transition(cur, E.RELEASE_CONFIRMED, Actor.CUBELET, reason=pending, details=o.evidence)
+                if self.scrub_owed(cur):
+                    return  # revalidation waits for the scrub, started right after this transaction
                 self._finish_revalidation(t, cur, o.revalidation or [])
+
+    # ---- scrub between tenants (cubelet/scrub.py, docs/scrub.md) ----------------------------------------------------
+    def scrub_policy(self, d: DeviceRecord) -> ScrubPolicy:
+        return self.config.scrub_policy.get(d.accel_class.value, ScrubPolicy.TRUSTED_VM)
+
+    @staticmethod
+    def scrub_owed(d: DeviceRecord) -> bool:
+        """Persisted in the record (its reason while `released`), so a restart mid-scrub scrubs again."""
+        return d.state is S.RELEASED and d.reason == SCRUB_PENDING
+
+    def advance_scrub(self, device_id: str) -> bool:
+        """Start, or finish, the scrub a `released` device owes. True when the device is the scrub's (nothing else
+        may revalidate it now). Called under the device's lock."""
+        d = self.store.device(device_id)
+        if d is None or not self.scrub_owed(d):
+            return False
+        job = self.scrubs.get(d.id)
+        if job is not None and job.generation == d.generation:
+            if job.outcome is not None:
+                self._finish_scrub(d, job)
+            return True
+        job = self.scrubs[d.id] = ScrubJob(d.generation, time.monotonic())
+        policy = self.scrub_policy(d)
+        with self.change() as t:
+            t.event(
+                "scrub_started",
+                Actor.CUBELET,
+                device_id=d.id,
+                sandbox_id=d.sandbox_id,  # the tenant whose leftovers are being cleared
+                details={"policy": policy.value, "timeout_s": self.config.scrub_timeout_s},
+            )
+        if self.scrub_runner.inline:
+            job.outcome = self._run_scrub(d)
+            self._finish_scrub(d, job)
+        else:
+            threading.Thread(target=self._scrub_thread, args=(d, job), name=f"scrub-{d.id}", daemon=True).start()
+        return True
+
+    def _run_scrub(self, d: DeviceRecord) -> ScrubOutcome:
+        try:
+            return self.scrub_runner.run(d, self.backend.attach_spec(d), self.config.scrub_timeout_s)
+        except Exception as e:  # a runner bug is a scrub that did not happen
+            return ScrubOutcome(False, f"scrub runner: {type(e).__name__}: {e}"[:500])
+
+    def _scrub_thread(self, d: DeviceRecord, job: ScrubJob) -> None:
+        job.outcome = self._run_scrub(d)  # the VM runs without the device lock: reads of the device go on
+        try:
+            with self.device_locks.hold(d.id):
+                self.advance_scrub(d.id)
+        except Exception:  # e.g. the store closed under a stopping Cubelet: the outcome stays, reconcile applies it
+            return
+
+    def _finish_scrub(self, d: DeviceRecord, job: ScrubJob) -> None:
+        """Passed: reset again (the scrub VM was the device's last user) and revalidate. Failed: quarantine."""
+        o = job.outcome
+        assert o is not None
+        problems: list[Problem] = []
+        unreturned: list[Problem] = []
+        if o.ok:  # the scrub VM was a VMM like a tenant's: what the release path takes back from one (the VFIO
+            # group node handed to its uid) is taken back here too, before this reset
+            unreturned = self._reclaim_nodes(d)
+            problems = unreturned or self.backend.cleanup(d) or self.backend.validate(d)
+        duration = round(time.monotonic() - job.started, 3)
+        with self.change() as t:
+            if self.scrubs.get(d.id) is job:
+                del self.scrubs[d.id]
+            cur = t.device(d.id)
+            if cur is None or (cur.state, cur.generation) != (d.state, d.generation):
+                return  # an operator or reconcile decided meanwhile
+            details = {"ok": o.ok, "duration_s": duration, "message": o.message, **o.details}
+            t.event("scrub_finished", Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, details=details)
+            if not o.ok:
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="release.scrub_failed", details=details)
+            elif unreturned:  # still openable by the scrub VM's uid: never handed to the next tenant
+                reason = unreturned[0].code
+                t.transition(
+                    cur,
+                    E.QUARANTINE,
+                    Actor.CUBELET,
+                    reason=reason,
+                    details={"problems": [p.__dict__ for p in unreturned]},
+                )
+            else:
+                self._finish_revalidation(t, cur, problems)
 
     def _finish_revalidation(self, t: Tx, d: DeviceRecord, problems: list[Problem]) -> None:
         from cubeaccel.cubelet import host_ready  # it builds on the lifecycle; imported late

@@ -27,6 +27,7 @@ class ShimReportKind(StrEnum):
     DETACH_TIMEOUT = "detach_timeout"  # no DEVICE_DELETED within the bound
     VMM_EXITED = "vmm_exited"  # details: pid, status — the VMM process was waited for
     SHIM_EXITING = "shim_exiting"
+    SCRUB_FINISHED = "scrub_finished"  # scrub VMs only (docs/scrub.md); details: result (the agent's ScrubResult)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ PIN_PROOF_TIMEOUT_S = 5.0
 VISIBLE_TIMEOUT_S = 10.0
 AGENT_SHUTDOWN_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
+SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
 
 
 def qdev_id(index: int) -> str:
@@ -66,6 +67,7 @@ class Shim:
         self.vmm: QemuVmm | None = None
         self.agent: AgentClient | None = None
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
+        self.guest_addresses: dict[str, str] = {}  # device id → where the guest saw it appear
         self.timeline: dict[str, float] = {}
         self._stop = False
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
@@ -104,11 +106,14 @@ class Shim:
         reason = "stopped"
         try:
             self._start()
-            self._wait()
-            if self.vmm is not None and self.vmm.poll_exit() is not None and not self._stop:
-                rc, reason = 1, "vmm_exited_unexpectedly"  # guest poweroff, crash, or killed from outside
+            if self.spec.scrub is not None:  # a scrub VM does its one job and goes; nothing waits on it
+                rc, reason = self._scrub()
             else:
-                reason = "stop_requested"
+                self._wait()
+                if self.vmm is not None and self.vmm.poll_exit() is not None and not self._stop:
+                    rc, reason = 1, "vmm_exited_unexpectedly"  # guest poweroff, crash, or killed from outside
+                else:
+                    reason = "stop_requested"
         except CubeError as e:
             stopped = e.code in ("shim.stop_requested", "agent.cancelled")
             rc, reason = (0, "stop_requested") if stopped else (1, e.code)
@@ -332,6 +337,7 @@ class Shim:
                     status=500,
                 )
             time.sleep(0.02)
+        self.guest_addresses[dev.device_id] = str(seen[0].get("address"))
         self.reporter.report(
             K.DEVICE_ATTACHED,
             (dev.device_id,),
@@ -378,6 +384,24 @@ class Shim:
             layer="guest_kernel",
             details={"failed_layers": reply.get("failed_layers")},
         )
+
+    def _scrub(self) -> tuple[int, str]:
+        """The scrub VM's work after attach: the agent scrubs each device, the result is reported, the VM goes."""
+        assert self.agent is not None and self.spec.scrub is not None
+        t = time.monotonic()
+        ok = True
+        for dev in self.spec.devices:
+            params: dict[str, object] = {"method": self.spec.scrub}
+            if self.spec.scrub == "bar":
+                params.update(address=self.guest_addresses[dev.device_id], layout="edu")
+            try:
+                result = self.agent.call("scrub", params, timeout_s=SCRUB_TIMEOUT_S, cancel_fd=self._wake_r)
+            except CubeError as e:
+                result = {"ok": False, "error": f"{e.code}: {e.message}"[:500]}
+            ok = ok and bool(result.get("ok"))
+            self.reporter.report(K.SCRUB_FINISHED, (dev.device_id,), result=result)
+        self._phase("scrub_s", t)
+        return (0, "scrubbed") if ok else (1, "release.scrub_failed")
 
     def _wait(self) -> None:
         """Until SIGTERM or the VMM exits on its own (guest poweroff, crash, someone killed it)."""

@@ -142,6 +142,9 @@ class ShimSpec(Message):
     # Bridge the guest's workload service to `workload.sock`; its access token comes on the shim's stdin (one
     # line), never in this file: the host keeps only its hash.
     workload: StrictBool = False
+    # A trusted scrub VM (cubelet/scrub.py): after attach, ask the agent to scrub the device this way, report
+    # `scrub_finished`, and exit. Never set for a tenant's sandbox (no workload channel either).
+    scrub: Literal["bar", "cuda"] | None = None
     # In memory only (Cubelet → its process driver → the shim's stdin): never dumped, so never in the spec file.
     workload_token: SecretStr | None = Field(default=None, exclude=True)
     # The request that started it (CubeMaster's create, through Cubelet): on the shim's log lines and reports.
