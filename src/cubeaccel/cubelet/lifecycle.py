@@ -27,9 +27,10 @@ from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, prob
 from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
-from cubeaccel.host import netpolicy
+from cubeaccel.host import confine, netpolicy
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.meminfo import available_mib
+from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.contract import (
     CompatibilityContract,
     ContractViolation,
@@ -453,6 +454,12 @@ class Cubelet(ReleasePath):
             return self._reservation(t, validate_sandbox_id(sandbox_id))
 
     # ---- shim reports ---------------------------------------------------------------------------
+    def _confinement_problems(self, cp: ReservationCheckpoint, details: dict[str, Any]) -> list[str]:
+        """Cubelet's own /proc reading of the VMM the shim vouched for (the pid it started, the uid it claims)."""
+        if cp.vmm_pid is None or details.get("pid") != cp.vmm_pid:
+            return [f"confinement proof for pid {details.get('pid')!r}, VMM started as {cp.vmm_pid!r}"]
+        return confine.cubelet_verdict(cp.vmm_pid, details.get("uid"))
+
     def handle_report(self, report: ShimReport) -> None:
         sid = report.sandbox_id
         with self.change() as t:  # the lock covers the transaction; teardown takes it itself
@@ -475,9 +482,15 @@ class Cubelet(ReleasePath):
             if res is None:
                 return
             k, cp = report.kind, res.checkpoint
+            unconfined: list[str] = []
             if k is ShimReportKind.VM_STARTED:
                 pid = report.details.get("pid")
                 cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT else None
+            elif k is ShimReportKind.VMM_CONFINED and self.shim.host_devices:
+                unconfined = self._confinement_problems(cp, report.details)
+                cp.vmm_confined = not unconfined
+            elif k is ShimReportKind.DEVICE_ATTACHED and self.shim.host_devices and not cp.vmm_confined:
+                unconfined = ["no confinement proof before the device was attached"]
             elif k is ShimReportKind.DEVICE_ATTACHED:
                 named = set(report.device_ids)  # one report per device; none named means all
                 devs = self._sandbox_devices(t, sid)
@@ -504,7 +517,15 @@ class Cubelet(ReleasePath):
                 t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
             t.update_reservation(res)
         det = report.details
-        if ready:
+        if unconfined:  # the VMM gets no device: the start fails and what it holds goes through the release path
+            self.begin_teardown(
+                sid,
+                "vmm.not_confined",
+                attach_failed=True,
+                layer="backend",
+                message=f"Cubelet's /proc check of the VMM: {'; '.join(unconfined)}"[:500],
+            )
+        elif ready:
             self.notify(sid, {"phase": "running"})
         elif report.kind is ShimReportKind.ATTACH_FAILED:
             self.begin_teardown(

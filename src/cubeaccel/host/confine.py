@@ -302,3 +302,33 @@ def take_back(node: Path) -> str | None:
     if (after.st_uid, after.st_gid) != (0, 0) or after.st_mode & 0o077:
         return f"{node} is still owned by {after.st_uid}:{after.st_gid} mode {after.st_mode & 0o777:o}"
     return None
+
+
+def cubelet_verdict(pid: int, claimed_uid: object, proc_root: Path = Path("/proc")) -> list[str]:
+    """Cubelet's own reading of a VMM its shim says is confined, before any device reaches it: the uid the shim
+    claimed (never root), at most CAP_IPC_LOCK in every capability set, seccomp filtering, no_new_privs, and a
+    mount namespace other than Cubelet's. Empty when confined; the shim's word alone is not enough."""
+    try:
+        creds = read_credentials(pid, proc_root)
+    except CubeError as e:
+        return [e.message]
+    bad = []
+    if not isinstance(claimed_uid, int) or isinstance(claimed_uid, bool) or claimed_uid <= 0:
+        bad.append(f"claimed uid {claimed_uid!r} (want an unprivileged uid)")
+    elif not creds.uids or set(creds.uids) != {claimed_uid}:
+        bad.append(f"uid {list(creds.uids)} (shim claimed {claimed_uid})")
+    allowed = 1 << CAP_IPC_LOCK
+    for name in ("CapEff", "CapPrm", "CapBnd"):
+        if creds.caps.get(name, -1) & ~allowed:
+            bad.append(f"{name} {creds.caps.get(name, -1):016x} (at most {allowed:016x})")
+    if creds.seccomp != 2:
+        bad.append(f"seccomp mode {creds.seccomp} (want 2, filtering)")
+    if creds.no_new_privs != 1:
+        bad.append(f"no_new_privs {creds.no_new_privs} (want 1)")
+    try:
+        own = os.readlink(proc_root / "self" / "ns" / "mnt")
+    except OSError:
+        own = None
+    if creds.mnt_ns is None or creds.mnt_ns == own:
+        bad.append(f"mount namespace {creds.mnt_ns} (want its own, not Cubelet's)")
+    return bad

@@ -52,6 +52,7 @@ class ReservationCheckpoint:
     workload_token_sha256: str | None = None
     # ---- evidence the shim reported (judged, never trusted alone) ----
     vmm_pid: int | None = None  # the shim said it started a VMM (identity is found in /proc, not by this pid)
+    vmm_confined: bool = False  # Cubelet read the VMM's confinement from /proc itself (before any device reached it)
     guest_addresses: dict[str, str] = field(default_factory=dict)  # device id → guest PCI address
     detached: list[str] = field(default_factory=list)  # device ids whose detach the shim confirmed
     shim_exited: bool = False  # the shim's final report (`shim_exiting`): it starts nothing after it
@@ -74,6 +75,7 @@ class ReservationCheckpoint:
             "image_digest": self.image_digest,
             "workload_token_sha256": self.workload_token_sha256,
             "vmm_pid": self.vmm_pid,
+            "vmm_confined": self.vmm_confined,
             "guest_addresses": dict(self.guest_addresses),
             "detached": list(self.detached),
             "shim_exited": self.shim_exited,
@@ -109,6 +111,7 @@ class ReservationCheckpoint:
             image_digest=_str(data, "image_digest"),
             workload_token_sha256=_str(data, "workload_token_sha256"),
             vmm_pid=_int(data, "vmm_pid"),
+            vmm_confined=_bool(data, "vmm_confined"),
             guest_addresses=_str_map(data, "guest_addresses"),
             detached=_str_list(data.get("detached", []), "detached"),
             shim_exited=_bool(data, "shim_exited"),
