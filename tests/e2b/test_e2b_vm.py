@@ -23,9 +23,8 @@ from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.wire.workload_client import WorkloadClient
-from tests.support.cubelet_process import CubeletProcess
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
-from tests.support.master_harness import MasterProcess, free_port
+from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
@@ -40,22 +39,7 @@ MiB = 1024 * 1024
 def start_stack(base: Any, guest_image: Manifest, *fd_args: str) -> dict[str, Any]:
     master = MasterProcess(base / "master").start()
     (base / "cubelet").mkdir()
-    cubelet = CubeletProcess(
-        base / "cubelet",
-        "-",
-        "--backend",
-        "emulated",
-        "--master",
-        master.url,
-        "--listen",
-        f"127.0.0.1:{free_port()}",
-        "--node",
-        NODE,
-        "--release-timeout",
-        "20",
-        "--node-token-file",
-        str(master.enrol(NODE, base / "cubelet")),
-    )
+    cubelet = emulated_cubelet(master, base / "cubelet", NODE)
     cubelet.start()
     poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
     master.client.register_template(edu_template(guest_image, TEMPLATE))

@@ -188,3 +188,25 @@ class Cluster:
         for p in self.cubelets.values():
             p.stop()
         self.master.stop()
+
+
+def emulated_cubelet(master: MasterProcess, state_dir: Path, node: str, *extra: str) -> CubeletProcess:
+    """A Cubelet on the emulated backend (real MicroVMs), enrolled at `master` as `node`, on a free TCP port;
+    not started. `extra`: more `cubelet serve` flags."""
+    return CubeletProcess(
+        state_dir,
+        "-",
+        "--backend",
+        "emulated",
+        "--master",
+        master.url,
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        "--node",
+        node,
+        "--release-timeout",
+        "20",
+        *extra,
+        "--node-token-file",
+        str(master.enrol(node, state_dir)),
+    )

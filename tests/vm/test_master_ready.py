@@ -12,7 +12,7 @@ import pytest
 
 from cubeaccel.images.manifest import Manifest
 from tests.support.cubelet_process import CubeletProcess
-from tests.support.master_harness import MasterProcess, example, free_port
+from tests.support.master_harness import MasterProcess, emulated_cubelet, example
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 
@@ -38,22 +38,7 @@ def edu_template(image: Manifest, name: str, **probes: Any) -> dict[str, Any]:
 def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess, CubeletProcess]]:
     master = MasterProcess(tmp_path / "master").start()
     (tmp_path / "cubelet").mkdir()
-    cubelet = CubeletProcess(
-        tmp_path / "cubelet",
-        "-",
-        "--backend",
-        "emulated",
-        "--master",
-        master.url,
-        "--listen",
-        f"127.0.0.1:{free_port()}",
-        "--node",
-        "vm-node",
-        "--release-timeout",
-        "20",
-        "--node-token-file",
-        str(master.enrol("vm-node", tmp_path / "cubelet")),
-    )
+    cubelet = emulated_cubelet(master, tmp_path / "cubelet", "vm-node")
     cubelet.start()
     try:
         poll(lambda: any(n["node"] == "vm-node" and n["state"] == "ready" for n in master.client.nodes()), 30)

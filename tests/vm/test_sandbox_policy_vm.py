@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from tests.support.cubelet_process import CubeletProcess
-from tests.support.master_harness import MasterProcess, free_port
+from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
@@ -99,25 +98,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
     shared = base / "models"  # the one host directory the operator allowlists, shown read-only in `tool`
     shared.mkdir()
     (shared / "weights.txt").write_text("read-only weights\n")
-    cubelet = CubeletProcess(
-        base / "cubelet",
-        "-",
-        "--backend",
-        "emulated",
-        "--master",
-        master.url,
-        "--listen",
-        f"127.0.0.1:{free_port()}",
-        "--node",
-        "policy-node",
-        "--release-timeout",
-        "20",
-        "--network-uplink-netns",
-        uplink,
-        "--allow-readonly-mount",
-        str(shared),
-        "--node-token-file",
-        str(master.enrol("policy-node", base / "cubelet")),
+    cubelet = emulated_cubelet(
+        master, base / "cubelet", "policy-node", "--network-uplink-netns", uplink, "--allow-readonly-mount", str(shared)
     )
     cubelet.start()
     started: list[str] = []

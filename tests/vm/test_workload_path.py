@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from tests.support.cubelet_process import CubeletProcess
-from tests.support.master_harness import MasterProcess, free_port
+from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
@@ -31,22 +30,7 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> 
     base = tmp_path_factory.mktemp("path")
     master = MasterProcess(base / "master").start()
     (base / "cubelet").mkdir()
-    cubelet = CubeletProcess(
-        base / "cubelet",
-        "-",
-        "--backend",
-        "emulated",
-        "--master",
-        master.url,
-        "--listen",
-        f"127.0.0.1:{free_port()}",
-        "--node",
-        "wl-node",
-        "--release-timeout",
-        "20",
-        "--node-token-file",
-        str(master.enrol("wl-node", base / "cubelet")),
-    )
+    cubelet = emulated_cubelet(master, base / "cubelet", "wl-node")
     cubelet.start()
     try:
         poll(lambda: any(n["node"] == "wl-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
