@@ -53,7 +53,14 @@ GUEST_PACKAGES = ("model", "host", "backends")
 CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images", "wire")
 # Third-party distributions the Cubelet's closure imports, copied from this interpreter's site-packages (pure
 # Python but pydantic_core, a cp311 manylinux extension that loads on the guest's Debian 3.11).
-CUBELET_THIRD_PARTY = ("pydantic", "pydantic_core", "annotated_types", "typing_extensions", "typing_inspection")
+CUBELET_THIRD_PARTY = (
+    "pydantic",
+    "pydantic_core",
+    "annotated_types",
+    "typing_extensions",
+    "typing_inspection",
+    "prometheus_client",  # the Cubelet's metrics (wire/telemetry.py, cubelet/metrics.py)
+)
 _SQLITE_GLOBS = ("./usr/lib/python3.11/sqlite3/*", "./usr/lib/python3.11/lib-dynload/_sqlite3*")
 LIBSQLITE = "/usr/lib/x86_64-linux-gnu/libsqlite3.so.0"
 LIBGCC = "/usr/lib/x86_64-linux-gnu/libgcc_s.so.1"  # pydantic_core's one library beyond glibc

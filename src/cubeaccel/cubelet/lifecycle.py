@@ -454,6 +454,11 @@ class Cubelet(ReleasePath):
             return self._reservation(t, validate_sandbox_id(sandbox_id))
 
     # ---- shim reports ---------------------------------------------------------------------------
+    @property
+    def _gated(self) -> bool:
+        """Whether a device waits for Cubelet's own reading of the VMM's confinement (real shims)."""
+        return self.shim.host_devices and self.config.require_vmm_confinement
+
     def _confinement_problems(self, cp: ReservationCheckpoint, details: dict[str, Any]) -> list[str]:
         """Cubelet's own /proc reading of the VMM the shim vouched for (the pid it started, the uid it claims)."""
         if cp.vmm_pid is None or details.get("pid") != cp.vmm_pid:
@@ -486,10 +491,10 @@ class Cubelet(ReleasePath):
             if k is ShimReportKind.VM_STARTED:
                 pid = report.details.get("pid")
                 cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT else None
-            elif k is ShimReportKind.VMM_CONFINED and self.shim.host_devices:
+            elif k is ShimReportKind.VMM_CONFINED and self._gated:
                 unconfined = self._confinement_problems(cp, report.details)
                 cp.vmm_confined = not unconfined
-            elif k is ShimReportKind.DEVICE_ATTACHED and self.shim.host_devices and not cp.vmm_confined:
+            elif k is ShimReportKind.DEVICE_ATTACHED and self._gated and not cp.vmm_confined:
                 unconfined = ["no confinement proof before the device was attached"]
             elif k is ShimReportKind.DEVICE_ATTACHED:
                 named = set(report.device_ids)  # one report per device; none named means all

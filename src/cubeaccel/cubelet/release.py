@@ -49,6 +49,9 @@ class CubeletConfig:
     network_uplink_netns: str | None = None
     # Host directories templates may show read-only in guests (`spec.sandbox.filesystem.readonly_mounts`).
     readonly_mount_allowlist: tuple[str, ...] = ()
+    # A real shim's VMM gets no device until Cubelet has read its confinement from /proc (docs/security.md); off
+    # only for a stand-in shim that starts QEMU itself (the VFIO lab).
+    require_vmm_confinement: bool = True
     scrub_policy: dict[str, ScrubPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICY))  # per device class
     scrub_timeout_s: float = 600.0  # boot + zero + verify + teardown of the scrub VM, else quarantine
 

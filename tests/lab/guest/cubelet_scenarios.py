@@ -100,7 +100,9 @@ def cubelet_cycle() -> dict[str, Any]:
         Store(work / "cubelet.db", clock=clock),
         backend,
         shims,
-        CubeletConfig(release_timeout_s=30, kill_grace_s=5, pinnable_memory_mib=1024),
+        # the stand-in shim starts QEMU itself, unconfined: Cubelet's confinement gate is tested in tests/host and
+        # tests/vm (test_cubelet_confinement_gate.py, test_confined_vmm.py), the VFIO path here
+        CubeletConfig(release_timeout_s=30, kill_grace_s=5, pinnable_memory_mib=1024, require_vmm_confinement=False),
         scrub_runner=SimulatedScrubRunner(),  # stand-in shims: the scrub VM is stood in too (tests/vm runs one)
     )
     initialize_host(cubelet)
