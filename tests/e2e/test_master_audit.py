@@ -4,6 +4,7 @@ once, with who did it; `cubeaccel audit --verify` finds an edited and a removed 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -102,3 +103,68 @@ def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Clus
     assigns = [e for e in entries if e["action"] == "device:assign" and e["identity"] == via_master]
     assert len(assigns) >= 1 and all(e["outcome"] == "ok" for e in assigns)
     assert audit("--file", str(log), "--verify").returncode == 0
+
+
+def test_an_admin_quarantines_and_recovers_a_device_through_cubemaster_and_a_tenant_cannot(c: Cluster) -> None:
+    node = c.cubelets["n1"]
+    dev = node.client.devices()[0]["id"]
+    cursor = node.client.events(limit=10000)["next"]
+    tenant = MasterClient(c.master.url, key=c.master.tenant_key)
+    path = f"/v1/nodes/n1/devices/{dev}"
+    with pytest.raises(CubeError) as e:
+        tenant.request("POST", f"{path}/quarantine", {"reason": "mine now"})
+    assert (e.value.code, e.value.status) == ("auth.forbidden", 403)
+    with pytest.raises(CubeError) as e:
+        tenant.request("GET", "/v1/nodes/n1/devices")
+    assert e.value.status == 403
+    tenant.close()
+    assert node.client.devices()[0]["state"] == "allocatable"  # the refusal changed nothing
+
+    listed = c.c.request("GET", "/v1/nodes/n1/devices")["devices"]
+    assert [d["id"] for d in listed] == [d["id"] for d in node.client.devices()]
+    q = c.c.request("POST", f"{path}/quarantine", {"reason": "ECC errors"})
+    assert (q["node"], q["device"]["id"], q["device"]["state"]) == ("n1", dev, "quarantined")
+    assert node.client.devices()[0]["state"] == "quarantined"
+    with pytest.raises(CubeError) as e:  # the Cubelet's own refusal comes back with its code
+        c.c.request("POST", "/v1/nodes/n1/devices/simulated-0000:ff:1f.7/recover", {"reason": "x"})
+    assert e.value.code == "device.not_found"
+    with pytest.raises(CubeError) as e:
+        c.c.request("POST", f"/v1/nodes/nope/devices/{dev}/recover", {"reason": "x"})
+    assert e.value.code == "node.not_found"
+    r = c.c.request("POST", f"{path}/recover", {"reason": "checked"})
+    assert r["device"]["state"] == "allocatable"
+
+    master_log = [json.loads(x) for x in c.master.audit_log.read_text().splitlines()]
+    mine = [e for e in master_log if e["target"].startswith(path)]
+    assert [(e["action"], e["outcome"], e["identity"].split("/")[0]) for e in mine] == [
+        ("device:quarantine", "refused", "tenant:default"),
+        ("device:quarantine", "ok", "admin"),
+        ("device:recover", "ok", "admin"),
+    ]
+    # the Cubelet did it for CubeMaster's node token, on the same request id, and its events name the admin
+    node_log = [json.loads(x) for x in (node.state_dir / "audit.jsonl").read_text().splitlines()]
+    ids = {e["request_id"] for e in mine[1:]}
+    there = [e for e in node_log if e.get("request_id") in ids]
+    assert [(e["action"], e["identity"]) for e in there] == [
+        ("device:quarantine", "node-token:n1 (CubeMaster)"),
+        ("device:recover", "node-token:n1 (CubeMaster)"),
+    ]
+    evs = node.client.events(cursor, limit=10000)["events"]
+    who = {ev["details"]["who"] for ev in evs if ev["device_id"] == dev and "who" in ev["details"]}
+    assert who == {mine[1]["identity"]}
+
+
+def test_the_device_cli_goes_through_cubemaster_with_node(c: Cluster) -> None:
+    dev = c.cubelets["n1"].client.devices()[0]["id"]
+    env = {**os.environ, "CUBEACCEL_API_KEY": c.master.admin_key}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "cubeaccel", *args, "--node", "n1", "--master", c.master.url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+    q = cli("device", "quarantine", dev, "--reason", "ECC")
+    assert q.returncode == 0 and "quarantined" in q.stdout, q.stdout + q.stderr
+    listed = cli("devices", "--json")
+    assert json.loads(listed.stdout)["devices"][0]["state"] == "quarantined"
+    r = cli("device", "recover", dev, "--reason", "clean")
+    assert r.returncode == 0 and c.cubelets["n1"].client.devices()[0]["state"] == "allocatable", r.stdout

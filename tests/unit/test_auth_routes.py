@@ -42,6 +42,8 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/nodes"): A,
     ("GET", "/v1/nodes/{node}"): A,
     ("POST", "/v1/nodes/{node}/{verb}"): A,
+    ("GET", "/v1/nodes/{node}/devices"): A,
+    ("POST", "/v1/nodes/{node}/devices/{device_id}/{verb}"): A,
     ("POST", "/v1/nodes/{node}/credential"): A,
     ("DELETE", "/v1/nodes/{node}/credential"): A,
     ("GET", "/v1/capacity"): T | A,
@@ -72,11 +74,13 @@ PARAMS = {
     "verb": "drain",
     "tenant": "t9",
     "key_id": "0000",
+    "device_id": "simulated-0000:3b:00.0",
 }
 BODIES: dict[tuple[str, str], Any] = {
     ("PUT", "/v1/nodes/{node}"): heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL),
     ("PUT", "/v1/nodes/{node}/sandboxes/{sandbox_id}/status"): {"phase": "running"},
     ("POST", "/v1/nodes/{node}/{verb}"): {},
+    ("POST", "/v1/nodes/{node}/devices/{device_id}/{verb}"): {"reason": "suspect"},
     ("POST", "/v1/templates"): {},
     ("PUT", "/v1/template-defaults/{accel_class}"): {"template": "nope"},
     ("POST", "/v1/sandboxes"): {"gpu": "H100:1"},

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 
+from cubeaccel.cli.master import MasterUrl, _call
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.cubelet_client import CubeletClient
@@ -172,15 +173,27 @@ def _client(state_dir: Path, url: str | None) -> CubeletClient:
     return CubeletClient(socket=None if url else state_dir / "cubelet.sock", url=url)
 
 
+NodeOpt = Annotated[
+    str | None, typer.Option("--node", help="through CubeMaster (admin key) instead of this host's Cubelet socket")
+]
+
+
 def devices_cmd(
-    state_dir: StateDir = DEFAULT_STATE, url: Url = None, as_json: Annotated[bool, typer.Option("--json")] = False
+    state_dir: StateDir = DEFAULT_STATE,
+    url: Url = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+    node: NodeOpt = None,
+    master: MasterUrl = None,
 ) -> None:
     """Device table: address, model, NUMA, state, sandbox, reason."""
-    try:
-        devs = _client(state_dir, url).devices()
-    except CubeError as e:
-        _fail(e)
-        return
+    if node is not None:
+        devs = _call(master, lambda c: c.request("GET", f"/v1/nodes/{node}/devices"))["devices"]
+    else:
+        try:
+            devs = _client(state_dir, url).devices()
+        except CubeError as e:
+            _fail(e)
+            return
     if as_json:
         print(json.dumps({"devices": devs}, indent=2))
     else:
@@ -190,21 +203,32 @@ def devices_cmd(
 def device_cmd(
     verb: Annotated[str, typer.Argument(help="quarantine | recover | disable | enable")],
     device_id: Annotated[str, typer.Argument()],
-    who: Annotated[str, typer.Option(help="operator identity (audited)")],
     reason: Annotated[str, typer.Option(help="why (audited)")],
+    who: Annotated[str | None, typer.Option(help="operator identity (audited); on the local socket only")] = None,
     state_dir: StateDir = DEFAULT_STATE,
     url: Url = None,
     restore_driver: Annotated[
         bool, typer.Option(help="disable only: give the device back to the host driver it had before vfio-pci")
     ] = False,
+    node: NodeOpt = None,
+    master: MasterUrl = None,
 ) -> None:
-    """Operator verbs on one device; audited with who and why."""
-    try:
-        extra = {"restore_driver": True} if restore_driver else {}
-        d = _client(state_dir, url).verb(device_id, verb, who, reason, **extra)
-    except CubeError as e:
-        _fail(e)
-        return
+    """Operator verbs on one device; audited with who and why. With --node, through CubeMaster with an admin
+    key, which is then the audited identity (--who is not taken)."""
+    extra = {"restore_driver": True} if restore_driver else {}
+    if node is not None:
+        if who is not None:
+            raise typer.BadParameter("--who is the admin key's identity through CubeMaster; leave it out")
+        path = f"/v1/nodes/{node}/devices/{device_id}/{verb}"
+        d = _call(master, lambda c: c.request("POST", path, {"reason": reason, **extra}))["device"]
+    else:
+        if who is None:
+            raise typer.BadParameter("--who is required on the local socket (operator identity, audited)")
+        try:
+            d = _client(state_dir, url).verb(device_id, verb, who, reason, **extra)
+        except CubeError as e:
+            _fail(e)
+            return
     console.print(device_table([d], title=f"{verb}: {device_id}"))
 
 

@@ -42,9 +42,10 @@ AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
 def create_app(
     cubelet: Cubelet, local: bool = True, token: str | None = None, audit: AuditLog | None = None
 ) -> FastAPI:
-    """`local` (the unix socket, root-owned) also serves shim reports and operator verbs; the TCP listener
-    that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine.
-    The TCP listener (`local=False`) answers only a caller presenting this node's token (CubeMaster)."""
+    """`local` (the unix socket, root-owned) also serves shim reports and reconcile; the TCP listener that
+    CubeMaster uses does not, so nothing on the network can forge VM evidence. The TCP listener
+    (`local=False`) answers only a caller presenting this node's token (CubeMaster), which forwards an admin's
+    device verbs there (docs/security.md)."""
     app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,))
     if not local:
         if not token:
@@ -211,8 +212,8 @@ def create_app(
         return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
 
     add_workload_proxy(app, cubelet)
+    app.post("/v1/devices/{device_id}/{verb}", response_model=W.DeviceReply)(device_verb)
     if local:
-        app.post("/v1/devices/{device_id}/{verb}", response_model=W.DeviceReply)(device_verb)
         app.post(
             "/v1/shim-reports", status_code=202, response_model=W.Accepted, openapi_extra=json_body("ShimReportBody")
         )(shim_report)

@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import Depends, FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute
@@ -25,11 +26,13 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.api_edges import api_app, json_body
+from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
 from cubeaccel.wire.templates import TemplateDocument
 
 SANDBOX_STATES = tuple(s.value for s in SandboxState)
+DEVICE_VERBS = frozenset({"quarantine", "recover", "disable", "enable"})
 MAX_IDEMPOTENCY_KEY = 200  # the body field's bound and the column's width
 
 PUBLIC = frozenset({ANONYMOUS, ADMIN, TENANT, NODE})
@@ -47,6 +50,8 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("GET", "/v1/nodes"): (ADMINS, "node:list"),
     ("GET", "/v1/nodes/{node}"): (ADMINS, "node:show"),
     ("POST", "/v1/nodes/{node}/{verb}"): (ADMINS, "node:verb"),
+    ("GET", "/v1/nodes/{node}/devices"): (ADMINS, "device:list"),
+    ("POST", "/v1/nodes/{node}/devices/{device_id}/{verb}"): (ADMINS, "device:verb"),  # audited as device:<verb>
     ("POST", "/v1/nodes/{node}/credential"): (ADMINS, "node:enrol"),
     ("DELETE", "/v1/nodes/{node}/credential"): (ADMINS, "node:revoke"),
     ("GET", "/v1/capacity"): (USERS, "capacity"),
@@ -120,6 +125,8 @@ def create_app(
         """Every route: who is calling (401 without a valid credential), and may they (403)?"""
         rule = POLICY.get(route_key(request.scope["route"], request.method))
         request.state.action = rule[1] if rule else f"{request.method} {request.url.path}"
+        if rule is not None and rule[1] == "device:verb" and request.path_params.get("verb") in DEVICE_VERBS:
+            request.state.action = f"device:{request.path_params['verb']}"  # refusals too
         if rule is None:
             raise CubeError("auth.no_policy", "this route has no access rule (refused)", "api", {}, 500)
         roles, _ = rule
@@ -277,6 +284,38 @@ def create_app(
         master.cache.invalidate()
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
         return {"node": node, "state": state.value, "who": ident.label()}
+
+    def cubelet_of(node: str) -> CubeletClient:
+        view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)
+        if view is None:
+            raise CubeError("node.not_found", f"no node {node!r}", "api", {}, 404)
+        return master.client(view.cubelet_url)
+
+    def forwarded(node: str, call: Any) -> Any:
+        try:
+            return call(cubelet_of(node))
+        except httpx.HTTPError as e:
+            raise CubeError(
+                "cubelet.unreachable", f"node {node}'s Cubelet: {type(e).__name__}", "api", {"node": node}, 502
+            ) from e
+
+    @app.get("/v1/nodes/{node}/devices", response_model=W.NodeDevices)
+    def node_devices(node: str) -> dict[str, Any]:
+        return {"node": node, "devices": forwarded(node, lambda c: c.devices())}
+
+    @app.post("/v1/nodes/{node}/devices/{device_id}/{verb}", response_model=W.NodeDevice)
+    def device_verb(node: str, device_id: str, verb: str, body: W.DeviceVerbBody, request: Request) -> dict[str, Any]:
+        """quarantine | recover | disable | enable on one device of `node`, done by that node's Cubelet (its TCP
+        API, with the node's token); the Cubelet's events and both audit logs name the admin's key."""
+        if verb not in DEVICE_VERBS:
+            raise CubeError(
+                "api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(DEVICE_VERBS)}", "api", {}, 404
+            )
+        ident: Identity = request.state.identity
+        extra = {"restore_driver": True} if body.restore_driver else {}
+        rid = request.state.request_id
+        dev = forwarded(node, lambda c: c.verb(device_id, verb, ident.label(), body.reason, request_id=rid, **extra))
+        return {"node": node, "device": dev}
 
     @app.get("/v1/capacity", response_model=W.Capacity)
     def capacity() -> dict[str, Any]:

@@ -26,8 +26,15 @@ class CubeletClient:
         else:
             raise ValueError("socket or url required")
 
-    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        return reply_body(self._http.request(method, path, json=json, params=params))
+    def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Any:
+        return reply_body(self._http.request(method, path, json=json, params=params, headers=headers))
 
     def devices(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/devices")["devices"])
@@ -47,12 +54,15 @@ class CubeletClient:
     def events(self, since: int = 0, limit: int = 1000) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/events", params={"since": since, "limit": limit}))
 
-    def verb(self, device_id: str, verb: str, who: str, reason: str, **extra: Any) -> dict[str, Any]:
+    def verb(
+        self, device_id: str, verb: str, who: str, reason: str, request_id: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
         return dict(
             self.request(
                 "POST",
                 f"/v1/devices/{quote(device_id, safe='')}/{quote(verb, safe='')}",
                 {"who": who, "reason": reason, **extra},
+                headers={"x-request-id": request_id} if request_id else None,
             )
         )
 

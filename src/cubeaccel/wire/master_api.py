@@ -237,3 +237,21 @@ class WhoAmI(Reply):
     tenant: str | None
     node: str | None
     key_id: str | None
+
+
+# ---- device verbs through CubeMaster (admin) -------------------------------------------------------------
+class DeviceVerbBody(Message):
+    """An admin's device verb, forwarded to the node's Cubelet; `who` there is the admin's key, not a claim."""
+
+    reason: str = Field(min_length=1, max_length=2000)
+    restore_driver: bool = False  # disable only
+
+
+class NodeDevices(Reply):
+    node: str
+    devices: list[dict[str, Any]]
+
+
+class NodeDevice(Reply):
+    node: str
+    device: dict[str, Any]
