@@ -64,7 +64,8 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
         assert body["capacity"]["total"] == 4 and body["capacity"]["allocatable"] == 4
         assert {g["labels"]["model"] for g in body["capacity"]["groups"]} == {"H100-SXM5-80GB", "T4-16GB"}
         assert body["pinnable_memory_mib"] > 0
-        # The TCP listener serves CubeMaster's calls (its node token), but never shim evidence or operator verbs.
+        # The TCP listener serves CubeMaster's calls (its node token; device verbs it forwards for an admin),
+        # but never shim evidence.
         base = f"http://127.0.0.1:{port}"
         assert master.auth == [f"Bearer {p.token}"]  # every heartbeat carried the node's token
         assert httpx.get(f"{base}/v1/devices").json()["error"]["code"] == "auth.missing_credential"
@@ -79,7 +80,9 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
         assert r.status_code in (404, 405) and r.json()["error"]["code"].startswith("api.")
         dev = p.client.devices()[0]["id"]
         r = httpx.post(f"{base}/v1/devices/{dev}/recover", json={"who": "a", "reason": "b"}, headers=h)
-        assert r.status_code in (404, 405)
+        assert r.json()["error"]["code"] == "operator.not_recoverable"  # reached the verb: it is allocatable
+        r = httpx.post(f"{base}/v1/devices/{dev}/quarantine", json={"who": "a", "reason": "b"}, headers=wrong)
+        assert r.status_code == 429 and p.client.devices()[0]["state"] == "allocatable"
         assert httpx.get(f"{base}/v1/devices", headers=h).status_code == 200
         p.client.reserve("sb", 1)
         poll(lambda: master.beats[-1][1]["capacity"]["allocatable"] == 3)
