@@ -32,7 +32,7 @@ from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
-from cubeaccel.wire.http_server import server_config
+from cubeaccel.wire.http_server import PEER_KEY, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
 # Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
@@ -40,12 +40,17 @@ AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
 
 
 def create_app(
-    cubelet: Cubelet, local: bool = True, token: str | None = None, audit: AuditLog | None = None
+    cubelet: Cubelet,
+    local: bool = True,
+    token: str | None = None,
+    audit: AuditLog | None = None,
+    peer_uids: frozenset[int] | None = None,
 ) -> FastAPI:
     """`local` (the unix socket, root-owned) also serves shim reports and reconcile; the TCP listener that
     CubeMaster uses does not, so nothing on the network can forge VM evidence. The TCP listener
     (`local=False`) answers only a caller presenting this node's token (CubeMaster), which forwards an admin's
-    device verbs there (docs/security.md)."""
+    device verbs there (docs/security.md). `peer_uids`: on the unix socket, the uids a caller may have
+    (SO_PEERCRED, read by the HTTP server); anyone else is refused, whatever the socket's file mode."""
     app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,))
     if not local:
         if not token:
@@ -69,6 +74,24 @@ def create_app(
                 return error_response(CubeError(code, "the Cubelet's TCP API answers CubeMaster only", "api", {}, 401))
             return await call_next(request)
 
+    if local and peer_uids is not None:
+
+        @app.middleware("http")
+        async def _only_local_root(request: Request, call_next: Any) -> Any:
+            peer = request.scope.get(PEER_KEY)
+            if peer is not None and peer[1] not in peer_uids:
+                request.state.error_code = "auth.peer_not_allowed"
+                return error_response(
+                    CubeError(
+                        "auth.peer_not_allowed",
+                        f"uid {peer[1]} may not use the Cubelet's socket (root or the Cubelet's own uid only)",
+                        "api",
+                        {"uid": peer[1]},
+                        403,
+                    )
+                )
+            return await call_next(request)
+
     if audit is not None:
         who = "local-socket" if local else f"node-token:{cubelet.config.node_name} (CubeMaster)"
 
@@ -79,6 +102,8 @@ def create_app(
             path, refused = request.url.path, response.status_code >= 400
             mutation = request.method not in ("GET", "HEAD", "OPTIONS") and path not in AUDIT_REFUSALS_ONLY
             if refused or mutation:
+                creds = request.scope.get(PEER_KEY)  # the unix socket's caller, as the kernel says
+                peer = {} if creds is None else {"peer_pid": creds[0], "peer_uid": creds[1]}
                 await run_in_threadpool(
                     audit.append,
                     _action(request),
@@ -90,6 +115,7 @@ def create_app(
                     request_id=request.headers.get("x-request-id"),
                     target=path,
                     node=cubelet.config.node_name,
+                    **peer,
                 )
             return response
 
@@ -301,6 +327,11 @@ class Ticker:
                     t.event("reconcile_failed", "cubelet", reason=type(e).__name__, details={"error": str(e)})
 
 
+def local_uids() -> frozenset[int]:
+    """Who may use the unix socket: root and the Cubelet's own uid (the shims it starts run as that uid)."""
+    return frozenset({0, os.geteuid()})
+
+
 def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, token: str | None = None) -> None:
     import uvicorn
 
@@ -316,7 +347,8 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, t
     finally:
         os.umask(old)
     os.chmod(socket_path, 0o600)
-    configs = [server_config(create_app(cubelet, local=True, audit=audit), fd=local.fileno())]
+    local_app = create_app(cubelet, local=True, audit=audit, peer_uids=local_uids())
+    configs = [server_config(local_app, fd=local.fileno())]
     if listen is not None:
         configs.append(
             server_config(create_app(cubelet, local=False, token=token, audit=audit), host=listen[0], port=listen[1])
