@@ -20,9 +20,9 @@ from tests.support.poll import poll
 PROFILES = {"n1": "2xh100"}
 
 
-def audit(*args: str) -> subprocess.CompletedProcess[str]:
+def audit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cubeaccel", "audit", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "cubeaccel", "audit", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 
@@ -80,6 +80,17 @@ def test_a_scripted_session_is_audited_once_per_mutation_and_verify_finds_tamper
     removed.write_text("\n".join([*lines[:3], *lines[4:]]) + "\n")
     bad = audit("--file", str(removed), "--verify")
     assert bad.returncode == 1 and "line 4: prev" in bad.stdout, bad.stdout
+    cut = tmp_path / "cut.jsonl"  # the last two lines removed: a valid chain, only shorter
+    cut.write_text("\n".join(lines[:-2]) + "\n")
+    (tmp_path / "cut.jsonl.head").write_bytes((log.parent / "audit.jsonl.head").read_bytes())
+    bad = audit("--file", str(cut), "--verify")
+    assert bad.returncode == 1 and "entries were cut off" in bad.stdout, bad.stdout
+    (tmp_path / "cut.jsonl.head").unlink()  # the head file removed too: CubeMaster's database still has the seal
+    env = {**os.environ, "CUBEACCEL_API_KEY": c.master.admin_key}
+    bad = audit("--file", str(cut), "--verify", "--master-seal", "--master", c.master.url, env=env)
+    assert bad.returncode == 1 and "seal: seq" in bad.stdout and "cut off" in bad.stdout, bad.stdout + bad.stderr
+    ok = audit("--file", str(log), "--verify", "--master-seal", "--master", c.master.url, env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
     q = audit("--file", str(log), "--tenant", "acme", "--action", "sandbox:")
     assert {json.loads(x)["action"] for x in q.stdout.splitlines()} == {"sandbox:create", "sandbox:delete"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -215,7 +215,7 @@ def device_cmd(
 ) -> None:
     """Operator verbs on one device; audited with who and why. With --node, through CubeMaster with an admin
     key, which is then the audited identity (--who is not taken)."""
-    extra = {"restore_driver": True} if restore_driver else {}
+    extra: dict[str, Any] = {"restore_driver": True} if restore_driver else {}
     if node is not None:
         if who is not None:
             raise typer.BadParameter("--who is the admin key's identity through CubeMaster; leave it out")

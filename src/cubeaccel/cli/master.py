@@ -447,16 +447,30 @@ def audit_cmd(
     tenant: Annotated[str | None, typer.Option()] = None,
     action: Annotated[str | None, typer.Option(help="e.g. sandbox:create, or a prefix: sandbox:")] = None,
     verify: Annotated[bool, typer.Option(help="check the hash chain; exit 1 on any break")] = False,
+    head: Annotated[Path | None, typer.Option(help="--verify: the sealed head file (default FILE.head)")] = None,
+    master_seal: Annotated[
+        bool, typer.Option(help="--verify: also against the head CubeMaster sealed in its database (admin key)")
+    ] = False,
+    url: MasterUrl = None,
 ) -> None:
-    """Query (or verify) CubeMaster's audit log, a local file of hash-chained JSON lines."""
-    from cubeaccel.host.audit import read
+    """Query (or verify) an audit log (CubeMaster's or a Cubelet's), a local file of hash-chained JSON lines.
+    --verify finds edited, removed or reordered lines, and a cut-off tail against the sealed head."""
+    from cubeaccel.host.audit import log_id, read
     from cubeaccel.host.audit import verify as check
 
     if not path.exists():
         console.print(f"[red]error[/red] no audit log at {path}")
         raise typer.Exit(1)
     if verify:
-        problems = check(path)
+        seals: list[dict[str, Any]] = []
+        if master_seal:
+            lid = log_id(path) or ""
+            held = _call(url, lambda c: c.request("GET", "/v1/audit/seals"))["seals"]
+            seals = [s for s in held if lid.startswith(s["log"])]
+            if not seals:
+                print("CubeMaster holds no seal for this log")
+                raise typer.Exit(1)
+        problems = check(path, head, seals)
         for p in problems:
             print(p)
         print("audit log intact" if not problems else f"{len(problems)} break(s) in the chain")

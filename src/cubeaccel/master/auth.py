@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -269,3 +270,33 @@ def bootstrap(auth: Auth) -> dict[str, str] | None:
             raise
     _, tenant = auth.create_key(TENANT, DEFAULT_TENANT)
     return {"admin": admin, DEFAULT_TENANT: tenant}
+
+
+# ---- audit seals: each replica's log head, kept in the database (host/audit.py) --------------------------
+SEAL_PREFIX = "audit_seal:"
+
+
+def seal_key(log_id: str) -> str:
+    return SEAL_PREFIX + log_id[:32]  # fits meta.key; 128 bits tell logs apart
+
+
+def audit_sealer(store: MasterStore) -> Any:
+    """A sealer for `AuditLog`: the newest (seq, hash) of a log in `meta`, so cutting the file's tail shows."""
+
+    def seal(log_id: str, seq: int, digest: str) -> None:
+        value = json.dumps({"seq": seq, "hash": digest})
+        key = seal_key(log_id)
+        with store.tx() as c:
+            row = c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == key).with_for_update()).first()
+            if row is None:
+                c.execute(S.meta.insert().values(key=key, value=value))
+            elif int(json.loads(row.value)["seq"]) < seq:  # never back: a late writer cannot undo a seal
+                c.execute(S.meta.update().where(S.meta.c.key == key).values(value=value))
+
+    return seal
+
+
+def audit_seals(store: MasterStore) -> list[dict[str, Any]]:
+    with store.tx() as c:
+        rows = c.execute(sa.select(S.meta).where(S.meta.c.key.startswith(SEAL_PREFIX))).all()
+    return [{"log": r.key[len(SEAL_PREFIX) :], **json.loads(r.value)} for r in rows]

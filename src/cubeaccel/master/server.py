@@ -17,7 +17,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute
 
 from cubeaccel.host.audit import AuditLog
-from cubeaccel.master.auth import ADMIN, ANON, ANONYMOUS, DEFAULT_TENANT, NODE, TENANT, Identity, Quota, forbidden
+from cubeaccel.master.auth import (
+    ADMIN,
+    ANON,
+    ANONYMOUS,
+    DEFAULT_TENANT,
+    NODE,
+    TENANT,
+    Identity,
+    Quota,
+    audit_sealer,
+    audit_seals,
+    forbidden,
+)
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
@@ -71,6 +83,7 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("POST", "/v1/tenants/{tenant}/keys"): (ADMINS, "key:create"),
     ("POST", "/v1/admin-keys"): (ADMINS, "key:create_admin"),
     ("DELETE", "/v1/keys/{key_id}"): (ADMINS, "key:revoke"),
+    ("GET", "/v1/audit/seals"): (ADMINS, "audit:seals"),
 }
 # Mutations audited only when refused: a routine heartbeat every few seconds would drown the log.
 AUDIT_REFUSALS_ONLY = {"node:heartbeat"}
@@ -119,7 +132,7 @@ def create_app(
     """`audit`: the audit log (a path or an open log); None keeps none (unit tests that do not look at it)."""
     app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument))
     auth = master.auth
-    log = AuditLog(audit) if isinstance(audit, Path) else audit
+    log = AuditLog(audit, sealers=[audit_sealer(master.store)]) if isinstance(audit, Path) else audit
 
     def authorize(request: Request) -> Identity:
         """Every route: who is calling (401 without a valid credential), and may they (403)?"""
@@ -222,6 +235,11 @@ def create_app(
     def revoke_key(key_id: str) -> dict[str, Any]:
         auth.revoke_key(key_id)
         return {"revoked": key_id}
+
+    @app.get("/v1/audit/seals", response_model=W.AuditSeals)
+    def seals() -> dict[str, Any]:
+        """Each audit log's sealed head (`cubeaccel audit --verify --master-seal`: a cut-off tail shows)."""
+        return {"seals": audit_seals(master.store)}
 
     @app.post("/v1/nodes/{node}/credential", status_code=201, response_model=W.NodeCredential)
     def enrol(node: str) -> dict[str, Any]:

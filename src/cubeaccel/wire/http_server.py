@@ -79,7 +79,7 @@ class GuardedH11(H11Protocol):
                 scope[PEER_KEY] = peer
                 await inner(scope, receive, send)
 
-            self.app = with_peer  # type: ignore[assignment]
+            self.app = with_peer
 
     def _arm(self) -> None:
         if self._header_timer is None:

@@ -255,3 +255,13 @@ class NodeDevices(Reply):
 class NodeDevice(Reply):
     node: str
     device: dict[str, Any]
+
+
+class AuditSeal(Record):
+    log: str  # the first 32 hex digits of the log's first entry's hash
+    seq: int
+    hash: str
+
+
+class AuditSeals(Reply):
+    seals: list[AuditSeal]
