@@ -179,3 +179,26 @@ def test_the_device_cli_goes_through_cubemaster_with_node(c: Cluster) -> None:
     assert json.loads(listed.stdout)["devices"][0]["state"] == "quarantined"
     r = cli("device", "recover", dev, "--reason", "clean")
     assert r.returncode == 0 and c.cubelets["n1"].client.devices()[0]["state"] == "allocatable", r.stdout
+
+
+def test_a_tenant_rotates_its_key_with_the_cli(c: Cluster, tmp_path: Path) -> None:
+    made = c.c.request("POST", "/v1/tenants", {"name": "rotating"})
+    old_id, old = made["key_id"], made["key"]
+
+    def cli(key: str, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "CUBEACCEL_API_KEY": key}
+        cmd = [sys.executable, "-m", "cubeaccel", "key", *args, "--master", c.master.url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+    r = cli(old, "create", "--out", str(tmp_path / "new.key"))
+    assert r.returncode == 0 and old not in r.stdout, r.stdout + r.stderr
+    new = (tmp_path / "new.key").read_text().strip()
+    assert new not in r.stdout and (tmp_path / "new.key").stat().st_mode & 0o777 == 0o600
+    assert json.loads(r.stdout)["tenant"] == "rotating"
+    listed = json.loads(cli(new, "list").stdout)
+    assert {k["key_id"] for k in listed} == {old_id, json.loads(r.stdout)["key_id"]}
+    assert cli(new, "revoke", old_id).returncode == 0
+    with pytest.raises(CubeError) as e:
+        MasterClient(c.master.url, key=old).sandboxes()
+    assert e.value.code == "auth.invalid_credential"
+    assert MasterClient(c.master.url, key=new).sandboxes() == []

@@ -13,6 +13,7 @@ from cubeaccel.cli.master import MasterUrl, _call
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.wire.node_sig import TokenFile
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
 
@@ -91,7 +92,7 @@ def serve_cmd(
         raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
     if addr is not None and node_token_file is None:
         raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
-    token = node_token_file.read_text().strip() if node_token_file is not None else None
+    token = TokenFile(node_token_file).current if node_token_file is not None else None  # re-read on change
     if (
         tick <= 0
         or reservation_ttl <= 0

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import re
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -30,6 +30,7 @@ from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
+from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.http_server import PEER_KEY, server_config
@@ -42,7 +43,7 @@ AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
 def create_app(
     cubelet: Cubelet,
     local: bool = True,
-    token: str | None = None,
+    token: str | Callable[[], str | None] | None = None,
     audit: AuditLog | None = None,
     peer_uids: frozenset[int] | None = None,
 ) -> FastAPI:
@@ -53,25 +54,44 @@ def create_app(
     (SO_PEERCRED, read by the HTTP server); anyone else is refused, whatever the socket's file mode."""
     app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,))
     if not local:
-        if not token:
+        current = token if callable(token) else (lambda: token)
+        if not current():
             raise ValueError("the Cubelet's TCP API needs the node token it accepts")
-        expected = f"Bearer {token}".encode()
-        throttle = Throttle()
+        throttle, nonces = Throttle(), node_sig.NonceCache()
+
+        async def signed_by_master(request: Request) -> str | None:
+            """None if CubeMaster signed this request's headers with the current node token, else why not. The
+            body is checked against the signed hash by `signed_body`, once the edge guard has read it."""
+            claim = node_sig.parse(request.headers.get("authorization"), request.headers.get(node_sig.BODY_HEADER))
+            now = current()
+            if claim is None or not now:
+                return "the Cubelet's TCP API answers CubeMaster only (a CubeSig signature)"
+            target = node_sig.target_of(request.url.path, request.url.query)
+            why = node_sig.check(claim, now, request.method, target, nonces)
+            if why is None:
+                request.state.node_claim = claim
+            return why
+
+        async def signed_body(request: Request) -> None:
+            claim = getattr(request.state, "node_claim", None)
+            if claim is not None and not node_sig.body_matches(claim, await request.body()):
+                raise CubeError("auth.invalid_credential", "the body is not the one signed", "api", {}, 401)
+
+        app.router.dependencies.append(Depends(signed_body))
 
         @app.middleware("http")
         async def _only_master(request: Request, call_next: Any) -> Any:
-            given = request.headers.get("authorization", "").encode()
             # The workload proxy checks the sandbox's own access token (hashed in its checkpoint) instead.
             exempt = request.url.path == "/v1/health" or _WORKLOAD_PATH.match(request.url.path) is not None
-            if not exempt and not hmac.compare_digest(given, expected):
+            if not exempt and (why := await signed_by_master(request)) is not None:
                 source = request.client.host if request.client else "?"
                 try:
                     throttle.check(source)
                 except CubeError as e:
                     return error_response(e)
                 throttle.fail(source)
-                code = "auth.invalid_credential" if given else "auth.missing_credential"
-                return error_response(CubeError(code, "the Cubelet's TCP API answers CubeMaster only", "api", {}, 401))
+                code = "auth.invalid_credential" if request.headers.get("authorization") else "auth.missing_credential"
+                return error_response(CubeError(code, why, "api", {}, 401))
             return await call_next(request)
 
     if local and peer_uids is not None:
@@ -332,7 +352,12 @@ def local_uids() -> frozenset[int]:
     return frozenset({0, os.geteuid()})
 
 
-def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, token: str | None = None) -> None:
+def serve(
+    cubelet: Cubelet,
+    socket_path: Path,
+    listen: tuple[str, int] | None,
+    token: str | Callable[[], str | None] | None = None,
+) -> None:
     import uvicorn
 
     audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir

@@ -24,6 +24,7 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE
+from cubeaccel.wire import node_sig
 
 ADMIN, TENANT, NODE, ANONYMOUS = "admin", "tenant", "node", "anonymous"
 DEFAULT_TENANT = "default"
@@ -49,6 +50,16 @@ class Identity:
 
 
 ANON = Identity(ANONYMOUS)
+
+
+@dataclass(frozen=True)
+class SignedRequest:
+    """What a node's signature must cover: the request as received."""
+
+    method: str
+    target: str
+    body: bytes
+    body_sha: str | None
 
 
 @dataclass(frozen=True)
@@ -97,37 +108,48 @@ class Auth:
     def __init__(self, store: MasterStore, throttle: Throttle | None = None) -> None:
         self.store = store
         self.throttle = throttle or Throttle()
+        self.nonces = node_sig.NonceCache()  # this replica's: see docs/security.md for the window across replicas
         with store.tx() as c:
             self._secret = bytes.fromhex(
                 c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == "node_secret")).scalar_one()
             )
 
     # ---- verifying ----------------------------------------------------------------------------------
-    def authenticate(self, header: str | None, source: str) -> Identity | None:
-        """The caller's identity from an `Authorization: Bearer …` header; None when there is none."""
+    def authenticate(self, header: str | None, source: str, signed: SignedRequest | None = None) -> Identity | None:
+        """The caller's identity from `Authorization: Bearer <API key>` or a node's `CubeSig` signature
+        (`signed`: the request it must match); None when there is no credential."""
         if not header:
             return None
         self.throttle.check(source)
         scheme, _, token = header.partition(" ")
-        ident = self._verify(token.strip()) if scheme.lower() == "bearer" else None
+        why = "the credential is unknown, malformed or revoked"
+        ident: Identity | None = None
+        if scheme.lower() == "bearer" and token.strip().startswith("cbn:"):
+            why = "a node token is never sent itself: node requests are signed (CubeSig)"
+        elif scheme.lower() == "bearer":
+            ident = self._verify(token.strip())
+        elif scheme == node_sig.SCHEME and signed is not None:
+            ident, why = self._verify_signed(header, signed)
         if ident is None:
             self.throttle.fail(source)
-            raise unauthorized("auth.invalid_credential", "the credential is unknown, malformed or revoked")
+            raise unauthorized("auth.invalid_credential", why)
         return ident
 
+    def _verify_signed(self, header: str, req: SignedRequest) -> tuple[Identity | None, str]:
+        claim = node_sig.parse(header, req.body_sha)
+        if claim is None or NODE_ID_RE.fullmatch(claim.node) is None:
+            return None, "a malformed node signature"
+        with self.store.tx() as c:
+            r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == claim.node)).first()
+        if r is None or r.revoked or r.generation != claim.generation:
+            return None, "the node's credential is unknown, revoked or replaced"
+        token = self.node_token(claim.node, claim.generation)
+        why = node_sig.check(claim, token, req.method, req.target, self.nonces)
+        if why is None and not node_sig.body_matches(claim, req.body):
+            why = "the body is not the one signed"
+        return (Identity(NODE, node=claim.node), "") if why is None else (None, why)
+
     def _verify(self, token: str) -> Identity | None:
-        if token.startswith("cbn:"):
-            parts = token.split(":")
-            if len(parts) != 4 or not parts[2].isdigit():
-                return None
-            node, gen = parts[1], int(parts[2])
-            if not hmac.compare_digest(self.node_token(node, gen), token):
-                return None
-            with self.store.tx() as c:
-                r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == node)).first()
-            if r is None or r.revoked or r.generation != gen:
-                return None
-            return Identity(NODE, node=node)
         parts = token.split("_")
         if len(parts) != 3 or parts[0] != "cbk":
             return None
@@ -170,13 +192,23 @@ class Auth:
             )
         return kid, key
 
-    def revoke_key(self, kid: str) -> None:
+    def keys(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Live keys (ids, never digests): one tenant's, or (None) every key."""
+        q = sa.select(S.api_keys).where(S.api_keys.c.revoked_at.is_(None)).order_by(S.api_keys.c.created_at)
+        if tenant is not None:
+            q = q.where(S.api_keys.c.tenant == tenant)
         with self.store.tx() as c:
-            n = c.execute(
-                S.api_keys.update()
-                .where(S.api_keys.c.id == kid, S.api_keys.c.revoked_at.is_(None))
-                .values(revoked_at=time.time())
-            ).rowcount
+            return [
+                {"key_id": r.id, "role": r.role, "tenant": r.tenant, "created_at": r.created_at} for r in c.execute(q)
+            ]
+
+    def revoke_key(self, kid: str, tenant: str | None = None) -> None:
+        """Revoke `kid`; with `tenant`, only if it is that tenant's (another's is 404, as if it did not exist)."""
+        cond = [S.api_keys.c.id == kid, S.api_keys.c.revoked_at.is_(None)]
+        if tenant is not None:
+            cond.append(S.api_keys.c.tenant == tenant)
+        with self.store.tx() as c:
+            n = c.execute(S.api_keys.update().where(*cond).values(revoked_at=time.time())).rowcount
         if n != 1:
             raise CubeError("key.not_found", f"no live key {kid!r}", "api", {}, 404)
 

@@ -26,6 +26,7 @@ from cubeaccel.master.auth import (
     TENANT,
     Identity,
     Quota,
+    SignedRequest,
     audit_sealer,
     audit_seals,
     forbidden,
@@ -37,6 +38,7 @@ from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
 from cubeaccel.wire import master_api as W
+from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import api_app, json_body
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.heartbeat import Heartbeat
@@ -82,7 +84,9 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
     ("POST", "/v1/tenants/{tenant}/keys"): (ADMINS, "key:create"),
     ("POST", "/v1/admin-keys"): (ADMINS, "key:create_admin"),
-    ("DELETE", "/v1/keys/{key_id}"): (ADMINS, "key:revoke"),
+    ("POST", "/v1/keys"): (USERS, "key:create_own"),
+    ("GET", "/v1/keys"): (USERS, "key:list"),
+    ("DELETE", "/v1/keys/{key_id}"): (USERS, "key:revoke"),
     ("GET", "/v1/audit/seals"): (ADMINS, "audit:seals"),
 }
 # Mutations audited only when refused: a routine heartbeat every few seconds would drown the log.
@@ -134,7 +138,7 @@ def create_app(
     auth = master.auth
     log = AuditLog(audit, sealers=[audit_sealer(master.store)]) if isinstance(audit, Path) else audit
 
-    def authorize(request: Request) -> Identity:
+    async def authorize(request: Request) -> Identity:
         """Every route: who is calling (401 without a valid credential), and may they (403)?"""
         rule = POLICY.get(route_key(request.scope["route"], request.method))
         request.state.action = rule[1] if rule else f"{request.method} {request.url.path}"
@@ -147,7 +151,13 @@ def create_app(
             request.state.identity = ANON
             return ANON
         source = request.client.host if request.client else "?"
-        ident = auth.authenticate(request.headers.get("authorization"), source) or ANON
+        header = request.headers.get("authorization")
+        signed = None
+        if header and header.startswith(node_sig.SCHEME + " "):  # a node: the signature covers the body
+            target = node_sig.target_of(request.url.path, request.url.query)
+            body_sha = request.headers.get(node_sig.BODY_HEADER)
+            signed = SignedRequest(request.method, target, await request.body(), body_sha)
+        ident = await run_in_threadpool(auth.authenticate, header, source, signed) or ANON
         request.state.identity = ident
         if ident.role not in roles:
             if ident.role == ANONYMOUS:
@@ -231,9 +241,25 @@ def create_app(
         kid, key = auth.create_key(ADMIN)
         return {"key_id": kid, "key": key, "tenant": None}
 
+    @app.post("/v1/keys", status_code=201, response_model=W.KeyCreated)
+    def create_own_key(request: Request) -> dict[str, Any]:
+        """Rotation without downtime: a second key for the caller's own tenant (an admin: an admin key); both
+        work until the old one is revoked."""
+        ident: Identity = request.state.identity
+        request.state.tenant = ident.tenant
+        kid, key = auth.create_key(ident.role, ident.tenant)
+        return {"key_id": kid, "key": key, "tenant": ident.tenant}
+
+    @app.get("/v1/keys", response_model=W.KeyList)
+    def keys(request: Request) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        return {"keys": auth.keys(ident.tenant if ident.role == TENANT else None)}
+
     @app.delete("/v1/keys/{key_id}", response_model=W.Revoked)
-    def revoke_key(key_id: str) -> dict[str, Any]:
-        auth.revoke_key(key_id)
+    def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        request.state.tenant = ident.tenant
+        auth.revoke_key(key_id, ident.tenant if ident.role == TENANT else None)
         return {"revoked": key_id}
 
     @app.get("/v1/audit/seals", response_model=W.AuditSeals)

@@ -9,16 +9,17 @@ from urllib.parse import quote
 import httpx
 
 from cubeaccel.wire.http_reply import reply_body
+from cubeaccel.wire.node_sig import NodeAuth
 
 
 class CubeletClient:
     def __init__(
         self, socket: Path | None = None, url: str | None = None, timeout: float = 30.0, token: str | None = None
     ) -> None:
-        """`token`: the node token the Cubelet's TCP listener asks for (CubeMaster's; none on the unix socket)."""
-        headers = {"Authorization": f"Bearer {token}"} if token else None
+        """`token`: the node token CubeMaster signs its requests to the Cubelet's TCP listener with (none on the
+        unix socket)."""
         if url is not None:
-            self._http = httpx.Client(base_url=url, timeout=timeout, headers=headers)
+            self._http = httpx.Client(base_url=url, timeout=timeout, auth=NodeAuth(token) if token else None)
         elif socket is not None:
             self._http = httpx.Client(
                 transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://cubelet", timeout=timeout

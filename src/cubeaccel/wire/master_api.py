@@ -223,6 +223,17 @@ class KeyCreated(Reply):
     tenant: str | None
 
 
+class KeyRow(Record):
+    key_id: str
+    role: str
+    tenant: str | None
+    created_at: float
+
+
+class KeyList(Reply):
+    keys: list[KeyRow]
+
+
 class Revoked(Reply):
     revoked: str
 
