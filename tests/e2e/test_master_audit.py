@@ -202,3 +202,6 @@ def test_a_tenant_rotates_its_key_with_the_cli(c: Cluster, tmp_path: Path) -> No
         MasterClient(c.master.url, key=old).sandboxes()
     assert e.value.code == "auth.invalid_credential"
     assert MasterClient(c.master.url, key=new).sandboxes() == []
+    entries = [json.loads(x) for x in c.master.audit_log.read_text().splitlines()]
+    done = Counter(e["action"] for e in entries if e.get("tenant") == "rotating" and e["outcome"] == "ok")
+    assert done == {"tenant:create": 1, "key:create_own": 1, "key:revoke": 1}, done
