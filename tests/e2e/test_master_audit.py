@@ -86,6 +86,8 @@ def test_a_scripted_session_is_audited_once_per_mutation_and_verify_finds_tamper
     bad = audit("--file", str(cut), "--verify")
     assert bad.returncode == 1 and "entries were cut off" in bad.stdout, bad.stdout
     (tmp_path / "cut.jsonl.head").unlink()  # the head file removed too: CubeMaster's database still has the seal
+    last = json.loads(lines[-1])["seq"]  # sealed by a background writer: wait for it to reach the last line
+    poll(lambda: any(s["seq"] >= last for s in admin.request("GET", "/v1/audit/seals")["seals"]))
     env = {**os.environ, "CUBEACCEL_API_KEY": c.master.admin_key}
     bad = audit("--file", str(cut), "--verify", "--master-seal", "--master", c.master.url, env=env)
     assert bad.returncode == 1 and "seal: seq" in bad.stdout and "cut off" in bad.stdout, bad.stdout + bad.stderr

@@ -12,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cubeaccel.host.audit import AuditLog, head_path, log_id, read_head, verify
+from cubeaccel.master.auth import DatabaseSeal, audit_seals
+from cubeaccel.master.store import MasterStore
 
 
 def written(tmp_path: Path, n: int, **kw: Any) -> tuple[AuditLog, list[str]]:
@@ -28,6 +30,21 @@ def test_an_intact_log_verifies_and_its_head_is_sealed_owner_only(tmp_path: Path
     assert head is not None and head["seq"] == 5 and head["hash"] == json.loads(lines[-1])["hash"]
     assert head["log"] == log_id(log.path) == json.loads(lines[0])["hash"]
     assert head_path(log.path).stat().st_mode & 0o777 == 0o600
+
+
+def test_the_database_seal_keeps_the_newest_head_of_each_log(tmp_path: Path) -> None:
+    store = MasterStore(str(tmp_path / "m.db"))
+    seal = DatabaseSeal(store)
+    log, lines = written(tmp_path, 5, sealers=[seal])
+    seal(log_id(log.path) or "", 2, "an older head arriving late")  # never moves the seal back
+    assert seal.flush()
+    [held] = audit_seals(store)
+    assert (held["seq"], held["hash"]) == (5, json.loads(lines[-1])["hash"])
+    assert str(log_id(log.path)).startswith(held["log"])
+    log.path.write_text("\n".join(lines[:3]) + "\n")
+    head_path(log.path).unlink()
+    assert any("cut off" in p for p in verify(log.path, seals=[held]))
+    store.close()
 
 
 @settings(max_examples=25, deadline=None)

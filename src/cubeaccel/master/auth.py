@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,20 +313,62 @@ def seal_key(log_id: str) -> str:
     return SEAL_PREFIX + log_id[:32]  # fits meta.key; 128 bits tell logs apart
 
 
-def audit_sealer(store: MasterStore) -> Any:
-    """A sealer for `AuditLog`: the newest (seq, hash) of a log in `meta`, so cutting the file's tail shows."""
+class DatabaseSeal:
+    """A sealer for `AuditLog`: the newest (seq, hash) of each log in `meta`, so cutting the file's tail shows
+    even when its head file goes too. Written by one background thread that keeps only the newest head: an
+    audited request does not wait for a database commit, and a burst costs one write. The seal may lag the
+    log by what that thread has not written yet (never lead it)."""
 
-    def seal(log_id: str, seq: int, digest: str) -> None:
+    def __init__(self, store: MasterStore) -> None:
+        self.store = store
+        self._pending: dict[str, tuple[int, str]] = {}
+        self._cv = threading.Condition()
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="audit-seal", daemon=True)
+        self._thread.start()
+
+    def __call__(self, log_id: str, seq: int, digest: str) -> None:
+        with self._cv:
+            if self._pending.get(log_id, (0, ""))[0] < seq:
+                self._pending[log_id] = (seq, digest)
+            self._cv.notify_all()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every head handed over is in the database (tests; shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout_s)
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._pending))
+                batch, self._pending, self._busy = self._pending, {}, True
+            try:
+                for log_id, (seq, digest) in batch.items():
+                    self._write(log_id, seq, digest)
+                failures = 0
+            except Exception:  # the database is away: retry the newest head a few times, then wait for the next
+                failures += 1
+                with self._cv:
+                    for log_id, head in batch.items():
+                        if failures < 3:
+                            self._pending.setdefault(log_id, head)
+                time.sleep(0.5)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _write(self, log_id: str, seq: int, digest: str) -> None:
         value = json.dumps({"seq": seq, "hash": digest})
         key = seal_key(log_id)
-        with store.tx() as c:
+        with self.store.tx() as c:
             row = c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == key).with_for_update()).first()
             if row is None:
                 c.execute(S.meta.insert().values(key=key, value=value))
             elif int(json.loads(row.value)["seq"]) < seq:  # never back: a late writer cannot undo a seal
                 c.execute(S.meta.update().where(S.meta.c.key == key).values(value=value))
-
-    return seal
 
 
 def audit_seals(store: MasterStore) -> list[dict[str, Any]]:

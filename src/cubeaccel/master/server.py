@@ -24,10 +24,10 @@ from cubeaccel.master.auth import (
     DEFAULT_TENANT,
     NODE,
     TENANT,
+    DatabaseSeal,
     Identity,
     Quota,
     SignedRequest,
-    audit_sealer,
     audit_seals,
     forbidden,
 )
@@ -136,7 +136,7 @@ def create_app(
     """`audit`: the audit log (a path or an open log); None keeps none (unit tests that do not look at it)."""
     app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument))
     auth = master.auth
-    log = AuditLog(audit, sealers=[audit_sealer(master.store)]) if isinstance(audit, Path) else audit
+    log = AuditLog(audit, sealers=[DatabaseSeal(master.store)]) if isinstance(audit, Path) else audit
 
     async def authorize(request: Request) -> Identity:
         """Every route: who is calling (401 without a valid credential), and may they (403)?"""
