@@ -5,12 +5,14 @@
 #  - apt package lists: `cubeaccel image build` fetches the guest kernel, busybox and python with `apt-get download`
 #  - postgresql: server binaries for tests/postgres (initdb/pg_ctl in a temp dir; no system cluster is used)
 #  - util-linux (setpriv, prlimit): the pinned-memory test drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK
+#  - chromium: the web dashboard's test drives Debian's headless Chromium over the DevTools protocol
 set -euo pipefail
 need=()
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v cpio >/dev/null || need+=(cpio)
 command -v gcc >/dev/null || need+=(gcc)
 command -v setpriv >/dev/null && command -v prlimit >/dev/null || need+=(util-linux)
+command -v chromium >/dev/null || need+=(chromium)
 # PostgreSQL server binaries for the CubeMaster replica tests (a throwaway cluster per test session)
 command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 lists_missing() {

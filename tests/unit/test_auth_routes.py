@@ -67,6 +67,9 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/keys"): T | A,
     ("DELETE", "/v1/keys/{key_id}"): T | A,
     ("GET", "/v1/audit/seals"): A,
+    ("GET", "/metrics"): A,
+    ("GET", "/dashboard"): ANY,  # the static page; its data is admins'
+    ("GET", "/v1/dashboard"): A,
 }
 # routes naming t1's sandbox or t1's spare key: other tenants see a 404
 OWNED = {"/v1/sandboxes/{sandbox_id}", "/v1/sandboxes/{sandbox_id}/timeout", "/v1/keys/{key_id}"}

@@ -34,9 +34,9 @@ NOT_CODES = {
     "agent.sock", "workload.sock", "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
-    "shim.pid", "undelivered.jsonl", "up.json", "vmm.log", "vmm.pid",
+    "shim.pid", "undelivered.jsonl", "up.json", "vmm.log", "vmm.pid", "dashboard.html",
     # module names (python -m, loggers)
-    "cubeaccel.master", "cubeaccel.shim",
+    "cubeaccel.master", "cubeaccel.shim", "cubeaccel.api", "cubeaccel.cubelet",
     # kernel parameters
     "iommu.passthrough", "iommu.strict", "vfio_iommu_type1.allow_unsafe_interrupts", "vfio_pci.ids",
     # Cloud Hypervisor API endpoints

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import json
 import os
 import signal
 from dataclasses import replace
@@ -13,6 +15,7 @@ import pytest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.template_spec import GuestKernel, ModulesImg
+from cubeaccel.wire.telemetry import set_request_id
 from cubeaccel.wire.templates import load_template
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
@@ -54,7 +57,10 @@ def emulated(tmp_path: Path, guest_image: Manifest) -> Any:
 def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
     emulated: CubeletProcess, guest_image: Manifest
 ) -> None:
-    body = emulated.client.reserve("vm-1", 1, contract=edu_contract(guest_image), start=True)
+    rid = f"vm-story-{os.getpid()}"  # as CubeMaster's call carries its request's id (wire.telemetry)
+    ctx = contextvars.copy_context()
+    ctx.run(set_request_id, rid)
+    body = ctx.run(emulated.client.reserve, "vm-1", 1, contract=edu_contract(guest_image), start=True)
     dev = body["devices"][0]["id"]
     poll(lambda: "guest_checked" in _kinds(emulated, "vm-1"), 120)
     assert _state(emulated, dev) == "attached"
@@ -83,6 +89,19 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
     assert kinds.index("device_detached") < kinds.index("release_confirmed")
     confirmed = [e for e in emulated.client.events(0, 10000)["events"] if e["event"] == "release_confirmed"]
     assert confirmed[-1]["details"]["holders"] == 0 and confirmed[-1]["details"]["reset"] is True
+    # One request id from the reserve through the shim's own log and back in its reports' transitions
+    shim_lines = [
+        json.loads(x) for x in (emulated.state_dir / "shims" / "vm-1.log").read_text().splitlines() if x[:1] == "{"
+    ]
+    assert {x["kind"] for x in shim_lines if x.get("msg") == "report" and x.get("request_id") == rid} >= {
+        "vm_started",
+        "device_attached",
+        "guest_validated",
+    }
+    cubelet_lines = [
+        json.loads(x) for x in (emulated.state_dir / "cubelet.log").read_text().splitlines() if x[:1] == "{"
+    ]
+    assert any(x.get("event") == "attach_succeeded" and x.get("request_id") == rid for x in cubelet_lines)
 
 
 def test_shim_killed_mid_sandbox_orphaned_vmm_is_stopped_then_released(emulated: CubeletProcess) -> None:

@@ -76,8 +76,12 @@ def serve_cmd(
         Path | None,
         typer.Option(help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set"),
     ] = None,
+    log_level: Annotated[str | None, typer.Option(help="JSON logs on stderr: debug|info|warning|error")] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
+    from cubeaccel.wire.telemetry import configure_logging
+
+    configure_logging(log_level)  # None: $CUBEACCEL_LOG_LEVEL, else info
     from cubeaccel.cubelet.inventory import initialize_host
     from cubeaccel.cubelet.lifecycle import CubeletConfig
     from cubeaccel.cubelet.reconcile import reconcile
@@ -124,6 +128,9 @@ def serve_cmd(
                 ),
             )
         )
+        from cubeaccel.cubelet.metrics import metrics_of
+
+        metrics_of(cubelet)  # counting from the first event: the host's initialization
         if holder_scan_exempt_pid:
             with cubelet.store.tx() as t:
                 t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})

@@ -99,9 +99,14 @@ def serve_cmd(
     default_timeout: Annotated[
         float, typer.Option(min=1.0, help="lifetime of a sandbox created without a timeout, seconds")
     ] = 3600.0,
+    log_level: Annotated[str | None, typer.Option(help="JSON logs on stderr: debug|info|warning|error")] = None,
 ) -> None:
     """Run CubeMaster: migrate the database, then serve the API."""
     import uvicorn
+
+    from cubeaccel.wire.telemetry import configure_logging
+
+    configure_logging(log_level)  # None: $CUBEACCEL_LOG_LEVEL, else info
 
     from cubeaccel.master.maintenance import Maintenance
     from cubeaccel.master.server import create_app

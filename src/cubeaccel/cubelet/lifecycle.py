@@ -41,6 +41,7 @@ from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
+from cubeaccel.wire.telemetry import request_id
 
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
@@ -267,7 +268,9 @@ class Cubelet(ReleasePath):
             raise conflict(
                 "prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation", layer="host_hardware"
             )
-        spec = self._spec(sandbox_id).model_copy(update={"workload": True, "workload_token": SecretStr(token)})
+        spec = self._spec(sandbox_id).model_copy(
+            update={"workload": True, "workload_token": SecretStr(token), "request_id": request_id()}
+        )
         self.issued_tokens[sandbox_id] = token  # handed to the caller by the API reply, once (take_token)
         try:
             self.shim.start(spec)

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -21,11 +22,13 @@ from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
+from cubeaccel.cubelet.metrics import metrics_of
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.store import Reservation
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.throttle import Throttle
 from cubeaccel.host.unix_path import connect_path
+from cubeaccel.model.cold_start import cold_start_phases
 from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -33,6 +36,7 @@ from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
 from cubeaccel.wire.http_server import PEER_KEY, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
@@ -49,10 +53,11 @@ def create_app(
 ) -> FastAPI:
     """`local` (the unix socket, root-owned) also serves shim reports and reconcile; the TCP listener that
     CubeMaster uses does not, so nothing on the network can forge VM evidence. The TCP listener
-    (`local=False`) answers only a caller presenting this node's token (CubeMaster), which forwards an admin's
+    (`local=False`) answers only requests CubeMaster signed with this node's token, which forwards an admin's
     device verbs there (docs/security.md). `peer_uids`: on the unix socket, the uids a caller may have
     (SO_PEERCRED, read by the HTTP server); anyone else is refused, whatever the socket's file mode."""
-    app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,))
+    metrics = metrics_of(cubelet)
+    app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,), telemetry=metrics.api)
     if not local:
         current = token if callable(token) else (lambda: token)
         if not current():
@@ -82,7 +87,10 @@ def create_app(
         @app.middleware("http")
         async def _only_master(request: Request, call_next: Any) -> Any:
             # The workload proxy checks the sandbox's own access token (hashed in its checkpoint) instead.
-            exempt = request.url.path == "/v1/health" or _WORKLOAD_PATH.match(request.url.path) is not None
+            # /metrics: device states and counts, no sandbox or tenant names (a scraper holds no node token).
+            exempt = (
+                request.url.path in ("/v1/health", "/metrics") or _WORKLOAD_PATH.match(request.url.path) is not None
+            )
             if not exempt and (why := await signed_by_master(request)) is not None:
                 source = request.client.host if request.client else "?"
                 try:
@@ -132,7 +140,7 @@ def create_app(
                     status=response.status_code,
                     reason=getattr(request.state, "error_code", None),
                     source=request.client.host if request.client else None,
-                    request_id=request.headers.get("x-request-id"),
+                    request_id=getattr(request.state, "request_id", None) or request.headers.get("x-request-id"),
                     target=path,
                     node=cubelet.config.node_name,
                     **peer,
@@ -186,7 +194,11 @@ def create_app(
             contract=body.contract,
             lifetime_s=body.lifetime_s,
         )
-        cubelet.reserve(body.sandbox_id, req)
+        try:
+            cubelet.reserve(body.sandbox_id, req)
+        except CubeError as e:
+            metrics.refused(e.code)
+            raise
         if body.start:
             cubelet.start(body.sandbox_id)
         return {
@@ -254,6 +266,15 @@ def create_app(
     def capacity() -> CapacitySummary:
         return capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name])
 
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/dashboard", response_model=NodeDashboard)
+    def dashboard(events: int = 50) -> dict[str, Any]:
+        """Devices, reservations with their cold-start waterfall, and the newest events: CubeMaster's page."""
+        return dashboard_json(cubelet, max(0, min(events, 500)))
+
     def run_reconcile() -> dict[str, Any]:
         return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
 
@@ -310,6 +331,27 @@ def _reservation_json(cubelet: Cubelet, sandbox_id: str, local: bool = True) -> 
         "devices": devs,
         "timeline": timeline,
         "failure": sandbox_failure(cubelet, sandbox_id),
+    }
+
+
+def dashboard_json(cubelet: Cubelet, n_events: int) -> dict[str, Any]:
+    sandboxes = []
+    for r in cubelet.store.reservations():
+        trail = [(e.kind, e.event, e.at) for e in cubelet.store.events(0, 10000, sandbox_id=r.sandbox_id)]
+        sandboxes.append(
+            {
+                "sandbox_id": r.sandbox_id,
+                "phase": r.phase.value,
+                "device_ids": r.device_ids,
+                "created_at": r.created_at,
+                "phases": cold_start_phases(trail),
+            }
+        )
+    return {
+        "node": cubelet.config.node_name,
+        "devices": [d.to_json() for d in cubelet.store.devices()],
+        "sandboxes": sandboxes,
+        "events": [{k: getattr(e, k) for k in EVENT_FIELDS} for e in cubelet.store.latest_events(n_events)],
     }
 
 

@@ -10,7 +10,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,17 +86,38 @@ class Reservation:
 _KEEP = object()
 
 
+# Decoded immutable columns by their stored text: a device's address, identity and labels are written once at
+# registration and read on every transition (a reserve+release cycle decodes ~15 device rows).
+_DECODED: dict[tuple[str, str, str], tuple[PciAddress, DeviceIdentity, dict[str, str]]] = {}
+_DECODED_MAX = 8192
+
+
+def _immutable_columns(r: sqlite3.Row) -> tuple[PciAddress, DeviceIdentity, dict[str, str]]:
+    key = (r["address"], r["identity"], r["labels"])
+    hit = _DECODED.get(key)
+    if hit is None:
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        hit = _DECODED[key] = (
+            PciAddress.parse(key[0]),
+            DeviceIdentity.from_json(json.loads(key[1])),
+            json.loads(key[2]),
+        )
+    return hit
+
+
 def _row_to_device(r: sqlite3.Row) -> DeviceRecord:
+    address, identity, labels = _immutable_columns(r)
     return DeviceRecord(
         id=r["id"],
-        address=PciAddress.parse(r["address"]),
-        identity=DeviceIdentity.from_json(json.loads(r["identity"])),
+        address=address,
+        identity=identity,
         accel_class=AcceleratorClass(r["accel_class"]),
         backend=r["backend"],
         numa_node=r["numa_node"],
         iommu_group=r["iommu_group"],
         expected_driver=r["expected_driver"],
-        labels=json.loads(r["labels"]),
+        labels=dict(labels),  # a copy: callers may build on it
         state=DeviceState(r["state"]),
         generation=r["generation"],
         reason=r["reason"],
@@ -118,12 +139,29 @@ def _row_to_reservation(r: sqlite3.Row) -> Reservation:
     )
 
 
+def _row_to_event(r: sqlite3.Row) -> Event:
+    return Event(
+        seq=r["seq"],
+        at=r["at"],
+        kind=r["kind"],
+        device_id=r["device_id"],
+        sandbox_id=r["sandbox_id"],
+        event=r["event"],
+        from_state=r["from_state"],
+        to_state=r["to_state"],
+        actor=r["actor"],
+        reason=r["reason"],
+        details=json.loads(r["details"]),
+    )
+
+
 class Tx:
     """Operations inside one BEGIN IMMEDIATE … COMMIT."""
 
-    def __init__(self, conn: sqlite3.Connection, now: float) -> None:
+    def __init__(self, conn: sqlite3.Connection, now: float, emitted: list[Event] | None = None) -> None:
         self.c = conn
         self.now = now
+        self.emitted = emitted  # events of this change, for the store's listeners once it is in (not on reads)
 
     # ---- devices --------------------------------------------------------------------------------
     def device(self, device_id: str) -> DeviceRecord | None:
@@ -293,6 +331,22 @@ class Tx:
                 json.dumps(details or {}, sort_keys=True, default=str),
             ),
         )
+        if self.emitted is not None:
+            self.emitted.append(
+                Event(
+                    0,
+                    self.now,
+                    kind,
+                    device_id,
+                    sandbox_id,
+                    event,
+                    from_state,
+                    to_state,
+                    str(actor),
+                    reason,
+                    details or {},
+                )
+            )
 
     def set_original_driver(self, device_id: str, driver: str | None) -> None:
         """The host driver before we bound vfio-pci: what `disable --restore-driver` gives back."""
@@ -345,6 +399,8 @@ class Store:
         self._failed: dict[int, BaseException] = {}
         self._closed = False
         self.commits = 0  # durable commits so far (the benchmark's commits per cycle)
+        # Called with each change's events once its transaction is in (metrics, logs); never inside the lock.
+        self.listeners: list[Callable[[list[Event]], None]] = []
         self._writer = threading.Thread(target=self._commit_loop, name="cubelet-store-writer", daemon=True)
         self._writer.start()
 
@@ -444,9 +500,14 @@ class Store:
             name = f"tx{depth}"
             self._conn.execute(f"SAVEPOINT {name}")
             self._local.depth = depth + 1
+            if depth == 0:
+                self._local.emitted = []
+            emitted: list[Event] = self._local.emitted
+            mark = len(emitted)
             try:
-                yield Tx(self._conn, float(self.clock()))
+                yield Tx(self._conn, float(self.clock()), emitted)
             except BaseException:
+                del emitted[mark:]
                 self._conn.execute(f"ROLLBACK TO {name}")
                 self._conn.execute(f"RELEASE {name}")
                 if depth == 0:  # end the batch soon even if nothing else comes: no write lock left held
@@ -458,6 +519,10 @@ class Store:
                 self._local.depth = depth
             self._conn.execute(f"RELEASE {name}")
         if depth == 0:
+            self._local.emitted = []
+            for listener in self.listeners if emitted else ():
+                with suppress(Exception):  # telemetry never fails a change that is already made
+                    listener(emitted)
             if durable:
                 self._await(batch)
             else:
@@ -522,22 +587,13 @@ class Store:
         args.append(limit)
         with self.read() as t:
             rows = t.c.execute(q, args).fetchall()
-        return [
-            Event(
-                seq=r["seq"],
-                at=r["at"],
-                kind=r["kind"],
-                device_id=r["device_id"],
-                sandbox_id=r["sandbox_id"],
-                event=r["event"],
-                from_state=r["from_state"],
-                to_state=r["to_state"],
-                actor=r["actor"],
-                reason=r["reason"],
-                details=json.loads(r["details"]),
-            )
-            for r in rows
-        ]
+        return [_row_to_event(r) for r in rows]
+
+    def latest_events(self, limit: int) -> list[Event]:
+        """The newest `limit` events, newest first (the dashboard's feed)."""
+        with self.read() as t:
+            rows = t.c.execute("SELECT * FROM events ORDER BY seq DESC LIMIT ?", (limit,)).fetchall()
+        return [_row_to_event(r) for r in rows]
 
     def close(self) -> None:
         with self._cv:

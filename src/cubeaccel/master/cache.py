@@ -3,16 +3,23 @@
 Views are refreshed from the store at most every `ttl_s`, and only the nodes whose heartbeat or state
 changed are re-read and re-parsed; the others keep their contract and device memos and get new claims.
 A decision made on a copy that is a little old is safe: the claim is re-checked under the node's row
-lock in the store.
+lock in the store. The views are also kept in a `NodeIndex`, so `decide` does not visit every node; decisions
+run under the cache's lock, since the index's sorted lists must not change under a merge.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
+from cubeaccel.master.index import NodeIndex
+from cubeaccel.master.scheduler import Decision, decide
+from cubeaccel.master.selector import Selector
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import NodeView
+from cubeaccel.model.contract import CompatibilityContract
+from cubeaccel.model.request import AcceleratorChoice
 
 
 class NodeCache:
@@ -20,14 +27,29 @@ class NodeCache:
         self.store = store
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._views: dict[str, NodeView] = {}
+        self._index = NodeIndex()
         self._loaded_at = 0.0
 
     def views(self, fresh: bool = False) -> list[NodeView]:
         with self._lock:
             if fresh or time.monotonic() - self._loaded_at > self.ttl_s:
                 self._reload()
-            return list(self._views.values())
+            return self._index.views()
+
+    def decide(
+        self,
+        choices: Sequence[tuple[AcceleratorChoice, CompatibilityContract, Selector | None]],
+        now: float,
+        staleness_s: float,
+        vcpus: int = 1,
+        fresh: bool = False,
+    ) -> tuple[Decision, int]:
+        """A decision over the indexed views, and how many nodes it was made over (for the refusal's counts)."""
+        with self._lock:
+            if fresh or time.monotonic() - self._loaded_at > self.ttl_s:
+                self._reload()
+            views = self._index.views()
+            return decide(views, choices, now, staleness_s, vcpus, index=self._index), len(views)
 
     def invalidate(self) -> None:
         with self._lock:
@@ -36,19 +58,24 @@ class NodeCache:
     def note_claim(self, node: str, group_key: str, count: int, pinned_mib: int = 0) -> None:
         """Our own claim, visible to this replica's next decisions before the next reload."""
         with self._lock:
-            v = self._views.get(node)
-            if v is not None:
-                v.claims = {**v.claims, group_key: v.claims.get(group_key, 0) + count}
-                v.memory_claims_mib += pinned_mib
+            try:
+                v = self._index.view(node)
+            except KeyError:
+                return
+            claims = {**v.claims, group_key: v.claims.get(group_key, 0) + count}
+            self._index.set_claims(node, claims, v.memory_claims_mib + pinned_mib)
 
     def _reload(self) -> None:
-        known = {name: (v.received_at, v.state) for name, v in self._views.items()}
+        old = {v.name: v for v in self._index.views()}
+        known = {name: (v.received_at, v.state) for name, v in old.items()}
         changed, names = self.store.node_views(known)
         claims, memory = self.store.claims(), self.store.memory_claims()
-        fresh = {name: self._views[name] for name in names if name in self._views}
-        fresh.update({v.name: v for v in changed})  # unchanged views keep their contract and device memos
-        for name, v in fresh.items():
-            v.claims = claims.get(name, {})
-            v.memory_claims_mib = memory.get(name, 0)
-        self._views = fresh
+        fresh = {name: old[name] for name in names if name in old}
+        for v in changed:  # unchanged views keep their contract and device memos
+            v.claims = claims.get(v.name, {})
+            v.memory_claims_mib = memory.get(v.name, 0)
+            fresh[v.name] = v
+        self._index.replace_all(fresh.values())
+        for name in fresh:
+            self._index.set_claims(name, claims.get(name, {}), memory.get(name, 0))
         self._loaded_at = time.monotonic()

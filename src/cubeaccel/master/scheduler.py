@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cubeaccel.master.index import Entry, NodeIndex, Slot, facts_key
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import Group, NodeView
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, label_mismatch
@@ -278,6 +279,60 @@ def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceO
     return ChoiceOutcome(ctx.choice, [Candidate(x[6], x[5], (-x[0], -x[1], -x[2])) for x in best], {})
 
 
+def evaluate_indexed(index: NodeIndex, ctx: Context, keep: int = 16) -> ChoiceOutcome:
+    """`evaluate`'s answer from the index: the same candidates in the same order, visiting only the entries
+    that can fit (`free >= count`) of the label sets that pass, best first, until `keep` pass the node checks."""
+    count, cutoff = ctx.choice.count, ctx.now - ctx.staleness_s
+    t = ctx.contract.template
+    verdict: dict[str, bool] = {}
+    streams: list[Iterator[tuple[int, int, int, str, int]]] = []
+    for slot in index.slots():
+        ok = verdict.get(slot.group.key)
+        if ok is None:
+            ok = verdict[slot.group.key] = _group_ok(slot.group, ctx)
+        if not ok or (t.pin_memory and (1 << slot.memory_bits) - 1 < t.memory_mib) or not _facts_ok(index, slot, ctx):
+            continue
+        for local, entries in slot.streams(count):
+            streams.append(_ranked(0 if local else 1, entries))
+    out: list[Candidate] = []
+    for _, _, _, name, pos in heapq.merge(*streams):
+        n = index.view(name)
+        if n.received_at < cutoff or not _node_contract_ok(n, ctx):
+            continue
+        g = n.groups[pos]
+        out.append(Candidate(n, g, score(n, g, count)))
+        if len(out) == keep:
+            break
+    if not out:
+        return explain(index.views(), ctx)
+    return ChoiceOutcome(ctx.choice, out, {})
+
+
+def _facts_ok(index: NodeIndex, slot: Slot, ctx: Context) -> bool:
+    """Contract stage 2 on the boot facts the slot's nodes share, memory aside (checked per node)."""
+    key = (ctx.contract.digest, facts_key(slot.node))
+    ok = index.facts_memo.get(key)
+    if ok is None:
+        n = slot.node
+        summary = NodeSummary(
+            backends=n.backends,
+            devices=[slot.group.attributes],
+            pinnable_memory_mib=1 << 62,
+            guest_images=n.guest_images,
+            hotplug=n.hotplug,
+            name=n.name,
+        )
+        ok = index.facts_memo[key] = all(
+            v.code == "compat.node_no_matching_device" for v in check_node(ctx.contract, summary)
+        )
+    return ok
+
+
+def _ranked(far: int, entries: Iterator[Entry]) -> Iterator[tuple[int, int, int, str, int]]:
+    for free, node_free, name, pos in entries:
+        yield far, free, node_free, name, pos
+
+
 @dataclass
 class Decision:
     choice: AcceleratorChoice | None
@@ -292,11 +347,14 @@ def decide(
     now: float,
     staleness_s: float,
     vcpus: int = 1,
+    index: NodeIndex | None = None,
 ) -> Decision:
-    """Ordered alternatives: the first choice that fits anywhere wins, its candidates best first."""
+    """Ordered alternatives: the first choice that fits anywhere wins, its candidates best first. With an
+    `index` (holding the same views as `nodes`) a decision does not visit every node."""
     outcomes = []
     for choice, contract_, selector in choices:
-        out = evaluate(nodes, Context(choice, contract_, selector, now, staleness_s, vcpus=vcpus))
+        ctx = Context(choice, contract_, selector, now, staleness_s, vcpus=vcpus)
+        out = evaluate(nodes, ctx) if index is None else evaluate_indexed(index, ctx)
         outcomes.append(out)
         if out.candidates:
             return Decision(choice, contract_, out.candidates, outcomes)

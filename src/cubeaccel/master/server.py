@@ -6,13 +6,14 @@ Errors have the Cubelet's format: `{"error": {"code", "layer", "message", "detai
 from __future__ import annotations
 
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import HTMLResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute
 
@@ -31,7 +32,9 @@ from cubeaccel.master.auth import (
     audit_seals,
     forbidden,
 )
+from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
+from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
@@ -41,8 +44,10 @@ from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import api_app, json_body
 from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.wire.dashboard import Dashboard
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
+from cubeaccel.wire.telemetry import accept_request_id
 from cubeaccel.wire.templates import TemplateDocument
 
 SANDBOX_STATES = tuple(s.value for s in SandboxState)
@@ -88,9 +93,20 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("GET", "/v1/keys"): (USERS, "key:list"),
     ("DELETE", "/v1/keys/{key_id}"): (USERS, "key:revoke"),
     ("GET", "/v1/audit/seals"): (ADMINS, "audit:seals"),
+    # Observability (docs/decisions.md "Who may scrape"): the page is static and public, its data is admins'.
+    ("GET", "/metrics"): (ADMINS, "metrics:scrape"),
+    ("GET", "/dashboard"): (PUBLIC, "dashboard:page"),
+    ("GET", "/v1/dashboard"): (ADMINS, "dashboard:data"),
 }
 # Mutations audited only when refused: a routine heartbeat every few seconds would drown the log.
 AUDIT_REFUSALS_ONLY = {"node:heartbeat"}
+# The page runs only its own inline script and talks only to this server; nothing may frame it.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
 
 
 def route_key(route: BaseRoute, method: str) -> tuple[str, str]:
@@ -134,7 +150,9 @@ def create_app(
     master: CubeMaster, maintenance: Maintenance | None = None, audit: AuditLog | Path | None = None
 ) -> FastAPI:
     """`audit`: the audit log (a path or an open log); None keeps none (unit tests that do not look at it)."""
-    app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument))
+    metrics = metrics_of(master)
+    feed = DashboardFeed(master)
+    app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument), telemetry=metrics.api)
     auth = master.auth
     log = AuditLog(audit, sealers=[DatabaseSeal(master.store)]) if isinstance(audit, Path) else audit
 
@@ -174,7 +192,7 @@ def create_app(
 
     @app.middleware("http")
     async def _audit(request: Request, call_next: Any) -> Any:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = accept_request_id(request.headers.get("x-request-id"))
         request.state.request_id = rid
         response = await call_next(request)
         response.headers["x-request-id"] = rid
@@ -275,6 +293,19 @@ def create_app(
     def revoke_node(node: str) -> dict[str, Any]:
         auth.revoke_node(node)
         return {"revoked": node}
+
+    @app.get("/metrics", include_in_schema=False)
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/dashboard", include_in_schema=False)
+    def dashboard_page() -> HTMLResponse:
+        """Self-contained (no external assets); the admin key is typed in, kept in the tab's sessionStorage."""
+        return HTMLResponse(PAGE, headers=PAGE_HEADERS)
+
+    @app.get("/v1/dashboard", response_model=Dashboard)
+    def dashboard() -> dict[str, Any]:
+        return feed.snapshot()
 
     @app.get("/v1/health", response_model=W.Health)
     def health() -> dict[str, Any]:
@@ -435,7 +466,13 @@ def create_app(
                 spec.vcpus,
                 spec.timeout_s,
             )
-        row, created = master.create(spec)
+        t0 = time.perf_counter()
+        try:
+            row, created = master.create(spec)
+        except CubeError as e:
+            metrics.created("refused", time.perf_counter() - t0, e.code)
+            raise
+        metrics.created("created" if created else "replayed", time.perf_counter() - t0)
         if not created:
             response.status_code = 200
         return {**sandbox_json(row), "access_token": master.issued_tokens.pop(str(row["id"]), None)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ import httpx
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.registry import Registry
-from cubeaccel.master.scheduler import Candidate, decide, rejection
+from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.contract import CompatibilityContract
@@ -91,6 +92,7 @@ class CubeMaster:
         self._clients: dict[tuple[str, str | None], CubeletClient] = {}
         self._clients_lock = threading.Lock()
         self.issued_tokens: dict[str, str] = {}  # sandbox → its workload token until the create's reply takes it
+        self.on_decision: Callable[[Decision, float], None] | None = None  # metrics: each decision and its time
 
     def client(self, url: str) -> CubeletClient:
         """A client for the Cubelet at `url`, presenting that node's token (its TCP API asks for it)."""
@@ -225,12 +227,16 @@ class CubeMaster:
         tried: set[tuple[str, str]] = set()
         lost = 0  # claims another placement won first
         for round_ in range(3):
-            views = self.cache.views(fresh=round_ > 0)
-            decision = decide(views, resolved, time.time(), self.config.staleness_s, spec.vcpus)
+            t_decide = time.perf_counter()
+            decision, total = self.cache.decide(
+                resolved, time.time(), self.config.staleness_s, spec.vcpus, fresh=round_ > 0
+            )
+            if self.on_decision is not None and (decision.candidates or round_ > 0):  # the one acted on
+                self.on_decision(decision, time.perf_counter() - t_decide)
             if not decision.candidates:
                 if round_ == 0:
                     continue  # our copy may be old: decide once more on fresh summaries
-                raise _with_attempts(rejection(decision, len(views)), attempts)
+                raise _with_attempts(rejection(decision, total), attempts)
             assert decision.contract is not None and decision.choice is not None
             decided_ms = (time.perf_counter() - t0) * 1000
             for cand in decision.candidates:

@@ -8,8 +8,8 @@ fails half-way with "database is locked"; PostgreSQL uses row locks (`FOR UPDATE
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ class MasterStore:
         self.url = url
         self.engine = engine_for(url)
         self.dialect = self.engine.dialect.name
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # each sandbox state change, once it is in
         with self.engine.begin() as conn:
             self.schema_version = S.migrate(conn)
 
@@ -401,7 +402,13 @@ class MasterStore:
             if phase is not None:
                 values["timeline"] = [*r.timeline, {"at": now, "phase": phase, **(detail or {})}]
             c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sandbox_id).values(updated_at=now, **values))
-            return True
+        if event is not None and by is not None:
+            change: dict[str, Any] = {"sandbox_id": sandbox_id, "event": event.value, "actor": by.value}
+            change |= {"from_state": r.state, "to_state": values["state"], "phase": phase}
+            for listener in self.listeners:
+                with suppress(Exception):  # telemetry never fails a change that is already made
+                    listener(change)
+        return True
 
     def delete_sandbox_row(self, sandbox_id: str) -> None:
         with self.tx() as c:

@@ -330,6 +330,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("node.invalid_url", 422, "api", "cubelet_url is not http(s)://HOST:PORT"),
     _c("node.name_mismatch", 422, "api", "the heartbeat's node name differs from the URL's"),
     _c("node.not_found", 404, "api", "no node with this name"),
+    _c("node.stale", 503, "api", "no heartbeat within the staleness bound: the dashboard shows its last summary"),
     _c("node.url_conflict", 409, "api", "another node is registered with this cubelet_url"),
     _c("request.invalid_idempotency_key", 422, "api", "Idempotency-Key header empty, over 200 chars or unprintable"),
     _c("request.memory_mismatch", 422, "api", "memory_mib differs from the template's guest memory (never replaced)"),

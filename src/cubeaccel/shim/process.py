@@ -31,6 +31,7 @@ from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
+from cubeaccel.wire.telemetry import configure_logging, set_request_id
 
 PIN_PROOF_TIMEOUT_S = 5.0
 VISIBLE_TIMEOUT_S = 10.0
@@ -417,6 +418,8 @@ def read_workload_token() -> str | None:
     return line.decode("ascii", errors="replace") or None
 
 
-def run_shim(spec: ShimSpec) -> int:
+def run_shim(spec: ShimSpec, log_level: str | None = None) -> int:
+    set_request_id(spec.request_id)  # every log line and report of this shim carries the starting request's id
+    configure_logging(log_level)
     private_umask()  # its dir, QMP/agent sockets, logs and the template snapshot QEMU writes: owner-only
     return Shim(spec, read_workload_token() if spec.workload else None).run()

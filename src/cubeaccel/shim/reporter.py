@@ -7,12 +7,16 @@ Cubelet's reconcile reads host reality (find_vmm) anyway, so the shim never bloc
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.wire.reports import report_json
+from cubeaccel.wire.telemetry import outgoing_headers
+
+log = logging.getLogger("cubeaccel.shim")
 
 REPORT_PATH = "/v1/shim-reports"
 
@@ -38,6 +42,7 @@ class Reporter:
     def report(self, kind: ShimReportKind, device_ids: tuple[str, ...] = (), /, **details: Any) -> ShimReport:
         r = ShimReport(self.sandbox_id, kind, device_ids, details, time.time(), self.start_id)
         body = report_json(r)
+        log.info("report", extra={"fields": {"sandbox_id": self.sandbox_id, "kind": kind.value, "devices": device_ids}})
         if self.file_path is not None:
             self._append(self.file_path, body)
         elif self.socket_path is not None and not self._post(body):
@@ -56,7 +61,8 @@ class Reporter:
         import httpx  # only in socket mode: keeps the shim's start-up light
 
         transport = httpx.HTTPTransport(uds=str(self.socket_path))
-        with httpx.Client(transport=transport, base_url="http://cubelet", timeout=5.0) as client:
+        headers = outgoing_headers()  # the request that started this sandbox, into Cubelet's log lines
+        with httpx.Client(transport=transport, base_url="http://cubelet", timeout=5.0, headers=headers) as client:
             for attempt in range(self.retries):
                 try:
                     resp = client.post(REPORT_PATH, json=body)

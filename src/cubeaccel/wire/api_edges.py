@@ -23,6 +23,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.wire import json_guard
 from cubeaccel.wire.base import UNSUPPORTED_VERSION, Strict
 from cubeaccel.wire.http_server import HttpLimits
+from cubeaccel.wire.telemetry import ApiTelemetry
 
 MAX_BODY = 1 << 20
 
@@ -53,14 +54,17 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def api_app(title: str, body_models: tuple[type[BaseModel], ...] = ()) -> FastAPI:
+def api_app(
+    title: str, body_models: tuple[type[BaseModel], ...] = (), telemetry: ApiTelemetry | None = None
+) -> FastAPI:
     """A FastAPI app with our edges, the error schema on every route and no CDN-loaded docs UI.
 
     `body_models` are the models of bodies a route reads as a plain dict (to keep its own error code);
     their schemas are added to the OpenAPI components so `json_body(name)` can refer to them.
+    `telemetry`: where requests are counted and logged (with their request id); None: nowhere.
     """
     app = FastAPI(title=title, version="1", docs_url=None, redoc_url=None, responses=ERROR_RESPONSES)
-    install_api_edges(app)
+    install_api_edges(app, telemetry=telemetry)
     base_openapi = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -106,15 +110,16 @@ def validation_error(e: RequestValidationError) -> CubeError:
     return CubeError(code, msg, "api", details, 422)
 
 
-def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
+def install_api_edges(app: FastAPI, max_body: int = MAX_BODY, telemetry: ApiTelemetry | None = None) -> None:
     @app.exception_handler(CubeError)
     async def _cube_error(request: Request, e: CubeError) -> JSONResponse:
         request.state.error_code = e.code  # for the audit log
         return error_response(e)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, e: HTTPException) -> JSONResponse:
+    async def _http(request: Request, e: HTTPException) -> JSONResponse:
         code = {404: "api.not_found", 405: "api.method_not_allowed"}.get(e.status_code, "api.http_error")
+        request.state.error_code = code
         return error_response(CubeError(code, str(e.detail), "api", {}, e.status_code))
 
     @app.exception_handler(RequestValidationError)
@@ -123,7 +128,9 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY) -> None:
         request.state.error_code = err.code
         return error_response(err)
 
-    app.add_middleware(EdgeGuard, max_body=max_body, body_timeout_s=HttpLimits.from_env().body_timeout_s)
+    app.add_middleware(
+        EdgeGuard, max_body=max_body, body_timeout_s=HttpLimits.from_env().body_timeout_s, telemetry=telemetry
+    )
 
 
 class EdgeGuard:
@@ -132,15 +139,23 @@ class EdgeGuard:
     JSON before a route sees it. A refusal answers in the error format and closes the connection, so the
     rest of an oversized body is never read."""
 
-    def __init__(self, app: Any, max_body: int = MAX_BODY, body_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, app: Any, max_body: int = MAX_BODY, body_timeout_s: float = 30.0, telemetry: ApiTelemetry | None = None
+    ) -> None:
         self.app = app
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
+        self.telemetry = telemetry
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
-            return
+        elif self.telemetry is not None:  # the request id, the count and the log line cover refusals here too
+            await self.telemetry(self._guarded, scope, receive, send)
+        else:
+            await self._guarded(scope, receive, send)
+
+    async def _guarded(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
         if path.startswith("/v1/sandboxes/") and "/workload/" in path:
             # Cubelet's workload proxy streams bodies of any size to the guest (flow-controlled, never held whole).
@@ -195,6 +210,7 @@ class EdgeGuard:
 
     @staticmethod
     async def _refuse(scope: Any, send: Any, e: CubeError, close: bool = True) -> None:
+        scope.setdefault("state", {})["error_code"] = e.code
         response = error_response(e)
         if close:
             response.headers["connection"] = "close"

@@ -10,6 +10,7 @@ import httpx
 
 from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.node_sig import NodeAuth
+from cubeaccel.wire.telemetry import add_request_id
 
 
 class CubeletClient:
@@ -18,11 +19,16 @@ class CubeletClient:
     ) -> None:
         """`token`: the node token CubeMaster signs its requests to the Cubelet's TCP listener with (none on the
         unix socket)."""
+        hooks = {"request": [add_request_id]}  # the caller's request id goes on (CubeMaster → Cubelet)
         if url is not None:
-            self._http = httpx.Client(base_url=url, timeout=timeout, auth=NodeAuth(token) if token else None)
+            auth = NodeAuth(token) if token else None
+            self._http = httpx.Client(base_url=url, timeout=timeout, auth=auth, event_hooks=hooks)
         elif socket is not None:
             self._http = httpx.Client(
-                transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://cubelet", timeout=timeout
+                transport=httpx.HTTPTransport(uds=str(socket)),
+                base_url="http://cubelet",
+                timeout=timeout,
+                event_hooks=hooks,
             )
         else:
             raise ValueError("socket or url required")
@@ -34,8 +40,11 @@ class CubeletClient:
         json: Any = None,
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
+        timeout: float | None = None,
     ) -> Any:
-        return reply_body(self._http.request(method, path, json=json, params=params, headers=headers))
+        """`timeout`: this call's, instead of the client's (the dashboard asks every node and waits little)."""
+        wait = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+        return reply_body(self._http.request(method, path, json=json, params=params, headers=headers, timeout=wait))
 
     def devices(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/devices")["devices"])

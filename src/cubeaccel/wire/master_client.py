@@ -8,6 +8,7 @@ import httpx
 
 from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.node_sig import NodeAuth
+from cubeaccel.wire.telemetry import add_request_id
 
 
 class MasterClient:
@@ -18,7 +19,9 @@ class MasterClient:
         node = key is not None and key.startswith("cbn:")
         headers = {"Authorization": f"Bearer {key}"} if key and not node else None
         auth = NodeAuth(key) if key and node else None
-        self._http = httpx.Client(base_url=self.url, timeout=timeout, headers=headers, auth=auth)
+        self._http = httpx.Client(
+            base_url=self.url, timeout=timeout, headers=headers, auth=auth, event_hooks={"request": [add_request_id]}
+        )
 
     def request(
         self,

@@ -127,6 +127,8 @@ class ShimSpec(Message):
     workload: StrictBool = False
     # In memory only (Cubelet → its process driver → the shim's stdin): never dumped, so never in the spec file.
     workload_token: SecretStr | None = Field(default=None, exclude=True)
+    # The request that started it (CubeMaster's create, through Cubelet): on the shim's log lines and reports.
+    request_id: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
 
     @field_validator("sandbox_id")
     @classmethod

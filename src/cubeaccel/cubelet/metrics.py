@@ -1,0 +1,245 @@
+"""Cubelet's Prometheus metrics and its state-transition log lines (docs/observability.md lists every series).
+
+Nothing here is a second bookkeeping of state: device gauges are computed at scrape time from the store, and
+every counter is fed by the store's own events, handed over once their transaction is in (`Store.listeners`),
+so a rolled-back change counts nothing. Label names join the DCGM exporter's: `Hostname` (the node name),
+`pci_bus_id` (NVML's form, `00000000:3B:00.0`), `UUID` (the device serial where the host reports one) and
+`modelName` (our model label, e.g. H100; DCGM's is NVML's product name, so join on `Hostname` + `pci_bus_id`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cubeaccel.cubelet.store import Event
+from cubeaccel.model.cold_start import MILESTONES, cold_start_phases
+from cubeaccel.model.device import DeviceRecord, PciAddress
+from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.telemetry import ApiTelemetry, log_many
+
+if TYPE_CHECKING:
+    from cubeaccel.cubelet.lifecycle import Cubelet
+
+log = logging.getLogger("cubeaccel.cubelet")
+STATES = tuple(s.value for s in DeviceState)
+PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0)
+_MILESTONE_KINDS = {kind for _, kind, _, _ in MILESTONES}
+STARTING_PHASES = ("reserved", "starting")  # a failure in these is a failed start, not a failed sandbox
+
+
+def pci_bus_id(address: PciAddress) -> str:
+    """NVML's (and so DCGM's) spelling of a PCI address: 8-digit domain, upper-case hex."""
+    return f"{address.domain:08X}:{address.bus:02X}:{address.slot:02X}.{address.function}"
+
+
+def device_labels(node: str, d: DeviceRecord) -> dict[str, str]:
+    return {
+        "Hostname": node,
+        "pci_bus_id": pci_bus_id(d.address),
+        "UUID": d.identity.serial or "",
+        "modelName": str(d.labels.get("model", "")),
+        "class": d.accel_class.value,
+    }
+
+
+class _Devices(Collector):
+    """Computed from the store at each scrape: never out of step with it."""
+
+    def __init__(self, cubelet: Cubelet, classes: dict[str, str]) -> None:
+        self.cubelet = cubelet
+        self.classes = classes
+
+    def collect(self) -> Iterator[Metric]:
+        node = self.cubelet.config.node_name
+        per_device = GaugeMetricFamily(
+            "cubeaccel_device_state",
+            "1 for each device's current state (with its reason); one series per device",
+            labels=["Hostname", "pci_bus_id", "UUID", "modelName", "class", "state", "reason"],
+        )
+        counts: dict[tuple[str, str], dict[str, int]] = {}
+        for d in self.cubelet.store.devices():
+            lb = device_labels(node, d)
+            per_device.add_metric([*lb.values(), d.state.value, d.reason or ""], 1)
+            self.classes[d.id] = lb["class"]
+            counts.setdefault((lb["class"], lb["modelName"]), dict.fromkeys(STATES, 0))[d.state.value] += 1
+        by_state = GaugeMetricFamily(
+            "cubeaccel_devices",
+            "Devices by node, class, model and state (every state present, zeros included)",
+            labels=["Hostname", "class", "modelName", "state"],
+        )
+        for (cls, model), states in sorted(counts.items()):
+            for state, n in states.items():
+                by_state.add_metric([node, cls, model, state], n)
+        yield by_state
+        yield per_device
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class CubeletMetrics:
+    """One per Cubelet: its registry (served at `/metrics` by both listeners) and its store listener."""
+
+    def __init__(self, cubelet: Cubelet) -> None:
+        self.cubelet = cubelet
+        r = self.registry = CollectorRegistry()
+        self.api = ApiTelemetry(r, "cubelet")
+        self.transitions = Counter(
+            "cubeaccel_device_transitions",
+            "Device state transitions by event, actor and target state",
+            ["event", "actor", "to_state"],
+            registry=r,
+        )
+        self.quarantines = Counter(
+            "cubeaccel_device_quarantines", "Devices quarantined, by reason", ["reason"], registry=r
+        )
+        self.unhealthy = Counter(
+            "cubeaccel_device_unhealthy", "Devices marked unhealthy, by reason", ["reason"], registry=r
+        )
+        self.reservations = Counter(
+            "cubeaccel_reservations",
+            "Reservations by outcome: created, refused, expired, closed",
+            ["outcome"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "cubeaccel_reservation_refusals", "Refused reservations by error code", ["reason"], registry=r
+        )
+        self.starts = Counter(
+            "cubeaccel_sandbox_starts", "Sandbox starts by outcome: running or failed", ["outcome"], registry=r
+        )
+        self.failures = Counter(
+            "cubeaccel_sandbox_failures",
+            "Sandbox failures by code and the phase they happened in",
+            ["reason", "phase"],
+            registry=r,
+        )
+        self.cold_start = Histogram(
+            "cubeaccel_cold_start_phase_seconds",
+            "Cold-start timeline per phase (reserve, vm_start, pin, guest_boot, hotplug, workload_ready, "
+            "guest_validation, ready, total)",
+            ["phase"],
+            registry=r,
+            buckets=PHASE_BUCKETS,
+        )
+        self.release = Histogram(
+            "cubeaccel_release_duration_seconds",
+            "From teardown start to the reservation closed (devices back or quarantined)",
+            registry=r,
+            buckets=PHASE_BUCKETS,
+        )
+        self.release_waits = Counter(
+            "cubeaccel_release_waits", "Release waits by cause (one per device and cause)", ["cause"], registry=r
+        )
+        self.scrub = Histogram(
+            "cubeaccel_scrub_duration_seconds",
+            "Scrub between tenants per device, by class and outcome (ok, failed)",
+            ["class", "outcome"],
+            registry=r,
+            buckets=PHASE_BUCKETS,
+        )
+        # device → class, for events that name only the device (scrub); refreshed at every scrape
+        self.classes: dict[str, str] = {d.id: d.accel_class.value for d in cubelet.store.devices()}
+        r.register(_Devices(cubelet, self.classes))
+        self._lock = threading.Lock()
+        self._trails: dict[str, list[tuple[str, str | None, float]]] = {}  # in-flight starts' milestones
+        self._teardowns: dict[str, float] = {}  # sandbox → teardown start
+        cubelet.store.listeners.append(self.on_events)
+
+    def observe_scrub(self, seconds: float, accel_class: str, ok: bool) -> None:
+        """For a scrub step; the release path's `scrub_finished` event (`details.duration_s`, `details.ok`) is
+        counted the same way without a call."""
+        self.scrub.labels(accel_class, "ok" if ok else "failed").observe(seconds)
+
+    def refused(self, code: str) -> None:
+        self.reservations.labels("refused").inc()
+        self.refusals.labels(code).inc()
+
+    # ---- the store's events ---------------------------------------------------------------------------------
+    def on_events(self, events: list[Event]) -> None:
+        for e in events:
+            self._count(e)
+        if log.isEnabledFor(logging.INFO):  # one line per event, one write per transaction
+            node = self.cubelet.config.node_name
+            log_many(log, logging.INFO, [(e.kind, {"node": node, **_event_fields(e)}) for e in events])
+
+    def _count(self, e: Event) -> None:
+        kind, sid = e.kind, e.sandbox_id
+        if kind == "transition":
+            self.transitions.labels(e.event or "", e.actor, e.to_state or "").inc()
+            if e.to_state == DeviceState.QUARANTINED.value:
+                self.quarantines.labels(e.reason or "none").inc()
+            elif e.to_state == DeviceState.UNHEALTHY.value:
+                self.unhealthy.labels(e.reason or "none").inc()
+        elif kind == "reservation_created":
+            self.reservations.labels("created").inc()
+        elif kind == "reservation_expired":
+            self.reservations.labels("expired").inc()
+        elif kind == "release_waiting":
+            self.release_waits.labels(e.reason or "none").inc()
+        elif kind.startswith("scrub") and isinstance(e.details.get("duration_s"), int | float):
+            cls = str(e.details.get("class") or self.classes.get(e.device_id or "", ""))
+            ok = e.details.get("ok")
+            self.observe_scrub(float(e.details["duration_s"]), cls, ok=ok if isinstance(ok, bool) else e.reason is None)
+        elif kind == "teardown_started" and sid is not None:
+            with self._lock:
+                self._teardowns[sid] = e.at
+                self._trails.pop(sid, None)
+            failure = e.details.get("failure")
+            if isinstance(failure, dict):
+                phase = str(failure.get("phase", ""))
+                self.failures.labels(str(failure.get("code", e.reason)), phase).inc()
+                if phase in STARTING_PHASES:
+                    self.starts.labels("failed").inc()
+        elif kind == "reservation_closed" and sid is not None:
+            self.reservations.labels("closed").inc()
+            with self._lock:
+                began = self._teardowns.pop(sid, None)
+                self._trails.pop(sid, None)
+            if began is not None:
+                self.release.observe(max(0.0, e.at - began))
+        if sid is None or kind not in _MILESTONE_KINDS | {"reservation_created"}:
+            return
+        with self._lock:
+            if kind == "reservation_created":
+                self._trails[sid] = []
+            trail = self._trails.get(sid)
+            if trail is None:
+                return
+            trail.append((kind, e.event, e.at))
+            if kind != "sandbox_running":
+                return
+            del self._trails[sid]
+        self.starts.labels("running").inc()
+        for phase, seconds in cold_start_phases(trail).items():
+            self.cold_start.labels(phase).observe(seconds)
+
+
+def _event_fields(e: Event) -> dict[str, Any]:
+    return {
+        "kind": e.kind,
+        "device_id": e.device_id,
+        "sandbox_id": e.sandbox_id,
+        "event": e.event,
+        "from_state": e.from_state,
+        "to_state": e.to_state,
+        "actor": e.actor,
+        "reason": e.reason,
+    }
+
+
+def metrics_of(cubelet: Cubelet) -> CubeletMetrics:
+    """The Cubelet's metrics, made on first use (both listeners of one Cubelet share them)."""
+    existing: Any = getattr(cubelet, "metrics", None)
+    if isinstance(existing, CubeletMetrics):
+        return existing
+    m = CubeletMetrics(cubelet)
+    cubelet.metrics = m  # type: ignore[attr-defined]
+    return m

@@ -1,0 +1,41 @@
+"""The dashboard's data: what a Cubelet tells CubeMaster for it (`GET /v1/dashboard`), and what CubeMaster serves
+its page (`GET /v1/dashboard`, admins). Read-only views; unknown fields pass through (`Record`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cubeaccel.wire.base import Record, Reply
+
+EVENT_FIELDS = ("seq", "at", "kind", "device_id", "sandbox_id", "event", "from_state", "to_state", "actor", "reason")
+
+
+class DashboardSandbox(Record):
+    sandbox_id: str
+    phase: str  # the reservation's phase on the node
+    device_ids: list[str]
+    created_at: float
+    phases: dict[str, float]  # cold-start waterfall (model.cold_start.PHASES), empty until running
+
+
+class NodeDashboard(Reply):
+    node: str
+    devices: list[dict[str, Any]]
+    sandboxes: list[DashboardSandbox]
+    events: list[dict[str, Any]]  # newest first, EVENT_FIELDS only (no details)
+
+
+class DashboardNode(Record):
+    node: str
+    state: str  # ready, draining, stale, …
+    schedulable: bool
+    error: dict[str, Any] | None = None  # the node could not be asked (its last known summary is still shown)
+    devices: list[dict[str, Any]] = []
+    sandboxes: list[DashboardSandbox] = []
+
+
+class Dashboard(Reply):
+    at: float
+    nodes: list[DashboardNode]
+    sandboxes: list[dict[str, Any]]  # CubeMaster's records, with the node's waterfall where it has one
+    events: list[dict[str, Any]]  # newest first, every node merged, with `node`
