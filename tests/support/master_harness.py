@@ -64,6 +64,8 @@ class MasterProcess:
             "serve",
             "--db",
             self.db,
+            "--state-dir",
+            str(self.state_dir),  # its own: CubeMaster locks its state dir (two test masters never share one)
             "--listen",
             f"127.0.0.1:{self.port}",
             "--staleness",

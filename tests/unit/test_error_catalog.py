@@ -34,7 +34,11 @@ NOT_CODES = {
     "agent.sock", "workload.sock", "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
-    "shim.pid", "undelivered.jsonl", "up.json", "vmm.log", "vmm.pid", "dashboard.html",
+    "shim.pid", "undelivered.jsonl", "up.json", "up.lock", "config.toml", "backup.json", "vmm.log", "vmm.pid",
+    "dashboard.html",
+    "frontdoor.secret",
+    # the E2B front door's metadata key for an accelerator request
+    "cubeaccel.accelerators",
     # module names (python -m, loggers)
     "cubeaccel.master", "cubeaccel.shim", "cubeaccel.api", "cubeaccel.cubelet",
     # kernel parameters

@@ -9,6 +9,8 @@ from typing import Annotated, Any
 
 import typer
 
+from cubeaccel.cli import output
+from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
 from cubeaccel.cli.master import MasterUrl, _call
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
@@ -16,10 +18,20 @@ from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.node_sig import TokenFile
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
+reservation_app = typer.Typer(no_args_is_help=True, help="Reservations a Cubelet holds (node view).")
 
-DEFAULT_STATE = Path(os.environ.get("CUBEACCEL_STATE_DIR", Path.home() / ".local/state/cubeaccel/cubelet"))
+DEFAULT_STATE = CUBELET_STATE
 StateDir = Annotated[Path, typer.Option("--state-dir", help="Cubelet state directory (store, socket)")]
+ClientStateDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--state-dir",
+        help="Cubelet state directory (default: $CUBEACCEL_STATE_DIR's Cubelet, else the one `cubeaccel up` started)",
+        show_default=False,
+    ),
+]
 Url = Annotated[str | None, typer.Option("--url", help="Cubelet TCP URL instead of the unix socket")]
+AsJson = Annotated[bool, typer.Option("--json", help="same as -o json")]
 
 
 def _listen(value: str | None) -> tuple[str, int] | None:
@@ -31,11 +43,8 @@ def _listen(value: str | None) -> tuple[str, int] | None:
     return host, int(port)
 
 
-def _fail(e: CubeError) -> None:
-    console.print(f"[red]error[/red] {e.code} (layer {e.layer}): {e.message}")
-    if e.details:
-        console.print(json.dumps(e.details, indent=2, default=str))
-    raise typer.Exit(1)
+def _fail(e: CubeError, exit_code: int = 1) -> None:
+    output.fail(e, exit_code)
 
 
 @app.command("serve")
@@ -89,9 +98,15 @@ def serve_cmd(
     from cubeaccel.cubelet.server import Ticker, serve
 
     addr = _listen(listen)
+    from cubeaccel.host import statelock
     from cubeaccel.host.private import private_umask
 
     private_umask()  # the store, the socket, shims' dirs and VMM files: owner-only whatever the parent
+    try:
+        lock = statelock.acquire(state_dir, "cubelet")  # held until exit: one Cubelet per store
+    except CubeError as e:
+        _fail(e, statelock.LOCKED_EXIT)
+        return
     if master is not None and addr is None:
         raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
     if addr is not None and node_token_file is None:
@@ -175,10 +190,29 @@ def serve_cmd(
         ticker.stop()
         if heartbeat is not None:
             heartbeat.stop()
+        lock.release()
 
 
-def _client(state_dir: Path, url: str | None) -> CubeletClient:
-    return CubeletClient(socket=None if url else state_dir / "cubelet.sock", url=url)
+class _Node:
+    """The Cubelet a node verb talks to, and the one-line error when it is not there."""
+
+    def __init__(self, state_dir: Path | None, url: str | None) -> None:
+        self.where = url or str(cubelet_socket(state_dir))
+        self.client = CubeletClient(socket=None if url else Path(self.where), url=url)
+        self.fix = "is it running? start one with `cubeaccel up` or `cubeaccel cubelet serve --state-dir DIR`" + (
+            "" if url else ", or pass --state-dir / --url"
+        )
+
+    def __call__(self, fn: Any) -> Any:
+        try:
+            with output.reaching("Cubelet", self.where, self.fix):
+                return fn(self.client)
+        finally:
+            self.client.close()
+
+
+def _client(state_dir: Path | None, url: str | None) -> CubeletClient:
+    return CubeletClient(socket=None if url else cubelet_socket(state_dir), url=url)
 
 
 NodeOpt = Annotated[
@@ -187,33 +221,27 @@ NodeOpt = Annotated[
 
 
 def devices_cmd(
-    state_dir: StateDir = DEFAULT_STATE,
+    state_dir: ClientStateDir = None,
     url: Url = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: AsJson = False,
     node: NodeOpt = None,
     master: MasterUrl = None,
 ) -> None:
-    """Device table: address, model, NUMA, state, sandbox, reason."""
+    """Device table: full id, address, model, NUMA, state (colored), sandbox, reason."""
+    output.json_flag(as_json)
     if node is not None:
         devs = _call(master, lambda c: c.request("GET", f"/v1/nodes/{node}/devices"))["devices"]
     else:
-        try:
-            devs = _client(state_dir, url).devices()
-        except CubeError as e:
-            _fail(e)
-            return
-    if as_json:
-        print(json.dumps({"devices": devs}, indent=2))
-    else:
-        console.print(device_table(devs))
+        devs = _Node(state_dir, url)(lambda c: c.devices())
+    output.emit({"devices": devs}, lambda: console.print(device_table(devs)))
 
 
 def device_cmd(
     verb: Annotated[str, typer.Argument(help="quarantine | recover | disable | enable")],
-    device_id: Annotated[str, typer.Argument()],
+    device_id: Annotated[str, typer.Argument(help="the full device id, as `cubeaccel devices` shows it")],
     reason: Annotated[str, typer.Option(help="why (audited)")],
     who: Annotated[str | None, typer.Option(help="operator identity (audited); on the local socket only")] = None,
-    state_dir: StateDir = DEFAULT_STATE,
+    state_dir: ClientStateDir = None,
     url: Url = None,
     restore_driver: Annotated[
         bool, typer.Option(help="disable only: give the device back to the host driver it had before vfio-pci")
@@ -221,41 +249,129 @@ def device_cmd(
     node: NodeOpt = None,
     master: MasterUrl = None,
 ) -> None:
-    """Operator verbs on one device; audited with who and why. With --node, through CubeMaster with an admin
-    key, which is then the audited identity (--who is not taken)."""
+    """Operator verbs on one device (by its full id or its PCI address); audited with who and why. With --node,
+    through CubeMaster with an admin key, which is then the audited identity (--who is not taken)."""
     extra: dict[str, Any] = {"restore_driver": True} if restore_driver else {}
     if node is not None:
         if who is not None:
             raise typer.BadParameter("--who is the admin key's identity through CubeMaster; leave it out")
         path = f"/v1/nodes/{node}/devices/{device_id}/{verb}"
         d = _call(master, lambda c: c.request("POST", path, {"reason": reason, **extra}))["device"]
-    else:
-        if who is None:
-            raise typer.BadParameter("--who is required on the local socket (operator identity, audited)")
-        try:
-            d = _client(state_dir, url).verb(device_id, verb, who, reason, **extra)
-        except CubeError as e:
-            _fail(e)
-            return
-    console.print(device_table([d], title=f"{verb}: {device_id}"))
+        output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} ({reason})")))
+        return
+    if who is None:
+        raise typer.BadParameter("--who is required on the local socket (operator identity, audited)")
+    local_who: str = who
+
+    def act(c: CubeletClient) -> dict[str, Any]:
+        devs = c.devices()
+        if not any(d["id"] == device_id for d in devs):
+            by_address = [d["id"] for d in devs if d["address"] == device_id]
+            if len(by_address) == 1:  # `0000:10:00.0` as `devices` shows it in the address column
+                return c.verb(by_address[0], verb, local_who, reason, **extra)
+        return c.verb(device_id, verb, local_who, reason, **extra)
+
+    d = _Node(state_dir, url)(act)
+    output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} (by {who}: {reason})")))
+
+
+def _matches(e: dict[str, Any], device: str | None, sandbox: str | None, kind: str | None, event: str | None) -> bool:
+    return (
+        (device is None or e.get("device_id") == device)
+        and (sandbox is None or e.get("sandbox_id") == sandbox)
+        and (kind is None or e.get("kind") == kind)
+        and (event is None or e.get("event") == event)
+    )
 
 
 def events_cmd(
-    state_dir: StateDir = DEFAULT_STATE,
+    state_dir: ClientStateDir = None,
     url: Url = None,
-    since: Annotated[int, typer.Option(min=0)] = 0,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    since: Annotated[int, typer.Option(min=0, help="only events after this sequence number")] = 0,
+    limit: Annotated[int, typer.Option(min=1, max=10000, help="at most this many (the newest)")] = 50,
+    device: Annotated[str | None, typer.Option(help="only this device (full id)")] = None,
+    sandbox: Annotated[str | None, typer.Option(help="only this sandbox")] = None,
+    kind: Annotated[str | None, typer.Option(help="only this kind, e.g. transition")] = None,
+    event: Annotated[str | None, typer.Option(help="only this event, e.g. quarantine")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="then print new events as they happen")] = False,
+    as_json: AsJson = False,
 ) -> None:
-    """The event trail since a cursor."""
-    try:
-        evs = _client(state_dir, url).events(since)
-    except CubeError as e:
-        _fail(e)
+    """The event trail, newest first (with --follow, then each new event as it happens, one line or JSON each)."""
+    import time
+
+    output.json_flag(as_json)
+    node = _Node(state_dir, url)
+    params: dict[str, Any] = {"since": since, "limit": 10000}
+    if device:
+        params["device_id"] = device
+    if sandbox:
+        params["sandbox_id"] = sandbox
+
+    def page(c: CubeletClient, after: int) -> tuple[list[dict[str, Any]], int]:
+        evs: list[dict[str, Any]] = []
+        cursor = after
+        while True:
+            body = c.request("GET", "/v1/events", params={**params, "since": cursor})
+            evs += body["events"]
+            if len(body["events"]) < 10000:
+                return evs, int(body["next"])
+            cursor = int(body["next"])
+
+    def first(c: CubeletClient) -> tuple[list[dict[str, Any]], int]:
+        return page(c, since)
+
+    if not follow:
+        evs, _ = node(first)
+        newest = [e for e in evs if _matches(e, device, sandbox, kind, event)][-limit:][::-1]
+        output.emit({"events": newest}, lambda: console.print(event_table(newest)))
         return
-    if as_json:
-        print(json.dumps(evs, indent=2))
-    else:
-        console.print(event_table(evs["events"]))
+    try:
+        with output.reaching("Cubelet", node.where, node.fix):
+            evs, cursor = first(node.client)
+            shown = [e for e in evs if _matches(e, device, sandbox, kind, event)][-limit:][::-1]
+            if output.machine():
+                for e in shown[::-1]:
+                    print(json.dumps(e), flush=True)
+            else:
+                console.print(event_table(shown, title="events (newest first; following)"))
+            while True:
+                time.sleep(0.5)
+                evs, cursor = page(node.client, cursor)
+                for e in evs:
+                    if _matches(e, device, sandbox, kind, event):
+                        if output.machine():
+                            print(json.dumps(e), flush=True)
+                        else:
+                            console.print(event_table([e], title=""), end="")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.client.close()
+
+
+@reservation_app.command("list")
+def reservation_list(state_dir: ClientStateDir = None, url: Url = None, as_json: AsJson = False) -> None:
+    """Reservations the Cubelet holds: sandbox, phase, devices, since when."""
+    from rich.table import Table
+
+    output.json_flag(as_json)
+    rows = _Node(state_dir, url)(lambda c: c.request("GET", "/v1/reservations")["reservations"])
+
+    def table() -> None:
+        t = Table(title="reservations")
+        t.add_column("sandbox", no_wrap=True)
+        for col in ("phase", "devices", "expires"):
+            t.add_column(col, overflow="fold")
+        for r in rows:
+            t.add_row(
+                r["sandbox_id"],
+                output.state(r.get("phase")),
+                ", ".join(r.get("device_ids") or []) or "-",
+                str(r.get("expires_at") or "-"),
+            )
+        console.print(t)
+
+    output.emit({"reservations": rows}, table)
 
 
 def demo_cmd(profile: Annotated[str, typer.Option(help="simulated devices, when QEMU is missing")] = "h100x2") -> None:
@@ -270,4 +386,39 @@ def register_top_level(root: typer.Typer) -> None:
     root.command("devices")(devices_cmd)
     root.command("device")(device_cmd)
     root.command("events")(events_cmd)
+    root.add_typer(reservation_app, name="reservation")
     root.command("demo")(demo_cmd)
+
+
+@app.command("backup")
+def backup_cmd(
+    out: Annotated[Path, typer.Argument(help="a new directory for the backup")],
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Back up a (running) Cubelet's store with SQLite's online backup, plus its instance id and audit log."""
+    from cubeaccel.cubelet.runtime import INSTANCE_FILE
+    from cubeaccel.host.backup import backup
+
+    side = [state_dir / n for n in (INSTANCE_FILE, "simulated-host.json", "audit.jsonl")]
+    try:
+        info = backup(state_dir / "cubelet.db", side, out, "cubelet")
+    except CubeError as e:
+        _fail(e)
+        return
+    output.emit(info, lambda: console.print(f"backed up {state_dir} to {out} ({sum(info['rows'].values())} rows)"))
+
+
+@app.command("restore")
+def restore_cmd(
+    backup_dir: Annotated[Path, typer.Argument(help="a directory written by `cubeaccel cubelet backup`")],
+    state_dir: StateDir = DEFAULT_STATE,
+) -> None:
+    """Restore a backup into a fresh state directory (refused where a store exists or a Cubelet runs)."""
+    from cubeaccel.host.backup import restore
+
+    try:
+        info = restore(backup_dir, state_dir, "cubelet")
+    except CubeError as e:
+        _fail(e)
+        return
+    output.emit(info, lambda: console.print(f"restored {backup_dir} into {state_dir}: start `cubeaccel cubelet serve`"))

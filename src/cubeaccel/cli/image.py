@@ -20,11 +20,13 @@ def build(
     cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~/.cache/cubeaccel"),
 ) -> None:
     """Build (or reuse) the image; prints its manifest path, digests and whether it was built now."""
+    from cubeaccel.cli.output import Progress
     from cubeaccel.images.builder import build as build_image
 
     t0 = time.monotonic()
     try:
-        manifest, built = build_image(cache, force=force)
+        with Progress("image build") as progress:
+            manifest, built = build_image(cache, force=force, on_phase=progress.phase)
     except CubeError as e:
         print(json.dumps(e.to_json()), file=sys.stderr)
         raise typer.Exit(1) from e

@@ -10,6 +10,8 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.table import Table
 
+from cubeaccel.cli import output
+from cubeaccel.cli.locate import UP_STATE, up_info
 from cubeaccel.cli.render import console
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
@@ -18,12 +20,11 @@ app = typer.Typer(no_args_is_help=True, help="CubeMaster: cluster placement, tem
 sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes through CubeMaster.")
 
 DEFAULT_STATE = Path(os.environ.get("CUBEACCEL_MASTER_STATE_DIR", Path.home() / ".local/state/cubeaccel/master"))
-UP_STATE = Path(os.environ.get("CUBEACCEL_UP_STATE_DIR", Path.home() / ".local/state/cubeaccel/up"))
 MasterUrl = Annotated[
     str | None,
     typer.Option("--master", help="CubeMaster URL (default: $CUBEACCEL_MASTER, then the one `cubeaccel up` started)"),
 ]
-AsJson = Annotated[bool, typer.Option("--json")]
+AsJson = Annotated[bool, typer.Option("--json", help="same as -o json")]
 
 
 def write_secret(path: Path, value: str) -> None:
@@ -35,9 +36,11 @@ def write_secret(path: Path, value: str) -> None:
 
 
 def api_key() -> str | None:
-    """$CUBEACCEL_API_KEY, else the admin key `cubeaccel up` wrote into its state dir."""
+    """$CUBEACCEL_API_KEY, else $CUBEACCEL_API_KEY_FILE's, else the admin key `cubeaccel up` wrote."""
     if os.environ.get("CUBEACCEL_API_KEY"):
         return os.environ["CUBEACCEL_API_KEY"]
+    if os.environ.get("CUBEACCEL_API_KEY_FILE"):
+        return Path(os.environ["CUBEACCEL_API_KEY_FILE"]).read_text().strip()
     for path in (UP_STATE / "admin.key",):
         if path.exists():
             return path.read_text().strip()
@@ -49,28 +52,24 @@ def master_url(explicit: str | None) -> str:
         return explicit
     if os.environ.get("CUBEACCEL_MASTER"):
         return os.environ["CUBEACCEL_MASTER"]
-    up = UP_STATE / "up.json"
-    if up.exists():
-        return str(json.loads(up.read_text())["master_url"])
+    up = up_info()
+    if up is not None and up.get("master_url"):
+        return str(up["master_url"])
     return "http://127.0.0.1:7700"
 
 
-def fail(e: CubeError) -> NoReturn:
-    console.print(f"[red]error[/red] {e.code} (layer {e.layer}): {e.message}")
-    if e.details:
-        console.print_json(json.dumps(e.details, default=str))
-    raise typer.Exit(1)
+def fail(e: CubeError, exit_code: int = 1) -> NoReturn:
+    output.fail(e, exit_code)
+
+
+MASTER_FIX = "is it running? start one with `cubeaccel up`, or pass --master URL / set $CUBEACCEL_MASTER"
 
 
 def _call(url: str | None, fn: Any) -> Any:
     client = MasterClient(master_url(url), key=api_key())
     try:
-        return fn(client)
-    except CubeError as e:
-        fail(e)
-    except OSError as e:
-        console.print(f"[red]error[/red] cannot reach CubeMaster at {client.url}: {e}")
-        raise typer.Exit(1) from e
+        with output.reaching("CubeMaster", client.url, MASTER_FIX):
+            return fn(client)
     finally:
         client.close()
 
@@ -115,9 +114,14 @@ def serve_cmd(
     from cubeaccel.wire.http_server import server_config
 
     host, port = _listen(listen)
+    from cubeaccel.host import statelock
     from cubeaccel.host.private import private_umask
 
     private_umask()  # master.db (every tenant's records) is owner-only whatever the state dir allows
+    try:
+        lock = statelock.acquire(state_dir, "master")  # held until exit: one CubeMaster per state dir
+    except CubeError as e:
+        fail(e, statelock.LOCKED_EXIT)
     if staleness <= 0 or tick <= 0:
         raise typer.BadParameter("staleness and tick must be > 0")
     url = db or str(state_dir / "master.db")
@@ -148,10 +152,20 @@ def serve_cmd(
         flush=True,
     )
     try:
+        import asyncio
+
+        from cubeaccel.host import sdnotify
+
         app = create_app(master, maintenance, audit=audit_log or state_dir / "audit.jsonl")
-        uvicorn.Server(server_config(app, host=host, port=port)).run()
+        server = uvicorn.Server(server_config(app, host=host, port=port))
+
+        async def run() -> None:  # uvicorn's own run(), plus READY=1 for systemd once it listens
+            await asyncio.gather(server.serve(), sdnotify.when_started([server], f"CubeMaster on {host}:{port}"))
+
+        asyncio.run(run())
     finally:
         maintenance.stop()
+        lock.release()
 
 
 @app.command("register")
@@ -166,17 +180,18 @@ def register_cmd(
     try:
         doc = load_document(path)
     except CubeError as e:
-        console.print(f"[red]error[/red] cannot read {path}: {e.message}")
-        raise typer.Exit(1) from e
-    console.print_json(json.dumps(_call(url, lambda c: c.register_template(doc, default))))
+        fail(e)
+    output.emit(_call(url, lambda c: c.register_template(doc, default)))
 
 
 def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
     """Nodes, their state (ready / draining / stale) and free devices."""
+    output.json_flag(as_json)
     nodes = _call(url, lambda c: c.nodes())
-    if as_json:
-        print(json.dumps({"nodes": nodes}, indent=2))
-        return
+    output.emit({"nodes": nodes}, lambda: console.print(_nodes_table(nodes)))
+
+
+def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t = Table(title="nodes")
     for col in ("node", "state", "heartbeat", "backends", "free/total", "devices"):
         t.add_column(col)
@@ -186,13 +201,50 @@ def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
         )
         t.add_row(
             n["node"],
-            n["state"],
+            output.state(n["state"]),
             f"{n['last_heartbeat_age_s']:.1f}s ago",
             ",".join(n["backends"]),
             f"{n['allocatable']}/{n['total']}",
             groups,
         )
-    console.print(t)
+    return t
+
+
+node_app = typer.Typer(no_args_is_help=True, help="Nodes through CubeMaster: list, drain, undrain (admin key).")
+
+
+@node_app.command("list")
+def node_list(url: MasterUrl = None, as_json: AsJson = False) -> None:
+    """The same as `cubeaccel nodes`."""
+    nodes_cmd(url, as_json)
+
+
+def _node_verb(verb: str, node: str, who: str | None, reason: str, url: str | None) -> None:
+    r = _call(url, lambda c: c.node_verb(node, verb, who or "operator", reason))
+    # `who` in the reply is the authenticated identity CubeMaster recorded, not what was claimed.
+    output.emit(r, lambda: console.print(f"node {node}: {r.get('state', verb)} (by {r.get('who', who)}: {reason})"))
+
+
+@node_app.command("drain")
+def node_drain(
+    node: str,
+    reason: Annotated[str, typer.Option(help="why (audited)")],
+    who: Annotated[str | None, typer.Option(help="operator name (CubeMaster records the key's identity)")] = None,
+    url: MasterUrl = None,
+) -> None:
+    """Stop placing new sandboxes on NODE; the ones running there keep running."""
+    _node_verb("drain", node, who, reason, url)
+
+
+@node_app.command("undrain")
+def node_undrain(
+    node: str,
+    reason: Annotated[str, typer.Option(help="why (audited)")],
+    who: Annotated[str | None, typer.Option(help="operator name (CubeMaster records the key's identity)")] = None,
+    url: MasterUrl = None,
+) -> None:
+    """Place sandboxes on NODE again."""
+    _node_verb("undrain", node, who, reason, url)
 
 
 # The node's events that are phases of a start, in the words the issue uses.
@@ -263,12 +315,13 @@ def _wait_running(url: str | None, s: dict[str, Any], quiet: bool, timeout_s: fl
 
 def _sandbox_table(rows: list[dict[str, Any]]) -> Table:
     t = Table(title="sandboxes")
-    for col in ("id", "state", "node", "template", "devices", "error"):
-        t.add_column(col)
+    t.add_column("id", no_wrap=True)
+    for col in ("state", "node", "template", "devices", "error"):
+        t.add_column(col, overflow="fold")
     for s in rows:
         tpl = s["template"]["name"] + "@" + s["template"]["version"] if s["template"] else "-"
         err = (s["error"] or {}).get("code", "")
-        t.add_row(s["id"], s["state"], s["node"] or "-", tpl, ", ".join(s["device_ids"]) or "-", err)
+        t.add_row(s["id"], output.state(s["state"]), s["node"] or "-", tpl, ", ".join(s["device_ids"]) or "-", err)
     return t
 
 
@@ -293,6 +346,7 @@ def sandbox_create(
     as_json: AsJson = False,
 ) -> None:
     """Create a sandbox and wait until it runs (phases shown live); on refusal or failure, print why."""
+    as_json = as_json or output.machine()
     body: dict[str, Any] = {"tenant": tenant}
     if gpu:
         body["gpu"] = gpu
@@ -323,17 +377,15 @@ def sandbox_create(
 def sandbox_list(
     state: Annotated[str | None, typer.Option()] = None, url: MasterUrl = None, as_json: AsJson = False
 ) -> None:
+    output.json_flag(as_json)
     rows = _call(url, lambda c: c.sandboxes(state))
-    if as_json:
-        print(json.dumps({"sandboxes": rows}, indent=2))
-    else:
-        console.print(_sandbox_table(rows))
+    output.emit({"sandboxes": rows}, lambda: console.print(_sandbox_table(rows)))
 
 
 @sandbox_app.command("show")
 def sandbox_show(sandbox_id: str, url: MasterUrl = None) -> None:
     """One sandbox with its per-phase timeline."""
-    print(json.dumps(_call(url, lambda c: c.sandbox(sandbox_id)), indent=2))
+    output.emit(_call(url, lambda c: c.sandbox(sandbox_id)))
 
 
 @sandbox_app.command("timeout")
@@ -348,7 +400,7 @@ def sandbox_timeout(
 @sandbox_app.command("delete")
 def sandbox_delete(sandbox_id: str, url: MasterUrl = None) -> None:
     s = _call(url, lambda c: c.delete(sandbox_id))
-    console.print(_sandbox_table([s]))
+    output.emit(s, lambda: console.print(_sandbox_table([s])))
 
 
 def up_cmd(
@@ -360,7 +412,9 @@ def up_cmd(
     """Embedded single node: CubeMaster (SQLite) + one Cubelet, with the best backend this host supports."""
     from cubeaccel.master.up import run_up
 
-    raise typer.Exit(run_up(state_dir, backend, profile, detach))
+    with output.Progress("up") as progress:
+        rc = run_up(state_dir, backend, profile, detach, on_phase=progress.phase)
+    raise typer.Exit(rc)
 
 
 def down_cmd(state_dir: Annotated[Path, typer.Option()] = UP_STATE) -> None:
@@ -408,7 +462,7 @@ def tenant_create(
 
 @tenant_app.command("list")
 def tenant_list(url: MasterUrl = None) -> None:
-    print(json.dumps(_call(url, lambda c: c.request("GET", "/v1/tenants"))["tenants"], indent=2))
+    output.emit(_call(url, lambda c: c.request("GET", "/v1/tenants"))["tenants"])
 
 
 @tenant_app.command("revoke")
@@ -439,7 +493,7 @@ def key_create(
 @key_app.command("list")
 def key_list(url: MasterUrl = None) -> None:
     """Live keys (ids only): a tenant's own, or (admin) every key."""
-    print(json.dumps(_call(url, lambda c: c.request("GET", "/v1/keys"))["keys"], indent=2))
+    output.emit(_call(url, lambda c: c.request("GET", "/v1/keys"))["keys"])
 
 
 @key_app.command("revoke")
@@ -515,6 +569,7 @@ def register_top_level(root: typer.Typer) -> None:
     root.add_typer(node_cred_app, name="node-credential")
     root.command("audit")(audit_cmd)
     root.command("nodes")(nodes_cmd)
+    root.add_typer(node_app, name="node")
     root.command("up")(up_cmd)
     root.command("down")(down_cmd)
     root.add_typer(sandbox_app, name="sandbox")
@@ -648,3 +703,50 @@ def sandbox_cp(
         raise typer.Exit(1) from e
     finally:
         wl.close()
+
+
+# ---- backup and restore (SQLite; PostgreSQL uses pg_dump, docs/service.md) ------------------------------------------
+def _sqlite_path(db: str | None, state_dir: Path) -> Path:
+    if db is None:
+        return state_dir / "master.db"
+    if db.startswith("postgresql"):
+        fail(
+            CubeError(
+                "backup.failed",
+                "a PostgreSQL database is backed up with pg_dump (docs/service.md), not by this command",
+                "api",
+                {"db": db.split("@")[-1]},
+            )
+        )
+    return Path(db.removeprefix("sqlite:///"))
+
+
+@app.command("backup")
+def backup_cmd(
+    out: Annotated[Path, typer.Argument(help="a new directory for the backup")],
+    state_dir: Annotated[Path, typer.Option(help="CubeMaster's state directory")] = DEFAULT_STATE,
+    db: Annotated[str | None, typer.Option(help="sqlite:///PATH (default: STATE_DIR/master.db)")] = None,
+) -> None:
+    """Back up a (running) CubeMaster's SQLite database with the online backup API, plus its audit log."""
+    from cubeaccel.host.backup import backup
+
+    try:
+        info = backup(_sqlite_path(db, state_dir), [state_dir / "audit.jsonl"], out, "master")
+    except CubeError as e:
+        fail(e)
+    output.emit(info, lambda: console.print(f"backed up CubeMaster to {out} ({sum(info['rows'].values())} rows)"))
+
+
+@app.command("restore")
+def restore_cmd(
+    backup_dir: Annotated[Path, typer.Argument(help="a directory written by `cubeaccel master backup`")],
+    state_dir: Annotated[Path, typer.Option(help="a fresh state directory")] = DEFAULT_STATE,
+) -> None:
+    """Restore a backup into a fresh state directory (refused where a database exists or a CubeMaster runs)."""
+    from cubeaccel.host.backup import restore
+
+    try:
+        info = restore(backup_dir, state_dir, "master")
+    except CubeError as e:
+        fail(e)
+    output.emit(info, lambda: console.print(f"restored {backup_dir} into {state_dir}: start `cubeaccel master serve`"))

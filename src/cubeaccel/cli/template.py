@@ -37,6 +37,12 @@ def _violations_table(title: str, rows: list[ContractViolation]) -> Table:
     return table
 
 
+def _machine() -> bool:
+    from cubeaccel.cli import output
+
+    return output.machine()
+
+
 def _console(stderr: bool = False) -> Console:
     """A terminal gets its own width; a pipe or a log gets a wide one, so table rows stay readable."""
     probe = Console(stderr=stderr)
@@ -58,6 +64,7 @@ def _load_error(file: Path, e: CubeError, as_json: bool) -> None:
 @app.command("validate")
 def validate(file: Path = FileArg, as_json: bool = AsJson) -> None:
     """Check a template's internal consistency (registration stage). Exit 1 on any violation."""
+    as_json = as_json or _machine()
     try:
         t = load_template(file)
     except CubeError as e:
@@ -91,6 +98,7 @@ def validate(file: Path = FileArg, as_json: bool = AsJson) -> None:
 @app.command("show")
 def show(file: Path = FileArg, as_json: bool = AsJson) -> None:
     """Show the template as it would be frozen into a sandbox: canonical document, digest, guest probes."""
+    as_json = as_json or _machine()
     try:
         t = load_template(file)
     except CubeError as e:
@@ -123,3 +131,144 @@ def show(file: Path = FileArg, as_json: bool = AsJson) -> None:
     problems = check_template(t)
     if problems:
         console.print(f"[yellow]{len(problems)} violation(s)[/]: run `cubeaccel template validate {escape(str(file))}`")
+
+
+# ---- registered templates (CubeMaster) ------------------------------------------------------------------------
+def _master_call(url: str | None, fn: Any) -> Any:
+    from cubeaccel.cli.master import _call
+
+    return _call(url, fn)
+
+
+MasterOpt = typer.Option(None, "--master", help="CubeMaster URL (default: $CUBEACCEL_MASTER, then `cubeaccel up`'s)")
+
+
+@app.command("list")
+def list_cmd(url: str | None = MasterOpt, as_json: bool = AsJson) -> None:
+    """Templates registered with CubeMaster: name, version, class, digest, and which is each class's default."""
+    from cubeaccel.cli import output
+
+    output.json_flag(as_json)
+    body = _master_call(url, lambda c: c.request("GET", "/v1/templates"))
+
+    def table() -> None:
+        t = Table(title="templates")
+        t.add_column("name", no_wrap=True)
+        t.add_column("version", no_wrap=True)
+        t.add_column("class")
+        t.add_column("default")
+        t.add_column("digest", overflow="fold")
+        for r in body["templates"]:
+            t.add_row(r["name"], r["version"], r["class"], "yes" if r["default"] else "", r["digest"])
+        _console().print(t)
+
+    output.emit({"templates": body["templates"], "defaults": body["defaults"]}, table)
+
+
+@app.command("delete")
+def delete_cmd(
+    ref: str = typer.Argument(..., help="NAME (every version) or NAME@VERSION"), url: str | None = MasterOpt
+) -> None:
+    """Delete a registered template (sandboxes already created keep their frozen contract)."""
+    from cubeaccel.cli import output
+
+    r = _master_call(url, lambda c: c.request("DELETE", f"/v1/templates/{ref}"))
+    output.emit(r, lambda: _console().print(f"deleted {r['deleted']} version(s) of {escape(r['template'])}"))
+
+
+# ---- pin: the real digests of this host's image, written into the file ---------------------------------------
+_PINNED = (
+    ("spec", "guest", "image", "digest"),
+    ("spec", "guest", "kernel", "version"),
+    ("spec", "guest", "kernel", "digest"),
+    ("spec", "guest", "modules_img", "kernel_version"),
+    ("spec", "guest", "modules_img", "digest"),
+)
+
+
+def _get(doc: Any, path: tuple[str, ...]) -> Any:
+    for k in path:
+        doc = doc[k]
+    return doc
+
+
+def pin_yaml_text(text: str, values: dict[tuple[str, ...], str]) -> str:
+    """Rewrite the scalar values at `values`' key paths in block-style YAML, leaving comments and layout alone.
+
+    A path that is not in the text as `key: value` on its own line raises `template.pin_failed`."""
+    import re
+
+    lines = text.splitlines(keepends=True)
+    stack: list[tuple[int, str]] = []  # (indent, key) of the mapping keys above the current line
+    done: set[tuple[str, ...]] = set()
+    key_re = re.compile(r"^(\s*)([A-Za-z0-9_.-]+):(\s*)(.*?)(\s+#.*)?(\r?\n)?$")
+    for i, line in enumerate(lines):
+        if not line.strip() or line.lstrip().startswith(("#", "-")):
+            continue
+        m = key_re.match(line)
+        if m is None:
+            continue
+        indent = len(m.group(1))
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = (*(k for _, k in stack), m.group(2))
+        if path in values and m.group(4):
+            quote = '"' if m.group(4).startswith('"') else ""
+            lines[i] = f"{m.group(1)}{m.group(2)}: {quote}{values[path]}{quote}{m.group(5) or ''}{m.group(6) or ''}"
+            done.add(path)
+        stack.append((indent, m.group(2)))
+    missing = [".".join(p) for p in values if p not in done]
+    if missing:
+        raise CubeError(
+            "template.pin_failed", f"no `key: value` line for {', '.join(missing)}", "template", {"missing": missing}
+        )
+    return "".join(lines)
+
+
+@app.command("pin")
+def pin_cmd(
+    file: Path = FileArg,
+    cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~/.cache/cubeaccel"),
+    build: bool = typer.Option(True, "--build/--no-build", help="build (or reuse) the image first"),
+    check: bool = typer.Option(False, "--check", help="change nothing; exit 1 if the file's digests differ"),
+) -> None:
+    """Write the digests of the image this host builds (guest image, kernel, modules.img) into FILE."""
+    from cubeaccel.cli import output
+    from cubeaccel.images.builder import build as build_image
+    from cubeaccel.images.builder import latest
+    from cubeaccel.images.manifest import pin_template_document
+    from cubeaccel.wire.templates import loads_document
+
+    try:
+        image = build_image(cache)[0] if build else latest(cache)
+        if image is None:
+            raise CubeError("image.manifest_invalid", "no image built yet: run `cubeaccel image build`", "template")
+        text = file.read_text()
+        doc = loads_document(text, file.name)
+        if not isinstance(doc, dict):
+            raise CubeError("template.pin_failed", f"{file} is not a template document", "template")
+        want = pin_template_document(doc, image)
+        values: dict[tuple[str, ...], str] = {p: str(_get(want, p)) for p in _PINNED}
+        changed = {".".join(p): {"from": str(_get(doc, p)), "to": v} for p, v in values.items() if _get(doc, p) != v}
+        new = json.dumps(want, indent=2) + "\n" if file.suffix == ".json" else pin_yaml_text(text, values)
+        if loads_document(new, file.name) != want:  # the rewrite is exactly the pinned document, nothing else
+            raise CubeError("template.pin_failed", f"{file}: rewriting the digests changed more than them", "template")
+    except (CubeError, OSError) as e:
+        output.fail(e if isinstance(e, CubeError) else CubeError("template.pin_failed", str(e), "template"))
+    if not check and changed:
+        file.write_text(new)
+    result = {"file": str(file), "image_digest": image.image_digest, "changed": changed, "written": not check}
+    output.emit(
+        result,
+        lambda: _console().print(
+            f"{escape(str(file))}: "
+            + (
+                ", ".join(f"{k} → {v['to']}" for k, v in changed.items())
+                if changed
+                else "already pinned to this host's image"
+            )
+            + (" (not written: --check)" if check and changed else "")
+        ),
+    )
+    if check and changed:
+        raise typer.Exit(1)

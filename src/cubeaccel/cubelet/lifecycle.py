@@ -212,7 +212,7 @@ class Cubelet(ReleasePath):
             )
             return res
 
-    def start(self, sandbox_id: str) -> Reservation | None:
+    def start(self, sandbox_id: str, token: str | None = None) -> Reservation | None:
         """Revalidate, move devices to `preparing`, record the intent, then launch the shim.
 
         Revalidation is host I/O and runs before the transaction; the transaction then moves exactly the
@@ -228,12 +228,14 @@ class Cubelet(ReleasePath):
         with self.lock:
             self.launching.add(sandbox_id)  # before the intent is durable: reconcile must not judge a launch
         try:
-            return self._start(sandbox_id, devs, failed)
+            return self._start(sandbox_id, devs, failed, token)
         finally:
             with self.lock:
                 self.launching.discard(sandbox_id)
 
-    def _start(self, sandbox_id: str, devs: list[DeviceRecord], failed: dict[str, list[Problem]]) -> Reservation | None:
+    def _start(
+        self, sandbox_id: str, devs: list[DeviceRecord], failed: dict[str, list[Problem]], given: str | None = None
+    ) -> Reservation | None:
         with self.change() as t:
             res = self._reservation(t, sandbox_id)
             if res.phase is not P.RESERVED:
@@ -259,7 +261,9 @@ class Cubelet(ReleasePath):
                 cp.started_at = t.now
                 cp.start_id = uuid.uuid4().hex[:16]
                 cp.image_digest = self._image_digest(res)  # what the shim boots, by digest
-                token = secrets.token_urlsafe(32)  # this start's workload token: only its hash is kept
+                # This start's workload token (only its hash is kept): ours, or the one the caller derived
+                # (the E2B front door derives it from the sandbox id to hand it out again on connect).
+                token = given or secrets.token_urlsafe(32)
                 cp.workload_token_sha256 = token_digest(token)
                 t.update_reservation(res)
                 start_ok = True

@@ -200,7 +200,7 @@ def create_app(
             metrics.refused(e.code)
             raise
         if body.start:
-            cubelet.start(body.sandbox_id)
+            cubelet.start(body.sandbox_id, body.workload_token.get_secret_value() if body.workload_token else None)
         return {
             **_reservation_json(cubelet, body.sandbox_id, local),
             "access_token": cubelet.take_token(body.sandbox_id),
@@ -423,7 +423,10 @@ def serve(
     servers = [uvicorn.Server(c) for c in configs]
 
     async def run() -> None:
-        await asyncio.gather(*(s.serve() for s in servers))
+        from cubeaccel.host import sdnotify
+
+        status = f"cubelet {cubelet.config.node_name}: serving {socket_path}"
+        await asyncio.gather(*(s.serve() for s in servers), sdnotify.when_started(servers, status))
 
     asyncio.run(run())
 

@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,15 +101,25 @@ def cached(cache: Path, key: str) -> Manifest | None:
     return m if not m.verify() else None
 
 
-def build(cache: Path | None = None, force: bool = False) -> tuple[Manifest, bool]:
+Phase = Callable[[str], None]  # told each build phase as it begins (the CLI's live progress)
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def build(cache: Path | None = None, force: bool = False, on_phase: Phase = _quiet) -> tuple[Manifest, bool]:
     """Return (manifest, built_now). Reuses a cached image whose inputs and digests match unless `force`."""
     cache = cache or cache_dir()
+    on_phase("resolving package versions (apt)")
     inputs = resolve_inputs()
+    on_phase("waiting for the image cache lock")
     with _locked(cache / "images" / ".lock"):
         if not force and (m := cached(cache, inputs.key)) is not None:
+            on_phase(f"verifying cached image {m.key}")
             _point_latest(cache, m)
             return m, False
-        m = _build(cache, inputs)
+        m = _build(cache, inputs, on_phase)
         _point_latest(cache, m)
         prune(cache / "images", keep=KEEP_IMAGES, protect=m.key)
         _prune_debs(
@@ -179,7 +189,8 @@ def _point_latest(cache: Path, m: Manifest) -> None:
     tmp.replace(cache / "images" / "latest")
 
 
-def _build(cache: Path, inputs: Inputs) -> Manifest:
+def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
+    on_phase(f"downloading {1 + len(inputs.rootfs_packages)} packages")
     debs = packages.download(cache / "debs", [inputs.kernel_package, *inputs.rootfs_packages])
     final = cache / "images" / inputs.key
     work = Path(tempfile.mkdtemp(prefix=f"build-{inputs.key}-", dir=cache / "images"))
@@ -187,6 +198,7 @@ def _build(cache: Path, inputs: Inputs) -> Manifest:
         out = work / "out"
         out.mkdir()
         ktree = work / "kernel"
+        on_phase(f"kernel {inputs.kernel_package.version}: vmlinux and modules.img")
         packages.extract(debs[0], ktree)
         release = packages.kernel_release(inputs.kernel_package.name)
         vmlinuz = ktree / "boot" / f"vmlinuz-{release}"
@@ -196,12 +208,15 @@ def _build(cache: Path, inputs: Inputs) -> Manifest:
         shutil.rmtree(ktree)
 
         root = work / "rootfs"
+        on_phase("assembling the root filesystem")
         for deb in debs[1:]:
             packages.extract(deb, root)
         rootfs.prune(root)
         rootfs.install_busybox(root)
         rootfs.install_agent(root, _SRC_PKG)
+        on_phase("compiling bytecode, smoke-testing the guest python")
         rootfs.compile_and_smoke_test(root)
+        on_phase("writing rootfs.cpio and initrd.img")
         with (out / "rootfs.cpio").open("wb") as f:
             cpio.write_tree(root, f)
         with (out / "initrd.img").open("wb") as f:

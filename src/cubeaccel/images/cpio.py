@@ -1,7 +1,7 @@
 """A deterministic `newc` cpio writer (the initramfs format Linux unpacks).
 
 Written in Python rather than shelling out to `cpio` so the archive is byte-for-byte reproducible (mtime 0, uid 0,
-sorted entries): the image digest in a template's contract must not change when nothing else did.
+sorted entries, modes normalized): the image digest in a template's contract must not change when nothing else did.
 """
 
 from __future__ import annotations
@@ -23,6 +23,14 @@ def _header(out: BinaryIO, name: str, mode: int, size: int, ino: int, nlink: int
     head = b"070701" + b"".join(f"{f:08X}".encode() for f in fields)
     data = head + name.encode() + b"\0"
     out.write(data + _pad(len(data)))
+
+
+def _perm(mode: int) -> int:
+    """Modes as a umask-free build would give them: the builder's umask (0077 under a Cubelet, 0022 in a
+    shell) must not change the archive. Directories and executables 0755, other files 0644."""
+    if stat.S_ISDIR(mode) or mode & 0o111:
+        return 0o755
+    return 0o644
 
 
 def write_tree(root: Path, out: BinaryIO, prefix: str = "") -> int:
@@ -48,7 +56,7 @@ def write_tree(root: Path, out: BinaryIO, prefix: str = "") -> int:
             _header(out, name, stat.S_IFDIR | 0o755, 0, ino, 2)
         else:
             st = path.lstat()
-            perm = stat.S_IMODE(st.st_mode)
+            perm = _perm(st.st_mode)
             if stat.S_ISLNK(st.st_mode):
                 target = os.readlink(path).encode()
                 _header(out, name, stat.S_IFLNK | 0o777, len(target), ino)

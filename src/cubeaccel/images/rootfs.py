@@ -199,17 +199,29 @@ def guest_python(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """Run the guest's own python3.11 on the host through the guest's dynamic loader (no chroot, no root)."""
     ld = root / "lib64" / "ld-linux-x86-64.so.2"
     libs = f"{root}/lib/x86_64-linux-gnu:{root}/usr/lib/x86_64-linux-gnu"
-    env = {"PYTHONHOME": str(root / "usr"), "PYTHONPATH": str(root / AGENT_HOME.lstrip("/")), "PATH": "/usr/bin:/bin"}
+    env = {
+        "PYTHONHOME": str(root / "usr"),
+        "PYTHONPATH": str(root / AGENT_HOME.lstrip("/")),
+        "PATH": "/usr/bin:/bin",
+        # Reproducible bytecode: a fixed hash seed orders frozenset constants the same way every build (a random
+        # one gave a different rootfs digest per build), and imports made here write no timestamped pycs.
+        "PYTHONHASHSEED": "0",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "SOURCE_DATE_EPOCH": "0",
+    }
     cmd = [str(ld), "--library-path", libs, str(root / "usr/bin/python3.11"), *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
 
 
 def compile_and_smoke_test(root: Path) -> None:
-    """Precompile bytecode with the guest interpreter, then import what cube-agent needs, or fail the build."""
+    """Precompile bytecode with the guest interpreter, then import what cube-agent needs, or fail the build.
+
+    One worker, in sorted order, with a fixed hash seed: marshal's output depends on the compiling process's
+    state (interned strings, set ordering), so the same sources must be compiled the same way each build."""
     script = (
         "import compileall, py_compile, sys\n"
         "mode = py_compile.PycInvalidationMode.UNCHECKED_HASH\n"
-        f"ok = compileall.compile_dir(sys.argv[1], ddir='/usr/lib/python3.11', quiet=2, workers=0,"
+        f"ok = compileall.compile_dir(sys.argv[1], ddir='/usr/lib/python3.11', quiet=2, workers=1,"
         " invalidation_mode=mode)\n"
         f"ok &= compileall.compile_dir(sys.argv[2], ddir='{AGENT_HOME}', quiet=2, invalidation_mode=mode)\n"
         "import json, ctypes, hashlib, select, socket, struct, fcntl, termios, pty, tty, lzma, zlib, gzip\n"

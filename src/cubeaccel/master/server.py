@@ -5,6 +5,7 @@ Errors have the Cubelet's format: `{"error": {"code", "layer", "message", "detai
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from pathlib import Path
@@ -143,6 +144,9 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
         body.memory_mib,
         body.vcpus,
         body.timeout_s,
+        dict(body.metadata),
+        dict(body.env_vars),
+        body.workload_token,
     )
 
 
@@ -456,16 +460,7 @@ def create_app(
                     "request.no_accelerator", "give gpu (e.g. 'H100:1'), accelerators or a template", "api", {}, 422
                 )
             cls = master.registry.contract(spec.template).accel_class
-            spec = CreateSpec(
-                spec.sandbox_id,
-                spec.tenant,
-                spec.idempotency_key,
-                spec.template,
-                AcceleratorRequest((AcceleratorChoice(cls, 1),)),
-                spec.memory_mib,
-                spec.vcpus,
-                spec.timeout_s,
-            )
+            spec = dataclasses.replace(spec, request=AcceleratorRequest((AcceleratorChoice(cls, 1),)))
         t0 = time.perf_counter()
         try:
             row, created = master.create(spec)

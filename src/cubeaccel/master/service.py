@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -77,6 +77,9 @@ class CreateSpec:
     memory_mib: int | None
     vcpus: int
     timeout_s: float | None
+    metadata: dict[str, str] = field(default_factory=dict)  # the caller's labels: stored, returned, filterable
+    env_vars: dict[str, str] = field(default_factory=dict)  # for every command (the E2B front door applies them)
+    workload_token: str | None = field(default=None, repr=False)  # the caller's choice; passed on, never stored
 
 
 Resolved = tuple[AcceleratorChoice, CompatibilityContract, Selector | None]
@@ -149,13 +152,18 @@ class CubeMaster:
             )
         now = time.time()
         sid = spec.sandbox_id or f"sb-{uuid.uuid4().hex[:16]}"
-        normalized = {
+        normalized: dict[str, Any] = {
             "template": spec.template,
             "accelerators": [spec.request.to_json()],
             "memory_mib": spec.memory_mib,
             "vcpus": spec.vcpus,
             "timeout_s": spec.timeout_s,
         }
+        # Only when given, so the records (and idempotency claims) of creates without them keep their shape.
+        if spec.metadata:
+            normalized["metadata"] = dict(spec.metadata)
+        if spec.env_vars:
+            normalized["env_vars"] = dict(spec.env_vars)
         row = {
             "id": sid,
             "tenant": spec.tenant,
@@ -299,6 +307,8 @@ class CubeMaster:
             "vcpus": spec.vcpus,
             "start": True,
         }
+        if spec.workload_token is not None:
+            body["workload_token"] = spec.workload_token
         row = self.store.sandbox(sid)
         if row is not None:  # the Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)
             deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -41,7 +42,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def choose_backend(requested: str) -> tuple[str, str]:
+def _quiet(_: str) -> None:
+    pass
+
+
+def choose_backend(requested: str, on_phase: Callable[[str], None] = _quiet) -> tuple[str, str]:
     """(backend, why). `emulated` wherever QEMU runs MicroVMs — under TCG too: a sandbox cycle from a
     template snapshot takes ~2 s here (docs/decisions.md) — and the guest image builds; else `simulated`."""
     if requested not in ("auto", "simulated", "emulated"):
@@ -57,7 +62,7 @@ def choose_backend(requested: str) -> tuple[str, str]:
     from cubeaccel.images.builder import build
 
     try:
-        image, fresh = build()
+        image, fresh = build(on_phase=lambda p: on_phase(f"guest image: {p}"))
     except CubeError as e:
         if requested == "emulated":
             raise
@@ -113,12 +118,79 @@ def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, p
     return done
 
 
-def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
+def running(state_dir: Path) -> dict[str, Any] | None:
+    """The stack `up.json` describes, if its processes are alive and its CubeMaster answers; else None."""
     try:
-        chosen, why = choose_backend(backend)
+        info = json.loads((state_dir / "up.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not all(_ours(int(p)) for p in info.get("pids", [])):
+        return None
+    c = MasterClient(str(info["master_url"]), timeout=5.0)
+    try:
+        c.health()
+    except (CubeError, httpx.HTTPError):
+        return None
+    finally:
+        c.close()
+    return info
+
+
+def _report_running(info: dict[str, Any]) -> None:
+    print(
+        f"already running: CubeMaster {info['master_url']}, Cubelet {info['cubelet_url']} "
+        f"(backend {info['backend']}, pids {', '.join(str(p) for p in info['pids'])}); "
+        f"nothing started. Stop it with `cubeaccel down --state-dir {info['state_dir']}`"
+    )
+
+
+def run_up(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None] = _quiet) -> int:
+    """Start the stack, or — when one already runs on `state_dir` — say so and start nothing.
+
+    `up.lock` is held while starting (and for a foreground `up`'s whole life), so two `up`s racing on one
+    directory never start two pairs; the second waits for the first's `up.json` and reports it. CubeMaster and
+    the Cubelet also lock their own state (`master.lock`, `cubelet/cubelet.lock`): a stack started some other
+    way on this directory makes this one fail instead of running beside it."""
+    from cubeaccel.host import statelock
+
+    if (info := running(state_dir)) is not None:
+        _report_running(info)
+        return 0
+    try:
+        lock = statelock.acquire(state_dir, "up")
     except CubeError as e:
-        print(f"error {e.code}: {e.message}")
+        end = time.monotonic() + 120  # another `up` is starting here: report its stack once it is up
+        while time.monotonic() < end:
+            if (info := running(state_dir)) is not None:
+                _report_running(info)
+                return 0
+            if statelock.holder(state_dir / "up.lock") is None:
+                break
+            time.sleep(0.2)
+        print(f"error {e.code}: {e.message}", file=sys.stderr)
+        return statelock.LOCKED_EXIT
+    try:
+        return _up_locked(state_dir, backend, profile, detach, on_phase)
+    finally:
+        lock.release()
+
+
+def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None]) -> int:
+    if (info := running(state_dir)) is not None:  # started between our check and our lock
+        _report_running(info)
+        return 0
+    stale = state_dir / "up.json"
+    if stale.exists():  # a stack that died (or was killed): what is left of it is stopped, then started afresh
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            _stop([int(p) for p in json.loads(stale.read_text())["pids"]])
+        stale.unlink(missing_ok=True)
+    try:
+        on_phase("choosing the backend")
+        chosen, why = choose_backend(backend, on_phase)
+    except CubeError as e:
+        print(f"error {e.code}: {e.message}", file=sys.stderr)
         return 2
+    on_phase("starting CubeMaster")
     state_dir.mkdir(parents=True, exist_ok=True)
     mport, cport = free_port(), free_port()
     murl = f"http://127.0.0.1:{mport}"
@@ -130,6 +202,8 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
             "serve",
             "--db",
             str(state_dir / "master.db"),
+            "--state-dir",
+            str(state_dir),
             "--listen",
             f"127.0.0.1:{mport}",
             "--audit-log",
@@ -163,21 +237,33 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool) -> int:
     client = MasterClient(murl)
     try:
         _wait("CubeMaster", client.health, 30, procs)
+        on_phase("registering the example templates")
         admin = (state_dir / "admin.key").read_text().strip()  # written 0600 by CubeMaster's first start
         client.close()
         client = MasterClient(murl, key=admin)
         token = client.request("POST", "/v1/nodes/local/credential")["token"]
         _write_secret(state_dir / "node-local.token", token)
         registered = register_examples(client, pin_to_image=chosen == "emulated")
+        on_phase(f"starting the Cubelet ({chosen}) and waiting for it to register")
+        spawned = time.time()
         procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
-        _wait("node registration", lambda: [n for n in client.nodes() if n["state"] == "ready"], 60, procs)
+
+        def registered_now() -> bool:
+            # A heartbeat from this Cubelet, not the node row an earlier run (or a restored backup) left `ready`.
+            return any(
+                n["node"] == "local" and n["state"] == "ready" and n["last_heartbeat_age_s"] <= time.time() - spawned
+                for n in client.nodes()
+            )
+
+        _wait("node registration", registered_now, 60, procs)
     except (RuntimeError, CubeError, httpx.HTTPError) as e:
-        print(f"error: {e}; logs in {state_dir}")
+        print(f"error: {e}; logs in {state_dir}", file=sys.stderr)
         _stop([p.pid for p in procs])
         return 1
     except BaseException:
         _stop([p.pid for p in procs])
         raise
+    on_phase("")  # started: the live phases end here, before the summary on stdout
     info = {
         "master_url": murl,
         "cubelet_url": f"http://127.0.0.1:{cport}",

@@ -378,6 +378,12 @@ CODES: tuple[CodeInfo, ...] = (
     _c("quota.accelerators", 429, "scheduler", "the create would take the tenant over its accelerators of this class"),
     _c("quota.pinned_memory", 429, "scheduler", "the create would take the tenant over its pinned guest memory"),
     _c("quota.lifetime", 422, "scheduler", "the requested lifetime (timeout_s) is over the tenant's maximum"),
+    # ---- service mode and the CLI (docs/config.md) ----
+    _c("cli.unreachable", None, "api", "the CLI could not reach CubeMaster or the Cubelet (the URL or socket named)"),
+    _c("state.locked", 409, "api", "another process holds this state directory's lock (its pid is named)"),
+    _c("config.invalid", None, "api", "the TOML config file does not parse or names an unknown setting"),
+    _c("backup.failed", None, "api", "a backup or restore could not be written or read"),
+    _c("template.pin_failed", None, "template", "`template pin`: the file has no guest section to rewrite"),
     # ---- image builder (CLI) ----
     _c("image.agent_missing", None, "template", "image build: no cube-agent sources to copy"),
     _c("image.apt_failed", None, "guest_kernel", "image build: apt-get download failed"),

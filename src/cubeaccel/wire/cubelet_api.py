@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, StrictBool, StrictInt
+from pydantic import Field, SecretStr, StrictBool, StrictInt
 
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.wire.base import Message, Record, Reply
@@ -22,6 +22,8 @@ class ReservationBody(Message):
     contract: dict[str, Any] | None = None
     lifetime_s: float | None = Field(default=None, gt=0, le=31 * 86400)  # None: the Cubelet's default
     start: StrictBool = False
+    # The start's workload token when the caller chose it (CubeMaster passes the creator's on); None: a fresh one.
+    workload_token: SecretStr | None = Field(default=None, min_length=32, max_length=200)
 
 
 class OperatorBody(Message):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt
+from pydantic import Field, StrictInt, StringConstraints
 
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.wire.base import Message, Record, Reply, Strict
@@ -25,6 +25,10 @@ class StatusBody(Message):
 
 
 MAX_LIFETIME_S = 30 * 86400.0  # no sandbox lives longer, whatever its tenant's quota says
+MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+MetaValue = Annotated[str, StringConstraints(max_length=2048)]
+EnvName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,255}$")]
+EnvValue = Annotated[str, StringConstraints(max_length=32768)]
 
 
 class SandboxBody(Message):
@@ -37,6 +41,13 @@ class SandboxBody(Message):
     timeout_s: float | None = Field(default=None, gt=0, le=MAX_LIFETIME_S)
     tenant: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a tenant key's own
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
+    # Labels stored with the sandbox and returned (the E2B front door filters its list by them).
+    metadata: dict[MetaKey, MetaValue] = Field(default_factory=dict, max_length=64)
+    # Environment for every command in the sandbox (E2B `envVars`: the front door applies them to each command).
+    env_vars: dict[EnvName, EnvValue] = Field(default_factory=dict, max_length=256)
+    # The workload token the start gives the guest, when the caller derives its own (the E2B front door does, to
+    # hand it out again on connect); passed to the Cubelet, never stored. None: the Cubelet makes one.
+    workload_token: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{32,200}$", repr=False)
 
 
 class TimeoutBody(Message):

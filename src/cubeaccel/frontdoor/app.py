@@ -1,0 +1,261 @@
+"""The E2B-compatible front door (`cubeaccel api serve`): E2B's REST surface over CubeMaster, and envd traffic
+routed to the sandbox's node (docs/e2b.md).
+
+Stateless: every answer comes from CubeMaster or is derived (the envd token from the sandbox id and the
+front door's secret), so several replicas sharing the secret and the admin key may serve side by side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from cubeaccel.frontdoor import mapping as M
+from cubeaccel.frontdoor.envd import EnvdProxy
+from cubeaccel.frontdoor.mapping import Refusal
+from cubeaccel.frontdoor.master import MasterClient
+from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
+
+MAX_BODY = 1 << 20
+GONE = {"deleting", "deleted"}
+NOT_LIVE = {"deleting", "deleted", "failed", "lost"}
+# The design excludes these for a sandbox holding a device (ARCHITECTURE.md: no snapshot of VFIO state).
+REFUSED = {
+    "pause": "pause",
+    "resume": "resume",
+    "snapshots": "snapshots",
+    "fork": "fork (clone)",
+    "refreshes": "refreshes",
+}
+
+
+@dataclass(frozen=True)
+class FrontDoorConfig:
+    master_url: str
+    admin_key: str
+    secret: bytes  # derives each sandbox's envd access token; shared by every replica
+    domain: str | None = None  # the E2B_DOMAIN way: REST at api.<domain>, envd at 49983-<id>.<domain>
+    create_wait_s: float = 300.0  # how long create waits for the guest to be validated (running)
+
+
+def error(status: int, message: str, retry: bool = False) -> JSONResponse:
+    """E2B's error body; `Should-Retry: false` so the SDK does not repeat a create that was refused."""
+    headers = {} if retry else {"Should-Retry": "false"}
+    return JSONResponse(Error(code=status, message=message).body(), status_code=status, headers=headers)
+
+
+def api_key(request: Request) -> str:
+    key = request.headers.get("x-api-key")
+    if not key:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        key = token.strip() if scheme.lower() == "bearer" else ""
+    if not key:
+        raise Refusal(401, "cubeaccel (api): missing API key (X-API-Key: a CubeMaster tenant key)")
+    return key
+
+
+async def body_of(request: Request, model: type[BaseModel], required: bool = True) -> Any:
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_BODY:
+            raise Refusal(413, "cubeaccel (api): request body above 1 MiB")
+    if not raw and not required:
+        return model()
+    try:
+        return model.model_validate(json.loads(raw or b"null"))
+    except (ValueError, ValidationError) as e:
+        msg = (
+            "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:3])
+            if isinstance(e, ValidationError)
+            else str(e)
+        )
+        raise Refusal(400, f"cubeaccel (api): invalid request body: {msg}") from e
+
+
+def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    master = MasterClient(cfg.master_url, cfg.admin_key)
+    envd = EnvdProxy(master, cfg.secret, cfg.domain)
+
+    def token(sandbox_id: str) -> str:
+        return M.envd_token(cfg.secret, sandbox_id)
+
+    async def sandbox(key: str, sandbox_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+        """`wait_s`: CubeMaster holds the reply until the sandbox settles (running, failed, gone), where it has
+        `?wait=`; where it has not, the parameter is ignored and the caller polls."""
+        params = {"wait": f"{wait_s:.1f}"} if wait_s > 0 else None
+        row: dict[str, Any] = await master.call(
+            "GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}", key, params=params
+        )
+        return row
+
+    async def live(key: str, sandbox_id: str) -> dict[str, Any]:
+        """The caller's running sandbox, else 404 (gone, failed, or another tenant's: CubeMaster says 404)."""
+        row = await sandbox(key, sandbox_id)
+        if row["state"] != M.LIVE:
+            raise Refusal(404, f"sandbox {sandbox_id} not found (it is {row['state']})")
+        return row
+
+    async def create(request: Request) -> Response:
+        key = api_key(request)
+        req: NewSandbox = await body_of(request, NewSandbox)
+        sid = f"sb-{uuid.uuid4().hex[:16]}"
+        body = M.create_body(req, sid, token(sid))
+        headers = {}
+        if request.headers.get("idempotency-key"):
+            headers["Idempotency-Key"] = request.headers["idempotency-key"]
+        row: dict[str, Any] = await master.call("POST", "/v1/sandboxes", key, body, headers)
+        sid = str(row["id"])  # an idempotent repeat answers the first create's sandbox (its token: derived too)
+        row = await wait_running(key, sid, row)
+        return JSONResponse(M.created(row, token(sid), cfg.domain).body(), status_code=201)
+
+    async def wait_running(key: str, sid: str, row: dict[str, Any]) -> dict[str, Any]:
+        """Until the guest is validated: E2B's create returns a sandbox ready for commands."""
+        deadline = time.monotonic() + cfg.create_wait_s
+        pause = 0.05
+        while row["state"] != M.LIVE:
+            if row["state"] in NOT_LIVE:
+                err = row.get("error") or {}
+                err = err.get("error", err) if isinstance(err, dict) else {}
+                if isinstance(err, dict) and err.get("code"):
+                    raise M.refusal_from_error(err, 500)
+                raise Refusal(500, f"cubeaccel (api): sandbox {sid} ended while starting ({row['state']})")
+            if time.monotonic() > deadline:
+                with contextlib.suppress(Refusal):
+                    await master.call("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", key)
+                raise Refusal(
+                    504, f"cubeaccel (api): sandbox {sid} was not running after {cfg.create_wait_s:g}s; deleted"
+                )
+            t0 = time.monotonic()
+            row = await sandbox(key, sid, wait_s=max(0.1, min(20.0, deadline - t0)))
+            if time.monotonic() - t0 < pause:  # answered at once: a CubeMaster without `?wait=`, poll gently
+                await asyncio.sleep(pause)
+                pause = min(pause * 1.5, 0.25)
+        return row
+
+    async def connect(request: Request) -> Response:
+        key = api_key(request)
+        sid = request.path_params["sandbox_id"]
+        req: ConnectBody = await body_of(request, ConnectBody, required=False)
+        row = await live(key, sid)
+        if req.timeout is not None and time.time() + req.timeout > float(row.get("expires_at") or 0):
+            row = await master.call(
+                "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": float(req.timeout)}
+            )
+        return JSONResponse(M.created(row, token(sid), cfg.domain).body(), status_code=200)
+
+    async def get_info(request: Request) -> Response:
+        key = api_key(request)
+        sid = request.path_params["sandbox_id"]
+        row = await live(key, sid)
+        return JSONResponse(M.detail(row, token(sid), cfg.domain).body())
+
+    async def list_sandboxes(request: Request) -> Response:
+        key = api_key(request)
+        q = request.query_params
+        meta = M.parse_metadata_query(q.get("metadata"))
+        states = M.parse_states(q.get("state"))
+        try:
+            limit = int(q.get("limit") or 100)
+        except ValueError as e:
+            raise Refusal(400, "cubeaccel (api): limit must be an integer") from e
+        reply = await master.call("GET", "/v1/sandboxes", key, params={"state": M.LIVE})
+        rows = M.select(reply["sandboxes"], meta, states)
+        if q.get("template"):
+            rows = [r for r in rows if M.template_name(r) == q["template"]]
+        chunk, nxt = M.page(rows, limit, q.get("nextToken"))
+        headers = {"x-next-token": nxt} if nxt else {}
+        return JSONResponse([M.listed(r).body() for r in chunk], headers=headers)
+
+    async def kill(request: Request) -> Response:
+        key = api_key(request)
+        sid = request.path_params["sandbox_id"]
+        row = await sandbox(key, sid)
+        if row["state"] in GONE:
+            raise Refusal(404, f"sandbox {sid} not found (it is {row['state']})")
+        await master.call("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", key)
+        return Response(status_code=204)
+
+    async def set_timeout(request: Request) -> Response:
+        key = api_key(request)
+        sid = request.path_params["sandbox_id"]
+        req: TimeoutBody = await body_of(request, TimeoutBody)
+        await live(key, sid)
+        await master.call(
+            "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": max(1.0, req.timeout)}
+        )
+        return Response(status_code=204)
+
+    async def refused(request: Request) -> Response:
+        api_key(request)
+        what = REFUSED.get(request.path_params.get("op", ""), request.url.path)
+        raise Refusal(
+            400,
+            f"cubeaccel (api): {what} is not supported: a GPU sandbox's device state cannot be saved, so sandboxes "
+            "are never paused, snapshotted or cloned (docs/e2b.md)",
+        )
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v2/sandboxes", create, methods=["POST"]),
+        Route("/sandboxes", create, methods=["POST"]),
+        Route("/v2/sandboxes", list_sandboxes, methods=["GET"]),
+        Route("/sandboxes", list_sandboxes, methods=["GET"]),
+        Route("/sandboxes/{sandbox_id}", get_info, methods=["GET"]),
+        Route("/sandboxes/{sandbox_id}", kill, methods=["DELETE"]),
+        Route("/sandboxes/{sandbox_id}/timeout", set_timeout, methods=["POST"]),
+        Route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
+        Route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
+        Route("/sandboxes/{sandbox_id}/{op}", refused, methods=["POST"]),
+        Route("/snapshots", refused, methods=["GET", "POST"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await envd.aclose()
+        await master.aclose()
+
+    async def refusal(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, Refusal)
+        return error(exc.status, exc.message, exc.retry)
+
+    async def no_route(request: Request, exc: Exception) -> Response:
+        status = int(getattr(exc, "status_code", 404))
+        return error(status, f"cubeaccel (api): {request.method} {request.url.path}: no such E2B route here")
+
+    rest = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={Refusal: refusal, 404: no_route, 405: no_route}
+    )
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope, receive)
+            target = envd.target(request)
+            if target is not None:
+                try:
+                    response = await envd.handle(request, *target)
+                except Refusal as e:
+                    response = error(e.status, e.message, e.retry)
+                await response(scope, receive, send)
+                return
+        await rest(scope, receive, send)
+
+    return app

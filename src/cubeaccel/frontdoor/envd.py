@@ -1,0 +1,223 @@
+"""Sandbox traffic: the SDK's envd requests, routed to the sandbox's node and streamed both ways.
+
+A request is envd's when it carries `E2b-Sandbox-Id` (every SDK envd request does) or its Host is
+`<port>-<sandbox>.<domain>`. The front door checks `X-Access-Token` against the token it derives for that sandbox,
+finds the sandbox's node through CubeMaster (cached briefly), and forwards to that node's Cubelet workload proxy,
+which checks the token again (by hash) and reaches the guest. Bodies are never buffered whole, except the one
+request envelope of `process.Process/Start` (≤ 1 MiB), into which the sandbox's create-time `envVars` are merged
+(the command's own `envs` win). A sandbox that is gone answers 502 "… was not found", which the SDK turns into
+SandboxNotRunningException.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import struct
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token
+from cubeaccel.frontdoor.master import MasterClient
+from cubeaccel.model.ids import SANDBOX_ID_RE
+
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-length",
+    "proxy-connection",
+}
+START_PATH = "/process.Process/Start"
+MAX_START_MESSAGE = 1 << 20  # the guest's own bound for a stream request message
+ROUTE_TTL_S = 5.0  # how long a sandbox → node answer is reused (a gone sandbox is re-checked at once)
+NODE_TTL_S = 30.0
+GONE_STATES = {"deleting", "deleted", "failed", "lost"}
+
+
+@dataclass(frozen=True)
+class Route:
+    cubelet_url: str
+    env_vars: dict[str, str]
+
+
+def gone(sandbox_id: str) -> JSONResponse:
+    """What E2B's own proxy answers for a sandbox that no longer exists: the SDK keys on "was not found"."""
+    return JSONResponse(
+        {"code": 502, "message": f"The sandbox {sandbox_id} was not found", "sandboxId": sandbox_id}, status_code=502
+    )
+
+
+def envd_error(status: int, message: str) -> JSONResponse:
+    """A plain JSON error with an int code: the SDK maps it by status (401 → AuthenticationException)."""
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def host_sandbox(host: str, domain: str | None) -> tuple[int, str] | None:
+    """(port, sandbox id) from `Host: 49983-<id>.<domain>`; None for any other host."""
+    if not domain:
+        return None
+    m = re.fullmatch(r"(\d{1,5})-([A-Za-z0-9_-]{1,63})\." + re.escape(domain) + r"(?::\d+)?", host, re.IGNORECASE)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def inject_envs(payload: bytes, env_vars: dict[str, str], streaming: bool) -> bytes:
+    """The Start request with the sandbox's envVars under the command's own `envs`. `streaming`: a Connect
+    envelope (`[flags][len][json]`, as the SDK sends it), else a unary JSON body."""
+    if not env_vars:
+        return payload
+    if streaming:
+        if len(payload) < 5:
+            return payload  # malformed: the guest answers it
+        flags, length = payload[0], struct.unpack(">I", payload[1:5])[0]
+        if flags != 0 or length != len(payload) - 5:
+            return payload  # compressed or not one message: leave it for the guest to judge
+        message = payload[5:]
+    else:
+        message = payload
+    try:
+        req = json.loads(message)
+    except ValueError:
+        return payload
+    proc = req.get("process") if isinstance(req, dict) else None
+    if not isinstance(proc, dict):
+        return payload
+    given = proc.get("envs")
+    own: dict[str, Any] = given if isinstance(given, dict) else {}
+    proc["envs"] = {**env_vars, **own}
+    out = json.dumps(req, separators=(",", ":")).encode()
+    return b"\x00" + struct.pack(">I", len(out)) + out if streaming else out
+
+
+class EnvdProxy:
+    def __init__(self, master: MasterClient, secret: bytes, domain: str | None) -> None:
+        self.master = master
+        self.secret = secret
+        self.domain = domain
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0), limits=httpx.Limits(max_keepalive_connections=64)
+        )
+        self._routes: dict[str, tuple[float, Route]] = {}
+        self._nodes: dict[str, tuple[float, str]] = {}
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    def target(self, request: Request) -> tuple[int, str] | None:
+        """(port, sandbox id) when the request is envd traffic, else None (a REST call)."""
+        sid = request.headers.get("e2b-sandbox-id")
+        if sid is not None:
+            return int(request.headers.get("e2b-sandbox-port") or ENVD_PORT), sid
+        return host_sandbox(request.headers.get("host", ""), self.domain)
+
+    async def route(self, sandbox_id: str, fresh: bool = False) -> Route | None:
+        """The sandbox's node and envVars (CubeMaster, with the front door's admin key); None when it is gone."""
+        now = time.monotonic()
+        hit = self._routes.get(sandbox_id)
+        if hit is not None and hit[0] > now and not fresh:
+            return hit[1]
+        try:
+            row = await self.master.admin("GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}")
+        except Refusal as e:
+            if e.status == 404:
+                self._routes.pop(sandbox_id, None)
+                return None
+            raise
+        if row["state"] in GONE_STATES or not row.get("node"):
+            self._routes.pop(sandbox_id, None)
+            return None
+        if row["state"] != LIVE:
+            raise Refusal(503, f"sandbox {sandbox_id} is {row['state']}, not running yet", retry=True)
+        node = str(row["node"])
+        cached = self._nodes.get(node)
+        if cached is not None and cached[0] > now and not fresh:
+            url = cached[1]
+        else:
+            url = str((await self.master.admin("GET", f"/v1/nodes/{quote(node, safe='')}"))["cubelet_url"])
+            self._nodes[node] = (now + NODE_TTL_S, url)
+        route = Route(url.rstrip("/"), dict((row.get("request") or {}).get("env_vars") or {}))
+        self._routes[sandbox_id] = (now + ROUTE_TTL_S, route)
+        return route
+
+    async def handle(self, request: Request, port: int, sandbox_id: str) -> Response:
+        if port != ENVD_PORT:
+            return envd_error(404, f"port {port} of sandbox {sandbox_id}: only envd's port {ENVD_PORT} is served")
+        if SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
+            return gone(sandbox_id)
+        path = request.url.path
+        token = request.headers.get("x-access-token")
+        if token is not None:
+            if not hmac.compare_digest(token.encode(), envd_token(self.secret, sandbox_id).encode()):
+                return envd_error(401, "missing or wrong access token")
+        elif not (path == "/health" or (path == "/files" and "signature" in request.query_params)):
+            return envd_error(401, "missing or wrong access token")
+        try:
+            route = await self.route(sandbox_id)
+            if route is None:
+                return gone(sandbox_id)
+            upstream = await self._send(request, route, sandbox_id, path)
+            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP - {"content-length"}}
+            if upstream.status_code in (409, 503):
+                body = await upstream.aread()
+                await upstream.aclose()
+                if not _cubelet_not_running(body):  # the guest's own error (Connect uses 409 too): pass it on
+                    return Response(body, status_code=upstream.status_code, headers=headers)
+                if await self.route(sandbox_id, fresh=True) is None:
+                    return gone(sandbox_id)
+                return envd_error(503, f"sandbox {sandbox_id} has no workload endpoint right now")
+        except Refusal as e:
+            return envd_error(e.status, e.message)
+        except httpx.HTTPError as e:
+            again = await self.route(sandbox_id, fresh=True)
+            if again is None:
+                return gone(sandbox_id)
+            return envd_error(502, f"sandbox {sandbox_id}: its node could not be reached: {type(e).__name__}")
+        return StreamingResponse(_relay(upstream), status_code=upstream.status_code, headers=headers)
+
+    async def _send(self, request: Request, route: Route, sandbox_id: str, path: str) -> httpx.Response:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        content: Any = None
+        if request.method == "POST":
+            content = request.stream()
+            if path == START_PATH and route.env_vars:
+                raw = bytearray()
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > MAX_START_MESSAGE + 5:
+                        raise Refusal(413, "process start request above 1 MiB")
+                streaming = "connect+" in request.headers.get("content-type", "")
+                content = inject_envs(bytes(raw), route.env_vars, streaming)
+        url = f"{route.cubelet_url}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload{path}"
+        if request.url.query:
+            url += "?" + request.url.query
+        req = self.http.build_request(request.method, url, headers=headers, content=content)
+        return await self.http.send(req, stream=True)
+
+
+def _cubelet_not_running(body: bytes) -> bool:
+    """Whether a 409/503 body is the Cubelet saying the sandbox is not running there (not the guest's error)."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") in ("workload.not_running", "workload.unavailable")
+
+
+async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    finally:
+        await upstream.aclose()

@@ -1,0 +1,223 @@
+"""E2B ↔ CubeMaster, without I/O: request bodies, sandbox records, list filters and pages, error messages."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import json
+import urllib.parse
+from datetime import UTC, datetime
+from typing import Any
+
+from cubeaccel.wire.e2b_api import ListedSandbox, NewSandbox, SandboxCreated, SandboxDetail
+
+# What the guest's cube-workload implements (docs/workload.md); a test holds it equal to the guest's own constant.
+ENVD_VERSION = "0.5.7"
+ENVD_PORT = 49983
+ACCELERATORS_KEY = "cubeaccel.accelerators"  # metadata key: overrides the template's default accelerator request
+CLIENT_ID = "cubeaccel"
+LIVE = "running"  # the only CubeMaster state E2B calls a sandbox (E2B's other one, paused, we never have)
+TOKEN_CONTEXT = b"cubeaccel-envd-token/v1:"
+
+
+class Refusal(Exception):
+    """An answer in E2B's error format: status, message, and whether the SDK may retry."""
+
+    def __init__(self, status: int, message: str, retry: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry = retry
+
+
+def envd_token(secret: bytes, sandbox_id: str) -> str:
+    """The sandbox's envd access token, derived rather than stored: any front door replica holding the secret
+    hands out the same token on create, connect and get_info, and checks it on envd traffic."""
+    mac = hmac.new(secret, TOKEN_CONTEXT + sandbox_id.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).decode().rstrip("=")
+
+
+def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
+    """CubeMaster's create body for an E2B create. `templateID` is a GPU template (name or `name@version`); the
+    metadata key `cubeaccel.accelerators` (shorthand `H100:2`, or a JSON list of alternatives) overrides the
+    template's default request."""
+    unsupported = [
+        name
+        for name, asked in (
+            ("autoPause", bool(req.auto_pause)),
+            ("autoResume", req.auto_resume is not None),
+            ("volumeMounts", bool(req.volume_mounts)),
+            ("network", bool(req.network)),
+        )
+        if asked
+    ]
+    if unsupported:
+        raise Refusal(
+            400,
+            f"cubeaccel (api): {', '.join(unsupported)} not supported: GPU sandboxes are never paused, "
+            "snapshotted or given volumes (docs/e2b.md)",
+        )
+    metadata = dict(req.metadata or {})
+    body: dict[str, Any] = {
+        "id": sandbox_id,
+        "template": req.template_id,
+        "metadata": metadata,
+        "env_vars": dict(req.env_vars or {}),
+        "workload_token": token,
+    }
+    if req.timeout is not None:
+        body["timeout_s"] = float(req.timeout)
+    spec = metadata.get(ACCELERATORS_KEY)
+    if spec is not None:
+        text = spec.strip()
+        if text.startswith("["):
+            try:
+                body["accelerators"] = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise Refusal(400, f"cubeaccel (api): metadata {ACCELERATORS_KEY} is not valid JSON: {e}") from e
+        else:
+            body["gpu"] = text
+    return body
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def template_name(row: dict[str, Any]) -> str:
+    tpl = row.get("template") or {}
+    return str(tpl.get("name") or (row.get("request") or {}).get("template") or "")
+
+
+def metadata_of(row: dict[str, Any]) -> dict[str, str]:
+    return dict((row.get("request") or {}).get("metadata") or {})
+
+
+def _listed_fields(row: dict[str, Any]) -> dict[str, Any]:
+    req = row.get("request") or {}
+    name = template_name(row)
+    end = row.get("expires_at") or row["created_at"]
+    return {
+        "template_id": name,
+        "sandbox_id": row["id"],
+        "client_id": CLIENT_ID,
+        "alias": name or None,
+        "started_at": iso(float(row["created_at"])),
+        "end_at": iso(float(end)),
+        "cpu_count": int(req.get("vcpus") or 1),
+        "memory_mb": int(req.get("memory_mib") or 0),
+        "disk_size_mb": 0,
+        "state": "running",
+        "envd_version": ENVD_VERSION,
+        "metadata": metadata_of(row),
+    }
+
+
+def created(row: dict[str, Any], token: str, domain: str | None) -> SandboxCreated:
+    name = template_name(row)
+    return SandboxCreated.model_validate(
+        {
+            "template_id": name,
+            "sandbox_id": row["id"],
+            "client_id": CLIENT_ID,
+            "envd_version": ENVD_VERSION,
+            "alias": name or None,
+            "envd_access_token": token,
+            "domain": domain,
+        }
+    )
+
+
+def listed(row: dict[str, Any]) -> ListedSandbox:
+    return ListedSandbox.model_validate(_listed_fields(row))
+
+
+def detail(row: dict[str, Any], token: str, domain: str | None) -> SandboxDetail:
+    return SandboxDetail.model_validate({**_listed_fields(row), "envd_access_token": token, "domain": domain})
+
+
+def parse_metadata_query(raw: str | None) -> dict[str, str]:
+    """The SDK sends `metadata=` as the urlencoding of already-quoted pairs (`k%3Dv%26k2%3Dv2` on the wire)."""
+    if not raw:
+        return {}
+    try:
+        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
+    except ValueError as e:
+        raise Refusal(400, f"cubeaccel (api): invalid metadata filter {raw!r:.100}: {e}") from e
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def parse_states(raw: str | None) -> set[str]:
+    """`state=running,paused` (comma-separated, as the SDK sends a list). Unknown states are a 400."""
+    if not raw:
+        return {"running", "paused"}
+    states = {s.strip() for s in raw.split(",") if s.strip()}
+    bad = states - {"running", "paused"}
+    if bad:
+        raise Refusal(400, f"cubeaccel (api): unknown state(s) {sorted(bad)}; known: running, paused")
+    return states
+
+
+def select(rows: list[dict[str, Any]], metadata: dict[str, str], states: set[str]) -> list[dict[str, Any]]:
+    """The live sandboxes whose metadata has every asked pair, oldest first (a stable order for pages)."""
+    if "running" not in states:
+        return []
+    out = [r for r in rows if r["state"] == LIVE and all(metadata_of(r).get(k) == v for k, v in metadata.items())]
+    return sorted(out, key=lambda r: (float(r["created_at"]), str(r["id"])))
+
+
+def page_token(row: dict[str, Any]) -> str:
+    raw = json.dumps([float(row["created_at"]), str(row["id"])]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def page(rows: list[dict[str, Any]], limit: int, token: str | None) -> tuple[list[dict[str, Any]], str | None]:
+    """One page after the row a `nextToken` names (by its position in the order, so a sandbox that ends between
+    pages shifts nothing), and the token of the next page (None when this is the last)."""
+    if not 1 <= limit <= 1000:
+        raise Refusal(400, "cubeaccel (api): limit must be 1..1000")
+    start = 0
+    if token:
+        try:
+            at, sid = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+            after = (float(at), str(sid))
+        except (ValueError, TypeError, binascii.Error) as e:
+            raise Refusal(400, "cubeaccel (api): invalid nextToken") from e
+        start = next(
+            (i for i, r in enumerate(rows) if (float(r["created_at"]), str(r["id"])) > after),
+            len(rows),
+        )
+    chunk = rows[start : start + limit]
+    more = start + limit < len(rows)
+    return chunk, page_token(chunk[-1]) if more and chunk else None
+
+
+def refusal_from_master(status: int, body: Any) -> Refusal:
+    """CubeMaster's `{"error": {code, layer, message, details}}` as an E2B error: the message names the layer and
+    the code, and for a placement refusal each node's reason (summarized: at most 8 nodes)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict):
+        return Refusal(502, f"cubeaccel (api): CubeMaster answered {status} without an error body", retry=True)
+    return refusal_from_error(err, status)
+
+
+def refusal_from_error(err: dict[str, Any], status: int) -> Refusal:
+    code, layer, message = str(err.get("code")), str(err.get("layer")), str(err.get("message", ""))
+    text = f"cubeaccel ({layer}): {code}: {message}"
+    raw = err.get("details")
+    details: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    reasons: list[str] = []
+    for tried in details.get("tried") or []:
+        for node, why in sorted((tried.get("nodes") or {}).items()):
+            reasons.append(f"{node}: {why.get('reason')}" + (f" ({why['detail']})" if why.get("detail") else ""))
+    for attempt in details.get("attempts") or []:
+        reasons.append(f"{attempt.get('node')}: {attempt.get('code')}")
+    if reasons:
+        shown = reasons[:8] + ([f"... {len(reasons) - 8} more"] if len(reasons) > 8 else [])
+        text += " [nodes: " + "; ".join(shown) + "]"
+    if status == 422:  # E2B says 400 for a request it cannot take
+        status = 400
+    retry = status == 429 or code == "sandbox.create_in_progress"
+    return Refusal(status, text, retry=retry)

@@ -1,0 +1,88 @@
+"""The E2B REST bodies the front door reads and writes (docs/e2b.md), as the E2B SDK's generated client has them.
+
+Requests are lenient: the SDK sends fields we ignore (`secure`, `mcp`, ...); the ones that ask for something we do
+not do (`autoPause`, `volumeMounts`, a network policy) are refused by the front door, by name. Replies carry E2B's
+camelCase names; they have no `v` (the SDK's schema has none).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+MetaKey = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+MetaValue = Annotated[str, StringConstraints(max_length=2048)]
+
+
+class E2BRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+
+class NewSandbox(E2BRequest):
+    template_id: str = Field(alias="templateID", min_length=1, max_length=401)
+    timeout: int | None = Field(default=None, ge=1, le=30 * 86400)  # seconds to live
+    metadata: dict[MetaKey, MetaValue] | None = Field(default=None, max_length=64)
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars", max_length=256)
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+    auto_resume: Any = Field(default=None, alias="autoResume")
+    volume_mounts: list[Any] | None = Field(default=None, alias="volumeMounts")
+    network: dict[str, Any] | None = None
+    allow_internet_access: bool | None = Field(default=None, alias="allow_internet_access")
+
+
+class ConnectBody(E2BRequest):
+    timeout: int | None = Field(default=None, ge=1, le=30 * 86400)
+
+
+class TimeoutBody(E2BRequest):
+    timeout: int = Field(ge=0, le=30 * 86400)
+
+
+class E2BReply(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    def body(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class Error(E2BReply):
+    """Every error: the SDK reads `message` (a text body would crash its parser)."""
+
+    code: int
+    message: str
+
+
+class SandboxCreated(E2BReply):
+    """create and connect."""
+
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(alias="clientID")
+    envd_version: str = Field(alias="envdVersion")
+    alias: str | None = None
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    traffic_access_token: str | None = Field(default=None, alias="trafficAccessToken")
+    domain: str | None = None
+
+
+class ListedSandbox(E2BReply):
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(alias="clientID")
+    alias: str | None = None
+    started_at: str = Field(alias="startedAt")  # ISO 8601
+    end_at: str = Field(alias="endAt")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    state: str  # running | paused (we have no paused)
+    envd_version: str = Field(alias="envdVersion")
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class SandboxDetail(ListedSandbox):
+    """get_info: a listed sandbox plus its access token and domain."""
+
+    envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
+    domain: str | None = None

@@ -1,0 +1,346 @@
+"""The real e2b SDK against `cubeaccel api serve` in front of CubeMaster, a Cubelet and a real MicroVM with a
+hot-plugged (emulated) device. One sandbox serves the whole module (boots are slow under TCG); the last test
+kills it. The https/HTTP-2 way (E2B_DOMAIN) and the 2.15 SDK line are in test_e2b_domain.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import CommandExitException, Sandbox, SandboxQuery
+from e2b.connection_config import ConnectionConfig
+from e2b.exceptions import AuthenticationException, FileNotFoundException, NotFoundException, SandboxException
+from packaging.version import Version
+
+from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.workload_client import WorkloadClient
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
+from tests.support.master_harness import MasterProcess, free_port
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
+from tests.vm.test_master_ready import edu_template
+
+pytestmark = pytest.mark.vm
+NODE = "e2b-node"
+TEMPLATE = "edu-e2b"
+DOMAIN = "e2b.test"
+MiB = 1024 * 1024
+
+
+def start_stack(base: Any, guest_image: Manifest, *fd_args: str) -> dict[str, Any]:
+    master = MasterProcess(base / "master").start()
+    (base / "cubelet").mkdir()
+    cubelet = CubeletProcess(
+        base / "cubelet",
+        "-",
+        "--backend",
+        "emulated",
+        "--master",
+        master.url,
+        "--listen",
+        f"127.0.0.1:{free_port()}",
+        "--node",
+        NODE,
+        "--release-timeout",
+        "20",
+        "--node-token-file",
+        str(master.enrol(NODE, base / "cubelet")),
+    )
+    cubelet.start()
+    poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
+    master.client.register_template(edu_template(guest_image, TEMPLATE))
+    fd = FrontDoorProcess(base / "fd", master.url, master.admin_key, "--domain", DOMAIN, *fd_args).start()
+    return {"master": master, "cubelet": cubelet, "fd": fd, "base": base}
+
+
+def stop_stack(s: dict[str, Any]) -> None:
+    s["fd"].stop()
+    s["cubelet"].stop()
+    s["master"].stop()
+    kill_started_vmms(s["base"])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> Iterator[dict[str, Any]]:
+    s = start_stack(tmp_path_factory.mktemp("e2b"), guest_image)
+    s["key"] = s["master"].tenant_key
+    s["tag"] = f"vm{time.monotonic_ns()}"
+    try:
+        yield s
+    finally:
+        stop_stack(s)
+
+
+def opts(stack: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    url = stack["fd"].url
+    return {"api_key": stack["key"], "api_url": url, "sandbox_url": url, "request_timeout": 300, **kw}
+
+
+@pytest.fixture(scope="module")
+def sbx(stack: dict[str, Any]) -> Iterator[Sandbox]:
+    t0 = time.monotonic()
+    s = Sandbox.create(
+        TEMPLATE, envs={"FROM_CREATE": "yes", "SHADOWED": "sandbox"}, metadata={"suite": stack["tag"]}, **opts(stack)
+    )
+    stack["create_s"] = time.monotonic() - t0
+    try:
+        yield s
+    finally:
+        if stack["master"].client.sandbox(s.sandbox_id)["state"] == "running":
+            stack["master"].client.delete(s.sandbox_id)
+
+
+def test_create_returns_a_running_sandbox_with_its_device(stack: dict[str, Any], sbx: Sandbox) -> None:
+    row = stack["master"].client.sandbox(sbx.sandbox_id)
+    assert row["state"] == "running" and row["node"] == NODE and len(row["device_ids"]) == 1
+    assert row["template"]["name"] == TEMPLATE
+    r = sbx.commands.run("cat /sys/bus/pci/devices/*/vendor /sys/bus/pci/devices/*/device")
+    assert "0x1234" in r.stdout and "0x11e8" in r.stdout, r.stdout  # the hot-plugged edu device
+    assert sbx.is_running()
+
+
+def test_run_stdout_stderr_exit_codes_env_and_cwd(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo hi; echo err >&2")
+    assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "err\n", 0)
+    r = sbx.commands.run('echo "$FROM_CREATE $SHADOWED $A"; pwd', envs={"A": "b", "SHADOWED": "mine"}, cwd="/tmp")
+    assert r.stdout == "yes mine b\n/tmp\n"  # create's envVars reach every command; the command's own win
+    assert sbx.commands.run("echo $FROM_CREATE", background=True).wait().stdout == "yes\n"
+    with pytest.raises(CommandExitException) as e:
+        sbx.commands.run("echo bad >&2; exit 4")
+    assert (e.value.exit_code, e.value.stderr) == (4, "bad\n")
+
+
+def test_output_streams_as_it_is_written(sbx: Sandbox) -> None:
+    """Nothing on the way buffers a response: the first line arrives while the command still runs."""
+    seen: list[float] = []
+    t0 = time.monotonic()
+    r = sbx.commands.run("echo one; sleep 3; echo two", on_stdout=lambda _: seen.append(time.monotonic() - t0))
+    done = time.monotonic() - t0
+    assert r.stdout == "one\ntwo\n" and len(seen) == 2
+    assert done - seen[0] > 2.0, (seen, done)
+
+
+def test_background_command_list_and_kill(sbx: Sandbox) -> None:
+    h = sbx.commands.run("sleep 300", background=True)
+    assert h.pid in [p.pid for p in sbx.commands.list()]
+    assert sbx.commands.kill(h.pid) is True
+    with pytest.raises(CommandExitException) as e:
+        h.wait()
+    assert e.value.exit_code == -1
+    assert h.pid not in [p.pid for p in sbx.commands.list()]
+
+
+def test_stdin(sbx: Sandbox) -> None:
+    h = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(h.pid, "hello\n")
+    sbx.commands.close_stdin(h.pid)
+    assert h.wait().stdout == "hello\n"
+
+
+def test_files_write_read_list_make_dir_rename_remove(sbx: Sandbox) -> None:
+    blob = os.urandom(2 * MiB)
+    assert sbx.files.write("/tmp/e2b/blob.bin", blob).path == "/tmp/e2b/blob.bin"
+    assert sbx.files.read("/tmp/e2b/blob.bin", format="bytes") == blob
+    sbx.files.write("/tmp/e2b/a.txt", "alpha")
+    assert sbx.files.read("/tmp/e2b/a.txt") == "alpha"
+    assert sbx.files.make_dir("/tmp/e2b/d") is True and sbx.files.make_dir("/tmp/e2b/d") is False
+    assert sorted(e.name for e in sbx.files.list("/tmp/e2b")) == ["a.txt", "blob.bin", "d"]
+    assert sbx.files.rename("/tmp/e2b/a.txt", "/tmp/e2b/d/a.txt").path == "/tmp/e2b/d/a.txt"
+    assert sbx.files.read("/tmp/e2b/d/a.txt") == "alpha"
+    sbx.files.remove("/tmp/e2b/d")
+    assert not sbx.files.exists("/tmp/e2b/d")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read("/tmp/e2b/d/a.txt")
+
+
+def test_envd_by_host_name_and_a_chunked_upload(stack: dict[str, Any], sbx: Sandbox) -> None:
+    url = stack["fd"].url
+    host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}
+    assert httpx.get(f"{url}/health", headers=host).status_code == 204  # the guest's own, routed by Host
+    token = {"X-Access-Token": sbx._envd_access_token or ""}
+    r = httpx.post(f"{url}/process.Process/List", json={}, headers={**host, **token, "Connect-Protocol-Version": "1"})
+    assert r.status_code == 200 and isinstance(r.json(), dict), r.text
+    parts = [os.urandom(256 * 1024) for _ in range(8)]
+
+    def chunks() -> Iterator[bytes]:
+        yield from parts
+
+    r = httpx.post(
+        f"{url}/files",
+        params={"path": "/tmp/e2b/chunked.bin"},
+        content=chunks(),  # no length: Transfer-Encoding: chunked, streamed through to the guest
+        headers={**host, **token, "Content-Type": "application/octet-stream"},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    assert sbx.files.read("/tmp/e2b/chunked.bin", format="bytes") == b"".join(parts)
+    wrong = {"X-Access-Token": "x" * 43}
+    assert httpx.post(f"{url}/process.Process/List", json={}, headers={**host, **wrong}).status_code == 401
+
+
+def test_a_wrong_access_token_is_an_authentication_error(stack: dict[str, Any], sbx: Sandbox) -> None:
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}  # what the SDK adds itself
+    cfg = ConnectionConfig(
+        api_key=stack["key"], api_url=stack["fd"].url, sandbox_url=stack["fd"].url, extra_sandbox_headers=headers
+    )
+    bad = Sandbox(
+        sandbox_id=sbx.sandbox_id,
+        sandbox_domain=None,
+        envd_version=Version("0.5.7"),
+        envd_access_token="wrong-" + "x" * 40,
+        traffic_access_token=None,
+        connection_config=cfg,
+    )
+    with pytest.raises(AuthenticationException):
+        bad.commands.run("echo no")
+    with pytest.raises(AuthenticationException):
+        bad.files.read("/tmp/e2b/blob.bin")
+
+
+def test_the_domain_way_https_http2_and_http1_through_a_replica(
+    stack: dict[str, Any], sbx: Sandbox, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second front door (same secret: a replica) with TLS from a test CA serves the E2B_DOMAIN way; the SDK
+    connects by id and drives envd at https://49983-<id>.<domain> (a loopback CONNECT proxy stands in for DNS)."""
+    ca, chain, key = tls_files(tmp_path / "tls", DOMAIN)
+    ctx = ssl.create_default_context(cafile=str(ca))
+    m = stack["master"]
+    fd = FrontDoorProcess(
+        tmp_path / "fd-tls", m.url, m.admin_key, "--domain", DOMAIN, "--cert", str(chain), "--key", str(key), verify=ctx
+    )
+    fd.secret_file.write_text(stack["fd"].secret_file.read_text())
+    fd.start()
+    proxy = ConnectProxy(("127.0.0.1", fd.port))
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        tls = {"api_key": stack["key"], "domain": DOMAIN, "proxy": proxy.url, "request_timeout": 300}
+        there = Sandbox.connect(sbx.sandbox_id, **tls)
+        assert there.commands.run("echo $FROM_CREATE over tls").stdout == "yes over tls\n"
+        blob = os.urandom(MiB)
+        there.files.write("/tmp/e2b/tls.bin", blob)
+        assert sbx.files.read("/tmp/e2b/tls.bin", format="bytes") == blob  # the same guest, either way
+        assert f"49983-{sbx.sandbox_id}.{DOMAIN}:443" in proxy.seen  # envd by Host name, not by header
+        host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}
+        for http2, version in ((True, "HTTP/2"), (False, "HTTP/1.1")):
+            with httpx.Client(http2=http2, verify=ctx, base_url=f"https://127.0.0.1:{fd.port}", headers=host) as h:
+                r = h.get("/health")
+                assert (r.status_code, r.http_version) == (204, version)
+                out = bytearray()
+                wl = WorkloadClient(h, sbx._envd_access_token or "")
+                run = wl.exec(["/bin/sh", "-c", "echo a; sleep 1; echo b"], on_stdout=out.extend)
+                assert (run.exit_code, bytes(out)) == (0, b"a\nb\n"), run
+    finally:
+        proxy.close()
+        fd.stop()
+
+
+def test_set_timeout_connect_and_list_by_metadata(stack: dict[str, Any], sbx: Sandbox) -> None:
+    sbx.set_timeout(1200)
+    row = stack["master"].client.sandbox(sbx.sandbox_id)
+    assert row["expires_at"] == pytest.approx(time.time() + 1200, abs=30)
+    again = Sandbox.connect(sbx.sandbox_id, **opts(stack))  # a second client, from the id alone
+    assert again.commands.run("echo $FROM_CREATE").stdout == "yes\n"
+    assert (
+        again.files.read("/tmp/e2b/chunked.bin", format="bytes")[:4]
+        == sbx.files.read("/tmp/e2b/chunked.bin", format="bytes")[:4]
+    )
+    found = Sandbox.list(query=SandboxQuery(metadata={"suite": stack["tag"]}), **opts(stack)).next_items()
+    assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
+    assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"}), **opts(stack)).next_items() == []
+
+
+def test_refusals_name_the_layer_a_wrong_key_and_another_tenant(stack: dict[str, Any], sbx: Sandbox) -> None:
+    with pytest.raises(SandboxException) as e:  # more devices than the node has
+        Sandbox.create(
+            TEMPLATE, metadata={"cubeaccel.accelerators": '[{"class": "accelerator", "count": 8}]'}, **opts(stack)
+        )
+    assert "cubeaccel (scheduler)" in str(e.value) and f"{NODE}:" in str(e.value), e.value
+    with pytest.raises(AuthenticationException):
+        Sandbox.connect(sbx.sandbox_id, **opts(stack, api_key="cbk_0000_not-a-key"))
+    other = stack["master"].client.request("POST", "/v1/tenants", {"name": "e2b-other"})["key"]
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sbx.sandbox_id, **opts(stack, api_key=other))
+    assert Sandbox.kill(sbx.sandbox_id, **opts(stack, api_key=other)) is False
+    assert sbx.is_running()
+
+
+def test_kill_twice_then_the_sandbox_is_gone_for_the_sdk(stack: dict[str, Any], sbx: Sandbox) -> None:
+    dev = stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
+    assert sbx.kill() is True
+    assert sbx.kill() is False
+    with pytest.raises(SandboxException) as e:
+        sbx.commands.run("true")
+    assert "was not found" in str(e.value), e.value
+    assert not sbx.is_running()
+    poll(lambda: stack["master"].client.sandbox(sbx.sandbox_id)["state"] == "deleted", 90)
+    poll(lambda: next(d for d in stack["cubelet"].client.devices() if d["id"] == dev)["state"] == "allocatable", 60)
+
+
+SDK_215 = "2.15.2"
+
+
+def sdk_215_path() -> Path:
+    """e2b 2.15.2 in its own directory (`pip install --target`, cached per machine): not importable beside the
+    pinned dev dependency, so it runs in a subprocess with this directory first on its path."""
+    where = Path.home() / ".cache" / "cubeaccel" / f"e2b-sdk-{SDK_215}"
+    if not (where / "e2b").is_dir():
+        tmp = where.with_name(where.name + f".tmp{os.getpid()}")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", "--target", str(tmp), f"e2b=={SDK_215}"],
+            check=True,
+            timeout=600,
+        )
+        tmp.rename(where)
+    return where
+
+
+def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None:
+    """After the module's sandbox is gone: its own create, run and kill."""
+    url = stack["fd"].url
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        "PYTHONPATH": str(sdk_215_path()),
+        "E2B_API_KEY": stack["key"],
+        "E2B_API_URL": url,
+        "E2B_SANDBOX_URL": url,
+    }
+    r = subprocess.run(
+        [sys.executable, "-s", str(Path(__file__).with_name("sdk_215_check.py")), TEMPLATE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["version"] == SDK_215
+    assert (seen["stdout"], seen["exit_code"], seen["killed"], seen["killed_again"]) == (
+        "2.15\nLinux\n",
+        0,
+        True,
+        False,
+    )
+    assert stack["master"].client.sandbox(seen["sandbox_id"])["state"] in ("deleting", "deleted")
+
+
+def test_a_guest_that_fails_validation_reaches_the_sdk_with_its_layer(
+    stack: dict[str, Any], guest_image: Manifest
+) -> None:
+    stack["master"].client.register_template(edu_template(guest_image, "edu-e2b-needs-nvidia", modules=["nvidia"]))
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create("edu-e2b-needs-nvidia", **opts(stack))
+    msg = str(e.value)
+    assert "cubeaccel (modules_img): compat.modules_img" in msg, msg
+    failed = [s for s in stack["master"].client.sandboxes() if s["state"] == "failed"]
+    assert failed and all(s["error"]["layer"] == "modules_img" for s in failed)

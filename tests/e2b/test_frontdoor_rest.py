@@ -1,0 +1,251 @@
+"""The E2B REST surface through the real e2b SDK, against real CubeMaster and a simulated Cubelet (no VM: REST
+calls never reach envd). The envd path with a real MicroVM is tests/e2b/test_e2b_vm.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import ssl
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxQuery
+from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
+
+from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
+from tests.support.master_harness import Cluster
+
+NODE = "fd-n1"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("frontdoor")
+    cl = Cluster(root, {NODE: "h100x8"})
+    fd = FrontDoorProcess(root / "fd", cl.master.url, cl.master.admin_key).start()
+    other = cl.c.request("POST", "/v1/tenants", {"name": "fd-other"})["key"]
+    try:
+        yield {"cluster": cl, "fd": fd, "key": cl.master.tenant_key, "other": other}
+    finally:
+        fd.stop()
+        cl.stop()
+
+
+def opts(stack: dict[str, Any], key: str | None = None) -> dict[str, Any]:
+    url = stack["fd"].url
+    return {"api_key": key or stack["key"], "api_url": url, "sandbox_url": url, "request_timeout": 60}
+
+
+def rest(stack: dict[str, Any], method: str, path: str, key: str | None = None, **kw: Any) -> httpx.Response:
+    headers = {"X-API-Key": stack["key"] if key is None else key, **kw.pop("headers", {})}
+    return httpx.request(method, stack["fd"].url + path, headers=headers, timeout=60, **kw)
+
+
+def test_create_info_list_timeout_kill_through_the_sdk(stack: dict[str, Any]) -> None:
+    tag = f"t{time.monotonic_ns()}"
+    sbx = Sandbox.create("cuda12-h100", metadata={"suite": tag, "k": "v w"}, timeout=600, **opts(stack))
+    row = stack["cluster"].c.sandbox(sbx.sandbox_id)
+    assert row["state"] == "running" and row["tenant"] == "default" and row["class"] == "gpu"
+    assert row["request"]["metadata"] == {"suite": tag, "k": "v w"}
+    assert row["expires_at"] - row["created_at"] == pytest.approx(600, abs=2)
+    info = sbx.get_info()
+    assert (info.sandbox_id, info.template_id, info.metadata, info.state.value) == (
+        sbx.sandbox_id,
+        "cuda12-h100",
+        {"suite": tag, "k": "v w"},
+        "running",
+    )
+    assert str(info.envd_version) == "0.5.7"
+    other = Sandbox.create("cuda12-h100", metadata={"suite": tag, "k": "other"}, **opts(stack))
+    found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag, "k": "v w"}), **opts(stack)).next_items()
+    assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
+    both = Sandbox.list(query=SandboxQuery(metadata={"suite": tag}), **opts(stack)).next_items()
+    assert {s.sandbox_id for s in both} == {sbx.sandbox_id, other.sandbox_id}
+    sbx.set_timeout(30)
+    end = sbx.get_info().end_at
+    assert abs((end - datetime.now(UTC)).total_seconds() - 30) < 5
+    assert stack["cluster"].c.sandbox(sbx.sandbox_id)["expires_at"] == pytest.approx(time.time() + 30, abs=5)
+    again = Sandbox.connect(sbx.sandbox_id, **opts(stack))
+    assert again._envd_access_token == sbx._envd_access_token and again._envd_access_token
+    assert sbx.kill() is True
+    assert Sandbox.kill(sbx.sandbox_id, **opts(stack)) is False  # killed twice: the second finds nothing
+    assert stack["cluster"].c.sandbox(sbx.sandbox_id)["state"] in ("deleting", "deleted")
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sbx.sandbox_id, **opts(stack))
+    assert other.kill() is True
+
+
+def test_an_unplaceable_gpu_request_raises_naming_the_layer_and_nodes(stack: dict[str, Any]) -> None:
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create("cuda12-h100", metadata={"cubeaccel.accelerators": "H100:16"}, **opts(stack))
+    msg = str(e.value)
+    assert "cubeaccel (scheduler): schedule.unschedulable" in msg and f"{NODE}:" in msg, msg
+    with pytest.raises(SandboxException) as e:
+        Sandbox.create("no-such-template", **opts(stack))
+    assert "template" in str(e.value), e.value
+    r = rest(
+        stack,
+        "POST",
+        "/v2/sandboxes",
+        json={"templateID": "cuda12-h100", "metadata": {"cubeaccel.accelerators": '[{"class": "gpu", "count": 16}]'}},
+    )
+    assert r.status_code == 409 and r.headers["should-retry"] == "false"
+    assert set(r.json()) == {"code", "message"} and r.json()["code"] == 409
+
+
+def test_the_accelerators_key_overrides_the_templates_default(stack: dict[str, Any]) -> None:
+    sbx = Sandbox.create("cuda12-h100", metadata={"cubeaccel.accelerators": "H100:2"}, **opts(stack))
+    try:
+        row = stack["cluster"].c.sandbox(sbx.sandbox_id)
+        assert row["count"] == 2 and len(row["device_ids"]) == 2
+    finally:
+        sbx.kill()
+
+
+def test_a_wrong_api_key_is_an_authentication_error(stack: dict[str, Any]) -> None:
+    with pytest.raises(AuthenticationException):
+        Sandbox.create("cuda12-h100", **opts(stack, key="cbk_nope_wrong"))
+    with pytest.raises(AuthenticationException):
+        Sandbox.list(**opts(stack, key="cbk_nope_wrong")).next_items()
+
+
+def test_another_tenants_sandbox_is_not_found(stack: dict[str, Any]) -> None:
+    sbx = Sandbox.create("cuda12-h100", **opts(stack))
+    try:
+        theirs = opts(stack, key=stack["other"])
+        with pytest.raises(NotFoundException):
+            Sandbox.connect(sbx.sandbox_id, **theirs)
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(sbx.sandbox_id, **theirs)
+        assert Sandbox.kill(sbx.sandbox_id, **theirs) is False
+        assert sbx.sandbox_id not in {s.sandbox_id for s in Sandbox.list(**theirs).next_items()}
+        assert stack["cluster"].c.sandbox(sbx.sandbox_id)["state"] == "running"
+    finally:
+        sbx.kill()
+
+
+def test_the_old_create_route_answers_exactly_201_and_idempotency_keys_repeat(stack: dict[str, Any]) -> None:
+    r = rest(stack, "POST", "/sandboxes", json={"templateID": "cuda12-h100"})
+    assert r.status_code == 201, r.text
+    first = r.json()
+    assert {"templateID", "sandboxID", "clientID", "envdVersion", "envdAccessToken"} <= set(first)
+    key = f"k-{time.monotonic_ns()}"
+    a = rest(stack, "POST", "/v2/sandboxes", json={"templateID": "cuda12-h100"}, headers={"Idempotency-Key": key})
+    b = rest(stack, "POST", "/v2/sandboxes", json={"templateID": "cuda12-h100"}, headers={"Idempotency-Key": key})
+    assert (a.status_code, b.status_code) == (201, 201)
+    assert a.json()["sandboxID"] == b.json()["sandboxID"] and a.json() == b.json()
+    for sid in (first["sandboxID"], a.json()["sandboxID"]):
+        assert rest(stack, "DELETE", f"/sandboxes/{sid}").status_code == 204
+
+
+def test_list_pages_by_next_token(stack: dict[str, Any]) -> None:
+    tag = f"p{time.monotonic_ns()}"
+    made = [Sandbox.create("cuda12-h100", metadata={"page": tag}, **opts(stack)) for _ in range(3)]
+    try:
+        r = rest(stack, "GET", "/v2/sandboxes", params={"metadata": f"page={tag}", "limit": 2})
+        assert r.status_code == 200 and len(r.json()) == 2 and r.headers.get("x-next-token")
+        r2 = rest(
+            stack,
+            "GET",
+            "/v2/sandboxes",
+            params={"metadata": f"page={tag}", "limit": 2, "nextToken": r.headers["x-next-token"]},
+        )
+        assert len(r2.json()) == 1 and "x-next-token" not in r2.headers
+        assert {s["sandboxID"] for s in r.json() + r2.json()} == {s.sandbox_id for s in made}
+        pager = Sandbox.list(query=SandboxQuery(metadata={"page": tag}), limit=2, **opts(stack))
+        seen = pager.next_items()
+        assert pager.has_next
+        seen += pager.next_items()
+        assert not pager.has_next and {s.sandbox_id for s in seen} == {s.sandbox_id for s in made}
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_pause_snapshots_and_unknown_routes_are_refused_clearly(stack: dict[str, Any]) -> None:
+    sbx = Sandbox.create("cuda12-h100", **opts(stack))
+    try:
+        with pytest.raises(SandboxException) as e:
+            sbx.pause()
+        assert "not supported" in str(e.value) and "paused" in str(e.value)
+        for path in (f"/sandboxes/{sbx.sandbox_id}/snapshots", f"/sandboxes/{sbx.sandbox_id}/resume"):
+            r = rest(stack, "POST", path, json={})
+            assert (
+                r.status_code == 400 and r.headers["should-retry"] == "false" and "not supported" in r.json()["message"]
+            )
+        r = rest(stack, "POST", "/v2/sandboxes", json={"templateID": "cuda12-h100", "autoPause": True})
+        assert r.status_code == 400 and "autoPause" in r.json()["message"]
+        r = rest(stack, "GET", "/nothing-here")
+        assert r.status_code == 404 and set(r.json()) == {"code", "message"}
+        r = rest(stack, "POST", "/v2/sandboxes", content=b"not json")
+        assert r.status_code == 400 and r.json()["code"] == 400
+        assert rest(stack, "GET", "/v2/sandboxes", key="").status_code == 401
+    finally:
+        sbx.kill()
+
+
+def test_the_domain_way_over_https_and_http2(
+    stack: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E2B_DOMAIN: REST at https://api.<domain>, with an operator certificate from a test CA. The SDK resolves
+    names itself (Rust), so a loopback CONNECT proxy stands in for DNS; TLS is end to end."""
+    ca, chain, key = tls_files(tmp_path / "tls", "e2b.test")
+    ctx = ssl.create_default_context(cafile=str(ca))
+    cl = stack["cluster"]
+    fd = FrontDoorProcess(
+        tmp_path / "fd-tls",
+        cl.master.url,
+        cl.master.admin_key,
+        "--domain",
+        "e2b.test",
+        "--cert",
+        str(chain),
+        "--key",
+        str(key),
+        verify=ctx,
+    )
+    fd.secret_file.write_text(stack["fd"].secret_file.read_text())  # a replica: the same secret
+    fd.start()
+    proxy = ConnectProxy(("127.0.0.1", fd.port))
+    try:
+        with httpx.Client(http2=True, verify=ctx) as h2:
+            r = h2.get(f"https://127.0.0.1:{fd.port}/v2/sandboxes", headers={"X-API-Key": stack["key"]})
+            assert r.status_code == 200 and r.http_version == "HTTP/2", r
+        with httpx.Client(http2=False, verify=ctx) as h1:
+            r = h1.get(f"https://127.0.0.1:{fd.port}/v2/sandboxes", headers={"X-API-Key": stack["key"]})
+            assert r.status_code == 200 and r.http_version == "HTTP/1.1", r
+        monkeypatch.setenv("SSL_CERT_FILE", str(ca))
+        tls = {"api_key": stack["key"], "domain": "e2b.test", "proxy": proxy.url, "request_timeout": 60}
+        sbx = Sandbox.create("cuda12-h100", metadata={"way": "domain"}, **tls)
+        assert sbx.sandbox_domain == "e2b.test"
+        listed = Sandbox.list(query=SandboxQuery(metadata={"way": "domain"}), **tls).next_items()
+        assert [s.sandbox_id for s in listed] == [sbx.sandbox_id]
+        # the plain replica hands out the same envd token: the secret, not a replica's memory, derives it
+        assert Sandbox.connect(sbx.sandbox_id, **opts(stack))._envd_access_token == sbx._envd_access_token
+        assert Sandbox.kill(sbx.sandbox_id, **tls) is True
+        assert "api.e2b.test:443" in proxy.seen
+    finally:
+        proxy.close()
+        fd.stop()
+
+
+def test_the_envd_token_reaches_the_node_as_its_hash_and_is_stored_nowhere(stack: dict[str, Any]) -> None:
+    sbx = Sandbox.create("cuda12-h100", envs={"SECRETISH": "v"}, **opts(stack))
+    try:
+        token = sbx._envd_access_token
+        assert token and len(token) >= 32
+        cl = stack["cluster"]
+        row = cl.c.sandbox(sbx.sandbox_id)
+        facts = cl.cubelets[NODE].client.reservation(sbx.sandbox_id)["reservation"]["facts"]
+        assert facts["workload_token_sha256"] == hashlib.sha256(token.encode()).hexdigest()
+        assert token not in json.dumps(row) and row["request"]["env_vars"] == {"SECRETISH": "v"}
+        for path in cl.root.rglob("*"):  # not in any file: databases, journals, logs, audit logs
+            if path.is_file() and not path.is_socket() and path.stat().st_size < 64 * 1024 * 1024:
+                assert token.encode() not in path.read_bytes(), path
+    finally:
+        sbx.kill()

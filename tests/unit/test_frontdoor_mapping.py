@@ -1,0 +1,131 @@
+"""The front door's pure parts: E2B create bodies, list filters and pages, error messages, envd routing helpers."""
+
+from __future__ import annotations
+
+import json
+import struct
+import urllib.parse
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cubeaccel.frontdoor import mapping as M
+from cubeaccel.frontdoor.envd import host_sandbox, inject_envs
+from cubeaccel.wire.e2b_api import NewSandbox
+from cubeaccel.workload import ENVD_VERSION
+
+
+def test_the_reported_envd_version_is_the_guests() -> None:
+    assert M.ENVD_VERSION == ENVD_VERSION
+
+
+def test_create_body_maps_template_timeout_metadata_env_and_the_accelerators_key() -> None:
+    req = NewSandbox.model_validate(
+        {
+            "templateID": "cuda12-h100",
+            "timeout": 120,
+            "metadata": {"a": "b", M.ACCELERATORS_KEY: " H100:2 "},
+            "envVars": {"X": "1"},
+            "secure": True,
+            "mcp": None,
+        }
+    )
+    body = M.create_body(req, "sb-1", "t" * 43)
+    assert body == {
+        "id": "sb-1",
+        "template": "cuda12-h100",
+        "metadata": {"a": "b", M.ACCELERATORS_KEY: " H100:2 "},
+        "env_vars": {"X": "1"},
+        "workload_token": "t" * 43,
+        "timeout_s": 120.0,
+        "gpu": "H100:2",
+    }
+    alts = [{"class": "gpu", "count": 1, "selector": "device.model == 'H100'"}, {"class": "gpu", "count": 2}]
+    req = NewSandbox.model_validate({"templateID": "x", "metadata": {M.ACCELERATORS_KEY: json.dumps(alts)}})
+    assert M.create_body(req, "sb-2", "t" * 43)["accelerators"] == alts
+    with pytest.raises(M.Refusal) as e:
+        M.create_body(NewSandbox.model_validate({"templateID": "x", "metadata": {M.ACCELERATORS_KEY: "[1,"}}), "s", "t")
+    assert e.value.status == 400 and M.ACCELERATORS_KEY in e.value.message
+
+
+@pytest.mark.parametrize(
+    "field", [{"autoPause": True}, {"volumeMounts": [{"name": "v", "path": "/v"}]}, {"network": {"denyOut": ["x"]}}]
+)
+def test_features_we_do_not_have_are_refused_by_name(field: dict[str, object]) -> None:
+    with pytest.raises(M.Refusal) as e:
+        M.create_body(NewSandbox.model_validate({"templateID": "x", **field}), "s", "t")
+    assert e.value.status == 400 and next(iter(field)) in e.value.message and not e.value.retry
+
+
+def test_tokens_are_derived_per_sandbox_and_secret() -> None:
+    a = M.envd_token(b"s1", "sb-a")
+    assert a == M.envd_token(b"s1", "sb-a") and len(a) >= 32
+    assert a != M.envd_token(b"s1", "sb-b") and a != M.envd_token(b"s2", "sb-a")
+    assert set(a) <= set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=8), max_size=4))
+def test_metadata_filters_round_trip_the_sdks_double_encoding(meta: dict[str, str]) -> None:
+    quoted = {urllib.parse.quote(k): urllib.parse.quote(v) for k, v in meta.items()}  # what the SDK does
+    assert M.parse_metadata_query(urllib.parse.urlencode(quoted)) == meta
+
+
+def rows(n: int) -> list[dict[str, object]]:
+    return [
+        {"id": f"sb-{i}", "state": "running", "created_at": 100.0 + i, "request": {"metadata": {"i": str(i % 2)}}}
+        for i in range(n)
+    ]
+
+
+@given(st.integers(0, 30), st.integers(1, 7))
+def test_pages_cover_every_row_once_in_order(n: int, limit: int) -> None:
+    all_rows = M.select(rows(n), {}, {"running"})  # type: ignore[arg-type]
+    seen, token = [], None
+    for _ in range(n + 2):
+        chunk, token = M.page(all_rows, limit, token)
+        seen += [r["id"] for r in chunk]
+        if token is None:
+            break
+    assert seen == [f"sb-{i}" for i in range(n)]
+
+
+def test_select_filters_by_metadata_and_state() -> None:
+    rs = [*rows(4), {"id": "gone", "state": "deleted", "created_at": 1.0, "request": {"metadata": {"i": "0"}}}]
+    assert [r["id"] for r in M.select(rs, {"i": "0"}, {"running", "paused"})] == ["sb-0", "sb-2"]  # type: ignore[arg-type]
+    assert M.select(rs, {}, {"paused"}) == []  # type: ignore[arg-type]
+    with pytest.raises(M.Refusal):
+        M.parse_states("running,sleeping")
+    with pytest.raises(M.Refusal):
+        M.page([], 1, "not-a-token")
+
+
+def test_a_placement_refusal_names_the_layer_and_each_nodes_reason() -> None:
+    err = {
+        "code": "schedule.unschedulable",
+        "layer": "scheduler",
+        "message": "no node can host this sandbox — H100: 2 nodes, none free",
+        "details": {
+            "tried": [{"nodes": {"n1": {"reason": "no_capacity", "detail": "0 of 8 free"}, "n2": {"reason": "drain"}}}]
+        },
+    }
+    r = M.refusal_from_master(409, {"error": err})
+    assert r.status == 409 and not r.retry
+    assert r.message.startswith("cubeaccel (scheduler): schedule.unschedulable: no node")
+    assert "[nodes: n1: no_capacity (0 of 8 free); n2: drain]" in r.message
+    assert M.refusal_from_master(422, {"error": {**err, "details": {}}}).status == 400
+    assert M.refusal_from_master(502, "<html>").retry
+
+
+def test_envd_hosts_and_start_envelopes() -> None:
+    assert host_sandbox("49983-sb-abc.e2b.test", "e2b.test") == (49983, "sb-abc")
+    assert host_sandbox("49983-sb-abc.e2b.test:8443", "e2b.test") == (49983, "sb-abc")
+    assert host_sandbox("api.e2b.test", "e2b.test") is None
+    assert host_sandbox("49983-sb-abc.other.test", "e2b.test") is None
+    msg = json.dumps({"process": {"cmd": "/bin/bash", "envs": {"A": "mine"}}, "stdin": False}).encode()
+    env = inject_envs(b"\x00" + struct.pack(">I", len(msg)) + msg, {"A": "sandbox", "B": "2"}, streaming=True)
+    assert env[0] == 0 and struct.unpack(">I", env[1:5])[0] == len(env) - 5
+    assert json.loads(env[5:])["process"]["envs"] == {"A": "mine", "B": "2"}  # the command's own wins
+    assert json.loads(inject_envs(msg, {"B": "2"}, streaming=False))["process"]["envs"] == {"A": "mine", "B": "2"}
+    compressed = b"\x01" + struct.pack(">I", 3) + b"abc"
+    assert inject_envs(compressed, {"B": "2"}, streaming=True) == compressed  # not ours to judge: the guest does
