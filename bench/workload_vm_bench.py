@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.cubelet_process import CubeletProcess, poll
-from tests.e2e.master_harness import MasterProcess, free_port
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_harness import MasterProcess, free_port
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
-from tests.vmm_cleanup import kill_started_vmms
 
 from cubeaccel.images.builder import build
 from cubeaccel.wire.workload_client import WorkloadClient
@@ -79,16 +80,18 @@ def main() -> int:
     port = free_port()
     cubelet = CubeletProcess(
         base / "cubelet", "-", "--backend", "emulated", "--master", master.url, "--listen", f"127.0.0.1:{port}",
-        "--node", "bench",
+        "--node", "bench", "--node-token-file", str(master.enrol("bench", base / "cubelet")),
     )  # fmt: skip
     cubelet.start()
     results: dict[str, Any] = {"load_before": Path("/proc/loadavg").read_text().split()[:3]}
     try:
         poll(lambda: any(n["node"] == "bench" and n["state"] == "ready" for n in master.client.nodes()), 30)
         master.client.register_template(edu_template(build()[0], "edu-bench"))
-        sb = master.client.create({"template": "edu-bench", "accelerators": [{"class": "accelerator"}]})
+        t0 = time.monotonic()
+        sb = master.client.create({"template": "edu-bench", "accelerators": [{"class": "accelerator"}]}, wait_s=240)
+        results["create_wait_s"] = round(time.monotonic() - t0, 1)
         sid, token = sb["id"], sb["access_token"]
-        poll(lambda: master.client.sandbox(sid)["state"] == "running", 240)
+        assert sb["state"] == "running", sb
         sock = base / "cubelet" / "shims" / sid / "workload.sock"
         paths = {
             "whole_path": WorkloadClient.over(f"http://127.0.0.1:{port}/v1/sandboxes/{sid}/workload", token),

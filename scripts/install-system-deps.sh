@@ -6,6 +6,8 @@
 #  - postgresql: server binaries for tests/postgres (initdb/pg_ctl in a temp dir; no system cluster is used)
 #  - util-linux (setpriv, prlimit): the pinned-memory test drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK
 #  - chromium: the web dashboard's test drives Debian's headless Chromium over the DevTools protocol
+#  - iproute2, nftables: sandbox networks (a namespace, TAP, veth and nftables rules per sandbox; host/netpolicy.py)
+#  - e2fsprogs (mkfs.ext4): the sandbox's capped scratch disk (host/scratch.py)
 set -euo pipefail
 need=()
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
@@ -13,6 +15,9 @@ command -v cpio >/dev/null || need+=(cpio)
 command -v gcc >/dev/null || need+=(gcc)
 command -v setpriv >/dev/null && command -v prlimit >/dev/null || need+=(util-linux)
 command -v chromium >/dev/null || need+=(chromium)
+command -v ip >/dev/null || need+=(iproute2)
+command -v nft >/dev/null || need+=(nftables)
+command -v mkfs.ext4 >/dev/null || need+=(e2fsprogs)
 # PostgreSQL server binaries for the CubeMaster replica tests (a throwaway cluster per test session)
 command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || need+=(postgresql)
 lists_missing() {

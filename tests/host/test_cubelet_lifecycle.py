@@ -54,7 +54,9 @@ def test_full_cycle_returns_devices_only_after_vmm_exit_and_reset(node: Node) ->
     for dev_id in res.device_ids:
         d = node.device(dev_id)
         assert d.state is S.ALLOCATABLE and d.sandbox_id is None
-        assert node.host.reset_count(d.address) == 1
+        assert node.host.reset_count(d.address) == 2  # after the tenant's VMM, and again after the scrub VM
+        scrub = [e.kind for e in node.cubelet.store.events(device_id=dev_id) if e.kind.startswith("scrub_")]
+        assert scrub == ["scrub_started", "scrub_finished"]
         trail = [e.event for e in node.cubelet.store.events(device_id=dev_id) if e.kind == "transition"]
         assert trail[-6:] == ["reserve", "prepare", "attach_succeeded", "teardown", "release_confirmed", "revalidated"]
     assert node.cubelet.store.reservation("sb-1") is None

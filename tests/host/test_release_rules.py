@@ -24,6 +24,7 @@ from cubeaccel.cubelet import host_ready
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
+from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimSpec
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host import procfs
@@ -167,6 +168,7 @@ def vfio(tmp_path: Path) -> Iterator[VfioNode]:
         backend,
         shims,
         CubeletConfig(release_timeout_s=10, kill_grace_s=5, pinnable_memory_mib=1 << 20),
+        scrub_runner=SimulatedScrubRunner(),  # stand-in shims: the scrub VM is stood in too (tests/vm runs one)
     )
     initialize_host(cubelet)
     node = VfioNode(fake, clock, shims, cubelet, f"rr-{uuid.uuid4().hex[:12]}")
@@ -196,7 +198,7 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
     vfio.report(K.SHIM_EXITING)
     vfio.cubelet.try_release(vfio.sid)
     assert vfio.state() is S.ALLOCATABLE
-    assert vfio.fake.resets.get(GPU) == 1
+    assert vfio.fake.resets.get(GPU) == 2  # after the tenant's VMM, and again after the scrub VM
     confirmed = [e for e in vfio.cubelet.store.events(0, 10000, sandbox_id=vfio.sid) if e.event == "release_confirmed"]
     assert confirmed[-1].details == {
         "vmm_exited": True,
@@ -205,6 +207,7 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
         "detach_confirmed": True,
         "holders": 0,
         "reset": True,
+        "scrub_owed": True,
     }
     assert vfio.cubelet.store.reservation(vfio.sid) is None
 
@@ -263,3 +266,38 @@ def test_a_release_on_a_host_that_stopped_being_ready_gives_nothing_back(vfio: V
     assert d is not None and (d.state, d.reason) == (S.INITIALIZED, "host.unsafe_interrupts")
     trail = [e.event for e in vfio.cubelet.store.events(0, 10000, d.id) if e.kind == "transition"]
     assert trail[-3:] == ["release_confirmed", "revalidated", "host_not_ready"]
+
+
+def test_a_group_node_handed_to_the_vmm_uid_is_taken_back_before_the_device_returns(vfio: VfioNode) -> None:
+    group = vfio.fake.dev.resolve() / "vfio" / "7"
+    vfio.running()
+    os.chown(group, 1_900_000_123, 1_900_000_123)  # what the shim did for the sandbox's VMM (host/confine.py)
+    os.chmod(group, 0o660)
+    vfio.cubelet.release(vfio.sid)
+    vfio.shims.kill(vfio.sid)
+    vfio.cubelet.try_release(vfio.sid)
+    assert vfio.state() is S.ALLOCATABLE
+    st = group.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+
+
+def test_a_group_node_that_cannot_be_taken_back_quarantines_the_device(
+    vfio: VfioNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cubeaccel.host import confine
+
+    group = vfio.fake.dev.resolve() / "vfio" / "7"
+    vfio.running()
+    os.chown(group, 1_900_000_123, 1_900_000_123)
+
+    def refuse(path: Any, uid: int, gid: int) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(confine.os, "chown", refuse)
+    vfio.cubelet.release(vfio.sid)
+    vfio.shims.kill(vfio.sid)
+    vfio.cubelet.try_release(vfio.sid)
+    assert vfio.state() is S.QUARANTINED  # the last tenant's uid could still open it: never handed on
+    d = vfio.cubelet.store.device(f"vfio-{GPU}")
+    assert d is not None and d.reason == "release.device_node_not_returned"
+    assert vfio.fake.resets.get(GPU) is None  # quarantined before any reset: nothing else ran on it

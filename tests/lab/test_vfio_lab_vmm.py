@@ -97,6 +97,7 @@ def test_the_cubelet_keeps_a_device_out_of_service_until_every_holder_is_gone(la
         "detach_confirmed": False,
         "holders": 0,
         "reset": True,
+        "scrub_owed": True,  # then the (stood-in) scrub VM and a second reset, before `allocatable`
     }
 
 

@@ -58,6 +58,7 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/sandboxes/{sandbox_id}"): T | A,
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): T | A,
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): T | A,
+    ("GET", "/v1/sandboxes/{sandbox_id}/events"): T | A,
     ("POST", "/v1/tenants"): A,
     ("GET", "/v1/tenants"): A,
     ("DELETE", "/v1/tenants/{tenant}"): A,
@@ -72,7 +73,12 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/dashboard"): A,
 }
 # routes naming t1's sandbox or t1's spare key: other tenants see a 404
-OWNED = {"/v1/sandboxes/{sandbox_id}", "/v1/sandboxes/{sandbox_id}/timeout", "/v1/keys/{key_id}"}
+OWNED = {
+    "/v1/sandboxes/{sandbox_id}",
+    "/v1/sandboxes/{sandbox_id}/timeout",
+    "/v1/sandboxes/{sandbox_id}/events",
+    "/v1/keys/{key_id}",
+}
 PARAMS = {
     "node": "n1",
     "sandbox_id": "sb-t1",

@@ -12,6 +12,7 @@ SOURCES = [
     "src/cubeaccel/model/contract.py",
     "src/cubeaccel/model/versions.py",
     "src/cubeaccel/model/template_spec.py",
+    "src/cubeaccel/model/sandbox_policy.py",
     "src/cubeaccel/wire/templates.py",
 ]
 CODE = re.compile(r'"((?:compat|template|version|contract)\.[a-z_]+)"')

@@ -39,6 +39,7 @@ NOT_CODES = {
     "frontdoor.secret",
     # the E2B front door's metadata key for an accelerator request
     "cubeaccel.accelerators",
+    "scratch.img", "mkfs.ext4",
     # module names (python -m, loggers)
     "cubeaccel.master", "cubeaccel.shim", "cubeaccel.api", "cubeaccel.cubelet",
     # kernel parameters
@@ -52,6 +53,9 @@ NOT_CODES = {
     "reserve.pinned_memory",
     # ASGI message types
     "http.disconnect", "http.request",
+    # cgroup v2 interface files (workload/limits.py)
+    "cgroup.controllers", "cgroup.procs", "cgroup.subtree_control", "cpu.weight", "memory.max",
+    "pids.max",
 }  # fmt: skip
 
 # Code-shaped prefixes of f-strings that build messages, not codes.

@@ -61,6 +61,13 @@ def _ko(deps: str, vermagic: str = f"{REL} SMP preempt mod_unload modversions ")
     return b"\x7fELF junk\0license=GPL\0depends=" + deps.encode() + b"\0vermagic=" + vermagic.encode() + b"\0"
 
 
+def _policy_modules() -> dict[str, bytes]:
+    """The sandbox policy's modules (NIC, scratch disk, 9p), dependency-free stand-ins."""
+    return {
+        f"policy/{m}.ko": _ko("") for m in ("virtio_net", "virtio_blk", "crc32c_generic", "ext4", "9pnet_virtio", "9p")
+    }
+
+
 def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> None:
     moddir = tmp_path / "lib/modules" / REL / "kernel"
     _tree(
@@ -74,11 +81,15 @@ def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> Non
             "uio/uio_pci_generic.ko": _ko("uio"),
             "pci/pci-stub.ko": _ko(""),
             "unrelated/big.ko": _ko(""),
+            **_policy_modules(),
         },
     )
     mods = kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "modules.img")
     assert mods == sorted(
-        ["virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic", "pci_stub"]
+        [
+            *("virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic", "pci_stub"),
+            *("virtio_net", "virtio_blk", "crc32c_generic", "ext4", "9pnet_virtio", "9p"),
+        ]
     )
     dep = (tmp_path / "work/modules/modules.dep").read_text()
     assert "kernel/virtio/virtio_pci.ko: kernel/virtio/virtio_ring.ko kernel/virtio/virtio.ko" in dep
@@ -98,6 +109,7 @@ def test_modules_dep_lists_dependents_before_what_they_need(tmp_path: Path) -> N
             "char/virtio_console.ko": _ko("virtio,virtio_ring"),
             "uio/uio_pci_generic.ko": _ko(""),
             "pci/pci-stub.ko": _ko(""),
+            **_policy_modules(),
         },
     )
     kernel.build_modules_img(tmp_path, REL, tmp_path / "work", tmp_path / "m.img")
@@ -117,6 +129,7 @@ def test_a_module_built_for_another_kernel_fails_the_build(tmp_path: Path) -> No
             "char/virtio_console.ko": _ko(""),
             "uio/uio_pci_generic.ko": _ko(""),
             "pci/pci-stub.ko": _ko(""),
+            **_policy_modules(),
         },
     )
     with pytest.raises(CubeError) as e:

@@ -16,7 +16,7 @@ from cubeaccel.host.hypervisor import detect_accel
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.shim.memory import prove_pinned, status_kib
-from cubeaccel.shim.qemu import build_argv
+from cubeaccel.shim.qemu import SANDBOX_ARG, VmmFds, build_argv
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.vmm import VmConfig
 
@@ -56,23 +56,41 @@ def test_hardware_kvm_is_used_and_missing_kvm_is_tcg(tmp_path: Path) -> None:
     assert detect_accel(tmp_path / "absent", tmp_path / "mod") == ("tcg", f"{tmp_path / 'absent'} does not exist")
 
 
+FDS = VmmFds(qmp=10, qmp_aux=11, agent=12, workload=13, console=14)
+
+
 def test_command_line_locks_preallocated_memory_and_tags_the_sandbox(tmp_path: Path) -> None:
-    argv = build_argv(_cfg(tmp_path), "tcg")
+    argv = build_argv(_cfg(tmp_path), "tcg", fds=FDS)
     joined = " ".join(argv)
     assert argv[1:3] == ["-name", "guest=cubeaccel-sandbox=sb-1"]
     assert "memory-backend-ram,id=m0,size=512M,prealloc=on" in argv
     assert "-overcommit mem-lock=on" in joined and "tcg,tb-size=64" in argv
     assert joined.count("pcie-root-port") == 4 and "pref64-reserve=2G" in joined
     assert "-incoming" not in argv
-    assert "-overcommit" not in build_argv(_cfg(tmp_path, pin=False), "tcg")
-    restore = build_argv(_cfg(tmp_path), "tcg", incoming=True)
+    assert "-overcommit" not in build_argv(_cfg(tmp_path, pin=False), "tcg", fds=FDS)
+    restore = build_argv(_cfg(tmp_path), "tcg", incoming=True, fds=FDS)
     assert restore[:-2] == argv and restore[-2:] == ["-incoming", "defer"]  # same machine as the template
-    memfd = build_argv(replace(_cfg(tmp_path), memory_backend="memfd"), "tcg")
+    memfd = build_argv(replace(_cfg(tmp_path), memory_backend="memfd"), "tcg", fds=FDS)
     assert "memory-backend-memfd,id=m0,size=512M,prealloc=on" in memfd
-    huge = build_argv(replace(_cfg(tmp_path), memory_backend="hugepages"), "tcg")
+    huge = build_argv(replace(_cfg(tmp_path), memory_backend="hugepages"), "tcg", fds=FDS)
     assert "memory-backend-memfd,id=m0,size=512M,prealloc=on,hugetlb=on,hugetlbsize=2M" in huge
-    kvm = build_argv(_cfg(tmp_path), "kvm")
+    kvm = build_argv(_cfg(tmp_path), "kvm", fds=FDS)
     assert "kvm" in kvm and "host" in kvm
+
+
+def test_command_line_confines_qemu_and_names_only_descriptors(tmp_path: Path) -> None:
+    """Seccomp with every deny group, and no path QEMU would open or create: sockets and console are the
+    descriptors the shim made (the state dir appears only as the console's fdset label, for /proc lookups)."""
+    argv = build_argv(_cfg(tmp_path), "tcg", fds=FDS)
+    assert argv[argv.index("-sandbox") + 1] == SANDBOX_ARG
+    assert SANDBOX_ARG == "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+    assert "-runas" not in argv and "-chroot" not in argv  # the credentials are dropped before exec
+    joined = " ".join(argv)
+    for fd in (10, 11, 12, 13):
+        assert f"fd={fd},server=on,wait=off" in joined
+    assert f"fd=14,set=1,opaque={tmp_path / 'state' / 'console.log'}" in argv
+    assert "unix:" not in joined and "path=agent.sock" not in joined and "exec:" not in joined
+    assert [a for a in argv if str(tmp_path / "state") in a] == [f"fd=14,set=1,opaque={tmp_path / 'state'}/console.log"]
 
 
 def test_vmlck_proof_accepts_locked_memory_and_names_the_layer_otherwise(tmp_path: Path) -> None:

@@ -107,7 +107,11 @@ class FakeQmp:
     def __init__(self, pci: Any, during_migrate: Any = None) -> None:
         self.pci, self.after = pci, during_migrate
         self.sent: list[str] = []
-        self.migrated_to: Path | None = None
+        self.migrated_to: int | None = None
+        self.passed: int | None = None  # the descriptor QEMU would get by SCM_RIGHTS (the VMM opens no files)
+
+    def send_fd_scm(self, fd: int) -> None:
+        self.passed = os.dup(fd)
 
     def cmd(self, command: str, **args: Any) -> Any:
         self.sent.append(command)
@@ -116,8 +120,10 @@ class FakeQmp:
         if command == "qom-list":
             return TEMPLATE_QOM[args["path"]]
         if command == "migrate":
-            self.migrated_to = Path(args["uri"].split("> ", 1)[1])
-            self.migrated_to.write_bytes(b"state")
+            assert args["uri"] == "fd:migration" and self.passed is not None
+            self.migrated_to = self.passed
+            os.write(self.passed, b"state")
+            os.close(self.passed)
             return {}
         if command == "query-migrate":
             return {"status": "completed"}

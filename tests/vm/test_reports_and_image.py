@@ -59,6 +59,7 @@ def test_reports_are_posted_to_cubelet_over_its_unix_socket(shim_factory: Any, t
     assert {r["path"] for r in received} == {"/v1/shim-reports"}
     assert [r["kind"] for r in received] == [
         "vm_started",
+        "vmm_confined",
         "memory_pinned",
         "guest_ready",
         "device_attached",

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.vm
 
 FULL_CYCLE = [
     "vm_started",
+    "vmm_confined",
     "memory_pinned",
     "guest_ready",
     "device_attached",
@@ -181,7 +182,15 @@ def test_vfio_device_add_failure_is_reported_and_the_vm_torn_down(shim_factory: 
     failed = run.one("attach_failed")
     assert failed["details"]["reason"] == "attach.device_add_failed" and failed["details"]["layer"] == "backend"
     assert "vfio" in failed["details"]["message"].lower() or "iommu" in failed["details"]["message"].lower()
-    assert run.kinds() == ["vm_started", "memory_pinned", "guest_ready", "attach_failed", "vmm_exited", "shim_exiting"]
+    assert run.kinds() == [
+        "vm_started",
+        "vmm_confined",
+        "memory_pinned",
+        "guest_ready",
+        "attach_failed",
+        "vmm_exited",
+        "shim_exiting",
+    ]
 
 
 def test_vmm_killed_from_outside_is_reported_without_claiming_a_detach(shim_factory: Any) -> None:

@@ -22,9 +22,10 @@ import httpx
 import pytest
 
 from cubeaccel.images.manifest import Manifest
+from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.conftest import ShimRun, emulated_id
-from tests.workload_client import WorkloadClient
+from tests.workload_client import Stream, WorkloadClient
 
 pytestmark = pytest.mark.vm
 MiB = 1024 * 1024
@@ -204,6 +205,160 @@ def test_missing_or_wrong_token_is_refused(wl: WorkloadClient, token: str) -> No
     r = wl.http.get("/files", params={"path": "/etc/passwd"}, headers={"X-Access-Token": token} if token else {})
     assert r.status_code == 401
     assert wl.run(f"test -e {marker} && echo yes || echo no").output() == b"no\n"
+
+
+def test_commands_do_not_inherit_the_services_environment(wl: WorkloadClient) -> None:
+    """The guest init exports PYTHONPATH and friends for the services; a command must see none of it."""
+    env = dict(line.split("=", 1) for line in wl.run("env").output().decode().splitlines() if "=" in line)
+    assert env["HOME"] == "/home/user" and env["USER"] == "user"
+    leaked = sorted(k for k in env if k.startswith(("PYTHON", "CUBE")))
+    assert leaked == []
+
+
+def test_a_bare_command_name_runs_the_images_binary_with_its_argv0(wl: WorkloadClient) -> None:
+    """Commands pass a busybox gate (workload/limits.py); busybox ash would run its own applet for a bare name, so
+    the service resolves it on PATH first: `ls` is coreutils' ls, and argv[0] stays what the caller sent."""
+    out = wl.collect("process.Process/Start", {"process": {"cmd": "ls", "args": ["--version"]}, "stdin": False})
+    assert out.output().startswith(b"ls (GNU coreutils)"), out.output()[:200]
+    body = {"process": {"cmd": "bash", "args": ["-c", 'echo "$0" "$BASH"']}, "stdin": False}
+    assert wl.collect("process.Process/Start", body).output() == b"bash /bin/bash\n"
+
+
+PORT_PROBE = (
+    "import errno, os, sys\n"
+    "name = sys.argv[1]\n"
+    "for d in os.listdir('/sys/class/virtio-ports'):\n"
+    "    if open(f'/sys/class/virtio-ports/{d}/name').read().strip() == name:\n"
+    "        try:\n"
+    "            fd = os.open(f'/dev/{d}', os.O_RDWR | os.O_NONBLOCK)\n"
+    "        except OSError as e:\n"
+    "            print(f'/dev/{d}', errno.errorcode[e.errno])\n"
+    "        else:\n"
+    "            print(f'/dev/{d}', 'OPENED')\n"
+    "        break\n"
+    "else:\n"
+    "    print('no port', name)\n"
+)
+
+
+@pytest.mark.parametrize(("user", "refusal"), [("user", "EACCES"), ("root", "EBUSY")])
+def test_a_workload_cannot_open_the_validation_agents_port(wl: WorkloadClient, user: str, refusal: str) -> None:
+    """cube-agent's virtio port is root-only (a user gets EACCES), and cube-agent holds it open, so even root in
+    the guest gets EBUSY: a virtio-serial port has one opener. (The workload service's own port: the same.)"""
+    for port in ("cube-agent", "org.cubeaccel.workload.0"):
+        body = {"process": {"cmd": "/usr/bin/python3", "args": ["-c", PORT_PROBE, port]}, "stdin": False}
+        headers = {"Authorization": "Basic " + base64.b64encode(f"{user}:".encode()).decode()}
+        out = wl.collect("process.Process/Start", body, headers=headers).output().decode().split()
+        assert len(out) == 2 and out[0].startswith("/dev/vport"), out  # the port is there: a real refusal
+        assert out[1] == refusal, (port, out)
+
+
+def test_sixty_four_concurrent_commands(vm: ShimRun) -> None:
+    """64 commands alive at once: each waits until all 64 have started (a barrier in /tmp), so any cap or
+    serialisation below 64 in the bridge, the mux or the service deadlocks this test into its timeout."""
+    barrier = f"/tmp/b64-{uuid.uuid4().hex[:6]}"
+    wl0 = client(vm)
+    wl0.run(f"mkdir -p {barrier}")
+    wl0.http.close()
+    results: dict[int, bytes] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        c = client(vm, timeout=300)
+        try:
+            script = f"touch {barrier}/{i}; while [ $(ls {barrier} | wc -l) -lt 64 ]; do sleep 0.5; done; echo n{i}"
+            body = {"process": {"cmd": "/bin/sh", "args": ["-c", script]}, "stdin": False}  # busybox: small
+            results[i] = c.collect("process.Process/Start", body, headers={"Connect-Timeout-Ms": "240000"}).output()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            c.http.close()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert errors == [], vm.log_tail()
+    assert results == {i: f"n{i}\n".encode() for i in range(64)}
+
+
+def test_a_fork_bomb_is_contained_and_the_sandbox_still_runs_commands(vm: ShimRun, wl: WorkloadClient) -> None:
+    """As root (whom RLIMIT_NPROC does not stop): the commands' cgroup caps the tasks, the guest service keeps
+    answering, the timeout's SIGKILL of the group ends it, and the sandbox runs the next command."""
+    group = "/sys/fs/cgroup/cube-workload"
+    limits = wl.run(f"cat {group}/pids.max {group}/memory.max", user="root").output().split()
+    assert int(limits[0]) == 512 and int(limits[1]) > 0, limits
+    done: list[object] = []
+
+    def bomb() -> None:
+        c = client(vm, timeout=300)
+        try:
+            done.append(c.run(":(){ :|:& };:", timeout_ms=30_000, user="root"))
+        except BaseException as exc:
+            done.append(exc)
+        finally:
+            c.http.close()
+
+    t0 = time.monotonic()
+    thread = threading.Thread(target=bomb)
+    thread.start()
+    during = client(vm, timeout=120)
+    try:
+        # while it runs: the service still answers, and a limit was hit: failed forks (pids.events) or OOM kills
+        # inside the group (memory.events; the guest's shell pages are shmem, so memory often runs out first)
+        def capped() -> dict[str, int] | None:
+            script = (
+                f"echo current $(cat {group}/pids.current);"
+                f"while read k v; do echo pids_$k $v; done < {group}/pids.events;"
+                f"while read k v; do echo mem_$k $v; done < {group}/memory.events"
+            )
+            words = during.run(script, user="root").output().decode().split()
+            seen = {k: int(v) for k, v in zip(words[0::2], words[1::2], strict=True)}
+            return seen if seen.get("pids_max", 0) > 0 or seen.get("mem_oom_kill", 0) > 0 else None
+
+        seen = poll(capped, 90, every_s=1.0, what="the bomb reached a limit of its group")
+        assert seen["current"] <= 512, seen
+        health_t0 = time.monotonic()
+        assert during.http.get("/health").status_code == 204
+        health_s = time.monotonic() - health_t0
+    finally:
+        during.http.close()
+    thread.join(180)
+    assert len(done) == 1 and isinstance(done[0], Stream), done
+    # the bomb's first shell returns at once (exit 0); its children hold the output open until the timeout's
+    # SIGKILL of the group ends them all, and only then does the end event come
+    assert done[0].end["status"] in ("exit status 0", "signal: killed"), done[0].end
+    assert time.monotonic() - t0 >= 25
+    assert time.monotonic() - t0 < 150
+
+    def drained() -> bool:
+        return int(wl.run(f"cat {group}/pids.current", user="root").output()) <= 2  # `cat` and its bash
+
+    poll(drained, 60, every_s=1.0, what="the bomb's processes are gone")
+    assert wl.run("echo alive").output() == b"alive\n"
+    print(f"fork bomb: {seen}; /health answered in {health_s:.2f} s during it")
+
+
+def test_the_channel_recovers_when_the_guest_service_restarts(wl: WorkloadClient, vm: ShimRun) -> None:
+    """The service is killed inside the guest; init starts a new one, which says GOAWAY on the port; the shim's
+    bridge reconnects and sends the token again, so the next call works, served by the new process."""
+    before = int(wl.run("echo $PPID").output())
+    wl.run(f"(sleep 1; kill -9 {before}) </dev/null >/dev/null 2>&1 &", user="root")
+
+    def served_by_a_new_service() -> int | None:
+        c = client(vm, timeout=30)
+        try:
+            pid = int(c.run("echo $PPID").output())
+        except (AssertionError, httpx.HTTPError, ValueError):
+            return None
+        finally:
+            c.http.close()
+        return pid if pid != before else None
+
+    after = poll(served_by_a_new_service, 120, every_s=1.0, what="a call served by the restarted service")
+    assert after != before
+    assert wl.run("echo again").output() == b"again\n"
 
 
 def test_teardown_still_releases_the_device_after_workloads(vm: ShimRun, wl: WorkloadClient) -> None:

@@ -2,6 +2,8 @@
 
   cube-agent probe --contract FILE [--json] [--root /]     one-shot check on any Linux host; exit 0 = all pass
   cube-agent serve --port NAME|PATH | --stdio               the guest's protocol server (started by init)
+  cube-agent scrub --cuda [--max-bytes N] | --bar ADDRESS    zero the device's memory and verify samples (scrub VM;
+                                                            --max-bytes bounds it to measure the rate on a real GPU)
 
 `probe` is read-only by default: it loads no modules and never changes persistence mode unless told to.
 """
@@ -91,7 +93,36 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-poweroff", action="store_true", help="honour shutdown {poweroff: true} (guest PID 1 helper)"
     )
     _common(srv)
+    scrub = sub.add_parser("scrub", help="zero the device's memory and verify samples (the trusted scrub VM's op)")
+    what = scrub.add_mutually_exclusive_group(required=True)
+    what.add_argument("--cuda", action="store_true", help="CUDA device memory through libcuda (NVIDIA classes)")
+    what.add_argument("--bar", metavar="ADDRESS", help="registers behind BAR0 of this PCI function (emulated edu)")
+    scrub.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
+    scrub.add_argument("--max-bytes", type=int, default=None, metavar="N", help="zero at most N bytes (default: all)")
+    scrub.add_argument("--chunk-mib", type=int, default=256, metavar="MIB", help="allocation size (default 256)")
+    scrub.add_argument("--timeout", type=float, default=600.0, metavar="S")
+    _common(scrub)
     return parser
+
+
+def _scrub(args: argparse.Namespace) -> int:
+    from cubeaccel.agent.protocol import PCI_ADDRESS
+    from cubeaccel.agent.scrub import EDU_REGISTERS, MiB, scrub_bar, scrub_cuda
+
+    if args.bar is not None:
+        if not PCI_ADDRESS.fullmatch(args.bar):
+            raise CubeError("agent.invalid_params", f"not a PCI address: {args.bar!r}", layer="agent")
+        result = scrub_bar(Path(args.root) / "sys/bus/pci/devices" / args.bar, EDU_REGISTERS)
+    else:
+        lib_path = args.lib_path if args.lib_path is not None else os.environ.get(LIB_PATH_ENV, "")
+        lib_dirs = tuple(d for d in lib_path.split(":") if d)
+        result = scrub_cuda(lib_dirs, args.device, args.max_bytes, args.chunk_mib * MiB, args.timeout)
+    body = result.to_json()
+    seconds = (result.zero_ms + result.verify_ms) / 1000 or None
+    body["zero_gib_per_s"] = round(result.bytes_zeroed / 2**30 / (result.zero_ms / 1000), 3) if result.zero_ms else None
+    body["seconds"] = seconds
+    print(json.dumps(body, indent=2))
+    return 0 if result.ok else 1
 
 
 def _table(reply: dict[str, Any]) -> str:
@@ -151,6 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if args.command == "scrub":
+            return _scrub(args)
         return _probe(args) if args.command == "probe" else _serve(args)
     except CubeError as err:
         print(json.dumps(err.to_json()), file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -25,7 +26,8 @@ from cubeaccel.model.agent_protocol import AGENT_VERSION, PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024
-METHODS = ("hello", "probe", "load_modules", "shutdown")
+PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
+METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown")
 
 
 def protocol_error(code: str, message: str, **details: Any) -> CubeError:
@@ -209,6 +211,28 @@ class Agent:
             "modules_loaded": list(loaded_modules(self.ctx)),
             "probes": [asdict(r) for r in results],
         }
+
+    def _m_scrub(self, params: dict[str, Any]) -> dict[str, Any]:
+        """The scrub template's one request (docs/scrub.md); a tenant's guest never gets it from Cubelet."""
+        from cubeaccel.agent.scrub import LAYOUTS, scrub_bar, scrub_cuda  # only the scrub VM needs it
+
+        method = params.get("method")
+        if method == "bar":
+            address, layout = params.get("address"), params.get("layout", "edu")
+            if not isinstance(address, str) or not PCI_ADDRESS.fullmatch(address) or layout not in LAYOUTS:
+                raise protocol_error("agent.invalid_params", "scrub bar needs a PCI address and a known layout")
+            return scrub_bar(self.ctx.root / "sys/bus/pci/devices" / address, LAYOUTS[layout]).to_json()
+        if method == "cuda":
+            max_bytes, index = params.get("max_bytes"), params.get("device", 0)
+            if max_bytes is not None and (
+                not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1
+            ):
+                raise protocol_error("agent.invalid_params", "max_bytes must be a positive integer or null")
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < 64:
+                raise protocol_error("agent.invalid_params", "device must be a CUDA device index")
+            timeout = float(params.get("timeout_s", 600.0))
+            return scrub_cuda(self.ctx.lib_dirs, index, max_bytes, timeout_s=timeout).to_json()
+        raise protocol_error("agent.invalid_params", "scrub method must be bar or cuda")
 
     def _m_shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
         self.poweroff_requested = self._flag(params, "poweroff", False)

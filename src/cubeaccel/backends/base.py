@@ -110,6 +110,16 @@ class HostSnapshots(Protocol):
     def snapshot(self) -> AbstractContextManager[None]: ...
 
 
+@runtime_checkable
+class DeviceNodes(Protocol):
+    """A backend whose devices have host nodes handed to a sandbox's VMM uid for its lifetime (VFIO: the group
+    node /dev/vfio/N, chowned by the shim). The release rules take them back before a device leaves `releasing`."""
+
+    def reclaim_nodes(self, device: DeviceRecord) -> list[Problem]:
+        """Give the device's nodes back to root, owner-only; a problem for each node that could not be."""
+        ...
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend can do beyond `Backend`, decided once, when Cubelet is given the backend: call sites ask
@@ -118,6 +128,7 @@ class Capabilities:
     binding: HostBinding | None
     aer: AerBaselines | None
     snapshots: HostSnapshots | None = None
+    nodes: DeviceNodes | None = None
 
     @classmethod
     def of(cls, backend: Backend) -> Capabilities:
@@ -125,4 +136,5 @@ class Capabilities:
             binding=backend if isinstance(backend, HostBinding) else None,
             aer=backend if isinstance(backend, AerBaselines) else None,
             snapshots=backend if isinstance(backend, HostSnapshots) else None,
+            nodes=backend if isinstance(backend, DeviceNodes) else None,
         )

@@ -60,9 +60,11 @@ class EmulatedBackend:
         qemu: str | None = None,
         vmm_root: Path | None = None,
         uid: int | None = None,
+        vmm_uids: range = range(0),
     ) -> None:
         """`vmm_root` (the Cubelet's shims directory) and `uid` (the Cubelet's) tie a holder to evidence: a
-        process counts only when its own files lie under `vmm_root` and it runs as `uid`. A tag and a device
+        process counts only when its own files lie under `vmm_root` and it runs as `uid` or as one of the confined
+        VMMs' uids (`vmm_uids`, host/confine.py: no local user runs as those). A tag and a device
         list in an environment are words anyone can write; a local user's or another Cubelet's process that
         copies them must not quarantine this Cubelet's devices. The runtime always passes both."""
         if not 0 < slots <= 32:
@@ -75,6 +77,7 @@ class EmulatedBackend:
         self.qemu = qemu or find_qemu()
         self.vmm_root = vmm_root
         self.uid = uid
+        self.vmm_uids = vmm_uids
 
     def _addresses(self) -> list[PciAddress]:
         return [slot_address(i) for i in range(self.slots)]
@@ -151,7 +154,7 @@ class EmulatedBackend:
             for p in vmm_processes(self.proc_root)
             if device.id in p.device_ids
             and (self.vmm_root is None or p.under(self.vmm_root))
-            and (self.uid is None or p.uid == self.uid)
+            and (self.uid is None or p.uid == self.uid or (p.uid is not None and p.uid in self.vmm_uids))
         ]
 
     def cleanup(self, device: DeviceRecord) -> list[Problem]:

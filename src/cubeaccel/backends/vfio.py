@@ -18,9 +18,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from cubeaccel.backends.base import AttachSpec, HostPreparation, Problem
 from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
+from cubeaccel.host.confine import take_back
 from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsRestore
 from cubeaccel.host.readiness import HostRoots, check_host
 from cubeaccel.host.snapshot import SnapshotHost
@@ -326,6 +328,16 @@ class VfioBackend:
 
     def attach_spec(self, device: DeviceRecord) -> AttachSpec:
         return AttachSpec(driver=VFIO_DRIVER, properties={"host": str(device.address)})
+
+    def reclaim_nodes(self, device: DeviceRecord) -> list[Problem]:
+        """The group node the shim handed to the VMM's uid (host/confine.py), back to root:root 0600. A host
+        without device nodes (simulated) has nothing to take back."""
+        dev_root = getattr(self._host, "dev_root", None)
+        group = device.iommu_group
+        if not isinstance(dev_root, Path) or group is None:
+            return []
+        why = take_back(dev_root / "vfio" / str(group))
+        return [Problem("release.device_node_not_returned", why, hard=False)] if why else []
 
 
 def _missing(address: PciAddress) -> Problem:

@@ -86,6 +86,26 @@ def serve_cmd(
         typer.Option(help="simulated nodes: JSON list of guest images (docs/api.md shape) replacing the default set"),
     ] = None,
     log_level: Annotated[str | None, typer.Option(help="JSON logs on stderr: debug|info|warning|error")] = None,
+    network_pool: Annotated[str, typer.Option(help="sandbox networks: IPv4 pool for each sandbox's veth /30")] = (
+        "100.96.0.0/16"
+    ),
+    network_uplink_netns: Annotated[
+        str | None, typer.Option(help="sandbox networks: named netns for the uplink ends (default: the host's)")
+    ] = None,
+    allow_readonly_mount: Annotated[
+        list[str] | None,
+        typer.Option(help="a host directory templates may show read-only in guests (repeatable; default none)"),
+    ] = None,
+    scrub: Annotated[
+        list[str] | None,
+        typer.Option(help="CLASS=none|trusted-vm: scrub policy per device class (default trusted-vm; docs/scrub.md)"),
+    ] = None,
+    scrub_timeout: Annotated[
+        float, typer.Option(help="seconds the scrub VM may take (boot, zero, verify, teardown) before quarantine")
+    ] = 600.0,
+    scrub_image: Annotated[
+        str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.wire.telemetry import configure_logging
@@ -118,9 +138,13 @@ def serve_cmd(
         or release_timeout <= 0
         or default_lifetime <= 0
         or not 0 < detach_timeout <= 3600
+        or scrub_timeout <= 0
     ):
-        raise typer.BadParameter("tick, reservation-ttl, release-timeout and detach-timeout must be > 0")
+        raise typer.BadParameter("tick, reservation-ttl, release-timeout, detach-timeout and scrub-timeout must be > 0")
+    from cubeaccel.cubelet.scrub import parse_policy
+
     try:
+        scrub_policy = parse_policy(scrub or [])
         cubelet = build_cubelet(
             RuntimeOptions(
                 state_dir=state_dir,
@@ -140,7 +164,13 @@ def serve_cmd(
                     default_lifetime_s=default_lifetime,
                     release_timeout_s=release_timeout,
                     pinnable_memory_mib=pinnable_memory_mib,
+                    network_pool=network_pool,
+                    network_uplink_netns=network_uplink_netns,
+                    readonly_mount_allowlist=tuple(allow_readonly_mount or ()),
+                    scrub_policy=scrub_policy,
+                    scrub_timeout_s=scrub_timeout,
                 ),
+                scrub_image=scrub_image,
             )
         )
         from cubeaccel.cubelet.metrics import metrics_of

@@ -247,70 +247,42 @@ def node_undrain(
     _node_verb("undrain", node, who, reason, url)
 
 
-# The node's events that are phases of a start, in the words the issue uses.
-NODE_PHASES = {
-    "vm_started": "VM up",
-    "memory_pinned": "memory pinned",
-    "device_attached": "device attached",
-    "workload_ready": "workload service up",
-    "guest_validated": "guest validated",
-}
+def _node_phases(client: MasterClient, sid: str) -> list[dict[str, Any]]:
+    try:
+        return list(client.sandbox_events(sid)["phases"])
+    except CubeError:
+        return []  # the node's phases are a nicety; CubeMaster's state decides
 
 
 def _wait_running(url: str | None, s: dict[str, Any], quiet: bool, timeout_s: float) -> dict[str, Any]:
-    """Poll CubeMaster (and the node's event journal, for the VM's phases) until running or failed."""
+    """Poll CubeMaster until running or failed, printing each phase once as it appears: CubeMaster's own
+    (its timeline) and the node's (VM up … guest validated, `GET /v1/sandboxes/{id}/events`: CubeMaster
+    fetches them with the node token; the CLI has none)."""
     import time
 
-    from cubeaccel.wire.cubelet_client import CubeletClient
-
-    sid, t0, shown, seen = str(s["id"]), time.time(), 0, set()
+    sid, t0 = str(s["id"]), time.time()
     deadline = time.monotonic() + timeout_s
+    shown: set[tuple[str, float]] = set()
 
-    lines: list[tuple[float, str]] = []
+    def show(phases: list[tuple[float, str]]) -> None:
+        for at, what in sorted(phases):
+            if (what, at) not in shown:
+                shown.add((what, at))
+                if not quiet:
+                    console.print(f"  {max(0.0, at - t0):7.2f}s  {what}")
 
-    def say(at: float, what: str) -> None:
-        lines.append((at, what))
-
-    def flush() -> None:  # one poll's phases from both sources, in time order
-        if not quiet:
-            for at, what in sorted(lines):
-                console.print(f"  {max(0.0, at - t0):7.2f}s  {what}")
-        lines.clear()
-
-    node_client: CubeletClient | None = None
-    try:
-        while True:
-            s = _call(url, lambda c: c.sandbox(sid))
-            for e in s.get("timeline", [])[shown:]:
-                say(float(e["at"]), str(e["phase"]))
-            shown = len(s.get("timeline", []))
-            if node_client is None and s.get("node"):
-                nodes = {n["node"]: n for n in _call(url, lambda c: c.nodes())}
-                if s["node"] in nodes:
-                    node_client = CubeletClient(url=str(nodes[s["node"]]["cubelet_url"]))
-            if node_client is not None:
-                try:
-                    page = node_client.request("GET", "/v1/events", params={"limit": 10000, "sandbox_id": sid})
-                    events = list(page["events"])
-                except (CubeError, OSError):
-                    events = []  # the node's journal is a nicety; CubeMaster's state decides
-                for e in events:
-                    label = NODE_PHASES.get(str(e.get("event")))
-                    if label and label not in seen:
-                        seen.add(label)
-                        say(float(e["at"]), label)
-            flush()
-            if s.get("state") in ("running", "failed", "deleted") or time.monotonic() > deadline:
-                if s.get("state") == "failed" and not quiet:
-                    err = s.get("error") or {}
-                    console.print(
-                        f"[red]failed[/red] {err.get('code')} (layer {err.get('layer')}): {err.get('message')}"
-                    )
-                return s
-            time.sleep(0.2)
-    finally:
-        if node_client is not None:
-            node_client.close()
+    while True:
+        s = _call(url, lambda c: c.sandbox(sid))
+        phases = [(float(e["at"]), str(e["phase"])) for e in s.get("timeline", [])]
+        if s.get("node"):
+            phases += [(float(p["at"]), str(p["phase"])) for p in _call(url, lambda c: _node_phases(c, sid))]
+        show(phases)
+        if s.get("state") in ("running", "failed", "deleted") or time.monotonic() > deadline:
+            if s.get("state") == "failed" and not quiet:
+                err = s.get("error") or {}
+                console.print(f"[red]failed[/red] {err.get('code')} (layer {err.get('layer')}): {err.get('message')}")
+            return s
+        time.sleep(0.2)
 
 
 def _sandbox_table(rows: list[dict[str, Any]]) -> Table:
@@ -360,7 +332,7 @@ def sandbox_create(
             body[k] = v
     s = _call(url, lambda c: c.create(body))
     token = s.get("access_token")
-    if wait and s.get("state") not in ("running", "failed", "deleted"):
+    if wait:  # even when already running: the phases it went through are shown
         s = _wait_running(url, s, quiet=as_json, timeout_s=wait_timeout)
         s["access_token"] = token
     if as_json:

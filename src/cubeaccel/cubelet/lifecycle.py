@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import SecretStr
@@ -21,9 +23,12 @@ from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
-from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems
-from cubeaccel.cubelet.shim_driver import ShimDriver
+from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
+from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
+from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.host import netpolicy
+from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.meminfo import available_mib
 from cubeaccel.model.contract import (
     CompatibilityContract,
@@ -39,8 +44,16 @@ from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
+from cubeaccel.model.sandbox_policy import (
+    FilesystemPolicy,
+    NetworkPolicy,
+    SandboxPolicy,
+    forbidden_overlap,
+    mount_not_allowlisted,
+    narrow_network,
+)
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
-from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
+from cubeaccel.wire.shim_spec import DeviceSpec, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.telemetry import request_id
 
 S, E = DeviceState, DeviceEvent
@@ -71,6 +84,7 @@ class ReservationRequest:
     pin_memory: bool = True
     contract: dict[str, Any] | None = None
     lifetime_s: float | None = None  # from start; None: the Cubelet's default_lifetime_s (no sandbox lives forever)
+    network: dict[str, Any] | None = None  # the request's narrowing of the template's network policy
 
     def params(self) -> dict[str, Any]:
         return {
@@ -83,6 +97,7 @@ class ReservationRequest:
             "pin_memory": self.pin_memory,
             "contract": self.contract,
             "lifetime_s": self.lifetime_s,
+            **({"network": self.network} if self.network is not None else {}),
         }
 
 
@@ -122,7 +137,14 @@ def contract_refusal(violations: list[ContractViolation], count: int) -> CubeErr
 
 
 class Cubelet(ReleasePath):
-    def __init__(self, store: Store, backend: Backend, shim: ShimDriver, config: CubeletConfig | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        backend: Backend,
+        shim: ShimDriver,
+        config: CubeletConfig | None = None,
+        scrub_runner: ScrubRunner | None = None,
+    ) -> None:
         self.store = store
         self.backend = backend
         self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
@@ -133,6 +155,12 @@ class Cubelet(ReleasePath):
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
         self.status_sink = None
         self.issued_tokens: dict[str, str] = {}  # sandbox → workload token not yet given to the caller
+        self.audit: AuditLog | None = None  # set by the server: host changes made for sandboxes are audited
+        # The simulated node plays its scrub VMs as it plays its sandboxes' VMs; any other node without a runner
+        # fails every scrub it owes (quarantine), never skips one.
+        simulated = isinstance(shim, SimulatedShimDriver)
+        self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
+        self.scrubs: dict[str, ScrubJob] = {}
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -155,6 +183,9 @@ class Cubelet(ReleasePath):
         params = req.params()
         if contract is not None:
             params.update(memory_mib=contract.memory_mib, pin_memory=contract.pin_memory)
+        params.pop("network", None)
+        if (network := self._network_policy(contract, req.network)).has_nic:
+            params["network"] = network.to_json()  # the effective policy: what the sandbox gets, recorded
         with self.change() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
@@ -211,6 +242,58 @@ class Cubelet(ReleasePath):
                 details={"device_ids": res.device_ids, "params": params},
             )
             return res
+
+    def _network_policy(
+        self, contract: CompatibilityContract | None, requested: dict[str, Any] | None
+    ) -> NetworkPolicy:
+        """The sandbox's policy, re-derived here (not trusted from CubeMaster): the template's narrowed by the
+        request; refused when it names this node's pool, needs a NIC this node cannot build, or a mount the
+        operator did not allowlist."""
+        tpl = contract.template.sandbox if contract is not None else SandboxPolicy()
+        if requested is not None and contract is None:
+            raise invalid("network.policy_widened", "a network policy needs a template that declares one")
+        policy = narrow_network(tpl.network, requested)
+        pool = ipaddress.IPv4Network(self.config.network_pool)
+        if bad := forbidden_overlap(policy, [pool]):
+            raise conflict(
+                "network.pool_overlap",
+                f"egress {', '.join(bad)} reaches this node's sandbox pool {pool} (other sandboxes)",
+                layer="cubelet",
+                details={"rules": bad, "pool": str(pool)},
+            )
+        if policy.has_nic and self.shim.host_devices and (why := netpolicy.available()) is not None:
+            raise conflict("network.unavailable", f"this node cannot build sandbox networks: {why}", layer="cubelet")
+        if outside := mount_not_allowlisted(tpl.filesystem, self.config.readonly_mount_allowlist):
+            raise conflict(
+                "filesystem.mount_not_allowlisted",
+                f"read-only mount source(s) {', '.join(outside)} not allowlisted on node {self.config.node_name}",
+                layer="cubelet",
+                details={"sources": outside, "allowlist": list(self.config.readonly_mount_allowlist)},
+            )
+        return policy
+
+    def _build_network(self, sandbox_id: str) -> None:
+        """The sandbox's namespace, TAP and rules, before its shim starts; recorded (and audited) before use,
+        so the release path removes it whatever happens next."""
+        res = self.store.reservation(sandbox_id)
+        if res is None or not self.shim.host_devices:
+            return
+        policy = NetworkPolicy.from_json(res.params.get("network"))
+        if not policy.has_nic:
+            return
+        net = netpolicy.setup(
+            sandbox_id,
+            policy,
+            node=self.config.node_name,
+            pool=self.config.network_pool,
+            uplink_netns=self.config.network_uplink_netns,
+        )
+        with self.change() as t:
+            cur = self._reservation(t, sandbox_id)
+            cur.checkpoint.network = net.to_json()
+            t.update_reservation(cur)
+            t.event("network_applied", Actor.CUBELET, sandbox_id=sandbox_id, details=net.to_json())
+        self.audit_host("network:apply", sandbox_id, netns=net.netns, egress=list(net.egress), veth=net.veth_cidr)
 
     def start(self, sandbox_id: str, token: str | None = None) -> Reservation | None:
         """Revalidate, move devices to `preparing`, record the intent, then launch the shim.
@@ -272,11 +355,12 @@ class Cubelet(ReleasePath):
             raise conflict(
                 "prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation", layer="host_hardware"
             )
-        spec = self._spec(sandbox_id).model_copy(
-            update={"workload": True, "workload_token": SecretStr(token), "request_id": request_id()}
-        )
-        self.issued_tokens[sandbox_id] = token  # handed to the caller by the API reply, once (take_token)
         try:
+            self._build_network(sandbox_id)  # host work: outside the lifecycle lock
+            spec = self._spec(sandbox_id).model_copy(
+                update={"workload": True, "workload_token": SecretStr(token), "request_id": request_id()}
+            )
+            self.issued_tokens[sandbox_id] = token  # handed to the caller by the API reply, once (take_token)
             self.shim.start(spec)
         except (CubeError, OSError) as e:  # the shim could not even be launched
             code = e.code if isinstance(e, CubeError) else "shim.launch_failed"
@@ -287,7 +371,7 @@ class Cubelet(ReleasePath):
                     (),
                     {"reason": code, "message": str(e)[:500]},
                     time.time(),
-                    spec.start_id,
+                    res.checkpoint.start_id,
                 )
             )
         return self.store.reservation(sandbox_id)  # None when startup failed and released already
@@ -323,7 +407,20 @@ class Cubelet(ReleasePath):
             )
         p = res.params
         contract = parse_contract(p.get("contract"))
+        fs = contract.template.sandbox.filesystem if contract is not None else FilesystemPolicy()
+        net = res.checkpoint.network
         return ShimSpec(
+            network=None
+            if net is None
+            else NetSpec(
+                netns=netpolicy.NETNS_DIR / net["netns"],
+                tap=net["tap"],
+                guest_cidr=net["guest_cidr"],
+                gateway=net["gateway"],
+                mac=net["mac"],
+            ),
+            scratch_mib=fs.scratch_mib,
+            readonly_mounts=tuple(MountSpec(source=Path(m.source), target=m.target) for m in fs.readonly_mounts),
             sandbox_id=sandbox_id,
             devices=tuple(shim_devs),
             memory_mib=int(p["memory_mib"]),

@@ -35,6 +35,7 @@ _Signature = tuple[tuple[int, int], ...]
 
 class ProcessShimDriver:
     max_devices = SHIM_MAX_DEVICES
+    host_devices = True
 
     def __init__(
         self,
@@ -88,7 +89,8 @@ class ProcessShimDriver:
                 **spec.model_dump(),
                 "report": {"socket": str(self.socket)},
                 "state_dir": self.dir / sid,
-                "start": self.start_mode,
+                # A NIC, scratch disk or mount is another machine than the template state's: always cold.
+                "start": "cold" if spec.policy_devices else self.start_mode,
                 "detach_timeout_s": self.detach_timeout_s,
                 # A sandbox with a contract boots only the image, kernel and modules.img that contract pins.
                 "image_check": "enforce" if spec.contract else "report",
@@ -105,6 +107,11 @@ class ProcessShimDriver:
     def workload_socket(self, sandbox_id: str) -> Path:
         """Where this sandbox's shim bridges the guest's workload service (the Cubelet proxy connects here)."""
         return self.dir / sandbox_id / "workload.sock"
+
+    def release_files(self, sandbox_id: str) -> list[str]:
+        from cubeaccel.host.scratch import SCRATCH_FILE, remove_scratch
+
+        return [SCRATCH_FILE] if remove_scratch(self.dir / sandbox_id) else []
 
     def stop(self, sandbox_id: str) -> None:
         pid = self._shim_pid(sandbox_id)

@@ -192,6 +192,8 @@ def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> No
         if d.state is not S.RELEASED and not orphan:
             continue
         with cubelet.device_locks.hold(d.id):
+            if d.state is S.RELEASED and cubelet.advance_scrub(d.id):
+                continue  # the scrub owns it: revalidated (or quarantined) when the scrub VM is done
             problems = cubelet.backend.validate(d) if d.state is S.RELEASED else []
             with cubelet.change() as t:
                 cur = t.device(d.id)

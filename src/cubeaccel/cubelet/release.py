@@ -10,22 +10,26 @@ timeouts is quarantined. Reports from the shim are recorded elsewhere; here only
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.backends.base import Backend, Problem
+from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet.locks import KeyedLocks
+from cubeaccel.cubelet.scrub import DEFAULT_POLICY, ScrubOutcome, ScrubPolicy, ScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
+SCRUB_PENDING = "release.scrub_pending"  # a released device's reason while its scrub is owed or running
 USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
 StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
 
@@ -39,6 +43,14 @@ class CubeletConfig:
     startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
     pinnable_memory_mib: int | None = None  # lockable guest memory to advertise; None: MemAvailable
+    # Sandbox networks (host/netpolicy.py): each sandbox's veth /30 comes from `network_pool`; its uplink end goes
+    # into `network_uplink_netns` (None: the host's namespace, where the operator routes the pool onward).
+    network_pool: str = "100.96.0.0/16"
+    network_uplink_netns: str | None = None
+    # Host directories templates may show read-only in guests (`spec.sandbox.filesystem.readonly_mounts`).
+    readonly_mount_allowlist: tuple[str, ...] = ()
+    scrub_policy: dict[str, ScrubPolicy] = field(default_factory=lambda: dict(DEFAULT_POLICY))  # per device class
+    scrub_timeout_s: float = 600.0  # boot + zero + verify + teardown of the scrub VM, else quarantine
 
 
 def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
@@ -68,16 +80,34 @@ class ReleaseOutcome:
     revalidation: list[Problem] | None = None
 
 
+@dataclass
+class ScrubJob:
+    """One scrub of one device in `released`, for the record generation it started from. In memory only: after a
+    restart a `released` device that owes a scrub simply gets a new one (scrubbing twice is safe; skipping is not)."""
+
+    generation: int
+    started: float
+    outcome: ScrubOutcome | None = None
+
+
 class ReleasePath:
-    """Mixed into `Cubelet`: the attributes below are Cubelet's."""
+    """Mixed into `Cubelet`: the attributes below are Cubelet's.
+
+    Order of the release path, per device: VMM (and shim) exited → no holder → cleanup (reset) →
+    `release_confirmed` (released) → scrub, where the class's policy asks for one (scrub VM, then reset again)
+    → revalidation → allocatable. Steps other releases add (VFIO group hand-back, network and scratch teardown)
+    come before `release_confirmed`: the scrub VM gets a device nothing of the tenant's still touches."""
 
     store: Store
     backend: Backend
+    capabilities: Capabilities
     shim: ShimDriver
     config: CubeletConfig
     lock: threading.RLock
     device_locks: KeyedLocks
     status_sink: StatusSink | None
+    scrub_runner: ScrubRunner
+    scrubs: dict[str, ScrubJob]
 
     @contextmanager
     def change(self) -> Iterator[Tx]:
@@ -207,10 +237,17 @@ class ReleasePath:
                     else:
                         continue
                     self._apply_outcome(d, sandbox_id, outcome)
+                    self.advance_scrub(device_id)
+            # The sandbox's own host state (network namespace, scratch disk): host work, outside the lock too.
+            host_events = self._release_sandbox_host(res) if gone else []
             with self.change() as t:
                 cur = t.reservation(sandbox_id)
                 if cur is None:
                     return
+                for kind, reason, details in host_events:
+                    t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
+                if any(kind == "network_teardown_failed" for kind, _, _ in host_events):
+                    return  # retried on the next pass: the reservation outlives its network until it is gone
                 remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
                 if not remaining and gone:
                     t.delete_reservation(sandbox_id)
@@ -231,6 +268,33 @@ class ReleasePath:
                         details={"vmm_pid": st.vmm_pid},
                     )
                     t.update_reservation(cur)
+
+    def _release_sandbox_host(self, res: Reservation) -> list[tuple[str, str | None, dict[str, Any]]]:
+        """Once the VMM is proven gone: remove the sandbox's network namespace (TAP, veth, rules) and its scratch
+        disk. Idempotent (run on every pass until the reservation closes); returns the events to record, one
+        `network_teardown_failed` while the namespace could not be removed."""
+        from cubeaccel.host import netpolicy  # host I/O of the release path only
+
+        sid = res.sandbox_id
+        out: list[tuple[str, str | None, dict[str, Any]]] = []
+        if removed := self.shim.release_files(sid):
+            out.append(("sandbox_files_removed", None, {"files": removed}))
+        net = res.checkpoint.network
+        if net is not None:
+            try:
+                found = netpolicy.teardown(sid, node=self.config.node_name, uplink_netns=net.get("uplink_netns"))
+            except CubeError as e:
+                return [*out, ("network_teardown_failed", "network.teardown_failed", {"message": e.message})]
+            if found:
+                out.append(("network_removed", None, {"netns": net.get("netns")}))
+                self.audit_host("network:teardown", sid, netns=net.get("netns"))
+        return out
+
+    def audit_host(self, action: str, sandbox_id: str, **fields: Any) -> None:
+        """Host changes made for a sandbox (not API requests) go into the Cubelet's audit trail too."""
+        audit = getattr(self, "audit", None)
+        if audit is not None:
+            audit.append(action, "cubelet", "ok", target=sandbox_id, node=self.config.node_name, **fields)
 
     def _judge_release(self, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> ReleaseOutcome:
         """The release rules on host evidence (holders, reset, revalidation): host I/O, no transaction open."""
@@ -256,6 +320,9 @@ class ReleasePath:
             if overdue:
                 return ReleaseOutcome(quarantine=(blocked, details))
             return ReleaseOutcome(waiting=(blocked, details))
+        unreturned = self._reclaim_nodes(d)
+        if unreturned:  # still openable by the last tenant's uid: never handed to the next one
+            return ReleaseOutcome(quarantine=(unreturned[0].code, {"problems": [p.__dict__ for p in unreturned]}))
         problems = self.backend.cleanup(d)
         if problems:
             return ReleaseOutcome(cleanup=problems)
@@ -266,8 +333,15 @@ class ReleasePath:
             "detach_confirmed": detached,
             "holders": 0,
             "reset": True,
+            # A device no VMM of the tenant's ever had (a reservation that never started) holds nothing of theirs.
+            "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM and res.checkpoint.shim_started,
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
+
+    def _reclaim_nodes(self, d: DeviceRecord) -> list[Problem]:
+        """Release step: device nodes handed to the VMM's uid go back to root (VFIO group nodes)."""
+        nodes = self.capabilities.nodes
+        return nodes.reclaim_nodes(d) if nodes is not None else []
 
     def _apply_outcome(self, d: DeviceRecord, sandbox_id: str, o: ReleaseOutcome) -> None:
         """One short transaction, a compare-and-swap on the record the host work started from: a device that
@@ -298,8 +372,95 @@ class ReleasePath:
                 record_problems(t, cur, o.cleanup)
             else:
                 if o.evidence is not None:
-                    cur = t.transition(cur, E.RELEASE_CONFIRMED, Actor.CUBELET, details=o.evidence)
+                    pending = SCRUB_PENDING if o.evidence.get("scrub_owed") else None
+                    cur = t.transition(cur, E.RELEASE_CONFIRMED, Actor.CUBELET, reason=pending, details=o.evidence)
+                if self.scrub_owed(cur):
+                    return  # revalidation waits for the scrub, started right after this transaction
                 self._finish_revalidation(t, cur, o.revalidation or [])
+
+    # ---- scrub between tenants (cubelet/scrub.py, docs/scrub.md) ----------------------------------------------------
+    def scrub_policy(self, d: DeviceRecord) -> ScrubPolicy:
+        return self.config.scrub_policy.get(d.accel_class.value, ScrubPolicy.TRUSTED_VM)
+
+    @staticmethod
+    def scrub_owed(d: DeviceRecord) -> bool:
+        """Persisted in the record (its reason while `released`), so a restart mid-scrub scrubs again."""
+        return d.state is S.RELEASED and d.reason == SCRUB_PENDING
+
+    def advance_scrub(self, device_id: str) -> bool:
+        """Start, or finish, the scrub a `released` device owes. True when the device is the scrub's (nothing else
+        may revalidate it now). Called under the device's lock."""
+        d = self.store.device(device_id)
+        if d is None or not self.scrub_owed(d):
+            return False
+        job = self.scrubs.get(d.id)
+        if job is not None and job.generation == d.generation:
+            if job.outcome is not None:
+                self._finish_scrub(d, job)
+            return True
+        job = self.scrubs[d.id] = ScrubJob(d.generation, time.monotonic())
+        policy = self.scrub_policy(d)
+        with self.change() as t:
+            t.event(
+                "scrub_started",
+                Actor.CUBELET,
+                device_id=d.id,
+                sandbox_id=d.sandbox_id,  # the tenant whose leftovers are being cleared
+                details={"policy": policy.value, "timeout_s": self.config.scrub_timeout_s},
+            )
+        if self.scrub_runner.inline:
+            job.outcome = self._run_scrub(d)
+            self._finish_scrub(d, job)
+        else:
+            threading.Thread(target=self._scrub_thread, args=(d, job), name=f"scrub-{d.id}", daemon=True).start()
+        return True
+
+    def _run_scrub(self, d: DeviceRecord) -> ScrubOutcome:
+        try:
+            return self.scrub_runner.run(d, self.backend.attach_spec(d), self.config.scrub_timeout_s)
+        except Exception as e:  # a runner bug is a scrub that did not happen
+            return ScrubOutcome(False, f"scrub runner: {type(e).__name__}: {e}"[:500])
+
+    def _scrub_thread(self, d: DeviceRecord, job: ScrubJob) -> None:
+        job.outcome = self._run_scrub(d)  # the VM runs without the device lock: reads of the device go on
+        try:
+            with self.device_locks.hold(d.id):
+                self.advance_scrub(d.id)
+        except Exception:  # e.g. the store closed under a stopping Cubelet: the outcome stays, reconcile applies it
+            return
+
+    def _finish_scrub(self, d: DeviceRecord, job: ScrubJob) -> None:
+        """Passed: reset again (the scrub VM was the device's last user) and revalidate. Failed: quarantine."""
+        o = job.outcome
+        assert o is not None
+        problems: list[Problem] = []
+        unreturned: list[Problem] = []
+        if o.ok:  # the scrub VM was a VMM like a tenant's: what the release path takes back from one (the VFIO
+            # group node handed to its uid) is taken back here too, before this reset
+            unreturned = self._reclaim_nodes(d)
+            problems = unreturned or self.backend.cleanup(d) or self.backend.validate(d)
+        duration = round(time.monotonic() - job.started, 3)
+        with self.change() as t:
+            if self.scrubs.get(d.id) is job:
+                del self.scrubs[d.id]
+            cur = t.device(d.id)
+            if cur is None or (cur.state, cur.generation) != (d.state, d.generation):
+                return  # an operator or reconcile decided meanwhile
+            details = {"ok": o.ok, "duration_s": duration, "message": o.message, **o.details}
+            t.event("scrub_finished", Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, details=details)
+            if not o.ok:
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="release.scrub_failed", details=details)
+            elif unreturned:  # still openable by the scrub VM's uid: never handed to the next tenant
+                reason = unreturned[0].code
+                t.transition(
+                    cur,
+                    E.QUARANTINE,
+                    Actor.CUBELET,
+                    reason=reason,
+                    details={"problems": [p.__dict__ for p in unreturned]},
+                )
+            else:
+                self._finish_revalidation(t, cur, problems)
 
     def _finish_revalidation(self, t: Tx, d: DeviceRecord, problems: list[Problem]) -> None:
         from cubeaccel.cubelet import host_ready  # it builds on the lifecycle; imported late

@@ -34,6 +34,7 @@ class RuntimeOptions:
     detach_timeout_s: float = 10.0  # real shims: how long to wait for DEVICE_DELETED
     holder_scan_exempt_pids: frozenset[int] = frozenset()  # vfio: unreadable processes declared harmless
     guest_images: Path | None = None  # simulated nodes: a JSON list of guest images replacing the default set
+    scrub_image: str | None = None  # real nodes: the scrub VM's guest image digest (None: the newest built)
 
 
 INSTANCE_FILE = "instance-id"
@@ -117,9 +118,20 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     else:
         from cubeaccel.backends.emulated import EmulatedBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
+        from cubeaccel.host.confine import ConfinePolicy
 
         backend = EmulatedBackend(
-            instance_id(opts.state_dir), vmm_root=(opts.state_dir / "shims").absolute(), uid=os.getuid()
+            instance_id(opts.state_dir),
+            vmm_root=(opts.state_dir / "shims").absolute(),
+            uid=os.getuid(),
+            vmm_uids=ConfinePolicy.from_env().uids,
         )
         shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
-    return Cubelet(store, backend, shim, opts.config)
+    runner = None
+    if opts.backend != "simulated":
+        from cubeaccel.cubelet.scrub import ProcessScrubRunner
+
+        runner = ProcessScrubRunner(
+            opts.state_dir, opts.vm_start, opts.scrub_image, detach_timeout_s=opts.detach_timeout_s
+        )
+    return Cubelet(store, backend, shim, opts.config, scrub_runner=runner)

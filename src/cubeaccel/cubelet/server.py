@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import re
 import socket
@@ -193,6 +195,7 @@ def create_app(
             pin_memory=body.pin_memory,
             contract=body.contract,
             lifetime_s=body.lifetime_s,
+            network=body.network,
         )
         try:
             cubelet.reserve(body.sandbox_id, req)
@@ -403,6 +406,7 @@ def serve(
     import uvicorn
 
     audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
+    cubelet.audit = audit  # host changes for sandboxes (their networks) are audited beside the requests
     socket_path.unlink(missing_ok=True)
     socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Bound here, not by uvicorn, which chmods a unix socket it creates to 0666: this one takes shim reports
@@ -457,10 +461,108 @@ def workload_socket(cubelet: Cubelet, sandbox_id: str) -> Path:
     return path
 
 
+class WorkloadUpstreams:
+    """One pooled httpx client per running sandbox (and event loop): keep-alive connections on the shim's
+    `workload.sock`, so a call reuses an idle connection (one mux stream that the guest keeps serving) instead
+    of a new unix connection, mux stream and HTTP connection each time. A client whose socket path changed is
+    replaced; sandboxes that stopped running are swept when the cache grows."""
+
+    MAX_CONNECTIONS = 256  # the bridge's stream cap: beyond it a connection would be refused anyway
+    KEEPALIVE = 16
+    KEEPALIVE_S = 30.0
+    SWEEP_ABOVE = 64
+
+    def __init__(self, cubelet: Cubelet) -> None:
+        self._cubelet = cubelet
+        self._clients: dict[tuple[str, int], tuple[Path, httpx.AsyncClient]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def get(self, sandbox_id: str, sock: Path) -> httpx.AsyncClient:
+        key = (sandbox_id, id(asyncio.get_running_loop()))
+        found = self._clients.get(key)
+        if found is not None and found[0] == sock and not found[1].is_closed:
+            return found[1]
+        if found is not None:
+            self._retire(found[1])
+        if len(self._clients) >= self.SWEEP_ABOVE:
+            self._sweep()
+        limits = httpx.Limits(
+            max_connections=self.MAX_CONNECTIONS,
+            max_keepalive_connections=self.KEEPALIVE,
+            keepalive_expiry=self.KEEPALIVE_S,
+        )
+        client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=connect_path(sock), limits=limits),
+            base_url="http://workload",
+            timeout=httpx.Timeout(None, connect=10.0),
+        )
+        self._clients[key] = (sock, client)
+        return client
+
+    def drop(self, sandbox_id: str) -> None:
+        for key in [k for k in self._clients if k[0] == sandbox_id]:
+            self._retire(self._clients.pop(key)[1])
+
+    def _sweep(self) -> None:
+        loop = id(asyncio.get_running_loop())
+        for key in list(self._clients):
+            res = self._cubelet.store.reservation(key[0])
+            if key[1] != loop or res is None or res.phase is not ReservationPhase.RUNNING:
+                self._retire(self._clients.pop(key)[1])
+
+    def _retire(self, client: httpx.AsyncClient) -> None:
+        with contextlib.suppress(RuntimeError):  # its loop is gone: nothing left to close there
+            task = asyncio.get_running_loop().create_task(client.aclose())
+            self._closing.add(task)  # held until done: the loop keeps only a weak reference to a task
+            task.add_done_callback(self._closing.discard)
+
+
+class _EnvelopeTracker:
+    """Follows Connect envelope boundaries in a streamed reply, so that when the guest's side breaks
+    mid-stream the proxy can end the stream with a clear error envelope instead of a cut connection (only
+    at a boundary; inside an envelope there is nothing valid left to append)."""
+
+    def __init__(self) -> None:
+        self._need = 5  # bytes until the next boundary event
+        self._header = True
+        self._head = bytearray()
+        self.ended = False  # an end-of-stream envelope passed
+
+    def feed(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            take = min(self._need, len(view))
+            if self._header:
+                self._head += view[:take]
+            view, self._need = view[take:], self._need - take
+            if self._need:
+                continue
+            if self._header:
+                flags, length = self._head[0], int.from_bytes(self._head[1:5], "big")
+                self.ended = self.ended or bool(flags & 0x02)
+                self._head.clear()
+                self._header, self._need = False, length
+                if length:
+                    continue
+            self._header, self._need = True, 5
+
+    @property
+    def at_boundary(self) -> bool:
+        return self._header and self._need == 5 and not self.ended
+
+
+def _end_of_stream_error(code: str, message: str) -> bytes:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    return bytes([0x02]) + len(body).to_bytes(4, "big") + body
+
+
 def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
     """Route `…/{sandbox_id}/workload/{path}` to that sandbox's shim socket, bodies streamed both ways (never
     buffered whole). The caller's `X-Access-Token` is checked against the start's stored hash here, and again by
-    the guest; `GET health` and envd's signed `/files` URLs pass to the guest, which checks them."""
+    the guest; `GET health` and envd's signed `/files` URLs pass to the guest, which checks them. Upstream
+    connections are pooled per sandbox (`WorkloadUpstreams`)."""
+    upstreams = WorkloadUpstreams(cubelet)
+    app.state.workload_upstreams = upstreams
 
     @app.api_route(
         WORKLOAD_PREFIX + "{sandbox_id}/workload/{path:path}",
@@ -477,11 +579,7 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
             raise CubeError("workload.unauthenticated", "missing or wrong access token", "api", {}, 401)
         sock = workload_socket(cubelet, sandbox_id)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
-        client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=connect_path(sock)),
-            base_url="http://workload",
-            timeout=httpx.Timeout(None, connect=10.0),
-        )
+        client = upstreams.get(sandbox_id, sock)
         has_body = request.method == "POST"
         upstream_req = client.build_request(
             request.method,
@@ -493,16 +591,27 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
         try:
             upstream = await client.send(upstream_req, stream=True)
         except httpx.HTTPError as e:
-            await client.aclose()
+            upstreams.drop(sandbox_id)  # its pooled connections may all be dead (the bridge reconnected)
             raise CubeError("workload.unavailable", f"workload endpoint: {e}", "api", {}, 503) from e
+        connect_stream = upstream.headers.get("content-type", "").startswith("application/connect+")
 
         async def body() -> Any:
+            tracker = _EnvelopeTracker()
             try:
                 async for chunk in upstream.aiter_raw():
+                    if connect_stream:
+                        tracker.feed(chunk)
                     yield chunk
+            except httpx.HTTPError as e:
+                upstreams.drop(sandbox_id)
+                if not (connect_stream and tracker.at_boundary):
+                    raise
+                code = "workload.channel_closed"  # ours, in the message; the Connect code is envd's vocabulary
+                yield _end_of_stream_error(
+                    "unavailable", f"{code}: the sandbox's workload channel broke mid-stream ({e})"
+                )
             finally:
                 await upstream.aclose()
-                await client.aclose()
 
         out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP - {"content-length"}}
         return StreamingResponse(body(), status_code=upstream.status_code, headers=out)

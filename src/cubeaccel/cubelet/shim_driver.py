@@ -104,6 +104,7 @@ class ShimStatus:
 
 class ShimDriver(Protocol):
     max_devices: int  # how many devices one VM can take (root ports)
+    host_devices: bool  # real MicroVMs: sandbox networks and scratch disks are built on the host for them
 
     def bind(self, sink: ReportSink) -> None: ...
 
@@ -127,6 +128,11 @@ class ShimDriver(Protocol):
         """The guest images present and the hot-plug paths of the VMM, learned from the host each call."""
         ...
 
+    def release_files(self, sandbox_id: str) -> list[str]:
+        """Remove what the sandbox's shim left that held tenant data (its scratch disk); returns what was there.
+        Called by the release path once the VMM is proven gone."""
+        ...
+
 
 @dataclass
 class SimulatedShimDriver:
@@ -147,8 +153,13 @@ class SimulatedShimDriver:
     _start_ids: dict[str, str | None] = field(default_factory=dict)
     _undelivered: dict[str, list[ShimReport]] = field(default_factory=dict)
 
+    host_devices = False
+
     def bind(self, sink: ReportSink) -> None:
         self.sink = sink
+
+    def release_files(self, sandbox_id: str) -> list[str]:
+        return []
 
     def _report(self, sid: str, kind: ShimReportKind, dev_ids: tuple[str, ...] = (), **details: Any) -> None:
         report = ShimReport(sid, kind, dev_ids, details, time.time(), self._start_id(sid))

@@ -21,7 +21,18 @@ ELF_MAGIC = b"\x7fELF"
 # The agent channel (virtio-serial) needs the virtio stack, which Debian builds as modules; uio_pci_generic is a
 # generic in-guest driver the emulated accelerator can bind to (the contract's `kernel_driver` probe for `edu`).
 BOOT_MODULES = ("virtio_pci", "virtio_console")
-EXTRA_MODULES = ("uio_pci_generic", "pci-stub")
+# The sandbox policy's devices, loaded only when the command line asks (images/rootfs.py): a NIC, the scratch disk
+# and its filesystem (ext4 asks the crypto API for crc32c: a soft dependency, loaded first), read-only 9p shares.
+EXTRA_MODULES = (
+    "uio_pci_generic",
+    "pci-stub",
+    "virtio_net",
+    "virtio_blk",
+    "crc32c_generic",
+    "ext4",
+    "9pnet_virtio",
+    "9p",
+)
 
 
 def extract_vmlinux(bzimage: Path, dest: Path) -> None:

@@ -98,6 +98,7 @@ _APPLETS = (
     "ps",
     "kill",
     "sync",
+    "ip",
 )
 
 WORKLOAD_USER = "user"
@@ -117,13 +118,40 @@ chown 1000:1000 /home/user && chmod 0750 /home/user /root
 modprobe virtio_pci
 modprobe virtio_console
 echo "cube-init: kernel $(uname -r)"
+# The sandbox policy's devices, only where the host's command line names them (shim/vmm.py guest_cmdline): no
+# `cube.net`, no NIC at all (the guest has `lo` only).
+ip link set lo up
+for arg in $(cat /proc/cmdline); do
+  case "$arg" in
+    cube.net=*)
+      v="${{arg#cube.net=}}"
+      modprobe virtio_net && ip link set eth0 up && ip addr add "${{v%,*}}" dev eth0 \
+        && ip route add default via "${{v#*,}}" && echo "cube-init: network ${{v%,*}}" ;;
+    cube.scratch=*)
+      # The workload's writable places (/tmp, the users' homes) live on the capped disk; the rest is root's.
+      dev="/dev/${{arg#cube.scratch=}}"
+      modprobe virtio_blk && modprobe crc32c_generic && modprobe ext4 && mkdir -p /scratch \
+        && mount -t ext4 -o nosuid,nodev,noinit_itable "$dev" /scratch \
+        && mkdir -p /scratch/tmp /scratch/home/user /scratch/root && chmod 1777 /scratch/tmp \
+        && chown 1000:1000 /scratch/home/user && chmod 0750 /scratch/home/user /scratch/root \
+        && mount --bind /scratch/tmp /tmp && mount --bind /scratch/home/user /home/user \
+        && mount --bind /scratch/root /root && echo "cube-init: scratch $dev"
+      ;;
+    cube.ro=*)
+      modprobe 9pnet_virtio && modprobe 9p
+      for m in $(echo "${{arg#cube.ro=}}" | tr , ' '); do
+        mkdir -p "${{m#*:}}" && mount -t 9p -o trans=virtio,version=9p2000.L,ro,nosuid,nodev "${{m%%:*}}" "${{m#*:}}"
+      done ;;
+  esac
+done
 export PYTHONPATH={AGENT_HOME} PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/root
 # The workload service takes its access token from the host at the start of each channel session (not from a
-# file): a guest restored from a template snapshot booted before its sandbox, and its token, existed.
+# file): a guest restored from a template snapshot booted before its sandbox, and its token, existed. Commands
+# run in a cgroup with pids/memory limits (--limit-commands); a restart tells the host to reconnect.
 (
   while true; do
     python3 -m cubeaccel.workload serve --mux-port {WORKLOAD_PORT_NAME} --token-from-channel \\
-      --default-user {WORKLOAD_USER} </dev/null
+      --default-user {WORKLOAD_USER} --limit-commands --restart-marker /run/cube-workload.started </dev/null
     echo "cube-init: workload exited $?"
     sleep 1
   done

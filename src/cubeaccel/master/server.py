@@ -5,6 +5,7 @@ Errors have the Cubelet's format: `{"error": {"code", "layer", "message", "detai
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections import Counter
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
@@ -36,7 +37,7 @@ from cubeaccel.master.auth import (
 from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
-from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_json
+from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
@@ -54,6 +55,8 @@ from cubeaccel.wire.templates import TemplateDocument
 SANDBOX_STATES = tuple(s.value for s in SandboxState)
 DEVICE_VERBS = frozenset({"quarantine", "recover", "disable", "enable"})
 MAX_IDEMPOTENCY_KEY = 200  # the body field's bound and the column's width
+MAX_WAIT_S = 600.0  # `?wait=` on create and show: the longest a request is held open
+WAIT_POLL_S = 0.1
 
 PUBLIC = frozenset({ANONYMOUS, ADMIN, TENANT, NODE})
 USERS = frozenset({ADMIN, TENANT})
@@ -85,6 +88,7 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("GET", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:show"),
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:delete"),
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): (USERS, "sandbox:set_timeout"),
+    ("GET", "/v1/sandboxes/{sandbox_id}/events"): (USERS, "sandbox:events"),
     ("POST", "/v1/tenants"): (ADMINS, "tenant:create"),
     ("GET", "/v1/tenants"): (ADMINS, "tenant:list"),
     ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
@@ -147,6 +151,7 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
         dict(body.metadata),
         dict(body.env_vars),
         body.workload_token,
+        body.network,
     )
 
 
@@ -443,8 +448,31 @@ def create_app(
         return {"class": accel_class, "template": body.template}
 
     # ---- sandboxes --------------------------------------------------------------------------------
+    async def settle(sandbox_id: str, wait_s: float) -> dict[str, Any]:
+        """The sandbox once it is running (guest validated, so its workload service is up: the shim waits for
+        it before validation), failed (code and layer in `error`) or gone, or as it is when `wait_s` ends. Async
+        so that a thousand waiting callers hold no worker thread (heartbeats must still get one)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            row = await run_in_threadpool(master.get, sandbox_id)
+            if row["state"] in SETTLED_STATES or loop.time() >= deadline:
+                return row
+            await asyncio.sleep(WAIT_POLL_S)
+
+    WaitQuery = Query(0.0, ge=0.0, le=MAX_WAIT_S, description="seconds to wait until running, failed or gone")
+
     @app.post("/v1/sandboxes", status_code=201, response_model=W.SandboxReply)
-    def create(body: SandboxBody, request: Request, response: Response) -> dict[str, Any]:
+    async def create(
+        body: SandboxBody, request: Request, response: Response, wait: float = WaitQuery
+    ) -> dict[str, Any]:
+        reply = await run_in_threadpool(create_now, body, request, response)
+        if wait > 0 and reply["state"] not in SETTLED_STATES:
+            row = await settle(str(reply["id"]), wait)
+            reply = {**sandbox_json(row), "access_token": reply["access_token"]}
+        return reply
+
+    def create_now(body: SandboxBody, request: Request, response: Response) -> dict[str, Any]:
         ident: Identity = request.state.identity
         if ident.role == TENANT:
             if body.tenant not in (None, ident.tenant):
@@ -485,8 +513,18 @@ def create_app(
         return {"sandboxes": [sandbox_json(r) for r in rows]}
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
-    def sandbox(sandbox_id: str, request: Request) -> dict[str, Any]:
-        return sandbox_json(owned(request.state.identity, sandbox_id))
+    async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> dict[str, Any]:
+        row = await run_in_threadpool(owned, request.state.identity, sandbox_id)
+        if wait > 0 and row["state"] not in SETTLED_STATES:
+            row = await settle(sandbox_id, wait)
+        return sandbox_json(row)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/events", response_model=W.SandboxEvents)
+    def sandbox_events(sandbox_id: str, request: Request) -> dict[str, Any]:
+        """The start phases the sandbox's node recorded, fetched with the node token (a user has none)."""
+        row = owned(request.state.identity, sandbox_id)
+        phases, answered = master.start_phases(row)
+        return {"sandbox_id": sandbox_id, "state": row["state"], "phases": phases, "node_answered": answered}
 
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
     def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> dict[str, Any]:

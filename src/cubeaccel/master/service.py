@@ -30,6 +30,7 @@ from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
@@ -80,6 +81,7 @@ class CreateSpec:
     metadata: dict[str, str] = field(default_factory=dict)  # the caller's labels: stored, returned, filterable
     env_vars: dict[str, str] = field(default_factory=dict)  # for every command (the E2B front door applies them)
     workload_token: str | None = field(default=None, repr=False)  # the caller's choice; passed on, never stored
+    network: dict[str, Any] | None = None  # narrows the template's network policy
 
 
 Resolved = tuple[AcceleratorChoice, CompatibilityContract, Selector | None]
@@ -134,6 +136,7 @@ class CubeMaster:
                     {"requested": spec.memory_mib, "template": c.template_name, "template_memory_mib": c.memory_mib},
                     422,
                 )
+            narrow_network(c.template.sandbox.network, spec.network)  # refused here, before any placement
             out.append((ch, c, compile_selector(ch.selector) if ch.selector else None))
         return out
 
@@ -164,6 +167,11 @@ class CubeMaster:
             normalized["metadata"] = dict(spec.metadata)
         if spec.env_vars:
             normalized["env_vars"] = dict(spec.env_vars)
+        if spec.network is not None:
+            normalized["network"] = spec.network
+        network = narrow_network(resolved[0][1].template.sandbox.network, spec.network) if resolved else None
+        if network is not None and network.has_nic:
+            normalized["network_policy"] = network.to_json()  # the effective one, as `sandbox show` prints it
         row = {
             "id": sid,
             "tenant": spec.tenant,
@@ -309,6 +317,8 @@ class CubeMaster:
         }
         if spec.workload_token is not None:
             body["workload_token"] = spec.workload_token
+        if spec.network is not None:
+            body["network"] = spec.network  # Cubelet narrows again: it trusts no policy it did not derive
         row = self.store.sandbox(sid)
         if row is not None:  # the Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)
             deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])
@@ -473,6 +483,24 @@ class CubeMaster:
         v = next((v for v in self.cache.views() if v.name == node), None)
         return v.cubelet_url if v else None
 
+    def start_phases(self, row: Row) -> tuple[list[dict[str, Any]], bool]:
+        """The sandbox's start phases from its node's event journal (VM up, memory pinned, device attached,
+        workload service up, guest validated), first of each, in time order; and whether the node answered.
+        Through CubeMaster because only CubeMaster holds the node token that the Cubelet's TCP API asks for."""
+        url = self.node_url(row["node"])
+        if url is None:
+            return [], False
+        try:
+            page = self.client(url).request("GET", "/v1/events", params={"limit": 10000, "sandbox_id": row["id"]})
+        except (CubeError, httpx.HTTPError, OSError):
+            return [], False
+        phases: dict[str, dict[str, Any]] = {}
+        for e in page.get("events", []):
+            label = NODE_PHASES.get(str(e.get("event")))
+            if label is not None and label not in phases:
+                phases[label] = {"phase": label, "event": e["event"], "at": float(e["at"])}
+        return sorted(phases.values(), key=lambda p: float(p["at"])), True
+
     def get(self, sandbox_id: str) -> Row:
         row = self.store.sandbox(sandbox_id)
         if row is None:
@@ -484,6 +512,17 @@ def _with_attempts(e: CubeError, attempts: list[dict[str, Any]]) -> CubeError:
     if attempts:
         e.details["attempts"] = attempts
     return e
+
+
+# The node's events that are phases of a start, in the words of issue 12 (`GET /v1/sandboxes/{id}/events`).
+NODE_PHASES = {
+    "vm_started": "VM up",
+    "memory_pinned": "memory pinned",
+    "device_attached": "device attached",
+    "workload_ready": "workload service up",
+    "guest_validated": "guest validated",
+}
+SETTLED_STATES = ("running", "failed", "deleting", "deleted", "lost")  # where a create's wait ends
 
 
 def sandbox_json(row: Row) -> dict[str, Any]:

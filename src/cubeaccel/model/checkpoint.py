@@ -57,6 +57,9 @@ class ReservationCheckpoint:
     shim_exited: bool = False  # the shim's final report (`shim_exiting`): it starts nothing after it
     # ---- release path ----
     failure: SandboxFailure | None = None
+    # the network Cubelet built for this start (host/netpolicy.SandboxNet.to_json): removed in the release path,
+    # and the reservation closes only after it is
+    network: dict[str, Any] | None = None
     kill_at: float | None = None  # when the release path SIGKILLed shim and VMM (once)
     vmm_survives: bool = False  # devices settled but the VMM outlived them (one event)
     release_waits: dict[str, list[str]] = field(default_factory=dict)  # device id → causes already reported
@@ -75,6 +78,7 @@ class ReservationCheckpoint:
             "detached": list(self.detached),
             "shim_exited": self.shim_exited,
             "failure": None if self.failure is None else self.failure.to_json(),
+            "network": None if self.network is None else dict(self.network),
             "kill_at": self.kill_at,
             "vmm_survives": self.vmm_survives,
             "release_waits": {k: list(v) for k, v in self.release_waits.items()},
@@ -109,6 +113,7 @@ class ReservationCheckpoint:
             detached=_str_list(data.get("detached", []), "detached"),
             shim_exited=_bool(data, "shim_exited"),
             failure=None if data.get("failure") is None else SandboxFailure.from_json(data["failure"]),
+            network=None if data.get("network") is None else _dict(data["network"]),
             kill_at=_num(data, "kill_at"),
             vmm_survives=_bool(data, "vmm_survives"),
             release_waits={

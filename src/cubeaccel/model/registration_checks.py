@@ -21,6 +21,7 @@ from cubeaccel.model.device import AcceleratorClass
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.profiles import PROFILES
+from cubeaccel.model.sandbox_policy import refusals
 from cubeaccel.model.template_spec import CUDA_COMPAT_MODES, DeviceMatch, Template
 from cubeaccel.model.versions import CudaVersion, DriverVersion, KernelVersion
 from cubeaccel.model.violations import ContractViolation, Layer
@@ -50,6 +51,7 @@ def check_template(t: Template) -> list[ContractViolation]:
         _userspace_driver,
         _cuda_runtime,
         _pinned_memory,
+        _sandbox,
     ):
         out.extend(check(t))
     return out
@@ -306,3 +308,9 @@ def _pinned_memory(t: Template) -> Iterator[ContractViolation]:
             f"a {t.backend} device can DMA into any guest page: all memory must be allocated and locked "
             "before the device is attached (hot-plugged or not)",
         )
+
+
+def _sandbox(t: Template) -> Iterator[ContractViolation]:
+    """`spec.sandbox`: network, files, and the cases a sandbox with a passed-through device never offers."""
+    for r in refusals(t.sandbox, t.accel_class):
+        yield V(L.TEMPLATE, r.code, r.expected, r.found, r.hint)

@@ -15,6 +15,7 @@ class ShimReportKind(StrEnum):
     """What a shim tells Cubelet. Only Cubelet turns these into device transitions."""
 
     VM_STARTED = "vm_started"  # details: pid, vmm, accel (tcg/kvm)
+    VMM_CONFINED = "vmm_confined"  # /proc: uid, caps, seccomp, mount ns as launched; details: uid, capeff, ...
     MEMORY_PINNED = "memory_pinned"  # details: vmlck_kib, guest_kib
     GUEST_READY = "guest_ready"  # cube-agent said hello
     WORKLOAD_READY = "workload_ready"  # the workload service answered over its channel; details: health_ms
@@ -26,6 +27,7 @@ class ShimReportKind(StrEnum):
     DETACH_TIMEOUT = "detach_timeout"  # no DEVICE_DELETED within the bound
     VMM_EXITED = "vmm_exited"  # details: pid, status — the VMM process was waited for
     SHIM_EXITING = "shim_exiting"
+    SCRUB_FINISHED = "scrub_finished"  # scrub VMs only (docs/scrub.md); details: result (the agent's ScrubResult)
 
 
 @dataclass(frozen=True)

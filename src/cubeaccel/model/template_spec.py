@@ -14,6 +14,7 @@ from typing import Any
 
 from cubeaccel.model.device import parse_hex_id
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.sandbox_policy import SandboxPolicy
 
 API_VERSION = "cubeaccel/v1"
 KIND = "AcceleratorTemplate"
@@ -116,6 +117,7 @@ class Template:
     probes: ProbeSpec = field(default_factory=ProbeSpec)
     description: str = ""
     init: GuestInit = field(default_factory=GuestInit)
+    sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)  # network, files, refused cases (sandbox_policy)
 
     def to_json(self) -> dict[str, Any]:
         """The canonical document (same shape as the file). Freezing hashes exactly this."""
@@ -150,6 +152,8 @@ class Template:
         }
         if self.init != GuestInit():  # defaults are left out: contracts frozen before `init` keep their digest
             spec["guest"]["init"] = self.init.to_json()
+        if sandbox := self.sandbox.to_json():  # likewise: no section, the closed defaults, the old digest
+            spec["sandbox"] = sandbox
         meta: dict[str, Any] = {"name": self.name, "version": self.version}
         if self.description:
             meta["description"] = self.description
@@ -224,4 +228,5 @@ def _from_doc(doc: dict[str, Any]) -> Template:
             load_modules=bool(init.get("load_modules", True)),
             persistence_mode=bool(init.get("persistence_mode", False)),
         ),
+        sandbox=SandboxPolicy.from_json(spec.get("sandbox")),
     )

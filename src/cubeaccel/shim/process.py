@@ -14,8 +14,10 @@ import select
 import signal
 import sys
 import time
+from dataclasses import replace
 from types import FrameType
 
+from cubeaccel.host import netpolicy, scratch
 from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
@@ -37,6 +39,7 @@ PIN_PROOF_TIMEOUT_S = 5.0
 VISIBLE_TIMEOUT_S = 10.0
 AGENT_SHUTDOWN_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
+SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
 
 
 def qdev_id(index: int) -> str:
@@ -64,8 +67,10 @@ class Shim:
         self.vmm: QemuVmm | None = None
         self.agent: AgentClient | None = None
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
+        self.guest_addresses: dict[str, str] = {}  # device id → where the guest saw it appear
         self.timeline: dict[str, float] = {}
         self._stop = False
+        self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
 
@@ -101,11 +106,14 @@ class Shim:
         reason = "stopped"
         try:
             self._start()
-            self._wait()
-            if self.vmm is not None and self.vmm.poll_exit() is not None and not self._stop:
-                rc, reason = 1, "vmm_exited_unexpectedly"  # guest poweroff, crash, or killed from outside
+            if self.spec.scrub is not None:  # a scrub VM does its one job and goes; nothing waits on it
+                rc, reason = self._scrub()
             else:
-                reason = "stop_requested"
+                self._wait()
+                if self.vmm is not None and self.vmm.poll_exit() is not None and not self._stop:
+                    rc, reason = 1, "vmm_exited_unexpectedly"  # guest poweroff, crash, or killed from outside
+                else:
+                    reason = "stop_requested"
         except CubeError as e:
             stopped = e.code in ("shim.stop_requested", "agent.cancelled")
             rc, reason = (0, "stop_requested") if stopped else (1, e.code)
@@ -138,6 +146,22 @@ class Shim:
             )
         return rc
 
+    def _policy_devices(self, cfg: VmConfig) -> VmConfig:
+        """The sandbox policy's host ends, made before the VMM: the scratch disk and an fd on the TAP."""
+        spec = self.spec
+        if spec.scratch_mib is not None:
+            scratch.create_scratch(spec.run_dir / scratch.SCRATCH_FILE, spec.scratch_mib)
+            for mode in (os.O_RDWR, os.O_RDONLY):
+                self._policy_fds.append(os.open(spec.run_dir / scratch.SCRATCH_FILE, mode | os.O_CLOEXEC))
+            cfg = replace(cfg, scratch_fd=self._policy_fds[-2], scratch_ro_fd=self._policy_fds[-1])
+        if spec.network is not None:
+            self._policy_fds.append(netpolicy.open_tap(spec.network.netns, spec.network.tap))
+            net = f"{spec.network.guest_cidr},{spec.network.gateway}"
+            cfg = replace(cfg, tap_fd=self._policy_fds[-1], mac=spec.network.mac, guest_net=net)
+        if spec.readonly_mounts:
+            cfg = replace(cfg, ro_mounts=tuple((str(m.source), m.target) for m in spec.readonly_mounts))
+        return cfg
+
     def _vm_config(self, manifest: Manifest) -> VmConfig:
         return VmConfig(
             sandbox_id=self.spec.sandbox_id,
@@ -150,6 +174,9 @@ class Shim:
             state_dir=self.spec.run_dir,
             device_ids=tuple(d.device_id for d in self.spec.devices),
             memory_backend=self.spec.memory_backend,
+            vfio_hosts=tuple(
+                h for d in self.spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))
+            ),
         )
 
     def _start(self) -> None:
@@ -171,11 +198,11 @@ class Shim:
                 layer=first["layer"],
                 details={"mismatches": mismatches},
             )
-        cfg = self._vm_config(manifest)
+        cfg = self._policy_devices(self._vm_config(manifest))
         t = time.monotonic()
         restore = None
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
-            if spec.start == "template":
+            if spec.start == "template" and not spec.policy_devices:  # NIC/disk/mount: another machine
                 restore, created = lease.enter_context(
                     template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
                 )
@@ -188,6 +215,8 @@ class Shim:
             finally:
                 if vmm.started:
                     self.vmm = vmm  # only a VMM that exists is torn down
+                while self._policy_fds:  # the VMM holds its own copies now
+                    os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
         if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
             if not self.workload_token:
@@ -207,7 +236,11 @@ class Shim:
             image_digest=manifest.image_digest,
             kernel_release=manifest.kernel_release,
             image_mismatches=mismatches,
+            uid=vmm.lease.uid if vmm.lease else None,
         )
+        # Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own mounts).
+        self.reporter.report(K.VMM_CONFINED, **vmm.verify_confined())
+        t = self._phase("confinement_proof_s", t)
         if spec.pin_memory:
             proof = self._prove_pinned(vmm)
             t = self._phase("pin_proof_s", t)
@@ -304,6 +337,7 @@ class Shim:
                     status=500,
                 )
             time.sleep(0.02)
+        self.guest_addresses[dev.device_id] = str(seen[0].get("address"))
         self.reporter.report(
             K.DEVICE_ATTACHED,
             (dev.device_id,),
@@ -351,6 +385,24 @@ class Shim:
             details={"failed_layers": reply.get("failed_layers")},
         )
 
+    def _scrub(self) -> tuple[int, str]:
+        """The scrub VM's work after attach: the agent scrubs each device, the result is reported, the VM goes."""
+        assert self.agent is not None and self.spec.scrub is not None
+        t = time.monotonic()
+        ok = True
+        for dev in self.spec.devices:
+            params: dict[str, object] = {"method": self.spec.scrub}
+            if self.spec.scrub == "bar":
+                params.update(address=self.guest_addresses[dev.device_id], layout="edu")
+            try:
+                result = self.agent.call("scrub", params, timeout_s=SCRUB_TIMEOUT_S, cancel_fd=self._wake_r)
+            except CubeError as e:
+                result = {"ok": False, "error": f"{e.code}: {e.message}"[:500]}
+            ok = ok and bool(result.get("ok"))
+            self.reporter.report(K.SCRUB_FINISHED, (dev.device_id,), result=result)
+        self._phase("scrub_s", t)
+        return (0, "scrubbed") if ok else (1, "release.scrub_failed")
+
     def _wait(self) -> None:
         """Until SIGTERM or the VMM exits on its own (guest poweroff, crash, someone killed it)."""
         assert self.vmm is not None
@@ -382,6 +434,8 @@ class Shim:
         t = self._phase("detach_s", t)
         info = vmm.stop(STOP_GRACE_S)
         self._phase("vmm_exit_s", t)
+        if info.how != "unreaped":  # the scratch disk goes with the VMM (the release path makes sure of it)
+            scratch.remove_scratch(self.spec.run_dir)
         if info.how != "unreaped":  # never report an exit the kernel has not confirmed
             self.reporter.report(K.VMM_EXITED, tuple(d.device_id for d in self.spec.devices), **info.to_json())
         return info

@@ -5,21 +5,31 @@ preallocated memory backend locked with `-overcommit mem-lock=on`, virtio-serial
 workload service, the serial
 console in a log file, and the sandbox tag on the command line. KVM when it can really run a guest, otherwise TCG
 with a 64 MiB translation cache (the default 1 GiB would be locked too). Template state is saved and restored
-by migration to and from a file (`exec:cat`).
+by migration to and from a file the shim opens and hands over QMP (`getfd`, `fd:`).
+
+Confined (docs/security.md): QEMU runs as its own uid with no capabilities (or exactly CAP_IPC_LOCK where the host
+cannot raise RLIMIT_MEMLOCK), under `-sandbox` (seccomp), in a mount namespace holding only what `vmm_exposure`
+names. It has no writable file: the shim creates the listening sockets, the console log and the migration file
+and passes descriptors, so every socket keeps its path in the state dir, owned by root.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
+import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qemu.qmp import ExecuteError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
+from cubeaccel.host import confine
 from cubeaccel.host import vmmproc as find
 from cubeaccel.host.hypervisor import detect_accel, find_qemu
 from cubeaccel.host.unix_path import connect_path
@@ -27,10 +37,31 @@ from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.mux import WORKLOAD_PORT_NAME
 from cubeaccel.shim import snapshot_guard as guard
+from cubeaccel.shim.confined import VMM_ROOT_DIR, VmmExposure, launch_argv, vmm_exposure
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, stop_child, vmm_error
 
 QMP_TIMEOUT_S = 10.0
+SANDBOX_ARG = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+SOCKETS = ("qmp.sock", "qmp-aux.sock", "agent.sock", "workload-vmm.sock")
+MIGRATION_FD = "migration"
+
+
+@dataclass(frozen=True)
+class VmmFds:
+    """Descriptors the VMM inherits: listening sockets (their files in the state dir) and the console log."""
+
+    qmp: int
+    qmp_aux: int
+    agent: int
+    workload: int
+    console: int
+
+    def all(self) -> tuple[int, ...]:
+        return (self.qmp, self.qmp_aux, self.agent, self.workload, self.console)
+
+
+SHAPE_FDS = VmmFds(3, 4, 5, 6, 7)  # placeholders for a command line that is only read, never run
 
 
 def qemu_binary() -> str:
@@ -50,10 +81,14 @@ def memory_object(cfg: VmConfig) -> str:
     return f"memory-backend-ram,{size}"
 
 
-def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
-    """The full QEMU command line. Pure: unit tests read it, and template save/restore must produce the same one."""
+def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | None = None) -> list[str]:
+    """The full QEMU command line. Pure: unit tests read it, and template save/restore must produce the same one.
+    `fds`: the descriptors `QemuVmm.start` made; without them, placeholders (the command line's shape only)."""
     sd = cfg.state_dir
+    fds = fds or SHAPE_FDS
     cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={cfg.bar_window_gib}G"
+    if extra := cfg.guest_cmdline():
+        cmdline += " " + extra
     argv = [
         qemu_binary(),
         "-name",
@@ -79,27 +114,37 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
         str(cfg.initrd),
         "-append",
         cmdline,
+        # The console log is opened by the shim; `opaque` names it, and places the VMM under its state dir for
+        # the /proc lookups (host/vmmproc.py `under`).
+        "-add-fd",
+        f"fd={fds.console},set=1,opaque={_opt(str(sd / 'console.log'))}",
         "-chardev",
-        f"file,id=con0,path={sd / 'console.log'}",
+        "file,id=con0,path=/dev/fdset/1",
         "-serial",
         "chardev:con0",
         "-device",
         "virtio-serial-pci,id=vser0",
-        # Sockets by names relative to the VMM's cwd (its state dir): a full path may pass AF_UNIX's 108 bytes.
+        # Listening sockets created by the shim (their paths: state_dir/agent.sock, ...), passed as descriptors.
         "-chardev",
-        "socket,id=agent0,path=agent.sock,server=on,wait=off",
+        f"socket,id=agent0,fd={fds.agent},server=on,wait=off",
         "-device",
         f"virtserialport,bus=vser0.0,chardev=agent0,name={AGENT_PORT_NAME}",
         # The workload's own port: a workload never shares a channel with validation.
         "-chardev",
-        "socket,id=workload0,path=workload-vmm.sock,server=on,wait=off",
+        f"socket,id=workload0,fd={fds.workload},server=on,wait=off",
         "-device",
         f"virtserialport,bus=vser0.0,chardev=workload0,name={WORKLOAD_PORT_NAME}",
-        "-qmp",
-        "unix:qmp.sock,server=on,wait=off",
+        "-chardev",
+        f"socket,id=qmp0,fd={fds.qmp},server=on,wait=off",
+        "-mon",
+        "chardev=qmp0,mode=control",
         # A second monitor for Cubelet/operators while the shim holds the first.
-        "-qmp",
-        "unix:qmp-aux.sock,server=on,wait=off",
+        "-chardev",
+        f"socket,id=qmp1,fd={fds.qmp_aux},server=on,wait=off",
+        "-mon",
+        "chardev=qmp1,mode=control",
+        "-sandbox",
+        SANDBOX_ARG,
     ]
     if accel == "kvm":
         argv += ["-cpu", "host"]
@@ -110,17 +155,70 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False) -> list[str]:
             "-device",
             f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={cfg.bar_window_gib}G",
         ]
+    argv += policy_argv(cfg)
     if incoming:
         argv += ["-incoming", "defer"]
+    return argv
+
+
+def _opt(value: str) -> str:
+    """A QemuOpts value: commas are doubled."""
+    return value.replace(",", ",,")
+
+
+def _listen(path: Path) -> socket.socket:
+    path.unlink(missing_ok=True)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(connect_path(path))  # owner-only: the shim's umask; the VMM never needs the file, only the descriptor
+    s.listen(8)
+    return s
+
+
+def policy_argv(cfg: VmConfig) -> list[str]:
+    """The sandbox policy's devices, on the root complex (the root ports stay free for hot-plug).
+
+    The NIC is an fd QEMU inherits (no /dev/net/tun, no CAP_NET_ADMIN in the VMM) with no option ROM (no
+    firmware file to read); the scratch disk likewise inherited fds (`-add-fd`, opened as `/dev/fdset/N`), so a
+    confined VMM opens no host file for either; read-only mounts are 9p shares QEMU itself refuses to write
+    (`readonly=on`), whose source a confined VMM must see."""
+    argv: list[str] = []
+    fdset = 9  # an fd set of its own, apart from any the launch path uses
+    if cfg.tap_fd is not None:
+        argv += [
+            "-netdev",
+            f"tap,id=net0,fd={cfg.tap_fd},vhost=off",
+            "-device",
+            f"virtio-net-pci,netdev=net0,mac={cfg.mac},romfile=",
+        ]
+    if cfg.scratch_fd is not None:
+        argv += [
+            "-add-fd",
+            f"fd={cfg.scratch_fd},set={fdset},opaque=scratch.img",
+            *(["-add-fd", f"fd={cfg.scratch_ro_fd},set={fdset},opaque=scratch.img"] if cfg.scratch_ro_fd else []),
+            "-drive",
+            f"file=/dev/fdset/{fdset},if=none,id=scratch0,format=raw,discard=unmap",
+            "-device",
+            "virtio-blk-pci,drive=scratch0,serial=cube-scratch",
+        ]
+    for i, (source, _target) in enumerate(cfg.ro_mounts):
+        argv += [
+            "-fsdev",
+            f"local,id=ro{i},path={source},security_model=none,readonly=on",
+            "-device",
+            f"virtio-9p-pci,fsdev=ro{i},mount_tag=cube-ro{i}",
+        ]
     return argv
 
 
 class QemuVmm:
     kind = "qemu"
 
-    def __init__(self, cfg: VmConfig, restore_from: Path | None = None) -> None:
+    def __init__(
+        self, cfg: VmConfig, restore_from: Path | None = None, policy: confine.ConfinePolicy | None = None
+    ) -> None:
         self.cfg = cfg
         self.restore_from = restore_from
+        self.policy = policy or confine.ConfinePolicy.from_env()
         self.accel, self.accel_reason = detect_accel()
         self._proc: subprocess.Popen[bytes] | None = None
         self._qmp: QEMUMonitorProtocol | None = None
@@ -128,6 +226,9 @@ class QemuVmm:
         self._attached: dict[str, Attached] = {}
         self._deleted: set[str] = set()
         self.timings: dict[str, float] = {}
+        self.lease: confine.UidLease | None = None
+        self.memlock_mode = "none"
+        self.exposure: VmmExposure | None = None
 
     # -- process ---------------------------------------------------------------------------------------------
     @property
@@ -141,19 +242,76 @@ class QemuVmm:
             raise vmm_error("vmm.not_started", "VMM not started")
         return self._proc.pid
 
+    def _confinement(self) -> tuple[str, confine.UidLease, VmmExposure]:
+        """Decide how memory is locked, take a uid, name what the VMM may see and hand it its device nodes."""
+        # VFIO pins guest RAM itself (type1), mem-lock or not: it needs the same right to lock memory.
+        mode = confine.memlock_mode(self.policy, self.cfg.pin_memory or bool(self.cfg.vfio_hosts))
+        if mode is None:
+            raise pinned_error(
+                "pinned_memory.lock_unavailable",
+                f"an unprivileged VMM cannot lock guest memory here (memlock policy {self.policy.memlock}): "
+                "raising its RLIMIT_MEMLOCK needs CAP_SYS_RESOURCE, granting CAP_IPC_LOCK needs it in the shim",
+                policy=self.policy.memlock,
+            )
+        lease = confine.allocate_uid(self.policy)
+        try:
+            exposure = vmm_exposure(self.cfg, self.accel)
+            confine.hand_over(exposure.owned, lease.uid, lease.gid)
+        except BaseException:
+            lease.close()
+            raise
+        return mode, lease, exposure
+
     def start(self) -> None:
         sd = self.cfg.state_dir
         sd.mkdir(parents=True, exist_ok=True)
-        for name in ("qmp.sock", "qmp-aux.sock", "agent.sock", "workload-vmm.sock"):
-            (sd / name).unlink(missing_ok=True)
-        argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None)
-        env = {**os.environ, find.ENV_SANDBOX: self.cfg.sandbox_id, find.ENV_DEVICES: ";".join(self.cfg.device_ids)}
-        t0 = time.monotonic()
-        with (sd / "vmm.log").open("ab") as log:
-            # Own session: the VMM must outlive a killed shim so Cubelet can find it by pid + tag.
-            self._proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env, start_new_session=True, cwd=sd
+        self.memlock_mode, self.lease, self.exposure = mode, lease, exposure = self._confinement()
+        listeners: list[socket.socket] = []
+        console = -1
+        try:
+            listeners = [_listen(sd / name) for name in SOCKETS]
+            console = os.open(sd / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            qmp, aux, agent, workload = (s.fileno() for s in listeners)
+            fds = VmmFds(qmp, aux, agent, workload, console)
+            argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None, fds=fds)
+            vfio = bool(self.cfg.vfio_hosts)
+            memlock = (
+                None
+                if mode == "none"
+                else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio, mlock=self.cfg.pin_memory)
             )
+            launch = exposure.config(
+                sd / VMM_ROOT_DIR, lease.uid, lease.gid, memlock, memlock_required=mode == "rlimit"
+            )
+            cmd = launch_argv(json.dumps(launch), lease.uid, lease.gid, mode, argv)
+            env = {
+                **os.environ,
+                find.ENV_SANDBOX: self.cfg.sandbox_id,
+                find.ENV_DEVICES: ";".join(self.cfg.device_ids),
+            }
+            t0 = time.monotonic()
+            with (sd / "vmm.log").open("ab") as log:
+                # Own session: the VMM must outlive a killed shim so Cubelet can find it by pid + tag. It inherits
+                # the uid lease, which is then held exactly as long as it runs.
+                self._proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    env=env,
+                    start_new_session=True,
+                    cwd="/",
+                    pass_fds=(*fds.all(), lease.fd, *self.cfg.inherited_fds),
+                )
+        except BaseException:
+            if self._proc is None:  # nothing runs as the uid: give it and the nodes back now
+                self._release_confinement()
+            raise
+        finally:  # the VMM holds its own copies; ours closed, a dead VMM's sockets refuse their clients
+            for s in listeners:
+                s.close()
+            if console >= 0:
+                os.close(console)
         (sd / "vmm.pid").write_text(f"{self._proc.pid}\n")
         self._connect(t0)
         self.timings["spawn_to_qmp_s"] = time.monotonic() - t0
@@ -161,6 +319,27 @@ class QemuVmm:
             t1 = time.monotonic()
             self._restore(self.restore_from)
             self.timings["restore_s"] = time.monotonic() - t1
+
+    def verify_confined(self) -> dict[str, Any]:
+        """Read the running VMM's uid, capabilities, seccomp mode and mount namespace from /proc, or refuse."""
+        if self.lease is None:
+            raise vmm_error("vmm.not_started", "VMM not started")
+        uid = self.lease.uid + (1 if self.policy.fault == "wrong_uid" else 0)
+        want = confine.Expected(uid, self.lease.gid, confine.expected_caps(self.memlock_mode), _own_mnt_ns())
+        proof = confine.verify_pid(self.pid, want)
+        exposure = self.exposure or VmmExposure()
+        return {
+            **proof,
+            "memlock_mode": self.memlock_mode,
+            "exposed": [
+                *exposure.trees_ro,
+                *exposure.read_only,
+                *exposure.read_write,
+                *exposure.devices,
+                *exposure.private_nodes,
+            ],
+            "handed_over": [str(p) for p in exposure.owned],
+        }
 
     def _log_tail(self) -> str:
         try:
@@ -171,37 +350,60 @@ class QemuVmm:
     def _early_exit(self) -> CubeError:
         info = self.poll_exit()
         tail = self._log_tail()
+        exit_json = info.to_json() if info else None
+        confine_line = next((ln for ln in reversed(tail.splitlines()) if ln.startswith('{"confine_error"')), None)
+        if confine_line is not None or "setpriv:" in tail:
+            try:
+                step = json.loads(confine_line or "{}")
+            except ValueError:
+                step = {}
+            return vmm_error(
+                "vmm.confinement_failed",
+                f"the VMM could not be confined, so it was not run: {tail.strip()[-300:]}",
+                step=step,
+                exit=exit_json,
+            )
         if "mlock" in tail or "locking memory" in tail:
             return pinned_error(
                 "pinned_memory.lock_failed",
                 f"VMM could not lock guest memory: {tail.strip()[-300:]}",
-                exit=info.to_json() if info else None,
+                exit=exit_json,
             )
-        return vmm_error(
-            "vmm.start_failed",
-            f"QEMU exited during start: {tail.strip()[-500:]}",
-            exit=info.to_json() if info else None,
-        )
+        return vmm_error("vmm.start_failed", f"QEMU exited during start: {tail.strip()[-500:]}", exit=exit_json)
+
+    def _exited_or(self, other: CubeError, wait_s: float = 2.0) -> CubeError:
+        """A broken QMP socket at start is most often a VMM that exited: say why it did, when it did."""
+        end = time.monotonic() + wait_s
+        while self.poll_exit() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        return self._early_exit() if self.poll_exit() is not None else other
 
     def _connect(self, t0: float) -> None:
-        sock = self.cfg.state_dir / "qmp.sock"
+        """The socket listens from the start (the shim made it): connect, then wait for QEMU's greeting."""
         deadline = t0 + 60.0  # prealloc of large guests under cold host memory takes seconds per GiB
-        while True:
-            if self.poll_exit() is not None:
-                raise self._early_exit()
-            if sock.exists():
-                qmp = QEMUMonitorProtocol(connect_path(sock))
-                try:
-                    qmp.connect()
-                except (QMPError, OSError):
-                    pass
-                else:
-                    qmp.settimeout(QMP_TIMEOUT_S)
-                    self._qmp = qmp
-                    return
-            if time.monotonic() > deadline:
-                raise vmm_error("vmm.qmp_timeout", "QMP socket did not answer within 60 s")
-            time.sleep(0.02)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                sock.connect(connect_path(self.cfg.state_dir / "qmp.sock"))
+            except OSError as e:  # refused: the VMM already exited, and closed the last copy of the listener
+                raise self._exited_or(vmm_error("vmm.qmp_failed", f"QMP socket: {e}")) from e
+            while not select.select([sock], [], [], 0.05)[0]:
+                if self.poll_exit() is not None:
+                    raise self._early_exit()
+                if time.monotonic() > deadline:
+                    raise vmm_error("vmm.qmp_timeout", "QMP socket did not answer within 60 s")
+        except BaseException:
+            sock.close()
+            raise
+        qmp = QEMUMonitorProtocol(sock)
+        try:
+            qmp.connect()
+        except (QMPError, OSError) as e:
+            with contextlib.suppress(QMPError, OSError, RuntimeError, EOFError):
+                qmp.close()
+            raise self._exited_or(vmm_error("vmm.qmp_failed", f"QMP greeting: {type(e).__name__}: {e}")) from e
+        qmp.settimeout(QMP_TIMEOUT_S)
+        self._qmp = qmp
 
     def qmp(self, command: str, **args: Any) -> Any:
         if self._qmp is None:
@@ -212,6 +414,19 @@ class QemuVmm:
             raise vmm_error("vmm.qmp_error", f"{command}: {e.error.error.desc}", qmp_class=e.error_class) from e
         except (QMPError, OSError, TimeoutError, EOFError, RuntimeError) as e:
             raise vmm_error("vmm.qmp_failed", f"{command}: {type(e).__name__}: {e}") from e
+
+    def _send_fd(self, path: Path, flags: int) -> None:
+        """Open `path` here and hand the descriptor to QEMU as `MIGRATION_FD` (the VMM opens no files)."""
+        if self._qmp is None:
+            raise vmm_error("vmm.not_started", "QMP not connected")
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+        try:
+            self._qmp.send_fd_scm(fd)
+            self.qmp("getfd", fdname=MIGRATION_FD)
+        except (QMPError, OSError) as e:
+            raise vmm_error("vmm.qmp_failed", f"passing {path.name} to QEMU: {e}") from e
+        finally:
+            os.close(fd)
 
     def _wait_status(self, wanted: set[str], timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -224,7 +439,8 @@ class QemuVmm:
             time.sleep(0.01)
 
     def _restore(self, state: Path) -> None:
-        self.qmp("migrate-incoming", uri=f"exec:cat {state}")
+        self._send_fd(state, os.O_RDONLY)
+        self.qmp("migrate-incoming", uri=f"fd:{MIGRATION_FD}")
         self._wait_status({"paused", "postmigrate"}, 60.0)
         mig = self.qmp("query-migrate")
         if mig.get("status") not in (None, "completed"):
@@ -246,7 +462,8 @@ class QemuVmm:
         self.qmp("stop")
         self.refuse_foreign_devices()
         try:
-            self.qmp("migrate", uri=f"exec:cat > {tmp}")
+            self._send_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            self.qmp("migrate", uri=f"fd:{MIGRATION_FD}")
             deadline = time.monotonic() + timeout_s
             while True:
                 status = self.qmp("query-migrate").get("status")
@@ -322,13 +539,30 @@ class QemuVmm:
             self._exit = stop_child(self._proc, self.poll_exit, lambda: self.qmp("quit"), grace_s)
         self.close()
         assert self._exit is not None
+        if self._exit.how != "unreaped":
+            self._release_confinement()
         return self._exit
+
+    def _release_confinement(self) -> None:
+        """After a confirmed exit: our copy of the uid lease, and the device nodes back to root (best effort;
+        the release rules check the nodes again before the device leaves `releasing`)."""
+        if self.lease is not None:
+            self.lease.close()
+        for node in self.exposure.owned if self.exposure else ():
+            confine.take_back(node)
 
     def close(self) -> None:
         if self._qmp is not None:
             with contextlib.suppress(QMPError, OSError, RuntimeError, EOFError):
                 self._qmp.close()
             self._qmp = None
+
+
+def _own_mnt_ns() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return None
 
 
 def _conforms(vmm: QemuVmm) -> Vmm:

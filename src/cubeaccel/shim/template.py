@@ -119,6 +119,7 @@ def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float
         t0 = time.monotonic()
         try:
             vmm.start()
+            vmm.verify_confined()  # the template VM is confined like any other (no device, so no capabilities)
             agent = AgentClient(run_dir / "agent.sock")
             agent.connect(10.0)
             hello = agent.wait_hello(boot_timeout_s)

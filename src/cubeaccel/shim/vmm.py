@@ -38,6 +38,37 @@ class VmConfig:
     bar_window_gib: int = 2  # prefetchable 64-bit window reserved per root port (GPU BARs need far more)
     memory_backend: str = "ram"  # ram | memfd | hugepages (memfd on 2 MiB hugetlbfs pages; needs a hugepage pool)
     device_ids: tuple[str, ...] = ()  # Cubelet device ids this VMM may hold (tagged for holder lookups)
+    vfio_hosts: tuple[str, ...] = ()  # host PCI addresses of its vfio-pci devices: their group nodes are exposed
+    # Sandbox policy (model/sandbox_policy.py). A NIC, disk or mount changes the machine, so such a VM is always
+    # cold-booted, never restored from a template state.
+    tap_fd: int | None = None  # an open TAP in the sandbox's network namespace (host/netpolicy.open_tap)
+    mac: str | None = None
+    guest_net: str | None = None  # "ADDR/PREFIX,GATEWAY", told to the guest on its command line
+    # fds on the workload's capped disk (host/scratch.py): read-write, and read-only (QEMU opens an image
+    # read-only first, and an fd set answers only with an fd of the asked access mode)
+    scratch_fd: int | None = None
+    scratch_ro_fd: int | None = None
+    ro_mounts: tuple[tuple[str, str], ...] = ()  # (host directory, guest directory), shared read-only (9p)
+
+    @property
+    def policy_devices(self) -> bool:
+        return self.tap_fd is not None or self.scratch_fd is not None or bool(self.ro_mounts)
+
+    @property
+    def inherited_fds(self) -> tuple[int, ...]:
+        """Descriptors the VMM must inherit for the policy devices (a confined VMM opens no host file itself)."""
+        return tuple(fd for fd in (self.tap_fd, self.scratch_fd, self.scratch_ro_fd) if fd is not None)
+
+    def guest_cmdline(self) -> str:
+        """What the guest's init reads from /proc/cmdline to bring up the policy devices (images/rootfs.py)."""
+        args = []
+        if self.guest_net:
+            args.append(f"cube.net={self.guest_net}")
+        if self.scratch_fd is not None:
+            args.append("cube.scratch=vda")
+        if self.ro_mounts:
+            args.append("cube.ro=" + ",".join(f"cube-ro{i}:{target}" for i, (_, target) in enumerate(self.ro_mounts)))
+        return " ".join(args)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,15 @@ tests connect to; every accepted connection is opened as a stream and pumped bot
 Bounds: what a slow client has not read is at most one window per stream (the guest waits for credit), and what
 a slow guest has not credited stays in the client's socket (we read from a client only when the stream has
 credit). One reader thread feeds the session and never writes; one writer thread is the only one to write to the
-VMM socket; per stream, one thread each way. Streams are capped at the session's `max_streams`.
+VMM socket; per stream, one thread each way. Streams are capped at the session's `max_streams`. Streams the guest
+opens are refused (RESET): the guest serves, it never calls.
+
+Recovery: a session ends when the guest breaks a framing rule or floods, when the VMM socket closes, or when the
+guest service restarts (it sends GOAWAY first, `workload/__main__.announce_restart`). Then every open stream's
+client sees its connection closed, and a supervisor thread reconnects to the VMM socket, writes the preamble again
+and probes `GET /health`, backing off between tries (`RECONNECT_PAUSE_S`, doubling to `RECONNECT_MAX_S`); new
+connections wait for it up to `OPEN_WAIT_S`. Each session has its own reader and writer threads bound to its own
+socket and `Session`, so a stale thread never touches the new one.
 """
 
 from __future__ import annotations
@@ -34,11 +42,16 @@ from cubeaccel.model.mux import (
     SessionEnding,
     StreamClosed,
     StreamHalfClosed,
+    StreamOpened,
     StreamReset,
     token_preamble,
 )
 
 CHUNK = 64 * 1024
+RECONNECT_PAUSE_S = 0.5  # first pause after a session ends: the guest must see the host side go away (EOF)
+RECONNECT_MAX_S = 5.0
+RECONNECT_HEALTH_S = 10.0  # a new session that does not answer /health within this is dropped and retried
+OPEN_WAIT_S = 15.0  # how long a new connection waits for a reconnect in progress
 HEALTH_REQUEST = b"GET /health HTTP/1.1\r\nHost: workload\r\nConnection: close\r\n\r\n"
 
 
@@ -49,6 +62,7 @@ def workload_error(code: str, message: str, **details: object) -> CubeError:
 @dataclass
 class _Stream:
     sid: int
+    session: Session  # the session it belongs to: ids start again in a new one
     data: deque[bytes] = field(default_factory=deque)
     eof: bool = False
     reset: bool = False
@@ -60,7 +74,8 @@ class WorkloadBridge:
         self.vmm_socket = vmm_socket
         self.listen_path = listen
         self._preamble = token_preamble(token)
-        self.session = Session(client=True, config=config or MuxConfig())
+        self._config = config or MuxConfig()
+        self.session = Session(client=True, config=self._config)
         self._cv = threading.Condition()
         self._streams: dict[int, _Stream] = {}
         self._chan: socket.socket | None = None
@@ -68,25 +83,16 @@ class WorkloadBridge:
         self.ended = False
         self.error: BaseException | None = None
         self.connections = 0  # accepted so far (tests, reports)
+        self.sessions = 0  # sessions started, the first included (tests, reports)
+        self.reconnect = True  # after start(): a session that ends is replaced (see the module docstring)
+        self._closing = False
+        self._reconnecting = False
+        self._reader_alive = False  # the current session's reader still runs
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> None:
         """Connect to the VMM's port, send the token, start pumping, then listen on `workload.sock`."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                chan = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                chan.connect(connect_path(self.vmm_socket))
-                break
-            except OSError as e:
-                chan.close()
-                if time.monotonic() > deadline:
-                    raise workload_error("workload.channel_unreachable", f"workload port socket: {e}") from e
-                time.sleep(0.02)
-        chan.sendall(self._preamble)
-        self._chan = chan
-        threading.Thread(target=self._read_loop, daemon=True, name="workload mux reader").start()
-        threading.Thread(target=self._write_loop, daemon=True, name="workload mux writer").start()
+        self._connect(timeout_s)
         self.listen_path.unlink(missing_ok=True)
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # created 0600: only this sandbox's owner (Cubelet's user) may connect
@@ -98,6 +104,65 @@ class WorkloadBridge:
         lsock.listen(64)
         self._listener = lsock
         threading.Thread(target=self._accept_loop, daemon=True, name="workload accept").start()
+        threading.Thread(target=self._supervise, daemon=True, name="workload reconnect").start()
+
+    def _connect(self, timeout_s: float) -> None:
+        """A new session: connect (retrying until `timeout_s`), preamble, a reader and a writer for it."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                chan = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                chan.connect(connect_path(self.vmm_socket))
+                break
+            except OSError as e:
+                chan.close()
+                if time.monotonic() > deadline:
+                    raise workload_error("workload.channel_unreachable", f"workload port socket: {e}") from e
+                time.sleep(0.02)
+        try:
+            chan.sendall(self._preamble)
+        except OSError as e:
+            chan.close()
+            raise workload_error("workload.channel_unreachable", f"workload port socket: {e}") from e
+        session = Session(client=True, config=self._config)
+        with self._cv:
+            if self._closing:
+                chan.close()
+                raise workload_error("workload.channel_closed", "the bridge is closing")
+            if self._chan is not None:
+                self._chan.close()  # the ended session's socket (its threads have returned or will)
+            self._chan, self.session = chan, session
+            self._streams.clear()
+            self.ended, self.error = False, None
+            self._reader_alive = True
+            self.sessions += 1
+            self._cv.notify_all()
+        threading.Thread(target=self._read_loop, args=(chan, session), daemon=True, name="workload mux reader").start()
+        threading.Thread(target=self._write_loop, args=(chan, session), daemon=True, name="workload mux writer").start()
+
+    def _supervise(self) -> None:
+        """Replace a session that ended (not by close()) with a new one that answers /health."""
+        pause = RECONNECT_PAUSE_S
+        while True:
+            with self._cv:
+                while not (self.ended or self._closing):
+                    self._cv.wait()
+                if self._closing or not self.reconnect:
+                    return
+                self._reconnecting = True
+            time.sleep(pause)  # the guest must see the host side go away before it comes back
+            try:
+                self._connect(RECONNECT_MAX_S)
+                self.wait_healthy(RECONNECT_HEALTH_S, cancelled=lambda: self._closing)
+                pause = RECONNECT_PAUSE_S
+                with self._cv:
+                    self._reconnecting = False
+                    self._cv.notify_all()
+            except CubeError:
+                pause = min(pause * 2, RECONNECT_MAX_S)
+                with self._cv:
+                    if not self._closing and not self.ended:
+                        self._drop_session(workload_error("workload.not_up", "no answer after reconnecting"))
 
     def wait_healthy(self, timeout_s: float, cancelled: Callable[[], bool] = lambda: False) -> float:
         """Until the guest service answers `GET /health` over the channel; seconds it took. The service is up
@@ -107,7 +172,7 @@ class WorkloadBridge:
 
         def probe() -> None:
             with contextlib.suppress(OSError, CubeError):
-                result.append(self.request(HEALTH_REQUEST))
+                result.append(self.request(HEALTH_REQUEST, wait=False))
 
         thread = threading.Thread(target=probe, daemon=True, name="workload health")
         thread.start()
@@ -125,21 +190,23 @@ class WorkloadBridge:
             raise workload_error("workload.not_up", f"the guest's workload service is not serving: {detail}")
         return time.monotonic() - t0
 
-    def request(self, raw: bytes, limit: int = 64 * 1024) -> bytes:
-        """One request on a fresh stream; the whole reply until the guest closes (at most `limit` bytes)."""
-        sid = self._open()
+    def request(self, raw: bytes, limit: int = 64 * 1024, wait: bool = True) -> bytes:
+        """One request on a fresh stream; the whole reply until the guest closes (at most `limit` bytes).
+        `wait=False`: do not wait for a reconnect in progress (the reconnect's own probe)."""
+        stream = self._open(wait)
         try:
-            self._send_all(sid, raw)
-            self._half_close(sid)
+            self._send_all(stream, raw)
+            self._half_close(stream)
             out = bytearray()
-            while len(out) < limit and (chunk := self._recv(sid)):
+            while len(out) < limit and (chunk := self._recv(stream)):
                 out += chunk
             return bytes(out)
         finally:
-            self._retire(sid)
+            self._retire(stream)
 
     def close(self) -> None:
         with self._cv:
+            self._closing = True
             if not self.ended:
                 with contextlib.suppress(MuxError):
                     self.session.go_away()
@@ -151,77 +218,86 @@ class WorkloadBridge:
         self._end(None, flush_s=2.0)
 
     # ---- stream operations ---------------------------------------------------------------------------------
-    def _open(self) -> int:
+    def _open(self, wait: bool = True) -> _Stream:
         with self._cv:
+            deadline = time.monotonic() + OPEN_WAIT_S
+            while wait and (self.ended or self._reconnecting) and not self._closing and self.reconnect:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
             if self.ended:
                 raise workload_error("workload.channel_closed", f"workload channel ended: {self.error}")
             sid = self.session.open_stream()
-            self._streams[sid] = _Stream(sid)
+            stream = self._streams[sid] = _Stream(sid, self.session)
             self._cv.notify_all()
-            return sid
+            return stream
 
-    def _send_all(self, sid: int, data: bytes) -> None:
+    def _live(self, stream: _Stream) -> bool:
+        return stream.session is self.session and not self.ended and self._streams.get(stream.sid) is stream
+
+    def _send_all(self, stream: _Stream, data: bytes) -> None:
         view = memoryview(data)
         while view:
             with self._cv:
                 while True:
-                    stream = self._streams.get(sid)
-                    if stream is None or stream.reset or self.ended or stream.write_closed:
+                    if not self._live(stream) or stream.reset or stream.write_closed:
                         raise BrokenPipeError("workload stream closed")
-                    window = self.session.send_window(sid)
+                    window = self.session.send_window(stream.sid)
                     if window > 0:
-                        n = self.session.send(sid, bytes(view[:window]))
+                        n = self.session.send(stream.sid, bytes(view[:window]))
                         self._cv.notify_all()
                         break
                     self._cv.wait()
             view = view[n:]
 
-    def _wait_credit(self, sid: int) -> int:
+    def _wait_credit(self, stream: _Stream) -> int:
         with self._cv:
             while True:
-                stream = self._streams.get(sid)
-                if stream is None or stream.reset or self.ended:
+                if not self._live(stream) or stream.reset:
                     return 0
-                window = self.session.send_window(sid)
+                window = self.session.send_window(stream.sid)
                 if window > 0:
                     return window
                 self._cv.wait()
 
-    def _half_close(self, sid: int) -> None:
+    def _half_close(self, stream: _Stream) -> None:
         with self._cv:
-            stream = self._streams.get(sid)
-            if stream is not None and not stream.write_closed and not self.ended:
+            if self._live(stream) and not stream.write_closed:
                 stream.write_closed = True
                 with contextlib.suppress(MuxError):
-                    self.session.close(sid)
+                    self.session.close(stream.sid)
                 self._cv.notify_all()
 
-    def _recv(self, sid: int) -> bytes:
+    def _recv(self, stream: _Stream) -> bytes:
         """Next data of the stream (credit returned at once: the caller has taken it), b"" at its end."""
         with self._cv:
             while True:
-                stream = self._streams.get(sid)
-                if stream is None:
-                    return b""
-                if stream.data:
+                live = self._live(stream)
+                if stream.data:  # what arrived before a session ended is still the client's
                     chunk = stream.data.popleft()
-                    with contextlib.suppress(MuxError):
-                        self.session.consume(sid, len(chunk))
-                    self._cv.notify_all()
+                    if live:
+                        with contextlib.suppress(MuxError):
+                            self.session.consume(stream.sid, len(chunk))
+                        self._cv.notify_all()
                     return chunk
-                if stream.eof or stream.reset or self.ended:
+                draining = not live and stream.session is self.session and self._reader_alive
+                if (not live and not draining) or stream.eof or stream.reset:
                     return b""
-                self._cv.wait()
+                self._cv.wait()  # (draining: the writer failed; the reader still delivers what had come)
 
-    def _retire(self, sid: int) -> None:
+    def _retire(self, stream: _Stream) -> None:
         with self._cv:
-            stream = self._streams.pop(sid, None)
-            if stream is not None and not self.ended:
+            if self._live(stream):
+                del self._streams[stream.sid]
                 with contextlib.suppress(MuxError):
                     if not stream.eof or not stream.write_closed:
-                        self.session.reset(sid, ResetCode.CANCEL)  # the client went away before the end
+                        self.session.reset(stream.sid, ResetCode.CANCEL)  # the client went away before the end
                     if stream.data:
-                        self.session.consume(sid, sum(len(d) for d in stream.data))
+                        self.session.consume(stream.sid, sum(len(d) for d in stream.data))
+            elif self._streams.get(stream.sid) is stream:
+                del self._streams[stream.sid]
+            stream.data.clear()
             self._cv.notify_all()
 
     # ---- threads -------------------------------------------------------------------------------------------
@@ -232,63 +308,73 @@ class WorkloadBridge:
                 client, _ = self._listener.accept()
             except OSError:
                 return
-            try:
-                sid = self._open()
-            except (CubeError, MuxError):
-                client.close()  # channel gone, or too many streams: the caller sees a closed connection
-                continue
             self.connections += 1
-            threading.Thread(target=self._serve, args=(client, sid), daemon=True, name=f"workload {sid}").start()
+            threading.Thread(target=self._serve, args=(client,), daemon=True, name="workload conn").start()
 
-    def _serve(self, client: socket.socket, sid: int) -> None:
-        up = threading.Thread(target=self._up, args=(client, sid), daemon=True, name=f"workload {sid} up")
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            stream = self._open()  # may wait for a reconnect in progress
+        except (CubeError, MuxError):
+            client.close()  # channel gone, or too many streams: the caller sees a closed connection
+            return
+        up = threading.Thread(target=self._up, args=(client, stream), daemon=True, name=f"workload {stream.sid} up")
         up.start()
         try:
-            while chunk := self._recv(sid):
+            while chunk := self._recv(stream):
                 client.sendall(chunk)
             with contextlib.suppress(OSError):
                 client.shutdown(socket.SHUT_WR)
         except OSError:
             pass
         finally:
+            if not self._live(stream):
+                with contextlib.suppress(OSError):
+                    client.shutdown(socket.SHUT_RDWR)  # wakes our reader of the client
             up.join(30)
-            self._retire(sid)
+            self._retire(stream)
             client.close()
 
-    def _up(self, client: socket.socket, sid: int) -> None:
+    def _up(self, client: socket.socket, stream: _Stream) -> None:
         try:
-            while (window := self._wait_credit(sid)) > 0:
+            while (window := self._wait_credit(stream)) > 0:
                 data = client.recv(min(CHUNK, window))
                 if not data:
                     break
-                self._send_all(sid, data)
+                self._send_all(stream, data)
         except OSError:
             pass
         finally:
-            self._half_close(sid)
+            self._half_close(stream)
 
-    def _read_loop(self) -> None:
-        assert self._chan is not None
+    def _read_loop(self, chan: socket.socket, session: Session) -> None:
+        error: BaseException | None = None
         while True:
             try:
-                data = self._chan.recv(CHUNK)
+                data = chan.recv(CHUNK)
             except OSError as exc:
-                self._end(exc)
-                return
+                error = exc
+                break
             with self._cv:
+                if session is not self.session:
+                    return  # a newer session replaced ours
                 try:
-                    events = self.session.receive(data) if data else self.session.receive_eof()
+                    events = session.receive(data) if data else session.receive_eof()
                 except MuxError as err:
                     with contextlib.suppress(MuxError):
-                        self.session.go_away(ResetCode.PROTOCOL)
-                    self.error = err
+                        session.go_away(ResetCode.PROTOCOL)
+                    error = err
                     events = []
                 for ev in events:
                     self._apply(ev)
                 self._cv.notify_all()
-                if not data or self.error is not None or self.session.closed:
+                if not data or error is not None or session.closed:
                     break
-        self._end(self.error or workload_error("workload.channel_closed", "the guest closed the channel"))
+        if error is None:
+            error = workload_error("workload.channel_closed", "the guest closed the channel")
+        with self._cv:
+            if session is self.session:
+                self._reader_alive = False
+                self._drop_session(error)
 
     def _apply(self, ev: object) -> None:
         if isinstance(ev, DataReceived):
@@ -307,24 +393,40 @@ class WorkloadBridge:
                 stream.reset = isinstance(ev, StreamReset)
         elif isinstance(ev, SessionEnding):
             self.ended = True
-        # StreamOpened: the guest opens none; WindowOpened: writers wake on notify_all
+        elif isinstance(ev, StreamOpened):
+            with contextlib.suppress(MuxError):
+                self.session.reset(ev.stream_id, ResetCode.REFUSED)  # the guest serves; it opens nothing
+        # WindowOpened: writers wake on notify_all
 
-    def _write_loop(self) -> None:
-        assert self._chan is not None
+    def _write_loop(self, chan: socket.socket, session: Session) -> None:
         while True:
             with self._cv:
-                while not self.session.pending_output and not self.ended:
+                while not session.pending_output and not self.ended and session is self.session:
                     self._cv.wait()
-                out = self.session.data_to_send()
+                if session is not self.session:
+                    return
+                out = session.data_to_send()
                 finished = self.ended
             if out:
                 try:
-                    self._chan.sendall(out)
+                    chan.sendall(out)
                 except OSError as exc:
-                    self._end(exc)
+                    with self._cv:
+                        if session is self.session:  # the reader still delivers what the guest sent before
+                            self._drop_session(exc, how=socket.SHUT_WR)
                     return
             if finished and not out:
                 return
+
+    def _drop_session(self, error: BaseException | None, how: int = socket.SHUT_RDWR) -> None:
+        """End the current session (called with the lock held): clients see their connections closed."""
+        if self.error is None:
+            self.error = error
+        self.ended = True
+        self._cv.notify_all()
+        if self._chan is not None:
+            with contextlib.suppress(OSError):
+                self._chan.shutdown(how)
 
     def _end(self, error: BaseException | None, flush_s: float = 0.0) -> None:
         with self._cv:

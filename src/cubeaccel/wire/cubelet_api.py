@@ -24,6 +24,7 @@ class ReservationBody(Message):
     start: StrictBool = False
     # The start's workload token when the caller chose it (CubeMaster passes the creator's on); None: a fresh one.
     workload_token: SecretStr | None = Field(default=None, min_length=32, max_length=200)
+    network: dict[str, Any] | None = None  # narrows the contract's network policy (model/sandbox_policy.py)
 
 
 class OperatorBody(Message):

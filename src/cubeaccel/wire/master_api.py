@@ -48,6 +48,8 @@ class SandboxBody(Message):
     # The workload token the start gives the guest, when the caller derives its own (the E2B front door does, to
     # hand it out again on connect); passed to the Cubelet, never stored. None: the Cubelet makes one.
     workload_token: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{32,200}$", repr=False)
+    # Narrows the template's network policy ({"mode": "allowlist", "egress": [...]} or {"mode": "none"}); never widens.
+    network: dict[str, Any] | None = None
 
 
 class TimeoutBody(Message):
@@ -186,6 +188,21 @@ class SandboxReply(Sandbox):
     v: Literal[1] = 1
     # The create that started it gets the sandbox's workload access token, once (nothing stores it); else None.
     access_token: str | None = None
+
+
+class StartPhase(Record):
+    phase: str  # "VM up", "memory pinned", "device attached", "workload service up", "guest validated"
+    event: str  # the node's event kind it comes from
+    at: float
+
+
+class SandboxEvents(Reply):
+    """`GET /v1/sandboxes/{id}/events`: the start phases the node recorded (through CubeMaster)."""
+
+    sandbox_id: str
+    state: str
+    phases: list[StartPhase]
+    node_answered: bool  # False: no node yet, or it did not answer (the phases may be incomplete)
 
 
 class SandboxList(Reply):

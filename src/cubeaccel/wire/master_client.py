@@ -30,8 +30,14 @@ class MasterClient:
         json: Any = None,
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
+        wait_s: float | None = None,
     ) -> Any:
-        return reply_body(self._http.request(method, path, json=json, params=params, headers=headers))
+        """`wait_s`: the server holds the request up to that long (`?wait=`): the read timeout covers it."""
+        timeout: Any = httpx.USE_CLIENT_DEFAULT
+        if wait_s:
+            params = {**(params or {}), "wait": wait_s}
+            timeout = httpx.Timeout(self._http.timeout.connect, read=wait_s + 30.0, write=30.0, pool=30.0)
+        return reply_body(self._http.request(method, path, json=json, params=params, headers=headers, timeout=timeout))
 
     def health(self) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/health"))
@@ -45,12 +51,19 @@ class MasterClient:
     def register_template(self, document: dict[str, Any], default: bool = False) -> dict[str, Any]:
         return dict(self.request("POST", "/v1/templates", document, params={"default": str(default).lower()}))
 
-    def create(self, body: dict[str, Any], idempotency_key: str | None = None) -> dict[str, Any]:
+    def create(
+        self, body: dict[str, Any], idempotency_key: str | None = None, wait_s: float | None = None
+    ) -> dict[str, Any]:
+        """`wait_s`: CubeMaster answers once the sandbox is running (workload service up), failed or gone."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
-        return dict(self.request("POST", "/v1/sandboxes", body, headers=headers))
+        return dict(self.request("POST", "/v1/sandboxes", body, headers=headers, wait_s=wait_s))
 
-    def sandbox(self, sandbox_id: str) -> dict[str, Any]:
-        return dict(self.request("GET", f"/v1/sandboxes/{sandbox_id}"))
+    def sandbox(self, sandbox_id: str, wait_s: float | None = None) -> dict[str, Any]:
+        return dict(self.request("GET", f"/v1/sandboxes/{sandbox_id}", wait_s=wait_s))
+
+    def sandbox_events(self, sandbox_id: str) -> dict[str, Any]:
+        """The start phases the sandbox's node recorded, through CubeMaster."""
+        return dict(self.request("GET", f"/v1/sandboxes/{sandbox_id}/events"))
 
     def sandboxes(self, state: str | None = None) -> list[dict[str, Any]]:
         params = {"state": state} if state else None

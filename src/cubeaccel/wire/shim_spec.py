@@ -101,6 +101,23 @@ class DeviceSpec(Strict):
         return f"{self.vendor_id:04x}:{self.device_id_hex:04x}"
 
 
+class NetSpec(Strict):
+    """The sandbox's network as Cubelet built it (host/netpolicy.py): the shim opens `tap` inside `netns`."""
+
+    netns: AbsPath  # /run/netns/cube-<sandbox>
+    tap: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,15}$")]
+    guest_cidr: Annotated[StrictStr, Field(pattern=r"^[0-9.]{7,15}/[0-9]{1,2}$")]
+    gateway: Annotated[StrictStr, Field(pattern=r"^[0-9.]{7,15}$")]
+    mac: Annotated[StrictStr, Field(pattern=r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")]
+
+
+class MountSpec(Strict):
+    """A read-only host directory for the guest: allowlisted on the node, checked by Cubelet before it gets here."""
+
+    source: AbsPath
+    target: Annotated[StrictStr, Field(pattern=r"^/[A-Za-z0-9_./-]{1,200}$")]
+
+
 class ShimSpec(Message):
     """What one shim run does. Cubelet's lifecycle fills the sandbox's half; the process driver adds
     `state_dir`, `report`, `start`, the timeouts and `image_check` before writing the file."""
@@ -125,10 +142,21 @@ class ShimSpec(Message):
     # Bridge the guest's workload service to `workload.sock`; its access token comes on the shim's stdin (one
     # line), never in this file: the host keeps only its hash.
     workload: StrictBool = False
+    # A trusted scrub VM (cubelet/scrub.py): after attach, ask the agent to scrub the device this way, report
+    # `scrub_finished`, and exit. Never set for a tenant's sandbox (no workload channel either).
+    scrub: Literal["bar", "cuda"] | None = None
     # In memory only (Cubelet → its process driver → the shim's stdin): never dumped, so never in the spec file.
     workload_token: SecretStr | None = Field(default=None, exclude=True)
     # The request that started it (CubeMaster's create, through Cubelet): on the shim's log lines and reports.
     request_id: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9._:-]{1,128}$")] | None = None
+    # The sandbox policy's devices (model/sandbox_policy.py); a VM with any of them is always cold-booted.
+    network: NetSpec | None = None  # None: no NIC at all
+    scratch_mib: Annotated[StrictInt, Field(ge=16, le=16 * 1024 * 1024)] | None = None
+    readonly_mounts: tuple[MountSpec, ...] = Field(default=(), max_length=8)
+
+    @property
+    def policy_devices(self) -> bool:
+        return self.network is not None or self.scratch_mib is not None or bool(self.readonly_mounts)
 
     @field_validator("sandbox_id")
     @classmethod

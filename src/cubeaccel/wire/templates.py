@@ -107,6 +107,33 @@ class TemplateProbes(_Strict):
     libraries: list[Name] = []
 
 
+class TemplateNetwork(_Strict):
+    mode: Literal["none", "allowlist"] = "none"
+    egress: list[Annotated[StrictStr, Field(max_length=40)]] = Field(default=[], max_length=64)
+
+
+class TemplateMount(_Strict):
+    source: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    target: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+
+
+class TemplateFilesystem(_Strict):
+    scratch_mib: StrictInt | None = None
+    readonly_mounts: list[TemplateMount] = Field(default=[], max_length=16)
+
+
+class TemplateSandbox(_Strict):
+    """What the sandbox may reach (model/sandbox_policy.py); the last five exist to be refused with a code."""
+
+    network: TemplateNetwork | None = None
+    filesystem: TemplateFilesystem | None = None
+    nested_virtualization: StrictBool = False
+    privileged: StrictBool = False
+    host_namespaces: list[Name] = Field(default=[], max_length=16)
+    device_sharing: Literal["exclusive", "mig", "vgpu", "time_slicing"] = "exclusive"
+    lifecycle: list[Literal["snapshot", "clone", "pause"]] = Field(default=[], max_length=3)
+
+
 class TemplateSpec(_Strict):
     accelerator: TemplateAccelerator
     guest: TemplateGuest
@@ -115,6 +142,7 @@ class TemplateSpec(_Strict):
     memory: TemplateMemory
     hotplug: StrictBool
     probes: TemplateProbes = TemplateProbes()
+    sandbox: TemplateSandbox | None = None
 
 
 class TemplateDocument(_Strict):

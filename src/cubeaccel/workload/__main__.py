@@ -9,6 +9,7 @@ the guest could read it. SIGTERM stops serving and kills every running command's
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -19,7 +20,8 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from cubeaccel.model.mux import MAX_PREAMBLE, parse_preamble
+from cubeaccel.model.mux import MAX_PREAMBLE, TOKEN_PREAMBLE, Session, parse_preamble
+from cubeaccel.workload import limits
 from cubeaccel.workload.app import Workload
 from cubeaccel.workload.http1 import Server, SocketListener, log
 from cubeaccel.workload.muxchannel import MuxChannel
@@ -49,6 +51,18 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("--env-file", metavar="FILE", help="JSON object of environment variables for every command")
     srv.add_argument("--max-processes", type=int, default=256)
     srv.add_argument("--max-connections", type=int, default=512)
+    srv.add_argument(
+        "--limit-commands",
+        action="store_true",
+        help="as root in a guest: put every command in a cgroup v2 group with pids/memory limits (limits.py)",
+    )
+    srv.add_argument("--max-tasks", type=int, default=limits.DEFAULT_MAX_TASKS, help="pids.max of that group")
+    srv.add_argument(
+        "--restart-marker",
+        metavar="FILE",
+        help="with --mux-port: a file that exists when a previous run of ours served this port (a restart): "
+        "then end the host's stale session at once (a GOAWAY frame) so that it reconnects",
+    )
     return parser
 
 
@@ -79,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         token=_token(args),
         default_user=default_user,
         default_workdir=args.default_workdir,
-        processes=ProcessTable(default_env=env, max_processes=args.max_processes),
+        processes=ProcessTable(
+            default_env=env,
+            max_processes=args.max_processes,
+            limits=limits.setup(args.max_tasks) if args.limit_commands else None,
+        ),
     )
     if args.mux_port is not None or args.mux_fd is not None:
         return _serve_mux(args, workload)
@@ -112,6 +130,8 @@ def _serve_mux(args: argparse.Namespace, workload: Workload) -> int:
 
         path = resolve_port(args.mux_port, wait_s=10.0)
         fd, reconnect, where = open_port(path), True, str(path)
+        if args.restart_marker:
+            announce_restart(fd, Path(args.restart_marker))
     stopped = threading.Event()
     current: list[Server] = []
 
@@ -144,11 +164,27 @@ def _serve_mux(args: argparse.Namespace, workload: Workload) -> int:
     return 0
 
 
+def announce_restart(fd: int, marker: Path) -> None:
+    """After a restart the host still runs the session of our previous run (a virtio port shows it no close):
+    a GOAWAY (RESET on stream 0) ends it there, and the host reconnects with a new preamble. On the first run
+    there is no stale session; we only leave the marker."""
+    if marker.exists():
+        session = Session(client=False)
+        session.go_away()
+        with contextlib.suppress(OSError):
+            os.write(fd, session.data_to_send())
+        log("restarted: told the host to start a new session")
+    else:
+        with contextlib.suppress(OSError):
+            marker.touch()
+
+
 def read_preamble(fd: int, stopped: threading.Event) -> bytes | None:
     """The token line the host writes before a session's first frame, read a byte at a time so that no frame
-    byte is taken from the channel; None on EOF (the host is away) or a malformed line (the host is not ours)."""
-    line = bytearray()
-    while not stopped.is_set() and len(line) <= MAX_PREAMBLE:
+    byte is taken from the channel; None on EOF (the host is away). What precedes the preamble's prefix (frames
+    of a session the host sent before it learnt that ours ended) is skipped; a malformed line is None."""
+    window = bytearray()
+    while not stopped.is_set():
         try:
             b = os.read(fd, 1)
         except BlockingIOError:
@@ -158,9 +194,17 @@ def read_preamble(fd: int, stopped: threading.Event) -> bytes | None:
             return None
         if not b:
             return None
+        window += b
+        if len(window) <= len(TOKEN_PREAMBLE):
+            if not TOKEN_PREAMBLE.startswith(bytes(window)):
+                del window[:1]
+                while window and not TOKEN_PREAMBLE.startswith(bytes(window)):
+                    del window[:1]
+            continue
         if b == b"\n":
-            return parse_preamble(bytes(line))
-        line += b
+            return parse_preamble(bytes(window[:-1]))
+        if len(window) > MAX_PREAMBLE:
+            return None
     return None
 
 

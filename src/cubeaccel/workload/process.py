@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.workload.connect import ConnectError
+from cubeaccel.workload.limits import CommandLimits
 from cubeaccel.workload.users import User, expand_and_resolve
 
 CHUNK = 32 * 1024
@@ -215,6 +217,7 @@ class ProcessTable:
     default_env: dict[str, str] = field(default_factory=dict)
     default_workdir: str | None = None
     max_processes: int = 256
+    limits: CommandLimits | None = None  # the guest's cgroup and rlimits for commands (limits.py)
     live: dict[int, Process] = field(default_factory=dict)
     retained: dict[int, tuple[float, Process]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -263,9 +266,18 @@ class ProcessTable:
             master, slave = os.openpty()
             set_winsize(master, c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
             streams = {"stdin": slave, "stdout": slave, "stderr": slave, "preexec_fn": _controlling_tty}
+        argv = [cmd, *args]
+        gated = self.limits is not None and pty is None  # the pty path keeps its preexec_fn (no gate)
+        if gated:
+            assert self.limits is not None
+            probe = cmd if os.path.isabs(cmd) or "/" not in cmd else os.path.join(cwd, cmd)
+            found = shutil.which(probe, path=env["PATH"])
+            if found is None:  # as a direct exec would: invalid_argument at Start
+                raise ConnectError("invalid_argument", f"error starting process '{' '.join(argv)}': not found")
+            argv = self.limits.gated(cmd, os.path.abspath(os.path.join(cwd, found)), args)
         try:
             popen = subprocess.Popen(
-                [cmd, *args],
+                argv,
                 cwd=cwd,
                 env=env,
                 start_new_session=True,  # own session and process group: killpg reaches all it starts
@@ -283,6 +295,11 @@ class ProcessTable:
         finally:
             if slave is not None:
                 os.close(slave)
+        if gated:
+            assert self.limits is not None
+            ended = self.limits.confine(popen.pid, user.uid)
+            if ended is not None:
+                popen.returncode = ended  # reaped already; wait() returns it
         shown: dict[str, Any] = {"cmd": cmd}
         if args:
             shown["args"] = args

@@ -27,6 +27,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.shim_driver import NodeFacts, ShimSpec
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.readiness import HostRoots
@@ -100,6 +101,7 @@ def cubelet_cycle() -> dict[str, Any]:
         backend,
         shims,
         CubeletConfig(release_timeout_s=30, kill_grace_s=5, pinnable_memory_mib=1024),
+        scrub_runner=SimulatedScrubRunner(),  # stand-in shims: the scrub VM is stood in too (tests/vm runs one)
     )
     initialize_host(cubelet)
     dev_id = f"vfio-{RP}"

@@ -1,0 +1,241 @@
+"""Scrub between tenants: a trusted VM clears what the last tenant could leave in the device (docs/scrub.md).
+
+A reset (FLR, bus reset) returns registers to their defaults but does not promise to clear device memory. So, per
+device class, the release path may run one more step after the reset and before revalidation: boot a *scrub VM*
+(our own guest image, no tenant code, no workload channel) with the device attached, whose agent zeroes every
+allocatable byte (CUDA) or every tenant-writable register (the emulated edu) and verifies, then reset again. The
+device becomes allocatable only after that passed; a failure or a timeout quarantines it (`release.scrub_failed`).
+
+The runner is the only part that knows how a VM is started; the decision (scrub owed? passed?) is Cubelet's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Protocol
+
+from cubeaccel.backends.base import AttachSpec
+from cubeaccel.host.vmmproc import find_vmm
+from cubeaccel.model.device import AcceleratorClass, DeviceRecord
+from cubeaccel.model.errors import invalid
+from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec
+
+
+class ScrubPolicy(StrEnum):
+    NONE = "none"  # reset only: for classes with no tenant-writable memory, or an operator's informed choice
+    TRUSTED_VM = "trusted-vm"
+
+
+# Every class we manage has device memory a tenant writes (GPU VRAM/HBM; TPU/XPU-like accelerators too): scrub.
+DEFAULT_POLICY: dict[str, ScrubPolicy] = {c.value: ScrubPolicy.TRUSTED_VM for c in AcceleratorClass}
+SCRUB_VM_MEMORY_MIB = 256
+STOP_GRACE_S = 10.0
+REPORTS = "scrub-reports.jsonl"  # in the scrub VM's run dir
+
+
+def parse_policy(items: list[str] | tuple[str, ...]) -> dict[str, ScrubPolicy]:
+    """`CLASS=POLICY` pairs over the default (`gpu=none`); an unknown class or policy is refused, not ignored."""
+    policy = dict(DEFAULT_POLICY)
+    for item in items:
+        cls, _, value = item.partition("=")
+        if cls not in policy or value not in {p.value for p in ScrubPolicy}:
+            raise invalid(
+                "cubelet.invalid_scrub_policy",
+                f"--scrub wants CLASS=POLICY with CLASS in {sorted(policy)} and POLICY in "
+                f"{[p.value for p in ScrubPolicy]}, not {item!r}",
+            )
+        policy[cls] = ScrubPolicy(value)
+    return policy
+
+
+def scrub_method(device: DeviceRecord) -> str:
+    """What the scrub VM's agent runs: NVIDIA memory through CUDA; the emulated edu through its BAR registers."""
+    return "cuda" if device.identity.vendor_id == 0x10DE else "bar"
+
+
+@dataclass(frozen=True)
+class ScrubOutcome:
+    ok: bool
+    message: str = ""
+    details: dict[str, Any] = field(default_factory=dict)  # bytes, timings, the agent's result, the VM's timeline
+
+
+class ScrubRunner(Protocol):
+    inline: bool  # True: runs in the caller's thread (simulated); False: Cubelet gives it a thread
+
+    def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
+        """Boot the scrub VM with the device, scrub, verify, tear down; blocks; never raises for a device fault."""
+        ...
+
+
+class SimulatedScrubRunner:
+    """The simulated node's scrub VM, as its shim driver plays its sandboxes' VMs: passes, at once."""
+
+    inline = True
+
+    def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
+        mib = int(device.labels.get("memory_mib", "0") or 0)
+        return ScrubOutcome(True, "simulated", {"method": scrub_method(device), "bytes_zeroed": mib * 1024 * 1024})
+
+
+class UnavailableScrubRunner:
+    """No way to boot a scrub VM was configured: a scrub owed fails, so the device is quarantined, never reused."""
+
+    inline = True
+
+    def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
+        return ScrubOutcome(False, "this Cubelet has no scrub runner (policy trusted-vm needs one)")
+
+
+class ProcessScrubRunner:
+    """A `cubeaccel shim run` in scrub mode: the same shim that boots sandboxes, told to run the agent's scrub op
+    on its one device and exit. It lives under the Cubelet's `shims/` directory, so while it runs its VMM is the
+    device's holder like any tenant's (nothing else can take the device), and reports go to a file Cubelet reads."""
+
+    inline = False
+
+    def __init__(
+        self,
+        state_dir: Path,
+        start_mode: str = "template",
+        image_digest: str | None = None,
+        python: str = sys.executable,
+        proc: Path = Path("/proc"),
+        detach_timeout_s: float = 10.0,
+    ) -> None:
+        self.dir = (state_dir / "shims").absolute()
+        self.start_mode = start_mode
+        self.image_digest = image_digest  # None: the node's default image (the newest our builder made)
+        self.python = python
+        self.proc = proc
+        self.detach_timeout_s = detach_timeout_s
+
+    def _image(self) -> str | None:
+        """The operator's `--scrub-image`, else the newest built image that carries *this* Cubelet's agent: the
+        scrub op is the one this code ships, never whatever agent the newest image in a shared cache happens to
+        have (an older one answers `agent.unknown_method`)."""
+        if self.image_digest is not None:
+            return self.image_digest
+        from cubeaccel.images.builder import agent_digest, cached_images
+
+        mine = agent_digest()
+        return next((m.image_digest for m in cached_images() if m.agent_sha256 == mine), None)
+
+    def spec(self, sid: str, device: DeviceRecord, attach: AttachSpec) -> ShimSpec:
+        run_dir = self.dir / sid
+        return ShimSpec.model_validate(
+            {
+                "sandbox_id": sid,
+                "devices": [
+                    {
+                        "device_id": device.id,
+                        "address": str(device.address),
+                        "driver": attach.driver,
+                        "properties": attach.properties,
+                        "vendor_id": device.identity.vendor_id,
+                        "device_id_hex": device.identity.device_id,
+                    }
+                ],
+                "memory_mib": SCRUB_VM_MEMORY_MIB,
+                "vcpus": 1,
+                "pin_memory": True,
+                "image_digest": self._image(),
+                "start": self.start_mode,
+                "state_dir": str(run_dir),
+                "report": {"file": str(run_dir / REPORTS)},
+                "detach_timeout_s": self.detach_timeout_s,
+                "scrub": scrub_method(device),
+            },
+            context=SHIM_LIMITS,
+        )
+
+    def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
+        sid = f"scrub-{uuid.uuid4().hex[:12]}"
+        t0 = time.monotonic()
+        try:
+            spec = self.spec(sid, device, attach)
+        except ValueError as e:
+            return ScrubOutcome(False, f"cannot build the scrub VM's spec: {e}"[:500], {"scrub_vm": sid})
+        if spec.image_digest is None:
+            why = "no built guest image carries this Cubelet's agent: run `cubeaccel image build` (or --scrub-image)"
+            return ScrubOutcome(False, why, {"scrub_vm": sid})
+        run_dir = self.dir / sid
+        run_dir.mkdir(parents=True, exist_ok=True)
+        spec_path = self.dir / f"{sid}.json"
+        spec_path.write_text(json.dumps(spec.to_json()))
+        with open(self.dir / f"{sid}.log", "ab") as log:
+            child = subprocess.Popen(
+                [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        timed_out = False
+        try:
+            rc = child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            rc = self._stop(sid, child)
+        reports = _reports(run_dir / REPORTS)
+        done = next((r for r in reports if r.get("kind") == "scrub_finished"), None)
+        exited = next((r for r in reports if r.get("kind") == "shim_exiting"), None)
+        details: dict[str, Any] = {
+            "scrub_vm": sid,
+            "vm_s": round(time.monotonic() - t0, 3),
+            "shim_rc": rc,
+            "timeout_s": timeout_s,
+        }
+        if exited is not None:
+            details["timeline"] = exited.get("details", {}).get("timeline")
+        result = (done or {}).get("details", {}).get("result") if done else None
+        if isinstance(result, dict):
+            details.update(
+                {k: result.get(k) for k in ("method", "bytes_zeroed", "bytes_verified", "zero_ms", "verify_ms")}
+            )
+            details["agent"] = result
+        if timed_out:
+            return ScrubOutcome(False, f"the scrub VM did not finish within {timeout_s:g}s", details)
+        if not isinstance(result, dict):
+            failed = next((r for r in reports if r.get("kind") == "attach_failed"), None)
+            why = (failed or {}).get("details", {}).get("reason", "no scrub result reported")
+            return ScrubOutcome(False, f"the scrub VM failed before scrubbing: {why}", details)
+        if not result.get("ok") or rc != 0:
+            return ScrubOutcome(False, str(result.get("error") or f"scrub VM exited {rc}")[:500], details)
+        return ScrubOutcome(True, "", details)
+
+    def _stop(self, sid: str, child: subprocess.Popen[bytes]) -> int:
+        """Past the deadline: SIGTERM lets the shim tear its VMM down; then SIGKILL both (never another's VMM:
+        the VMM is found by its tag *and* under this Cubelet's shims directory)."""
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
+        try:
+            return child.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in (child.pid, find_vmm(sid, self.proc, under=self.dir)):
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        return child.wait()
+
+
+def _reports(path: Path) -> list[dict[str, Any]]:
+    out = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                item = json.loads(line)
+                if isinstance(item, dict):
+                    out.append(item)
+    return out

@@ -1,0 +1,167 @@
+"""Sandbox networks on the host (real namespaces, TAP and nftables; no VM) and the Cubelet's policy refusals."""
+
+from __future__ import annotations
+
+import copy
+import fcntl
+import json
+import os
+import shutil
+import struct
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cubeaccel.cubelet.lifecycle import ReservationRequest
+from cubeaccel.cubelet.release import CubeletConfig
+from cubeaccel.host import netpolicy
+from cubeaccel.model.contract import freeze
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.sandbox_policy import NetworkPolicy
+from cubeaccel.wire.templates import load_document, parse_template
+from tests.support.cubelet_harness import Node
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
+TUNGETIFF = 0x800454D2
+POLICY = NetworkPolicy.from_json({"mode": "allowlist", "egress": ["192.0.2.10/32:8080", "198.51.100.0/24:53/udp"]})
+
+needs_net = pytest.mark.skipif(
+    os.geteuid() != 0 or netpolicy.available() is not None, reason=f"needs root, ip and nft: {netpolicy.available()}"
+)
+
+
+def ip_json(*args: str) -> Any:
+    return json.loads(subprocess.run(["ip", "-j", *args], check=True, capture_output=True, text=True).stdout or "[]")
+
+
+@pytest.fixture
+def uplink() -> Iterator[str]:
+    ns = f"cbt-{uuid.uuid4().hex[:8]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        yield ns
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+@needs_net
+def test_setup_builds_namespace_tap_uplink_and_rules_and_teardown_removes_them(uplink: str) -> None:
+    sid = f"np-{uuid.uuid4().hex[:8]}"
+    net = netpolicy.setup(sid, POLICY, node="n1", uplink_netns=uplink)
+    try:
+        ns = net.netns
+        links = {x["ifname"]: x for x in ip_json("-n", ns, "link", "show")}
+        assert set(links) == {"lo", "tap0", "up0"}
+        addrs = {x["ifname"]: [a["local"] for a in x["addr_info"]] for x in ip_json("-n", ns, "-4", "addr", "show")}
+        assert addrs["tap0"] == [net.gateway]
+        routes = ip_json("-n", ns, "route", "show")
+        assert [r["dst"] for r in routes if r["dst"] == "default"] == ["default"]
+        rules = subprocess.run(
+            ["ip", "netns", "exec", ns, "nft", "list", "ruleset"], check=True, capture_output=True, text=True
+        ).stdout
+        assert (
+            "policy drop" in rules and "192.0.2.10 tcp dport 8080" in rules and "198.51.100.0/24 udp dport 53" in rules
+        )
+        assert "masquerade" in rules and "meta nfproto ipv6 drop" in rules
+        v6 = subprocess.run(
+            ["ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv6/conf/all/disable_ipv6"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert v6.strip() == "1"
+        assert net.uplink_if in {x["ifname"] for x in ip_json("-n", uplink, "link", "show")}
+        # the shim's way in: an fd on the TAP, opened inside the namespace, while this thread stays where it was
+        before = os.readlink("/proc/thread-self/ns/net")
+        fd = netpolicy.open_tap(netpolicy.NETNS_DIR / ns, "tap0")
+        try:
+            name = fcntl.ioctl(fd, TUNGETIFF, b"\0" * 40)
+            assert struct.unpack("16s", name[:16])[0].rstrip(b"\0") == b"tap0"
+            assert os.readlink("/proc/thread-self/ns/net") == before
+        finally:
+            os.close(fd)
+    finally:
+        assert netpolicy.teardown(sid, node="n1", uplink_netns=uplink)
+    assert not netpolicy.exists(sid)
+    assert {x["ifname"] for x in ip_json("-n", uplink, "link", "show")} == {"lo"}
+    assert not netpolicy.teardown(sid, node="n1", uplink_netns=uplink)  # idempotent
+
+
+@needs_net
+def test_two_sandboxes_get_distinct_uplink_addresses(uplink: str) -> None:
+    sids = [f"np-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    nets = []
+    try:
+        for sid in sids:
+            nets.append(netpolicy.setup(sid, POLICY, node="n1", uplink_netns=uplink, pool="100.96.0.0/29"))
+        assert len({n.veth_cidr for n in nets}) == 2
+    finally:
+        for sid in sids:
+            netpolicy.teardown(sid, node="n1", uplink_netns=uplink)
+
+
+def test_the_ruleset_allows_only_the_listed_destinations() -> None:
+    text = netpolicy.ruleset(POLICY)
+    accepts = [line.strip() for line in text.splitlines() if "ct state new accept" in line]
+    assert accepts == [
+        'iifname "tap0" oifname "up0" ip daddr 192.0.2.10/32 tcp dport 8080 ct state new accept',
+        'iifname "tap0" oifname "up0" ip daddr 198.51.100.0/24 udp dport 53 ct state new accept',
+    ]
+    assert "policy drop" in text.split("chain input")[1].split("}")[0]
+
+
+def _tool_contract(sandbox: dict[str, Any]) -> dict[str, Any]:
+    doc = copy.deepcopy(load_document(EXAMPLES / "cuda12-h100.yaml"))
+    assert isinstance(doc, dict)
+    doc["spec"]["sandbox"] = sandbox
+    return freeze(parse_template(doc)).to_json()
+
+
+def test_cubelet_refuses_mounts_the_operator_did_not_allowlist(tmp_path: Path) -> None:
+    mounts = {"filesystem": {"readonly_mounts": [{"source": "/srv/models/llama", "target": "/models"}]}}
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    node = Node.create(tmp_path / "a", "h100x1")
+    with pytest.raises(CubeError) as e:
+        node.cubelet.reserve("sb", ReservationRequest(contract=_tool_contract(mounts)))
+    assert e.value.code == "filesystem.mount_not_allowlisted" and e.value.status == 409
+    assert node.cubelet.store.reservation("sb") is None
+    cfg = CubeletConfig(pinnable_memory_mib=1 << 20, readonly_mount_allowlist=("/srv/models",))
+    allowed = Node.create(tmp_path / "b", "h100x1", config=cfg)
+    assert allowed.cubelet.reserve("sb", ReservationRequest(contract=_tool_contract(mounts))).device_ids
+
+
+def test_cubelet_narrows_records_and_refuses_pool_overlap_and_widening(tmp_path: Path) -> None:
+    net = {"network": {"mode": "allowlist", "egress": ["10.0.0.0/8:443"]}}
+    node = Node.create(tmp_path, "h100x2")
+    res = node.cubelet.reserve(
+        "sb1",
+        ReservationRequest(contract=_tool_contract(net), network={"mode": "allowlist", "egress": ["10.1.0.0/16:443"]}),
+    )
+    assert res.params["network"] == {"mode": "allowlist", "egress": ["10.1.0.0/16:443/tcp"]}
+    with pytest.raises(CubeError) as e:
+        node.cubelet.reserve(
+            "sb2",
+            ReservationRequest(
+                contract=_tool_contract(net), network={"mode": "allowlist", "egress": ["10.0.0.0/7:443"]}
+            ),
+        )
+    assert e.value.code == "network.policy_widened"
+    pool = {"network": {"mode": "allowlist", "egress": ["100.96.4.0/24:443"]}}
+    with pytest.raises(CubeError) as e:
+        node.cubelet.reserve("sb3", ReservationRequest(contract=_tool_contract(pool)))
+    assert e.value.code == "network.pool_overlap"
+
+
+@pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="e2fsprogs missing")
+def test_the_scratch_disk_is_sparse_and_exactly_the_cap(tmp_path: Path) -> None:
+    from cubeaccel.host.scratch import SCRATCH_FILE, create_scratch, remove_scratch
+
+    create_scratch(tmp_path / SCRATCH_FILE, 64)
+    st = (tmp_path / SCRATCH_FILE).stat()
+    assert st.st_size == 64 << 20 and st.st_blocks * 512 < 16 << 20
+    assert remove_scratch(tmp_path) and not (tmp_path / SCRATCH_FILE).exists() and not remove_scratch(tmp_path)
