@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from cubeaccel.wire import node_sig
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 
@@ -32,10 +33,9 @@ class _Master(ThreadingHTTPServer):
 def _handler(server: _Master) -> type[BaseHTTPRequestHandler]:
     class H(BaseHTTPRequestHandler):
         def do_PUT(self) -> None:
-            body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-            server.beats.append((self.path, body))
-            if self.headers["authorization"] not in server.auth:
-                server.auth.append(self.headers["authorization"])
+            raw = self.rfile.read(int(self.headers["content-length"]))
+            server.beats.append((self.path, json.loads(raw)))
+            server.auth.append((self.path, self.headers["authorization"], self.headers[node_sig.BODY_HEADER], raw))
             code = 200 if server.up else 503
             self.send_response(code)
             self.send_header("content-type", "application/json")
@@ -64,23 +64,33 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
         assert body["capacity"]["total"] == 4 and body["capacity"]["allocatable"] == 4
         assert {g["labels"]["model"] for g in body["capacity"]["groups"]} == {"H100-SXM5-80GB", "T4-16GB"}
         assert body["pinnable_memory_mib"] > 0
-        # The TCP listener serves CubeMaster's calls (its node token), but never shim evidence or operator verbs.
+        # The TCP listener serves CubeMaster's calls (its node token; device verbs it forwards for an admin),
+        # but never shim evidence.
         base = f"http://127.0.0.1:{port}"
-        assert master.auth == [f"Bearer {p.token}"]  # every heartbeat carried the node's token
+        assert p.token is not None
+        nonces = node_sig.NonceCache()
+        for path_, header, sha, raw in list(master.auth):  # every heartbeat signed with the node's token, not it
+            claim = node_sig.parse(header, sha)
+            assert claim is not None and p.token not in header
+            assert node_sig.check(claim, p.token, "PUT", path_, nonces) is None and node_sig.body_matches(claim, raw)
         assert httpx.get(f"{base}/v1/devices").json()["error"]["code"] == "auth.missing_credential"
         wrong = {"Authorization": "Bearer cbn:n7:1:" + "0" * 64}
         assert httpx.get(f"{base}/v1/devices", headers=wrong).json()["error"]["code"] == "auth.invalid_credential"
         assert httpx.delete(f"{base}/v1/reservations/sb", headers=wrong).status_code == 401
-        for _ in range(17):  # 20 failures from this source so far
+        bearer = {"Authorization": f"Bearer {p.token}"}  # the token itself: never accepted, only its signature
+        assert httpx.get(f"{base}/v1/devices", headers=bearer).json()["error"]["code"] == "auth.invalid_credential"
+        for _ in range(16):  # 20 failures from this source so far
             assert httpx.get(f"{base}/v1/devices", headers=wrong).status_code == 401
         assert httpx.get(f"{base}/v1/devices", headers=wrong).json()["error"]["code"] == "auth.throttled"
-        h = {"Authorization": f"Bearer {p.token}"}
-        r = httpx.post(f"{base}/v1/shim-reports", json={"sandbox_id": "x", "kind": "vmm_exited"}, headers=h)
+        h = node_sig.NodeAuth(p.token)
+        r = httpx.post(f"{base}/v1/shim-reports", json={"sandbox_id": "x", "kind": "vmm_exited"}, auth=h)
         assert r.status_code in (404, 405) and r.json()["error"]["code"].startswith("api.")
         dev = p.client.devices()[0]["id"]
-        r = httpx.post(f"{base}/v1/devices/{dev}/recover", json={"who": "a", "reason": "b"}, headers=h)
-        assert r.status_code in (404, 405)
-        assert httpx.get(f"{base}/v1/devices", headers=h).status_code == 200
+        r = httpx.post(f"{base}/v1/devices/{dev}/recover", json={"who": "a", "reason": "b"}, auth=h)
+        assert r.json()["error"]["code"] == "operator.not_recoverable"  # reached the verb: it is allocatable
+        r = httpx.post(f"{base}/v1/devices/{dev}/quarantine", json={"who": "a", "reason": "b"}, headers=wrong)
+        assert r.status_code == 429 and p.client.devices()[0]["state"] == "allocatable"
+        assert httpx.get(f"{base}/v1/devices", auth=h).status_code == 200
         p.client.reserve("sb", 1)
         poll(lambda: master.beats[-1][1]["capacity"]["allocatable"] == 3)
         master.up = False

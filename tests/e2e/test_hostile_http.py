@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cubeaccel.wire.node_sig import sign
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, free_port
 from tests.support.poll import poll
@@ -46,10 +47,14 @@ LISTENERS = ["cubelet-unix", "cubelet-tcp", "master"]
 CREATE = {"cubelet-unix": "/v1/reservations", "cubelet-tcp": "/v1/reservations", "master": "/v1/sandboxes"}
 
 
-def _auth(proc: object) -> str:
-    """The credential header the listener asks for (the Cubelet's TCP port: the node token; CubeMaster: admin)."""
-    key = getattr(proc, "admin_key", None) or getattr(proc, "token", None)
-    return f"Authorization: Bearer {key}\r\n" if key else ""
+def _auth(proc: object, method: str, path: str, body: bytes = b"") -> str:
+    """The credential headers the listener asks for: CubeMaster an admin key; the Cubelet's TCP port a request
+    signed with the node token (the unix socket ignores them)."""
+    key = getattr(proc, "admin_key", None)
+    if key:
+        return f"Authorization: Bearer {key}\r\n"
+    token = getattr(proc, "token", None)
+    return "".join(f"{k}: {v}\r\n" for k, v in sign(token, method, path, body).items()) if token else ""
 
 
 def _connect(where: Where) -> socket.socket:
@@ -122,7 +127,8 @@ def test_a_chunked_body_over_the_limit_is_refused_by_bytes_read_and_not_acted_on
     body = {"sandbox_id": "chunky", "count": 1} if name != "master" else {"tenant": "t", "gpu": "H100:1"}
     first = json.dumps(body)[:-1] + ', "labels": {"pad": "'
     s = _connect(where)
-    s.sendall(f"POST {CREATE[name]} HTTP/1.1\r\nHost: x\r\n{_auth(proc)}Content-Type: application/json\r\n".encode())
+    auth = _auth(proc, "POST", CREATE[name])  # the signed hash is not this body's: the size limit comes first
+    s.sendall(f"POST {CREATE[name]} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n".encode())
     s.sendall(b"Transfer-Encoding: chunked\r\n\r\n")
     sent = 0
     try:
@@ -160,7 +166,8 @@ def test_half_sent_headers_and_idle_connections_are_closed(
 def test_a_slow_body_is_dropped_with_408(listeners: dict[str, tuple[Where, object]], name: str) -> None:
     where, proc = listeners[name]
     s = _connect(where)
-    s.sendall(f'POST {CREATE[name]} HTTP/1.1\r\nHost: x\r\n{_auth(proc)}Content-Length: 100\r\n\r\n{{"sand'.encode())
+    auth = _auth(proc, "POST", CREATE[name], b"x" * 100)
+    s.sendall(f'POST {CREATE[name]} HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 100\r\n\r\n{{"sand'.encode())
     t0 = time.monotonic()
     status, _, reply = _read_reply(s)
     assert status == 408 and json.loads(reply)["error"]["code"] == "api.body_timeout"
@@ -202,7 +209,8 @@ def test_malformed_bodies_are_422_in_the_error_format_and_create_nothing(
     before = _count_created(name, proc)
     s = _connect(where)
     s.sendall(
-        f"POST {CREATE[name]} HTTP/1.1\r\nHost: x\r\n{_auth(proc)}Content-Type: application/json\r\n"
+        f"POST {CREATE[name]} HTTP/1.1\r\nHost: x\r\n{_auth(proc, 'POST', CREATE[name], body)}"
+        "Content-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )

@@ -4,6 +4,7 @@ once, with who did it; `cubeaccel audit --verify` finds an edited and a removed 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections import Counter
@@ -19,9 +20,9 @@ from tests.support.poll import poll
 PROFILES = {"n1": "2xh100"}
 
 
-def audit(*args: str) -> subprocess.CompletedProcess[str]:
+def audit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "cubeaccel", "audit", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "cubeaccel", "audit", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 
@@ -79,6 +80,19 @@ def test_a_scripted_session_is_audited_once_per_mutation_and_verify_finds_tamper
     removed.write_text("\n".join([*lines[:3], *lines[4:]]) + "\n")
     bad = audit("--file", str(removed), "--verify")
     assert bad.returncode == 1 and "line 4: prev" in bad.stdout, bad.stdout
+    cut = tmp_path / "cut.jsonl"  # the last two lines removed: a valid chain, only shorter
+    cut.write_text("\n".join(lines[:-2]) + "\n")
+    (tmp_path / "cut.jsonl.head").write_bytes((log.parent / "audit.jsonl.head").read_bytes())
+    bad = audit("--file", str(cut), "--verify")
+    assert bad.returncode == 1 and "entries were cut off" in bad.stdout, bad.stdout
+    (tmp_path / "cut.jsonl.head").unlink()  # the head file removed too: CubeMaster's database still has the seal
+    last = json.loads(lines[-1])["seq"]  # sealed by a background writer: wait for it to reach the last line
+    poll(lambda: any(s["seq"] >= last for s in admin.request("GET", "/v1/audit/seals")["seals"]))
+    env = {**os.environ, "CUBEACCEL_API_KEY": c.master.admin_key}
+    bad = audit("--file", str(cut), "--verify", "--master-seal", "--master", c.master.url, env=env)
+    assert bad.returncode == 1 and "seal: seq" in bad.stdout and "cut off" in bad.stdout, bad.stdout + bad.stderr
+    ok = audit("--file", str(log), "--verify", "--master-seal", "--master", c.master.url, env=env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
     q = audit("--file", str(log), "--tenant", "acme", "--action", "sandbox:")
     assert {json.loads(x)["action"] for x in q.stdout.splitlines()} == {"sandbox:create", "sandbox:delete"}
 
@@ -102,3 +116,94 @@ def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Clus
     assigns = [e for e in entries if e["action"] == "device:assign" and e["identity"] == via_master]
     assert len(assigns) >= 1 and all(e["outcome"] == "ok" for e in assigns)
     assert audit("--file", str(log), "--verify").returncode == 0
+
+
+def test_an_admin_quarantines_and_recovers_a_device_through_cubemaster_and_a_tenant_cannot(c: Cluster) -> None:
+    node = c.cubelets["n1"]
+    dev = node.client.devices()[0]["id"]
+    cursor = node.client.events(limit=10000)["next"]
+    tenant = MasterClient(c.master.url, key=c.master.tenant_key)
+    path = f"/v1/nodes/n1/devices/{dev}"
+    with pytest.raises(CubeError) as e:
+        tenant.request("POST", f"{path}/quarantine", {"reason": "mine now"})
+    assert (e.value.code, e.value.status) == ("auth.forbidden", 403)
+    with pytest.raises(CubeError) as e:
+        tenant.request("GET", "/v1/nodes/n1/devices")
+    assert e.value.status == 403
+    tenant.close()
+    assert node.client.devices()[0]["state"] == "allocatable"  # the refusal changed nothing
+
+    listed = c.c.request("GET", "/v1/nodes/n1/devices")["devices"]
+    assert [d["id"] for d in listed] == [d["id"] for d in node.client.devices()]
+    q = c.c.request("POST", f"{path}/quarantine", {"reason": "ECC errors"})
+    assert (q["node"], q["device"]["id"], q["device"]["state"]) == ("n1", dev, "quarantined")
+    assert node.client.devices()[0]["state"] == "quarantined"
+    with pytest.raises(CubeError) as e:  # the Cubelet's own refusal comes back with its code
+        c.c.request("POST", "/v1/nodes/n1/devices/simulated-0000:ff:1f.7/recover", {"reason": "x"})
+    assert e.value.code == "device.not_found"
+    with pytest.raises(CubeError) as e:
+        c.c.request("POST", f"/v1/nodes/nope/devices/{dev}/recover", {"reason": "x"})
+    assert e.value.code == "node.not_found"
+    r = c.c.request("POST", f"{path}/recover", {"reason": "checked"})
+    assert r["device"]["state"] == "allocatable"
+
+    master_log = [json.loads(x) for x in c.master.audit_log.read_text().splitlines()]
+    mine = [e for e in master_log if e["target"].startswith(path)]
+    assert [(e["action"], e["outcome"], e["identity"].split("/")[0]) for e in mine] == [
+        ("device:quarantine", "refused", "tenant:default"),
+        ("device:quarantine", "ok", "admin"),
+        ("device:recover", "ok", "admin"),
+    ]
+    # the Cubelet did it for CubeMaster's node token, on the same request id, and its events name the admin
+    node_log = [json.loads(x) for x in (node.state_dir / "audit.jsonl").read_text().splitlines()]
+    ids = {e["request_id"] for e in mine[1:]}
+    there = [e for e in node_log if e.get("request_id") in ids]
+    assert [(e["action"], e["identity"]) for e in there] == [
+        ("device:quarantine", "node-token:n1 (CubeMaster)"),
+        ("device:recover", "node-token:n1 (CubeMaster)"),
+    ]
+    evs = node.client.events(cursor, limit=10000)["events"]
+    who = {ev["details"]["who"] for ev in evs if ev["device_id"] == dev and "who" in ev["details"]}
+    assert who == {mine[1]["identity"]}
+
+
+def test_the_device_cli_goes_through_cubemaster_with_node(c: Cluster) -> None:
+    dev = c.cubelets["n1"].client.devices()[0]["id"]
+    env = {**os.environ, "CUBEACCEL_API_KEY": c.master.admin_key}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "cubeaccel", *args, "--node", "n1", "--master", c.master.url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+    q = cli("device", "quarantine", dev, "--reason", "ECC")
+    assert q.returncode == 0 and "quarantined" in q.stdout, q.stdout + q.stderr
+    listed = cli("devices", "--json")
+    assert json.loads(listed.stdout)["devices"][0]["state"] == "quarantined"
+    r = cli("device", "recover", dev, "--reason", "clean")
+    assert r.returncode == 0 and c.cubelets["n1"].client.devices()[0]["state"] == "allocatable", r.stdout
+
+
+def test_a_tenant_rotates_its_key_with_the_cli(c: Cluster, tmp_path: Path) -> None:
+    made = c.c.request("POST", "/v1/tenants", {"name": "rotating"})
+    old_id, old = made["key_id"], made["key"]
+
+    def cli(key: str, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "CUBEACCEL_API_KEY": key}
+        cmd = [sys.executable, "-m", "cubeaccel", "key", *args, "--master", c.master.url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
+
+    r = cli(old, "create", "--out", str(tmp_path / "new.key"))
+    assert r.returncode == 0 and old not in r.stdout, r.stdout + r.stderr
+    new = (tmp_path / "new.key").read_text().strip()
+    assert new not in r.stdout and (tmp_path / "new.key").stat().st_mode & 0o777 == 0o600
+    assert json.loads(r.stdout)["tenant"] == "rotating"
+    listed = json.loads(cli(new, "list").stdout)
+    assert {k["key_id"] for k in listed} == {old_id, json.loads(r.stdout)["key_id"]}
+    assert cli(new, "revoke", old_id).returncode == 0
+    with pytest.raises(CubeError) as e:
+        MasterClient(c.master.url, key=old).sandboxes()
+    assert e.value.code == "auth.invalid_credential"
+    assert MasterClient(c.master.url, key=new).sandboxes() == []
+    entries = [json.loads(x) for x in c.master.audit_log.read_text().splitlines()]
+    done = Counter(e["action"] for e in entries if e.get("tenant") == "rotating" and e["outcome"] == "ok")
+    assert done == {"tenant:create": 1, "key:create_own": 1, "key:revoke": 1}, done

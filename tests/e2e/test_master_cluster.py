@@ -146,17 +146,17 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
             ],
         },
     }
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, headers=c.master.headers("fake")).raise_for_status()
+    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "kernel_incompatible"
     h100 = next(i for i in c.c.nodes() if i["node"] == "n1")["guest_images"][0]  # the kernel cuda12-h100 pins
     fake.update(guest_images=[{**h100, "digest": guest["digest"]}])
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, headers=c.master.headers("fake")).raise_for_status()
+    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "image_missing"
     fake.update(hotplug=[])
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, headers=c.master.headers("fake")).raise_for_status()
+    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "hotplug_unsupported"
     fake["capacity"]["backends"] = ["emulated"]  # type: ignore[index]
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, headers=c.master.headers("fake")).raise_for_status()
+    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
     assert c.reasons({"gpu": "H100:8"})["fake"] == "backend_unsupported"
     poll(lambda: c.reasons({"gpu": "H100:8"})["fake"] == "node_stale")
 

@@ -109,10 +109,10 @@ def test_malformed_json_and_bad_templates_are_refused_with_codes(c: Cluster) -> 
     changed = example("cuda12-h100", spec__memory__size_mib=2048)
     r = httpx.post(f"{c.master.url}/v1/templates", json=changed, headers=c.master.headers())
     assert (r.status_code, r.json()["error"]["code"]) == (409, "template.version_exists")
-    r = httpx.put(f"{c.master.url}/v1/nodes/x", json={"node": "y"}, headers=c.master.headers("x"))
+    r = httpx.put(f"{c.master.url}/v1/nodes/x", json={"node": "y"}, auth=c.master.node_auth("x"))
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.name_mismatch")
     r = httpx.put(
-        f"{c.master.url}/v1/nodes/x", json={"node": "x", "cubelet_url": "http://h:1"}, headers=c.master.headers("x")
+        f"{c.master.url}/v1/nodes/x", json={"node": "x", "cubelet_url": "http://h:1"}, auth=c.master.node_auth("x")
     )
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_heartbeat")
 

@@ -32,6 +32,21 @@ def test_example_templates_are_package_data_so_an_installed_wheel_registers_them
         assert package in Path(str(found)).resolve().parents, f"{found} is outside the package"
 
 
+def _descendants(roots: set[int]) -> set[int]:
+    parent: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        parent[int(stat.parent.name)] = int(fields[1])
+    found, frontier = set(roots), set(roots)
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
 def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -50,8 +65,24 @@ def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
         assert node["state"] == "ready" and node["total"] == 2
         defaults = c.request("GET", "/v1/templates")["defaults"]
         assert defaults == {"gpu": "cuda12-h100", "accelerator": "edu-demo"}
-        assert c.create({"gpu": "H100:1"})["state"] == "running"  # the example pins 64 GiB: up's node can lock it
+        made = c.create({"gpu": "H100:1"})
+        assert made["state"] == "running"  # the example pins 64 GiB: up's node can lock it
         c.close()
+        # no secret on the command line of anything up started, nor of their children (shims, VMMs) ...
+        every = _descendants(set(info["pids"]))
+        assert set(info["pids"]) <= every
+        for pid in every:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            except FileNotFoundError:
+                continue
+            assert not any(s in argv for s in secrets), argv
+        # ... nor in any log, event or database under the state dir, but the key files themselves
+        kept = {tmp_path / f for f in ("admin.key", "default.key", "node-local.token")}
+        for f in tmp_path.rglob("*"):
+            if f.is_file() and f not in kept and not f.is_socket():
+                data = f.read_bytes()
+                assert not any(s.encode() in data for s in secrets), f
     finally:
         assert run_down(tmp_path) == 0
     assert not (tmp_path / "up.json").exists()

@@ -12,6 +12,7 @@ from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.server import create_app
 from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.wire.node_sig import NodeAuth
 from tests.support.cubelet_harness import Node
 
 HOSTILE_REPORTS = [
@@ -87,11 +88,8 @@ def test_an_undelivered_report_with_infinity_is_skipped_at_replay(tmp_path: Path
 def test_the_start_nonce_is_not_served_over_tcp(tmp_path: Path) -> None:
     """Issue 19 #13: the nonce that makes a shim report count was returned by the TCP API."""
     n, local, start_id = _running(tmp_path)
-    tcp = TestClient(
-        create_app(n.cubelet, local=False, token="node-t"),
-        raise_server_exceptions=False,
-        headers={"Authorization": "Bearer node-t"},
-    )
+    tcp = TestClient(create_app(n.cubelet, local=False, token="node-t"), raise_server_exceptions=False)
+    tcp.auth = NodeAuth("node-t")  # signed as CubeMaster signs
     replies = [
         tcp.get("/v1/reservations/sb").text,
         tcp.get("/v1/reservations").text,

@@ -10,6 +10,7 @@ from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
+from cubeaccel.wire import node_sig
 from tests.support.contract_builders import template
 
 MODELS = {
@@ -107,7 +108,9 @@ def h100_contract(memory_mib: int = 1024) -> CompatibilityContract:
 
 class Credentials(httpx.Auth):
     """What each caller of an in-process CubeMaster would present: a node's PUTs under /v1/nodes/NODE carry
-    that node's token (enrolled on first use), everything else the admin key."""
+    that node's signature (its token enrolled on first use), everything else the admin key."""
+
+    requires_request_body = True
 
     def __init__(self, master: Any) -> None:
         from cubeaccel.master.auth import ADMIN
@@ -122,7 +125,8 @@ class Credentials(httpx.Auth):
             node = parts[3]
             if node not in self.tokens:
                 self.tokens[node] = self.master.auth.enrol_node(node)
-            request.headers["Authorization"] = f"Bearer {self.tokens[node]}"
+            target = node_sig.target_of(request.url.path, request.url.query)
+            request.headers.update(node_sig.sign(self.tokens[node], request.method, target, request.content))
         else:
             request.headers["Authorization"] = f"Bearer {self.admin}"
         yield request

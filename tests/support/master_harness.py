@@ -15,6 +15,7 @@ import yaml
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.wire.node_sig import NodeAuth
 from tests.support.cubelet_process import CubeletProcess, terminate
 from tests.support.poll import poll
 
@@ -108,13 +109,15 @@ class MasterProcess:
             f.write(token)
         return path
 
-    def headers(self, node: str | None = None) -> dict[str, str]:
-        """Credentials for a raw HTTP call: the admin key, or (`node`) that node's token, enrolled on first use."""
-        if node is None:
-            return {"Authorization": f"Bearer {self.admin_key}"}
+    def headers(self) -> dict[str, str]:
+        """The admin key, for a raw HTTP call."""
+        return {"Authorization": f"Bearer {self.admin_key}"}
+
+    def node_auth(self, node: str) -> NodeAuth:
+        """A raw HTTP call as `node` (`httpx.put(..., auth=...)`): signed with its token, enrolled on first use."""
         if node not in self._tokens:
             self._tokens[node] = self.client.request("POST", f"/v1/nodes/{node}/credential")["token"]
-        return {"Authorization": f"Bearer {self._tokens[node]}"}
+        return NodeAuth(self._tokens[node])
 
     def stop(self) -> None:
         RUNNING.pop(self.url, None)

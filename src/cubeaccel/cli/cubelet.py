@@ -11,9 +11,11 @@ import typer
 
 from cubeaccel.cli import output
 from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
+from cubeaccel.cli.master import MasterUrl, _call
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.wire.node_sig import TokenFile
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
 reservation_app = typer.Typer(no_args_is_help=True, help="Reservations a Cubelet holds (node view).")
@@ -129,7 +131,7 @@ def serve_cmd(
         raise typer.BadParameter("--master needs --listen HOST:PORT so CubeMaster can reach this Cubelet")
     if addr is not None and node_token_file is None:
         raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
-    token = node_token_file.read_text().strip() if node_token_file is not None else None
+    token = TokenFile(node_token_file).current if node_token_file is not None else None  # re-read on change
     if (
         tick <= 0
         or reservation_ttl <= 0
@@ -243,34 +245,61 @@ def _client(state_dir: Path | None, url: str | None) -> CubeletClient:
     return CubeletClient(socket=None if url else cubelet_socket(state_dir), url=url)
 
 
-def devices_cmd(state_dir: ClientStateDir = None, url: Url = None, as_json: AsJson = False) -> None:
+NodeOpt = Annotated[
+    str | None, typer.Option("--node", help="through CubeMaster (admin key) instead of this host's Cubelet socket")
+]
+
+
+def devices_cmd(
+    state_dir: ClientStateDir = None,
+    url: Url = None,
+    as_json: AsJson = False,
+    node: NodeOpt = None,
+    master: MasterUrl = None,
+) -> None:
     """Device table: full id, address, model, NUMA, state (colored), sandbox, reason."""
     output.json_flag(as_json)
-    devs = _Node(state_dir, url)(lambda c: c.devices())
+    if node is not None:
+        devs = _call(master, lambda c: c.request("GET", f"/v1/nodes/{node}/devices"))["devices"]
+    else:
+        devs = _Node(state_dir, url)(lambda c: c.devices())
     output.emit({"devices": devs}, lambda: console.print(device_table(devs)))
 
 
 def device_cmd(
     verb: Annotated[str, typer.Argument(help="quarantine | recover | disable | enable")],
     device_id: Annotated[str, typer.Argument(help="the full device id, as `cubeaccel devices` shows it")],
-    who: Annotated[str, typer.Option(help="operator identity (audited)")],
     reason: Annotated[str, typer.Option(help="why (audited)")],
+    who: Annotated[str | None, typer.Option(help="operator identity (audited); on the local socket only")] = None,
     state_dir: ClientStateDir = None,
     url: Url = None,
     restore_driver: Annotated[
         bool, typer.Option(help="disable only: give the device back to the host driver it had before vfio-pci")
     ] = False,
+    node: NodeOpt = None,
+    master: MasterUrl = None,
 ) -> None:
-    """Operator verbs on one device (by its full id or its PCI address); audited with who and why."""
-    extra = {"restore_driver": True} if restore_driver else {}
+    """Operator verbs on one device (by its full id or its PCI address); audited with who and why. With --node,
+    through CubeMaster with an admin key, which is then the audited identity (--who is not taken)."""
+    extra: dict[str, Any] = {"restore_driver": True} if restore_driver else {}
+    if node is not None:
+        if who is not None:
+            raise typer.BadParameter("--who is the admin key's identity through CubeMaster; leave it out")
+        path = f"/v1/nodes/{node}/devices/{device_id}/{verb}"
+        d = _call(master, lambda c: c.request("POST", path, {"reason": reason, **extra}))["device"]
+        output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} ({reason})")))
+        return
+    if who is None:
+        raise typer.BadParameter("--who is required on the local socket (operator identity, audited)")
+    local_who: str = who
 
     def act(c: CubeletClient) -> dict[str, Any]:
         devs = c.devices()
         if not any(d["id"] == device_id for d in devs):
             by_address = [d["id"] for d in devs if d["address"] == device_id]
             if len(by_address) == 1:  # `0000:10:00.0` as `devices` shows it in the address column
-                return c.verb(by_address[0], verb, who, reason, **extra)
-        return c.verb(device_id, verb, who, reason, **extra)
+                return c.verb(by_address[0], verb, local_who, reason, **extra)
+        return c.verb(device_id, verb, local_who, reason, **extra)
 
     d = _Node(state_dir, url)(act)
     output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} (by {who}: {reason})")))

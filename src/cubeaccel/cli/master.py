@@ -397,7 +397,10 @@ def down_cmd(state_dir: Annotated[Path, typer.Option()] = UP_STATE) -> None:
 
 
 tenant_app = typer.Typer(no_args_is_help=True, help="Tenants (admin key): each gets an API key, shown once.")
-key_app = typer.Typer(no_args_is_help=True, help="API keys (admin key).")
+key_app = typer.Typer(
+    no_args_is_help=True,
+    help="API keys. A tenant rotates its own: `key create --out NEW`, switch clients to NEW, `key revoke OLD_ID`.",
+)
 node_cred_app = typer.Typer(no_args_is_help=True, help="Node credentials (admin key).")
 
 
@@ -442,16 +445,32 @@ def tenant_revoke(name: str, url: MasterUrl = None) -> None:
 
 @key_app.command("create")
 def key_create(
-    tenant: Annotated[str | None, typer.Option(help="a tenant's key; without it an admin key")] = None,
+    tenant: Annotated[
+        str | None, typer.Option(help="admin: a key for this tenant; without it a key like the caller's own")
+    ] = None,
+    admin: Annotated[bool, typer.Option("--admin", help="admin: a new admin key")] = False,
+    out: Annotated[Path | None, typer.Option(help="write the key here (0600) instead of printing it")] = None,
     url: MasterUrl = None,
 ) -> None:
-    """A new key (printed once)."""
-    path = f"/v1/tenants/{tenant}/keys" if tenant else "/v1/admin-keys"
-    print(json.dumps(_call(url, lambda c: c.request("POST", path)), indent=2))
+    """A new key, shown once. Without --tenant/--admin: another key for the calling key's own tenant (or
+    admin role), both working until the old one is revoked."""
+    path = f"/v1/tenants/{tenant}/keys" if tenant else "/v1/admin-keys" if admin else "/v1/keys"
+    r = _call(url, lambda c: c.request("POST", path))
+    if out is not None:
+        write_secret(out, r.pop("key"))
+        r["written_to"] = str(out)
+    print(json.dumps(r, indent=2))
+
+
+@key_app.command("list")
+def key_list(url: MasterUrl = None) -> None:
+    """Live keys (ids only): a tenant's own, or (admin) every key."""
+    output.emit(_call(url, lambda c: c.request("GET", "/v1/keys"))["keys"])
 
 
 @key_app.command("revoke")
 def key_revoke(key_id: str, url: MasterUrl = None) -> None:
+    """Revoke a key by id (a tenant: only its own)."""
     print(json.dumps(_call(url, lambda c: c.request("DELETE", f"/v1/keys/{key_id}"))))
 
 
@@ -478,16 +497,30 @@ def audit_cmd(
     tenant: Annotated[str | None, typer.Option()] = None,
     action: Annotated[str | None, typer.Option(help="e.g. sandbox:create, or a prefix: sandbox:")] = None,
     verify: Annotated[bool, typer.Option(help="check the hash chain; exit 1 on any break")] = False,
+    head: Annotated[Path | None, typer.Option(help="--verify: the sealed head file (default FILE.head)")] = None,
+    master_seal: Annotated[
+        bool, typer.Option(help="--verify: also against the head CubeMaster sealed in its database (admin key)")
+    ] = False,
+    url: MasterUrl = None,
 ) -> None:
-    """Query (or verify) CubeMaster's audit log, a local file of hash-chained JSON lines."""
-    from cubeaccel.host.audit import read
+    """Query (or verify) an audit log (CubeMaster's or a Cubelet's), a local file of hash-chained JSON lines.
+    --verify finds edited, removed or reordered lines, and a cut-off tail against the sealed head."""
+    from cubeaccel.host.audit import log_id, read
     from cubeaccel.host.audit import verify as check
 
     if not path.exists():
         console.print(f"[red]error[/red] no audit log at {path}")
         raise typer.Exit(1)
     if verify:
-        problems = check(path)
+        seals: list[dict[str, Any]] = []
+        if master_seal:
+            lid = log_id(path) or ""
+            held = _call(url, lambda c: c.request("GET", "/v1/audit/seals"))["seals"]
+            seals = [s for s in held if lid.startswith(s["log"])]
+            if not seals:
+                print("CubeMaster holds no seal for this log")
+                raise typer.Exit(1)
+        problems = check(path, head, seals)
         for p in problems:
             print(p)
         print("audit log intact" if not problems else f"{len(problems)} break(s) in the chain")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,6 +16,7 @@ from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
+from cubeaccel.wire.node_sig import NodeAuth
 
 
 def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
@@ -48,10 +50,16 @@ class Heartbeat:
     """Sends a heartbeat every interval; only reachability *changes* become events (no event flood)."""
 
     def __init__(
-        self, cubelet: Cubelet, master_url: str, cubelet_url: str, interval_s: float, token: str | None = None
+        self,
+        cubelet: Cubelet,
+        master_url: str,
+        cubelet_url: str,
+        interval_s: float,
+        token: str | Callable[[], str | None] | None = None,
     ) -> None:
+        """`token`: the node token (or where to get the current one); every heartbeat is signed with it."""
         self.cubelet = cubelet
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.auth = NodeAuth(token) if token else None
         self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
         self.cubelet_url = cubelet_url
         self.interval_s = interval_s
@@ -83,7 +91,7 @@ class Heartbeat:
         return ok
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0, headers=self.headers) as http:
+        with httpx.Client(timeout=5.0, auth=self.auth) as http:
             while True:
                 self.beat(http)
                 if self._stop.wait(self.interval_s):

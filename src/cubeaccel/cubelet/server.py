@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import os
 import re
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -35,10 +35,11 @@ from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
+from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
-from cubeaccel.wire.http_server import server_config
+from cubeaccel.wire.http_server import PEER_KEY, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
 # Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
@@ -46,36 +47,79 @@ AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
 
 
 def create_app(
-    cubelet: Cubelet, local: bool = True, token: str | None = None, audit: AuditLog | None = None
+    cubelet: Cubelet,
+    local: bool = True,
+    token: str | Callable[[], str | None] | None = None,
+    audit: AuditLog | None = None,
+    peer_uids: frozenset[int] | None = None,
 ) -> FastAPI:
-    """`local` (the unix socket, root-owned) also serves shim reports and operator verbs; the TCP listener
-    that CubeMaster uses does not, so nothing on the network can forge VM evidence or un-quarantine.
-    The TCP listener (`local=False`) answers only a caller presenting this node's token (CubeMaster)."""
+    """`local` (the unix socket, root-owned) also serves shim reports and reconcile; the TCP listener that
+    CubeMaster uses does not, so nothing on the network can forge VM evidence. The TCP listener
+    (`local=False`) answers only requests CubeMaster signed with this node's token, which forwards an admin's
+    device verbs there (docs/security.md). `peer_uids`: on the unix socket, the uids a caller may have
+    (SO_PEERCRED, read by the HTTP server); anyone else is refused, whatever the socket's file mode."""
     metrics = metrics_of(cubelet)
     app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,), telemetry=metrics.api)
     if not local:
-        if not token:
+        current = token if callable(token) else (lambda: token)
+        if not current():
             raise ValueError("the Cubelet's TCP API needs the node token it accepts")
-        expected = f"Bearer {token}".encode()
-        throttle = Throttle()
+        throttle, nonces = Throttle(), node_sig.NonceCache()
+
+        async def signed_by_master(request: Request) -> str | None:
+            """None if CubeMaster signed this request's headers with the current node token, else why not. The
+            body is checked against the signed hash by `signed_body`, once the edge guard has read it."""
+            claim = node_sig.parse(request.headers.get("authorization"), request.headers.get(node_sig.BODY_HEADER))
+            now = current()
+            if claim is None or not now:
+                return "the Cubelet's TCP API answers CubeMaster only (a CubeSig signature)"
+            target = node_sig.target_of(request.url.path, request.url.query)
+            why = node_sig.check(claim, now, request.method, target, nonces)
+            if why is None:
+                request.state.node_claim = claim
+            return why
+
+        async def signed_body(request: Request) -> None:
+            claim = getattr(request.state, "node_claim", None)
+            if claim is not None and not node_sig.body_matches(claim, await request.body()):
+                raise CubeError("auth.invalid_credential", "the body is not the one signed", "api", {}, 401)
+
+        app.router.dependencies.append(Depends(signed_body))
 
         @app.middleware("http")
         async def _only_master(request: Request, call_next: Any) -> Any:
-            given = request.headers.get("authorization", "").encode()
             # The workload proxy checks the sandbox's own access token (hashed in its checkpoint) instead.
             # /metrics: device states and counts, no sandbox or tenant names (a scraper holds no node token).
             exempt = (
                 request.url.path in ("/v1/health", "/metrics") or _WORKLOAD_PATH.match(request.url.path) is not None
             )
-            if not exempt and not hmac.compare_digest(given, expected):
+            if not exempt and (why := await signed_by_master(request)) is not None:
                 source = request.client.host if request.client else "?"
                 try:
                     throttle.check(source)
                 except CubeError as e:
                     return error_response(e)
                 throttle.fail(source)
-                code = "auth.invalid_credential" if given else "auth.missing_credential"
-                return error_response(CubeError(code, "the Cubelet's TCP API answers CubeMaster only", "api", {}, 401))
+                code = "auth.invalid_credential" if request.headers.get("authorization") else "auth.missing_credential"
+                return error_response(CubeError(code, why, "api", {}, 401))
+            return await call_next(request)
+
+    if local and peer_uids is not None:
+
+        @app.middleware("http")
+        async def _only_local_root(request: Request, call_next: Any) -> Any:
+            peer = request.scope.get(PEER_KEY)
+            if peer is not None and peer[1] not in peer_uids:
+                request.state.error_code = "auth.peer_not_allowed"
+                return error_response(
+                    CubeError(
+                        "auth.peer_not_allowed",
+                        f"uid {peer[1]} may not use the Cubelet's socket (root or the Cubelet's own uid only)",
+                        "api",
+                        {"uid": peer[1]},
+                        403,
+                    )
+                )
             return await call_next(request)
 
     if audit is not None:
@@ -88,6 +132,8 @@ def create_app(
             path, refused = request.url.path, response.status_code >= 400
             mutation = request.method not in ("GET", "HEAD", "OPTIONS") and path not in AUDIT_REFUSALS_ONLY
             if refused or mutation:
+                creds = request.scope.get(PEER_KEY)  # the unix socket's caller, as the kernel says
+                peer = {} if creds is None else {"peer_pid": creds[0], "peer_uid": creds[1]}
                 await run_in_threadpool(
                     audit.append,
                     _action(request),
@@ -99,6 +145,7 @@ def create_app(
                     request_id=getattr(request.state, "request_id", None) or request.headers.get("x-request-id"),
                     target=path,
                     node=cubelet.config.node_name,
+                    **peer,
                 )
             return response
 
@@ -235,8 +282,8 @@ def create_app(
         return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
 
     add_workload_proxy(app, cubelet)
+    app.post("/v1/devices/{device_id}/{verb}", response_model=W.DeviceReply)(device_verb)
     if local:
-        app.post("/v1/devices/{device_id}/{verb}", response_model=W.DeviceReply)(device_verb)
         app.post(
             "/v1/shim-reports", status_code=202, response_model=W.Accepted, openapi_extra=json_body("ShimReportBody")
         )(shim_report)
@@ -345,7 +392,17 @@ class Ticker:
                     t.event("reconcile_failed", "cubelet", reason=type(e).__name__, details={"error": str(e)})
 
 
-def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, token: str | None = None) -> None:
+def local_uids() -> frozenset[int]:
+    """Who may use the unix socket: root and the Cubelet's own uid (the shims it starts run as that uid)."""
+    return frozenset({0, os.geteuid()})
+
+
+def serve(
+    cubelet: Cubelet,
+    socket_path: Path,
+    listen: tuple[str, int] | None,
+    token: str | Callable[[], str | None] | None = None,
+) -> None:
     import uvicorn
 
     audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
@@ -361,7 +418,8 @@ def serve(cubelet: Cubelet, socket_path: Path, listen: tuple[str, int] | None, t
     finally:
         os.umask(old)
     os.chmod(socket_path, 0o600)
-    configs = [server_config(create_app(cubelet, local=True, audit=audit), fd=local.fileno())]
+    local_app = create_app(cubelet, local=True, audit=audit, peer_uids=local_uids())
+    configs = [server_config(local_app, fd=local.fileno())]
     if listen is not None:
         configs.append(
             server_config(create_app(cubelet, local=False, token=token, audit=audit), host=listen[0], port=listen[1])

@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
 from cubeaccel.wire.master_api import StatusBody
+from cubeaccel.wire.node_sig import NodeAuth
 
 RETRIES = 5
 RETRY_WAIT_S = 0.5
 
 
 class StatusPush:
-    def __init__(self, master_url: str, node: str, timeout_s: float = 5.0, token: str | None = None) -> None:
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+    def __init__(
+        self,
+        master_url: str,
+        node: str,
+        timeout_s: float = 5.0,
+        token: str | Callable[[], str | None] | None = None,
+    ) -> None:
+        self.auth = NodeAuth(token) if token else None  # each push signed (wire/node_sig.py)
         self.base = f"{master_url.rstrip('/')}/v1/nodes/{node}/sandboxes"
         self.timeout_s = timeout_s
         self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=10000)
@@ -45,7 +53,7 @@ class StatusPush:
         self._queue.put(None)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=self.timeout_s, headers=self.headers) as http:
+        with httpx.Client(timeout=self.timeout_s, auth=self.auth) as http:
             while (item := self._queue.get()) is not None:
                 sid, status = item
                 try:  # checked here, not in push(): the lifecycle calls push() holding the node lock

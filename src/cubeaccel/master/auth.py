@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE
+from cubeaccel.wire import node_sig
 
 ADMIN, TENANT, NODE, ANONYMOUS = "admin", "tenant", "node", "anonymous"
 DEFAULT_TENANT = "default"
@@ -48,6 +51,16 @@ class Identity:
 
 
 ANON = Identity(ANONYMOUS)
+
+
+@dataclass(frozen=True)
+class SignedRequest:
+    """What a node's signature must cover: the request as received."""
+
+    method: str
+    target: str
+    body: bytes
+    body_sha: str | None
 
 
 @dataclass(frozen=True)
@@ -96,37 +109,48 @@ class Auth:
     def __init__(self, store: MasterStore, throttle: Throttle | None = None) -> None:
         self.store = store
         self.throttle = throttle or Throttle()
+        self.nonces = node_sig.NonceCache()  # this replica's: see docs/security.md for the window across replicas
         with store.tx() as c:
             self._secret = bytes.fromhex(
                 c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == "node_secret")).scalar_one()
             )
 
     # ---- verifying ----------------------------------------------------------------------------------
-    def authenticate(self, header: str | None, source: str) -> Identity | None:
-        """The caller's identity from an `Authorization: Bearer …` header; None when there is none."""
+    def authenticate(self, header: str | None, source: str, signed: SignedRequest | None = None) -> Identity | None:
+        """The caller's identity from `Authorization: Bearer <API key>` or a node's `CubeSig` signature
+        (`signed`: the request it must match); None when there is no credential."""
         if not header:
             return None
         self.throttle.check(source)
         scheme, _, token = header.partition(" ")
-        ident = self._verify(token.strip()) if scheme.lower() == "bearer" else None
+        why = "the credential is unknown, malformed or revoked"
+        ident: Identity | None = None
+        if scheme.lower() == "bearer" and token.strip().startswith("cbn:"):
+            why = "a node token is never sent itself: node requests are signed (CubeSig)"
+        elif scheme.lower() == "bearer":
+            ident = self._verify(token.strip())
+        elif scheme == node_sig.SCHEME and signed is not None:
+            ident, why = self._verify_signed(header, signed)
         if ident is None:
             self.throttle.fail(source)
-            raise unauthorized("auth.invalid_credential", "the credential is unknown, malformed or revoked")
+            raise unauthorized("auth.invalid_credential", why)
         return ident
 
+    def _verify_signed(self, header: str, req: SignedRequest) -> tuple[Identity | None, str]:
+        claim = node_sig.parse(header, req.body_sha)
+        if claim is None or NODE_ID_RE.fullmatch(claim.node) is None:
+            return None, "a malformed node signature"
+        with self.store.tx() as c:
+            r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == claim.node)).first()
+        if r is None or r.revoked or r.generation != claim.generation:
+            return None, "the node's credential is unknown, revoked or replaced"
+        token = self.node_token(claim.node, claim.generation)
+        why = node_sig.check(claim, token, req.method, req.target, self.nonces)
+        if why is None and not node_sig.body_matches(claim, req.body):
+            why = "the body is not the one signed"
+        return (Identity(NODE, node=claim.node), "") if why is None else (None, why)
+
     def _verify(self, token: str) -> Identity | None:
-        if token.startswith("cbn:"):
-            parts = token.split(":")
-            if len(parts) != 4 or not parts[2].isdigit():
-                return None
-            node, gen = parts[1], int(parts[2])
-            if not hmac.compare_digest(self.node_token(node, gen), token):
-                return None
-            with self.store.tx() as c:
-                r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == node)).first()
-            if r is None or r.revoked or r.generation != gen:
-                return None
-            return Identity(NODE, node=node)
         parts = token.split("_")
         if len(parts) != 3 or parts[0] != "cbk":
             return None
@@ -169,13 +193,23 @@ class Auth:
             )
         return kid, key
 
-    def revoke_key(self, kid: str) -> None:
+    def keys(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Live keys (ids, never digests): one tenant's, or (None) every key."""
+        q = sa.select(S.api_keys).where(S.api_keys.c.revoked_at.is_(None)).order_by(S.api_keys.c.created_at)
+        if tenant is not None:
+            q = q.where(S.api_keys.c.tenant == tenant)
         with self.store.tx() as c:
-            n = c.execute(
-                S.api_keys.update()
-                .where(S.api_keys.c.id == kid, S.api_keys.c.revoked_at.is_(None))
-                .values(revoked_at=time.time())
-            ).rowcount
+            return [
+                {"key_id": r.id, "role": r.role, "tenant": r.tenant, "created_at": r.created_at} for r in c.execute(q)
+            ]
+
+    def revoke_key(self, kid: str, tenant: str | None = None) -> None:
+        """Revoke `kid`; with `tenant`, only if it is that tenant's (another's is 404, as if it did not exist)."""
+        cond = [S.api_keys.c.id == kid, S.api_keys.c.revoked_at.is_(None)]
+        if tenant is not None:
+            cond.append(S.api_keys.c.tenant == tenant)
+        with self.store.tx() as c:
+            n = c.execute(S.api_keys.update().where(*cond).values(revoked_at=time.time())).rowcount
         if n != 1:
             raise CubeError("key.not_found", f"no live key {kid!r}", "api", {}, 404)
 
@@ -269,3 +303,75 @@ def bootstrap(auth: Auth) -> dict[str, str] | None:
             raise
     _, tenant = auth.create_key(TENANT, DEFAULT_TENANT)
     return {"admin": admin, DEFAULT_TENANT: tenant}
+
+
+# ---- audit seals: each replica's log head, kept in the database (host/audit.py) --------------------------
+SEAL_PREFIX = "audit_seal:"
+
+
+def seal_key(log_id: str) -> str:
+    return SEAL_PREFIX + log_id[:32]  # fits meta.key; 128 bits tell logs apart
+
+
+class DatabaseSeal:
+    """A sealer for `AuditLog`: the newest (seq, hash) of each log in `meta`, so cutting the file's tail shows
+    even when its head file goes too. Written by one background thread that keeps only the newest head: an
+    audited request does not wait for a database commit, and a burst costs one write. The seal may lag the
+    log by what that thread has not written yet (never lead it)."""
+
+    def __init__(self, store: MasterStore) -> None:
+        self.store = store
+        self._pending: dict[str, tuple[int, str]] = {}
+        self._cv = threading.Condition()
+        self._busy = False
+        self._thread = threading.Thread(target=self._run, name="audit-seal", daemon=True)
+        self._thread.start()
+
+    def __call__(self, log_id: str, seq: int, digest: str) -> None:
+        with self._cv:
+            if self._pending.get(log_id, (0, ""))[0] < seq:
+                self._pending[log_id] = (seq, digest)
+            self._cv.notify_all()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every head handed over is in the database (tests; shutdown)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout_s)
+
+    def _run(self) -> None:
+        failures = 0
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: bool(self._pending))
+                batch, self._pending, self._busy = self._pending, {}, True
+            try:
+                for log_id, (seq, digest) in batch.items():
+                    self._write(log_id, seq, digest)
+                failures = 0
+            except Exception:  # the database is away: retry the newest head a few times, then wait for the next
+                failures += 1
+                with self._cv:
+                    for log_id, head in batch.items():
+                        if failures < 3:
+                            self._pending.setdefault(log_id, head)
+                time.sleep(0.5)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _write(self, log_id: str, seq: int, digest: str) -> None:
+        value = json.dumps({"seq": seq, "hash": digest})
+        key = seal_key(log_id)
+        with self.store.tx() as c:
+            row = c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == key).with_for_update()).first()
+            if row is None:
+                c.execute(S.meta.insert().values(key=key, value=value))
+            elif int(json.loads(row.value)["seq"]) < seq:  # never back: a late writer cannot undo a seal
+                c.execute(S.meta.update().where(S.meta.c.key == key).values(value=value))
+
+
+def audit_seals(store: MasterStore) -> list[dict[str, Any]]:
+    with store.tx() as c:
+        rows = c.execute(sa.select(S.meta).where(S.meta.c.key.startswith(SEAL_PREFIX))).all()
+    return [{"log": r.key[len(SEAL_PREFIX) :], **json.loads(r.value)} for r in rows]

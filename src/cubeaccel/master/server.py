@@ -12,6 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,7 +20,20 @@ from starlette.concurrency import run_in_threadpool
 from starlette.routing import BaseRoute
 
 from cubeaccel.host.audit import AuditLog
-from cubeaccel.master.auth import ADMIN, ANON, ANONYMOUS, DEFAULT_TENANT, NODE, TENANT, Identity, Quota, forbidden
+from cubeaccel.master.auth import (
+    ADMIN,
+    ANON,
+    ANONYMOUS,
+    DEFAULT_TENANT,
+    NODE,
+    TENANT,
+    DatabaseSeal,
+    Identity,
+    Quota,
+    SignedRequest,
+    audit_seals,
+    forbidden,
+)
 from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
@@ -29,7 +43,9 @@ from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
 from cubeaccel.wire import master_api as W
+from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import api_app, json_body
+from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.dashboard import Dashboard
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
@@ -37,6 +53,7 @@ from cubeaccel.wire.telemetry import accept_request_id
 from cubeaccel.wire.templates import TemplateDocument
 
 SANDBOX_STATES = tuple(s.value for s in SandboxState)
+DEVICE_VERBS = frozenset({"quarantine", "recover", "disable", "enable"})
 MAX_IDEMPOTENCY_KEY = 200  # the body field's bound and the column's width
 MAX_WAIT_S = 600.0  # `?wait=` on create and show: the longest a request is held open
 WAIT_POLL_S = 0.1
@@ -56,6 +73,8 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("GET", "/v1/nodes"): (ADMINS, "node:list"),
     ("GET", "/v1/nodes/{node}"): (ADMINS, "node:show"),
     ("POST", "/v1/nodes/{node}/{verb}"): (ADMINS, "node:verb"),
+    ("GET", "/v1/nodes/{node}/devices"): (ADMINS, "device:list"),
+    ("POST", "/v1/nodes/{node}/devices/{device_id}/{verb}"): (ADMINS, "device:verb"),  # audited as device:<verb>
     ("POST", "/v1/nodes/{node}/credential"): (ADMINS, "node:enrol"),
     ("DELETE", "/v1/nodes/{node}/credential"): (ADMINS, "node:revoke"),
     ("GET", "/v1/capacity"): (USERS, "capacity"),
@@ -75,7 +94,10 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
     ("POST", "/v1/tenants/{tenant}/keys"): (ADMINS, "key:create"),
     ("POST", "/v1/admin-keys"): (ADMINS, "key:create_admin"),
-    ("DELETE", "/v1/keys/{key_id}"): (ADMINS, "key:revoke"),
+    ("POST", "/v1/keys"): (USERS, "key:create_own"),
+    ("GET", "/v1/keys"): (USERS, "key:list"),
+    ("DELETE", "/v1/keys/{key_id}"): (USERS, "key:revoke"),
+    ("GET", "/v1/audit/seals"): (ADMINS, "audit:seals"),
     # Observability (docs/decisions.md "Who may scrape"): the page is static and public, its data is admins'.
     ("GET", "/metrics"): (ADMINS, "metrics:scrape"),
     ("GET", "/dashboard"): (PUBLIC, "dashboard:page"),
@@ -141,12 +163,14 @@ def create_app(
     feed = DashboardFeed(master)
     app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument), telemetry=metrics.api)
     auth = master.auth
-    log = AuditLog(audit) if isinstance(audit, Path) else audit
+    log = AuditLog(audit, sealers=[DatabaseSeal(master.store)]) if isinstance(audit, Path) else audit
 
-    def authorize(request: Request) -> Identity:
+    async def authorize(request: Request) -> Identity:
         """Every route: who is calling (401 without a valid credential), and may they (403)?"""
         rule = POLICY.get(route_key(request.scope["route"], request.method))
         request.state.action = rule[1] if rule else f"{request.method} {request.url.path}"
+        if rule is not None and rule[1] == "device:verb" and request.path_params.get("verb") in DEVICE_VERBS:
+            request.state.action = f"device:{request.path_params['verb']}"  # refusals too
         if rule is None:
             raise CubeError("auth.no_policy", "this route has no access rule (refused)", "api", {}, 500)
         roles, _ = rule
@@ -154,7 +178,13 @@ def create_app(
             request.state.identity = ANON
             return ANON
         source = request.client.host if request.client else "?"
-        ident = auth.authenticate(request.headers.get("authorization"), source) or ANON
+        header = request.headers.get("authorization")
+        signed = None
+        if header and header.startswith(node_sig.SCHEME + " "):  # a node: the signature covers the body
+            target = node_sig.target_of(request.url.path, request.url.query)
+            body_sha = request.headers.get(node_sig.BODY_HEADER)
+            signed = SignedRequest(request.method, target, await request.body(), body_sha)
+        ident = await run_in_threadpool(auth.authenticate, header, source, signed) or ANON
         request.state.identity = ident
         if ident.role not in roles:
             if ident.role == ANONYMOUS:
@@ -238,10 +268,31 @@ def create_app(
         kid, key = auth.create_key(ADMIN)
         return {"key_id": kid, "key": key, "tenant": None}
 
+    @app.post("/v1/keys", status_code=201, response_model=W.KeyCreated)
+    def create_own_key(request: Request) -> dict[str, Any]:
+        """Rotation without downtime: a second key for the caller's own tenant (an admin: an admin key); both
+        work until the old one is revoked."""
+        ident: Identity = request.state.identity
+        request.state.tenant = ident.tenant
+        kid, key = auth.create_key(ident.role, ident.tenant)
+        return {"key_id": kid, "key": key, "tenant": ident.tenant}
+
+    @app.get("/v1/keys", response_model=W.KeyList)
+    def keys(request: Request) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        return {"keys": auth.keys(ident.tenant if ident.role == TENANT else None)}
+
     @app.delete("/v1/keys/{key_id}", response_model=W.Revoked)
-    def revoke_key(key_id: str) -> dict[str, Any]:
-        auth.revoke_key(key_id)
+    def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        request.state.tenant = ident.tenant
+        auth.revoke_key(key_id, ident.tenant if ident.role == TENANT else None)
         return {"revoked": key_id}
+
+    @app.get("/v1/audit/seals", response_model=W.AuditSeals)
+    def seals() -> dict[str, Any]:
+        """Each audit log's sealed head (`cubeaccel audit --verify --master-seal`: a cut-off tail shows)."""
+        return {"seals": audit_seals(master.store)}
 
     @app.post("/v1/nodes/{node}/credential", status_code=201, response_model=W.NodeCredential)
     def enrol(node: str) -> dict[str, Any]:
@@ -317,6 +368,38 @@ def create_app(
         master.cache.invalidate()
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
         return {"node": node, "state": state.value, "who": ident.label()}
+
+    def cubelet_of(node: str) -> CubeletClient:
+        view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)
+        if view is None:
+            raise CubeError("node.not_found", f"no node {node!r}", "api", {}, 404)
+        return master.client(view.cubelet_url)
+
+    def forwarded(node: str, call: Any) -> Any:
+        try:
+            return call(cubelet_of(node))
+        except httpx.HTTPError as e:
+            raise CubeError(
+                "cubelet.unreachable", f"node {node}'s Cubelet: {type(e).__name__}", "api", {"node": node}, 502
+            ) from e
+
+    @app.get("/v1/nodes/{node}/devices", response_model=W.NodeDevices)
+    def node_devices(node: str) -> dict[str, Any]:
+        return {"node": node, "devices": forwarded(node, lambda c: c.devices())}
+
+    @app.post("/v1/nodes/{node}/devices/{device_id}/{verb}", response_model=W.NodeDevice)
+    def device_verb(node: str, device_id: str, verb: str, body: W.DeviceVerbBody, request: Request) -> dict[str, Any]:
+        """quarantine | recover | disable | enable on one device of `node`, done by that node's Cubelet (its TCP
+        API, with the node's token); the Cubelet's events and both audit logs name the admin's key."""
+        if verb not in DEVICE_VERBS:
+            raise CubeError(
+                "api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(DEVICE_VERBS)}", "api", {}, 404
+            )
+        ident: Identity = request.state.identity
+        extra = {"restore_driver": True} if body.restore_driver else {}
+        rid = request.state.request_id
+        dev = forwarded(node, lambda c: c.verb(device_id, verb, ident.label(), body.reason, request_id=rid, **extra))
+        return {"node": node, "device": dev}
 
     @app.get("/v1/capacity", response_model=W.Capacity)
     def capacity() -> dict[str, Any]:

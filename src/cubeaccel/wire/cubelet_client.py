@@ -9,6 +9,7 @@ from urllib.parse import quote
 import httpx
 
 from cubeaccel.wire.http_reply import reply_body
+from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.telemetry import add_request_id
 
 
@@ -16,11 +17,12 @@ class CubeletClient:
     def __init__(
         self, socket: Path | None = None, url: str | None = None, timeout: float = 30.0, token: str | None = None
     ) -> None:
-        """`token`: the node token the Cubelet's TCP listener asks for (CubeMaster's; none on the unix socket)."""
-        headers = {"Authorization": f"Bearer {token}"} if token else None
+        """`token`: the node token CubeMaster signs its requests to the Cubelet's TCP listener with (none on the
+        unix socket)."""
         hooks = {"request": [add_request_id]}  # the caller's request id goes on (CubeMaster → Cubelet)
         if url is not None:
-            self._http = httpx.Client(base_url=url, timeout=timeout, headers=headers, event_hooks=hooks)
+            auth = NodeAuth(token) if token else None
+            self._http = httpx.Client(base_url=url, timeout=timeout, auth=auth, event_hooks=hooks)
         elif socket is not None:
             self._http = httpx.Client(
                 transport=httpx.HTTPTransport(uds=str(socket)),
@@ -37,11 +39,12 @@ class CubeletClient:
         path: str,
         json: Any = None,
         params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
         timeout: float | None = None,
     ) -> Any:
         """`timeout`: this call's, instead of the client's (the dashboard asks every node and waits little)."""
         wait = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
-        return reply_body(self._http.request(method, path, json=json, params=params, timeout=wait))
+        return reply_body(self._http.request(method, path, json=json, params=params, headers=headers, timeout=wait))
 
     def devices(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/devices")["devices"])
@@ -61,12 +64,15 @@ class CubeletClient:
     def events(self, since: int = 0, limit: int = 1000) -> dict[str, Any]:
         return dict(self.request("GET", "/v1/events", params={"since": since, "limit": limit}))
 
-    def verb(self, device_id: str, verb: str, who: str, reason: str, **extra: Any) -> dict[str, Any]:
+    def verb(
+        self, device_id: str, verb: str, who: str, reason: str, request_id: str | None = None, **extra: Any
+    ) -> dict[str, Any]:
         return dict(
             self.request(
                 "POST",
                 f"/v1/devices/{quote(device_id, safe='')}/{quote(verb, safe='')}",
                 {"who": who, "reason": reason, **extra},
+                headers={"x-request-id": request_id} if request_id else None,
             )
         )
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +25,18 @@ from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_HEADER_BYTES = 16 * 1024  # request line + headers; a larger one is a protocol error
+PEER_KEY = "cubeaccel_peer"  # ASGI scope key: (pid, uid, gid) of a unix-socket caller, from SO_PEERCRED
+UNKNOWN_PEER = (-1, -1, -1)  # credentials that could not be read: matches no allowed uid
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """The connecting process's (pid, uid, gid) as the kernel recorded them at connect()."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return UNKNOWN_PEER
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,15 @@ class GuardedH11(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm()
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family == socket.AF_UNIX:  # who is calling, for the app to judge
+            peer, inner = peer_credentials(sock), self.app
+
+            async def with_peer(scope: Any, receive: Any, send: Any) -> None:
+                scope[PEER_KEY] = peer
+                await inner(scope, receive, send)
+
+            self.app = with_peer
 
     def _arm(self) -> None:
         if self._header_timer is None:

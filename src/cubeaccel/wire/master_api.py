@@ -251,6 +251,17 @@ class KeyCreated(Reply):
     tenant: str | None
 
 
+class KeyRow(Record):
+    key_id: str
+    role: str
+    tenant: str | None
+    created_at: float
+
+
+class KeyList(Reply):
+    keys: list[KeyRow]
+
+
 class Revoked(Reply):
     revoked: str
 
@@ -265,3 +276,31 @@ class WhoAmI(Reply):
     tenant: str | None
     node: str | None
     key_id: str | None
+
+
+# ---- device verbs through CubeMaster (admin) -------------------------------------------------------------
+class DeviceVerbBody(Message):
+    """An admin's device verb, forwarded to the node's Cubelet; `who` there is the admin's key, not a claim."""
+
+    reason: str = Field(min_length=1, max_length=2000)
+    restore_driver: bool = False  # disable only
+
+
+class NodeDevices(Reply):
+    node: str
+    devices: list[dict[str, Any]]
+
+
+class NodeDevice(Reply):
+    node: str
+    device: dict[str, Any]
+
+
+class AuditSeal(Record):
+    log: str  # the first 32 hex digits of the log's first entry's hash
+    seq: int
+    hash: str
+
+
+class AuditSeals(Reply):
+    seals: list[AuditSeal]

@@ -7,16 +7,20 @@ from typing import Any
 import httpx
 
 from cubeaccel.wire.http_reply import reply_body
+from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.telemetry import add_request_id
 
 
 class MasterClient:
     def __init__(self, url: str, timeout: float = 60.0, key: str | None = None) -> None:
-        """`key`: an API key (tenant or admin) or a node token, sent as a bearer credential."""
+        """`key`: an API key (tenant or admin), sent as a bearer credential, or a node token (`cbn:…`), which
+        signs each request instead (wire/node_sig.py)."""
         self.url = url.rstrip("/")
-        headers = {"Authorization": f"Bearer {key}"} if key else None
+        node = key is not None and key.startswith("cbn:")
+        headers = {"Authorization": f"Bearer {key}"} if key and not node else None
+        auth = NodeAuth(key) if key and node else None
         self._http = httpx.Client(
-            base_url=self.url, timeout=timeout, headers=headers, event_hooks={"request": [add_request_id]}
+            base_url=self.url, timeout=timeout, headers=headers, auth=auth, event_hooks={"request": [add_request_id]}
         )
 
     def request(
