@@ -186,6 +186,10 @@ OTHER_ENV = {
     "CUBEACCEL_OUTPUT": "the output format (same as `-o`)",
     "CUBEACCEL_REQUIRE_VM": "tests only: VM tests fail instead of skipping when QEMU is missing",
     "CUBEACCEL_SANDBOX, CUBEACCEL_DEVICES": "not settings: the shim tags each VMM's environment with them",
+    "CUBEACCEL_VMM_UIDS": "the shim: `START-END` uids for confined VMMs (default 1900000000-1900004095)",
+    "CUBEACCEL_VMM_UID_LOCKS": "the shim: directory of the uid lease lock files (docs/security.md)",
+    "CUBEACCEL_VMM_MEMLOCK": "the shim: how a confined VMM may lock memory, `auto`, `rlimit` or `cap_ipc_lock`",
+    "CUBEACCEL_VMM_CONFINE_FAULT": "tests only: `wrong_uid` makes the confinement check refuse (never lets one pass)",
     "NOTIFY_SOCKET": "set by systemd for `Type=notify` units: where READY=1 is sent",
     "XDG_CACHE_HOME, XDG_CONFIG_HOME": "the usual base directories for the cache and the config file",
 }
