@@ -167,7 +167,9 @@ def vfio(tmp_path: Path) -> Iterator[VfioNode]:
         Store(tmp_path / "cubelet.db", clock=clock),
         backend,
         shims,
-        CubeletConfig(release_timeout_s=10, kill_grace_s=5, pinnable_memory_mib=1 << 20),
+        # stand-in shim and VMM processes (unconfined): Cubelet's confinement gate has its own tests
+        # (tests/host/test_cubelet_confinement_gate.py, tests/vm/test_confined_vmm.py); these are about release
+        CubeletConfig(release_timeout_s=10, kill_grace_s=5, pinnable_memory_mib=1 << 20, require_vmm_confinement=False),
         scrub_runner=SimulatedScrubRunner(),  # stand-in shims: the scrub VM is stood in too (tests/vm runs one)
     )
     initialize_host(cubelet)

@@ -64,9 +64,10 @@ def private_image(shared: Path, run_cache: Path) -> Manifest:
             ):
                 continue  # pruned between build() and the lock: build again
             mine = run_cache / "images" / m.key
-            mine.mkdir(parents=True)
+            mine.mkdir(parents=True, exist_ok=True)  # another suite's session fixture (tests/e2b) took it already
             for f in files:
-                _link_or_copy(f, mine / f.name)
+                if not (mine / f.name).exists():  # images are immutable by key: a copy taken is the same bytes
+                    _link_or_copy(f, mine / f.name)
         (run_cache / "images" / "latest").write_text(m.key + "\n")
         return Manifest.load(mine / "manifest.json")
     raise AssertionError(f"the image in {shared} kept being pruned by concurrent builds")
