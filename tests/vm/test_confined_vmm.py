@@ -144,7 +144,17 @@ def test_refused_start_through_cubelet_releases_the_device(
     monkeypatch.setenv("CUBEACCEL_VMM_CONFINE_FAULT", "wrong_uid")  # inherited by Cubelet and its shims
     # Cold: the refusal comes right after the VMM started, before any guest boots (no template to build).
     node = CubeletProcess(
-        tmp_path, "-", "--backend", "emulated", "--release-timeout", "5", "--vm-start", "cold"
+        # no scrub VM: it would inherit the injected fault too (the scrub's own faults: test_scrub_between_tenants)
+        tmp_path,
+        "-",
+        "--backend",
+        "emulated",
+        "--release-timeout",
+        "5",
+        "--vm-start",
+        "cold",
+        "--scrub",
+        "accelerator=none",
     ).start()
     try:
         dev = node.client.reserve("f-unconfined", 1, memory_mib=256, start=True)["devices"][0]["id"]

@@ -35,6 +35,11 @@ def test_vfio_hotplug_refused_by_qemu_is_attach_failed_and_released_safely(
         "--proc-root",
         str(fake.proc),
         *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()),
+        # no scrub VM: this is about the refused hot-plug's release (a fake sysfs device cannot be scrubbed)
+        "--scrub",
+        "gpu=none",
+        "--scrub",
+        "accelerator=none",
     ).start()
     try:
         body = p.client.reserve("vf-1", 1, memory_mib=256, start=True)

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,8 +96,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
     base = tmp_path_factory.mktemp("policy")
     master = MasterProcess(base / "master").start()
     (base / "cubelet").mkdir()
-    shared = base / "models"  # the one host directory the operator allowlists, shown read-only in `tool`
-    shared.mkdir()
+    # The one host directory the operator allowlists, shown read-only in `tool`. The VMM's own uid opens it, so it
+    # lives where that uid can reach it (pytest's base dir is root-only 0700), and is removed with the stack.
+    shared = Path(tempfile.mkdtemp(prefix="cubeaccel-models-", dir="/tmp"))
+    shared.chmod(0o755)
     (shared / "weights.txt").write_text("read-only weights\n")
     cubelet = emulated_cubelet(
         master, base / "cubelet", "policy-node", "--network-uplink-netns", uplink, "--allow-readonly-mount", str(shared)
@@ -138,6 +141,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         cubelet.stop()
         master.stop()
         kill_started_vmms(base)
+        shutil.rmtree(shared, ignore_errors=True)
         for sid in started:  # a failed run leaves no namespace behind (only this run's sandboxes, by name)
             subprocess.run(["ip", "netns", "del", f"cube-{sid}"], check=False, capture_output=True, timeout=30)
 

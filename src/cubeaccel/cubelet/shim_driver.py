@@ -84,10 +84,10 @@ SIMULATED_GUEST_IMAGES = (
         "sha256:7409a86b3596e75cb2d757325786351be1561b1d371c14a5c5797174929d533e",
     ),
     GuestImageFact(
-        "sha256:8caef20ed217bdd6b3755d5b737d2e92adc1869db948a7860dd48f280eafbd5f",
+        "sha256:b71df85e50983073d2c1ba494cf34754cba9d4560ee9fae3334e709be4947f52",
         "6.1.0-57-amd64",
         ("sha256:c3718796ffdb206cc149543cf925b868d9cd0cb504ba554539a01303179505aa",),
-        "sha256:ae179640fd106b304c6cad3fc9f5adc0a2189560c60fb7e8ae1bf143d5fd4bc9",
+        "sha256:83f336db55e03bca7f93e9e3df174468c2ef4a3bf7646db93ebc0eaf95df4e03",
     ),
 )
 SIMULATED_HOTPLUG = (HOTPLUG_PCIE_ROOT_PORT_ACPI,)  # the simulated VMM plays QEMU
