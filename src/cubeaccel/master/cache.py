@@ -48,8 +48,8 @@ class NodeCache:
         with self._lock:
             if fresh or time.monotonic() - self._loaded_at > self.ttl_s:
                 self._reload()
-            views = self._index.views()
-            return decide(views, choices, now, staleness_s, vcpus, index=self._index), len(views)
+            # the index is the node list: no per-decision copy of every view (a refusal's `explain` reads them)
+            return decide((), choices, now, staleness_s, vcpus, index=self._index), len(self._index)
 
     def invalidate(self) -> None:
         with self._lock:
