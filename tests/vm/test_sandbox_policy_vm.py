@@ -101,6 +101,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
     shared = Path(tempfile.mkdtemp(prefix="cubeaccel-models-", dir="/tmp"))
     shared.chmod(0o755)
     (shared / "weights.txt").write_text("read-only weights\n")
+    (shared / "weights.txt").chmod(0o644)  # whatever this process's umask: the guest reads it through the VMM's uid
     cubelet = emulated_cubelet(
         master, base / "cubelet", "policy-node", "--network-uplink-netns", uplink, "--allow-readonly-mount", str(shared)
     )
