@@ -6,6 +6,7 @@ Prints one JSON line and a readable table. Run: `make bench` or `.venv/bin/pytho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from cubeaccel.backends.vfio import VfioBackend
@@ -98,9 +100,11 @@ def concurrent_cycles_per_s(dir: Path, seconds: float, threads: int = 16) -> tup
     return n / elapsed, n, per_cycle
 
 
-def http_latency(dir: Path, clients: int, per_client: int, reset_delay_s: float = 0.0) -> dict[str, float]:
-    """`reset_delay_s`: every device reset on the simulated host takes this long (a real FLR ≥ 100 ms)."""
-    host = SimulatedPciHost(f"h100x{2 * clients}", dir / "simulated-host.json")  # the file the server opens
+@contextlib.contextmanager
+def cubelet_process(dir: Path, devices: int, reset_delay_s: float = 0.0) -> Iterator[tuple[Path, int]]:
+    """A real `cubeaccel cubelet serve` on a simulated host of `devices` H100s; yields (its socket, its pid)
+    once it answers `GET /v1/health`. `reset_delay_s`: every device reset takes this long (a real FLR ≥ 100 ms)."""
+    host = SimulatedPciHost(f"h100x{devices}", dir / "simulated-host.json")  # the file the server opens
     host.set_reset_delay(reset_delay_s)
     cmd = [
         sys.executable,
@@ -111,7 +115,7 @@ def http_latency(dir: Path, clients: int, per_client: int, reset_delay_s: float 
         "--backend",
         "simulated",
         "--profile",
-        f"h100x{2 * clients}",
+        f"h100x{devices}",
         "--state-dir",
         str(dir),
         "--tick",
@@ -130,6 +134,16 @@ def http_latency(dir: Path, clients: int, per_client: int, reset_delay_s: float 
                 if time.monotonic() > end:
                     raise
                 time.sleep(0.05)
+        probe.close()
+        yield sock, proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def http_latency(dir: Path, clients: int, per_client: int, reset_delay_s: float = 0.0) -> dict[str, float]:
+    """`reset_delay_s`: every device reset on the simulated host takes this long (a real FLR ≥ 100 ms)."""
+    with cubelet_process(dir, 2 * clients, reset_delay_s) as (sock, _):
         lat: list[float] = []
         lock = threading.Lock()
         errors: list[str] = []
@@ -164,9 +178,6 @@ def http_latency(dir: Path, clients: int, per_client: int, reset_delay_s: float 
             "errors": len(errors),
             "reserve_release_pairs_per_s": len(lat) / wall,
         }
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def main() -> None:

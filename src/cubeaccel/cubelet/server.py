@@ -36,7 +36,7 @@ from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire import node_sig
-from cubeaccel.wire.api_edges import api_app, error_response, json_body
+from cubeaccel.wire.api_edges import BeforeReplyMiddleware, GateMiddleware, api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
 from cubeaccel.wire.http_server import PEER_KEY, server_config
@@ -86,8 +86,7 @@ def create_app(
 
         app.router.dependencies.append(Depends(signed_body))
 
-        @app.middleware("http")
-        async def _only_master(request: Request, call_next: Any) -> Any:
+        async def only_master(request: Request) -> Response | None:
             # The workload proxy checks the sandbox's own access token (hashed in its checkpoint) instead.
             # /metrics: device states and counts, no sandbox or tenant names (a scraper holds no node token).
             exempt = (
@@ -102,34 +101,36 @@ def create_app(
                 throttle.fail(source)
                 code = "auth.invalid_credential" if request.headers.get("authorization") else "auth.missing_credential"
                 return error_response(CubeError(code, why, "api", {}, 401))
-            return await call_next(request)
+            return None
+
+        app.add_middleware(GateMiddleware, gate=only_master)
 
     if local and peer_uids is not None:
 
-        @app.middleware("http")
-        async def _only_local_root(request: Request, call_next: Any) -> Any:
+        async def only_local_root(request: Request) -> Response | None:
             peer = request.scope.get(PEER_KEY)
-            if peer is not None and peer[1] not in peer_uids:
-                request.state.error_code = "auth.peer_not_allowed"
-                return error_response(
-                    CubeError(
-                        "auth.peer_not_allowed",
-                        f"uid {peer[1]} may not use the Cubelet's socket (root or the Cubelet's own uid only)",
-                        "api",
-                        {"uid": peer[1]},
-                        403,
-                    )
+            if peer is None or peer[1] in peer_uids:
+                return None
+            request.state.error_code = "auth.peer_not_allowed"
+            return error_response(
+                CubeError(
+                    "auth.peer_not_allowed",
+                    f"uid {peer[1]} may not use the Cubelet's socket (root or the Cubelet's own uid only)",
+                    "api",
+                    {"uid": peer[1]},
+                    403,
                 )
-            return await call_next(request)
+            )
+
+        app.add_middleware(GateMiddleware, gate=only_local_root)
 
     if audit is not None:
         who = "local-socket" if local else f"node-token:{cubelet.config.node_name} (CubeMaster)"
 
-        @app.middleware("http")
-        async def _audit(request: Request, call_next: Any) -> Any:
-            """Device assignment (reserve/start), release, operator verbs, reconcile, and every refusal."""
-            response = await call_next(request)
-            path, refused = request.url.path, response.status_code >= 400
+        async def audit_request(request: Request, status: int) -> None:
+            """Device assignment (reserve/start), release, operator verbs, reconcile, and every refusal; written
+            before the reply's status line is sent."""
+            path, refused = request.url.path, status >= 400
             mutation = request.method not in ("GET", "HEAD", "OPTIONS") and path not in AUDIT_REFUSALS_ONLY
             if refused or mutation:
                 creds = request.scope.get(PEER_KEY)  # the unix socket's caller, as the kernel says
@@ -137,9 +138,9 @@ def create_app(
                 await run_in_threadpool(
                     audit.append,
                     _action(request),
-                    who if response.status_code != 401 else "anonymous",
+                    who if status != 401 else "anonymous",
                     "refused" if refused else "ok",
-                    status=response.status_code,
+                    status=status,
                     reason=getattr(request.state, "error_code", None),
                     source=request.client.host if request.client else None,
                     request_id=getattr(request.state, "request_id", None) or request.headers.get("x-request-id"),
@@ -147,7 +148,8 @@ def create_app(
                     node=cubelet.config.node_name,
                     **peer,
                 )
-            return response
+
+        app.add_middleware(BeforeReplyMiddleware, hook=audit_request)
 
     def dev(device_id: str) -> dict[str, Any]:
         d = cubelet.store.device(device_id)
