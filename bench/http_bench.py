@@ -5,22 +5,21 @@ calling `GET /v1/health` and rounds of 16 clients doing reserve → release, so 
 ratio reserve p99 ÷ health p99 is what the web stack adds on top of the bare route (aim ≤ 2), and the
 server's own CPU per request (from /proc/PID/stat) is the figure least moved by other load.
 
-Clients: `BENCH_CLIENT=raw` (default) is a keep-alive HTTP/1.1 client on `http.client` (little client CPU, so
-the two cores are mostly the server's); `httpx` is `CubeletClient`, as the CLI and CubeMaster call it.
+Clients: `BENCH_CLIENT=raw` (default): 16 keep-alive HTTP/1.1 connections driven by one asyncio loop (little
+client CPU, no client thread queued on the GIL, so the latency is the server's); `httpx`: `CubeletClient`, as
+the CLI and CubeMaster call it, one thread each.
 Run: `.venv/bin/python bench/http_bench.py` (BENCH_RUNS, BENCH_ROUNDS, BENCH_PER_CLIENT, BENCH_CLIENT).
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import os
-import socket
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,43 +31,61 @@ CLIENTS = 16
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-class UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: Path) -> None:
-        super().__init__("cubelet")
-        self._path = str(path)
+class AsyncRawClient:
+    """One keep-alive HTTP/1.1 connection on the unix socket, driven from one event loop with the others: no
+    client thread waits on the GIL behind fifteen others (a threaded Python client's p99 is mostly that)."""
 
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.connect(self._path)
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._r, self._w = reader, writer
 
+    @classmethod
+    async def open(cls, sock: Path) -> AsyncRawClient:
+        return cls(*await asyncio.open_unix_connection(str(sock)))
 
-class RawClient:
-    """Just enough of the Cubelet API: one keep-alive connection, JSON in and out, errors raised."""
-
-    def __init__(self, sock: Path) -> None:
-        self._conn = UnixHTTPConnection(sock)
-
-    def _call(self, method: str, path: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {} if data is None else {"content-type": "application/json"}
-        self._conn.request(method, path, body=data, headers=headers)
-        reply = self._conn.getresponse()
-        raw = reply.read()
-        if reply.status >= 400:
-            raise RuntimeError(f"{method} {path}: {reply.status} {raw[:200]!r}")
+    async def call(self, method: str, path: str, body: Any = None) -> Any:
+        data = b"" if body is None else json.dumps(body).encode()
+        head = f"{method} {path} HTTP/1.1\r\nhost: cubelet\r\ncontent-length: {len(data)}\r\n"
+        if data:
+            head += "content-type: application/json\r\n"
+        self._w.write(head.encode() + b"\r\n" + data)
+        lines = (await self._r.readuntil(b"\r\n\r\n")).split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = next(int(v) for k, _, v in (x.partition(b":") for x in lines[1:]) if k.lower() == b"content-length")
+        raw = await self._r.readexactly(length)
+        if status >= 400:
+            raise RuntimeError(f"{method} {path}: {status} {raw[:200]!r}")
         return json.loads(raw)
 
-    def health(self) -> Any:
-        return self._call("GET", "/v1/health")
+    async def health(self) -> Any:
+        return await self.call("GET", "/v1/health")
 
-    def reserve(self, sandbox_id: str, count: int = 1) -> Any:
-        return self._call("POST", "/v1/reservations", {"sandbox_id": sandbox_id, "count": count})
+    async def reserve(self, sandbox_id: str, count: int = 1) -> Any:
+        return await self.call("POST", "/v1/reservations", {"sandbox_id": sandbox_id, "count": count})
 
-    def release(self, sandbox_id: str) -> Any:
-        return self._call("DELETE", f"/v1/reservations/{sandbox_id}")
+    async def release(self, sandbox_id: str) -> Any:
+        return await self.call("DELETE", f"/v1/reservations/{sandbox_id}")
 
     def close(self) -> None:
-        self._conn.close()
+        self._w.close()
+
+
+class ThreadedClient:
+    """`CubeletClient` (httpx, as the CLI and CubeMaster call the Cubelet) in a thread per client."""
+
+    def __init__(self, sock: Path) -> None:
+        self._c = CubeletClient(socket=sock)
+
+    async def health(self) -> Any:
+        return await asyncio.to_thread(self._c.health)
+
+    async def reserve(self, sandbox_id: str, count: int = 1) -> Any:
+        return await asyncio.to_thread(self._c.reserve, sandbox_id, count)
+
+    async def release(self, sandbox_id: str) -> Any:
+        return await asyncio.to_thread(self._c.release, sandbox_id)
+
+    def close(self) -> None:
+        self._c.close()
 
 
 def cpu_s(pid: int) -> float:
@@ -81,59 +98,49 @@ def p99(xs: list[float]) -> float:
     return s[int(0.99 * (len(s) - 1))]
 
 
-def clients_round(clients: list[Any], body: Callable[[Any, int, int], float | None], n: int) -> list[float]:
-    """Each client runs `body(client, w, i)` n times in its own thread, all started together."""
-    lat: list[float] = []
-    lock = threading.Lock()
-    start = threading.Barrier(len(clients))
+async def clients_round(clients: list[Any], body: Callable[[Any, int, int], Awaitable[float]], n: int) -> list[float]:
+    """Each client runs `body(client, w, i)` n times, one after another; all clients at once."""
 
-    def worker(w: int) -> None:
-        start.wait()
-        mine = [dt for i in range(n) if (dt := body(clients[w], w, i)) is not None]
-        with lock:
-            lat.extend(mine)
+    async def one(w: int) -> list[float]:
+        return [await body(clients[w], w, i) for i in range(n)]
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(len(clients))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return lat
+    return [dt for lat in await asyncio.gather(*(one(w) for w in range(len(clients)))) for dt in lat]
 
 
-def one_run(dir: Path, rounds: int, per_client: int, kind: str) -> dict[str, Any]:
-    with cubelet_process(dir, 2 * CLIENTS) as (sock, pid):
-        make = RawClient if kind == "raw" else (lambda s: CubeletClient(socket=s))
-        clients = [make(sock) for _ in range(CLIENTS)]
-        seq = iter(range(1 << 30))
+async def measure(sock: Path, pid: int, rounds: int, per_client: int, kind: str) -> dict[str, Any]:
+    if kind == "raw":
+        clients: list[Any] = [await AsyncRawClient.open(sock) for _ in range(CLIENTS)]
+    else:
+        clients = [ThreadedClient(sock) for _ in range(CLIENTS)]
+    seq = iter(range(1 << 30))
 
-        def health(c: Any, w: int, i: int) -> float:
-            t0 = time.perf_counter()
-            c.health()
-            return time.perf_counter() - t0
+    async def health(c: Any, w: int, i: int) -> float:
+        t0 = time.perf_counter()
+        await c.health()
+        return time.perf_counter() - t0
 
-        def pair(c: Any, w: int, i: int) -> float:
-            sid = f"b{w}-{next(seq)}"
-            t0 = time.perf_counter()
-            c.reserve(sid, 1)
-            dt = time.perf_counter() - t0
-            c.release(sid)
-            return dt
+    async def pair(c: Any, w: int, i: int) -> float:
+        sid = f"b{w}-{next(seq)}"
+        t0 = time.perf_counter()
+        await c.reserve(sid, 1)
+        dt = time.perf_counter() - t0
+        await c.release(sid)
+        return dt
 
-        clients_round(clients, health, 5)  # warm-up: connections open, routes compiled, pages touched
-        clients_round(clients, pair, 2)
-        h_lat: list[float] = []
-        r_lat: list[float] = []
-        h_cpu = r_cpu = 0.0
-        for _ in range(rounds):
-            c0 = cpu_s(pid)
-            h_lat += clients_round(clients, health, per_client)
-            c1 = cpu_s(pid)
-            r_lat += clients_round(clients, pair, per_client)
-            c2 = cpu_s(pid)
-            h_cpu, r_cpu = h_cpu + c1 - c0, r_cpu + c2 - c1
-        for c in clients:
-            c.close()
+    await clients_round(clients, health, 5)  # warm-up: connections open, routes compiled, pages touched
+    await clients_round(clients, pair, 2)
+    h_lat: list[float] = []
+    r_lat: list[float] = []
+    h_cpu = r_cpu = 0.0
+    for _ in range(rounds):
+        c0 = cpu_s(pid)
+        h_lat += await clients_round(clients, health, per_client)
+        c1 = cpu_s(pid)
+        r_lat += await clients_round(clients, pair, per_client)
+        c2 = cpu_s(pid)
+        h_cpu, r_cpu = h_cpu + c1 - c0, r_cpu + c2 - c1
+    for c in clients:
+        c.close()
     n = rounds * per_client * CLIENTS
     return {
         "health_p50_ms": 1000 * statistics.median(h_lat),
@@ -145,6 +152,11 @@ def one_run(dir: Path, rounds: int, per_client: int, kind: str) -> dict[str, Any
         "server_cpu_ms_per_pair": 1000 * r_cpu / n,
         "n": n,
     }
+
+
+def one_run(dir: Path, rounds: int, per_client: int, kind: str) -> dict[str, Any]:
+    with cubelet_process(dir, 2 * CLIENTS) as (sock, pid):
+        return asyncio.run(measure(sock, pid, rounds, per_client, kind))
 
 
 def main() -> None:

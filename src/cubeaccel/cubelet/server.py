@@ -39,7 +39,7 @@ from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, GateMiddleware, api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
-from cubeaccel.wire.http_server import PEER_KEY, server_config
+from cubeaccel.wire.http_server import PEER_KEY, run_servers, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 
 # Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
@@ -157,9 +157,13 @@ def create_app(
             raise not_found("device.not_found", f"no device {device_id!r}")
         return d.to_json()
 
+    # The journal's schema is migrated when the store opens, before any app exists; it cannot change after.
+    healthy = {"status": "ok", "node": cubelet.config.node_name, "schema_version": cubelet.store.schema_version}
+
     @app.get("/v1/health", response_model=W.Health)
-    def health() -> dict[str, Any]:
-        return {"status": "ok", "node": cubelet.config.node_name, "schema_version": cubelet.store.schema_version}
+    async def health() -> dict[str, Any]:
+        """On the event loop: a liveness probe needs no worker thread (and no store read)."""
+        return healthy
 
     @app.get("/v1/devices", response_model=W.DeviceList)
     def devices() -> dict[str, Any]:
@@ -434,7 +438,7 @@ def serve(
         status = f"cubelet {cubelet.config.node_name}: serving {socket_path}"
         await asyncio.gather(*(s.serve() for s in servers), sdnotify.when_started(servers, status))
 
-    asyncio.run(run())
+    run_servers(run(), configs[0])
 
 
 # ---- the workload proxy ------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,13 @@ class GuardedH11(H11Protocol):
         except h11.LocalProtocolError:  # h11 cannot frame a reply in this state: just close
             pass
         self.transport.close()
+
+
+def run_servers(main: Coroutine[Any, Any, None], config: Config) -> None:
+    """Run `main` (the servers' `serve()`s) on the event loop `config` asks for — uvloop when installed, as
+    `uvicorn.run` would; a bare `asyncio.run` always gets the stdlib loop."""
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(main)
 
 
 def server_config(app: Any, limits: HttpLimits | None = None, **where: Any) -> Config:
