@@ -88,9 +88,10 @@ class ThreadedClient:
         self._c.close()
 
 
-def cpu_s(pid: int) -> float:
+def cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of the process so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime
+    return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
 def p99(xs: list[float]) -> float:
@@ -131,14 +132,17 @@ async def measure(sock: Path, pid: int, rounds: int, per_client: int, kind: str)
     await clients_round(clients, pair, 2)
     h_lat: list[float] = []
     r_lat: list[float] = []
-    h_cpu = r_cpu = 0.0
+    h_cpu = [0.0, 0.0]
+    r_cpu = [0.0, 0.0]
     for _ in range(rounds):
         c0 = cpu_s(pid)
         h_lat += await clients_round(clients, health, per_client)
         c1 = cpu_s(pid)
         r_lat += await clients_round(clients, pair, per_client)
         c2 = cpu_s(pid)
-        h_cpu, r_cpu = h_cpu + c1 - c0, r_cpu + c2 - c1
+        for k in (0, 1):
+            h_cpu[k] += c1[k] - c0[k]
+            r_cpu[k] += c2[k] - c1[k]
     for c in clients:
         c.close()
     n = rounds * per_client * CLIENTS
@@ -148,8 +152,10 @@ async def measure(sock: Path, pid: int, rounds: int, per_client: int, kind: str)
         "reserve_p50_ms": 1000 * statistics.median(r_lat),
         "reserve_p99_ms": 1000 * p99(r_lat),
         "p99_ratio": p99(r_lat) / p99(h_lat),
-        "server_cpu_ms_per_health": 1000 * h_cpu / n,
-        "server_cpu_ms_per_pair": 1000 * r_cpu / n,
+        "server_cpu_ms_per_health": 1000 * sum(h_cpu) / n,
+        "server_cpu_ms_per_pair": 1000 * sum(r_cpu) / n,
+        "server_sys_ms_per_health": 1000 * h_cpu[1] / n,
+        "server_sys_ms_per_pair": 1000 * r_cpu[1] / n,
         "n": n,
     }
 
@@ -173,7 +179,8 @@ def main() -> None:
         row["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for key in ("health_p99_ms", "reserve_p99_ms", "p99_ratio", "server_cpu_ms_per_health", "server_cpu_ms_per_pair"):
+    keys = ("health_p99_ms", "reserve_p50_ms", "reserve_p99_ms", "p99_ratio", "server_cpu_ms_per_health")
+    for key in (*keys, "server_cpu_ms_per_pair", "server_sys_ms_per_health", "server_sys_ms_per_pair"):
         xs = [r[key] for r in rows]
         print(f"{key:<26} min {min(xs):8.3f}  median {statistics.median(xs):8.3f}  max {max(xs):8.3f}")
     print("aim: p99_ratio ≤ 2 and reserve p99 < 10 ms on an idle machine")

@@ -237,13 +237,7 @@ def create_app(
 
     @app.delete("/v1/reservations/{sandbox_id}", status_code=202, response_model=W.Release)
     def delete_reservation(sandbox_id: str) -> dict[str, Any]:
-        res = cubelet.release(sandbox_id)
-        return {
-            "sandbox_id": sandbox_id,
-            "released": res is None,
-            "reservation": None if res is None else _view(res, local),
-            "devices": _reservation_json(cubelet, sandbox_id)["devices"],
-        }
+        return _release_json(cubelet, sandbox_id, cubelet.release(sandbox_id), local)
 
     def shim_report(body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -327,19 +321,29 @@ def _view(res: Reservation, local: bool) -> dict[str, Any]:
 
 
 def _reservation_json(cubelet: Cubelet, sandbox_id: str, local: bool = True) -> dict[str, Any]:
-    res = cubelet.store.reservation(sandbox_id)
-    with cubelet.store.read() as t:
+    with cubelet.store.read() as t:  # one snapshot: the reservation, its devices and its timeline agree
+        res = t.reservation(sandbox_id)
         devs = [d.to_json() for d in t.devices_of(sandbox_id)]
-    timeline = [
-        {"at": e.at, "kind": e.kind, "event": e.event, "device_id": e.device_id, "to_state": e.to_state}
-        for e in cubelet.store.events(0, 10000, sandbox_id=sandbox_id)
-    ]
+        timeline = t.timeline(sandbox_id)
+        failure = _failure(res, t.last_closed(sandbox_id) if res is None else None)
     return {
         "sandbox_id": sandbox_id,
         "reservation": None if res is None else _view(res, local),
         "devices": devs,
         "timeline": timeline,
-        "failure": sandbox_failure(cubelet, sandbox_id),
+        "failure": failure,
+    }
+
+
+def _release_json(cubelet: Cubelet, sandbox_id: str, res: Reservation | None, local: bool) -> dict[str, Any]:
+    """A DELETE's reply: the devices only (no timeline read to be dropped)."""
+    with cubelet.store.read() as t:
+        devs = [d.to_json() for d in t.devices_of(sandbox_id)]
+    return {
+        "sandbox_id": sandbox_id,
+        "released": res is None,
+        "reservation": None if res is None else _view(res, local),
+        "devices": devs,
     }
 
 
@@ -364,13 +368,10 @@ def dashboard_json(cubelet: Cubelet, n_events: int) -> dict[str, Any]:
     }
 
 
-def sandbox_failure(cubelet: Cubelet, sandbox_id: str) -> dict[str, Any] | None:
-    """Why the sandbox's current (or, once closed, last) reservation failed, with code and layer; None if not."""
-    res = cubelet.store.reservation(sandbox_id)
+def _failure(res: Reservation | None, closed: dict[str, Any] | None) -> dict[str, Any] | None:
     if res is not None:
         return None if res.checkpoint.failure is None else res.checkpoint.failure.to_json()
-    closed = [e for e in cubelet.store.events(0, 10000, sandbox_id=sandbox_id) if e.kind == "reservation_closed"]
-    failure = closed[-1].details.get("facts", {}).get("failure") if closed else None
+    failure = closed.get("facts", {}).get("failure") if closed else None
     return failure if isinstance(failure, dict) else None
 
 

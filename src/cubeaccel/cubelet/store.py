@@ -6,6 +6,7 @@ in the same transaction, so a crash at any point leaves either both or neither.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
@@ -247,9 +248,17 @@ class Tx:
             reason=reason,
             details=details or {},
         )
-        rec = self.device(device.id)
-        assert rec is not None
-        return rec
+        # The CAS matched (state, generation), so the other columns are the ones `device` holds (nothing else
+        # writes them without a new generation): the row is built here, not read back.
+        return dataclasses.replace(
+            device,
+            state=target,
+            generation=device.generation + 1,
+            reason=reason,
+            sandbox_id=new_sandbox,
+            updated_at=self.now,
+            labels=dict(device.labels),
+        )
 
     def set_reason(self, device: DeviceRecord, reason: str | None) -> bool:
         """Why a device stays where it is (an `initialized` device on a host that is not ready), without a
@@ -264,6 +273,22 @@ class Tx:
     def reservation(self, sandbox_id: str) -> Reservation | None:
         r = self.c.execute("SELECT * FROM reservations WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         return None if r is None else _row_to_reservation(r)
+
+    def timeline(self, sandbox_id: str, limit: int = 10000) -> list[dict[str, Any]]:
+        """The sandbox's events in order, only the columns a reply's timeline shows (no details decoded)."""
+        rows = self.c.execute(
+            "SELECT at,kind,event,device_id,to_state FROM events WHERE sandbox_id=? ORDER BY seq LIMIT ?",
+            (sandbox_id, limit),
+        ).fetchall()
+        return [dict(r) for r in rows]
+
+    def last_closed(self, sandbox_id: str) -> dict[str, Any] | None:
+        """The details of the sandbox's newest `reservation_closed` event, if it has one."""
+        r = self.c.execute(
+            "SELECT details FROM events WHERE sandbox_id=? AND kind='reservation_closed' ORDER BY seq DESC LIMIT 1",
+            (sandbox_id,),
+        ).fetchone()
+        return None if r is None else dict(json.loads(r["details"]))
 
     def reservations(self) -> list[Reservation]:
         rows = self.c.execute("SELECT * FROM reservations ORDER BY created_at").fetchall()
