@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import BaseRoute
 
 from cubeaccel.host.audit import AuditLog
@@ -155,6 +157,31 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
     )
 
 
+class AuditedRequests:
+    """CubeMaster's request edge, pure ASGI (no BaseHTTPMiddleware task and memory streams per request): the
+    request id is settled before any route runs, so the telemetry line, the audit row and the reply's
+    `X-Request-Id` agree; `hook(request, status)` writes the audit row before the status line is sent."""
+
+    def __init__(self, app: Any, hook: Callable[[Request, int], Awaitable[None]]) -> None:
+        self.app = app
+        self.hook = hook
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = accept_request_id(Headers(scope=scope).get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def hooked(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["x-request-id"] = rid
+                await self.hook(Request(scope), int(message["status"]))
+            await send(message)
+
+        await self.app(scope, receive, hooked)
+
+
 def create_app(
     master: CubeMaster, maintenance: Maintenance | None = None, audit: AuditLog | Path | None = None
 ) -> FastAPI:
@@ -199,14 +226,10 @@ def create_app(
 
     app.router.dependencies.append(Depends(authorize))
 
-    @app.middleware("http")
-    async def _audit(request: Request, call_next: Any) -> Any:
-        rid = accept_request_id(request.headers.get("x-request-id"))
-        request.state.request_id = rid
-        response = await call_next(request)
-        response.headers["x-request-id"] = rid
+    async def audit_request(request: Request, status: int) -> None:
+        """Every refusal and every mutation but the noisy ones, written before the status line is sent."""
         action = getattr(request.state, "action", None)
-        refused = response.status_code >= 400
+        refused = status >= 400
         mutation = request.method not in ("GET", "HEAD", "OPTIONS")
         audited = refused or (mutation and action not in AUDIT_REFUSALS_ONLY)
         if log is not None and action is not None and audited:
@@ -216,14 +239,15 @@ def create_app(
                 action,
                 ident.label(),
                 "ok" if not refused else "refused",
-                status=response.status_code,
+                status=status,
                 reason=getattr(request.state, "error_code", None),
                 source=request.client.host if request.client else None,
-                request_id=rid,
+                request_id=request.state.request_id,
                 target=request.url.path,
                 tenant=getattr(request.state, "tenant", ident.tenant),
             )
-        return response
+
+    app.add_middleware(AuditedRequests, hook=audit_request)
 
     def owned(ident: Identity, sandbox_id: str) -> dict[str, Any]:
         """A tenant sees only its own sandboxes: another tenant's is 404, as if it did not exist."""
