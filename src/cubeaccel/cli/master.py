@@ -111,7 +111,7 @@ def serve_cmd(
     from cubeaccel.master.server import create_app
     from cubeaccel.master.service import CubeMaster, MasterConfig
     from cubeaccel.master.store import MasterStore
-    from cubeaccel.wire.http_server import server_config
+    from cubeaccel.wire.http_server import run_servers, server_config
 
     host, port = _listen(listen)
     from cubeaccel.host import statelock
@@ -162,7 +162,7 @@ def serve_cmd(
         async def run() -> None:  # uvicorn's own run(), plus READY=1 for systemd once it listens
             await asyncio.gather(server.serve(), sdnotify.when_started([server], f"CubeMaster on {host}:{port}"))
 
-        asyncio.run(run())
+        run_servers(run(), server.config)
     finally:
         maintenance.stop()
         lock.release()
