@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from cubeaccel.host import proctitle
 from cubeaccel.host.private import private_umask
 from cubeaccel.host.unix_path import connect_path
+from cubeaccel.shim import entry
 from cubeaccel.shim import process as _process  # noqa: F401 - preloaded: what a forked shim runs
 from cubeaccel.wire.shim_launch import MAX_REQUEST_BYTES, SOCKET_NAME, ShimLaunchReply, ShimLaunchRequest
 
@@ -162,10 +163,9 @@ def _become_shim(req: ShimLaunchRequest, log_fd: int, ready_w: int, close_fds: t
             raise SystemExit(121) from None
         os.write(ready_w, b"1")
         os.close(ready_w)
-        from cubeaccel.shim.__main__ import main
-
+        args = entry.parser().parse_args(list(req.argv[3:]))  # `run ...`: the request's model checked the prefix
         token = req.workload_token.get_secret_value() if req.workload_token is not None else None
-        rc = main(list(req.argv[3:]), workload_token=token)
+        rc = entry.run(args, workload_token=token)
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else int(e.code is not None)
     except BaseException:
