@@ -261,3 +261,45 @@ def test_an_unknown_shim_launch_mode_is_refused_before_anything_starts(tmp_path:
         build_cubelet(RuntimeOptions(state_dir=tmp_path / "state", backend="emulated", shim_launch="thread"))
     assert refused.value.code == "cubelet.invalid_shim_launch"
     assert not (tmp_path / "state" / "cubelet.db").exists()
+
+
+SILENT_SERVER = """
+import socket, subprocess, sys, time
+path, sid, spec = sys.argv[1:4]
+s = socket.socket(socket.AF_UNIX); s.bind(path); s.listen(1)
+print("listening", flush=True)
+conn, _ = s.accept()
+conn.recv(65536)
+# It forks a shim (here: a stand-in with a shim's argv)... and its answer never comes.
+sleeper = "import time; time.sleep(120)"
+subprocess.Popen([sys.executable, "-c", sleeper, "cubeaccel.shim", "run", "--sandbox", sid, "--spec", spec])
+time.sleep(120)
+"""
+
+
+def test_a_lost_answer_never_gives_a_sandbox_two_shims(tmp_path: Path) -> None:
+    driver = ProcessShimDriver(tmp_path / "state")
+    assert driver.forks is not None
+    sid = f"lost-{os.getpid()}"
+    spec = driver.dir / f"{sid}.json"
+    silent = subprocess.Popen(
+        [sys.executable, "-c", SILENT_SERVER, str(driver.dir / SOCKET_NAME), sid, str(spec)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    stand_in = None
+    try:
+        assert silent.stdout is not None and silent.stdout.readline() == "listening\n"
+        driver.forks._proc = silent  # the server this driver started, gone quiet
+        real_launch = driver.forks.launch
+        driver.forks.launch = lambda *a, **k: real_launch(*a, **k, reply_timeout_s=2.0)  # type: ignore[method-assign]
+        driver.start(ShimSpec.model_validate(refused_spec(sid, tmp_path / "reports.sock")))
+        assert driver.forks.unanswered and driver.forks.last_refusal.startswith("no reply")
+        assert silent.poll() is not None  # the quiet server was killed: nothing it forks later can run
+        stand_in = find_shim(sid, under=driver.dir)
+        assert stand_in is not None and sid not in driver._children  # found the forked one; spawned none
+    finally:
+        if stand_in is not None:
+            os.kill(stand_in, 9)
+        silent.kill()
+        silent.wait()

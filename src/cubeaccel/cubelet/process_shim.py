@@ -82,8 +82,10 @@ class ProcessShimDriver:
         token = spec.workload_token.get_secret_value() if spec.workload_token is not None else None
         with open(self.dir / f"{sid}.log", "ab") as log:
             if self.forks is not None:
-                if self.forks.launch(argv, log.fileno(), token) is not None or self._shim_pid(sid) is not None:
+                if self.forks.launch(argv, log.fileno(), token) is not None:
                     return  # forked and findable in /proc by its argv, like a spawned one; its server reaps it
+                if self.forks.unanswered and self._shim_pid(sid) is not None:
+                    return  # forked, but the answer was lost: it is there all the same
                 self.forks.ensure_started()  # this start is spawned; the next ones fork
             child = subprocess.Popen(
                 argv,

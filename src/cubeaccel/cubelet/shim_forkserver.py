@@ -31,6 +31,7 @@ class ForkServer:
         self.socket = directory / SOCKET_NAME
         self._proc: subprocess.Popen[bytes] | None = None
         self.last_refusal: str | None = None  # why the last start was spawned instead (logs, tests)
+        self.unanswered = False  # the last request was sent and not answered: look for the shim before spawning
 
     def ensure_started(self) -> None:
         """Start it when it is not running. Never waits for it to be ready: the caller spawns meanwhile."""
@@ -51,7 +52,9 @@ class ForkServer:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
-    def launch(self, argv: list[str], log_fd: int, workload_token: str | None) -> int | None:
+    def launch(
+        self, argv: list[str], log_fd: int, workload_token: str | None, reply_timeout_s: float = REPLY_TIMEOUT_S
+    ) -> int | None:
         """The forked shim's pid, already showing `argv` in /proc; None (and `last_refusal`) when it was not
         made — or when no answer came, so the caller looks for the shim by its argv before spawning one."""
         if self.pid is None:
@@ -62,7 +65,7 @@ class ForkServer:
         if len(data) > MAX_REQUEST_BYTES:
             return self._refused(f"request of {len(data)} bytes")
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(REPLY_TIMEOUT_S)
+            s.settimeout(reply_timeout_s)
             try:
                 s.connect(connect_path(self.socket))
             except OSError as e:  # not listening yet (just started), or gone: nothing was asked
@@ -80,18 +83,19 @@ class ForkServer:
                 # Asked, but no answer: a shim may or may not have been forked. Kill the fork server; a child
                 # that had not shown its argv yet cannot start (its ready pipe breaks), one that had is findable.
                 self._abandon()
-                return self._refused(f"no reply: {type(e).__name__}: {e}")
+                return self._refused(f"no reply: {type(e).__name__}: {e}", asked=True)
         try:
             answer = ShimLaunchReply.model_validate_json(reply)
-        except ValidationError as e:
-            return self._refused(f"unreadable reply: {e.errors()[:1]}")
+        except ValidationError as e:  # not the server we started: as good as no answer
+            self._abandon()
+            return self._refused(f"unreadable reply: {e.errors()[:1]}", asked=True)
         if answer.pid is None:
             return self._refused(answer.error or "no pid")
-        self.last_refusal = None
+        self.last_refusal, self.unanswered = None, False
         return answer.pid
 
-    def _refused(self, why: str) -> int | None:
-        self.last_refusal = why
+    def _refused(self, why: str, asked: bool = False) -> int | None:
+        self.last_refusal, self.unanswered = why, asked
         _log.info("shim fork server not used: %s", why)
         return None
 
