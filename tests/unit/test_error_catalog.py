@@ -40,6 +40,7 @@ NOT_CODES = {
     # the E2B front door's metadata key for an accelerator request
     "cubeaccel.accelerators",
     "scratch.img", "mkfs.ext4",
+    "forkserver.log", "forkserver.sock",
     # module names (python -m, loggers)
     "cubeaccel.master", "cubeaccel.shim", "cubeaccel.api", "cubeaccel.cubelet",
     # kernel parameters

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from cubeaccel.agent.probes import ProbeContext, kernel_release, loaded_modules, run_modprobe
+from cubeaccel.agent.hotplug import wait_pci  # imported at start: in a template, before the snapshot
+from cubeaccel.agent.probes import ProbeContext, kernel_release, loaded_modules, pci_devices, run_modprobe
 from cubeaccel.agent.report import probe_reply
 from cubeaccel.agent.spec import bad_contract, parse_spec
 from cubeaccel.model.agent_protocol import AGENT_VERSION, PROTOCOL_VERSION
@@ -27,7 +28,10 @@ from cubeaccel.model.errors import CubeError
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
-METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown")
+METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci")
+PCI_ID = re.compile(r"[0-9a-f]{4}")
+MAX_KNOWN = 1024
+MAX_WAIT_S = 30.0
 
 
 def protocol_error(code: str, message: str, **details: Any) -> CubeError:
@@ -173,6 +177,8 @@ class Agent:
             "boot_id": _boot_id(self.ctx),
             "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - self.started, 3),
+            # What is there before any hot-plug: `wait_pci`'s `known` without a probe of its own.
+            "pci_addresses": [d["address"] for d in pci_devices(self.ctx)],
         }
 
     def _m_hello(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -233,6 +239,27 @@ class Agent:
             timeout = float(params.get("timeout_s", 600.0))
             return scrub_cuda(self.ctx.lib_dirs, index, max_bytes, timeout_s=timeout).to_json()
         raise protocol_error("agent.invalid_params", "scrub method must be bar or cuda")
+
+    def _m_wait_pci(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Until a function not in `known` with `vendor_id`:`device_id` appears, or `timeout_s` passes."""
+        vendor, device, known = params.get("vendor_id"), params.get("device_id"), params.get("known", [])
+        timeout = params.get("timeout_s", 10.0)
+        if not (
+            isinstance(vendor, str)
+            and PCI_ID.fullmatch(vendor)
+            and isinstance(device, str)
+            and PCI_ID.fullmatch(device)
+        ):
+            raise protocol_error("agent.invalid_params", "vendor_id and device_id must be 4 lower-case hex digits")
+        if (
+            not isinstance(known, list)
+            or len(known) > MAX_KNOWN
+            or not all(isinstance(a, str) and PCI_ADDRESS.fullmatch(a) for a in known)
+        ):
+            raise protocol_error("agent.invalid_params", f"known must be a list of at most {MAX_KNOWN} PCI addresses")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_WAIT_S:
+            raise protocol_error("agent.invalid_params", f"timeout_s must be a number in (0, {MAX_WAIT_S:.0f}]")
+        return wait_pci(self.ctx, vendor, device, frozenset(known), float(timeout))
 
     def _m_shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
         self.poweroff_requested = self._flag(params, "poweroff", False)

@@ -70,6 +70,9 @@ def serve_cmd(
         typer.Option(help="this node's token from enrolment (0600): sent to CubeMaster, asked of callers on --listen"),
     ] = None,
     vm_start: Annotated[str, typer.Option(help="real MicroVMs: template (snapshot restore) or cold")] = "template",
+    shim_launch: Annotated[
+        str, typer.Option(help="real MicroVMs: fork (from a pre-started shim fork server) or spawn each shim")
+    ] = "fork",
     detach_timeout: Annotated[float, typer.Option(help="real MicroVMs: seconds to wait for DEVICE_DELETED")] = 10.0,
     pinnable_memory_mib: Annotated[
         int | None,
@@ -155,6 +158,7 @@ def serve_cmd(
                 proc_root=proc_root,
                 allow=tuple(allow or ("10de:*",)),
                 vm_start=vm_start,
+                shim_launch=shim_launch,
                 detach_timeout_s=detach_timeout,
                 holder_scan_exempt_pids=frozenset(holder_scan_exempt_pid or ()),
                 guest_images=guest_images,

@@ -19,6 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
+from cubeaccel.cubelet.shim_forkserver import ForkServer
 from cubeaccel.host.hypervisor import hotplug_paths
 from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images
@@ -31,6 +32,7 @@ from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec, spec_error
 
 _Signature = tuple[tuple[int, int], ...]
+LAUNCH_MODES = ("fork", "spawn")
 
 
 class ProcessShimDriver:
@@ -44,7 +46,9 @@ class ProcessShimDriver:
         proc: Path = Path("/proc"),
         start_mode: str = "template",
         detach_timeout_s: float = 10.0,
+        launch: str = "fork",
     ) -> None:
+        """`launch`: "fork" asks the shim fork server first (spawning when it cannot), "spawn" always spawns."""
         self.dir = (state_dir / "shims").absolute()  # the prefix its processes' argv is matched against
         self.start_mode = start_mode
         self.detach_timeout_s = detach_timeout_s
@@ -54,6 +58,14 @@ class ProcessShimDriver:
         self.socket = state_dir / "cubelet.sock"
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._verified: dict[Path, tuple[_Signature, GuestImageFact | None]] = {}
+        if launch not in LAUNCH_MODES:
+            raise ValueError(f"shim launch {launch!r}: want one of {', '.join(LAUNCH_MODES)}")
+        self.forks = ForkServer(self.dir, python) if launch == "fork" else None
+
+    def close(self) -> None:
+        """The fork server goes (shims keep running); spawned children are not waited for."""
+        if self.forks is not None:
+            self.forks.close()
 
     def bind(self, sink: ReportSink) -> None:
         """Reports come over HTTP; nothing to bind in-process."""
@@ -66,15 +78,22 @@ class ProcessShimDriver:
         except ValidationError as e:  # refused here as the shim would refuse it, before any process starts
             raise spec_error(e) from e
         spec_path.write_text(json.dumps(launch.to_json()))
-        log = open(self.dir / f"{sid}.log", "ab")  # noqa: SIM115 - owned by the child
+        argv = [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)]
         token = spec.workload_token.get_secret_value() if spec.workload_token is not None else None
-        child = subprocess.Popen(
-            [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
-            stdin=subprocess.PIPE if token else subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(self.dir / f"{sid}.log", "ab") as log:
+            if self.forks is not None:
+                if self.forks.launch(argv, log.fileno(), token) is not None:
+                    return  # forked and findable in /proc by its argv, like a spawned one; its server reaps it
+                if self.forks.unanswered and self._shim_pid(sid) is not None:
+                    return  # forked, but the answer was lost: it is there all the same
+                self.forks.ensure_started()  # this start is spawned; the next ones fork
+            child = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if token else subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         if token and child.stdin is not None:  # the token never touches the disk: one line on the shim's stdin
             with contextlib.suppress(OSError):
                 child.stdin.write(token.encode() + b"\n")

@@ -31,6 +31,7 @@ class RuntimeOptions:
     allow: tuple[str, ...] = ("10de:*",)
     config: CubeletConfig = field(default_factory=CubeletConfig)
     vm_start: str = "template"  # real shims: start from the template snapshot, or cold boot
+    shim_launch: str = "fork"  # real shims: forked from the shim fork server (spawned when it cannot), or spawned
     detach_timeout_s: float = 10.0  # real shims: how long to wait for DEVICE_DELETED
     holder_scan_exempt_pids: frozenset[int] = frozenset()  # vfio: unreadable processes declared harmless
     guest_images: Path | None = None  # simulated nodes: a JSON list of guest images replacing the default set
@@ -76,6 +77,8 @@ def _guest_images(path: Path) -> tuple[GuestImageFact, ...]:
 def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     if opts.vm_start not in ("template", "cold"):
         raise invalid("cubelet.invalid_vm_start", f"--vm-start must be template or cold, not {opts.vm_start!r}")
+    if opts.shim_launch not in ("fork", "spawn"):
+        raise invalid("cubelet.invalid_shim_launch", f"--shim-launch must be fork or spawn, not {opts.shim_launch!r}")
     if opts.backend not in BACKENDS:
         raise invalid(
             "cubelet.unknown_backend", f"unknown backend {opts.backend!r}; known: {list(BACKENDS)}", layer="backend"
@@ -114,7 +117,12 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
             allow=opts.allow,
             readiness_roots=roots,
         )
-        shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
+        shim = ProcessShimDriver(
+            opts.state_dir,
+            start_mode=opts.vm_start,
+            detach_timeout_s=opts.detach_timeout_s,
+            launch=opts.shim_launch,
+        )
     else:
         from cubeaccel.backends.emulated import EmulatedBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
@@ -126,7 +134,12 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
             uid=os.getuid(),
             vmm_uids=ConfinePolicy.from_env().uids,
         )
-        shim = ProcessShimDriver(opts.state_dir, start_mode=opts.vm_start, detach_timeout_s=opts.detach_timeout_s)
+        shim = ProcessShimDriver(
+            opts.state_dir,
+            start_mode=opts.vm_start,
+            detach_timeout_s=opts.detach_timeout_s,
+            launch=opts.shim_launch,
+        )
     runner = None
     if opts.backend != "simulated":
         from cubeaccel.cubelet.scrub import ProcessScrubRunner

@@ -100,6 +100,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("cubelet.invalid_guest_images", 422, "api", "Cubelet config: the guest image list does not parse"),
     _c("cubelet.invalid_instance_id", 422, "cubelet", "Cubelet config: instance id is not a valid identifier"),
     _c("cubelet.invalid_vm_start", 422, "api", "Cubelet config: unknown VM start mode"),
+    _c("cubelet.invalid_shim_launch", 422, "api", "Cubelet config: unknown shim launch mode (fork or spawn)"),
     _c("cubelet.unknown_backend", 422, "backend", "Cubelet config: no such backend"),
     # ---- Cubelet: release, reconcile (sandbox failures and device reasons) ----
     _c("release.device_node_not_returned", None, "cubelet", "quarantine: a VMM's device node was not taken back"),

@@ -142,6 +142,13 @@ class AgentClient:
                 **({} if code == said else {"guest_code": said}),
             )
 
+    def notify(self, method: str, params: dict[str, Any], timeout_s: float) -> None:
+        """Send a request whose reply nobody waits for (teardown's `shutdown`: the guest may still be busy with
+        a request the shim gave up on, and the teardown does not wait for it to finish)."""
+        if self._sock is None:
+            raise agent_error("agent.not_connected", "agent channel not connected")
+        self._send(method, params, time.monotonic() + timeout_s)
+
     def wait_hello(
         self, timeout_s: float, retry_s: float = 2.0, cancelled: Callable[[], bool] = lambda: False
     ) -> dict[str, Any]:

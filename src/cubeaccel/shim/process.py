@@ -14,6 +14,7 @@ import select
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from types import FrameType
 
@@ -68,6 +69,7 @@ class Shim:
         self.agent: AgentClient | None = None
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
         self.guest_addresses: dict[str, str] = {}  # device id → where the guest saw it appear
+        self._known: set[str] | None = None  # guest PCI addresses before our hot-plugs, when the agent waits
         self.timeline: dict[str, float] = {}
         self._stop = False
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
@@ -252,6 +254,9 @@ class Shim:
         self._check_stop()
         t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
         self.reporter.report(K.GUEST_READY, agent=hello)
+        addresses = hello.get("pci_addresses")
+        if "wait_pci" in (hello.get("methods") or ()) and isinstance(addresses, list) and len(addresses) <= 1024:
+            self._known = {str(a) for a in addresses}  # an older agent: probes before and after instead
         for i, dev in enumerate(spec.devices):
             self._check_stop()
             self._attach(vmm, agent, i, dev)
@@ -306,7 +311,8 @@ class Shim:
     def _attach(self, vmm: QemuVmm, agent: AgentClient, index: int, dev: DeviceSpec) -> None:
         qid = qdev_id(index)
         t0 = time.monotonic()
-        before = {str(d.get("address")) for d in agent.pci_devices()}
+        waits = self._known is not None  # the agent waits in the guest: no probe before, no polling after
+        before = set(self._known) if self._known is not None else {str(d.get("address")) for d in agent.pci_devices()}
         try:
             att = vmm.add_device(qid, dev.driver, dev.properties, index)
         except CubeError as e:
@@ -318,14 +324,12 @@ class Shim:
                 status=500,
             ) from e
         self.added[qid] = dev
+        seen: list[Mapping[str, object]] = (
+            self._wait_visible(agent, dev, before, t0 + VISIBLE_TIMEOUT_S) if waits else []
+        )
         deadline = t0 + VISIBLE_TIMEOUT_S
-        while True:
-            seen = [
-                d
-                for d in agent.pci_devices()
-                if str(d.get("address")) not in before
-                and f"{d.get('vendor_id')}:{d.get('device_id')}".lower() == dev.vendor_device
-            ]
+        while not seen:
+            seen = [d for d in agent.pci_devices() if self._is_new(d, dev, before)]
             if seen:
                 break
             if time.monotonic() > deadline:
@@ -337,6 +341,8 @@ class Shim:
                     status=500,
                 )
             time.sleep(0.02)
+        if self._known is not None:
+            self._known.add(str(seen[0].get("address")))
         self.guest_addresses[dev.device_id] = str(seen[0].get("address"))
         self.reporter.report(
             K.DEVICE_ATTACHED,
@@ -347,6 +353,24 @@ class Shim:
             vendor_device=dev.vendor_device,
             hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
         )
+
+    @staticmethod
+    def _is_new(d: Mapping[str, object], dev: DeviceSpec, before: set[str]) -> bool:
+        """The guest says so, and it is untrusted: the host checks vendor:device and novelty itself."""
+        same = f"{d.get('vendor_id')}:{d.get('device_id')}".lower() == dev.vendor_device
+        return same and str(d.get("address")) not in before
+
+    def _wait_visible(
+        self, agent: AgentClient, dev: DeviceSpec, before: set[str], deadline: float
+    ) -> list[Mapping[str, object]]:
+        """One `wait_pci` the guest answers when the function appears ([] when it says it did not: the polling
+        path then decides, until the same deadline)."""
+        vendor, _, device = dev.vendor_device.partition(":")
+        left = max(0.1, deadline - time.monotonic())
+        params = {"vendor_id": vendor, "device_id": device, "known": sorted(before), "timeout_s": round(left, 3)}
+        reply = agent.call("wait_pci", params, timeout_s=left + 5.0, cancel_fd=self._wake_r)
+        found = reply.get("device")
+        return [found] if isinstance(found, dict) and self._is_new(found, dev, before) else []
 
     def _probe_contract(self) -> dict[str, object]:
         """The frozen contract, or the minimum the host knows: its devices' vendor:device (Cubelet also checks
@@ -424,7 +448,7 @@ class Shim:
             self.bridge.close()
         if alive and self.agent is not None:
             with contextlib.suppress(Exception):  # the guest is untrusted: nothing it says stops the teardown
-                self.agent.call(
+                self.agent.notify(
                     "shutdown", {"poweroff": False}, timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s)
                 )
         if self.agent is not None:
@@ -472,8 +496,11 @@ def read_workload_token() -> str | None:
     return line.decode("ascii", errors="replace") or None
 
 
-def run_shim(spec: ShimSpec, log_level: str | None = None) -> int:
+def run_shim(spec: ShimSpec, log_level: str | None = None, workload_token: str | None = None) -> int:
+    """`workload_token`: given by the fork server; a spawned shim reads it from stdin."""
     set_request_id(spec.request_id)  # every log line and report of this shim carries the starting request's id
     configure_logging(log_level)
     private_umask()  # its dir, QMP/agent sockets, logs and the template snapshot QEMU writes: owner-only
-    return Shim(spec, read_workload_token() if spec.workload else None).run()
+    if spec.workload and workload_token is None:
+        workload_token = read_workload_token()
+    return Shim(spec, workload_token if spec.workload else None).run()
