@@ -214,6 +214,19 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
     assert vfio.cubelet.store.reservation(vfio.sid) is None
 
 
+def test_the_shims_final_report_releases_at_once_without_a_reconcile_pass(vfio: VfioNode) -> None:
+    vfio.running()
+    vfio.cubelet.release(vfio.sid)
+    vfio.shims.detach(vfio.sid)
+    vfio.report(K.DEVICE_DETACHED)
+    vfio.shims.end_vmm(vfio.sid)
+    vfio.report(K.VMM_EXITED)
+    assert vfio.state() is S.RELEASING  # the shim lives and has not said it is done
+    vfio.report(K.SHIM_EXITING)  # and nothing else: no try_release, no reconcile pass
+    assert vfio.state() is S.ALLOCATABLE
+    assert vfio.cubelet.store.reservation(vfio.sid) is None
+
+
 def test_vmm_exit_and_shim_exit_release_without_any_report(vfio: VfioNode) -> None:
     vfio.running()
     vfio.cubelet.release(vfio.sid)

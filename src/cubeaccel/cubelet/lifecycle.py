@@ -554,6 +554,8 @@ class Cubelet(ReleasePath):
             )
         elif report.kind is ShimReportKind.VMM_EXITED:
             self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
+        elif report.kind is ShimReportKind.SHIM_EXITING and res.phase is P.RELEASING:
+            self.try_release(sid)  # the final report is release evidence: no waiting for the next reconcile pass
 
     def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
         """Stage 5, judged again on the host: the agent's own verdict is not trusted alone."""
