@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 
 import typer
-
-from cubeaccel.model.errors import CubeError
 
 app = typer.Typer(no_args_is_help=True, help="CubeShim: one MicroVM per process")
 
@@ -19,23 +15,9 @@ def run(
     spec_file: Path = typer.Option(..., "--spec", help="spec JSON written by Cubelet"),
 ) -> None:
     """Run one sandbox's MicroVM until SIGTERM; reports go where the spec says."""
-    from cubeaccel.shim.process import run_shim
-    from cubeaccel.wire.shim_spec import load_spec
+    from cubeaccel.shim.entry import run_command
 
-    try:
-        spec = load_spec(spec_file)
-        if spec.sandbox_id != sandbox:
-            raise CubeError(
-                "shim.invalid_spec",
-                f"--sandbox {sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
-                layer="template",
-                details={"field": "sandbox_id"},
-                status=422,
-            )
-    except CubeError as e:
-        print(json.dumps(e.to_json()), file=sys.stderr)
-        raise typer.Exit(2) from e
-    raise typer.Exit(run_shim(spec))
+    raise typer.Exit(run_command(sandbox, spec_file))
 
 
 @app.command("find")

@@ -46,7 +46,7 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
-from cubeaccel.wire.api_edges import api_app, json_body
+from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.dashboard import Dashboard
 from cubeaccel.wire.heartbeat import Heartbeat
@@ -164,7 +164,7 @@ class AuditedRequests:
 
     def __init__(self, app: Any, hook: Callable[[Request, int], Awaitable[None]]) -> None:
         self.app = app
-        self.hook = hook
+        self.audited = BeforeReplyMiddleware(app, hook)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -173,13 +173,12 @@ class AuditedRequests:
         rid = accept_request_id(Headers(scope=scope).get("x-request-id"))
         scope.setdefault("state", {})["request_id"] = rid
 
-        async def hooked(message: Any) -> None:
+        async def with_id(message: Any) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message)["x-request-id"] = rid
-                await self.hook(Request(scope), int(message["status"]))
             await send(message)
 
-        await self.app(scope, receive, hooked)
+        await self.audited(scope, receive, with_id)
 
 
 def create_app(

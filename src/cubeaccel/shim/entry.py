@@ -25,15 +25,20 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, workload_token: str | None = None) -> int:
     """`workload_token`: from the fork server's request (a spawned shim reads it from stdin instead)."""
+    return run_command(args.sandbox, Path(args.spec), workload_token)
+
+
+def run_command(sandbox: str, spec_path: Path, workload_token: str | None = None) -> int:
+    """`shim run`, for both command lines (this one and `cubeaccel shim run`): 2 for a spec it refuses."""
     from cubeaccel.shim.process import run_shim
     from cubeaccel.wire.shim_spec import load_spec
 
     try:
-        spec = load_spec(Path(args.spec))
-        if spec.sandbox_id != args.sandbox:
+        spec = load_spec(spec_path)
+        if spec.sandbox_id != sandbox:
             raise CubeError(
                 "shim.invalid_spec",
-                f"--sandbox {args.sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
+                f"--sandbox {sandbox!r} != spec sandbox_id {spec.sandbox_id!r}",
                 layer="template",
                 details={"field": "sandbox_id"},
                 status=422,
