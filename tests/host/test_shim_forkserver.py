@@ -303,3 +303,25 @@ def test_a_lost_answer_never_gives_a_sandbox_two_shims(tmp_path: Path) -> None:
             os.kill(stand_in, 9)
         silent.kill()
         silent.wait()
+
+
+def test_cubelet_serve_has_its_fork_server_up_before_the_first_start_and_takes_it_along(tmp_path: Path) -> None:
+    from tests.support.cubelet_process import CubeletProcess
+
+    (tmp_path / "node").mkdir()
+    node = CubeletProcess(tmp_path / "node", "-", "--backend", "emulated").start()
+    sock = tmp_path / "node" / "shims" / SOCKET_NAME
+
+    def answers() -> bool:
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(str(sock))
+            except OSError:
+                return False
+            return True
+
+    try:
+        poll(answers, 60, what="fork server listening before any sandbox start")
+    finally:
+        node.sigkill()  # as a crash: the fork server reads EOF on Cubelet's pipe and goes
+    poll(lambda: not answers(), 30, what="fork server gone with its Cubelet")

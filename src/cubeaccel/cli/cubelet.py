@@ -180,6 +180,10 @@ def serve_cmd(
         from cubeaccel.cubelet.metrics import metrics_of
 
         metrics_of(cubelet)  # counting from the first event: the host's initialization
+        from cubeaccel.cubelet.process_shim import ProcessShimDriver
+
+        if isinstance(cubelet.shim, ProcessShimDriver):  # its fork server comes up while the host initializes
+            cubelet.shim.warm()
         if holder_scan_exempt_pid:
             with cubelet.store.tx() as t:
                 t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})

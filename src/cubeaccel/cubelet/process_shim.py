@@ -62,6 +62,11 @@ class ProcessShimDriver:
             raise ValueError(f"shim launch {launch!r}: want one of {', '.join(LAUNCH_MODES)}")
         self.forks = ForkServer(self.dir, python) if launch == "fork" else None
 
+    def warm(self) -> None:
+        """Start the fork server now (a daemon's start), so even the first sandbox start is forked."""
+        if self.forks is not None:
+            self.forks.ensure_started()
+
     def close(self) -> None:
         """The fork server goes (shims keep running); spawned children are not waited for."""
         if self.forks is not None:

@@ -1,7 +1,8 @@
 """Cubelet's side of the shim fork server (shim/forkserver.py): start it, ask it for a shim, or say why not.
 
 Every answer other than a pid means "spawn this shim the ordinary way": the fork server only ever makes a start
-faster. It is started on the first sandbox start (that one is spawned) and again whenever it is found gone.
+faster. `cubelet serve` starts it with the host's initialization; a start that finds it gone is spawned and
+starts it again.
 """
 
 from __future__ import annotations
