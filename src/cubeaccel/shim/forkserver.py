@@ -37,7 +37,6 @@ from cubeaccel.wire.shim_launch import MAX_REQUEST_BYTES, SOCKET_NAME, ShimLaunc
 
 READY_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 5.0
-_log = logging.getLogger("cubeaccel.shim.forkserver")
 
 
 def serve(directory: Path) -> int:
@@ -116,8 +115,19 @@ def _serve_one(conn: socket.socket, listener: socket.socket, own_fds: tuple[int,
             os.close(log_fd)
         _reply(conn, error=f"bad request: {e}"[:500])
         return
-    ready_r, ready_w = os.pipe()
-    pid = os.fork()
+    try:
+        ready_r, ready_w = os.pipe()
+    except OSError as e:
+        os.close(log_fd)
+        _reply(conn, error=f"cannot fork a shim: {e}")
+        return
+    try:
+        pid = os.fork()
+    except OSError as e:  # EAGAIN, ENOMEM: Cubelet spawns this one instead
+        for fd in (ready_r, ready_w, log_fd):
+            os.close(fd)
+        _reply(conn, error=f"cannot fork a shim: {e}")
+        return
     if pid == 0:  # the shim: never returns into this loop
         os.close(ready_r)
         _become_shim(req, log_fd, ready_w, (conn.fileno(), listener.fileno(), *own_fds))
