@@ -45,8 +45,7 @@ class ForkServer:
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd="/",
+                start_new_session=True,  # same cwd and environment as a spawned shim: it imports the same code
             )
 
     @property
