@@ -178,7 +178,7 @@ SETTING_DOCS = {
     "accel": "force QEMU's accelerator, `kvm` or `tcg` (default: kvm where a guest runs under it)",
     "http_header_timeout_s": "seconds a connection may take to send complete request headers (default 10)",
     "http_body_timeout_s": "seconds a request body may take to arrive (default 30)",
-    "http_idle_timeout_s": "seconds an idle keep-alive connection stays open (default 5)",
+    "http_idle_timeout_s": "seconds an idle keep-alive connection stays open (default 15)",
     "log_level": "`debug`, `info`, `warning` or `error` for the servers' JSON log lines on stderr",
 }
 OTHER_ENV = {

@@ -44,7 +44,9 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class HttpLimits:
     header_timeout_s: float = 10.0  # from connect (or the end of the last response) to complete headers
     body_timeout_s: float = 30.0  # from the headers to the last body byte
-    idle_timeout_s: int = 5  # a keep-alive connection with no new request
+    # A keep-alive connection with no new request. Longer than clients' own expiry (httpx: 5 s), so a client
+    # never reuses a connection in the moment the server closes it (the request would meet a reset).
+    idle_timeout_s: int = 15
 
     @classmethod
     def from_env(cls) -> HttpLimits:
