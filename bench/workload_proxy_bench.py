@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
-import statistics
 import tempfile
 import threading
 import time
@@ -29,45 +27,12 @@ import uvicorn
 from tests.support.cubelet_harness import Node
 from tests.support.master_harness import free_port
 from tests.unit.test_workload_bridge import FakePort
+from workload_measure import exec_times, file_rates, pct, summary
 
 from cubeaccel.cubelet import server as cubelet_server
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.wire.workload_client import WorkloadClient
-
-MiB = 1024 * 1024
-
-
-def exec_times(wl: WorkloadClient, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        assert wl.exec(["/bin/true"]).exit_code == 0
-        out.append(time.perf_counter() - t0)
-    return sorted(out)
-
-
-def pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
-
-
-def file_rates(wl: WorkloadClient, mib: int, tmp: Path) -> tuple[float, float]:
-    blob = os.urandom(mib * MiB)
-    path = str(tmp / f"bench-{os.getpid()}.bin")
-    t0 = time.perf_counter()
-    wl.upload(path, io.BytesIO(blob))
-    up = mib / (time.perf_counter() - t0)
-    sink = io.BytesIO()
-    t0 = time.perf_counter()
-    wl.download(path, sink)
-    down = mib / (time.perf_counter() - t0)
-    assert sink.getvalue() == blob
-    os.unlink(path)
-    return up, down
-
-
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"min": round(min(xs), 2), "median": round(statistics.median(xs), 2), "max": round(max(xs), 2)}
 
 
 def main() -> int:
@@ -114,7 +79,7 @@ def main() -> int:
                 ts = exec_times(wl, args.n)
                 p50s.append(pct(ts, 0.5) * 1000)
                 p99s.append(pct(ts, 0.99) * 1000)
-                up, down = file_rates(wl, args.mib, tmp)
+                up, down = file_rates(wl, args.mib, str(tmp / f"bench-{os.getpid()}.bin"), os.unlink)
                 ups.append(up)
                 downs.append(down)
             results[name] = {

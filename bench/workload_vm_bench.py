@@ -13,10 +13,8 @@ Run: `PYTHONPATH=src:. .venv/bin/python bench/workload_vm_bench.py [--n 30] [--m
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -27,44 +25,10 @@ from tests.support.master_harness import MasterProcess, free_port
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
+from workload_measure import exec_times, file_rates, pct, summary
 
 from cubeaccel.images.builder import build
 from cubeaccel.wire.workload_client import WorkloadClient
-
-MiB = 1024 * 1024
-
-
-def exec_times(wl: WorkloadClient, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        r = wl.exec(["/bin/true"])
-        out.append(time.perf_counter() - t0)
-        assert r.exit_code == 0
-    return sorted(out)
-
-
-def pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
-
-
-def file_rates(wl: WorkloadClient, mib: int) -> tuple[float, float]:
-    blob = os.urandom(mib * MiB)
-    path = f"/tmp/bench-{os.getpid()}.bin"
-    t0 = time.perf_counter()
-    wl.upload(path, io.BytesIO(blob))
-    up = mib / (time.perf_counter() - t0)
-    sink = io.BytesIO()
-    t0 = time.perf_counter()
-    wl.download(path, sink)
-    down = mib / (time.perf_counter() - t0)
-    assert sink.getvalue() == blob
-    wl.exec(["/bin/rm", "-f", path])
-    return up, down
-
-
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"min": round(min(xs), 2), "median": round(statistics.median(xs), 2), "max": round(max(xs), 2)}
 
 
 def main() -> int:
@@ -104,7 +68,8 @@ def main() -> int:
                 ts = exec_times(wl, args.n)
                 p50s.append(pct(ts, 0.5) * 1000)
                 p99s.append(pct(ts, 0.99) * 1000)
-                up, down = file_rates(wl, args.mib)
+                guest_file = f"/tmp/bench-{os.getpid()}.bin"
+                up, down = file_rates(wl, args.mib, guest_file, lambda p, w=wl: w.exec(["/bin/rm", "-f", p]))
                 ups.append(up)
                 downs.append(down)
             results[name] = {

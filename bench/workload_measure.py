@@ -1,0 +1,46 @@
+"""What both workload benchmarks measure (through a real MicroVM, or the proxy alone): `/bin/true` exec times
+and upload/download rates, summarised as min / median / max over runs."""
+
+from __future__ import annotations
+
+import io
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from cubeaccel.wire.workload_client import WorkloadClient
+
+MiB = 1 << 20
+
+
+def exec_times(wl: WorkloadClient, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        assert wl.exec(["/bin/true"]).exit_code == 0
+        out.append(time.perf_counter() - t0)
+    return sorted(out)
+
+
+def pct(xs: list[float], p: float) -> float:
+    return xs[min(len(xs) - 1, round(p * (len(xs) - 1)))]
+
+
+def file_rates(wl: WorkloadClient, mib: int, path: str, remove: Callable[[str], object]) -> tuple[float, float]:
+    """MiB/s up and down for one `mib` file at `path` (checked byte for byte), then `remove(path)`."""
+    blob = os.urandom(mib * MiB)
+    t0 = time.perf_counter()
+    wl.upload(path, io.BytesIO(blob))
+    up = mib / (time.perf_counter() - t0)
+    sink = io.BytesIO()
+    t0 = time.perf_counter()
+    wl.download(path, sink)
+    down = mib / (time.perf_counter() - t0)
+    assert sink.getvalue() == blob
+    remove(path)
+    return up, down
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"min": round(min(xs), 2), "median": round(statistics.median(xs), 2), "max": round(max(xs), 2)}
