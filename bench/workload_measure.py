@@ -44,3 +44,24 @@ def file_rates(wl: WorkloadClient, mib: int, path: str, remove: Callable[[str], 
 
 def summary(xs: list[float]) -> dict[str, float]:
     return {"min": round(min(xs), 2), "median": round(statistics.median(xs), 2), "max": round(max(xs), 2)}
+
+
+def measure(
+    wl: WorkloadClient, n: int, mib: int, runs: int, path: str, remove: Callable[[str], object], warm: int
+) -> dict[str, dict[str, float]]:
+    """`warm` execs, then `runs` rounds of `n` execs and one file each way: min / median / max per figure."""
+    exec_times(wl, warm)
+    p50s, p99s, ups, downs = [], [], [], []
+    for _ in range(runs):
+        ts = exec_times(wl, n)
+        p50s.append(pct(ts, 0.5) * 1000)
+        p99s.append(pct(ts, 0.99) * 1000)
+        up, down = file_rates(wl, mib, path, remove)
+        ups.append(up)
+        downs.append(down)
+    return {
+        "exec_true_p50_ms": summary(p50s),
+        "exec_true_p99_ms": summary(p99s),
+        f"upload_{mib}MiB_MiBps": summary(ups),
+        f"download_{mib}MiB_MiBps": summary(downs),
+    }

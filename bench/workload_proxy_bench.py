@@ -27,7 +27,7 @@ import uvicorn
 from tests.support.cubelet_harness import Node
 from tests.support.master_harness import free_port
 from tests.unit.test_workload_bridge import FakePort
-from workload_measure import exec_times, file_rates, pct, summary
+from workload_measure import measure
 
 from cubeaccel.cubelet import server as cubelet_server
 from cubeaccel.cubelet.lifecycle import ReservationRequest
@@ -73,20 +73,9 @@ def main() -> int:
                 else WorkloadClient.over(whole, token)
             )
             before = bridge.connections
-            exec_times(wl, 5)  # warm
-            p50s, p99s, ups, downs = [], [], [], []
-            for _ in range(args.runs):
-                ts = exec_times(wl, args.n)
-                p50s.append(pct(ts, 0.5) * 1000)
-                p99s.append(pct(ts, 0.99) * 1000)
-                up, down = file_rates(wl, args.mib, str(tmp / f"bench-{os.getpid()}.bin"), os.unlink)
-                ups.append(up)
-                downs.append(down)
+            path = str(tmp / f"bench-{os.getpid()}.bin")
             results[name] = {
-                "exec_true_p50_ms": summary(p50s),
-                "exec_true_p99_ms": summary(p99s),
-                f"upload_{args.mib}MiB_MiBps": summary(ups),
-                f"download_{args.mib}MiB_MiBps": summary(downs),
+                **measure(wl, args.n, args.mib, args.runs, path, os.unlink, warm=5),
                 "bridge_connections": bridge.connections - before,
             }
             wl.close()

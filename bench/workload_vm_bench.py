@@ -25,7 +25,7 @@ from tests.support.master_harness import MasterProcess, free_port
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
-from workload_measure import exec_times, file_rates, pct, summary
+from workload_measure import measure
 
 from cubeaccel.images.builder import build
 from cubeaccel.wire.workload_client import WorkloadClient
@@ -62,22 +62,9 @@ def main() -> int:
             "raw_channel": WorkloadClient.over("http://workload", token, uds=str(sock)),
         }
         for name, wl in paths.items():
-            exec_times(wl, 3)  # warm: connections, bash caches
-            p50s, p99s, ups, downs = [], [], [], []
-            for _ in range(args.runs):
-                ts = exec_times(wl, args.n)
-                p50s.append(pct(ts, 0.5) * 1000)
-                p99s.append(pct(ts, 0.99) * 1000)
-                guest_file = f"/tmp/bench-{os.getpid()}.bin"
-                up, down = file_rates(wl, args.mib, guest_file, lambda p, w=wl: w.exec(["/bin/rm", "-f", p]))
-                ups.append(up)
-                downs.append(down)
-            results[name] = {
-                "exec_true_p50_ms": summary(p50s),
-                "exec_true_p99_ms": summary(p99s),
-                f"upload_{args.mib}MiB_MiBps": summary(ups),
-                f"download_{args.mib}MiB_MiBps": summary(downs),
-            }
+            guest_file = f"/tmp/bench-{os.getpid()}.bin"
+            remove = lambda p, w=wl: w.exec(["/bin/rm", "-f", p])  # noqa: E731 - the guest's file
+            results[name] = measure(wl, args.n, args.mib, args.runs, guest_file, remove, warm=3)  # warm: bash caches
             wl.close()
         results["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
         master.client.delete(sid)

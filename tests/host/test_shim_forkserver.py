@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -219,10 +220,11 @@ def test_spawn_mode_never_starts_a_fork_server(tmp_path: Path) -> None:
 
 
 def test_a_cmdline_is_rewritten_in_place_and_never_past_its_room(tmp_path: Path) -> None:
+    sid = f"renamed-{uuid.uuid4().hex[:12]}"  # unique to this run: find_shim reads the whole host's /proc
     code = (
         "import sys; from cubeaccel.host import proctitle as p\n"
         "try:\n    p.set_cmdline(['x' * 9000])\nexcept ValueError as e:\n    print('refused', e, flush=True)\n"
-        "p.set_cmdline(['python', 'shim', 'run', '--sandbox', 'renamed'])\nprint('done', flush=True)\n"
+        f"p.set_cmdline(['python', 'shim', 'run', '--sandbox', '{sid}'])\nprint('done', flush=True)\n"
         "sys.stdin.read()\n"
     )
     child = subprocess.Popen(
@@ -236,13 +238,13 @@ def test_a_cmdline_is_rewritten_in_place_and_never_past_its_room(tmp_path: Path)
         assert child.stdout is not None
         assert child.stdout.readline().startswith("refused argv needs 9001 bytes")
         assert child.stdout.readline() == "done\n"
-        assert find_shim("renamed") == child.pid
+        assert find_shim(sid) == child.pid
         assert [a for a in Path(f"/proc/{child.pid}/cmdline").read_bytes().split(b"\0") if a] == [
             b"python",
             b"shim",
             b"run",
             b"--sandbox",
-            b"renamed",
+            sid.encode(),
         ]
     finally:
         child.kill()
