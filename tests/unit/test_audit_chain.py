@@ -3,7 +3,10 @@ lines removed, which leaves a perfectly valid shorter chain) are all found."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +108,83 @@ def test_every_append_reaches_every_sealer_in_order(tmp_path: Path) -> None:
     again = AuditLog(log.path, sealers=[lambda lid, seq, h: got.append((lid, seq, h))])  # a restart: same id
     again.append("x", "y", "ok")
     assert got[-1][:2] == (first, 4)
+
+
+def _poll(cond: Any, what: str, deadline_s: float = 10.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_concurrent_appends_share_one_fsync_and_each_caller_gets_its_own_line(tmp_path: Path) -> None:
+    """Callers arriving while a batch is on its way to disk are written together by the next batch: one
+    fsync for all of them, one chain, and every caller returns its own entry only once its line is in."""
+    first_sealed, go = threading.Event(), threading.Event()
+
+    def slow_first_seal(log_id: str, seq: int, digest: str) -> None:
+        if not first_sealed.is_set():
+            first_sealed.set()
+            go.wait(10)
+
+    log = AuditLog(tmp_path / "audit.jsonl", sealers=[slow_first_seal])
+    got: dict[int, dict[str, Any]] = {}
+    first = threading.Thread(target=lambda: got.__setitem__(-1, log.append("a", "t", "ok", target="first")))
+    first.start()
+    _poll(first_sealed.is_set, "the first batch to reach its seal")
+    late = [
+        threading.Thread(target=lambda i=i: got.__setitem__(i, log.append("a", "t", "ok", target=f"late{i}")))
+        for i in range(7)
+    ]
+    for t in late:
+        t.start()
+    _poll(lambda: len(log._queue) == 7, "seven callers queued behind the batch being written")
+    assert got == {}  # nobody has returned before its line is durable
+    go.set()
+    for t in [first, *late]:
+        t.join(10)
+    assert log.batches == 2
+    assert verify(log.path) == []
+    lines = [json.loads(x) for x in log.path.read_text().splitlines()]
+    assert [e["seq"] for e in lines] == list(range(1, 9))
+    assert {got[i]["target"]: got[i]["seq"] for i in got} == {e["target"]: e["seq"] for e in lines}
+    head = read_head(head_path(log.path))
+    assert head is not None and head["seq"] == 8
+
+
+def test_a_failed_batch_fails_every_caller_in_it_and_the_next_batch_still_chains(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def failing_once(log_id: str, seq: int, digest: str) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("the seal's storage is gone")
+
+    log = AuditLog(tmp_path / "audit.jsonl", sealers=[failing_once])
+    with pytest.raises(OSError, match="seal's storage"):
+        log.append("a", "t", "ok", target="x")
+    entry = log.append("a", "t", "ok", target="y")
+    assert entry["seq"] == 2 and verify(log.path) == []
+
+
+def test_appends_from_the_event_loop_and_from_threads_share_one_chain(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.jsonl")
+
+    async def many() -> list[dict[str, Any]]:
+        return await asyncio.gather(*(log.append_async("a", "t", "ok", target=f"async{i}") for i in range(20)))
+
+    threads = [
+        threading.Thread(target=log.append, args=("a", "t", "ok"), kwargs={"target": f"sync{i}"}) for i in range(5)
+    ]
+    for t in threads:
+        t.start()
+    entries = asyncio.run(many())
+    for t in threads:
+        t.join(10)
+    assert verify(log.path) == []
+    lines = [json.loads(x) for x in log.path.read_text().splitlines()]
+    assert len(lines) == 25 and [e["seq"] for e in lines] == list(range(1, 26))
+    assert sorted(e["target"] for e in entries) == sorted(f"async{i}" for i in range(20))
+    by_seq = {e["seq"]: e for e in lines}
+    assert all(by_seq[e["seq"]] == e for e in entries)  # each caller got exactly its own line back

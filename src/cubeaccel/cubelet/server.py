@@ -135,8 +135,7 @@ def create_app(
             if refused or mutation:
                 creds = request.scope.get(PEER_KEY)  # the unix socket's caller, as the kernel says
                 peer = {} if creds is None else {"peer_pid": creds[0], "peer_uid": creds[1]}
-                await run_in_threadpool(
-                    audit.append,
+                await audit.append_async(
                     _action(request),
                     who if status != 401 else "anonymous",
                     "refused" if refused else "ok",
@@ -189,8 +188,13 @@ def create_app(
             return operator.disable(cubelet, device_id, body.who, body.reason, body.restore_driver).to_json()
         return fn(cubelet, device_id, body.who, body.reason).to_json()
 
+    # The hot routes are async with one worker-thread hand-off for the blocking work: a sync route would take
+    # a second one just to check its reply against the response model.
     @app.post("/v1/reservations", status_code=201, response_model=W.ReservationView)
-    def create_reservation(body: W.ReservationBody) -> dict[str, Any]:
+    async def create_reservation(body: W.ReservationBody) -> dict[str, Any]:
+        return await run_in_threadpool(reserve_now, body)
+
+    def reserve_now(body: W.ReservationBody) -> dict[str, Any]:
         req = ReservationRequest(
             count=body.count,
             accel_class=body.accel_class,
@@ -236,7 +240,10 @@ def create_app(
         raise refuse(operation, res.sandbox_id, has_accelerator=bool(res.device_ids))
 
     @app.delete("/v1/reservations/{sandbox_id}", status_code=202, response_model=W.Release)
-    def delete_reservation(sandbox_id: str) -> dict[str, Any]:
+    async def delete_reservation(sandbox_id: str) -> dict[str, Any]:
+        return await run_in_threadpool(release_now, sandbox_id)
+
+    def release_now(sandbox_id: str) -> dict[str, Any]:
         return _release_json(cubelet, sandbox_id, cubelet.release(sandbox_id), local)
 
     def shim_report(body: dict[str, Any]) -> dict[str, Any]:

@@ -421,6 +421,10 @@ class Store:
         self._open = False  # a batch is open (BEGIN IMMEDIATE issued, not yet committed)
         self._pending = False  # the writer is asked to commit
         self._committed = 0  # every batch up to this one is durable (or failed: `_failed`)
+        # One event per batch someone waits for: a commit wakes only its own waiters, not every thread
+        # waiting on any batch (a notify_all herd was most of a busy node's futex calls).
+        self._done: dict[int, threading.Event] = {}
+        self._leading = False  # a caller of `_await` is committing for everyone (see there)
         self._failed: dict[int, BaseException] = {}
         self._closed = False
         self.commits = 0  # durable commits so far (the benchmark's commits per cycle)
@@ -469,6 +473,7 @@ class Store:
 
     # ---- group commit ---------------------------------------------------------------------------
     def _commit_loop(self) -> None:
+        """Ends a batch nobody waits for (a rolled-back change's, at close) so its write lock is not held."""
         while True:
             with self._cv:
                 while not self._pending and not self._closed:
@@ -476,35 +481,68 @@ class Store:
                 if not self._pending:
                     return
                 self._pending = False
-            err: BaseException | None = None
-            with self._lock:
-                batch = self._batch
-                if self._open:
-                    try:
-                        self._conn.execute("COMMIT")
-                        self.commits += 1
-                    except BaseException as e:  # disk full, I/O error: every waiter of the batch hears it
-                        err = e
-                        with suppress(sqlite3.Error):
-                            self._conn.execute("ROLLBACK")
-                    self._open = False
-            with self._cv:
-                if err is not None:
-                    self._failed[batch] = err
-                    for old in [b for b in self._failed if b < batch - 1000]:
-                        del self._failed[old]
-                self._committed = max(self._committed, batch)
-                self._cv.notify_all()
+            self._commit_open_batch()
+
+    def _commit_open_batch(self) -> None:
+        err: BaseException | None = None
+        with self._lock:
+            batch = self._batch
+            if self._open:
+                try:
+                    self._conn.execute("COMMIT")
+                    self.commits += 1
+                except BaseException as e:  # disk full, I/O error: every waiter of the batch hears it
+                    err = e
+                    with suppress(sqlite3.Error):
+                        self._conn.execute("ROLLBACK")
+                self._open = False
+        with self._cv:
+            if err is not None:
+                self._failed[batch] = err
+                for old in [b for b in self._failed if b < batch - 1000]:
+                    del self._failed[old]
+            self._mark_committed(batch)
+
+    def _mark_committed(self, batch: int) -> None:
+        """Under `_cv`: every batch up to `batch` is done; wake their waiters."""
+        self._committed = max(self._committed, batch)
+        for b in [b for b in self._done if b <= self._committed]:
+            self._done.pop(b).set()
 
     def _await(self, batch: int) -> None:
+        """Wait until `batch` is durable. The first waiter to find no commit under way commits itself (the
+        leader), and goes on committing while others wait on newer batches: no hand-off to another thread
+        for a lone caller, and one fsync for everyone who joined the batch while the last one was on disk."""
+        while True:
+            with self._cv:
+                if self._committed >= batch:
+                    break
+                if self._leading:
+                    done = self._done.get(batch) or self._done.setdefault(batch, threading.Event())
+                else:
+                    self._leading, done = True, None
+            if done is not None:
+                done.wait()  # the leader committed it (or stopped leading: look again)
+                continue
+            self._lead()
         with self._cv:
-            self._pending = True
-            self._cv.notify_all()
-            while self._committed < batch:
-                self._cv.wait()
-            err = next((e for b, e in self._failed.items() if b == batch), None)
+            err = self._failed.get(batch)
         if err is not None:
             raise CubeError("store.commit_failed", f"the store could not commit: {err}", "cubelet", status=500)
+
+    def _lead(self) -> None:
+        try:
+            while True:
+                self._commit_open_batch()
+                with self._cv:
+                    if not any(b > self._committed for b in self._done):
+                        return
+        finally:
+            with self._cv:
+                self._leading = False
+                for ev in self._done.values():  # whoever still waits looks again (one of them leads)
+                    ev.set()
+                self._done.clear()
 
     @contextmanager
     def tx(self, *, durable: bool = True) -> Iterator[Tx]:
@@ -538,7 +576,7 @@ class Store:
                 if depth == 0:  # end the batch soon even if nothing else comes: no write lock left held
                     with self._cv:
                         self._pending = True
-                        self._cv.notify_all()
+                        self._cv.notify()
                 raise
             finally:
                 self._local.depth = depth
@@ -624,14 +662,16 @@ class Store:
         with self._cv:
             self._closed = True
             self._pending = True
-            self._cv.notify_all()
+            self._cv.notify()
         self._writer.join()
         with self._lock:
             if self._open:  # a body outside tx() never leaves one open; belt and braces
                 self._conn.execute("COMMIT")
                 self._open = False
             self._conn.close()
+            last = self._batch
         with self._cv:
+            self._mark_committed(last)  # nobody is left waiting on a writer that is gone
             for conn in self._readers:
                 conn.close()
             self._readers.clear()

@@ -233,8 +233,7 @@ def create_app(
         audited = refused or (mutation and action not in AUDIT_REFUSALS_ONLY)
         if log is not None and action is not None and audited:
             ident: Identity = getattr(request.state, "identity", ANON)
-            await run_in_threadpool(
-                log.append,
+            await log.append_async(
                 action,
                 ident.label(),
                 "ok" if not refused else "refused",
