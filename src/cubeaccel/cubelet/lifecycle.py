@@ -200,23 +200,19 @@ class Cubelet(ReleasePath):
                     details={"existing": existing.params},
                 )
             host_ready.refuse_if_not_ready(t)
-            devices = t.devices()
+            devices = t.devices(S.ALLOCATABLE)  # only these can be chosen; the others are counted on refusal
             eligible, refused = devices, []
             if contract is not None:  # stage 3 of the contract: the physical device itself
                 pinnable = self.pinnable_mib()
-                verdicts = {
-                    d.id: check_device(contract, d, pinnable_memory_mib=pinnable)
-                    for d in devices
-                    if d.state is S.ALLOCATABLE
-                }
-                eligible = [d for d in devices if not verdicts.get(d.id)]
+                verdicts = {d.id: check_device(contract, d, pinnable_memory_mib=pinnable) for d in devices}
+                eligible = [d for d in devices if not verdicts[d.id]]
                 refused = [v for vs in verdicts.values() for v in vs]
             chosen = choose_devices(eligible, req.count, req.accel_class, dict(req.labels))
             if chosen is None and refused:
                 raise contract_refusal(refused, req.count)
             if chosen is None:
                 by_state: dict[str, int] = {}
-                for d in devices:
+                for d in t.devices():
                     by_state[d.state.value] = by_state.get(d.state.value, 0) + 1
                 raise conflict(
                     "reserve.insufficient_devices",

@@ -324,7 +324,20 @@ class SimulatedPciHost:
             return None
 
     def iommu_group_members(self, group: int) -> list[PciAddress]:
-        return [f.address for f in self.functions() if f.iommu_group == group]
+        """What /sys/kernel/iommu_groups/N/devices lists: one group's functions, without building every
+        function of the host (a real kernel does not walk the bus for this either)."""
+        with self._locked(write=False):
+            out = []
+            for addr, raw in sorted(self._s["functions"].items()):
+                if raw["iommu_group"] != group:
+                    continue
+                address = PciAddress.parse(addr)
+                if self._faulty(Fault.VANISH, address):
+                    continue
+                out.append(address)
+                if self._faulty(Fault.GROUP_NOT_VIABLE, address):
+                    out.append(PciAddress(address.domain, address.bus, address.slot, 1))
+            return out
 
     def bind(self, address: PciAddress, driver: str) -> None:
         with self._locked(write=True):
