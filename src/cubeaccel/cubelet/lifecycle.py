@@ -10,7 +10,6 @@ import hashlib
 import hmac
 import ipaddress
 import secrets
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from pydantic import SecretStr
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
-from cubeaccel.cubelet.locks import KeyedLocks
+from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
 from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
@@ -151,7 +150,7 @@ class Cubelet(ReleasePath):
         self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
         self.shim = shim
         self.config = config or CubeletConfig()
-        self.lock = threading.RLock()  # lifecycle decisions: held only around short transactions, never host I/O
+        self.lock = FairRLock()  # lifecycle decisions: held only around short transactions, never host I/O
         self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
         self.status_sink = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
-from cubeaccel.cubelet.locks import KeyedLocks
+from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.scrub import DEFAULT_POLICY, ScrubOutcome, ScrubPolicy, ScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
@@ -106,7 +106,7 @@ class ReleasePath:
     capabilities: Capabilities
     shim: ShimDriver
     config: CubeletConfig
-    lock: threading.RLock
+    lock: FairRLock
     device_locks: KeyedLocks
     status_sink: StatusSink | None
     scrub_runner: ScrubRunner

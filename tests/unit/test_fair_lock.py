@@ -1,0 +1,91 @@
+"""The lifecycle lock: reentrant, exclusive, and handed to waiters in the order they arrived."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from cubeaccel.cubelet.locks import FairRLock
+
+
+def _poll(cond: object, what: str, deadline_s: float = 10.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def test_waiters_get_the_lock_in_arrival_order() -> None:
+    lock, order = FairRLock(), []
+    lock.acquire()
+    threads = []
+    for i in range(8):
+
+        def take(i: int = i) -> None:
+            with lock:
+                order.append(i)
+
+        t = threading.Thread(target=take)
+        t.start()
+        threads.append(t)
+        _poll(lambda n=i + 1: len(lock._waiters) == n, f"waiter {i} queued")
+    lock.release()
+    for t in threads:
+        t.join(10)
+    assert order == list(range(8))
+
+
+def test_reentrant_for_its_owner_and_exclusive_for_others() -> None:
+    lock = FairRLock()
+    got = threading.Event()
+    with lock, lock:
+        t = threading.Thread(target=lambda: (lock.acquire(), got.set(), lock.release()))
+        t.start()
+        _poll(lambda: len(lock._waiters) == 1, "the other thread queued")
+        assert not got.is_set()
+    t.join(10)
+    assert got.is_set() and lock._owner is None
+
+
+def test_only_the_owner_may_release() -> None:
+    lock = FairRLock()
+    with pytest.raises(RuntimeError):
+        lock.release()
+    lock.acquire()
+    errors: list[BaseException] = []
+
+    def foreign() -> None:
+        try:
+            lock.release()
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=foreign)
+    t.start()
+    t.join(10)
+    assert len(errors) == 1
+    lock.release()
+
+
+def test_many_threads_never_hold_it_at_once() -> None:
+    lock, inside, worst = FairRLock(), [0], [0]
+
+    def work() -> None:
+        for _ in range(300):
+            with lock:
+                inside[0] += 1
+                worst[0] = max(worst[0], inside[0])
+                time.sleep(0)  # let the GIL go inside the section: without the lock, others get in here
+                with lock:  # reentry inside the critical section
+                    pass
+                inside[0] -= 1
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert worst[0] == 1 and inside[0] == 0 and lock._owner is None
