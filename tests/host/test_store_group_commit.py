@@ -4,6 +4,8 @@ for an open transaction, and a change is visible to everyone once `tx()` has ret
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cubeaccel.cubelet.store import Store
@@ -49,3 +51,57 @@ def test_reads_do_not_wait_for_an_open_transaction_and_see_only_committed_state(
     assert not w.is_alive()
     assert _kinds(store) == ["pending"]  # tx() returned: committed and visible to other threads
     store.close()
+
+
+def _poll(cond: Callable[[], bool], what: str, deadline_s: float = 10.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+def test_a_lone_change_is_committed_on_its_callers_own_thread(tmp_path: Path) -> None:
+    """No hand-off to the writer thread when nobody else is committing: the caller leads."""
+    store = Store(tmp_path / "s.db")
+    commits: list[int] = []
+    store._conn.set_trace_callback(lambda sql: commits.append(threading.get_ident()) if sql == "COMMIT" else None)
+    for i in range(3):
+        with store.tx() as t:
+            t.event(f"e{i}", Actor.CUBELET)
+    assert commits == [threading.get_ident()] * 3
+    store.close()
+
+
+def test_changes_made_while_a_commit_is_under_way_share_the_next_commit(tmp_path: Path) -> None:
+    """Eight callers arrive while a leader is committing: they all join one open batch, wait for it, and
+    return together after one commit — none before its change is durable."""
+    store = Store(tmp_path / "s.db")
+    with store._cv:
+        store._leading = True  # as if another caller were committing right now
+    returned: list[int] = []
+
+    def change(i: int) -> None:
+        with store.tx() as t:
+            t.event(f"c{i}", Actor.CUBELET)
+        returned.append(i)
+
+    threads = [threading.Thread(target=change, args=(i,), daemon=True) for i in range(8)]
+    for th in threads:
+        th.start()
+    _poll(lambda: store._open and len(store._done) == 1, "one batch waited for")
+    _poll(lambda: _waiters(store) == 8, "eight callers waiting on the batch")
+    assert returned == [] and _kinds(store) == []
+    before = store.commits
+    store._lead()  # the "other caller" finishes: it commits the open batch once and passes the lead on
+    for th in threads:
+        th.join(10)
+    assert sorted(returned) == list(range(8))
+    assert store.commits == before + 1
+    assert sorted(_kinds(store)) == [f"c{i}" for i in range(8)]
+    store.close()
+
+
+def _waiters(store: Store) -> int:
+    with store._cv:
+        return sum(len(ev._cond._waiters) for ev in store._done.values())  # type: ignore[attr-defined]

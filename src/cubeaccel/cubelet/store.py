@@ -510,9 +510,10 @@ class Store:
             self._done.pop(b).set()
 
     def _await(self, batch: int) -> None:
-        """Wait until `batch` is durable. The first waiter to find no commit under way commits itself (the
-        leader), and goes on committing while others wait on newer batches: no hand-off to another thread
-        for a lone caller, and one fsync for everyone who joined the batch while the last one was on disk."""
+        """Wait until `batch` is durable. A waiter that finds no commit under way commits the open batch itself
+        (no hand-off to another thread for a lone caller); whoever arrives meanwhile joins the next batch and
+        waits on its event. A leader commits once — its own batch is then durable — and passes the lead to
+        the oldest batch still waited for, so no caller keeps committing for others while its reply waits."""
         while True:
             with self._cv:
                 if self._committed >= batch:
@@ -521,10 +522,10 @@ class Store:
                     done = self._done.get(batch) or self._done.setdefault(batch, threading.Event())
                 else:
                     self._leading, done = True, None
-            if done is not None:
-                done.wait()  # the leader committed it (or stopped leading: look again)
-                continue
-            self._lead()
+            if done is None:
+                self._lead()
+            else:
+                done.wait()  # committed, or handed the lead: look again
         with self._cv:
             err = self._failed.get(batch)
         if err is not None:
@@ -532,17 +533,12 @@ class Store:
 
     def _lead(self) -> None:
         try:
-            while True:
-                self._commit_open_batch()
-                with self._cv:
-                    if not any(b > self._committed for b in self._done):
-                        return
+            self._commit_open_batch()
         finally:
             with self._cv:
                 self._leading = False
-                for ev in self._done.values():  # whoever still waits looks again (one of them leads)
-                    ev.set()
-                self._done.clear()
+                if self._done:  # its waiters look again, and one of them leads
+                    self._done.pop(min(self._done)).set()
 
     @contextmanager
     def tx(self, *, durable: bool = True) -> Iterator[Tx]:
