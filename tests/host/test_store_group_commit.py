@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cubeaccel.cubelet.locks import FairRLock
 from cubeaccel.cubelet.store import Store
 from cubeaccel.model.states import Actor
 
@@ -105,3 +106,29 @@ def test_changes_made_while_a_commit_is_under_way_share_the_next_commit(tmp_path
 def _waiters(store: Store) -> int:
     with store._cv:
         return sum(len(ev._cond._waiters) for ev in store._done.values())  # type: ignore[attr-defined]
+
+
+def test_concurrent_decisions_share_commits(tmp_path: Path) -> None:
+    """Eight threads making decisions the way the Cubelet does (the lifecycle lock around the transaction, the
+    wait for the disk after it): some commits carry several changes. With one commit per change — what a leader
+    that commits at once would do — this fails."""
+    store = Store(tmp_path / "s.db")
+    lifecycle = FairRLock()
+    per_thread, n_threads = 40, 8
+    before = store.commits
+
+    def decide(w: int) -> None:
+        for i in range(per_thread):
+            with lifecycle, store.tx(durable=False) as t:
+                t.event(f"w{w}-{i}", Actor.CUBELET)
+            store.flush()
+
+    threads = [threading.Thread(target=decide, args=(w,)) for w in range(n_threads)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    changes = per_thread * n_threads
+    assert len(store.events()) == changes  # every change durable and visible
+    assert store.commits - before < changes
+    store.close()

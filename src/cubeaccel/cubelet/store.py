@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cubeaccel.cubelet.locks import FairRLock
 from cubeaccel.cubelet.schema import MIGRATIONS, SCHEMA_VERSION
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.device import (
@@ -410,7 +411,10 @@ class Store:
     def __init__(self, path: Path, *, clock: Any = time.time) -> None:
         self.path = path
         self.clock = clock
-        self._lock = threading.RLock()  # the writer connection
+        # The writer connection, handed over in arrival order: a leader about to commit queues behind the
+        # changes already waiting for the connection, so they join its batch (with a barging lock the leader
+        # would take it straight back, and every change would get a commit of its own).
+        self._lock = FairRLock()
         self._conn = self._connect()
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._migrate()
@@ -533,6 +537,7 @@ class Store:
 
     def _lead(self) -> None:
         try:
+            time.sleep(0)  # let a thread that was just handed the lifecycle lock put its change in this batch
             self._commit_open_batch()
         finally:
             with self._cv:
