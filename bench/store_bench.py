@@ -49,11 +49,14 @@ def raw_commits_per_s(path: Path, seconds: float) -> tuple[float, int]:
     return rate, n
 
 
-def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float]:
+def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float, float]:
+    """Returns cycles/s, cycles, events per cycle and durable commits per cycle (one stream: no batching, so
+    this is the number of decisions a cycle must make durable one after another)."""
     host = SimulatedPciHost("h100x8")  # in-memory hardware: we measure the store, not JSON files
     store = Store(dir / "cubelet.db")
     cubelet = Cubelet(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
     initialize_host(cubelet)
+    commits0 = store.commits
     n, end = 0, time.perf_counter() + seconds
     start = time.perf_counter()
     seq0 = store.events()[-1].seq if store.events() else 0
@@ -64,8 +67,9 @@ def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float]:
         n += 1
     elapsed = time.perf_counter() - start
     events = len(store.events(seq0, 10**9))
+    commits = store.commits - commits0
     store.close()
-    return n / elapsed, n, events / max(n, 1)
+    return n / elapsed, n, events / max(n, 1), commits / max(n, 1)
 
 
 def concurrent_cycles_per_s(dir: Path, seconds: float, threads: int = 16) -> tuple[float, int, float]:
@@ -185,7 +189,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
         raw, raw_n = raw_commits_per_s(root / "raw.db", seconds)
-        cyc, cyc_n, events_per_cycle = store_cycles_per_s(root, seconds)
+        cyc, cyc_n, events_per_cycle, single_commits = store_cycles_per_s(root, seconds)
         ccyc, ccyc_n, commits_per_cycle = concurrent_cycles_per_s(root, seconds)
         (root / "http").mkdir()
         http = http_latency(root / "http", 16, int(os.environ.get("BENCH_PER_CLIENT", "40")))
@@ -194,7 +198,7 @@ def main() -> None:
         "raw_fsync_commits_per_s": round(raw, 1),
         "reserve_release_cycles_per_s": round(cyc, 1),
         "ratio_cycles_to_raw_commits": round(cyc / raw, 3),
-        "commits_per_cycle": 3,
+        "commits_per_cycle": round(single_commits, 2),
         "concurrent16_cycles_per_s": round(ccyc, 1),
         "ratio_concurrent16_cycles_to_raw_commits": round(ccyc / raw, 3),
         "concurrent16_commits_per_cycle": round(commits_per_cycle, 2),
@@ -207,10 +211,10 @@ def main() -> None:
     rows = [
         ("raw fsync'd SQLite commits/s (baseline)", f"{raw:,.0f}", f"n={raw_n}"),
         ("durable reserve+release cycles/s", f"{cyc:,.0f}", f"n={cyc_n}"),
-        ("ratio cycles / raw commits", f"{cyc / raw:.3f}", "single stream: ceiling 0.33"),
+        ("ratio cycles / raw commits", f"{cyc / raw:.3f}", f"single stream: ceiling {1 / single_commits:.2f}"),
         ("reserve+release cycles/s, 16 threads", f"{ccyc:,.0f}", f"n={ccyc_n}"),
         ("ratio 16-thread cycles / raw commits", f"{ccyc / raw:.3f}", "aim ≥ 0.5"),
-        ("durable commits per cycle, 16 threads", f"{commits_per_cycle:.2f}", "3 without group commit"),
+        ("durable commits per cycle, 16 threads", f"{commits_per_cycle:.2f}", f"{single_commits:.2f} in one stream"),
         ("HTTP reserve p50 (16 clients)", f"{http['reserve_p50_ms']:.2f} ms", f"n={http['reserves']:.0f}"),
         ("HTTP reserve p99 (16 clients)", f"{http['reserve_p99_ms']:.2f} ms", "aim < 10 ms"),
     ]
