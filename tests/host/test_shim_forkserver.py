@@ -194,11 +194,13 @@ def test_the_driver_spawns_the_first_shim_and_forks_the_next(tmp_path: Path) -> 
         first = poll(lambda: find_shim("first", under=driver.dir), 30)
         assert driver.forks is not None and driver.forks.last_refusal is not None  # none was running yet
         assert driver._children["first"].pid == first  # spawned by the driver itself
+        assert driver.launches == {"fork": 0, "spawn": 1}
         poll(lambda: (driver.dir / SOCKET_NAME).exists(), 60, what="fork server listening")
         driver.start(ShimSpec.model_validate(refused_spec("second", tmp_path / "reports.sock")))
         second = find_shim("second", under=driver.dir)
         assert second is not None and "second" not in driver._children
         assert int(Path(f"/proc/{second}/stat").read_text().split(") ")[1].split()[1]) == driver.forks.pid
+        assert driver.launches == {"fork": 1, "spawn": 1}  # what `cubeaccel_shim_launches_total` serves
         held.release.set()
         poll(lambda: find_shim("first", under=driver.dir) is None and find_shim("second", under=driver.dir) is None, 30)
     finally:

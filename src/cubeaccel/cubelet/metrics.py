@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from cubeaccel.cubelet.store import Event
@@ -47,6 +47,28 @@ def device_labels(node: str, d: DeviceRecord) -> dict[str, str]:
         "modelName": str(d.labels.get("model", "")),
         "class": d.accel_class.value,
     }
+
+
+class _ShimLaunches(Collector):
+    """Shim starts by how they went — `fork` (the fork server) or `spawn` (a new interpreter: the fork server
+    was off, not up yet, or gone) — as the shim driver counts them; nothing for drivers that do not count."""
+
+    def __init__(self, cubelet: Cubelet) -> None:
+        self.cubelet = cubelet
+
+    def collect(self) -> Iterator[Metric]:
+        launches = getattr(self.cubelet.shim, "launches", None)
+        if not isinstance(launches, dict):
+            return
+        family = CounterMetricFamily(
+            "cubeaccel_shim_launches", "Shim starts by how the process was made: fork or spawn", labels=["how"]
+        )
+        for how, n in sorted(launches.items()):
+            family.add_metric([how], n)
+        yield family
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class _Devices(Collector):
@@ -148,6 +170,7 @@ class CubeletMetrics:
         # device → class, for events that name only the device (scrub); refreshed at every scrape
         self.classes: dict[str, str] = {d.id: d.accel_class.value for d in cubelet.store.devices()}
         r.register(_Devices(cubelet, self.classes))
+        r.register(_ShimLaunches(cubelet))
         self._lock = threading.Lock()
         self._trails: dict[str, list[tuple[str, str | None, float]]] = {}  # in-flight starts' milestones
         self._teardowns: dict[str, float] = {}  # sandbox → teardown start

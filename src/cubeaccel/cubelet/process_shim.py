@@ -61,6 +61,7 @@ class ProcessShimDriver:
         if launch not in LAUNCH_MODES:
             raise ValueError(f"shim launch {launch!r}: want one of {', '.join(LAUNCH_MODES)}")
         self.forks = ForkServer(self.dir, python) if launch == "fork" else None
+        self.launches = {"fork": 0, "spawn": 0}  # how this process's shim starts went (a metric)
 
     def warm(self) -> None:
         """Start the fork server now (a daemon's start), so even the first sandbox start is forked."""
@@ -88,8 +89,10 @@ class ProcessShimDriver:
         with open(self.dir / f"{sid}.log", "ab") as log:
             if self.forks is not None:
                 if self.forks.launch(argv, log.fileno(), token) is not None:
+                    self.launches["fork"] += 1
                     return  # forked and findable in /proc by its argv, like a spawned one; its server reaps it
                 if self.forks.unanswered and self._shim_pid(sid) is not None:
+                    self.launches["fork"] += 1
                     return  # forked, but the answer was lost: it is there all the same
                 self.forks.ensure_started()  # this start is spawned; the next ones fork
             child = subprocess.Popen(
@@ -104,6 +107,7 @@ class ProcessShimDriver:
                 child.stdin.write(token.encode() + b"\n")
             child.stdin.close()
         self._children[sid] = child
+        self.launches["spawn"] += 1
 
     def _launch_spec(self, spec: ShimSpec) -> ShimSpec:
         """The sandbox's spec plus where this shim lives and reports, checked with the shim's own limits."""
