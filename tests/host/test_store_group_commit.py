@@ -4,13 +4,12 @@ for an open transaction, and a change is visible to everyone once `tx()` has ret
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from cubeaccel.cubelet.locks import FairRLock
 from cubeaccel.cubelet.store import Store
 from cubeaccel.model.states import Actor
+from tests.support.poll import poll
 
 
 def _kinds(store: Store) -> list[str]:
@@ -54,14 +53,6 @@ def test_reads_do_not_wait_for_an_open_transaction_and_see_only_committed_state(
     store.close()
 
 
-def _poll(cond: Callable[[], bool], what: str, deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
 def test_a_lone_change_is_committed_on_its_callers_own_thread(tmp_path: Path) -> None:
     """No hand-off to the writer thread when nobody else is committing: the caller leads."""
     store = Store(tmp_path / "s.db")
@@ -90,8 +81,8 @@ def test_changes_made_while_a_commit_is_under_way_share_the_next_commit(tmp_path
     threads = [threading.Thread(target=change, args=(i,), daemon=True) for i in range(8)]
     for th in threads:
         th.start()
-    _poll(lambda: store._open and len(store._done) == 1, "one batch waited for")
-    _poll(lambda: _waiters(store) == 8, "eight callers waiting on the batch")
+    poll(lambda: store._open and len(store._done) == 1, 10, 0.002, what="one batch waited for")
+    poll(lambda: _waiters(store) == 8, 10, 0.002, what="eight callers waiting on the batch")
     assert returned == [] and _kinds(store) == []
     before = store.commits
     store._lead()  # the "other caller" finishes: it commits the open batch once and passes the lead on

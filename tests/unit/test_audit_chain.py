@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from cubeaccel.host.audit import AuditLog, head_path, log_id, read_head, verify
 from cubeaccel.master.auth import DatabaseSeal, audit_seals
 from cubeaccel.master.store import MasterStore
+from tests.support.poll import poll
 
 
 def written(tmp_path: Path, n: int, **kw: Any) -> tuple[AuditLog, list[str]]:
@@ -110,14 +110,6 @@ def test_every_append_reaches_every_sealer_in_order(tmp_path: Path) -> None:
     assert got[-1][:2] == (first, 4)
 
 
-def _poll(cond: Any, what: str, deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
 def test_concurrent_appends_share_one_fsync_and_each_caller_gets_its_own_line(tmp_path: Path) -> None:
     """Callers arriving while a batch is on its way to disk are written together by the next batch: one
     fsync for all of them, one chain, and every caller returns its own entry only once its line is in."""
@@ -132,14 +124,14 @@ def test_concurrent_appends_share_one_fsync_and_each_caller_gets_its_own_line(tm
     got: dict[int, dict[str, Any]] = {}
     first = threading.Thread(target=lambda: got.__setitem__(-1, log.append("a", "t", "ok", target="first")))
     first.start()
-    _poll(first_sealed.is_set, "the first batch to reach its seal")
+    poll(first_sealed.is_set, 10, 0.002, what="the first batch to reach its seal")
     late = [
         threading.Thread(target=lambda i=i: got.__setitem__(i, log.append("a", "t", "ok", target=f"late{i}")))
         for i in range(7)
     ]
     for t in late:
         t.start()
-    _poll(lambda: len(log._queue) == 7, "seven callers queued behind the batch being written")
+    poll(lambda: len(log._queue) == 7, 10, 0.002, what="seven callers queued behind the batch being written")
     assert got == {}  # nobody has returned before its line is durable
     go.set()
     for t in [first, *late]:

@@ -8,14 +8,7 @@ import time
 import pytest
 
 from cubeaccel.cubelet.locks import FairRLock
-
-
-def _poll(cond: object, what: str, deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
+from tests.support.poll import poll
 
 
 def test_waiters_get_the_lock_in_arrival_order() -> None:
@@ -31,7 +24,7 @@ def test_waiters_get_the_lock_in_arrival_order() -> None:
         t = threading.Thread(target=take)
         t.start()
         threads.append(t)
-        _poll(lambda n=i + 1: len(lock._waiters) == n, f"waiter {i} queued")
+        poll(lambda n=i + 1: len(lock._waiters) == n, 10, 0.002, what=f"waiter {i} queued")
     lock.release()
     for t in threads:
         t.join(10)
@@ -44,7 +37,7 @@ def test_reentrant_for_its_owner_and_exclusive_for_others() -> None:
     with lock, lock:
         t = threading.Thread(target=lambda: (lock.acquire(), got.set(), lock.release()))
         t.start()
-        _poll(lambda: len(lock._waiters) == 1, "the other thread queued")
+        poll(lambda: len(lock._waiters) == 1, 10, 0.002, what="the other thread queued")
         assert not got.is_set()
     t.join(10)
     assert got.is_set() and lock._owner is None
