@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -82,3 +83,46 @@ def test_many_threads_never_hold_it_at_once() -> None:
     for t in threads:
         t.join(30)
     assert worst[0] == 1 and inside[0] == 0 and lock._owner is None
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise _Interrupted
+
+
+def test_a_waiter_interrupted_by_a_signal_leaves_the_queue_and_the_lock_keeps_working() -> None:
+    """Ctrl-C in a CLI that waits for the lock: the waiter goes, nothing is left queued or owned by it."""
+    lock, release_holder, held = FairRLock(), threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            release_holder.wait(10)
+
+    h = threading.Thread(target=holder)
+    h.start()
+    poll(held.is_set, 10, 0.002, what="the holder has the lock")
+    main = threading.get_ident()
+    killer = threading.Thread(
+        target=lambda: (
+            poll(lambda: len(lock._waiters) == 1, 10, 0.002, what="main queued"),
+            signal.pthread_kill(main, signal.SIGUSR1),
+        )
+    )
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
+    try:
+        killer.start()
+        with pytest.raises(_Interrupted):
+            lock.acquire()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        killer.join(10)
+    assert len(lock._waiters) == 0 and lock._owner == h.ident
+    release_holder.set()
+    h.join(10)
+    with lock:
+        assert lock._owner == main
+    assert lock._owner is None

@@ -63,7 +63,16 @@ class FairRLock:
             gate = threading.Lock()
             gate.acquire()
             self._waiters.append((me, gate))
-        gate.acquire()  # released by the owner that handed the lock to this thread
+        try:
+            gate.acquire()  # released by the owner that handed the lock to this thread
+        except BaseException:  # interrupted (Ctrl-C in a CLI): leave the queue, or pass on what was handed over
+            with self._guard:
+                handed = self._owner == me
+                if not handed:
+                    self._waiters.remove((me, gate))
+            if handed:
+                self.release()
+            raise
         return True
 
     def release(self) -> None:
