@@ -22,6 +22,9 @@ from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.model.sandbox_states import SandboxActor as SA
+from cubeaccel.model.sandbox_states import SandboxEvent as SE
+from cubeaccel.model.sandbox_states import SandboxState as SS
 from tests.support.master_builders import Credentials
 
 REFUSAL = "schedule.placement_failed"
@@ -131,6 +134,10 @@ def race(url: str, keys: int = 12, per_key: int = 6) -> None:
             time.sleep(0.02)
             if int(str(s.idempotency_key).split("-")[1]) % 2:
                 raise CubeError(REFUSAL, "every node refused", "scheduler", {}, 409)
+            # Placed, as a real placement leaves it: out of the placement states, so twins take its record
+            # (a row left `scheduling` has twins wait until it looks abandoned — a race with their own deadline).
+            assert m.store.update_sandbox(sid, "claimed", event=SE.CLAIM, by=SA.PLACEMENT)
+            assert m.store.update_sandbox(sid, "reserved", expect=(SS.PLACING,), event=SE.READY, by=SA.PLACEMENT)
             row = m.store.sandbox(sid)
             assert row is not None
             return row
