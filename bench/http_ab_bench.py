@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from http_bench import AsyncRawClient, clients_round, cpu_s
+from http_bench import AsyncRawClient, clients_round, cpu_s, p99, timed_health, timed_pair
 
 from cubeaccel.host.simulated import SimulatedPciHost
 from cubeaccel.wire.cubelet_client import CubeletClient
@@ -50,23 +50,13 @@ def start(tree: Path, d: Path) -> subprocess.Popen[bytes]:
             time.sleep(0.05)
 
 
-def p99(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[int(0.99 * (len(s) - 1))]
-
-
 async def measure(dirs: list[Path], pids: list[int], rounds: int, n: int) -> dict[tuple[str, int], list[float]]:
     one = [await AsyncRawClient.open(d / "cubelet.sock") for d in dirs]
     many = [[await AsyncRawClient.open(d / "cubelet.sock") for _ in range(16)] for d in dirs]
     seq = iter(range(1 << 30))
 
     async def pair(c: Any, w: int = 0, i: int = 0) -> float:
-        sid = f"p{next(seq)}"
-        t0 = time.perf_counter()
-        await c.reserve(sid, 1)
-        dt = time.perf_counter() - t0
-        await c.release(sid)
-        return dt
+        return await timed_pair(c, f"p{next(seq)}")
 
     async def refused(c: Any, w: int = 0, i: int = 0) -> float:
         with contextlib.suppress(RuntimeError):  # refused, as meant: not enough devices
@@ -74,9 +64,7 @@ async def measure(dirs: list[Path], pids: list[int], rounds: int, n: int) -> dic
         return 0.0
 
     async def health(c: Any, w: int = 0, i: int = 0) -> float:
-        t0 = time.perf_counter()
-        await c.health()
-        return time.perf_counter() - t0
+        return await timed_health(c)
 
     res: dict[tuple[str, int], list[float]] = {}
     for _ in range(rounds):
@@ -118,7 +106,7 @@ def main() -> None:
     print("ms (CPU per request, or p99); min / median / max over rounds; B/A per round")
     for name in FIGURES:
         a, b = res[(name, 0)], res[(name, 1)]
-        r = sorted(y / x for x, y in zip(a, b, strict=True))
+        r = sorted(y / x if x else float("inf") for x, y in zip(a, b, strict=True))  # inf: A under one clock tick
         print(
             f"{name:8s} A {min(a):6.2f}/{statistics.median(a):6.2f}/{max(a):6.2f}"
             f"  B {min(b):6.2f}/{statistics.median(b):6.2f}/{max(b):6.2f}"

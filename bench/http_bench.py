@@ -94,6 +94,21 @@ def cpu_s(pid: int) -> tuple[float, float]:
     return int(fields[11]) / TICKS, int(fields[12]) / TICKS
 
 
+async def timed_health(c: Any) -> float:
+    t0 = time.perf_counter()
+    await c.health()
+    return time.perf_counter() - t0
+
+
+async def timed_pair(c: Any, sandbox_id: str) -> float:
+    """Reserve then release `sandbox_id`; the reserve's latency."""
+    t0 = time.perf_counter()
+    await c.reserve(sandbox_id, 1)
+    dt = time.perf_counter() - t0
+    await c.release(sandbox_id)
+    return dt
+
+
 def p99(xs: list[float]) -> float:
     s = sorted(xs)
     return s[int(0.99 * (len(s) - 1))]
@@ -116,17 +131,10 @@ async def measure(sock: Path, pid: int, rounds: int, per_client: int, kind: str)
     seq = iter(range(1 << 30))
 
     async def health(c: Any, w: int, i: int) -> float:
-        t0 = time.perf_counter()
-        await c.health()
-        return time.perf_counter() - t0
+        return await timed_health(c)
 
     async def pair(c: Any, w: int, i: int) -> float:
-        sid = f"b{w}-{next(seq)}"
-        t0 = time.perf_counter()
-        await c.reserve(sid, 1)
-        dt = time.perf_counter() - t0
-        await c.release(sid)
-        return dt
+        return await timed_pair(c, f"b{w}-{next(seq)}")
 
     await clients_round(clients, health, 5)  # warm-up: connections open, routes compiled, pages touched
     await clients_round(clients, pair, 2)
