@@ -318,6 +318,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("compat.kernel_driver_device_file_missing", None, "kernel_driver", "failure: a /dev node is missing"),
     _c("compat.kernel_driver_library_missing", None, "kernel_driver", "guest verdict: a library did not load"),
     _c("compat.kernel_driver_not_loaded", None, "kernel_driver", "failure: the kernel driver module is not loaded"),
+    _c("compat.kernel_driver_load_failed", None, "kernel_driver", "failure: the driver module refused to load"),
     _c("compat.kernel_driver_version_mismatch", None, "kernel_driver", "failure: the module has another version"),
     _c("compat.modules_img_module_failed", None, "modules_img", "failure: modprobe failed for a module"),
     _c("compat.modules_img_library_missing", None, "modules_img", "guest verdict: a library did not load"),
@@ -420,12 +421,16 @@ CODES: tuple[CodeInfo, ...] = (
     _c("image.download_failed", None, "guest_kernel", "image build: a package download failed"),
     _c("image.kernel_format", None, "guest_kernel", "image build: the kernel image is not a bzImage"),
     _c("image.kernel_not_found", None, "guest_kernel", "image build: no kernel package for the release"),
+    _c("image.import_mismatch", 422, "template", "image import: artifacts or versions differ from what is pinned"),
     _c("image.manifest_invalid", None, "template", "an image manifest that does not parse"),
     _c("image.module_missing", None, "modules_img", "image build: a required module is not in the kernel package"),
     _c("image.module_vermagic", None, "modules_img", "image build: a module's vermagic is not the kernel's"),
     _c("image.package_unavailable", None, "guest_kernel", "image build: a package is not in the archive"),
     _c("image.python_broken", None, "template", "image build: the guest python cannot import the agent"),
     _c("image.tool_missing", None, "guest_kernel", "image build: a host tool (apt-get, dpkg-deb) is missing"),
+    _c("image.vendor_build_failed", None, "modules_img", "image build: the vendor's kernel modules did not compile"),
+    _c("image.vendor_file_missing", None, "userspace_driver", "image build: a vendor library or binary is missing"),
+    _c("image.vendor_unknown", 422, "template", "image build: no such vendor driver stack"),
 )
 # fmt: on
 

@@ -111,6 +111,8 @@ def _modules(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Co
     driver = module_key(t.kernel_driver.module) if t.kernel_driver else None
     for name in dict.fromkeys([*([t.kernel_driver.module] if t.kernel_driver else []), *t.probes.modules]):
         key = module_key(name)
+        if key == driver and r.driver_refusal is not None:
+            continue  # in modules.img and built for this kernel: the driver's own refusal (_kernel_driver)
         if key in failures:
             yield V(
                 L.MODULES_IMG,
@@ -131,6 +133,15 @@ def _modules(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Co
 
 def _kernel_driver(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[ContractViolation]:
     kd = t.kernel_driver
+    if kd is not None and r.driver_refusal is not None:
+        yield V(
+            L.KERNEL_DRIVER,
+            "compat.kernel_driver_load_failed",
+            f"{kd.module} {kd.version} loads and binds the device",
+            r.driver_refusal[:300],
+            "the module is in modules.img and built for this kernel; the driver refused (no supported device?)",
+        )
+        return  # no device files and no version without a loaded driver: consequences, not more failures
     if kd is not None:
         key = module_key(kd.module)
         loaded = key in {module_key(m) for m in r.modules_loaded}
@@ -202,6 +213,9 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
     if c is None:
         yield V(L.CUDA_RUNTIME, "compat.cuda_not_probed", f"a CUDA probe (cuInit) for CUDA {t.cuda.version}", "none")
         return
+    if r.driver_refusal is not None:  # cuInit needs the kernel driver: only the driver API version is judged
+        yield from _driver_api(t, c, need)
+        return
     if c.get("init_ok") is not True:
         yield V(
             L.CUDA_RUNTIME,
@@ -210,6 +224,17 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
             str(c.get("error") or "failed")[:200],
         )
         return
+    violations = list(_driver_api(t, c, need))
+    yield from violations
+    if any(v.code == "compat.cuda_driver_api_invalid" for v in violations):
+        return
+    count = c.get("device_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        yield V(L.CUDA_RUNTIME, "compat.cuda_no_device", "cuDeviceGetCount >= 1", repr(count)[:40])
+
+
+def _driver_api(t: Template, c: dict[str, Any], need: int) -> Iterator[ContractViolation]:
+    """cuDriverGetVersion's answer against the CUDA version the workload was built for (needs no device)."""
     raw = c.get("driver_version")
     try:
         api = CudaVersion.from_driver_api(raw)
@@ -217,13 +242,11 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
         yield V(L.CUDA_RUNTIME, "compat.cuda_driver_api_invalid", "cuDriverGetVersion like 12040", repr(raw)[:80])
         return
     if api.driver_api < need:
+        built_for = t.cuda.version if t.cuda is not None else "?"
         yield V(
             L.CUDA_RUNTIME,
             "compat.cuda_driver_api_too_old",
             f"driver API >= {need // 1000}.{need % 1000 // 10}",
             f"{api.major}.{api.minor}",
-            f"the guest's libcuda supports CUDA {api.major}.{api.minor}; the workload was built for {t.cuda.version}",
+            f"the guest's libcuda supports CUDA {api.major}.{api.minor}; the workload was built for {built_for}",
         )
-    count = c.get("device_count")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        yield V(L.CUDA_RUNTIME, "compat.cuda_no_device", "cuDeviceGetCount >= 1", repr(count)[:40])
