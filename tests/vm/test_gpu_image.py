@@ -57,13 +57,18 @@ def test_cuda_image_validation_stops_exactly_at_the_kernel_driver(shim_factory: 
     # every layer below the driver: the kernel, modules.img's build of the driver, the device, the libraries
     assert {"guest_kernel", "module_build:nvidia", "pci", "library:libcuda.so.1", "library:libnvidia-ml.so.1"} <= passed
     assert probes["module_build:nvidia"]["found"] == gpu_image.kernel_release  # vermagic = the running kernel
+    assert probes["module_build:nvidia_uvm"]["ok"]
     assert probes["library:libcuda.so.1"]["found"] == vendor.driver_version
-    assert probes["userspace_driver"]["ok"] and probes["cuda:driver_version"]["ok"]
+    assert probes["library:libnvidia-ml.so.1"]["found"] == vendor.driver_version
+    assert probes["cuda:driver_version"]["found"] == vendor.versions["cuda_driver_api"]  # no device needed
+    assert "cuda:init" not in probes and "nvml" not in probes  # they would only restate the driver's failure
+    assert probes["modprobe:nvidia_uvm"]["layer"] == "kernel_driver"  # needs nvidia: not attempted
     refused = probes["modprobe:nvidia"]
     assert not refused["ok"] and refused["layer"] == "kernel_driver"
     assert refused["code"] == "compat.kernel_driver_load_failed"
-    assert "NVRM" in refused["detail"], refused  # the driver's own words from the kernel log
+    assert "NVRM: No NVIDIA GPU found" in refused["detail"], refused  # the driver's own words, from the kernel log
     assert [v["code"] for v in failed["violations"]] == ["compat.kernel_driver_load_failed"]
     assert failed["report"]["driver_refusal"] == refused["detail"]
+    assert failed["report"]["module_failures"].keys() == {"nvidia"}
     run.wait_for("shim_exiting")
     assert run.proc is not None and run.proc.wait(60) == 1

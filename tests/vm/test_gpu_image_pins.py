@@ -33,7 +33,9 @@ def test_the_cuda_templates_pin_the_gpu_image_this_tree_builds(name: str, gpu_im
     assert isinstance(doc, dict)
     want = pin_template_document(doc, gpu_image)
     stale = {
-        ".".join(p): (_get(doc, p), _get(want, p)) for p in pinned_paths(doc, gpu_image) if _get(doc, p) != _get(want, p)
+        ".".join(p): (_get(doc, p), _get(want, p))
+        for p in pinned_paths(doc, gpu_image)
+        if _get(doc, p) != _get(want, p)
     }
     assert not stale, f"re-pin with `cubeaccel template pin --vendor nvidia {EXAMPLES / name}`: {stale}"
 

@@ -13,8 +13,8 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubeaccel.agent.spec import ProbeSpec, version_matches
@@ -199,23 +199,57 @@ class KernelLog:
             self._fd = None
 
 
-def run_modprobe(
-    ctx: ProbeContext, modules: tuple[str, ...], driver: str | None = None, release: str = ""
-) -> tuple[dict[str, str], list[ProbeResult], str | None]:
+def module_needs(ctx: ProbeContext, release: str, module: str) -> set[str]:
+    """The modules `module` depends on, per modules.img's modules.dep (names normalised)."""
+    moddir = ctx.path(f"/lib/modules/{release}")
+    want = normalize_module(module) + ".ko"
+    for line in (_read(moddir / "modules.dep") or "").splitlines():
+        rel, _, deps = line.partition(":")
+        if rel.strip() and normalize_module(Path(rel.strip()).name) == want:
+            return {normalize_module(Path(d).name).removesuffix(".ko") for d in deps.split()}
+    return set()
+
+
+@dataclass
+class Modprobe:
+    """What loading the contract's modules gave: each failure's text, the probes, the driver's refusal (the
+    kernel's words) and the modules not attempted because they need the refused driver."""
+
+    failures: dict[str, str]
+    results: list[ProbeResult]
+    refusal: str | None = None
+    not_attempted: set[str] = field(default_factory=set)
+
+
+def run_modprobe(ctx: ProbeContext, modules: tuple[str, ...], driver: str | None = None, release: str = "") -> Modprobe:
     """modprobe each module on its own so every failure is reported, not just the first.
 
-    Returns (failures, probes, the driver's refusal). When `driver` is in modules.img, built for this kernel, and
-    still does not load, the driver itself refused (no device it supports, firmware, ...): that is layer
-    kernel_driver, with the kernel's own words, not a modules.img fault."""
+    With `driver` and `release` known, each module's build is
+    checked first (in modules.img, vermagic = the running kernel: layer modules_img). When the driver passed that
+    and still does not load, the driver itself refused (no device it supports, firmware, ...): layer kernel_driver,
+    with the kernel's own words. Modules that need the refused driver are then not attempted (same layer): their
+    load could only fail for the same reason."""
     failures: dict[str, str] = {}
     results: list[ProbeResult] = []
     refusal: str | None = None
+    not_attempted: set[str] = set()
     driver_key = normalize_module(driver) if driver else None
     for module in modules:
         is_driver = normalize_module(module) == driver_key
-        build = check_module_build(ctx, release, module) if is_driver and release else None
+        build = check_module_build(ctx, release, module) if driver_key and release else None
         if build is not None:
             results.append(build)
+        if refusal is not None and driver_key in module_needs(ctx, release, module):
+            blocked = Verdict(
+                False, "compat.kernel_driver_load_failed", "loaded", "not attempted", f"needs {driver}, which refused"
+            )
+
+            def blocked_verdict(v: Verdict = blocked) -> Verdict:
+                return v
+
+            results.append(timed(f"modprobe:{module}", "kernel_driver", blocked_verdict))
+            not_attempted.add(module)
+            continue
         log = KernelLog(ctx) if is_driver else None
 
         def one(module: str = module, build: ProbeResult | None = build, log: KernelLog | None = log) -> Verdict:
@@ -225,17 +259,17 @@ def run_modprobe(
             if error is None:
                 return Verdict(True, expected="loaded", found="loaded")
             failures[module] = error
-            if build is not None and build.ok:
+            if log is not None and build is not None and build.ok:
                 said = " | ".join(kernel_says[-6:])
                 refusal = (f"{error} | kernel: {said}" if said else error)[-_MAX_ERROR_TEXT:]
                 return Verdict(False, "compat.kernel_driver_load_failed", "loaded", "refused", refusal)
             return Verdict(False, "compat.modules_img_module_failed", "loaded", "failed", error)
 
-        layer = "kernel_driver" if build is not None and build.ok else "modules_img"
+        layer = "kernel_driver" if is_driver and build is not None and build.ok else "modules_img"
         results.append(timed(f"modprobe:{module}", layer, one))
         if log is not None:
             log.close()
-    return failures, results, refusal
+    return Modprobe(failures, results, refusal, not_attempted)
 
 
 def _modprobe_one(ctx: ProbeContext, module: str) -> str | None:
@@ -280,15 +314,20 @@ def check_kernel(spec: ProbeSpec, release: str) -> ProbeResult:
 
 
 def check_modules(
-    ctx: ProbeContext, spec: ProbeSpec, loaded: tuple[str, ...], failures: dict[str, str]
+    ctx: ProbeContext,
+    spec: ProbeSpec,
+    loaded: tuple[str, ...],
+    failures: dict[str, str],
+    not_attempted: Collection[str] = (),
 ) -> list[ProbeResult]:
-    """One probe per module. A module that failed to load was already reported by its modprobe probe."""
+    """One probe per module. A module that failed to load, or was not attempted because it needs a driver that
+    refused, was already reported by its modprobe probe."""
     present = {normalize_module(m) for m in loaded}
     driver = normalize_module(spec.driver_module) if spec.driver_module else None
     results = []
     for module in spec.modules:
         name = normalize_module(module)
-        if module in failures:
+        if module in failures or module in not_attempted:
             continue
         layer, code = (
             ("kernel_driver", "compat.kernel_driver_not_loaded")

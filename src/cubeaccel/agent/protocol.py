@@ -210,7 +210,8 @@ class Agent:
         if modules is None:
             modules = list(parse_spec(self._contract(params)).modules)
         spec = parse_spec({"probes": {"modules": modules}})  # same name validation as a contract
-        failures, results, _refusal = run_modprobe(self.ctx, spec.modules)
+        outcome = run_modprobe(self.ctx, spec.modules)
+        failures, results = outcome.failures, outcome.results
         return {
             "ok": not failures,
             "failures": failures,

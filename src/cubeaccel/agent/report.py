@@ -24,13 +24,13 @@ def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:
     release = probes.kernel_release(ctx)
     if spec.guest_kernel is not None:
         results.append(probes.check_kernel(spec, release))
-    failures: dict[str, str] = {}
-    refusal: str | None = None
+    outcome = probes.Modprobe({}, [])
     if ctx.load_modules and spec.modules:
-        failures, modprobe_results, refusal = probes.run_modprobe(ctx, spec.modules, spec.driver_module, release)
-        results += modprobe_results
+        outcome = probes.run_modprobe(ctx, spec.modules, spec.driver_module, release)
+        results += outcome.results
+    failures, refusal = outcome.failures, outcome.refusal
     loaded = probes.loaded_modules(ctx)
-    results += probes.check_modules(ctx, spec, loaded, failures)
+    results += probes.check_modules(ctx, spec, loaded, failures, outcome.not_attempted)
     pci = probes.pci_devices(ctx)
     if spec.pci:
         results.append(probes.check_pci(spec, pci))

@@ -73,5 +73,7 @@ def import_image(source: Path, template: dict[str, Any], cache: Path) -> Manifes
         shutil.rmtree(staging, ignore_errors=True)
     imported = Manifest.load(dest / "manifest.json")
     if imported.verify():  # copied bytes are checked again where they will be booted from
-        raise CubeError("image.import_mismatch", f"{dest}: the copy does not match the manifest", "template", status=422)
+        raise CubeError(
+            "image.import_mismatch", f"{dest}: the copy does not match the manifest", "template", status=422
+        )
     return imported

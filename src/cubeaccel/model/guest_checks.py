@@ -52,6 +52,7 @@ def _sane(r: GuestReport) -> GuestReport:
         kernel_release=r.kernel_release if isinstance(r.kernel_release, str) else "",
         modules_loaded=tuple(m for m in seq(r.modules_loaded) if isinstance(m, str)),
         module_failures={k: str(v) for k, v in dict_of(r.module_failures).items() if isinstance(k, str)},
+        driver_refusal=r.driver_refusal if isinstance(r.driver_refusal, str) else None,
         pci_devices=tuple(d for d in seq(r.pci_devices) if isinstance(d, dict)),
         device_files={k: v is True for k, v in dict_of(r.device_files).items() if isinstance(k, str)},
         kernel_driver_version=r.kernel_driver_version if isinstance(r.kernel_driver_version, str) else None,
@@ -121,7 +122,7 @@ def _modules(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Co
                 failures[key][:200] or "load failed",
                 f"modules.img must be built for {t.guest_kernel.version} and contain {name}",
             )
-        elif key not in loaded and key != driver:
+        elif key not in loaded and key != driver and r.driver_refusal is None:  # else: it needs the refused driver
             yield V(
                 L.MODULES_IMG,
                 "compat.modules_img_module_missing",
