@@ -41,7 +41,7 @@ from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
+from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
 from cubeaccel.wire import master_api as W
@@ -259,7 +259,14 @@ def create_app(
     @app.get("/v1/whoami", response_model=W.WhoAmI)
     def whoami(request: Request) -> dict[str, Any]:
         ident: Identity = request.state.identity
-        return {"role": ident.role, "tenant": ident.tenant, "node": ident.node, "key_id": ident.key_id}
+        prefix = tenant_sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
+        return {
+            "role": ident.role,
+            "tenant": ident.tenant,
+            "node": ident.node,
+            "key_id": ident.key_id,
+            "sandbox_id_prefix": prefix,
+        }
 
     # ---- identities ---------------------------------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, response_model=W.TenantCreated)
@@ -500,6 +507,17 @@ def create_app(
             if body.tenant not in (None, ident.tenant):
                 raise forbidden(f"tenant {ident.tenant}'s key cannot create for tenant {body.tenant}")
             body = body.model_copy(update={"tenant": ident.tenant})
+            prefix = tenant_sandbox_prefix(ident.tenant or "")
+            if body.id is not None and not body.id.startswith(prefix):
+                # Whether the id is free, another tenant's or deleted, the answer is this one (issue 30 #1).
+                raise CubeError(
+                    "sandbox.id_outside_namespace",
+                    f"a sandbox id tenant {ident.tenant} chooses starts with {prefix!r} (GET /v1/whoami:"
+                    " sandbox_id_prefix); leave `id` out to have one made",
+                    "api",
+                    {"sandbox_id_prefix": prefix},
+                    422,
+                )
         elif body.tenant is None:
             body = body.model_copy(update={"tenant": DEFAULT_TENANT})
         request.state.tenant = body.tenant

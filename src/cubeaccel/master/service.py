@@ -229,11 +229,14 @@ class CubeMaster:
     @staticmethod
     def _same_request(request: Any, sandbox_id: str, row: Row, tenant: str | None = None) -> None:
         if request != row["request"] or (tenant is not None and tenant != row["tenant"]):
+            # The earlier request is shown only to its own tenant: env vars are secrets (issue 30 #1). Tenants
+            # cannot reach another's id (their ids are namespaced); this guards an admin's create for a tenant.
+            mine = tenant is None or tenant == row["tenant"]
             raise CubeError(
                 "sandbox.conflict",
                 f"sandbox {sandbox_id} exists with another request",
                 "api",
-                {"existing": request},
+                {"existing": request} if mine else {},
                 409,
             )
 

@@ -376,6 +376,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("sandbox.busy", 409, "api", "the sandbox is being placed; retry"),
     _c("sandbox.conflict", 409, "api", "the sandbox id exists with different parameters"),
     _c("sandbox.create_in_progress", 409, "api", "a create with this id or key is still placing after the wait; retry"),
+    _c("sandbox.id_outside_namespace", 422, "api", "a tenant's chosen sandbox id must start with its own prefix"),
     _c("sandbox.invalid_id", 422, "api", "sandbox id is not 1-64 of letters, digits and `_.-`"),
     _c("sandbox.lost", None, "cubelet", "sandbox error: its node's Cubelet no longer knows it"),
     _c("sandbox.not_found", 404, "api", "no sandbox with this id"),
