@@ -203,14 +203,13 @@ def create_app(
         if ANONYMOUS in roles:  # public (health): no credential is looked at
             request.state.identity = ANON
             return ANON
-        source = request.client.host if request.client else "?"
         header = request.headers.get("authorization")
         signed = None
         if header and header.startswith(node_sig.SCHEME + " "):  # a node: the signature covers the body
             target = node_sig.target_of(request.url.path, request.url.query)
             body_sha = request.headers.get(node_sig.BODY_HEADER)
             signed = SignedRequest(request.method, target, await request.body(), body_sha)
-        ident = await run_in_threadpool(auth.authenticate, header, source, signed) or ANON
+        ident = await run_in_threadpool(auth.authenticate, header, signed) or ANON
         request.state.identity = ident
         if ident.role not in roles:
             if ident.role == ANONYMOUS:

@@ -396,7 +396,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("auth.invalid_credential", 401, "api", "the credential is unknown, malformed or revoked"),
     _c("auth.forbidden", 403, "api", "the credential's role may not call this route, or act for that tenant"),
     _c("auth.wrong_node", 403, "api", "a node's credential used for another node's route"),
-    _c("auth.throttled", 429, "api", "too many failed authentications from this source recently; retry later"),
+    _c("auth.throttled", 429, "api", "too many failed authentications with this credential recently; retry later"),
     _c("auth.peer_not_allowed", 403, "api", "a uid other than root or the Cubelet's own used its unix socket"),
     _c("auth.no_policy", 500, "api", "a route without an access rule (a defect; refused, fail closed)"),
     _c("tenant.not_found", 404, "api", "no live tenant with this name"),
