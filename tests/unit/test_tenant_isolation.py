@@ -102,3 +102,53 @@ def test_whoami_tells_a_tenant_its_sandbox_id_prefix(stack: Stack) -> None:
     r = stack.api.get("/v1/whoami", headers={"Authorization": f"Bearer {stack.keys['t2']}"})
     assert r.json()["sandbox_id_prefix"] == tenant_sandbox_prefix("t2")
     assert tenant_sandbox_prefix("t1") != tenant_sandbox_prefix("t2")
+
+
+class Node:
+    """Stands in for the node's Cubelet: records each release; the sandbox's envd token works while the node
+    holds its reservation (as the Cubelet's workload proxy rules)."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+
+    def release(self, sid: str) -> dict[str, Any]:
+        self.held.discard(sid)
+        return {"released": True}
+
+
+def running(stack: Stack, node: Node, tenant: str, name: str) -> str:
+    sid = tenant_sandbox_prefix(tenant) + name
+    r = stack.create(tenant, sid)
+    assert r.status_code == 201, r.text
+    stack.master.store.update_sandbox(sid, "ready", event=SE.READY, by=SA.CUBELET)
+    node.held.add(sid)
+    return sid
+
+
+def test_revoking_a_tenant_ends_its_sandboxes_and_their_tokens(stack: Stack) -> None:
+    """Issue 30 #2: a revoked tenant's sandboxes are deleted through the ordinary release path (so the node
+    drops them and their envd tokens with them); the admin can still see and delete them; another tenant's
+    sandboxes are untouched."""
+    node = Node()
+    stack.master.node_url = lambda name: "http://node"  # type: ignore[method-assign]
+    stack.master.client = lambda url: node  # type: ignore[assignment,method-assign,return-value]
+    doomed = [running(stack, node, "t1", "a"), running(stack, node, "t1", "b")]
+    kept = running(stack, node, "t2", "c")
+    admin = {"Authorization": f"Bearer {stack.master.auth.create_key('admin')[1]}"}
+    assert stack.api.delete("/v1/tenants/t1", headers=admin).status_code == 200
+    for sid in doomed:
+        assert stack.master.store.sandbox(sid)["state"] == "deleted"  # type: ignore[index]
+        assert sid not in node.held  # the node released it: its envd token reaches nothing
+        r = stack.api.delete(f"/v1/sandboxes/{sid}", headers=admin)
+        assert (r.status_code, r.json()["state"]) == (202, "deleted")
+    assert stack.master.store.sandbox(kept)["state"] == "running" and kept in node.held  # type: ignore[index]
+    # a create racing the revoke that lands after it is ended by the next maintenance pass
+    late = tenant_sandbox_prefix("t1") + "late"
+    stack.master.store.insert_sandbox(sandbox_row(late, time.time(), tenant="t1", state="running", node="n1"))
+    node.held.add(late)
+    from cubeaccel.master.maintenance import Maintenance
+
+    Maintenance(stack.master).tick()
+    assert stack.master.store.sandbox(late)["state"] == "deleted" and late not in node.held  # type: ignore[index]
+    r = stack.api.post("/v1/sandboxes", json={"gpu": "H100:1", "tenant": "t1"}, headers=admin)
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "tenant.not_found")  # nothing new for it either

@@ -276,6 +276,12 @@ class Auth:
         if n != 1:
             raise CubeError("tenant.not_found", f"no live tenant {name!r}", "api", {}, 404)
 
+    def revoked_tenants(self) -> set[str]:
+        with self.store.tx() as c:
+            return {
+                str(r.name) for r in c.execute(sa.select(S.tenants.c.name).where(S.tenants.c.revoked_at.isnot(None)))
+            }
+
     def quota(self, tenant: str) -> Quota:
         with self.store.tx() as c:
             r = c.execute(sa.select(S.tenants.c.quota).where(S.tenants.c.name == tenant)).first()

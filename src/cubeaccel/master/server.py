@@ -43,7 +43,7 @@ from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, san
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
-from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
+from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
@@ -283,6 +283,7 @@ def create_app(
     def revoke_tenant(tenant: str, request: Request) -> dict[str, Any]:
         request.state.tenant = tenant
         auth.revoke_tenant(tenant)
+        master.end_revoked({tenant}, SandboxActor.USER)
         return {"revoked": tenant}
 
     @app.post("/v1/tenants/{tenant}/keys", status_code=201, response_model=W.KeyCreated)
