@@ -29,7 +29,7 @@ from typing import Any
 from qemu.qmp import ExecuteError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
-from cubeaccel.host import confine
+from cubeaccel.host import childenv, confine
 from cubeaccel.host import vmmproc as find
 from cubeaccel.host.hypervisor import detect_accel, find_qemu
 from cubeaccel.host.unix_path import connect_path
@@ -284,11 +284,10 @@ class QemuVmm:
                 sd / VMM_ROOT_DIR, lease.uid, lease.gid, memlock, memlock_required=mode == "rlimit"
             )
             cmd = launch_argv(json.dumps(launch), lease.uid, lease.gid, mode, argv)
-            env = {
-                **os.environ,
-                find.ENV_SANDBOX: self.cfg.sandbox_id,
-                find.ENV_DEVICES: ";".join(self.cfg.device_ids),
-            }
+            # Nothing of the shim's environment (issue 30 #6): the tags the release rules read, and PATH.
+            env = childenv.vmm_env(
+                {find.ENV_SANDBOX: self.cfg.sandbox_id, find.ENV_DEVICES: ";".join(self.cfg.device_ids)}
+            )
             t0 = time.monotonic()
             with (sd / "vmm.log").open("ab") as log:
                 # Own session: the VMM must outlive a killed shim so Cubelet can find it by pid + tag. It inherits
