@@ -47,7 +47,7 @@ EDU_IDENTITY = DeviceIdentity(
 TESTDEV_VENDOR, TESTDEV_DEVICE = 0x1B36, 0x0005
 
 
-def testdev_identity(membar: int) -> DeviceIdentity:
+def pci_testdev_identity(membar: int) -> DeviceIdentity:
     """pci-testdev's own BAR0 and I/O BAR1 (QEMU hw/misc/pci-testdev.c), and BAR2 of `membar` bytes."""
     return DeviceIdentity(
         vendor_id=TESTDEV_VENDOR,
@@ -97,7 +97,7 @@ class EmulatedBackend:
             raise ValueError(f"instance must match {INSTANCE_RE.pattern}, not {instance!r}")
         self.instance = instance
         self.slots = slots
-        self.identities = (EDU_IDENTITY,) * slots + tuple(testdev_identity(m) for m in testdev_membars)
+        self.identities = (EDU_IDENTITY,) * slots + tuple(pci_testdev_identity(m) for m in testdev_membars)
         self.proc_root = proc_root
         self.qemu = qemu or find_qemu()
         self.vmm_root = vmm_root

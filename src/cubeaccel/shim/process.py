@@ -23,7 +23,15 @@ from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
-from cubeaccel.model.bars import Bar, MachineShape, human_bytes, machine_shape, unassigned_bars, uniform_shape
+from cubeaccel.model.bars import (
+    Bar,
+    MachineShape,
+    human_bytes,
+    machine_shape,
+    parse_resource_lines,
+    unassigned_bars,
+    uniform_shape,
+)
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.shim.agent_client import AgentClient
@@ -364,7 +372,7 @@ class Shim:
             self._known.add(str(seen[0].get("address")))
         address = str(seen[0].get("address"))
         self.guest_addresses[dev.device_id] = address
-        self._confirm_bars(agent, dev, address, slot=index)
+        placed = self._confirm_bars(agent, dev, address, slot=index)
         self.reporter.report(
             K.DEVICE_ATTACHED,
             (dev.device_id,),
@@ -373,16 +381,17 @@ class Shim:
             guest_address=address,
             vendor_device=dev.vendor_device,
             bars=[b.to_json() for b in dev.bars],
+            guest_bars=placed,
             hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
         )
 
-    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> None:
+    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[dict[str, object]]:
         """Attached means usable: the guest placed every memory BAR at its size, read from its own `resource`.
 
         The kernel may still be placing them when the function appears, so the guest is asked again until
-        `BAR_SETTLE_S`; a BAR it found no room for reads as zeros for good."""
+        `BAR_SETTLE_S`; a BAR it found no room for reads as zeros for good. Returns where the guest placed them."""
         if not dev.bars:
-            return  # a record from before BARs were read: vendor:device is all there is to check
+            return []  # a record from before BARs were read: vendor:device is all there is to check
         if "pci_resources" not in self._agent_methods:
             raise CubeError(
                 "attach.bars_unverifiable",
@@ -395,9 +404,15 @@ class Shim:
         while True:
             reply = agent.call("pci_resources", {"address": address}, timeout_s=10.0, cancel_fd=self._wake_r)
             resource = reply.get("resource")
-            misses = unassigned_bars(dev.bars, resource if isinstance(resource, str) else None)
+            text = resource if isinstance(resource, str) else None
+            misses = unassigned_bars(dev.bars, text)
             if not misses:
-                return
+                lines = {line.index: line for line in parse_resource_lines(text)}
+                return [
+                    {"bar": f"BAR{b.index}", "start": f"0x{lines[b.index].start:x}", "size": lines[b.index].size}
+                    for b in dev.bars
+                    if b.index in lines and lines[b.index].assigned
+                ]
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
