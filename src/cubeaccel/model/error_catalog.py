@@ -164,6 +164,8 @@ CODES: tuple[CodeInfo, ...] = (
     # ---- shim, VMM, attach (sandbox failures) ----
     _c("attach.device_add_failed", None, "backend", "failure: the VMM refused to hot-plug the device"),
     _c("attach.not_visible_in_guest", None, "guest_kernel", "failure: the hot-plugged device never showed up"),
+    _c("attach.bar_unassigned", None, "backend", "failure: the guest could not place a BAR at its size (details.bar)"),
+    _c("attach.bars_unverifiable", None, "backend", "failure: the guest agent cannot report BARs (an older image)"),
     _c("shim.coldplug_unsupported", None, "backend", "failure: template expects cold-plug; the shim hot-plugs"),
     _c("shim.image_not_found", None, "template", "failure: the pinned guest image is not on this node"),
     _c("shim.internal_error", None, "cubelet", "failure: the shim crashed (a bug or a hostile guest reply)"),
@@ -178,6 +180,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("lifecycle.snapshot_with_device", 409, "backend", "a VM holding a device is never saved as a template state"),
     _c("lifecycle.unknown_operation", 409, "backend", "a lifecycle operation cubeaccel does not know"),
     _c("lifecycle.unsupported_for_accelerator", 409, "backend", "pause/snapshot/migrate refused for GPU sandboxes"),
+    _c("vmm.address_space_exceeded", None, "backend", "failure: the BARs need more guest address bits than exist"),
     _c("vmm.hotplug_unsupported", None, "backend", "failure: this node's VMM cannot hot-plug PCI devices"),
     _c("vmm.not_started", None, "backend", "the VMM driver was used before start (a bug)"),
     _c("vmm.qemu_missing", None, "backend", "failure: qemu-system-x86_64 is not installed"),
