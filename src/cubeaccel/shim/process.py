@@ -19,12 +19,15 @@ from dataclasses import replace
 from types import FrameType
 
 from cubeaccel.host import netpolicy, scratch
+from cubeaccel.host.hypervisor import host_cpus, numa_nodes
 from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.pinned_memory import numa_bind_node, prealloc_threads
 from cubeaccel.model.reports import ShimReportKind as K
+from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
 from cubeaccel.shim.memory import prove_pinned
@@ -57,6 +60,26 @@ def probe_timeout_s(contract: dict[str, object] | None) -> float:
     return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0))
 
 
+def vm_config(spec: ShimSpec, manifest: Manifest, cpus: int, host_nodes: tuple[int, ...]) -> VmConfig:
+    """The sandbox's machine on this host: `cpus` and `host_nodes` size and place its preallocation, with the
+    same rule Cubelet's ledger charges (model/pinned_memory.py)."""
+    return VmConfig(
+        sandbox_id=spec.sandbox_id,
+        memory_mib=spec.memory_mib,
+        vcpus=spec.vcpus,
+        pin_memory=spec.pin_memory,
+        kernel=manifest.path(manifest.vmlinux),
+        initrd=manifest.path(manifest.initrd),
+        cmdline=manifest.cmdline,
+        state_dir=spec.run_dir,
+        device_ids=tuple(d.device_id for d in spec.devices),
+        memory_backend=spec.memory_backend,
+        prealloc_threads=prealloc_threads(spec.memory_mib, cpus),
+        host_node=numa_bind_node(tuple(d.numa_node for d in spec.devices), host_nodes),
+        vfio_hosts=tuple(h for d in spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))),
+    )
+
+
 class Shim:
     def __init__(self, spec: ShimSpec, workload_token: str | None = None) -> None:
         self.spec = spec
@@ -71,6 +94,7 @@ class Shim:
         self.guest_addresses: dict[str, str] = {}  # device id → where the guest saw it appear
         self._known: set[str] | None = None  # guest PCI addresses before our hot-plugs, when the agent waits
         self.timeline: dict[str, float] = {}
+        self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s)
         self._stop = False
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
@@ -165,21 +189,7 @@ class Shim:
         return cfg
 
     def _vm_config(self, manifest: Manifest) -> VmConfig:
-        return VmConfig(
-            sandbox_id=self.spec.sandbox_id,
-            memory_mib=self.spec.memory_mib,
-            vcpus=self.spec.vcpus,
-            pin_memory=self.spec.pin_memory,
-            kernel=manifest.path(manifest.vmlinux),
-            initrd=manifest.path(manifest.initrd),
-            cmdline=manifest.cmdline,
-            state_dir=self.spec.run_dir,
-            device_ids=tuple(d.device_id for d in self.spec.devices),
-            memory_backend=self.spec.memory_backend,
-            vfio_hosts=tuple(
-                h for d in self.spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))
-            ),
-        )
+        return vm_config(self.spec, manifest, host_cpus(), numa_nodes())
 
     def _start(self) -> None:
         spec = self.spec
@@ -209,7 +219,7 @@ class Shim:
                     template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
                 )
                 t = self._phase("template_create_s" if created else "template_lookup_s", t)
-            vmm = QemuVmm(cfg, restore_from=restore)
+            vmm = QemuVmm(cfg, restore_from=restore, deadlines=self.deadlines)
             try:
                 vmm.start()
             except OSError as e:
@@ -250,7 +260,7 @@ class Shim:
         self._check_stop()
         self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
         agent.connect(10.0)
-        hello = agent.wait_hello(spec.boot_timeout_s, cancelled=lambda: self._stop)
+        hello = agent.wait_hello(self.deadlines.guest_ready_s, cancelled=lambda: self._stop)
         self._check_stop()
         t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
         self.reporter.report(K.GUEST_READY, agent=hello)

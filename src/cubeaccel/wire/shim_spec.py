@@ -81,6 +81,7 @@ class DeviceSpec(Strict):
     vendor_id: PciId
     device_id_hex: PciId  # the PCI device id the guest must see
     address: StrictStr | None = None  # the host PCI address (Cubelet's; the shim attaches by `properties`)
+    numa_node: Annotated[StrictInt, Field(ge=-1, le=1023)] | None = None  # the host's; -1: sysfs knows none
 
     @field_validator("properties", mode="before")
     @classmethod
