@@ -13,9 +13,16 @@ from cubeaccel.cubelet.memory_ledger import VmmHost
 from cubeaccel.host.confine import memlock_limit_bytes
 from cubeaccel.host.hypervisor import numa_nodes
 from cubeaccel.images.manifest import Artifact, Manifest
+from cubeaccel.model.cold_start import (
+    COLD_CONFIGURED,
+    COLD_NO_SNAPSHOT,
+    COLD_POLICY_DEVICES,
+    cold_start_reason,
+    start_path,
+)
 from cubeaccel.model.pinned_memory import LockedGuest, numa_bind_node, prealloc_threads, vmm_locked
 from cubeaccel.model.start_deadlines import start_deadlines, startup_timeout_s
-from cubeaccel.shim.process import vm_config
+from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.qemu import build_argv, locked_guest, memory_argv
 from cubeaccel.shim.vmm import VmConfig
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
@@ -160,3 +167,20 @@ def test_the_locked_figures_of_a_pinned_guest_are_its_terms() -> None:
     m = vmm_locked(LockedGuest(4096, vcpus=2, tcg=True, prealloc_threads=2, vfio=True))
     assert (m.guest_mib, m.vmm_mib, m.recount_mib) == (4096, 400 + 80 + 64 + 80, 4096)
     assert vmm_locked(LockedGuest(4096, mlock=False)).node_mib == 0
+
+
+def test_a_cold_start_names_its_reason_and_the_timeline_keeps_only_the_latest_start() -> None:
+    assert cold_start_reason("template", policy_devices=False) is None  # look a snapshot up
+    assert cold_start_reason("template", policy_devices=True) == COLD_POLICY_DEVICES
+    assert cold_start_reason("cold", policy_devices=False) == COLD_CONFIGURED
+    restored = {"start": "template", "cold_reason": None}
+    cold = {"start": "cold", "cold_reason": COLD_NO_SNAPSHOT}
+    trail = [
+        ("reservation_created", None, {}),
+        ("shim_report", "vm_started", restored),
+        ("reservation_created", None, {}),  # the sandbox id reused: a new start
+    ]
+    assert start_path(trail) == {}
+    trail.append(("shim_report", "vm_started", cold))
+    assert start_path(trail) == {"path": "cold", "reason": "start.cold_no_snapshot"}
+    assert start_path(trail[:2]) == {"path": "template", "reason": None}

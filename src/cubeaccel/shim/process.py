@@ -24,12 +24,13 @@ from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
+from cubeaccel.model.cold_start import COLD_NO_SNAPSHOT, cold_start_reason
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.pinned_memory import numa_bind_node, prealloc_threads
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
+from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
@@ -58,26 +59,6 @@ def probe_timeout_s(contract: dict[str, object] | None) -> float:
     cuda = isinstance(probes, dict) and bool(probes.get("cuda") or probes.get("libraries"))
     n = len(modules) if isinstance(modules, list) else 0
     return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0))
-
-
-def vm_config(spec: ShimSpec, manifest: Manifest, cpus: int, host_nodes: tuple[int, ...]) -> VmConfig:
-    """The sandbox's machine on this host: `cpus` and `host_nodes` size and place its preallocation, with the
-    same rule Cubelet's ledger charges (model/pinned_memory.py)."""
-    return VmConfig(
-        sandbox_id=spec.sandbox_id,
-        memory_mib=spec.memory_mib,
-        vcpus=spec.vcpus,
-        pin_memory=spec.pin_memory,
-        kernel=manifest.path(manifest.vmlinux),
-        initrd=manifest.path(manifest.initrd),
-        cmdline=manifest.cmdline,
-        state_dir=spec.run_dir,
-        device_ids=tuple(d.device_id for d in spec.devices),
-        memory_backend=spec.memory_backend,
-        prealloc_threads=prealloc_threads(spec.memory_mib, cpus),
-        host_node=numa_bind_node(tuple(d.numa_node for d in spec.devices), host_nodes),
-        vfio_hosts=tuple(h for d in spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))),
-    )
 
 
 class Shim:
@@ -213,12 +194,12 @@ class Shim:
         cfg = self._policy_devices(self._vm_config(manifest))
         t = time.monotonic()
         restore = None
+        cold_reason: str | None = cold_start_reason(spec.start, spec.policy_devices)
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
-            if spec.start == "template" and not spec.policy_devices:  # NIC/disk/mount: another machine
-                restore, created = lease.enter_context(
-                    template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
-                )
-                t = self._phase("template_create_s" if created else "template_lookup_s", t)
+            if cold_reason is None:  # only looked up: a snapshot is never made on a tenant's start
+                restore = lease.enter_context(template_lease(cfg, manifest, cache_dir() / "templates"))
+                cold_reason = None if restore is not None else COLD_NO_SNAPSHOT
+                t = self._phase("template_lookup_s", t)
             vmm = QemuVmm(cfg, restore_from=restore, deadlines=self.deadlines)
             try:
                 vmm.start()
@@ -244,7 +225,8 @@ class Shim:
             vmm=vmm.kind,
             accel=vmm.accel,
             accel_reason=vmm.accel_reason,
-            start=spec.start,
+            start="cold" if restore is None else "template",
+            cold_reason=cold_reason,
             image_digest=manifest.image_digest,
             kernel_release=manifest.kernel_release,
             image_mismatches=mismatches,
