@@ -58,7 +58,7 @@ def test_guest_report_without_the_nvidia_driver_tears_the_sandbox_down(node: Nod
     assert node.device(dev).state is DeviceState.ATTACHED
     report = GuestReport(
         agent_version=1,
-        kernel_release="6.1.0-27-cloud-amd64",
+        kernel_release="6.1.0-57-amd64",
         module_failures={"nvidia": "modprobe: FATAL: Module nvidia not found"},
         pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "030200"},),
     )

@@ -91,18 +91,17 @@ def good_h100_report(**changes: Any) -> GuestReport:
     """What cube-agent reports from a healthy cuda12-h100 guest."""
     fields: dict[str, Any] = {
         "agent_version": 1,
-        "kernel_release": "6.1.0-27-cloud-amd64",
+        "kernel_release": "6.1.0-57-amd64",
         "modules_loaded": ("nvidia_uvm", "nvidia", "virtio_console"),
         "module_failures": {},
         "pci_devices": ({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "030200"},),
         "device_files": {"/dev/nvidiactl": True, "/dev/nvidia0": True, "/dev/nvidia-uvm": True},
-        "kernel_driver_version": "550.54.15",
+        "kernel_driver_version": "535.309.01",
         "libraries": {
-            "libcuda.so.1": {"loaded": True, "version": "550.54.15", "error": None},
-            "libnvidia-ml.so.1": {"loaded": True, "version": "550.54.15", "error": None},
-            "libcudart.so.12": {"loaded": True, "version": "12.4.127", "error": None},
+            "libcuda.so.1": {"loaded": True, "version": "535.309.01", "error": None},
+            "libnvidia-ml.so.1": {"loaded": True, "version": "535.309.01", "error": None},
         },
-        "cuda": {"driver_version": 12040, "init_ok": True, "device_count": 1, "error": None},
+        "cuda": {"driver_version": 12020, "init_ok": True, "device_count": 1, "error": None},
     }
     fields.update(changes)
     return GuestReport(**fields)

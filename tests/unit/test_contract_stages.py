@@ -13,13 +13,16 @@ from cubeaccel.model.contract import Layer, NodeSummary, check_device, check_gue
 from cubeaccel.model.device import AcceleratorClass
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, pinned_image
 from cubeaccel.model.profiles import labels_for
+from cubeaccel.wire.templates import parse_template
 from tests.support.contract_builders import (
     EDU_FILE,
     device,
     edu,
+    example_doc,
     good_edu_report,
     good_h100_report,
     h100,
+    set_path,
     template,
 )
 
@@ -104,7 +107,7 @@ def test_a_node_with_a_free_h100_can_host_the_template() -> None:
         ({"pinnable_memory_mib": 1024}, (Layer.PINNED_MEMORY, "compat.node_pinned_memory_insufficient")),
         ({"hotplug": set()}, (Layer.BACKEND, "compat.node_hotplug_unsupported")),
         (
-            {"guest_images": (replace(pinned_image(h100()), kernel_release="6.1.0-57-amd64"),)},
+            {"guest_images": (replace(pinned_image(h100()), kernel_release="6.1.0-58-amd64"),)},
             (Layer.GUEST_KERNEL, "compat.node_guest_kernel_unavailable"),
         ),
         (
@@ -130,7 +133,7 @@ def test_a_node_is_rejected_with_one_reason_per_missing_piece(
 def test_a_node_with_no_guest_images_hosts_no_template_and_says_so() -> None:
     kernel, image = check_node(h100(), node(guest_images=()))
     assert (kernel.layer, kernel.found) == (Layer.GUEST_KERNEL, "no guest images")
-    assert kernel.expected == f"6.1.0-27-cloud-amd64 ({h100().guest_kernel.digest})"
+    assert kernel.expected == f"6.1.0-57-amd64 ({h100().guest_kernel.digest})"
     assert (image.layer, image.found) == (Layer.TEMPLATE, "no guest images")
 
 
@@ -157,13 +160,13 @@ def test_a_healthy_edu_guest_passes() -> None:
 
 
 LIBS_OK = good_h100_report().libraries
-CUDA_OK: dict[str, Any] = {"driver_version": 12040, "init_ok": True, "device_count": 1, "error": None}
+CUDA_OK: dict[str, Any] = {"driver_version": 12020, "init_ok": True, "device_count": 1, "error": None}
 
 
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"kernel_release": "6.1.0-57-amd64"}, (Layer.GUEST_KERNEL, "compat.guest_kernel_mismatch")),
+        ({"kernel_release": "6.1.0-58-amd64"}, (Layer.GUEST_KERNEL, "compat.guest_kernel_mismatch")),
         (
             {"modules_loaded": ("nvidia",), "module_failures": {"nvidia-uvm": "modprobe: FATAL: Module not found"}},
             (Layer.MODULES_IMG, "compat.modules_img_module_failed"),
@@ -185,16 +188,12 @@ CUDA_OK: dict[str, Any] = {"driver_version": 12040, "init_ok": True, "device_cou
             {"libraries": {**LIBS_OK, "libnvidia-ml.so.1": {"loaded": True, "version": "550.90.07", "error": None}}},
             (Layer.USERSPACE_DRIVER, "compat.userspace_driver_version_mismatch"),
         ),
-        (
-            {"libraries": {k: v for k, v in LIBS_OK.items() if k != "libcudart.so.12"}},
-            (Layer.CUDA_RUNTIME, "compat.cuda_runtime_library_missing"),
-        ),
         ({"cuda": None}, (Layer.CUDA_RUNTIME, "compat.cuda_not_probed")),
         (
             {"cuda": {**CUDA_OK, "init_ok": False, "error": "CUDA_ERROR_NO_DEVICE"}},
             (Layer.CUDA_RUNTIME, "compat.cuda_init_failed"),
         ),
-        ({"cuda": {**CUDA_OK, "driver_version": 12020}}, (Layer.CUDA_RUNTIME, "compat.cuda_driver_api_too_old")),
+        ({"cuda": {**CUDA_OK, "driver_version": 12010}}, (Layer.CUDA_RUNTIME, "compat.cuda_driver_api_too_old")),
         ({"cuda": {**CUDA_OK, "driver_version": "banana"}}, (Layer.CUDA_RUNTIME, "compat.cuda_driver_api_invalid")),
         ({"cuda": {**CUDA_OK, "device_count": 0}}, (Layer.CUDA_RUNTIME, "compat.cuda_no_device")),
         # What a guest leaves out or fudges is not a pass (found by review):
@@ -210,6 +209,31 @@ def test_a_guest_report_broken_in_one_layer_is_judged_in_that_layer(
     changes: dict[str, Any], expected: tuple[Layer, str]
 ) -> None:
     assert pairs(check_guest(freeze(h100()), good_h100_report(**changes))) == [expected]
+
+
+def test_a_runtime_library_the_template_probes_for_and_the_guest_lacks_is_layer_cuda_runtime() -> None:
+    t = parse_template(set_path(example_doc(), "spec.probes.libraries", ["libcudart.so.12"]))
+    cudart = {"libcudart.so.12": {"loaded": False, "version": None, "error": "not found"}}
+    report = good_h100_report(libraries={**LIBS_OK, **cudart})
+    assert pairs(check_guest(freeze(t), report)) == [(Layer.CUDA_RUNTIME, "compat.cuda_runtime_library_missing")]
+
+
+def test_a_driver_that_refused_its_device_is_one_kernel_driver_failure_in_the_kernels_words() -> None:
+    """modules.img held it, built for this kernel; its init said no: what needs the driver is not judged again."""
+    refusal = "modprobe: can't load module nvidia: No such device | kernel: NVRM: No NVIDIA GPU found."
+    report = good_h100_report(
+        modules_loaded=("virtio_console",),
+        module_failures={"nvidia": "modprobe: can't load module nvidia: No such device"},
+        driver_refusal=refusal,
+        kernel_driver_version=None,
+        device_files={},
+        cuda={"driver_version": 12020, "init_ok": False, "device_count": None, "error": "cuInit not called"},
+    )
+    violations = check_guest(freeze(h100()), report)
+    assert pairs(violations) == [(Layer.KERNEL_DRIVER, "compat.kernel_driver_load_failed")]
+    assert "No NVIDIA GPU found" in violations[0].found
+    too_old = replace(report, cuda={"driver_version": 11080, "init_ok": False})
+    assert pairs(check_guest(freeze(h100()), too_old))[-1] == (Layer.CUDA_RUNTIME, "compat.cuda_driver_api_too_old")
 
 
 def test_a_failed_driver_module_is_reported_once_as_modules_img_with_the_error_text() -> None:

@@ -71,7 +71,7 @@ def test_a_template_pinning_a_kernel_the_node_lacks_is_refused_with_layer_guest_
         "old": "kernel_incompatible",
         "bare": "kernel_incompatible",
     }
-    assert nodes_detail["old"]["detail"].startswith("guest_kernel: expected 6.1.0-27-cloud-amd64 (sha256:")
+    assert nodes_detail["old"]["detail"].startswith("guest_kernel: expected 6.1.0-57-amd64 (sha256:")
     assert nodes_detail["old"]["detail"].endswith("found 5.10.0-1-amd64")
     assert nodes_detail["bare"]["detail"].endswith("found no guest images")
 

@@ -124,7 +124,7 @@ class StackInputs:
 def _compiler() -> str:
     gcc = shutil.which("gcc")
     if gcc is None:
-        raise image_error("image.tool_missing", "gcc not found (apt-get install gcc)", layer="modules_img")
+        raise image_error("image.tool_missing", "gcc not found (apt-get install gcc)")
     return subprocess.run([gcc, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[0]
 
 
