@@ -384,6 +384,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("sandbox.start_failed", None, "cubelet", "sandbox error: the reservation closed during start with no failure"),
     _c("schedule.placement_failed", 409, "scheduler", "every candidate node refused the reservation"),
     _c("schedule.unschedulable", 409, "scheduler", "no node can host this sandbox; details per node and choice"),
+    _c("schedule.too_many_devices", 409, "scheduler", "every node's per-sandbox device limit is below the count asked"),
     _c("selector.compile_error", 422, "api", "the node selector does not compile"),
     _c("selector.invalid", 422, "api", "the node selector is not a string or is too long"),
     _c("selector.not_boolean", 422, "api", "the node selector does not evaluate to a boolean"),

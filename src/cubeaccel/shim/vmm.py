@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.shim_spec import MAX_DEVICES
 
 
 def vmm_error(code: str, message: str, layer: str = "backend", **details: Any) -> CubeError:
@@ -34,7 +35,7 @@ class VmConfig:
     initrd: Path
     cmdline: str
     state_dir: Path
-    root_ports: int = 4
+    root_ports: int = MAX_DEVICES  # one hot-plug slot per device the spec may carry
     bar_window_gib: int = 2  # prefetchable 64-bit window reserved per root port (GPU BARs need far more)
     memory_backend: str = "ram"  # ram | memfd | hugepages (memfd on 2 MiB hugetlbfs pages; needs a hugepage pool)
     device_ids: tuple[str, ...] = ()  # Cubelet device ids this VMM may hold (tagged for holder lookups)
