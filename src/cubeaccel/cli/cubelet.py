@@ -109,6 +109,9 @@ def serve_cmd(
     scrub_image: Annotated[
         str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
     ] = None,
+    emulated_devices: Annotated[
+        int, typer.Option(min=1, max=32, help="--backend emulated: how many edu stand-in devices the node has")
+    ] = 2,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.wire.telemetry import configure_logging
@@ -175,6 +178,7 @@ def serve_cmd(
                     scrub_timeout_s=scrub_timeout,
                 ),
                 scrub_image=scrub_image,
+                emulated_devices=emulated_devices,
             )
         )
         from cubeaccel.cubelet.metrics import metrics_of
