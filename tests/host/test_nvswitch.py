@@ -23,6 +23,7 @@ from cubeaccel.host.readiness import HostRoots
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
+from tests.support.cubelet_harness import Node
 from tests.support.fake_sysfs import Dev, FakeSysfs
 
 S = DeviceState
@@ -139,3 +140,28 @@ def test_nvswitches_are_recognised_by_vendor_and_class_not_by_an_id_list() -> No
     assert nvidia.Fabric.of([gpu]).problem(gpu) is None
     p = nvidia.Fabric.of([gpu, _fn(0x2FFF, 0x068000)]).problem(gpu)
     assert p is not None and (p.code, p.held, p.hard) == (CODE, True, False)
+
+
+def test_a_simulated_hgx_node_holds_its_gpus_and_advertises_none(tmp_path: Path) -> None:
+    node = Node.create(tmp_path, "h100x2,2xnvswitch")
+    assert {(d.state, d.reason) for d in node.devices()} == {(S.INITIALIZED, CODE)}  # the switches are not devices
+    assert len(node.devices()) == 2 and not node.host.writes()  # nothing rebound to vfio-pci
+    body = heartbeat_body(node.cubelet, "http://127.0.0.1:1")
+    assert body["capacity"]["allocatable"] == 0 and body["capacity"]["unavailable_reasons"] == {CODE: 2}
+
+
+def test_a_gpu_in_use_when_the_fabric_is_seen_is_released_as_usual_then_held(tmp_path: Path) -> None:
+    """The tenant keeps its GPU until its sandbox ends; then the whole release runs (reset, scrub) and the GPU
+    lands in `initialized` with the reason, not `allocatable` and not quarantined."""
+    node = Node.create(tmp_path, "h100x2")
+    [used] = node.cubelet.reserve("sb", ReservationRequest()).device_ids
+    node.cubelet.start("sb")
+    node.host.add_function("nvswitch")
+    reconcile(node.cubelet)
+    idle = next(d for d in node.devices() if d.id != used)
+    assert (idle.state, idle.reason) == (S.INITIALIZED, CODE)
+    assert node.device(used).state is S.ATTACHED  # never torn down for it
+    node.cubelet.release("sb")
+    d = node.device(used)
+    assert (d.state, d.reason, d.sandbox_id) == (S.INITIALIZED, CODE, None)
+    assert node.host.reset_count(d.address) == 2  # the tenant's release ran in full first

@@ -70,7 +70,8 @@ def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: An
     """The one way a device that failed a check leaves service: unhealthy or quarantined, with its reasons.
 
     Only held problems (`Problem.held`) on a device no tenant has: it stays (or goes back to) `initialized` with
-    the reason, as on a host that is not ready; anywhere else they count as soft (quarantine)."""
+    the reason, as on a host that is not ready (a released device gets there through revalidation); anywhere else
+    they count as soft (quarantine)."""
     details = {"problems": [p.__dict__ for p in problems], **extra}
     if problems and all(p.held for p in problems):
         reason = problems[0].code
@@ -482,6 +483,10 @@ class ReleasePath:
     def _finish_revalidation(self, t: Tx, d: DeviceRecord, problems: list[Problem]) -> None:
         from cubeaccel.cubelet import host_ready  # it builds on the lifecycle; imported late
 
+        if problems and all(p.held for p in problems):  # sound and cleaned, but not served here: as not ready
+            d = t.transition(d, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+            record_problems(t, d, problems)
+            return
         if problems:
             record_problems(t, d, problems)
             return
