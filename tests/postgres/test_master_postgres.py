@@ -12,6 +12,7 @@ import pytest
 
 from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
+from cubeaccel.model.ids import tenant_sandbox_prefix
 from cubeaccel.wire.master_client import MasterClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
@@ -122,7 +123,7 @@ def test_50_concurrent_creates_from_a_tenant_with_a_4_gpu_quota_through_two_repl
         def create(i: int) -> tuple[int, str]:
             r = httpx.post(
                 f"{replicas[i % 2].url}/v1/sandboxes",
-                json={"gpu": "H100:1", "id": f"q-{i}"},
+                json={"gpu": "H100:1", "id": f"{tenant_sandbox_prefix('q4')}q-{i}"},  # its own id namespace
                 headers={"Authorization": f"Bearer {key}"},
                 timeout=120,
             )

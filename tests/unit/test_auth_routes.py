@@ -255,13 +255,31 @@ def test_a_tenant_lists_only_its_own_sandboxes_and_a_revoked_key_stops_working(w
     assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 401
 
 
-def test_repeated_failures_from_one_source_are_throttled(world: World) -> None:
+def test_repeated_failures_of_one_credential_are_throttled_and_its_valid_key_still_works(world: World) -> None:
+    # `wrong_key` is t1's key id with a wrong secret: that presented credential is throttled...
     for _ in range(world.master.auth.throttle.limit):
         assert world.call("wrong_key", "GET", "/v1/sandboxes").status_code == 401
     r = world.call("wrong_key", "GET", "/v1/sandboxes")
     assert (r.status_code, r.json()["error"]["code"]) == (429, "auth.throttled")
-    assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 429  # the source, not the key, is throttled
+    # ...and t1's real key, with the same id, from the same address, is still recognised (issue 30 #3)
+    assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 200
     assert world.keys["wrong_key"] not in world.audit.read_text() and world.keys["tenant"] not in r.text
+
+
+def test_made_up_keys_from_the_shared_address_lock_out_no_one(world: World) -> None:
+    """Issue 30 #3: the front door and the nodes reach CubeMaster from one address; a flood of made-up keys
+    (each a new key id, or garbage) through it must not lock out tenants, the front door's admin lookups, or
+    the nodes' heartbeats."""
+    limit = world.master.auth.throttle.limit
+    made_up = [f"cbk_{i:08x}_{'x' * 43}" for i in range(limit + 5)] + ["garbage"] * (limit + 5)
+    for key in made_up:
+        r = world.api.get("/v1/sandboxes", headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code in (401, 429), r.text
+    assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 200
+    assert world.call("other_tenant", "GET", "/v1/sandboxes").status_code == 200
+    assert world.call("admin", "GET", "/v1/sandboxes/sb-t1").status_code == 200  # the front door's lookup
+    beat = heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL)
+    assert put_signed(world, "/v1/nodes/n1", beat, world.keys["node"]).status_code == 200
 
 
 def test_the_database_holding_the_node_secret_is_owner_only(tmp_path: Path) -> None:

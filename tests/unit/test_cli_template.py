@@ -71,7 +71,7 @@ def test_an_unreadable_template_exits_1_with_its_code(tmp_path: Path) -> None:
 def test_show_prints_the_frozen_contract() -> None:
     result = runner.invoke(app, ["template", "show", str(H100_FILE)])
     assert result.exit_code == 0, result.output
-    assert "cuda12-h100" in result.output and "550.54.15" in result.output and "min_driver_api" in result.output
+    assert "cuda12-h100" in result.output and "535.309.01" in result.output and "min_driver_api" in result.output
     as_json = runner.invoke(app, ["template", "show", "--json", str(H100_FILE)])
     contract = FrozenContract.from_json(json.loads(as_json.output))
     assert contract.template_name == "cuda12-h100"

@@ -50,7 +50,7 @@ def test_editing_the_template_later_never_changes_a_frozen_contract() -> None:
     stored = json.dumps(frozen.to_json())
     edited = dataclasses.replace(original, version="2", cuda=CudaSpec("12.6"), memory_mib=131072)
     assert freeze(edited).digest != frozen.digest
-    assert frozen.template.cuda is not None and frozen.template.cuda.version == "12.4"
+    assert frozen.template.cuda is not None and frozen.template.cuda.version == "12.2"
     assert frozen.memory_mib == 65536
     assert json.dumps(frozen.to_json()) == stored
     assert roundtrip(frozen) == frozen
@@ -91,23 +91,22 @@ def test_guest_probes_are_plain_json_the_agent_understands() -> None:
     data = json.loads(json.dumps(freeze(h100()).to_json()))
     probes = data["guest_probes"]
     assert probes == {
-        "kernel_release": "6.1.0-27-cloud-amd64",
+        "kernel_release": "6.1.0-57-amd64",
         "modules": ["nvidia", "nvidia_uvm"],
-        "kernel_driver": {"module": "nvidia", "version": "550.54.15"},
+        "kernel_driver": {"module": "nvidia", "version": "535.309.01"},
         "device_files": ["/dev/nvidiactl", "/dev/nvidia0", "/dev/nvidia-uvm"],
         "libraries": [
-            {"name": "libcuda.so.1", "version": "550.54.15", "layer": "userspace_driver"},
-            {"name": "libnvidia-ml.so.1", "version": "550.54.15", "layer": "userspace_driver"},
-            {"name": "libcudart.so.12", "version": None, "layer": "cuda_runtime"},
+            {"name": "libcuda.so.1", "version": "535.309.01", "layer": "userspace_driver"},
+            {"name": "libnvidia-ml.so.1", "version": "535.309.01", "layer": "userspace_driver"},
         ],
         "pci": [{"vendor_id": "10de", "device_id": "2330"}],
-        "cuda": {"version": "12.4", "min_driver_api": 12040},
+        "cuda": {"version": "12.2", "min_driver_api": 12020},
         "load_modules": True,
         "persistence_mode": False,
     }
     spec = parse_spec(data)  # the stdlib-only agent reads the whole stored contract
-    assert spec.guest_kernel == "6.1.0-27-cloud-amd64" and spec.min_driver_api == 12040
-    assert [lib.name for lib in spec.libraries] == ["libcuda.so.1", "libnvidia-ml.so.1", "libcudart.so.12"]
+    assert spec.guest_kernel == "6.1.0-57-amd64" and spec.min_driver_api == 12020
+    assert [lib.name for lib in spec.libraries] == ["libcuda.so.1", "libnvidia-ml.so.1"]
 
 
 def test_a_template_asking_for_persistence_mode_carries_it_to_the_agent() -> None:

@@ -58,9 +58,20 @@ def test_a_template_broken_in_one_layer_reports_exactly_that_layer(
 
 
 def test_cuda_12_4_needs_the_driver_from_nvidias_table() -> None:
-    ok = template(H100_FILE, spec__driver__kernel__version="550.54.14", spec__driver__userspace__version="550.54.14")
+    cuda = {"version": "12.4", "compatibility": "toolkit"}
+    ok = template(
+        H100_FILE,
+        spec__driver__kernel__version="550.54.14",
+        spec__driver__userspace__version="550.54.14",
+        spec__cuda=cuda,
+    )
     assert check_template(ok) == []
-    old = template(H100_FILE, spec__driver__kernel__version="535.104.05", spec__driver__userspace__version="535.104.05")
+    old = template(
+        H100_FILE,
+        spec__driver__kernel__version="535.104.05",
+        spec__driver__userspace__version="535.104.05",
+        spec__cuda=cuda,
+    )
     (v,) = check_template(old)
     assert (v.layer, v.code) == (Layer.CUDA_RUNTIME, "compat.cuda_driver_too_old")
     assert "550.54.14" in v.expected and v.found == "535.104.05"
@@ -199,7 +210,7 @@ def test_codes_only_reachable_from_code_built_templates() -> None:
     t = dataclasses.replace(
         h100(),
         version="v 2",
-        kernel_driver=KernelDriver("nvidia.ko", "550.54.15"),
+        kernel_driver=KernelDriver("nvidia.ko", "535.309.01"),
         cuda=CudaSpec("12.4", "forward"),
     )
     assert [(v.layer, v.code) for v in check_template(t)] == [

@@ -25,8 +25,8 @@ def code_of(fn: Any, *args: Any) -> CubeError:
 def test_the_h100_example_loads_with_its_values() -> None:
     t = load_template(H100_FILE)
     assert (t.name, t.version, t.backend, t.accel_class) == ("cuda12-h100", "1", "vfio", "gpu")
-    assert t.kernel_driver is not None and t.kernel_driver.version == "550.54.15"
-    assert t.cuda is not None and (t.cuda.version, t.cuda.compatibility) == ("12.4", "toolkit")
+    assert t.kernel_driver is not None and t.kernel_driver.version == "535.309.01"
+    assert t.cuda is not None and (t.cuda.version, t.cuda.compatibility) == ("12.2", "toolkit")
     assert (t.memory_mib, t.pin_memory, t.hotplug) == (65536, True, True)
     assert [d.vendor_device for d in t.devices] == ["10de:2330"]
     assert t.devices[0].labels == {"model": "H100-SXM5-80GB", "architecture": "hopper"}
@@ -116,7 +116,7 @@ def test_a_typo_reports_the_unknown_field_first() -> None:
 
 
 def test_an_unquoted_version_gets_a_hint_about_quoting() -> None:
-    e = code_of(loads_template, H100_FILE.read_text().replace('version: "12.4"', "version: 12.10"))
+    e = code_of(loads_template, H100_FILE.read_text().replace('version: "12.2"', "version: 12.10"))
     assert e.code == "template.invalid_field" and "quotes" in e.message
 
 

@@ -31,12 +31,14 @@ import pytest
 from cubeaccel.backends.emulated import slot_address
 from cubeaccel.images.builder import build, cache_dir
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.images.vendor import VendorStack
 from cubeaccel.model.device import device_id_for
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 
 pytestmark = pytest.mark.vm
 RUN_INSTANCE = uuid.uuid4().hex[:8]
+SHARED_CACHE = cache_dir()  # read before the session points CUBEACCEL_CACHE_DIR at its own cache
 
 
 def emulated_id(index: int) -> str:
@@ -51,11 +53,11 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def private_image(shared: Path, run_cache: Path) -> Manifest:
+def private_image(shared: Path, run_cache: Path, stack: VendorStack | None = None) -> Manifest:
     """Build (or reuse) the image in the shared cache, then take this run's own copy of it under the builder's
     lock (a concurrent build prunes only after it holds that lock, so the files are all there while we link)."""
     for _ in range(3):
-        m, _built = build(shared)
+        m, _built = build(shared, stack=stack)
         with (shared / "images" / ".lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             files = [p for p in m.directory.iterdir() if p.is_file()] if m.directory.is_dir() else []
@@ -68,7 +70,7 @@ def private_image(shared: Path, run_cache: Path) -> Manifest:
             for f in files:
                 if not (mine / f.name).exists():  # images are immutable by key: a copy taken is the same bytes
                     _link_or_copy(f, mine / f.name)
-        (run_cache / "images" / "latest").write_text(m.key + "\n")
+        (run_cache / "images" / (f"latest-{stack.name}" if stack else "latest")).write_text(m.key + "\n")
         return Manifest.load(mine / "manifest.json")
     raise AssertionError(f"the image in {shared} kept being pruned by concurrent builds")
 
@@ -82,7 +84,7 @@ def guest_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Manifest]:
     base = tmp_path_factory.getbasetemp()
     atexit.register(kill_started_vmms, base)  # even when the session is torn down abnormally
     run_cache = base / "cubeaccel-cache"
-    manifest = private_image(cache_dir(), run_cache)
+    manifest = private_image(SHARED_CACHE, run_cache)
     env = pytest.MonkeyPatch()
     env.setenv("CUBEACCEL_CACHE_DIR", str(run_cache))  # inherited by every shim and Cubelet started from here
     try:
@@ -91,6 +93,15 @@ def guest_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Manifest]:
         kill_started_vmms(base)
         env.undo()
         shutil.rmtree(run_cache / "templates", ignore_errors=True)  # ~150 MB per machine shape
+
+
+@pytest.fixture(scope="session")
+def gpu_image(guest_image: Manifest) -> Manifest:
+    """The NVIDIA GPU image, built from Debian's packages in the shared cache (its module compile is cached
+    there across runs: minutes cold), taken into this run's cache beside the CPU image."""
+    from cubeaccel.images.nvidia import NVIDIA
+
+    return private_image(SHARED_CACHE, guest_image.directory.parent.parent, NVIDIA)
 
 
 @dataclass
@@ -182,6 +193,7 @@ def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
         explicit_image: bool = True,
         memory_backend: str = "ram",
         device: dict[str, Any] | None = None,
+        image: Manifest | None = None,
     ) -> ShimRun:
         sandbox = f"t-{uuid.uuid4().hex[:10]}"
         base = tmp_path / sandbox
@@ -203,8 +215,8 @@ def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
             "vcpus": 1,
             "pin_memory": pin_memory,
             "contract": contract,
-            "image_manifest": str(guest_image.directory / "manifest.json") if explicit_image else None,
-            "image_digest": None if explicit_image else guest_image.image_digest,  # else: found in the cache
+            "image_manifest": str((image or guest_image).directory / "manifest.json") if explicit_image else None,
+            "image_digest": None if explicit_image else (image or guest_image).image_digest,  # found in the cache
             "start": start,
             "state_dir": str(base / "state"),
             "report": report or {"file": str(base / "reports.jsonl")},

@@ -134,8 +134,9 @@ def _cuda_error(lib: ctypes.CDLL, rc: int) -> str:
     return CUDA_ERRORS.get(rc, f"CUresult {rc}")
 
 
-def query_cuda(lib: ctypes.CDLL) -> dict[str, Any]:
-    """cuDriverGetVersion, cuInit(0), cuDeviceGetCount — the minimum that proves CUDA answers."""
+def query_cuda(lib: ctypes.CDLL, initialize: bool = True) -> dict[str, Any]:
+    """cuDriverGetVersion, cuInit(0), cuDeviceGetCount — the minimum that proves CUDA answers
+    (`initialize=False`: the version only, which needs no device and no kernel driver)."""
     out: dict[str, Any] = {"driver_version": None, "init_ok": False, "device_count": None, "error": None}
     get_version, init, get_count = lib.cuDriverGetVersion, lib.cuInit, lib.cuDeviceGetCount
     get_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
@@ -150,6 +151,9 @@ def query_cuda(lib: ctypes.CDLL) -> dict[str, Any]:
         return out
     out["driver_version"] = raw.value  # 12040 = CUDA 12.4, as cuDriverGetVersion returns it
     out["driver_version_text"] = f"{raw.value // 1000}.{(raw.value % 1000) // 10}"
+    if not initialize:
+        out["error"] = "cuInit not called: the kernel driver did not load"
+        return out
     started = time.perf_counter()
     rc = init(0)
     out["init_ms"] = round((time.perf_counter() - started) * 1000.0, 3)  # the probe's own timer only judges

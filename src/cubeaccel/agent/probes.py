@@ -6,14 +6,15 @@ module loading runs a configurable modprobe command so the same code runs in a g
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
 import stat
 import subprocess
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubeaccel.agent.spec import ProbeSpec, version_matches
@@ -123,21 +124,152 @@ def kernel_driver_version(ctx: ProbeContext, module: str = "nvidia") -> str | No
     return None
 
 
-def run_modprobe(ctx: ProbeContext, modules: tuple[str, ...]) -> tuple[dict[str, str], list[ProbeResult]]:
-    """modprobe each module on its own so every failure is reported, not just the first."""
+def module_file(ctx: ProbeContext, release: str, module: str) -> Path | None:
+    """The module's .ko as modules.img's modules.dep names it, if it is there."""
+    moddir = ctx.path(f"/lib/modules/{release}")
+    want = normalize_module(module) + ".ko"
+    for line in (_read(moddir / "modules.dep") or "").splitlines():
+        rel = line.split(":", 1)[0].strip()
+        if rel and normalize_module(Path(rel).name) == want:
+            return moddir / rel
+    return None
+
+
+def module_vermagic(path: Path) -> str:
+    """The `vermagic=` string of a module's .modinfo section (what the kernel checks before loading it)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return ""
+    i = data.find(b"\0vermagic=")
+    if i < 0:
+        return ""
+    end = data.find(b"\0", i + 1)
+    return data[i + len(b"\0vermagic=") : end].decode(errors="replace")
+
+
+def check_module_build(ctx: ProbeContext, release: str, module: str) -> ProbeResult:
+    """modules.img carries the module, built for the running kernel: the layer below the driver's own probe."""
+
+    def fn() -> Verdict:
+        path = module_file(ctx, release, module)
+        if path is None:
+            return Verdict(False, "compat.modules_img_module_missing", "in modules.dep", "absent")
+        magic = module_vermagic(path)
+        if not magic.startswith(release + " "):
+            return Verdict(False, "compat.modules_img_module_failed", release, magic or "unreadable", str(path))
+        return Verdict(True, expected=release, found=magic.split(" ", 1)[0], detail=str(path))
+
+    return timed(f"module_build:{module}", "modules_img", fn)
+
+
+class KernelLog:
+    """Kernel log records written after `mark()`, read from /dev/kmsg: a driver says why it refused a device
+    there (NVIDIA: "NVRM: No NVIDIA GPU found."), not in modprobe's errno text."""
+
+    def __init__(self, ctx: ProbeContext) -> None:
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(ctx.path("/dev/kmsg"), os.O_RDONLY | os.O_NONBLOCK)
+            os.lseek(self._fd, 0, os.SEEK_END)
+        except OSError:
+            self.close()
+
+    def lines(self) -> list[str]:
+        out: list[str] = []
+        while self._fd is not None:
+            try:
+                record = os.read(self._fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:  # overwritten while we read: skip to what is still there
+                    continue
+                break
+            if not record:
+                break
+            text = record.decode(errors="replace").split(";", 1)[-1].split("\n", 1)[0].strip()
+            if text:
+                out.append(text)
+        return out
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def module_needs(ctx: ProbeContext, release: str, module: str) -> set[str]:
+    """The modules `module` depends on, per modules.img's modules.dep (names normalised)."""
+    moddir = ctx.path(f"/lib/modules/{release}")
+    want = normalize_module(module) + ".ko"
+    for line in (_read(moddir / "modules.dep") or "").splitlines():
+        rel, _, deps = line.partition(":")
+        if rel.strip() and normalize_module(Path(rel.strip()).name) == want:
+            return {normalize_module(Path(d).name).removesuffix(".ko") for d in deps.split()}
+    return set()
+
+
+@dataclass
+class Modprobe:
+    """What loading the contract's modules gave: each failure's text, the probes, the driver's refusal (the
+    kernel's words) and the modules not attempted because they need the refused driver."""
+
+    failures: dict[str, str]
+    results: list[ProbeResult]
+    refusal: str | None = None
+    not_attempted: set[str] = field(default_factory=set)
+
+
+def run_modprobe(ctx: ProbeContext, modules: tuple[str, ...], driver: str | None = None, release: str = "") -> Modprobe:
+    """modprobe each module on its own so every failure is reported, not just the first.
+
+    With `driver` and `release` known, each module's build is
+    checked first (in modules.img, vermagic = the running kernel: layer modules_img). When the driver passed that
+    and still does not load, the driver itself refused (no device it supports, firmware, ...): layer kernel_driver,
+    with the kernel's own words. Modules that need the refused driver are then not attempted (same layer): their
+    load could only fail for the same reason."""
     failures: dict[str, str] = {}
     results: list[ProbeResult] = []
+    refusal: str | None = None
+    not_attempted: set[str] = set()
+    driver_key = normalize_module(driver) if driver else None
     for module in modules:
+        is_driver = normalize_module(module) == driver_key
+        build = check_module_build(ctx, release, module) if driver_key and release else None
+        if build is not None:
+            results.append(build)
+        if refusal is not None and driver_key in module_needs(ctx, release, module):
+            blocked = Verdict(
+                False, "compat.kernel_driver_load_failed", "loaded", "not attempted", f"needs {driver}, which refused"
+            )
 
-        def one(module: str = module) -> Verdict:
+            def blocked_verdict(v: Verdict = blocked) -> Verdict:
+                return v
+
+            results.append(timed(f"modprobe:{module}", "kernel_driver", blocked_verdict))
+            not_attempted.add(module)
+            continue
+        log = KernelLog(ctx) if is_driver else None
+
+        def one(module: str = module, build: ProbeResult | None = build, log: KernelLog | None = log) -> Verdict:
+            nonlocal refusal
             error = _modprobe_one(ctx, module)
+            kernel_says = log.lines() if log is not None else []
             if error is None:
                 return Verdict(True, expected="loaded", found="loaded")
             failures[module] = error
+            if log is not None and build is not None and build.ok:
+                said = " | ".join(kernel_says[-6:])
+                refusal = (f"{error} | kernel: {said}" if said else error)[-_MAX_ERROR_TEXT:]
+                return Verdict(False, "compat.kernel_driver_load_failed", "loaded", "refused", refusal)
             return Verdict(False, "compat.modules_img_module_failed", "loaded", "failed", error)
 
-        results.append(timed(f"modprobe:{module}", "modules_img", one))
-    return failures, results
+        layer = "kernel_driver" if is_driver and build is not None and build.ok else "modules_img"
+        results.append(timed(f"modprobe:{module}", layer, one))
+        if log is not None:
+            log.close()
+    return Modprobe(failures, results, refusal, not_attempted)
 
 
 def _modprobe_one(ctx: ProbeContext, module: str) -> str | None:
@@ -182,15 +314,20 @@ def check_kernel(spec: ProbeSpec, release: str) -> ProbeResult:
 
 
 def check_modules(
-    ctx: ProbeContext, spec: ProbeSpec, loaded: tuple[str, ...], failures: dict[str, str]
+    ctx: ProbeContext,
+    spec: ProbeSpec,
+    loaded: tuple[str, ...],
+    failures: dict[str, str],
+    not_attempted: Collection[str] = (),
 ) -> list[ProbeResult]:
-    """One probe per module. A module that failed to load was already reported by its modprobe probe."""
+    """One probe per module. A module that failed to load, or was not attempted because it needs a driver that
+    refused, was already reported by its modprobe probe."""
     present = {normalize_module(m) for m in loaded}
     driver = normalize_module(spec.driver_module) if spec.driver_module else None
     results = []
     for module in spec.modules:
         name = normalize_module(module)
-        if module in failures:
+        if module in failures or module in not_attempted:
             continue
         layer, code = (
             ("kernel_driver", "compat.kernel_driver_not_loaded")

@@ -24,25 +24,29 @@ def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:
     release = probes.kernel_release(ctx)
     if spec.guest_kernel is not None:
         results.append(probes.check_kernel(spec, release))
-    failures: dict[str, str] = {}
+    outcome = probes.Modprobe({}, [])
     if ctx.load_modules and spec.modules:
-        failures, modprobe_results = probes.run_modprobe(ctx, spec.modules)
-        results += modprobe_results
+        outcome = probes.run_modprobe(ctx, spec.modules, spec.driver_module, release)
+        results += outcome.results
+    failures, refusal = outcome.failures, outcome.refusal
     loaded = probes.loaded_modules(ctx)
-    results += probes.check_modules(ctx, spec, loaded, failures)
+    results += probes.check_modules(ctx, spec, loaded, failures, outcome.not_attempted)
     pci = probes.pci_devices(ctx)
     if spec.pci:
         results.append(probes.check_pci(spec, pci))
     files = probes.device_files(ctx, spec.device_files)
-    results += probes.check_device_files(ctx, spec)
     driver = probes.kernel_driver_version(ctx, spec.driver_module or "nvidia")
-    if spec.kernel_driver is not None:
-        results.append(probes.check_kernel_driver(spec, driver))
+    if refusal is None:  # a refused driver made no device files and has no version: one failure, not three
+        results += probes.check_device_files(ctx, spec)
+        if spec.kernel_driver is not None:
+            results.append(probes.check_kernel_driver(spec, driver))
 
+    # Above a refused driver only what needs no device is asked: libraries and their versions, the CUDA driver
+    # API version; cuInit, device counts and NVML would only restate the driver's failure at other layers.
     libs: Libraries = {}
     results += [check_library(want, ctx, libs) for want in spec.libraries]
-    cuda = probe_cuda(spec, ctx, libs, results) if spec.wants_cuda else None
-    nvml = probe_nvml(spec, ctx, libs, results) if spec.wants_nvml else None
+    cuda = probe_cuda(spec, ctx, libs, results, initialize=refusal is None) if spec.wants_cuda else None
+    nvml = probe_nvml(spec, ctx, libs, results) if spec.wants_nvml and refusal is None else None
     if spec.userspace_driver is not None:
         results.append(check_userspace_version(spec.userspace_driver, libs, nvml))
     return GuestReport(
@@ -50,6 +54,7 @@ def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:
         kernel_release=release,
         modules_loaded=loaded,
         module_failures=failures,
+        driver_refusal=refusal,
         pci_devices=pci,
         device_files=files,
         kernel_driver_version=driver,

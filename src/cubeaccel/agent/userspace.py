@@ -51,8 +51,11 @@ def _no_cuda(error: str | None) -> dict[str, Any]:
     return {"driver_version": None, "init_ok": False, "device_count": None, "error": error}
 
 
-def probe_cuda(spec: ProbeSpec, ctx: ProbeContext, libs: Libraries, results: list[ProbeResult]) -> dict[str, Any]:
-    """cuDriverGetVersion / cuInit / cuDeviceGetCount through libcuda.so.1, bounded by ctx.cuda_timeout_s."""
+def probe_cuda(
+    spec: ProbeSpec, ctx: ProbeContext, libs: Libraries, results: list[ProbeResult], initialize: bool = True
+) -> dict[str, Any]:
+    """cuDriverGetVersion / cuInit / cuDeviceGetCount through libcuda.so.1, bounded by ctx.cuda_timeout_s.
+    `initialize=False` (the kernel driver refused): the driver API version only."""
     lib = _library("libcuda.so.1", ctx, libs)
     if lib.handle is None:
         miss = Verdict(False, "compat.userspace_driver_library_missing", "libcuda.so.1 loads", None, lib.error or "")
@@ -60,14 +63,15 @@ def probe_cuda(spec: ProbeSpec, ctx: ProbeContext, libs: Libraries, results: lis
         return _no_cuda(lib.error)
     handle = lib.handle
     try:
-        info = call_with_deadline(lambda: query_cuda(handle), ctx.cuda_timeout_s)
+        info = call_with_deadline(lambda: query_cuda(handle, initialize), ctx.cuda_timeout_s)
     except CallTimeout as exc:
         info = _no_cuda(f"timeout: {exc}")
     except Exception as exc:  # a missing symbol: not a CUDA driver library
         info = _no_cuda(f"{type(exc).__name__}: {exc}")
     results.append(timed("cuda:driver_version", "cuda_runtime", lambda: _cuda_version(spec, info)))
-    results.append(timed("cuda:init", "cuda_runtime", lambda: _cuda_init(info)))
-    results.append(timed("cuda:device_count", "cuda_runtime", lambda: _cuda_count(info)))
+    if initialize:
+        results.append(timed("cuda:init", "cuda_runtime", lambda: _cuda_init(info)))
+        results.append(timed("cuda:device_count", "cuda_runtime", lambda: _cuda_count(info)))
     return info
 
 

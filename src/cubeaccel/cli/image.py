@@ -18,15 +18,20 @@ app = typer.Typer(no_args_is_help=True, help="guest image: kernel, modules.img, 
 def build(
     force: bool = typer.Option(False, "--force", help="rebuild even when the cached image matches its inputs"),
     cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~/.cache/cubeaccel"),
+    vendor: str | None = typer.Option(
+        None, "--vendor", help="a GPU image with this vendor's driver stack (nvidia); default: CPU-only"
+    ),
 ) -> None:
     """Build (or reuse) the image; prints its manifest path, digests and whether it was built now."""
     from cubeaccel.cli.output import Progress
     from cubeaccel.images.builder import build as build_image
+    from cubeaccel.images.builder import stack_named
 
     t0 = time.monotonic()
     try:
+        stack = stack_named(vendor)
         with Progress("image build") as progress:
-            manifest, built = build_image(cache, force=force, on_phase=progress.phase)
+            manifest, built = build_image(cache, force=force, on_phase=progress.phase, stack=stack)
     except CubeError as e:
         print(json.dumps(e.to_json()), file=sys.stderr)
         raise typer.Exit(1) from e
@@ -64,3 +69,30 @@ def show(cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~
             indent=2,
         )
     )
+
+
+@app.command("import")
+def import_(
+    source: Path = typer.Argument(..., help="a directory holding manifest.json and the artifacts it names"),
+    template: Path = typer.Option(..., "--template", help="the template (YAML/JSON) the image must satisfy"),
+    cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~/.cache/cubeaccel"),
+) -> None:
+    """Import a guest built elsewhere: its artifacts must match its manifest, and the manifest what the template
+    pins (image, kernel, modules.img, driver and CUDA versions); then the node advertises it like its own."""
+    from cubeaccel.images.builder import cache_dir
+    from cubeaccel.images.importer import import_image
+    from cubeaccel.wire.templates import loads_document
+
+    try:
+        doc = loads_document(template.read_text(), template.name)
+        if not isinstance(doc, dict):
+            raise CubeError("template.pin_failed", f"{template} is not a template document", "template")
+        manifest = import_image(source, doc, cache or cache_dir())
+    except OSError as e:
+        err = CubeError("image.import_mismatch", f"cannot read {e.filename}: {e.strerror}", "template", status=422)
+        print(json.dumps(err.to_json()), file=sys.stderr)
+        raise typer.Exit(1) from e
+    except CubeError as e:
+        print(json.dumps(e.to_json()), file=sys.stderr)
+        raise typer.Exit(1) from e
+    print(json.dumps({"manifest": str(manifest.directory / "manifest.json"), **manifest.to_json()}, indent=2))

@@ -177,13 +177,6 @@ def delete_cmd(
 
 
 # ---- pin: the real digests of this host's image, written into the file ---------------------------------------
-_PINNED = (
-    ("spec", "guest", "image", "digest"),
-    ("spec", "guest", "kernel", "version"),
-    ("spec", "guest", "kernel", "digest"),
-    ("spec", "guest", "modules_img", "kernel_version"),
-    ("spec", "guest", "modules_img", "digest"),
-)
 
 
 def _get(doc: Any, path: tuple[str, ...]) -> Any:
@@ -231,16 +224,21 @@ def pin_cmd(
     cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~/.cache/cubeaccel"),
     build: bool = typer.Option(True, "--build/--no-build", help="build (or reuse) the image first"),
     check: bool = typer.Option(False, "--check", help="change nothing; exit 1 if the file's digests differ"),
+    vendor: str | None = typer.Option(
+        None, "--vendor", help="the GPU image with this driver stack (nvidia): also pins driver and CUDA versions"
+    ),
 ) -> None:
-    """Write the digests of the image this host builds (guest image, kernel, modules.img) into FILE."""
+    """Write the digests of the image this host builds (guest image, kernel, modules.img) into FILE; with
+    --vendor, the GPU image's, and its driver and CUDA driver API versions too."""
     from cubeaccel.cli import output
     from cubeaccel.images.builder import build as build_image
-    from cubeaccel.images.builder import latest
-    from cubeaccel.images.manifest import pin_template_document
+    from cubeaccel.images.builder import latest, stack_named
+    from cubeaccel.images.manifest import pin_template_document, pinned_paths
     from cubeaccel.wire.templates import loads_document
 
     try:
-        image = build_image(cache)[0] if build else latest(cache)
+        stack = stack_named(vendor)
+        image = build_image(cache, stack=stack)[0] if build else latest(cache, stack.name if stack else "")
         if image is None:
             raise CubeError("image.manifest_invalid", "no image built yet: run `cubeaccel image build`", "template")
         text = file.read_text()
@@ -248,7 +246,7 @@ def pin_cmd(
         if not isinstance(doc, dict):
             raise CubeError("template.pin_failed", f"{file} is not a template document", "template")
         want = pin_template_document(doc, image)
-        values: dict[tuple[str, ...], str] = {p: str(_get(want, p)) for p in _PINNED}
+        values: dict[tuple[str, ...], str] = {p: str(_get(want, p)) for p in pinned_paths(doc, image)}
         changed = {".".join(p): {"from": str(_get(doc, p)), "to": v} for p, v in values.items() if _get(doc, p) != v}
         new = json.dumps(want, indent=2) + "\n" if file.suffix == ".json" else pin_yaml_text(text, values)
         if loads_document(new, file.name) != want:  # the rewrite is exactly the pinned document, nothing else

@@ -29,6 +29,7 @@ from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.host import confine, netpolicy
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.meminfo import available_mib
+from cubeaccel.model.bars import Bar, port_shape
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.contract import (
     CompatibilityContract,
@@ -394,6 +395,7 @@ class Cubelet(ReleasePath):
         with self.store.read() as t:
             res = self._reservation(t, sandbox_id)
             devs = self._sandbox_devices(t, sandbox_id)
+            node_devs = t.devices()
         shim_devs = []
         for d in devs:
             a = self.backend.attach_spec(d)
@@ -405,10 +407,12 @@ class Cubelet(ReleasePath):
                     properties=a.properties,
                     vendor_id=d.identity.vendor_id,
                     device_id_hex=d.identity.device_id,
+                    bars=d.identity.bars,
                 )
             )
         p = res.params
         contract = parse_contract(p.get("contract"))
+        admitted = [d for d in node_devs if contract is not None and not check_device(contract, d)] or devs
         fs = contract.template.sandbox.filesystem if contract is not None else FilesystemPolicy()
         net = res.checkpoint.network
         return ShimSpec(
@@ -432,6 +436,7 @@ class Cubelet(ReleasePath):
             start_id=res.checkpoint.start_id,
             image_digest=res.checkpoint.image_digest or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
+            template_bars=tuple(sorted({d.identity.bars for d in admitted if d.identity.bars}, key=_widest))[:64],
         )
 
     def _image_digest(self, res: Reservation) -> str | None:
@@ -598,3 +603,9 @@ class Cubelet(ReleasePath):
         self.get_reservation(sandbox_id)  # 404 when unknown
         self.begin_teardown(sandbox_id, reason)
         return self.store.reservation(sandbox_id)
+
+
+def _widest(bars: tuple[Bar, ...]) -> tuple[int, int]:
+    """Widest port first, so a node with more layouts than a spec carries keeps the one that matters."""
+    shape = port_shape(bars)
+    return (-shape.pref64_bytes, -shape.mem32_bytes)

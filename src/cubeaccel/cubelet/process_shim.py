@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
 from cubeaccel.cubelet.shim_forkserver import ForkServer
+from cubeaccel.host.childenv import component_env
 from cubeaccel.host.hypervisor import hotplug_paths
 from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images
@@ -97,6 +98,7 @@ class ProcessShimDriver:
                 self.forks.ensure_started()  # this start is spawned; the next ones fork
             child = subprocess.Popen(
                 argv,
+                env=component_env(),  # never the Cubelet's whole environment (issue 30 #6)
                 stdin=subprocess.PIPE if token else subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cubeaccel.backends.base import AttachSpec
+from cubeaccel.host.childenv import component_env
 from cubeaccel.host.vmmproc import find_vmm
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.errors import invalid
@@ -144,6 +145,7 @@ class ProcessScrubRunner:
                         "properties": attach.properties,
                         "vendor_id": device.identity.vendor_id,
                         "device_id_hex": device.identity.device_id,
+                        "bars": [b.to_json() for b in device.identity.bars],
                     }
                 ],
                 "memory_mib": SCRUB_VM_MEMORY_MIB,
@@ -176,6 +178,7 @@ class ProcessScrubRunner:
         with open(self.dir / f"{sid}.log", "ab") as log:
             child = subprocess.Popen(
                 [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
+                env=component_env(),  # never the Cubelet's whole environment (issue 30 #6)
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

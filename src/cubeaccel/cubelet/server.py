@@ -93,12 +93,15 @@ def create_app(
                 request.url.path in ("/v1/health", "/metrics") or _WORKLOAD_PATH.match(request.url.path) is not None
             )
             if not exempt and (why := await signed_by_master(request)) is not None:
-                source = request.client.host if request.client else "?"
+                # Counted against the node the signature names, not the address (issue 30 #3); a valid one
+                # never reaches this line.
+                claim = node_sig.parse(request.headers.get("authorization"), None)
+                presented = f"node:{claim.node[:64]}" if claim is not None else "unsigned"
                 try:
-                    throttle.check(source)
+                    throttle.check(presented)
                 except CubeError as e:
                     return error_response(e)
-                throttle.fail(source)
+                throttle.fail(presented)
                 code = "auth.invalid_credential" if request.headers.get("authorization") else "auth.missing_credential"
                 return error_response(CubeError(code, why, "api", {}, 401))
             return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, Protocol
 
 from cubeaccel.host.pci import Holder
@@ -18,9 +19,10 @@ from cubeaccel.host.simulated import SimulatedPciHost
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
-from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact
+from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.shim_spec import ShimSpec
+from cubeaccel.wire.templates import loads_document, parse_template
 
 ReportSink = Callable[[ShimReport], None]
 
@@ -74,22 +76,17 @@ class NodeFacts:
         return self.guest_images[0].digest if self.guest_images else None
 
 
-# The simulated node's guests: exactly what the example templates (src/cubeaccel/examples/templates) pin, so a
-# simulated cluster schedules them; tests/unit/test_node_facts.py keeps the two in step.
-SIMULATED_GUEST_IMAGES = (
-    GuestImageFact(
-        "sha256:897a06f02fc2d598d90ba3804fdfae7f5955673593b4ec92bbfb9511a436ffb0",
-        "6.1.0-27-cloud-amd64",
-        ("sha256:59b60c81a0f1731ab449d03dc56330f8ceabc6e30c7a3474c64149309ef13be6",),
-        "sha256:7409a86b3596e75cb2d757325786351be1561b1d371c14a5c5797174929d533e",
-    ),
-    GuestImageFact(
-        "sha256:7483816d3c6a1c511f5c4bc518959243b311a153dc7397007d0432d30cab48a1",
-        "6.1.0-57-amd64",
-        ("sha256:c3718796ffdb206cc149543cf925b868d9cd0cb504ba554539a01303179505aa",),
-        "sha256:83f336db55e03bca7f93e9e3df174468c2ef4a3bf7646db93ebc0eaf95df4e03",
-    ),
-)
+def _example_guest_images() -> tuple[GuestImageFact, ...]:
+    """The simulated node's guests are exactly what the example templates pin (the CUDA one first), read from
+    those files, so a simulated cluster schedules them and a re-pinned example moves the simulated node with it."""
+    folder = resources.files("cubeaccel") / "examples" / "templates"
+    return tuple(
+        pinned_image(parse_template(loads_document((folder / name).read_text(), name), name))
+        for name in ("cuda12-h100.yaml", "edu-demo.yaml")
+    )
+
+
+SIMULATED_GUEST_IMAGES = _example_guest_images()
 SIMULATED_HOTPLUG = (HOTPLUG_PCIE_ROOT_PORT_ACPI,)  # the simulated VMM plays QEMU
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cubeaccel.host import proctitle
+from cubeaccel.host.childenv import component_env
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.wire.shim_launch import MAX_REQUEST_BYTES, SOCKET_NAME, ShimLaunchReply, ShimLaunchRequest
 
@@ -43,6 +44,7 @@ class ForkServer:
             self._proc = subprocess.Popen(
                 [self.python, "-m", "cubeaccel.shim", "serve", "--dir", str(self.dir), *proctitle.room_args()],
                 stdin=subprocess.PIPE,
+                env=component_env(),  # never the Cubelet's whole environment (issue 30 #6)
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # same cwd and environment as a spawned shim: it imports the same code
@@ -59,7 +61,7 @@ class ForkServer:
         made — or when no answer came, so the caller looks for the shim by its argv before spawning one."""
         if self.pid is None:
             return self._refused("not running")
-        body = ShimLaunchRequest(argv=tuple(argv), env=dict(os.environ), cwd=os.getcwd()).model_dump(mode="json")
+        body = ShimLaunchRequest(argv=tuple(argv), env=component_env(), cwd=os.getcwd()).model_dump(mode="json")
         body["workload_token"] = workload_token  # a SecretStr dumps masked: this request is where it travels
         data = json.dumps(body).encode()
         if len(data) > MAX_REQUEST_BYTES:

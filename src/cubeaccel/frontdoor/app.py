@@ -113,7 +113,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
     async def create(request: Request) -> Response:
         key = api_key(request)
         req: NewSandbox = await body_of(request, NewSandbox)
-        sid = f"sb-{uuid.uuid4().hex[:16]}"
+        sid = f"{await master.id_prefix(key)}{uuid.uuid4().hex[:16]}"  # in the tenant's own id namespace
         body = M.create_body(req, sid, token(sid))
         headers = {}
         if request.headers.get("idempotency-key"):

@@ -3,17 +3,32 @@ scopes them: another tenant's sandbox is a 404 there), envd routing uses the fro
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import httpx
 
 from cubeaccel.frontdoor.mapping import Refusal, refusal_from_master
 
+MAX_PREFIXES = 4096
+
 
 class MasterClient:
     def __init__(self, url: str, admin_key: str, timeout_s: float = 30.0) -> None:
         self.admin_key = admin_key
         self.http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s)
+        self.prefixes: dict[str, str] = {}  # sha256 of a key → its tenant's sandbox id prefix
+
+    async def id_prefix(self, key: str) -> str:
+        """The start of every sandbox id this key may choose (its tenant's namespace: docs/security.md); asked
+        of CubeMaster once per key. An admin key chooses any id: `sb-`."""
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        if digest not in self.prefixes:
+            me = await self.call("GET", "/v1/whoami", key)
+            if len(self.prefixes) >= MAX_PREFIXES:
+                self.prefixes.pop(next(iter(self.prefixes)))
+            self.prefixes[digest] = str((me or {}).get("sandbox_id_prefix") or "sb-")
+        return self.prefixes[digest]
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -44,3 +44,18 @@ def detect_accel(dev: Path = Path("/dev/kvm"), sys_module: Path = Path("/sys/mod
     if hw:
         return "kvm", f"hardware KVM ({', '.join(hw)})"
     return "tcg", "neither kvm_intel nor kvm_amd is loaded"
+
+
+def host_phys_bits(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
+    """The CPU's physical address width (`address sizes : 46 bits physical, ...`): under KVM a guest's addresses,
+    and so the BARs it can place, can reach no further. None when the kernel does not say."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "address sizes":
+            words = value.split()
+            return int(words[0]) if words and words[0].isdigit() else None
+    return None

@@ -29,6 +29,7 @@ from fcntl import ioctl
 from pathlib import Path
 from typing import Any
 
+from cubeaccel.host.childenv import component_env
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import NetworkPolicy
 
@@ -102,7 +103,15 @@ class SandboxNet:
 
 def _run(args: list[str], stdin: str | None = None) -> str:
     try:
-        p = subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=CMD_TIMEOUT_S, check=False)
+        p = subprocess.run(
+            args,
+            input=stdin,
+            env=component_env(passed=()),
+            capture_output=True,
+            text=True,
+            timeout=CMD_TIMEOUT_S,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise net_error("network.setup_failed", f"{' '.join(args[:4])}: {e}") from e
     if p.returncode != 0:

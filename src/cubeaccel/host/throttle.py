@@ -1,4 +1,5 @@
-"""Throttling of repeated authentication failures, per source (CubeMaster's API, the Cubelet's TCP listener)."""
+"""Throttling of repeated authentication failures, per presented credential (CubeMaster's API, the Cubelet's TCP
+listener): callers count only failures, so a valid credential is never refused (issue 30 #3)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from collections import deque
 
 from cubeaccel.model.errors import CubeError
 
+MAX_TRACKED = 10000  # made-up credentials each get an entry: at most this many are remembered
+
 
 class Throttle:
-    """At most `limit` authentication failures per source in `window_s`; beyond that, 429 without checking."""
+    """At most `limit` authentication failures per credential in `window_s`; beyond that a failure is a 429."""
 
     def __init__(self, limit: int = 20, window_s: float = 60.0) -> None:
         self.limit, self.window_s = limit, window_s
@@ -28,7 +31,7 @@ class Throttle:
             if len(self._recent(source, time.monotonic())) >= self.limit:
                 raise CubeError(
                     "auth.throttled",
-                    f"too many failed authentications from this source; retry after {self.window_s:g}s",
+                    f"too many failed authentications with this credential; retry after {self.window_s:g}s",
                     "api",
                     {},
                     429,
@@ -37,6 +40,8 @@ class Throttle:
     def fail(self, source: str) -> None:
         with self._lock:
             self._recent(source, time.monotonic()).append(time.monotonic())
-            if len(self._fails) > 10000:  # bounded: forget the sources with no recent failure
+            if len(self._fails) > MAX_TRACKED:  # bounded: forget the ones with no recent failure, then the oldest
                 for s in [s for s, q in self._fails.items() if not q]:
                     del self._fails[s]
+                while len(self._fails) > MAX_TRACKED:
+                    del self._fails[next(iter(self._fails))]

@@ -19,10 +19,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from cubeaccel.images import cpio, kernel, packages, rootfs
+from cubeaccel.images import cpio, kernel, packages, rootfs, vendor
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
+from cubeaccel.images.nvidia import NVIDIA
+from cubeaccel.images.packages import HOST_APT, Apt
+from cubeaccel.images.vendor import StackInputs, VendorBuild, VendorStack
 from cubeaccel.model.errors import CubeError
 
+STACKS: dict[str, VendorStack] = {NVIDIA.name: NVIDIA}  # `cubeaccel image build --vendor NAME`
 BUILDER_VERSION = 1
 KEEP_IMAGES = 3  # older images are removed after a build (their templates go with the template pruning)
 CMDLINE = "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init 8250.nr_uarts=1 tsc=reliable no_timer_check"
@@ -60,9 +64,12 @@ class Inputs:
     rootfs_packages: tuple[packages.Package, ...]
     agent_sha256: str
     builder_sha256: str
+    stack: StackInputs | None = None  # a vendor driver stack (GPU images); None: a CPU-only image
+    apt: Apt = HOST_APT
 
     @property
     def key(self) -> str:
+        """The image's directory name: a vendor image's starts with its stack (`nvidia-…`)."""
         doc = {
             "builder": BUILDER_VERSION,
             "builder_sha256": self.builder_sha256,
@@ -72,14 +79,33 @@ class Inputs:
             "modules": list(kernel.BOOT_MODULES + kernel.EXTRA_MODULES),
             "cmdline": CMDLINE,
         }
-        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+        if self.stack is not None:
+            doc["stack"] = self.stack.to_json()
+        digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+        return f"{self.stack.stack.name}-{digest}" if self.stack is not None else digest
+
+    @property
+    def flavour(self) -> str:
+        return self.stack.stack.name if self.stack is not None else ""
+
+    @property
+    def all_packages(self) -> list[packages.Package]:
+        extra = [*self.stack.rootfs] if self.stack is not None else []
+        return [self.kernel_package, *self.rootfs_packages, *extra]
 
 
-def resolve_inputs() -> Inputs:
-    kpkg_name = packages.kernel_package()
-    pkgs = packages.resolve([kpkg_name, *rootfs.ROOTFS_PACKAGES])
-    builder_src = [_SRC_PKG / "images" / n for n in ("builder.py", "cpio.py", "kernel.py", "rootfs.py")]
-    return Inputs(pkgs[0], tuple(pkgs[1:]), agent_digest(), _tree_digest(builder_src))
+def resolve_inputs(stack: VendorStack | None = None, cache: Path | None = None) -> Inputs:
+    """Exact package versions. A vendor stack's image takes everything (kernel included, so its headers match)
+    from a private apt root with the stack's archive components; a CPU-only image from the host's apt."""
+    apt = HOST_APT
+    if stack is not None:
+        apt = packages.private_apt((cache or cache_dir()) / "apt" / stack.name, stack.components)
+    kpkg_name = packages.kernel_package(apt)
+    pkgs = packages.resolve([kpkg_name, *rootfs.ROOTFS_PACKAGES], apt)
+    names = ("builder.py", "cpio.py", "kernel.py", "rootfs.py", "vendor.py", "nvidia.py", "packages.py")
+    builder_src = [_SRC_PKG / "images" / n for n in names]
+    stack_inputs = vendor.resolve(stack, apt, packages.kernel_release(kpkg_name)) if stack is not None else None
+    return Inputs(pkgs[0], tuple(pkgs[1:]), agent_digest(), _tree_digest(builder_src), stack_inputs, apt)
 
 
 @contextmanager
@@ -108,31 +134,56 @@ def _quiet(_: str) -> None:
     pass
 
 
-def build(cache: Path | None = None, force: bool = False, on_phase: Phase = _quiet) -> tuple[Manifest, bool]:
-    """Return (manifest, built_now). Reuses a cached image whose inputs and digests match unless `force`."""
+def stack_named(name: str | None) -> VendorStack | None:
+    if not name:
+        return None
+    if name not in STACKS:
+        raise CubeError(
+            "image.vendor_unknown",
+            f"no vendor stack {name!r}; known: {', '.join(sorted(STACKS))}",
+            "template",
+            {"known": sorted(STACKS)},
+            status=422,
+        )
+    return STACKS[name]
+
+
+def build(
+    cache: Path | None = None, force: bool = False, on_phase: Phase = _quiet, stack: VendorStack | None = None
+) -> tuple[Manifest, bool]:
+    """Return (manifest, built_now). Reuses a cached image whose inputs and digests match unless `force`.
+    `stack`: a GPU image with that vendor's driver stack (a separate image: CPU-only ones stay lean)."""
     cache = cache or cache_dir()
     on_phase("resolving package versions (apt)")
-    inputs = resolve_inputs()
+    inputs = resolve_inputs(stack, cache)
     on_phase("waiting for the image cache lock")
     with _locked(cache / "images" / ".lock"):
         if not force and (m := cached(cache, inputs.key)) is not None:
             on_phase(f"verifying cached image {m.key}")
-            _point_latest(cache, m)
+            _point_latest(cache, m, inputs.flavour)
             return m, False
         m = _build(cache, inputs, on_phase)
-        _point_latest(cache, m)
-        prune(cache / "images", keep=KEEP_IMAGES, protect=m.key)
-        _prune_debs(
-            cache / "debs",
-            {packages.deb_path(cache / "debs", p).name for p in (inputs.kernel_package, *inputs.rootfs_packages)},
-        )
+        _point_latest(cache, m, inputs.flavour)
+        prune(cache / "images", keep=KEEP_IMAGES, protect=m.key, flavour=inputs.flavour)
+        if stack is None:  # a vendor build keeps its own kernel's packages; each flavour prunes only its own
+            _prune_debs(cache / "debs", {packages.deb_path(cache / "debs", p).name for p in inputs.all_packages})
         return m, True
 
 
-def prune(root: Path, keep: int, protect: str = "") -> list[str]:
-    """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`."""
+def _flavour_of(name: str) -> str:
+    """`nvidia-0123…` → `nvidia`; a CPU-only image's key has no prefix."""
+    return name.rsplit("-", 1)[0] if "-" in name else ""
+
+
+def prune(root: Path, keep: int, protect: str = "", flavour: str | None = None) -> list[str]:
+    """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`.
+    `flavour`: only images of that stack ("" CPU-only), so a GPU build never prunes CPU images or the reverse."""
     entries = sorted(
-        (p for p in root.iterdir() if p.is_dir() and not p.name.startswith("build-")),
+        (
+            p
+            for p in root.iterdir()
+            if p.is_dir() and not p.name.startswith("build-") and (flavour is None or _flavour_of(p.name) == flavour)
+        ),
         key=lambda p: p.stat().st_mtime,
         reverse=True,
     )
@@ -151,10 +202,10 @@ def _prune_debs(debs: Path, keep: set[str]) -> None:
             deb.unlink(missing_ok=True)
 
 
-def latest(cache: Path | None = None) -> Manifest | None:
-    """The most recently built or reused image (without asking apt), if any."""
+def latest(cache: Path | None = None, flavour: str = "") -> Manifest | None:
+    """The most recently built or reused image of `flavour` ("" CPU-only; a stack name), without asking apt."""
     cache = cache or cache_dir()
-    pointer = cache / "images" / "latest"
+    pointer = cache / "images" / _latest_name(flavour)
     if not pointer.exists():
         return None
     m = Manifest.load(cache / "images" / pointer.read_text().strip() / "manifest.json")
@@ -183,15 +234,22 @@ def find_image(digest: str, cache: Path | None = None) -> Manifest | None:
     return next((m for m in cached_images(cache) if m.image_digest == digest), None)
 
 
-def _point_latest(cache: Path, m: Manifest) -> None:
-    tmp = cache / "images" / "latest.tmp"
+def _latest_name(flavour: str) -> str:
+    return f"latest-{flavour}" if flavour else "latest"
+
+
+def _point_latest(cache: Path, m: Manifest, flavour: str = "") -> None:
+    name = _latest_name(flavour)
+    tmp = cache / "images" / f"{name}.tmp"
     tmp.write_text(m.key + "\n")
-    tmp.replace(cache / "images" / "latest")
+    tmp.replace(cache / "images" / name)
 
 
 def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
-    on_phase(f"downloading {1 + len(inputs.rootfs_packages)} packages")
-    debs = packages.download(cache / "debs", [inputs.kernel_package, *inputs.rootfs_packages])
+    pkgs = inputs.all_packages
+    on_phase(f"downloading {len(pkgs)} packages")
+    debs = packages.download(cache / (f"debs-{inputs.flavour}" if inputs.flavour else "debs"), pkgs, inputs.apt)
+    n_base = 1 + len(inputs.rootfs_packages)
     final = cache / "images" / inputs.key
     work = Path(tempfile.mkdtemp(prefix=f"build-{inputs.key}-", dir=cache / "images"))
     try:
@@ -204,16 +262,27 @@ def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
         vmlinuz = ktree / "boot" / f"vmlinuz-{release}"
         vmlinuz_sha = sha256_file(vmlinuz) if vmlinuz.exists() else ""
         kernel.extract_vmlinux(vmlinuz, out / "vmlinux")
-        mods = kernel.build_modules_img(ktree, release, work, out / "modules.img")
+        wanted: tuple[str, ...] = kernel.BOOT_MODULES + kernel.EXTRA_MODULES
+        built_mods: Path | None = None
+        if inputs.stack is not None:
+            on_phase(f"compiling {inputs.stack.module_source.name} {inputs.stack.module_source.version} for {release}")
+            built_mods = vendor.build_modules(inputs.stack, inputs.apt, cache, release)
+            vendor.install_modules(built_mods, inputs.stack.stack, ktree, release)
+            wanted += inputs.stack.stack.modules
+        mods = kernel.build_modules_img(ktree, release, work, out / "modules.img", wanted)
         shutil.rmtree(ktree)
 
         root = work / "rootfs"
         on_phase("assembling the root filesystem")
-        for deb in debs[1:]:
+        for deb in debs[1:n_base]:
             packages.extract(deb, root)
         rootfs.prune(root)
         rootfs.install_busybox(root)
         rootfs.install_agent(root, _SRC_PKG)
+        vendor_build = None
+        if inputs.stack is not None and built_mods is not None:
+            on_phase(f"{inputs.stack.stack.name} user space and firmware")
+            vendor_build = _install_stack(inputs.stack, debs[n_base:], root, built_mods)
         on_phase("compiling bytecode, smoke-testing the guest python")
         rootfs.compile_and_smoke_test(root)
         on_phase("writing rootfs.cpio and initrd.img")
@@ -242,6 +311,7 @@ def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
             agent_sha256=inputs.agent_sha256,
             cmdline=CMDLINE,
             directory=final,
+            vendor=vendor_build,
         )
         if final.exists():
             shutil.rmtree(final)
@@ -250,3 +320,46 @@ def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
         return m
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _install_stack(stack: StackInputs, debs: list[Path], root: Path, built_mods: Path) -> VendorBuild:
+    """Extract the stack's user space and firmware, make its links, check every binary's libraries resolve in
+    the guest, and read the versions the manifest records from the built files."""
+    recipe = stack.stack
+    for deb in debs:
+        packages.extract(deb, root)
+    for rel in ("usr/share", "usr/lib/x86_64-linux-gnu/gbm"):
+        shutil.rmtree(root / rel, ignore_errors=True)
+    vendor.install_rootfs(recipe, root)
+    if missing := vendor.missing_libraries(root, [root / rel for rel in recipe.checked_elves]):
+        raise CubeError(
+            "image.vendor_file_missing",
+            f"{recipe.name}: shared libraries missing from the rootfs: {missing}",
+            "userspace_driver",
+            {"missing": missing},
+            status=500,
+        )
+    versions: dict[str, str] = {}
+    if recipe.version_script:
+        proc = rootfs.guest_python(root, "-c", recipe.version_script)
+        try:
+            versions = {str(k): str(v) for k, v in json.loads(proc.stdout or "{}").items()}
+        except ValueError:
+            versions = {}
+        if proc.returncode != 0 or not versions:
+            raise CubeError(
+                "image.vendor_file_missing",
+                f"{recipe.name}: could not read the user-space versions: {(proc.stderr or proc.stdout)[-400:]}",
+                "userspace_driver",
+                status=500,
+            )
+    return VendorBuild(
+        stack=recipe.name,
+        vendor=recipe.vendor,
+        driver_version=recipe.driver_version,
+        modules=recipe.modules,
+        driver_module=recipe.driver_module,
+        packages=tuple(p.to_json() for p in (*stack.headers, stack.module_source, *stack.rootfs)),
+        modules_sha256=vendor.modules_sha256(built_mods, recipe),
+        versions=versions,
+    )

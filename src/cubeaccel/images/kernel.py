@@ -93,12 +93,14 @@ def module_closure(moddir: Path, release: str, wanted: tuple[str, ...]) -> dict[
     return deps
 
 
-def build_modules_img(kernel_tree: Path, release: str, work: Path, dest: Path) -> list[str]:
-    """Write modules.img (cpio of lib/modules/<release>) for BOOT_MODULES + EXTRA_MODULES; returns module names."""
+def build_modules_img(
+    kernel_tree: Path, release: str, work: Path, dest: Path, wanted: tuple[str, ...] = BOOT_MODULES + EXTRA_MODULES
+) -> list[str]:
+    """Write modules.img (cpio of lib/modules/<release>) for `wanted` and their dependencies; returns names."""
     moddir = kernel_tree / "lib" / "modules" / release
     if not moddir.is_dir():
         raise image_error("image.kernel_format", f"kernel package has no lib/modules/{release}")
-    deps = module_closure(moddir, release, BOOT_MODULES + EXTRA_MODULES)
+    deps = module_closure(moddir, release, wanted)
     index = _index(moddir)
     out_root = work / "modules"
     if out_root.exists():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cubeaccel.images.vendor import VendorBuild
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact
 
@@ -52,6 +53,7 @@ class Manifest:
     agent_sha256: str
     cmdline: str
     directory: Path
+    vendor: VendorBuild | None = None  # a GPU image's driver stack; None: CPU-only
 
     @property
     def image_digest(self) -> str:
@@ -88,6 +90,7 @@ class Manifest:
             "rootfs": {**self.rootfs.to_json(), "packages": list(self.packages), "agent_sha256": self.agent_sha256},
             "initrd": self.initrd.to_json(),
             "cmdline": self.cmdline,
+            **({"vendor": self.vendor.to_json()} if self.vendor is not None else {}),
         }
 
     def save(self) -> Path:
@@ -119,6 +122,7 @@ class Manifest:
                 agent_sha256=str(d["rootfs"]["agent_sha256"]),
                 cmdline=str(d["cmdline"]),
                 directory=path.parent,
+                vendor=VendorBuild.from_json(d["vendor"]) if isinstance(d.get("vendor"), dict) else None,
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CubeError("image.manifest_invalid", f"{path}: {e}", layer="template", status=422) from e
@@ -133,8 +137,31 @@ class Manifest:
         return bad
 
 
+GUEST_PINS = (
+    ("spec", "guest", "image", "digest"),
+    ("spec", "guest", "kernel", "version"),
+    ("spec", "guest", "kernel", "digest"),
+    ("spec", "guest", "modules_img", "kernel_version"),
+    ("spec", "guest", "modules_img", "digest"),
+)
+VENDOR_PINS = (
+    ("spec", "driver", "kernel", "version"),
+    ("spec", "driver", "userspace", "version"),
+    ("spec", "cuda", "version"),
+)
+
+
+def pinned_paths(document: dict[str, Any], image: Manifest) -> tuple[tuple[str, ...], ...]:
+    """The key paths `pin_template_document` writes for this document and image."""
+    spec = document.get("spec") or {}
+    if image.vendor is None or "driver" not in spec:
+        return GUEST_PINS
+    return GUEST_PINS + tuple(p for p in VENDOR_PINS if p[1] != "cuda" or "cuda" in spec)
+
+
 def pin_template_document(document: dict[str, Any], image: Manifest) -> dict[str, Any]:
-    """A template document whose guest image, kernel and modules.img are the ones this host built.
+    """A template document whose guest image, kernel and modules.img are the ones this host built, and, for a
+    GPU image, whose driver (kernel module and user space) and CUDA driver API versions are the image's own.
 
     Debian moves its kernel point release often; the demo and `cubeaccel up` register the emulated
     template against the image actually in the cache, so its contract is true on this machine.
@@ -144,4 +171,11 @@ def pin_template_document(document: dict[str, Any], image: Manifest) -> dict[str
     guest["image"]["digest"] = image.image_digest
     guest["kernel"] = {"version": image.kernel_release, "digest": image.vmlinux.sha256}
     guest["modules_img"] = {"kernel_version": image.kernel_release, "digest": image.modules_img.sha256}
+    spec = doc["spec"]
+    if image.vendor is not None and isinstance(spec.get("driver"), dict):
+        spec["driver"]["kernel"]["version"] = image.vendor.driver_version
+        spec["driver"]["userspace"]["version"] = image.vendor.driver_version
+        api = image.vendor.versions.get("cuda_driver_api")
+        if api and isinstance(spec.get("cuda"), dict):
+            spec["cuda"]["version"] = api
     return doc

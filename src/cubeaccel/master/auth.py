@@ -4,7 +4,8 @@ API keys are `cbk_<id>_<secret>` with a 256-bit random secret: shown once, store
 nothing for a random 256-bit secret), looked up by `id` and compared in constant time. A node token is
 `cbn:<node>:<generation>:<hmac>`, an HMAC of the node and its generation under a secret in the database:
 CubeMaster stores no token, can present a node's token to that node's Cubelet, and revokes one by bumping
-the generation (docs/decisions.md). Repeated failures from one source are throttled.
+the generation (docs/decisions.md). Repeated failures of one presented credential are throttled; a valid
+one never is.
 """
 
 from __future__ import annotations
@@ -101,6 +102,22 @@ def forbidden(message: str) -> CubeError:
     return CubeError("auth.forbidden", message, "api", {}, 403)
 
 
+def credential_of(header: str, signed: SignedRequest | None) -> str:
+    """What a failed credential is counted against: the API key id or the node it names, never a secret."""
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer":
+        parts = token.strip().split("_")
+        if len(parts) == 3 and parts[0] == "cbk" and parts[1]:
+            return f"key:{parts[1][:64]}"
+        if token.strip().startswith("cbn:"):
+            return f"node:{token.strip().split(':')[1][:64] if token.count(':') > 1 else '?'}"
+        return "bearer:malformed"
+    if scheme == node_sig.SCHEME:
+        claim = node_sig.parse(header, signed.body_sha if signed is not None else None)
+        return f"node:{claim.node[:64]}" if claim is not None else "sig:malformed"
+    return "scheme:other"
+
+
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
@@ -116,12 +133,15 @@ class Auth:
             )
 
     # ---- verifying ----------------------------------------------------------------------------------
-    def authenticate(self, header: str | None, source: str, signed: SignedRequest | None = None) -> Identity | None:
+    def authenticate(self, header: str | None, signed: SignedRequest | None = None) -> Identity | None:
         """The caller's identity from `Authorization: Bearer <API key>` or a node's `CubeSig` signature
-        (`signed`: the request it must match); None when there is no credential."""
+        (`signed`: the request it must match); None when there is no credential.
+
+        The credential is checked first and a valid one is never throttled; failures are counted against the
+        credential that was presented (its key id, the node it claims), never against the source address, which
+        the front door, the nodes and every proxied client share (issue 30 #3)."""
         if not header:
             return None
-        self.throttle.check(source)
         scheme, _, token = header.partition(" ")
         why = "the credential is unknown, malformed or revoked"
         ident: Identity | None = None
@@ -132,7 +152,9 @@ class Auth:
         elif scheme == node_sig.SCHEME and signed is not None:
             ident, why = self._verify_signed(header, signed)
         if ident is None:
-            self.throttle.fail(source)
+            presented = credential_of(header, signed)
+            self.throttle.check(presented)  # a credential that keeps failing is answered 429, not 401
+            self.throttle.fail(presented)
             raise unauthorized("auth.invalid_credential", why)
         return ident
 
@@ -253,6 +275,12 @@ class Auth:
             c.execute(S.api_keys.update().where(S.api_keys.c.tenant == name).values(revoked_at=time.time()))
         if n != 1:
             raise CubeError("tenant.not_found", f"no live tenant {name!r}", "api", {}, 404)
+
+    def revoked_tenants(self) -> set[str]:
+        with self.store.tx() as c:
+            return {
+                str(r.name) for r in c.execute(sa.select(S.tenants.c.name).where(S.tenants.c.revoked_at.isnot(None)))
+            }
 
     def quota(self, tenant: str) -> Quota:
         with self.store.tx() as c:

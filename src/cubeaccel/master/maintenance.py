@@ -231,6 +231,9 @@ class Maintenance:
         for row in self.master.store.sandboxes(states=(SS.STARTING, SS.RUNNING)):
             if row["expires_at"] is not None and row["expires_at"] < now:
                 self.master.store.update_sandbox(row["id"], "timeout", event=SE.TIMEOUT, by=MAINT)
+        revoked = self.master.auth.revoked_tenants()
+        if revoked:  # what a revoke raced (a create placed after it, another replica's)
+            self.master.end_revoked(revoked, MAINT)
         for row in self.master.store.sandboxes(states=(SS.DELETING,)):
             self.master.release(row)
 

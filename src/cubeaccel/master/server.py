@@ -41,9 +41,9 @@ from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
+from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
-from cubeaccel.model.sandbox_states import NodeEvent, SandboxState
+from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
@@ -203,14 +203,13 @@ def create_app(
         if ANONYMOUS in roles:  # public (health): no credential is looked at
             request.state.identity = ANON
             return ANON
-        source = request.client.host if request.client else "?"
         header = request.headers.get("authorization")
         signed = None
         if header and header.startswith(node_sig.SCHEME + " "):  # a node: the signature covers the body
             target = node_sig.target_of(request.url.path, request.url.query)
             body_sha = request.headers.get(node_sig.BODY_HEADER)
             signed = SignedRequest(request.method, target, await request.body(), body_sha)
-        ident = await run_in_threadpool(auth.authenticate, header, source, signed) or ANON
+        ident = await run_in_threadpool(auth.authenticate, header, signed) or ANON
         request.state.identity = ident
         if ident.role not in roles:
             if ident.role == ANONYMOUS:
@@ -259,7 +258,14 @@ def create_app(
     @app.get("/v1/whoami", response_model=W.WhoAmI)
     def whoami(request: Request) -> dict[str, Any]:
         ident: Identity = request.state.identity
-        return {"role": ident.role, "tenant": ident.tenant, "node": ident.node, "key_id": ident.key_id}
+        prefix = tenant_sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
+        return {
+            "role": ident.role,
+            "tenant": ident.tenant,
+            "node": ident.node,
+            "key_id": ident.key_id,
+            "sandbox_id_prefix": prefix,
+        }
 
     # ---- identities ---------------------------------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, response_model=W.TenantCreated)
@@ -277,6 +283,7 @@ def create_app(
     def revoke_tenant(tenant: str, request: Request) -> dict[str, Any]:
         request.state.tenant = tenant
         auth.revoke_tenant(tenant)
+        master.end_revoked({tenant}, SandboxActor.USER)
         return {"revoked": tenant}
 
     @app.post("/v1/tenants/{tenant}/keys", status_code=201, response_model=W.KeyCreated)
@@ -500,6 +507,17 @@ def create_app(
             if body.tenant not in (None, ident.tenant):
                 raise forbidden(f"tenant {ident.tenant}'s key cannot create for tenant {body.tenant}")
             body = body.model_copy(update={"tenant": ident.tenant})
+            prefix = tenant_sandbox_prefix(ident.tenant or "")
+            if body.id is not None and not body.id.startswith(prefix):
+                # Whether the id is free, another tenant's or deleted, the answer is this one (issue 30 #1).
+                raise CubeError(
+                    "sandbox.id_outside_namespace",
+                    f"a sandbox id tenant {ident.tenant} chooses starts with {prefix!r} (GET /v1/whoami:"
+                    " sandbox_id_prefix); leave `id` out to have one made",
+                    "api",
+                    {"sandbox_id_prefix": prefix},
+                    422,
+                )
         elif body.tenant is None:
             body = body.model_copy(update={"tenant": DEFAULT_TENANT})
         request.state.tenant = body.tenant

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +143,8 @@ class CubeMaster:
     def create(self, spec: CreateSpec) -> tuple[Row, bool]:
         """Returns (sandbox, created): created is False for an idempotent repeat."""
         resolved = self.resolve(spec)
+        if spec.tenant in self.auth.revoked_tenants():  # an admin's create for it, too (issue 30 #2)
+            raise CubeError("tenant.not_found", f"no live tenant {spec.tenant!r}", "api", {}, 404)
         quota = self.auth.quota(spec.tenant)
         lifetime = spec.timeout_s or quota.default_lifetime_s or self.config.default_lifetime_s
         if quota.max_lifetime_s is not None and lifetime > quota.max_lifetime_s:
@@ -229,11 +231,14 @@ class CubeMaster:
     @staticmethod
     def _same_request(request: Any, sandbox_id: str, row: Row, tenant: str | None = None) -> None:
         if request != row["request"] or (tenant is not None and tenant != row["tenant"]):
+            # The earlier request is shown only to its own tenant: env vars are secrets (issue 30 #1). Tenants
+            # cannot reach another's id (their ids are namespaced); this guards an admin's create for a tenant.
+            mine = tenant is None or tenant == row["tenant"]
             raise CubeError(
                 "sandbox.conflict",
                 f"sandbox {sandbox_id} exists with another request",
                 "api",
-                {"existing": request},
+                {"existing": request} if mine else {},
                 409,
             )
 
@@ -460,6 +465,20 @@ class CubeMaster:
 
     def placement_abandoned(self, row: Row, now: float) -> bool:
         return row["state"] in PLACEMENT_STATES and now - float(row["updated_at"]) > self.config.placement_stale_s
+
+    def end_revoked(self, tenants: Collection[str], by: SandboxActor) -> list[str]:
+        """A revoked tenant's credential reached its sandboxes; they end with it (docs/security.md): each live one
+        goes to `deleting` (event `revoked`) and through the ordinary release path, so its node lets go of it and
+        its envd token with it. A sandbox still being placed is ended once placement leaves it live (the
+        maintenance pass calls this every tick). Returns the ids it ended."""
+        ended = []
+        for row in self.store.sandboxes(states=(SS.STARTING, SS.RUNNING), tenants=tenants, limit=100_000):
+            if self.store.update_sandbox(
+                row["id"], "tenant_revoked", expect=(SS.STARTING, SS.RUNNING), event=SE.REVOKED, by=by
+            ):
+                ended.append(row["id"])
+                self.release(self.get(row["id"]), by=by)
+        return ended
 
     def release(self, row: Row, by: SandboxActor = SA.MAINTENANCE) -> None:
         """Ask the node's Cubelet to run its release path; `deleted` only once it says the devices are back."""

@@ -8,7 +8,7 @@ fails half-way with "database is locked"; PostgreSQL uses row locks (`FOR UPDATE
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -352,9 +352,15 @@ class MasterStore:
         return None if r is None else _row(r)
 
     def sandboxes(
-        self, states: tuple[SandboxState, ...] | None = None, node: str | None = None, limit: int = 1000
+        self,
+        states: tuple[SandboxState, ...] | None = None,
+        node: str | None = None,
+        limit: int = 1000,
+        tenants: Collection[str] | None = None,
     ) -> list[Row]:
         q = sa.select(S.sandboxes).order_by(S.sandboxes.c.created_at).limit(limit)
+        if tenants is not None:
+            q = q.where(S.sandboxes.c.tenant.in_(list(tenants)))
         if states:
             q = q.where(S.sandboxes.c.state.in_([s.value for s in states]))
         if node:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from cubeaccel.host.childenv import component_env
 from cubeaccel.host.hypervisor import detect_accel, find_qemu
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
@@ -76,7 +77,8 @@ def choose_backend(requested: str, on_phase: Callable[[str], None] = _quiet) -> 
 
 def _spawn(argv: list[str], log: Path, detach: bool) -> subprocess.Popen[bytes]:
     out = open(log, "ab")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=detach)
+    # The services get our settings, never the operator's whole shell (its admin key: issue 30 #6).
+    return subprocess.Popen(argv, env=component_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=detach)
 
 
 def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[bytes]]) -> Any:

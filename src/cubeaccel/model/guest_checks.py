@@ -52,6 +52,7 @@ def _sane(r: GuestReport) -> GuestReport:
         kernel_release=r.kernel_release if isinstance(r.kernel_release, str) else "",
         modules_loaded=tuple(m for m in seq(r.modules_loaded) if isinstance(m, str)),
         module_failures={k: str(v) for k, v in dict_of(r.module_failures).items() if isinstance(k, str)},
+        driver_refusal=r.driver_refusal if isinstance(r.driver_refusal, str) else None,
         pci_devices=tuple(d for d in seq(r.pci_devices) if isinstance(d, dict)),
         device_files={k: v is True for k, v in dict_of(r.device_files).items() if isinstance(k, str)},
         kernel_driver_version=r.kernel_driver_version if isinstance(r.kernel_driver_version, str) else None,
@@ -111,6 +112,8 @@ def _modules(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Co
     driver = module_key(t.kernel_driver.module) if t.kernel_driver else None
     for name in dict.fromkeys([*([t.kernel_driver.module] if t.kernel_driver else []), *t.probes.modules]):
         key = module_key(name)
+        if key == driver and r.driver_refusal is not None:
+            continue  # in modules.img and built for this kernel: the driver's own refusal (_kernel_driver)
         if key in failures:
             yield V(
                 L.MODULES_IMG,
@@ -119,7 +122,7 @@ def _modules(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Co
                 failures[key][:200] or "load failed",
                 f"modules.img must be built for {t.guest_kernel.version} and contain {name}",
             )
-        elif key not in loaded and key != driver:
+        elif key not in loaded and key != driver and r.driver_refusal is None:  # else: it needs the refused driver
             yield V(
                 L.MODULES_IMG,
                 "compat.modules_img_module_missing",
@@ -131,6 +134,15 @@ def _modules(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Co
 
 def _kernel_driver(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[ContractViolation]:
     kd = t.kernel_driver
+    if kd is not None and r.driver_refusal is not None:
+        yield V(
+            L.KERNEL_DRIVER,
+            "compat.kernel_driver_load_failed",
+            f"{kd.module} {kd.version} loads and binds the device",
+            r.driver_refusal[:300],
+            "the module is in modules.img and built for this kernel; the driver refused (no supported device?)",
+        )
+        return  # no device files and no version without a loaded driver: consequences, not more failures
     if kd is not None:
         key = module_key(kd.module)
         loaded = key in {module_key(m) for m in r.modules_loaded}
@@ -202,6 +214,9 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
     if c is None:
         yield V(L.CUDA_RUNTIME, "compat.cuda_not_probed", f"a CUDA probe (cuInit) for CUDA {t.cuda.version}", "none")
         return
+    if r.driver_refusal is not None:  # cuInit needs the kernel driver: only the driver API version is judged
+        yield from _driver_api(t, c, need)
+        return
     if c.get("init_ok") is not True:
         yield V(
             L.CUDA_RUNTIME,
@@ -210,6 +225,17 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
             str(c.get("error") or "failed")[:200],
         )
         return
+    violations = list(_driver_api(t, c, need))
+    yield from violations
+    if any(v.code == "compat.cuda_driver_api_invalid" for v in violations):
+        return
+    count = c.get("device_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        yield V(L.CUDA_RUNTIME, "compat.cuda_no_device", "cuDeviceGetCount >= 1", repr(count)[:40])
+
+
+def _driver_api(t: Template, c: dict[str, Any], need: int) -> Iterator[ContractViolation]:
+    """cuDriverGetVersion's answer against the CUDA version the workload was built for (needs no device)."""
     raw = c.get("driver_version")
     try:
         api = CudaVersion.from_driver_api(raw)
@@ -217,13 +243,11 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
         yield V(L.CUDA_RUNTIME, "compat.cuda_driver_api_invalid", "cuDriverGetVersion like 12040", repr(raw)[:80])
         return
     if api.driver_api < need:
+        built_for = t.cuda.version if t.cuda is not None else "?"
         yield V(
             L.CUDA_RUNTIME,
             "compat.cuda_driver_api_too_old",
             f"driver API >= {need // 1000}.{need % 1000 // 10}",
             f"{api.major}.{api.minor}",
-            f"the guest's libcuda supports CUDA {api.major}.{api.minor}; the workload was built for {t.cuda.version}",
+            f"the guest's libcuda supports CUDA {api.major}.{api.minor}; the workload was built for {built_for}",
         )
-    count = c.get("device_count")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        yield V(L.CUDA_RUNTIME, "compat.cuda_no_device", "cuDeviceGetCount >= 1", repr(count)[:40])

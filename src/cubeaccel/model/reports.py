@@ -68,6 +68,8 @@ class GuestReport:
     kernel_release: str
     modules_loaded: tuple[str, ...] = ()
     module_failures: dict[str, str] = field(default_factory=dict)  # module → error text
+    # The driver module was in modules.img, built for this kernel, and its own init refused: the kernel's words.
+    driver_refusal: str | None = None
     pci_devices: tuple[dict[str, str], ...] = ()  # {"address", "vendor_id", "device_id", "class"}
     device_files: dict[str, bool] = field(default_factory=dict)
     kernel_driver_version: str | None = None
@@ -86,6 +88,7 @@ class GuestReport:
             kernel_release=str(data["kernel_release"]),
             modules_loaded=tuple(data.get("modules_loaded", ())),
             module_failures=dict(data.get("module_failures", {})),
+            driver_refusal=data.get("driver_refusal"),
             pci_devices=tuple(dict(d) for d in data.get("pci_devices", ())),
             device_files=dict(data.get("device_files", {})),
             kernel_driver_version=data.get("kernel_driver_version"),

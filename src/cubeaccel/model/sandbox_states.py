@@ -34,6 +34,7 @@ class SandboxEvent(StrEnum):
     LOSE = "lose"
     DELETE = "delete"  # a user's delete
     TIMEOUT = "timeout"  # the sandbox's own timeout_s passed
+    REVOKED = "revoked"  # its tenant was revoked: what the tenant's credential reached ends with it
     DELETED = "deleted"  # the Cubelet confirmed the release (or holds nothing)
 
 
@@ -63,6 +64,7 @@ SANDBOX_MACHINE: Machine[SandboxState, SandboxEvent, SandboxActor] = Machine(
         rule(SE.DELETE, {SS.SCHEDULING, SS.PLACING}, SS.DELETING, {USER}, "its create is abandoned (stale row)"),
         rule(SE.DELETE, {SS.STARTING, SS.RUNNING, SS.DELETING}, SS.DELETING, {USER}, "-"),
         rule(SE.TIMEOUT, {SS.STARTING, SS.RUNNING}, SS.DELETING, {MAINT}, "expires_at passed"),
+        rule(SE.REVOKED, {SS.STARTING, SS.RUNNING}, SS.DELETING, {USER, MAINT}, "its tenant was revoked"),
         rule(SE.DELETED, {SS.DELETING}, SS.DELETED, {USER, MAINT}, "the Cubelet released it or holds nothing"),
         rule(SE.DELETED, {SS.LOST, SS.FAILED}, SS.DELETED, {USER}, "nothing left to release"),
     ),

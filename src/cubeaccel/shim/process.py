@@ -23,6 +23,15 @@ from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
+from cubeaccel.model.bars import (
+    Bar,
+    MachineShape,
+    human_bytes,
+    machine_shape,
+    parse_resource_lines,
+    unassigned_bars,
+    uniform_shape,
+)
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.shim.agent_client import AgentClient
@@ -38,6 +47,7 @@ from cubeaccel.wire.telemetry import configure_logging, set_request_id
 
 PIN_PROOF_TIMEOUT_S = 5.0
 VISIBLE_TIMEOUT_S = 10.0
+BAR_SETTLE_S = 3.0  # from the function's appearance to every BAR placed (ms in practice; only a failure waits)
 AGENT_SHUTDOWN_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
 SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
@@ -70,6 +80,7 @@ class Shim:
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
         self.guest_addresses: dict[str, str] = {}  # device id → where the guest saw it appear
         self._known: set[str] | None = None  # guest PCI addresses before our hot-plugs, when the agent waits
+        self._agent_methods: frozenset[str] = frozenset()
         self.timeline: dict[str, float] = {}
         self._stop = False
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
@@ -165,7 +176,7 @@ class Shim:
         return cfg
 
     def _vm_config(self, manifest: Manifest) -> VmConfig:
-        return VmConfig(
+        cfg = VmConfig(
             sandbox_id=self.spec.sandbox_id,
             memory_mib=self.spec.memory_mib,
             vcpus=self.spec.vcpus,
@@ -180,6 +191,20 @@ class Shim:
                 h for d in self.spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))
             ),
         )
+        return replace(cfg, shape=self._shape(cfg))
+
+    def _shape(self, cfg: VmConfig) -> MachineShape:
+        """Cold: each root port for the device it will receive. From a template: every port for the largest
+        device the contract admits on this node, so the state fits whichever device a sandbox gets."""
+        spec, bars = self.spec, [d.bars for d in self.spec.devices]
+        try:
+            if spec.start == "template" and not spec.policy_devices:
+                return uniform_shape([*spec.template_bars, *bars], cfg.root_ports, cfg.memory_mib)
+            return machine_shape(bars, cfg.root_ports, cfg.memory_mib)
+        except ValueError as e:
+            raise CubeError(
+                "vmm.address_space_exceeded", str(e), layer="backend", details={"bars": _bar_names(bars)}, status=500
+            ) from e
 
     def _start(self) -> None:
         spec = self.spec
@@ -251,6 +276,8 @@ class Shim:
         self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
         agent.connect(10.0)
         hello = agent.wait_hello(spec.boot_timeout_s, cancelled=lambda: self._stop)
+        methods = hello.get("methods")
+        self._agent_methods = frozenset(str(m) for m in methods) if isinstance(methods, list) else frozenset()
         self._check_stop()
         t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
         self.reporter.report(K.GUEST_READY, agent=hello)
@@ -343,15 +370,69 @@ class Shim:
             time.sleep(0.02)
         if self._known is not None:
             self._known.add(str(seen[0].get("address")))
-        self.guest_addresses[dev.device_id] = str(seen[0].get("address"))
+        address = str(seen[0].get("address"))
+        self.guest_addresses[dev.device_id] = address
+        placed = self._confirm_bars(agent, dev, address, slot=index)
         self.reporter.report(
             K.DEVICE_ATTACHED,
             (dev.device_id,),
             qdev_id=qid,
             bus=att.bus,
-            guest_address=seen[0].get("address"),
+            guest_address=address,
             vendor_device=dev.vendor_device,
+            bars=[b.to_json() for b in dev.bars],
+            guest_bars=placed,
             hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
+        )
+
+    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[dict[str, object]]:
+        """Attached means usable: the guest placed every memory BAR at its size, read from its own `resource`.
+
+        The kernel may still be placing them when the function appears, so the guest is asked again until
+        `BAR_SETTLE_S`; a BAR it found no room for reads as zeros for good. Returns where the guest placed them."""
+        if not dev.bars:
+            return []  # a record from before BARs were read: vendor:device is all there is to check
+        if "pci_resources" not in self._agent_methods:
+            raise CubeError(
+                "attach.bars_unverifiable",
+                f"the guest agent cannot report the BARs of {dev.vendor_device}; this image predates the check",
+                layer="backend",
+                details={"device_id": dev.device_id, "guest_address": address},
+                status=500,
+            )
+        deadline = time.monotonic() + BAR_SETTLE_S
+        while True:
+            reply = agent.call("pci_resources", {"address": address}, timeout_s=10.0, cancel_fd=self._wake_r)
+            resource = reply.get("resource")
+            text = resource if isinstance(resource, str) else None
+            misses = unassigned_bars(dev.bars, text)
+            if not misses:
+                lines = {line.index: line for line in parse_resource_lines(text)}
+                return [
+                    {"bar": f"BAR{b.index}", "start": f"0x{lines[b.index].start:x}", "size": lines[b.index].size}
+                    for b in dev.bars
+                    if b.index in lines and lines[b.index].assigned
+                ]
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        port = self.vmm.cfg.machine.ports[slot] if self.vmm is not None else None
+        first = misses[0]
+        raise CubeError(
+            "attach.bar_unassigned",
+            f"the guest could not place {first.bar.name} of {dev.vendor_device} at {address}: {first.reason}"
+            + (f"; its root port reserved {human_bytes(port.pref64_bytes)} prefetchable" if port else ""),
+            layer="backend",
+            details={
+                "device_id": dev.device_id,
+                "guest_address": address,
+                "bar": f"BAR{first.bar.index}",
+                "bars": [m.to_json() for m in misses],
+                "root_port": None
+                if port is None
+                else {"pref64_bytes": port.pref64_bytes, "mem32_bytes": port.mem32_bytes},
+            },
+            status=500,
         )
 
     @staticmethod
@@ -486,6 +567,10 @@ class Shim:
                 self.reporter.report(
                     K.DETACH_TIMEOUT, (dev.device_id,), qdev_id=qid, timeout_s=self.spec.detach_timeout_s
                 )
+
+
+def _bar_names(bars: list[tuple[Bar, ...]]) -> list[list[str]]:
+    return [[b.name for b in device] for device in bars]
 
 
 def read_workload_token() -> str | None:

@@ -29,11 +29,12 @@ from typing import Any
 from qemu.qmp import ExecuteError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
-from cubeaccel.host import confine
+from cubeaccel.host import childenv, confine
 from cubeaccel.host import vmmproc as find
-from cubeaccel.host.hypervisor import detect_accel, find_qemu
+from cubeaccel.host.hypervisor import detect_accel, find_qemu, host_phys_bits
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
+from cubeaccel.model.bars import DEFAULT_MEM32_WINDOW, DEFAULT_PHYS_BITS, DEFAULT_PREF64_WINDOW
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.mux import WORKLOAD_PORT_NAME
 from cubeaccel.shim import snapshot_guard as guard
@@ -86,7 +87,9 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
     `fds`: the descriptors `QemuVmm.start` made; without them, placeholders (the command line's shape only)."""
     sd = cfg.state_dir
     fds = fds or SHAPE_FDS
-    cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={cfg.bar_window_gib}G"
+    shape = cfg.machine
+    widest = max((p.pref64_bytes for p in shape.ports), default=DEFAULT_PREF64_WINDOW)
+    cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={_size(widest)}"
     if extra := cfg.guest_cmdline():
         cmdline += " " + extra
     argv = [
@@ -95,6 +98,8 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
         find.name_arg(cfg.sandbox_id),
         "-machine",
         "q35,memory-backend=m0",
+        "-global",
+        f"q35-pcihost.pci-hole64-size={_size(shape.hole64_bytes)}",
         "-accel",
         "kvm" if accel == "kvm" else "tcg,tb-size=64",
         "-smp",
@@ -146,19 +151,30 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
         "-sandbox",
         SANDBOX_ARG,
     ]
-    if accel == "kvm":
-        argv += ["-cpu", "host"]
+    if accel == "kvm":  # the host's address width, checked against the shape before start
+        argv += ["-cpu", "host,host-phys-bits=on"]
+    elif shape.phys_bits != DEFAULT_PHYS_BITS:
+        argv += ["-cpu", f"qemu64,phys-bits={shape.phys_bits}"]
     if cfg.pin_memory:
         argv += ["-overcommit", "mem-lock=on"]
-    for i in range(cfg.root_ports):
+    for i, port in enumerate(shape.ports):
+        mem = f",mem-reserve={_size(port.mem32_bytes)}" if port.mem32_bytes != DEFAULT_MEM32_WINDOW else ""
         argv += [
             "-device",
-            f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={cfg.bar_window_gib}G",
+            f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={_size(port.pref64_bytes)}{mem}",
         ]
     argv += policy_argv(cfg)
     if incoming:
         argv += ["-incoming", "defer"]
     return argv
+
+
+def _size(n: int) -> str:
+    """A byte count as QEMU and the kernel's memparse both read it (`2G`, `128M`, or plain bytes)."""
+    for suffix, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
 
 
 def _opt(value: str) -> str:
@@ -262,9 +278,21 @@ class QemuVmm:
             raise
         return mode, lease, exposure
 
+    def _check_address_bits(self) -> None:
+        """Under KVM the guest has the host CPU's address width: BARs beyond it cannot be placed at all."""
+        host = host_phys_bits() if self.accel == "kvm" else None
+        if host is not None and self.cfg.machine.phys_bits > host:
+            raise vmm_error(
+                "vmm.address_space_exceeded",
+                f"the devices' BARs need {self.cfg.machine.phys_bits} physical address bits; this CPU has {host}",
+                needed=self.cfg.machine.phys_bits,
+                host=host,
+            )
+
     def start(self) -> None:
         sd = self.cfg.state_dir
         sd.mkdir(parents=True, exist_ok=True)
+        self._check_address_bits()
         self.memlock_mode, self.lease, self.exposure = mode, lease, exposure = self._confinement()
         listeners: list[socket.socket] = []
         console = -1
@@ -284,11 +312,10 @@ class QemuVmm:
                 sd / VMM_ROOT_DIR, lease.uid, lease.gid, memlock, memlock_required=mode == "rlimit"
             )
             cmd = launch_argv(json.dumps(launch), lease.uid, lease.gid, mode, argv)
-            env = {
-                **os.environ,
-                find.ENV_SANDBOX: self.cfg.sandbox_id,
-                find.ENV_DEVICES: ";".join(self.cfg.device_ids),
-            }
+            # Nothing of the shim's environment (issue 30 #6): the tags the release rules read, and PATH.
+            env = childenv.vmm_env(
+                {find.ENV_SANDBOX: self.cfg.sandbox_id, find.ENV_DEVICES: ";".join(self.cfg.device_ids)}
+            )
             t0 = time.monotonic()
             with (sd / "vmm.log").open("ab") as log:
                 # Own session: the VMM must outlive a killed shim so Cubelet can find it by pid + tag. It inherits

@@ -37,7 +37,7 @@ def template_key(cfg: VmConfig, manifest: Manifest, accel: str) -> str:
         "memory_mib": cfg.memory_mib,
         "vcpus": cfg.vcpus,
         "root_ports": cfg.root_ports,
-        "bar_window_gib": cfg.bar_window_gib,
+        "shape": cfg.machine.to_json(),
         "memory_backend": cfg.memory_backend,
         "accel": accel,
         "qemu": [str(qemu), st.st_size, int(st.st_mtime)],

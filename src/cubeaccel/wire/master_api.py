@@ -276,6 +276,7 @@ class WhoAmI(Reply):
     tenant: str | None
     node: str | None
     key_id: str | None
+    sandbox_id_prefix: str | None = None  # a tenant's: the ids it chooses start with it (docs/security.md)
 
 
 # ---- device verbs through CubeMaster (admin) -------------------------------------------------------------
