@@ -151,6 +151,7 @@ class Cubelet(ReleasePath):
         self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
         self.shim = shim
         self.config = config or CubeletConfig()
+        self.vmm_host = self.config.vmm_host or memory_ledger.VmmHost.here(vfio=backend.name == "vfio")
         self.lock = FairRLock()  # lifecycle decisions: held only around short transactions, never host I/O
         self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
@@ -225,7 +226,9 @@ class Cubelet(ReleasePath):
                     f"{req.count} device(s) requested, not enough allocatable matching devices",
                     details={"requested": req.count, "devices_by_state": by_state},
                 )
-            memory_ledger.admit(t, sandbox_id, params, self.config.pinnable_memory_mib)  # devices untouched yet
+            memory_ledger.admit(
+                t, sandbox_id, params, self.config.pinnable_memory_mib, self.vmm_host
+            )  # no device moved
             for d in chosen:
                 t.transition(
                     d,
@@ -408,6 +411,7 @@ class Cubelet(ReleasePath):
                     vendor_id=d.identity.vendor_id,
                     device_id_hex=d.identity.device_id,
                     bars=d.identity.bars,
+                    numa_node=d.numa_node,
                 )
             )
         p = res.params

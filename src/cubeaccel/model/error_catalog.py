@@ -334,6 +334,10 @@ CODES: tuple[CodeInfo, ...] = (
     _c("compat.userspace_driver_version_mismatch", None, "userspace_driver", "failure: a library has another version"),
     _c("compat.userspace_driver_version_unknown", None, "userspace_driver", "failure: a library version is unreadable"),
     # ---- templates and stored contracts ----
+    _c("start.cold_no_snapshot", None, "template", "start path: no snapshot of this shape prepared; cold"),
+    _c("start.cold_policy_devices", None, "template", "start path: NIC, disk or mount: another machine; cold"),
+    _c("start.cold_configured", None, "template", "start path: the node starts every sandbox cold (--vm-start cold)"),
+    _c("template.prepare_failed", None, "template", "CLI / host init: a shape's template snapshot could not be made"),
     _c("template.invalid", 422, "template", "registration refused: stage 1 fails (layer: the violation's)"),
     _c("template.invalid_document", 422, "template", "a stored template document is missing a section"),
     _c("template.invalid_encoding", 422, "template", "the template file is not UTF-8"),

@@ -19,23 +19,23 @@ from dataclasses import replace
 from types import FrameType
 
 from cubeaccel.host import netpolicy, scratch
+from cubeaccel.host.hypervisor import host_cpus, numa_nodes
 from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.bars import (
-    Bar,
-    MachineShape,
     human_bytes,
-    machine_shape,
     parse_resource_lines,
     unassigned_bars,
-    uniform_shape,
 )
+from cubeaccel.model.cold_start import COLD_NO_SNAPSHOT, cold_start_reason
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
+from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
+from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
@@ -82,6 +82,7 @@ class Shim:
         self._known: set[str] | None = None  # guest PCI addresses before our hot-plugs, when the agent waits
         self._agent_methods: frozenset[str] = frozenset()
         self.timeline: dict[str, float] = {}
+        self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s)
         self._stop = False
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
@@ -176,35 +177,7 @@ class Shim:
         return cfg
 
     def _vm_config(self, manifest: Manifest) -> VmConfig:
-        cfg = VmConfig(
-            sandbox_id=self.spec.sandbox_id,
-            memory_mib=self.spec.memory_mib,
-            vcpus=self.spec.vcpus,
-            pin_memory=self.spec.pin_memory,
-            kernel=manifest.path(manifest.vmlinux),
-            initrd=manifest.path(manifest.initrd),
-            cmdline=manifest.cmdline,
-            state_dir=self.spec.run_dir,
-            device_ids=tuple(d.device_id for d in self.spec.devices),
-            memory_backend=self.spec.memory_backend,
-            vfio_hosts=tuple(
-                h for d in self.spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))
-            ),
-        )
-        return replace(cfg, shape=self._shape(cfg))
-
-    def _shape(self, cfg: VmConfig) -> MachineShape:
-        """Cold: each root port for the device it will receive. From a template: every port for the largest
-        device the contract admits on this node, so the state fits whichever device a sandbox gets."""
-        spec, bars = self.spec, [d.bars for d in self.spec.devices]
-        try:
-            if spec.start == "template" and not spec.policy_devices:
-                return uniform_shape([*spec.template_bars, *bars], cfg.root_ports, cfg.memory_mib)
-            return machine_shape(bars, cfg.root_ports, cfg.memory_mib)
-        except ValueError as e:
-            raise CubeError(
-                "vmm.address_space_exceeded", str(e), layer="backend", details={"bars": _bar_names(bars)}, status=500
-            ) from e
+        return vm_config(self.spec, manifest, host_cpus(), numa_nodes())
 
     def _start(self) -> None:
         spec = self.spec
@@ -228,13 +201,13 @@ class Shim:
         cfg = self._policy_devices(self._vm_config(manifest))
         t = time.monotonic()
         restore = None
+        cold_reason: str | None = cold_start_reason(spec.start, spec.policy_devices)
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
-            if spec.start == "template" and not spec.policy_devices:  # NIC/disk/mount: another machine
-                restore, created = lease.enter_context(
-                    template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
-                )
-                t = self._phase("template_create_s" if created else "template_lookup_s", t)
-            vmm = QemuVmm(cfg, restore_from=restore)
+            if cold_reason is None:  # only looked up: a snapshot is never made on a tenant's start
+                restore = lease.enter_context(template_lease(cfg, manifest, cache_dir() / "templates"))
+                cold_reason = None if restore is not None else COLD_NO_SNAPSHOT
+                t = self._phase("template_lookup_s", t)
+            vmm = QemuVmm(cfg, restore_from=restore, deadlines=self.deadlines)
             try:
                 vmm.start()
             except OSError as e:
@@ -259,7 +232,8 @@ class Shim:
             vmm=vmm.kind,
             accel=vmm.accel,
             accel_reason=vmm.accel_reason,
-            start=spec.start,
+            start="cold" if restore is None else "template",
+            cold_reason=cold_reason,
             image_digest=manifest.image_digest,
             kernel_release=manifest.kernel_release,
             image_mismatches=mismatches,
@@ -275,7 +249,7 @@ class Shim:
         self._check_stop()
         self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
         agent.connect(10.0)
-        hello = agent.wait_hello(spec.boot_timeout_s, cancelled=lambda: self._stop)
+        hello = agent.wait_hello(self.deadlines.guest_ready_s, cancelled=lambda: self._stop)
         methods = hello.get("methods")
         self._agent_methods = frozenset(str(m) for m in methods) if isinstance(methods, list) else frozenset()
         self._check_stop()
@@ -567,10 +541,6 @@ class Shim:
                 self.reporter.report(
                     K.DETACH_TIMEOUT, (dev.device_id,), qdev_id=qid, timeout_s=self.spec.detach_timeout_s
                 )
-
-
-def _bar_names(bars: list[tuple[Bar, ...]]) -> list[list[str]]:
-    return [[b.name for b in device] for device in bars]
 
 
 def read_workload_token() -> str | None:

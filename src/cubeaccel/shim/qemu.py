@@ -31,12 +31,14 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from cubeaccel.host import childenv, confine
 from cubeaccel.host import vmmproc as find
-from cubeaccel.host.hypervisor import detect_accel, find_qemu, host_phys_bits
+from cubeaccel.host.hypervisor import detect_accel, find_qemu, host_phys_bits, numa_nodes
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.bars import DEFAULT_MEM32_WINDOW, DEFAULT_PHYS_BITS, DEFAULT_PREF64_WINDOW
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.mux import WORKLOAD_PORT_NAME
+from cubeaccel.model.pinned_memory import TCG_CACHE_MIB, LockedGuest
+from cubeaccel.model.start_deadlines import StartDeadlines, start_deadlines
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.confined import VMM_ROOT_DIR, VmmExposure, launch_argv, vmm_exposure
 from cubeaccel.shim.memory import pinned_error
@@ -46,6 +48,7 @@ QMP_TIMEOUT_S = 10.0
 SANDBOX_ARG = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 SOCKETS = ("qmp.sock", "qmp-aux.sock", "agent.sock", "workload-vmm.sock")
 MIGRATION_FD = "migration"
+PREALLOC_CONTEXT = "tc0"
 
 
 @dataclass(frozen=True)
@@ -73,13 +76,42 @@ def qemu_binary() -> str:
 
 
 def memory_object(cfg: VmConfig) -> str:
-    """The guest RAM backend: always preallocated; memfd/hugepages when the spec asks for them."""
+    """The guest RAM backend: always preallocated (by `prealloc_threads` threads); memfd/hugepages when the spec
+    asks for them; on a NUMA host, bound to the devices' node, touched by threads running there."""
     size = f"id=m0,size={cfg.memory_mib}M,prealloc=on"
+    if cfg.prealloc_threads > 1:
+        size += f",prealloc-threads={cfg.prealloc_threads}"
+    if cfg.host_node is not None:
+        size += f",host-nodes={cfg.host_node},policy=bind,prealloc-context={PREALLOC_CONTEXT}"
     if cfg.memory_backend == "memfd":
         return f"memory-backend-memfd,{size}"
     if cfg.memory_backend == "hugepages":
         return f"memory-backend-memfd,{size},hugetlb=on,hugetlbsize=2M"
     return f"memory-backend-ram,{size}"
+
+
+def memory_argv(cfg: VmConfig) -> list[str]:
+    """The backend, after the thread context its pool is created from (QEMU creates that one before `-sandbox`
+    forbids setting CPU affinity)."""
+    ctx = (
+        []
+        if cfg.host_node is None
+        else ["-object", f"thread-context,id={PREALLOC_CONTEXT},node-affinity={cfg.host_node}"]
+    )
+    return [*ctx, "-object", memory_object(cfg)]
+
+
+def locked_guest(cfg: VmConfig, accel: str, numa_host: bool) -> LockedGuest:
+    """What this machine locks, in the terms Cubelet's ledger charges (model/pinned_memory.py)."""
+    return LockedGuest(
+        memory_mib=cfg.memory_mib,
+        vcpus=cfg.vcpus,
+        mlock=cfg.pin_memory,
+        vfio=bool(cfg.vfio_hosts),
+        tcg=accel != "kvm",
+        prealloc_threads=cfg.prealloc_threads,
+        numa_host=numa_host or cfg.host_node is not None,
+    )
 
 
 def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | None = None) -> list[str]:
@@ -101,13 +133,12 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
         "-global",
         f"q35-pcihost.pci-hole64-size={_size(shape.hole64_bytes)}",
         "-accel",
-        "kvm" if accel == "kvm" else "tcg,tb-size=64",
+        "kvm" if accel == "kvm" else f"tcg,tb-size={TCG_CACHE_MIB}",
         "-smp",
         str(cfg.vcpus),
         "-m",
         f"{cfg.memory_mib}M",
-        "-object",
-        memory_object(cfg),
+        *memory_argv(cfg),
         "-nodefaults",
         "-no-user-config",
         "-display",
@@ -230,9 +261,14 @@ class QemuVmm:
     kind = "qemu"
 
     def __init__(
-        self, cfg: VmConfig, restore_from: Path | None = None, policy: confine.ConfinePolicy | None = None
+        self,
+        cfg: VmConfig,
+        restore_from: Path | None = None,
+        policy: confine.ConfinePolicy | None = None,
+        deadlines: StartDeadlines | None = None,
     ) -> None:
         self.cfg = cfg
+        self.deadlines = deadlines or start_deadlines(cfg.memory_mib)
         self.restore_from = restore_from
         self.policy = policy or confine.ConfinePolicy.from_env()
         self.accel, self.accel_reason = detect_accel()
@@ -302,11 +338,10 @@ class QemuVmm:
             qmp, aux, agent, workload = (s.fileno() for s in listeners)
             fds = VmmFds(qmp, aux, agent, workload, console)
             argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None, fds=fds)
-            vfio = bool(self.cfg.vfio_hosts)
             memlock = (
                 None
                 if mode == "none"
-                else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio, mlock=self.cfg.pin_memory)
+                else confine.memlock_limit_bytes(locked_guest(self.cfg, self.accel, len(numa_nodes()) > 1))
             )
             launch = exposure.config(
                 sd / VMM_ROOT_DIR, lease.uid, lease.gid, memlock, memlock_required=mode == "rlimit"
@@ -407,7 +442,8 @@ class QemuVmm:
 
     def _connect(self, t0: float) -> None:
         """The socket listens from the start (the shim made it): connect, then wait for QEMU's greeting."""
-        deadline = t0 + 60.0  # prealloc of large guests under cold host memory takes seconds per GiB
+        wait_s = self.deadlines.vmm_ready_s  # every page is touched before QEMU answers: seconds per GiB when cold
+        deadline = t0 + wait_s
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
@@ -418,7 +454,12 @@ class QemuVmm:
                 if self.poll_exit() is not None:
                     raise self._early_exit()
                 if time.monotonic() > deadline:
-                    raise vmm_error("vmm.qmp_timeout", "QMP socket did not answer within 60 s")
+                    raise vmm_error(
+                        "vmm.qmp_timeout",
+                        f"QMP socket did not answer within {wait_s:.0f} s ({self.cfg.memory_mib} MiB preallocated)",
+                        memory_mib=self.cfg.memory_mib,
+                        timeout_s=wait_s,
+                    )
         except BaseException:
             sock.close()
             raise
@@ -468,13 +509,13 @@ class QemuVmm:
     def _restore(self, state: Path) -> None:
         self._send_fd(state, os.O_RDONLY)
         self.qmp("migrate-incoming", uri=f"fd:{MIGRATION_FD}")
-        self._wait_status({"paused", "postmigrate"}, 60.0)
+        self._wait_status({"paused", "postmigrate"}, self.deadlines.migrate_s)
         mig = self.qmp("query-migrate")
         if mig.get("status") not in (None, "completed"):
             raise vmm_error("vmm.restore_failed", f"restore from {state}: migration {mig.get('status')}")
         self.qmp("cont")
 
-    def save_state(self, dest: Path, timeout_s: float = 60.0) -> None:
+    def save_state(self, dest: Path, timeout_s: float | None = None) -> None:
         """Pause and write the VM's state to `dest`. Refused while any device is attached, by our own record or
         by QEMU's answer before and after the migration (the state file is then never put in place)."""
         if self._attached:
@@ -491,7 +532,7 @@ class QemuVmm:
         try:
             self._send_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             self.qmp("migrate", uri=f"fd:{MIGRATION_FD}")
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + (self.deadlines.migrate_s if timeout_s is None else timeout_s)
             while True:
                 status = self.qmp("query-migrate").get("status")
                 if status == "completed":

@@ -41,6 +41,10 @@ class VmConfig:
     # None: the shape of a machine no device asks more of.
     shape: MachineShape | None = None
     memory_backend: str = "ram"  # ram | memfd | hugepages (memfd on 2 MiB hugetlbfs pages; needs a hugepage pool)
+    # Host-side only (not migrated, so not in the template key): threads touching guest RAM at start, and the
+    # host NUMA node holding it and them (model/pinned_memory.py `prealloc_threads`, `numa_bind_node`).
+    prealloc_threads: int = 1
+    host_node: int | None = None
     device_ids: tuple[str, ...] = ()  # Cubelet device ids this VMM may hold (tagged for holder lookups)
     vfio_hosts: tuple[str, ...] = ()  # host PCI addresses of its vfio-pci devices: their group nodes are exposed
     # Sandbox policy (model/sandbox_policy.py). A NIC, disk or mount changes the machine, so such a VM is always

@@ -94,6 +94,7 @@ class DeviceSpec(Strict):
     # Its BARs as discovery read them: the machine is shaped for them, and attach is confirmed only when the guest
     # placed each memory BAR at its size. Empty (a record from before BARs were read): vendor:device only.
     bars: Bars = ()
+    numa_node: Annotated[StrictInt, Field(ge=-1, le=1023)] | None = None  # the host's; -1: sysfs knows none
 
     @field_validator("properties", mode="before")
     @classmethod
