@@ -23,7 +23,11 @@ GPU2 = "0000:5e:00.0"
 NVSWITCH = "0000:7a:00.0"
 
 
-def _tree(tmp_path: Path, gpu_driver: str | None = "vfio-pci", audio_driver: str | None = "vfio-pci") -> FakeSysfs:
+def _tree(
+    tmp_path: Path, gpu_driver: str | None = "vfio-pci", audio_driver: str | None = "vfio-pci", nvswitch: bool = False
+) -> FakeSysfs:
+    """A PCIe GPU host; with `nvswitch`, an NVSwitch beside the GPUs (an HGX node: its GPUs are held, see
+    test_nvswitch.py), for discovery only."""
     return FakeSysfs.build(
         tmp_path,
         [
@@ -33,7 +37,8 @@ def _tree(tmp_path: Path, gpu_driver: str | None = "vfio-pci", audio_driver: str
             Dev(AUDIO, parent=PORT, device=0x22A3, class_code=0x040300, iommu_group=12, driver=audio_driver,
                 native="snd_hda_intel"),
             Dev(GPU2, device=0x2335, iommu_group=30, driver="vfio-pci", numa_node=1),
-            Dev(NVSWITCH, device=0x22A3, class_code=0x068000, iommu_group=40, driver=None, native=None),
+            *([Dev(NVSWITCH, device=0x22A3, class_code=0x068000, iommu_group=40, driver=None, native=None)]
+              if nvswitch else []),
         ],
     )  # fmt: skip
 
@@ -56,7 +61,7 @@ def _codes(problems: list[object]) -> list[str]:
 
 
 def test_discovery_takes_gpus_by_class_not_their_audio_or_nvswitch(tmp_path: Path) -> None:
-    backend = VfioBackend(_tree(tmp_path).host())
+    backend = VfioBackend(_tree(tmp_path, nvswitch=True).host())
     found = {str(d.address): d for d in backend.discover()}
     assert sorted(found) == [GPU, GPU2]
     h200 = found[GPU2]
@@ -67,7 +72,7 @@ def test_discovery_takes_gpus_by_class_not_their_audio_or_nvswitch(tmp_path: Pat
 
 
 def test_allow_list_patterns(tmp_path: Path) -> None:
-    host = _tree(tmp_path).host()
+    host = _tree(tmp_path, nvswitch=True).host()
     assert [str(d.address) for d in VfioBackend(host, allow=["10de:2335"]).discover()] == [GPU2]
     assert [str(d.address) for d in VfioBackend(host, allow=["10de:*@0000:3b:*"]).discover()] == [GPU]
     assert VfioBackend(host, allow=["1af4:*"]).discover() == []

@@ -390,7 +390,14 @@ def _parse(console: str) -> tuple[dict[str, dict[str, Any]], bool, bool]:
 
 
 def _qemu_cmd(
-    image: LabImage, log: Path, plan: list[str], iommu: bool, memory_mib: int, timeout_s: int, modules: str
+    image: LabImage,
+    log: Path,
+    plan: list[str],
+    iommu: bool,
+    memory_mib: int,
+    timeout_s: int,
+    modules: str,
+    extra_args: tuple[str, ...] = (),
 ) -> list[str]:
     append = f"{CMDLINE} lab.plan={','.join(plan)} lab.timeout={timeout_s} lab.modules={modules}"
     if iommu:
@@ -403,6 +410,7 @@ def _qemu_cmd(
         "-kernel", str(image.vmlinux), "-initrd", str(image.initrd),
         "-serial", f"file:{log}", "-no-reboot", "-append", append,
         *LAB_DEVICES,
+        *extra_args,
     ]  # fmt: skip
 
 
@@ -424,14 +432,16 @@ def boot(
     scenario_timeout_s: int = 60,
     retries: int = 1,
     modules: str = "scenarios",
+    extra_args: tuple[str, ...] = (),
 ) -> BootResult:
-    """Boot the lab guest, run `plan`, return its results. A boot that never reaches the runner is retried."""
+    """Boot the lab guest, run `plan`, return its results. A boot that never reaches the runner is retried.
+    `extra_args`: more QEMU arguments for the lab guest's machine (later options win: `-cpu` replaces the default)."""
     if shutil.which(QEMU) is None:
         raise LabError(f"{QEMU} missing: run scripts/install-system-deps.sh")
     last = ""
     for attempt in range(1, retries + 2):
         log = work / f"console-{os.getpid()}-{time.monotonic_ns()}.log"
-        cmd = _qemu_cmd(image, log, plan, iommu, memory_mib, scenario_timeout_s, modules)
+        cmd = _qemu_cmd(image, log, plan, iommu, memory_mib, scenario_timeout_s, modules, extra_args)
         t0 = time.monotonic()
         with (work / "qemu-stderr.log").open("ab") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)

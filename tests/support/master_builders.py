@@ -74,8 +74,10 @@ def heartbeat(
     url: str = "http://127.0.0.1:1",
     host_problems: list[tuple[str, str]] | None = None,
     pinned: dict[str, Any] | None = None,
+    max_devices: int | None = None,
 ) -> dict[str, Any]:
-    """`host_problems`: the host is not ready, for these (code, message); `pinned`: the pinned_memory ledger."""
+    """`host_problems`: the host is not ready, for these (code, message); `pinned`: the pinned_memory ledger;
+    `max_devices`: the advertised per-sandbox device limit (None: an older Cubelet's heartbeat, without it)."""
     body = {
         "node": node,
         "cubelet_url": url,
@@ -95,6 +97,8 @@ def heartbeat(
         body.update(ready=not host_problems, host_problems=[{"code": c, "message": m} for c, m in host_problems])
     if pinned is not None:
         body["pinned_memory"] = pinned
+    if max_devices is not None:
+        body["max_devices_per_sandbox"] = max_devices
     return body
 
 

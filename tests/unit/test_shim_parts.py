@@ -19,6 +19,7 @@ from cubeaccel.shim.memory import prove_pinned, status_kib
 from cubeaccel.shim.qemu import SANDBOX_ARG, VmmFds, build_argv
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.vmm import VmConfig
+from cubeaccel.wire.shim_spec import MAX_DEVICES
 
 
 def _cfg(tmp_path: Path, pin: bool = True) -> VmConfig:
@@ -65,7 +66,7 @@ def test_command_line_locks_preallocated_memory_and_tags_the_sandbox(tmp_path: P
     assert argv[1:3] == ["-name", "guest=cubeaccel-sandbox=sb-1"]
     assert "memory-backend-ram,id=m0,size=512M,prealloc=on" in argv
     assert "-overcommit mem-lock=on" in joined and "tcg,tb-size=64" in argv
-    assert joined.count("pcie-root-port") == 4 and "pref64-reserve=2G" in joined
+    assert joined.count("pcie-root-port") == MAX_DEVICES and "pref64-reserve=2G" in joined
     assert "-incoming" not in argv
     assert "-overcommit" not in build_argv(_cfg(tmp_path, pin=False), "tcg", fds=FDS)
     restore = build_argv(_cfg(tmp_path), "tcg", incoming=True, fds=FDS)

@@ -124,11 +124,12 @@ def test_each_request_body_round_trips_and_refuses_another_version(body: BaseMod
     assert e.value.errors()[0]["type"] == "extra_forbidden"
 
 
-def test_a_simulated_node_starts_a_sandbox_with_more_devices_than_a_real_shims_root_ports(node: Node) -> None:
-    """The 4-device bound is the real shim's machine (its validation context), not part of the message."""
-    node.cubelet.reserve("sb-8", ReservationRequest(count=8))
-    res = node.cubelet.start("sb-8")
-    assert res is not None and res.phase == "running" and len(res.device_ids) == 8 > MAX_DEVICES
+def test_a_simulated_node_starts_a_sandbox_with_more_devices_than_a_real_shims_root_ports(tmp_path: Path) -> None:
+    """The 16-device bound is the real shim's machine (its validation context), not part of the message."""
+    node = Node.create(tmp_path, "h100x20")
+    node.cubelet.reserve("sb-20", ReservationRequest(count=20))
+    res = node.cubelet.start("sb-20")
+    assert res is not None and res.phase == "running" and len(res.device_ids) == 20 > MAX_DEVICES
     with pytest.raises(CubeError) as e:
         parse_spec({"sandbox_id": "sb", "memory_mib": 64, "devices": [{}] * (MAX_DEVICES + 1)})
     assert e.value.details["field"] == "devices"

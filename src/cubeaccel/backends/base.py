@@ -17,6 +17,9 @@ class Problem:
     code: str
     message: str
     hard: bool = True  # hard → unhealthy; soft → quarantine (safety unproven)
+    # Held: the device is sound but this release will not serve it on this host (an NVSwitch fabric it does not
+    # manage). It stays `initialized` with this reason, never bound or advertised, re-checked on every reconcile.
+    held: bool = False
 
 
 @dataclass(frozen=True)

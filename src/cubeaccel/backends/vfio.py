@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from cubeaccel.backends import nvidia
 from cubeaccel.backends.base import AttachSpec, HostPreparation, Problem
 from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
 from cubeaccel.host.confine import take_back
@@ -120,6 +121,9 @@ class VfioBackend:
         f = self.host.function(device.address)
         if f is None:
             return HostPreparation(device.address, None, False, [_missing(device.address)])
+        held = self._vendor_holds(f)
+        if held:
+            return HostPreparation(device.address, f.driver, False, held)  # never rebound to vfio-pci
         if f.driver == VFIO_DRIVER:
             return HostPreparation(device.address, f.driver, False)
         problems = []
@@ -167,6 +171,14 @@ class VfioBackend:
         return []
 
     # ---- checks ---------------------------------------------------------------------------------
+    def _vendor_holds(self, f: PciFunction) -> list[Problem]:
+        """Devices this release cannot serve on this host although they are sound (held, not failed): NVIDIA GPUs
+        on an NVSwitch fabric. Host-wide facts, read from the pass's snapshot when there is one."""
+        if f.vendor_id != nvidia.NVIDIA_VENDOR:
+            return []
+        p = nvidia.Fabric.of(self.host.functions()).problem(f)
+        return [p] if p is not None else []
+
     def _presence(self, device: Device) -> tuple[PciFunction | None, list[Problem]]:
         f = self.host.function(device.address)
         if f is None:
@@ -244,6 +256,9 @@ class VfioBackend:
         f, problems = self._presence(device)
         if f is None or problems:
             return problems
+        held = self._vendor_holds(f)
+        if held:
+            return held
         if not f.enabled:
             problems.append(Problem("host.device_disabled", f"{f.address} is in an error state"))
         if f.driver != VFIO_DRIVER:

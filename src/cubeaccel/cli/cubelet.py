@@ -119,6 +119,9 @@ def serve_cmd(
     scrub_image: Annotated[
         str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
     ] = None,
+    emulated_devices: Annotated[
+        int, typer.Option(min=1, max=32, help="--backend emulated: how many edu stand-in devices the node has")
+    ] = 2,
     prepare_shape: Annotated[
         list[str] | None,
         typer.Option(
@@ -193,6 +196,7 @@ def serve_cmd(
                     scrub_timeout_s=scrub_timeout,
                 ),
                 scrub_image=scrub_image,
+                emulated_devices=emulated_devices,
             )
         )
         from cubeaccel.cubelet.metrics import metrics_of

@@ -13,9 +13,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from cubeaccel.backends import nvidia
 from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.host.pci import function_json
-from cubeaccel.host.readiness import Status, check_host
+from cubeaccel.host.readiness import HostReadiness, Status, check_host
 from cubeaccel.host.sysfs import SysfsPciHost
 from cubeaccel.model.errors import CubeError
 
@@ -35,6 +36,10 @@ def check(
 ) -> None:
     """Check VFIO passthrough prerequisites. Exits 1 when the host cannot pass devices through."""
     result = check_host(sysfs_root, dev_root, proc_root)
+    # Vendor facts are the vendor backend's: the GPUs it will keep out on this host, and why.
+    functions = SysfsPciHost(sysfs_root, read_only=True).functions()
+    fabric = nvidia.Fabric.of(functions)
+    result = HostReadiness((*result.checks, nvidia.fabric_check(functions)), {**result.facts, **fabric.facts()})
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))
     else:

@@ -34,6 +34,7 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         host_problems=readiness["problems"],
         guest_images=[i.to_json() for i in facts.guest_images],
         hotplug=list(facts.hotplug),
+        max_devices_per_sandbox=cubelet.max_devices_per_sandbox,
         sent_at=sent_at,
     ).to_json()
 

@@ -171,10 +171,16 @@ class Cubelet(ReleasePath):
         configured = self.config.pinnable_memory_mib
         return available_mib() if configured is None else configured
 
+    @property
+    def max_devices_per_sandbox(self) -> int:
+        """What one reservation may take here: the heartbeat advertises it, so CubeMaster filters on the same
+        number `reserve` enforces."""
+        return min(MAX_COUNT, self.shim.max_devices)
+
     # ---- reserve and start ----------------------------------------------------------------------
     def reserve(self, sandbox_id: str, req: ReservationRequest) -> Reservation:
         validate_sandbox_id(sandbox_id)
-        limit = min(MAX_COUNT, self.shim.max_devices)
+        limit = self.max_devices_per_sandbox
         if not 1 <= req.count <= limit:
             raise invalid(
                 "reserve.invalid_count",

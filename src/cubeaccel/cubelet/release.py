@@ -59,18 +59,33 @@ class CubeletConfig:
 
 
 def problem_event(problems: list[Problem]) -> tuple[DeviceEvent, str]:
-    """Hard problems make a device unhealthy; anything softer means safety is unproven: quarantine."""
+    """Hard problems make a device unhealthy; anything softer means safety is unproven: quarantine. Only held
+    ones take an allocatable device back to `initialized` (`record_problems`)."""
+    if problems and all(p.held for p in problems):
+        return E.HOST_NOT_READY, problems[0].code
     hard = [p for p in problems if p.hard]
     first = (hard or problems)[0]
     return (E.HEALTH_FAILED if hard else E.QUARANTINE), first.code
 
 
 def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: Any) -> DeviceRecord:
-    """The one way a device that failed a check leaves service: unhealthy or quarantined, with its reasons."""
+    """The one way a device that failed a check leaves service: unhealthy or quarantined, with its reasons.
+
+    Only held problems (`Problem.held`) on a device no tenant has: it stays (or goes back to) `initialized` with
+    the reason, as on a host that is not ready (a released device gets there through revalidation); anywhere else
+    they count as soft (quarantine)."""
+    details = {"problems": [p.__dict__ for p in problems], **extra}
+    if problems and all(p.held for p in problems):
+        reason = problems[0].code
+        if d.state is S.INITIALIZED:
+            if d.reason != reason:
+                t.set_reason(d, reason)
+            return t.device(d.id) or d
+        if d.state is S.ALLOCATABLE:
+            return t.transition(d, E.HOST_NOT_READY, Actor.CUBELET, reason=reason, details=details)
+        problems = [Problem(p.code, p.message, hard=False) for p in problems]  # anywhere else: safety unproven
     event, reason = problem_event(problems)
-    return t.transition(
-        d, event, Actor.CUBELET, reason=reason, details={"problems": [p.__dict__ for p in problems], **extra}
-    )
+    return t.transition(d, event, Actor.CUBELET, reason=reason, details=details)
 
 
 @dataclass(frozen=True)
@@ -470,6 +485,10 @@ class ReleasePath:
     def _finish_revalidation(self, t: Tx, d: DeviceRecord, problems: list[Problem]) -> None:
         from cubeaccel.cubelet import host_ready  # it builds on the lifecycle; imported late
 
+        if problems and all(p.held for p in problems):  # sound and cleaned, but not served here: as not ready
+            d = t.transition(d, E.REVALIDATED, Actor.CUBELET, sandbox_id=None)
+            record_problems(t, d, problems)
+            return
         if problems:
             record_problems(t, d, problems)
             return

@@ -36,6 +36,7 @@ class RuntimeOptions:
     holder_scan_exempt_pids: frozenset[int] = frozenset()  # vfio: unreadable processes declared harmless
     guest_images: Path | None = None  # simulated nodes: a JSON list of guest images replacing the default set
     scrub_image: str | None = None  # real nodes: the scrub VM's guest image digest (None: the newest built)
+    emulated_devices: int = 2  # emulated nodes: how many edu stand-ins
 
 
 INSTANCE_FILE = "instance-id"
@@ -130,6 +131,7 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
 
         backend = EmulatedBackend(
             instance_id(opts.state_dir),
+            slots=opts.emulated_devices,
             vmm_root=(opts.state_dir / "shims").absolute(),
             uid=os.getuid(),
             vmm_uids=ConfinePolicy.from_env().uids,

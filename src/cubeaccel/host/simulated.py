@@ -50,6 +50,8 @@ PROFILES: dict[str, SimProfile] = {
     "a100": SimProfile(0x10DE, 0x20B2, 0x030200, 0x1463, _gpu_bars(128 << 30), "nvidia"),
     "t4": SimProfile(0x10DE, 0x1EB8, 0x030200, 0x12A2, _gpu_bars(256 << 20), "nvidia"),
     "edu": SimProfile(0x1234, 0x11E8, 0x00FF00, 0x1100, (Bar(0, 1 << 20, BarKind.MEM32),), None),
+    # HGX H100's third-generation NVSwitch (bridge/other): `h100x8,4xnvswitch` is an HGX baseboard
+    "nvswitch": SimProfile(0x10DE, 0x22A3, 0x068000, 0x1796, (Bar(0, 32 << 20, BarKind.MEM32),), None),
 }
 
 _PART = re.compile(r"(?:(\d{1,3})x([a-z0-9]+)|([a-z0-9]+?)x(\d{1,3})|([a-z0-9]+))")
@@ -112,24 +114,36 @@ class SimulatedPciHost:
 
     # ---- state ----------------------------------------------------------------------------------
     @staticmethod
-    def _fresh(names: list[str], spec: str) -> dict[str, Any]:
+    def _entry(name: str, i: int, numa: int) -> dict[str, Any]:
+        p = PROFILES[name]
+        return {
+            "profile": name,
+            "vendor_id": p.vendor_id,
+            "device_id": p.device_id,
+            "class_code": p.class_code,
+            "subsystem_device_id": p.subsystem_device_id,
+            "numa_node": numa,
+            "iommu_group": 20 + i,
+            "driver": p.native_driver,
+            "bars": [b.to_json() for b in p.bars],
+            "serial": f"SIM-{name.upper()}-{i:04d}",
+        }
+
+    def add_function(self, profile: str) -> PciAddress:
+        """Hardware that appears on the bus later (a test's doing): the next free bus, its own IOMMU group."""
+        parse_profile_spec(profile)
+        with self._locked(write=True):
+            i = len(self._s["functions"])
+            address = PciAddress(0, 0x10 + i, 0, 0)
+            self._s["functions"][str(address)] = self._entry(profile, i, 0)
+        return address
+
+    @classmethod
+    def _fresh(cls, names: list[str], spec: str) -> dict[str, Any]:
         funcs: dict[str, dict[str, Any]] = {}
         half = max(1, (len(names) + 1) // 2)
         for i, name in enumerate(names):
-            p = PROFILES[name]
-            addr = str(PciAddress(0, 0x10 + i, 0, 0))
-            funcs[addr] = {
-                "profile": name,
-                "vendor_id": p.vendor_id,
-                "device_id": p.device_id,
-                "class_code": p.class_code,
-                "subsystem_device_id": p.subsystem_device_id,
-                "numa_node": 0 if i < half else 1,
-                "iommu_group": 20 + i,
-                "driver": p.native_driver,
-                "bars": [b.to_json() for b in p.bars],
-                "serial": f"SIM-{name.upper()}-{i:04d}",
-            }
+            funcs[str(PciAddress(0, 0x10 + i, 0, 0))] = cls._entry(name, i, 0 if i < half else 1)
         return {
             "spec": spec,
             "functions": funcs,

@@ -8,12 +8,13 @@ group keys that pass the request's filters, starting at `free >= count`, and sto
 also pass the per-node checks (staleness, contract): its cost follows the number of distinct label sets and the
 candidates skipped, not the number of nodes.
 
-Entries are also split by the node's boot facts (backends, guest images, hot-plug paths) and by the power of two
-of its free lockable memory, so a contract a whole class of nodes cannot meet skips their entries in one step:
-otherwise the nodes no template fits would stay at the front of the packing order and every decision would walk
-over them. Entries change only when a node's view (heartbeat, operator state) or its claims change; `NodeCache`
-makes those calls. Draining and not-ready nodes have no entries; staleness depends on the clock, so it is checked
-while merging. A refusal still runs the thorough `explain` over every view, so its reasons are the same.
+Entries are also split by the node's boot facts (backends, guest images, hot-plug paths, devices per sandbox)
+and by the power of two of its free lockable memory, so a contract (or a count) a whole class of nodes cannot meet
+skips their entries in one step: otherwise the nodes no template fits would stay at the front of the packing order
+and every decision would walk over them. Entries change only when a node's view (heartbeat, operator state) or
+its claims change; `NodeCache` makes those calls. Draining and not-ready nodes have no entries; staleness depends
+on the clock, so it is checked while merging. A refusal still runs the thorough `explain` over every view, so its
+reasons are the same.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SlotKey = tuple[str, Hashable, int]
 
 
 def facts_key(v: NodeView) -> Hashable:
-    return (v.backends, v.guest_images, v.hotplug)
+    return (v.backends, v.guest_images, v.hotplug, v.max_devices)
 
 
 @dataclass

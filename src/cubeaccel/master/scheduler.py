@@ -44,6 +44,7 @@ class Reason:
     code: str  # node_stale, labels_mismatch, ...
     detail: str  # what was expected and found on this node
     key: str = ""  # the label that failed, for labels_mismatch(model)
+    limit: int | None = None  # device_limit: the node's per-sandbox device limit
 
     @property
     def label(self) -> str:
@@ -93,6 +94,22 @@ def host_not_ready(n: NodeView, c: Context) -> Reason | None:
     codes = ", ".join(code for code, _ in n.host_problems) or "no reason given"
     first = f": {n.host_problems[0][1]}" if n.host_problems and n.host_problems[0][1] else ""
     return Reason("host_not_ready", f"{codes}{first}")
+
+
+def device_limit(n: NodeView, c: Context) -> Reason | None:
+    """One sandbox's devices all go into one VM, whose hot-plug slots the node advertises: more than that is
+    refused here, before any reservation, however many devices are free (older Cubelets did not say: not filtered)."""
+    if not _over_limit(n, c.choice.count):
+        return None
+    return Reason(
+        "device_limit",
+        f"{c.choice.count} wanted, one sandbox on this node holds at most {n.max_devices}",
+        limit=n.max_devices,
+    )
+
+
+def _over_limit(n: NodeView, count: int) -> bool:
+    return n.max_devices is not None and count > n.max_devices
 
 
 def class_missing(n: NodeView, c: Context) -> Reason | None:
@@ -190,6 +207,7 @@ FILTERS: tuple[Filter, ...] = (
     node_stale,
     node_draining,
     host_not_ready,
+    device_limit,
     class_missing,
     labels_mismatch,
     selector_mismatch,
@@ -260,7 +278,7 @@ def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceO
     cutoff, count = ctx.now - ctx.staleness_s, ctx.choice.count
     scored: list[tuple[float, float, float, str, int, Group, NodeView]] = []
     for i, n in enumerate(nodes):
-        if n.received_at < cutoff or n.state != NodeState.READY or not n.host_ready:
+        if n.received_at < cutoff or n.state != NodeState.READY or not n.host_ready or _over_limit(n, count):
             continue
         claims = n.claims
         for g in n.groups:
@@ -290,7 +308,12 @@ def evaluate_indexed(index: NodeIndex, ctx: Context, keep: int = 16) -> ChoiceOu
         ok = verdict.get(slot.group.key)
         if ok is None:
             ok = verdict[slot.group.key] = _group_ok(slot.group, ctx)
-        if not ok or (t.pin_memory and (1 << slot.memory_bits) - 1 < t.memory_mib) or not _facts_ok(index, slot, ctx):
+        if (
+            not ok
+            or _over_limit(slot.node, count)  # the limit is one of the facts the slot's nodes share
+            or (t.pin_memory and (1 << slot.memory_bits) - 1 < t.memory_mib)
+            or not _facts_ok(index, slot, ctx)
+        ):
             continue
         for local, entries in slot.streams(count):
             streams.append(_ranked(0 if local else 1, entries))
@@ -380,6 +403,16 @@ def rejection(decision: Decision, total: int) -> CubeError:
             }
         )
     head = "; ".join(f"{t['accelerator'].get('model') or t['accelerator']['class']}: {t['summary']}" for t in tried)
+    if _only_device_limits(decision):
+        most = max(r.limit or 0 for out in decision.outcomes for r in out.reasons.values())
+        return CubeError(
+            "schedule.too_many_devices",
+            f"no node takes this many devices in one sandbox (the most any node takes: {most}); ask for at most "
+            f"{most}, or split the work across sandboxes — {head}",
+            "scheduler",
+            {"nodes_total": total, "max_devices_per_sandbox": most, "tried": tried},
+            409,
+        )
     return CubeError(
         "schedule.unschedulable",
         f"no node can host this sandbox — {head}",
@@ -387,3 +420,9 @@ def rejection(decision: Decision, total: int) -> CubeError:
         {"nodes_total": total, "tried": tried},
         409,
     )
+
+
+def _only_device_limits(decision: Decision) -> bool:
+    """Every node refused every choice for its per-sandbox device limit: no capacity change will help."""
+    reasons = [r for out in decision.outcomes for r in out.reasons.values()]
+    return bool(reasons) and all(r.code == "device_limit" for r in reasons)

@@ -62,6 +62,7 @@ class NodeView:
     host_problems: tuple[tuple[str, str], ...] = ()  # (code, message)
     pinned: Mapping[str, Any] = field(default_factory=dict)  # the heartbeat's `pinned_memory` ledger, as sent
     memory_claims_mib: int = 0  # MiB to be locked by placements the last heartbeat cannot show yet
+    max_devices: int | None = None  # per sandbox, as the Cubelet advertised it; None: an older Cubelet, not said
 
     def free(self, g: Group) -> int:
         return g.allocatable - self.claims.get(g.key, 0)
@@ -102,6 +103,7 @@ class NodeView:
             "pinnable_memory_mib": self.pinnable_memory_mib,
             "guest_images": [i.to_json() for i in self.guest_images],
             "hotplug": sorted(self.hotplug),
+            "max_devices_per_sandbox": self.max_devices,
             "total": sum(g.total for g in self.groups),
             "allocatable": sum(max(0, self.free(g)) for g in self.groups),
             "groups": [
@@ -204,4 +206,5 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
         host_ready=hb.ready,
         host_problems=tuple((p.code, p.message) for p in hb.host_problems),
         pinned=hb.pinned_memory,
+        max_devices=hb.max_devices_per_sandbox,
     )

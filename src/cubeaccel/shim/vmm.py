@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from cubeaccel.model.bars import MachineShape, machine_shape
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.shim_spec import MAX_DEVICES
 
 
 def vmm_error(code: str, message: str, layer: str = "backend", **details: Any) -> CubeError:
@@ -35,7 +36,7 @@ class VmConfig:
     initrd: Path
     cmdline: str
     state_dir: Path
-    root_ports: int = 4
+    root_ports: int = MAX_DEVICES  # one hot-plug slot per device the spec may carry
     # Windows per root port, the 64-bit hole and address bits, sized from the devices' BARs (model/bars.py);
     # None: the shape of a machine no device asks more of.
     shape: MachineShape | None = None

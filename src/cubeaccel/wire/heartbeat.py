@@ -1,9 +1,9 @@
 """Cubelet → CubeMaster heartbeat (`PUT /v1/nodes/{node}`): the capacity summary plus what the node can boot.
 
 CubeMaster stores the body as sent and parses it again on every read, so this model reads every heartbeat an
-older Cubelet wrote: fields added since (readiness, pinned memory, guest images, hot-plug paths) have the
-defaults an older Cubelet meant, and unknown fields are ignored. `version` is the Cubelet's package version;
-the message's own version is `v`.
+older Cubelet wrote: fields added since (readiness, pinned memory, guest images, hot-plug paths, the
+per-sandbox device limit) have the defaults an older Cubelet meant, and unknown fields are ignored. `version` is
+the Cubelet's package version; the message's own version is `v`.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class Heartbeat(LenientMessage):
     host_problems: Annotated[list[HostProblem], BeforeValidator(_none_is_empty)] = []
     guest_images: list[dict[str, Any]] | None = None  # newest first; checked by model.node_facts
     hotplug: list[Any] | None = None
+    # The most devices one sandbox may hold on this node (its VMM's hot-plug slots). None: a Cubelet older than
+    # the field, which never said; CubeMaster does not filter on it and that Cubelet's `reserve` decides, as before.
+    max_devices_per_sandbox: Count | None = None
     sent_at: Finite | None = None  # Cubelet clock, read before the capacity: the summary is at least this fresh
 
     @field_validator("pinned_memory", mode="before")

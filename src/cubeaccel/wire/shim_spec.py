@@ -37,7 +37,7 @@ from cubeaccel.wire.base import Message, Strict, field_path
 
 _START_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
 _QDEV_PROP = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-MAX_DEVICES = 4  # root ports per VM; fixed so template state matches every sandbox's machine
+MAX_DEVICES = 16  # root ports per VM; fixed so template state matches every sandbox's machine (decisions.md)
 SHIM_LIMITS = {"max_devices": MAX_DEVICES}  # validation context for a spec a real shim runs
 
 

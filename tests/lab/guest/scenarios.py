@@ -30,10 +30,11 @@ MF0 = PciAddress.parse("0000:00:05.0")  # multifunction pair: one shared group
 MF1 = PciAddress.parse("0000:00:05.1")
 ALL = (RC, RP, MF0, MF1)
 EDU = "1234:11e8"
+TESTDEV = "1b36:0005"  # pci-testdev: only the large-BAR boot has one (test_vfio_lab_large_bar.py)
 SYS = Path("/sys/bus/pci/devices")
 
 host = SysfsPciHost()
-backend = VfioBackend(host, allow=[EDU], readiness_roots=HostRoots())
+backend = VfioBackend(host, allow=[EDU, TESTDEV], readiness_roots=HostRoots())
 
 
 def fn(address: PciAddress) -> PciFunction:
