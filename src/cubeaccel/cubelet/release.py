@@ -121,6 +121,8 @@ class ReleasePath:
                 yield t
         finally:
             self.store.flush()
+            if (audit := getattr(self, "device_audit", None)) is not None:
+                audit.settle()  # the change's audit entries are on disk too before anything is replied
 
     def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
         """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
@@ -443,6 +445,7 @@ class ReleasePath:
             unreturned = self._reclaim_nodes(d)
             problems = unreturned or self.backend.cleanup(d) or self.backend.validate(d)
         duration = round(time.monotonic() - job.started, 3)
+        reset_after = None if not o.ok else (problems[0].code if problems else "ok")  # the reset after the scrub VM
         with self.change() as t:
             if self.scrubs.get(d.id) is job:
                 del self.scrubs[d.id]
@@ -450,6 +453,7 @@ class ReleasePath:
             if cur is None or (cur.state, cur.generation) != (d.state, d.generation):
                 return  # an operator or reconcile decided meanwhile
             details = {"ok": o.ok, "duration_s": duration, "message": o.message, **o.details}
+            details["reset_after"] = reset_after
             t.event("scrub_finished", Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, details=details)
             if not o.ok:
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="release.scrub_failed", details=details)
