@@ -70,6 +70,9 @@ def entries_of(ev: Event) -> list[Entry]:
         if d.get("ok") is True and d.get("reset_after") == "ok":
             out.append((A.RESET, "ok", {**base, "after": "scrub"}))
         return out
+    if ev.kind == "quarantine_retry":
+        keys = ("attempt", "limit", "probe", "quarantine_reason", "exhausted")
+        return [(A.RETRY_ATTEMPT, "ok" if d.get("ok") is True else "failed", {**base, **{k: d.get(k) for k in keys}})]
     if ev.kind == "shim_report" and ev.event == "device_detached":
         return [(A.DETACHED, "ok", base)]
     if ev.kind == "shim_report" and ev.event == "vmm_exited":

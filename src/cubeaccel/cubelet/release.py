@@ -456,7 +456,7 @@ class ReleasePath:
             details["reset_after"] = reset_after
             t.event("scrub_finished", Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, details=details)
             if not o.ok:
-                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="release.scrub_failed", details=details)
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=o.reason, details=details)
             elif unreturned:  # still openable by the scrub VM's uid: never handed to the next tenant
                 reason = unreturned[0].code
                 t.transition(

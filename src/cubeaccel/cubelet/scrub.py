@@ -64,11 +64,16 @@ def scrub_method(device: DeviceRecord) -> str:
     return "cuda" if device.identity.vendor_id == 0x10DE else "bar"
 
 
+SCRUB_FAILED = "release.scrub_failed"  # the scrub ran and did not verify (or did not finish): the operator looks
+VM_NOT_STARTED = "release.scrub_vm_not_started"  # the scrub VM never got to scrub: reconcile retries it
+
+
 @dataclass(frozen=True)
 class ScrubOutcome:
     ok: bool
     message: str = ""
     details: dict[str, Any] = field(default_factory=dict)  # bytes, timings, the agent's result, the VM's timeline
+    reason: str = SCRUB_FAILED  # the quarantine reason when not ok (model/recovery.py classes it)
 
 
 class ScrubRunner(Protocol):
@@ -211,7 +216,7 @@ class ProcessScrubRunner:
         if not isinstance(result, dict):
             failed = next((r for r in reports if r.get("kind") == "attach_failed"), None)
             why = (failed or {}).get("details", {}).get("reason", "no scrub result reported")
-            return ScrubOutcome(False, f"the scrub VM failed before scrubbing: {why}", details)
+            return ScrubOutcome(False, f"the scrub VM failed before scrubbing: {why}", details, VM_NOT_STARTED)
         if not result.get("ok") or rc != 0:
             return ScrubOutcome(False, str(result.get("error") or f"scrub VM exited {rc}")[:500], details)
         return ScrubOutcome(True, "", details)

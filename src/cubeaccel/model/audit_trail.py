@@ -32,6 +32,7 @@ DEVICE_ACTIONS: dict[DeviceEvent, str] = {
     E.HEALTH_FAILED: "device:unhealthy",
     E.QUARANTINE: "device:quarantined",
     E.RECOVER: "device:recovered",
+    E.RETRY: "device:retried",
     E.DISABLE: "device:disabled",
     E.ENABLE: "device:enabled",
 }
@@ -41,9 +42,12 @@ DETACHED = "device:detached"  # the shim saw the VMM let go of the sandbox's dev
 VMM_EXITED = "vmm:exited"  # the sandbox's VMM process was waited for
 SCRUB_STARTED = "device:scrub_started"
 SCRUBBED = "device:scrubbed"  # outcome ok or failed; the scrub's evidence (docs/scrub.md)
+RETRY_ATTEMPT = "device:retry_attempt"  # reconcile's automatic retry of a transient quarantine: its probe
 # A tenant stops holding a device when its release is confirmed (VMM gone, no holder, reset) or the device is
 # handed back or parked by someone else; a quarantine does not end it (the release was never proven).
-_ENDS_HOLDING = {DEVICE_ACTIONS[e] for e in (E.RELEASE_CONFIRMED, E.REVALIDATED, E.RECOVER, E.DISABLE, E.ENABLE)}
+_ENDS_HOLDING = {
+    DEVICE_ACTIONS[e] for e in (E.RELEASE_CONFIRMED, E.REVALIDATED, E.RECOVER, E.RETRY, E.DISABLE, E.ENABLE)
+}
 
 
 @dataclass
