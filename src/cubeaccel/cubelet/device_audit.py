@@ -24,7 +24,6 @@ IDENTITY = "cubelet"
 SCRUB_FIELDS = (
     "method",
     "pattern",
-    "bytes_written",
     "bytes_zeroed",
     "bytes_verified",
     "pages_sampled",

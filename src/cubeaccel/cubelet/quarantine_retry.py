@@ -82,7 +82,11 @@ def retry_quarantined(cubelet: Cubelet) -> list[tuple[str, str, bool]]:
                     continue  # an operator decided meanwhile
                 t.event(KIND, Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, reason=d.reason, details=details)
                 if not problems:
-                    owed = cubelet.scrub_policy(d) is ScrubPolicy.TRUSTED_VM
-                    t.transition(cur, E.RETRY, Actor.CUBELET, reason=SCRUB_PENDING if owed else None, details=details)
+                    policy = cubelet.scrub_policy(d)
+                    owed = policy is ScrubPolicy.TRUSTED_VM
+                    reason = SCRUB_PENDING if owed else None  # the sanitizing stage this return relies on, recorded:
+                    t.transition(
+                        cur, E.RETRY, Actor.CUBELET, reason=reason, details={**details, "scrub_policy": policy}
+                    )
         made.append((d.id, str(d.reason), not problems))
     return made

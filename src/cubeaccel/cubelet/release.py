@@ -340,6 +340,9 @@ class ReleasePath:
             "reset": True,
             # A device no VMM of the tenant's ever had (a reservation that never started) holds nothing of theirs.
             "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM and res.checkpoint.shim_started,
+            # recorded, not implied: the sanitizing stage this release relies on (model/sanitize.py checks trails)
+            "scrub_policy": self.scrub_policy(d).value,
+            "vmm_started": res.checkpoint.shim_started,
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
 

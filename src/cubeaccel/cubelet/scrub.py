@@ -29,6 +29,7 @@ from cubeaccel.host.childenv import component_env
 from cubeaccel.host.vmmproc import find_vmm
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.errors import invalid
+from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec
 
 
@@ -90,8 +91,17 @@ class SimulatedScrubRunner:
     inline = True
 
     def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
-        mib = int(device.labels.get("memory_mib", "0") or 0)
-        return ScrubOutcome(True, "simulated", {"method": scrub_method(device), "bytes_zeroed": mib * 1024 * 1024})
+        mib = int(device.labels.get("memory_mib", "0") or 0) or 1024 * int(device.labels.get("memory_gib", "0") or 0)
+        chunks = -(-mib // 256)  # the agent's 256 MiB chunks, each sampled at its first, last and 4 random pages
+        played = ScrubReport(
+            ok=True,
+            method=scrub_method(device),
+            pattern="0x00",
+            bytes_zeroed=mib * 1024 * 1024,
+            bytes_verified=chunks * 6 * 4096,
+            pages_sampled=chunks * 6,
+        )
+        return ScrubOutcome(True, "simulated", {**played.evidence(), "image_digest": "simulated"})
 
 
 class UnavailableScrubRunner:
@@ -206,10 +216,12 @@ class ProcessScrubRunner:
         if exited is not None:
             details["timeline"] = exited.get("details", {}).get("timeline")
         result = (done or {}).get("details", {}).get("result") if done else None
+        details["image_digest"] = (done or {}).get("details", {}).get("image_digest") or spec.image_digest
         if isinstance(result, dict):
-            details.update(
-                {k: result.get(k) for k in ("method", "bytes_zeroed", "bytes_verified", "zero_ms", "verify_ms")}
-            )
+            try:  # the evidence, typed as the shim checked it (docs/scrub.md)
+                details.update(ScrubReport.model_validate(result).evidence())
+            except ValueError as e:
+                return ScrubOutcome(False, f"malformed scrub result: {e}"[:500], details)
             details["agent"] = result
         if timed_out:
             return ScrubOutcome(False, f"the scrub VM did not finish within {timeout_s:g}s", details)
