@@ -11,7 +11,14 @@ from cubeaccel.wire.scrub import ScrubReport
 
 
 def tr(event: str, to: str, actor: str = "cubelet", **details: Any) -> dict[str, Any]:
-    return {"kind": "transition", "event": event, "to_state": to, "actor": actor, "sandbox_id": "sb", "details": details}
+    return {
+        "kind": "transition",
+        "event": event,
+        "to_state": to,
+        "actor": actor,
+        "sandbox_id": "sb",
+        "details": details,
+    }
 
 
 RELEASE = tr("release_confirmed", "released", scrub_policy="trusted-vm", vmm_started=True)
