@@ -7,6 +7,7 @@ import pytest
 
 from cubeaccel.model import error_catalog
 from tests.support.cubelet_harness import Node
+from tests.support.sanitize_check import violations
 
 
 @pytest.fixture(autouse=True)
@@ -22,6 +23,19 @@ def catalogued_error_codes(request: pytest.FixtureRequest) -> Iterator[list[str]
         error_catalog.set_observer(previous)
     if request.node.get_closest_marker("uncatalogued_codes") is None:
         assert not seen, "uncatalogued error codes: " + "; ".join(sorted(set(seen)))
+
+
+@pytest.fixture(autouse=True)
+def devices_never_return_unsanitized(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Issue 27 #4, over every test that keeps a Cubelet journal in its `tmp_path` (the host, crash and fault
+    suites): no device's trail goes from a tenant to `allocatable` without a recorded sanitizing stage
+    (model/sanitize.py)."""
+    root = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if root is None:
+        return
+    bad = violations(root)
+    assert not bad, "a device went from a tenant to allocatable unsanitized:\n" + "\n".join(bad[:20])
 
 
 @pytest.fixture

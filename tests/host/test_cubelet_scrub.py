@@ -177,3 +177,21 @@ def test_the_process_runner_boots_only_an_image_with_this_cubelets_agent(
     spec = pinned.spec("scrub-0123456789ab", d, AttachSpec("vfio-pci", {"host": "0000:10:00.0"}))
     assert spec.scrub == "cuda" and spec.workload is False and spec.devices[0].driver == "vfio-pci"
     assert spec.report == {"file": str((tmp_path / "state/shims/scrub-0123456789ab/scrub-reports.jsonl").absolute())}
+
+
+def test_every_scrub_records_its_evidence_in_the_journal_and_the_audit_log(node: Node, tmp_path: Path) -> None:
+    from cubeaccel.cubelet.device_audit import DeviceAudit
+    from cubeaccel.host.audit import AuditLog, read
+
+    log = AuditLog(tmp_path / "audit.jsonl")
+    node.cubelet.device_audit = DeviceAudit(log, "n1")
+    node.cubelet.store.listeners.append(node.cubelet.device_audit)
+    dev = started_tenant(node, "tenant-a")
+    node.cubelet.release("tenant-a")
+    (done,) = [e.details for e in node.cubelet.store.events(0, 10000, device_id=dev) if e.kind == "scrub_finished"]
+    (entry,) = [e for e in read(tmp_path / "audit.jsonl") if e["action"] == "device:scrubbed"]
+    for record in (done, entry):
+        assert record["method"] == "cuda" and record["pattern"] == "0x00"
+        assert record["bytes_zeroed"] == 80 << 30 and record["pages_sampled"] >= 0 and "readback_ok" in record
+        assert record["duration_s"] >= 0 and record["image_digest"] and record["reset_after"] == "ok"
+    assert entry["device"] == dev and entry["sandbox"] == "tenant-a" and entry["outcome"] == "ok"

@@ -210,6 +210,8 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
         "holders": 0,
         "reset": True,
         "scrub_owed": True,
+        "scrub_policy": "trusted-vm",
+        "vmm_started": True,
     }
     assert vfio.cubelet.store.reservation(vfio.sid) is None
 

@@ -36,6 +36,7 @@ EXPECTED: dict[tuple[DeviceState, DeviceEvent], DeviceState] = {
     (S.QUARANTINED, E.RECOVER): S.ALLOCATABLE,
     (S.UNHEALTHY, E.RECOVER): S.ALLOCATABLE,
     (S.DISABLED, E.ENABLE): S.INITIALIZED,
+    (S.QUARANTINED, E.RETRY): S.RELEASED,
 }
 ACTIVE = [S.INITIALIZED, S.ALLOCATABLE, S.RESERVED, S.PREPARING, S.ATTACHED, S.RELEASING, S.RELEASED]
 for s in ACTIVE:
@@ -81,6 +82,15 @@ def test_only_an_operator_recovers_enables_or_disables() -> None:
                 transition(state, event, actor)
             assert err.value.code == "state.actor_not_allowed"
         transition(state, event, Actor.OPERATOR)
+
+
+def test_only_cubelet_retries_a_quarantine_and_only_back_to_released() -> None:
+    for actor in (Actor.OPERATOR, Actor.SHIM):
+        with pytest.raises(TransitionRefused) as err:
+            transition(S.QUARANTINED, E.RETRY, actor)
+        assert err.value.code == "state.actor_not_allowed"
+    assert transition(S.QUARANTINED, E.RETRY, Actor.CUBELET) is S.RELEASED  # scrub and revalidation run again
+    assert {t.sources for t in TRANSITIONS if t.event is E.RETRY} == {frozenset({S.QUARANTINED})}
 
 
 def test_the_shim_only_reports_attach_outcomes() -> None:

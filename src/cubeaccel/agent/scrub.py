@@ -48,6 +48,9 @@ class ScrubResult:
     mismatches: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
     truncated: bool = False  # stopped at max_bytes before the device refused an allocation
+    pattern: str = "0x00"  # what was written (cuda: every byte zero; bar: each register's value, `registers`)
+    pages_sampled: int = 0  # read-back samples: 4 KiB pages (cuda), registers (bar)
+    pages_nonzero: int = 0  # samples that did not read back as written (all of them; `mismatches` keeps 16)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +94,7 @@ def enable_memory(device_dir: Path) -> None:
 
 
 def scrub_bar(device_dir: Path, registers: tuple[Register, ...], resource: str = "resource0") -> ScrubResult:
-    out = ScrubResult(ok=False, method="bar", total_bytes=sum(r.width for r in registers))
+    out = ScrubResult(ok=False, method="bar", total_bytes=sum(r.width for r in registers), pattern="registers")
     try:
         enable_memory(device_dir)
         fd = os.open(device_dir / resource, os.O_RDWR | os.O_SYNC)
@@ -114,7 +117,9 @@ def scrub_bar(device_dir: Path, registers: tuple[Register, ...], resource: str =
         for reg in registers:
             found = _access(buf, reg).value
             out.bytes_verified += reg.width
+            out.pages_sampled += 1
             if found != reg.expect:
+                out.pages_nonzero += 1
                 out.mismatches.append(
                     {"register": reg.name, "offset": reg.offset, "found": found, "expect": reg.expect}
                 )
@@ -236,7 +241,9 @@ def _scrub_cuda(cu: _Cuda, device: int, max_bytes: int | None, chunk: int, seed:
                 ctypes.memset(page, 0xA5, n)  # a stale host buffer must not pass for zeroed device memory
                 cu.check(cu.dtoh(page, ptr_value + offset, n), "cuMemcpyDtoH")
                 out.bytes_verified += n
+                out.pages_sampled += 1
                 data = page.raw[:n]
+                out.pages_nonzero += data.count(0) != n
                 if data.count(0) != n and len(out.mismatches) < 16:
                     first = next(i for i, b in enumerate(data) if b)
                     out.mismatches.append({"chunk": ptr_value, "offset": offset + first, "byte": data[first]})

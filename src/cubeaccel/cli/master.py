@@ -501,16 +501,27 @@ def audit_cmd(
     master_seal: Annotated[
         bool, typer.Option(help="--verify: also against the head CubeMaster sealed in its database (admin key)")
     ] = False,
+    device: Annotated[
+        str | None, typer.Option(help="a Cubelet's log: which tenant and sandbox held this device (--at)")
+    ] = None,
+    at: Annotated[str | None, typer.Option(help="--device: unix time or ISO 8601 (default: now)")] = None,
     url: MasterUrl = None,
 ) -> None:
     """Query (or verify) an audit log (CubeMaster's or a Cubelet's), a local file of hash-chained JSON lines.
-    --verify finds edited, removed or reordered lines, and a cut-off tail against the sealed head."""
+    --verify finds edited, removed or reordered lines, and a cut-off tail against the sealed head. --device ID
+    (on a Cubelet's log, `--file STATE_DIR/audit.jsonl`) answers who held the device at --at, with the trail."""
     from cubeaccel.host.audit import log_id, read
     from cubeaccel.host.audit import verify as check
 
     if not path.exists():
         console.print(f"[red]error[/red] no audit log at {path}")
         raise typer.Exit(1)
+    if device is not None:
+        from cubeaccel.model.audit_trail import holding_at
+
+        answer = holding_at(read(path), device, _when(at))
+        print(json.dumps(answer, sort_keys=True))
+        raise typer.Exit(0 if answer["holder"] or answer["previous"] else 1)
     if verify:
         seals: list[dict[str, Any]] = []
         if master_seal:
@@ -533,6 +544,23 @@ def audit_cmd(
         if action is not None and not str(e["action"]).startswith(action):
             continue
         print(json.dumps(e, sort_keys=True))
+
+
+def _when(at: str | None) -> float:
+    """Unix seconds, or ISO 8601 (a time without an offset is the local time)."""
+    import time
+    from datetime import datetime
+
+    if at is None:
+        return time.time()
+    try:
+        return float(at)
+    except ValueError:
+        pass
+    try:
+        return datetime.fromisoformat(at).timestamp()
+    except ValueError as e:
+        raise typer.BadParameter(f"--at wants unix seconds or ISO 8601, got {at!r}") from e
 
 
 def register_top_level(root: typer.Typer) -> None:

@@ -20,6 +20,7 @@ from pydantic import SecretStr
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
+from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
@@ -86,6 +87,7 @@ class ReservationRequest:
     contract: dict[str, Any] | None = None
     lifetime_s: float | None = None  # from start; None: the Cubelet's default_lifetime_s (no sandbox lives forever)
     network: dict[str, Any] | None = None  # the request's narrowing of the template's network policy
+    tenant: str | None = None  # whose sandbox (CubeMaster says); audited with the assignment
 
     def params(self) -> dict[str, Any]:
         return {
@@ -99,6 +101,7 @@ class ReservationRequest:
             "contract": self.contract,
             "lifetime_s": self.lifetime_s,
             **({"network": self.network} if self.network is not None else {}),
+            **({"tenant": self.tenant} if self.tenant is not None else {}),
         }
 
 
@@ -158,6 +161,7 @@ class Cubelet(ReleasePath):
         self.status_sink = None
         self.issued_tokens: dict[str, str] = {}  # sandbox → workload token not yet given to the caller
         self.audit: AuditLog | None = None  # set by the server: host changes made for sandboxes are audited
+        self.device_audit: DeviceAudit | None = None  # set by the server: each device's custody is audited
         # The simulated node plays its scrub VMs as it plays its sandboxes' VMs; any other node without a runner
         # fails every scrub it owes (quarantine), never skips one.
         simulated = isinstance(shim, SimulatedShimDriver)
@@ -235,7 +239,12 @@ class Cubelet(ReleasePath):
                     E.RESERVE,
                     Actor.CUBELET,
                     sandbox_id=sandbox_id,
-                    details={"template": req.template, "memory_mib": req.memory_mib},
+                    details={
+                        "template": req.template,
+                        "memory_mib": req.memory_mib,
+                        "tenant": req.tenant,
+                        "contract_digest": contract.digest if contract is not None else None,
+                    },
                 )
             res = Reservation(
                 sandbox_id, params, [d.id for d in chosen], P.RESERVED, t.now, t.now + self.config.reservation_ttl_s

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from cubeaccel.cubelet import backend_facts, host_ready
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
+from cubeaccel.cubelet.quarantine_retry import retry_quarantined
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.start_deadlines import startup_timeout_s
@@ -132,7 +133,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         found = {d.device_id: d for d in discovered}
         for d in cubelet.store.devices():
             if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
-                continue  # parked: only an operator brings these back
+                continue  # parked: an operator brings these back (transient quarantines: retry_quarantined)
             missing = _presence_problem(d, found)
             if missing is not None:
                 with cubelet.change() as t:
@@ -178,7 +179,9 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
     for res in cubelet.store.reservations():
         if res.phase is ReservationPhase.RELEASING:
             cubelet.try_release(res.sandbox_id)
-    _released_without_reservation(cubelet, repairs)
+    for dev_id, reason, passed in retry_quarantined(cubelet):  # transient quarantines, bounded (model/recovery.py)
+        repairs.append(Repair(dev_id, None, "retried" if passed else "retry_failed", reason))
+    _released_without_reservation(cubelet, repairs)  # a retried device's scrub and revalidation start here
     for sid in cubelet.expire_reservations():
         repairs.append(Repair(None, sid, "expired", "reserve.expired"))
     health_check(cubelet)

@@ -138,6 +138,8 @@ class ReleasePath:
                 yield t
         finally:
             self.store.flush()
+            if (audit := getattr(self, "device_audit", None)) is not None:
+                audit.settle()  # the change's audit entries are on disk too before anything is replied
 
     def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
         """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
@@ -355,6 +357,9 @@ class ReleasePath:
             "reset": True,
             # A device no VMM of the tenant's ever had (a reservation that never started) holds nothing of theirs.
             "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM and res.checkpoint.shim_started,
+            # recorded, not implied: the sanitizing stage this release relies on (model/sanitize.py checks trails)
+            "scrub_policy": self.scrub_policy(d).value,
+            "vmm_started": res.checkpoint.shim_started,
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
 
@@ -460,6 +465,7 @@ class ReleasePath:
             unreturned = self._reclaim_nodes(d)
             problems = unreturned or self.backend.cleanup(d) or self.backend.validate(d)
         duration = round(time.monotonic() - job.started, 3)
+        reset_after = None if not o.ok else (problems[0].code if problems else "ok")  # the reset after the scrub VM
         with self.change() as t:
             if self.scrubs.get(d.id) is job:
                 del self.scrubs[d.id]
@@ -467,9 +473,10 @@ class ReleasePath:
             if cur is None or (cur.state, cur.generation) != (d.state, d.generation):
                 return  # an operator or reconcile decided meanwhile
             details = {"ok": o.ok, "duration_s": duration, "message": o.message, **o.details}
+            details["reset_after"] = reset_after
             t.event("scrub_finished", Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, details=details)
             if not o.ok:
-                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason="release.scrub_failed", details=details)
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=o.reason, details=details)
             elif unreturned:  # still openable by the scrub VM's uid: never handed to the next tenant
                 reason = unreturned[0].code
                 t.transition(

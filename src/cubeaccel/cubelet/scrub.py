@@ -29,6 +29,7 @@ from cubeaccel.host.childenv import component_env
 from cubeaccel.host.vmmproc import find_vmm
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.errors import invalid
+from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec
 
 
@@ -64,11 +65,16 @@ def scrub_method(device: DeviceRecord) -> str:
     return "cuda" if device.identity.vendor_id == 0x10DE else "bar"
 
 
+SCRUB_FAILED = "release.scrub_failed"  # the scrub ran and did not verify (or did not finish): the operator looks
+VM_NOT_STARTED = "release.scrub_vm_not_started"  # the scrub VM never got to scrub: reconcile retries it
+
+
 @dataclass(frozen=True)
 class ScrubOutcome:
     ok: bool
     message: str = ""
     details: dict[str, Any] = field(default_factory=dict)  # bytes, timings, the agent's result, the VM's timeline
+    reason: str = SCRUB_FAILED  # the quarantine reason when not ok (model/recovery.py classes it)
 
 
 class ScrubRunner(Protocol):
@@ -85,8 +91,17 @@ class SimulatedScrubRunner:
     inline = True
 
     def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
-        mib = int(device.labels.get("memory_mib", "0") or 0)
-        return ScrubOutcome(True, "simulated", {"method": scrub_method(device), "bytes_zeroed": mib * 1024 * 1024})
+        mib = int(device.labels.get("memory_mib", "0") or 0) or 1024 * int(device.labels.get("memory_gib", "0") or 0)
+        chunks = -(-mib // 256)  # the agent's 256 MiB chunks, each sampled at its first, last and 4 random pages
+        played = ScrubReport(
+            ok=True,
+            method=scrub_method(device),
+            pattern="0x00",
+            bytes_zeroed=mib * 1024 * 1024,
+            bytes_verified=chunks * 6 * 4096,
+            pages_sampled=chunks * 6,
+        )
+        return ScrubOutcome(True, "simulated", {**played.evidence(), "image_digest": "simulated"})
 
 
 class UnavailableScrubRunner:
@@ -202,17 +217,19 @@ class ProcessScrubRunner:
         if exited is not None:
             details["timeline"] = exited.get("details", {}).get("timeline")
         result = (done or {}).get("details", {}).get("result") if done else None
+        details["image_digest"] = (done or {}).get("details", {}).get("image_digest") or spec.image_digest
         if isinstance(result, dict):
-            details.update(
-                {k: result.get(k) for k in ("method", "bytes_zeroed", "bytes_verified", "zero_ms", "verify_ms")}
-            )
+            try:  # the evidence, typed as the shim checked it (docs/scrub.md)
+                details.update(ScrubReport.model_validate(result).evidence())
+            except ValueError as e:
+                return ScrubOutcome(False, f"malformed scrub result: {e}"[:500], details)
             details["agent"] = result
         if timed_out:
             return ScrubOutcome(False, f"the scrub VM did not finish within {timeout_s:g}s", details)
         if not isinstance(result, dict):
             failed = next((r for r in reports if r.get("kind") == "attach_failed"), None)
             why = (failed or {}).get("details", {}).get("reason", "no scrub result reported")
-            return ScrubOutcome(False, f"the scrub VM failed before scrubbing: {why}", details)
+            return ScrubOutcome(False, f"the scrub VM failed before scrubbing: {why}", details, VM_NOT_STARTED)
         if not result.get("ok") or rc != 0:
             return ScrubOutcome(False, str(result.get("error") or f"scrub VM exited {rc}")[:500], details)
         return ScrubOutcome(True, "", details)

@@ -22,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
+from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.metrics import metrics_of
@@ -149,6 +150,7 @@ def create_app(
                     target=path,
                     node=cubelet.config.node_name,
                     **peer,
+                    **getattr(request.state, "audit_fields", {}),
                 )
 
         app.add_middleware(BeforeReplyMiddleware, hook=audit_request)
@@ -194,7 +196,8 @@ def create_app(
     # The hot routes are async with one worker-thread hand-off for the blocking work: a sync route would take
     # a second one just to check its reply against the response model.
     @app.post("/v1/reservations", status_code=201, response_model=W.ReservationView)
-    async def create_reservation(body: W.ReservationBody) -> dict[str, Any]:
+    async def create_reservation(body: W.ReservationBody, request: Request) -> dict[str, Any]:
+        request.state.audit_fields = {"sandbox": body.sandbox_id, "tenant": body.tenant}  # the request's own entry
         return await run_in_threadpool(reserve_now, body)
 
     def reserve_now(body: W.ReservationBody) -> dict[str, Any]:
@@ -209,6 +212,7 @@ def create_app(
             contract=body.contract,
             lifetime_s=body.lifetime_s,
             network=body.network,
+            tenant=body.tenant,
         )
         try:
             cubelet.reserve(body.sandbox_id, req)
@@ -426,6 +430,8 @@ def serve(
 
     audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
     cubelet.audit = audit  # host changes for sandboxes (their networks) are audited beside the requests
+    cubelet.device_audit = DeviceAudit(audit, cubelet.config.node_name)  # and each device's custody (who had it)
+    cubelet.store.listeners.append(cubelet.device_audit)
     socket_path.unlink(missing_ok=True)
     socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Bound here, not by uvicorn, which chmods a unix socket it creates to 0666: this one takes shim reports

@@ -119,6 +119,18 @@ class AuditLog:
         done.wait()
         return mine.result()
 
+    def append_later(self, action: str, identity: str, outcome: str, **fields: Any) -> Callable[[], dict[str, Any]]:
+        """Queue the entry and return at once; the returned call waits until it is on disk (and returns it). For
+        callers that must not wait for the disk where they are (the Cubelet's lifecycle lock), but before replying."""
+        done = threading.Event()
+        mine = self._enqueue(_fields(action, identity, outcome, fields), done.set)
+
+        def wait() -> dict[str, Any]:
+            done.wait()
+            return mine.result()
+
+        return wait
+
     async def append_async(self, action: str, identity: str, outcome: str, **fields: Any) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()

@@ -326,6 +326,7 @@ class CubeMaster:
             body["network"] = spec.network  # Cubelet narrows again: it trusts no policy it did not derive
         row = self.store.sandbox(sid)
         if row is not None:  # the Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)
+            body["tenant"] = row["tenant"]  # and whose it is: the node's audit trail names who had the device
             deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])
             body["lifetime_s"] = max(1.0, deadline - time.time() + LIFETIME_SLACK_S)
         try:

@@ -42,6 +42,7 @@ from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
+from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 from cubeaccel.wire.telemetry import configure_logging, set_request_id
 
@@ -84,6 +85,7 @@ class Shim:
         self.timeline: dict[str, float] = {}
         self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s)
         self._stop = False
+        self.image_digest: str | None = None  # the guest image booted (a scrub's evidence names it)
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -189,6 +191,7 @@ class Shim:
                 status=500,
             )
         manifest = self._manifest()
+        self.image_digest = manifest.image_digest
         mismatches = image_mismatches(spec.contract, manifest)
         if mismatches and spec.image_check == "enforce":
             first = mismatches[0]
@@ -476,9 +479,15 @@ class Shim:
             try:
                 result = self.agent.call("scrub", params, timeout_s=SCRUB_TIMEOUT_S, cancel_fd=self._wake_r)
             except CubeError as e:
-                result = {"ok": False, "error": f"{e.code}: {e.message}"[:500]}
+                result = {"ok": False, "method": self.spec.scrub, "error": f"{e.code}: {e.message}"[:500]}
+            try:
+                evidence = ScrubReport.model_validate(result).evidence()  # the typed evidence, checked here first
+            except ValueError as e:
+                result, evidence = {"ok": False, "error": f"malformed scrub result: {e}"[:500]}, {}
             ok = ok and bool(result.get("ok"))
-            self.reporter.report(K.SCRUB_FINISHED, (dev.device_id,), result=result)
+            self.reporter.report(
+                K.SCRUB_FINISHED, (dev.device_id,), result=result, evidence=evidence, image_digest=self.image_digest
+            )
         self._phase("scrub_s", t)
         return (0, "scrubbed") if ok else (1, "release.scrub_failed")
 

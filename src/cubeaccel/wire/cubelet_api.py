@@ -25,6 +25,9 @@ class ReservationBody(Message):
     # The start's workload token when the caller chose it (CubeMaster passes the creator's on); None: a fresh one.
     workload_token: SecretStr | None = Field(default=None, min_length=32, max_length=200)
     network: dict[str, Any] | None = None  # narrows the contract's network policy (model/sandbox_policy.py)
+    # Whose sandbox it is, for the node's audit trail (who had which device). Absent from an older CubeMaster and
+    # from local callers: the assignment is then audited with tenant null.
+    tenant: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class OperatorBody(Message):

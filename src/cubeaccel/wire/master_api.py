@@ -174,7 +174,7 @@ class Sandbox(Record):
     node: str | None
     accel_class: str | None = Field(alias="class")
     count: int | None
-    device_ids: Any
+    device_ids: list[str]  # the node's device ids this sandbox was given (kept after delete: the audit's key)
     template: dict[str, Any] | None
     request: Any
     error: Any
