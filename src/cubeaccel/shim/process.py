@@ -26,6 +26,7 @@ from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.shim.agent_client import AgentClient
+from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
 from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
@@ -72,6 +73,7 @@ class Shim:
         self._known: set[str] | None = None  # guest PCI addresses before our hot-plugs, when the agent waits
         self.timeline: dict[str, float] = {}
         self._stop = False
+        self.console = ConsoleCap(spec.run_dir / CONSOLE_LOG)  # the guest's one unbounded output, capped
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -139,6 +141,7 @@ class Shim:
             )
         finally:
             exit_info = self._teardown()
+            self.console.stop()
             self.reporter.report(
                 K.SHIM_EXITING,
                 reason=reason,
@@ -217,6 +220,7 @@ class Shim:
             finally:
                 if vmm.started:
                     self.vmm = vmm  # only a VMM that exists is torn down
+                    self.console.start()
                 while self._policy_fds:  # the VMM holds its own copies now
                     os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
