@@ -15,7 +15,7 @@ import pytest
 from cubeaccel.images.manifest import Manifest
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
-from tests.vm.conftest import ShimRun, emulated_id
+from tests.vm.conftest import ShimRun
 from tests.workload_client import WorkloadClient
 
 pytestmark = pytest.mark.vm

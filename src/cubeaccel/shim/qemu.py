@@ -37,8 +37,8 @@ from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.mux import WORKLOAD_PORT_NAME
 from cubeaccel.shim import snapshot_guard as guard
-from cubeaccel.shim.console import CONSOLE_LOG, open_console
 from cubeaccel.shim.confined import VMM_ROOT_DIR, VmmExposure, launch_argv, vmm_exposure
+from cubeaccel.shim.console import CONSOLE_LOG, open_console
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, stop_child, vmm_error
 
