@@ -177,6 +177,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         if res.phase is ReservationPhase.RELEASING:
             cubelet.try_release(res.sandbox_id)
     _released_without_reservation(cubelet, repairs)
+    cubelet.retire_runs()  # files of runs a crash left behind (no reservation, no process)
     for sid in cubelet.expire_reservations():
         repairs.append(Repair(None, sid, "expired", "reserve.expired"))
     health_check(cubelet)

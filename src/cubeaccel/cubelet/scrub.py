@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cubeaccel.backends.base import AttachSpec
+from cubeaccel.cubelet import runfiles
 from cubeaccel.host.childenv import component_env
 from cubeaccel.host.vmmproc import find_shim, find_vmm, vmm_processes
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
@@ -182,6 +183,8 @@ class ProcessScrubRunner:
             return self._run(sid, run_dir, spec_path, timeout_s, t0, ended)
         finally:  # every exit path: a shim that died after its QEMU started leaves that QEMU to us
             self._end(sid)
+            with contextlib.suppress(OSError):  # over: its files are kept by the finished-runs rule
+                runfiles.retire(self.dir, sid)
 
     def _run(
         self, sid: str, run_dir: Path, spec_path: Path, timeout_s: float, t0: float, ended: list[str]
@@ -259,7 +262,13 @@ class ProcessScrubRunner:
         for p in vmm_processes(self.proc):
             if p.sandbox_id.startswith(SCRUB_PREFIX) and device_id in p.device_ids and p.under(self.dir):
                 sids.add(p.sandbox_id)
-        return sorted(sid for sid in sids if self._end(sid))
+        ended = []
+        for sid in sorted(sids):
+            if self._end(sid):
+                ended.append(sid)
+            with contextlib.suppress(OSError):
+                runfiles.retire(self.dir, sid)
+        return ended
 
     def _stop(self, sid: str, child: subprocess.Popen[bytes]) -> int:
         """Past the deadline: SIGTERM lets the shim tear its VMM down; then SIGKILL both (never another's VMM:
