@@ -261,7 +261,7 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         _wait("node registration", registered_now, 60, procs)
     except (RuntimeError, CubeError, httpx.HTTPError) as e:
         print(f"error: {e}; logs in {state_dir}", file=sys.stderr)
-        _stop([p.pid for p in procs])
+        _stop(_started(procs))
         return 1
     except BaseException:
         _stop(_started(procs))
