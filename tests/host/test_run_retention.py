@@ -56,6 +56,7 @@ def test_a_sandbox_run_is_retired_only_when_over(tmp_path: Path, monkeypatch: py
     for sid in ("old-1", "old-2", "open-1", "busy-1"):
         _run_files(root, sid)
     (root / "forkserver.log").write_text("the fork server's own log\n")
+    (root / "template-prepare.log").write_text("not a run either\n")
     # busy-1's shim still runs (it has no reservation any more: it is finishing)
     argv = [sys.executable, "-c", "import time; time.sleep(600)", "-m", "cubeaccel.shim", "run"]
     shim = subprocess.Popen([*argv, "--sandbox", "busy-1", "--spec", str(root / "busy-1.json")])
@@ -66,7 +67,8 @@ def test_a_sandbox_run_is_retired_only_when_over(tmp_path: Path, monkeypatch: py
         shim.kill()
         shim.wait()
     names = {p.name for p in root.iterdir()}
-    assert {"open-1", "open-1.json", "open-1.log", "busy-1", "busy-1.json", "forkserver.log"} <= names
+    assert {"open-1", "open-1.json", "open-1.log", "busy-1", "busy-1.json"} <= names
+    assert {"forkserver.log", "template-prepare.log"} <= names
     assert not names & {"old-1", "old-1.json", "old-1.log", "old-2", "old-2.json", "old-2.log"}
     kept = list((root / FINISHED).iterdir())
     assert len(kept) == 1 and kept[0].name.endswith("-old-2")  # the newest one

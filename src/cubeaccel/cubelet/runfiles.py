@@ -24,7 +24,7 @@ from cubeaccel.model.ids import SANDBOX_ID_RE
 FINISHED = "finished"
 KEEP_ENV = "CUBEACCEL_KEEP_FINISHED_RUNS"
 DEFAULT_KEEP = 32
-NOT_RUNS = frozenset({FINISHED, "forkserver"})  # the fork server's log lives beside the runs
+NOT_RUNS = frozenset({FINISHED, "forkserver", "template-prepare"})
 
 
 def keep_finished() -> int:
@@ -36,11 +36,13 @@ def keep_finished() -> int:
 
 
 def _sid(entry: Path) -> str | None:
+    """A run is named by its directory or its spec (written before its shim starts); a log alone is not a run
+    (the fork server's and template preparation's logs live beside the runs)."""
     name = entry.name
     if entry.is_dir() and not entry.is_symlink():
         sid = name
-    elif name.endswith((".json", ".log")) and entry.is_file():
-        sid = name.rsplit(".", 1)[0]
+    elif name.endswith(".json") and entry.is_file():
+        sid = name.removesuffix(".json")
     else:
         return None
     return sid if sid not in NOT_RUNS and SANDBOX_ID_RE.fullmatch(sid) else None
