@@ -13,6 +13,11 @@ QEMU with 64 MiB of RAM (its start, nothing to fault) is subtracted, so what is 
 
 Run: `.venv/bin/python bench/prealloc_bench.py [--gib 1,2] [--runs 3]`. Prints one JSON line and a table.
 Needs RLIMIT_MEMLOCK >= the largest size (root here).
+
+`--threads 1,2,4 --gib 1,4,8` (issue 26): only memset and what the shim now runs (prealloc + lock with
+`prealloc-threads=N`), as throughput: prealloc+lock GiB/s ÷ memset GiB/s in the same run (above 1: faster than
+a memset). `--templates 256,2048`: what preparing each machine shape's template snapshot costs
+(`cubeaccel template prepare`: boot, wait for the agent, save), in a fresh template root per run.
 """
 
 from __future__ import annotations
@@ -116,12 +121,90 @@ VARIANTS: dict[str, Any] = {
 }
 
 
+def _mmm(xs: list[float], digits: int = 2) -> list[float]:
+    return [round(min(xs), digits), round(statistics.median(xs), digits), round(max(xs), digits)]
+
+
+def threads_bench(gibs: list[int], threads: list[int], runs: int) -> list[dict[str, Any]]:
+    """Each size: one warm-up memset, then `runs` rounds with memset and every thread count interleaved."""
+    rows: list[dict[str, Any]] = []
+    for gib in gibs:
+        mib = gib << 10
+        memset_s(mib)
+        times: dict[str, list[float]] = {"memset": []} | {f"threads={n}": [] for n in threads}
+        loads: list[float] = []
+        for _ in range(runs):
+            times["memset"].append(memset_s(mib))
+            for n in threads:
+                base = qemu_s(BASE_MIB, True, True, n)
+                times[f"threads={n}"].append(max(1e-3, qemu_s(mib, True, True, n) - base))
+            loads.append(os.getloadavg()[0])
+        for name, xs in times.items():
+            ratio = [m / x for x, m in zip(xs, times["memset"], strict=True)]  # GiB/s ÷ memset GiB/s
+            rows.append(
+                {
+                    "gib": gib,
+                    "variant": "memset" if name == "memset" else f"prealloc+lock {name}",
+                    "gib_per_s": _mmm([gib / x for x in xs]),
+                    "gibps_vs_memset": _mmm(ratio),
+                    "load_1min": _mmm(loads, 1),
+                }
+            )
+    return rows
+
+
+def template_bench(shapes: list[int], runs: int) -> list[dict[str, Any]]:
+    """Template snapshot cost per machine shape, each run from nothing (its own template root)."""
+    from cubeaccel.images.builder import build
+    from cubeaccel.shim.template import prepare_template, shape_config
+
+    manifest, _ = build()
+    rows = []
+    for mib in shapes:
+        took, size, loads = [], [], []
+        for _ in range(runs):
+            with tempfile.TemporaryDirectory() as d:
+                root = Path(d)
+                cfg = shape_config(manifest, mib, 1, root / "prepare")
+                t0 = time.monotonic()
+                state, _ = prepare_template(cfg, manifest, root)
+                took.append(time.monotonic() - t0)
+                size.append(state.stat().st_size / 2**20)
+            loads.append(os.getloadavg()[0])
+        rows.append(
+            {"memory_mib": mib, "prepare_s": _mmm(took), "state_mib": _mmm(size, 0), "load_1min": _mmm(loads, 1)}
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", default="1,2")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--threads", default="", help="e.g. 1,2,4: the thread comparison only")
+    ap.add_argument("--templates", default="", help="e.g. 256,2048: template snapshot cost per shape only")
     args = ap.parse_args()
     load = os.getloadavg()[0]
+    if args.threads or args.templates:
+        out: dict[str, Any] = {"bench": "large_guests", "accel": detect_accel()[0], "load_1min_before": load}
+        if args.threads:
+            gibs = [int(x) for x in args.gib.split(",")]
+            out["threads"] = threads_bench(gibs, [int(x) for x in args.threads.split(",")], args.runs)
+        if args.templates:
+            out["templates"] = template_bench([int(x) for x in args.templates.split(",")], args.runs)
+        out["load_1min_after"] = os.getloadavg()[0]
+        print(json.dumps(out))
+        for r in out.get("threads", []):
+            print(
+                f"{r['gib']:>3} GiB | {r['variant']:<26} | GiB/s {r['gib_per_s']} | ÷ memset {r['gibps_vs_memset']} "
+                f"| load {r['load_1min']}"
+            )
+        for r in out.get("templates", []):
+            print(
+                f"{r['memory_mib']:>6} MiB | prepare {r['prepare_s']} s | state {r['state_mib']} MiB "
+                f"| load {r['load_1min']}"
+            )
+        return
     rows: list[dict[str, Any]] = []
     for gib in (int(x) for x in args.gib.split(",")):
         runs: dict[str, list[float]] = {k: [] for k in VARIANTS}

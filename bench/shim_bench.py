@@ -35,7 +35,7 @@ from cubeaccel.host.hypervisor import detect_accel
 from cubeaccel.images.builder import build, cache_dir
 from cubeaccel.shim.memory import status_kib
 from cubeaccel.shim.qemu import SOCKETS, VmmFds, _listen, build_argv
-from cubeaccel.shim.template import ensure_template
+from cubeaccel.shim.template import prepare_template
 from cubeaccel.shim.vmm import VmConfig
 
 PHASES = ("spawn_to_qmp_s", "boot_or_restore_to_agent_s", "hotplug_to_visible_s", "detach_s", "vmm_exit_s")
@@ -303,7 +303,7 @@ def main() -> int:
             cmdline=manifest.cmdline,
             state_dir=work / "raw",
         )
-        state, _ = ensure_template(base, manifest, cache_dir() / "templates")
+        state, _ = prepare_template(base, manifest, cache_dir() / "templates")
         forks = ForkServer(work, sys.executable)  # how Cubelet starts shims: forked from a pre-started server
         forks.ensure_started()
         deadline = time.monotonic() + 60

@@ -130,3 +130,20 @@ def test_a_node_without_the_pinned_image_fails_the_start_at_layer_template(tmp_p
     assert (failed["reason"], failed["layer"]) == ("shim.image_not_found", "template")
     assert _shim_reports(node, "sb", "vm_started") == []  # refused before any VMM
     assert node.device(res.device_ids[0]).state is DeviceState.ALLOCATABLE
+
+
+def test_bars_read_at_discovery_reach_the_node_facts_and_the_shim_spec(tmp_path: Path) -> None:
+    """The H100s' BAR1 (128 GiB) is in the capacity summary CubeMaster sees, on each device handed to the shim,
+    and among the layouts a template machine must fit; the T4s the contract does not admit are not."""
+    from cubeaccel.cubelet.capacity import capacity_summary
+    from cubeaccel.model.bars import Bar, BarKind
+
+    node = Node.create(tmp_path, "2xt4,2xh100")
+    aperture = Bar(1, 128 << 30, BarKind.MEM64, prefetch=True)
+    summary = capacity_summary(node.cubelet.store.devices(), "n1", ["vfio"])
+    h100 = next(g for g in summary.groups if g.labels.get("model") == "H100-SXM5-80GB")
+    assert {"index": 1, "size": 128 << 30, "kind": "mem64", "prefetch": True} in [b.model_dump() for b in h100.bars]
+    node.cubelet.reserve("sb", ReservationRequest(count=1, contract=_h100_contract()))
+    spec = node.cubelet._spec("sb")
+    assert aperture in spec.devices[0].bars
+    assert len(spec.template_bars) == 1 and aperture in spec.template_bars[0]  # T4 (256 MiB BAR1) not admitted

@@ -329,6 +329,24 @@ def test_a_shim_that_never_starts_its_vmm_is_torn_down_after_the_startup_timeout
     ]
 
 
+def test_a_large_guest_still_preallocating_is_not_torn_down_at_the_small_guests_startup_timeout(node: Node) -> None:
+    """64 GiB are touched before QEMU answers (minutes when host memory is cold): Cubelet waits as long as the
+    shim's own preallocation deadline, then tears down as for any shim that never started its VMM."""
+    from cubeaccel.cubelet.reconcile import reconcile
+    from cubeaccel.model.start_deadlines import startup_timeout_s
+
+    node.shim.slow_start.add("big")
+    res = node.cubelet.reserve("big", ReservationRequest(count=1, memory_mib=64 * 1024))
+    node.cubelet.start("big")
+    node.clock.advance(181)
+    reconcile(node.cubelet)
+    assert node.device(res.device_ids[0]).state is not S.ALLOCATABLE
+    assert not [e for e in node.cubelet.store.events() if e.kind == "reconcile_repair"]
+    node.clock.advance(startup_timeout_s(64 * 1024, 180.0) - 181 + 1)
+    reconcile(node.cubelet)
+    assert node.device(res.device_ids[0]).state is S.ALLOCATABLE
+
+
 def test_a_stale_or_forged_vmm_exited_report_frees_nothing(node: Node) -> None:
     """Reviewer's scenario: a report from an earlier start (reused sandbox id) or a forged one."""
     from cubeaccel.model.reports import ShimReport, ShimReportKind

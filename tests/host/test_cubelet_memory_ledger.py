@@ -9,11 +9,17 @@ import pytest
 
 from cubeaccel.cubelet.heartbeat import heartbeat_body
 from cubeaccel.cubelet.lifecycle import CubeletConfig, ReservationRequest
-from cubeaccel.cubelet.memory_ledger import ledger
+from cubeaccel.cubelet.memory_ledger import VmmHost, ledger
 from cubeaccel.cubelet.store import Reservation
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.pinned_memory import QEMU_LOCKED_OVERHEAD_MIB, QEMU_LOCKED_PER_VCPU_MIB
+from cubeaccel.model.pinned_memory import (
+    PREALLOC_POOL_MIB,
+    QEMU_LOCKED_OVERHEAD_MIB,
+    QEMU_LOCKED_PER_VCPU_MIB,
+    TCG_CACHE_MIB,
+    THREAD_CONTEXT_MIB,
+)
 from cubeaccel.model.reservation_states import ReservationPhase as P
 from cubeaccel.model.states import DeviceState
 from tests.support.cubelet_harness import Node
@@ -22,10 +28,12 @@ GIB = 1024
 LOCKABLE = 100 * GIB
 
 
-def _node(tmp_path: Path) -> Node:
-    return Node.create(
-        tmp_path, "h100x8", CubeletConfig(reservation_ttl_s=60, release_timeout_s=10, pinnable_memory_mib=LOCKABLE)
-    )
+HOST = VmmHost(tcg=False, cpus=1, vfio=True)  # a KVM host: no TCG cache, no preallocation pool
+
+
+def _node(tmp_path: Path, host: VmmHost = HOST) -> Node:
+    cfg = CubeletConfig(reservation_ttl_s=60, release_timeout_s=10, pinnable_memory_mib=LOCKABLE, vmm_host=host)
+    return Node.create(tmp_path, "h100x8", cfg)
 
 
 def _reserve(node: Node, sid: str, gib: int, **kw: object) -> CubeError | None:
@@ -80,12 +88,28 @@ def test_memory_comes_back_only_when_the_vmm_is_gone(tmp_path: Path) -> None:
     assert err is not None and err.code == "reserve.pinned_memory_exhausted" and "b" in err.details["sandboxes"]
 
 
-def test_unpinned_sandboxes_and_extra_vcpus(tmp_path: Path) -> None:
+def test_an_unpinned_guest_on_a_vfio_node_is_still_charged_its_ram_and_extra_vcpus_their_threads(
+    tmp_path: Path,
+) -> None:
     node = _node(tmp_path)
-    assert _reserve(node, "loose", 90, pin_memory=False) is None  # not locked: not counted
+    assert _reserve(node, "loose", 50, pin_memory=False) is None  # no mem-lock, but type1 pins guest RAM
     assert _reserve(node, "wide", 10, vcpus=4) is None
-    (led_wide,) = ledger(node.cubelet.store.reservations(), LOCKABLE).by_sandbox.values()
-    assert led_wide == 10 * GIB + QEMU_LOCKED_OVERHEAD_MIB + 3 * QEMU_LOCKED_PER_VCPU_MIB
+    by = ledger(node.cubelet.store.reservations(), LOCKABLE, HOST).by_sandbox
+    assert by == {"loose": 50 * GIB, "wide": 10 * GIB + QEMU_LOCKED_OVERHEAD_MIB + 3 * QEMU_LOCKED_PER_VCPU_MIB}
+    err = _reserve(node, "third", 39)  # 39 GiB + overhead no longer fits beside them
+    assert err is not None and err.code == "reserve.pinned_memory_exhausted"
+
+
+def test_a_large_guest_on_a_tcg_host_is_charged_the_translation_cache_and_the_preallocation_pool(
+    tmp_path: Path,
+) -> None:
+    node = _node(tmp_path, VmmHost(tcg=True, cpus=4, vfio=False, numa=True))
+    assert _reserve(node, "big", 16) is None
+    (charged,) = ledger(node.cubelet.store.reservations(), LOCKABLE, node.cubelet.vmm_host).by_sandbox.values()
+    pool = PREALLOC_POOL_MIB + THREAD_CONTEXT_MIB
+    assert charged == 16 * GIB + QEMU_LOCKED_OVERHEAD_MIB + TCG_CACHE_MIB + pool
+    # What CubeMaster is told a VMM costs here includes the translation cache.
+    assert heartbeat_body(node.cubelet, "http://127.0.0.1:1")["pinned_memory"]["vmm_overhead_mib"] == 464
 
 
 def test_without_a_configured_size_lockable_is_memavailable_plus_what_started_vmms_already_locked(
@@ -95,7 +119,7 @@ def test_without_a_configured_size_lockable_is_memavailable_plus_what_started_vm
     params = {"memory_mib": 1000, "vcpus": 1, "pin_memory": True}
     started = Reservation("s", params, [], P.RUNNING, 0.0, None, ReservationCheckpoint(shim_started=True))
     waiting = Reservation("w", params, [], P.RESERVED, 0.0, None)
-    led = ledger([started, waiting], None)
+    led = ledger([started, waiting], None, HOST)
     one = 1000 + QEMU_LOCKED_OVERHEAD_MIB
     assert (led.source, led.lockable_mib, led.locked_mib, led.free_mib) == (
         "meminfo",

@@ -13,9 +13,9 @@ from cubeaccel.host.sysfs_parse import (
     parse_driver_override,
     parse_hex,
     parse_reset_method,
-    parse_resource,
     valid_driver_name,
 )
+from cubeaccel.model.bars import parse_resource, parse_resource_lines
 from cubeaccel.model.errors import CubeError
 
 
@@ -33,12 +33,13 @@ def test_hex_never_raises(text: str) -> None:
 @given(st.lists(st.tuples(st.integers(0, 2**48), st.integers(0, 2**40)), min_size=6, max_size=13))
 def test_resource_sizes_are_end_minus_start_plus_one(bars: list[tuple[int, int]]) -> None:
     text = "".join(f"0x{s:016x} 0x{s + n - 1 if n else 0:016x} 0x0000000000040200\n" for s, n in bars)
-    assert parse_resource(text) == tuple(n if n > 1 else 0 for _, n in bars[:6])
+    assert tuple(line.size for line in parse_resource_lines(text)) == tuple(n if n > 1 else 0 for _, n in bars[:6])
+    assert tuple(b.size for b in parse_resource(text)) == tuple(n for _, n in bars[:6] if n > 1)
 
 
 @given(st.text(max_size=200))
 def test_resource_never_raises(text: str) -> None:
-    assert all(size >= 0 for size in parse_resource(text))
+    assert all(b.size > 0 for b in parse_resource(text))
 
 
 def test_driver_override_null_means_none() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.host.pci import HostError
+from cubeaccel.model.bars import Bar, BarKind
 from cubeaccel.model.device import PciAddress
 from tests.support.fake_sysfs import Dev, FakeSysfs
 
@@ -44,7 +45,9 @@ def test_every_attribute_of_a_gpu_is_read(fake: FakeSysfs) -> None:
     assert (f.vendor_id, f.device_id, f.subsystem_vendor_id, f.subsystem_device_id) == (0x10DE, 0x2330, 0x10DE, 0x16C1)
     assert (f.class_code, f.revision, f.numa_node, f.iommu_group) == (0x030200, 0xA1, 1, 12)
     assert (f.driver, f.driver_override) == ("nvidia", None)
-    assert f.bar_sizes == (16 << 20, 0, 128 << 30, 0, 32 << 20, 0)
+    pref = BarKind.MEM64
+    assert f.bars == (Bar(0, 16 << 20, pref, True), Bar(2, 128 << 30, pref, True), Bar(4, 32 << 20, pref, True))
+    assert f.identity.bars == f.bars  # discovery hands them on with the identity
     assert (f.link_speed, f.link_width) == ("32.0 GT/s PCIe", "16")
     assert (f.sriov_totalvfs, f.sriov_numvfs) == (4, 0)
     assert f.reset_method == ("flr", "bus")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import typer
 import yaml
 from typer.testing import CliRunner
 
@@ -126,3 +128,25 @@ def test_validate_refuses_a_yaml_alias_bomb(tmp_path: Path) -> None:
     bomb.write_text("\n".join(lines) + "\n")
     rc, out = _validate_json(bomb)
     assert rc == 1 and out["error"]["code"] == "template.too_large", out  # type: ignore[index]
+
+
+def test_prepare_on_a_node_without_the_templates_image_fails_naming_the_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "empty-cache"))
+    r = runner.invoke(app, ["template", "prepare", str(H100_FILE), "--json"])
+    assert r.exit_code == 1, r.output
+    body = json.loads(r.output)
+    assert body["error"]["code"] == "template.prepare_failed" and "image build" in body["error"]["message"]
+    assert not (tmp_path / "empty-cache" / "templates").exists()  # nothing half-made
+    r = runner.invoke(app, ["template", "prepare"])
+    assert r.exit_code != 0 and "--memory-mib" in r.output
+
+
+def test_cubelet_prepare_shapes_parse_memory_and_vcpus() -> None:
+    from cubeaccel.cli.cubelet import _shapes
+
+    assert _shapes(["65536:8", "256"]) == [(65536, 8), (256, 1)]
+    for bad in ("64G", "32", "256:x"):
+        with pytest.raises(typer.BadParameter):
+            _shapes([bad])

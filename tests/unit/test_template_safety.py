@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -196,12 +197,24 @@ def test_prune_refuses_while_a_restore_holds_the_lease_and_runs_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg, manifest = _templates(tmp_path, monkeypatch)
-    with template_lease(cfg, manifest, tmp_path) as (state, created):
-        assert not created and state.exists()
+    with template_lease(cfg, manifest, tmp_path) as state:
+        assert state is not None and state.exists()
         assert prune_templates(tmp_path, keep=1) is None  # refused, nothing deleted
         assert all((tmp_path / n / "state").exists() for n in ("old-1", "old-2", "old-3"))
     assert sorted(prune_templates(tmp_path, keep=1) or []) == ["old-1", "old-2", "old-3"]
     assert state.exists()
+
+
+def test_a_start_that_finds_no_snapshot_for_its_shape_gets_none_and_nothing_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg, manifest = _templates(tmp_path, monkeypatch)
+    before = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    with template_lease(replace(cfg, memory_mib=cfg.memory_mib * 2), manifest, tmp_path) as state:
+        assert state is None
+    assert (
+        sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == before
+    )  # no build directory, no new key
 
 
 def test_prune_waits_for_a_restore_in_another_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,13 @@ from cubeaccel.host.confine import (
     verify,
 )
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.pinned_memory import (
+    PREALLOC_POOL_MIB,
+    QEMU_LOCKED_OVERHEAD_MIB,
+    QEMU_LOCKED_PER_VCPU_MIB,
+    THREAD_CONTEXT_MIB,
+    LockedGuest,
+)
 from cubeaccel.shim.confined import launch_argv, setpriv_argv, vmm_exposure
 from cubeaccel.shim.vmm import VmConfig
 
@@ -90,13 +97,19 @@ def test_memlock_mode_prefers_raising_the_limit_and_refuses_when_nothing_works()
     assert memlock_mode(policy, True, {"CapEff": 0, "CapBnd": 0}) is None
 
 
-def test_memlock_limit_is_guest_ram_plus_what_qemu_itself_locks() -> None:
+def test_memlock_limit_is_guest_ram_plus_what_qemu_itself_locks_per_vcpu_and_prealloc_pool() -> None:
     mib = 1024 * 1024
-    assert memlock_limit_bytes(256, "tcg", vfio=False) == (256 + 64 + confine.QEMU_LOCK_OVERHEAD_MIB) * mib
-    assert memlock_limit_bytes(256, "kvm", vfio=False) == (256 + confine.QEMU_LOCK_OVERHEAD_MIB) * mib
+    own = QEMU_LOCKED_OVERHEAD_MIB
+    assert memlock_limit_bytes(LockedGuest(256, tcg=True)) == (256 + 64 + own) * mib
+    assert memlock_limit_bytes(LockedGuest(256)) == (256 + own) * mib
+    # Each vCPU after the first has its own locked stack and state: the limit had no such term before.
+    assert memlock_limit_bytes(LockedGuest(256, vcpus=4)) == (256 + own + 3 * QEMU_LOCKED_PER_VCPU_MIB) * mib
+    # A preallocation pool (and its NUMA thread context) stay locked after preallocation.
+    pool = LockedGuest(8192, prealloc_threads=4, numa_host=True)
+    assert memlock_limit_bytes(pool) == (8192 + own + PREALLOC_POOL_MIB + THREAD_CONTEXT_MIB) * mib
     # VFIO type1 pinning and mlock both charge locked_vm: guest RAM counts twice.
-    assert memlock_limit_bytes(4096, "kvm", vfio=True) == (8192 + confine.QEMU_LOCK_OVERHEAD_MIB) * mib
-    assert memlock_limit_bytes(4096, "kvm", vfio=True, mlock=False) == 4096 * mib  # VFIO pins; nothing else locks
+    assert memlock_limit_bytes(LockedGuest(4096, vfio=True)) == (8192 + own) * mib
+    assert memlock_limit_bytes(LockedGuest(4096, vfio=True, mlock=False)) == 4096 * mib  # VFIO pins; nothing else
 
 
 def test_uid_leases_are_exclusive_until_closed(tmp_path: Path) -> None:

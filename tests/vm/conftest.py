@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,8 +178,26 @@ class ShimRun:
         return "\n".join(parts)
 
 
+@pytest.fixture(scope="session")
+def prepared_shapes(guest_image: Manifest) -> Callable[[int, str], Path]:
+    """This run's host initialization: a machine shape's template snapshot, made once before the first start
+    that restores it (a start never makes one: it boots cold instead)."""
+    from cubeaccel.shim.template import prepare_template, shape_config
+
+    done: dict[tuple[int, str], Path] = {}
+
+    def prepare(memory_mib: int = 256, memory_backend: str = "ram") -> Path:
+        if (memory_mib, memory_backend) not in done:
+            root = cache_dir() / "templates"
+            cfg = shape_config(guest_image, memory_mib, 1, root / "prepare", memory_backend)
+            done[(memory_mib, memory_backend)], _ = prepare_template(cfg, guest_image, root)
+        return done[(memory_mib, memory_backend)]
+
+    return prepare
+
+
 @pytest.fixture
-def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
+def shim_factory(tmp_path: Path, guest_image: Manifest, prepared_shapes: Callable[[int, str], Path]) -> Iterator[Any]:
     runs: list[ShimRun] = []
 
     def make(
@@ -194,7 +212,11 @@ def shim_factory(tmp_path: Path, guest_image: Manifest) -> Iterator[Any]:
         memory_backend: str = "ram",
         device: dict[str, Any] | None = None,
         image: Manifest | None = None,
+        prepared: bool = True,
     ) -> ShimRun:
+        """`prepared`: a `template` start finds its shape's snapshot (made now if this run has none yet)."""
+        if start == "template" and prepared:
+            prepared_shapes(memory_mib, memory_backend)
         sandbox = f"t-{uuid.uuid4().hex[:10]}"
         base = tmp_path / sandbox
         base.mkdir()

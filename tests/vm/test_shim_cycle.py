@@ -13,7 +13,7 @@ import pytest
 from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_address
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.host.vmmproc import find_vmm, inspect
-from cubeaccel.images.builder import latest
+from cubeaccel.images.builder import cache_dir, latest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.states import DeviceState
@@ -100,6 +100,31 @@ def test_template_restore_full_cycle_with_the_image_found_by_digest(shim_factory
     assert named is not None and run.one("vm_started")["details"]["image_digest"] == named
     timeline = run.one("shim_exiting")["details"]["timeline"]
     assert "restore_to_agent_s" in timeline and "boot_to_agent_s" not in timeline
+
+
+def test_a_shape_with_no_snapshot_boots_cold_and_says_why_then_restores_once_prepared(
+    shim_factory: Any, prepared_shapes: Any
+) -> None:
+    """The start path never makes a snapshot: the first sandbox of an unprepared shape boots cold, names the
+    reason, and leaves no template behind; once the shape is prepared (host initialization), the next restores."""
+    shape = 288  # a memory size no other test prepares
+    templates = cache_dir() / "templates"
+    keys_before = {p.name for p in templates.iterdir()} if templates.is_dir() else set()
+    run = shim_factory(start="template", memory_mib=shape, prepared=False).start()
+    run.wait_for("guest_validated")
+    started = run.one("vm_started")["details"]
+    assert (started["start"], started["cold_reason"]) == ("cold", "start.cold_no_snapshot")
+    assert run.terminate() == 0
+    timeline = run.one("shim_exiting")["details"]["timeline"]
+    assert "boot_to_agent_s" in timeline and "template_create_s" not in timeline
+    assert ({p.name for p in templates.iterdir()} if templates.is_dir() else set()) == keys_before
+    prepared_shapes(shape, "ram")
+    again = shim_factory(start="template", memory_mib=shape).start()
+    again.wait_for("guest_validated")
+    started = again.one("vm_started")["details"]
+    assert (started["start"], started["cold_reason"]) == ("template", None)
+    assert again.terminate() == 0
+    assert "restore_to_agent_s" in again.one("shim_exiting")["details"]["timeline"]
 
 
 def test_guest_failing_its_contract_is_reported_and_torn_down(shim_factory: Any) -> None:

@@ -46,6 +46,18 @@ def find_new(ctx: ProbeContext, vendor: str, device: str, known: frozenset[str])
     return None
 
 
+MAX_RESOURCE_BYTES = 4096  # 6 BARs, the ROM and 6 bridge windows are 13 lines of 57 bytes
+
+
+def read_resource(ctx: ProbeContext, address: str) -> str | None:
+    """/sys/bus/pci/devices/ADDRESS/resource (None when the function or the file is not there)."""
+    try:
+        with open(ctx.path("/sys/bus/pci/devices") / address / "resource", errors="replace") as f:
+            return f.read(MAX_RESOURCE_BYTES)
+    except OSError:
+        return None
+
+
 def _uevents(ctx: ProbeContext) -> socket.socket | None:
     """The kernel's uevent broadcast, only for the real guest root (tests lay out a fake sysfs elsewhere)."""
     if str(ctx.root) != "/" or not hasattr(socket, "AF_NETLINK"):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from cubeaccel.agent.hotplug import wait_pci  # imported at start: in a template, before the snapshot
+from cubeaccel.agent.hotplug import read_resource, wait_pci  # imported at start: in a template, before the snapshot
 from cubeaccel.agent.probes import ProbeContext, kernel_release, loaded_modules, pci_devices, run_modprobe
 from cubeaccel.agent.report import probe_reply
 from cubeaccel.agent.spec import bad_contract, parse_spec
@@ -28,7 +28,7 @@ from cubeaccel.model.errors import CubeError
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
-METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci")
+METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci", "pci_resources")
 PCI_ID = re.compile(r"[0-9a-f]{4}")
 MAX_KNOWN = 1024
 MAX_WAIT_S = 30.0
@@ -261,6 +261,14 @@ class Agent:
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout <= MAX_WAIT_S:
             raise protocol_error("agent.invalid_params", f"timeout_s must be a number in (0, {MAX_WAIT_S:.0f}]")
         return wait_pci(self.ctx, vendor, device, frozenset(known), float(timeout))
+
+    def _m_pci_resources(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A function's `resource` file as the guest kernel prints it: the host judges whether every BAR was
+        placed at its size (model/bars.py), never this guest."""
+        address = params.get("address")
+        if not isinstance(address, str) or not PCI_ADDRESS.fullmatch(address):
+            raise protocol_error("agent.invalid_params", "address must be a PCI address (DDDD:BB:DD.F)")
+        return {"address": address, "resource": read_resource(self.ctx, address)}
 
     def _m_shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
         self.poweroff_requested = self._flag(params, "poweroff", False)

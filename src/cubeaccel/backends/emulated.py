@@ -1,4 +1,6 @@
-"""QEMU's emulated `edu` PCI device (1234:11e8) as a stand-in accelerator on hosts without GPUs or an IOMMU.
+"""QEMU's emulated devices as stand-in accelerators on hosts without GPUs or an IOMMU: `edu` (1234:11e8, a
+driverless function with a 1 MiB BAR) and, GPU-shaped, `pci-testdev,membar=SIZE` (1b36:0005, whose BAR2 is a
+64-bit prefetchable BAR of SIZE with no RAM behind it, as large as a GPU's memory aperture).
 
 The same lifecycle as VFIO, with the host side made of VMM processes instead of device files: each slot is a
 virtual device with a synthetic address (0000:e0:SS.0) that exists only inside the VMM it is hot-plugged into.
@@ -19,6 +21,7 @@ from cubeaccel.backends.base import AttachSpec, Problem
 from cubeaccel.host.hypervisor import find_qemu
 from cubeaccel.host.pci import Holder
 from cubeaccel.host.vmmproc import vmm_processes
+from cubeaccel.model.bars import Bar, BarKind, is_bar_size
 from cubeaccel.model.device import (
     AcceleratorClass,
     DeviceIdentity,
@@ -31,6 +34,7 @@ from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.states import DeviceState
 
 EDU_VENDOR, EDU_DEVICE = 0x1234, 0x11E8
+EDU_BARS = (Bar(0, 1 << 20, BarKind.MEM32),)
 EDU_IDENTITY = DeviceIdentity(
     vendor_id=EDU_VENDOR,
     device_id=EDU_DEVICE,
@@ -38,7 +42,23 @@ EDU_IDENTITY = DeviceIdentity(
     subsystem_device_id=0x1100,
     class_code=0x00FF00,
     revision=0x10,
+    bars=EDU_BARS,
 )
+TESTDEV_VENDOR, TESTDEV_DEVICE = 0x1B36, 0x0005
+
+
+def pci_testdev_identity(membar: int) -> DeviceIdentity:
+    """pci-testdev's own BAR0 and I/O BAR1 (QEMU hw/misc/pci-testdev.c), and BAR2 of `membar` bytes."""
+    return DeviceIdentity(
+        vendor_id=TESTDEV_VENDOR,
+        device_id=TESTDEV_DEVICE,
+        subsystem_vendor_id=0x1AF4,
+        subsystem_device_id=0x1100,
+        class_code=0x00FF00,
+        bars=(Bar(0, 4096, BarKind.MEM32), Bar(1, 256, BarKind.IO), Bar(2, membar, BarKind.MEM64, prefetch=True)),
+    )
+
+
 INSTANCE_RE = re.compile(r"[a-z0-9]{1,32}")
 EMULATED_BUS = 0xE0  # no real bus uses it on our hosts; makes emulated ids obvious in listings
 
@@ -48,7 +68,8 @@ def slot_address(index: int) -> PciAddress:
 
 
 class EmulatedBackend:
-    """`slots` virtual edu devices. QEMU must be installed for them to be handed out."""
+    """`slots` virtual edu devices, then one pci-testdev per size in `testdev_membars` (bytes, powers of two).
+    QEMU must be installed for them to be handed out."""
 
     name = "emulated"
 
@@ -61,18 +82,22 @@ class EmulatedBackend:
         vmm_root: Path | None = None,
         uid: int | None = None,
         vmm_uids: range = range(0),
+        testdev_membars: tuple[int, ...] = (),
     ) -> None:
         """`vmm_root` (the Cubelet's shims directory) and `uid` (the Cubelet's) tie a holder to evidence: a
         process counts only when its own files lie under `vmm_root` and it runs as `uid` or as one of the confined
         VMMs' uids (`vmm_uids`, host/confine.py: no local user runs as those). A tag and a device
         list in an environment are words anyone can write; a local user's or another Cubelet's process that
         copies them must not quarantine this Cubelet's devices. The runtime always passes both."""
-        if not 0 < slots <= 32:
+        if not 0 < slots + len(testdev_membars) <= 32 or slots < 0:
             raise ValueError("slots must be 1..32")
+        if not all(is_bar_size(m) for m in testdev_membars):
+            raise ValueError("a pci-testdev BAR size must be a power of two up to 2^48 bytes")
         if not INSTANCE_RE.fullmatch(instance):
             raise ValueError(f"instance must match {INSTANCE_RE.pattern}, not {instance!r}")
         self.instance = instance
         self.slots = slots
+        self.identities = (EDU_IDENTITY,) * slots + tuple(pci_testdev_identity(m) for m in testdev_membars)
         self.proc_root = proc_root
         self.qemu = qemu or find_qemu()
         self.vmm_root = vmm_root
@@ -80,7 +105,10 @@ class EmulatedBackend:
         self.vmm_uids = vmm_uids
 
     def _addresses(self) -> list[PciAddress]:
-        return [slot_address(i) for i in range(self.slots)]
+        return [slot_address(i) for i in range(len(self.identities))]
+
+    def _identity(self, address: PciAddress) -> DeviceIdentity:
+        return self.identities[address.slot]
 
     def device_id(self, index: int) -> str:
         return device_id_for(self.name, slot_address(index), self.instance)
@@ -88,12 +116,13 @@ class EmulatedBackend:
     def discover(self) -> list[DiscoveredDevice]:
         out = []
         for addr in self._addresses():
-            labels = labels_for(EDU_VENDOR, EDU_DEVICE)
+            identity = self._identity(addr)
+            labels = labels_for(identity.vendor_id, identity.device_id)
             labels.update(backend=self.name, numa_node="0", **{"class": AcceleratorClass.ACCELERATOR.value})
             out.append(
                 DiscoveredDevice(
                     address=addr,
-                    identity=EDU_IDENTITY,
+                    identity=identity,
                     accel_class=AcceleratorClass.ACCELERATOR,
                     backend=self.name,
                     numa_node=0,
@@ -124,11 +153,12 @@ class EmulatedBackend:
             self.name, device.address, self.instance
         ):
             problems.append(Problem("host.device_missing", f"no emulated slot {device.id} in instance {self.instance}"))
-        elif device.identity != EDU_IDENTITY:
+        elif device.identity != (want := self._identity(device.address)) or device.identity.bars not in ((), want.bars):
             problems.append(
                 Problem(
                     "host.identity_changed",
-                    f"{device.address} is {EDU_IDENTITY.vendor_device}, record says {device.identity.vendor_device}",
+                    f"{device.address} is {want.vendor_device} with BARs {[b.name for b in want.bars]}, record says "
+                    f"{device.identity.vendor_device} with {[b.name for b in device.identity.bars]}",
                 )
             )
         return problems
@@ -171,4 +201,7 @@ class EmulatedBackend:
         return []
 
     def attach_spec(self, device: DeviceRecord) -> AttachSpec:
+        if device.identity.vendor_id == TESTDEV_VENDOR:
+            membar = next(b.size for b in device.identity.bars if b.index == 2)
+            return AttachSpec(driver="pci-testdev", properties={"membar": str(membar)})
         return AttachSpec(driver="edu", properties={})

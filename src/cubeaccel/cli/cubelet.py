@@ -47,6 +47,16 @@ def _fail(e: CubeError, exit_code: int = 1) -> None:
     output.fail(e, exit_code)
 
 
+def _shapes(raw: list[str]) -> list[tuple[int, int]]:
+    out = []
+    for item in raw:
+        mem, _, cpus = item.partition(":")
+        if not mem.isdigit() or not (cpus or "1").isdigit() or not 64 <= int(mem) <= 4 << 20:
+            raise typer.BadParameter(f"--prepare-shape {item!r}: want MIB[:VCPUS], e.g. 65536:8")
+        out.append((int(mem), int(cpus or "1")))
+    return out
+
+
 @app.command("serve")
 def serve_cmd(
     state_dir: StateDir = DEFAULT_STATE,
@@ -109,6 +119,13 @@ def serve_cmd(
     scrub_image: Annotated[
         str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
     ] = None,
+    prepare_shape: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="real MicroVMs: MIB[:VCPUS], a machine shape whose template snapshot is made at start "
+            "(repeatable); a shape with none boots cold"
+        ),
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.wire.telemetry import configure_logging
@@ -135,6 +152,7 @@ def serve_cmd(
     if addr is not None and node_token_file is None:
         raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
     token = TokenFile(node_token_file).current if node_token_file is not None else None  # re-read on change
+    shapes = _shapes(prepare_shape or [])
     if (
         tick <= 0
         or reservation_ttl <= 0
@@ -184,6 +202,8 @@ def serve_cmd(
 
         if isinstance(cubelet.shim, ProcessShimDriver):  # its fork server comes up while the host initializes
             cubelet.shim.warm()
+            if vm_start == "template":  # snapshots made now, in the background, never on a tenant's start
+                cubelet.shim.prepare_templates(shapes)
         if holder_scan_exempt_pid:
             with cubelet.store.tx() as t:
                 t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})

@@ -19,7 +19,7 @@ from cubeaccel.model.contract import ContractViolation, check_template, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.templates import load_template
 
-app = typer.Typer(no_args_is_help=True, help="accelerator templates: validate and show")
+app = typer.Typer(no_args_is_help=True, help="accelerator templates: validate, show, prepare snapshots")
 
 FileArg = typer.Argument(..., help="template file (.yaml, .yml or .json)", show_default=False)
 AsJson = typer.Option(False, "--json", help="print JSON instead of a table")
@@ -131,6 +131,68 @@ def show(file: Path = FileArg, as_json: bool = AsJson) -> None:
     problems = check_template(t)
     if problems:
         console.print(f"[yellow]{len(problems)} violation(s)[/]: run `cubeaccel template validate {escape(str(file))}`")
+
+
+def _prepare_error(e: CubeError, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps({"ok": False, **e.to_json()}, indent=2))
+    else:
+        _console(stderr=True).print(f"[red]not prepared[/]: [bold]{e.code}[/] {escape(e.message)}")
+    raise typer.Exit(1)
+
+
+@app.command("prepare")
+def prepare_cmd(
+    file: Path | None = typer.Argument(
+        None, help="a template file: its memory size and guest image", show_default=False
+    ),
+    memory_mib: int | None = typer.Option(None, "--memory-mib", min=64, help="the shape's guest memory (no FILE)"),
+    vcpus: int = typer.Option(1, "--vcpus", min=1, max=256),
+    memory_backend: str = typer.Option("ram", "--memory-backend", help="ram | memfd | hugepages"),
+    image: str | None = typer.Option(None, "--image", help="guest image digest (default: FILE's, else the newest)"),
+    as_json: bool = AsJson,
+) -> None:
+    """Make this node's template snapshot of one machine shape now, so no tenant's start waits for it.
+
+    Sandboxes of a shape with no snapshot boot cold (`start.cold_no_snapshot`); Cubelet prepares its
+    `--prepare-shape`s at start the same way."""
+    from cubeaccel.images.builder import cache_dir, find_image, latest
+    from cubeaccel.shim.template import prepare_template, shape_config
+
+    as_json = as_json or _machine()
+    digest = image
+    if file is not None:
+        try:
+            t = load_template(file)
+        except CubeError as e:
+            _load_error(file, e, as_json)
+            return
+        memory_mib, digest = t.memory_mib, image or t.guest_image_digest
+    if memory_mib is None or memory_backend not in ("ram", "memfd", "hugepages"):
+        raise typer.BadParameter("give a template FILE or --memory-mib; --memory-backend is ram, memfd or hugepages")
+    manifest = find_image(digest) if digest else latest()
+    if manifest is None:
+        err = CubeError(
+            "template.prepare_failed",
+            f"guest image {digest or '(newest)'} is not in {cache_dir() / 'images'}: run `cubeaccel image build`",
+            layer="template",
+        )
+        _prepare_error(err, as_json)
+        return
+    root = cache_dir() / "templates"
+    try:
+        cfg = shape_config(manifest, memory_mib, vcpus, root / "prepare", memory_backend)
+        state, created = prepare_template(cfg, manifest, root)
+    except CubeError as e:
+        _prepare_error(CubeError("template.prepare_failed", e.message, "template", {"cause": e.code}), as_json)
+        return
+    meta = json.loads((state.parent / "meta.json").read_text())
+    out = {"state": str(state), "created": created, **meta}
+    if as_json:
+        typer.echo(json.dumps(out, indent=2))
+    else:
+        verb = "prepared" if created else "already prepared"
+        typer.echo(f"{verb}: {memory_mib} MiB x {vcpus} vCPU ({memory_backend}) -> {state} ({meta.get('build_s')} s)")
 
 
 # ---- registered templates (CubeMaster) ------------------------------------------------------------------------

@@ -18,7 +18,7 @@ def capacity_summary(devices: list[DeviceRecord], node: str, backends: list[str]
     by_state = Counter(d.state.value for d in devices)
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     for d in devices:
-        key = (d.accel_class.value, *(d.labels.get(k, "") for k in SUMMARY_LABELS))
+        key = (d.accel_class.value, *(d.labels.get(k, "") for k in SUMMARY_LABELS), d.identity.bars)
         g = groups.setdefault(
             key,
             {
@@ -27,6 +27,7 @@ def capacity_summary(devices: list[DeviceRecord], node: str, backends: list[str]
                 "total": 0,
                 "by_state": Counter(),
                 "allocatable_by_numa": Counter(),
+                "bars": [b.to_json() for b in d.identity.bars],
             },
         )
         g["total"] += 1

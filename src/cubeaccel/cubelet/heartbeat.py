@@ -42,7 +42,7 @@ def host_state(cubelet: Cubelet) -> tuple[dict[str, Any], dict[str, Any]]:
     """Host readiness and the pinned-memory ledger, as the heartbeat and `GET /v1/host` show them."""
     with cubelet.store.read() as t:
         readiness = host_ready.current(t)
-        led = memory_ledger.ledger(t.reservations(), cubelet.config.pinnable_memory_mib)
+        led = memory_ledger.ledger(t.reservations(), cubelet.config.pinnable_memory_mib, cubelet.vmm_host)
     return readiness.to_json(), led.to_json()
 
 

@@ -29,6 +29,7 @@ from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.host import confine, netpolicy
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.meminfo import available_mib
+from cubeaccel.model.bars import Bar, port_shape
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.contract import (
     CompatibilityContract,
@@ -150,6 +151,7 @@ class Cubelet(ReleasePath):
         self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
         self.shim = shim
         self.config = config or CubeletConfig()
+        self.vmm_host = self.config.vmm_host or memory_ledger.VmmHost.here(vfio=backend.name == "vfio")
         self.lock = FairRLock()  # lifecycle decisions: held only around short transactions, never host I/O
         self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
@@ -218,7 +220,9 @@ class Cubelet(ReleasePath):
                     f"{req.count} device(s) requested, not enough allocatable matching devices",
                     details={"requested": req.count, "devices_by_state": by_state},
                 )
-            memory_ledger.admit(t, sandbox_id, params, self.config.pinnable_memory_mib)  # devices untouched yet
+            memory_ledger.admit(
+                t, sandbox_id, params, self.config.pinnable_memory_mib, self.vmm_host
+            )  # no device moved
             for d in chosen:
                 t.transition(
                     d,
@@ -388,6 +392,7 @@ class Cubelet(ReleasePath):
         with self.store.read() as t:
             res = self._reservation(t, sandbox_id)
             devs = self._sandbox_devices(t, sandbox_id)
+            node_devs = t.devices()
         shim_devs = []
         for d in devs:
             a = self.backend.attach_spec(d)
@@ -399,10 +404,13 @@ class Cubelet(ReleasePath):
                     properties=a.properties,
                     vendor_id=d.identity.vendor_id,
                     device_id_hex=d.identity.device_id,
+                    bars=d.identity.bars,
+                    numa_node=d.numa_node,
                 )
             )
         p = res.params
         contract = parse_contract(p.get("contract"))
+        admitted = [d for d in node_devs if contract is not None and not check_device(contract, d)] or devs
         fs = contract.template.sandbox.filesystem if contract is not None else FilesystemPolicy()
         net = res.checkpoint.network
         return ShimSpec(
@@ -426,6 +434,7 @@ class Cubelet(ReleasePath):
             start_id=res.checkpoint.start_id,
             image_digest=res.checkpoint.image_digest or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
+            template_bars=tuple(sorted({d.identity.bars for d in admitted if d.identity.bars}, key=_widest))[:64],
         )
 
     def _image_digest(self, res: Reservation) -> str | None:
@@ -592,3 +601,9 @@ class Cubelet(ReleasePath):
         self.get_reservation(sandbox_id)  # 404 when unknown
         self.begin_teardown(sandbox_id, reason)
         return self.store.reservation(sandbox_id)
+
+
+def _widest(bars: tuple[Bar, ...]) -> tuple[int, int]:
+    """Widest port first, so a node with more layouts than a spec carries keeps the one that matters."""
+    shape = port_shape(bars)
+    return (-shape.pref64_bytes, -shape.mem32_bytes)

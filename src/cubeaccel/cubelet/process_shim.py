@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +71,22 @@ class ProcessShimDriver:
         """Start the fork server now (a daemon's start), so even the first sandbox start is forked."""
         if self.forks is not None:
             self.forks.ensure_started()
+
+    def prepare_templates(self, shapes: list[tuple[int, int]]) -> None:
+        """Host initialization: each shape's template snapshot, one `cubeaccel template prepare` after another in
+        the background (a sandbox started meanwhile boots cold, `start.cold_no_snapshot`)."""
+        if not shapes:
+            return
+        log_path = self.dir / "template-prepare.log"
+
+        def run() -> None:
+            with open(log_path, "ab") as log:
+                for mem, cpus in shapes:
+                    argv = [self.python, "-c", "from cubeaccel.cli import main; main()", "template", "prepare"]
+                    argv += ["--memory-mib", str(mem), "--vcpus", str(cpus), "--json"]
+                    subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=False)
+
+        threading.Thread(target=run, name="template-prepare", daemon=True).start()
 
     def close(self) -> None:
         """The fork server goes (shims keep running); spawned children are not waited for."""

@@ -17,6 +17,7 @@ from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.model.start_deadlines import startup_timeout_s
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
@@ -94,7 +95,8 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair], late
     elif not st.vmm_alive:
         if st.shim_alive and not res.checkpoint.vmm_pid:
             started = res.checkpoint.started_at or 0.0
-            if float(cubelet.store.clock()) - started <= cubelet.config.startup_timeout_s:
+            limit = startup_timeout_s(int(res.params.get("memory_mib", 0)), cubelet.config.startup_timeout_s)
+            if float(cubelet.store.clock()) - started <= limit:
                 return  # the shim is still starting its VMM
             _record(cubelet, repairs, Repair(d.id, sid, "teardown", "the shim did not start a VMM in time"))
             later.append(_teardown(cubelet, res.sandbox_id, "reconcile.startup_timeout", kill=True))

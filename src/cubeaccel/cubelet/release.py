@@ -18,6 +18,7 @@ from typing import Any
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
+from cubeaccel.cubelet.memory_ledger import VmmHost
 from cubeaccel.cubelet.scrub import DEFAULT_POLICY, ScrubOutcome, ScrubPolicy, ScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
@@ -40,9 +41,10 @@ class CubeletConfig:
     reservation_ttl_s: float = 300.0  # a reservation whose sandbox never starts expires
     default_lifetime_s: float = 24 * 3600.0  # a started sandbox that named no lifetime is torn down after this
     release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
-    startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down
+    startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down (more for large guests)
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
     pinnable_memory_mib: int | None = None  # lockable guest memory to advertise; None: MemAvailable
+    vmm_host: VmmHost | None = None  # what shapes a VMM's locked memory here; None: read from this host
     # Sandbox networks (host/netpolicy.py): each sandbox's veth /30 comes from `network_pool`; its uplink end goes
     # into `network_uplink_netns` (None: the host's namespace, where the operator routes the pool onward).
     network_pool: str = "100.96.0.0/16"

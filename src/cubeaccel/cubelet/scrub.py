@@ -148,6 +148,7 @@ class ProcessScrubRunner:
                         "properties": attach.properties,
                         "vendor_id": device.identity.vendor_id,
                         "device_id_hex": device.identity.device_id,
+                        "bars": [b.to_json() for b in device.identity.bars],
                     }
                 ],
                 "memory_mib": SCRUB_VM_MEMORY_MIB,

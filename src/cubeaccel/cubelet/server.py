@@ -30,7 +30,7 @@ from cubeaccel.cubelet.store import Reservation
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.throttle import Throttle
 from cubeaccel.host.unix_path import connect_path
-from cubeaccel.model.cold_start import cold_start_phases
+from cubeaccel.model.cold_start import cold_start_phases, start_path
 from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -360,7 +360,8 @@ def _release_json(cubelet: Cubelet, sandbox_id: str, res: Reservation | None, lo
 def dashboard_json(cubelet: Cubelet, n_events: int) -> dict[str, Any]:
     sandboxes = []
     for r in cubelet.store.reservations():
-        trail = [(e.kind, e.event, e.at) for e in cubelet.store.events(0, 10000, sandbox_id=r.sandbox_id)]
+        events = cubelet.store.events(0, 10000, sandbox_id=r.sandbox_id)
+        trail = [(e.kind, e.event, e.at) for e in events]
         sandboxes.append(
             {
                 "sandbox_id": r.sandbox_id,
@@ -368,6 +369,7 @@ def dashboard_json(cubelet: Cubelet, n_events: int) -> dict[str, Any]:
                 "device_ids": r.device_ids,
                 "created_at": r.created_at,
                 "phases": cold_start_phases(trail),
+                "start": start_path((e.kind, e.event, e.details) for e in events),
             }
         )
     return {

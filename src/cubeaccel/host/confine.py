@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.pinned_memory import LockedGuest, vmm_locked
 
 CAP_IPC_LOCK = 14
 CAP_SYS_RESOURCE = 24
@@ -32,8 +33,6 @@ ENV_MEMLOCK = "CUBEACCEL_VMM_MEMLOCK"  # auto | rlimit | cap_ipc_lock
 # Test fault: verification expects another uid than the VMM got, so a start is refused on a real /proc reading.
 # It can only make a start fail, never let an unconfined VMM pass.
 ENV_FAULT = "CUBEACCEL_VMM_CONFINE_FAULT"
-QEMU_LOCK_OVERHEAD_MIB = 512  # QEMU's own mappings under mlockall: ~400 MiB measured (libraries, arenas, stacks)
-TCG_TB_MIB = 64  # `-accel tcg,tb-size=64`: the translation cache is locked too
 
 
 def confine_error(code: str, message: str, **details: Any) -> CubeError:
@@ -151,14 +150,10 @@ def memlock_mode(policy: ConfinePolicy, pin_memory: bool, caps: dict[str, int] |
     return None
 
 
-def memlock_limit_bytes(memory_mib: int, accel: str, vfio: bool, mlock: bool = True) -> int:
-    """What the VMM locks: guest RAM (counted twice with VFIO and mlock: type1 pinning and mlock both charge
-    locked_vm), and under mlockall also TCG's translation cache and QEMU's own mappings (it locks all it maps)."""
-    if not mlock:
-        return memory_mib * 1024 * 1024 if vfio else 0
-    guest = memory_mib * (2 if vfio else 1)
-    tb = TCG_TB_MIB if accel != "kvm" else 0
-    return (guest + tb + QEMU_LOCK_OVERHEAD_MIB) * 1024 * 1024
+def memlock_limit_bytes(guest: LockedGuest) -> int:
+    """The VMM's RLIMIT_MEMLOCK: what the ledger's `rlimit_mib` says (model/pinned_memory.py), so a sandbox the
+    ledger admitted is never one whose VMM then fails to lock."""
+    return vmm_locked(guest).rlimit_mib * 1024 * 1024
 
 
 def expected_caps(mode: str) -> int:

@@ -44,3 +44,33 @@ def detect_accel(dev: Path = Path("/dev/kvm"), sys_module: Path = Path("/sys/mod
     if hw:
         return "kvm", f"hardware KVM ({', '.join(hw)})"
     return "tcg", "neither kvm_intel nor kvm_amd is loaded"
+
+
+def host_phys_bits(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
+    """The CPU's physical address width (`address sizes : 46 bits physical, ...`): under KVM a guest's addresses,
+    and so the BARs it can place, can reach no further. None when the kernel does not say."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "address sizes":
+            words = value.split()
+            return int(words[0]) if words and words[0].isdigit() else None
+    return None
+
+
+def host_cpus() -> int:
+    """CPUs this process may run on (its affinity, not the machine's count): what a preallocation pool gets."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except OSError:
+        return max(1, os.cpu_count() or 1)
+
+
+def numa_nodes(sys_root: Path = Path("/sys")) -> tuple[int, ...]:
+    """The host's online NUMA nodes (one, `(0,)`, on a machine without NUMA)."""
+    base = sys_root / "devices" / "system" / "node"
+    found = sorted(int(p.name[4:]) for p in base.glob("node[0-9]*") if p.name[4:].isdigit())
+    return tuple(found) or (0,)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from cubeaccel.model.bars import Bar
 from cubeaccel.model.device import DeviceIdentity, PciAddress
 from cubeaccel.model.errors import CubeError
 
@@ -47,7 +48,7 @@ class PciFunction:
     iommu_group: int | None = None
     driver: str | None = None
     driver_override: str | None = None
-    bar_sizes: tuple[int, ...] = ()
+    bars: tuple[Bar, ...] = ()
     link_speed: str | None = None
     link_width: str | None = None
     sriov_totalvfs: int | None = None
@@ -69,6 +70,7 @@ class PciFunction:
             class_code=self.class_code,
             revision=self.revision,
             serial=self.serial,
+            bars=self.bars,
         )
 
     @property
@@ -125,7 +127,7 @@ def function_json(f: PciFunction) -> dict[str, Any]:
         "iommu_group": f.iommu_group,
         "driver": f.driver,
         "driver_override": f.driver_override,
-        "bar_sizes": list(f.bar_sizes),
+        "bars": [b.to_json() for b in f.bars],
         "link": {"speed": f.link_speed, "width": f.link_width},
         "sriov": {"totalvfs": f.sriov_totalvfs, "numvfs": f.sriov_numvfs},
         "reset_method": list(f.reset_method),

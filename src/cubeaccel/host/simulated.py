@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.host.pci import Holder, PciFunction, host_error
+from cubeaccel.model.bars import Bar, BarKind
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import invalid
 
@@ -30,15 +31,25 @@ class SimProfile:
     device_id: int
     class_code: int
     subsystem_device_id: int
-    bar_sizes: tuple[int, ...]
+    bars: tuple[Bar, ...]
     native_driver: str | None
 
 
+def _gpu_bars(bar1: int) -> tuple[Bar, ...]:
+    """An NVIDIA data-center GPU's layout: BAR0 registers, BAR1 the memory aperture, BAR3 32 MiB, BAR5 I/O."""
+    return (
+        Bar(0, 16 << 20, BarKind.MEM32),
+        Bar(1, bar1, BarKind.MEM64, prefetch=True),
+        Bar(3, 32 << 20, BarKind.MEM64, prefetch=True),
+        Bar(5, 128, BarKind.IO),
+    )
+
+
 PROFILES: dict[str, SimProfile] = {
-    "h100": SimProfile(0x10DE, 0x2330, 0x030200, 0x16C1, (16 << 20, 128 << 30, 32 << 20), "nvidia"),
-    "a100": SimProfile(0x10DE, 0x20B2, 0x030200, 0x1463, (16 << 20, 128 << 30, 32 << 20), "nvidia"),
-    "t4": SimProfile(0x10DE, 0x1EB8, 0x030200, 0x12A2, (16 << 20, 256 << 20, 32 << 20), "nvidia"),
-    "edu": SimProfile(0x1234, 0x11E8, 0x00FF00, 0x1100, (1 << 20,), None),
+    "h100": SimProfile(0x10DE, 0x2330, 0x030200, 0x16C1, _gpu_bars(128 << 30), "nvidia"),
+    "a100": SimProfile(0x10DE, 0x20B2, 0x030200, 0x1463, _gpu_bars(128 << 30), "nvidia"),
+    "t4": SimProfile(0x10DE, 0x1EB8, 0x030200, 0x12A2, _gpu_bars(256 << 20), "nvidia"),
+    "edu": SimProfile(0x1234, 0x11E8, 0x00FF00, 0x1100, (Bar(0, 1 << 20, BarKind.MEM32),), None),
 }
 
 _PART = re.compile(r"(?:(\d{1,3})x([a-z0-9]+)|([a-z0-9]+?)x(\d{1,3})|([a-z0-9]+))")
@@ -116,7 +127,7 @@ class SimulatedPciHost:
                 "numa_node": 0 if i < half else 1,
                 "iommu_group": 20 + i,
                 "driver": p.native_driver,
-                "bar_sizes": list(p.bar_sizes),
+                "bars": [b.to_json() for b in p.bars],
                 "serial": f"SIM-{name.upper()}-{i:04d}",
             }
         return {
@@ -274,7 +285,7 @@ class SimulatedPciHost:
             numa_node=raw["numa_node"],
             iommu_group=raw["iommu_group"],
             driver=raw["driver"],
-            bar_sizes=tuple(raw["bar_sizes"]),
+            bars=tuple(Bar.from_json(b) for b in raw.get("bars", ())),
             reset_method=("flr", "bus"),
             aer_fatal=0,
             aer_nonfatal=0,

@@ -34,9 +34,9 @@ from cubeaccel.host.sysfs_parse import (
     parse_hex,
     parse_int,
     parse_reset_method,
-    parse_resource,
     valid_driver_name,
 )
+from cubeaccel.model.bars import parse_resource
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import invalid
 
@@ -171,7 +171,7 @@ class SysfsPciHost:
             iommu_group=int(group) if group is not None and group.isdigit() else None,
             driver=driver_from_link(driver),
             driver_override=parse_driver_override(self._read(address, "driver_override")),
-            bar_sizes=parse_resource(self._read(address, "resource")),
+            bars=parse_resource(self._read(address, "resource")),
             link_speed=(self._read(address, "current_link_speed") or "").strip() or None,
             link_width=(self._read(address, "current_link_width") or "").strip() or None,
             sriov_totalvfs=parse_int(self._read(address, "sriov_totalvfs")),

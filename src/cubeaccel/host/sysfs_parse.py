@@ -64,27 +64,6 @@ def parse_driver_override(text: str | None) -> str | None:
     return value
 
 
-def parse_resource(text: str | None) -> tuple[int, ...]:
-    """BAR sizes from the `resource` file: one `start end flags` line per resource.
-
-    The first six lines are BAR0..BAR5 (line 7 is the expansion ROM, then bridge windows); an unused
-    BAR prints all zeros and gets size 0. Sizes are `end - start + 1`.
-    """
-    if text is None:
-        return ()
-    sizes: list[int] = []
-    for line in text.splitlines()[:6]:
-        parts = line.split()
-        if len(parts) != 3:
-            return ()
-        try:
-            start, end = int(parts[0], 16), int(parts[1], 16)
-        except ValueError:
-            return ()
-        sizes.append(end - start + 1 if end > start else 0)
-    return tuple(sizes)
-
-
 def parse_reset_method(text: str | None) -> tuple[str, ...]:
     """`flr bus` → ("flr", "bus"). Absent or empty → (): the kernel then has no `reset` attribute."""
     if text is None:

@@ -7,7 +7,21 @@ next phase starts from the one before, so the phases always add up to `total`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+# Why a start booted cold instead of restoring its machine shape's template snapshot (error_catalog.py).
+COLD_NO_SNAPSHOT = "start.cold_no_snapshot"  # none was prepared for this shape on this node
+COLD_POLICY_DEVICES = "start.cold_policy_devices"  # a NIC, scratch disk or mount: not the snapshot's machine
+COLD_CONFIGURED = "start.cold_configured"  # the node starts every sandbox cold (`--vm-start cold`)
+
+
+def cold_start_reason(start: str, policy_devices: bool) -> str | None:
+    """Before any lookup: the reason a start will boot cold whatever the node holds, or None (look one up)."""
+    if policy_devices:
+        return COLD_POLICY_DEVICES
+    return COLD_CONFIGURED if start != "template" else None
+
 
 # (phase name, event kind, shim report or transition event, last occurrence counts)
 MILESTONES: tuple[tuple[str, str, str | None, bool], ...] = (
@@ -47,3 +61,17 @@ def cold_start_phases(events: Iterable[tuple[str, str | None, float]]) -> dict[s
             prev = seen[name]
     out["total"] = max(0.0, seen["ready"] - t0)
     return out
+
+
+def start_path(events: Iterable[tuple[str, str | None, Mapping[str, Any]]]) -> dict[str, str | None]:
+    """How the latest start brought its VM up: `{"path": "template"|"cold", "reason": code|None}` from its
+    `vm_started` report; empty before one. A cold start always names its reason."""
+    found: dict[str, str | None] = {}
+    for kind, event, details in events:
+        if kind == "reservation_created":
+            found = {}
+        elif kind == "shim_report" and event == "vm_started":
+            path = str(details.get("start") or "cold")
+            reason = details.get("cold_reason")
+            found = {"path": path, "reason": str(reason) if reason else None}
+    return found

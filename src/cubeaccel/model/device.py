@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from cubeaccel.model.bars import Bar
 from cubeaccel.model.errors import invalid
 from cubeaccel.model.states import DeviceState
 
@@ -70,7 +71,10 @@ class AcceleratorClass(StrEnum):
 
 @dataclass(frozen=True)
 class DeviceIdentity:
-    """What must not change for a device to be 'the same device' across restarts and resets."""
+    """What must not change for a device to be 'the same device' across restarts and resets.
+
+    `bars` (read from sysfs `resource` at discovery) ride with the identity, stored once with it, but do not
+    decide sameness: a record written before they were read has none, and that is not a different card."""
 
     vendor_id: int
     device_id: int
@@ -79,6 +83,7 @@ class DeviceIdentity:
     class_code: int = 0
     revision: int = 0
     serial: str | None = None
+    bars: tuple[Bar, ...] = field(default=(), compare=False)
 
     @property
     def vendor_device(self) -> str:
@@ -93,6 +98,7 @@ class DeviceIdentity:
             "class_code": f"{self.class_code:06x}",
             "revision": f"{self.revision:02x}",
             "serial": self.serial,
+            "bars": [b.to_json() for b in self.bars],
         }
 
     @classmethod
@@ -105,6 +111,7 @@ class DeviceIdentity:
             class_code=int(data.get("class_code", "0"), 16),
             revision=int(data.get("revision", "0"), 16),
             serial=data.get("serial"),
+            bars=tuple(Bar.from_json(b) for b in data.get("bars") or ()),
         )
 
 

@@ -165,6 +165,8 @@ CODES: tuple[CodeInfo, ...] = (
     # ---- shim, VMM, attach (sandbox failures) ----
     _c("attach.device_add_failed", None, "backend", "failure: the VMM refused to hot-plug the device"),
     _c("attach.not_visible_in_guest", None, "guest_kernel", "failure: the hot-plugged device never showed up"),
+    _c("attach.bar_unassigned", None, "backend", "failure: the guest could not place a BAR at its size (details.bar)"),
+    _c("attach.bars_unverifiable", None, "backend", "failure: the guest agent cannot report BARs (an older image)"),
     _c("shim.coldplug_unsupported", None, "backend", "failure: template expects cold-plug; the shim hot-plugs"),
     _c("shim.image_not_found", None, "template", "failure: the pinned guest image is not on this node"),
     _c("shim.internal_error", None, "cubelet", "failure: the shim crashed (a bug or a hostile guest reply)"),
@@ -179,6 +181,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("lifecycle.snapshot_with_device", 409, "backend", "a VM holding a device is never saved as a template state"),
     _c("lifecycle.unknown_operation", 409, "backend", "a lifecycle operation cubeaccel does not know"),
     _c("lifecycle.unsupported_for_accelerator", 409, "backend", "pause/snapshot/migrate refused for GPU sandboxes"),
+    _c("vmm.address_space_exceeded", None, "backend", "failure: the BARs need more guest address bits than exist"),
     _c("vmm.hotplug_unsupported", None, "backend", "failure: this node's VMM cannot hot-plug PCI devices"),
     _c("vmm.not_started", None, "backend", "the VMM driver was used before start (a bug)"),
     _c("vmm.qemu_missing", None, "backend", "failure: qemu-system-x86_64 is not installed"),
@@ -330,6 +333,10 @@ CODES: tuple[CodeInfo, ...] = (
     _c("compat.userspace_driver_version_mismatch", None, "userspace_driver", "failure: a library has another version"),
     _c("compat.userspace_driver_version_unknown", None, "userspace_driver", "failure: a library version is unreadable"),
     # ---- templates and stored contracts ----
+    _c("start.cold_no_snapshot", None, "template", "start path: no snapshot of this shape prepared; cold"),
+    _c("start.cold_policy_devices", None, "template", "start path: NIC, disk or mount: another machine; cold"),
+    _c("start.cold_configured", None, "template", "start path: the node starts every sandbox cold (--vm-start cold)"),
+    _c("template.prepare_failed", None, "template", "CLI / host init: a shape's template snapshot could not be made"),
     _c("template.invalid", 422, "template", "registration refused: stage 1 fails (layer: the violation's)"),
     _c("template.invalid_document", 422, "template", "a stored template document is missing a section"),
     _c("template.invalid_encoding", 422, "template", "the template file is not UTF-8"),

@@ -28,7 +28,14 @@ class DeviceProfile:
     cuda: bool
 
 
-VENDOR_NAMES: dict[int, str] = {0x10DE: "nvidia", 0x1002: "amd", 0x8086: "intel", 0x1234: "qemu", 0x1AF4: "virtio"}
+VENDOR_NAMES: dict[int, str] = {
+    0x10DE: "nvidia",
+    0x1002: "amd",
+    0x8086: "intel",
+    0x1234: "qemu",
+    0x1B36: "qemu",
+    0x1AF4: "virtio",
+}
 
 PROFILES: dict[tuple[int, int], DeviceProfile] = {
     (0x10DE, 0x2330): DeviceProfile("nvidia", "H100-SXM5-80GB", 80, "hopper", True),
@@ -46,6 +53,7 @@ PROFILES: dict[tuple[int, int], DeviceProfile] = {
     (0x10DE, 0x1EB8): DeviceProfile("nvidia", "T4-16GB", 16, "turing", True),
     (0x10DE, 0x2901): DeviceProfile("nvidia", "B200-180GB", 180, "blackwell", True),
     (0x1234, 0x11E8): DeviceProfile("qemu", "edu", 0, "emulated", False),
+    (0x1B36, 0x0005): DeviceProfile("qemu", "pci-testdev", 0, "emulated", False),
 }
 
 

@@ -19,15 +19,24 @@ from dataclasses import replace
 from types import FrameType
 
 from cubeaccel.host import netpolicy, scratch
+from cubeaccel.host.hypervisor import host_cpus, numa_nodes
 from cubeaccel.host.private import private_umask
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
+from cubeaccel.model.bars import (
+    human_bytes,
+    parse_resource_lines,
+    unassigned_bars,
+)
+from cubeaccel.model.cold_start import COLD_NO_SNAPSHOT, cold_start_reason
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
+from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
 from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
+from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
@@ -39,6 +48,7 @@ from cubeaccel.wire.telemetry import configure_logging, set_request_id
 
 PIN_PROOF_TIMEOUT_S = 5.0
 VISIBLE_TIMEOUT_S = 10.0
+BAR_SETTLE_S = 3.0  # from the function's appearance to every BAR placed (ms in practice; only a failure waits)
 AGENT_SHUTDOWN_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
 SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
@@ -71,7 +81,9 @@ class Shim:
         self.added: dict[str, DeviceSpec] = {}  # qdev id → device, once device_add was accepted
         self.guest_addresses: dict[str, str] = {}  # device id → where the guest saw it appear
         self._known: set[str] | None = None  # guest PCI addresses before our hot-plugs, when the agent waits
+        self._agent_methods: frozenset[str] = frozenset()
         self.timeline: dict[str, float] = {}
+        self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s)
         self._stop = False
         self.console = ConsoleCap(spec.run_dir / CONSOLE_LOG)  # the guest's one unbounded output, capped
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
@@ -168,21 +180,7 @@ class Shim:
         return cfg
 
     def _vm_config(self, manifest: Manifest) -> VmConfig:
-        return VmConfig(
-            sandbox_id=self.spec.sandbox_id,
-            memory_mib=self.spec.memory_mib,
-            vcpus=self.spec.vcpus,
-            pin_memory=self.spec.pin_memory,
-            kernel=manifest.path(manifest.vmlinux),
-            initrd=manifest.path(manifest.initrd),
-            cmdline=manifest.cmdline,
-            state_dir=self.spec.run_dir,
-            device_ids=tuple(d.device_id for d in self.spec.devices),
-            memory_backend=self.spec.memory_backend,
-            vfio_hosts=tuple(
-                h for d in self.spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))
-            ),
-        )
+        return vm_config(self.spec, manifest, host_cpus(), numa_nodes())
 
     def _start(self) -> None:
         spec = self.spec
@@ -206,13 +204,13 @@ class Shim:
         cfg = self._policy_devices(self._vm_config(manifest))
         t = time.monotonic()
         restore = None
+        cold_reason: str | None = cold_start_reason(spec.start, spec.policy_devices)
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
-            if spec.start == "template" and not spec.policy_devices:  # NIC/disk/mount: another machine
-                restore, created = lease.enter_context(
-                    template_lease(cfg, manifest, cache_dir() / "templates", spec.boot_timeout_s)
-                )
-                t = self._phase("template_create_s" if created else "template_lookup_s", t)
-            vmm = QemuVmm(cfg, restore_from=restore)
+            if cold_reason is None:  # only looked up: a snapshot is never made on a tenant's start
+                restore = lease.enter_context(template_lease(cfg, manifest, cache_dir() / "templates"))
+                cold_reason = None if restore is not None else COLD_NO_SNAPSHOT
+                t = self._phase("template_lookup_s", t)
+            vmm = QemuVmm(cfg, restore_from=restore, deadlines=self.deadlines)
             try:
                 vmm.start()
             except OSError as e:
@@ -238,7 +236,8 @@ class Shim:
             vmm=vmm.kind,
             accel=vmm.accel,
             accel_reason=vmm.accel_reason,
-            start=spec.start,
+            start="cold" if restore is None else "template",
+            cold_reason=cold_reason,
             image_digest=manifest.image_digest,
             kernel_release=manifest.kernel_release,
             image_mismatches=mismatches,
@@ -254,7 +253,9 @@ class Shim:
         self._check_stop()
         self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
         agent.connect(10.0)
-        hello = agent.wait_hello(spec.boot_timeout_s, cancelled=lambda: self._stop)
+        hello = agent.wait_hello(self.deadlines.guest_ready_s, cancelled=lambda: self._stop)
+        methods = hello.get("methods")
+        self._agent_methods = frozenset(str(m) for m in methods) if isinstance(methods, list) else frozenset()
         self._check_stop()
         t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
         self.reporter.report(K.GUEST_READY, agent=hello)
@@ -347,15 +348,69 @@ class Shim:
             time.sleep(0.02)
         if self._known is not None:
             self._known.add(str(seen[0].get("address")))
-        self.guest_addresses[dev.device_id] = str(seen[0].get("address"))
+        address = str(seen[0].get("address"))
+        self.guest_addresses[dev.device_id] = address
+        placed = self._confirm_bars(agent, dev, address, slot=index)
         self.reporter.report(
             K.DEVICE_ATTACHED,
             (dev.device_id,),
             qdev_id=qid,
             bus=att.bus,
-            guest_address=seen[0].get("address"),
+            guest_address=address,
             vendor_device=dev.vendor_device,
+            bars=[b.to_json() for b in dev.bars],
+            guest_bars=placed,
             hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
+        )
+
+    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[dict[str, object]]:
+        """Attached means usable: the guest placed every memory BAR at its size, read from its own `resource`.
+
+        The kernel may still be placing them when the function appears, so the guest is asked again until
+        `BAR_SETTLE_S`; a BAR it found no room for reads as zeros for good. Returns where the guest placed them."""
+        if not dev.bars:
+            return []  # a record from before BARs were read: vendor:device is all there is to check
+        if "pci_resources" not in self._agent_methods:
+            raise CubeError(
+                "attach.bars_unverifiable",
+                f"the guest agent cannot report the BARs of {dev.vendor_device}; this image predates the check",
+                layer="backend",
+                details={"device_id": dev.device_id, "guest_address": address},
+                status=500,
+            )
+        deadline = time.monotonic() + BAR_SETTLE_S
+        while True:
+            reply = agent.call("pci_resources", {"address": address}, timeout_s=10.0, cancel_fd=self._wake_r)
+            resource = reply.get("resource")
+            text = resource if isinstance(resource, str) else None
+            misses = unassigned_bars(dev.bars, text)
+            if not misses:
+                lines = {line.index: line for line in parse_resource_lines(text)}
+                return [
+                    {"bar": f"BAR{b.index}", "start": f"0x{lines[b.index].start:x}", "size": lines[b.index].size}
+                    for b in dev.bars
+                    if b.index in lines and lines[b.index].assigned
+                ]
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        port = self.vmm.cfg.machine.ports[slot] if self.vmm is not None else None
+        first = misses[0]
+        raise CubeError(
+            "attach.bar_unassigned",
+            f"the guest could not place {first.bar.name} of {dev.vendor_device} at {address}: {first.reason}"
+            + (f"; its root port reserved {human_bytes(port.pref64_bytes)} prefetchable" if port else ""),
+            layer="backend",
+            details={
+                "device_id": dev.device_id,
+                "guest_address": address,
+                "bar": f"BAR{first.bar.index}",
+                "bars": [m.to_json() for m in misses],
+                "root_port": None
+                if port is None
+                else {"pref64_bytes": port.pref64_bytes, "mem32_bytes": port.mem32_bytes},
+            },
+            status=500,
         )
 
     @staticmethod

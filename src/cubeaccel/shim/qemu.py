@@ -31,11 +31,14 @@ from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from cubeaccel.host import childenv, confine
 from cubeaccel.host import vmmproc as find
-from cubeaccel.host.hypervisor import detect_accel, find_qemu
+from cubeaccel.host.hypervisor import detect_accel, find_qemu, host_phys_bits, numa_nodes
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
+from cubeaccel.model.bars import DEFAULT_MEM32_WINDOW, DEFAULT_PHYS_BITS, DEFAULT_PREF64_WINDOW
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.mux import WORKLOAD_PORT_NAME
+from cubeaccel.model.pinned_memory import TCG_CACHE_MIB, LockedGuest
+from cubeaccel.model.start_deadlines import StartDeadlines, start_deadlines
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.confined import VMM_ROOT_DIR, VmmExposure, launch_argv, vmm_exposure
 from cubeaccel.shim.console import CONSOLE_LOG, open_console
@@ -46,6 +49,7 @@ QMP_TIMEOUT_S = 10.0
 SANDBOX_ARG = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 SOCKETS = ("qmp.sock", "qmp-aux.sock", "agent.sock", "workload-vmm.sock")
 MIGRATION_FD = "migration"
+PREALLOC_CONTEXT = "tc0"
 
 
 @dataclass(frozen=True)
@@ -73,8 +77,13 @@ def qemu_binary() -> str:
 
 
 def memory_object(cfg: VmConfig) -> str:
-    """The guest RAM backend: always preallocated; memfd/hugepages when the spec asks for them."""
+    """The guest RAM backend: always preallocated (by `prealloc_threads` threads); memfd/hugepages when the spec
+    asks for them; on a NUMA host, bound to the devices' node, touched by threads running there."""
     size = f"id=m0,size={cfg.memory_mib}M,prealloc=on"
+    if cfg.prealloc_threads > 1:
+        size += f",prealloc-threads={cfg.prealloc_threads}"
+    if cfg.host_node is not None:
+        size += f",host-nodes={cfg.host_node},policy=bind,prealloc-context={PREALLOC_CONTEXT}"
     if cfg.memory_backend == "memfd":
         return f"memory-backend-memfd,{size}"
     if cfg.memory_backend == "hugepages":
@@ -82,12 +91,38 @@ def memory_object(cfg: VmConfig) -> str:
     return f"memory-backend-ram,{size}"
 
 
+def memory_argv(cfg: VmConfig) -> list[str]:
+    """The backend, after the thread context its pool is created from (QEMU creates that one before `-sandbox`
+    forbids setting CPU affinity)."""
+    ctx = (
+        []
+        if cfg.host_node is None
+        else ["-object", f"thread-context,id={PREALLOC_CONTEXT},node-affinity={cfg.host_node}"]
+    )
+    return [*ctx, "-object", memory_object(cfg)]
+
+
+def locked_guest(cfg: VmConfig, accel: str, numa_host: bool) -> LockedGuest:
+    """What this machine locks, in the terms Cubelet's ledger charges (model/pinned_memory.py)."""
+    return LockedGuest(
+        memory_mib=cfg.memory_mib,
+        vcpus=cfg.vcpus,
+        mlock=cfg.pin_memory,
+        vfio=bool(cfg.vfio_hosts),
+        tcg=accel != "kvm",
+        prealloc_threads=cfg.prealloc_threads,
+        numa_host=numa_host or cfg.host_node is not None,
+    )
+
+
 def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | None = None) -> list[str]:
     """The full QEMU command line. Pure: unit tests read it, and template save/restore must produce the same one.
     `fds`: the descriptors `QemuVmm.start` made; without them, placeholders (the command line's shape only)."""
     sd = cfg.state_dir
     fds = fds or SHAPE_FDS
-    cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={cfg.bar_window_gib}G"
+    shape = cfg.machine
+    widest = max((p.pref64_bytes for p in shape.ports), default=DEFAULT_PREF64_WINDOW)
+    cmdline = f"{cfg.cmdline} pci=hpmmioprefsize={_size(widest)}"
     if extra := cfg.guest_cmdline():
         cmdline += " " + extra
     argv = [
@@ -96,14 +131,15 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
         find.name_arg(cfg.sandbox_id),
         "-machine",
         "q35,memory-backend=m0",
+        "-global",
+        f"q35-pcihost.pci-hole64-size={_size(shape.hole64_bytes)}",
         "-accel",
-        "kvm" if accel == "kvm" else "tcg,tb-size=64",
+        "kvm" if accel == "kvm" else f"tcg,tb-size={TCG_CACHE_MIB}",
         "-smp",
         str(cfg.vcpus),
         "-m",
         f"{cfg.memory_mib}M",
-        "-object",
-        memory_object(cfg),
+        *memory_argv(cfg),
         "-nodefaults",
         "-no-user-config",
         "-display",
@@ -148,19 +184,30 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
         "-sandbox",
         SANDBOX_ARG,
     ]
-    if accel == "kvm":
-        argv += ["-cpu", "host"]
+    if accel == "kvm":  # the host's address width, checked against the shape before start
+        argv += ["-cpu", "host,host-phys-bits=on"]
+    elif shape.phys_bits != DEFAULT_PHYS_BITS:
+        argv += ["-cpu", f"qemu64,phys-bits={shape.phys_bits}"]
     if cfg.pin_memory:
         argv += ["-overcommit", "mem-lock=on"]
-    for i in range(cfg.root_ports):
+    for i, port in enumerate(shape.ports):
+        mem = f",mem-reserve={_size(port.mem32_bytes)}" if port.mem32_bytes != DEFAULT_MEM32_WINDOW else ""
         argv += [
             "-device",
-            f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={cfg.bar_window_gib}G",
+            f"pcie-root-port,id=rp{i + 1},chassis={i + 1},slot={i + 1},pref64-reserve={_size(port.pref64_bytes)}{mem}",
         ]
     argv += policy_argv(cfg)
     if incoming:
         argv += ["-incoming", "defer"]
     return argv
+
+
+def _size(n: int) -> str:
+    """A byte count as QEMU and the kernel's memparse both read it (`2G`, `128M`, or plain bytes)."""
+    for suffix, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if n % (1 << shift) == 0:
+            return f"{n >> shift}{suffix}"
+    return str(n)
 
 
 def _opt(value: str) -> str:
@@ -216,9 +263,14 @@ class QemuVmm:
     kind = "qemu"
 
     def __init__(
-        self, cfg: VmConfig, restore_from: Path | None = None, policy: confine.ConfinePolicy | None = None
+        self,
+        cfg: VmConfig,
+        restore_from: Path | None = None,
+        policy: confine.ConfinePolicy | None = None,
+        deadlines: StartDeadlines | None = None,
     ) -> None:
         self.cfg = cfg
+        self.deadlines = deadlines or start_deadlines(cfg.memory_mib)
         self.restore_from = restore_from
         self.policy = policy or confine.ConfinePolicy.from_env()
         self.accel, self.accel_reason = detect_accel()
@@ -264,9 +316,21 @@ class QemuVmm:
             raise
         return mode, lease, exposure
 
+    def _check_address_bits(self) -> None:
+        """Under KVM the guest has the host CPU's address width: BARs beyond it cannot be placed at all."""
+        host = host_phys_bits() if self.accel == "kvm" else None
+        if host is not None and self.cfg.machine.phys_bits > host:
+            raise vmm_error(
+                "vmm.address_space_exceeded",
+                f"the devices' BARs need {self.cfg.machine.phys_bits} physical address bits; this CPU has {host}",
+                needed=self.cfg.machine.phys_bits,
+                host=host,
+            )
+
     def start(self) -> None:
         sd = self.cfg.state_dir
         sd.mkdir(parents=True, exist_ok=True)
+        self._check_address_bits()
         self.memlock_mode, self.lease, self.exposure = mode, lease, exposure = self._confinement()
         listeners: list[socket.socket] = []
         console = -1
@@ -276,11 +340,10 @@ class QemuVmm:
             qmp, aux, agent, workload = (s.fileno() for s in listeners)
             fds = VmmFds(qmp, aux, agent, workload, console)
             argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None, fds=fds)
-            vfio = bool(self.cfg.vfio_hosts)
             memlock = (
                 None
                 if mode == "none"
-                else confine.memlock_limit_bytes(self.cfg.memory_mib, self.accel, vfio, mlock=self.cfg.pin_memory)
+                else confine.memlock_limit_bytes(locked_guest(self.cfg, self.accel, len(numa_nodes()) > 1))
             )
             launch = exposure.config(
                 sd / VMM_ROOT_DIR, lease.uid, lease.gid, memlock, memlock_required=mode == "rlimit"
@@ -381,7 +444,8 @@ class QemuVmm:
 
     def _connect(self, t0: float) -> None:
         """The socket listens from the start (the shim made it): connect, then wait for QEMU's greeting."""
-        deadline = t0 + 60.0  # prealloc of large guests under cold host memory takes seconds per GiB
+        wait_s = self.deadlines.vmm_ready_s  # every page is touched before QEMU answers: seconds per GiB when cold
+        deadline = t0 + wait_s
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
@@ -392,7 +456,12 @@ class QemuVmm:
                 if self.poll_exit() is not None:
                     raise self._early_exit()
                 if time.monotonic() > deadline:
-                    raise vmm_error("vmm.qmp_timeout", "QMP socket did not answer within 60 s")
+                    raise vmm_error(
+                        "vmm.qmp_timeout",
+                        f"QMP socket did not answer within {wait_s:.0f} s ({self.cfg.memory_mib} MiB preallocated)",
+                        memory_mib=self.cfg.memory_mib,
+                        timeout_s=wait_s,
+                    )
         except BaseException:
             sock.close()
             raise
@@ -442,13 +511,13 @@ class QemuVmm:
     def _restore(self, state: Path) -> None:
         self._send_fd(state, os.O_RDONLY)
         self.qmp("migrate-incoming", uri=f"fd:{MIGRATION_FD}")
-        self._wait_status({"paused", "postmigrate"}, 60.0)
+        self._wait_status({"paused", "postmigrate"}, self.deadlines.migrate_s)
         mig = self.qmp("query-migrate")
         if mig.get("status") not in (None, "completed"):
             raise vmm_error("vmm.restore_failed", f"restore from {state}: migration {mig.get('status')}")
         self.qmp("cont")
 
-    def save_state(self, dest: Path, timeout_s: float = 60.0) -> None:
+    def save_state(self, dest: Path, timeout_s: float | None = None) -> None:
         """Pause and write the VM's state to `dest`. Refused while any device is attached, by our own record or
         by QEMU's answer before and after the migration (the state file is then never put in place)."""
         if self._attached:
@@ -465,7 +534,7 @@ class QemuVmm:
         try:
             self._send_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             self.qmp("migrate", uri=f"fd:{MIGRATION_FD}")
-            deadline = time.monotonic() + timeout_s
+            deadline = time.monotonic() + (self.deadlines.migrate_s if timeout_s is None else timeout_s)
             while True:
                 status = self.qmp("query-migrate").get("status")
                 if status == "completed":

@@ -3,6 +3,11 @@
 The template's machine (memory size, vCPUs, root ports and their windows, accel, image) is part of its key, so a
 restored sandbox always has the machine its state was saved from. The template VM never has a device attached
 (`QemuVmm.save_state` refuses), and its memory is not locked — each sandbox preallocates and locks its own.
+
+A snapshot is made by `prepare_template` only: at host initialization (Cubelet's `--prepare-shape`) or by
+`cubeaccel template prepare`. A sandbox's start only looks one up (`template_lease`): building one took a
+tenant's start ~49 s for 256 MiB under load, and grows with the guest. A start that finds none boots cold and
+says why (`start.cold_no_snapshot`).
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from cubeaccel.host.hypervisor import detect_accel
+from cubeaccel.host.hypervisor import detect_accel, host_cpus, numa_nodes
 from cubeaccel.images.builder import prune
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.bars import Bar
+from cubeaccel.model.start_deadlines import BASE_S, start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
+from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.qemu import QemuVmm, qemu_binary
 from cubeaccel.shim.vmm import VmConfig
+from cubeaccel.wire.shim_spec import ShimSpec
 
 KEEP_TEMPLATES = 4  # each saved state is about the guest's touched RAM (~150 MB for 256 MiB guests)
 
@@ -37,7 +46,7 @@ def template_key(cfg: VmConfig, manifest: Manifest, accel: str) -> str:
         "memory_mib": cfg.memory_mib,
         "vcpus": cfg.vcpus,
         "root_ports": cfg.root_ports,
-        "bar_window_gib": cfg.bar_window_gib,
+        "shape": cfg.machine.to_json(),
         "memory_backend": cfg.memory_backend,
         "accel": accel,
         "qemu": [str(qemu), st.st_size, int(st.st_mtime)],
@@ -60,26 +69,48 @@ def _root_lock(root: Path, mode: int) -> Iterator[None]:
 
 
 @contextmanager
-def template_lease(
-    cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = 60.0
-) -> Iterator[tuple[Path, bool]]:
-    """The saved state for this machine (created if needed) and whether it was created, held for the caller.
+def template_lease(cfg: VmConfig, manifest: Manifest, root: Path) -> Iterator[Path | None]:
+    """The saved state for this machine, or None when none was prepared; never builds one.
 
     While the `with` body runs (the caller's restore reads the state), pruning cannot delete it: the lease is a
-    shared lock on the templates root that pruning needs exclusively. A creator prunes after its lease ends.
+    shared lock on the templates root that pruning needs exclusively.
     """
     with _root_lock(root, fcntl.LOCK_SH):
+        state = root / template_key(cfg, manifest, detect_accel()[0]) / "state"
+        yield state if state.is_file() else None
+
+
+def prepare_template(
+    cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = BASE_S
+) -> tuple[Path, bool]:
+    """The saved state for this machine, made now when missing, and whether it was: off any tenant's path."""
+    with _root_lock(root, fcntl.LOCK_SH):
         state, created = _ensure(cfg, manifest, root, boot_timeout_s)
-        yield state, created
     if created:
         prune_templates(root, protect=state.parent.name)
+    return state, created
 
 
-def ensure_template(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = 60.0) -> tuple[Path, bool]:
-    """Path of the saved state for this machine and whether it was created — unleased: callers that restore
-    from it use `template_lease`, so a concurrent prune cannot remove it under them."""
-    with template_lease(cfg, manifest, root, boot_timeout_s) as found:
-        return found
+def shape_config(
+    manifest: Manifest,
+    memory_mib: int,
+    vcpus: int,
+    state_dir: Path,
+    memory_backend: str = "ram",
+    template_bars: tuple[tuple[Bar, ...], ...] = (),
+) -> VmConfig:
+    """A machine shape as the sandboxes of that shape will have it on this host (shim/machine.py): restored
+    sandboxes' root ports fit the widest device their contract admits here (`template_bars`)."""
+    spec = ShimSpec(
+        sandbox_id="template-shape",
+        memory_mib=memory_mib,
+        vcpus=vcpus,
+        memory_backend=memory_backend,  # type: ignore[arg-type]
+        state_dir=state_dir,
+        start="template",
+        template_bars=template_bars,
+    )
+    return vm_config(spec, manifest, host_cpus(), numa_nodes())
 
 
 def prune_templates(root: Path, keep: int = KEEP_TEMPLATES, protect: str = "", wait_s: float = 0.0) -> list[str] | None:
@@ -115,14 +146,15 @@ def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float
             return state, False
         run_dir = tdir / f"build-{os.getpid()}"
         tcfg = replace(cfg, sandbox_id=f"template-{key}", state_dir=run_dir, pin_memory=False, device_ids=())
-        vmm = QemuVmm(tcfg)
+        deadlines = start_deadlines(cfg.memory_mib, boot_timeout_s)
+        vmm = QemuVmm(tcfg, deadlines=deadlines)
         t0 = time.monotonic()
         try:
             vmm.start()
             vmm.verify_confined()  # the template VM is confined like any other (no device, so no capabilities)
             agent = AgentClient(run_dir / "agent.sock")
             agent.connect(10.0)
-            hello = agent.wait_hello(boot_timeout_s)
+            hello = agent.wait_hello(deadlines.guest_ready_s)
             agent.close()  # the guest sees the host leave before it is frozen; sandboxes reconnect
             vmm.save_state(state)
             os.chmod(state, 0o600)  # guest memory: QEMU creates the file with its own mode

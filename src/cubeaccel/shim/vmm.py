@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from cubeaccel.model.bars import MachineShape, machine_shape
 from cubeaccel.model.errors import CubeError
 
 
@@ -35,8 +36,14 @@ class VmConfig:
     cmdline: str
     state_dir: Path
     root_ports: int = 4
-    bar_window_gib: int = 2  # prefetchable 64-bit window reserved per root port (GPU BARs need far more)
+    # Windows per root port, the 64-bit hole and address bits, sized from the devices' BARs (model/bars.py);
+    # None: the shape of a machine no device asks more of.
+    shape: MachineShape | None = None
     memory_backend: str = "ram"  # ram | memfd | hugepages (memfd on 2 MiB hugetlbfs pages; needs a hugepage pool)
+    # Host-side only (not migrated, so not in the template key): threads touching guest RAM at start, and the
+    # host NUMA node holding it and them (model/pinned_memory.py `prealloc_threads`, `numa_bind_node`).
+    prealloc_threads: int = 1
+    host_node: int | None = None
     device_ids: tuple[str, ...] = ()  # Cubelet device ids this VMM may hold (tagged for holder lookups)
     vfio_hosts: tuple[str, ...] = ()  # host PCI addresses of its vfio-pci devices: their group nodes are exposed
     # Sandbox policy (model/sandbox_policy.py). A NIC, disk or mount changes the machine, so such a VM is always
@@ -49,6 +56,10 @@ class VmConfig:
     scratch_fd: int | None = None
     scratch_ro_fd: int | None = None
     ro_mounts: tuple[tuple[str, str], ...] = ()  # (host directory, guest directory), shared read-only (9p)
+
+    @property
+    def machine(self) -> MachineShape:
+        return self.shape or machine_shape([], self.root_ports, self.memory_mib)
 
     @property
     def policy_devices(self) -> bool:

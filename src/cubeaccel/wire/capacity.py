@@ -18,14 +18,24 @@ def _labels(raw: Any) -> Any:
     return {str(k): str(v) for k, v in raw.items()} if isinstance(raw, dict) else raw
 
 
+class BarFact(Lenient):
+    """One BAR of the group's devices, as discovery read it (model/bars.py): what a machine must be shaped for."""
+
+    index: Count
+    size: Count
+    kind: StrictStr
+    prefetch: bool = False
+
+
 class CapacityGroup(Lenient):
-    """Devices of one class with equal summary labels."""
+    """Devices of one class with equal summary labels and BARs."""
 
     accel_class: StrictStr = Field(alias="class")
     labels: Annotated[dict[str, str], BeforeValidator(_labels)] = {}
     total: Count
     by_state: dict[str, Count] = {}
     allocatable_by_numa: dict[str, Count] = {}
+    bars: list[BarFact] = []  # empty: an older Cubelet, or devices recorded before BARs were read
 
 
 class CapacitySummary(LenientMessage):

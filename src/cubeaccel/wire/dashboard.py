@@ -16,6 +16,7 @@ class DashboardSandbox(Record):
     device_ids: list[str]
     created_at: float
     phases: dict[str, float]  # cold-start waterfall (model.cold_start.PHASES), empty until running
+    start: dict[str, str | None] = {}  # {"path": template|cold, "reason": why cold}, empty until the VM started
 
 
 class NodeDashboard(Reply):

@@ -29,6 +29,7 @@ from pydantic import (
     Strict as StrictMode,
 )
 
+from cubeaccel.model.bars import BAR_COUNT, Bar
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.node_facts import DIGEST
@@ -68,6 +69,15 @@ def _qdev_name(value: object) -> object:
     return value
 
 
+def _bar(value: object) -> object:
+    return value if isinstance(value, Bar) else Bar.from_json(value)
+
+
+# A BAR as discovery recorded it (`model.bars.Bar`), as its JSON object on the wire.
+BarField = Annotated[Bar, BeforeValidator(_bar), PlainSerializer(lambda b: b.to_json(), return_type=dict)]
+Bars = Annotated[tuple[BarField, ...], Field(max_length=BAR_COUNT)]
+
+
 # Written as Cubelet always wrote them ("10de"); read as 4 hex digits, 0x-prefixed or not, or a JSON integer.
 PciId = Annotated[int, BeforeValidator(_hex16), PlainSerializer(lambda v: f"{v:04x}", return_type=str)]
 AbsPath = Annotated[Path, BeforeValidator(_abs_path)]
@@ -81,6 +91,10 @@ class DeviceSpec(Strict):
     vendor_id: PciId
     device_id_hex: PciId  # the PCI device id the guest must see
     address: StrictStr | None = None  # the host PCI address (Cubelet's; the shim attaches by `properties`)
+    # Its BARs as discovery read them: the machine is shaped for them, and attach is confirmed only when the guest
+    # placed each memory BAR at its size. Empty (a record from before BARs were read): vendor:device only.
+    bars: Bars = ()
+    numa_node: Annotated[StrictInt, Field(ge=-1, le=1023)] | None = None  # the host's; -1: sysfs knows none
 
     @field_validator("properties", mode="before")
     @classmethod
@@ -153,6 +167,9 @@ class ShimSpec(Message):
     network: NetSpec | None = None  # None: no NIC at all
     scratch_mib: Annotated[StrictInt, Field(ge=16, le=16 * 1024 * 1024)] | None = None
     readonly_mounts: tuple[MountSpec, ...] = Field(default=(), max_length=8)
+    # BAR layouts of every device on the node the contract admits: a template start shapes each root port for the
+    # largest, so one template state fits whichever of them a sandbox gets (model/bars.py `uniform_shape`).
+    template_bars: tuple[Bars, ...] = Field(default=(), max_length=64)
 
     @property
     def policy_devices(self) -> bool:
