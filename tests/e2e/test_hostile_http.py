@@ -12,10 +12,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from cubeaccel.wire.node_sig import sign
 from tests.support.cubelet_process import CubeletProcess
+from tests.support.frontdoor_process import FrontDoorProcess
 from tests.support.master_harness import MasterProcess, free_port
 from tests.support.poll import poll
 
@@ -31,13 +33,16 @@ def listeners(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, tu
     port = free_port()
     cub = CubeletProcess(tmp_path_factory.mktemp("cubelet"), "h100x8", "--listen", f"127.0.0.1:{port}").start()
     master = MasterProcess(tmp_path_factory.mktemp("master")).start()
+    front = FrontDoorProcess(tmp_path_factory.mktemp("frontdoor"), master.url, master.admin_key).start()
     try:
         yield {
             "cubelet-unix": (("unix", str(cub.state_dir / "cubelet.sock")), cub),
             "cubelet-tcp": (("tcp", ("127.0.0.1", port)), cub),
             "master": (("tcp", ("127.0.0.1", master.port)), master),
+            "frontdoor": (("tcp", ("127.0.0.1", front.port)), front),
         }
     finally:
+        front.stop()
         cub.stop()
         master.stop()
         mp.undo()
@@ -148,7 +153,7 @@ def test_a_chunked_body_over_the_limit_is_refused_by_bytes_read_and_not_acted_on
     assert _count_created(name, proc) == before_count
 
 
-@pytest.mark.parametrize("name", LISTENERS)
+@pytest.mark.parametrize("name", [*LISTENERS, "frontdoor"])
 def test_half_sent_headers_and_idle_connections_are_closed(
     listeners: dict[str, tuple[Where, object]], name: str
 ) -> None:
@@ -233,6 +238,57 @@ def test_an_unparseable_request_gets_a_json_error(listeners: dict[str, tuple[Whe
     assert json.loads(reply)["error"]["code"] == "api.bad_http_request"
 
 
+@pytest.mark.parametrize("name", [*LISTENERS, "frontdoor"])
+def test_headers_over_16_kib_are_refused_with_431(listeners: dict[str, tuple[Where, object]], name: str) -> None:
+    """docs/api.md's bound, also when the whole request arrives in one read (h11 only bounds what it buffers)."""
+    where, _ = listeners[name]
+    path = "/health" if name == "frontdoor" else "/v1/health"
+    s = _connect(where)
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Pad: {'p' * 100_000}\r\n\r\n".encode())
+    status, _, _ = _read_reply(s)
+    assert status == 431
+    assert _closed_within(s, 5.0)
+    s.close()
+    s = _connect(where)  # just under the bound still passes
+    s.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nX-Pad: {'p' * 15_000}\r\n\r\n".encode())
+    assert _read_reply(s)[0] == 200
+    s.close()
+
+
+def test_the_front_door_drops_a_slow_body_like_the_other_servers(listeners: dict[str, tuple[Where, object]]) -> None:
+    where, _ = listeners["frontdoor"]
+    s = _connect(where)
+    s.sendall(b'POST /sandboxes HTTP/1.1\r\nHost: x\r\nX-API-Key: k\r\nContent-Length: 100\r\n\r\n{"temp')
+    t0 = time.monotonic()
+    status, _, _ = _read_reply(s)
+    assert status == 408 and time.monotonic() - t0 < 8.0
+    assert _closed_within(s, 5.0)
+    s.close()
+
+
+def test_anonymous_envd_health_makes_no_admin_lookup_and_says_nothing_of_the_id(
+    listeners: dict[str, tuple[Where, object]],
+) -> None:
+    """Without the sandbox's access token nothing is looked up with the front door's admin key, and every id —
+    taken or free, well-formed or not — gets the same answer."""
+    where, _ = listeners["frontdoor"]
+    master = listeners["master"][1]
+    audit: Path = master.audit_log  # type: ignore[attr-defined]
+    before = audit.read_text().count("\n")
+    answers = set()
+    for sid in ("sb-0123456789abcdef", "t0123456789ab-anything", "no/such id"):
+        s = _connect(where)
+        s.sendall(f"GET /health HTTP/1.1\r\nHost: x\r\nE2b-Sandbox-Id: {sid}\r\n\r\n".encode())
+        status, _, body = _read_reply(s)
+        s.close()
+        answers.add((status, body.replace(sid.encode(), b"ID")))
+    assert len(answers) == 1 and next(iter(answers))[0] == 401, answers
+    assert audit.read_text().count("\n") == before, "the front door looked the id up as the admin"
+
+
 def test_listeners_still_answer_after_the_attacks(listeners: dict[str, tuple[Where, object]]) -> None:
-    for _, proc in listeners.values():
-        assert poll(lambda p=proc: p.client.health())  # type: ignore[attr-defined]
+    for name, (_, proc) in listeners.items():
+        if name == "frontdoor":
+            assert poll(lambda p=proc: httpx.get(f"{p.url}/health").status_code == 200)  # type: ignore[attr-defined]
+        else:
+            assert poll(lambda p=proc: p.client.health())  # type: ignore[attr-defined]

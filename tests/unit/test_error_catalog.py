@@ -36,7 +36,7 @@ NOT_CODES = {
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
     "shim.pid", "undelivered.jsonl", "up.json", "up.lock", "config.toml", "backup.json", "vmm.log", "vmm.pid",
-    "dashboard.html",
+    "dashboard.html", "spec.json", "shim.log",
     "frontdoor.secret",
     # the E2B front door's metadata key for an accelerator request
     "cubeaccel.accelerators",

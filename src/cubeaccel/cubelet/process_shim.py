@@ -15,10 +15,12 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from cubeaccel.cubelet import runfiles
 from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
 from cubeaccel.cubelet.shim_forkserver import ForkServer
 from cubeaccel.host.childenv import component_env
@@ -159,6 +161,9 @@ class ProcessShimDriver:
         from cubeaccel.host.scratch import SCRATCH_FILE, remove_scratch
 
         return [SCRATCH_FILE] if remove_scratch(self.dir / sandbox_id) else []
+
+    def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
+        return runfiles.retire_over(self.dir, open_ids, self.proc)
 
     def stop(self, sandbox_id: str) -> None:
         pid = self._shim_pid(sandbox_id)

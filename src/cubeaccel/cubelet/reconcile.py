@@ -182,6 +182,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
     for dev_id, reason, passed in retry_quarantined(cubelet):  # transient quarantines, bounded (model/recovery.py)
         repairs.append(Repair(dev_id, None, "retried" if passed else "retry_failed", reason))
     _released_without_reservation(cubelet, repairs)  # a retried device's scrub and revalidation start here
+    cubelet.retire_runs()  # files of runs a crash left behind (no reservation, no process)
     for sid in cubelet.expire_reservations():
         repairs.append(Repair(None, sid, "expired", "reserve.expired"))
     health_check(cubelet)

@@ -262,6 +262,7 @@ class ReleasePath:
                     self.advance_scrub(device_id)
             # The sandbox's own host state (network namespace, scratch disk): host work, outside the lock too.
             host_events = self._release_sandbox_host(res) if gone else []
+            closed = False
             with self.change() as t:
                 cur = t.reservation(sandbox_id)
                 if cur is None:
@@ -279,8 +280,8 @@ class ReleasePath:
                         sandbox_id=sandbox_id,
                         details={"facts": cur.checkpoint.to_json()},
                     )
-                    return
-                if not remaining and give_up and not cur.checkpoint.vmm_survives:
+                    closed = True
+                if not closed and not remaining and give_up and not cur.checkpoint.vmm_survives:
                     cur.checkpoint.vmm_survives = True
                     t.event(
                         "release_vmm_survives",
@@ -290,6 +291,16 @@ class ReleasePath:
                         details={"vmm_pid": st.vmm_pid},
                     )
                     t.update_reservation(cur)
+            if closed:
+                self.retire_runs()
+
+    def retire_runs(self) -> list[str]:
+        """The files of runs that are over leave the live directory (kept for post-mortems by a bounded rule,
+        cubelet/runfiles.py). Never fails a release: a run not retired now is retired at a later close."""
+        try:
+            return self.shim.retire_runs(lambda: {r.sandbox_id for r in self.store.reservations()})
+        except OSError:
+            return []
 
     def _release_sandbox_host(self, res: Reservation) -> list[tuple[str, str | None, dict[str, Any]]]:
         """Once the VMM is proven gone: remove the sandbox's network namespace (TAP, veth, rules) and its scratch

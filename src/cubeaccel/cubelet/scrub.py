@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cubeaccel.backends.base import AttachSpec
+from cubeaccel.cubelet import runfiles
 from cubeaccel.host.childenv import component_env
-from cubeaccel.host.vmmproc import find_vmm
+from cubeaccel.host.vmmproc import find_shim, find_vmm, vmm_processes
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.errors import invalid
 from cubeaccel.wire.scrub import ScrubReport
@@ -42,6 +43,8 @@ class ScrubPolicy(StrEnum):
 DEFAULT_POLICY: dict[str, ScrubPolicy] = {c.value: ScrubPolicy.TRUSTED_VM for c in AcceleratorClass}
 SCRUB_VM_MEMORY_MIB = 256
 STOP_GRACE_S = 10.0
+GONE_TIMEOUT_S = 10.0  # a SIGKILLed VMM's exit (its memory unlocked) is awaited this long
+SCRUB_PREFIX = "scrub-"
 REPORTS = "scrub-reports.jsonl"  # in the scrub VM's run dir
 
 
@@ -186,10 +189,29 @@ class ProcessScrubRunner:
         if spec.image_digest is None:
             why = "no built guest image carries this Cubelet's agent: run `cubeaccel image build` (or --scrub-image)"
             return ScrubOutcome(False, why, {"scrub_vm": sid})
+        # A scrub VM of this device left by a Cubelet that died mid-scrub: ended before another one boots.
+        ended = self.end_scrub_vms(device.id)
         run_dir = self.dir / sid
         run_dir.mkdir(parents=True, exist_ok=True)
         spec_path = self.dir / f"{sid}.json"
         spec_path.write_text(json.dumps(spec.to_json()))
+        try:
+            return self._run(sid, run_dir, spec_path, timeout_s, t0, ended, spec.image_digest)
+        finally:  # every exit path: a shim that died after its QEMU started leaves that QEMU to us
+            self._end(sid)
+            with contextlib.suppress(OSError):  # over: its files are kept by the finished-runs rule
+                runfiles.retire(self.dir, sid)
+
+    def _run(
+        self,
+        sid: str,
+        run_dir: Path,
+        spec_path: Path,
+        timeout_s: float,
+        t0: float,
+        ended: list[str],
+        image_digest: str | None,
+    ) -> ScrubOutcome:
         with open(self.dir / f"{sid}.log", "ab") as log:
             child = subprocess.Popen(
                 [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)],
@@ -214,10 +236,14 @@ class ProcessScrubRunner:
             "shim_rc": rc,
             "timeout_s": timeout_s,
         }
+        if ended:
+            details["orphans_ended"] = ended
+        if killed := self._end(sid):
+            details["vmm_killed"] = killed  # its shim died and left it running
         if exited is not None:
             details["timeline"] = exited.get("details", {}).get("timeline")
         result = (done or {}).get("details", {}).get("result") if done else None
-        details["image_digest"] = (done or {}).get("details", {}).get("image_digest") or spec.image_digest
+        details["image_digest"] = (done or {}).get("details", {}).get("image_digest") or image_digest
         if isinstance(result, dict):
             try:  # the evidence, typed as the shim checked it (docs/scrub.md)
                 details.update(ScrubReport.model_validate(result).evidence())
@@ -233,6 +259,41 @@ class ProcessScrubRunner:
         if not result.get("ok") or rc != 0:
             return ScrubOutcome(False, str(result.get("error") or f"scrub VM exited {rc}")[:500], details)
         return ScrubOutcome(True, "", details)
+
+    def _end(self, sid: str) -> list[int]:
+        """SIGKILL what still runs of scrub VM `sid` (its shim, its VMM: found in /proc by argv and tag, under
+        this Cubelet's shims directory only) and wait until the kernel shows it gone; returns the pids killed."""
+        pids = [p for p in (find_shim(sid, self.proc, under=self.dir), find_vmm(sid, self.proc, under=self.dir)) if p]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while pids and time.monotonic() < deadline:
+            if find_shim(sid, self.proc, under=self.dir) is None and find_vmm(sid, self.proc, under=self.dir) is None:
+                break
+            time.sleep(0.02)
+        return pids
+
+    def end_scrub_vms(self, device_id: str) -> list[str]:
+        """End every scrub VM of `device_id` still running from an earlier Cubelet process (its scrub job lived
+        in that process's memory only): named by its spec (written before its shim starts) or by its VMM's
+        device tag. Returns their ids."""
+        sids: set[str] = set()
+        for spec_path in self.dir.glob(f"{SCRUB_PREFIX}*.json") if self.dir.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+                devices = json.loads(spec_path.read_text()).get("devices") or []
+                if any(isinstance(d, dict) and d.get("device_id") == device_id for d in devices):
+                    sids.add(spec_path.stem)
+        for p in vmm_processes(self.proc):
+            if p.sandbox_id.startswith(SCRUB_PREFIX) and device_id in p.device_ids and p.under(self.dir):
+                sids.add(p.sandbox_id)
+        ended = []
+        for sid in sorted(sids):
+            if self._end(sid):
+                ended.append(sid)
+            with contextlib.suppress(OSError):
+                runfiles.retire(self.dir, sid)
+        return ended
 
     def _stop(self, sid: str, child: subprocess.Popen[bytes]) -> int:
         """Past the deadline: SIGTERM lets the shim tear its VMM down; then SIGKILL both (never another's VMM:

@@ -130,6 +130,11 @@ class ShimDriver(Protocol):
         Called by the release path once the VMM is proven gone."""
         ...
 
+    def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
+        """Move the files of every run that is over (no open reservation, no process) out of the way, keeping
+        a bounded number for post-mortems (cubelet/runfiles.py); returns their ids."""
+        ...
+
 
 @dataclass
 class SimulatedShimDriver:
@@ -156,6 +161,9 @@ class SimulatedShimDriver:
         self.sink = sink
 
     def release_files(self, sandbox_id: str) -> list[str]:
+        return []
+
+    def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         return []
 
     def _report(self, sid: str, kind: ShimReportKind, dev_ids: tuple[str, ...] = (), **details: Any) -> None:

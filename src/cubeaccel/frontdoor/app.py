@@ -29,6 +29,7 @@ from cubeaccel.frontdoor.envd import EnvdProxy
 from cubeaccel.frontdoor.mapping import Refusal
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
+from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 
 MAX_BODY = 1 << 20
 GONE = {"deleting", "deleted"}
@@ -69,11 +70,18 @@ def api_key(request: Request) -> str:
 
 
 async def body_of(request: Request, model: type[BaseModel], required: bool = True) -> Any:
+    """The whole REST body within the body deadline (the other servers' 30 s, `CUBEACCEL_HTTP_BODY_TIMEOUT_S`)
+    and size limit; a late body is 408 and the connection is closed."""
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY:
-            raise Refusal(413, "cubeaccel (api): request body above 1 MiB")
+    limit_s = HttpLimits.from_env().body_timeout_s
+    try:
+        async with asyncio.timeout(limit_s):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_BODY:
+                    raise Refusal(413, "cubeaccel (api): request body above 1 MiB")
+    except TimeoutError as e:
+        raise Refusal(408, f"cubeaccel (api): request body not received within {limit_s:g} s", close=True) from e
     if not raw and not required:
         return model()
     try:
@@ -235,7 +243,10 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
 
     async def refusal(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, Refusal)
-        return error(exc.status, exc.message, exc.retry)
+        response = error(exc.status, exc.message, exc.retry)
+        if exc.close:
+            response.headers["connection"] = "close"
+        return response
 
     async def no_route(request: Request, exc: Exception) -> Response:
         status = int(getattr(exc, "status_code", 404))
@@ -247,6 +258,11 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            if headers_too_large(scope):  # the other listeners' bound, on the parsed request (HTTP/2 too)
+                too_large = error(431, f"cubeaccel (api): request line and headers over {MAX_HEADER_BYTES} bytes")
+                too_large.headers["connection"] = "close"
+                await too_large(scope, receive, send)
+                return
             request = Request(scope, receive)
             target = envd.target(request)
             if target is not None:

@@ -11,6 +11,8 @@ SandboxNotRunningException.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import json
 import re
@@ -154,15 +156,19 @@ class EnvdProxy:
     async def handle(self, request: Request, port: int, sandbox_id: str) -> Response:
         if port != ENVD_PORT:
             return envd_error(404, f"port {port} of sandbox {sandbox_id}: only envd's port {ENVD_PORT} is served")
-        if SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
-            return gone(sandbox_id)
         path = request.url.path
+        # Authenticated here, before anything is looked up with the front door's admin key: the sandbox's
+        # token, or a signed /files URL made with it. Nothing else (not even envd's open `/health`) reaches
+        # CubeMaster, so an anonymous caller learns nothing of any id and causes no admin lookup (issue 30 #7).
+        expected = envd_token(self.secret, sandbox_id)
         token = request.headers.get("x-access-token")
         if token is not None:
-            if not hmac.compare_digest(token.encode(), envd_token(self.secret, sandbox_id).encode()):
+            if not hmac.compare_digest(token.encode(), expected.encode()):
                 return envd_error(401, "missing or wrong access token")
-        elif not (path == "/health" or (path == "/files" and "signature" in request.query_params)):
+        elif not (path == "/files" and signed_ok(request, expected)):
             return envd_error(401, "missing or wrong access token")
+        if SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
+            return gone(sandbox_id)
         try:
             route = await self.route(sandbox_id)
             if route is None:
@@ -204,6 +210,25 @@ class EnvdProxy:
             url += "?" + request.url.query
         req = self.http.build_request(request.method, url, headers=headers, content=content)
         return await self.http.send(req, stream=True)
+
+
+def signed_ok(request: Request, token: str) -> bool:
+    """A signed `/files` URL made with this sandbox's token (envd's `v1_` signature: sha256 of
+    path:operation:username:token[:expiration], as the guest's workload service checks it again); an expired
+    one is refused here too."""
+    q = request.query_params
+    signature, expiration = q.get("signature"), q.get("signature_expiration")
+    if signature is None:
+        return False
+    operation = "write" if request.method == "POST" else "read"
+    fields = [q.get("path") or "", operation, q.get("username") or "", token]
+    if expiration is not None:
+        if not expiration.isdigit() or int(expiration) < time.time():
+            return False
+        fields.append(expiration)
+    digest = hashlib.sha256(":".join(fields).encode()).digest()
+    expected = "v1_" + base64.b64encode(digest).decode().rstrip("=")
+    return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogateescape"))
 
 
 def _cubelet_not_running(body: bytes) -> bool:

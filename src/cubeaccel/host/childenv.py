@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BASE_VARS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "HOME")
 # Settings a child of ours reads (each one's reader: host/hypervisor.py, host/confine.py, wire/telemetry.py,
-# wire/http_server.py, images/builder.py, cli/config). A new setting a child needs is added here, by name.
+# wire/http_server.py, images/builder.py, cli/config, shim/console.py). A new setting a child needs is added
+# here, by name.
 COMPONENT_VARS = (
     "CUBEACCEL_QEMU",
     "CUBEACCEL_ACCEL",
@@ -32,6 +33,7 @@ COMPONENT_VARS = (
     "CUBEACCEL_HTTP_BODY_TIMEOUT_S",
     "CUBEACCEL_HTTP_IDLE_TIMEOUT_S",
     "CUBEACCEL_CONFIG",
+    "CUBEACCEL_CONSOLE_LOG_MAX_BYTES",
 )
 
 

@@ -81,3 +81,17 @@ def find_holders(match: Matcher, proc_root: str | os.PathLike[str] = "/proc") ->
             if match(target):
                 found.add(Holder(pid=int(entry.name), command=_command(pid_dir), path=target))
     return sorted(found, key=lambda h: (h.pid, h.path))
+
+
+def start_time(pid: int, proc_root: str | os.PathLike[str] = "/proc") -> int | None:
+    """The process's start time (clock ticks after boot, /proc/PID/stat field 22), or None when it is gone.
+    With the pid it names one process: a pid reused by another process has another start time."""
+    try:
+        raw = (Path(proc_root) / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw.rsplit(b")", 1)[-1].split()
+    try:
+        return int(fields[19]) if fields[0] not in (b"Z", b"X") else None
+    except (IndexError, ValueError):
+        return None

@@ -147,6 +147,8 @@ class CubeMaster:
             raise CubeError("tenant.not_found", f"no live tenant {spec.tenant!r}", "api", {}, 404)
         quota = self.auth.quota(spec.tenant)
         lifetime = spec.timeout_s or quota.default_lifetime_s or self.config.default_lifetime_s
+        if not spec.timeout_s and quota.max_lifetime_s is not None:  # a default never exceeds the tenant's cap
+            lifetime = min(lifetime, quota.max_lifetime_s)
         if quota.max_lifetime_s is not None and lifetime > quota.max_lifetime_s:
             raise CubeError(
                 "quota.lifetime",

@@ -27,6 +27,7 @@ import httpx
 
 from cubeaccel.host.childenv import component_env
 from cubeaccel.host.hypervisor import detect_accel, find_qemu
+from cubeaccel.host.procfs import start_time
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
 from cubeaccel.wire.templates import loads_document
@@ -126,7 +127,7 @@ def running(state_dir: Path) -> dict[str, Any] | None:
         info = json.loads((state_dir / "up.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(info, dict) or not all(_ours(int(p)) for p in info.get("pids", [])):
+    if not isinstance(info, dict) or not info.get("pids") or not all(_ours(p) for p in _listed(info)):
         return None
     c = MasterClient(str(info["master_url"]), timeout=5.0)
     try:
@@ -184,7 +185,7 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
     stale = state_dir / "up.json"
     if stale.exists():  # a stack that died (or was killed): what is left of it is stopped, then started afresh
         with contextlib.suppress(OSError, ValueError, KeyError):
-            _stop([int(p) for p in json.loads(stale.read_text())["pids"]])
+            _stop(_listed(json.loads(stale.read_text())))
         stale.unlink(missing_ok=True)
     try:
         on_phase("choosing the backend")
@@ -260,10 +261,10 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         _wait("node registration", registered_now, 60, procs)
     except (RuntimeError, CubeError, httpx.HTTPError) as e:
         print(f"error: {e}; logs in {state_dir}", file=sys.stderr)
-        _stop([p.pid for p in procs])
+        _stop(_started(procs))
         return 1
     except BaseException:
-        _stop([p.pid for p in procs])
+        _stop(_started(procs))
         raise
     on_phase("")  # started: the live phases end here, before the summary on stdout
     info = {
@@ -272,6 +273,7 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         "backend": chosen,
         "why": why,
         "pids": [p.pid for p in procs],
+        "starts": [start for _, start in _started(procs)],  # each pid's start time: pid reuse is told apart
         "state_dir": str(state_dir),
     }
     (state_dir / "up.json").write_text(json.dumps(info, indent=2))
@@ -300,7 +302,7 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     signal.sigwait({signal.SIGINT, signal.SIGTERM})  # foreground until Ctrl-C or SIGTERM
     _report_left(end_sandboxes(murl, f"http://127.0.0.1:{cport}", state_dir))
-    _stop([p.pid for p in procs])
+    _stop(_started(procs))
     (state_dir / "up.json").unlink(missing_ok=True)
     return 0
 
@@ -361,23 +363,42 @@ def _report_left(held: list[str]) -> None:
         print(f"warning: still held after the release timeout, stopping anyway: {', '.join(held)}")
 
 
-def _ours(pid: int) -> bool:
-    try:
-        return b"cubeaccel" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
+Started = tuple[int, int | None]  # a pid and its start time (clock ticks after boot)
 
 
-def _stop(pids: list[int]) -> None:
-    for pid in reversed(pids):
-        if _ours(pid):
-            os.kill(pid, signal.SIGTERM)
+def _started(procs: list[subprocess.Popen[bytes]]) -> list[Started]:
+    return [(p.pid, start_time(p.pid)) for p in procs]
+
+
+def _listed(info: dict[str, Any]) -> list[Started]:
+    """The processes an `up.json` names. One written before start times were recorded names none that can be
+    verified: its pids are never signalled (a stale file's pid may be anyone's by now)."""
+    pids = [int(p) for p in info.get("pids", [])]
+    starts = info.get("starts")
+    if not isinstance(starts, list) or len(starts) != len(pids):
+        return [(pid, None) for pid in pids]
+    return [(pid, int(s) if isinstance(s, int) else None) for pid, s in zip(pids, starts, strict=True)]
+
+
+def _ours(p: Started) -> bool:
+    """The very process `up` started: alive with the start time recorded with its pid (issue 30 #9). A pid
+    reused by another process — whatever its command line — is not ours."""
+    pid, start = p
+    return start is not None and start_time(pid) == start
+
+
+def _stop(procs: list[Started]) -> None:
+    for p in reversed(procs):
+        if _ours(p):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p[0], signal.SIGTERM)
     end = time.monotonic() + 10
-    while time.monotonic() < end and any(_ours(p) for p in pids):
+    while time.monotonic() < end and any(_ours(p) for p in procs):
         time.sleep(0.1)
-    for pid in pids:
-        if _ours(pid):
-            os.kill(pid, signal.SIGKILL)
+    for p in procs:
+        if _ours(p):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p[0], signal.SIGKILL)
 
 
 def run_down(state_dir: Path) -> int:
@@ -387,7 +408,7 @@ def run_down(state_dir: Path) -> int:
         return 0
     info = json.loads(up.read_text())
     _report_left(end_sandboxes(info["master_url"], info["cubelet_url"], state_dir))
-    _stop([int(p) for p in info["pids"]])
+    _stop(_listed(info))
     up.unlink()
     print(f"stopped CubeMaster and Cubelet ({info['master_url']})")
     return 0

@@ -35,7 +35,8 @@ def _c(code: str, status: int | None, layer: str, meaning: str) -> CodeInfo:
 # fmt: off
 CODES: tuple[CodeInfo, ...] = (
     # ---- API edge (Cubelet and CubeMaster) ----
-    _c("api.bad_http_request", 400, "api", "an HTTP request that does not parse (headers over 16 KiB, bad framing)"),
+    _c("api.bad_http_request", 400, "api", "an HTTP request that does not parse (bad framing, a malformed header)"),
+    _c("api.headers_too_large", 431, "api", "request line and headers over 16 KiB (counted on the parsed request)"),
     _c("api.body_timeout", 408, "api", "the request body did not arrive within the body deadline (30 s)"),
     _c("api.body_too_large", 413, "api", "request body over 1 MiB, counted on the bytes read (chunked too)"),
     _c("api.http_error", None, "api", "any other HTTP error raised by the framework; status as the framework chose"),

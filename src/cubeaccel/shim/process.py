@@ -34,6 +34,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
+from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
 from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
 from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
@@ -86,6 +87,7 @@ class Shim:
         self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s)
         self._stop = False
         self.image_digest: str | None = None  # the guest image booted (a scrub's evidence names it)
+        self.console = ConsoleCap(spec.run_dir / CONSOLE_LOG)  # the guest's one unbounded output, capped
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -153,6 +155,7 @@ class Shim:
             )
         finally:
             exit_info = self._teardown()
+            self.console.stop()
             self.reporter.report(
                 K.SHIM_EXITING,
                 reason=reason,
@@ -218,6 +221,7 @@ class Shim:
             finally:
                 if vmm.started:
                     self.vmm = vmm  # only a VMM that exists is torn down
+                    self.console.start()
                 while self._policy_fds:  # the VMM holds its own copies now
                     os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})

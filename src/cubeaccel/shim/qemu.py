@@ -41,6 +41,7 @@ from cubeaccel.model.pinned_memory import TCG_CACHE_MIB, LockedGuest
 from cubeaccel.model.start_deadlines import StartDeadlines, start_deadlines
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.confined import VMM_ROOT_DIR, VmmExposure, launch_argv, vmm_exposure
+from cubeaccel.shim.console import CONSOLE_LOG, open_console
 from cubeaccel.shim.memory import pinned_error
 from cubeaccel.shim.vmm import Attached, ExitInfo, VmConfig, Vmm, reap, stop_child, vmm_error
 
@@ -155,7 +156,8 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
         "-add-fd",
         f"fd={fds.console},set=1,opaque={_opt(str(sd / 'console.log'))}",
         "-chardev",
-        "file,id=con0,path=/dev/fdset/1",
+        # append=on: QEMU re-applies its open flags to the shared description; the shim's cap truncates it.
+        "file,id=con0,path=/dev/fdset/1,append=on",
         "-serial",
         "chardev:con0",
         "-device",
@@ -334,7 +336,7 @@ class QemuVmm:
         console = -1
         try:
             listeners = [_listen(sd / name) for name in SOCKETS]
-            console = os.open(sd / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            console = open_console(sd / CONSOLE_LOG)
             qmp, aux, agent, workload = (s.fileno() for s in listeners)
             fds = VmmFds(qmp, aux, agent, workload, console)
             argv = build_argv(self.cfg, self.accel, incoming=self.restore_from is not None, fds=fds)

@@ -24,7 +24,7 @@ from cubeaccel.model.error_catalog import http_status
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire import json_guard
 from cubeaccel.wire.base import UNSUPPORTED_VERSION, Strict
-from cubeaccel.wire.http_server import HttpLimits
+from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 from cubeaccel.wire.telemetry import ApiTelemetry
 
 MAX_BODY = 1 << 20
@@ -158,6 +158,10 @@ class EdgeGuard:
             await self._guarded(scope, receive, send)
 
     async def _guarded(self, scope: Any, receive: Any, send: Any) -> None:
+        if headers_too_large(scope):
+            msg = f"request line and headers over {MAX_HEADER_BYTES} bytes"
+            await self._refuse(scope, send, CubeError("api.headers_too_large", msg, "api", {}, 431))
+            return
         path = scope.get("path", "")
         if path.startswith("/v1/sandboxes/") and "/workload/" in path:
             # Cubelet's workload proxy streams bodies of any size to the guest (flow-controlled, never held whole).

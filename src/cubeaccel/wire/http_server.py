@@ -58,6 +58,17 @@ class HttpLimits:
         )
 
 
+def header_bytes(scope: Any) -> int:
+    """The size of a request's line and headers as parsed (method, target, `name: value\r\n` each): the bound
+    is checked here too, since h11 limits only what it buffers and accepts a larger request read in one piece."""
+    target = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + 1
+    return len(scope.get("method", "")) + target + 11 + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ()))
+
+
+def headers_too_large(scope: Any) -> bool:
+    return header_bytes(scope) > MAX_HEADER_BYTES
+
+
 def _error_bytes(code: str, message: str) -> bytes:
     return json.dumps({"error": {"code": code, "layer": "api", "message": message, "details": {}}}).encode()
 
