@@ -190,6 +190,8 @@ OTHER_ENV = {
     "CUBEACCEL_VMM_UID_LOCKS": "the shim: directory of the uid lease lock files (docs/security.md)",
     "CUBEACCEL_VMM_MEMLOCK": "the shim: how a confined VMM may lock memory, `auto`, `rlimit` or `cap_ipc_lock`",
     "CUBEACCEL_VMM_CONFINE_FAULT": "tests only: `wrong_uid` makes the confinement check refuse (never lets one pass)",
+    "CUBEACCEL_CONSOLE_LOG_MAX_BYTES": "the shim: a guest console log's cap before it is rotated (default 1 MiB)",
+    "CUBEACCEL_KEEP_FINISHED_RUNS": "Cubelet: how many finished runs' files (run dir, spec, log) are kept (default 32)",
     "NOTIFY_SOCKET": "set by systemd for `Type=notify` units: where READY=1 is sent",
     "XDG_CACHE_HOME, XDG_CONFIG_HOME": "the usual base directories for the cache and the config file",
 }
