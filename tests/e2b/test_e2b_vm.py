@@ -23,6 +23,7 @@ from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.wire.workload_client import WorkloadClient
+from tests.support.e2b_sdk import sdk_path
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll
@@ -274,18 +275,7 @@ SDK_215 = "2.15.2"
 
 
 def sdk_215_path() -> Path:
-    """e2b 2.15.2 in its own directory (`pip install --target`, cached per machine): not importable beside the
-    pinned dev dependency, so it runs in a subprocess with this directory first on its path."""
-    where = Path.home() / ".cache" / "cubeaccel" / f"e2b-sdk-{SDK_215}"
-    if not (where / "e2b").is_dir():
-        tmp = where.with_name(where.name + f".tmp{os.getpid()}")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--target", str(tmp), f"e2b=={SDK_215}"],
-            check=True,
-            timeout=600,
-        )
-        tmp.rename(where)
-    return where
+    return sdk_path(SDK_215)
 
 
 def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None:

@@ -17,10 +17,12 @@ import pytest
 from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
 
+from tests.support.e2b_sdk import run_check
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import Cluster
 
 NODE = "fd-n1"
+SDK_245 = "2.45.1"
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +251,16 @@ def test_the_envd_token_reaches_the_node_as_its_hash_and_is_stored_nowhere(stack
                 assert token.encode() not in path.read_bytes(), path
     finally:
         sbx.kill()
+
+
+def test_the_2_45_sdk_line_accepts_the_key_and_creates_lists_and_kills(stack: dict[str, Any]) -> None:
+    """e2b 2.25.0-2.45.1 refuse a key that is not `e2b_<hex>` before sending anything (issue 29)."""
+    tag = f"t{time.monotonic_ns()}"
+    script = Path(__file__).with_name("sdk_rest_check.py")
+    seen = run_check(SDK_245, script, ["cuda12-h100", tag], stack["key"], stack["fd"].url)
+    assert (seen["template"], seen["listed"], seen["killed"], seen["killed_again"]) == (
+        "cuda12-h100",
+        [seen["sandbox_id"]],
+        True,
+        False,
+    )

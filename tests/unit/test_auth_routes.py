@@ -7,7 +7,9 @@ cases are generated from the app's route list, so a route added without a row he
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from cubeaccel.host.audit import verify
 from cubeaccel.master import schema as S
-from cubeaccel.master.auth import ADMIN, SEAL_PREFIX, TENANT, Quota
+from cubeaccel.master.auth import ADMIN, SEAL_PREFIX, TENANT, Quota, key_id_of
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
@@ -126,7 +128,7 @@ class World:
         self.params = {**PARAMS, "key_id": auth.create_key(TENANT, "t1")[0]}
         self.keys = {
             "none": None,
-            "wrong_key": t1[:-4] + ("AAAA" if not t1.endswith("AAAA") else "BBBB"),
+            "wrong_key": t1[:-4] + ("aaaa" if not t1.endswith("aaaa") else "bbbb"),  # t1's id, a wrong secret
             "tenant": t1,
             "other_tenant": t2,
             "admin": admin,
@@ -250,7 +252,7 @@ def test_a_tenant_lists_only_its_own_sandboxes_and_a_revoked_key_stops_working(w
         return [s["id"] for s in world.call(caller, "GET", "/v1/sandboxes").json()["sandboxes"]]
 
     assert ids("tenant") == ["sb-t1"] and ids("other_tenant") == [] and ids("admin") == ["sb-t1"]
-    kid = world.keys["tenant"].split("_")[1]
+    kid = key_id_of(world.keys["tenant"])
     assert world.call("admin", "DELETE", f"/v1/keys/{kid}").status_code == 200
     assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 401
 
@@ -297,11 +299,11 @@ def test_a_tenant_rotates_its_own_key_without_downtime(world: World) -> None:
     listed = world.api.get("/v1/keys", headers=new).json()["keys"]
     assert {k["tenant"] for k in listed} == {"t1"} and made.json()["key_id"] in {k["key_id"] for k in listed}
     assert all(k["tenant"] == "t2" for k in world.call("other_tenant", "GET", "/v1/keys").json()["keys"])
-    old_id = world.keys["tenant"].split("_")[1]
+    old_id = key_id_of(world.keys["tenant"])
     assert world.api.delete(f"/v1/keys/{old_id}", headers=new).status_code == 200
     assert world.api.get("/v1/sandboxes", headers=old).status_code == 401
     assert world.api.get("/v1/sandboxes", headers=new).status_code == 200
-    admin_key = world.keys["admin"].split("_")[1]  # a tenant cannot revoke a key not its own: 404, nothing changes
+    admin_key = key_id_of(world.keys["admin"])  # a tenant cannot revoke a key not its own: 404, nothing changes
     r = world.api.delete(f"/v1/keys/{admin_key}", headers=new)
     assert (r.status_code, r.json()["error"]["code"]) == (404, "key.not_found")
     assert world.call("admin", "GET", "/v1/whoami").status_code == 200
@@ -322,3 +324,24 @@ def test_no_tenant_facing_view_shows_another_tenants_sandbox_ids(world: World, m
         if sid not in url:
             assert sid not in r.text, (path, r.text[:500])
     assert "sb-t1-running" in world.call("tenant", "GET", "/v1/sandboxes").text  # the check can fail
+
+
+SDK_KEY_RE = re.compile(r"\Ae2b_[0-9a-f]+\Z")  # e2b 2.25.0-2.45.1 refuse any other key before sending (issue 29)
+
+
+def test_keys_have_the_shape_every_e2b_sdk_line_accepts_and_old_keys_keep_working(world: World) -> None:
+    made = world.api.post("/v1/keys", headers={"Authorization": f"Bearer {world.keys['tenant']}"}).json()
+    for key in (world.keys["tenant"], world.keys["admin"], made["key"]):
+        assert SDK_KEY_RE.match(key) and len(key) == 4 + 8 + 64, key
+        assert key_id_of(key) == key[4:12]
+    assert key_id_of(made["key"]) == made["key_id"]
+    old = "cbk_0ld1d001_" + "s3cret-" * 6  # a key in the shape made before issue 29, stored as those were
+    with world.master.store.tx() as c:
+        c.execute(
+            S.api_keys.insert().values(
+                id="0ld1d001", digest=hashlib.sha256(old.encode()).hexdigest(), role=TENANT, tenant="t1", created_at=1.0
+            )
+        )
+    r = world.api.get("/v1/whoami", headers={"Authorization": f"Bearer {old}"})
+    assert (r.status_code, r.json()["tenant"], r.json()["key_id"]) == (200, "t1", "0ld1d001")
+    assert world.api.get("/v1/whoami", headers={"Authorization": f"Bearer {old[:-1]}x"}).status_code == 401

@@ -1,7 +1,9 @@
 """Who is calling CubeMaster: tenants and admins with API keys, nodes with per-node tokens (docs/security.md).
 
-API keys are `cbk_<id>_<secret>` with a 256-bit random secret: shown once, stored as sha256 (a slow hash buys
-nothing for a random 256-bit secret), looked up by `id` and compared in constant time. A node token is
+API keys are `e2b_<id><secret>` (8 + 64 lowercase hex: the shape every E2B SDK line accepts; 2.25-2.45 refuse
+any other before sending) with a 256-bit random secret: shown once, stored as sha256 (a slow hash buys nothing for a
+random 256-bit secret), looked up by `id` and compared in constant time. Keys made before that, `cbk_<id>_<secret>`,
+keep working. A node token is
 `cbn:<node>:<generation>:<hmac>`, an HMAC of the node and its generation under a secret in the database:
 CubeMaster stores no token, can present a node's token to that node's Cubelet, and revokes one by bumping
 the generation (docs/decisions.md). Repeated failures of one presented credential are throttled; a valid
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import threading
 import time
@@ -106,9 +109,9 @@ def credential_of(header: str, signed: SignedRequest | None) -> str:
     """What a failed credential is counted against: the API key id or the node it names, never a secret."""
     scheme, _, token = header.partition(" ")
     if scheme.lower() == "bearer":
-        parts = token.strip().split("_")
-        if len(parts) == 3 and parts[0] == "cbk" and parts[1]:
-            return f"key:{parts[1][:64]}"
+        kid = key_id_of(token.strip())
+        if kid is not None:
+            return f"key:{kid}"
         if token.strip().startswith("cbn:"):
             return f"node:{token.strip().split(':')[1][:64] if token.count(':') > 1 else '?'}"
         return "bearer:malformed"
@@ -116,6 +119,24 @@ def credential_of(header: str, signed: SignedRequest | None) -> str:
         claim = node_sig.parse(header, signed.body_sha if signed is not None else None)
         return f"node:{claim.node[:64]}" if claim is not None else "sig:malformed"
     return "scheme:other"
+
+
+KEY_PREFIX = "e2b_"
+KEY_ID_HEX = 8
+_KEY_RE = re.compile(rf"{KEY_PREFIX}([0-9a-f]{{{KEY_ID_HEX}}})[0-9a-f]{{64}}")
+_OLD_KEY_RE = re.compile(r"cbk_([^_]{1,64})_[^_]+")
+
+
+def key_id_of(key: str) -> str | None:
+    """The id an API key names (`e2b_<8 hex id><64 hex>`, or the older `cbk_<id>_<secret>`); None: neither shape."""
+    m = _KEY_RE.fullmatch(key) or _OLD_KEY_RE.fullmatch(key)
+    return None if m is None else m.group(1)
+
+
+def new_key() -> tuple[str, str]:
+    """(key id, key) in the E2B shape."""
+    kid = secrets.token_hex(KEY_ID_HEX // 2)
+    return kid, f"{KEY_PREFIX}{kid}{secrets.token_hex(32)}"
 
 
 def _digest(key: str) -> str:
@@ -173,11 +194,11 @@ class Auth:
         return (Identity(NODE, node=claim.node), "") if why is None else (None, why)
 
     def _verify(self, token: str) -> Identity | None:
-        parts = token.split("_")
-        if len(parts) != 3 or parts[0] != "cbk":
+        kid = key_id_of(token)
+        if kid is None:
             return None
         with self.store.tx() as c:
-            r = c.execute(sa.select(S.api_keys).where(S.api_keys.c.id == parts[1])).first()
+            r = c.execute(sa.select(S.api_keys).where(S.api_keys.c.id == kid)).first()
             if r is None or r.revoked_at is not None or not hmac.compare_digest(r.digest, _digest(token)):
                 return None
             if r.role == TENANT:
@@ -201,8 +222,7 @@ class Auth:
         """(key id, the key): the key is returned once and stored only as a digest."""
         if role not in (ADMIN, TENANT) or (role == TENANT) != (tenant is not None):
             raise ValueError(f"bad key role {role!r} for tenant {tenant!r}")
-        kid = secrets.token_hex(4)
-        key = f"cbk_{kid}_{secrets.token_urlsafe(32).replace('_', '-')}"
+        kid, key = new_key()
         with self.store.tx() as c:
             if tenant is not None:
                 t = c.execute(sa.select(S.tenants.c.revoked_at).where(S.tenants.c.name == tenant)).first()

@@ -117,7 +117,7 @@ tenants = sa.Table(
 api_keys = sa.Table(
     "api_keys",
     metadata,
-    sa.Column("id", sa.String(16), primary_key=True),  # the public part of the key (cbk_<id>_<secret>)
+    sa.Column("id", sa.String(16), primary_key=True),  # the key's public id: e2b_<id><secret>, cbk_<id>_<secret>
     sa.Column("digest", sa.String(64), nullable=False),  # sha256 of the whole key; the key itself is never stored
     sa.Column("role", sa.String(16), nullable=False),  # admin | tenant
     sa.Column("tenant", sa.String(128), nullable=True),
