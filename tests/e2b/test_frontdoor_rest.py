@@ -264,3 +264,35 @@ def test_the_2_45_sdk_line_accepts_the_key_and_creates_lists_and_kills(stack: di
         True,
         False,
     )
+
+
+def test_lists_are_newest_first_and_filter_by_start_time_through_the_sdk(stack: dict[str, Any]) -> None:
+    """Issue 29: E2B lists newest first, honours `order` and `startedAfter`."""
+    tag = f"t{time.monotonic_ns()}"
+    made = [Sandbox.create("cuda12-h100", metadata={"suite": tag}, **opts(stack)) for _ in range(3)]
+    try:
+        ids = [s.sandbox_id for s in made]
+        q = SandboxQuery(metadata={"suite": tag})
+        assert [s.sandbox_id for s in Sandbox.list(query=q, **opts(stack)).next_items()] == ids[::-1]
+        oldest = Sandbox.list(query=q, order="asc", limit=2, **opts(stack))
+        assert [s.sandbox_id for s in oldest.next_items()] + [s.sandbox_id for s in oldest.next_items()] == ids
+        second = made[1].get_info().started_at
+        q = SandboxQuery(metadata={"suite": tag}, started_after=second)
+        assert [s.sandbox_id for s in Sandbox.list(query=q, **opts(stack)).next_items()] == [ids[2], ids[1]]
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_a_create_without_timeout_lives_e2bs_300_s_and_metrics_answer_as_e2b_documents(
+    stack: dict[str, Any],
+) -> None:
+    sbx = Sandbox.create("cuda12-h100", **opts(stack))  # 2.63 sends no timeout at all
+    row = stack["cluster"].c.sandbox(sbx.sandbox_id)
+    assert row["expires_at"] - row["created_at"] == pytest.approx(300, abs=2)
+    assert sbx.get_metrics() == []  # running, but no node samples a sandbox's use yet (docs/e2b.md)
+    assert sbx.kill() is True
+    with pytest.raises(NotFoundException):
+        Sandbox.get_metrics(sbx.sandbox_id, **opts(stack))
+    with pytest.raises(NotFoundException):
+        Sandbox.get_metrics("never-was", **opts(stack))

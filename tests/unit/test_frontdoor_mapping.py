@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 import urllib.parse
+from datetime import UTC, datetime
 
 import pytest
 from hypothesis import given
@@ -78,21 +79,41 @@ def rows(n: int) -> list[dict[str, object]]:
     ]
 
 
-@given(st.integers(0, 30), st.integers(1, 7))
-def test_pages_cover_every_row_once_in_order(n: int, limit: int) -> None:
-    all_rows = M.select(rows(n), {}, {"running"})  # type: ignore[arg-type]
+@given(st.integers(0, 30), st.integers(1, 7), st.booleans())
+def test_pages_cover_every_row_once_in_order(n: int, limit: int, newest_first: bool) -> None:
+    all_rows = M.select(rows(n), {}, {"running"}, newest_first=newest_first)  # type: ignore[arg-type]
     seen, token = [], None
     for _ in range(n + 2):
-        chunk, token = M.page(all_rows, limit, token)
+        chunk, token = M.page(all_rows, limit, token, newest_first)
         seen += [r["id"] for r in chunk]
         if token is None:
             break
-    assert seen == [f"sb-{i}" for i in range(n)]
+    order = [f"sb-{i}" for i in range(n)]
+    assert seen == (order[::-1] if newest_first else order)
+
+
+def test_lists_are_newest_first_by_default_and_filter_by_start_time() -> None:
+    """E2B lists newest first; `order=asc` the other way; `startedAfter` keeps those started at or after it."""
+    assert M.parse_order(None) is True and M.parse_order("desc") is True and M.parse_order("asc") is False
+    with pytest.raises(M.Refusal):
+        M.parse_order("sideways")
+    assert [r["id"] for r in M.select(rows(3), {}, {"running"})] == ["sb-2", "sb-1", "sb-0"]  # type: ignore[arg-type]
+    after = M.parse_started_after(datetime.fromtimestamp(101.0, UTC).astimezone().isoformat())
+    assert after == 101.0
+    got = M.select(rows(3), {}, {"running"}, after, newest_first=False)  # type: ignore[arg-type]
+    assert [r["id"] for r in got] == ["sb-1", "sb-2"]
+    with pytest.raises(M.Refusal):
+        M.parse_started_after("yesterday")
+
+
+def test_a_create_without_timeout_gets_e2bs_300_s() -> None:
+    body = M.create_body(NewSandbox.model_validate({"templateID": "x"}), "sb-1", "t")
+    assert body["timeout_s"] == 300.0
 
 
 def test_select_filters_by_metadata_and_state() -> None:
     rs = [*rows(4), {"id": "gone", "state": "deleted", "created_at": 1.0, "request": {"metadata": {"i": "0"}}}]
-    assert [r["id"] for r in M.select(rs, {"i": "0"}, {"running", "paused"})] == ["sb-0", "sb-2"]  # type: ignore[arg-type]
+    assert [r["id"] for r in M.select(rs, {"i": "0"}, {"running", "paused"})] == ["sb-2", "sb-0"]  # type: ignore[arg-type]
     assert M.select(rs, {}, {"paused"}) == []  # type: ignore[arg-type]
     with pytest.raises(M.Refusal):
         M.parse_states("running,sleeping")

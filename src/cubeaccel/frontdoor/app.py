@@ -181,13 +181,22 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
             limit = int(q.get("limit") or 100)
         except ValueError as e:
             raise Refusal(400, "cubeaccel (api): limit must be an integer") from e
+        newest_first = M.parse_order(q.get("order"))
+        after = M.parse_started_after(q.get("startedAfter"))
         reply = await master.call("GET", "/v1/sandboxes", key, params={"state": M.LIVE})
-        rows = M.select(reply["sandboxes"], meta, states)
+        rows = M.select(reply["sandboxes"], meta, states, after, newest_first)
         if q.get("template"):
             rows = [r for r in rows if M.template_name(r) == q["template"]]
-        chunk, nxt = M.page(rows, limit, q.get("nextToken"))
+        chunk, nxt = M.page(rows, limit, q.get("nextToken"), newest_first)
         headers = {"x-next-token": nxt} if nxt else {}
         return JSONResponse([M.listed(r).body() for r in chunk], headers=headers)
+
+    async def metrics(request: Request) -> Response:
+        """E2B's metrics of a running sandbox (404 otherwise). No node samples a sandbox's CPU, memory or disk
+        use yet, so the list of samples is empty: the SDK's `get_metrics()` answers `[]` (docs/e2b.md)."""
+        key = api_key(request)
+        await live(key, request.path_params["sandbox_id"])
+        return JSONResponse([])
 
     async def kill(request: Request) -> Response:
         key = api_key(request)
@@ -229,6 +238,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         Route("/sandboxes/{sandbox_id}", get_info, methods=["GET"]),
         Route("/sandboxes/{sandbox_id}", kill, methods=["DELETE"]),
         Route("/sandboxes/{sandbox_id}/timeout", set_timeout, methods=["POST"]),
+        Route("/sandboxes/{sandbox_id}/metrics", metrics, methods=["GET"]),
         Route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
         Route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
         Route("/sandboxes/{sandbox_id}/{op}", refused, methods=["POST"]),

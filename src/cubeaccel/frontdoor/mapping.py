@@ -20,6 +20,7 @@ ACCELERATORS_KEY = "cubeaccel.accelerators"  # metadata key: overrides the templ
 CLIENT_ID = "cubeaccel"
 LIVE = "running"  # the only CubeMaster state E2B calls a sandbox (E2B's other one, paused, we never have)
 TOKEN_CONTEXT = b"cubeaccel-envd-token/v1:"
+DEFAULT_TIMEOUT_S = 300  # E2B's lifetime for a create that names none (not CubeMaster's own default)
 
 
 class Refusal(Exception):
@@ -68,8 +69,8 @@ def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
         "env_vars": dict(req.env_vars or {}),
         "workload_token": token,
     }
-    if req.timeout is not None:
-        body["timeout_s"] = float(req.timeout)
+    # Older SDK lines send their 300 s themselves; 2.63 leaves it out and means E2B's default, not CubeMaster's.
+    body["timeout_s"] = float(req.timeout if req.timeout is not None else DEFAULT_TIMEOUT_S)
     spec = metadata.get(ACCELERATORS_KEY)
     if spec is not None:
         text = spec.strip()
@@ -161,12 +162,54 @@ def parse_states(raw: str | None) -> set[str]:
     return states
 
 
-def select(rows: list[dict[str, Any]], metadata: dict[str, str], states: set[str]) -> list[dict[str, Any]]:
-    """The live sandboxes whose metadata has every asked pair, oldest first (a stable order for pages)."""
+def parse_order(raw: str | None) -> bool:
+    """`order=asc|desc` by start time; True: newest first, E2B's default."""
+    if raw in (None, "", "desc"):
+        return True
+    if raw == "asc":
+        return False
+    raise Refusal(400, f"cubeaccel (api): unknown order {raw!r:.40}; known: asc, desc")
+
+
+def parse_started_after(raw: str | None) -> float | None:
+    """`startedAfter=<ISO 8601>` (the SDK sends a local time with its offset) as epoch seconds."""
+    if not raw:
+        return None
+    try:
+        when = datetime.fromisoformat(raw)
+    except ValueError as e:
+        raise Refusal(400, f"cubeaccel (api): startedAfter {raw!r:.60} is not an ISO 8601 time") from e
+    return (when if when.tzinfo is not None else when.replace(tzinfo=UTC)).timestamp()
+
+
+def _started(row: dict[str, Any]) -> float:
+    """The start time at the microsecond `startedAt` shows (a client passes back what it was shown)."""
+    return datetime.fromtimestamp(float(row["created_at"]), UTC).timestamp()
+
+
+def _order_key(row: dict[str, Any]) -> tuple[float, str]:
+    return float(row["created_at"]), str(row["id"])
+
+
+def select(
+    rows: list[dict[str, Any]],
+    metadata: dict[str, str],
+    states: set[str],
+    started_after: float | None = None,
+    newest_first: bool = True,
+) -> list[dict[str, Any]]:
+    """The live sandboxes whose metadata has every asked pair and that started at or after `started_after`,
+    newest first as E2B lists them (or oldest first); ties broken by id, a stable order for pages."""
     if "running" not in states:
         return []
-    out = [r for r in rows if r["state"] == LIVE and all(metadata_of(r).get(k) == v for k, v in metadata.items())]
-    return sorted(out, key=lambda r: (float(r["created_at"]), str(r["id"])))
+    out = [
+        r
+        for r in rows
+        if r["state"] == LIVE
+        and all(metadata_of(r).get(k) == v for k, v in metadata.items())
+        and (started_after is None or _started(r) >= started_after)
+    ]
+    return sorted(out, key=_order_key, reverse=newest_first)
 
 
 def page_token(row: dict[str, Any]) -> str:
@@ -174,7 +217,9 @@ def page_token(row: dict[str, Any]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def page(rows: list[dict[str, Any]], limit: int, token: str | None) -> tuple[list[dict[str, Any]], str | None]:
+def page(
+    rows: list[dict[str, Any]], limit: int, token: str | None, newest_first: bool = True
+) -> tuple[list[dict[str, Any]], str | None]:
     """One page after the row a `nextToken` names (by its position in the order, so a sandbox that ends between
     pages shifts nothing), and the token of the next page (None when this is the last)."""
     if not 1 <= limit <= 1000:
@@ -187,7 +232,7 @@ def page(rows: list[dict[str, Any]], limit: int, token: str | None) -> tuple[lis
         except (ValueError, TypeError, binascii.Error) as e:
             raise Refusal(400, "cubeaccel (api): invalid nextToken") from e
         start = next(
-            (i for i, r in enumerate(rows) if (float(r["created_at"]), str(r["id"])) > after),
+            (i for i, r in enumerate(rows) if (_order_key(r) < after if newest_first else _order_key(r) > after)),
             len(rows),
         )
     chunk = rows[start : start + limit]
