@@ -296,3 +296,17 @@ def test_a_create_without_timeout_lives_e2bs_300_s_and_metrics_answer_as_e2b_doc
         Sandbox.get_metrics(sbx.sandbox_id, **opts(stack))
     with pytest.raises(NotFoundException):
         Sandbox.get_metrics("never-was", **opts(stack))
+
+
+def test_a_create_right_after_a_kill_waits_for_the_devices_coming_back(stack: dict[str, Any]) -> None:
+    """Issue 29: a killed sandbox's devices are released and scrubbed before they are allocatable; a create
+    meanwhile waits for them (it used to be refused with `Should-Retry: false`, and the SDK gave up)."""
+    every = {"cubeaccel.accelerators": "H100:8"}
+    sbx = Sandbox.create("cuda12-h100", metadata=every, **opts(stack))
+    assert sbx.kill() is True
+    again = Sandbox.create("cuda12-h100", metadata=every, **opts(stack))
+    try:
+        assert len(stack["cluster"].c.sandbox(again.sandbox_id)["device_ids"]) == 8
+    finally:
+        again.kill()
+    stack["cluster"].cleanup()

@@ -54,8 +54,9 @@ class FrontDoorConfig:
 
 
 def error(status: int, message: str, retry: bool = False) -> JSONResponse:
-    """E2B's error body; `Should-Retry: false` so the SDK does not repeat a create that was refused."""
-    headers = {} if retry else {"Should-Retry": "false"}
+    """E2B's error body; `Should-Retry: false` so the SDK does not repeat a create that was refused, `true`
+    where repeating it can help (the SDK then retries even a 409)."""
+    headers = {"Should-Retry": "true" if retry else "false"}
     return JSONResponse(Error(code=status, message=message).body(), status_code=status, headers=headers)
 
 

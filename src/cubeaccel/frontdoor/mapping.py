@@ -265,5 +265,6 @@ def refusal_from_error(err: dict[str, Any], status: int) -> Refusal:
         text += " [nodes: " + "; ".join(shown) + "]"
     if status == 422:  # E2B says 400 for a request it cannot take
         status = 400
-    retry = status == 429 or code == "sandbox.create_in_progress"
+    # Retrying helps where what is missing is coming back (a device being released or scrubbed) or in flight.
+    retry = status == 429 or code in ("sandbox.create_in_progress", "schedule.capacity_returning")
     return Refusal(status, text, retry=retry)

@@ -22,6 +22,7 @@ import httpx
 
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
+from cubeaccel.master.capacity_wait import ArrivalQueue, expired, returning
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
@@ -55,6 +56,10 @@ class MasterConfig:
     max_attempts: int = 4  # Cubelets asked per create before giving up
     cubelet_timeout_s: float = 30.0
     default_lifetime_s: float = 3600.0  # every sandbox has a lifetime; a tenant's quota may set its own
+    # How long a create waits for devices being released or scrubbed (issue 29): below the front door's 30 s
+    # call to CubeMaster and the E2B SDK's 60 s request timeout. `CreateSpec.capacity_wait_s` overrides it.
+    capacity_wait_s: float = 20.0
+    capacity_waiters: int = 8  # creates waiting at once per replica (each holds a worker thread)
 
     @property
     def placement_stale_s(self) -> float:
@@ -82,6 +87,7 @@ class CreateSpec:
     env_vars: dict[str, str] = field(default_factory=dict)  # for every command (the E2B front door applies them)
     workload_token: str | None = field(default=None, repr=False)  # the caller's choice; passed on, never stored
     network: dict[str, Any] | None = None  # narrows the template's network policy
+    capacity_wait_s: float | None = None  # None: MasterConfig.capacity_wait_s
 
 
 Resolved = tuple[AcceleratorChoice, CompatibilityContract, Selector | None]
@@ -93,6 +99,7 @@ class CubeMaster:
         self.config = config or MasterConfig()
         self.registry = Registry(store)
         self.cache = NodeCache(store)
+        self.waiters = ArrivalQueue(self.config.capacity_waiters)  # creates waiting for capacity coming back
         self.auth = Auth(store)
         self._clients: dict[tuple[str, str | None], CubeletClient] = {}
         self._clients_lock = threading.Lock()
@@ -245,6 +252,40 @@ class CubeMaster:
             )
 
     def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row:
+        ticket: list[int] = []  # this create's turn among those waiting for capacity, held until placed
+        try:
+            return self._place_in_turn(sid, spec, resolved, ticket)
+        finally:
+            for t in ticket:
+                self.waiters.leave(t)
+
+    def _wait_for_capacity(
+        self, spec: CreateSpec, resolved: list[Resolved], decision: Decision, ticket: list[int]
+    ) -> tuple[Decision, int] | None:
+        """A decision with candidates once devices coming back are back, in arrival order; None when nothing
+        that fits is coming back (refuse at once); `schedule.capacity_returning` when the bound passes."""
+        back = returning(decision, {v.name: v for v in self.cache.views()}, self.store.deleting_devices())
+        if not back:
+            return None
+        t0 = time.monotonic()
+        bound = self.config.capacity_wait_s if spec.capacity_wait_s is None else spec.capacity_wait_s
+        t = self.waiters.join()
+        if t is None:
+            raise expired(back, 0.0, f"{self.waiters.limit} creates are already waiting for capacity")
+        ticket.append(t)
+        while True:
+            left = t0 + bound - time.monotonic()
+            if left <= 0 or not self.waiters.wait_turn(t, left):
+                raise expired(back, time.monotonic() - t0, f"they were not back within {bound:g}s")
+            fresh, total = self.cache.decide(resolved, time.time(), self.config.staleness_s, spec.vcpus, fresh=True)
+            if fresh.candidates:
+                return fresh, total
+            back = returning(fresh, {v.name: v for v in self.cache.views()}, self.store.deleting_devices())
+            if not back:
+                return None
+            self.waiters.pause(min(0.25, max(0.0, t0 + bound - time.monotonic())))
+
+    def _place_in_turn(self, sid: str, spec: CreateSpec, resolved: list[Resolved], ticket: list[int]) -> Row:
         t0 = time.perf_counter()
         attempts: list[dict[str, Any]] = []
         tried: set[tuple[str, str]] = set()
@@ -259,7 +300,10 @@ class CubeMaster:
             if not decision.candidates:
                 if round_ == 0:
                     continue  # our copy may be old: decide once more on fresh summaries
-                raise _with_attempts(rejection(decision, total), attempts)
+                waited = None if ticket else self._wait_for_capacity(spec, resolved, decision, ticket)
+                if waited is None:
+                    raise _with_attempts(rejection(decision, total), attempts)
+                decision, total = waited
             assert decision.contract is not None and decision.choice is not None
             decided_ms = (time.perf_counter() - t0) * 1000
             for cand in decision.candidates:

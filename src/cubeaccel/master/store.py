@@ -161,6 +161,21 @@ class MasterStore:
         with self.tx() as c:
             return _memory_claims(c, None)
 
+    def deleting_devices(self) -> dict[str, dict[str, int]]:
+        """node → group key → devices of sandboxes being deleted: on their way back, before a summary shows
+        them releasing."""
+        s = S.sandboxes
+        q = (
+            sa.select(s.c.node, s.c.group_key, sa.func.sum(s.c.count))
+            .where(s.c.state == SS.DELETING.value, s.c.node.isnot(None))
+            .group_by(s.c.node, s.c.group_key)
+        )
+        out: dict[str, dict[str, int]] = {}
+        with self.tx() as c:
+            for node, key, total in c.execute(q):
+                out.setdefault(node, {})[key] = int(total)
+        return out
+
     def all_node_views(self) -> list[NodeView]:
         views, _ = self.node_views()
         claims, memory = self.claims(), self.memory_claims()

@@ -39,6 +39,7 @@ class Group:
     total: int
     allocatable: int
     by_numa: Mapping[str, int]
+    returning: int = 0  # being released or scrubbed: allocatable again soon unless the node quarantines them
 
 
 @dataclass
@@ -172,6 +173,7 @@ def _group(g: CapacityGroup) -> Group:
         g.total,
         g.by_state.get("allocatable", 0),
         g.allocatable_by_numa,
+        g.by_state.get("releasing", 0) + g.by_state.get("released", 0),
     )
 
 

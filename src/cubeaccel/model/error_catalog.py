@@ -397,6 +397,12 @@ CODES: tuple[CodeInfo, ...] = (
     _c("sandbox.start_failed", None, "cubelet", "sandbox error: the reservation closed during start with no failure"),
     _c("schedule.placement_failed", 409, "scheduler", "every candidate node refused the reservation"),
     _c("schedule.unschedulable", 409, "scheduler", "no node can host this sandbox; details per node and choice"),
+    _c(
+        "schedule.capacity_returning",
+        503,
+        "scheduler",
+        "the devices that fit are being released or scrubbed and were not back within the create's wait; retry",
+    ),
     _c("schedule.too_many_devices", 409, "scheduler", "every node's per-sandbox device limit is below the count asked"),
     _c("selector.compile_error", 422, "api", "the node selector does not compile"),
     _c("selector.invalid", 422, "api", "the node selector is not a string or is too long"),
