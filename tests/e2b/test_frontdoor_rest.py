@@ -301,6 +301,7 @@ def test_a_create_without_timeout_lives_e2bs_300_s_and_metrics_answer_as_e2b_doc
 def test_a_create_right_after_a_kill_waits_for_the_devices_coming_back(stack: dict[str, Any]) -> None:
     """Issue 29: a killed sandbox's devices are released and scrubbed before they are allocatable; a create
     meanwhile waits for them (it used to be refused with `Should-Retry: false`, and the SDK gave up)."""
+    stack["cluster"].cleanup()  # every device free: earlier tests' sandboxes would hold some (refused at once)
     every = {"cubeaccel.accelerators": "H100:8"}
     sbx = Sandbox.create("cuda12-h100", metadata=every, **opts(stack))
     assert sbx.kill() is True
