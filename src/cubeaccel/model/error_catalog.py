@@ -128,6 +128,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("host.device_not_responding", None, "host_hardware", "device reason: config space reads 0xffff"),
     _c("host.identity_changed", None, "host_hardware", "device reason: vendor/device/serial differ from registration"),
     _c("host.invalid_attribute", 422, "host_hardware", "a sysfs attribute has an unexpected value"),
+    _c("host.invalid_reset_method", 422, "host_hardware", "not one of the kernel's reset method names"),
     _c("host.invalid_driver_name", 422, "api", "not a valid kernel driver name"),
     _c("host.invalid_iommu_group", 422, "host_hardware", "the iommu_group link does not name a group number"),
     _c("host.invalid_profile", 422, "host_hardware", "a simulated host profile does not parse"),
