@@ -338,8 +338,8 @@ class VfioBackend:
             else:
                 last = self._post_reset_check(device)
             attempts.append(_attempt(step, [p.code for p in last]))
-            if not last:
-                return ResetResult([], attempts)
+            if not last or any(p.hard for p in last):  # a hard finding (new fatal AER) ends it: unhealthy
+                return ResetResult(last, attempts)
             tried.add(step.rung)
 
     def _reset_facts(self, f: PciFunction, context: ResetContext, tried: set[Rung]) -> ResetFacts:
@@ -399,7 +399,7 @@ class VfioBackend:
             problems.append(Problem("backend.reset_check_failed", msg, hard=False))
         if not after.enabled:
             problems.append(Problem("backend.reset_check_failed", f"{device.address} is in an error state", hard=False))
-        return problems + [Problem(p.code, p.message, hard=False) for p in self._aer_problems(after)]
+        return problems + self._aer_problems(after)  # hard: new fatal errors are not for a reset to clear
 
     def attach_spec(self, device: DeviceRecord) -> AttachSpec:
         return AttachSpec(driver=VFIO_DRIVER, properties={"host": str(device.address)})
