@@ -1,7 +1,12 @@
 """The reset ladder on the real kernel (tests/lab/guest/reset_scenarios.py): rung 1 on a function with FLR, rung 2
 on a function behind a root port (and on the FLR function with its function resets forbidden), rung 3 for a
-function without a reset method, and a bus reset refused because it would reach a busy function of the group or
-functions of other groups. One lab boot with four more functions behind three more ports."""
+function without a reset method, and a bus reset refused because it would reach a busy function of the group.
+One lab boot with three more functions behind two more root ports.
+
+Not here: a bus reset reaching a function of *another* group. QEMU 7.2's switch ports have no ACS, so an edu
+beside a switch upstream port and one below its downstream port landed in one group with both ports (measured:
+all four functions in one group); that refusal is tested on the fake tree (tests/host/test_reset_ladder_backend.py)
+and over random topologies (tests/unit/test_reset_ladder.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +25,8 @@ RESET_TOPOLOGY = (
     "-device", "pcie-root-port,id=rp4,chassis=4,slot=4,addr=07.0",
     "-device", "edu,id=pf0,bus=rp4,addr=00.0,multifunction=on",
     "-device", "edu,id=pf1,bus=rp4,addr=00.1",
-    "-device", "pcie-root-port,id=rp5,chassis=5,slot=5,addr=08.0",
-    "-device", "x3130-upstream,id=up1,bus=rp5,addr=00.0,multifunction=on",
-    "-device", "edu,id=beside,bus=rp5,addr=00.1",
-    "-device", "xio3130-downstream,id=dp1,bus=up1,chassis=6,slot=0",
-    "-device", "edu,id=below,bus=dp1",
 )  # fmt: skip
-PLAN = ["ladder_flr", "ladder_bus", "ladder_no_reset", "ladder_refused_busy", "ladder_refused_foreign"]
+PLAN = ["ladder_flr", "ladder_bus", "ladder_no_reset", "ladder_refused_busy"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_rung_1_is_the_functions_flr_and_rung_2_narrows_reset_method_to_bus(lab:
     assert _rungs(fn) == [("function", True)] and fn["attempts"][0]["methods"][0] == "flr"
     assert fn["problems"] == [] and fn["identity_same"] and fn["validate_after"] == []
     bus = r["bus"]
-    assert _rungs(bus) == [("bus", True)] and bus["attempts"][0]["methods"] == ["bus"]
+    assert _rungs(bus) == [("bus", True)] and bus["attempts"][0]["methods"] == ["bus"], bus
     assert bus["reach"] == [bus["address"]]  # alone behind its root port
     assert bus["problems"] == [] and bus["identity_same"] and bus["validate_after"] == []
     assert bus["reset_method_after"].split() == bus["reset_method"]  # the function's own list is back
@@ -82,15 +82,6 @@ def test_a_bus_reset_reaching_a_busy_function_of_the_group_is_refused_naming_it(
         assert not any(a.get("ok") for a in c["attempts"])  # nothing was reset
     assert "held by" in r["held"]["problems"][0]["message"]
     assert "reserved (sandbox sb-lab)" in r["claimed"]["problems"][0]["message"]
-    idle = r["idle"]  # allowed by the rule, but the kernel offers no reset for a function sharing its bus
-    assert idle["reset_method"] == [] and [p["code"] for p in idle["problems"]] == ["backend.no_reset_method"]
-
-
-def test_a_bus_reset_reaching_functions_of_other_groups_is_refused_naming_them(lab: BootResult) -> None:
-    r = lab.scenario("ladder_refused_foreign")
-    print(f"reset ladder lab, switch topology groups: {r['groups']}")
-    (p,) = r["problems"]
-    assert p["code"] == "backend.bus_reset_refused"
-    (below,) = r["below"]
-    assert below["group"] != r["group"] and below["address"] in p["message"]
-    assert f"IOMMU group {below['group']}, not {r['group']}" in p["message"]
+    idle = r["idle"]  # every function it reaches in the group and idle: the bus reset runs, reaching both
+    assert idle["reset_method"] == ["bus"] and idle["reach"] == [idle["address"], pf1]
+    assert _rungs(idle) == [("bus", True)] and idle["problems"] == [] and idle["validate_after"] == [], idle

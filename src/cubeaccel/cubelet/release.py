@@ -358,7 +358,7 @@ class ReleasePath:
             return ReleaseOutcome(quarantine=(unreturned[0].code, {"problems": [p.__dict__ for p in unreturned]}))
         # unclean: the VMM was killed, or a started shim never sent its final report (it or its VMM died)
         unclean = res.checkpoint.kill_at is not None or (res.checkpoint.shim_started and not res.checkpoint.shim_exited)
-        problems, ladder = self._reset(d, unclean)
+        problems, ladder = self.reset_device(d, unclean)
         if problems:
             return ReleaseOutcome(cleanup=problems)
         evidence = {
@@ -377,7 +377,7 @@ class ReleasePath:
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
 
-    def _reset(self, d: DeviceRecord, unclean: bool) -> tuple[list[Problem], list[dict[str, Any]] | None]:
+    def reset_device(self, d: DeviceRecord, unclean: bool) -> tuple[list[Problem], list[dict[str, Any]] | None]:
         """Release step: the backend's reset — through its reset ladder where it has one, told which other devices
         a tenant holds (a bus reset must never reach them) and whether the VMM ended cleanly."""
         ladder = self.capabilities.ladder
@@ -491,7 +491,7 @@ class ReleasePath:
         if o.ok:  # the scrub VM was a VMM like a tenant's: what the release path takes back from one (the VFIO
             # group node handed to its uid) is taken back here too, before this reset
             unreturned = self._reclaim_nodes(d)
-            problems = unreturned or self._reset(d, unclean=False)[0] or self.backend.validate(d)
+            problems = unreturned or self.reset_device(d, unclean=False)[0] or self.backend.validate(d)
         duration = round(time.monotonic() - job.started, 3)
         reset_after = None if not o.ok else (problems[0].code if problems else "ok")  # the reset after the scrub VM
         with self.change() as t:
