@@ -51,10 +51,13 @@ def test_rung_1_is_the_functions_flr_and_rung_2_narrows_reset_method_to_bus(lab:
     assert "flr" in fn["reset_method"] and "bus" in fn["reset_method"], fn
     assert _rungs(fn) == [("function", True)] and fn["attempts"][0]["methods"][0] == "flr"
     assert fn["problems"] == [] and fn["identity_same"] and fn["validate_after"] == []
+    # rung 2 narrowed to `bus` on the same function: written and put back, but this kernel refuses a bus reset of
+    # the virtio function (ENOTTY, measured), so the ladder ends in quarantine with the kernel's answer
     bus = r["bus"]
-    assert _rungs(bus) == [("bus", True)] and bus["attempts"][0]["methods"] == ["bus"], bus
-    assert bus["reach"] == [bus["address"]]  # alone behind its root port
-    assert bus["problems"] == [] and bus["identity_same"] and bus["validate_after"] == []
+    assert _rungs(bus) == [("bus", False), ("quarantine", "backend.reset_failed")], bus["attempts"]
+    assert bus["attempts"][0]["methods"] == ["bus"] and bus["reach"] == [bus["address"]]
+    (p,) = bus["problems"]
+    assert p["code"] == "backend.reset_failed" and "Inappropriate ioctl" in p["message"] and not p["hard"]
     assert bus["reset_method_after"].split() == bus["reset_method"]  # the function's own list is back
 
 
@@ -82,6 +85,9 @@ def test_a_bus_reset_reaching_a_busy_function_of_the_group_is_refused_naming_it(
         assert not any(a.get("ok") for a in c["attempts"])  # nothing was reset
     assert "held by" in r["held"]["problems"][0]["message"]
     assert "reserved (sandbox sb-lab)" in r["claimed"]["problems"][0]["message"]
-    idle = r["idle"]  # every function it reaches in the group and idle: the bus reset runs, reaching both
+    # idle: the rule allows it, and the kernel, which listed `bus` for function 0 when it was alone on its bus at
+    # enumeration, refuses the reset now that function 1 shares the bus (ENOTTY, measured) → quarantine
+    idle = r["idle"]
     assert idle["reset_method"] == ["bus"] and idle["reach"] == [idle["address"], pf1]
-    assert _rungs(idle) == [("bus", True)] and idle["problems"] == [] and idle["validate_after"] == [], idle
+    assert _rungs(idle) == [("bus", False), ("quarantine", "backend.reset_failed")], idle["attempts"]
+    assert "Inappropriate ioctl" in idle["problems"][0]["message"]

@@ -3,7 +3,7 @@
 
 Topology beyond the lab's own (tests/lab/test_vfio_lab_reset.py, RESET_TOPOLOGY): a virtio-rng behind a root port
 (QEMU gives PCIe virtio functions FLR) and an edu multifunction pair behind a root port (one group; the kernel
-offers `bus` for each, and that reset reaches both).
+lists `bus` for function 0, enumerated while it was alone on the bus).
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def ladder_no_reset() -> dict[str, Any]:
 
 def ladder_refused_busy() -> dict[str, Any]:
     """The multifunction pair behind a root port (one group): while a VMM-like process holds function 1 (or the
-    Cubelet has it reserved), a bus reset for function 0 is refused naming it; idle, the bus reset runs (and
-    resets both: the kernel itself would have reset the held one too)."""
+    Cubelet has it reserved), a bus reset for function 0 is refused naming it; idle, the rule allows it and the
+    kernel has the last word."""
     pf1 = _find(EDU, lambda a: a.bus != 0 and a.function == 1)
     pf0 = PciAddress.parse(str(pf1)[:-1] + "0")
     ensure_vfio(pf0, pf1)
