@@ -31,8 +31,8 @@ class SlowReset:
         self.gate = threading.Event()
         real = node.host.reset
 
-        def reset(address: PciAddress) -> None:
-            real(address)
+        def reset(address: PciAddress, methods: tuple[str, ...] = ()) -> None:
+            real(address, methods)
             self.started.set()
             self.gate.wait(GATE_S)
 

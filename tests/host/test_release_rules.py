@@ -209,6 +209,10 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
         "detach_confirmed": True,
         "holders": 0,
         "reset": True,
+        # a clean exit (the shim's final report): rung 1 did it
+        "reset_ladder": [
+            {"rung": "function", "reason": "the function's own reset", "methods": ["flr"], "check": [], "ok": True}
+        ],
         "scrub_owed": True,
         "scrub_policy": "trusted-vm",
         "vmm_started": True,
@@ -238,6 +242,11 @@ def test_vmm_exit_and_shim_exit_release_without_any_report(vfio: VfioNode) -> No
     vfio.shims.end_shim(vfio.sid)
     vfio.cubelet.try_release(vfio.sid)
     assert vfio.state() is S.ALLOCATABLE
+    # no final report: an unclean exit, so this NVIDIA GPU would start at the bus rung (backends/nvidia.py); on a
+    # root bus there is none, and its FLR ran instead, saying why
+    confirmed = [e for e in vfio.cubelet.store.events(0, 10000, sandbox_id=vfio.sid) if e.event == "release_confirmed"]
+    (attempt,) = confirmed[0].details["reset_ladder"]
+    assert (attempt["rung"], attempt["ok"]) == ("function", True) and "root bus" in attempt["reason"]
 
 
 def test_an_unreadable_fd_dir_is_an_unknown_holder_quarantined_after_the_timeout(

@@ -63,6 +63,9 @@ class FakeSysfs:
     after_reset: dict[str, int] = field(default_factory=dict)  # after reset, a new device id answers
     probe_ignored: set[str] = field(default_factory=set)  # drivers_probe binds nothing
     resets: dict[str, int] = field(default_factory=dict)
+    # a function-level reset "does not take" (config space reads 0xffff after it); a bus reset brings it back
+    flr_ineffective: set[str] = field(default_factory=set)
+    reset_log: list[tuple[str, str]] = field(default_factory=list)  # (address, the reset_method it ran under)
 
     @property
     def sys(self) -> Path:
@@ -263,6 +266,13 @@ class FakeSysfs:
         if address in self.reset_fails:
             raise OSError(errno.EIO, "Input/output error")
         self.resets[address] = self.resets.get(address, 0) + 1
+        methods = (self.devdir(address) / "reset_method").read_text().split()
+        self.reset_log.append((address, " ".join(methods)))
+        if address in self.flr_ineffective:
+            if methods and methods[0] in ("bus", "cxl_bus"):
+                self._write_identity(self.devices[address])  # the bus reset brings it back
+            else:
+                (self.devdir(address) / "config").write_bytes(b"\xff" * 256)
         if address in self.reset_kills:
             (self.devdir(address) / "config").write_bytes(b"\xff" * 256)
         if address in self.after_reset:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from cubeaccel.host.pci import Holder
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
@@ -124,6 +125,28 @@ class DeviceNodes(Protocol):
 
 
 @dataclass(frozen=True)
+class ResetContext:
+    """What the release path knows that the host does not, for the reset ladder (model/reset_ladder.py)."""
+
+    unclean_exit: bool = False  # the tenant's VMM did not end cleanly (killed, or no final release report)
+    claims: Mapping[PciAddress, str] = field(default_factory=dict)  # other devices a tenant holds, and why
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    problems: list[Problem]
+    attempts: list[dict[str, Any]]  # one per rung tried or refused: evidence for the release's event
+
+
+@runtime_checkable
+class ResetLadder(Protocol):
+    """A backend that resets a device rung by rung (function, then bus within the IOMMU group, then quarantine)
+    and checks identity and health after each rung. Backends without it are reset with `cleanup`."""
+
+    def reset_ladder(self, device: DeviceRecord, context: ResetContext) -> ResetResult: ...
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a backend can do beyond `Backend`, decided once, when Cubelet is given the backend: call sites ask
     `cubelet.capabilities`, never the backend object what methods it happens to have."""
@@ -132,6 +155,7 @@ class Capabilities:
     aer: AerBaselines | None
     snapshots: HostSnapshots | None = None
     nodes: DeviceNodes | None = None
+    ladder: ResetLadder | None = None
 
     @classmethod
     def of(cls, backend: Backend) -> Capabilities:
@@ -140,4 +164,5 @@ class Capabilities:
             aer=backend if isinstance(backend, AerBaselines) else None,
             snapshots=backend if isinstance(backend, HostSnapshots) else None,
             nodes=backend if isinstance(backend, DeviceNodes) else None,
+            ladder=backend if isinstance(backend, ResetLadder) else None,
         )

@@ -37,6 +37,21 @@ WHAT_TO_DO = (
 )
 
 
+# The reset ladder's vendor fact (model/reset_ladder.py, `prefer_bus`). Production finding (dstack, 2026): after a
+# VMM was killed mid-init, a function-level reset did not clear an H200's firmware (GSP) session state — the next
+# driver load failed — where a secondary bus reset did. So after an unclean VMM exit an NVIDIA GPU starts at the bus
+# rung (still only when every function that reset reaches is in its own IOMMU group and idle; else FLR). After a
+# clean exit FLR is enough and cheaper.
+BUS_RESET_AFTER_UNCLEAN_EXIT_WHY = (
+    "NVIDIA: FLR did not clear an H200's firmware state after a VMM was killed mid-init, a secondary bus reset did"
+)
+
+
+def prefers_bus_reset(f: PciFunction, unclean_exit: bool) -> bool:
+    """Whether the reset ladder should start at the bus rung for this function."""
+    return unclean_exit and is_nvidia_gpu(f)
+
+
 def is_nvswitch(f: PciFunction) -> bool:
     return f.vendor_id == NVIDIA_VENDOR and f.class_code >> 8 == BRIDGE_OTHER and f.device_id >= CHIPSET_IDS_BELOW
 

@@ -21,14 +21,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from cubeaccel.backends import nvidia
-from cubeaccel.backends.base import AttachSpec, HostPreparation, Problem
+from cubeaccel.backends.base import AttachSpec, HostPreparation, Problem, ResetContext, ResetResult
 from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
 from cubeaccel.host.confine import take_back
-from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsRestore
+from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsBusReach, SupportsRestore
 from cubeaccel.host.readiness import HostRoots, check_host
 from cubeaccel.host.snapshot import SnapshotHost
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
+from cubeaccel.model.reset_ladder import Reached, ResetFacts, ResetStep, Rung, next_step
 from cubeaccel.model.states import DeviceState
 
 VFIO_DRIVER = "vfio-pci"
@@ -59,6 +60,7 @@ class VfioBackend:
         self._host = host
         self._pass = threading.local()  # the snapshot of the reconcile pass running in this thread, if any
         self._restorer = host if isinstance(host, SupportsRestore) else None  # a host capability, asked once
+        self._reach = host if isinstance(host, SupportsBusReach) else None  # without it: no bus rung
         self.readiness_roots = readiness_roots
         self.specs: tuple[DeviceSpec, ...] = parse_allow(list(allow))
         self.allow = tuple(str(s) for s in self.specs)
@@ -307,39 +309,97 @@ class VfioBackend:
                 return [_held(device.address, holders)]
             time.sleep(poll_s)
 
-    # ---- cleanup between tenants ----------------------------------------------------------------
-    def _reset_allowed(self, f: PciFunction) -> list[Problem]:
-        # An empty reset_method means "not reported" (older kernels, simulations): the kernel itself then
-        # decides, and refuses the write when the function cannot be reset.
-        if f.reset_method and not set(f.reset_method) & self.reset_methods:
-            return [
-                Problem(
-                    "backend.reset_not_allowed",
-                    f"{f.address} offers reset methods {list(f.reset_method)}, none of {sorted(self.reset_methods)}",
-                    hard=False,
-                )
-            ]
-        return []
-
+    # ---- cleanup between tenants: the reset ladder (model/reset_ladder.py) ------------------------
     def cleanup(self, device: DeviceRecord) -> list[Problem]:
-        """Function-level reset, then prove the device still answers as the same device. Soft on failure."""
+        """Reset through the ladder, then prove the device still answers as the same device. Soft on failure."""
+        return self.reset_ladder(device, ResetContext()).problems
+
+    def reset_ladder(self, device: DeviceRecord, context: ResetContext) -> ResetResult:
+        """Rung by rung as `next_step` says, each followed by the post-reset identity and health check; the first
+        rung whose check passes ends it. Nothing passed → soft problems (quarantine), naming what was refused."""
         f, problems = self._presence(device)
         if f is None or problems:
-            return problems
-        refused = self._reset_allowed(f)
-        if refused:
-            return refused
-        try:
-            self.host.reset(device.address)
-        except HostError as e:
-            code = "backend.no_reset_method" if e.code == "host.no_reset_method" else "backend.reset_failed"
-            return [Problem(code, e.message, hard=False)]
+            return ResetResult(problems, [])
+        attempts: list[dict[str, object]] = []
+        tried: set[Rung] = set()
+        last: list[Problem] = []
+        while True:
+            step = next_step(self._reset_facts(f, context, tried))
+            if step.rung is Rung.QUARANTINE:
+                attempts.append(_attempt(step, None))
+                return ResetResult(_ladder_problems(step, last), attempts)
+            try:
+                self.host.reset(device.address, step.methods)
+            except HostError as e:
+                if e.code == "host.no_reset_method":  # the kernel offers no reset at all (no `reset` attribute)
+                    attempts.append(_attempt(step, ["backend.no_reset_method"]))
+                    return ResetResult([Problem("backend.no_reset_method", e.message, hard=False)], attempts)
+                last = [Problem("backend.reset_failed", e.message, hard=False)]
+            else:
+                last = self._post_reset_check(device)
+            attempts.append(_attempt(step, [p.code for p in last]))
+            if not last or any(p.hard for p in last):  # a hard finding (new fatal AER) ends it: unhealthy
+                return ResetResult(last, attempts)
+            tried.add(step.rung)
+
+    def _reset_facts(self, f: PciFunction, context: ResetContext, tried: set[Rung]) -> ResetFacts:
+        addresses = self._reach.bus_reach(f.address) if self._reach is not None else None
+        reach = None if addresses is None else tuple(self._reached(a, f, context) for a in addresses)
+        return ResetFacts(
+            address=str(f.address),
+            iommu_group=f.iommu_group,
+            methods=f.reset_method,
+            allowed=self.reset_methods,
+            reach=reach,
+            prefer_bus=nvidia.prefers_bus_reset(f, context.unclean_exit),
+            function_tried=Rung.FUNCTION in tried,
+            bus_tried=Rung.BUS in tried,
+        )
+
+    def _reached(self, address: PciAddress, device: PciFunction, context: ResetContext) -> Reached:
+        """One function a bus reset would reach, with why it is busy (None: idle). The device itself was checked
+        by the release rules (no holder) before its reset."""
+        other = self.host.function(address)
+        if other is None:
+            return Reached(str(address), None, "vanished")
+        if address == device.address:
+            return Reached(str(address), other.iommu_group)
+        busy: str | None = context.claims.get(address)
+        if busy is None:
+            holders = self.host.holders(address)
+            if holders:
+                busy = "held by " + ", ".join(f"{h.pid}({h.command})" for h in holders)
+            elif other.driver not in (VFIO_DRIVER, None):
+                busy = f"bound to {other.driver}"
+            elif other.extra.get("enable_count", "0") != "0":
+                busy = f"enabled by {other.extra['enable_count']} user(s)"
+        return Reached(str(address), other.iommu_group, busy)
+
+    def _post_reset_check(self, device: DeviceRecord) -> list[Problem]:
+        """What gates `allocatable` after a rung: config space answers, the same ids (vendor, device, subsystem,
+        class, revision, serial), the BARs as recorded, nobody enabled it, no error state, no new fatal AER."""
         if self.host.config_vendor_id(device.address) == 0xFFFF:
             return [Problem("backend.reset_failed", f"{device.address} stopped answering after reset", hard=False)]
         after, problems = self._presence(device)
         if after is None or problems:
-            return problems
-        return self._aer_problems(after)
+            return [Problem(p.code, p.message, hard=False) for p in problems]
+        recorded = device.identity.bars
+        if recorded and tuple(after.bars) != tuple(recorded):
+            now = ", ".join(b.name for b in after.bars) or "none"
+            problems.append(
+                Problem(
+                    "backend.reset_check_failed",
+                    f"{device.address} BARs after reset ({now}) differ from those recorded",
+                    hard=False,
+                )
+            )
+        enable = after.extra.get("enable_count", "0")
+        if enable != "0":
+            msg = f"{device.address} enable reads {enable} after reset: something enabled it"
+            problems.append(Problem("backend.reset_check_failed", msg, hard=False))
+        if not after.enabled:
+            problems.append(Problem("backend.reset_check_failed", f"{device.address} is in an error state", hard=False))
+        return problems + self._aer_problems(after)  # hard: new fatal errors are not for a reset to clear
 
     def attach_spec(self, device: DeviceRecord) -> AttachSpec:
         return AttachSpec(driver=VFIO_DRIVER, properties={"host": str(device.address)})
@@ -353,6 +413,28 @@ class VfioBackend:
             return []
         why = take_back(dev_root / "vfio" / str(group))
         return [Problem("release.device_node_not_returned", why, hard=False)] if why else []
+
+
+def _attempt(step: ResetStep, check: list[str] | None) -> dict[str, object]:
+    out: dict[str, object] = {"rung": step.rung.value, "reason": step.reason}
+    if step.rung is Rung.QUARANTINE:
+        out["code"] = step.code
+    else:
+        out["methods"] = list(step.methods)
+        out["check"] = check or []
+        out["ok"] = not check
+    if step.refused:
+        out["refused"] = list(step.refused)
+    return out
+
+
+def _ladder_problems(step: ResetStep, last: list[Problem]) -> list[Problem]:
+    """The ladder's verdict: a refused bus rung names the functions; otherwise what the last rung's check found."""
+    assert step.code is not None
+    if last and step.code not in ("backend.bus_reset_refused", "backend.reset_not_allowed"):
+        return [Problem(p.code, f"{p.message} ({step.reason})", hard=False) for p in last]
+    detail = f" (the last rung's check: {'; '.join(p.message for p in last)})" if last else ""
+    return [Problem(step.code, step.reason + detail, hard=False)]
 
 
 def _missing(address: PciAddress) -> Problem:

@@ -51,7 +51,8 @@ def probe(cubelet: Cubelet, d: DeviceRecord) -> list[dict[str, Any]]:
         code = "release.holder_unknown" if any(h.unknown for h in holders) else "release.holder_stuck"
         return [{"code": code, "message": f"{len(holders)} holder(s)", "holders": [h.__dict__ for h in holders]}]
     nodes = cubelet.capabilities.nodes
-    problems = (nodes.reclaim_nodes(d) if nodes is not None else []) or cubelet.backend.cleanup(d)
+    # the reset ladder with the journal's claims, as at release; a retry follows a clean settle, not a killed VMM
+    problems = (nodes.reclaim_nodes(d) if nodes is not None else []) or cubelet.reset_device(d, unclean=False)[0]
     return [{"code": p.code, "message": p.message} for p in problems]
 
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.backends.base import Backend, Capabilities, Problem
+from cubeaccel.backends.base import Backend, Capabilities, Problem, ResetContext
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.memory_ledger import VmmHost
 from cubeaccel.cubelet.scrub import DEFAULT_POLICY, ScrubOutcome, ScrubPolicy, ScrubRunner
@@ -356,7 +356,9 @@ class ReleasePath:
         unreturned = self._reclaim_nodes(d)
         if unreturned:  # still openable by the last tenant's uid: never handed to the next one
             return ReleaseOutcome(quarantine=(unreturned[0].code, {"problems": [p.__dict__ for p in unreturned]}))
-        problems = self.backend.cleanup(d)
+        # unclean: the VMM was killed, or a started shim never sent its final report (it or its VMM died)
+        unclean = res.checkpoint.kill_at is not None or (res.checkpoint.shim_started and not res.checkpoint.shim_exited)
+        problems, ladder = self.reset_device(d, unclean)
         if problems:
             return ReleaseOutcome(cleanup=problems)
         evidence = {
@@ -366,6 +368,7 @@ class ReleasePath:
             "detach_confirmed": detached,
             "holders": 0,
             "reset": True,
+            **({"reset_ladder": ladder} if ladder is not None else {}),
             # A device no VMM of the tenant's ever had (a reservation that never started) holds nothing of theirs.
             "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM and res.checkpoint.shim_started,
             # recorded, not implied: the sanitizing stage this release relies on (model/sanitize.py checks trails)
@@ -373,6 +376,20 @@ class ReleasePath:
             "vmm_started": res.checkpoint.shim_started,
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
+
+    def reset_device(self, d: DeviceRecord, unclean: bool) -> tuple[list[Problem], list[dict[str, Any]] | None]:
+        """Release step: the backend's reset — through its reset ladder where it has one, told which other devices
+        a tenant holds (a bus reset must never reach them) and whether the VMM ended cleanly."""
+        ladder = self.capabilities.ladder
+        if ladder is None:
+            return self.backend.cleanup(d), None
+        claims = {
+            o.address: f"{o.state.value} (sandbox {o.sandbox_id})"
+            for o in self.store.devices()
+            if o.id != d.id and o.state in TENANT_STATES
+        }
+        result = ladder.reset_ladder(d, ResetContext(unclean_exit=unclean, claims=claims))
+        return result.problems, result.attempts
 
     def _reclaim_nodes(self, d: DeviceRecord) -> list[Problem]:
         """Release step: device nodes handed to the VMM's uid go back to root (VFIO group nodes)."""
@@ -474,7 +491,7 @@ class ReleasePath:
         if o.ok:  # the scrub VM was a VMM like a tenant's: what the release path takes back from one (the VFIO
             # group node handed to its uid) is taken back here too, before this reset
             unreturned = self._reclaim_nodes(d)
-            problems = unreturned or self.backend.cleanup(d) or self.backend.validate(d)
+            problems = unreturned or self.reset_device(d, unclean=False)[0] or self.backend.validate(d)
         duration = round(time.monotonic() - job.started, 3)
         reset_after = None if not o.ok else (problems[0].code if problems else "ok")  # the reset after the scrub VM
         with self.change() as t:

@@ -91,8 +91,9 @@ class PciHost(Protocol):
         """driver_override + unbind + drivers_probe (never new_id)."""
         ...
 
-    def reset(self, address: PciAddress) -> None:
-        """Function-level reset through the `reset` attribute; raises HostError on failure."""
+    def reset(self, address: PciAddress, methods: tuple[str, ...] = ()) -> None:
+        """A reset through the `reset` attribute, limited to the kernel `methods` named (a rung of the reset
+        ladder; () lets the kernel pick); raises HostError on failure."""
         ...
 
     def config_vendor_id(self, address: PciAddress) -> int:
@@ -114,6 +115,15 @@ class SupportsRestore(Protocol):
     """
 
     def restore_driver(self, address: PciAddress, driver: str | None) -> None: ...
+
+
+@runtime_checkable
+class SupportsBusReach(Protocol):
+    """Hosts that can say which functions a secondary bus reset of a function's bus would reach (sysfs topology)."""
+
+    def bus_reach(self, address: PciAddress) -> list[PciAddress] | None:
+        """Every function under the bridge above `address`, itself included; None on a root bus."""
+        ...
 
 
 def function_json(f: PciFunction) -> dict[str, Any]:

@@ -378,10 +378,12 @@ class SimulatedPciHost:
                 raise host_error("host.bind_failed", f"{address} did not bind to {driver}")
             raw["driver"] = driver
 
-    def reset(self, address: PciAddress) -> None:
+    def reset(self, address: PciAddress, methods: tuple[str, ...] = ()) -> None:
         with self._locked(write=True):
             if str(address) not in self._s["functions"] or self._faulty(Fault.VANISH, address):
                 raise host_error("host.device_missing", f"no PCI function at {address}")
+            if methods:
+                self._s["writes"].append(f"{address}/reset_method={' '.join(methods)}")
             self._s["writes"].append(f"{address}/reset=1")
             if self._faulty(Fault.RESET_FAIL, address):
                 raise host_error("host.reset_failed", f"writing reset for {address} failed: EIO")

@@ -74,10 +74,10 @@ class SnapshotHost:
         finally:
             self._drop()
 
-    def reset(self, address: PciAddress) -> None:
+    def reset(self, address: PciAddress, methods: tuple[str, ...] = ()) -> None:
         self._drop()
         try:
-            self.inner.reset(address)
+            self.inner.reset(address, methods)
         finally:
             self._drop()
 

@@ -5,9 +5,10 @@ attribute name from a fixed set, or `<root>/bus/pci/drivers/<driver>/{unbind}` w
 driver name, or `<root>/bus/pci/drivers_probe`. Nothing else is ever opened for writing, and nothing
 is ever created (no O_CREAT): a write to an attribute that does not exist fails as on a real kernel.
 
-Writes are exactly three kinds — `driver_override`, `unbind`, `drivers_probe` to move a device
-between drivers, and `reset` for a function-level reset. `new_id`, `bind`, `remove`, `rescan`,
-`sriov_numvfs` and `reset_method` are never written. With `read_only=True` any write raises
+Writes are exactly four kinds — `driver_override`, `unbind`, `drivers_probe` to move a device
+between drivers, `reset` for a reset, and `reset_method` around a reset of one rung of the reset ladder (the
+methods that rung may use, then the function's own list back; names from the kernel's fixed set only).
+`new_id`, `bind`, `remove`, `rescan` and `sriov_numvfs` are never written. With `read_only=True` any write raises
 `host.read_only` before touching the file system (used by discovery scripts on production hosts).
 
 `on_write` exists for fake trees only: a stand-in for the kernel's reaction to a write (move the
@@ -17,6 +18,7 @@ OSError it raises is treated exactly like the kernel refusing the write.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +41,7 @@ from cubeaccel.host.sysfs_parse import (
 from cubeaccel.model.bars import parse_resource
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import invalid
+from cubeaccel.model.reset_ladder import KNOWN_METHODS
 
 # The only per-device attributes we read; the subset in _WRITABLE is the only one we write.
 DEVICE_ATTRS: Final = frozenset(
@@ -49,7 +52,7 @@ DEVICE_ATTRS: Final = frozenset(
         "config", "reset", "driver", "iommu_group", "vfio-dev", "physfn", "boot_vga",
     }
 )  # fmt: skip
-_WRITABLE: Final = frozenset({"driver_override", "reset"})
+_WRITABLE: Final = frozenset({"driver_override", "reset", "reset_method"})
 VFIO_PCI: Final = "vfio-pci"
 VFIO_DEVICE_FD: Final = "anon_inode:[vfio-device]"  # /proc/PID/fd target of a VFIO device fd
 CONFIG_READ_BYTES: Final = 4096
@@ -350,9 +353,36 @@ class SysfsPciHost:
         if now != driver:
             raise host_error("host.restore_failed", f"{address} is bound to {now}, expected {driver}", bound=now)
 
-    def reset(self, address: PciAddress) -> None:
-        """Function-level reset: one write of `1` to `reset`; the kernel picks the method from reset_method."""
+    def bus_reach(self, address: PciAddress) -> list[PciAddress] | None:
+        """Every function a secondary bus reset of `address`'s bus would reset (itself included): the functions
+        under the bridge above it, at any depth. None when no bridge is above it (a root bus: nothing to reset)."""
+        try:
+            real = self.device_path(address).resolve(strict=True)
+        except OSError:
+            return None
+        bridge = real.parent
+        try:
+            PciAddress.parse(bridge.name)
+        except Exception:
+            return None  # pci0000:00 — a root bus
+        reached = []
+        for link in sorted((self.root / "bus" / "pci" / "devices").iterdir()):
+            try:
+                other = PciAddress.parse(link.name)
+                target = link.resolve(strict=True)
+            except Exception:
+                continue
+            if bridge in target.parents:
+                reached.append(other)
+        return reached
+
+    def reset(self, address: PciAddress, methods: tuple[str, ...] = ()) -> None:
+        """One write of `1` to `reset`. With `methods` (a rung of the reset ladder), the function's `reset_method`
+        is narrowed to them for this reset and its own list written back afterwards; without, the kernel picks."""
         self._require(address)
+        unknown = [m for m in methods if m not in KNOWN_METHODS]
+        if unknown:
+            raise invalid("host.invalid_reset_method", f"not a kernel reset method: {unknown!r}", layer="host_hardware")
         if not self.read_only and not self.device_path(address, "reset").exists():
             # The kernel hides `reset` when the function has no reset method (no FLR, PM or bus reset possible).
             raise host_error(
@@ -360,10 +390,19 @@ class SysfsPciHost:
                 f"{address} has no reset method (no `reset` attribute): it cannot be reset between tenants",
                 address=str(address),
             )
+        saved = (self._read(address, "reset_method") or "").strip()
+        narrowed = bool(methods) and saved.split() != list(methods)
         try:
+            if narrowed:
+                self._write(self.device_path(address, "reset_method"), " ".join(methods))
             self._write(self.device_path(address, "reset"), "1")
         except HostError as e:
             if e.code == "host.read_only":
                 raise
             message = f"reset of {address} failed: {e.message}"
-            raise host_error("host.reset_failed", message, address=str(address)) from e
+            raise host_error("host.reset_failed", message, address=str(address), methods=list(methods)) from e
+        finally:
+            if narrowed and saved and not self.read_only:
+                # the reset's own outcome is what the caller needs; a failed write-back shows in the next read
+                with contextlib.suppress(HostError):
+                    self._write(self.device_path(address, "reset_method"), saved)
