@@ -47,7 +47,7 @@ KEY_FIELDS = ("count", "class", "memory_mib", "vcpus", "pin_memory", "network")
 def pool_key(params: dict[str, Any]) -> str:
     """What a warm sandbox is, as one string: readable head, digest of every deciding field."""
     contract = params.get("contract") or {}
-    digest = str(contract.get("digest") or "none")
+    digest = str((contract.get("template") or {}).get("digest") or "none")
     shape = {k: params.get(k) for k in KEY_FIELDS}
     h = hashlib.sha256(json.dumps({"contract": digest, **shape}, sort_keys=True).encode()).hexdigest()
     return f"{digest.removeprefix('sha256:')[:12]}-{params.get('memory_mib')}m{params.get('vcpus')}c-{h[:12]}"
