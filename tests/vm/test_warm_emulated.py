@@ -36,7 +36,9 @@ def _pool(p: CubeletProcess) -> dict[str, Any]:
 
 
 def _warm_ids(p: CubeletProcess) -> list[str]:
-    return [r["sandbox_id"] for r in p.client.request("GET", "/v1/reservations")["reservations"] if r["phase"] == "warm"]
+    return [
+        r["sandbox_id"] for r in p.client.request("GET", "/v1/reservations")["reservations"] if r["phase"] == "warm"
+    ]
 
 
 def _workload(p: CubeletProcess, sid: str, token: str) -> WorkloadClient:
@@ -62,8 +64,10 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     assert warm_id.startswith("warm-")
 
     # Before the claim: the Cubelet's proxy refuses every token, and so does the guest on the shim's own socket.
-    assert _refused(_workload(node, warm_id, secrets.token_urlsafe(32))).status == 409
-    direct = WorkloadClient.over("http://workload", "x" * 43, uds=str(node.state_dir / "shims" / warm_id / "workload.sock"))
+    assert _refused(_workload(node, warm_id, secrets.token_urlsafe(32))).status == 401
+    direct = WorkloadClient.over(
+        "http://workload", "x" * 43, uds=str(node.state_dir / "shims" / warm_id / "workload.sock")
+    )
     assert "unauthenticated" in str(_refused(direct)) or "token" in str(_refused(direct))
 
     # A request of another shape misses, and says why; the pool's own shape claims.

@@ -6,7 +6,6 @@ rules (VMM exited, shim exited or final report, no holders, reset done, revalida
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 import secrets
@@ -24,6 +23,7 @@ from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
+from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
@@ -44,7 +44,6 @@ from cubeaccel.model.contract import (
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.guest_minimal import check_minimal
-from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.sandbox_policy import (
@@ -64,16 +63,6 @@ P, RE = ReservationPhase, ReservationEvent
 MAX_COUNT = 64
 PID_LIMIT = 1 << 22  # the kernel's pid_max ceiling: a larger "pid" from a guest is no process
 __all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
-
-
-def token_digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def validate_sandbox_id(sandbox_id: object) -> str:
-    if not isinstance(sandbox_id, str) or SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
-        raise invalid("reserve.invalid_sandbox_id", f"invalid sandbox id {sandbox_id!r}: [A-Za-z0-9._-], 1-63 chars")
-    return sandbox_id
 
 
 @dataclass(frozen=True)

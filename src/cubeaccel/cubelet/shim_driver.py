@@ -21,9 +21,9 @@ from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
-from cubeaccel.wire.warm import ShimClaim, ShimClaimAck
 from cubeaccel.wire.shim_spec import ShimSpec
 from cubeaccel.wire.templates import loads_document, parse_template
+from cubeaccel.wire.warm import ShimClaim, ShimClaimAck
 
 ReportSink = Callable[[ShimReport], None]
 

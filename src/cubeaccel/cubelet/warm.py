@@ -22,17 +22,18 @@ import logging
 import secrets
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from cubeaccel.cubelet.store import Reservation
+from cubeaccel.cubelet.release import CubeletConfig
+from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
+from cubeaccel.cubelet.shim_driver import ShimDriver
+from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
 from cubeaccel.wire.warm import ShimClaim
-
-if TYPE_CHECKING:
-    from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
 
 log = logging.getLogger(__name__)
 P, RE = ReservationPhase, ReservationEvent
@@ -53,10 +54,30 @@ def pool_key(params: dict[str, Any]) -> str:
     return f"{digest.removeprefix('sha256:')[:12]}-{params.get('memory_mib')}m{params.get('vcpus')}c-{h[:12]}"
 
 
+class WarmHost(Protocol):
+    """What the pool needs of the Cubelet (lifecycle.Cubelet; a protocol, so this module does not import it)."""
+
+    store: Store
+    shim: ShimDriver
+    config: CubeletConfig
+
+    def request_params(self, req: Any) -> tuple[Any, dict[str, Any]]: ...
+
+    def reserve(self, sandbox_id: str, req: Any) -> Reservation: ...
+
+    def start(self, sandbox_id: str, token: str | None = None, warm_pool: str | None = None) -> Reservation | None: ...
+
+    def change(self) -> AbstractContextManager[Tx]: ...
+
+    def begin_teardown(
+        self, sandbox_id: str, reason: str, attach_failed: bool = False, layer: str = "cubelet", message: str = ""
+    ) -> None: ...
+
+
 @dataclass
 class Pool:
     key: str
-    request: ReservationRequest  # the shape, without tenant or lifetime
+    request: Any  # lifecycle.ReservationRequest: the shape, without tenant or lifetime
     size: int
     claims: int = 0
     misses: int = 0
@@ -67,7 +88,7 @@ class Pool:
 
 
 class WarmPools:
-    def __init__(self, cubelet: Cubelet, max_concurrent_starts: int = 1) -> None:
+    def __init__(self, cubelet: WarmHost, max_concurrent_starts: int = 1) -> None:
         self.cubelet = cubelet
         self.max_concurrent_starts = max(1, max_concurrent_starts)
         self.pools: dict[str, Pool] = {}
@@ -78,7 +99,7 @@ class WarmPools:
         self._thread: threading.Thread | None = None
 
     # ---- configuration -------------------------------------------------------------------------------------
-    def set_pool(self, req: ReservationRequest, size: int) -> Pool:
+    def set_pool(self, req: Any, size: int) -> Pool:
         """Keep `size` warm sandboxes of `req`'s shape (validated as a reservation would be); 0 stops refilling
         (the warm ones stay until claimed or the node is drained)."""
         _, params = self.cubelet.request_params(req)
@@ -217,11 +238,9 @@ class WarmPools:
             "warm.no_match", f"no warm sandbox matches ({reason})", layer="cubelet", details={"reason": reason}
         )
 
-    def claim(self, sandbox_id: str, req: ReservationRequest, given: str | None = None) -> tuple[Reservation, str]:
+    def claim(self, sandbox_id: str, req: Any, given: str | None = None) -> tuple[Reservation, str]:
         """The requester's sandbox from a warm one, or `warm.no_match` (409, `details.reason` names the miss:
         `warm.no_pool`, `warm.pool_empty`). Returns the reservation and the workload token it now serves."""
-        from cubeaccel.cubelet.lifecycle import token_digest, validate_sandbox_id
-
         validate_sandbox_id(sandbox_id)
         if sandbox_id.startswith(WARM_PREFIX):
             raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
