@@ -32,7 +32,8 @@ NOT_CODES = {
     # file names in state dirs, images and the source tree
     "build.log", "nvidia.py", "packages.py", "preferences.d", "sources.list", "vendor.py",
     "admin.key", "default.key", "audit.jsonl", "node.token",
-    "agent.sock", "workload.sock", "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
+    "agent.sock", "workload.sock", "control.sock",
+    "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
     "shim.pid", "undelivered.jsonl", "up.json", "up.lock", "config.toml", "backup.json", "vmm.log", "vmm.pid",

@@ -38,6 +38,9 @@ RESERVATION: dict[tuple[ReservationPhase, ReservationEvent], tuple[ReservationPh
     (P.RESERVED, RE.TEARDOWN): (P.RELEASING, {Actor.CUBELET}),
     (P.STARTING, RE.TEARDOWN): (P.RELEASING, {Actor.CUBELET}),
     (P.RUNNING, RE.TEARDOWN): (P.RELEASING, {Actor.CUBELET}),
+    (P.STARTING, RE.WARMED): (P.WARM, {Actor.CUBELET}),  # issue 28: a warm start joins the node's pool
+    (P.WARM, RE.CLAIM): (P.RUNNING, {Actor.CUBELET}),
+    (P.WARM, RE.TEARDOWN): (P.RELEASING, {Actor.CUBELET}),
 }
 
 SANDBOX: dict[tuple[SandboxState, SandboxEvent], tuple[SandboxState, set[SandboxActor]]] = {
@@ -127,7 +130,7 @@ def test_the_guard_of_each_event_is_where_the_table_lets_that_actor_fire_it(
 
 def test_stored_values_are_the_strings_stored_before_the_enums() -> None:
     """No migration: the enums' values are exactly the literals the stores held."""
-    assert [p.value for p in ReservationPhase] == ["reserved", "starting", "running", "releasing"]
+    assert [p.value for p in ReservationPhase] == ["reserved", "starting", "running", "warm", "releasing"]
     assert [s.value for s in SandboxState] == [
         "scheduling",
         "placing",
@@ -189,6 +192,7 @@ def test_the_cubelet_store_reads_phases_back_as_the_enum_and_refuses_an_illegal_
     assert err.value.code == "reservation.transition_refused" and err.value.details["allowed_events"] == [
         "ready",
         "teardown",
+        "warmed",
     ]
     assert store.reservation("sb").phase is P.STARTING  # type: ignore[union-attr]
     store.close()

@@ -57,6 +57,26 @@ def _shapes(raw: list[str]) -> list[tuple[int, int]]:
     return out
 
 
+def _warm_pools(raw: list[str]) -> list[tuple[Path, int]]:
+    out = []
+    for item in raw:
+        path, _, size = item.rpartition("=")
+        if not path or not size.isdigit() or not 0 <= int(size) <= 64:
+            raise typer.BadParameter(f"--warm {item!r}: want TEMPLATE_FILE=SIZE, SIZE 0..64")
+        out.append((Path(path), int(size)))
+    return out
+
+
+def _warm_request(path: Path) -> Any:
+    """A pool's shape from a template file: its frozen contract, one device of its class."""
+    from cubeaccel.cubelet.lifecycle import ReservationRequest
+    from cubeaccel.model.contract import freeze
+    from cubeaccel.wire.templates import load_template
+
+    t = load_template(path)
+    return ReservationRequest(accel_class=t.accel_class, template=t.name, contract=freeze(t).to_json())
+
+
 @app.command("serve")
 def serve_cmd(
     state_dir: StateDir = DEFAULT_STATE,
@@ -122,6 +142,17 @@ def serve_cmd(
     emulated_devices: Annotated[
         int, typer.Option(min=1, max=32, help="--backend emulated: how many edu stand-in devices the node has")
     ] = 2,
+    warm: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="real MicroVMs: TEMPLATE_FILE=SIZE, keep SIZE warm sandboxes of that template (one device each; "
+            "repeatable; changeable at run time with PUT /v1/warm/pools, docs/warm.md)"
+        ),
+    ] = None,
+    warm_max_starts: Annotated[
+        int | None,
+        typer.Option(min=1, max=64, help="warm sandboxes started at once by the refill (default: one per 2 CPUs)"),
+    ] = None,
     prepare_shape: Annotated[
         list[str] | None,
         typer.Option(
@@ -194,6 +225,7 @@ def serve_cmd(
                     readonly_mount_allowlist=tuple(allow_readonly_mount or ()),
                     scrub_policy=scrub_policy,
                     scrub_timeout_s=scrub_timeout,
+                    warm_max_concurrent_starts=warm_max_starts or max(1, (os.cpu_count() or 2) // 2),
                 ),
                 scrub_image=scrub_image,
                 emulated_devices=emulated_devices,
@@ -213,6 +245,9 @@ def serve_cmd(
                 t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})
         initialize_host(cubelet)
         repairs = reconcile(cubelet)  # before any capacity is advertised
+        for tpl_path, size in _warm_pools(warm or []):
+            cubelet.warm.set_pool(_warm_request(tpl_path), size)
+        cubelet.warm.start()
     except CubeError as e:
         _fail(e)
         return

@@ -6,7 +6,6 @@ rules (VMM exited, shim exited or final report, no holders, reset done, revalida
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import ipaddress
 import secrets
@@ -24,9 +23,11 @@ from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
+from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.cubelet.warm import WarmPools
 from cubeaccel.host import confine, netpolicy
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.meminfo import available_mib
@@ -43,7 +44,6 @@ from cubeaccel.model.contract import (
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.guest_minimal import check_minimal
-from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.sandbox_policy import (
@@ -63,16 +63,6 @@ P, RE = ReservationPhase, ReservationEvent
 MAX_COUNT = 64
 PID_LIMIT = 1 << 22  # the kernel's pid_max ceiling: a larger "pid" from a guest is no process
 __all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
-
-
-def token_digest(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def validate_sandbox_id(sandbox_id: object) -> str:
-    if not isinstance(sandbox_id, str) or SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
-        raise invalid("reserve.invalid_sandbox_id", f"invalid sandbox id {sandbox_id!r}: [A-Za-z0-9._-], 1-63 chars")
-    return sandbox_id
 
 
 @dataclass(frozen=True)
@@ -167,6 +157,7 @@ class Cubelet(ReleasePath):
         simulated = isinstance(shim, SimulatedShimDriver)
         self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
         self.scrubs: dict[str, ScrubJob] = {}
+        self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -191,13 +182,7 @@ class Cubelet(ReleasePath):
                 f"count must be 1..{limit} on this node (one VM takes at most "
                 f"{self.shim.max_devices} devices), got {req.count}",
             )
-        contract = parse_contract(req.contract)
-        params = req.params()
-        if contract is not None:
-            params.update(memory_mib=contract.memory_mib, pin_memory=contract.pin_memory)
-        params.pop("network", None)
-        if (network := self._network_policy(contract, req.network)).has_nic:
-            params["network"] = network.to_json()  # the effective policy: what the sandbox gets, recorded
+        contract, params = self.request_params(req)
         with self.change() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
@@ -258,6 +243,18 @@ class Cubelet(ReleasePath):
             )
             return res
 
+    def request_params(self, req: ReservationRequest) -> tuple[CompatibilityContract | None, dict[str, Any]]:
+        """The reservation's recorded parameters: the frozen contract's memory and the effective network policy
+        (what the sandbox gets), re-derived here. A warm pool's key is derived from these too."""
+        contract = parse_contract(req.contract)
+        params = req.params()
+        if contract is not None:
+            params.update(memory_mib=contract.memory_mib, pin_memory=contract.pin_memory)
+        params.pop("network", None)
+        if (network := self._network_policy(contract, req.network)).has_nic:
+            params["network"] = network.to_json()  # the effective policy: what the sandbox gets, recorded
+        return contract, params
+
     def _network_policy(
         self, contract: CompatibilityContract | None, requested: dict[str, Any] | None
     ) -> NetworkPolicy:
@@ -310,7 +307,7 @@ class Cubelet(ReleasePath):
             t.event("network_applied", Actor.CUBELET, sandbox_id=sandbox_id, details=net.to_json())
         self.audit_host("network:apply", sandbox_id, netns=net.netns, egress=list(net.egress), veth=net.veth_cidr)
 
-    def start(self, sandbox_id: str, token: str | None = None) -> Reservation | None:
+    def start(self, sandbox_id: str, token: str | None = None, warm_pool: str | None = None) -> Reservation | None:
         """Revalidate, move devices to `preparing`, record the intent, then launch the shim.
 
         Revalidation is host I/O and runs before the transaction; the transaction then moves exactly the
@@ -326,13 +323,18 @@ class Cubelet(ReleasePath):
         with self.lock:
             self.launching.add(sandbox_id)  # before the intent is durable: reconcile must not judge a launch
         try:
-            return self._start(sandbox_id, devs, failed, token)
+            return self._start(sandbox_id, devs, failed, token, warm_pool)
         finally:
             with self.lock:
                 self.launching.discard(sandbox_id)
 
     def _start(
-        self, sandbox_id: str, devs: list[DeviceRecord], failed: dict[str, list[Problem]], given: str | None = None
+        self,
+        sandbox_id: str,
+        devs: list[DeviceRecord],
+        failed: dict[str, list[Problem]],
+        given: str | None = None,
+        warm_pool: str | None = None,
     ) -> Reservation | None:
         with self.change() as t:
             res = self._reservation(t, sandbox_id)
@@ -361,8 +363,10 @@ class Cubelet(ReleasePath):
                 cp.image_digest = self._image_digest(res)  # what the shim boots, by digest
                 # This start's workload token (only its hash is kept): ours, or the one the caller derived
                 # (the E2B front door derives it from the sandbox id to hand it out again on connect).
-                token = given or secrets.token_urlsafe(32)
-                cp.workload_token_sha256 = token_digest(token)
+                # A warm start has none: its shim binds an unknowable one until a claim brings the tenant's.
+                token = None if warm_pool else given or secrets.token_urlsafe(32)
+                cp.workload_token_sha256 = None if token is None else token_digest(token)
+                cp.warm_pool = warm_pool
                 t.update_reservation(res)
                 start_ok = True
         if not start_ok:
@@ -373,9 +377,15 @@ class Cubelet(ReleasePath):
         try:
             self._build_network(sandbox_id)  # host work: outside the lifecycle lock
             spec = self._spec(sandbox_id).model_copy(
-                update={"workload": True, "workload_token": SecretStr(token), "request_id": request_id()}
+                update={
+                    "workload": True,
+                    "warm": token is None,
+                    "workload_token": None if token is None else SecretStr(token),
+                    "request_id": request_id(),
+                }
             )
-            self.issued_tokens[sandbox_id] = token  # handed to the caller by the API reply, once (take_token)
+            if token is not None:
+                self.issued_tokens[sandbox_id] = token  # handed to the caller by the API reply, once (take_token)
             self.shim.start(spec)
         except (CubeError, OSError) as e:  # the shim could not even be launched
             code = e.code if isinstance(e, CubeError) else "shim.launch_failed"
@@ -487,7 +497,8 @@ class Cubelet(ReleasePath):
     def handle_report(self, report: ShimReport) -> None:
         sid = report.sandbox_id
         with self.change() as t:  # the lock covers the transaction; teardown takes it itself
-            res = t.reservation(sid)
+            res = t.reservation(sid) or t.reservation_of_shim(sid)  # a claimed warm shim reports under its own id
+            sid = sid if res is None else res.sandbox_id
             expected = res.checkpoint.start_id if res else None
             if res is not None and (expected is None or report.start_id != expected):
                 # A late report from an earlier start (reused sandbox id), a forged one, or one for a
@@ -536,9 +547,10 @@ class Cubelet(ReleasePath):
                 and res.phase is P.STARTING
                 and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
             )
+            warm = res.checkpoint.warm_pool is not None and res.checkpoint.claimed_at is None
             if ready:  # ready means ready: every device attached *and* validated in the guest
-                res.fire(RE.READY)
-                t.event("sandbox_running", Actor.CUBELET, sandbox_id=sid)
+                res.fire(RE.WARMED if warm else RE.READY)
+                t.event("sandbox_warm" if warm else "sandbox_running", Actor.CUBELET, sandbox_id=sid)
             t.update_reservation(res)
         det = report.details
         if unconfined:  # the VMM gets no device: the start fails and what it holds goes through the release path
@@ -549,7 +561,7 @@ class Cubelet(ReleasePath):
                 layer="backend",
                 message=f"Cubelet's /proc check of the VMM: {'; '.join(unconfined)}"[:500],
             )
-        elif ready:
+        elif ready and not warm:  # a warm sandbox is the node's: CubeMaster has no record of it
             self.notify(sid, {"phase": "running"})
         elif report.kind is ShimReportKind.ATTACH_FAILED:
             self.begin_teardown(

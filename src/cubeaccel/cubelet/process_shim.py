@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
 from cubeaccel.cubelet.shim_forkserver import ForkServer
 from cubeaccel.host.childenv import component_env
 from cubeaccel.host.hypervisor import hotplug_paths
+from cubeaccel.host.unix_path import connect_path
 from cubeaccel.host.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images
 from cubeaccel.images.manifest import Manifest
@@ -34,7 +36,9 @@ from cubeaccel.wire import json_guard
 from cubeaccel.wire.reports import parse_report
 from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec, spec_error
+from cubeaccel.wire.warm import MAX_CONTROL_LINE, ShimClaim, ShimClaimAck
 
+CONTROL_SOCKET = "control.sock"  # a warm shim's claim socket (shim/warm_control.py: the same name)
 _Signature = tuple[tuple[int, int], ...]
 LAUNCH_MODES = ("fork", "spawn")
 
@@ -156,6 +160,24 @@ class ProcessShimDriver:
     def workload_socket(self, sandbox_id: str) -> Path:
         """Where this sandbox's shim bridges the guest's workload service (the Cubelet proxy connects here)."""
         return self.dir / sandbox_id / "workload.sock"
+
+    def claim(self, shim_id: str, claim: ShimClaim, timeout_s: float) -> ShimClaimAck:
+        """One line each way on the warm shim's `control.sock` (0600, in its run directory)."""
+        path = self.dir / shim_id / CONTROL_SOCKET
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout_s)
+                s.connect(connect_path(path))
+                s.sendall(claim.line())
+                raw = bytearray()
+                while not raw.endswith(b"\n") and len(raw) <= MAX_CONTROL_LINE:
+                    chunk = s.recv(MAX_CONTROL_LINE)
+                    if not chunk:
+                        break
+                    raw += chunk
+            return ShimClaimAck.model_validate(json_guard.loads(bytes(raw)))
+        except (OSError, ValueError, ValidationError, RecursionError) as e:
+            return ShimClaimAck(ok=False, code="warm.claim_unanswered", message=f"{type(e).__name__}: {e}"[:300])
 
     def release_files(self, sandbox_id: str) -> list[str]:
         from cubeaccel.host.scratch import SCRATCH_FILE, remove_scratch

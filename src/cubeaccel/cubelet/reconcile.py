@@ -62,7 +62,8 @@ def _teardown(cubelet: Cubelet, sandbox_id: str, reason: str, kill: bool = False
 
     def run() -> None:
         if kill:
-            cubelet.shim.kill(sandbox_id)
+            res = cubelet.store.reservation(sandbox_id)
+            cubelet.shim.kill(sandbox_id if res is None else res.shim_id)
         cubelet.begin_teardown(sandbox_id, reason)
 
     return run
@@ -86,7 +87,7 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair], late
     with cubelet.lock:
         if res.sandbox_id in cubelet.launching:
             return  # its shim is being launched right now (outside the lock): no evidence either way yet
-    st = cubelet.shim.status(res.sandbox_id)
+    st = cubelet.shim.status(res.shim_id)
     if st.vmm_alive is None:
         with cubelet.store.tx() as t:
             cur = t.device(d.id)
@@ -162,7 +163,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
     for run in later:
         run()
     for res in cubelet.store.reservations():
-        late = cubelet.shim.pending_reports(res.sandbox_id)
+        late = cubelet.shim.pending_reports(res.shim_id)
         if late:
             _record(
                 cubelet,
@@ -176,6 +177,9 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
             )
             for report in late:
                 cubelet.handle_report(report)
+    for sid in cubelet.warm.unacknowledged():  # the journal says claimed, the shim never said so (docs/warm.md)
+        cubelet.begin_teardown(sid, "warm.claim_unacknowledged", message="the warm shim never acknowledged the claim")
+        repairs.append(Repair(None, sid, "failed", "warm.claim_unacknowledged"))
     for res in cubelet.store.reservations():
         if res.phase is ReservationPhase.RELEASING:
             cubelet.try_release(res.sandbox_id)

@@ -41,6 +41,7 @@ class CubeletConfig:
     reservation_ttl_s: float = 300.0  # a reservation whose sandbox never starts expires
     default_lifetime_s: float = 24 * 3600.0  # a started sandbox that named no lifetime is torn down after this
     release_timeout_s: float = 30.0  # how long release may wait for VMM exit / holders before quarantine
+    warm_max_concurrent_starts: int = 1  # warm sandboxes started at once by the refill (docs/warm.md)
     startup_timeout_s: float = 180.0  # a shim that has not started its VMM by then is torn down (more for large guests)
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
     pinnable_memory_mib: int | None = None  # lockable guest memory to advertise; None: MemAvailable
@@ -167,6 +168,7 @@ class ReleasePath:
             if res is None:
                 return
             first = res.phase is not P.RELEASING
+            unclaimed = res.checkpoint.warm_pool is not None and res.checkpoint.claimed_at is None
             if first:
                 was = res.phase.value
                 res.fire(RE.TEARDOWN)
@@ -189,16 +191,16 @@ class ReleasePath:
                     ev = E.ATTACH_FAILED if attach_failed else E.STARTUP_FAILED
                     t.transition(d, ev, Actor.CUBELET, reason=reason)
             stop = first and res.checkpoint.shim_started
-        if failure is not None:
+        if failure is not None and not unclaimed:  # an unclaimed warm sandbox is the node's: nobody to tell
             self.notify(sandbox_id, {"phase": "failed", "error": failure.to_json()})
         if stop:
-            self.shim.stop(sandbox_id)
+            self.shim.stop(res.shim_id)
         self.try_release(sandbox_id)
 
     def vmm_status(self, res: Reservation) -> ShimStatus:
         if not res.checkpoint.shim_started:
             return ShimStatus(shim_alive=False, vmm_alive=False)
-        return self.shim.status(res.sandbox_id)
+        return self.shim.status(res.shim_id)
 
     @staticmethod
     def vmm_gone(res: Reservation, st: ShimStatus) -> bool | None:
@@ -236,7 +238,7 @@ class ReleasePath:
             # devices and the pinned memory. Its VMM is killed now; the release rules still need proof it is gone.
             orphaned = st.shim_alive is False and st.vmm_alive is True
             if not gone and (overdue or orphaned) and res.checkpoint.kill_at is None:
-                self.shim.kill(sandbox_id)
+                self.shim.kill(res.shim_id)
                 res.checkpoint.kill_at = now
                 with self.change() as t:
                     cur = t.reservation(sandbox_id)
@@ -298,7 +300,7 @@ class ReleasePath:
         """The files of runs that are over leave the live directory (kept for post-mortems by a bounded rule,
         cubelet/runfiles.py). Never fails a release: a run not retired now is retired at a later close."""
         try:
-            return self.shim.retire_runs(lambda: {r.sandbox_id for r in self.store.reservations()})
+            return self.shim.retire_runs(lambda: {r.shim_id for r in self.store.reservations()})
         except OSError:
             return []
 
@@ -310,7 +312,7 @@ class ReleasePath:
 
         sid = res.sandbox_id
         out: list[tuple[str, str | None, dict[str, Any]]] = []
-        if removed := self.shim.release_files(sid):
+        if removed := self.shim.release_files(res.shim_id):
             out.append(("sandbox_files_removed", None, {"files": removed}))
         net = res.checkpoint.network
         if net is not None:

@@ -42,6 +42,7 @@ from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
 from cubeaccel.wire.http_server import PEER_KEY, run_servers, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
+from cubeaccel.wire.warm import WarmPoolBody, WarmPoolList
 
 # Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
 AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
@@ -201,19 +202,7 @@ def create_app(
         return await run_in_threadpool(reserve_now, body)
 
     def reserve_now(body: W.ReservationBody) -> dict[str, Any]:
-        req = ReservationRequest(
-            count=body.count,
-            accel_class=body.accel_class,
-            labels=tuple(sorted(body.labels.items())),
-            template=body.template,
-            memory_mib=body.memory_mib,
-            vcpus=body.vcpus,
-            pin_memory=body.pin_memory,
-            contract=body.contract,
-            lifetime_s=body.lifetime_s,
-            network=body.network,
-            tenant=body.tenant,
-        )
+        req = _request(body)
         try:
             cubelet.reserve(body.sandbox_id, req)
         except CubeError as e:
@@ -225,6 +214,37 @@ def create_app(
             **_reservation_json(cubelet, body.sandbox_id, local),
             "access_token": cubelet.take_token(body.sandbox_id),
         }
+
+    # ---- warm sandboxes (docs/warm.md) ----
+    @app.post("/v1/warm/claim", status_code=201, response_model=W.ReservationView)
+    async def claim_warm(body: W.ReservationBody, request: Request) -> dict[str, Any]:
+        """A reservation request served only from the node's warm pool: 201 and the running sandbox with its
+        workload token, or 409 `warm.no_match` with `details.reason` (the caller takes the cold path)."""
+        request.state.audit_fields = {"sandbox": body.sandbox_id, "tenant": body.tenant}
+        return await run_in_threadpool(claim_now, body)
+
+    def claim_now(body: W.ReservationBody) -> dict[str, Any]:
+        given = body.workload_token.get_secret_value() if body.workload_token else None
+        _, token = cubelet.warm.claim(body.sandbox_id, _request(body), given)
+        return {**_reservation_json(cubelet, body.sandbox_id, local), "access_token": token}
+
+    @app.get("/v1/warm/pools", response_model=WarmPoolList)
+    def warm_pools() -> dict[str, Any]:
+        return {"pools": cubelet.warm.views(), "max_concurrent_starts": cubelet.warm.max_concurrent_starts}
+
+    @app.put("/v1/warm/pools", response_model=WarmPoolList)
+    def set_warm_pool(body: WarmPoolBody) -> dict[str, Any]:
+        req = ReservationRequest(
+            count=body.count,
+            accel_class=body.accel_class,
+            template=body.template,
+            memory_mib=body.memory_mib,
+            vcpus=body.vcpus,
+            pin_memory=body.pin_memory,
+            contract=body.contract,
+        )
+        cubelet.warm.set_pool(req, body.size)
+        return warm_pools()
 
     @app.get("/v1/reservations", response_model=W.ReservationList)
     def reservations() -> dict[str, Any]:
@@ -311,7 +331,25 @@ ACTIONS = {
     ("DELETE", "/v1/reservations/{sandbox_id}"): "device:release",
     ("POST", "/v1/shim-reports"): "shim:report",
     ("POST", "/v1/reconcile"): "node:reconcile",
+    ("POST", "/v1/warm/claim"): "sandbox:claim_warm",
+    ("PUT", "/v1/warm/pools"): "node:warm_pool",
 }
+
+
+def _request(body: W.ReservationBody) -> ReservationRequest:
+    return ReservationRequest(
+        count=body.count,
+        accel_class=body.accel_class,
+        labels=tuple(sorted(body.labels.items())),
+        template=body.template,
+        memory_mib=body.memory_mib,
+        vcpus=body.vcpus,
+        pin_memory=body.pin_memory,
+        contract=body.contract,
+        lifetime_s=body.lifetime_s,
+        network=body.network,
+        tenant=body.tenant,
+    )
 
 
 def _action(request: Request) -> str:
@@ -474,7 +512,7 @@ def workload_socket(cubelet: Cubelet, sandbox_id: str) -> Path:
             "workload.not_running", f"sandbox {sandbox_id} is not running here", "api", {"sandbox_id": sandbox_id}, 409
         )
     find = getattr(cubelet.shim, "workload_socket", None)  # only drivers that run real shims have one
-    path = find(sandbox_id) if find is not None else None
+    path = find(res.shim_id) if find is not None else None  # a claimed warm sandbox's shim keeps its own id
     if not isinstance(path, Path) or not path.exists():
         raise CubeError(
             "workload.unavailable",

@@ -23,6 +23,7 @@ from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFa
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.shim_spec import ShimSpec
 from cubeaccel.wire.templates import loads_document, parse_template
+from cubeaccel.wire.warm import ShimClaim, ShimClaimAck
 
 ReportSink = Callable[[ShimReport], None]
 
@@ -130,6 +131,10 @@ class ShimDriver(Protocol):
         Called by the release path once the VMM is proven gone."""
         ...
 
+    def claim(self, shim_id: str, claim: ShimClaim, timeout_s: float) -> ShimClaimAck:
+        """Hand a warm shim its claim (the tenant's workload token, an RNG seed); its answer, or a refusal."""
+        ...
+
     def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         """Move the files of every run that is over (no open reservation, no process) out of the way, keeping
         a bounded number for post-mortems (cubelet/runfiles.py); returns their ids."""
@@ -162,6 +167,12 @@ class SimulatedShimDriver:
 
     def release_files(self, sandbox_id: str) -> list[str]:
         return []
+
+    def claim(self, shim_id: str, claim: ShimClaim, timeout_s: float) -> ShimClaimAck:
+        if self.host.find_process(f"shim:{shim_id}") is None:
+            return ShimClaimAck(ok=False, code="warm.claim_unanswered", message="no shim")
+        self._report(shim_id, ShimReportKind.WARM_CLAIMED, claimed_as=claim.sandbox_id)
+        return ShimClaimAck(ok=True, rebind_ms=0.0)
 
     def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         return []

@@ -67,6 +67,11 @@ class Reservation:
     checkpoint: ReservationCheckpoint = field(default_factory=ReservationCheckpoint)
     releasing_since: float | None = None
 
+    @property
+    def shim_id(self) -> str:
+        """The id its shim, VMM and run directory carry: its own, or the warm one a claim renamed it from."""
+        return self.checkpoint.shim_id or self.sandbox_id
+
     def fire(self, event: ReservationEvent) -> None:
         """Change the phase through the table (`reservation.transition_refused` if it does not allow it)."""
         self.phase = next_phase(self.phase, event)
@@ -275,6 +280,13 @@ class Tx:
         r = self.c.execute("SELECT * FROM reservations WHERE sandbox_id=?", (sandbox_id,)).fetchone()
         return None if r is None else _row_to_reservation(r)
 
+    def reservation_of_shim(self, shim_id: str) -> Reservation | None:
+        """The reservation a claim renamed from `shim_id` (its shim still runs, and reports, under that id)."""
+        rows = self.c.execute(
+            "SELECT * FROM reservations WHERE json_extract(checkpoint, '$.shim_id') = ?", (shim_id,)
+        ).fetchall()
+        return _row_to_reservation(rows[0]) if rows else None
+
     def timeline(self, sandbox_id: str, limit: int = 10000) -> list[dict[str, Any]]:
         """The sandbox's events in order, only the columns a reply's timeline shows (no details decoded)."""
         rows = self.c.execute(
@@ -323,6 +335,29 @@ class Tx:
                 res.sandbox_id,
             ),
         )
+
+    def claim_reservation(self, warm_id: str, res: Reservation) -> bool:
+        """A warm reservation becomes `res` (its new sandbox id, params and checkpoint), and its devices follow:
+        one compare-and-swap on the warm row's phase, so two claims never take the same one."""
+        cur = self.c.execute(
+            "UPDATE reservations SET sandbox_id=?, params=?, phase=?, expires_at=?, checkpoint=?"
+            " WHERE sandbox_id=? AND phase='warm'",
+            (
+                res.sandbox_id,
+                json.dumps(res.params, sort_keys=True),
+                res.phase.value,
+                res.expires_at,
+                json.dumps(res.checkpoint.to_json()),
+                warm_id,
+            ),
+        )
+        if cur.rowcount != 1:
+            return False
+        self.c.execute(
+            "UPDATE devices SET sandbox_id=?, generation=generation+1, updated_at=? WHERE sandbox_id=?",
+            (res.sandbox_id, self.now, warm_id),
+        )
+        return True
 
     def delete_reservation(self, sandbox_id: str) -> None:
         self.c.execute("DELETE FROM reservations WHERE sandbox_id=?", (sandbox_id,))

@@ -50,6 +50,11 @@ class ReservationCheckpoint:
     # sha256 (hex) of this start's workload access token: the proxy checks callers against it; the token itself
     # went to the caller once and to the shim on its stdin, and is never stored
     workload_token_sha256: str | None = None
+    # ---- warm sandboxes (docs/warm.md) ----
+    warm_pool: str | None = None  # the pool key of a warm start (template digest and shape); kept after the claim
+    shim_id: str | None = None  # the id its shim runs under, once a claim renamed the reservation (else its own)
+    claimed_at: float | None = None  # when a claim bound it to its requester
+    claim_acked: bool = False  # its shim serves the requester's token (a claim without this is failed, not re-sent)
     # ---- evidence the shim reported (judged, never trusted alone) ----
     vmm_pid: int | None = None  # the shim said it started a VMM (identity is found in /proc, not by this pid)
     vmm_confined: bool = False  # Cubelet read the VMM's confinement from /proc itself (before any device reached it)
@@ -74,6 +79,10 @@ class ReservationCheckpoint:
             "start_id": self.start_id,
             "image_digest": self.image_digest,
             "workload_token_sha256": self.workload_token_sha256,
+            "warm_pool": self.warm_pool,
+            "shim_id": self.shim_id,
+            "claimed_at": self.claimed_at,
+            "claim_acked": self.claim_acked,
             "vmm_pid": self.vmm_pid,
             "vmm_confined": self.vmm_confined,
             "guest_addresses": dict(self.guest_addresses),
@@ -110,6 +119,10 @@ class ReservationCheckpoint:
             start_id=_str(data, "start_id"),
             image_digest=_str(data, "image_digest"),
             workload_token_sha256=_str(data, "workload_token_sha256"),
+            warm_pool=_str(data, "warm_pool"),
+            shim_id=_str(data, "shim_id"),
+            claimed_at=_num(data, "claimed_at"),
+            claim_acked=_bool(data, "claim_acked"),
             vmm_pid=_int(data, "vmm_pid"),
             vmm_confined=_bool(data, "vmm_confined"),
             guest_addresses=_str_map(data, "guest_addresses"),

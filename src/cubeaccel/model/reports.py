@@ -27,6 +27,7 @@ class ShimReportKind(StrEnum):
     DETACH_TIMEOUT = "detach_timeout"  # no DEVICE_DELETED within the bound
     VMM_EXITED = "vmm_exited"  # details: pid, status — the VMM process was waited for
     SHIM_EXITING = "shim_exiting"
+    WARM_CLAIMED = "warm_claimed"  # a warm shim's bridge serves the claimant's token; details: claimed_as
     SCRUB_FINISHED = "scrub_finished"  # scrub VMs only (docs/scrub.md); details: result (the agent's ScrubResult)
 
 

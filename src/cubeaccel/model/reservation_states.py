@@ -18,12 +18,15 @@ class ReservationPhase(StrEnum):
     RESERVED = "reserved"  # devices reserved, no shim yet; the TTL runs
     STARTING = "starting"  # devices preparing, shim launched (intent recorded first)
     RUNNING = "running"  # every device attached and the guest validated
+    WARM = "warm"  # running, owned by the node (no tenant), its workload service refusing everything until a claim
     RELEASING = "releasing"  # teardown began; the release rules decide when the row closes
 
 
 class ReservationEvent(StrEnum):
     START = "start"
     READY = "ready"
+    WARMED = "warmed"  # a warm start's READY: it joins the node's pool instead of a tenant
+    CLAIM = "claim"  # a warm reservation becomes a requester's sandbox (renamed, token bound), in one CAS
     TEARDOWN = "teardown"
 
 
@@ -35,9 +38,11 @@ RESERVATION_MACHINE: Machine[ReservationPhase, ReservationEvent, Actor] = Machin
     (
         rule(RE.START, {P.RESERVED}, P.STARTING, {Actor.CUBELET}, "devices revalidated and moved to preparing"),
         rule(RE.READY, {P.STARTING}, P.RUNNING, {Actor.CUBELET}, "every device attached, guest validated on host"),
+        rule(RE.WARMED, {P.STARTING}, P.WARM, {Actor.CUBELET}, "as ready, for a warm start (no tenant)"),
+        rule(RE.CLAIM, {P.WARM}, P.RUNNING, {Actor.CUBELET}, "the request matches the warm sandbox's pool key"),
         rule(
             RE.TEARDOWN,
-            {P.RESERVED, P.STARTING, P.RUNNING},
+            {P.RESERVED, P.STARTING, P.RUNNING, P.WARM},
             P.RELEASING,
             {Actor.CUBELET},
             "user delete, expiry, failed start or attach, guest validation failure, VMM exit, health",
@@ -47,7 +52,7 @@ RESERVATION_MACHINE: Machine[ReservationPhase, ReservationEvent, Actor] = Machin
 )
 RESERVATION_TRANSITIONS = RESERVATION_MACHINE.rules
 # A reservation in these phases has (or may have) a shim to ask about.
-STARTED_PHASES: frozenset[ReservationPhase] = frozenset({P.STARTING, P.RUNNING})
+STARTED_PHASES: frozenset[ReservationPhase] = frozenset({P.STARTING, P.RUNNING, P.WARM})
 
 
 def next_phase(phase: ReservationPhase, event: ReservationEvent) -> ReservationPhase:

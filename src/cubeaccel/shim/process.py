@@ -42,10 +42,12 @@ from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
+from cubeaccel.shim.warm_control import WarmControl, unknowable_token
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 from cubeaccel.wire.telemetry import configure_logging, set_request_id
+from cubeaccel.wire.warm import ShimClaim
 
 PIN_PROOF_TIMEOUT_S = 5.0
 VISIBLE_TIMEOUT_S = 10.0
@@ -74,6 +76,7 @@ class Shim:
         self.spec = spec
         self.workload_token = workload_token
         self.bridge: WorkloadBridge | None = None
+        self.control: WarmControl | None = None  # a warm shim's claim socket
         self.reporter = Reporter(
             spec.sandbox_id, spec.report_socket, spec.report_file, spec.run_dir, start_id=spec.start_id
         )
@@ -226,11 +229,14 @@ class Shim:
                     os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
         if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
+            if spec.warm and not self.workload_token:  # refuses everything until a claim brings the tenant's
+                self.workload_token = unknowable_token()
             if not self.workload_token:
                 raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
             self.bridge = WorkloadBridge(
                 spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
             )
+            self.workload_token = None  # the bridge holds it (a warm one must not outlive its claim anywhere)
             self.bridge.start(10.0)
         t = self._phase("vmm_start_s", t)
         self.reporter.report(
@@ -276,6 +282,12 @@ class Shim:
         if spec.devices:  # every sandbox is validated in the guest; without a contract, the minimal checks
             self._validate(agent)
             self._phase("guest_validation_s", t)
+        if spec.warm and self.bridge is not None:  # the claim arrives here, after the sandbox is validated
+            self.control = WarmControl(spec.run_dir, self.bridge, self._claimed)
+            self.control.start()
+
+    def _claimed(self, claim: ShimClaim) -> None:
+        self.reporter.report(K.WARM_CLAIMED, claimed_as=claim.sandbox_id)
 
     def _manifest(self) -> Manifest:
         """The image named in the spec: an explicit manifest, else the cached image with `image_digest` (or, when
@@ -512,6 +524,8 @@ class Shim:
             return None
         t = time.monotonic()
         alive = vmm.poll_exit() is None
+        if self.control is not None:
+            self.control.close()
         if self.bridge is not None:  # workload connections end first; the guest kills their commands
             self.bridge.close()
         if alive and self.agent is not None:

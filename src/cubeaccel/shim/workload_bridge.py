@@ -164,6 +164,22 @@ class WorkloadBridge:
                     if not self._closing and not self.ended:
                         self._drop_session(workload_error("workload.not_up", "no answer after reconnecting"))
 
+    def rebind(self, token: str, timeout_s: float) -> None:
+        """Serve `token` from now on (a warm sandbox's claim): the current session ends (its clients see their
+        connections closed), the supervisor reconnects with the new preamble, and this returns once the guest
+        answers `/health` in that session — every request after it is judged against the new token."""
+        preamble = token_preamble(token)
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            self._preamble = preamble
+            before = self.sessions
+            self._drop_session(None)
+            while self.sessions == before or self._reconnecting or self.ended:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closing:
+                    raise workload_error("workload.not_up", f"no session under the new token within {timeout_s:.0f} s")
+                self._cv.wait(left)
+
     def wait_healthy(self, timeout_s: float, cancelled: Callable[[], bool] = lambda: False) -> float:
         """Until the guest service answers `GET /health` over the channel; seconds it took. The service is up
         when it answers, so a start whose service never comes up fails here (`workload.not_up`, layer guest)."""

@@ -156,6 +156,9 @@ class ShimSpec(Message):
     # Bridge the guest's workload service to `workload.sock`; its access token comes on the shim's stdin (one
     # line), never in this file: the host keeps only its hash.
     workload: StrictBool = False
+    # A warm start (docs/warm.md): no token comes; the bridge binds an unknowable one (so the workload service
+    # refuses every request) and the shim listens on `control.sock` for the claim that brings the tenant's.
+    warm: StrictBool = False
     # A trusted scrub VM (cubelet/scrub.py): after attach, ask the agent to scrub the device this way, report
     # `scrub_finished`, and exit. Never set for a tenant's sandbox (no workload channel either).
     scrub: Literal["bar", "cuda"] | None = None

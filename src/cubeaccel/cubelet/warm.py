@@ -1,0 +1,317 @@
+"""Warm sandboxes (docs/warm.md): per pool key, a configured number of sandboxes started through the normal path
+and owned by the node, and the claim that hands one to a requester.
+
+A pool's key is the reservation's recorded parameters that decide what the sandbox *is* — the frozen contract's
+digest, device count and class, labels, memory, vCPUs, pinning and the effective network policy — derived by
+`Cubelet.request_params` for a pool and for a claim alike, so a claim matches exactly the requests a cold start
+would have recorded the same way. Lifetime, tenant and template name are bound at the claim.
+
+A claim is one compare-and-swap in the journal (`Tx.claim_reservation`: the warm row, by its phase, becomes the
+requester's sandbox id, with its devices), then the hand-off to the shim (`ShimClaim` on its control socket).
+Crash rule: the journal decides, and a claimed reservation belongs to its requester. One whose shim never
+acknowledged the claim (`claim_acked` false, no claim in flight in this process) is failed through the release
+path by reconcile (`warm.claim_unacknowledged`), never put back in the pool: the tenant's token may have reached
+the guest, and a sandbox a tenant could have reached is never handed to another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import secrets
+import threading
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cubeaccel.cubelet.release import CubeletConfig
+from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
+from cubeaccel.cubelet.shim_driver import ShimDriver
+from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.model.errors import CubeError, conflict
+from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
+from cubeaccel.model.states import Actor
+from cubeaccel.wire.warm import ShimClaim
+
+log = logging.getLogger(__name__)
+P, RE = ReservationPhase, ReservationEvent
+WARM_PREFIX = "warm-"  # a warm sandbox's own id (its shim, VMM and run directory keep it after a claim)
+BACKOFF_FIRST_S = 2.0
+BACKOFF_MAX_S = 300.0
+CLAIM_TIMEOUT_S = 40.0  # the shim's rebind waits up to 30 s for the guest's new session
+# Labels are not in the key: they narrow which devices qualify, so a claim checks the warm sandbox's devices.
+KEY_FIELDS = ("count", "class", "memory_mib", "vcpus", "pin_memory", "network")
+
+
+def pool_key(params: dict[str, Any]) -> str:
+    """What a warm sandbox is, as one string: readable head, digest of every deciding field."""
+    contract = params.get("contract") or {}
+    digest = str((contract.get("template") or {}).get("digest") or "none")
+    shape = {k: params.get(k) for k in KEY_FIELDS}
+    h = hashlib.sha256(json.dumps({"contract": digest, **shape}, sort_keys=True).encode()).hexdigest()
+    return f"{digest.removeprefix('sha256:')[:12]}-{params.get('memory_mib')}m{params.get('vcpus')}c-{h[:12]}"
+
+
+class WarmHost(Protocol):
+    """What the pool needs of the Cubelet (lifecycle.Cubelet; a protocol, so this module does not import it)."""
+
+    store: Store
+    shim: ShimDriver
+    config: CubeletConfig
+
+    def request_params(self, req: Any) -> tuple[Any, dict[str, Any]]: ...
+
+    def reserve(self, sandbox_id: str, req: Any) -> Reservation: ...
+
+    def start(self, sandbox_id: str, token: str | None = None, warm_pool: str | None = None) -> Reservation | None: ...
+
+    def change(self) -> AbstractContextManager[Tx]: ...
+
+    def begin_teardown(
+        self, sandbox_id: str, reason: str, attach_failed: bool = False, layer: str = "cubelet", message: str = ""
+    ) -> None: ...
+
+
+@dataclass
+class Pool:
+    key: str
+    request: Any  # lifecycle.ReservationRequest: the shape, without tenant or lifetime
+    size: int
+    claims: int = 0
+    misses: int = 0
+    failures: int = 0
+    backoff_s: float = 0.0
+    retry_at: float = 0.0
+    refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations (metrics)
+
+
+class WarmPools:
+    def __init__(self, cubelet: WarmHost, max_concurrent_starts: int = 1) -> None:
+        self.cubelet = cubelet
+        self.max_concurrent_starts = max(1, max_concurrent_starts)
+        self.pools: dict[str, Pool] = {}
+        self.claiming: set[str] = set()  # sandbox ids whose claim is being handed to the shim now
+        self._inflight: dict[str, str] = {}  # warm id → pool key, while this process reserves and starts it
+        self._cv = threading.Condition()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+
+    # ---- configuration -------------------------------------------------------------------------------------
+    def set_pool(self, req: Any, size: int) -> Pool:
+        """Keep `size` warm sandboxes of `req`'s shape (validated as a reservation would be); 0 stops refilling
+        (the warm ones stay until claimed or the node is drained)."""
+        _, params = self.cubelet.request_params(req)
+        key = pool_key(params)
+        with self._cv:
+            pool = self.pools.get(key)
+            if pool is None:
+                pool = self.pools[key] = Pool(key, req, size)
+            pool.size = size
+            pool.backoff_s, pool.retry_at = 0.0, 0.0
+            self._cv.notify_all()
+        self._event("warm_pool_set", None, None, {"pool": key, "size": size, "template": req.template})
+        return pool
+
+    def _event(self, kind: str, sandbox_id: str | None, reason: str | None, details: dict[str, Any]) -> None:
+        with self.cubelet.change() as t:
+            t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
+
+    # ---- counts --------------------------------------------------------------------------------------------
+    def counts(self, key: str) -> tuple[int, int]:
+        """(warm, starting) of one pool: from the journal, plus what this process is starting right now."""
+        warm = starting = 0
+        for r in self.cubelet.store.reservations():
+            if r.checkpoint.warm_pool != key or r.checkpoint.claimed_at is not None:
+                continue
+            if r.phase is P.WARM:
+                warm += 1
+            elif r.phase in (P.RESERVED, P.STARTING) and r.sandbox_id not in self._inflight:
+                starting += 1
+        with self._cv:
+            starting += sum(1 for k in self._inflight.values() if k == key)
+        return warm, starting
+
+    def views(self) -> list[dict[str, Any]]:
+        out = []
+        for pool in list(self.pools.values()):
+            warm, starting = self.counts(pool.key)
+            out.append(
+                {
+                    "key": pool.key,
+                    "template": pool.request.template,
+                    "size": pool.size,
+                    "warm": warm,
+                    "starting": starting,
+                    "claims": pool.claims,
+                    "misses": pool.misses,
+                    "failures": pool.failures,
+                    "backoff_s": pool.backoff_s,
+                }
+            )
+        return out
+
+    # ---- refill --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="warm refill", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+
+    def poke(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                if self._stopped:
+                    return
+            try:
+                self.refill_once()
+            except Exception:  # the loop outlives one bad pass; the next tick tries again
+                log.exception("warm refill pass failed")
+            with self._cv:
+                if not self._stopped:
+                    self._cv.wait(1.0)
+
+    def refill_once(self) -> list[str]:
+        """Start what the pools lack, within the bound on concurrent starts; returns the warm ids started."""
+        started: list[str] = []
+        now = time.monotonic()
+        for pool in list(self.pools.values()):
+            warm, starting = self.counts(pool.key)
+            with self._cv:
+                busy = len(self._inflight)
+            if pool.size - warm - starting <= 0 or now < pool.retry_at or busy >= self.max_concurrent_starts:
+                continue
+            sid = WARM_PREFIX + secrets.token_hex(8)
+            with self._cv:
+                self._inflight[sid] = pool.key
+            threading.Thread(target=self._warm_one, args=(pool, sid), name=f"warm {sid}", daemon=True).start()
+            started.append(sid)
+        return started
+
+    def _warm_one(self, pool: Pool, sid: str) -> None:
+        """Reserve → start (the normal path) → wait until it is warm or gone; a failure backs the pool off."""
+        t0 = time.monotonic()
+        ok = False
+        try:
+            self.cubelet.reserve(sid, pool.request)
+            self.cubelet.start(sid, warm_pool=pool.key)
+            deadline = t0 + self.cubelet.config.startup_timeout_s + 60
+            while time.monotonic() < deadline:
+                res = self.cubelet.store.reservation(sid)
+                if res is None or res.phase is P.RELEASING:
+                    break
+                if res.phase is P.WARM:
+                    ok = True
+                    break
+                with self._cv:
+                    if self._stopped:
+                        break
+                    self._cv.wait(0.2)
+        except CubeError as e:
+            self._event("warm_start_failed", sid, e.code, {"pool": pool.key})
+        finally:
+            with self._cv:
+                self._inflight.pop(sid, None)
+                if ok:
+                    pool.backoff_s, pool.retry_at = 0.0, 0.0
+                    pool.refill_s = [*pool.refill_s[-9:], round(time.monotonic() - t0, 3)]
+                else:
+                    pool.failures += 1
+                    pool.backoff_s = min(BACKOFF_MAX_S, pool.backoff_s * 2 or BACKOFF_FIRST_S)
+                    pool.retry_at = time.monotonic() + pool.backoff_s
+                self._cv.notify_all()
+
+    # ---- claim ---------------------------------------------------------------------------------------------
+    def miss(self, key: str | None, reason: str) -> CubeError:
+        with self._cv:
+            if key is not None and (pool := self.pools.get(key)) is not None:
+                pool.misses += 1
+        return conflict(
+            "warm.no_match", f"no warm sandbox matches ({reason})", layer="cubelet", details={"reason": reason}
+        )
+
+    def claim(self, sandbox_id: str, req: Any, given: str | None = None) -> tuple[Reservation, str]:
+        """The requester's sandbox from a warm one, or `warm.no_match` (409, `details.reason` names the miss:
+        `warm.no_pool`, `warm.pool_empty`). Returns the reservation and the workload token it now serves."""
+        validate_sandbox_id(sandbox_id)
+        if sandbox_id.startswith(WARM_PREFIX):
+            raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
+        _, params = self.cubelet.request_params(req)
+        key = pool_key(params)
+        if key not in self.pools:
+            raise self.miss(None, "warm.no_pool")
+        token = given or secrets.token_urlsafe(32)
+        with self.cubelet.change() as t:
+            if t.reservation(sandbox_id) is not None:
+                raise conflict("reserve.sandbox_conflict", f"sandbox {sandbox_id} already holds a reservation")
+            warm = [
+                r
+                for r in t.reservations()
+                if r.phase is P.WARM
+                and r.checkpoint.warm_pool == key
+                and all(d.labels.get(k) == v for d in t.devices_of(r.sandbox_id) for k, v in req.labels)
+            ]
+            if not warm:
+                raise self.miss(key, "warm.pool_empty")
+            w = warm[0]  # the oldest
+            cp = w.checkpoint
+            cp.shim_id, cp.claimed_at, cp.started_at = w.shim_id, t.now, t.now  # the lifetime runs from the claim
+            cp.workload_token_sha256 = token_digest(token)
+            claimed = Reservation(sandbox_id, params, w.device_ids, w.phase, w.created_at, None, cp)
+            claimed.fire(RE.CLAIM)
+            if not t.claim_reservation(w.sandbox_id, claimed):  # cannot happen under the lock; the CAS says so
+                raise self.miss(key, "warm.pool_empty")
+            details = {"pool": key, "warm_id": w.sandbox_id, "tenant": req.tenant, "path": "warm"}
+            t.event("warm_claimed", Actor.CUBELET, sandbox_id=sandbox_id, details=details)
+            t.event("warm_claimed", Actor.CUBELET, sandbox_id=w.sandbox_id, details={**details, "as": sandbox_id})
+            with self._cv:
+                self.claiming.add(sandbox_id)
+                self.pools[key].claims += 1
+        try:
+            return self._hand_off(claimed, token), token
+        finally:
+            with self._cv:
+                self.claiming.discard(sandbox_id)
+                self._cv.notify_all()  # the refill starts the next one
+
+    def _hand_off(self, res: Reservation, token: str) -> Reservation:
+        msg = ShimClaim(sandbox_id=res.sandbox_id, workload_token=token, rng_seed=secrets.token_hex(32))  # type: ignore[arg-type]
+        ack = self.cubelet.shim.claim(res.shim_id, msg, CLAIM_TIMEOUT_S)
+        if not ack.ok:
+            code = ack.code or "warm.claim_unanswered"
+            self.cubelet.begin_teardown(res.sandbox_id, code, layer="cubelet", message=ack.message)
+            raise CubeError(code, f"the warm sandbox did not take the claim: {ack.message}", "cubelet", {}, 503)
+        with self.cubelet.change() as t:
+            cur = t.reservation(res.sandbox_id)
+            if cur is None or cur.phase is not P.RUNNING:
+                raise conflict("sandbox.releasing", f"sandbox {res.sandbox_id} ended during its claim")
+            cur.checkpoint.claim_acked = True
+            t.update_reservation(cur)
+            t.event(
+                "warm_claim_acked",
+                Actor.CUBELET,
+                sandbox_id=res.sandbox_id,
+                details={"rebind_ms": ack.rebind_ms, "reseeded": ack.reseeded},
+            )
+            return cur
+
+    def unacknowledged(self) -> list[str]:
+        """Claimed reservations whose shim never took the claim and whose claim is not in flight here."""
+        with self._cv:
+            busy = set(self.claiming)
+        return [
+            r.sandbox_id
+            for r in self.cubelet.store.reservations()
+            if r.phase is P.RUNNING
+            and r.checkpoint.claimed_at is not None
+            and not r.checkpoint.claim_acked
+            and r.sandbox_id not in busy
+        ]

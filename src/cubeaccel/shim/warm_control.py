@@ -1,0 +1,102 @@
+"""A warm shim's control socket (docs/warm.md): `control.sock` in its run directory, 0600, one claim per shim.
+
+A warm sandbox starts with an unknowable workload token (made here, never written or sent), so its workload
+service refuses every request. Cubelet's claim arrives as one `ShimClaim` line; the bridge rebinds to the
+tenant's token (a new mux session whose preamble carries it) and the reply, one `ShimClaimAck` line, is sent
+once the guest answers under the new session. A second claim is refused: a claimed sandbox stays its tenant's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from cubeaccel.host.unix_path import connect_path
+from cubeaccel.model.errors import CubeError
+from cubeaccel.shim.workload_bridge import WorkloadBridge
+from cubeaccel.wire import json_guard
+from cubeaccel.wire.warm import MAX_CONTROL_LINE, ShimClaim, ShimClaimAck
+
+log = logging.getLogger(__name__)
+CONTROL_SOCKET = "control.sock"
+REBIND_TIMEOUT_S = 30.0
+
+
+def unknowable_token() -> str:
+    """A warm sandbox's token before its claim: random, held only by the bridge's preamble."""
+    return secrets.token_urlsafe(32)
+
+
+class WarmControl:
+    def __init__(self, run_dir: Path, bridge: WorkloadBridge, on_claim: Callable[[ShimClaim], None]) -> None:
+        self.path = run_dir / CONTROL_SOCKET
+        self.bridge = bridge
+        self.on_claim = on_claim  # the shim's report of the claim (history for Cubelet's journal)
+        self.claimed = False
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+
+    def start(self) -> None:
+        self.path.unlink(missing_ok=True)
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            lsock.bind(connect_path(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        lsock.listen(4)
+        self._listener = lsock
+        threading.Thread(target=self._accept_loop, daemon=True, name="warm control").start()
+
+    def close(self) -> None:
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.close()
+        self.path.unlink(missing_ok=True)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(REBIND_TIMEOUT_S + 5)
+                with contextlib.suppress(OSError):
+                    conn.sendall(self._answer(conn).model_dump_json().encode() + b"\n")
+
+    def _answer(self, conn: socket.socket) -> ShimClaimAck:
+        raw = bytearray()
+        while not raw.endswith(b"\n") and len(raw) <= MAX_CONTROL_LINE:
+            chunk = conn.recv(MAX_CONTROL_LINE)
+            if not chunk:
+                break
+            raw += chunk
+        try:
+            claim = ShimClaim.model_validate(json_guard.loads(bytes(raw)))
+        except (ValueError, ValidationError, RecursionError) as e:
+            return ShimClaimAck(ok=False, code="warm.claim_malformed", message=str(e)[:300])
+        with self._lock:
+            if self.claimed:
+                return ShimClaimAck(ok=False, code="warm.already_claimed", message="this sandbox was claimed")
+            self.claimed = True
+            t0 = time.monotonic()
+            try:
+                self.bridge.rebind(claim.workload_token.get_secret_value(), REBIND_TIMEOUT_S)
+            except CubeError as e:
+                return ShimClaimAck(ok=False, code=e.code, message=e.message[:300])
+            took = round((time.monotonic() - t0) * 1000, 1)
+        with contextlib.suppress(Exception):  # a report that cannot be sent costs history, never the claim
+            self.on_claim(claim)
+        return ShimClaimAck(ok=True, rebind_ms=took)

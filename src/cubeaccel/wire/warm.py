@@ -1,0 +1,70 @@
+"""Warm sandboxes on the wire (docs/warm.md): the claim Cubelet sends a warm shim, the shim's answer, and the
+Cubelet API's pool bodies. A claim's request body is `ReservationBody` itself: a claim is a reservation request
+that may be served only from the pool."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, StrictBool, StrictInt, StrictStr
+
+from cubeaccel.wire.base import Message, Reply
+
+MAX_CONTROL_LINE = 4096  # one JSON line each way on a shim's `control.sock`
+RNG_SEED = r"^[0-9a-f]{64}$"  # 32 random bytes, hex
+
+
+class ShimClaim(Message):
+    """Cubelet → warm shim, one line on `control.sock`: the tenant's workload token (the bridge rebinds to it)
+    and 32 random bytes the guest mixes into its RNG before any tenant command runs."""
+
+    sandbox_id: StrictStr = Field(max_length=63)  # the id it is claimed as (the shim keeps running under its own)
+    workload_token: SecretStr = Field(min_length=32, max_length=200)
+    rng_seed: Annotated[StrictStr, Field(pattern=RNG_SEED)]
+
+    def line(self) -> bytes:
+        """The message as sent: the one place the token is written out (to the shim's socket, never to disk)."""
+        body = {**self.model_dump(mode="json"), "workload_token": self.workload_token.get_secret_value()}
+        return json.dumps(body).encode() + b"\n"
+
+
+class ShimClaimAck(Message):
+    """Warm shim → Cubelet: the bridge serves the new token (its guest answered /health under it), or why not."""
+
+    ok: StrictBool
+    code: StrictStr | None = None
+    message: StrictStr = ""
+    rebind_ms: float | None = None
+    reseeded: StrictBool = False
+
+
+class WarmPoolBody(Message):
+    """`PUT /v1/warm/pools`: keep `size` warm sandboxes of this request's shape (0 empties the pool). The shape
+    fields are `ReservationBody`'s: the pool key is derived from them exactly as a claim's is."""
+
+    size: StrictInt = Field(ge=0, le=64)
+    count: StrictInt = 1
+    accel_class: str | None = Field(default=None, alias="class", max_length=32)
+    memory_mib: StrictInt = 512
+    vcpus: StrictInt = Field(default=1, ge=1, le=256)
+    pin_memory: StrictBool = True
+    contract: dict[str, Any]
+    template: str | None = Field(default=None, max_length=200)
+
+
+class WarmPoolView(Reply):
+    key: str
+    template: str | None
+    size: int  # wanted
+    warm: int  # ready to claim now
+    starting: int
+    claims: int
+    misses: int
+    failures: int  # warm starts that failed (the refill backs off)
+    backoff_s: float
+
+
+class WarmPoolList(Reply):
+    pools: list[WarmPoolView]
+    max_concurrent_starts: int

@@ -1,0 +1,98 @@
+"""Warm sandboxes on real MicroVMs (docs/warm.md): a pool kept by the Cubelet, refused until claimed, claimed,
+run as the tenant, released through the release path, refilled; a request of another shape misses, with why."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.workload_client import WorkloadClient
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
+from tests.vm.test_cubelet_emulated import edu_contract
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture
+def node(tmp_path: Path, guest_image: Manifest) -> Any:
+    p = CubeletProcess(tmp_path, "-", "--backend", "emulated", "--release-timeout", "20", "--warm-max-starts", "1")
+    p.start()
+    yield p
+    p.stop()
+    kill_started_vmms(tmp_path)
+
+
+def _pool(p: CubeletProcess) -> dict[str, Any]:
+    pools = p.client.request("GET", "/v1/warm/pools")["pools"]
+    assert len(pools) == 1
+    return dict(pools[0])
+
+
+def _warm_ids(p: CubeletProcess) -> list[str]:
+    return [
+        r["sandbox_id"] for r in p.client.request("GET", "/v1/reservations")["reservations"] if r["phase"] == "warm"
+    ]
+
+
+def _workload(p: CubeletProcess, sid: str, token: str) -> WorkloadClient:
+    sock = str(p.state_dir / "cubelet.sock")
+    return WorkloadClient.over(f"http://cubelet/v1/sandboxes/{sid}/workload", token, uds=sock, timeout=60)
+
+
+def _refused(client: WorkloadClient) -> CubeError:
+    with pytest.raises(CubeError) as err:
+        client.exec(["/bin/true"], timeout_s=20)
+    client.close()
+    return err.value
+
+
+def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_and_the_pool_refills(
+    node: CubeletProcess, guest_image: Manifest
+) -> None:
+    contract = edu_contract(guest_image)
+    shape = {"contract": contract, "template": "edu-demo"}
+    node.client.request("PUT", "/v1/warm/pools", {**shape, "size": 1})
+    poll(lambda: _pool(node)["warm"] == 1, 300)
+    (warm_id,) = _warm_ids(node)
+    assert warm_id.startswith("warm-")
+
+    # Before the claim: the Cubelet's proxy refuses every token, and so does the guest on the shim's own socket.
+    assert _refused(_workload(node, warm_id, secrets.token_urlsafe(32))).status == 401
+    bridge = str(node.state_dir / "shims" / warm_id / "workload.sock")
+    assert "access token" in str(_refused(WorkloadClient.over("http://workload", "x" * 43, uds=bridge)))
+
+    # A request of another shape misses, and says why; the pool's own shape claims.
+    with pytest.raises(CubeError) as miss:
+        node.client.request("POST", "/v1/warm/claim", {**shape, "sandbox_id": "other", "vcpus": 2})
+    assert miss.value.code == "warm.no_match" and miss.value.details["reason"] == "warm.no_pool"
+    body = node.client.request("POST", "/v1/warm/claim", {**shape, "sandbox_id": "tenant-1", "tenant": "t1"})
+    assert body["reservation"]["phase"] == "running" and body["reservation"]["facts"]["shim_id"] == warm_id
+    assert body["reservation"]["facts"]["claim_acked"] is True
+    token = body["access_token"]
+    with pytest.raises(CubeError) as empty:  # the refill has not finished a new one yet
+        node.client.request("POST", "/v1/warm/claim", {**shape, "sandbox_id": "tenant-2"})
+    assert empty.value.details["reason"] == "warm.pool_empty"
+
+    out: list[bytes] = []
+    client = _workload(node, "tenant-1", token)
+    result = client.exec(["/bin/sh", "-c", "echo hello-tenant"], on_stdout=out.append, timeout_s=60)
+    client.close()
+    assert result.exit_code == 0 and b"hello-tenant" in b"".join(out)
+    assert _refused(_workload(node, "tenant-1", secrets.token_urlsafe(32))).status == 401
+
+    # Delete → the full release path (devices back, reservation closed) → the pool refills with a new one.
+    dev = body["devices"][0]["id"]
+    node.client.release("tenant-1")
+    rows = lambda: node.client.request("GET", "/v1/reservations")["reservations"]  # noqa: E731
+    poll(lambda: all(r["sandbox_id"] != "tenant-1" for r in rows()), 120)  # closed: VMM proven gone
+    poll(lambda: next(d["state"] for d in node.client.devices() if d["id"] == dev) in ("allocatable", "attached"), 60)
+    assert node.vmm(warm_id) is None
+    poll(lambda: _pool(node)["warm"] == 1, 300)
+    assert _warm_ids(node) != [warm_id] and _pool(node)["claims"] == 1
