@@ -477,9 +477,9 @@ class Shim:
         t = time.monotonic()
         ok = True
         for dev in self.spec.devices:
-            params: dict[str, object] = {"method": self.spec.scrub}
-            if self.spec.scrub == "bar":
-                params.update(address=self.guest_addresses[dev.device_id], layout="edu")
+            params: dict[str, object] = {**self.spec.scrub_params, "method": self.spec.scrub}
+            if self.spec.scrub != "cuda":  # a BAR method works on the device's function in the guest
+                params["address"] = self.guest_addresses[dev.device_id]
             try:
                 result = self.agent.call("scrub", params, timeout_s=SCRUB_TIMEOUT_S, cancel_fd=self._wake_r)
             except CubeError as e:

@@ -158,7 +158,12 @@ class ShimSpec(Message):
     workload: StrictBool = False
     # A trusted scrub VM (cubelet/scrub.py): after attach, ask the agent to scrub the device this way, report
     # `scrub_finished`, and exit. Never set for a tenant's sandbox (no workload channel either).
-    scrub: Literal["bar", "cuda"] | None = None
+    scrub: Literal["bar", "bar-memory", "cuda"] | None = None
+    # The registry's parameters for that method (backends/scrub_methods.py: `layout`, `resource`), sent to the agent
+    # unchanged with the device's guest address: the shim makes no device decision of its own.
+    scrub_params: dict[
+        Annotated[StrictStr, Field(pattern=r"^[a-z_]{1,32}$")], Annotated[StrictStr, Field(max_length=64)]
+    ] = {}
     # In memory only (Cubelet → its process driver → the shim's stdin): never dumped, so never in the spec file.
     workload_token: SecretStr | None = Field(default=None, exclude=True)
     # The request that started it (CubeMaster's create, through Cubelet): on the shim's log lines and reports.
