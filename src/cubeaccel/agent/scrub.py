@@ -189,13 +189,8 @@ def scrub_bar_memory(device_dir: Path, resource: str = "resource2", seed: int | 
         out.error = f"cannot map {resource}: {e}"
         return out
     try:
-        zeros = bytes(min(BAR_CHUNK, size))
         t0 = time.perf_counter()
-        for off in range(0, size, BAR_CHUNK):
-            n = min(BAR_CHUNK, size - off)
-            buf[off : off + n] = zeros[:n]
-            out.bytes_zeroed += n
-        buf.flush()
+        out.bytes_zeroed = _zero(buf, size)
         t1 = time.perf_counter()
         for off in range(0, size, SAMPLE):
             page = bytearray(b"\xa5" * min(SAMPLE, size - off))
@@ -219,6 +214,63 @@ def scrub_bar_memory(device_dir: Path, resource: str = "resource2", seed: int | 
     elif not out.bytes_zeroed:
         out.error = f"{resource} has no bytes"
     return out
+
+
+CANARY = b"CUBECANARY:"  # + the tenant's tag, padded to 32 bytes, repeated over all of the memory
+
+
+def _map_rw(device_dir: Path, resource: str) -> tuple[int, mmap.mmap]:
+    enable_memory(device_dir)
+    fd = os.open(device_dir / resource, os.O_RDWR | os.O_SYNC)
+    try:
+        size = os.fstat(fd).st_size or _resource_size(device_dir, resource)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def fill_canary(device_dir: Path, tag: str, resource: str = "resource2") -> int:
+    """A tenant's leftovers: `CUBECANARY:<tag>` in every 32 bytes of the memory BAR. Returns the bytes written."""
+    record = (CANARY + tag.encode()[:21]).ljust(32, b".")
+    fd, buf = _map_rw(device_dir, resource)
+    try:
+        chunk = record * (min(BAR_CHUNK, len(buf)) // 32)
+        for off in range(0, len(buf), len(chunk)):
+            n = min(len(chunk), len(buf) - off)
+            buf[off : off + n] = chunk[:n]
+        buf.flush()
+        return len(buf)
+    finally:
+        buf.close()
+        os.close(fd)
+
+
+def scan_canary(device_dir: Path, resource: str = "resource2") -> dict[str, Any]:
+    """What the next tenant finds: every byte of the memory BAR read, canary records counted (by tag)."""
+    fd, buf = _map_rw(device_dir, resource)
+    try:
+        data = buf[:]
+    finally:
+        buf.close()
+        os.close(fd)
+    tags: dict[str, int] = {}
+    at = data.find(CANARY)
+    while at >= 0:
+        tag = data[at + len(CANARY) : at + 32].rstrip(b".").decode(errors="replace")
+        tags[tag] = tags.get(tag, 0) + 1
+        at = data.find(CANARY, at + 1)
+    return {"bytes_scanned": len(data), "hits": sum(tags.values()), "tags": tags, "nonzero": len(data) - data.count(0)}
+
+
+def _zero(buf: mmap.mmap, size: int) -> int:
+    """Every byte of the mapping written zero, a chunk at a time; returns the bytes written."""
+    zeros = bytes(min(BAR_CHUNK, size))
+    for off in range(0, size, BAR_CHUNK):
+        n = min(BAR_CHUNK, size - off)
+        buf[off : off + n] = zeros[:n]
+    buf.flush()
+    return size
 
 
 def _resource_size(device_dir: Path, resource: str) -> int:

@@ -122,6 +122,13 @@ def serve_cmd(
     emulated_devices: Annotated[
         int, typer.Option(min=1, max=32, help="--backend emulated: how many edu stand-in devices the node has")
     ] = 2,
+    memory_device: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="--backend emulated: an ivshmem-plain stand-in whose memory (BYTES, a power of two, 4096..64 MiB) is "
+            "a file kept across sandboxes (repeatable; docs/scrub.md)"
+        ),
+    ] = None,
     prepare_shape: Annotated[
         list[str] | None,
         typer.Option(
@@ -197,6 +204,7 @@ def serve_cmd(
                 ),
                 scrub_image=scrub_image,
                 emulated_devices=emulated_devices,
+                memory_devices=tuple(memory_device or ()),
             )
         )
         from cubeaccel.cubelet.metrics import metrics_of

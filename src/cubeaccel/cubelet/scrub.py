@@ -204,6 +204,9 @@ class ProcessScrubRunner:
                         "address": str(device.address),
                         "driver": attach.driver,
                         "properties": attach.properties,
+                        "memory_file": None
+                        if attach.memory_file is None
+                        else {"path": attach.memory_file[0], "size": attach.memory_file[1]},
                         "vendor_id": device.identity.vendor_id,
                         "device_id_hex": device.identity.device_id,
                         "bars": [b.to_json() for b in device.identity.bars],

@@ -322,7 +322,11 @@ class Shim:
         waits = self._known is not None  # the agent waits in the guest: no probe before, no polling after
         before = set(self._known) if self._known is not None else {str(d.get("address")) for d in agent.pci_devices()}
         try:
-            att = vmm.add_device(qid, dev.driver, dev.properties, index)
+            properties = dict(dev.properties)
+            if dev.memory_file is not None:
+                vmm.add_memory(f"mem-{qid}", str(dev.memory_file.path), dev.memory_file.size)
+                properties["memdev"] = f"mem-{qid}"
+            att = vmm.add_device(qid, dev.driver, properties, index)
         except CubeError as e:
             raise CubeError(
                 "attach.device_add_failed",
