@@ -120,7 +120,7 @@ def serve_cmd(
         str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
     ] = None,
     emulated_devices: Annotated[
-        int, typer.Option(min=1, max=32, help="--backend emulated: how many edu stand-in devices the node has")
+        int, typer.Option(min=0, max=32, help="--backend emulated: how many edu stand-in devices the node has")
     ] = 2,
     memory_device: Annotated[
         list[int] | None,
