@@ -61,14 +61,14 @@ def release(p: CubeletProcess, t: Tenancy) -> None:
     """Release and wait until the device is allocatable again (after its scrub, when one is owed)."""
     import time
 
-    seen = {e["seq"] for e in p.client.events(0, 100000)["events"] if e["kind"] == "scrub_finished"}
+    seen = {e["seq"] for e in p.client.events(0, 10000)["events"] if e["kind"] == "scrub_finished"}
     t0 = time.monotonic()
     p.client.release(t.sandbox)
     poll(lambda: devices(p)[t.device]["state"] == "allocatable", 300)
     t.release_s = time.monotonic() - t0
     done = [
         e
-        for e in p.client.events(0, 100000)["events"]
+        for e in p.client.events(0, 10000)["events"]
         if e["kind"] == "scrub_finished" and e["device_id"] == t.device and e["seq"] not in seen
     ]
     t.scrub = done[-1]["details"] if done else {}
