@@ -34,8 +34,9 @@ from typing import Any
 from tests.support import remanence
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.vmm_cleanup import kill_started_vmms
+from tests.vm.conftest import private_image
 
-from cubeaccel.images.builder import build
+from cubeaccel.images.builder import cache_dir
 
 
 def memset_rate(path: Path) -> float:
@@ -69,8 +70,11 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1 << 20)
     ap.add_argument("--scrub-policy", choices=("trusted-vm", "none"), default="trusted-vm")
     args = ap.parse_args()
-    build()
     tmp = Path(tempfile.mkdtemp(prefix="remanence-bench-"))
+    # This tree's image in a cache of the run's own: a newer build from another tree must not become the tenants'
+    # guest (their canary script lives in this tree's agent).
+    private_image(cache_dir(), tmp / "cache")
+    os.environ["CUBEACCEL_CACHE_DIR"] = str(tmp / "cache")
     p = CubeletProcess(
         tmp,
         "-",
