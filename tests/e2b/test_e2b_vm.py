@@ -150,8 +150,9 @@ def test_files_write_read_list_make_dir_rename_remove(sbx: Sandbox) -> None:
 def test_envd_by_host_name_and_a_chunked_upload(stack: dict[str, Any], sbx: Sandbox) -> None:
     url = stack["fd"].url
     host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}
-    assert httpx.get(f"{url}/health", headers=host).status_code == 204  # the guest's own, routed by Host
     token = {"X-Access-Token": sbx._envd_access_token or ""}
+    assert httpx.get(f"{url}/health", headers={**host, **token}).status_code == 204  # the guest's, routed by Host
+    assert httpx.get(f"{url}/health", headers=host).status_code == 401  # anonymous: no lookup, no answer
     r = httpx.post(f"{url}/process.Process/List", json={}, headers={**host, **token, "Connect-Protocol-Version": "1"})
     assert r.status_code == 200 and isinstance(r.json(), dict), r.text
     parts = [os.urandom(256 * 1024) for _ in range(8)]
@@ -214,7 +215,7 @@ def test_the_domain_way_https_http2_and_http1_through_a_replica(
         there.files.write("/tmp/e2b/tls.bin", blob)
         assert sbx.files.read("/tmp/e2b/tls.bin", format="bytes") == blob  # the same guest, either way
         assert f"49983-{sbx.sandbox_id}.{DOMAIN}:443" in proxy.seen  # envd by Host name, not by header
-        host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}
+        host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}", "X-Access-Token": sbx._envd_access_token or ""}
         for http2, version in ((True, "HTTP/2"), (False, "HTTP/1.1")):
             with httpx.Client(http2=http2, verify=ctx, base_url=f"https://127.0.0.1:{fd.port}", headers=host) as h:
                 r = h.get("/health")

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES, SIMULATED_HOTPLUG
+from cubeaccel.cubelet.shim_driver import SIMULATED_HOTPLUG, simulated_guest_images
 from cubeaccel.master import schema as S
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CubeMaster
@@ -64,7 +64,7 @@ def heartbeat(m: CubeMaster, url: str, cub: CubeletClient) -> None:
         "sent_at": time.time(),
         "capacity": cub.capacity(),
         "pinnable_memory_mib": 1 << 20,
-        "guest_images": [i.to_json() for i in SIMULATED_GUEST_IMAGES],
+        "guest_images": [i.to_json() for i in simulated_guest_images()],
         "hotplug": list(SIMULATED_HOTPLUG),
     }
     m.store.heartbeat(body, time.time(), m.config.staleness_s)

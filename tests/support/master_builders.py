@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
+from cubeaccel.cubelet.shim_driver import simulated_guest_images
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
@@ -56,7 +56,7 @@ def group(
 
 
 # the guests the example templates pin: a node "has everything" unless a test says otherwise
-EXAMPLE_IMAGES = [i.to_json() for i in SIMULATED_GUEST_IMAGES]
+EXAMPLE_IMAGES = [i.to_json() for i in simulated_guest_images()]
 
 
 def image(**changes: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cubeaccel.cubelet.shim_driver import SIMULATED_GUEST_IMAGES
+from cubeaccel.cubelet.shim_driver import simulated_guest_images
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug, pinned_image
 from tests.support.contract_builders import edu, h100
 
@@ -15,7 +15,7 @@ DIGESTS = st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True)
 
 def test_the_simulated_node_holds_exactly_the_guests_the_example_templates_pin() -> None:
     """Simulated clusters schedule the examples; an edited example must move the simulated set with it."""
-    assert (pinned_image(h100()), pinned_image(edu())) == SIMULATED_GUEST_IMAGES
+    assert (pinned_image(h100()), pinned_image(edu())) == simulated_guest_images()
 
 
 @given(

@@ -91,9 +91,7 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
     confirmed = [e for e in emulated.client.events(0, 10000)["events"] if e["event"] == "release_confirmed"]
     assert confirmed[-1]["details"]["holders"] == 0 and confirmed[-1]["details"]["reset"] is True
     # One request id from the reserve through the shim's own log and back in its reports' transitions
-    shim_lines = [
-        json.loads(x) for x in (emulated.state_dir / "shims" / "vm-1.log").read_text().splitlines() if x[:1] == "{"
-    ]
+    shim_lines = [json.loads(x) for x in _shim_log(emulated.state_dir, "vm-1").read_text().splitlines() if x[:1] == "{"]
     assert {x["kind"] for x in shim_lines if x.get("msg") == "report" and x.get("request_id") == rid} >= {
         "vm_started",
         "device_attached",
@@ -161,3 +159,14 @@ def test_a_contract_pinning_another_guest_image_never_boots(emulated: CubeletPro
     assert (failed["details"]["reason"], failed["details"]["layer"]) == ("shim.image_not_found", "template")
     # The shim was started, so the scrub VM runs before the device is back (no report proves no VMM had it).
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
+
+
+def _shim_log(state_dir: Path, sid: str) -> Path:
+    """The shim's log: live, or kept with its finished run once the release retired it (cubelet/runfiles.py)."""
+
+    def found() -> Path | None:
+        live = state_dir / "shims" / f"{sid}.log"
+        kept = sorted((state_dir / "shims" / "finished").glob(f"*-{sid}/shim.log"))
+        return live if live.exists() else (kept[-1] if kept else None)
+
+    return poll(found, 30)

@@ -8,6 +8,7 @@ survives Cubelet restarts exactly as real shim and VMM processes do.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +23,6 @@ from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.shim_spec import ShimSpec
-from cubeaccel.wire.templates import loads_document, parse_template
 
 ReportSink = Callable[[ShimReport], None]
 
@@ -76,9 +76,13 @@ class NodeFacts:
         return self.guest_images[0].digest if self.guest_images else None
 
 
-def _example_guest_images() -> tuple[GuestImageFact, ...]:
+@functools.cache
+def simulated_guest_images() -> tuple[GuestImageFact, ...]:
     """The simulated node's guests are exactly what the example templates pin (the CUDA one first), read from
-    those files, so a simulated cluster schedules them and a re-pinned example moves the simulated node with it."""
+    those files, so a simulated cluster schedules them and a re-pinned example moves the simulated node with it.
+    Read on first use: a real node (and the lab guest, which has no YAML parser) never needs them."""
+    from cubeaccel.wire.templates import loads_document, parse_template
+
     folder = resources.files("cubeaccel") / "examples" / "templates"
     return tuple(
         pinned_image(parse_template(loads_document((folder / name).read_text(), name), name))
@@ -86,7 +90,6 @@ def _example_guest_images() -> tuple[GuestImageFact, ...]:
     )
 
 
-SIMULATED_GUEST_IMAGES = _example_guest_images()
 SIMULATED_HOTPLUG = (HOTPLUG_PCIE_ROOT_PORT_ACPI,)  # the simulated VMM plays QEMU
 
 
@@ -148,7 +151,7 @@ class SimulatedShimDriver:
     failed_guest_validation: set[str] = field(default_factory=set)
     slow_start: set[str] = field(default_factory=set)  # the shim runs, its VMM comes with finish_start()
     cubelet_down: set[str] = field(default_factory=set)  # reports cannot be delivered: the shim keeps them
-    guest_images: tuple[GuestImageFact, ...] = SIMULATED_GUEST_IMAGES  # the simulated node's image set
+    guest_images: tuple[GuestImageFact, ...] = field(default_factory=simulated_guest_images)  # the node's set
     hotplug: tuple[str, ...] = SIMULATED_HOTPLUG
     sink: ReportSink | None = None
     _pending: dict[str, ShimSpec] = field(default_factory=dict)
