@@ -215,6 +215,7 @@ def test_detach_confirmed_while_the_vmm_lives_keeps_the_device_releasing(vfio: V
         ],
         "scrub_owed": True,
         "scrub_policy": "trusted-vm",
+        "scrub_method": "cuda",  # the registry's (backends/scrub_methods.py), recorded with the release
         "vmm_started": True,
     }
     assert vfio.cubelet.store.reservation(vfio.sid) is None

@@ -15,9 +15,20 @@ from pathlib import Path
 
 import pytest
 
+from cubeaccel.agent import scrub as agent_scrub
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.protocol import Agent
-from cubeaccel.agent.scrub import EDU_REGISTERS, MiB, Register, read_bar, scrub_bar, scrub_cuda
+from cubeaccel.agent.scrub import (
+    EDU_REGISTERS,
+    MiB,
+    Register,
+    fill_canary,
+    read_bar,
+    scan_canary,
+    scrub_bar,
+    scrub_bar_memory,
+    scrub_cuda,
+)
 
 LIBCUDA_MEM_C = r"""
 #include <stdio.h>
@@ -187,3 +198,49 @@ def test_agent_scrub_request_checks_its_parameters(tmp_path: Path) -> None:
     )
     assert ok is not None and ok["ok"] and ok["result"]["method"] == "bar"
     assert [m["register"] for m in ok["result"]["mismatches"]] == ["liveness"]
+
+
+# ---- bar-memory: the ivshmem-plain stand-in's memory BAR (resource2), all of it ----------------------------------
+def fake_memory_bar(tmp_path: Path, size: int = 64 * 1024) -> Path:
+    dev = tmp_path / "sys/bus/pci/devices/0000:02:00.0"
+    dev.mkdir(parents=True)
+    (dev / "resource2").write_bytes(bytes(size))
+    (dev / "enable").write_text("0\n")
+    return dev
+
+
+def test_a_tenants_canaries_are_found_by_the_next_scan_and_gone_after_the_scrub(tmp_path: Path) -> None:
+    dev = fake_memory_bar(tmp_path)
+    assert fill_canary(dev, "tenant-a") == 64 * 1024
+    found = scan_canary(dev)
+    assert found["hits"] == 64 * 1024 // 32 and found["tags"] == {"tenant-a": 2048}  # the scan bites
+    r = scrub_bar_memory(dev)
+    assert r.ok and r.method == "bar-memory" and r.bytes_zeroed == r.bytes_verified == r.total_bytes == 64 * 1024
+    assert r.pages_sampled == 16 and r.pages_nonzero == 0
+    assert scan_canary(dev) == {"bytes_scanned": 64 * 1024, "hits": 0, "tags": {}, "nonzero": 0}
+    assert (dev / "resource2").read_bytes() == bytes(64 * 1024)
+
+
+def test_memory_that_does_not_take_the_zeros_fails_the_scrub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BAR that ignores writes (here: the zeroing step does nothing) leaves the canaries: every page is read back,
+    so the scrub fails and says how many pages were not zero."""
+    dev = fake_memory_bar(tmp_path, 16 * 1024)
+    fill_canary(dev, "tenant-a")
+    monkeypatch.setattr(agent_scrub, "_zero", lambda buf, size: size)  # writes that do not land
+    r = scrub_bar_memory(dev)
+    assert not r.ok and r.pages_nonzero == 4 and "4 page(s) not zero" in (r.error or "")
+
+
+def test_agent_scrub_bar_memory_request_checks_its_parameters(tmp_path: Path) -> None:
+    fill_canary(fake_memory_bar(tmp_path), "t")
+    agent = Agent(ctx=ProbeContext(root=tmp_path))
+    bad = agent.handle_line(
+        json.dumps(
+            {"id": 1, "method": "scrub", "params": {"method": "bar-memory", "address": "0000:02:00.0", "resource": "x"}}
+        ).encode()
+    )
+    assert bad is not None and bad["error"]["code"] == "agent.invalid_params"
+    ok = agent.handle_line(
+        json.dumps({"id": 2, "method": "scrub", "params": {"method": "bar-memory", "address": "0000:02:00.0"}}).encode()
+    )
+    assert ok is not None and ok["ok"] and ok["result"]["ok"] and ok["result"]["bytes_verified"] == 64 * 1024

@@ -27,6 +27,7 @@ from cubeaccel.model.agent_protocol import AGENT_VERSION, PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024
+BAR_RESOURCES = frozenset(f"resource{i}" for i in range(6))
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
 METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci", "pci_resources")
 PCI_ID = re.compile(r"[0-9a-f]{4}")
@@ -221,9 +222,14 @@ class Agent:
 
     def _m_scrub(self, params: dict[str, Any]) -> dict[str, Any]:
         """The scrub template's one request (docs/scrub.md); a tenant's guest never gets it from Cubelet."""
-        from cubeaccel.agent.scrub import LAYOUTS, scrub_bar, scrub_cuda  # only the scrub VM needs it
+        from cubeaccel.agent.scrub import LAYOUTS, scrub_bar, scrub_bar_memory, scrub_cuda  # the scrub VM's only
 
         method = params.get("method")
+        if method == "bar-memory":
+            address, resource = params.get("address"), params.get("resource", "resource2")
+            if not isinstance(address, str) or not PCI_ADDRESS.fullmatch(address) or resource not in BAR_RESOURCES:
+                raise protocol_error("agent.invalid_params", "scrub bar-memory needs a PCI address and resource0..5")
+            return scrub_bar_memory(self.ctx.root / "sys/bus/pci/devices" / address, resource).to_json()
         if method == "bar":
             address, layout = params.get("address"), params.get("layout", "edu")
             if not isinstance(address, str) or not PCI_ADDRESS.fullmatch(address) or layout not in LAYOUTS:

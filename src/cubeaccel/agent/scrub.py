@@ -6,6 +6,7 @@ Two ways in, one result shape (`ScrubResult`):
   zero, cuCtxSynchronize, then copy samples back (first and last page of every chunk plus random pages) and check
   every byte is zero. "Allocatable" is what the driver lets one context allocate: memory the driver keeps for
   itself (its reserved heap, page tables) is not reachable from here and not claimed cleared.
+- `scrub_bar_memory`: a memory BAR with RAM behind it (the `ivshmem-plain` stand-in): all of it zeroed, all read back.
 - `scrub_bar`: a device whose tenant-writable state is registers behind a memory BAR (the emulated `edu`): each
   register is written through `<device>/resource0` (mmap, 32/64-bit accesses, never memcpy) and read back.
 
@@ -162,6 +163,121 @@ def write_bar(device_dir: Path, values: dict[str, int], registers: tuple[Registe
             buf.close()
     finally:
         os.close(fd)
+
+
+# ---- memory behind a BAR (ivshmem-plain over a per-device file) --------------------------------------------------
+BAR_CHUNK = 1 * MiB
+
+
+def scrub_bar_memory(device_dir: Path, resource: str = "resource2", seed: int | None = None) -> ScrubResult:
+    """Zero every byte of a memory BAR (`<dev>/<resource>`, mmap) and read every byte back: the memory is small
+    (a stand-in's few MiB), so nothing is sampled. The read-back starts from a page pre-filled with 0xA5 in
+    Python's own buffer, so a read that returned nothing cannot pass."""
+    out = ScrubResult(ok=False, method="bar-memory")
+    try:
+        enable_memory(device_dir)
+        fd = os.open(device_dir / resource, os.O_RDWR | os.O_SYNC)
+    except OSError as e:
+        out.error = f"cannot open {device_dir / resource}: {e}"
+        return out
+    try:
+        size = os.fstat(fd).st_size or _resource_size(device_dir, resource)
+        out.total_bytes = size
+        buf = mmap.mmap(fd, size)
+    except (OSError, ValueError) as e:
+        os.close(fd)
+        out.error = f"cannot map {resource}: {e}"
+        return out
+    try:
+        t0 = time.perf_counter()
+        out.bytes_zeroed = _zero(buf, size)
+        t1 = time.perf_counter()
+        for off in range(0, size, SAMPLE):
+            page = bytearray(b"\xa5" * min(SAMPLE, size - off))
+            page[:] = buf[off : off + len(page)]
+            out.bytes_verified += len(page)
+            out.pages_sampled += 1
+            if page.count(0) != len(page):
+                out.pages_nonzero += 1
+                if len(out.mismatches) < 16:
+                    first = next(i for i, b in enumerate(page) if b)
+                    out.mismatches.append({"offset": off + first, "byte": page[first]})
+        out.zero_ms = round((t1 - t0) * 1000, 3)
+        out.verify_ms = round((time.perf_counter() - t1) * 1000, 3)
+    finally:
+        buf.close()
+        os.close(fd)
+    out.chunks = 1
+    out.ok = out.bytes_zeroed > 0 and not out.pages_nonzero
+    if out.pages_nonzero:
+        out.error = f"{out.pages_nonzero} page(s) not zero after the write"
+    elif not out.bytes_zeroed:
+        out.error = f"{resource} has no bytes"
+    return out
+
+
+CANARY = b"CUBECANARY:"  # + the tenant's tag, padded to 32 bytes, repeated over all of the memory
+
+
+def _map_rw(device_dir: Path, resource: str) -> tuple[int, mmap.mmap]:
+    enable_memory(device_dir)
+    fd = os.open(device_dir / resource, os.O_RDWR | os.O_SYNC)
+    try:
+        size = os.fstat(fd).st_size or _resource_size(device_dir, resource)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def fill_canary(device_dir: Path, tag: str, resource: str = "resource2") -> int:
+    """A tenant's leftovers: `CUBECANARY:<tag>` in every 32 bytes of the memory BAR. Returns the bytes written."""
+    record = (CANARY + tag.encode()[:21]).ljust(32, b".")
+    fd, buf = _map_rw(device_dir, resource)
+    try:
+        chunk = record * (min(BAR_CHUNK, len(buf)) // 32)
+        for off in range(0, len(buf), len(chunk)):
+            n = min(len(chunk), len(buf) - off)
+            buf[off : off + n] = chunk[:n]
+        buf.flush()
+        return len(buf)
+    finally:
+        buf.close()
+        os.close(fd)
+
+
+def scan_canary(device_dir: Path, resource: str = "resource2") -> dict[str, Any]:
+    """What the next tenant finds: every byte of the memory BAR read, canary records counted (by tag)."""
+    fd, buf = _map_rw(device_dir, resource)
+    try:
+        data = buf[:]
+    finally:
+        buf.close()
+        os.close(fd)
+    tags: dict[str, int] = {}
+    at = data.find(CANARY)
+    while at >= 0:
+        tag = data[at + len(CANARY) : at + 32].rstrip(b".").decode(errors="replace")
+        tags[tag] = tags.get(tag, 0) + 1
+        at = data.find(CANARY, at + 1)
+    return {"bytes_scanned": len(data), "hits": sum(tags.values()), "tags": tags, "nonzero": len(data) - data.count(0)}
+
+
+def _zero(buf: mmap.mmap, size: int) -> int:
+    """Every byte of the mapping written zero, a chunk at a time; returns the bytes written."""
+    zeros = bytes(min(BAR_CHUNK, size))
+    for off in range(0, size, BAR_CHUNK):
+        n = min(BAR_CHUNK, size - off)
+        buf[off : off + n] = zeros[:n]
+    buf.flush()
+    return size
+
+
+def _resource_size(device_dir: Path, resource: str) -> int:
+    """A sysfs `resourceN` file reports size 0 on some kernels: the size from `<dev>/resource`'s line N."""
+    index = int(resource.removeprefix("resource"))
+    start, end, _ = (int(x, 16) for x in (device_dir / "resource").read_text().splitlines()[index].split())
+    return end - start + 1 if end else 0
 
 
 # ---- CUDA device memory ---------------------------------------------------------------------------------------

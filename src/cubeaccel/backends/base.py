@@ -29,6 +29,7 @@ class AttachSpec:
 
     driver: str
     properties: dict[str, str]
+    memory_file: tuple[str, int] | None = None  # (host path, bytes): device memory kept across VMMs (a stand-in's)
 
 
 class Backend(Protocol):

@@ -14,6 +14,7 @@ two Cubelets (or two test runs) on one host never count each other's VMMs as hol
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -45,6 +46,22 @@ EDU_IDENTITY = DeviceIdentity(
     bars=EDU_BARS,
 )
 TESTDEV_VENDOR, TESTDEV_DEVICE = 0x1B36, 0x0005
+IVSHMEM_VENDOR, IVSHMEM_DEVICE = 0x1AF4, 0x1110
+IVSHMEM_REGISTERS = 256  # BAR0: ivshmem's interrupt/doorbell registers (unused by ivshmem-plain)
+DEFAULT_MEMORY_FILE = 2 << 20
+
+
+def ivshmem_identity(size: int) -> DeviceIdentity:
+    """QEMU's ivshmem-plain (hw/misc/ivshmem.c): class RAM memory, BAR0 registers, BAR2 the shared memory."""
+    return DeviceIdentity(
+        vendor_id=IVSHMEM_VENDOR,
+        device_id=IVSHMEM_DEVICE,
+        subsystem_vendor_id=0x1AF4,
+        subsystem_device_id=0x1100,
+        class_code=0x050000,
+        revision=0x01,
+        bars=(Bar(0, IVSHMEM_REGISTERS, BarKind.MEM32), Bar(2, size, BarKind.MEM64, prefetch=True)),
+    )
 
 
 def pci_testdev_identity(membar: int) -> DeviceIdentity:
@@ -83,13 +100,17 @@ class EmulatedBackend:
         uid: int | None = None,
         vmm_uids: range = range(0),
         testdev_membars: tuple[int, ...] = (),
+        memory_devices: tuple[int, ...] = (),
+        memory_dir: Path | None = None,
     ) -> None:
         """`vmm_root` (the Cubelet's shims directory) and `uid` (the Cubelet's) tie a holder to evidence: a
         process counts only when its own files lie under `vmm_root` and it runs as `uid` or as one of the confined
         VMMs' uids (`vmm_uids`, host/confine.py: no local user runs as those). A tag and a device
         list in an environment are words anyone can write; a local user's or another Cubelet's process that
         copies them must not quarantine this Cubelet's devices. The runtime always passes both."""
-        if not 0 < slots + len(testdev_membars) <= 32 or slots < 0:
+        """`memory_devices` (bytes each, powers of two, 4 KiB..64 MiB): ivshmem-plain stand-ins whose memory is a
+        file of their own under `memory_dir`, kept across sandboxes: device memory that remembers its tenants."""
+        if not 0 < slots + len(testdev_membars) + len(memory_devices) <= 32 or slots < 0:
             raise ValueError("slots must be 1..32")
         if not all(is_bar_size(m) for m in testdev_membars):
             raise ValueError("a pci-testdev BAR size must be a power of two up to 2^48 bytes")
@@ -97,7 +118,16 @@ class EmulatedBackend:
             raise ValueError(f"instance must match {INSTANCE_RE.pattern}, not {instance!r}")
         self.instance = instance
         self.slots = slots
-        self.identities = (EDU_IDENTITY,) * slots + tuple(pci_testdev_identity(m) for m in testdev_membars)
+        if not all(is_bar_size(m) and 4096 <= m <= 64 << 20 for m in memory_devices):
+            raise ValueError("a memory stand-in's size must be a power of two, 4 KiB to 64 MiB")
+        if memory_devices and memory_dir is None:
+            raise ValueError("memory stand-ins need a memory_dir for their files")
+        self.memory_dir = memory_dir
+        self.identities = (
+            (EDU_IDENTITY,) * slots
+            + tuple(pci_testdev_identity(m) for m in testdev_membars)
+            + tuple(ivshmem_identity(m) for m in memory_devices)
+        )
         self.proc_root = proc_root
         self.qemu = qemu or find_qemu()
         self.vmm_root = vmm_root
@@ -200,7 +230,22 @@ class EmulatedBackend:
             ]
         return []
 
+    def memory_file(self, device: DeviceRecord) -> Path:
+        assert self.memory_dir is not None
+        return self.memory_dir / f"{device.id.replace(':', '_')}.mem"
+
     def attach_spec(self, device: DeviceRecord) -> AttachSpec:
+        if device.identity.vendor_id == IVSHMEM_VENDOR:
+            size = next(b.size for b in device.identity.bars if b.index == 2)
+            path = self.memory_file(device)
+            if not path.exists():  # the device's memory, made once and kept: what one tenant leaves, the next finds
+                self.memory_dir.mkdir(parents=True, exist_ok=True)  # type: ignore[union-attr]
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                finally:
+                    os.close(fd)
+            return AttachSpec(driver="ivshmem-plain", properties={}, memory_file=(str(path), size))
         if device.identity.vendor_id == TESTDEV_VENDOR:
             membar = next(b.size for b in device.identity.bars if b.index == 2)
             return AttachSpec(driver="pci-testdev", properties={"membar": str(membar)})

@@ -140,7 +140,7 @@ def serve_cmd(
         str | None, typer.Option(help="guest image digest the scrub VM boots (default: the newest built image)")
     ] = None,
     emulated_devices: Annotated[
-        int, typer.Option(min=1, max=32, help="--backend emulated: how many edu stand-in devices the node has")
+        int, typer.Option(min=0, max=32, help="--backend emulated: how many edu stand-in devices the node has")
     ] = 2,
     warm: Annotated[
         list[str] | None,
@@ -152,6 +152,13 @@ def serve_cmd(
     warm_max_starts: Annotated[
         int | None,
         typer.Option(min=1, max=64, help="warm sandboxes started at once by the refill (default: one per 2 CPUs)"),
+    ] = None,
+    memory_device: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="--backend emulated: an ivshmem-plain stand-in whose memory (BYTES, a power of two, 4096..64 MiB) is "
+            "a file kept across sandboxes (repeatable; docs/scrub.md)"
+        ),
     ] = None,
     prepare_shape: Annotated[
         list[str] | None,
@@ -229,6 +236,7 @@ def serve_cmd(
                 ),
                 scrub_image=scrub_image,
                 emulated_devices=emulated_devices,
+                memory_devices=tuple(memory_device or ()),
             )
         )
         from cubeaccel.cubelet.metrics import metrics_of

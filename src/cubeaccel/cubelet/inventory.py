@@ -37,7 +37,10 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
         with cubelet.device_locks.hold(rec.id):  # binding and validation are host I/O: no lifecycle lock
             problems: list[Problem] = []
             original: tuple[str | None] | None = None
-            if binding is not None and rec.id in by_id:
+            refused = cubelet.scrub_refusal(rec)  # no known scrub method under trusted-vm: never bound or touched
+            if refused is not None:
+                problems = [refused]
+            elif binding is not None and rec.id in by_id:
                 prep = binding.prepare(by_id[rec.id])
                 problems = list(prep.problems)
                 if prep.changed:

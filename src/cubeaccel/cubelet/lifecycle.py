@@ -55,7 +55,7 @@ from cubeaccel.model.sandbox_policy import (
     narrow_network,
 )
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
-from cubeaccel.wire.shim_spec import DeviceSpec, MountSpec, NetSpec, ShimSpec
+from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.telemetry import request_id
 
 S, E = DeviceState, DeviceEvent
@@ -431,6 +431,9 @@ class Cubelet(ReleasePath):
                     device_id_hex=d.identity.device_id,
                     bars=d.identity.bars,
                     numa_node=d.numa_node,
+                    memory_file=None
+                    if a.memory_file is None
+                    else MemoryFile(path=Path(a.memory_file[0]), size=a.memory_file[1]),
                 )
             )
         p = res.params

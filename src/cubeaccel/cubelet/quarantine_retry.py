@@ -18,7 +18,7 @@ from typing import Any
 
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.cubelet.release import SCRUB_PENDING
-from cubeaccel.cubelet.scrub import ScrubPolicy
+from cubeaccel.cubelet.scrub import ScrubPolicy, scrub_method_name, scrub_needs_vm
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.recovery import RETRY_LIMIT, Recovery, recovery_of, retry_due
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -84,10 +84,14 @@ def retry_quarantined(cubelet: Cubelet) -> list[tuple[str, str, bool]]:
                 t.event(KIND, Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, reason=d.reason, details=details)
                 if not problems:
                     policy = cubelet.scrub_policy(d)
-                    owed = policy is ScrubPolicy.TRUSTED_VM
+                    owed = policy is ScrubPolicy.TRUSTED_VM and scrub_needs_vm(d)
                     reason = SCRUB_PENDING if owed else None  # the sanitizing stage this return relies on, recorded:
                     t.transition(
-                        cur, E.RETRY, Actor.CUBELET, reason=reason, details={**details, "scrub_policy": policy}
+                        cur,
+                        E.RETRY,
+                        Actor.CUBELET,
+                        reason=reason,
+                        details={**details, "scrub_policy": policy, "scrub_method": scrub_method_name(d)},
                     )
         made.append((d.id, str(d.reason), not problems))
     return made

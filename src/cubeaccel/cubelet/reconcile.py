@@ -147,7 +147,8 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
                 continue
             if d.state is S.ALLOCATABLE:
                 with cubelet.device_locks.hold(d.id):
-                    problems = cubelet.backend.validate(d)
+                    refused = cubelet.scrub_refusal(d)  # a policy made stricter across a restart: out, untouched
+                    problems = [refused] if refused is not None else cubelet.backend.validate(d)
                     if problems:
                         event, reason = problem_event(problems)
                         with cubelet.change() as t:

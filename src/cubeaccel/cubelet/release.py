@@ -19,7 +19,16 @@ from typing import Any
 from cubeaccel.backends.base import Backend, Capabilities, Problem, ResetContext
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.memory_ledger import VmmHost
-from cubeaccel.cubelet.scrub import DEFAULT_POLICY, ScrubOutcome, ScrubPolicy, ScrubRunner
+from cubeaccel.cubelet.scrub import (
+    DEFAULT_POLICY,
+    ScrubOutcome,
+    ScrubPolicy,
+    ScrubRunner,
+    policy_for,
+    refusal,
+    scrub_method_name,
+    scrub_needs_vm,
+)
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.checkpoint import SandboxFailure
@@ -372,9 +381,12 @@ class ReleasePath:
             "reset": True,
             **({"reset_ladder": ladder} if ladder is not None else {}),
             # A device no VMM of the tenant's ever had (a reservation that never started) holds nothing of theirs.
-            "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM and res.checkpoint.shim_started,
+            "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM
+            and scrub_needs_vm(d)
+            and res.checkpoint.shim_started,
             # recorded, not implied: the sanitizing stage this release relies on (model/sanitize.py checks trails)
             "scrub_policy": self.scrub_policy(d).value,
+            "scrub_method": scrub_method_name(d),
             "vmm_started": res.checkpoint.shim_started,
         }
         return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
@@ -435,7 +447,11 @@ class ReleasePath:
 
     # ---- scrub between tenants (cubelet/scrub.py, docs/scrub.md) ----------------------------------------------------
     def scrub_policy(self, d: DeviceRecord) -> ScrubPolicy:
-        return self.config.scrub_policy.get(d.accel_class.value, ScrubPolicy.TRUSTED_VM)
+        return policy_for(self.config.scrub_policy, d)
+
+    def scrub_refusal(self, d: DeviceRecord) -> Problem | None:
+        """`host.no_scrub_method` (held) for a kind with no registered scrub method under trusted-vm."""
+        return refusal(self.config.scrub_policy, d)
 
     @staticmethod
     def scrub_owed(d: DeviceRecord) -> bool:

@@ -37,6 +37,7 @@ class RuntimeOptions:
     guest_images: Path | None = None  # simulated nodes: a JSON list of guest images replacing the default set
     scrub_image: str | None = None  # real nodes: the scrub VM's guest image digest (None: the newest built)
     emulated_devices: int = 2  # emulated nodes: how many edu stand-ins
+    memory_devices: tuple[int, ...] = ()  # emulated nodes: ivshmem-plain stand-ins (bytes each), files kept
 
 
 INSTANCE_FILE = "instance-id"
@@ -132,6 +133,8 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         backend = EmulatedBackend(
             instance_id(opts.state_dir),
             slots=opts.emulated_devices,
+            memory_devices=opts.memory_devices,
+            memory_dir=(opts.state_dir / "device-memory").absolute(),
             vmm_root=(opts.state_dir / "shims").absolute(),
             uid=os.getuid(),
             vmm_uids=ConfinePolicy.from_env().uids,

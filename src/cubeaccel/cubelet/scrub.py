@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,10 +25,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from cubeaccel.backends.base import AttachSpec
+from cubeaccel.backends.base import AttachSpec, Problem
+from cubeaccel.backends.scrub_methods import NO_METHOD, ScrubMethod, kind_key, method_for, no_method_message
 from cubeaccel.cubelet import runfiles
 from cubeaccel.host.childenv import component_env
 from cubeaccel.host.vmmproc import find_shim, find_vmm, vmm_processes
+from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.errors import invalid
 from cubeaccel.wire.scrub import ScrubReport
@@ -41,31 +44,64 @@ class ScrubPolicy(StrEnum):
 
 # Every class we manage has device memory a tenant writes (GPU VRAM/HBM; TPU/XPU-like accelerators too): scrub.
 DEFAULT_POLICY: dict[str, ScrubPolicy] = {c.value: ScrubPolicy.TRUSTED_VM for c in AcceleratorClass}
-SCRUB_VM_MEMORY_MIB = 256
 STOP_GRACE_S = 10.0
 GONE_TIMEOUT_S = 10.0  # a SIGKILLed VMM's exit (its memory unlocked) is awaited this long
 SCRUB_PREFIX = "scrub-"
 REPORTS = "scrub-reports.jsonl"  # in the scrub VM's run dir
 
 
+KIND_RE = re.compile(r"[0-9a-f]{4}:[0-9a-f]{4}")
+
+
 def parse_policy(items: list[str] | tuple[str, ...]) -> dict[str, ScrubPolicy]:
-    """`CLASS=POLICY` pairs over the default (`gpu=none`); an unknown class or policy is refused, not ignored."""
+    """`CLASS=POLICY` or `VVVV:DDDD=POLICY` (one device kind, over its class's) pairs over the default
+    (`gpu=none`, `1002:74a1=none`); an unknown class or policy is refused, not ignored."""
     policy = dict(DEFAULT_POLICY)
     for item in items:
-        cls, _, value = item.partition("=")
-        if cls not in policy or value not in {p.value for p in ScrubPolicy}:
+        key, _, value = item.partition("=")
+        key = key.lower()
+        if (key not in DEFAULT_POLICY and not KIND_RE.fullmatch(key)) or value not in {p.value for p in ScrubPolicy}:
             raise invalid(
                 "cubelet.invalid_scrub_policy",
-                f"--scrub wants CLASS=POLICY with CLASS in {sorted(policy)} and POLICY in "
-                f"{[p.value for p in ScrubPolicy]}, not {item!r}",
+                f"--scrub wants CLASS=POLICY or VVVV:DDDD=POLICY with CLASS in {sorted(DEFAULT_POLICY)} and POLICY "
+                f"in {[p.value for p in ScrubPolicy]}, not {item!r}",
             )
-        policy[cls] = ScrubPolicy(value)
+        policy[key] = ScrubPolicy(value)
     return policy
 
 
-def scrub_method(device: DeviceRecord) -> str:
-    """What the scrub VM's agent runs: NVIDIA memory through CUDA; the emulated edu through its BAR registers."""
-    return "cuda" if device.identity.vendor_id == 0x10DE else "bar"
+def policy_for(policies: dict[str, ScrubPolicy], device: DeviceRecord) -> ScrubPolicy:
+    """The device kind's policy if the operator named one, else its class's (default trusted-vm)."""
+    kind = policies.get(kind_key(device.identity))
+    return kind if kind is not None else policies.get(device.accel_class.value, ScrubPolicy.TRUSTED_VM)
+
+
+def refusal(policies: dict[str, ScrubPolicy], device: DeviceRecord) -> Problem | None:
+    """A device with no registered scrub method under trusted-vm: held at host initialization, never written to."""
+    if policy_for(policies, device) is not ScrubPolicy.TRUSTED_VM or method_for(device.identity) is not None:
+        return None
+    return Problem(NO_METHOD, no_method_message(device.identity, device.accel_class.value), hard=False, held=True)
+
+
+def scrub_method(device: DeviceRecord) -> ScrubMethod:
+    """The registry's method for the device (backends/scrub_methods.py); one never reaches a scrub without one
+    (refused at host initialization), so a missing one here is a bug that fails the scrub, never a guess."""
+    method = method_for(device.identity)
+    if method is None:
+        raise ValueError(f"no scrub method registered for {kind_key(device.identity)}")
+    return method
+
+
+def scrub_method_name(device: DeviceRecord) -> str | None:
+    method = method_for(device.identity)
+    return method.name if method is not None else None
+
+
+def scrub_needs_vm(device: DeviceRecord) -> bool:
+    """False only for a kind whose registered method is `vmm-exit` (nothing of the tenant's outlives its VMM);
+    a kind with no method (the operator set its policy) is treated as needing one, never as clean."""
+    method = method_for(device.identity)
+    return method is None or method.needs_vm
 
 
 SCRUB_FAILED = "release.scrub_failed"  # the scrub ran and did not verify (or did not finish): the operator looks
@@ -98,7 +134,7 @@ class SimulatedScrubRunner:
         chunks = -(-mib // 256)  # the agent's 256 MiB chunks, each sampled at its first, last and 4 random pages
         played = ScrubReport(
             ok=True,
-            method=scrub_method(device),
+            method=scrub_method(device).name,
             pattern="0x00",
             bytes_zeroed=mib * 1024 * 1024,
             bytes_verified=chunks * 6 * 4096,
@@ -139,19 +175,26 @@ class ProcessScrubRunner:
         self.proc = proc
         self.detach_timeout_s = detach_timeout_s
 
-    def _image(self) -> str | None:
-        """The operator's `--scrub-image`, else the newest built image that carries *this* Cubelet's agent: the
-        scrub op is the one this code ships, never whatever agent the newest image in a shared cache happens to
-        have (an older one answers `agent.unknown_method`)."""
-        if self.image_digest is not None:
-            return self.image_digest
+    def _image(self, method: ScrubMethod) -> str | None:
+        """The operator's `--scrub-image` (unless the cache shows it is of another stack), else the newest built
+        image of the method's stack (`nvidia` for `cuda`: its driver and libcuda; "" CPU-only) that carries
+        *this* Cubelet's agent: the scrub op is the one this code ships, never whatever agent the newest image in
+        a shared cache happens to have (an older one answers `agent.unknown_method`)."""
         from cubeaccel.images.builder import agent_digest, cached_images
 
+        images = cached_images()
+        if self.image_digest is not None:  # the operator's, unless the cache shows it is of another stack
+            named = next((m for m in images if m.image_digest == self.image_digest), None)
+            if named is None or _stack(named) == method.image_stack:
+                return self.image_digest
         mine = agent_digest()
-        return next((m.image_digest for m in cached_images() if m.agent_sha256 == mine), None)
+        return next(
+            (m.image_digest for m in images if m.agent_sha256 == mine and _stack(m) == method.image_stack), None
+        )
 
     def spec(self, sid: str, device: DeviceRecord, attach: AttachSpec) -> ShimSpec:
         run_dir = self.dir / sid
+        method = scrub_method(device)
         return ShimSpec.model_validate(
             {
                 "sandbox_id": sid,
@@ -161,20 +204,24 @@ class ProcessScrubRunner:
                         "address": str(device.address),
                         "driver": attach.driver,
                         "properties": attach.properties,
+                        "memory_file": None
+                        if attach.memory_file is None
+                        else {"path": attach.memory_file[0], "size": attach.memory_file[1]},
                         "vendor_id": device.identity.vendor_id,
                         "device_id_hex": device.identity.device_id,
                         "bars": [b.to_json() for b in device.identity.bars],
                     }
                 ],
-                "memory_mib": SCRUB_VM_MEMORY_MIB,
+                "memory_mib": method.memory_mib,
                 "vcpus": 1,
                 "pin_memory": True,
-                "image_digest": self._image(),
-                "start": self.start_mode,
+                "image_digest": self._image(method),
+                "start": method.start or self.start_mode,
                 "state_dir": str(run_dir),
                 "report": {"file": str(run_dir / REPORTS)},
                 "detach_timeout_s": self.detach_timeout_s,
-                "scrub": scrub_method(device),
+                "scrub": method.name,
+                "scrub_params": method.params,
             },
             context=SHIM_LIMITS,
         )
@@ -188,6 +235,10 @@ class ProcessScrubRunner:
             return ScrubOutcome(False, f"cannot build the scrub VM's spec: {e}"[:500], {"scrub_vm": sid})
         if spec.image_digest is None:
             why = "no built guest image carries this Cubelet's agent: run `cubeaccel image build` (or --scrub-image)"
+            stack = scrub_method(device).image_stack
+            if stack:
+                why = f"no built {stack} guest image carries this Cubelet's agent: run "
+                why += f"`cubeaccel image build --vendor {stack}`"
             return ScrubOutcome(False, why, {"scrub_vm": sid})
         # A scrub VM of this device left by a Cubelet that died mid-scrub: ended before another one boots.
         ended = self.end_scrub_vms(device.id)
@@ -309,6 +360,10 @@ class ProcessScrubRunner:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         return child.wait()
+
+
+def _stack(m: Manifest) -> str:
+    return m.vendor.stack if m.vendor is not None else ""
 
 
 def _reports(path: Path) -> list[dict[str, Any]]:

@@ -164,6 +164,8 @@ CODES: tuple[CodeInfo, ...] = (
     _c("backend.invalid_allow_pattern", 422, "api", "a VFIO allow-list pattern does not parse"),
     _c("backend.iommu_group_not_viable", None, "backend", "device reason: another group member is not vfio-bound"),
     _c("backend.no_iommu_group", None, "backend", "device reason: the device has no IOMMU group"),
+    _c("host.no_scrub_method", None, "backend",
+       "device reason: no scrub method known for its kind under trusted-vm; held until a --scrub policy"),
     _c("backend.nvswitch_fabric_unmanaged", None, "backend",
        "device reason, host check: a GPU on an NVSwitch (HGX) fabric, held initialized (no Fabric Manager partitions)"),
     _c("backend.qemu_missing", None, "backend", "device reason (emulated): QEMU is not installed"),

@@ -29,6 +29,12 @@ def _sanitizes(e: Mapping[str, Any]) -> str | None:
         return f"operator:{event}"
     if event == "release_confirmed" and details.get("scrub_policy") == "none":
         return "policy:none"
+    if (
+        event in ("release_confirmed", "retry")
+        and details.get("scrub_method") == "vmm-exit"
+        and details.get("scrub_policy") == "trusted-vm"
+    ):
+        return "vmm_exit"  # the registry's method for a kind whose state ends with its VMM (backends/scrub_methods.py)
     if event == "release_confirmed" and details.get("vmm_started") is False:
         return "never_started"
     if event == "retry" and details.get("scrub_policy") == "none":

@@ -74,7 +74,11 @@ def vmm_exposure(
     for g in dict.fromkeys(groups):
         devices.append(str(g))
         owned.append(g)
-    return VmmExposure(tuple(trees), (str(cfg.kernel), str(cfg.initrd)), (), tuple(devices), tuple(owned), private)
+    # A stand-in's device memory file: read-write for this VMM's uid while it lives, root's again at its exit.
+    owned += [Path(f) for f in cfg.memory_files]
+    return VmmExposure(
+        tuple(trees), (str(cfg.kernel), str(cfg.initrd)), cfg.memory_files, tuple(devices), tuple(owned), private
+    )
 
 
 def setpriv_argv(uid: int, gid: int, mode: str) -> list[str]:

@@ -31,6 +31,7 @@ def vm_config(spec: ShimSpec, manifest: Manifest, cpus: int, host_nodes: tuple[i
         prealloc_threads=prealloc_threads(spec.memory_mib, cpus),
         host_node=numa_bind_node(tuple(d.numa_node for d in spec.devices), host_nodes),
         vfio_hosts=tuple(h for d in spec.devices if d.driver == "vfio-pci" and (h := d.properties.get("host"))),
+        memory_files=tuple(str(d.memory_file.path) for d in spec.devices if d.memory_file is not None),
     )
     return replace(cfg, shape=shape_for(spec, cfg))
 

@@ -334,7 +334,11 @@ class Shim:
         waits = self._known is not None  # the agent waits in the guest: no probe before, no polling after
         before = set(self._known) if self._known is not None else {str(d.get("address")) for d in agent.pci_devices()}
         try:
-            att = vmm.add_device(qid, dev.driver, dev.properties, index)
+            properties = dict(dev.properties)
+            if dev.memory_file is not None:
+                vmm.add_memory(f"mem-{qid}", str(dev.memory_file.path), dev.memory_file.size)
+                properties["memdev"] = f"mem-{qid}"
+            att = vmm.add_device(qid, dev.driver, properties, index)
         except CubeError as e:
             raise CubeError(
                 "attach.device_add_failed",
@@ -489,9 +493,9 @@ class Shim:
         t = time.monotonic()
         ok = True
         for dev in self.spec.devices:
-            params: dict[str, object] = {"method": self.spec.scrub}
-            if self.spec.scrub == "bar":
-                params.update(address=self.guest_addresses[dev.device_id], layout="edu")
+            params: dict[str, object] = {**self.spec.scrub_params, "method": self.spec.scrub}
+            if self.spec.scrub != "cuda":  # a BAR method works on the device's function in the guest
+                params["address"] = self.guest_addresses[dev.device_id]
             try:
                 result = self.agent.call("scrub", params, timeout_s=SCRUB_TIMEOUT_S, cancel_fd=self._wake_r)
             except CubeError as e:

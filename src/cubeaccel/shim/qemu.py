@@ -564,6 +564,14 @@ class QemuVmm:
         self._attached[qdev_id] = att
         return att
 
+    def add_memory(self, obj_id: str, path: str, size: int) -> None:
+        """A shared file-backed memory object for a device's `memdev` (the ivshmem-plain stand-in): what the guest
+        writes into the device lands in the file, which outlives this VMM."""
+        self.qmp(
+            "object-add",
+            **{"qom-type": "memory-backend-file", "id": obj_id, "mem-path": path, "size": size, "share": True},
+        )
+
     def request_remove(self, qdev_id: str) -> None:
         self.qmp("device_del", id=qdev_id)
 

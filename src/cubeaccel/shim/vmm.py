@@ -47,6 +47,7 @@ class VmConfig:
     host_node: int | None = None
     device_ids: tuple[str, ...] = ()  # Cubelet device ids this VMM may hold (tagged for holder lookups)
     vfio_hosts: tuple[str, ...] = ()  # host PCI addresses of its vfio-pci devices: their group nodes are exposed
+    memory_files: tuple[str, ...] = ()  # its devices' memory files (hot-plugged later; QEMU opens them by name)
     # Sandbox policy (model/sandbox_policy.py). A NIC, disk or mount changes the machine, so such a VM is always
     # cold-booted, never restored from a template state.
     tap_fd: int | None = None  # an open TAP in the sandbox's network namespace (host/netpolicy.open_tap)

@@ -84,6 +84,17 @@ AbsPath = Annotated[Path, BeforeValidator(_abs_path)]
 Seconds = Annotated[float, StrictMode(), Field(gt=0, le=3600)]
 
 
+MAX_MEMORY_FILE = 64 << 20  # a stand-in's remembering memory stays small: a VMM with mem-lock locks it too
+
+
+class MemoryFile(Strict):
+    """The host file behind a stand-in's device memory (QEMU `memory-backend-file,share=on`): the device's own, kept
+    across sandboxes (backends/emulated.py). The shim adds it as an object before `device_add` (`memdev`)."""
+
+    path: AbsPath
+    size: Annotated[StrictInt, Field(ge=4096, le=MAX_MEMORY_FILE)]
+
+
 class DeviceSpec(Strict):
     device_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]  # Cubelet's id: emulated-0000:e0:00.0
     driver: Annotated[str, BeforeValidator(_qdev_name)]  # QMP device_add driver: edu, vfio-pci
@@ -95,6 +106,7 @@ class DeviceSpec(Strict):
     # placed each memory BAR at its size. Empty (a record from before BARs were read): vendor:device only.
     bars: Bars = ()
     numa_node: Annotated[StrictInt, Field(ge=-1, le=1023)] | None = None  # the host's; -1: sysfs knows none
+    memory_file: MemoryFile | None = None  # device memory that outlives the VMM (the ivshmem-plain stand-in)
 
     @field_validator("properties", mode="before")
     @classmethod
@@ -161,7 +173,12 @@ class ShimSpec(Message):
     warm: StrictBool = False
     # A trusted scrub VM (cubelet/scrub.py): after attach, ask the agent to scrub the device this way, report
     # `scrub_finished`, and exit. Never set for a tenant's sandbox (no workload channel either).
-    scrub: Literal["bar", "cuda"] | None = None
+    scrub: Literal["bar", "bar-memory", "cuda"] | None = None
+    # The registry's parameters for that method (backends/scrub_methods.py: `layout`, `resource`), sent to the agent
+    # unchanged with the device's guest address: the shim makes no device decision of its own.
+    scrub_params: dict[
+        Annotated[StrictStr, Field(pattern=r"^[a-z_]{1,32}$")], Annotated[StrictStr, Field(max_length=64)]
+    ] = {}
     # In memory only (Cubelet → its process driver → the shim's stdin): never dumped, so never in the spec file.
     workload_token: SecretStr | None = Field(default=None, exclude=True)
     # The request that started it (CubeMaster's create, through Cubelet): on the shim's log lines and reports.
