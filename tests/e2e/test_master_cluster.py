@@ -39,8 +39,15 @@ def test_gpu_shorthand_alone_places_on_a_node_that_has_it_and_the_cubelet_agrees
 
 
 def settle(cl: Cluster) -> None:
-    """Wait until every node's summary shows the placements made so far (no pending claims)."""
-    poll(lambda: all(g["claimed"] == 0 for n in cl.c.nodes() for g in n["groups"]))
+    """Wait until every node's summary shows the placements made so far: no pending claims, and as many devices
+    not free as the Cubelets say sandboxes hold (a claim can clear before the heartbeat that counts it)."""
+
+    def settled() -> bool:
+        nodes = cl.c.nodes()
+        held = sum(n["total"] - n["allocatable"] for n in nodes)
+        return all(g["claimed"] == 0 for n in nodes for g in n["groups"]) and held == len(holders(cl))
+
+    poll(settled)
 
 
 def test_placement_prefers_numa_locality_then_packing_and_takes_the_first_alternative_that_fits(c: Cluster) -> None:
