@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cubeaccel.images import packages, vendor
+from cubeaccel.images.builder import stack_named
 from cubeaccel.images.importer import import_image, mismatches
 from cubeaccel.images.manifest import GUEST_PINS, VENDOR_PINS, Artifact, Manifest, pinned_paths, sha256_file
 from cubeaccel.images.nvidia import NVIDIA
@@ -36,6 +37,13 @@ nvidia-smi:
  *** 535.261.03-1 100
         100 /var/lib/dpkg/status
 """
+
+
+def test_an_unknown_vendor_stack_is_refused_by_name_before_any_build() -> None:
+    with pytest.raises(CubeError) as e:
+        stack_named("amd")
+    assert (e.value.code, e.value.status) == ("image.vendor_unknown", 422) and e.value.details["known"] == ["nvidia"]
+    assert stack_named("nvidia") is NVIDIA and stack_named(None) is None
 
 
 def test_apt_policy_gives_candidates_and_every_listed_version() -> None:

@@ -18,17 +18,12 @@ from cubeaccel.cubelet.store import Event
 from cubeaccel.host.audit import AuditLog
 from cubeaccel.model import audit_trail as A
 from cubeaccel.model.states import DeviceEvent
+from cubeaccel.wire.scrub import RESULT_FIELDS
 
 IDENTITY = "cubelet"
 # The scrub's evidence as the audit keeps it (the journal keeps the agent's whole result besides).
 SCRUB_FIELDS = (
-    "method",
-    "pattern",
-    "bytes_zeroed",
-    "bytes_verified",
-    "pages_sampled",
-    "pages_nonzero",
-    "readback_ok",
+    *RESULT_FIELDS,
     "duration_s",
     "vm_s",
     "image_digest",

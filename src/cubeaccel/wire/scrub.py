@@ -12,17 +12,9 @@ from pydantic import Field, StrictBool, StrictStr
 from cubeaccel.wire.base import Count, Finite, LenientMessage
 
 # What the event journal and the audit log keep of every scrub (the agent's whole result goes to the journal too).
-EVIDENCE_FIELDS = (
-    "method",
-    "pattern",
-    "bytes_zeroed",
-    "bytes_verified",
-    "pages_sampled",
-    "pages_nonzero",
-    "readback_ok",
-    "zero_ms",
-    "verify_ms",
-)
+# What the agent's result says of a scrub; the journal adds the timings, the audit log the VM's own facts.
+RESULT_FIELDS = ("method", "pattern", "bytes_zeroed", "bytes_verified", "pages_sampled", "pages_nonzero", "readback_ok")
+EVIDENCE_FIELDS = (*RESULT_FIELDS, "zero_ms", "verify_ms")
 
 
 class ScrubReport(LenientMessage):
