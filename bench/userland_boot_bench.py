@@ -124,10 +124,10 @@ def main() -> None:
                 loads.append(Path("/proc/loadavg").read_text().split()[0])
                 for phase, secs in boot_once(image, args.memory_mib, work, 20 + 2 * i + j).items():
                     results.setdefault((name, phase), []).append(secs)
+        for name, image in images.items():
+            print(f"{name:10s} initrd {image.path(image.initrd).stat().st_size / 1e6:6.1f} MB  {image.key}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    for name, image in images.items():
-        print(f"{name:10s} initrd {image.path(image.initrd).stat().st_size / 1e6:6.1f} MB  {image.key}")
     for (name, phase), secs in sorted(results.items()):
         print(
             f"{name:10s} {phase:16s} n={len(secs)} min {min(secs):6.1f} s  median {statistics.median(secs):6.1f} s"
