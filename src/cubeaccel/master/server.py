@@ -42,7 +42,7 @@ from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
-from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
+from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
@@ -528,7 +528,7 @@ def create_app(
                     "request.no_accelerator", "give gpu (e.g. 'H100:1'), accelerators or a template", "api", {}, 422
                 )
             cls = master.registry.contract(spec.template).accel_class
-            spec = dataclasses.replace(spec, request=AcceleratorRequest((AcceleratorChoice(cls, 1),)))
+            spec = dataclasses.replace(spec, request=for_template(cls))
         t0 = time.perf_counter()
         try:
             row, created = master.create(spec)

@@ -209,8 +209,8 @@ class MasterStore:
             view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
             group = next((g for g in view.groups if g.key == group_key), None)
             claimed = _claims(c, node).get(node, {}).get(group_key, 0)
-            if group is None or group.allocatable - claimed < count:
-                return False
+            if count > 0 and (group is None or group.allocatable - claimed < count):
+                return False  # a CPU-only placement (count 0) takes no device: only memory and quota decide
             if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
                 return False
             if tenant is not None:

@@ -305,6 +305,12 @@ CODES: tuple[CodeInfo, ...] = (
     _c("filesystem.mount_not_allowlisted", 409, "cubelet", "a read-only mount source this node does not allowlist"),
     _c("filesystem.scratch_failed", None, "backend", "sandbox error: the scratch disk could not be created"),
     _c("compat.template_unknown_class", 422, "template", "template class is not gpu or accelerator"),
+    _c(
+        "compat.template_cpu_only_with_device_stack",
+        422,
+        "template",
+        "a template without an accelerator lists devices, a driver, CUDA or hot-plug",
+    ),
     _c("compat.userspace_driver_invalid_library", 422, "userspace_driver", "a listed library is not a soname"),
     _c("compat.userspace_driver_invalid_version", 422, "userspace_driver", "user-space version not like 550.54.15"),
     _c("compat.userspace_driver_mismatch", 422, "userspace_driver", "user-space and kernel driver versions differ"),
