@@ -540,6 +540,8 @@ class Cubelet(ReleasePath):
                 cp.vmm_confined = not unconfined
             elif k is ShimReportKind.DEVICE_ATTACHED and self._gated and not cp.vmm_confined:
                 unconfined = ["no confinement proof before the device was attached"]
+            elif k is ShimReportKind.GUEST_VALIDATED and self._gated and not cp.vmm_confined:
+                unconfined = ["no confinement proof before the sandbox was ready"]  # one with no device, too
             elif k is ShimReportKind.DEVICE_ATTACHED:
                 named = set(report.device_ids)  # one report per device; none named means all
                 devs = self._sandbox_devices(t, sid)
