@@ -5,6 +5,7 @@ runs; the kill goes through the ordinary release path, which completes with no d
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from e2b import Sandbox
 
 from cubeaccel.images.manifest import Manifest
 from tests.e2b.test_e2b_vm import NODE, opts, start_stack, stop_stack
+from tests.support.e2b_sdk import run_check
 from tests.support.master_harness import example
 from tests.support.poll import poll
 
@@ -64,3 +66,11 @@ def test_sandbox_create_without_a_template_runs_a_command_in_a_cpu_only_microvm(
     assert kinds.index("teardown_started") < kinds.index("reservation_closed")  # VMM gone, then closed
     assert not any(e["device_id"] for e in mine)  # no device in its release path either
     assert {d["id"]: d["state"] for d in cubelet.devices()} == devices_before
+
+
+@pytest.mark.parametrize("line", ["2.15.2", "2.45.1"])
+def test_older_sdk_lines_default_to_base_and_get_a_cpu_only_sandbox(stack: dict[str, Any], line: str) -> None:
+    seen = run_check(line, Path(__file__).with_name("sdk_default_template_check.py"), [], stack["key"], stack["fd"].url)
+    assert (seen["stdout"], seen["exit_code"], seen["killed"]) == ("hi\n", 0, True)
+    row = stack["master"].client.sandbox(seen["sandbox_id"])
+    assert row["template"]["name"] == "base" and row["device_ids"] == [] and row["class"] == "none"
