@@ -98,6 +98,14 @@ def serve_cmd(
     default_timeout: Annotated[
         float, typer.Option(min=1.0, help="lifetime of a sandbox created without a timeout, seconds")
     ] = 3600.0,
+    cubelet_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="seconds one request to a Cubelet may take; a placement untouched for twice this long belongs "
+            "to a create that died and is settled by maintenance",
+        ),
+    ] = 30.0,
     log_level: Annotated[str | None, typer.Option(help="JSON logs on stderr: debug|info|warning|error")] = None,
 ) -> None:
     """Run CubeMaster: migrate the database, then serve the API."""
@@ -130,7 +138,8 @@ def serve_cmd(
     except CubeError as e:
         fail(e)
         return
-    master = CubeMaster(store, MasterConfig(staleness_s=staleness, default_lifetime_s=default_timeout))
+    config = MasterConfig(staleness_s=staleness, default_lifetime_s=default_timeout, cubelet_timeout_s=cubelet_timeout)
+    master = CubeMaster(store, config)
     if bootstrap is not None:
         from cubeaccel.master.auth import bootstrap as make_keys
 

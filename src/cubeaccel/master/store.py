@@ -262,9 +262,7 @@ class MasterStore:
             wc = S.warm_claims
             held = {
                 row.warm_id
-                for row in c.execute(
-                    sa.select(wc.c.warm_id).where(wc.c.node == node, wc.c.warm_id.in_(list(warm_ids)))
-                )
+                for row in c.execute(sa.select(wc.c.warm_id).where(wc.c.node == node, wc.c.warm_id.in_(list(warm_ids))))
             }
             free = [w for w in warm_ids if w in advertised and w not in held]
             if not free:
