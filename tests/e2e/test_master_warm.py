@@ -4,6 +4,10 @@ takes the warm path and its timeline says so; a create of another shape takes th
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +63,20 @@ def test_a_matching_create_claims_a_warm_sandbox_and_its_timeline_says_warm(
     warm_pool(node, 2)
     poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [2], 60)
     warm_ids = set(advertised(m, "n")[0]["sandboxes"])
+    # Where CubeMaster shows sandboxes and nodes, the warm ones are there in state `warm`.
+    listed = m.client.request("GET", "/v1/sandboxes", params={"state": "warm"})["sandboxes"]
+    assert {r["id"] for r in listed} == warm_ids and {r["state"] for r in listed} == {"warm"}
+    board = m.client.request("GET", "/v1/dashboard")
+    assert {r["id"] for r in board["sandboxes"] if r["state"] == "warm"} == warm_ids
+    assert [p["warm"] for n in board["nodes"] for p in n["warm_pools"]] == [2]
+    env = {**os.environ, "CUBEACCEL_API_KEY": m.admin_key, "COLUMNS": "300"}
+    cli = [sys.executable, "-m", "cubeaccel"]
+    nodes_out = subprocess.run([*cli, "nodes", "--master", m.url], env=env, capture_output=True, text=True, check=True)
+    assert "cuda12-h100 2/2 warm" in nodes_out.stdout, nodes_out.stdout
+    listing = subprocess.run(
+        [*cli, "sandbox", "list", "--master", m.url, "--json"], env=env, capture_output=True, text=True, check=True
+    )
+    assert {r["id"] for r in json.loads(listing.stdout)["sandboxes"] if r["state"] == "warm"} == warm_ids
 
     sb = m.client.create({"gpu": "H100:1", "id": "sb-warm"})
     assert sb["state"] == "running" and sb["access_token"]

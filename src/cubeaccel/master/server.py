@@ -40,6 +40,7 @@ from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
+from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
@@ -542,12 +543,15 @@ def create_app(
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
     def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        if state == WARM_STATE:  # the nodes' warm sandboxes (no tenant's until claimed): an admin's view
+            views = [v for v in master.cache.views() if node in (None, v.name)]
+            return {"sandboxes": [] if ident.role == TENANT else warm_rows(views)}
         if state is not None and state not in SANDBOX_STATES:
             raise CubeError(
                 "api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api", {}, 422
             )
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
-        ident: Identity = request.state.identity
         if ident.role == TENANT:
             rows = [r for r in rows if r["tenant"] == ident.tenant]
         return {"sandboxes": [sandbox_json(r) for r in rows]}

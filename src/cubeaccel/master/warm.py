@@ -19,6 +19,8 @@ from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.wire.warm import WarmPoolFact
 
+WARM_STATE = "warm"  # how CubeMaster lists a node's warm sandbox (`GET /v1/sandboxes?state=warm`)
+
 # Miss reasons (error catalog): why a create took the cold path.
 NO_POOL = "warm.no_pool"  # no eligible node keeps a pool of the request's shape
 POOL_EMPTY = "warm.pool_empty"  # pools of that shape exist, none has a warm sandbox no other create holds
@@ -103,3 +105,34 @@ def _labels_ok(choice: AcceleratorChoice, selector: Selector | None, labels: dic
     if not choice.model_matches(labels.get("model", "")):
         return False
     return selector is None or selector.matches(device_attributes(choice.accel_class, labels))
+
+
+def warm_rows(views: Sequence[NodeView]) -> list[dict[str, Any]]:
+    """The advertised warm sandboxes as sandbox records (`wire.master_api.Sandbox`) in state `warm`: owned by
+    their node (tenant ""), no request, no timeline; `claimed_by` names the create holding it, if any."""
+    out: list[dict[str, Any]] = []
+    for v in sorted(views, key=lambda v: v.name):
+        for p in v.warm_pools:
+            for w in p.sandboxes:
+                out.append(
+                    {
+                        "id": w.id,
+                        "tenant": "",
+                        "state": WARM_STATE,
+                        "node": v.name,
+                        "class": p.accel_class,
+                        "count": p.count,
+                        "device_ids": [],
+                        "template": {"name": p.template, "version": None, "digest": p.contract_digest},
+                        "request": None,
+                        "error": None,
+                        "timeline": [],
+                        "expires_at": None,
+                        "created_at": v.received_at,
+                        "updated_at": v.received_at,
+                        "pool": p.key,
+                        "labels": dict(w.labels),
+                        "claimed": w.id in v.warm_claimed,
+                    }
+                )
+    return out
