@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from cubeaccel.model.contract import freeze
+from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.templates import parse_template
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
@@ -115,6 +116,15 @@ def test_a_create_of_another_shape_takes_the_cold_path_with_the_reason(
     assert "shim_id" not in res["facts"] or res["facts"]["shim_id"] in (None, "sb-cold")
     metrics = httpx.get(f"{m.url}/metrics", headers=m.headers()).text
     assert 'cubeaccel_sandbox_create_paths_total{path="cold",reason="warm.no_pool"} 1.0' in metrics
+
+    # The warm sandbox's device is not free for a request of another shape: 3 of 4 devices, then refused.
+    assert m.client.capacity()["warm"] == {"cuda12-h100": 1}
+    for i in range(2):
+        assert m.client.create({"gpu": "H100:1", "id": f"sb-cold-{i}", "vcpus": 2})["state"] == "running"
+    with pytest.raises(CubeError) as refused:
+        m.client.create({"gpu": "H100:1", "id": "sb-cold-3", "vcpus": 2})
+    assert refused.value.code == "schedule.unschedulable" and refused.value.details["warm_held"] == {"n": 1}
+    assert [p["warm"] for p in advertised(m, "n")] == [1]
 
 
 def test_with_every_warm_sandbox_taken_a_matching_create_goes_cold_with_pool_empty(

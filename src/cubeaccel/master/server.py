@@ -436,11 +436,14 @@ def create_app(
         ns = node_views()
         by_model: Counter[str] = Counter()
         free_model: Counter[str] = Counter()
+        warm: Counter[str] = Counter()  # claimable warm sandboxes by template: capacity for matching creates
         for n in ns:
             for g in n["groups"]:
                 name = f"{g['class']}/{g['labels'].get('model', '?')}"
                 by_model[name] += g["total"]
                 free_model[name] += g["allocatable"] if n["schedulable"] else 0
+            for p in n["warm_pools"] if n["schedulable"] else ():
+                warm[p["template"] or p["key"]] += p["claimable"]
         return {
             "nodes": len(ns),
             "schedulable_nodes": sum(n["schedulable"] for n in ns),
@@ -448,6 +451,7 @@ def create_app(
             "total": sum(by_model.values()),
             "allocatable": sum(free_model.values()),
             "models": {k: {"total": by_model[k], "allocatable": free_model[k]} for k in sorted(by_model)},
+            "warm": dict(warm),
         }
 
     # ---- templates --------------------------------------------------------------------------------

@@ -262,7 +262,14 @@ class CubeMaster:
             warm = self._claim_warm(sid, spec, resolved)
             if warm is not None:
                 return warm
-            return self._place_in_turn(sid, spec, resolved, ticket)
+            try:
+                return self._place_in_turn(sid, spec, resolved, ticket)
+            except CubeError as e:
+                if e.code.startswith("schedule."):  # say what warm sandboxes hold: not free for this request
+                    held = {v.name: n for v in self.cache.views() if (n := sum(p.warm for p in v.warm_pools))}
+                    if held:
+                        e.details["warm_held"] = held
+                raise
         finally:
             for t in ticket:
                 self.waiters.leave(t)
