@@ -64,6 +64,9 @@ def test_a_matching_create_claims_a_warm_sandbox_and_its_timeline_says_warm(
     warm_pool(node, 2)
     poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [2], 60)
     warm_ids = set(advertised(m, "n")[0]["sandboxes"])
+    # Reconcile leaves the node's own warm sandboxes alone: CubeMaster has no record of them, by design.
+    assert m.client.request("POST", "/v1/nodes/n/reconcile")["released_orphans"] == []
+    assert set(advertised(m, "n")[0]["sandboxes"]) == warm_ids
     # Where CubeMaster shows sandboxes and nodes, the warm ones are there in state `warm`.
     listed = m.client.request("GET", "/v1/sandboxes", params={"state": "warm"})["sandboxes"]
     assert {r["id"] for r in listed} == warm_ids and {r["state"] for r in listed} == {"warm"}
@@ -121,6 +124,7 @@ def test_a_create_of_another_shape_takes_the_cold_path_with_the_reason(
     assert m.client.capacity()["warm"] == {"cuda12-h100": 1}
     for i in range(2):
         assert m.client.create({"gpu": "H100:1", "id": f"sb-cold-{i}", "vcpus": 2})["state"] == "running"
+    poll(lambda: m.client.capacity()["allocatable"] == 0, 30)  # decided on a summary that shows them held
     with pytest.raises(CubeError) as refused:
         m.client.create({"gpu": "H100:1", "id": "sb-cold-3", "vcpus": 2})
     assert refused.value.code == "schedule.unschedulable" and refused.value.details["warm_held"] == {"n": 1}
