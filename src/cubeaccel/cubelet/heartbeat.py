@@ -13,8 +13,7 @@ import httpx
 
 from cubeaccel import __version__
 from cubeaccel.cubelet import host_ready, memory_ledger
-from cubeaccel.cubelet.capacity import capacity_summary
-from cubeaccel.cubelet.capacity import SUMMARY_LABELS
+from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase

@@ -2,8 +2,8 @@
 
 CubeMaster stores the body as sent and parses it again on every read, so this model reads every heartbeat an
 older Cubelet wrote: fields added since (readiness, pinned memory, guest images, hot-plug paths, the
-per-sandbox device limit, warm pools) have the defaults an older Cubelet meant, and unknown fields are ignored. `version` is
-the Cubelet's package version; the message's own version is `v`.
+per-sandbox device limit, warm pools) have the defaults an older Cubelet meant, and unknown fields are ignored.
+`version` is the Cubelet's package version; the message's own version is `v`.
 """
 
 from __future__ import annotations
