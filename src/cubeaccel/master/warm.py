@@ -22,7 +22,7 @@ from cubeaccel.wire.warm import WarmPoolFact
 WARM_STATE = "warm"  # how CubeMaster lists a node's warm sandbox (`GET /v1/sandboxes?state=warm`)
 
 # Miss reasons (error catalog): why a create took the cold path.
-NO_POOL = "warm.no_pool"  # no eligible node keeps a pool of the request's shape
+NO_POOL = "warm.no_pool"  # no eligible node keeps a pool of the request's shape (and devices)
 POOL_EMPTY = "warm.pool_empty"  # pools of that shape exist, none has a warm sandbox no other create holds
 CLAIM_FAILED = "warm.claim_failed"  # a claim was tried and did not hand a sandbox over (the Cubelet said why)
 
@@ -84,12 +84,13 @@ def candidates(
             for pool in n.warm_pools:
                 if not pool_matches(pool, choice, contract, mem, vcpus, network):
                     continue
-                shaped = True
+                fitting = [w for w in pool.sandboxes if _labels_ok(choice, selector, w.labels)]
+                shaped = shaped or bool(fitting) or not pool.sandboxes  # an empty pool's labels are unknown
                 free = set(n.warm_free(pool))
                 by_group: dict[str, list[str]] = {}
                 labels_of: dict[str, dict[str, str]] = {}
-                for w in pool.sandboxes:
-                    if w.id not in free or not _labels_ok(choice, selector, w.labels):
+                for w in fitting:
+                    if w.id not in free:
                         continue
                     key = group_key(choice.accel_class, w.labels)
                     by_group.setdefault(key, []).append(w.id)
