@@ -28,6 +28,7 @@ from cubeaccel.workload.users import User, expand_and_resolve, lookup
 
 MAX_UNARY_BODY = 4 * 1024 * 1024  # SendInput carries stdin (base64): sizeable, but bounded per connection
 DEFAULT_KEEPALIVE_S = 90.0  # envd's default when Keepalive-Ping-Interval is absent
+DEADLINE_EXCEEDED = ConnectError("deadline_exceeded", "context deadline exceeded")  # Go's ctx.Err() text
 
 Unary = Callable[["Workload", dict[str, Any], User], dict[str, Any]]
 
@@ -160,8 +161,11 @@ class Workload:
                 raise ConnectError("unimplemented", "compressed requests are not supported")
             message = self._read_envelope(request)
             user = self._rpc_user(request)
+            timeout_s = _timeout(request)
+            # connect-go gives the handler a context with the call's deadline; envd's stream ends with it
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
             if name == "process.Process/Start":
-                proc, sub = self.processes.start(message, user, _timeout(request))
+                proc, sub = self.processes.start(message, user, timeout_s)
                 first = {"event": {"start": {"pid": proc.pid}}}
             else:
                 proc = self.processes.find(c.get_obj(message, "process"), include_ended=True)
@@ -176,8 +180,8 @@ class Workload:
         try:
             response.start_chunked(200, headers)
             response.chunk(c.encode_envelope(first))
-            self._relay(sub, _keepalive(request), response)
-            response.chunk(c.end_stream())
+            ended = self._relay(sub, _keepalive(request), response, deadline)
+            response.chunk(c.end_stream(None if ended else DEADLINE_EXCEEDED))
             response.end()
         finally:
             proc.unsubscribe(sub)
@@ -242,18 +246,28 @@ class Workload:
         return c.parse_message(payload)
 
     @staticmethod
-    def _relay(sub: Subscriber, keepalive_s: float, response: Response) -> None:
-        """Output events until the end event; a keepalive after `keepalive_s` without one (envd resets it on data)."""
+    def _relay(sub: Subscriber, keepalive_s: float, response: Response, deadline: float | None) -> bool:
+        """Output events until the end event (True), or until the call's deadline passes first (False: the
+        stream then ends as envd's does, `deadline_exceeded`, and the command's own timer kills it); a keepalive
+        after `keepalive_s` without one (envd resets it on data)."""
         while True:
-            item = sub.get(keepalive_s)
+            wait = keepalive_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                wait = min(wait, left)
+            item = sub.get(wait)
             if item is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 response.chunk(c.encode_envelope({"event": {"keepalive": {}}}))
             elif isinstance(item, tuple):
                 kind, data = item
                 response.chunk(c.encode_envelope({"event": {"data": {kind: c.b64(data)}}}))
             else:
                 response.chunk(c.encode_envelope({"event": {"end": item}}))
-                return
+                return True
 
     # ---- /files --------------------------------------------------------------------------------------------
     def _files_user(self, request: Request) -> User:
