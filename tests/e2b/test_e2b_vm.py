@@ -18,12 +18,18 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox, SandboxQuery
 from e2b.connection_config import ConnectionConfig
-from e2b.exceptions import AuthenticationException, FileNotFoundException, NotFoundException, SandboxException
+from e2b.exceptions import (
+    AuthenticationException,
+    FileNotFoundException,
+    NotFoundException,
+    SandboxException,
+    SandboxNotRunningException,
+)
 from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.wire.workload_client import WorkloadClient
-from tests.support.e2b_sdk import sdk_path
+from tests.support.e2b_sdk import run_check, sdk_path
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll
@@ -262,7 +268,11 @@ def test_refusals_name_the_layer_a_wrong_key_and_another_tenant(stack: dict[str,
 
 def test_kill_twice_then_the_sandbox_is_gone_for_the_sdk(stack: dict[str, Any], sbx: Sandbox) -> None:
     dev = stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
+    streaming = sbx.commands.run("sleep 120", background=True)
     assert sbx.kill() is True
+    with pytest.raises(SandboxNotRunningException) as killed:  # the stream is cut, /health says gone (E2B's way)
+        streaming.wait()
+    assert "killed or reached its end of life" in str(killed.value), killed.value
     assert sbx.kill() is False
     with pytest.raises(SandboxException) as e:
         sbx.commands.run("true")
@@ -307,6 +317,15 @@ def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None
         False,
     )
     assert stack["master"].client.sandbox(seen["sandbox_id"])["state"] in ("deleting", "deleted")
+
+
+def test_the_2_45_sdk_line_sees_a_sandbox_killed_mid_command(stack: dict[str, Any]) -> None:
+    """2.45 tells "killed" only from a cut connection and a health probe answering 502 (its own suite's
+    test_kill_sandbox_while_command_is_running)."""
+    seen = run_check("2.45.1", Path(__file__).with_name("sdk_kill_check.py"), [TEMPLATE], stack["key"], stack["fd"].url)
+    assert seen["killed"] is True
+    assert "TimeoutException" in seen["raised"], seen
+    assert "sandbox was killed or reached its end of life" in seen["message"], seen
 
 
 def test_a_guest_that_fails_validation_reaches_the_sdk_with_its_layer(
