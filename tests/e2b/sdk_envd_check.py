@@ -128,7 +128,7 @@ def watch(sbx: Any, scratch: str) -> None:
     if "include_entry" in sbx.files.watch_dir.__code__.co_varnames:
         h = sbx.files.watch_dir(d, include_entry=True)
         sbx.files.write(f"{d}/a.txt", "third")
-        event = next(e for e in _events(h) if e.type == FilesystemEventType.WRITE)
+        event = [e for e in _events(h) if e.type == FilesystemEventType.WRITE][-1]  # the truncation's is first
         assert event.entry is not None and event.entry.path == f"{d}/a.txt" and event.entry.type == FileType.FILE
         assert event.entry.size == 5
         h.stop()
@@ -144,7 +144,9 @@ def info(sbx: Any, scratch: str) -> None:
     owner = sbx.commands.run("id -un").stdout.strip()
     group = sbx.commands.run("id -gn").stdout.strip()
     assert (e.owner, e.group) == (owner, group), e
-    assert e.modified_time is not None and e.modified_time.tzinfo is not None, e
+    assert e.modified_time is not None, e
+    if Version(SDK) >= Version("2.45"):  # 2.15 makes a naive datetime of the same instant itself
+        assert e.modified_time.tzinfo is not None, e
     d = sbx.files.get_info(f"{scratch}/info")
     assert (d.type, d.mode, d.permissions) == (FileType.DIR, 0o755, "drwxr-xr-x") and d.size > 0, d
     link = sbx.files.get_info(f"{scratch}/info/link")

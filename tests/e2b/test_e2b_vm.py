@@ -29,6 +29,7 @@ from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.wire.workload_client import WorkloadClient
+from cubeaccel.workload import ENVD_VERSION
 from tests.support.e2b_sdk import run_check, sdk_path
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import MasterProcess, emulated_cubelet
@@ -188,7 +189,7 @@ def test_a_wrong_access_token_is_an_authentication_error(stack: dict[str, Any], 
     bad = Sandbox(
         sandbox_id=sbx.sandbox_id,
         sandbox_domain=None,
-        envd_version=Version("0.5.7"),
+        envd_version=Version(ENVD_VERSION),
         envd_access_token="wrong-" + "x" * 40,
         traffic_access_token=None,
         connection_config=cfg,

@@ -17,6 +17,7 @@ import pytest
 from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
 
+from cubeaccel.workload import ENVD_VERSION
 from tests.support.e2b_sdk import run_check
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import Cluster
@@ -62,7 +63,7 @@ def test_create_info_list_timeout_kill_through_the_sdk(stack: dict[str, Any]) ->
         {"suite": tag, "k": "v w"},
         "running",
     )
-    assert str(info.envd_version) == "0.5.7"
+    assert str(info.envd_version) == ENVD_VERSION
     other = Sandbox.create("cuda12-h100", metadata={"suite": tag, "k": "other"}, **opts(stack))
     found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag, "k": "v w"}), **opts(stack)).next_items()
     assert [s.sandbox_id for s in found] == [sbx.sandbox_id]

@@ -27,12 +27,13 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
     tmp = tmp_path_factory.mktemp("sdk-lines")
     token = "lines-" + os.urandom(8).hex()
     (tmp / "token").write_text(token)
+    token_file = str(tmp / "token")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     err = tmp / "stderr"
     server = subprocess.Popen(
-        [sys.executable, "-m", "cubeaccel.workload", "serve", "--tcp", f"127.0.0.1:{port}", "--token-file", str(tmp / "token")],
+        [sys.executable, "-m", "cubeaccel.workload", "serve", "--tcp", f"127.0.0.1:{port}", "--token-file", token_file],
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         stderr=err.open("wb"),
     )
@@ -70,3 +71,21 @@ def test_a_command_past_its_timeout_is_the_sdks_timeout_error(
 ) -> None:
     seen = run_line(version, *service, tmp_path, "deadline")
     assert seen["passed"] == ["deadline"]
+
+
+@pytest.mark.parametrize("version", LINES)
+def test_directory_watch_in_the_polling_form(service: tuple[str, str], tmp_path: Path, version: str) -> None:
+    seen = run_line(version, *service, tmp_path, "watch")
+    assert seen["passed"] == ["watch"]
+
+
+@pytest.mark.parametrize("version", LINES)
+def test_entry_info_and_file_metadata(service: tuple[str, str], tmp_path: Path, version: str) -> None:
+    seen = run_line(version, *service, tmp_path, "info", "metadata")
+    assert seen["passed"] == (["info"] if version == "2.15.2" else ["info", "metadata"]), seen
+
+
+def test_the_front_door_reports_the_envd_version_the_guest_implements() -> None:
+    from cubeaccel.frontdoor.mapping import ENVD_VERSION as REPORTED
+
+    assert REPORTED == ENVD_VERSION

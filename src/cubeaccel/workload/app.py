@@ -25,6 +25,7 @@ from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError, Request, Response, log
 from cubeaccel.workload.process import SIGNAL_ENUM, Process, ProcessTable, Subscriber
 from cubeaccel.workload.users import User, expand_and_resolve, lookup
+from cubeaccel.workload.watch import Watcher, WatcherTable, watch_path_checks
 
 MAX_UNARY_BODY = 4 * 1024 * 1024  # SendInput carries stdin (base64): sizeable, but bounded per connection
 DEFAULT_KEEPALIVE_S = 90.0  # envd's default when Keepalive-Ping-Interval is absent
@@ -39,6 +40,7 @@ class Workload:
     default_user: str
     default_workdir: str | None = None
     processes: ProcessTable = field(default_factory=ProcessTable)
+    watchers: WatcherTable = field(default_factory=WatcherTable)
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -164,7 +166,9 @@ class Workload:
             timeout_s = _timeout(request)
             # connect-go gives the handler a context with the call's deadline; envd's stream ends with it
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
-            if name == "process.Process/Start":
+            if name == WATCH_DIR:
+                watcher = self._open_watch(message, user)
+            elif name == "process.Process/Start":
                 proc, sub = self.processes.start(message, user, timeout_s)
                 first = {"event": {"start": {"pid": proc.pid}}}
             else:
@@ -176,6 +180,16 @@ class Workload:
             response.start_chunked(200, headers)
             response.chunk(c.end_stream(failure))
             response.end()
+            return
+        if name == WATCH_DIR:
+            try:
+                response.start_chunked(200, headers)
+                response.chunk(c.encode_envelope({"event": {"start": {}}}))
+                outcome = self._relay_watch(watcher, _keepalive(request), response, deadline)
+                response.chunk(c.end_stream(outcome))
+                response.end()
+            finally:
+                self.watchers.close_stream(watcher)
             return
         try:
             response.start_chunked(200, headers)
@@ -244,6 +258,37 @@ class Workload:
         except HttpError as err:
             raise ConnectError("invalid_argument", str(err)) from None
         return c.parse_message(payload)
+
+    def _open_watch(self, message: dict[str, Any], user: User) -> Watcher:
+        path = _path(self, message, user)
+        watch_path_checks(path, c.get_bool(message, "allow_network_mounts"))
+        return self.watchers.open_stream(path, c.get_bool(message, "recursive"), c.get_bool(message, "include_entry"))
+
+    @staticmethod
+    def _relay_watch(
+        watcher: Watcher, keepalive_s: float, response: Response, deadline: float | None
+    ) -> ConnectError | None:
+        """Filesystem events as they come, a keepalive after `keepalive_s` without one, until the deadline
+        (`deadline_exceeded`), the watch fails (its error) or the caller goes away (a write raises)."""
+        quiet_since = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return DEADLINE_EXCEEDED
+            wait = keepalive_s - (now - quiet_since)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            try:
+                events = watcher.take(max(0.0, wait))
+            except ConnectError as err:
+                return err
+            for event in events:
+                response.chunk(c.encode_envelope({"event": {"filesystem": event}}))
+            if events:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= keepalive_s:
+                response.chunk(c.encode_envelope({"event": {"keepalive": {}}}))
+                quiet_since = time.monotonic()
 
     @staticmethod
     def _relay(sub: Subscriber, keepalive_s: float, response: Response, deadline: float | None) -> bool:
@@ -317,13 +362,14 @@ class Workload:
         read = fs.decoded(request.body.read, request.header("Content-Encoding"))
         ctype = request.header("Content-Type")
         media = ctype.split(";")[0].strip().lower()
-        uploaded: list[dict[str, str]] = []
+        uploaded: list[dict[str, Any]] = []
+        metadata = fs.metadata_of(request.headers)
         if media == "application/octet-stream":
             if request.param("path") is None:
                 raise HttpError(400, "path query parameter is required for raw body upload")
             path = self._files_path(request, user)
-            fs.write_file(path, fs.pieces_of(read), user)
-            uploaded.append({"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"})
+            fs.write_file(path, fs.pieces_of(read), user, metadata)
+            uploaded.append(_uploaded(path))
         elif media.startswith("multipart/"):
             boundary = _boundary(ctype)
             for headers, part in fs.Multipart(read, boundary).parts():
@@ -344,13 +390,22 @@ class Workload:
                     raise HttpError(
                         400, f"you cannot upload multiple files to the same path '{path}' in one upload request"
                     )
-                fs.write_file(path, fs.pieces_of(part), user)
-                uploaded.append({"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"})
+                fs.write_file(path, fs.pieces_of(part), user, metadata)
+                uploaded.append(_uploaded(path))
         else:
             raise HttpError(
                 400, f"unsupported content type: {ctype}, expected multipart/form-data or application/octet-stream"
             )
         response.send_json(200, uploaded)
+
+
+def _uploaded(path: str) -> dict[str, Any]:
+    """envd's upload reply entry; `metadata` as read back from the file (envd 0.6.2)."""
+    entry: dict[str, Any] = {"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"}
+    metadata = fs.read_metadata(path)
+    if metadata:
+        entry["metadata"] = metadata
+    return entry
 
 
 class PartDisposition:
@@ -500,6 +555,29 @@ UNARY: dict[str, Unary] = {
     "filesystem.Filesystem/Move": lambda w, m, u: fs.move(_path(w, m, u, "source"), _path(w, m, u, "destination"), u),
     "filesystem.Filesystem/Remove": lambda w, m, u: fs.remove(_path(w, m, u)),
 }
-STREAMING = ("process.Process/Start", "process.Process/Connect")
+
+
+def _create_watcher(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    path = _path(w, msg, user)
+    watch_path_checks(path, c.get_bool(msg, "allow_network_mounts"))
+    watcher_id = w.watchers.create(path, c.get_bool(msg, "recursive"), c.get_bool(msg, "include_entry"))
+    return {"watcherId": watcher_id}
+
+
+def _watcher_events(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    events = w.watchers.find(c.get_str(msg, "watcher_id")).take()
+    return {"events": events} if events else {}
+
+
+def _remove_watcher(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    w.watchers.remove(c.get_str(msg, "watcher_id"))
+    return {}
+
+
+UNARY["filesystem.Filesystem/CreateWatcher"] = _create_watcher
+UNARY["filesystem.Filesystem/GetWatcherEvents"] = _watcher_events
+UNARY["filesystem.Filesystem/RemoveWatcher"] = _remove_watcher
+WATCH_DIR = "filesystem.Filesystem/WatchDir"
+STREAMING = ("process.Process/Start", "process.Process/Connect", WATCH_DIR)
 CLIENT_STREAMING = "process.Process/StreamInput"
 SERVICES = ("process.Process", "filesystem.Filesystem")
