@@ -155,6 +155,30 @@ def test_files_write_read_list_make_dir_rename_remove(sbx: Sandbox) -> None:
         sbx.files.read("/tmp/e2b/d/a.txt")
 
 
+def test_signed_file_urls_work_in_plain_http_mode_and_watch_and_metadata(sbx: Sandbox) -> None:
+    """The SDK's signed URLs carry no sandbox id (one E2B_SANDBOX_URL for all): the front door finds the sandbox
+    whose token made the signature. And the envd 0.6 features in the real guest: watch and file metadata."""
+    up = sbx.upload_url("/tmp/signed/up.txt", use_signature_expiration=120)
+    assert "E2b-Sandbox-Id" not in up and sbx.sandbox_id not in up
+    r = httpx.post(up, files={"file": ("up.txt", b"signed upload")}, timeout=60)  # no headers at all
+    assert r.status_code == 200, r.text
+    down = sbx.download_url("/tmp/signed/up.txt", use_signature_expiration=120)
+    r = httpx.get(down, timeout=60)
+    assert (r.status_code, r.content) == (200, b"signed upload"), r.text
+    forged = down.replace("signature=v1_", "signature=v1_A")
+    assert httpx.get(forged, timeout=60).status_code == 401
+    h = sbx.files.watch_dir("/tmp/signed")
+    sbx.files.write("/tmp/signed/w.txt", "watched", metadata={"author": "e2b-test"})
+    kinds = [(e.type.name, e.name) for e in h.get_new_events()]
+    assert ("CREATE", "w.txt") in kinds and ("WRITE", "w.txt") in kinds, kinds
+    h.stop()
+    info = sbx.files.get_info("/tmp/signed/w.txt")
+    assert (info.size, info.owner) == (7, "user"), info
+    kept = sbx.commands.run("python3 -c 'import os; print(os.listxattr(\"/tmp/signed/w.txt\"))' || true", user="root")
+    # a guest filesystem without user xattrs keeps the body and no metadata (envd's answer too)
+    assert info.metadata == ({"author": "e2b-test"} if "user.e2b.author" in kept.stdout else None), kept.stdout
+
+
 def test_envd_by_host_name_and_a_chunked_upload(stack: dict[str, Any], sbx: Sandbox) -> None:
     url = stack["fd"].url
     host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}

@@ -25,8 +25,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from cubeaccel.frontdoor import mapping as M
-from cubeaccel.frontdoor.envd import EnvdProxy
-from cubeaccel.frontdoor.mapping import Refusal
+from cubeaccel.frontdoor.envd import EnvdProxy, envd_error
+from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
 from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
@@ -276,6 +276,16 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                 return
             request = Request(scope, receive)
             target = envd.target(request)
+            if target is None and envd.unaddressed_signed_files(request):
+                try:
+                    found = await envd.signed_sandbox(request)
+                except Refusal as e:
+                    await error(e.status, e.message, e.retry)(scope, receive, send)
+                    return
+                if found is None:  # no running sandbox's token made this signature: envd's own answer
+                    await envd_error(401, "invalid signature")(scope, receive, send)
+                    return
+                target = (ENVD_PORT, found)
             if target is not None:
                 try:
                     response = await envd.handle(request, *target)

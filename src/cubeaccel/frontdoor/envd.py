@@ -46,6 +46,7 @@ START_PATH = "/process.Process/Start"
 MAX_START_MESSAGE = 1 << 20  # the guest's own bound for a stream request message
 ROUTE_TTL_S = 5.0  # how long a sandbox → node answer is reused (a gone sandbox is re-checked at once)
 NODE_TTL_S = 30.0
+RUNNING_REFRESH_S = 1.0  # a signed URL that names no sandbox re-reads the running list at most this often
 GONE_STATES = {"deleting", "deleted", "failed", "lost"}
 
 
@@ -113,6 +114,7 @@ class EnvdProxy:
         )
         self._routes: dict[str, tuple[float, Route]] = {}
         self._nodes: dict[str, tuple[float, str]] = {}
+        self._running: tuple[float, list[str]] = (float("-inf"), [])
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -123,6 +125,27 @@ class EnvdProxy:
         if sid is not None:
             return int(request.headers.get("e2b-sandbox-port") or ENVD_PORT), sid
         return host_sandbox(request.headers.get("host", ""), self.domain)
+
+    @staticmethod
+    def unaddressed_signed_files(request: Request) -> bool:
+        """A signed `/files` URL as the SDK makes it in plain-http mode (`E2B_SANDBOX_URL`): one base URL for
+        every sandbox, so nothing in it names the sandbox."""
+        return request.url.path == "/files" and "signature" in request.query_params
+
+    async def signed_sandbox(self, request: Request) -> str | None:
+        """The running sandbox whose token signed this `/files` URL (its signature is a sha256 over the
+        token, so at most one matches), or None. The running list comes from CubeMaster, re-read at most once
+        a `RUNNING_REFRESH_S` however many unsigned or forged URLs arrive."""
+        for attempt in range(2):
+            stamp, ids = self._running
+            for sid in ids:
+                if signed_ok(request, envd_token(self.secret, sid)):
+                    return sid
+            if attempt or time.monotonic() - stamp < RUNNING_REFRESH_S:
+                return None
+            listed = await self.master.admin("GET", "/v1/sandboxes?state=running")
+            self._running = (time.monotonic(), [str(r["id"]) for r in listed.get("sandboxes", [])])
+        return None
 
     async def route(self, sandbox_id: str, fresh: bool = False) -> Route | None:
         """The sandbox's node and envVars (CubeMaster, with the front door's admin key); None when it is gone."""
