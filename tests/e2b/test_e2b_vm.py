@@ -4,6 +4,7 @@ kills it. The https/HTTP-2 way (E2B_DOMAIN) and the 2.15 SDK line are in test_e2
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import ssl
@@ -99,6 +100,25 @@ def test_create_returns_a_running_sandbox_with_its_device(stack: dict[str, Any],
     r = sbx.commands.run("cat /sys/bus/pci/devices/*/vendor /sys/bus/pci/devices/*/device")
     assert "0x1234" in r.stdout and "0x11e8" in r.stdout, r.stdout  # the hot-plugged edu device
     assert sbx.is_running()
+
+
+def test_metrics_are_the_guests_samples_and_the_newest_names_its_device(stack: dict[str, Any], sbx: Sandbox) -> None:
+    metrics = sbx.get_metrics()
+    assert metrics, "the guest samples from its start"
+    m = metrics[-1]
+    assert m.cpu_count >= 1 and 0 < m.mem_used <= m.mem_total and 0 <= m.disk_used <= m.disk_total
+    assert m.timestamp.tzinfo is not None
+    raw = httpx.get(
+        f"{stack['fd'].url}/sandboxes/{sbx.sandbox_id}/metrics", headers={"X-API-Key": stack["key"]}, timeout=60
+    ).json()
+    (device,) = raw[-1]["devices"]
+    assert device["id"] == stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
+    assert device["state"] not in ("allocatable", "quarantined")
+    assert [(g["vendor"], g["device"]) for g in device["guest"]] == [("0x1234", "0x11e8")]  # the edu device
+    assert (
+        sbx.get_metrics(start=m.timestamp - datetime.timedelta(hours=2), end=m.timestamp - datetime.timedelta(hours=1))
+        == []
+    )
 
 
 def test_run_stdout_stderr_exit_codes_env_and_cwd(sbx: Sandbox) -> None:

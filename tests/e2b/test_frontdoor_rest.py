@@ -291,7 +291,7 @@ def test_a_create_without_timeout_lives_e2bs_300_s_and_metrics_answer_as_e2b_doc
     sbx = Sandbox.create("cuda12-h100", **opts(stack))  # 2.63 sends no timeout at all
     row = stack["cluster"].c.sandbox(sbx.sandbox_id)
     assert row["expires_at"] - row["created_at"] == pytest.approx(300, abs=2)
-    assert sbx.get_metrics() == []  # running, but no node samples a sandbox's use yet (docs/e2b.md)
+    assert sbx.get_metrics() == []  # running on a simulated node: no guest, so nothing sampled (docs/e2b.md)
     assert sbx.kill() is True
     with pytest.raises(NotFoundException):
         Sandbox.get_metrics(sbx.sandbox_id, **opts(stack))

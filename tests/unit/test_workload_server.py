@@ -531,6 +531,35 @@ def test_watch_dir_streams_fsnotify_events_until_its_deadline(wl: WorkloadClient
         ("EVENT_TYPE_REMOVE", "f.txt"),
     ]
     assert all("entry" not in e for e in events[2:])  # a removal carries no entry (envd's opCarriesEntry)
-    assert any({"keepalive": {}} == m["event"] for m in seen)
+    assert any(m["event"] == {"keepalive": {}} for m in seen)
     missing = wl.collect("filesystem.Filesystem/WatchDir", {"path": str(tmp_path / "none")})
     assert missing.error is not None and missing.error["code"] == "not_found"
+
+
+def test_metrics_are_envds_sample_and_the_guests_series_with_its_pci_view(wl: WorkloadClient) -> None:
+    r = wl.http.get("/metrics", headers=wl.headers())
+    assert r.status_code == 200
+    sample = r.json()
+    assert sample["cpu_count"] >= 1 and 0 < sample["mem_used"] <= sample["mem_total"]
+    assert 0 < sample["disk_used"] <= sample["disk_total"] and abs(sample["ts"] - time.time()) < 30
+    series = wl.http.get("/cubeaccel/metrics", headers=wl.headers()).json()
+    assert series["samples"] and series["samples"][-1]["ts"] >= sample["ts"] - 5
+    assert isinstance(series["devices"], list)
+    for path in ("/metrics", "/cubeaccel/metrics"):  # the token is required, as envd's /metrics
+        assert wl.http.get(path, headers=wl.headers(token="wrong")).status_code == 401
+
+
+def test_the_sampler_keeps_a_bounded_series_with_cpu_over_each_interval() -> None:
+    from cubeaccel.workload.metrics import Sampler
+
+    sampler = Sampler(interval_s=0.02, keep=5)
+    try:
+        wait_until(lambda: len(sampler.series()) == 5, what="five samples")
+        end = time.monotonic() + 1
+        while time.monotonic() < end:  # busy: the next samples see CPU use
+            pass
+        series = sampler.series()
+        assert len(series) == 5 and all(0.0 <= s["cpu_used_pct"] <= 100.0 for s in series)
+        assert any(s["cpu_used_pct"] > 0 for s in series)
+    finally:
+        sampler.stop()

@@ -24,12 +24,14 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.model.ids import SANDBOX_ID_RE
+from cubeaccel.wire.e2b_api import GuestMetrics
 
 _HOP_BY_HOP = {
     "connection",
@@ -175,6 +177,27 @@ class EnvdProxy:
         route = Route(url.rstrip("/"), dict((row.get("request") or {}).get("env_vars") or {}))
         self._routes[sandbox_id] = (now + ROUTE_TTL_S, route)
         return route
+
+    async def guest_metrics(self, sandbox_id: str) -> GuestMetrics:
+        """The guest's samples and PCI view, asked through the node's workload proxy with the sandbox's token."""
+        route = await self.route(sandbox_id)
+        if route is None:
+            raise Refusal(404, f"sandbox {sandbox_id} not found (it is gone)")
+        url = f"{route.cubelet_url}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload/cubeaccel/metrics"
+        try:
+            r = await self.http.get(url, headers={"X-Access-Token": envd_token(self.secret, sandbox_id)}, timeout=30)
+        except httpx.HTTPError as e:
+            raise Refusal(502, f"sandbox {sandbox_id}: its node could not be reached: {type(e).__name__}") from e
+        if r.status_code in (409, 503) and _cubelet_not_running(r.content):
+            return GuestMetrics(samples=[], devices=[])  # no workload endpoint (a simulated node): nothing sampled
+        if r.status_code != 200:
+            raise Refusal(502, f"sandbox {sandbox_id}: its guest answered metrics with {r.status_code}")
+        try:
+            return GuestMetrics.model_validate_json(r.content)
+        except ValidationError as e:
+            raise Refusal(
+                502, f"sandbox {sandbox_id}: its guest's metrics do not parse ({e.error_count()} errors)"
+            ) from e
 
     async def handle(self, request: Request, port: int, sandbox_id: str) -> Response:
         if port != ENVD_PORT:

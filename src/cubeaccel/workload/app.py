@@ -23,12 +23,14 @@ from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError, Request, Response, log
+from cubeaccel.workload.metrics import Sampler, pci_devices
 from cubeaccel.workload.process import SIGNAL_ENUM, Process, ProcessTable, Subscriber
 from cubeaccel.workload.users import User, expand_and_resolve, lookup
 from cubeaccel.workload.watch import Watcher, WatcherTable, watch_path_checks
 
 MAX_UNARY_BODY = 4 * 1024 * 1024  # SendInput carries stdin (base64): sizeable, but bounded per connection
 DEFAULT_KEEPALIVE_S = 90.0  # envd's default when Keepalive-Ping-Interval is absent
+METRICS_SERIES = "/cubeaccel/metrics"  # ours: the hour of samples the guest keeps, and the PCI devices it sees
 DEADLINE_EXCEEDED = ConnectError("deadline_exceeded", "context deadline exceeded")  # Go's ctx.Err() text
 
 Unary = Callable[["Workload", dict[str, Any], User], dict[str, Any]]
@@ -41,6 +43,7 @@ class Workload:
     default_workdir: str | None = None
     processes: ProcessTable = field(default_factory=ProcessTable)
     watchers: WatcherTable = field(default_factory=WatcherTable)
+    metrics: Sampler = field(default_factory=Sampler)
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -52,6 +55,14 @@ class Workload:
         route = request.path
         if route == "/health" and request.method in ("GET", "HEAD"):
             response.send(204, [("X-Envd-Version", ENVD_VERSION)])
+            return
+        if route in ("/metrics", METRICS_SERIES) and request.method == "GET":
+            if not self._token_ok(request):
+                raise HttpError(401, "unauthorized access, please provide a valid access token")
+            if route == "/metrics":  # envd's: the newest sample
+                response.send_json(200, self.metrics.latest())
+            else:
+                response.send_json(200, {"samples": self.metrics.series(), "devices": pci_devices()})
             return
         if route == "/files":
             if request.method == "GET":
