@@ -220,9 +220,12 @@ class Watcher:
             self._add_tree(full, report=True)
 
     def _run(self) -> None:
+        poller = select.poll()  # not select(): a busy guest's descriptors may pass FD_SETSIZE
+        poller.register(self._fd, select.POLLIN)
+        poller.register(self._wake[0], select.POLLIN)
         while True:
             try:
-                ready, _, _ = select.select([self._fd, self._wake[0]], [], [])
+                ready = {fd for fd, _ in poller.poll()}
             except (OSError, ValueError):
                 return
             with self._cv:
