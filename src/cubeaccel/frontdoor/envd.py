@@ -12,13 +12,16 @@ SandboxNotRunningException.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
 import re
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
@@ -286,9 +289,31 @@ def _cubelet_not_running(body: bytes) -> bool:
     return isinstance(err, dict) and err.get("code") in ("workload.not_running", "workload.unavailable")
 
 
+# The caller's connection (an asyncio transport), for plain HTTP/1.1 (set per connection by serve.py; None
+# under other servers).
+CLIENT_TRANSPORT: ContextVar[Any] = ContextVar("cubeaccel_frontdoor_client_transport", default=None)
+
+
+def reset_client_connection() -> None:
+    """Abort this HTTP/1.1 connection with a TCP reset. An upstream cut mid-stream (a sandbox killed) must reach
+    the SDK as a dropped connection, which it answers with a health probe (502: "killed"); a FIN after a partial
+    chunked body is a protocol error to it instead (pyqwest's RemoteProtocolError, which SDK 2.45 reads as a
+    sandbox timeout)."""
+    transport = CLIENT_TRANSPORT.get()
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()  # closes now, without the FIN a graceful close would send first
+
+
 async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
+    except httpx.HTTPError:
+        reset_client_connection()
+        raise
     finally:
         await upstream.aclose()
