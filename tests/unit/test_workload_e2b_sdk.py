@@ -68,7 +68,7 @@ def test_e2b_sdk_drives_the_workload_service(
         check = subprocess.run(
             [
                 SDK_PYTHON,
-                str(ROOT / "tests" / "e2b_sdk_check.py"),
+                str(ROOT / "tests" / "e2b" / "sdk_workload_check.py"),
                 f"http://127.0.0.1:{port}",
                 token,
                 envd_version,
