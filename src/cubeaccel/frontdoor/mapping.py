@@ -14,7 +14,7 @@ from typing import Any
 from cubeaccel.wire.e2b_api import ListedSandbox, NewSandbox, SandboxCreated, SandboxDetail
 
 # What the guest's cube-workload implements (docs/workload.md); a test holds it equal to the guest's own constant.
-ENVD_VERSION = "0.5.7"
+ENVD_VERSION = "0.6.4"
 ENVD_PORT = 49983
 ACCELERATORS_KEY = "cubeaccel.accelerators"  # metadata key: overrides the template's default accelerator request
 CLIENT_ID = "cubeaccel"
