@@ -16,7 +16,9 @@ from cubeaccel.cubelet import backend_facts, host_ready
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.cubelet.quarantine_retry import retry_quarantined
+from cubeaccel.host import netpolicy
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.start_deadlines import startup_timeout_s
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -192,7 +194,22 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         repairs.append(Repair(None, sid, "expired", "reserve.expired"))
     health_check(cubelet)
     backend_facts.persist(cubelet)
+    _refresh_node_addresses(cubelet, repairs)
     return repairs
+
+
+def _refresh_node_addresses(cubelet: Cubelet, repairs: list[Repair]) -> None:
+    """The node's addresses as they are now, in each live sandbox network's refused set: an address the host
+    gained after a sandbox's network was built is no destination there either (host/netpolicy.py)."""
+    for res in cubelet.store.reservations():
+        net = res.checkpoint.network
+        if not net or res.phase is ReservationPhase.RELEASING or not netpolicy.exists(res.sandbox_id):
+            continue
+        try:
+            netpolicy.refresh_node_addresses(res.sandbox_id, net.get("uplink_netns"))
+        except CubeError as e:
+            if netpolicy.exists(res.sandbox_id):  # not a release racing this pass
+                _record(cubelet, repairs, Repair(None, res.sandbox_id, "network_refresh_failed", e.code))
 
 
 def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> None:
