@@ -218,12 +218,46 @@ def test_an_allowlist_containing_a_node_address_reaches_the_peer_but_never_the_n
         later = node.rsplit(".", 1)[0] + ".77"
         sh("ip", "-n", routed["uplink"], "addr", "add", f"{later}/24", "dev", "pu0")
         assert probe(routed["guest"], f"{later}:8080") == {f"{later}:8080": f"hello from {later}"}
-        assert ipaddress.IPv4Address(later) in netpolicy.refresh_node_addresses(sid, routed["uplink"])
+        now = netpolicy.node_addresses(routed["uplink"])
+        assert ipaddress.IPv4Address(later) in now
+        netpolicy.refresh_node_addresses(sid, now)
         got = probe(routed["guest"], f"{later}:8080", f"{node}:8080", f"{other}:8080")
         assert got == {
             f"{later}:8080": "ConnectionRefusedError",
             f"{node}:8080": "ConnectionRefusedError",
             f"{other}:8080": f"hello from {other}",
+        }
+    finally:
+        netpolicy.teardown(sid, node="n1", uplink_netns=routed["uplink"])
+
+
+@needs_net
+def test_the_cubelets_reconcile_pass_refuses_an_address_the_node_gains_later(
+    routed: dict[str, Any], tmp_path: Path
+) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    node = Node.create(tmp_path, "h100x1")
+    sid = f"np-{uuid.uuid4().hex[:8]}"
+    subnet = routed["node"].rsplit(".", 1)[0]
+    allow = {"network": {"mode": "allowlist", "egress": [f"{subnet}.0/24:8080"]}}
+    res = node.cubelet.reserve(sid, ReservationRequest(contract=_tool_contract(allow)))
+    net = netpolicy.setup(sid, NetworkPolicy.from_json(res.params["network"]), node="n1", uplink_netns=routed["uplink"])
+    try:
+        with node.cubelet.store.tx() as t:  # as the Cubelet's start path records it (the simulated shim builds none)
+            cur = t.reservation(sid)
+            assert cur is not None
+            cur.checkpoint.network = net.to_json()
+            t.update_reservation(cur)
+        stand_in_guest(net.netns, routed["guest"])
+        later = f"{subnet}.78"
+        sh("ip", "-n", routed["uplink"], "addr", "add", f"{later}/24", "dev", "pu0")
+        assert probe(routed["guest"], f"{later}:8080") == {f"{later}:8080": f"hello from {later}"}
+        reconcile(node.cubelet)
+        got = probe(routed["guest"], f"{later}:8080", f"{routed['other']}:8080")
+        assert got == {
+            f"{later}:8080": "ConnectionRefusedError",
+            f"{routed['other']}:8080": f"hello from {routed['other']}",
         }
     finally:
         netpolicy.teardown(sid, node="n1", uplink_netns=routed["uplink"])

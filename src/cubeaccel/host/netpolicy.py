@@ -198,16 +198,14 @@ def node_addresses(uplink_netns: str | None) -> set[ipaddress.IPv4Address]:
     }
 
 
-def refresh_node_addresses(sandbox_id: str, uplink_netns: str | None) -> set[ipaddress.IPv4Address]:
-    """Replace the sandbox's `node` set with the node's addresses as they are now (one nft transaction, so no
-    moment has an empty set); returns them."""
-    now = node_addresses(uplink_netns)
-    elements = _elements(now)
+def refresh_node_addresses(sandbox_id: str, addresses: Iterable[ipaddress.IPv4Address]) -> None:
+    """Replace the sandbox's `node` set with `addresses` (the node's as they are now, `node_addresses`), in one
+    nft transaction, so no moment has an empty set."""
+    elements = _elements(addresses)
     script = f"flush set inet cube {NODE_SET}\n" + (
         f"add element inet cube {NODE_SET} {{ {elements} }}\n" if elements else ""
     )
     _run(["ip", "netns", "exec", netns_name(sandbox_id), "nft", "-f", "-"], stdin=script)
-    return now
 
 
 def _slot(sandbox_id: str, pool: ipaddress.IPv4Network, uplink_netns: str | None) -> ipaddress.IPv4Network:
