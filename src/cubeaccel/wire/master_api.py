@@ -197,6 +197,15 @@ class StartPhase(Record):
     at: float
 
 
+class WorkloadEndpoint(Reply):
+    """`GET /v1/sandboxes/{id}/workload`: where the running sandbox's workload is reached (its node's Cubelet
+    proxy, which checks the sandbox's own access token); for its tenant, without the admin-only node routes."""
+
+    sandbox_id: str
+    node: str
+    url: str
+
+
 class SandboxEvents(Reply):
     """`GET /v1/sandboxes/{id}/events`: the start phases the node recorded (through CubeMaster)."""
 
