@@ -36,6 +36,8 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         hotplug=list(facts.hotplug),
         max_devices_per_sandbox=cubelet.max_devices_per_sandbox,
         sent_at=sent_at,
+        incarnation=cubelet.incarnation,
+        ended=cubelet.ended.recent(),
     ).to_json()
 
 

@@ -32,7 +32,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import narrow_network
-from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState, shown_state
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 
@@ -591,11 +591,15 @@ NODE_PHASES = {
 SETTLED_STATES = ("running", "failed", "deleting", "deleted", "lost")  # where a create's wait ends
 
 
-def sandbox_json(row: Row) -> dict[str, Any]:
+def sandbox_json(row: Row, silent_nodes: Collection[str] = ()) -> dict[str, Any]:
+    """`silent_nodes`: nodes whose heartbeats are stale (master/node_truth.py); their live sandboxes show
+    `unknown`, with the stored state in `last_known_state`."""
+    state, last_known = shown_state(str(row["state"]), row["node"], silent_nodes)
     return {
         "id": row["id"],
         "tenant": row["tenant"],
-        "state": row["state"],
+        "state": state,
+        "last_known_state": last_known,
         "node": row["node"],
         "class": row["accel_class"],
         "count": row["count"],
