@@ -17,7 +17,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from cubeaccel.master.service import CubeMaster
-from cubeaccel.model.sandbox_states import LIVE_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.master.shown import LIVE_STATES
+from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.heartbeat import EndedSandbox, NodeNews
 
 SS = SandboxState

@@ -8,7 +8,6 @@ The values are the strings stored in `sandboxes.state` / `nodes.state` and serve
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from enum import StrEnum
 
 from cubeaccel.model.machine import Machine, rule
@@ -75,20 +74,6 @@ SANDBOX_TRANSITIONS = SANDBOX_MACHINE.rules
 
 # A create still owns the record in these states (delete is refused until the row is stale).
 PLACEMENT_STATES: tuple[SandboxState, ...] = (SS.SCHEDULING, SS.PLACING)
-# A sandbox runs (or is coming up) in these states: a node's word about it can end it.
-LIVE_STATES: tuple[SandboxState, ...] = (SS.STARTING, SS.RUNNING)
-# Shown, never stored, for a live sandbox on a node whose heartbeats are stale (staleness is derived, like the
-# node's): nobody knows whether it still runs, and the node may come back with it (issue 30 #8).
-UNKNOWN = "unknown"
-
-
-def shown_state(state: str, node: str | None, silent_nodes: Collection[str]) -> tuple[str, str | None]:
-    """(the state a reply shows, the stored state when the reply shows another)."""
-    if node is not None and node in silent_nodes and state in LIVE_STATES:
-        return UNKNOWN, state
-    return state, None
-
-
 # A node holds (or may hold) devices for the sandbox in these states.
 HELD_STATES: tuple[SandboxState, ...] = (SS.STARTING, SS.RUNNING, SS.DELETING)
 
