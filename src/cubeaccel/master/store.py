@@ -431,10 +431,6 @@ class MasterStore:
                     listener(change)
         return True
 
-    def delete_sandbox_row(self, sandbox_id: str) -> None:
-        with self.tx() as c:
-            c.execute(S.sandboxes.delete().where(S.sandboxes.c.id == sandbox_id))
-
 
 def _check_quota(
     c: sa.Connection, sandbox_id: str, tenant: str, accel_class: str | None, count: int, pinned_mib: int

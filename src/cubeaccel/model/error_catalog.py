@@ -472,10 +472,6 @@ CODES: tuple[CodeInfo, ...] = (
 CATALOG: dict[str, CodeInfo] = {c.code: c for c in CODES}
 
 
-class UncataloguedCode(AssertionError):
-    """Raised by the strict guard (tests): code built a code that is not in `CODES`, or with another status."""
-
-
 Observer = Callable[[str], None]
 _observer: Observer | None = None
 
