@@ -40,6 +40,7 @@ from cubeaccel.master.auth import (
 from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
+from cubeaccel.master.node_truth import NodeTruth, silent_nodes
 from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
@@ -51,7 +52,7 @@ from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.dashboard import Dashboard
-from cubeaccel.wire.heartbeat import Heartbeat
+from cubeaccel.wire.heartbeat import Heartbeat, NodeNews
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
 from cubeaccel.wire.telemetry import accept_request_id
 from cubeaccel.wire.templates import TemplateDocument
@@ -190,6 +191,7 @@ def create_app(
     """`audit`: the audit log (a path or an open log); None keeps none (unit tests that do not look at it)."""
     metrics = metrics_of(master)
     feed = DashboardFeed(master)
+    truth = NodeTruth(master, maintenance.request_reconcile if maintenance is not None else None)
     app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument), telemetry=metrics.api)
     auth = master.auth
     log = AuditLog(audit, sealers=[DatabaseSeal(master.store)]) if isinstance(audit, Path) else audit
@@ -364,11 +366,12 @@ def create_app(
             raise CubeError(
                 "node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api", {}, 422
             )
-        state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)
+        state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)  # validated the body
         if returned:  # routine heartbeats reach the views within the cache's TTL; new nodes at once
             master.cache.invalidate()
             if maintenance is not None:
                 maintenance.request_reconcile(node)
+        truth.heard(node, NodeNews.model_validate(body))  # what the node ended; a restart it came back from
         return {"node": node, "state": state}
 
     def node_views() -> list[dict[str, Any]]:
@@ -560,14 +563,15 @@ def create_app(
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
         if ident.role == TENANT:
             rows = [r for r in rows if r["tenant"] == ident.tenant]
-        return {"sandboxes": [sandbox_json(r) for r in rows]}
+        silent = silent_nodes(master)
+        return {"sandboxes": [sandbox_json(r, silent) for r in rows]}
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
     async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> dict[str, Any]:
         row = await run_in_threadpool(owned, request.state.identity, sandbox_id)
         if wait > 0 and row["state"] not in SETTLED_STATES:
             row = await settle(sandbox_id, wait)
-        return sandbox_json(row)
+        return sandbox_json(row, silent_nodes(master))
 
     @app.get("/v1/sandboxes/{sandbox_id}/events", response_model=W.SandboxEvents)
     def sandbox_events(sandbox_id: str, request: Request) -> dict[str, Any]:

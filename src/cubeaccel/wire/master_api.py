@@ -172,7 +172,8 @@ class Sandbox(Record):
 
     id: str
     tenant: str
-    state: str
+    state: str  # `unknown` while its node's heartbeats are stale
+    last_known_state: str | None = None  # the stored state when `state` shows `unknown`
     node: str | None
     accel_class: str | None = Field(alias="class")
     count: int | None
