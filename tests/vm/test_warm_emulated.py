@@ -46,6 +46,10 @@ def _workload(p: CubeletProcess, sid: str, token: str) -> WorkloadClient:
     return WorkloadClient.over(f"http://cubelet/v1/sandboxes/{sid}/workload", token, uds=sock, timeout=60)
 
 
+def _events(p: CubeletProcess, sid: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in p.client.events(0, 10000)["events"] if e["sandbox_id"] == sid and e["kind"] == kind]
+
+
 def _refused(client: WorkloadClient) -> CubeError:
     with pytest.raises(CubeError) as err:
         client.exec(["/bin/true"], timeout_s=20)
@@ -75,6 +79,16 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     body = node.client.request("POST", "/v1/warm/claim", {**shape, "sandbox_id": "tenant-1", "tenant": "t1"})
     assert body["reservation"]["phase"] == "running" and body["reservation"]["facts"]["shim_id"] == warm_id
     assert body["reservation"]["facts"]["claim_acked"] is True
+    # The guest mixed the claim's seed into its kernel RNG, credited and reseeded as root, before the rebind.
+    acked = _events(node, "tenant-1", "warm_claim_acked")
+    assert [e["details"]["reseeded"] for e in acked] == [True]
+    claimed = [e for e in _events(node, "tenant-1", "shim_report") if e["event"] == "warm_claimed"]
+    assert claimed[0]["details"]["reseed"] == {
+        "mixed": True,
+        "credited_bits": 256,
+        "crng_reseeded": True,
+        "why_not": None,
+    }
     token = body["access_token"]
     with pytest.raises(CubeError) as empty:  # the refill has not finished a new one yet
         node.client.request("POST", "/v1/warm/claim", {**shape, "sandbox_id": "tenant-2"})
