@@ -322,11 +322,15 @@ def _secret(path: Path) -> str | None:
 
 def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s: float = 60.0) -> list[str]:
     """End every sandbox `up` served, through the release path, before its daemons stop: a stopped Cubelet
-    leaves its shims and VMMs (and their pinned memory) running. Deletes each sandbox at CubeMaster, then
+    leaves its shims and VMMs (and their pinned memory) running. Drains the Cubelet's warm pools first (their
+    sandboxes enter the release path at once and none is started again), then deletes each sandbox at CubeMaster, then
     releases whatever the Cubelet still holds (a sandbox CubeMaster never recorded included) and waits until
     it holds nothing. Returns the sandbox ids still held at the deadline."""
     from cubeaccel.wire.cubelet_client import CubeletClient
 
+    c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
+    with contextlib.suppress(CubeError, httpx.HTTPError):  # warm ones first, and no refill behind the release
+        c.request("POST", "/v1/warm/drain")
     m = MasterClient(master_url, timeout=10.0, key=_secret(state_dir / "admin.key"))
     try:
         rows = m.sandboxes()
@@ -337,7 +341,6 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
             with contextlib.suppress(CubeError, httpx.HTTPError):
                 m.delete(row["id"])
     m.close()
-    c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
     end = time.monotonic() + deadline_s
     held: list[str] = []
     try:

@@ -81,7 +81,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("warm.claim_malformed", None, "cubelet", "a warm shim's answer to a claim line it could not read"),
     _c("warm.already_claimed", 503, "cubelet", "a warm shim refused a second claim (it stays its first tenant's)"),
     _c("warm.claim_unacknowledged", None, "cubelet", "reconcile: claimed, never acked by its shim: failed"),
-    _c("warm.drained", None, "cubelet", "an unclaimed warm sandbox torn down by a node drain or `cubeaccel down`"),
+    _c("warm.drained", None, "cubelet", "drain or `cubeaccel down`: unclaimed warm ones torn down; claims miss"),
     _c("sandbox.releasing", 409, "cubelet", "the sandbox is being torn down; retry after the release"),
     _c("sandbox_deleted", None, "cubelet", "failure: the sandbox was deleted (default release reason)"),
     _c("vmm_exited", None, "cubelet", "failure: the VMM exited while the sandbox was in use"),
