@@ -27,6 +27,7 @@ from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import HELD_STATES, PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.wire.warm import WARM_ID_PREFIX
 
 SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE
 
@@ -81,6 +82,8 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
         lost.append(row["id"])
     now = time.time()
     for sid, r in held.items():
+        if sid.startswith(WARM_ID_PREFIX):
+            continue  # the node's own warm sandbox: no record here until a claim names it (docs/warm.md)
         rec = master.store.sandbox(sid)
         live = rec is not None and rec["node"] == name and rec["state"] in (SS.PLACING, *HELD_STATES)
         young = now - float(r.get("created_at") or 0) < ORPHAN_GRACE_S and rec is not None

@@ -35,6 +35,7 @@ from cubeaccel.wire.templates import loads_document
 # Package data, so an installed wheel registers them too (not a path into a source checkout).
 EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
 DEFAULTS = {"edu-demo.yaml": "accelerator", "cuda12-h100.yaml": "gpu"}
+WARM_TEMPLATE = {"emulated": "edu-demo.yaml", "simulated": "cuda12-h100.yaml"}  # what `up`'s warm pool keeps
 SIMULATED_PINNABLE_MIB = 1 << 20  # a simulated node advertises 1 TiB lockable
 
 
@@ -99,26 +100,46 @@ def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[by
     raise RuntimeError(f"{what} not ready within {deadline_s}s ({last})")
 
 
+def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> dict[str, Any]:
+    """An example template as registered; with `pin_to_image`, an emulated one names this host's image."""
+    doc = loads_document((directory / name).read_text(), name)
+    if not isinstance(doc, dict):
+        raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
+    if pin_to_image and doc["spec"]["accelerator"]["backend"] == "emulated":
+        from cubeaccel.images.builder import latest
+        from cubeaccel.images.manifest import pin_template_document
+
+        image = latest()
+        if image is not None:
+            doc = pin_template_document(doc, image)
+    return doc
+
+
 def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> list[str]:
     """Register the example templates as class defaults; with `pin_to_image`, edu-demo names this host's image."""
     done = []
     for name, cls in DEFAULTS.items():
-        path = directory / name
-        if not path.is_file():
+        if not (directory / name).is_file():
             continue
-        doc = loads_document(path.read_text(), name)
-        if not isinstance(doc, dict):
-            raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
-        if pin_to_image and doc["spec"]["accelerator"]["backend"] == "emulated":
-            from cubeaccel.images.builder import latest
-            from cubeaccel.images.manifest import pin_template_document
-
-            image = latest()
-            if image is not None:
-                doc = pin_template_document(doc, image)
-        client.register_template(doc, default=True)
+        client.register_template(example_document(name, directory, pin_to_image), default=True)
         done.append(f"{name.removesuffix('.yaml')} (default for {cls})")
     return done
+
+
+def warm_pool_file(state_dir: Path, backend: str, size: int) -> tuple[list[str], str]:
+    """`cubelet serve` flags for `up`'s warm pool and the line `up` prints about it: `size` sandboxes of the
+    default template of the class this backend serves (edu-demo on real MicroVMs, cuda12-h100 simulated),
+    written as registered so the pool's contract is the one CubeMaster's creates carry."""
+    if size == 0:
+        return [], "warm pool: off (--warm 0)"
+    name = WARM_TEMPLATE[backend]
+    doc = example_document(name, pin_to_image=backend == "emulated")
+    path = state_dir / f"warm-{name}"
+    path.write_text(json.dumps(doc))
+    memory = doc["spec"]["memory"]
+    pins = f"pins {size * memory['size_mib']} MiB" if memory.get("pinned") else "pins nothing"
+    why = f"warm pool: {size} x {name.removesuffix('.yaml')} kept started ({pins}; --warm 0 turns it off)"
+    return ["--warm", f"{path}={size}"], why
 
 
 def running(state_dir: Path) -> dict[str, Any] | None:
@@ -147,7 +168,14 @@ def _report_running(info: dict[str, Any]) -> None:
     )
 
 
-def run_up(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None] = _quiet) -> int:
+def run_up(
+    state_dir: Path,
+    backend: str,
+    profile: str,
+    detach: bool,
+    on_phase: Callable[[str], None] = _quiet,
+    warm: int = 0,
+) -> int:
     """Start the stack, or — when one already runs on `state_dir` — say so and start nothing.
 
     `up.lock` is held while starting (and for a foreground `up`'s whole life), so two `up`s racing on one
@@ -173,12 +201,14 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: 
         print(f"error {e.code}: {e.message}", file=sys.stderr)
         return statelock.LOCKED_EXIT
     try:
-        return _up_locked(state_dir, backend, profile, detach, on_phase)
+        return _up_locked(state_dir, backend, profile, detach, on_phase, warm)
     finally:
         lock.release()
 
 
-def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None]) -> int:
+def _up_locked(
+    state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None], warm: int
+) -> int:
     if (info := running(state_dir)) is not None:  # started between our check and our lock
         _report_running(info)
         return 0
@@ -247,6 +277,8 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         token = client.request("POST", "/v1/nodes/local/credential")["token"]
         _write_secret(state_dir / "node-local.token", token)
         registered = register_examples(client, pin_to_image=chosen == "emulated")
+        warm_flags, warm_line = warm_pool_file(state_dir, chosen, warm)
+        cub_argv += warm_flags
         on_phase(f"starting the Cubelet ({chosen}) and waiting for it to register")
         spawned = time.time()
         procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
@@ -284,6 +316,7 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         f"{node['allocatable']}/{node['total']} devices free"
     )
     print("templates: " + (", ".join(registered) or f"none found in {EXAMPLES}"))
+    print(warm_line)
     for t in client.request("GET", "/v1/templates")["templates"]:
         need = client.request("GET", f"/v1/templates/{t['name']}")["document"]["spec"]["memory"]
         if t["default"] and need["pinned"] and need["size_mib"] > node["pinnable_memory_mib"]:

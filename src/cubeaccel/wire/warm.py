@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, StrictBool, StrictInt, StrictStr
 
 from cubeaccel.wire.base import Message, Reply
 
+WARM_ID_PREFIX = "warm-"  # a warm sandbox's own id: the node's namespace, never a requester's
 MAX_CONTROL_LINE = 4096  # one JSON line each way on a shim's `control.sock`
 RNG_SEED = r"^[0-9a-f]{64}$"  # 32 random bytes, hex
 
