@@ -85,7 +85,9 @@ class Pool:
     failures: int = 0
     backoff_s: float = 0.0
     retry_at: float = 0.0
-    refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations (metrics)
+    refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations
+    refills: int = 0  # warm starts that became warm, and their total time (metrics: a summary)
+    refill_total_s: float = 0.0
 
 
 class WarmPools:
@@ -94,6 +96,7 @@ class WarmPools:
         self.max_concurrent_starts = max(1, max_concurrent_starts)
         self.pools: dict[str, Pool] = {}
         self.claiming: set[str] = set()  # sandbox ids whose claim is being handed to the shim now
+        self.misses_by_reason: dict[str, int] = {}  # the node's claim misses (a `warm.no_pool` one has no pool)
         self._inflight: dict[str, str] = {}  # warm id → pool key, while this process reserves and starts it
         self._cv = threading.Condition()
         self._stopped = False
@@ -229,7 +232,9 @@ class WarmPools:
                 self._inflight.pop(sid, None)
                 if ok:
                     pool.backoff_s, pool.retry_at = 0.0, 0.0
-                    pool.refill_s = [*pool.refill_s[-9:], round(time.monotonic() - t0, 3)]
+                    took = time.monotonic() - t0
+                    pool.refill_s = [*pool.refill_s[-9:], round(took, 3)]
+                    pool.refills, pool.refill_total_s = pool.refills + 1, pool.refill_total_s + took
                 elif not self.draining:  # a start the drain ended is not the pool's failure
                     pool.failures += 1
                     pool.backoff_s = min(BACKOFF_MAX_S, pool.backoff_s * 2 or BACKOFF_FIRST_S)
@@ -266,6 +271,7 @@ class WarmPools:
         with self._cv:
             if key is not None and (pool := self.pools.get(key)) is not None:
                 pool.misses += 1
+            self.misses_by_reason[reason] = self.misses_by_reason.get(reason, 0) + 1
         return conflict(
             "warm.no_match", f"no warm sandbox matches ({reason})", layer="cubelet", details={"reason": reason}
         )
