@@ -166,3 +166,40 @@ def test_the_heartbeat_counts_unavailable_devices_per_reason(node: Node) -> None
         "operator.disabled": 1,
     }
     assert (sent.by_state["quarantined"], sent.by_state["disabled"], sent.allocatable) == (3, 1, 4)
+
+
+def test_an_operators_recover_of_a_device_whose_scrub_failed_scrubs_it_before_it_is_allocatable(node: Node) -> None:
+    """The operator vouches for the hardware, not for what the last tenant left in its memory."""
+    from cubeaccel.cubelet import operator
+
+    runner = node.cubelet.scrub_runner = ScriptedRunner(ScrubOutcome(False, "1 sample not zero", {"method": "cuda"}))
+    dev = tenant_released(node, "tenant-a")
+    assert node.device(dev).reason == "release.scrub_failed" and runner.runs == 1
+    back = operator.recover(node.cubelet, dev, "ops", "reseated the card")
+    assert back.state is S.ALLOCATABLE and runner.runs == 2  # scrubbed again, then revalidated
+    trail = [e for e in node.cubelet.store.events(0, 10000, device_id=dev)]
+    assert [e.event or e.kind for e in trail][-4:] == ["recover_scrub", "scrub_started", "scrub_finished", "revalidated"]
+    recovered = next(e for e in trail if e.event == "recover_scrub")
+    assert (recovered.details["scrub_owed"], recovered.details["tenant"]) == (True, "tenant-a")
+
+
+def test_a_recover_that_cannot_scrub_leaves_the_device_quarantined(node: Node) -> None:
+    from cubeaccel.cubelet import operator
+
+    node.cubelet.scrub_runner = ScriptedRunner(ScrubOutcome(False, "first", {}), ScrubOutcome(False, "again", {}))
+    dev = tenant_released(node, "tenant-a")
+    after = operator.recover(node.cubelet, dev, "ops", "try again")
+    assert (after.state, after.reason) == (S.QUARANTINED, "release.scrub_failed")
+
+
+def test_a_recover_of_a_device_no_tenant_touched_since_its_scrub_owes_none(node: Node) -> None:
+    from cubeaccel.cubelet import operator
+
+    runner = node.cubelet.scrub_runner = ScriptedRunner()
+    tenant_released(node, "tenant-a")  # scrubbed and back
+    parked = next(d.id for d in node.devices() if d.state is S.ALLOCATABLE)
+    operator.quarantine(node.cubelet, parked, "ops", "looks odd")
+    runs = runner.runs
+    assert operator.recover(node.cubelet, parked, "ops", "fine").state is S.ALLOCATABLE and runner.runs == runs
+    last = node.cubelet.store.events(0, 10000, device_id=parked)[-1]
+    assert (last.event, last.details["scrub_owed"], last.details["tenant"]) == ("recover", False, None)

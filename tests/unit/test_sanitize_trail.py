@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from cubeaccel.agent.scrub import ScrubResult
-from cubeaccel.model.sanitize import unsanitized_returns
+from cubeaccel.model.sanitize import leftover_tenant, unsanitized_returns
 from cubeaccel.wire.scrub import ScrubReport
 
 
@@ -43,6 +43,19 @@ def test_each_sanitizing_stage_clears_the_device() -> None:
     retried = tr("retry", "released", scrub_policy="trusted-vm")
     assert len(unsanitized_returns([tr("reserve", "reserved"), RELEASE, failed, retried, back])) == 1
     assert unsanitized_returns([tr("validated", "allocatable")]) == []  # a device that never had a tenant
+
+
+def test_an_operators_recover_to_scrub_leaves_the_taint_to_the_scrub() -> None:
+    failed = {"kind": "scrub_finished", "details": {"ok": False}}
+    to_scrub = tr("recover_scrub", "released", "operator", scrub_owed=True)
+    back = tr("revalidated", "allocatable")
+    assert leftover_tenant([tr("reserve", "reserved"), RELEASE, failed]) == "sb"
+    assert leftover_tenant([tr("reserve", "reserved"), RELEASE, failed, to_scrub]) == "sb"
+    assert len(unsanitized_returns([tr("reserve", "reserved"), RELEASE, failed, to_scrub, back])) == 1
+    scrubbed = {"kind": "scrub_finished", "details": {"ok": True}}
+    assert unsanitized_returns([tr("reserve", "reserved"), RELEASE, failed, to_scrub, scrubbed, back]) == []
+    assert leftover_tenant([tr("reserve", "reserved"), RELEASE, scrubbed]) is None
+    assert leftover_tenant([tr("validated", "allocatable")]) is None
 
 
 def test_the_agents_result_reads_as_the_typed_evidence() -> None:

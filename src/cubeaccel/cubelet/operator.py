@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.release import SCRUB_PENDING
+from cubeaccel.cubelet.scrub import ScrubPolicy, scrub_method_name, scrub_needs_vm
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import conflict, invalid, not_found
+from cubeaccel.model.sanitize import leftover_tenant
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
 
@@ -31,8 +36,28 @@ def quarantine(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRe
 
 
 def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
-    """Back to `allocatable` only if Cubelet's own revalidation passes now."""
+    """Back to `allocatable` only if Cubelet's own revalidation passes now — and only once its last tenant's
+    leftovers are proven gone. The operator vouches for the hardware, not for what a tenant left in its memory:
+    where a scrub is still owed (policy `trusted-vm`, a method that needs a VM, no sanitizing stage since the last
+    assignment in the journal), the device goes to `released` and the release path's scrub and revalidation run."""
     audit = _audit(who, why)
+    rec = _recover(cubelet, device_id, audit)
+    if rec.state is DeviceState.RELEASED:
+        with cubelet.device_locks.hold(rec.id):
+            cubelet.advance_scrub(rec.id)
+        return _device(cubelet, device_id)
+    return rec
+
+
+def _scrub_still_owed(cubelet: Cubelet, d: DeviceRecord) -> dict[str, Any]:
+    """Why a recover does or does not owe the scrub (recorded in the transition's details)."""
+    policy = cubelet.scrub_policy(d)
+    tenant = leftover_tenant(e.to_json() for e in cubelet.store.events(device_id=d.id, limit=1_000_000))
+    owed = policy is ScrubPolicy.TRUSTED_VM and scrub_needs_vm(d) and tenant is not None
+    return {"scrub_owed": owed, "scrub_policy": policy.value, "scrub_method": scrub_method_name(d), "tenant": tenant}
+
+
+def _recover(cubelet: Cubelet, device_id: str, audit: dict[str, str]) -> DeviceRecord:
     with cubelet.lock:
         d = _device(cubelet, device_id)
         if d.state not in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY):
@@ -50,16 +75,25 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
                 layer="host_hardware",
                 details={"problems": [p.__dict__ for p in problems]},
             )
+        scrub = _scrub_still_owed(cubelet, d)
         with cubelet.store.tx() as t:
             if accepted is not None:
                 t.set_aer_baseline(d.id, accepted)
+            if scrub["scrub_owed"]:  # the scrub clears the tenant's leftovers; its sandbox id stays for the audit
+                return t.transition(
+                    d,
+                    DeviceEvent.RECOVER_SCRUB,
+                    Actor.OPERATOR,
+                    reason=SCRUB_PENDING,
+                    details={**audit, **scrub, "aer_fatal_accepted": accepted},
+                )
             return t.transition(
                 d,
                 DeviceEvent.RECOVER,
                 Actor.OPERATOR,
                 reason=None,
                 sandbox_id=None,
-                details={**audit, "aer_fatal_accepted": accepted},
+                details={**audit, **scrub, "aer_fatal_accepted": accepted},
             )
 
 

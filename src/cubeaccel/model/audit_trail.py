@@ -32,6 +32,7 @@ DEVICE_ACTIONS: dict[DeviceEvent, str] = {
     E.HEALTH_FAILED: "device:unhealthy",
     E.QUARANTINE: "device:quarantined",
     E.RECOVER: "device:recovered",
+    E.RECOVER_SCRUB: "device:recovered_to_scrub",
     E.RETRY: "device:retried",
     E.DISABLE: "device:disabled",
     E.ENABLE: "device:enabled",
@@ -46,7 +47,8 @@ RETRY_ATTEMPT = "device:retry_attempt"  # reconcile's automatic retry of a trans
 # A tenant stops holding a device when its release is confirmed (VMM gone, no holder, reset) or the device is
 # handed back or parked by someone else; a quarantine does not end it (the release was never proven).
 _ENDS_HOLDING = {
-    DEVICE_ACTIONS[e] for e in (E.RELEASE_CONFIRMED, E.REVALIDATED, E.RECOVER, E.RETRY, E.DISABLE, E.ENABLE)
+    DEVICE_ACTIONS[e]
+    for e in (E.RELEASE_CONFIRMED, E.REVALIDATED, E.RECOVER, E.RECOVER_SCRUB, E.RETRY, E.DISABLE, E.ENABLE)
 }
 
 

@@ -6,8 +6,9 @@ sanitizing stage is recorded: a `scrub_finished` that passed, or a `release_conf
 class's scrub policy is `none` (the operator's informed choice, recorded as such) or that no VMM ever started
 for the tenant (nothing could have touched the device), or a `retry` back to `released` under policy `none`. An
 operator's own transition (`recover`, `disable`/`enable`, audited with who and why) is the operator's decision
-and ends the taint too: the operator vouches for the device (docs/scrub.md). A tainted device reaching
-`allocatable` is a violation. Pure: the trail is the store's events as JSON (`Event.to_json()`).
+and ends the taint too: the operator vouches for the device (docs/scrub.md) — except `recover_scrub`, the
+operator's return of a device whose scrub is still owed, which leaves the taint to the scrub that follows. A tainted
+device reaching `allocatable` is a violation. Pure: the trail is the store's events as JSON (`Event.to_json()`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 ALLOCATABLE = "allocatable"
+RECOVER_SCRUB = "recover_scrub"  # model/states.DeviceEvent.RECOVER_SCRUB: this module stays free of the tables
 
 
 def _sanitizes(e: Mapping[str, Any]) -> str | None:
@@ -26,7 +28,7 @@ def _sanitizes(e: Mapping[str, Any]) -> str | None:
     if kind != "transition":
         return None
     if e.get("actor") == "operator":
-        return f"operator:{event}"
+        return None if event == RECOVER_SCRUB else f"operator:{event}"
     if event == "release_confirmed" and details.get("scrub_policy") == "none":
         return "policy:none"
     if (
@@ -44,6 +46,16 @@ def _sanitizes(e: Mapping[str, Any]) -> str | None:
 
 def unsanitized_returns(trail: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Every point where the device went from a tenant to `allocatable` with no sanitizing stage in between."""
+    return _walk(trail)[0]
+
+
+def leftover_tenant(trail: Iterable[Mapping[str, Any]]) -> str | None:
+    """The sandbox whose leftovers the device may still hold at the trail's end (None: sanitized since, or never
+    assigned). An operator's `recover` asks this to decide whether the scrub is still owed."""
+    return _walk(trail)[1]
+
+
+def _walk(trail: Iterable[Mapping[str, Any]]) -> tuple[list[dict[str, Any]], str | None]:
     tenant: str | None = None  # the sandbox whose leftovers the device may hold
     tainted = False
     out: list[dict[str, Any]] = []
@@ -59,4 +71,4 @@ def unsanitized_returns(trail: Iterable[Mapping[str, Any]]) -> list[dict[str, An
                 {"seq": e.get("seq"), "device_id": e.get("device_id"), "tenant": tenant, "event": e.get("event")}
             )
             tainted = False  # reported once; a later tenant starts its own taint
-    return out
+    return out, (tenant if tainted else None)

@@ -34,6 +34,7 @@ class DeviceEvent(StrEnum):
     HEALTH_FAILED = "health_failed"
     QUARANTINE = "quarantine"
     RECOVER = "recover"
+    RECOVER_SCRUB = "recover_scrub"  # the operator's recover of a device whose last tenant's scrub is still owed
     RETRY = "retry"  # Cubelet's own bounded retry of a transient quarantine (model/recovery.py)
     DISABLE = "disable"
     ENABLE = "enable"
@@ -81,7 +82,14 @@ TRANSITIONS: tuple[Transition[S, E, Actor], ...] = (
     _t(E.REVALIDATED, {S.RELEASED}, S.ALLOCATABLE, {C}, "host state equals expected state"),
     _t(E.HEALTH_FAILED, ACTIVE_STATES, S.UNHEALTHY, {C}, "hard failure seen"),
     _t(E.QUARANTINE, UNCERTAIN_STATES, S.QUARANTINED, {C, OP}, "safety cannot be proven"),
-    _t(E.RECOVER, {S.QUARANTINED, S.UNHEALTHY}, S.ALLOCATABLE, {OP}, "Cubelet revalidation passes"),
+    _t(E.RECOVER, {S.QUARANTINED, S.UNHEALTHY}, S.ALLOCATABLE, {OP}, "Cubelet revalidation passes; nothing owed"),
+    _t(
+        E.RECOVER_SCRUB,
+        {S.QUARANTINED, S.UNHEALTHY},
+        S.RELEASED,
+        {OP},
+        "revalidation passes; a tenant's leftovers are not proven gone, so the scrub runs first",
+    ),
     # Never straight to allocatable: back to `released`, so the scrub (where owed) and revalidation run again.
     _t(E.RETRY, {S.QUARANTINED}, S.RELEASED, {C}, "transient reason, within the retry bound; probe passed, reset"),
     _t(E.DISABLE, set(DeviceState) - {S.DISABLED}, S.DISABLED, {OP}, "-"),
