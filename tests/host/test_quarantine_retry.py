@@ -178,7 +178,8 @@ def test_an_operators_recover_of_a_device_whose_scrub_failed_scrubs_it_before_it
     back = operator.recover(node.cubelet, dev, "ops", "reseated the card")
     assert back.state is S.ALLOCATABLE and runner.runs == 2  # scrubbed again, then revalidated
     trail = [e for e in node.cubelet.store.events(0, 10000, device_id=dev)]
-    assert [e.event or e.kind for e in trail][-4:] == ["recover_scrub", "scrub_started", "scrub_finished", "revalidated"]
+    steps = [e.event or e.kind for e in trail][-4:]
+    assert steps == ["recover_scrub", "scrub_started", "scrub_finished", "revalidated"]
     recovered = next(e for e in trail if e.event == "recover_scrub")
     assert (recovered.details["scrub_owed"], recovered.details["tenant"]) == (True, "tenant-a")
 

@@ -1,12 +1,15 @@
 """The reset ladder on the real kernel (tests/lab/guest/reset_scenarios.py): rung 1 on a function with FLR, rung 2
 on a function behind a root port (and on the FLR function with its function resets forbidden), rung 3 for a
-function without a reset method, and a bus reset refused because it would reach a busy function of the group.
-One lab boot with three more functions behind two more root ports.
+function without a reset method, a bus reset refused because it would reach a busy function of the group, and one
+refused because it would reach functions of *another* group. One lab boot with more functions behind more root
+ports.
 
-Not here: a bus reset reaching a function of *another* group. QEMU 7.2's switch ports have no ACS, so an edu
-beside a switch upstream port and one below its downstream port landed in one group with both ports (measured:
-all four functions in one group); that refusal is tested on the fake tree (tests/host/test_reset_ladder_backend.py)
-and over random topologies (tests/unit/test_reset_ladder.py)."""
+The other-group topology: an edu on a switch's internal bus (below the upstream port) beside a downstream port with
+an edu below it. The kernel gives the edu a group of its own (its path up has ACS: QEMU's root port; a
+single-function upstream port counts as isolating), while the downstream port (QEMU 7.2's has no ACS) shares a group
+with the edu below it; the edu, enumerated first, is offered `bus`. (An edu *beside* the upstream port, as a second
+function, shares the port's group: that was tried first and gives no such case.)
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,13 @@ RESET_TOPOLOGY = (
     "-device", "pcie-root-port,id=rp4,chassis=4,slot=4,addr=07.0",
     "-device", "edu,id=pf0,bus=rp4,addr=00.0,multifunction=on",
     "-device", "edu,id=pf1,bus=rp4,addr=00.1",
+    "-device", "pcie-root-port,id=rp5,chassis=5,slot=5,addr=08.0",
+    "-device", "x3130-upstream,id=up5,bus=rp5",
+    "-device", "edu,id=sw0,bus=up5,addr=00.0",
+    "-device", "xio3130-downstream,id=dn5,bus=up5,addr=01.0,chassis=6,slot=6",
+    "-device", "edu,id=below5,bus=dn5",
 )  # fmt: skip
-PLAN = ["ladder_flr", "ladder_bus", "ladder_no_reset", "ladder_refused_busy"]
+PLAN = ["ladder_flr", "ladder_bus", "ladder_no_reset", "ladder_refused_busy", "ladder_refused_other_group"]
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +99,15 @@ def test_a_bus_reset_reaching_a_busy_function_of_the_group_is_refused_naming_it(
     assert idle["reset_method"] == ["bus"] and idle["reach"] == [idle["address"], pf1]
     assert _rungs(idle) == [("bus", False), ("quarantine", "backend.reset_failed")], idle["attempts"]
     assert "Inappropriate ioctl" in idle["problems"][0]["message"]
+
+
+def test_a_bus_reset_reaching_a_function_of_another_group_is_refused_naming_it(lab: BootResult) -> None:
+    r = lab.scenario("ladder_refused_other_group")
+    print("other-group topology:", r["groups"], r["reset_method"], r["attempts"])
+    mine = r["group"]
+    others = sorted(a for a, g in r["groups"].items() if g != mine)
+    assert len(others) == 2, r["groups"]  # the downstream port and the edu below it
+    assert r["reach"][0] == r["address"] and set(others) <= set(r["reach"])
+    (p,) = r["problems"]
+    assert p["code"] == "backend.bus_reset_refused" and all(a in p["message"] for a in others), p
+    assert not any(a.get("ok") for a in r["attempts"])  # nothing was reset

@@ -245,6 +245,23 @@ def test_probe_uses_the_configured_contract_and_loads_modules_first(tmp_path: Pa
     assert loaded["ok"] is True and loaded["modules_loaded"] == ["edu", "virtio_rng"]
 
 
+def test_a_vendor_scrub_loads_the_images_driver_first_and_fails_in_its_words(tmp_path: Path) -> None:
+    """A scrub VM booted from a vendor image sends the image's driver modules with the scrub: a driver that does
+    not load ends the scrub as a failure naming why, before any library is tried (agent/protocol.py `_m_scrub`)."""
+    guest = FakeGuest(tmp_path)
+    ctx = ProbeContext(root=tmp_path, modprobe=(guest.modprobe({"nvidia": "modprobe: ERROR: No such device"}),))
+    with served(Agent(ctx=ctx), OPTIONS) as (peer, _):
+        peer.send(
+            {"v": 1, "id": 1, "method": "scrub", "params": {"method": "cuda", "modules": ["nvidia", "nvidia_uvm"]}}
+        )
+        refused = peer.reply_to(1)[0]["result"]
+        peer.send({"v": 1, "id": 2, "method": "scrub", "params": {"method": "cuda", "modules": ["../evil"]}})
+        bad = peer.reply_to(2)[0]
+    assert refused["ok"] is False and refused["method"] == "cuda" and refused["bytes_zeroed"] == 0
+    assert refused["error"].startswith("driver not loaded: ") and "No such device" in refused["error"]
+    assert bad["ok"] is False  # module names are validated as a contract's are
+
+
 def test_a_contract_that_says_load_modules_false_gets_no_modprobe(tmp_path: Path) -> None:
     """The template's guest-init step: modules must already be loaded; the agent runs nothing."""
     guest = FakeGuest(tmp_path)

@@ -158,6 +158,9 @@ def test_start_deadlines_grow_with_the_guest_and_stay_at_the_old_bound_for_small
     assert big.vmm_ready_s >= 64 * 2.3  # the cold preallocation cost measured here, with margin
     assert big.vmm_ready_s > 200 and big.guest_ready_s > small.guest_ready_s and big.migrate_s > 120
     assert start_deadlines(256, base_s=5).vmm_ready_s < 6  # a spec's shorter boot allowance is kept
+    gpu_initrd = start_deadlines(1024, initrd_bytes=246 << 20)  # the NVIDIA image unpacks ~4x the CPU one's
+    assert gpu_initrd.guest_ready_s >= start_deadlines(1024).guest_ready_s + 60
+    assert gpu_initrd.vmm_ready_s == start_deadlines(1024).vmm_ready_s  # unpacking follows QMP, not before
     # Cubelet never gives up on a shim before the shim's own preallocation deadline.
     assert startup_timeout_s(256, 180.0) == 180.0
     assert startup_timeout_s(64 * 1024, 180.0) > big.vmm_ready_s

@@ -224,9 +224,16 @@ class Agent:
 
     def _m_scrub(self, params: dict[str, Any]) -> dict[str, Any]:
         """The scrub template's one request (docs/scrub.md); a tenant's guest never gets it from Cubelet."""
-        from cubeaccel.agent.scrub import LAYOUTS, scrub_bar, scrub_bar_memory, scrub_cuda  # the scrub VM's only
+        from cubeaccel.agent.scrub import LAYOUTS, ScrubResult, scrub_bar, scrub_bar_memory, scrub_cuda
 
         method = params.get("method")
+        if params.get("modules") is not None:  # a vendor image's driver, loaded before its scrub can reach the device
+            spec = parse_spec({"probes": {"modules": params["modules"]}})  # same name validation as a contract
+            driver = spec.modules[0] if spec.modules else None
+            loaded = run_modprobe(self.ctx, spec.modules, driver, kernel_release(self.ctx))
+            if loaded.failures:
+                why = loaded.refusal or "; ".join(f"{m}: {e}" for m, e in loaded.failures.items())
+                return ScrubResult(ok=False, method=str(method), error=f"driver not loaded: {why}"[:500]).to_json()
         if method == "bar-memory":
             address, resource = params.get("address"), params.get("resource", "resource2")
             if not isinstance(address, str) or not PCI_ADDRESS.fullmatch(address) or resource not in BAR_RESOURCES:

@@ -70,6 +70,13 @@ class Manifest:
     def path(self, artifact: Artifact) -> Path:
         return self.directory / artifact.path
 
+    def initrd_bytes(self) -> int:
+        """What a cold boot unpacks before the guest's agent can answer (0 when the file is not here)."""
+        try:
+            return self.path(self.initrd).stat().st_size
+        except OSError:
+            return 0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,

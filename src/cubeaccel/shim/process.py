@@ -95,6 +95,7 @@ class Shim:
         self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s)
         self._stop = False
         self.image_digest: str | None = None  # the guest image booted (a scrub's evidence names it)
+        self.vendor_modules: tuple[str, ...] = ()  # the booted image's driver stack (its manifest's `vendor`)
         self.console = ConsoleCap(spec.run_dir / CONSOLE_LOG)  # the guest's one unbounded output, capped
         self._policy_fds: list[int] = []  # TAP and scratch disk: ours until the VMM inherited them
         self._wake_r, self._wake_w = os.pipe()
@@ -203,6 +204,8 @@ class Shim:
             )
         manifest = self._manifest()
         self.image_digest = manifest.image_digest
+        self.vendor_modules = manifest.vendor.modules if manifest.vendor is not None else ()
+        self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s, manifest.initrd_bytes())
         mismatches = image_mismatches(spec.contract, manifest)
         if mismatches and spec.image_check == "enforce":
             first = mismatches[0]
@@ -511,6 +514,8 @@ class Shim:
         ok = True
         for dev in self.spec.devices:
             params: dict[str, object] = {**self.spec.scrub_params, "method": self.spec.scrub}
+            if self.vendor_modules:  # a vendor image's scrub goes through that vendor's driver: loaded first
+                params["modules"] = list(self.vendor_modules)
             if self.spec.scrub != "cuda":  # a BAR method works on the device's function in the guest
                 params["address"] = self.guest_addresses[dev.device_id]
             try:

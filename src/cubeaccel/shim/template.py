@@ -146,7 +146,7 @@ def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float
             return state, False
         run_dir = tdir / f"build-{os.getpid()}"
         tcfg = replace(cfg, sandbox_id=f"template-{key}", state_dir=run_dir, pin_memory=False, device_ids=())
-        deadlines = start_deadlines(cfg.memory_mib, boot_timeout_s)
+        deadlines = start_deadlines(cfg.memory_mib, boot_timeout_s, manifest.initrd_bytes())
         vmm = QemuVmm(tcfg, deadlines=deadlines)
         t0 = time.monotonic()
         try:

@@ -2,8 +2,9 @@
 `reset` attributes of the lab guest's sysfs, each followed by the backend's post-reset identity and health check.
 
 Topology beyond the lab's own (tests/lab/test_vfio_lab_reset.py, RESET_TOPOLOGY): a virtio-rng behind a root port
-(QEMU gives PCIe virtio functions FLR) and an edu multifunction pair behind a root port (one group; the kernel
-lists `bus` for function 0, enumerated while it was alone on the bus).
+(QEMU gives PCIe virtio functions FLR), an edu multifunction pair behind a root port (one group; the kernel
+lists `bus` for function 0, enumerated while it was alone on the bus), and a switch behind a root port with an edu on
+its internal bus beside a downstream port that has an edu below it (two groups under one bridge).
 """
 
 from __future__ import annotations
@@ -123,7 +124,32 @@ def ladder_refused_busy() -> dict[str, Any]:
     return {"pf1": str(pf1), "held": held, "claimed": claimed, "idle": _ladder(pf0)}
 
 
+def ladder_refused_other_group() -> dict[str, Any]:
+    """An edu on a switch's internal bus, beside a downstream port with an edu below it: the kernel isolates the
+    edu from the port (its path up has ACS: QEMU's root port, a single-function upstream port), so the port and
+    the function below it are another group, and a bus reset of the edu's bus would reach them → refused, naming
+    them, before anything is written."""
+    sw = _find(EDU, lambda a: _parent(a) != "pci0000:00" and _is_switch_bus(a))
+    ensure_vfio(sw)
+    out = _ladder(sw)
+    out["groups"] = {str(a): fn(a).iommu_group for a in host.bus_reach(sw) or []}
+    return out
+
+
+def _is_switch_bus(a: PciAddress) -> bool:
+    """Its bridge is a switch upstream port (PCIe type 5), read from the bridge's config space."""
+    bridge = (SYS / str(a)).resolve().parent
+    config = (bridge / "config").read_bytes()
+    ptr = config[0x34]
+    while ptr:
+        if config[ptr] == 0x10:  # the PCI Express capability: its type in bits 4..7 of byte 2
+            return (config[ptr + 2] >> 4) & 0xF == 5
+        ptr = config[ptr + 1]
+    return False
+
+
 SCENARIOS = {
+    "ladder_refused_other_group": ladder_refused_other_group,
     "ladder_flr": ladder_flr,
     "ladder_bus": ladder_bus,
     "ladder_no_reset": ladder_no_reset,
