@@ -114,7 +114,11 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
         events = [e for e in node.client.events(0, 10000)["events"] if e["device_id"] == dev]
         return [e["event"] or e["kind"] for e in events[[e["sandbox_id"] for e in events].index("tenant-1") :]]
 
-    poll(lambda: "revalidated" in device_trail(), 300, what="the device scrubbed and revalidated")
+    try:
+        poll(lambda: "revalidated" in device_trail(), 300, what="the device scrubbed and revalidated")
+    except AssertionError as e:
+        state = next(d for d in node.client.devices() if d["id"] == dev)
+        raise AssertionError(f"{e}: {state['state']} ({state['reason']}), trail {device_trail()}") from None
     trail = device_trail()
     order = [
         trail.index(k) for k in ("teardown", "release_confirmed", "scrub_started", "scrub_finished", "revalidated")
