@@ -316,10 +316,6 @@ class _Node:
             self.client.close()
 
 
-def _client(state_dir: Path | None, url: str | None) -> CubeletClient:
-    return CubeletClient(socket=None if url else cubelet_socket(state_dir), url=url)
-
-
 NodeOpt = Annotated[
     str | None, typer.Option("--node", help="through CubeMaster (admin key) instead of this host's Cubelet socket")
 ]

@@ -9,7 +9,6 @@ down, the URL or socket tried and how to start it. No traceback reaches a user f
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
@@ -162,13 +161,6 @@ def json_flag(as_json: bool) -> None:
     """Commands' historical `--json` flag: the same as `-o json`."""
     if as_json:
         set_format("json")
-
-
-def stderr_line(message: str) -> None:
-    if not machine():
-        console(stderr=True).print(message)
-    else:
-        print(message, file=sys.stderr)
 
 
 class Progress:

@@ -70,12 +70,14 @@ class NodeCache:
         known = {name: (v.received_at, v.state) for name, v in old.items()}
         changed, names = self.store.node_views(known)
         claims, memory = self.store.claims(), self.store.memory_claims()
+        warm = self.store.warm_claimed()
         fresh = {name: old[name] for name in names if name in old}
         for v in changed:  # unchanged views keep their contract and device memos
             v.claims = claims.get(v.name, {})
             v.memory_claims_mib = memory.get(v.name, 0)
             fresh[v.name] = v
         self._index.replace_all(fresh.values())
-        for name in fresh:
+        for name, v in fresh.items():
             self._index.set_claims(name, claims.get(name, {}), memory.get(name, 0))
+            v.warm_claimed = warm.get(name, frozenset())
         self._loaded_at = time.monotonic()

@@ -234,6 +234,9 @@ class Maintenance:
         for row in self.master.store.sandboxes(states=(SS.STARTING, SS.RUNNING)):
             if row["expires_at"] is not None and row["expires_at"] < now:
                 self.master.store.update_sandbox(row["id"], "timeout", event=SE.TIMEOUT, by=MAINT)
+        advertised = {v.name: {w.id for p in v.warm_pools for w in p.sandboxes} for v in self.master.cache.views()}
+        if self.master.store.settle_warm_claims(advertised):
+            self.master.cache.invalidate()
         revoked = self.master.auth.revoked_tenants()
         if revoked:  # what a revoke raced (a create placed after it, another replica's)
             self.master.end_revoked(revoked, MAINT)

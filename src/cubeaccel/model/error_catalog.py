@@ -82,6 +82,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("warm.already_claimed", 503, "cubelet", "a warm shim refused a second claim (it stays its first tenant's)"),
     _c("warm.claim_unacknowledged", None, "cubelet", "reconcile: claimed, never acked by its shim: failed"),
     _c("warm.drained", None, "cubelet", "drain or `cubeaccel down`: unclaimed warm ones torn down; claims miss"),
+    _c("warm.claim_failed", None, "scheduler", "miss reason: a warm claim was tried and handed nothing over (cold)"),
     _c("sandbox.releasing", 409, "cubelet", "the sandbox is being torn down; retry after the release"),
     _c("sandbox_deleted", None, "cubelet", "failure: the sandbox was deleted (default release reason)"),
     _c("vmm_exited", None, "cubelet", "failure: the VMM exited while the sandbox was in use"),
@@ -307,6 +308,12 @@ CODES: tuple[CodeInfo, ...] = (
     _c("filesystem.mount_not_allowlisted", 409, "cubelet", "a read-only mount source this node does not allowlist"),
     _c("filesystem.scratch_failed", None, "backend", "sandbox error: the scratch disk could not be created"),
     _c("compat.template_unknown_class", 422, "template", "template class is not gpu or accelerator"),
+    _c(
+        "compat.template_cpu_only_with_device_stack",
+        422,
+        "template",
+        "a template without an accelerator lists devices, a driver, CUDA or hot-plug",
+    ),
     _c("compat.userspace_driver_invalid_library", 422, "userspace_driver", "a listed library is not a soname"),
     _c("compat.userspace_driver_invalid_version", 422, "userspace_driver", "user-space version not like 550.54.15"),
     _c("compat.userspace_driver_mismatch", 422, "userspace_driver", "user-space and kernel driver versions differ"),
@@ -472,10 +479,6 @@ CODES: tuple[CodeInfo, ...] = (
 # fmt: on
 
 CATALOG: dict[str, CodeInfo] = {c.code: c for c in CODES}
-
-
-class UncataloguedCode(AssertionError):
-    """Raised by the strict guard (tests): code built a code that is not in `CODES`, or with another status."""
 
 
 Observer = Callable[[str], None]

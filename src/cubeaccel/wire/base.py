@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 WIRE_VERSION = 1
@@ -59,10 +59,6 @@ class LenientMessage(Lenient):
     @classmethod
     def _known_version(cls, value: Any) -> Any:
         return _check_version(cls, value)
-
-
-def is_unsupported_version(e: ValidationError) -> bool:
-    return any(x.get("type") == UNSUPPORTED_VERSION for x in e.errors())
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:
