@@ -43,9 +43,10 @@ def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_un
     shape = {"contract": freeze(parse_template(doc)).to_json(), "template": "cuda12-h100", "class": "gpu"}
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 2})
     poll(lambda: _pool(node)["warm"] == 2, 60, what="two warm sandboxes")
-    warm = _warm_ids(node)
-    tenant = c.c.create({"gpu": "H100:1"})
+    tenant = c.c.create({"gpu": "H100:1"})  # warm or cold, as CubeMaster finds the pool: a tenant's either way
     assert tenant["node"] == "w1"
+    poll(lambda: _pool(node)["warm"] == 2 and _pool(node)["starting"] == 0, 60, what="the pool full again")
+    warm = _warm_ids(node)
 
     reply = c.c.node_verb("w1", "drain", "alice", "kernel update")
     assert reply["state"] == "draining"
