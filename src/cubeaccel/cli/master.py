@@ -614,21 +614,15 @@ TokenOpt = Annotated[
 
 
 def _workload(sandbox_id: str, url: str | None, token: str | None, timeout: float | None = None) -> Any:
-    """A workload client for the sandbox, at its node's Cubelet proxy (the node comes from CubeMaster)."""
-    from urllib.parse import quote
-
+    """A workload client for the sandbox, at its node's Cubelet proxy: CubeMaster names it to the sandbox's own
+    tenant (`GET /v1/sandboxes/{id}/workload`), so a tenant key is enough."""
     from cubeaccel.wire.workload_client import WorkloadClient
 
     token = token or os.environ.get("CUBEACCEL_SANDBOX_TOKEN")
     if not token:
         fail(CubeError("workload.unauthenticated", "no access token: --token or $CUBEACCEL_SANDBOX_TOKEN", "api"))
-    row = _call(url, lambda c: c.sandbox(sandbox_id))
-    nodes = {n["node"]: n for n in _call(url, lambda c: c.nodes())}
-    node = nodes.get(row.get("node") or "")
-    if row.get("state") != "running" or node is None:
-        fail(CubeError("workload.not_running", f"sandbox {sandbox_id} is {row.get('state')}, not running", "api"))
-    base = f"{str(node['cubelet_url']).rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
-    return WorkloadClient.over(base, str(token), timeout=timeout)
+    endpoint = _call(url, lambda c: c.workload_endpoint(sandbox_id))
+    return WorkloadClient.over(endpoint.url, str(token), timeout=timeout)
 
 
 def _env_pairs(values: list[str]) -> dict[str, str]:

@@ -158,6 +158,7 @@ class Cubelet(ReleasePath):
         self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
         self.scrubs: dict[str, ScrubJob] = {}
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
+        self.node_address_sets: dict[str, frozenset[ipaddress.IPv4Address]] = {}  # sandbox → last refused set
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------

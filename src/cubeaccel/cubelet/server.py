@@ -626,6 +626,11 @@ class _EnvelopeTracker:
         return self._header and self._need == 5 and not self.ended
 
 
+def _still_running(cubelet: Cubelet, sandbox_id: str) -> bool:
+    res = cubelet.store.reservation(sandbox_id)
+    return res is not None and res.phase is ReservationPhase.RUNNING
+
+
 def _end_of_stream_error(code: str, message: str) -> bytes:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return bytes([0x02]) + len(body).to_bytes(4, "big") + body
@@ -679,7 +684,9 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
                     yield chunk
             except httpx.HTTPError as e:
                 upstreams.drop(sandbox_id)
-                if not (connect_stream and tracker.at_boundary):
+                if not (connect_stream and tracker.at_boundary) or not _still_running(cubelet, sandbox_id):
+                    # A sandbox being torn down ends its streams as E2B's do when a sandbox is killed: the
+                    # connection is cut, and the SDK's health probe (502, gone) tells it the sandbox was killed.
                     raise
                 code = "workload.channel_closed"  # ours, in the message; the Connect code is envd's vocabulary
                 yield _end_of_stream_error(

@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -92,6 +93,7 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:delete"),
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): (USERS, "sandbox:set_timeout"),
     ("GET", "/v1/sandboxes/{sandbox_id}/events"): (USERS, "sandbox:events"),
+    ("GET", "/v1/sandboxes/{sandbox_id}/workload"): (USERS, "sandbox:workload"),
     ("POST", "/v1/tenants"): (ADMINS, "tenant:create"),
     ("GET", "/v1/tenants"): (ADMINS, "tenant:list"),
     ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
@@ -581,6 +583,23 @@ def create_app(
         row = owned(request.state.identity, sandbox_id)
         phases, answered = master.start_phases(row)
         return {"sandbox_id": sandbox_id, "state": row["state"], "phases": phases, "node_answered": answered}
+
+    @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
+    def sandbox_workload(sandbox_id: str, request: Request) -> dict[str, Any]:
+        """The node's workload proxy for the caller's own running sandbox: a tenant's way to exec and copy, which
+        needs no node route (those are admins')."""
+        row = owned(request.state.identity, sandbox_id)
+        url = master.node_url(row["node"]) if row["state"] == SandboxState.RUNNING.value else None
+        if url is None:
+            raise CubeError(
+                "workload.not_running",
+                f"sandbox {sandbox_id} is {row['state']}, not running",
+                "api",
+                {"state": row["state"]},
+                409,
+            )
+        base = f"{url.rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
+        return {"sandbox_id": sandbox_id, "node": row["node"], "url": base}
 
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
     def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> dict[str, Any]:

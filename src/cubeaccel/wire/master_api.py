@@ -48,7 +48,8 @@ class SandboxBody(Message):
     # The workload token the start gives the guest, when the caller derives its own (the E2B front door does, to
     # hand it out again on connect); passed to the Cubelet, never stored. None: the Cubelet makes one.
     workload_token: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{32,200}$", repr=False)
-    # Narrows the template's network policy ({"mode": "allowlist", "egress": [...]} or {"mode": "none"}); never widens.
+    # Narrows the template's network policy ({"mode": "allowlist", "egress": [...]}, {"mode": "none"}, or by address
+    # alone: {"allow_out": [CIDR], "deny_out": [CIDR]}, model/sandbox_policy.AddressNarrowing); never widens.
     network: dict[str, Any] | None = None
 
 
@@ -197,6 +198,15 @@ class StartPhase(Record):
     phase: str  # "VM up", "memory pinned", "device attached", "workload service up", "guest validated"
     event: str  # the node's event kind it comes from
     at: float
+
+
+class WorkloadEndpoint(Reply):
+    """`GET /v1/sandboxes/{id}/workload`: where the running sandbox's workload is reached (its node's Cubelet
+    proxy, which checks the sandbox's own access token); for its tenant, without the admin-only node routes."""
+
+    sandbox_id: str
+    node: str
+    url: str
 
 
 class SandboxEvents(Reply):
