@@ -401,12 +401,20 @@ def up_cmd(
     backend: Annotated[str, typer.Option(help="auto | simulated | emulated")] = "auto",
     profile: Annotated[str, typer.Option(help="simulated devices")] = "h100x2",
     detach: Annotated[bool, typer.Option(help="return once the node is ready; stop with `cubeaccel down`")] = False,
+    warm: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=64,
+            help="warm sandboxes the Cubelet keeps of the backend's default template (0: none; docs/warm.md)",
+        ),
+    ] = 1,
 ) -> None:
     """Embedded single node: CubeMaster (SQLite) + one Cubelet, with the best backend this host supports."""
     from cubeaccel.master.up import run_up
 
     with output.Progress("up") as progress:
-        rc = run_up(state_dir, backend, profile, detach, on_phase=progress.phase)
+        rc = run_up(state_dir, backend, profile, detach, on_phase=progress.phase, warm=warm)
     raise typer.Exit(rc)
 
 

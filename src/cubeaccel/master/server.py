@@ -402,7 +402,15 @@ def create_app(
         state = master.store.node_event(node, NodeEvent(verb))
         master.cache.invalidate()
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
-        return {"node": node, "state": state.value, "who": ident.label()}
+        return {"node": node, "state": state.value, "who": ident.label(), "warm": warm_verb(node, verb)}
+
+    def warm_verb(node: str, verb: str) -> dict[str, Any]:
+        """A drain removes the node's warm sandboxes first (and stops their refill); undrain resumes it. The
+        node's state changed either way: an unreachable Cubelet is reported, not an error of the drain."""
+        try:
+            return dict(forwarded(node, lambda c: c.request("POST", f"/v1/warm/{verb}")))
+        except CubeError as e:
+            return {"error": e.code, "message": e.message}
 
     def cubelet_of(node: str) -> CubeletClient:
         view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)

@@ -81,6 +81,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("warm.claim_malformed", None, "cubelet", "a warm shim's answer to a claim line it could not read"),
     _c("warm.already_claimed", 503, "cubelet", "a warm shim refused a second claim (it stays its first tenant's)"),
     _c("warm.claim_unacknowledged", None, "cubelet", "reconcile: claimed, never acked by its shim: failed"),
+    _c("warm.drained", None, "cubelet", "drain or `cubeaccel down`: unclaimed warm ones torn down; claims miss"),
     _c("warm.claim_failed", None, "scheduler", "miss reason: a warm claim was tried and handed nothing over (cold)"),
     _c("sandbox.releasing", 409, "cubelet", "the sandbox is being torn down; retry after the release"),
     _c("sandbox_deleted", None, "cubelet", "failure: the sandbox was deleted (default release reason)"),
@@ -258,6 +259,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("agent.probe_crashed", None, "agent", "guest: a probe raised instead of returning a verdict"),
     _c("agent.read_timeout", None, "agent", "guest: an unfinished line sat for --read-timeout seconds; dropped"),
     _c("agent.request_too_large", None, "agent", "guest: a line over --max-request-bytes; the rest is skipped"),
+    _c("agent.reseed_failed", None, "agent", "guest: the warm claim's seed could not be written to /dev/urandom"),
     _c("agent.unknown_method", None, "agent", "guest: method not in the list; `details.methods` lists them"),
     _c("agent.unsupported_version", None, "agent", "guest: `v` is not 1 (a missing `v` is read as 1)"),
     # ---- guest validation (stage 5, judged on the host) ----

@@ -108,9 +108,11 @@ class NodeList(Reply):
 
 
 class NodeVerbReply(Reply):
-    """drain/undrain: node, state, who; reconcile: what the reconcile did (its own fields)."""
+    """drain/undrain: node, state, who, and `warm` (the Cubelet's `WarmDrainReply`, or why it could not be
+    asked); reconcile: what the reconcile did (its own fields)."""
 
     node: str
+    warm: dict[str, Any] | None = None
 
 
 class ModelCapacity(Record):
