@@ -28,17 +28,25 @@ def _get(doc: object, path: tuple[str, ...]) -> object:
     return doc
 
 
-@pytest.mark.parametrize("name", ["cuda12-h100.yaml", "untrusted-tool-h100.yaml"])
-def test_the_cuda_templates_pin_the_gpu_image_this_tree_builds(name: str, gpu_image: Manifest) -> None:
+def _stale(name: str, image: Manifest) -> dict[str, tuple[object, object]]:
     doc = loads_document((EXAMPLES / name).read_text())
     assert isinstance(doc, dict)
-    want = pin_template_document(doc, gpu_image)
-    stale = {
-        ".".join(p): (_get(doc, p), _get(want, p))
-        for p in pinned_paths(doc, gpu_image)
-        if _get(doc, p) != _get(want, p)
+    want = pin_template_document(doc, image)
+    return {
+        ".".join(p): (_get(doc, p), _get(want, p)) for p in pinned_paths(doc, image) if _get(doc, p) != _get(want, p)
     }
+
+
+@pytest.mark.parametrize("name", ["cuda12-h100.yaml", "untrusted-tool-h100.yaml"])
+def test_the_cuda_templates_pin_the_gpu_image_this_tree_builds(name: str, gpu_image: Manifest) -> None:
+    stale = _stale(name, gpu_image)
     assert not stale, f"re-pin with `cubeaccel template pin --vendor nvidia {EXAMPLES / name}`: {stale}"
+
+
+def test_e2bs_default_template_pins_the_userland_image_this_tree_builds(userland_image: Manifest) -> None:
+    """`base` is E2B's base in content too: git, curl, sudo, tput, pip (issue 29 item 3)."""
+    stale = _stale("base.yaml", userland_image)
+    assert not stale, f"re-pin with `cubeaccel template pin --flavour userland {EXAMPLES / 'base.yaml'}`: {stale}"
 
 
 def test_a_second_gpu_image_build_from_the_same_inputs_gives_the_same_digests(

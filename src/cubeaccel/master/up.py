@@ -65,9 +65,11 @@ def choose_backend(requested: str, on_phase: Callable[[str], None] = _quiet) -> 
             raise CubeError("up.qemu_missing", "--backend emulated needs qemu-system-x86_64", "backend", {}, 422)
         return "simulated", "qemu-system-x86_64 is not installed (`make deps` installs it)"
     from cubeaccel.images.builder import build
+    from cubeaccel.images.userland import USERLAND
 
     try:
         image, fresh = build(on_phase=lambda p: on_phase(f"guest image: {p}"))
+        build(on_phase=lambda p: on_phase(f"userland image (E2B's base): {p}"), flavour=USERLAND)
     except CubeError as e:
         if requested == "emulated":
             raise
@@ -104,7 +106,7 @@ def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[by
 
 def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> dict[str, Any]:
     """An example template as registered; with `pin_to_image`, an emulated or CPU-only one names this host's
-    image."""
+    image (the userland one for CPU-only `base`)."""
     doc = loads_document((directory / name).read_text(), name)
     if not isinstance(doc, dict):
         raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
@@ -113,7 +115,8 @@ def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image:
         from cubeaccel.images.builder import latest
         from cubeaccel.images.manifest import pin_template_document
 
-        image = latest()
+        # CPU-only `base` is E2B's base: the userland image (docs/images.md); edu-demo validates a device
+        image = (latest(flavour="userland") or latest()) if backend == "none" else latest()
         if image is not None:
             doc = pin_template_document(doc, image)
     return doc
