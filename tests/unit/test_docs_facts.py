@@ -10,6 +10,7 @@ import typer
 
 from cubeaccel.cli.root import app
 from cubeaccel.frontdoor.mapping import DEFAULT_TIMEOUT_S
+from cubeaccel.master.scheduler import CONTRACT_REASONS, FILTERS, contract
 from cubeaccel.master.service import MasterConfig
 from cubeaccel.wire.heartbeat import Heartbeat
 
@@ -70,3 +71,12 @@ def test_decisions_md_does_not_restate_a_lifetime_default_elsewhere() -> None:
     doc = _doc("decisions.md")
     assert re.findall(r"\b3,?600 s\b", doc) == ["3600 s"]
     assert "else 24 h" not in doc and "`MasterConfig.default_timeout_s`" not in doc
+
+
+def test_master_mds_reason_table_lists_every_scheduler_reason_once() -> None:
+    section = _doc("master.md").split("## Scheduling", 1)[1]
+    table = next(p for p in section.split("\n\n") if p.startswith("| reason |"))
+    cells = [row.split("|")[1] for row in table.splitlines() if row.startswith("| `")]
+    listed = [re.sub(r"\(.*\)", "", name) for cell in cells for name in re.findall(r"`([\w()]+)`", cell)]
+    reasons = {f.__name__ for f in FILTERS if f is not contract} | set(CONTRACT_REASONS.values())
+    assert sorted(listed) == sorted(reasons)
