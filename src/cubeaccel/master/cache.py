@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from cubeaccel.master.index import NodeIndex
 from cubeaccel.master.scheduler import Decision, decide
 from cubeaccel.master.selector import Selector
-from cubeaccel.master.store import MasterStore
+from cubeaccel.master.store import MasterStore, Placement
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
@@ -69,13 +69,29 @@ class NodeCache:
         old = {v.name: v for v in self._index.views()}
         known = {name: (v.received_at, v.state) for name, v in old.items()}
         changed, names = self.store.node_views(known)
-        claims, memory = self.store.claims(), self.store.memory_claims()
+        # Claims are derived against each view's own summary, not the node's row as it is by now: a heartbeat
+        # landing between the two reads would otherwise free a held device in a view that still shows it held.
+        placed: dict[str, list[Placement]] = {}
+        for p in self.store.placements():
+            placed.setdefault(p.node, []).append(p)
         fresh = {name: old[name] for name in names if name in old}
         for v in changed:  # unchanged views keep their contract and device memos
-            v.claims = claims.get(v.name, {})
-            v.memory_claims_mib = memory.get(v.name, 0)
+            v.claims, v.memory_claims_mib = unseen_claims(placed.get(v.name, []), v.sent_at)
             fresh[v.name] = v
         self._index.replace_all(fresh.values())
-        for name in fresh:
-            self._index.set_claims(name, claims.get(name, {}), memory.get(name, 0))
+        for v in fresh.values():
+            self._index.set_claims(v.name, *unseen_claims(placed.get(v.name, []), v.sent_at))
         self._loaded_at = time.monotonic()
+
+
+def unseen_claims(placements: Sequence[Placement], sent_at: float) -> tuple[dict[str, int], int]:
+    """Devices per group key and MiB of lockable memory placed on a node that its summary sent at `sent_at`
+    cannot show."""
+    devices: dict[str, int] = {}
+    memory = 0
+    for p in placements:
+        if p.unseen_by(sent_at):
+            if p.group_key is not None:
+                devices[p.group_key] = devices.get(p.group_key, 0) + p.count
+            memory += p.pinned_mib
+    return devices, memory

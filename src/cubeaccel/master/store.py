@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,20 @@ class MasterStore:
     def claims(self) -> dict[str, dict[str, int]]:
         with self.tx() as c:
             return _claims(c, None)
+
+    def placements(self) -> list[Placement]:
+        """Every live placement, for a caller that derives claims against the summaries it already holds
+        (`Placement.unseen_by`): `claims()` compares with each node's summary as stored now, which a heartbeat
+        may have replaced since the caller read its views."""
+        s = S.sandboxes
+        q = sa.select(s.c.node, s.c.group_key, s.c.count, s.c.pinned_mib, s.c.state, s.c.cubelet_created_at).where(
+            s.c.node.isnot(None), s.c.state.in_([SS.PLACING.value, *(h.value for h in HELD_STATES)])
+        )
+        with self.tx() as c:
+            return [
+                Placement(node, key, int(count), int(pinned or 0), None if state == SS.PLACING.value else created)
+                for node, key, count, pinned, state, created in c.execute(q)
+            ]
 
     def memory_claims(self) -> dict[str, int]:
         """Per node, MiB of lockable memory placed that its last heartbeat cannot show yet."""
@@ -472,6 +487,21 @@ def _quota(code: str, tenant: str, what: str, limit: int, used: int, asked: int)
         {"limit": limit, "in_use": used, "requested": asked},
         429,
     )
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A live sandbox's devices and lockable memory on its node."""
+
+    node: str
+    group_key: str | None
+    count: int
+    pinned_mib: int
+    cubelet_created_at: float | None  # Cubelet clock; None while placing or before the Cubelet answered
+
+    def unseen_by(self, sent_at: float) -> bool:
+        """Whether a summary the node sent at `sent_at` (its clock) cannot show this placement (as `_unseen`)."""
+        return self.cubelet_created_at is None or self.cubelet_created_at >= sent_at
 
 
 def _unseen() -> sa.ColumnElement[bool]:

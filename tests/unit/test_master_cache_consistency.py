@@ -1,0 +1,56 @@
+"""CubeMaster's node cache never shows more free devices than a node has: the views and the claims it
+derives free counts from describe the same heartbeat, even when one lands while the cache reloads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cubeaccel.master.cache import NodeCache
+from cubeaccel.master.store import MasterStore
+from cubeaccel.master.view import NodeView
+from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
+from tests.support.master_builders import group, heartbeat, sandbox_row
+
+H100 = "H100-SXM5-80GB"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[MasterStore]:
+    s = MasterStore(str(tmp_path / "m.db"))
+    yield s
+    s.close()
+
+
+def test_a_heartbeat_landing_during_a_reload_does_not_make_a_held_device_free(
+    store: MasterStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = heartbeat("n", group(H100, 2))
+    before["sent_at"] = 1000.0
+    store.heartbeat(before, time.time(), 10)
+    key = store.all_node_views()[0].groups[0].key
+    store.insert_sandbox(sandbox_row("a", time.time()))
+    assert store.claim("a", "n", key, 1, time.time(), 10)
+    store.update_sandbox(
+        "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
+    )
+    after = heartbeat("n", group(H100, 2, free=1))  # the summary that counts the reservation
+    after["sent_at"] = 1501.0
+
+    read_views = store.node_views
+    landed = []
+
+    def views_then_heartbeat(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[str]]:
+        out = read_views(*args, **kwargs)
+        if not landed:  # the heartbeat lands just after the cache read the views, once
+            landed.append(store.heartbeat(after, time.time(), 10))
+        return out
+
+    monkeypatch.setattr(store, "node_views", views_then_heartbeat)
+    (view,) = NodeCache(store).views(fresh=True)
+    assert landed
+    assert view.free(view.groups[0]) == 1
