@@ -17,6 +17,7 @@ from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
 from tests.support.master_builders import group, heartbeat, sandbox_row
 
 H100 = "H100-SXM5-80GB"
+GIB = 1024
 
 
 @pytest.fixture
@@ -26,19 +27,19 @@ def store(tmp_path: Path) -> Iterator[MasterStore]:
     s.close()
 
 
-def test_a_heartbeat_landing_during_a_reload_does_not_make_a_held_device_free(
+def test_a_heartbeat_landing_during_a_reload_frees_neither_a_held_device_nor_its_locked_memory(
     store: MasterStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = heartbeat("n", group(H100, 2))
+    before = heartbeat("n", group(H100, 2), pinnable=100 * GIB)
     before["sent_at"] = 1000.0
     store.heartbeat(before, time.time(), 10)
     key = store.all_node_views()[0].groups[0].key
     store.insert_sandbox(sandbox_row("a", time.time()))
-    assert store.claim("a", "n", key, 1, time.time(), 10)
+    assert store.claim("a", "n", key, 1, time.time(), 10, pinned_mib=40 * GIB)
     store.update_sandbox(
         "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
     )
-    after = heartbeat("n", group(H100, 2, free=1))  # the summary that counts the reservation
+    after = heartbeat("n", group(H100, 2, free=1), pinnable=60 * GIB)  # the summary that counts the reservation
     after["sent_at"] = 1501.0
 
     read_views = store.node_views
@@ -53,4 +54,4 @@ def test_a_heartbeat_landing_during_a_reload_does_not_make_a_held_device_free(
     monkeypatch.setattr(store, "node_views", views_then_heartbeat)
     (view,) = NodeCache(store).views(fresh=True)
     assert landed
-    assert view.free(view.groups[0]) == 1
+    assert (view.free(view.groups[0]), view.free_pinnable_mib()) == (1, 60 * GIB)
