@@ -4,6 +4,7 @@ kills it. The https/HTTP-2 way (E2B_DOMAIN) and the 2.15 SDK line are in test_e2
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import ssl
@@ -18,12 +19,19 @@ import httpx
 import pytest
 from e2b import CommandExitException, Sandbox, SandboxQuery
 from e2b.connection_config import ConnectionConfig
-from e2b.exceptions import AuthenticationException, FileNotFoundException, NotFoundException, SandboxException
+from e2b.exceptions import (
+    AuthenticationException,
+    FileNotFoundException,
+    NotFoundException,
+    SandboxException,
+    SandboxNotRunningException,
+)
 from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.wire.workload_client import WorkloadClient
-from tests.support.e2b_sdk import sdk_path
+from cubeaccel.workload import ENVD_VERSION
+from tests.support.e2b_sdk import run_check, sdk_path
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll
@@ -94,6 +102,25 @@ def test_create_returns_a_running_sandbox_with_its_device(stack: dict[str, Any],
     assert sbx.is_running()
 
 
+def test_metrics_are_the_guests_samples_and_the_newest_names_its_device(stack: dict[str, Any], sbx: Sandbox) -> None:
+    metrics = sbx.get_metrics()
+    assert metrics, "the guest samples from its start"
+    m = metrics[-1]
+    assert m.cpu_count >= 1 and 0 < m.mem_used <= m.mem_total and 0 <= m.disk_used <= m.disk_total
+    assert m.timestamp.tzinfo is not None
+    raw = httpx.get(
+        f"{stack['fd'].url}/sandboxes/{sbx.sandbox_id}/metrics", headers={"X-API-Key": stack["key"]}, timeout=60
+    ).json()
+    (device,) = raw[-1]["devices"]
+    assert device["id"] == stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
+    assert device["state"] not in ("allocatable", "quarantined")
+    assert [(g["vendor"], g["device"]) for g in device["guest"]] == [("0x1234", "0x11e8")]  # the edu device
+    assert (
+        sbx.get_metrics(start=m.timestamp - datetime.timedelta(hours=2), end=m.timestamp - datetime.timedelta(hours=1))
+        == []
+    )
+
+
 def test_run_stdout_stderr_exit_codes_env_and_cwd(sbx: Sandbox) -> None:
     r = sbx.commands.run("echo hi; echo err >&2")
     assert (r.stdout, r.stderr, r.exit_code) == ("hi\n", "err\n", 0)
@@ -148,6 +175,30 @@ def test_files_write_read_list_make_dir_rename_remove(sbx: Sandbox) -> None:
         sbx.files.read("/tmp/e2b/d/a.txt")
 
 
+def test_signed_file_urls_work_in_plain_http_mode_and_watch_and_metadata(sbx: Sandbox) -> None:
+    """The SDK's signed URLs carry no sandbox id (one E2B_SANDBOX_URL for all): the front door finds the sandbox
+    whose token made the signature. And the envd 0.6 features in the real guest: watch and file metadata."""
+    up = sbx.upload_url("/tmp/signed/up.txt", use_signature_expiration=120)
+    assert "E2b-Sandbox-Id" not in up and sbx.sandbox_id not in up
+    r = httpx.post(up, files={"file": ("up.txt", b"signed upload")}, timeout=60)  # no headers at all
+    assert r.status_code == 200, r.text
+    down = sbx.download_url("/tmp/signed/up.txt", use_signature_expiration=120)
+    r = httpx.get(down, timeout=60)
+    assert (r.status_code, r.content) == (200, b"signed upload"), r.text
+    forged = down.replace("signature=v1_", "signature=v1_A")
+    assert httpx.get(forged, timeout=60).status_code == 401
+    h = sbx.files.watch_dir("/tmp/signed")
+    sbx.files.write("/tmp/signed/w.txt", "watched", metadata={"author": "e2b-test"})
+    kinds = [(e.type.name, e.name) for e in h.get_new_events()]
+    assert ("CREATE", "w.txt") in kinds and ("WRITE", "w.txt") in kinds, kinds
+    h.stop()
+    info = sbx.files.get_info("/tmp/signed/w.txt")
+    assert (info.size, info.owner) == (7, "user"), info
+    kept = sbx.commands.run("python3 -c 'import os; print(os.listxattr(\"/tmp/signed/w.txt\"))' || true", user="root")
+    # a guest filesystem without user xattrs keeps the body and no metadata (envd's answer too)
+    assert info.metadata == ({"author": "e2b-test"} if "user.e2b.author" in kept.stdout else None), kept.stdout
+
+
 def test_envd_by_host_name_and_a_chunked_upload(stack: dict[str, Any], sbx: Sandbox) -> None:
     url = stack["fd"].url
     host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}
@@ -182,7 +233,7 @@ def test_a_wrong_access_token_is_an_authentication_error(stack: dict[str, Any], 
     bad = Sandbox(
         sandbox_id=sbx.sandbox_id,
         sandbox_domain=None,
-        envd_version=Version("0.5.7"),
+        envd_version=Version(ENVD_VERSION),
         envd_access_token="wrong-" + "x" * 40,
         traffic_access_token=None,
         connection_config=cfg,
@@ -262,7 +313,11 @@ def test_refusals_name_the_layer_a_wrong_key_and_another_tenant(stack: dict[str,
 
 def test_kill_twice_then_the_sandbox_is_gone_for_the_sdk(stack: dict[str, Any], sbx: Sandbox) -> None:
     dev = stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
+    streaming = sbx.commands.run("sleep 120", background=True)
     assert sbx.kill() is True
+    with pytest.raises(SandboxNotRunningException) as killed:  # the stream is cut, /health says gone (E2B's way)
+        streaming.wait()
+    assert "killed or reached its end of life" in str(killed.value), killed.value
     assert sbx.kill() is False
     with pytest.raises(SandboxException) as e:
         sbx.commands.run("true")
@@ -307,6 +362,15 @@ def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None
         False,
     )
     assert stack["master"].client.sandbox(seen["sandbox_id"])["state"] in ("deleting", "deleted")
+
+
+def test_the_2_45_sdk_line_sees_a_sandbox_killed_mid_command(stack: dict[str, Any]) -> None:
+    """2.45 tells "killed" only from a cut connection and a health probe answering 502 (its own suite's
+    test_kill_sandbox_while_command_is_running)."""
+    seen = run_check("2.45.1", Path(__file__).with_name("sdk_kill_check.py"), [TEMPLATE], stack["key"], stack["fd"].url)
+    assert seen["killed"] is True
+    assert "TimeoutException" in seen["raised"], seen
+    assert "sandbox was killed or reached its end of life" in seen["message"], seen
 
 
 def test_a_guest_that_fails_validation_reaches_the_sdk_with_its_layer(

@@ -17,6 +17,7 @@ import pytest
 from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import AuthenticationException, NotFoundException, SandboxException
 
+from cubeaccel.workload import ENVD_VERSION
 from tests.support.e2b_sdk import run_check
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
 from tests.support.master_harness import Cluster
@@ -62,7 +63,7 @@ def test_create_info_list_timeout_kill_through_the_sdk(stack: dict[str, Any]) ->
         {"suite": tag, "k": "v w"},
         "running",
     )
-    assert str(info.envd_version) == "0.5.7"
+    assert str(info.envd_version) == ENVD_VERSION
     other = Sandbox.create("cuda12-h100", metadata={"suite": tag, "k": "other"}, **opts(stack))
     found = Sandbox.list(query=SandboxQuery(metadata={"suite": tag, "k": "v w"}), **opts(stack)).next_items()
     assert [s.sandbox_id for s in found] == [sbx.sandbox_id]
@@ -290,7 +291,7 @@ def test_a_create_without_timeout_lives_e2bs_300_s_and_metrics_answer_as_e2b_doc
     sbx = Sandbox.create("cuda12-h100", **opts(stack))  # 2.63 sends no timeout at all
     row = stack["cluster"].c.sandbox(sbx.sandbox_id)
     assert row["expires_at"] - row["created_at"] == pytest.approx(300, abs=2)
-    assert sbx.get_metrics() == []  # running, but no node samples a sandbox's use yet (docs/e2b.md)
+    assert sbx.get_metrics() == []  # running on a simulated node: no guest, so nothing sampled (docs/e2b.md)
     assert sbx.kill() is True
     with pytest.raises(NotFoundException):
         Sandbox.get_metrics(sbx.sandbox_id, **opts(stack))

@@ -44,7 +44,9 @@ RUNNING: dict[str, MasterProcess] = {}  # url → process: cubelet() enrols its 
 
 
 class MasterProcess:
-    def __init__(self, state_dir: Path, db: str | None = None, staleness: float = 1.5) -> None:
+    def __init__(self, state_dir: Path, db: str | None = None, staleness: float = 1.5, *extra: str) -> None:
+        """`extra`: more `master serve` options."""
+        self.extra = list(extra)
         self.state_dir = state_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -76,6 +78,7 @@ class MasterProcess:
             str(self.state_dir),
             "--audit-log",
             str(self.audit_log),
+            *self.extra,
         ]
         log = open(self.state_dir / "master.log", "ab")  # noqa: SIM115 - child owns it
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

@@ -37,7 +37,7 @@ NOT_CODES = {
     "initrd.img", "kernel.py", "latest.tmp", "manifest.json", "master.db", "master.log", "meta.json",
     "modules.builtin", "modules.dep", "modules.img", "modules.order", "qmp.sock", "rootfs.cpio", "rootfs.py",
     "shim.pid", "undelivered.jsonl", "up.json", "up.lock", "config.toml", "backup.json", "vmm.log", "vmm.pid",
-    "dashboard.html", "spec.json", "shim.log",
+    "dashboard.html", "spec.json", "shim.log", "base.yaml",
     "frontdoor.secret",
     # the E2B front door's metadata key for an accelerator request
     "cubeaccel.accelerators",
@@ -51,7 +51,7 @@ NOT_CODES = {
     "vm.boot", "vm.create", "vm.shutdown", "vmm.ping", "vmm.shutdown",
     # field paths named in error messages
     "by_state.allocatable", "cuda.version", "kernel_driver.module", "kernel_driver.version", "libraries.name",
-    "libraries.version", "probes.libraries", "probes.modules",
+    "libraries.version", "probes.libraries", "probes.modules", "accelerator.devices",
     # a prefix CubeMaster matches retryable codes by (reserve.pinned_memory_*), not a code itself
     "reserve.pinned_memory",
     # ASGI message types

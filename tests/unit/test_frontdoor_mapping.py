@@ -150,3 +150,10 @@ def test_envd_hosts_and_start_envelopes() -> None:
     assert json.loads(inject_envs(msg, {"B": "2"}, streaming=False))["process"]["envs"] == {"A": "mine", "B": "2"}
     compressed = b"\x01" + struct.pack(">I", 3) + b"abc"
     assert inject_envs(compressed, {"B": "2"}, streaming=True) == compressed  # not ours to judge: the guest does
+
+
+def test_a_create_for_e2bs_default_template_where_none_is_registered_says_how_to_get_one() -> None:
+    err = {"code": "template.unknown", "layer": "template", "message": "no template 'base'", "details": {}}
+    r = M.refusal_from_error({**err, "details": {"template": "base"}}, 422)
+    assert r.status == 400 and "examples/templates/base.yaml" in r.message
+    assert "base.yaml" not in M.refusal_from_error({**err, "details": {"template": "other"}}, 422).message

@@ -2,7 +2,7 @@
 
 `e2b` is not a project dependency (yet): set up a throwaway venv (`python3 -m venv /tmp/e2b && /tmp/e2b/bin/pip
 install e2b`) and point the variable at its python. HTTP/1.1 and the SDK's default ("2", which falls back to
-HTTP/1.1 on plain http) are both run; envd versions 0.5.7 (what we report) and the SDK's debug fallback 99.99.99.
+HTTP/1.1 on plain http) are both run; envd versions 0.6.4 (what we report) and the SDK's debug fallback 99.99.99.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cubeaccel.workload import ENVD_VERSION
 from tests.workload_client import ROOT
 
 SDK_PYTHON = os.environ.get("CUBEACCEL_E2B_PYTHON")
@@ -21,7 +22,7 @@ SDK_PYTHON = os.environ.get("CUBEACCEL_E2B_PYTHON")
 @pytest.mark.skipif(not SDK_PYTHON, reason="CUBEACCEL_E2B_PYTHON not set (a Python with the e2b SDK)")
 @pytest.mark.parametrize(
     ("transport", "http_version", "envd_version"),
-    [("tcp", "1.1", "0.5.7"), ("tcp", "2", "99.99.99"), ("mux", "1.1", "0.5.7")],
+    [("tcp", "1.1", ENVD_VERSION), ("tcp", "2", "99.99.99"), ("mux", "1.1", ENVD_VERSION)],
 )
 def test_e2b_sdk_drives_the_workload_service(
     tmp_path: Path, transport: str, http_version: str, envd_version: str
@@ -67,7 +68,7 @@ def test_e2b_sdk_drives_the_workload_service(
         check = subprocess.run(
             [
                 SDK_PYTHON,
-                str(ROOT / "tests" / "e2b_sdk_check.py"),
+                str(ROOT / "tests" / "e2b" / "sdk_workload_check.py"),
                 f"http://127.0.0.1:{port}",
                 token,
                 envd_version,

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given
@@ -83,6 +84,39 @@ def test_a_guest_that_breaks_mid_stream_ends_the_stream_with_a_clear_error(
         assert s.events == [{"event": {"start": {"pid": 7}}}]
         assert s.error is not None and s.error["code"] == "unavailable"
         assert "workload.channel_closed" in s.error["message"]
+    finally:
+        bridge.close()
+        guest.stop()
+        node.cubelet.store.close()
+
+
+def test_a_sandbox_torn_down_mid_stream_has_its_stream_cut_as_e2b_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SDK (2.45 on) tells "killed" from a cut connection plus a health probe that says gone; an end-of-stream
+    error envelope would read as a mere timeout, so a sandbox that is no longer running gets no envelope."""
+    first = encode_envelope({"event": {"start": {"pid": 7}}})
+    node, token = _running(tmp_path, monkeypatch, tmp_path / "workload.sock")
+
+    def script(conn: socket.socket) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\nTransfer-Encoding: chunked\r\n\r\n"
+        conn.sendall(data_frame(1, head + f"{len(first):x}\r\n".encode() + first + b"\r\n").encode())
+        node.cubelet.release("sb")  # the sandbox is killed: teardown begins, then its guest goes away
+        conn.close()
+
+    guest = ScriptedGuest(tmp_path / "vmm.sock", script)
+    bridge = WorkloadBridge(tmp_path / "vmm.sock", tmp_path / "workload.sock", token)
+    bridge.start(5)
+    try:
+        with TestClient(create_app(node.cubelet), base_url="http://cubelet/v1/sandboxes/sb/workload") as tc:
+            seen: list[dict[str, Any]] = []
+            wl = WorkloadClient(tc, token)
+            with (
+                pytest.raises(httpx.HTTPError),
+                wl.stream("process.Process/Start", {"process": {"cmd": "/bin/true"}}) as m,
+            ):
+                seen.extend(m)
+        assert seen == [{"event": {"start": {"pid": 7}}}]  # and no end-of-stream envelope after it
     finally:
         bridge.close()
         guest.stop()

@@ -187,10 +187,14 @@ def test_kill_reaches_the_whole_process_group(wl: WorkloadClient, tmp_path: Path
 
 
 def test_timeout_kills_a_command_that_never_exits(wl: WorkloadClient) -> None:
+    """The stream ends as envd's does at its deadline (`deadline_exceeded`, not the exit), and the command dies."""
     started = time.monotonic()
     s = wl.run("sleep 1000", timeout_ms=300)
-    assert s.end["status"] == "signal: killed"
+    assert s.kinds() == ["start"] and s.error is not None, s
+    assert s.error == {"code": "deadline_exceeded", "message": "context deadline exceeded"}
     assert time.monotonic() - started < 10
+    again = wl.collect("process.Process/Connect", {"process": {"pid": s.pid}})
+    assert again.end["status"] == "signal: killed"  # killed by the same deadline, kept for a later Connect
 
 
 def test_keepalive_when_idle(wl: WorkloadClient) -> None:
@@ -383,10 +387,10 @@ def test_dotdot_and_home_relative_paths(wl: WorkloadClient) -> None:
 
 
 def test_unknown_routes_and_methods(wl: WorkloadClient) -> None:
-    r = wl.unary("filesystem.Filesystem/WatchDir", {"path": "/"})
-    assert r.json()["code"] == "unimplemented"
-    r = wl.unary("filesystem.Filesystem/CreateWatcher", {"path": "/"})
-    assert r.status_code == 501
+    r = wl.unary("filesystem.Filesystem/WatchDir", {"path": "/"})  # a server stream, asked as unary
+    assert r.status_code == 415
+    r = wl.unary("filesystem.Filesystem/Chown", {"path": "/"})
+    assert r.status_code == 501 and r.json()["code"] == "unimplemented"
     r = wl.http.post(
         "/process.Process/List", content=b"\x00", headers=wl.headers({"Content-Type": "application/proto"})
     )
@@ -503,3 +507,59 @@ def test_stream_input_applies_envelopes_in_order(wl: WorkloadClient) -> None:
         headers=wl.headers({"Content-Type": "application/connect+json"}),
     )
     assert r.status_code == 200 and b'"failed_precondition"' in r.content
+
+
+def test_watch_dir_streams_fsnotify_events_until_its_deadline(wl: WorkloadClient, tmp_path: Path) -> None:
+    """The stream form (the async SDK's): start, events as they happen (with entries), keepalives, and
+    `deadline_exceeded` when Connect-Timeout-Ms passes."""
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    body = {"path": str(watched), "includeEntry": True}
+    headers = {"Connect-Timeout-Ms": "2500", "Keepalive-Ping-Interval": "1"}
+    seen: list[dict[str, Any]] = []
+    with wl.stream("filesystem.Filesystem/WatchDir", body, headers=headers) as messages:
+        assert next(messages) == {"event": {"start": {}}}
+        (watched / "f.txt").write_text("hello")
+        (watched / "f.txt").unlink()
+        seen.extend(messages)
+    end = seen.pop()["__end__"]
+    assert end == {"error": {"code": "deadline_exceeded", "message": "context deadline exceeded"}}
+    events = [m["event"]["filesystem"] for m in seen if "filesystem" in m["event"]]
+    assert [(e["type"], e["name"]) for e in events] == [
+        ("EVENT_TYPE_CREATE", "f.txt"),
+        ("EVENT_TYPE_WRITE", "f.txt"),
+        ("EVENT_TYPE_REMOVE", "f.txt"),
+    ]
+    assert all("entry" not in e for e in events[2:])  # a removal carries no entry (envd's opCarriesEntry)
+    assert any(m["event"] == {"keepalive": {}} for m in seen)
+    missing = wl.collect("filesystem.Filesystem/WatchDir", {"path": str(tmp_path / "none")})
+    assert missing.error is not None and missing.error["code"] == "not_found"
+
+
+def test_metrics_are_envds_sample_and_the_guests_series_with_its_pci_view(wl: WorkloadClient) -> None:
+    r = wl.http.get("/metrics", headers=wl.headers())
+    assert r.status_code == 200
+    sample = r.json()
+    assert sample["cpu_count"] >= 1 and 0 < sample["mem_used"] <= sample["mem_total"]
+    assert 0 < sample["disk_used"] <= sample["disk_total"] and abs(sample["ts"] - time.time()) < 30
+    series = wl.http.get("/cubeaccel/metrics", headers=wl.headers()).json()
+    assert series["samples"] and series["samples"][-1]["ts"] >= sample["ts"] - 5
+    assert isinstance(series["devices"], list)
+    for path in ("/metrics", "/cubeaccel/metrics"):  # the token is required, as envd's /metrics
+        assert wl.http.get(path, headers=wl.headers(token="wrong")).status_code == 401
+
+
+def test_the_sampler_keeps_a_bounded_series_with_cpu_over_each_interval() -> None:
+    from cubeaccel.workload.metrics import Sampler
+
+    sampler = Sampler(interval_s=0.02, keep=5)
+    try:
+        wait_until(lambda: len(sampler.series()) == 5, what="five samples")
+        end = time.monotonic() + 1
+        while time.monotonic() < end:  # busy: the next samples see CPU use
+            pass
+        series = sampler.series()
+        assert len(series) == 5 and all(0.0 <= s["cpu_used_pct"] <= 100.0 for s in series)
+        assert any(s["cpu_used_pct"] > 0 for s in series)
+    finally:
+        sampler.stop()

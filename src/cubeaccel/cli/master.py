@@ -98,6 +98,14 @@ def serve_cmd(
     default_timeout: Annotated[
         float, typer.Option(min=1.0, help="lifetime of a sandbox created without a timeout, seconds")
     ] = 3600.0,
+    cubelet_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="seconds one request to a Cubelet may take; a placement untouched for twice this long belongs "
+            "to a create that died and is settled by maintenance",
+        ),
+    ] = 30.0,
     log_level: Annotated[str | None, typer.Option(help="JSON logs on stderr: debug|info|warning|error")] = None,
 ) -> None:
     """Run CubeMaster: migrate the database, then serve the API."""
@@ -130,7 +138,8 @@ def serve_cmd(
     except CubeError as e:
         fail(e)
         return
-    master = CubeMaster(store, MasterConfig(staleness_s=staleness, default_lifetime_s=default_timeout))
+    config = MasterConfig(staleness_s=staleness, default_lifetime_s=default_timeout, cubelet_timeout_s=cubelet_timeout)
+    master = CubeMaster(store, config)
     if bootstrap is not None:
         from cubeaccel.master.auth import bootstrap as make_keys
 
@@ -193,7 +202,7 @@ def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
 
 def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
     t = Table(title="nodes")
-    for col in ("node", "state", "heartbeat", "backends", "free/total", "devices"):
+    for col in ("node", "state", "heartbeat", "backends", "free/total", "devices", "warm"):
         t.add_column(col)
     for n in nodes:
         groups = ", ".join(
@@ -206,8 +215,18 @@ def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
             ",".join(n["backends"]),
             f"{n['allocatable']}/{n['total']}",
             groups,
+            _warm_cell(n.get("warm_pools") or []),
         )
     return t
+
+
+def _warm_cell(pools: list[dict[str, Any]]) -> str:
+    """Per pool: warm/size, and how many are starting (refill)."""
+    cells = []
+    for p in pools:
+        starting = f" +{p['starting']} starting" if p["starting"] else ""
+        cells.append(f"{p['template'] or p['key']} {p['warm']}/{p['size']} warm{starting}")
+    return ", ".join(cells) or "-"
 
 
 node_app = typer.Typer(no_args_is_help=True, help="Nodes through CubeMaster: list, drain, undrain (admin key).")
@@ -291,7 +310,8 @@ def _sandbox_table(rows: list[dict[str, Any]]) -> Table:
     for col in ("state", "node", "template", "devices", "error"):
         t.add_column(col, overflow="fold")
     for s in rows:
-        tpl = s["template"]["name"] + "@" + s["template"]["version"] if s["template"] else "-"
+        tpl = s["template"] or {}
+        tpl = "@".join(x for x in (tpl.get("name"), tpl.get("version")) if x) or "-"
         err = (s["error"] or {}).get("code", "")
         t.add_row(s["id"], output.state(s["state"]), s["node"] or "-", tpl, ", ".join(s["device_ids"]) or "-", err)
     return t
@@ -349,8 +369,9 @@ def sandbox_create(
 def sandbox_list(
     state: Annotated[str | None, typer.Option()] = None, url: MasterUrl = None, as_json: AsJson = False
 ) -> None:
+    """Sandboxes; with no --state, an admin also sees the nodes' warm sandboxes (state `warm`, no tenant's)."""
     output.json_flag(as_json)
-    rows = _call(url, lambda c: c.sandboxes(state))
+    rows = _call(url, lambda c: c.sandboxes(state) + ([] if state else c.sandboxes("warm")))
     output.emit({"sandboxes": rows}, lambda: console.print(_sandbox_table(rows)))
 
 

@@ -13,10 +13,13 @@ import httpx
 
 from cubeaccel import __version__
 from cubeaccel.cubelet import host_ready, memory_ledger
-from cubeaccel.cubelet.capacity import capacity_summary
+from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
 from cubeaccel.wire.node_sig import NodeAuth
+from cubeaccel.wire.warm import WarmPoolFact, WarmSandboxFact
 
 
 def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
@@ -35,8 +38,50 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         guest_images=[i.to_json() for i in facts.guest_images],
         hotplug=list(facts.hotplug),
         max_devices_per_sandbox=cubelet.max_devices_per_sandbox,
+        warm_pools=warm_pool_facts(cubelet),
         sent_at=sent_at,
     ).to_json()
+
+
+def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
+    """Each warm pool's shape (the fields its key is derived from), counts and the ids ready to claim, so
+    CubeMaster can match a create and name the warm sandbox it claims (docs/warm.md)."""
+    out: list[WarmPoolFact] = []
+    for pool in list(cubelet.warm.pools.values()):
+        try:
+            _, params = cubelet.request_params(pool.request)
+        except CubeError:  # a pool this node can no longer build (its network refused): not advertised
+            continue
+        ready: list[WarmSandboxFact] = []
+        with cubelet.store.read() as t:
+            for r in t.reservations():
+                if r.phase is not ReservationPhase.WARM or r.checkpoint.warm_pool != pool.key:
+                    continue
+                devs = t.devices_of(r.sandbox_id)
+                labels = {k: devs[0].labels[k] for k in SUMMARY_LABELS if devs and k in devs[0].labels}
+                ready.append(WarmSandboxFact(id=r.sandbox_id, labels=labels))
+        warm, starting = cubelet.warm.counts(pool.key)
+        digest = ((params.get("contract") or {}).get("template") or {}).get("digest") or "none"
+        out.append(
+            WarmPoolFact.model_validate(
+                {
+                    "key": pool.key,
+                    "template": pool.request.template,
+                    "contract_digest": str(digest),
+                    "class": params.get("class"),
+                    "count": params.get("count"),
+                    "memory_mib": params.get("memory_mib"),
+                    "vcpus": params.get("vcpus"),
+                    "pin_memory": params.get("pin_memory", True),
+                    "network": params.get("network"),
+                    "size": pool.size,
+                    "warm": warm,
+                    "starting": starting,
+                    "sandboxes": ready,
+                }
+            )
+        )
+    return out
 
 
 def host_state(cubelet: Cubelet) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -175,14 +175,8 @@ class Cubelet(ReleasePath):
     # ---- reserve and start ----------------------------------------------------------------------
     def reserve(self, sandbox_id: str, req: ReservationRequest) -> Reservation:
         validate_sandbox_id(sandbox_id)
-        limit = self.max_devices_per_sandbox
-        if not 1 <= req.count <= limit:
-            raise invalid(
-                "reserve.invalid_count",
-                f"count must be 1..{limit} on this node (one VM takes at most "
-                f"{self.shim.max_devices} devices), got {req.count}",
-            )
         contract, params = self.request_params(req)
+        self._check_count(req.count, contract)
         with self.change() as t:
             existing = t.reservation(sandbox_id)
             if existing is not None:
@@ -196,9 +190,9 @@ class Cubelet(ReleasePath):
                     details={"existing": existing.params},
                 )
             host_ready.refuse_if_not_ready(t)
-            devices = t.devices(S.ALLOCATABLE)  # only these can be chosen; the others are counted on refusal
+            devices = [] if req.count == 0 else t.devices(S.ALLOCATABLE)  # the others are counted on refusal
             eligible, refused = devices, []
-            if contract is not None:  # stage 3 of the contract: the physical device itself
+            if contract is not None and devices:  # stage 3 of the contract: the physical device itself
                 pinnable = self.pinnable_mib()
                 verdicts = {d.id: check_device(contract, d, pinnable_memory_mib=pinnable) for d in devices}
                 eligible = [d for d in devices if not verdicts[d.id]]
@@ -242,6 +236,23 @@ class Cubelet(ReleasePath):
                 details={"device_ids": res.device_ids, "params": params},
             )
             return res
+
+    def _check_count(self, count: int, contract: CompatibilityContract | None) -> None:
+        """A CPU-only contract takes exactly no device; any other reservation 1..the node's per-VM limit."""
+        if contract is not None and contract.template.cpu_only:
+            if count != 0:
+                raise invalid(
+                    "reserve.invalid_count",
+                    f"template {contract.template_name} is CPU-only: count must be 0, got {count}",
+                )
+            return
+        limit = self.max_devices_per_sandbox
+        if not 1 <= count <= limit:
+            raise invalid(
+                "reserve.invalid_count",
+                f"count must be 1..{limit} on this node (one VM takes at most "
+                f"{self.shim.max_devices} devices), got {count}",
+            )
 
     def request_params(self, req: ReservationRequest) -> tuple[CompatibilityContract | None, dict[str, Any]]:
         """The reservation's recorded parameters: the frozen contract's memory and the effective network policy
@@ -529,6 +540,8 @@ class Cubelet(ReleasePath):
                 cp.vmm_confined = not unconfined
             elif k is ShimReportKind.DEVICE_ATTACHED and self._gated and not cp.vmm_confined:
                 unconfined = ["no confinement proof before the device was attached"]
+            elif k is ShimReportKind.GUEST_VALIDATED and self._gated and not cp.vmm_confined:
+                unconfined = ["no confinement proof before the sandbox was ready"]  # one with no device, too
             elif k is ShimReportKind.DEVICE_ATTACHED:
                 named = set(report.device_ids)  # one report per device; none named means all
                 devs = self._sandbox_devices(t, sid)
@@ -549,6 +562,7 @@ class Cubelet(ReleasePath):
                 and not violations
                 and res.phase is P.STARTING
                 and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
+                and (cp.vmm_confined or not self._gated)  # a sandbox with no device to gate is gated here
             )
             warm = res.checkpoint.warm_pool is not None and res.checkpoint.claimed_at is None
             if ready:  # ready means ready: every device attached *and* validated in the guest

@@ -42,7 +42,7 @@ from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
 from cubeaccel.wire.http_server import PEER_KEY, run_servers, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
-from cubeaccel.wire.warm import WarmPoolBody, WarmPoolList
+from cubeaccel.wire.warm import WarmClaimBody, WarmPoolBody, WarmPoolList
 
 # Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
 AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
@@ -217,15 +217,15 @@ def create_app(
 
     # ---- warm sandboxes (docs/warm.md) ----
     @app.post("/v1/warm/claim", status_code=201, response_model=W.ReservationView)
-    async def claim_warm(body: W.ReservationBody, request: Request) -> dict[str, Any]:
+    async def claim_warm(body: WarmClaimBody, request: Request) -> dict[str, Any]:
         """A reservation request served only from the node's warm pool: 201 and the running sandbox with its
         workload token, or 409 `warm.no_match` with `details.reason` (the caller takes the cold path)."""
         request.state.audit_fields = {"sandbox": body.sandbox_id, "tenant": body.tenant}
         return await run_in_threadpool(claim_now, body)
 
-    def claim_now(body: W.ReservationBody) -> dict[str, Any]:
+    def claim_now(body: WarmClaimBody) -> dict[str, Any]:
         given = body.workload_token.get_secret_value() if body.workload_token else None
-        _, token = cubelet.warm.claim(body.sandbox_id, _request(body), given)
+        _, token = cubelet.warm.claim(body.sandbox_id, _request(body), given, body.warm_id)
         return {**_reservation_json(cubelet, body.sandbox_id, local), "access_token": token}
 
     @app.get("/v1/warm/pools", response_model=WarmPoolList)
@@ -614,6 +614,11 @@ class _EnvelopeTracker:
         return self._header and self._need == 5 and not self.ended
 
 
+def _still_running(cubelet: Cubelet, sandbox_id: str) -> bool:
+    res = cubelet.store.reservation(sandbox_id)
+    return res is not None and res.phase is ReservationPhase.RUNNING
+
+
 def _end_of_stream_error(code: str, message: str) -> bytes:
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return bytes([0x02]) + len(body).to_bytes(4, "big") + body
@@ -667,7 +672,9 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
                     yield chunk
             except httpx.HTTPError as e:
                 upstreams.drop(sandbox_id)
-                if not (connect_stream and tracker.at_boundary):
+                if not (connect_stream and tracker.at_boundary) or not _still_running(cubelet, sandbox_id):
+                    # A sandbox being torn down ends its streams as E2B's do when a sandbox is killed: the
+                    # connection is cut, and the SDK's health probe (502, gone) tells it the sandbox was killed.
                     raise
                 code = "workload.channel_closed"  # ours, in the message; the Connect code is envd's vocabulary
                 yield _end_of_stream_error(

@@ -253,13 +253,13 @@ class SimulatedShimDriver:
 
     def _refusal(self, spec: ShimSpec) -> dict[str, str] | None:
         """The real shim's refusals (shim/process.py), judged on the simulated node's facts."""
-        if not spec.hotplug:
+        if not spec.hotplug and spec.devices:  # a CPU-only sandbox plugs nothing
             return {
                 "reason": "shim.coldplug_unsupported",
                 "layer": "backend",
                 "message": "the template expects cold-plug; this VMM only hot-plugs",
             }
-        if not self.hotplug:
+        if not self.hotplug and spec.devices:
             return {"reason": "vmm.hotplug_unsupported", "layer": "backend", "message": "this VMM cannot hot-plug"}
         if spec.image_digest is None or spec.image_digest not in {i.digest for i in self.guest_images}:
             return {

@@ -33,11 +33,11 @@ from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
-from cubeaccel.wire.warm import ShimClaim
+from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim
 
 log = logging.getLogger(__name__)
 P, RE = ReservationPhase, ReservationEvent
-WARM_PREFIX = "warm-"  # a warm sandbox's own id (its shim, VMM and run directory keep it after a claim)
+WARM_PREFIX = WARM_ID_PREFIX  # a warm sandbox's own id (its shim, VMM and run directory keep it after a claim)
 BACKOFF_FIRST_S = 2.0
 BACKOFF_MAX_S = 300.0
 CLAIM_TIMEOUT_S = 40.0  # the shim's rebind waits up to 30 s for the guest's new session
@@ -238,9 +238,12 @@ class WarmPools:
             "warm.no_match", f"no warm sandbox matches ({reason})", layer="cubelet", details={"reason": reason}
         )
 
-    def claim(self, sandbox_id: str, req: Any, given: str | None = None) -> tuple[Reservation, str]:
+    def claim(
+        self, sandbox_id: str, req: Any, given: str | None = None, warm_id: str | None = None
+    ) -> tuple[Reservation, str]:
         """The requester's sandbox from a warm one, or `warm.no_match` (409, `details.reason` names the miss:
-        `warm.no_pool`, `warm.pool_empty`). Returns the reservation and the workload token it now serves."""
+        `warm.no_pool`, `warm.pool_empty`). `warm_id`: only that warm sandbox (CubeMaster names the one its
+        claim row holds); a miss when it is no longer warm. Returns the reservation and the token it serves."""
         validate_sandbox_id(sandbox_id)
         if sandbox_id.startswith(WARM_PREFIX):
             raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
@@ -257,6 +260,7 @@ class WarmPools:
                 for r in t.reservations()
                 if r.phase is P.WARM
                 and r.checkpoint.warm_pool == key
+                and warm_id in (None, r.sandbox_id)
                 and all(d.labels.get(k) == v for d in t.devices_of(r.sandbox_id) for k, v in req.labels)
             ]
             if not warm:

@@ -25,9 +25,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from cubeaccel.frontdoor import mapping as M
-from cubeaccel.frontdoor.envd import EnvdProxy
-from cubeaccel.frontdoor.mapping import Refusal
+from cubeaccel.frontdoor.envd import EnvdProxy, envd_error
+from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
 from cubeaccel.frontdoor.master import MasterClient
+from cubeaccel.frontdoor.metrics import devices_of, e2b_metrics, window
 from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
 from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 
@@ -193,11 +194,20 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         return JSONResponse([M.listed(r).body() for r in chunk], headers=headers)
 
     async def metrics(request: Request) -> Response:
-        """E2B's metrics of a running sandbox (404 otherwise). No node samples a sandbox's CPU, memory or disk
-        use yet, so the list of samples is empty: the SDK's `get_metrics()` answers `[]` (docs/e2b.md)."""
+        """E2B's metrics of a running sandbox (404 otherwise): the guest's own samples, every 5 s for the last
+        hour, within `start`/`end`; the newest carries the sandbox's devices (frontdoor/metrics.py)."""
         key = api_key(request)
-        await live(key, request.path_params["sandbox_id"])
-        return JSONResponse([])
+        sid = request.path_params["sandbox_id"]
+        try:
+            start, end = window(request.query_params.get("start"), request.query_params.get("end"))
+        except ValueError:
+            raise Refusal(400, "cubeaccel (api): start and end are Unix seconds") from None
+        row = await live(key, sid)
+        guest = await envd.guest_metrics(sid)
+        node = str(row.get("node") or "")
+        listed = await master.admin("GET", f"/v1/nodes/{quote(node, safe='')}/devices")
+        devices = devices_of(row, list(listed.get("devices") or []), guest.devices)
+        return JSONResponse(e2b_metrics(guest, start, end, devices))
 
     async def kill(request: Request) -> Response:
         key = api_key(request)
@@ -276,6 +286,16 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                 return
             request = Request(scope, receive)
             target = envd.target(request)
+            if target is None and envd.unaddressed_signed_files(request):
+                try:
+                    found = await envd.signed_sandbox(request)
+                except Refusal as e:
+                    await error(e.status, e.message, e.retry)(scope, receive, send)
+                    return
+                if found is None:  # no running sandbox's token made this signature: envd's own answer
+                    await envd_error(401, "invalid signature")(scope, receive, send)
+                    return
+                target = (ENVD_PORT, found)
             if target is not None:
                 try:
                     response = await envd.handle(request, *target)

@@ -12,24 +12,29 @@ SandboxNotRunningException.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
 import re
+import socket
 import struct
 import time
 from collections.abc import AsyncIterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 import httpx
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.model.ids import SANDBOX_ID_RE
+from cubeaccel.wire.e2b_api import GuestMetrics
 
 _HOP_BY_HOP = {
     "connection",
@@ -46,6 +51,7 @@ START_PATH = "/process.Process/Start"
 MAX_START_MESSAGE = 1 << 20  # the guest's own bound for a stream request message
 ROUTE_TTL_S = 5.0  # how long a sandbox → node answer is reused (a gone sandbox is re-checked at once)
 NODE_TTL_S = 30.0
+RUNNING_REFRESH_S = 1.0  # a signed URL that names no sandbox re-reads the running list at most this often
 GONE_STATES = {"deleting", "deleted", "failed", "lost"}
 
 
@@ -113,6 +119,7 @@ class EnvdProxy:
         )
         self._routes: dict[str, tuple[float, Route]] = {}
         self._nodes: dict[str, tuple[float, str]] = {}
+        self._running: tuple[float, list[str]] = (float("-inf"), [])
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -123,6 +130,27 @@ class EnvdProxy:
         if sid is not None:
             return int(request.headers.get("e2b-sandbox-port") or ENVD_PORT), sid
         return host_sandbox(request.headers.get("host", ""), self.domain)
+
+    @staticmethod
+    def unaddressed_signed_files(request: Request) -> bool:
+        """A signed `/files` URL as the SDK makes it in plain-http mode (`E2B_SANDBOX_URL`): one base URL for
+        every sandbox, so nothing in it names the sandbox."""
+        return request.url.path == "/files" and "signature" in request.query_params
+
+    async def signed_sandbox(self, request: Request) -> str | None:
+        """The running sandbox whose token signed this `/files` URL (its signature is a sha256 over the
+        token, so at most one matches), or None. The running list comes from CubeMaster, re-read at most once
+        a `RUNNING_REFRESH_S` however many unsigned or forged URLs arrive."""
+        for attempt in range(2):
+            stamp, ids = self._running
+            for sid in ids:
+                if signed_ok(request, envd_token(self.secret, sid)):
+                    return sid
+            if attempt or time.monotonic() - stamp < RUNNING_REFRESH_S:
+                return None
+            listed = await self.master.admin("GET", "/v1/sandboxes?state=running")
+            self._running = (time.monotonic(), [str(r["id"]) for r in listed.get("sandboxes", [])])
+        return None
 
     async def route(self, sandbox_id: str, fresh: bool = False) -> Route | None:
         """The sandbox's node and envVars (CubeMaster, with the front door's admin key); None when it is gone."""
@@ -152,6 +180,27 @@ class EnvdProxy:
         route = Route(url.rstrip("/"), dict((row.get("request") or {}).get("env_vars") or {}))
         self._routes[sandbox_id] = (now + ROUTE_TTL_S, route)
         return route
+
+    async def guest_metrics(self, sandbox_id: str) -> GuestMetrics:
+        """The guest's samples and PCI view, asked through the node's workload proxy with the sandbox's token."""
+        route = await self.route(sandbox_id)
+        if route is None:
+            raise Refusal(404, f"sandbox {sandbox_id} not found (it is gone)")
+        url = f"{route.cubelet_url}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload/cubeaccel/metrics"
+        try:
+            r = await self.http.get(url, headers={"X-Access-Token": envd_token(self.secret, sandbox_id)}, timeout=30)
+        except httpx.HTTPError as e:
+            raise Refusal(502, f"sandbox {sandbox_id}: its node could not be reached: {type(e).__name__}") from e
+        if r.status_code in (409, 503) and _cubelet_not_running(r.content):
+            return GuestMetrics(samples=[], devices=[])  # no workload endpoint (a simulated node): nothing sampled
+        if r.status_code != 200:
+            raise Refusal(502, f"sandbox {sandbox_id}: its guest answered metrics with {r.status_code}")
+        try:
+            return GuestMetrics.model_validate_json(r.content)
+        except ValidationError as e:
+            raise Refusal(
+                502, f"sandbox {sandbox_id}: its guest's metrics do not parse ({e.error_count()} errors)"
+            ) from e
 
     async def handle(self, request: Request, port: int, sandbox_id: str) -> Response:
         if port != ENVD_PORT:
@@ -240,9 +289,31 @@ def _cubelet_not_running(body: bytes) -> bool:
     return isinstance(err, dict) and err.get("code") in ("workload.not_running", "workload.unavailable")
 
 
+# The caller's connection (an asyncio transport), for plain HTTP/1.1 (set per connection by serve.py; None
+# under other servers).
+CLIENT_TRANSPORT: ContextVar[Any] = ContextVar("cubeaccel_frontdoor_client_transport", default=None)
+
+
+def reset_client_connection() -> None:
+    """Abort this HTTP/1.1 connection with a TCP reset. An upstream cut mid-stream (a sandbox killed) must reach
+    the SDK as a dropped connection, which it answers with a health probe (502: "killed"); a FIN after a partial
+    chunked body is a protocol error to it instead (pyqwest's RemoteProtocolError, which SDK 2.45 reads as a
+    sandbox timeout)."""
+    transport = CLIENT_TRANSPORT.get()
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()  # closes now, without the FIN a graceful close would send first
+
+
 async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
+    except httpx.HTTPError:
+        reset_client_connection()
+        raise
     finally:
         await upstream.aclose()

@@ -14,13 +14,14 @@ from typing import Any
 from cubeaccel.wire.e2b_api import ListedSandbox, NewSandbox, SandboxCreated, SandboxDetail
 
 # What the guest's cube-workload implements (docs/workload.md); a test holds it equal to the guest's own constant.
-ENVD_VERSION = "0.5.7"
+ENVD_VERSION = "0.6.4"
 ENVD_PORT = 49983
 ACCELERATORS_KEY = "cubeaccel.accelerators"  # metadata key: overrides the template's default accelerator request
 CLIENT_ID = "cubeaccel"
 LIVE = "running"  # the only CubeMaster state E2B calls a sandbox (E2B's other one, paused, we never have)
 TOKEN_CONTEXT = b"cubeaccel-envd-token/v1:"
 DEFAULT_TIMEOUT_S = 300  # E2B's lifetime for a create that names none (not CubeMaster's own default)
+E2B_DEFAULT_TEMPLATE = "base"  # what the SDK sends when the caller names no template (examples/templates/base.yaml)
 
 
 class Refusal(Exception):
@@ -42,9 +43,10 @@ def envd_token(secret: bytes, sandbox_id: str) -> str:
 
 
 def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
-    """CubeMaster's create body for an E2B create. `templateID` is a GPU template (name or `name@version`); the
+    """CubeMaster's create body for an E2B create. `templateID` is a registered template by name (or
+    `name@version`), passed as it is: a GPU one, or `base`, the CPU-only one the SDK asks for by default. The
     metadata key `cubeaccel.accelerators` (shorthand `H100:2`, or a JSON list of alternatives) overrides the
-    template's default request."""
+    template's default request (a CPU-only template refuses it: `request.class_mismatch`)."""
     unsupported = [
         name
         for name, asked in (
@@ -260,6 +262,8 @@ def refusal_from_error(err: dict[str, Any], status: int) -> Refusal:
             reasons.append(f"{node}: {why.get('reason')}" + (f" ({why['detail']})" if why.get("detail") else ""))
     for attempt in details.get("attempts") or []:
         reasons.append(f"{attempt.get('node')}: {attempt.get('code')}")
+    if code == "template.unknown" and details.get("template") == E2B_DEFAULT_TEMPLATE:
+        text += " (E2B's default template: register examples/templates/base.yaml, as `cubeaccel up` does)"
     if reasons:
         shown = reasons[:8] + ([f"... {len(reasons) - 8} more"] if len(reasons) > 8 else [])
         text += " [nodes: " + "; ".join(shown) + "]"

@@ -7,8 +7,10 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from cubeaccel.frontdoor.app import FrontDoorConfig, create_app
+from cubeaccel.frontdoor.envd import CLIENT_TRANSPORT
 from cubeaccel.host import sdnotify
 from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits
 
@@ -21,9 +23,31 @@ def read_secret(path: Path) -> str:
     return value
 
 
+def expose_client_sockets() -> None:
+    """Each plain-HTTP/1.1 connection's transport in `envd.CLIENT_TRANSPORT`, so that a stream cut upstream can
+    be cut with a reset (envd.reset_client_connection). Hypercorn gives the app no socket: its per-connection
+    server object is wrapped instead, and the value reaches the app's tasks as their context is copied. Not for
+    TLS: there HTTP/2 multiplexes streams on one connection, which one stream's failure must not reset."""
+    from hypercorn.asyncio import tcp_server
+
+    original = tcp_server.TCPServer.__init__
+    if getattr(original, "cubeaccel_wrapped", False):
+        return
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if self.writer.get_extra_info("ssl_object") is None:
+            CLIENT_TRANSPORT.set(self.writer.transport)
+
+    init.cubeaccel_wrapped = True  # type: ignore[attr-defined]
+    setattr(tcp_server.TCPServer, "__init__", init)  # noqa: B010
+
+
 def serve(cfg: FrontDoorConfig, listen: str, certfile: Path | None = None, keyfile: Path | None = None) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
+
+    expose_client_sockets()
 
     hc = Config()
     hc.bind = [listen]

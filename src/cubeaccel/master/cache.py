@@ -74,13 +74,15 @@ class NodeCache:
         placed: dict[str, list[Placement]] = {}
         for p in self.store.placements():
             placed.setdefault(p.node, []).append(p)
+        warm = self.store.warm_claimed()
         fresh = {name: old[name] for name in names if name in old}
         for v in changed:  # unchanged views keep their contract and device memos
             v.claims, v.memory_claims_mib = unseen_claims(placed.get(v.name, []), v.sent_at)
             fresh[v.name] = v
         self._index.replace_all(fresh.values())
-        for v in fresh.values():
-            self._index.set_claims(v.name, *unseen_claims(placed.get(v.name, []), v.sent_at))
+        for name, v in fresh.items():
+            self._index.set_claims(name, *unseen_claims(placed.get(name, []), v.sent_at))
+            v.warm_claimed = warm.get(name, frozenset())
         self._loaded_at = time.monotonic()
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from cubeaccel.master.service import CubeMaster, sandbox_json
+from cubeaccel.master.warm import warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
 
@@ -58,7 +59,12 @@ class DashboardFeed:
         phases: dict[str, dict[str, float]] = {}
         for v in views:
             s = summaries[v.name]
-            node: dict[str, Any] = {"node": v.name, "state": s["state"], "schedulable": s["schedulable"]}
+            node: dict[str, Any] = {
+                "node": v.name,
+                "state": s["state"],
+                "schedulable": s["schedulable"],
+                "warm_pools": s["warm_pools"],
+            }
             future = asks.get(v.name)
             if future is None:
                 node["error"] = {"code": "node.stale", "message": f"no heartbeat for {s['last_heartbeat_age_s']} s"}
@@ -79,5 +85,6 @@ class DashboardFeed:
         for r in rows:
             out = sandbox_json(r)
             sandboxes.append({**out, "phases": phases.get(str(r["id"]), {})})
+        sandboxes += [{**w, "phases": {}} for w in warm_rows([v for v in views if not v.stale(now, staleness)])]
         events.sort(key=lambda e: e.get("at") or 0.0, reverse=True)
         return {"at": now, "nodes": nodes, "sandboxes": sandboxes, "events": events[:MAX_EVENTS]}

@@ -27,6 +27,7 @@ from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import HELD_STATES, PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.wire.warm import WARM_ID_PREFIX
 
 SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE
 
@@ -81,6 +82,8 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
         lost.append(row["id"])
     now = time.time()
     for sid, r in held.items():
+        if sid.startswith(WARM_ID_PREFIX):
+            continue  # the node's own warm sandbox: no record here until a claim names it (docs/warm.md)
         rec = master.store.sandbox(sid)
         live = rec is not None and rec["node"] == name and rec["state"] in (SS.PLACING, *HELD_STATES)
         young = now - float(r.get("created_at") or 0) < ORPHAN_GRACE_S and rec is not None
@@ -231,6 +234,9 @@ class Maintenance:
         for row in self.master.store.sandboxes(states=(SS.STARTING, SS.RUNNING)):
             if row["expires_at"] is not None and row["expires_at"] < now:
                 self.master.store.update_sandbox(row["id"], "timeout", event=SE.TIMEOUT, by=MAINT)
+        advertised = {v.name: {w.id for p in v.warm_pools for w in p.sandboxes} for v in self.master.cache.views()}
+        if self.master.store.settle_warm_claims(advertised):
+            self.master.cache.invalidate()
         revoked = self.master.auth.revoked_tenants()
         if revoked:  # what a revoke raced (a create placed after it, another replica's)
             self.master.end_revoked(revoked, MAINT)

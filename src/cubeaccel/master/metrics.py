@@ -53,6 +53,23 @@ class _Nodes(Collector):
             nodes.add_metric([state], n)
         yield nodes
         yield devices
+        yield self._warm_pools(now, staleness)
+
+    def _warm_pools(self, now: float, staleness: float) -> Metric:
+        pools = GaugeMetricFamily(
+            "cubeaccel_warm_pool_sandboxes",
+            "Warm sandboxes per node and pool from the node's last heartbeat: size (wanted), warm, starting, "
+            "claimable (warm and held by no create's claim)",
+            labels=["Hostname", "pool", "template", "kind"],
+        )
+        for v in self.master.cache.views():
+            if v.stale(now, staleness):
+                continue
+            for p in v.warm_pools:
+                counts = {"size": p.size, "warm": p.warm, "starting": p.starting, "claimable": len(v.warm_free(p))}
+                for kind, n in counts.items():
+                    pools.add_metric([v.name, p.key, p.template or "", kind], n)
+        return pools
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -97,7 +114,14 @@ class MasterMetrics:
             ["event", "actor", "to_state"],
             registry=r,
         )
+        self.create_paths = Counter(
+            "cubeaccel_sandbox_create_paths",
+            "Creates by path: warm (a warm sandbox was claimed) or cold, with the miss reason (warm.no_pool, …)",
+            ["path", "reason"],
+            registry=r,
+        )
         master.on_decision = self.decision
+        master.on_path = self.path
         master.store.listeners.append(self.sandbox_changed)
 
     def decision(self, decision: Decision, seconds: float) -> None:
@@ -109,6 +133,9 @@ class MasterMetrics:
         for out in decision.outcomes:
             for reason in out.reasons.values():
                 self.rejections.labels(reason.code).inc()
+
+    def path(self, path: str, reason: str) -> None:
+        self.create_paths.labels(path, reason).inc()
 
     def created(self, outcome: str, seconds: float, reason: str = "") -> None:
         self.creates.labels(outcome, reason).inc()

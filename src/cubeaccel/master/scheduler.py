@@ -21,11 +21,12 @@ from typing import Any
 
 from cubeaccel.master.index import Entry, NodeIndex, Slot, facts_key
 from cubeaccel.master.selector import Selector
-from cubeaccel.master.view import Group, NodeView
+from cubeaccel.master.view import Group, NodeView, group_key
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, label_mismatch
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
+from cubeaccel.model.template_spec import NO_ACCELERATOR
 
 # check_node's codes → the scheduler's reason names (the layer stays in the detail)
 CONTRACT_REASONS = {
@@ -37,6 +38,10 @@ CONTRACT_REASONS = {
     "compat.node_pinned_memory_insufficient": "pinned_memory",
     "compat.node_no_matching_device": "device_incompatible",
 }
+
+
+# The one "group" a CPU-only sandbox is placed in: no labels, no devices; a node's claim of it counts 0 devices.
+CPU_GROUP = Group(group_key(NO_ACCELERATOR, {}), NO_ACCELERATOR, {}, {"class": NO_ACCELERATOR}, 0, 0, {})
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,9 @@ def _over_limit(n: NodeView, count: int) -> bool:
 
 
 def class_missing(n: NodeView, c: Context) -> Reason | None:
+    if c.choice.cpu_only:  # any node may host it: no device class to have
+        c.matching = [CPU_GROUP]
+        return None
     c.matching = [g for g in n.groups if g.accel_class == c.choice.accel_class]
     if not c.matching:
         have = sorted({g.accel_class for g in n.groups}) or ["no devices"]
@@ -160,6 +168,8 @@ def contract(n: NodeView, c: Context) -> Reason | None:
             return Reason(
                 CONTRACT_REASONS.get(v.code, v.code), f"{v.layer.value}: expected {v.expected}, found {v.found}"
             )
+    if c.choice.cpu_only:
+        return None
     before, c.matching = c.matching, [g for g in c.matching if _device_ok(n, g, c.contract)]
     if not c.matching:
         models = ", ".join(sorted({g.labels.get("model", "?") for g in before}))
@@ -177,6 +187,8 @@ def _memo_key(n: NodeView, c: Context) -> tuple[str, int]:
 
 
 def insufficient_devices(n: NodeView, c: Context) -> Reason | None:
+    if c.choice.cpu_only:
+        return None
     c.matching = [g for g in c.matching if n.free(g) >= c.choice.count]
     if not c.matching:
         return Reason(
@@ -217,9 +229,15 @@ FILTERS: tuple[Filter, ...] = (
 
 
 def score(n: NodeView, g: Group, count: int) -> tuple[float, ...]:
-    """NUMA locality first (all devices on one NUMA node), then packing (fewest free left behind)."""
-    numa_local = 1.0 if count == 1 or any(v >= count for v in g.by_numa.values()) else 0.0
+    """NUMA locality first (all devices on one NUMA node), then packing (fewest free left behind).
+
+    A CPU-only sandbox (count 0) goes where it costs devices least: the node with the fewest free devices (a
+    node without any first), then the most free lockable memory, so CPU work leaves GPU nodes' memory to GPU work.
+    """
     node_free = sum(max(0, n.free(x)) for x in n.groups)
+    if count == 0:
+        return (1.0, -float(node_free), float(n.free_pinnable_mib()))
+    numa_local = 1.0 if count == 1 or any(v >= count for v in g.by_numa.values()) else 0.0
     return (numa_local, -float(n.free(g) - count), -float(node_free))
 
 
@@ -274,6 +292,8 @@ def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceO
     Same filters as `explain`, without building reasons: only when nothing fits does the thorough path
     run, to say why. A decision is then one pass of dictionary lookups over the nodes.
     """
+    if ctx.choice.cpu_only:
+        return _evaluate_cpu(nodes, ctx, keep)
     verdict: dict[str, bool] = {}
     cutoff, count = ctx.now - ctx.staleness_s, ctx.choice.count
     scored: list[tuple[float, float, float, str, int, Group, NodeView]] = []
@@ -297,9 +317,26 @@ def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceO
     return ChoiceOutcome(ctx.choice, [Candidate(x[6], x[5], (-x[0], -x[1], -x[2])) for x in best], {})
 
 
+def _evaluate_cpu(nodes: Sequence[NodeView], ctx: Context, keep: int) -> ChoiceOutcome:
+    """A CPU-only choice: every schedulable node whose lockable memory and guest facts fit the contract. One pass
+    over the nodes (the index is keyed by device groups, which a CPU-only sandbox does not use)."""
+    cutoff = ctx.now - ctx.staleness_s
+    scored: list[tuple[tuple[float, ...], str, NodeView]] = []
+    for n in nodes:
+        if n.received_at < cutoff or n.state != NodeState.READY or not n.host_ready or not _node_contract_ok(n, ctx):
+            continue
+        scored.append((tuple(-v for v in score(n, CPU_GROUP, 0)), n.name, n))
+    if not scored:
+        return explain(nodes, ctx)
+    best = heapq.nsmallest(keep, scored, key=lambda x: x[:2])
+    return ChoiceOutcome(ctx.choice, [Candidate(x[2], CPU_GROUP, tuple(-v for v in x[0])) for x in best], {})
+
+
 def evaluate_indexed(index: NodeIndex, ctx: Context, keep: int = 16) -> ChoiceOutcome:
     """`evaluate`'s answer from the index: the same candidates in the same order, visiting only the entries
     that can fit (`free >= count`) of the label sets that pass, best first, until `keep` pass the node checks."""
+    if ctx.choice.cpu_only:
+        return _evaluate_cpu(index.views(), ctx, keep)
     count, cutoff = ctx.choice.count, ctx.now - ctx.staleness_s
     t = ctx.contract.template
     verdict: dict[str, bool] = {}

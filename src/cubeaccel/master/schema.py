@@ -11,6 +11,8 @@ What keeps two replicas from double-placing is in the shape of these tables, not
   node's row lock (`SELECT … FROM nodes WHERE name = ? FOR UPDATE`); the claim is admitted only if the
   node's last summary minus claims it cannot show yet still has room. Claims are derived from the
   sandbox rows, so there is no counter to drift;
+- a warm claim inserts `warm_claims(node, warm_id)` under the same node row lock (one create per warm
+  sandbox), and the Cubelet's journal CAS on the warm row decides again;
 - the Cubelet reserves devices with its own compare-and-swap, so even a wrong summary cannot put one
   device in two sandboxes; a refusal there sends the placement to the next candidate.
 """
@@ -80,6 +82,9 @@ sandboxes = sa.Table(
     sa.Column("pinned_mib", sa.Integer, nullable=False, server_default="0"),  # lockable memory the placement takes
     sa.Column("device_ids", sa.JSON, nullable=False),
     sa.Column("cubelet_created_at", sa.Float, nullable=True),  # Cubelet clock, from its reply
+    # The warm sandbox this create is claiming or claimed (docs/warm.md). Its devices were held before the
+    # claim, so such a row is never a claim on the node's summary (see `store._unseen`).
+    sa.Column("warm_id", sa.String(63), nullable=True),
     sa.Column("error", sa.JSON, nullable=True),
     sa.Column("timeline", sa.JSON, nullable=False),
     sa.Column("expires_at", sa.Float, nullable=True),
@@ -104,6 +109,19 @@ idempotency = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
 )
 
+# One row per warm sandbox a create is handing out: the claim's compare-and-swap in CubeMaster's store. The
+# primary key is the warm id on its node, inserted under the node's row lock, so two replicas never send one
+# warm sandbox to two creates; the Cubelet's journal CAS is the final arbiter. Freed by maintenance once the
+# create that wrote it settled and the warm id is either gone from the heartbeat or was never taken.
+warm_claims = sa.Table(
+    "warm_claims",
+    metadata,
+    sa.Column("node", sa.String(128), primary_key=True),
+    sa.Column("warm_id", sa.String(63), primary_key=True),
+    sa.Column("sandbox_id", sa.String(63), nullable=False),
+    sa.Column("pool", sa.String(200), nullable=False),
+    sa.Column("claimed_at", sa.Float, nullable=False),
+)
 
 tenants = sa.Table(
     "tenants",
@@ -161,7 +179,14 @@ def _v4(conn: sa.Connection) -> None:
     idempotency.create(conn, checkfirst=True)
 
 
-MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4)]
+def _v5(conn: sa.Connection) -> None:
+    """Warm claims (issue 28): the claim rows, and which warm sandbox a sandbox row took."""
+    warm_claims.create(conn, checkfirst=True)
+    if "warm_id" not in {c["name"] for c in sa.inspect(conn).get_columns("sandboxes")}:
+        conn.execute(sa.text("ALTER TABLE sandboxes ADD COLUMN warm_id VARCHAR(63)"))
+
+
+MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5)]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

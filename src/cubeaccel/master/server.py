@@ -40,9 +40,10 @@ from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
+from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
-from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest, parse_accelerators, parse_shorthand
+from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
@@ -435,11 +436,14 @@ def create_app(
         ns = node_views()
         by_model: Counter[str] = Counter()
         free_model: Counter[str] = Counter()
+        warm: Counter[str] = Counter()  # claimable warm sandboxes by template: capacity for matching creates
         for n in ns:
             for g in n["groups"]:
                 name = f"{g['class']}/{g['labels'].get('model', '?')}"
                 by_model[name] += g["total"]
                 free_model[name] += g["allocatable"] if n["schedulable"] else 0
+            for p in n["warm_pools"] if n["schedulable"] else ():
+                warm[p["template"] or p["key"]] += p["claimable"]
         return {
             "nodes": len(ns),
             "schedulable_nodes": sum(n["schedulable"] for n in ns),
@@ -447,6 +451,7 @@ def create_app(
             "total": sum(by_model.values()),
             "allocatable": sum(free_model.values()),
             "models": {k: {"total": by_model[k], "allocatable": free_model[k]} for k in sorted(by_model)},
+            "warm": dict(warm),
         }
 
     # ---- templates --------------------------------------------------------------------------------
@@ -528,7 +533,7 @@ def create_app(
                     "request.no_accelerator", "give gpu (e.g. 'H100:1'), accelerators or a template", "api", {}, 422
                 )
             cls = master.registry.contract(spec.template).accel_class
-            spec = dataclasses.replace(spec, request=AcceleratorRequest((AcceleratorChoice(cls, 1),)))
+            spec = dataclasses.replace(spec, request=for_template(cls))
         t0 = time.perf_counter()
         try:
             row, created = master.create(spec)
@@ -542,12 +547,15 @@ def create_app(
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
     def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> dict[str, Any]:
+        ident: Identity = request.state.identity
+        if state == WARM_STATE:  # the nodes' warm sandboxes (no tenant's until claimed): an admin's view
+            views = [v for v in master.cache.views() if node in (None, v.name)]
+            return {"sandboxes": [] if ident.role == TENANT else warm_rows(views)}
         if state is not None and state not in SANDBOX_STATES:
             raise CubeError(
                 "api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api", {}, 422
             )
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
-        ident: Identity = request.state.identity
         if ident.role == TENANT:
             rows = [r for r in rows if r["tenant"] == ident.tenant]
         return {"sandboxes": [sandbox_json(r) for r in rows]}

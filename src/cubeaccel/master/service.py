@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,8 @@ from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
 from cubeaccel.master.store import MasterStore, Row
+from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmCandidate
+from cubeaccel.master.warm import candidates as warm_candidates
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
@@ -35,6 +38,7 @@ from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
+from cubeaccel.wire.warm import WarmClaimBody
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 
@@ -105,6 +109,7 @@ class CubeMaster:
         self._clients_lock = threading.Lock()
         self.issued_tokens: dict[str, str] = {}  # sandbox → its workload token until the create's reply takes it
         self.on_decision: Callable[[Decision, float], None] | None = None  # metrics: each decision and its time
+        self.on_path: Callable[[str, str], None] | None = None  # metrics: each create's path (warm|cold), reason
 
     def client(self, url: str) -> CubeletClient:
         """A client for the Cubelet at `url`, presenting that node's token (its TCP API asks for it)."""
@@ -254,7 +259,17 @@ class CubeMaster:
     def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row:
         ticket: list[int] = []  # this create's turn among those waiting for capacity, held until placed
         try:
-            return self._place_in_turn(sid, spec, resolved, ticket)
+            warm = self._claim_warm(sid, spec, resolved)
+            if warm is not None:
+                return warm
+            try:
+                return self._place_in_turn(sid, spec, resolved, ticket)
+            except CubeError as e:
+                if e.code.startswith("schedule."):  # say what warm sandboxes hold: not free for this request
+                    held = {v.name: n for v in self.cache.views() if (n := sum(p.warm for p in v.warm_pools))}
+                    if held:
+                        e.details["warm_held"] = held
+                raise
         finally:
             for t in ticket:
                 self.waiters.leave(t)
@@ -424,6 +439,142 @@ class CubeMaster:
         row = self.store.sandbox(sid)
         assert row is not None
         return row
+
+    # ---- warm claim (docs/warm.md) ------------------------------------------------------------------
+    def _claim_warm(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row | None:
+        """Hand the create a matching warm sandbox, or None (the cold path follows) with the miss reason in the
+        timeline. Each try: a claim row for one advertised warm id under the node's row lock (with the tenant's
+        quota, which may refuse the create outright), then the Cubelet's claim of exactly that id, whose
+        journal CAS decides. A claim that did not hand a sandbox over gives the row back to `scheduling`."""
+        network = self._effective_network(spec, resolved)
+        cands, reason = warm_candidates(
+            self.cache.views(), resolved, spec.memory_mib, spec.vcpus, network, time.time(), self.config.staleness_s
+        )
+        tried: list[dict[str, Any]] = []
+        for cand in cands:
+            if len(tried) >= self.config.max_attempts:
+                break
+            t = cand.contract.template
+            wid = self.store.claim_warm(
+                sid,
+                cand.node.name,
+                cand.warm_ids,
+                cand.pool.key,
+                cand.group_key,
+                cand.choice.count,
+                time.time(),
+                self.config.staleness_s,
+                cand.node.locked_mib(t.memory_mib, spec.vcpus, t.pin_memory),
+                tenant=spec.tenant,
+                accel_class=cand.choice.accel_class,
+            )
+            if wid is None:
+                reason = reason if tried else POOL_EMPTY  # taken by another create since our view
+                continue
+            row = self._hand_over(sid, spec, cand, wid, tried)
+            if row is not None:
+                if self.on_path is not None:
+                    self.on_path("warm", "")
+                return row
+            reason = CLAIM_FAILED
+        detail: dict[str, Any] = {"path": "cold", "reason": reason}
+        if tried:
+            detail["warm_attempts"] = tried
+        self.store.update_sandbox(sid, "path", detail=detail)
+        if self.on_path is not None:
+            self.on_path("cold", reason)
+        return None
+
+    def _effective_network(self, spec: CreateSpec, resolved: list[Resolved]) -> dict[str, Any] | None:
+        """The policy the Cubelet would record (`request_params`): None when the sandbox has no NIC."""
+        if not resolved:
+            return None
+        policy = narrow_network(resolved[0][1].template.sandbox.network, spec.network)
+        return policy.to_json() if policy.has_nic else None
+
+    def _hand_over(
+        self, sid: str, spec: CreateSpec, cand: WarmCandidate, warm_id: str, tried: list[dict[str, Any]]
+    ) -> Row | None:
+        contract, node = cand.contract, cand.node
+        self.store.update_sandbox(
+            sid, "path", detail={"path": "warm", "node": node.name, "warm_id": warm_id, "pool": cand.pool.key}
+        )
+        body = WarmClaimBody.model_validate(
+            {
+                "sandbox_id": sid,
+                "count": cand.choice.count,
+                "class": cand.choice.accel_class,
+                "labels": cand.labels,
+                "template": contract.template_name,
+                "contract": contract.to_json(),
+                "memory_mib": spec.memory_mib or contract.memory_mib,
+                "vcpus": spec.vcpus,
+                "workload_token": spec.workload_token,
+                "network": spec.network,
+                "tenant": spec.tenant,
+                "lifetime_s": self._node_lifetime(sid),
+                "warm_id": warm_id,
+            }
+        )
+        t0 = time.perf_counter()
+        client = self.client(node.cubelet_url)
+        try:
+            reply = client.claim_warm(body)
+        except (CubeError, httpx.HTTPError) as e:
+            code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
+            why = e.details.get("reason") if isinstance(e, CubeError) else None
+            tried.append({"node": node.name, "warm_id": warm_id, "code": code, "reason": why, "message": str(e)[:300]})
+            if not (isinstance(e, CubeError) and e.code == "warm.no_match"):
+                # Outcome unknown (unreachable) or torn down: the node lets go of anything under this id.
+                with suppress(CubeError, httpx.HTTPError):
+                    client.release(sid)
+            self.store.update_sandbox(
+                sid,
+                "warm_claim_refused",
+                detail=tried[-1],
+                event=SE.REFUSED,
+                by=SA.PLACEMENT,
+                node=None,
+                group_key=None,
+                warm_id=None,
+            )
+            return None
+        res = reply.reservation or {}
+        if reply.access_token is not None:
+            self.issued_tokens[sid] = reply.access_token  # passed to the create's caller, never stored
+        event = SE.READY if res.get("phase") == ReservationPhase.RUNNING else SE.STARTED
+        self.store.update_sandbox(
+            sid,
+            "reserved",
+            expect=(SS.PLACING,),
+            detail={
+                "node": node.name,
+                "path": "warm",
+                "claim_ms": round((time.perf_counter() - t0) * 1000, 3),
+                "cubelet_timeline": [e.model_dump(mode="json") for e in reply.timeline][-20:],
+            },
+            event=event,
+            by=SA.PLACEMENT,
+            device_ids=list(res.get("device_ids", [])),
+            accel_class=cand.choice.accel_class,
+            count=cand.choice.count,
+            template_name=contract.template_name,
+            template_version=contract.template_version,
+            contract=contract.to_json(),
+            cubelet_created_at=res.get("created_at"),
+        )
+        self.cache.invalidate()
+        row = self.store.sandbox(sid)
+        assert row is not None
+        return row
+
+    def _node_lifetime(self, sid: str) -> float | None:
+        """The Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)."""
+        row = self.store.sandbox(sid)
+        if row is None:
+            return None
+        deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])
+        return max(1.0, deadline - time.time() + LIFETIME_SLACK_S)
 
     def _lifetime_cap(self, tenant: str) -> float:
         return self.auth.quota(tenant).max_lifetime_s or MAX_LIFETIME_S

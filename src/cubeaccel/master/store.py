@@ -224,8 +224,8 @@ class MasterStore:
             view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
             group = next((g for g in view.groups if g.key == group_key), None)
             claimed = _claims(c, node).get(node, {}).get(group_key, 0)
-            if group is None or group.allocatable - claimed < count:
-                return False
+            if count > 0 and (group is None or group.allocatable - claimed < count):
+                return False  # a CPU-only placement (count 0) takes no device: only memory and quota decide
             if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
                 return False
             if tenant is not None:
@@ -246,6 +246,99 @@ class MasterStore:
                 )
             )
             return res.rowcount == 1
+
+    def claim_warm(
+        self,
+        sandbox_id: str,
+        node: str,
+        warm_ids: Collection[str],
+        pool: str,
+        group_key: str,
+        count: int,
+        now: float,
+        staleness_s: float,
+        pinned_mib: int = 0,
+        *,
+        tenant: str | None = None,
+        accel_class: str | None = None,
+    ) -> str | None:
+        """Take one of `warm_ids` on `node` for this create, under the node's row lock: the first that the node's
+        latest heartbeat still advertises and no claim row holds gets a claim row (primary key: node and warm
+        id, so no two creates on any replica hold one warm sandbox), and the sandbox row becomes `placing`
+        there with it, after the tenant's quota (`quota.*` raised). None: the node is no longer ready or fresh,
+        or every one is taken. The warm sandbox's devices and memory are already held on the node, so this
+        row takes nothing from the summary (`_unseen`); it counts against the tenant like any placement."""
+        with self.tx() as c:
+            r = c.execute(sa.select(S.nodes).where(S.nodes.c.name == node).with_for_update()).first()
+            if r is None or r.state != NodeState.READY or now - r.received_at > staleness_s:
+                return None
+            view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
+            advertised = {w.id for p in view.warm_pools if p.key == pool for w in p.sandboxes}
+            wc = S.warm_claims
+            held = {
+                row.warm_id
+                for row in c.execute(sa.select(wc.c.warm_id).where(wc.c.node == node, wc.c.warm_id.in_(list(warm_ids))))
+            }
+            free = [w for w in warm_ids if w in advertised and w not in held]
+            if not free:
+                return None
+            if tenant is not None:
+                _check_quota(c, sandbox_id, tenant, accel_class, count, pinned_mib)
+            guard = SANDBOX_MACHINE.sources(SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
+            target = SANDBOX_MACHINE.transition(SS.SCHEDULING, SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
+            res = c.execute(
+                S.sandboxes.update()
+                .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state.in_([g.value for g in guard]))
+                .values(
+                    node=node,
+                    group_key=group_key,
+                    count=count,
+                    pinned_mib=pinned_mib,
+                    accel_class=accel_class,
+                    warm_id=free[0],
+                    state=target.value,
+                    updated_at=now,
+                )
+            )
+            if res.rowcount != 1:
+                return None
+            c.execute(wc.insert().values(node=node, warm_id=free[0], sandbox_id=sandbox_id, pool=pool, claimed_at=now))
+            return free[0]
+
+    def warm_claims(self) -> list[Row]:
+        with self.tx() as c:
+            return [dict(r._mapping) for r in c.execute(sa.select(S.warm_claims))]
+
+    def warm_claimed(self) -> dict[str, frozenset[str]]:
+        """node → warm ids a claim row holds (not offered to another create)."""
+        out: dict[str, set[str]] = {}
+        for r in self.warm_claims():
+            out.setdefault(r["node"], set()).add(r["warm_id"])
+        return {k: frozenset(v) for k, v in out.items()}
+
+    def settle_warm_claims(self, advertised: Mapping[str, Collection[str]]) -> list[Row]:
+        """Free the claim rows that hold nothing any more; returns them. A row stays while its create is placing
+        with it, and while its sandbox is live with it and the node still advertises the id (a heartbeat from
+        before the claim): a warm id is never advertised again once claimed on the node. Every other row — the
+        create fell back to cold, was refused, or died before the Cubelet took the claim (then the id is still
+        advertised and becomes claimable again; had the claim landed, the Cubelet's CAS refuses a second) — is
+        deleted."""
+        wc, s = S.warm_claims, S.sandboxes
+        live = (SS.STARTING.value, SS.RUNNING.value, SS.DELETING.value)
+        freed: list[Row] = []
+        with self.tx() as c:
+            q = sa.select(wc, s.c.state, s.c.warm_id.label("taken")).select_from(
+                wc.outerjoin(s, s.c.id == wc.c.sandbox_id)
+            )
+            for r in c.execute(q).all():
+                mine = r.taken == r.warm_id
+                keep = mine and (
+                    r.state == SS.PLACING.value or (r.state in live and r.warm_id in advertised.get(r.node, ()))
+                )
+                if not keep:
+                    c.execute(wc.delete().where(wc.c.node == r.node, wc.c.warm_id == r.warm_id))
+                    freed.append({"node": r.node, "warm_id": r.warm_id, "sandbox_id": r.sandbox_id})
+        return freed
 
     # ---- templates --------------------------------------------------------------------------------
     def put_template(
@@ -505,15 +598,17 @@ class Placement:
 
 
 def _unseen() -> sa.ColumnElement[bool]:
-    """Placements the node's last summary (sent at `sent_at`) cannot show yet."""
+    """Placements the node's last summary (sent at `sent_at`) cannot show yet. A warm claim is none: its
+    sandbox's devices and memory were held (warm) in every summary since it was advertised."""
     s, n = S.sandboxes, S.nodes
-    return sa.or_(
+    placed = sa.or_(
         s.c.state == SS.PLACING.value,
         sa.and_(
             s.c.state.in_([h.value for h in HELD_STATES]),
             sa.or_(s.c.cubelet_created_at.is_(None), s.c.cubelet_created_at >= n.c.sent_at),
         ),
     )
+    return sa.and_(placed, s.c.warm_id.is_(None))  # a warm claim's devices and memory were held before it
 
 
 def _memory_claims(c: sa.Connection, node: str | None) -> dict[str, int]:

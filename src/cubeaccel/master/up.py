@@ -3,8 +3,9 @@
 Backend choice, said out loud: `emulated` (QEMU's edu device in real MicroVMs) when QEMU is installed,
 KVM can run a stock guest, and a guest image is built; otherwise `simulated` (simulated GPUs, simulated
 shim). The example templates are registered as the class defaults: edu-demo for `accelerator`,
-cuda12-h100 for `gpu`. `--detach` returns once the node is ready and writes `up.json` (URLs and pids)
-for `cubeaccel sandbox …` and `cubeaccel down`.
+cuda12-h100 for `gpu`; and `base` (CPU-only), which E2B's SDK asks for when it names no template.
+`--detach` returns once the node is ready and writes `up.json` (URLs and pids) for `cubeaccel sandbox …` and
+`cubeaccel down`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from cubeaccel.wire.templates import loads_document
 # Package data, so an installed wheel registers them too (not a path into a source checkout).
 EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
 DEFAULTS = {"edu-demo.yaml": "accelerator", "cuda12-h100.yaml": "gpu"}
+BY_NAME = ("base.yaml",)  # registered, default for no class: asked for by name (E2B's default templateID)
 SIMULATED_PINNABLE_MIB = 1 << 20  # a simulated node advertises 1 TiB lockable
 
 
@@ -100,24 +102,26 @@ def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[by
 
 
 def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> list[str]:
-    """Register the example templates as class defaults; with `pin_to_image`, edu-demo names this host's image."""
+    """Register the example templates (class defaults, and `base` by name); with `pin_to_image`, edu-demo and
+    base name this host's image."""
     done = []
-    for name, cls in DEFAULTS.items():
+    for name, cls in [*DEFAULTS.items(), *((n, None) for n in BY_NAME)]:
         path = directory / name
         if not path.is_file():
             continue
         doc = loads_document(path.read_text(), name)
         if not isinstance(doc, dict):
             raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
-        if pin_to_image and doc["spec"]["accelerator"]["backend"] == "emulated":
+        backend = (doc["spec"].get("accelerator") or {}).get("backend", "none")  # none: CPU-only
+        if pin_to_image and backend in ("emulated", "none"):
             from cubeaccel.images.builder import latest
             from cubeaccel.images.manifest import pin_template_document
 
             image = latest()
             if image is not None:
                 doc = pin_template_document(doc, image)
-        client.register_template(doc, default=True)
-        done.append(f"{name.removesuffix('.yaml')} (default for {cls})")
+        client.register_template(doc, default=cls is not None)
+        done.append(f"{name.removesuffix('.yaml')}" + (f" (default for {cls})" if cls else ""))
     return done
 
 

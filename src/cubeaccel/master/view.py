@@ -23,6 +23,7 @@ from cubeaccel.model.profiles import PROFILES
 from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.wire.capacity import CapacityGroup
 from cubeaccel.wire.heartbeat import Heartbeat
+from cubeaccel.wire.warm import WarmPoolFact
 
 # model label → (vendor_id, device_id), for summaries whose group labels omit the ids
 _IDS_BY_MODEL = {p.model: (f"{v:04x}", f"{d:04x}") for (v, d), p in PROFILES.items()}
@@ -64,6 +65,8 @@ class NodeView:
     pinned: Mapping[str, Any] = field(default_factory=dict)  # the heartbeat's `pinned_memory` ledger, as sent
     memory_claims_mib: int = 0  # MiB to be locked by placements the last heartbeat cannot show yet
     max_devices: int | None = None  # per sandbox, as the Cubelet advertised it; None: an older Cubelet, not said
+    warm_pools: tuple[WarmPoolFact, ...] = ()  # docs/warm.md: shape, counts, the ids ready to claim
+    warm_claimed: frozenset[str] = frozenset()  # warm ids this cluster's claim rows hold (not offered again)
 
     def free(self, g: Group) -> int:
         return g.allocatable - self.claims.get(g.key, 0)
@@ -81,6 +84,28 @@ class NodeView:
             _int(self.pinned.get("vmm_overhead_mib")),
             _int(self.pinned.get("vmm_overhead_per_vcpu_mib")),
         )
+
+    def warm_free(self, pool: WarmPoolFact) -> list[str]:
+        """The pool's warm ids no claim row holds: what a matching create may still take here."""
+        return [w.id for w in pool.sandboxes if w.id not in self.warm_claimed]
+
+    def warm_json(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "key": p.key,
+                "template": p.template,
+                "class": p.accel_class,
+                "count": p.count,
+                "memory_mib": p.memory_mib,
+                "vcpus": p.vcpus,
+                "size": p.size,
+                "warm": p.warm,
+                "starting": p.starting,
+                "claimable": len(self.warm_free(p)),
+                "sandboxes": [w.id for w in p.sandboxes],
+            }
+            for p in self.warm_pools
+        ]
 
     def stale(self, now: float, staleness_s: float) -> bool:
         return now - self.received_at > staleness_s
@@ -105,6 +130,8 @@ class NodeView:
             "guest_images": [i.to_json() for i in self.guest_images],
             "hotplug": sorted(self.hotplug),
             "max_devices_per_sandbox": self.max_devices,
+            "warm": sum(p.warm for p in self.warm_pools),
+            "warm_pools": self.warm_json(),
             "total": sum(g.total for g in self.groups),
             "allocatable": sum(max(0, self.free(g)) for g in self.groups),
             "groups": [
@@ -127,6 +154,11 @@ def _int(raw: Any) -> int:
 
 def group_key(accel_class: str, labels: Mapping[str, str]) -> str:
     return accel_class + "|" + json.dumps(dict(sorted(labels.items())), separators=(",", ":"))
+
+
+def device_attributes(accel_class: str, labels: Mapping[str, str]) -> dict[str, str]:
+    """What selectors and the contract see of a device with these summary labels."""
+    return _attributes(accel_class, labels)
 
 
 def _attributes(accel_class: str, labels: Mapping[str, str]) -> dict[str, str]:
@@ -208,4 +240,5 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
         host_problems=tuple((p.code, p.message) for p in hb.host_problems),
         pinned=hb.pinned_memory,
         max_devices=hb.max_devices_per_sandbox,
+        warm_pools=tuple(hb.warm_pools),
     )

@@ -268,6 +268,8 @@ def _describe(m: DeviceMatch) -> str:
 def check_node(t: Template | CompatibilityContract, node: NodeSummary) -> list[ContractViolation]:
     """Per-node rejection reasons for the scheduler; empty when the node can host the template."""
     tp, out = _tpl(t), []
+    if tp.cpu_only:  # no device, backend or hot-plug: lockable memory and the guest it boots decide
+        return _memory(tp, node) + _guest_facts(tp, node)
     if tp.backend not in node.backends:
         out.append(
             V(L.BACKEND, "compat.node_backend_unavailable", tp.backend, ", ".join(sorted(node.backends)) or "none")
@@ -296,17 +298,22 @@ def check_node(t: Template | CompatibilityContract, node: NodeSummary) -> list[C
                 ", ".join(models) if models else "no free devices",
             )
         )
+    out.extend(_memory(tp, node))
+    out.extend(_guest_facts(tp, node))
+    return out
+
+
+def _memory(tp: Template, node: NodeSummary) -> list[ContractViolation]:
     if tp.pin_memory and tp.memory_mib > node.pinnable_memory_mib:
-        out.append(
+        return [
             V(
                 L.PINNED_MEMORY,
                 "compat.node_pinned_memory_insufficient",
                 f"{tp.memory_mib} MiB lockable",
                 f"{node.pinnable_memory_mib} MiB",
             )
-        )
-    out.extend(_guest_facts(tp, node))
-    return out
+        ]
+    return []
 
 
 def _guest_facts(tp: Template, node: NodeSummary) -> list[ContractViolation]:

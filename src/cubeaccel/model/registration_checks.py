@@ -22,7 +22,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.profiles import PROFILES
 from cubeaccel.model.sandbox_policy import refusals
-from cubeaccel.model.template_spec import CUDA_COMPAT_MODES, DeviceMatch, Template
+from cubeaccel.model.template_spec import CUDA_COMPAT_MODES, NO_ACCELERATOR, DeviceMatch, Template
 from cubeaccel.model.versions import CudaVersion, DriverVersion, KernelVersion
 from cubeaccel.model.violations import ContractViolation, Layer
 
@@ -43,6 +43,7 @@ def check_template(t: Template) -> list[ContractViolation]:
     out: list[ContractViolation] = []
     for check in (
         _template_layer,
+        _cpu_only,
         _host_hardware,
         _backend,
         _guest_kernel,
@@ -76,7 +77,7 @@ def _template_layer(t: Template) -> Iterator[ContractViolation]:
         yield V(L.TEMPLATE, "compat.template_invalid_name", "a DNS label (a-z, 0-9, -; ≤ 63)", repr(t.name))
     if not _TVERSION.fullmatch(t.version):
         yield V(L.TEMPLATE, "compat.template_invalid_version", "1-64 of A-Z a-z 0-9 . _ -", repr(t.version))
-    if t.accel_class not in {c.value for c in AcceleratorClass}:
+    if t.accel_class not in {c.value for c in AcceleratorClass} and not t.cpu_only:
         yield V(
             L.TEMPLATE,
             "compat.template_unknown_class",
@@ -108,7 +109,36 @@ def architecture_of(d: DeviceMatch) -> str | None:
     return p.architecture if p else None
 
 
+def _cpu_only(t: Template) -> Iterator[ContractViolation]:
+    """A template without an accelerator carries nothing that needs one: no devices, driver, CUDA or hot-plug."""
+    if not t.cpu_only:
+        return
+    stack = [
+        name
+        for name, present in (
+            ("accelerator.devices", bool(t.devices)),
+            ("driver", t.kernel_driver is not None or t.userspace_driver is not None),
+            ("cuda", t.cuda is not None),
+            ("guest.init.persistence_mode", t.init.persistence_mode),
+            ("hotplug: true", t.hotplug),
+        )
+        if present
+    ]
+    if t.backend != NO_ACCELERATOR:
+        stack.insert(0, f"accelerator.backend {t.backend!r}")
+    if stack:
+        yield V(
+            L.TEMPLATE,
+            "compat.template_cpu_only_with_device_stack",
+            "a CPU-only template (no spec.accelerator) with no device, driver, CUDA or hot-plug",
+            ", ".join(stack),
+            "remove these, or give the template an accelerator section",
+        )
+
+
 def _host_hardware(t: Template) -> Iterator[ContractViolation]:
+    if t.cpu_only:
+        return
     if not t.devices:
         yield V(
             L.HOST_HARDWARE,
@@ -131,6 +161,8 @@ def _host_hardware(t: Template) -> Iterator[ContractViolation]:
 
 
 def _backend(t: Template) -> Iterator[ContractViolation]:
+    if t.cpu_only:
+        return  # no device reaches the VM: there is no backend to know, nothing to hot-plug
     if t.backend not in KNOWN_BACKENDS:
         yield V(
             L.BACKEND,

@@ -16,6 +16,7 @@ from typing import Any
 
 from cubeaccel.model.device import AcceleratorClass
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.template_spec import NO_ACCELERATOR
 
 MAX_COUNT = 64  # the most devices one Cubelet reservation may take (Cubelet's own limit)
 MAX_ALTERNATIVES = 8
@@ -44,6 +45,11 @@ class AcceleratorChoice:
         want, have = self.model.lower(), model_label.lower()
         return have == want or have.startswith(want + "-")
 
+    @property
+    def cpu_only(self) -> bool:
+        """No device: what a CPU-only template's sandbox asks for (never a user's own count, which is 1..64)."""
+        return self.count == 0
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"class": self.accel_class, "count": self.count}
         if self.selector is not None:
@@ -68,6 +74,11 @@ class AcceleratorRequest:
         if len(self.choices) > 1:
             first["alternatives"] = [c.to_json() for c in self.choices[1:]]
         return first
+
+
+def for_template(accel_class: str) -> AcceleratorRequest:
+    """The request a create that names only a template makes: one device of its class, or none for a CPU-only one."""
+    return AcceleratorRequest((AcceleratorChoice(accel_class, 0 if accel_class == NO_ACCELERATOR else 1),))
 
 
 def validate_count(count: object) -> int:

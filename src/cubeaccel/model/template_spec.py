@@ -19,6 +19,8 @@ from cubeaccel.model.sandbox_policy import SandboxPolicy
 API_VERSION = "cubeaccel/v1"
 KIND = "AcceleratorTemplate"
 CUDA_COMPAT_MODES = ("toolkit", "minor_version")
+# The class and backend of a template without `spec.accelerator`: a CPU-only sandbox, no device in its path.
+NO_ACCELERATOR = "none"
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,11 @@ class Template:
     init: GuestInit = field(default_factory=GuestInit)
     sandbox: SandboxPolicy = field(default_factory=SandboxPolicy)  # network, files, refused cases (sandbox_policy)
 
+    @property
+    def cpu_only(self) -> bool:
+        """No accelerator: scheduled on memory alone, started without hot-plug, released with nothing to scrub."""
+        return self.accel_class == NO_ACCELERATOR
+
     def to_json(self) -> dict[str, Any]:
         """The canonical document (same shape as the file). Freezing hashes exactly this."""
         driver: dict[str, Any] = {}
@@ -130,11 +137,6 @@ class Template:
                 "libraries": list(self.userspace_driver.libraries),
             }
         spec: dict[str, Any] = {
-            "accelerator": {
-                "class": self.accel_class,
-                "backend": self.backend,
-                "devices": [d.to_json() for d in self.devices],
-            },
             "guest": {
                 "image": {"digest": self.guest_image_digest},
                 "kernel": {"version": self.guest_kernel.version, "digest": self.guest_kernel.digest},
@@ -150,6 +152,9 @@ class Template:
                 "libraries": list(self.probes.libraries),
             },
         }
+        if not self.cpu_only:  # a CPU-only template's document has no accelerator section, as written
+            devices = [d.to_json() for d in self.devices]
+            spec = {"accelerator": {"class": self.accel_class, "backend": self.backend, "devices": devices}, **spec}
         if self.init != GuestInit():  # defaults are left out: contracts frozen before `init` keep their digest
             spec["guest"]["init"] = self.init.to_json()
         if sandbox := self.sandbox.to_json():  # likewise: no section, the closed defaults, the old digest
@@ -188,7 +193,9 @@ def _from_doc(doc: dict[str, Any]) -> Template:
             status=422,
         )
     meta, spec = doc["metadata"], doc["spec"]
-    acc, guest = spec["accelerator"], spec["guest"]
+    acc, guest = spec.get("accelerator"), spec["guest"]
+    if acc is None:
+        acc = {"class": NO_ACCELERATOR, "backend": NO_ACCELERATOR, "devices": []}
     driver = spec.get("driver") or {}
     kd, ud, cuda = driver.get("kernel"), driver.get("userspace"), spec.get("cuda")
     probes = spec.get("probes") or {}

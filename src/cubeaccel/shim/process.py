@@ -190,7 +190,7 @@ class Shim:
 
     def _start(self) -> None:
         spec = self.spec
-        if not spec.hotplug:
+        if not spec.hotplug and spec.devices:  # a CPU-only sandbox (no device) plugs nothing
             raise CubeError(
                 "shim.coldplug_unsupported",
                 "the contract expects devices attached at VM start (hotplug: false); this shim only hot-plugs",
@@ -282,9 +282,10 @@ class Shim:
             took = self.bridge.wait_healthy(spec.boot_timeout_s, cancelled=lambda: self._stop)
             t = self._phase("workload_up_s", t)
             self.reporter.report(K.WORKLOAD_READY, health_ms=round(took * 1000, 1), socket="workload.sock")
-        if spec.devices:  # every sandbox is validated in the guest; without a contract, the minimal checks
-            self._validate(agent)
-            self._phase("guest_validation_s", t)
+        # Every sandbox is validated in the guest, a CPU-only one too (its kernel, modules, libraries); without a
+        # contract, the minimal checks.
+        self._validate(agent)
+        self._phase("guest_validation_s", t)
         if spec.warm and self.bridge is not None:  # the claim arrives here, after the sandbox is validated
             self.control = WarmControl(spec.run_dir, self.bridge, self._claimed)
             self.control.start()

@@ -8,9 +8,11 @@ from urllib.parse import quote
 
 import httpx
 
+from cubeaccel.wire.cubelet_api import ReservationView
 from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.telemetry import add_request_id
+from cubeaccel.wire.warm import WarmClaimBody
 
 
 class CubeletClient:
@@ -51,6 +53,13 @@ class CubeletClient:
 
     def reserve(self, sandbox_id: str, count: int = 1, **extra: Any) -> dict[str, Any]:
         return dict(self.request("POST", "/v1/reservations", {"sandbox_id": sandbox_id, "count": count, **extra}))
+
+    def claim_warm(self, body: WarmClaimBody) -> ReservationView:
+        """`POST /v1/warm/claim`: 201 and the running sandbox, or a `CubeError` (409 `warm.no_match`, …)."""
+        raw = body.model_dump(mode="json", by_alias=True, exclude_none=True)
+        if body.workload_token is not None:
+            raw["workload_token"] = body.workload_token.get_secret_value()
+        return ReservationView.model_validate(self.request("POST", "/v1/warm/claim", raw))
 
     def start(self, sandbox_id: str) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/reservations/{quote(sandbox_id, safe='')}/start"))

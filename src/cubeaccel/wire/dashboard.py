@@ -33,10 +33,11 @@ class DashboardNode(Record):
     error: dict[str, Any] | None = None  # the node could not be asked (its last known summary is still shown)
     devices: list[dict[str, Any]] = []
     sandboxes: list[DashboardSandbox] = []
+    warm_pools: list[dict[str, Any]] = []  # from the heartbeat: per pool size, warm, starting, claimable
 
 
 class Dashboard(Reply):
     at: float
     nodes: list[DashboardNode]
-    sandboxes: list[dict[str, Any]]  # CubeMaster's records, with the node's waterfall where it has one
+    sandboxes: list[dict[str, Any]]  # CubeMaster's records, with the node's waterfall; then the warm ones
     events: list[dict[str, Any]]  # newest first, every node merged, with `node`

@@ -86,3 +86,64 @@ class SandboxDetail(ListedSandbox):
 
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
     domain: str | None = None
+
+
+# ---- GET /sandboxes/{id}/metrics ---------------------------------------------------------------------------------
+
+
+class GuestRecord(BaseModel):
+    """What the guest's workload service writes (stdlib there, so it writes this shape by hand: envd's
+    `/metrics` sample fields); unknown fields are ignored so a newer guest still parses."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+
+class GuestSample(GuestRecord):
+    ts: int
+    cpu_count: int = Field(ge=0)
+    cpu_used_pct: float
+    mem_total: int = Field(ge=0)
+    mem_used: int = Field(ge=0)
+    mem_cache: int = Field(default=0, ge=0)
+    disk_used: int = Field(ge=0)
+    disk_total: int = Field(ge=0)
+
+
+class GuestPciDevice(GuestRecord):
+    address: str
+    vendor: str  # "0x10de"
+    device: str
+    pci_class: str = Field(alias="class")
+    driver: str  # "" when no driver is bound
+
+
+class GuestMetrics(GuestRecord):
+    """`GET /cubeaccel/metrics` of the workload service: its samples (every 5 s, the last hour) and the PCI
+    functions it sees."""
+
+    samples: list[GuestSample] = Field(max_length=10_000)
+    devices: list[GuestPciDevice] = Field(max_length=1024)
+
+
+class MetricDevice(E2BReply):
+    """One of the sandbox's devices now: the node's state for it and what the guest sees of it."""
+
+    id: str
+    state: str
+    accel_class: str = Field(alias="class")
+    guest: list[GuestPciDevice]  # the guest's PCI functions with this device's vendor and device ids
+
+
+class SandboxMetric(E2BReply):
+    """E2B's SandboxMetric; the newest one also carries `devices` (an extension the SDK ignores)."""
+
+    timestamp: str
+    timestamp_unix: int = Field(alias="timestampUnix")
+    cpu_count: int = Field(alias="cpuCount")
+    cpu_used_pct: float = Field(alias="cpuUsedPct")
+    mem_used: int = Field(alias="memUsed")
+    mem_total: int = Field(alias="memTotal")
+    mem_cache: int = Field(alias="memCache")
+    disk_used: int = Field(alias="diskUsed")
+    disk_total: int = Field(alias="diskTotal")
+    devices: list[MetricDevice] | None = None

@@ -2,8 +2,8 @@
 
 CubeMaster stores the body as sent and parses it again on every read, so this model reads every heartbeat an
 older Cubelet wrote: fields added since (readiness, pinned memory, guest images, hot-plug paths, the
-per-sandbox device limit) have the defaults an older Cubelet meant, and unknown fields are ignored. `version` is
-the Cubelet's package version; the message's own version is `v`.
+per-sandbox device limit, warm pools) have the defaults an older Cubelet meant, and unknown fields are ignored.
+`version` is the Cubelet's package version; the message's own version is `v`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import BeforeValidator, StrictBool, StrictStr, field_validator
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
 from cubeaccel.wire.base import Count, Finite, Lenient, LenientMessage, count
 from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.warm import WarmPoolFact
 
 PINNED_COUNTS = ("lockable_mib", "locked_mib", "free_mib", "vmm_overhead_mib", "vmm_overhead_per_vcpu_mib")
 
@@ -42,6 +43,9 @@ class Heartbeat(LenientMessage):
     # The most devices one sandbox may hold on this node (its VMM's hot-plug slots). None: a Cubelet older than
     # the field, which never said; CubeMaster does not filter on it and that Cubelet's `reserve` decides, as before.
     max_devices_per_sandbox: Count | None = None
+    # The node's warm pools (docs/warm.md): shape, counts and the ids ready to claim. Absent (an older Cubelet):
+    # none, so every create there takes the cold path.
+    warm_pools: Annotated[list[WarmPoolFact], BeforeValidator(_none_is_empty)] = []
     sent_at: Finite | None = None  # Cubelet clock, read before the capacity: the summary is at least this fresh
 
     @field_validator("pinned_memory", mode="before")

@@ -124,6 +124,7 @@ class Capacity(Reply):
     total: int
     allocatable: int
     models: dict[str, ModelCapacity]  # "class/model" → counts
+    warm: dict[str, int] = {}  # template → warm sandboxes a matching create may claim (not in `allocatable`)
 
 
 class TemplateRef(Record):

@@ -135,7 +135,7 @@ class TemplateSandbox(_Strict):
 
 
 class TemplateSpec(_Strict):
-    accelerator: TemplateAccelerator
+    accelerator: TemplateAccelerator | None = None  # absent: a CPU-only template (template_spec.NO_ACCELERATOR)
     guest: TemplateGuest
     driver: TemplateDriver | None = None
     cuda: TemplateCuda | None = None

@@ -9,8 +9,11 @@ from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, StrictBool, StrictInt, StrictStr
 
-from cubeaccel.wire.base import Message, Reply
+from cubeaccel.wire.base import Count, Lenient, LenientMessage, Message, Reply
+from cubeaccel.wire.cubelet_api import ReservationBody
 
+WARM_ID_PREFIX = "warm-"  # a warm sandbox's own id: the node's namespace, never a requester's
+WARM_ID = r"^warm-[0-9a-f]{16}$"
 MAX_CONTROL_LINE = 4096  # one JSON line each way on a shim's `control.sock`
 RNG_SEED = r"^[0-9a-f]{64}$"  # 32 random bytes, hex
 
@@ -68,3 +71,37 @@ class WarmPoolView(Reply):
 class WarmPoolList(Reply):
     pools: list[WarmPoolView]
     max_concurrent_starts: int
+
+
+class WarmClaimBody(ReservationBody):
+    """`POST /v1/warm/claim`: a reservation request served only from the pool. `warm_id` names the warm sandbox
+    to take (CubeMaster's claim row is keyed on it, so two replicas never send one id for two sandboxes); None:
+    the pool's oldest. The Cubelet's journal CAS decides either way: an id no longer warm is a miss."""
+
+    warm_id: str | None = Field(default=None, pattern=WARM_ID)
+
+
+class WarmSandboxFact(Lenient):
+    """One warm sandbox, ready to claim, as the heartbeat advertises it."""
+
+    id: Annotated[StrictStr, Field(pattern=WARM_ID)]
+    labels: dict[str, str] = {}  # its devices' summary labels: the capacity group they come from
+
+
+class WarmPoolFact(LenientMessage):
+    """One warm pool in the heartbeat (`Heartbeat.warm_pools`): its shape, as the Cubelet derives the pool key
+    (`cubelet/warm.py::pool_key`), so CubeMaster matches a create field by field, and its counts."""
+
+    key: StrictStr
+    template: str | None = None
+    contract_digest: StrictStr
+    accel_class: str | None = Field(default=None, alias="class")
+    count: Count
+    memory_mib: Count
+    vcpus: Count
+    pin_memory: StrictBool = True
+    network: dict[str, Any] | None = None  # the effective policy (`NetworkPolicy.to_json`); None: no NIC
+    size: Count  # wanted
+    warm: Count  # ready to claim now (their ids in `sandboxes`)
+    starting: Count
+    sandboxes: list[WarmSandboxFact] = []

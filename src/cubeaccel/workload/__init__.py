@@ -7,5 +7,5 @@ any byte-stream transport given to it as a `Listener` (see http1.py); see docs/w
 
 WORKLOAD_VERSION = "0.1.0"
 # The envd release whose protocol subset this implements; what a front door reports as `envdVersion`.
-# 0.5.7 is the first with octet-stream uploads; 0.6.x (file metadata, watchers) is not implemented.
-ENVD_VERSION = "0.5.7"
+# 0.6.4: file metadata (0.6.2), watch events with entry info (0.6.3) and the network-mount flag (0.6.4).
+ENVD_VERSION = "0.6.4"

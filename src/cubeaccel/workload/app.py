@@ -23,11 +23,15 @@ from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError, Request, Response, log
+from cubeaccel.workload.metrics import Sampler, pci_devices
 from cubeaccel.workload.process import SIGNAL_ENUM, Process, ProcessTable, Subscriber
 from cubeaccel.workload.users import User, expand_and_resolve, lookup
+from cubeaccel.workload.watch import Watcher, WatcherTable, watch_path_checks
 
 MAX_UNARY_BODY = 4 * 1024 * 1024  # SendInput carries stdin (base64): sizeable, but bounded per connection
 DEFAULT_KEEPALIVE_S = 90.0  # envd's default when Keepalive-Ping-Interval is absent
+METRICS_SERIES = "/cubeaccel/metrics"  # ours: the hour of samples the guest keeps, and the PCI devices it sees
+DEADLINE_EXCEEDED = ConnectError("deadline_exceeded", "context deadline exceeded")  # Go's ctx.Err() text
 
 Unary = Callable[["Workload", dict[str, Any], User], dict[str, Any]]
 
@@ -38,6 +42,8 @@ class Workload:
     default_user: str
     default_workdir: str | None = None
     processes: ProcessTable = field(default_factory=ProcessTable)
+    watchers: WatcherTable = field(default_factory=WatcherTable)
+    metrics: Sampler = field(default_factory=Sampler)
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -49,6 +55,14 @@ class Workload:
         route = request.path
         if route == "/health" and request.method in ("GET", "HEAD"):
             response.send(204, [("X-Envd-Version", ENVD_VERSION)])
+            return
+        if route in ("/metrics", METRICS_SERIES) and request.method == "GET":
+            if not self._token_ok(request):
+                raise HttpError(401, "unauthorized access, please provide a valid access token")
+            if route == "/metrics":  # envd's: the newest sample
+                response.send_json(200, self.metrics.latest())
+            else:
+                response.send_json(200, {"samples": self.metrics.series(), "devices": pci_devices()})
             return
         if route == "/files":
             if request.method == "GET":
@@ -160,8 +174,13 @@ class Workload:
                 raise ConnectError("unimplemented", "compressed requests are not supported")
             message = self._read_envelope(request)
             user = self._rpc_user(request)
-            if name == "process.Process/Start":
-                proc, sub = self.processes.start(message, user, _timeout(request))
+            timeout_s = _timeout(request)
+            # connect-go gives the handler a context with the call's deadline; envd's stream ends with it
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            if name == WATCH_DIR:
+                watcher = self._open_watch(message, user)
+            elif name == "process.Process/Start":
+                proc, sub = self.processes.start(message, user, timeout_s)
                 first = {"event": {"start": {"pid": proc.pid}}}
             else:
                 proc = self.processes.find(c.get_obj(message, "process"), include_ended=True)
@@ -173,11 +192,21 @@ class Workload:
             response.chunk(c.end_stream(failure))
             response.end()
             return
+        if name == WATCH_DIR:
+            try:
+                response.start_chunked(200, headers)
+                response.chunk(c.encode_envelope({"event": {"start": {}}}))
+                outcome = self._relay_watch(watcher, _keepalive(request), response, deadline)
+                response.chunk(c.end_stream(outcome))
+                response.end()
+            finally:
+                self.watchers.close_stream(watcher)
+            return
         try:
             response.start_chunked(200, headers)
             response.chunk(c.encode_envelope(first))
-            self._relay(sub, _keepalive(request), response)
-            response.chunk(c.end_stream())
+            ended = self._relay(sub, _keepalive(request), response, deadline)
+            response.chunk(c.end_stream(None if ended else DEADLINE_EXCEEDED))
             response.end()
         finally:
             proc.unsubscribe(sub)
@@ -241,19 +270,60 @@ class Workload:
             raise ConnectError("invalid_argument", str(err)) from None
         return c.parse_message(payload)
 
+    def _open_watch(self, message: dict[str, Any], user: User) -> Watcher:
+        path = _path(self, message, user)
+        watch_path_checks(path, c.get_bool(message, "allow_network_mounts"))
+        return self.watchers.open_stream(path, c.get_bool(message, "recursive"), c.get_bool(message, "include_entry"))
+
     @staticmethod
-    def _relay(sub: Subscriber, keepalive_s: float, response: Response) -> None:
-        """Output events until the end event; a keepalive after `keepalive_s` without one (envd resets it on data)."""
+    def _relay_watch(
+        watcher: Watcher, keepalive_s: float, response: Response, deadline: float | None
+    ) -> ConnectError | None:
+        """Filesystem events as they come, a keepalive after `keepalive_s` without one, until the deadline
+        (`deadline_exceeded`), the watch fails (its error) or the caller goes away (a write raises)."""
+        quiet_since = time.monotonic()
         while True:
-            item = sub.get(keepalive_s)
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return DEADLINE_EXCEEDED
+            wait = keepalive_s - (now - quiet_since)
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            try:
+                events = watcher.take(max(0.0, wait))
+            except ConnectError as err:
+                return err
+            for event in events:
+                response.chunk(c.encode_envelope({"event": {"filesystem": event}}))
+            if events:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= keepalive_s:
+                response.chunk(c.encode_envelope({"event": {"keepalive": {}}}))
+                quiet_since = time.monotonic()
+
+    @staticmethod
+    def _relay(sub: Subscriber, keepalive_s: float, response: Response, deadline: float | None) -> bool:
+        """Output events until the end event (True), or until the call's deadline passes first (False: the
+        stream then ends as envd's does, `deadline_exceeded`, and the command's own timer kills it); a keepalive
+        after `keepalive_s` without one (envd resets it on data)."""
+        while True:
+            wait = keepalive_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                wait = min(wait, left)
+            item = sub.get(wait)
             if item is None:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 response.chunk(c.encode_envelope({"event": {"keepalive": {}}}))
             elif isinstance(item, tuple):
                 kind, data = item
                 response.chunk(c.encode_envelope({"event": {"data": {kind: c.b64(data)}}}))
             else:
                 response.chunk(c.encode_envelope({"event": {"end": item}}))
-                return
+                return True
 
     # ---- /files --------------------------------------------------------------------------------------------
     def _files_user(self, request: Request) -> User:
@@ -303,13 +373,14 @@ class Workload:
         read = fs.decoded(request.body.read, request.header("Content-Encoding"))
         ctype = request.header("Content-Type")
         media = ctype.split(";")[0].strip().lower()
-        uploaded: list[dict[str, str]] = []
+        uploaded: list[dict[str, Any]] = []
+        metadata = fs.metadata_of(request.headers)
         if media == "application/octet-stream":
             if request.param("path") is None:
                 raise HttpError(400, "path query parameter is required for raw body upload")
             path = self._files_path(request, user)
-            fs.write_file(path, fs.pieces_of(read), user)
-            uploaded.append({"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"})
+            fs.write_file(path, fs.pieces_of(read), user, metadata)
+            uploaded.append(_uploaded(path))
         elif media.startswith("multipart/"):
             boundary = _boundary(ctype)
             for headers, part in fs.Multipart(read, boundary).parts():
@@ -330,13 +401,22 @@ class Workload:
                     raise HttpError(
                         400, f"you cannot upload multiple files to the same path '{path}' in one upload request"
                     )
-                fs.write_file(path, fs.pieces_of(part), user)
-                uploaded.append({"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"})
+                fs.write_file(path, fs.pieces_of(part), user, metadata)
+                uploaded.append(_uploaded(path))
         else:
             raise HttpError(
                 400, f"unsupported content type: {ctype}, expected multipart/form-data or application/octet-stream"
             )
         response.send_json(200, uploaded)
+
+
+def _uploaded(path: str) -> dict[str, Any]:
+    """envd's upload reply entry; `metadata` as read back from the file (envd 0.6.2)."""
+    entry: dict[str, Any] = {"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"}
+    metadata = fs.read_metadata(path)
+    if metadata:
+        entry["metadata"] = metadata
+    return entry
 
 
 class PartDisposition:
@@ -486,6 +566,29 @@ UNARY: dict[str, Unary] = {
     "filesystem.Filesystem/Move": lambda w, m, u: fs.move(_path(w, m, u, "source"), _path(w, m, u, "destination"), u),
     "filesystem.Filesystem/Remove": lambda w, m, u: fs.remove(_path(w, m, u)),
 }
-STREAMING = ("process.Process/Start", "process.Process/Connect")
+
+
+def _create_watcher(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    path = _path(w, msg, user)
+    watch_path_checks(path, c.get_bool(msg, "allow_network_mounts"))
+    watcher_id = w.watchers.create(path, c.get_bool(msg, "recursive"), c.get_bool(msg, "include_entry"))
+    return {"watcherId": watcher_id}
+
+
+def _watcher_events(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    events = w.watchers.find(c.get_str(msg, "watcher_id")).take()
+    return {"events": events} if events else {}
+
+
+def _remove_watcher(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
+    w.watchers.remove(c.get_str(msg, "watcher_id"))
+    return {}
+
+
+UNARY["filesystem.Filesystem/CreateWatcher"] = _create_watcher
+UNARY["filesystem.Filesystem/GetWatcherEvents"] = _watcher_events
+UNARY["filesystem.Filesystem/RemoveWatcher"] = _remove_watcher
+WATCH_DIR = "filesystem.Filesystem/WatchDir"
+STREAMING = ("process.Process/Start", "process.Process/Connect", WATCH_DIR)
 CLIENT_STREAMING = "process.Process/StreamInput"
 SERVICES = ("process.Process", "filesystem.Filesystem")

@@ -111,7 +111,55 @@ def entry_info(path: str) -> dict[str, Any]:
     entry["modifiedTime"] = timestamp(st.st_mtime_ns)
     if target is not None:
         entry["symlinkTarget"] = target
+    metadata = read_metadata(path)
+    if metadata:
+        entry["metadata"] = metadata
     return entry
+
+
+# ---- file metadata (envd 0.6.2): `X-Metadata-<key>` on upload, `user.e2b.<key>` xattrs, EntryInfo.metadata ----
+
+METADATA_XATTR = "user.e2b."
+METADATA_HEADER = "x-metadata-"
+_NO_XATTRS = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
+
+
+def read_metadata(path: str) -> dict[str, str]:
+    """The file's `user.e2b.*` xattrs, prefix stripped (other `user.*` xattrs are not metadata); {} where the
+    filesystem has none."""
+    try:
+        names = [n for n in os.listxattr(path) if n.startswith(METADATA_XATTR)]
+        return {n[len(METADATA_XATTR) :]: os.getxattr(path, n).decode("utf-8", "replace") for n in sorted(names)}
+    except OSError:
+        return {}
+
+
+def metadata_of(headers: Any) -> dict[str, str]:
+    """`X-Metadata-*` request headers, keys lowercased (envd's extractMetadataHeaders; the first value wins)."""
+    out: dict[str, str] = {}
+    for name, value in headers.items():
+        low = name.lower()
+        if low.startswith(METADATA_HEADER) and len(low) > len(METADATA_HEADER):
+            out.setdefault(low[len(METADATA_HEADER) :], str(value))
+    return out
+
+
+def write_metadata(fd: int, metadata: dict[str, str]) -> None:
+    """Replace the file's whole metadata set (O_TRUNC keeps a prior upload's xattrs, so stale keys are removed).
+    A filesystem without user xattrs keeps the body and no metadata, as envd does; the reply reads back what
+    was stored, so it never claims metadata that was not kept."""
+    try:
+        for name in os.listxattr(fd):
+            if name.startswith(METADATA_XATTR) and name[len(METADATA_XATTR) :] not in metadata:
+                os.removexattr(fd, name)
+        for key, value in metadata.items():
+            os.setxattr(fd, METADATA_XATTR + key, value.encode())
+    except OSError as exc:
+        if exc.errno in _NO_XATTRS:
+            return
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.E2BIG, errno.ERANGE):
+            raise HttpError(507, f"not enough space for file metadata: {exc.strerror}") from None
+        raise HttpError(500, f"error writing file metadata: {exc.strerror}") from None
 
 
 def stat_rpc(path: str) -> dict[str, Any]:
@@ -230,8 +278,9 @@ def open_download(path: str) -> tuple[int, Any, str]:
     return st.st_size, f, ctype
 
 
-def write_file(path: str, pieces: Iterator[bytes], user: User) -> None:
-    """envd processFile: parents created (owned by the user), truncated in place, ENOSPC -> 507."""
+def write_file(path: str, pieces: Iterator[bytes], user: User, metadata: dict[str, str] | None = None) -> None:
+    """envd processFile: parents created (owned by the user), truncated in place, ENOSPC -> 507, then the
+    metadata set replaced (`write_metadata`)."""
     try:
         ensure_dirs(os.path.dirname(path), user)
     except (OSError, ConnectError) as exc:
@@ -251,6 +300,7 @@ def write_file(path: str, pieces: Iterator[bytes], user: User) -> None:
             view = memoryview(piece)
             while view:
                 view = view[os.write(fd, view) :]
+        write_metadata(fd, metadata or {})
     except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise HttpError(507, "not enough disk space available") from None

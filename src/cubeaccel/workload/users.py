@@ -84,6 +84,7 @@ def ensure_dirs(path: str, user: User) -> None:
 
 
 def chown(path: str, user: User) -> None:
-    """Give the user what we created for them; only root can, and only root needs to."""
-    if os.geteuid() == 0 and (user.uid, user.gid) != (0, 0):
+    """Give the user what we created for them; only root can, and only root needs to. Root chowns to root
+    too, as envd does: a directory watch sees the same events (IN_ATTRIB) whoever the user is."""
+    if os.geteuid() == 0:
         os.chown(path, user.uid, user.gid, follow_symlinks=False)

@@ -1,6 +1,6 @@
 """Drive cube-workload with the real E2B Python SDK (run by a Python that has `e2b`; not a project dependency).
 
-Usage: python e2b_sdk_check.py URL TOKEN ENVD_VERSION SCRATCH_DIR. Exits non-zero at the first mismatch; prints
+Usage: python sdk_workload_check.py URL TOKEN ENVD_VERSION SCRATCH_DIR. Exits non-zero at the first mismatch; prints
 one line per check. The Sandbox object is built directly (no REST create): envd at URL, token in X-Access-Token.
 """
 

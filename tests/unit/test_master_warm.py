@@ -1,0 +1,101 @@
+"""Which advertised warm sandboxes a create may claim (master/warm.py), and the heartbeat field they come from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cubeaccel.master.selector import compile_selector
+from cubeaccel.master.view import NodeView, view_from_heartbeat
+from cubeaccel.master.warm import NO_POOL, POOL_EMPTY, candidates, warm_rows
+from cubeaccel.model.errors import CubeError
+from cubeaccel.model.request import AcceleratorChoice
+from tests.support.master_builders import group, h100_contract, heartbeat
+
+CONTRACT = h100_contract(1024)
+GPU = AcceleratorChoice("gpu", 1, model="H100")
+H100 = group("H100", 8)["labels"]
+
+
+def pool(ids: tuple[str, ...] = ("warm-" + "a" * 16, "warm-" + "b" * 16), **over: Any) -> dict[str, Any]:
+    return {
+        "key": "k1",
+        "template": "cuda12-h100",
+        "contract_digest": CONTRACT.digest,
+        "class": "gpu",
+        "count": 1,
+        "memory_mib": 1024,
+        "vcpus": 1,
+        "pin_memory": CONTRACT.pin_memory,
+        "network": None,
+        "size": len(ids),
+        "warm": len(ids),
+        "starting": 0,
+        "sandboxes": [{"id": i, "labels": H100} for i in ids],
+        **over,
+    }
+
+
+def node(*pools: dict[str, Any], name: str = "n", received_at: float = 1000.0) -> NodeView:
+    return view_from_heartbeat({**heartbeat(name, group("H100", 8)), "warm_pools": list(pools)}, received_at)
+
+
+def find(views: list[NodeView], vcpus: int = 1, choice: AcceleratorChoice = GPU, sel: str | None = None) -> Any:
+    selector = compile_selector(sel) if sel else None
+    return candidates(views, [(choice, CONTRACT, selector)], None, vcpus, None, 1000.0, 10.0)
+
+
+def test_a_matching_pool_offers_its_warm_ids_and_a_claimed_one_is_not_offered_again() -> None:
+    v = node(pool())
+    (c,), reason = find([v])
+    assert reason == "" and c.warm_ids == ("warm-" + "a" * 16, "warm-" + "b" * 16) and c.node.name == "n"
+    v.warm_claimed = frozenset(c.warm_ids)
+    assert find([v]) == ([], POOL_EMPTY)
+
+
+def test_another_shape_model_or_selector_is_no_pool() -> None:
+    assert find([node(pool())], vcpus=2)[1] == NO_POOL
+    assert find([node(pool())], choice=AcceleratorChoice("gpu", 1, model="A100"))[1] == NO_POOL
+    assert find([node(pool())], sel="int(device.memory_gib) > 1000")[1] == NO_POOL
+    assert find([node(pool(contract_digest="sha256:" + "0" * 64))])[1] == NO_POOL
+
+
+def test_a_stale_or_draining_node_offers_nothing() -> None:
+    assert find([node(pool(), received_at=0.0)])[1] == NO_POOL
+    drained = node(pool())
+    drained.state = "draining"
+    assert find([drained])[1] == NO_POOL
+
+
+def test_the_node_with_most_free_warm_sandboxes_is_first() -> None:
+    (a, b), _ = find([node(pool(("warm-" + "c" * 16,)), name="a"), node(pool(), name="b")])
+    assert (a.node.name, b.node.name) == ("b", "a")
+
+
+def test_warm_sandboxes_are_listed_in_state_warm() -> None:
+    v = node(pool())
+    v.warm_claimed = frozenset({"warm-" + "a" * 16})
+    rows = warm_rows([v])
+    assert [(r["state"], r["node"], r["claimed"]) for r in rows] == [("warm", "n", True), ("warm", "n", False)]
+
+
+def test_heartbeat_warm_pools_are_typed_and_an_older_cubelets_are_none() -> None:
+    assert view_from_heartbeat(heartbeat("n"), 1.0).warm_pools == ()
+    with pytest.raises(CubeError) as bad:
+        view_from_heartbeat({**heartbeat("n"), "warm_pools": [pool(("sb-1",))]}, 1.0)
+    assert bad.value.code == "node.invalid_heartbeat" and "warm_pools" in bad.value.message
+    with pytest.raises(CubeError):
+        view_from_heartbeat({**heartbeat("n"), "warm_pools": [{**pool(), "v": 2}]}, 1.0)
+
+
+@given(st.integers(1, 4), st.integers(1, 4), st.sampled_from([512, 1024]), st.integers(1, 3), st.integers(1, 3))
+def test_a_pool_matches_exactly_when_every_shape_field_is_the_requests(
+    pool_vcpus: int, vcpus: int, pool_mem: int, pool_count: int, count: int
+) -> None:
+    v = node(pool(vcpus=pool_vcpus, memory_mib=pool_mem, count=pool_count))
+    found, reason = find([v], vcpus=vcpus, choice=AcceleratorChoice("gpu", count))
+    same = (pool_vcpus, pool_mem, pool_count) == (vcpus, 1024, count)
+    assert bool(found) == same and reason == ("" if same else NO_POOL)
