@@ -34,7 +34,8 @@ def test_gpu_shorthand_alone_places_on_a_node_that_has_it_and_the_cubelet_agrees
     s = c.c.create({"gpu": "H100:1"})
     assert s["state"] == "running" and s["node"] in ("n1", "n2") and len(s["device_ids"]) == 1
     assert s["template"]["name"] == "cuda12-h100"
-    assert [p["phase"] for p in s["timeline"]] == ["requested", "scheduled", "reserved"]
+    assert [p["phase"] for p in s["timeline"]] == ["requested", "path", "scheduled", "reserved"]
+    assert s["timeline"][1]["path"] == "cold"  # no warm pool in this cluster (docs/warm.md)
     assert holders(c) == {f"{s['node']}/{s['device_ids'][0]}": s["id"]}
     dev = c.cubelets[s["node"]].client.devices()
     assert {d["state"] for d in dev if d["sandbox_id"] == s["id"]} == {"attached"}
