@@ -69,19 +69,30 @@ class NodeCache:
         old = {v.name: v for v in self._index.views()}
         known = {name: (v.received_at, v.state) for name, v in old.items()}
         changed, names = self.store.node_views(known)
-        # Claims are derived against each view's own summary, not the node's row as it is by now: a heartbeat
-        # landing between the two reads would otherwise free a held device in a view that still shows it held.
-        placed: dict[str, list[Placement]] = {}
-        for p in self.store.placements():
-            placed.setdefault(p.node, []).append(p)
+        as_of = self.store.claims_as_of()
         warm = self.store.warm_claimed()
         fresh = {name: old[name] for name in names if name in old}
         for v in changed:  # unchanged views keep their contract and device memos
-            v.claims, v.memory_claims_mib = unseen_claims(placed.get(v.name, []), v.sent_at)
             fresh[v.name] = v
+        # A view's claims must be relative to the summary it holds. A heartbeat that landed after the views were
+        # read makes the claims relative to a newer one, which would free a device the view still shows held:
+        # those few nodes' claims are derived again from their placements, against the view's own summary.
+        torn = [v.name for v in fresh.values() if (c := as_of.get(v.name)) is None or c.sent_at != v.sent_at]
+        placed: dict[str, list[Placement]] = {name: [] for name in torn}
+        for p in self.store.placements(torn) if torn else []:
+            placed[p.node].append(p)
+
+        def claims_of(v: NodeView) -> tuple[dict[str, int], int]:
+            if v.name in placed:
+                return unseen_claims(placed[v.name], v.sent_at)
+            c = as_of[v.name]
+            return c.devices, c.memory_mib
+
+        for v in changed:
+            v.claims, v.memory_claims_mib = claims_of(v)
         self._index.replace_all(fresh.values())
         for name, v in fresh.items():
-            self._index.set_claims(name, *unseen_claims(placed.get(name, []), v.sent_at))
+            self._index.set_claims(name, *claims_of(v))
             v.warm_claimed = warm.get(name, frozenset())
         self._loaded_at = time.monotonic()
 
