@@ -10,7 +10,9 @@ import pytest
 import cubeaccel
 from cubeaccel.master.up import DEFAULTS, EXAMPLES, choose_backend, run_down, run_up
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_client import MasterClient
+from tests.support.poll import poll
 
 
 def test_backend_choice_says_which_and_why() -> None:
@@ -108,3 +110,48 @@ def test_down_ends_the_sandboxes_up_started_through_the_release_path(tmp_path: P
     assert closed == set(ids) and states == {"allocatable"}
     with sqlite3.connect(tmp_path / "master.db") as db:
         assert {r[0] for r in db.execute("SELECT state FROM sandboxes")} == {"deleted"}
+
+
+def test_up_keeps_a_warm_sandbox_of_the_default_template_and_down_drains_it_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 28: `up --warm 1` (the CLI's default) keeps one warm sandbox of its backend's default template and
+    says what it pins; `down` drains the pool first (teardown `warm.drained`, no refill behind the release)."""
+    import sqlite3
+
+    assert run_up(tmp_path, "simulated", "h100x4", detach=True, warm=1) == 0
+    try:
+        assert "warm pool: 1 x cuda12-h100 kept started (pins 65536 MiB; --warm 0 turns it off)" in (
+            capsys.readouterr().out
+        )
+        node = CubeletClient(socket=tmp_path / "cubelet" / "cubelet.sock")
+        poll(lambda: node.request("GET", "/v1/warm/pools")["pools"][0]["warm"] == 1, 30, what="one warm sandbox")
+        (pool,) = node.request("GET", "/v1/warm/pools")["pools"]
+        assert pool["template"] == "cuda12-h100" and pool["size"] == 1
+        info = json.loads((tmp_path / "up.json").read_text())
+        c = MasterClient(info["master_url"], key=(tmp_path / "default.key").read_text().strip())
+        made = c.create({"gpu": "H100:1"})  # warm when the heartbeat already advertised the pool, else cold
+        tenant = made["id"]
+        path = next(p["path"] for p in made["timeline"] if p["phase"] == "path")
+        c.close()
+        node.close()
+    finally:
+        assert run_down(tmp_path) == 0
+    with sqlite3.connect(tmp_path / "cubelet" / "cubelet.db") as db:
+        assert db.execute("SELECT sandbox_id FROM reservations").fetchall() == []
+        teardowns = db.execute("SELECT sandbox_id, reason FROM events WHERE kind = 'teardown_started' ORDER BY seq")
+        order = [(sid.startswith("warm-"), reason) for sid, reason in teardowns.fetchall()]
+        warm_ids = {r[0] for r in db.execute("SELECT sandbox_id FROM events WHERE sandbox_id LIKE 'warm-%'")}
+    assert order == [(True, "warm.drained"), (False, "sandbox_deleted")] and tenant
+    assert len(warm_ids) == (2 if path == "warm" else 1)  # a claim's refill, and none started behind the drain
+
+
+def test_up_with_warm_0_keeps_none(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_up(tmp_path, "simulated", "h100x2", detach=True, warm=0) == 0
+    try:
+        assert "warm pool: off (--warm 0)" in capsys.readouterr().out
+        node = CubeletClient(socket=tmp_path / "cubelet" / "cubelet.sock")
+        assert node.request("GET", "/v1/warm/pools")["pools"] == []
+        node.close()
+    finally:
+        assert run_down(tmp_path) == 0

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import ipaddress
 import json
 import os
 import shutil
 import struct
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,14 +106,161 @@ def test_two_sandboxes_get_distinct_uplink_addresses(uplink: str) -> None:
             netpolicy.teardown(sid, node="n1", uplink_netns=uplink)
 
 
-def test_the_ruleset_allows_only_the_listed_destinations() -> None:
-    text = netpolicy.ruleset(POLICY)
+def test_the_ruleset_allows_only_the_listed_destinations_and_never_the_node() -> None:
+    node = [ipaddress.IPv4Address("192.0.2.10"), ipaddress.IPv4Address("10.0.0.5")]
+    text = netpolicy.ruleset(POLICY, node)
+    assert "elements = { 10.0.0.5, 192.0.2.10 }" in text
+    forward = [line.strip() for line in text.split("chain forward")[1].splitlines()]
+    refuse = forward.index('iifname "tap0" ip daddr @node meta l4proto tcp reject with tcp reset')
+    assert refuse < min(i for i, line in enumerate(forward) if "ct state new accept" in line)
     accepts = [line.strip() for line in text.splitlines() if "ct state new accept" in line]
     assert accepts == [
         'iifname "tap0" oifname "up0" ip daddr 192.0.2.10/32 tcp dport 8080 ct state new accept',
         'iifname "tap0" oifname "up0" ip daddr 198.51.100.0/24 udp dport 53 ct state new accept',
     ]
     assert "policy drop" in text.split("chain input")[1].split("}")[0]
+
+
+SERVER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(); print("ready", flush=True)
+while True:
+    c, _ = s.accept(); c.sendall(("hello from " + c.getsockname()[0]).encode()); c.close()
+"""
+PROBE = """
+import json, socket, sys
+out = {}
+for target in sys.argv[1:]:
+    host, port = target.split(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5) as c:
+            out[target] = c.recv(100).decode()
+    except OSError as e:
+        out[target] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def sh(*args: str) -> str:
+    return subprocess.run(args, check=True, capture_output=True, text=True, timeout=30).stdout
+
+
+def in_ns(ns: str, *argv: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, *argv]
+
+
+@pytest.fixture
+def routed(uplink: str) -> Iterator[dict[str, Any]]:
+    """The uplink namespace plays the node (it routes, and has an address and a listener of its own on the test
+    subnet); a peer namespace on that subnet is a destination the allowlist names. Private addresses only."""
+    run = uuid.uuid4().hex[:8]
+    peer, guest = f"cbp-{run}", f"cbg-{run}"
+    subnet = f"10.251.{int(run[:2], 16)}"
+    servers: list[subprocess.Popen[str]] = []
+    try:
+        for ns in (peer, guest):
+            sh("ip", "netns", "add", ns)
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", uplink, "link", "set", "lo", "up")
+        sh("ip", "netns", "exec", uplink, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        sh("ip", "-n", uplink, "link", "add", "pu0", "type", "veth", "peer", "name", "pp0", "netns", peer)
+        sh("ip", "-n", uplink, "addr", "add", f"{subnet}.1/24", "dev", "pu0")
+        sh("ip", "-n", peer, "addr", "add", f"{subnet}.2/24", "dev", "pp0")
+        sh("ip", "-n", uplink, "link", "set", "pu0", "up")
+        sh("ip", "-n", peer, "link", "set", "pp0", "up")
+        sh("ip", "-n", peer, "route", "add", "default", "via", f"{subnet}.1")
+        for ns in (uplink, peer):
+            server = subprocess.Popen(
+                in_ns(ns, sys.executable, "-c", SERVER, "8080"), stdout=subprocess.PIPE, text=True
+            )
+            servers.append(server)
+            assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+        yield {"uplink": uplink, "peer": peer, "guest": guest, "node": f"{subnet}.1", "other": f"{subnet}.2"}
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait(10)
+        for ns in (peer, guest):
+            subprocess.run(["ip", "netns", "del", ns], check=False, timeout=30)
+
+
+def stand_in_guest(sandbox_ns: str, guest_ns: str) -> None:
+    """A namespace in the guest's place: the TAP becomes a veth whose far end is the guest's eth0, so the guest's
+    packets cross the sandbox namespace's forward chain exactly as a VM's would."""
+    sh("ip", "-n", sandbox_ns, "link", "del", "tap0")
+    sh("ip", "-n", sandbox_ns, "link", "add", "tap0", "type", "veth", "peer", "name", "eth0", "netns", guest_ns)
+    sh("ip", "-n", sandbox_ns, "addr", "add", f"{netpolicy.GATEWAY_ADDR}/30", "dev", "tap0")
+    sh("ip", "-n", sandbox_ns, "link", "set", "tap0", "up")
+    sh("ip", "-n", guest_ns, "addr", "add", f"{netpolicy.GUEST_ADDR}/30", "dev", "eth0")
+    sh("ip", "-n", guest_ns, "link", "set", "eth0", "up")
+    sh("ip", "-n", guest_ns, "route", "add", "default", "via", netpolicy.GATEWAY_ADDR)
+
+
+def probe(ns: str, *targets: str) -> dict[str, str]:
+    return dict(json.loads(sh(*in_ns(ns, sys.executable, "-c", PROBE, *targets))))
+
+
+@needs_net
+def test_an_allowlist_containing_a_node_address_reaches_the_peer_but_never_the_node(routed: dict[str, Any]) -> None:
+    sid = f"np-{uuid.uuid4().hex[:8]}"
+    node, other = routed["node"], routed["other"]
+    policy = NetworkPolicy.from_json({"mode": "allowlist", "egress": [f"{node.rsplit('.', 1)[0]}.0/24:8080"]})
+    net = netpolicy.setup(sid, policy, node="n1", uplink_netns=routed["uplink"])
+    try:
+        stand_in_guest(net.netns, routed["guest"])
+        got = probe(routed["guest"], f"{other}:8080", f"{node}:8080")
+        assert got == {f"{other}:8080": f"hello from {other}", f"{node}:8080": "ConnectionRefusedError"}
+        # the uplink end of the sandbox's own veth is the node's too
+        uplink_end = str(ipaddress.IPv4Interface(net.veth_cidr).ip + 1)
+        assert ipaddress.IPv4Address(uplink_end) in netpolicy.node_addresses(routed["uplink"])
+        # an address the node gains later is refused once the set is refreshed (the Cubelet's reconcile pass)
+        later = node.rsplit(".", 1)[0] + ".77"
+        sh("ip", "-n", routed["uplink"], "addr", "add", f"{later}/24", "dev", "pu0")
+        assert probe(routed["guest"], f"{later}:8080") == {f"{later}:8080": f"hello from {later}"}
+        now = netpolicy.node_addresses(routed["uplink"])
+        assert ipaddress.IPv4Address(later) in now
+        netpolicy.refresh_node_addresses(sid, now)
+        got = probe(routed["guest"], f"{later}:8080", f"{node}:8080", f"{other}:8080")
+        assert got == {
+            f"{later}:8080": "ConnectionRefusedError",
+            f"{node}:8080": "ConnectionRefusedError",
+            f"{other}:8080": f"hello from {other}",
+        }
+    finally:
+        netpolicy.teardown(sid, node="n1", uplink_netns=routed["uplink"])
+
+
+@needs_net
+def test_the_cubelets_reconcile_pass_refuses_an_address_the_node_gains_later(
+    routed: dict[str, Any], tmp_path: Path
+) -> None:
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    node = Node.create(tmp_path, "h100x1")
+    sid = f"np-{uuid.uuid4().hex[:8]}"
+    subnet = routed["node"].rsplit(".", 1)[0]
+    allow = {"network": {"mode": "allowlist", "egress": [f"{subnet}.0/24:8080"]}}
+    res = node.cubelet.reserve(sid, ReservationRequest(contract=_tool_contract(allow)))
+    net = netpolicy.setup(sid, NetworkPolicy.from_json(res.params["network"]), node="n1", uplink_netns=routed["uplink"])
+    try:
+        with node.cubelet.store.tx() as t:  # as the Cubelet's start path records it (the simulated shim builds none)
+            cur = t.reservation(sid)
+            assert cur is not None
+            cur.checkpoint.network = net.to_json()
+            t.update_reservation(cur)
+        stand_in_guest(net.netns, routed["guest"])
+        later = f"{subnet}.78"
+        sh("ip", "-n", routed["uplink"], "addr", "add", f"{later}/24", "dev", "pu0")
+        assert probe(routed["guest"], f"{later}:8080") == {f"{later}:8080": f"hello from {later}"}
+        reconcile(node.cubelet)
+        got = probe(routed["guest"], f"{later}:8080", f"{routed['other']}:8080")
+        assert got == {
+            f"{later}:8080": "ConnectionRefusedError",
+            f"{routed['other']}:8080": f"hello from {routed['other']}",
+        }
+    finally:
+        netpolicy.teardown(sid, node="n1", uplink_netns=routed["uplink"])
 
 
 def _tool_contract(sandbox: dict[str, Any]) -> dict[str, Any]:

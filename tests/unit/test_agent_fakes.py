@@ -86,10 +86,15 @@ class FakeGuest:
         return self
 
     def pci(self, address: str, vendor: str, device: str, cls: str = "0x00ff00") -> FakeGuest:
-        d = self.root / "sys/bus/pci/devices" / address
-        d.mkdir(parents=True)
+        """The function appears whole, as the kernel's sysfs shows a new device: built aside, then renamed into
+        place (a hot-plug waiter polling the directory must never see it without its class)."""
+        devices = self.root / "sys/bus/pci/devices"
+        devices.mkdir(parents=True, exist_ok=True)
+        staging = devices.parent / f".new-{address}"
+        staging.mkdir()
         for name, value in (("vendor", f"0x{vendor}"), ("device", f"0x{device}"), ("class", cls)):
-            (d / name).write_text(value + "\n")
+            (staging / name).write_text(value + "\n")
+        staging.rename(devices / address)
         return self
 
     def dev(self, *paths: str) -> FakeGuest:

@@ -61,6 +61,7 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): T | A,
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): T | A,
     ("GET", "/v1/sandboxes/{sandbox_id}/events"): T | A,
+    ("GET", "/v1/sandboxes/{sandbox_id}/workload"): T | A,  # the tenant CLI's way to exec and cp
     ("POST", "/v1/tenants"): A,
     ("GET", "/v1/tenants"): A,
     ("DELETE", "/v1/tenants/{tenant}"): A,
@@ -79,6 +80,7 @@ OWNED = {
     "/v1/sandboxes/{sandbox_id}",
     "/v1/sandboxes/{sandbox_id}/timeout",
     "/v1/sandboxes/{sandbox_id}/events",
+    "/v1/sandboxes/{sandbox_id}/workload",
     "/v1/keys/{key_id}",
 }
 PARAMS = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import struct
 import urllib.parse
@@ -157,3 +158,91 @@ def test_a_create_for_e2bs_default_template_where_none_is_registered_says_how_to
     r = M.refusal_from_error({**err, "details": {"template": "base"}}, 422)
     assert r.status == 400 and "examples/templates/base.yaml" in r.message
     assert "base.yaml" not in M.refusal_from_error({**err, "details": {"template": "other"}}, 422).message
+
+
+# ---- E2B `network` → CubeMaster's address narrowing (issue 29 item 7) ----
+
+_V4 = st.builds(lambda a, p: f"{a}/{p}", st.ip_addresses(v=4), st.integers(0, 32)) | st.ip_addresses(v=4).map(str)
+_ENTRY = _V4 | st.sampled_from(["example.com", "*.e2b.dev", "::1", "2001:db8::/32", "10.0.0.256", "", "x/8"])
+_NETWORK = st.fixed_dictionaries(
+    {},
+    optional={
+        "allowOut": st.lists(_ENTRY, max_size=4),
+        "denyOut": st.lists(_ENTRY, max_size=4) | st.just([M.ALL_TRAFFIC]),
+        "allowPublicTraffic": st.booleans(),
+        "egressProxy": st.none() | st.just({"address": "proxy.test:1080"}),
+        "rules": st.none() | st.just({"api.test": [{"transform": {"headers": {"A": "b"}}}]}),
+        "maskRequestHost": st.none() | st.just("${PORT}-x.test"),
+        "tunnel": st.just(True),
+    },
+)
+
+
+@given(_NETWORK, st.sampled_from([None, True, False]))
+def test_every_e2b_network_option_is_either_a_narrowing_or_a_named_refusal(
+    network: dict[str, object], internet: bool | None
+) -> None:
+    from cubeaccel.model.error_catalog import CATALOG
+    from cubeaccel.model.sandbox_policy import AddressNarrowing, NetworkPolicy, narrow_network
+
+    req = NewSandbox.model_validate({"templateID": "x", "network": network, "allow_internet_access": internet})
+    try:
+        body = M.create_body(req, "s", "t")
+    except M.Refusal as e:
+        code = e.message.split(": ")[1]
+        assert e.status == 400 and code in CATALOG and not e.retry, e.message
+        assert code == M.OPTION_UNSUPPORTED or code == M.DESTINATION_UNSUPPORTED
+        return
+    asked = network.get("allowOut") or network.get("denyOut") or internet is False
+    if not asked:
+        assert "network" not in body  # the template's policy
+        return
+    narrowing = body["network"]
+    assert AddressNarrowing.asked(narrowing)
+    parsed = AddressNarrowing.from_json(narrowing)  # what CubeMaster and the Cubelet read
+    masked = {
+        k: [ipaddress.IPv4Network(x, strict=False) for x in network.get(k) or []] for k in ("allowOut", "denyOut")
+    }
+    all_traffic = [ipaddress.IPv4Network(M.ALL_TRAFFIC)] if internet is False else []
+    assert (list(parsed.allow_out), list(parsed.deny_out)) == (masked["allowOut"], masked["denyOut"] + all_traffic)
+    template = NetworkPolicy.from_json({"mode": "allowlist", "egress": ["10.0.0.0/8:443"]})
+    try:
+        assert narrow_network(template, narrowing).mode in ("none", "allowlist")
+    except Exception as e:
+        assert getattr(e, "code", None) in ("network.policy_widened", "network.policy_too_large"), e
+
+
+@pytest.mark.parametrize(
+    ("network", "internet", "expected"),
+    [
+        ({"allowOut": ["192.0.2.10"], "denyOut": [M.ALL_TRAFFIC]}, True, (["192.0.2.10/32"], ["0.0.0.0/0"])),
+        ({"denyOut": ["198.51.100.0/24"], "allowPublicTraffic": False}, None, ([], ["198.51.100.0/24"])),
+        ({"allowOut": ["10.1.2.3/16"]}, False, (["10.1.0.0/16"], ["0.0.0.0/0"])),  # host bits masked, as E2B does
+        ({"allowPublicTraffic": True}, True, None),  # the SDK's default body: the template's policy
+    ],
+)
+def test_e2b_network_maps_to_allow_and_deny_out(
+    network: dict[str, object], internet: bool | None, expected: tuple[list[str], list[str]] | None
+) -> None:
+    req = NewSandbox.model_validate({"templateID": "x", "network": network, "allow_internet_access": internet})
+    got = M.create_body(req, "s", "t").get("network")
+    assert got == (None if expected is None else {"allow_out": expected[0], "deny_out": expected[1]})
+
+
+@pytest.mark.parametrize(
+    ("network", "code", "named"),
+    [
+        ({"allowOut": ["api.example.com"]}, M.DESTINATION_UNSUPPORTED, "api.example.com"),
+        ({"denyOut": ["2001:db8::/32"]}, M.DESTINATION_UNSUPPORTED, "IPv6"),
+        ({"egressProxy": {"address": "p.test:1080"}}, M.OPTION_UNSUPPORTED, "egressProxy"),
+        ({"rules": {"a.test": []}, "allowOut": ["a.test"]}, M.OPTION_UNSUPPORTED, "rules"),
+        ({"maskRequestHost": "${PORT}-x.test"}, M.OPTION_UNSUPPORTED, "maskRequestHost"),
+        ({"somethingNew": 1}, M.OPTION_UNSUPPORTED, "somethingNew"),
+    ],
+)
+def test_e2b_network_options_that_cannot_be_expressed_are_refused_by_name(
+    network: dict[str, object], code: str, named: str
+) -> None:
+    with pytest.raises(M.Refusal) as e:
+        M.create_body(NewSandbox.model_validate({"templateID": "x", "network": network}), "s", "t")
+    assert e.value.status == 400 and f": {code}: " in e.value.message and named in e.value.message

@@ -168,7 +168,7 @@ def test_start_deadlines_grow_with_the_guest_and_stay_at_the_old_bound_for_small
 
 def test_the_locked_figures_of_a_pinned_guest_are_its_terms() -> None:
     m = vmm_locked(LockedGuest(4096, vcpus=2, tcg=True, prealloc_threads=2, vfio=True))
-    assert (m.guest_mib, m.vmm_mib, m.recount_mib) == (4096, 400 + 80 + 64 + 80, 4096)
+    assert (m.guest_mib, m.vmm_mib, m.recount_mib) == (4096, 560 + 144 + 64 + 80, 4096)
     assert vmm_locked(LockedGuest(4096, mlock=False)).node_mib == 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,60 @@ def test_readonly_mounts_need_the_node_operator_allowlist() -> None:
     assert mount_not_allowlisted(fs, ()) == ["/srv/models/llama", "/etc"]
     assert mount_not_allowlisted(fs, ("/srv/models",)) == ["/etc"]
     assert mount_not_allowlisted(fs, ("/srv/model",)) == ["/srv/models/llama", "/etc"]  # a prefix is no parent
+
+
+# ---- narrowing by address alone (E2B's allowOut/denyOut, issue 29 item 7) ----
+
+_CIDR = st.builds(
+    lambda a, p: ipaddress.IPv4Network(f"{a}/{p}", strict=False), st.ip_addresses(v=4), st.integers(8, 32)
+)
+_INSIDE = st.sampled_from(["10.0.0.0/8", "10.1.0.0/16", "10.1.2.0/24", "10.1.2.3/32", "192.0.2.0/28", "0.0.0.0/0"])
+TEMPLATE_NET = NetworkPolicy.from_json(
+    {"mode": "allowlist", "egress": ["10.0.0.0/8:443", "192.0.2.0/28:8080/udp", "10.1.2.0/24:8080/udp"]}
+)
+
+
+def _reaches(policy: NetworkPolicy, addr: ipaddress.IPv4Address, port: int, proto: str) -> bool:
+    return any(addr in r.network and (r.port, r.proto) == (port, proto) for r in policy.egress)
+
+
+@given(
+    st.lists(_CIDR | _INSIDE.map(ipaddress.IPv4Network), max_size=3),
+    st.lists(_CIDR | _INSIDE.map(ipaddress.IPv4Network), max_size=3),
+    st.lists(st.ip_addresses(v=4), max_size=6),
+)
+def test_address_narrowing_keeps_exactly_the_template_minus_deny_plus_allow(
+    allow: list[ipaddress.IPv4Network], deny: list[ipaddress.IPv4Network], probes: list[ipaddress.IPv4Address]
+) -> None:
+    asked = {"allow_out": [str(n) for n in allow], "deny_out": [str(n) for n in deny]}
+    try:
+        got = narrow_network(TEMPLATE_NET, asked)
+    except CubeError as e:
+        if e.code == "network.policy_widened":  # an allow_out entry the template reaches nowhere
+            assert any(not any(a.overlaps(t.network) for t in TEMPLATE_NET.egress) for a in allow)
+        else:
+            assert e.code == "network.policy_too_large" and e.details["rules"] > 64
+        return
+    # addresses at every edge that matters: each named network's first and last, and random ones
+    edges = [n[i] for n in (*allow, *deny, *(r.network for r in TEMPLATE_NET.egress)) for i in (0, -1)]
+    for addr in [*edges, *probes]:
+        for port, proto in ((443, "tcp"), (8080, "udp"), (22, "tcp")):
+            want = _reaches(TEMPLATE_NET, addr, port, proto) and (
+                not any(addr in d for d in deny) or any(addr in a for a in allow)
+            )
+            assert _reaches(got, addr, port, proto) == want, (addr, port, proto, got.to_json())
+    assert got.has_nic == bool(got.egress)
+    assert NetworkPolicy.from_json(got.to_json()) == got  # the Cubelet reads the recorded policy back
+
+
+def test_address_narrowing_refuses_what_it_cannot_grant_and_other_keys() -> None:
+    with pytest.raises(CubeError) as e:
+        narrow_network(TEMPLATE_NET, {"allow_out": ["172.16.0.1"], "deny_out": ["0.0.0.0/0"]})
+    assert e.value.code == "network.policy_widened" and e.value.details["widened"] == ["172.16.0.1/32"]
+    with pytest.raises(CubeError) as e:
+        narrow_network(TEMPLATE_NET, {"allow_out": [], "egress": ["10.0.0.0/8:443"]})
+    assert e.value.code == "network.invalid_policy"
+    with pytest.raises(CubeError) as e:
+        narrow_network(TEMPLATE_NET, {"deny_out": ["example.com"]})
+    assert e.value.code == "network.invalid_rule"
+    assert narrow_network(TEMPLATE_NET, {"deny_out": ["0.0.0.0/0"]}) == NetworkPolicy()  # no NIC at all

@@ -2,9 +2,9 @@
 
 Two sandboxes (two boots): `closed` has the default policy (no NIC, no scratch disk, no share); `tool` has an
 egress allowlist of one address and port, a 64 MiB scratch disk and one allowlisted host directory shown
-read-only. The uplink of the sandbox networks is a namespace this test makes (`cbt-<run>`): two addresses and a
-server on two ports, no route anywhere, so nothing the guest sends can leave it. Everything is removed in
-teardown, by name and by pid.
+read-only. The uplink of the sandbox networks is a namespace this test makes (`cbt-<run>`), routing to a peer
+namespace with two addresses and a server on two ports (tests/support/peer_net.py); no route leads further, so
+nothing the guest sends can leave. Everything is removed in teardown, by name and by pid.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,71 +23,19 @@ import pytest
 
 from cubeaccel.images.manifest import Manifest
 from tests.support.master_harness import MasterProcess, emulated_cubelet
+from tests.support.peer_net import ALLOWED, OTHER, OTHER_PORT, PORT, PROBE, UPLINK_LINK, peer_net, sh
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
 
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]  # two cold boots under TCG on a shared host
-ALLOWED, OTHER = "192.0.2.10", "192.0.2.20"
-PORT, OTHER_PORT = 8080, 8081
 SCRATCH_MIB = 64
-SERVER = f"""
-import socket, threading
-def serve(port):
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", port)); s.listen()
-    while True:
-        c, a = s.accept(); c.sendall(f"hello {{port}} from {{c.getsockname()[0]}}\\n".encode()); c.close()
-for p in ({PORT}, {OTHER_PORT}):
-    threading.Thread(target=serve, args=(p,), daemon=True).start()
-print("ready", flush=True)
-threading.Event().wait()
-"""
-# Run in the guest as the workload: connect to each target, print what happened.
-PROBE = """
-import socket, sys, json
-out = {}
-for target in sys.argv[1:]:
-    host, port = target.split(":")
-    try:
-        s = socket.create_connection((host, int(port)), timeout=5)
-        out[target] = s.recv(100).decode().strip()
-        s.close()
-    except OSError as e:
-        out[target] = type(e).__name__
-print(json.dumps(out))
-"""
-
-
-def sh(*args: str) -> str:
-    return subprocess.run(args, check=True, capture_output=True, text=True, timeout=30).stdout
 
 
 @pytest.fixture(scope="module")
 def uplink() -> Iterator[str]:
-    if shutil.which("nft") is None or shutil.which("ip") is None:
-        pytest.fail("ip and nft are needed (scripts/install-system-deps.sh installs nftables)")
-    ns = f"cbt-{uuid.uuid4().hex[:8]}"
-    sh("ip", "netns", "add", ns)
-    server = None
-    try:
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        # the servers' addresses, local to this namespace (a veth pair with no other end: no dummy module here)
-        sh("ip", "-n", ns, "link", "add", "srv0", "type", "veth", "peer", "name", "srv1")
-        for addr in (ALLOWED, OTHER):
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/32", "dev", "srv0")
-        sh("ip", "-n", ns, "link", "set", "srv0", "up")
-        sh("ip", "-n", ns, "link", "set", "srv1", "up")
-        assert "default" not in sh("ip", "-n", ns, "route", "show")  # nothing leaves this namespace
-        server = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True
-        )
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        yield ns
-    finally:
-        if server is not None:
-            server.kill()
-            server.wait(10)
-        subprocess.run(["ip", "netns", "del", ns], check=False, timeout=30)
+    with peer_net() as net:
+        yield net.uplink
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +133,7 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
     assert got[f"{OTHER}:{PORT}"] == "ConnectionRefusedError"  # in the template's list, narrowed away by the request
     assert got["169.254.169.254:80"] == "ConnectionRefusedError"  # metadata
     # the host end of the sandbox link drops everything (the namespace accepts nothing from the guest), and the
-    # uplink end of the veth is not in the allowlist
+    # uplink end of the veth is one of the node's own addresses, never a destination
     facts = stack["cubelet"].client.reservation(stack["tool"]["id"])["reservation"]["facts"]["network"]
     peer = facts["veth_cidr"].split("/")[0].rsplit(".", 1)
     uplink_end = f"{peer[0]}.{int(peer[1]) + 1}"
@@ -274,6 +221,6 @@ def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
     poll(lambda: not Path(f"/run/netns/cube-{sid}").exists(), 60)
     assert not (stack["base"] / "cubelet" / "shims" / sid / "scratch.img").exists()
     # the kernel frees a namespace (and the veth pair with it) shortly after its last user is gone
-    poll(lambda: uplink_links() <= {"lo", "srv0", "srv1"}, 30, what=f"only the test's own links: {uplink_links()}")
+    poll(lambda: uplink_links() <= {"lo", UPLINK_LINK}, 30, what=f"only the test's own links: {uplink_links()}")
     kinds = [e["kind"] for e in cubelet.client.events()["events"] if e.get("sandbox_id") == sid]
     assert "network_applied" in kinds and "network_removed" in kinds

@@ -1,5 +1,6 @@
-"""Warm sandboxes on real MicroVMs (docs/warm.md): a pool kept by the Cubelet, refused until claimed, claimed,
-run as the tenant, released through the release path, refilled; a request of another shape misses, with why."""
+"""Warm sandboxes on real MicroVMs (docs/warm.md): a pool kept by the Cubelet, refused until claimed, claimed
+(the guest's RNG reseeded), run as the tenant, released through the full release path (scrub VM included),
+refilled; a request of another shape misses, with why."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_cubelet_emulated import edu_contract
 
-pytestmark = pytest.mark.vm
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]  # three boots under TCG: warm, scrub VM, refill
 
 
 @pytest.fixture
@@ -44,6 +45,10 @@ def _warm_ids(p: CubeletProcess) -> list[str]:
 def _workload(p: CubeletProcess, sid: str, token: str) -> WorkloadClient:
     sock = str(p.state_dir / "cubelet.sock")
     return WorkloadClient.over(f"http://cubelet/v1/sandboxes/{sid}/workload", token, uds=sock, timeout=60)
+
+
+def _events(p: CubeletProcess, sid: str, kind: str) -> list[dict[str, Any]]:
+    return [e for e in p.client.events(0, 10000)["events"] if e["sandbox_id"] == sid and e["kind"] == kind]
 
 
 def _refused(client: WorkloadClient) -> CubeError:
@@ -75,6 +80,16 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     body = node.client.request("POST", "/v1/warm/claim", {**shape, "sandbox_id": "tenant-1", "tenant": "t1"})
     assert body["reservation"]["phase"] == "running" and body["reservation"]["facts"]["shim_id"] == warm_id
     assert body["reservation"]["facts"]["claim_acked"] is True
+    # The guest mixed the claim's seed into its kernel RNG, credited and reseeded as root, before the rebind.
+    acked = _events(node, "tenant-1", "warm_claim_acked")
+    assert [e["details"]["reseeded"] for e in acked] == [True]
+    claimed = [e for e in _events(node, "tenant-1", "shim_report") if e["event"] == "warm_claimed"]
+    assert claimed[0]["details"]["reseed"] == {
+        "mixed": True,
+        "credited_bits": 256,
+        "crng_reseeded": True,
+        "why_not": None,
+    }
     token = body["access_token"]
     with pytest.raises(CubeError) as empty:  # the refill has not finished a new one yet
         node.client.request("POST", "/v1/warm/claim", {**shape, "sandbox_id": "tenant-2"})
@@ -87,12 +102,31 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     assert result.exit_code == 0 and b"hello-tenant" in b"".join(out)
     assert _refused(_workload(node, "tenant-1", secrets.token_urlsafe(32))).status == 401
 
-    # Delete → the full release path (devices back, reservation closed) → the pool refills with a new one.
+    # Delete → the full release path: VMM proven gone, device released, scrubbed by a scrub VM, revalidated
+    # (allocatable) → the pool refills with a new warm sandbox.
     dev = body["devices"][0]["id"]
     node.client.release("tenant-1")
     rows = lambda: node.client.request("GET", "/v1/reservations")["reservations"]  # noqa: E731
     poll(lambda: all(r["sandbox_id"] != "tenant-1" for r in rows()), 120)  # closed: VMM proven gone
-    poll(lambda: next(d["state"] for d in node.client.devices() if d["id"] == dev) in ("allocatable", "attached"), 60)
     assert node.vmm(warm_id) is None
-    poll(lambda: _pool(node)["warm"] == 1, 300)
+
+    def device_trail() -> list[str]:
+        events = [e for e in node.client.events(0, 10000)["events"] if e["device_id"] == dev]
+        return [e["event"] or e["kind"] for e in events[[e["sandbox_id"] for e in events].index("tenant-1") :]]
+
+    try:
+        poll(lambda: "revalidated" in device_trail(), 300, what="the device scrubbed and revalidated")
+    except AssertionError as e:
+        state = next(d for d in node.client.devices() if d["id"] == dev)
+        raise AssertionError(f"{e}: {state['state']} ({state['reason']}), trail {device_trail()}") from None
+    trail = device_trail()
+    order = [
+        trail.index(k) for k in ("teardown", "release_confirmed", "scrub_started", "scrub_finished", "revalidated")
+    ]
+    assert order == sorted(order), trail
+    scrubbed = [
+        e for e in node.client.events(0, 10000)["events"] if e["device_id"] == dev and e["kind"] == "scrub_finished"
+    ]
+    assert scrubbed[-1]["details"]["ok"] is True
+    poll(lambda: _pool(node)["warm"] == 1, 300, what="the pool refilled")
     assert _warm_ids(node) != [warm_id] and _pool(node)["claims"] == 1

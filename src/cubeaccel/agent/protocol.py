@@ -22,6 +22,7 @@ from typing import Any
 from cubeaccel.agent.hotplug import read_resource, wait_pci  # imported at start: in a template, before the snapshot
 from cubeaccel.agent.probes import ProbeContext, kernel_release, loaded_modules, pci_devices, run_modprobe
 from cubeaccel.agent.report import probe_reply
+from cubeaccel.agent.reseed import reseed
 from cubeaccel.agent.spec import bad_contract, parse_spec
 from cubeaccel.model.agent_protocol import AGENT_VERSION, PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
@@ -29,7 +30,8 @@ from cubeaccel.model.errors import CubeError
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024
 BAR_RESOURCES = frozenset(f"resource{i}" for i in range(6))
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
-METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci", "pci_resources")
+METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci", "pci_resources", "reseed")
+SEED_HEX = re.compile(r"[0-9a-f]{64}")  # 32 bytes: what a warm claim carries (wire/warm.RNG_SEED)
 PCI_ID = re.compile(r"[0-9a-f]{4}")
 MAX_KNOWN = 1024
 MAX_WAIT_S = 30.0
@@ -282,6 +284,16 @@ class Agent:
         if not isinstance(address, str) or not PCI_ADDRESS.fullmatch(address):
             raise protocol_error("agent.invalid_params", "address must be a PCI address (DDDD:BB:DD.F)")
         return {"address": address, "resource": read_resource(self.ctx, address)}
+
+    def _m_reseed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A warm claim's seed into the kernel RNG (agent/reseed.py), before the tenant's token reaches the guest."""
+        seed = params.get("seed")
+        if not isinstance(seed, str) or not SEED_HEX.fullmatch(seed):
+            raise protocol_error("agent.invalid_params", "seed must be 64 lower-case hex digits (32 bytes)")
+        try:
+            return reseed(bytes.fromhex(seed), self.ctx.path("/dev/urandom"))
+        except OSError as e:
+            raise protocol_error("agent.reseed_failed", f"cannot write the seed: {e.strerror or e}") from None
 
     def _m_shutdown(self, params: dict[str, Any]) -> dict[str, Any]:
         self.poweroff_requested = self._flag(params, "poweroff", False)

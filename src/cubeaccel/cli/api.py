@@ -31,6 +31,14 @@ def serve_cmd(
     cert: Annotated[Path | None, typer.Option(help="TLS certificate chain (PEM): serve https, HTTP/2 and 1.1")] = None,
     key: Annotated[Path | None, typer.Option(help="the certificate's private key (PEM)")] = None,
     create_wait: Annotated[float, typer.Option(min=1.0, help="seconds create waits for the guest")] = 300.0,
+    create_lease: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="seconds a sandbox lives until its create's reply is ready (renewed meanwhile): what a front door "
+            "that dies mid-create leaves behind is deleted within it",
+        ),
+    ] = 60.0,
 ) -> None:
     """Serve E2B's REST API (create, connect, get_info, list, kill, set_timeout) over CubeMaster, and route envd
     traffic (by E2b-Sandbox-Id or Host) to each sandbox's node. Callers use CubeMaster tenant keys as E2B keys."""
@@ -46,5 +54,5 @@ def serve_cmd(
         secret = read_secret(secret_file).encode()
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e)) from e
-    cfg = FrontDoorConfig(master_url(master), admin, secret, domain, create_wait)
+    cfg = FrontDoorConfig(master_url(master), admin, secret, domain, create_wait, create_lease)
     serve(cfg, listen, cert, key)

@@ -68,13 +68,20 @@ def _warm_pools(raw: list[str]) -> list[tuple[Path, int]]:
 
 
 def _warm_request(path: Path) -> Any:
-    """A pool's shape from a template file: its frozen contract, one device of its class."""
+    """A pool's shape from a template file: its frozen contract, one device of its class, its memory as CubeMaster
+    asks for it (the template's size and pinning: a create through CubeMaster must match the pool field by field)."""
     from cubeaccel.cubelet.lifecycle import ReservationRequest
     from cubeaccel.model.contract import freeze
     from cubeaccel.wire.templates import load_template
 
     t = load_template(path)
-    return ReservationRequest(accel_class=t.accel_class, template=t.name, contract=freeze(t).to_json())
+    return ReservationRequest(
+        accel_class=t.accel_class,
+        template=t.name,
+        contract=freeze(t).to_json(),
+        memory_mib=t.memory_mib,
+        pin_memory=t.pin_memory,
+    )
 
 
 @app.command("serve")

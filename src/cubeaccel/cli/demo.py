@@ -123,7 +123,10 @@ def run_demo(profile: str) -> int:
             show_device_in_guest(info["cubelet_url"], sid, sb["access_token"])
         console.print(f"[bold]cubeaccel sandbox delete {sid}[/bold]")
         master.delete(sid)
-        wait_for(lambda: all(d["state"] == "allocatable" for d in cubelet.devices()), "the release", 120)
+        # Its own device: `up` keeps a warm sandbox, whose device stays attached (docs/warm.md).
+        wait_for(
+            lambda: any(d["id"] == dev and d["state"] == "allocatable" for d in cubelet.devices()), "the release", 120
+        )
         wait_for(
             lambda: any(e["kind"] == "reservation_closed" for e in _events(cubelet, sid)),
             "the reservation to close (shim and VMM gone)",

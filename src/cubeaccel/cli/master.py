@@ -401,12 +401,20 @@ def up_cmd(
     backend: Annotated[str, typer.Option(help="auto | simulated | emulated")] = "auto",
     profile: Annotated[str, typer.Option(help="simulated devices")] = "h100x2",
     detach: Annotated[bool, typer.Option(help="return once the node is ready; stop with `cubeaccel down`")] = False,
+    warm: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            max=64,
+            help="warm sandboxes the Cubelet keeps of the backend's default template (0: none; docs/warm.md)",
+        ),
+    ] = 1,
 ) -> None:
     """Embedded single node: CubeMaster (SQLite) + one Cubelet, with the best backend this host supports."""
     from cubeaccel.master.up import run_up
 
     with output.Progress("up") as progress:
-        rc = run_up(state_dir, backend, profile, detach, on_phase=progress.phase)
+        rc = run_up(state_dir, backend, profile, detach, on_phase=progress.phase, warm=warm)
     raise typer.Exit(rc)
 
 
@@ -606,21 +614,15 @@ TokenOpt = Annotated[
 
 
 def _workload(sandbox_id: str, url: str | None, token: str | None, timeout: float | None = None) -> Any:
-    """A workload client for the sandbox, at its node's Cubelet proxy (the node comes from CubeMaster)."""
-    from urllib.parse import quote
-
+    """A workload client for the sandbox, at its node's Cubelet proxy: CubeMaster names it to the sandbox's own
+    tenant (`GET /v1/sandboxes/{id}/workload`), so a tenant key is enough."""
     from cubeaccel.wire.workload_client import WorkloadClient
 
     token = token or os.environ.get("CUBEACCEL_SANDBOX_TOKEN")
     if not token:
         fail(CubeError("workload.unauthenticated", "no access token: --token or $CUBEACCEL_SANDBOX_TOKEN", "api"))
-    row = _call(url, lambda c: c.sandbox(sandbox_id))
-    nodes = {n["node"]: n for n in _call(url, lambda c: c.nodes())}
-    node = nodes.get(row.get("node") or "")
-    if row.get("state") != "running" or node is None:
-        fail(CubeError("workload.not_running", f"sandbox {sandbox_id} is {row.get('state')}, not running", "api"))
-    base = f"{str(node['cubelet_url']).rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
-    return WorkloadClient.over(base, str(token), timeout=timeout)
+    endpoint = _call(url, lambda c: c.workload_endpoint(sandbox_id))
+    return WorkloadClient.over(endpoint.url, str(token), timeout=timeout)
 
 
 def _env_pairs(values: list[str]) -> dict[str, str]:

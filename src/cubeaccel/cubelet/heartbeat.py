@@ -40,6 +40,8 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         max_devices_per_sandbox=cubelet.max_devices_per_sandbox,
         warm_pools=warm_pool_facts(cubelet),
         sent_at=sent_at,
+        incarnation=cubelet.incarnation,
+        ended=cubelet.ended.recent(),
     ).to_json()
 
 

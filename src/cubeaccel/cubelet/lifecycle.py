@@ -20,6 +20,7 @@ from pydantic import SecretStr
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.device_audit import DeviceAudit
+from cubeaccel.cubelet.ended import EndedSandboxes
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
@@ -149,6 +150,8 @@ class Cubelet(ReleasePath):
         self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
         self.status_sink = None
+        self.incarnation = uuid.uuid4().hex  # this process's: CubeMaster reconciles a node whose incarnation changed
+        self.ended = EndedSandboxes()  # what this process ended on its own, repeated by its heartbeats
         self.issued_tokens: dict[str, str] = {}  # sandbox → workload token not yet given to the caller
         self.audit: AuditLog | None = None  # set by the server: host changes made for sandboxes are audited
         self.device_audit: DeviceAudit | None = None  # set by the server: each device's custody is audited
@@ -158,6 +161,7 @@ class Cubelet(ReleasePath):
         self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
         self.scrubs: dict[str, ScrubJob] = {}
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
+        self.node_address_sets: dict[str, frozenset[ipaddress.IPv4Address]] = {}  # sandbox → last refused set
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from cubeaccel.cubelet.store import Event
@@ -106,6 +106,56 @@ class _Devices(Collector):
         return iter(())
 
 
+class _WarmPools(Collector):
+    """The warm pools (docs/warm.md) as the refill and the journal see them at each scrape."""
+
+    def __init__(self, cubelet: Cubelet) -> None:
+        self.cubelet = cubelet
+
+    def collect(self) -> Iterator[Metric]:
+        warm = getattr(self.cubelet, "warm", None)
+        if warm is None:
+            return
+        labels = ["pool", "template"]
+        size = GaugeMetricFamily(
+            "cubeaccel_warm_pool_size", "Warm sandboxes each pool is configured to keep", labels=labels
+        )
+        now = GaugeMetricFamily(
+            "cubeaccel_warm_sandboxes",
+            "Unclaimed warm sandboxes by pool and state (warm, starting)",
+            labels=[*labels, "state"],
+        )
+        claims = CounterMetricFamily("cubeaccel_warm_claims", "Claims served from each pool", labels=labels)
+        failed = CounterMetricFamily(
+            "cubeaccel_warm_start_failures", "Warm starts that failed (the pool backs off)", labels=labels
+        )
+        refill = SummaryMetricFamily(
+            "cubeaccel_warm_refill_seconds", "From a warm start's reservation to the sandbox warm", labels=labels
+        )
+        for pool in list(warm.pools.values()):
+            lv = [pool.key, pool.request.template or ""]
+            n_warm, n_starting = warm.counts(pool.key)
+            size.add_metric(lv, pool.size)
+            now.add_metric([*lv, "warm"], n_warm)
+            now.add_metric([*lv, "starting"], n_starting)
+            claims.add_metric(lv, pool.claims)
+            failed.add_metric(lv, pool.failures)
+            refill.add_metric(lv, pool.refills, pool.refill_total_s)
+        misses = CounterMetricFamily(
+            "cubeaccel_warm_misses",
+            "Claims that found no warm sandbox, by reason (the cold path follows)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(dict(warm.misses_by_reason).items()):
+            misses.add_metric([reason], n)
+        draining = GaugeMetricFamily("cubeaccel_warm_draining", "1 while a drain or `down` holds the pools empty")
+        draining.add_metric([], 1 if warm.draining else 0)
+        yield from (size, now, claims, failed, refill, misses, draining)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
 class CubeletMetrics:
     """One per Cubelet: its registry (served at `/metrics` by both listeners) and its store listener."""
 
@@ -171,6 +221,7 @@ class CubeletMetrics:
         self.classes: dict[str, str] = {d.id: d.accel_class.value for d in cubelet.store.devices()}
         r.register(_Devices(cubelet, self.classes))
         r.register(_ShimLaunches(cubelet))
+        r.register(_WarmPools(cubelet))
         self._lock = threading.Lock()
         self._trails: dict[str, list[tuple[str, str | None, float]]] = {}  # in-flight starts' milestones
         self._teardowns: dict[str, float] = {}  # sandbox → teardown start

@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from ipaddress import IPv4Address
 
 from cubeaccel.cubelet import backend_facts, host_ready
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.cubelet.quarantine_retry import retry_quarantined
+from cubeaccel.host import netpolicy
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.start_deadlines import startup_timeout_s
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -192,7 +195,33 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         repairs.append(Repair(None, sid, "expired", "reserve.expired"))
     health_check(cubelet)
     backend_facts.persist(cubelet)
+    _refresh_node_addresses(cubelet, repairs)
     return repairs
+
+
+def _refresh_node_addresses(cubelet: Cubelet, repairs: list[Repair]) -> None:
+    """The node's addresses as they are now, in each live sandbox network's refused set: an address the host
+    gained after a sandbox's network was built is no destination there either (host/netpolicy.py). One address
+    read per uplink per pass; a sandbox's set is rewritten only when it differs from what was last applied."""
+    now: dict[str | None, frozenset[IPv4Address]] = {}
+    live: set[str] = set()
+    for res in cubelet.store.reservations():
+        net, sid = res.checkpoint.network, res.sandbox_id
+        if not net or res.phase is ReservationPhase.RELEASING or not netpolicy.exists(sid):
+            continue
+        live.add(sid)
+        uplink = net.get("uplink_netns")
+        try:
+            if uplink not in now:
+                now[uplink] = frozenset(netpolicy.node_addresses(uplink))
+            if cubelet.node_address_sets.get(sid) != now[uplink]:
+                netpolicy.refresh_node_addresses(sid, now[uplink])
+                cubelet.node_address_sets[sid] = now[uplink]
+        except CubeError as e:
+            if netpolicy.exists(sid):  # not a release racing this pass
+                _record(cubelet, repairs, Repair(None, sid, "network_refresh_failed", e.code))
+    for gone in set(cubelet.node_address_sets) - live:
+        del cubelet.node_address_sets[gone]
 
 
 def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem, ResetContext
+from cubeaccel.cubelet.ended import EndedSandboxes, status_error
 from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
 from cubeaccel.cubelet.memory_ledger import VmmHost
 from cubeaccel.cubelet.scrub import (
@@ -136,6 +137,7 @@ class ReleasePath:
     lock: FairRLock
     device_locks: KeyedLocks
     status_sink: StatusSink | None
+    ended: EndedSandboxes
     scrub_runner: ScrubRunner
     scrubs: dict[str, ScrubJob]
 
@@ -201,6 +203,7 @@ class ReleasePath:
                     t.transition(d, ev, Actor.CUBELET, reason=reason)
             stop = first and res.checkpoint.shim_started
         if failure is not None and not unclaimed:  # an unclaimed warm sandbox is the node's: nobody to tell
+            self.ended.record(sandbox_id, res.created_at, status_error(failure))  # each heartbeat repeats it
             self.notify(sandbox_id, {"phase": "failed", "error": failure.to_json()})
         if stop:
             self.shim.stop(res.shim_id)

@@ -42,7 +42,7 @@ from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
 from cubeaccel.wire.http_server import PEER_KEY, run_servers, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
-from cubeaccel.wire.warm import WarmClaimBody, WarmPoolBody, WarmPoolList
+from cubeaccel.wire.warm import WarmClaimBody, WarmDrainReply, WarmPoolBody, WarmPoolList
 
 # Local mutations audited only when refused: a shim reports many times per sandbox; the journal keeps them all.
 AUDIT_REFUSALS_ONLY = {"/v1/shim-reports"}
@@ -230,7 +230,17 @@ def create_app(
 
     @app.get("/v1/warm/pools", response_model=WarmPoolList)
     def warm_pools() -> dict[str, Any]:
-        return {"pools": cubelet.warm.views(), "max_concurrent_starts": cubelet.warm.max_concurrent_starts}
+        warm = cubelet.warm
+        return {"pools": warm.views(), "max_concurrent_starts": warm.max_concurrent_starts, "draining": warm.draining}
+
+    @app.post("/v1/warm/drain", response_model=WarmDrainReply)
+    def drain_warm() -> dict[str, Any]:
+        return {"draining": True, "torn_down": cubelet.warm.drain()}
+
+    @app.post("/v1/warm/undrain", response_model=WarmDrainReply)
+    def undrain_warm() -> dict[str, Any]:
+        cubelet.warm.undrain()
+        return {"draining": False, "torn_down": []}
 
     @app.put("/v1/warm/pools", response_model=WarmPoolList)
     def set_warm_pool(body: WarmPoolBody) -> dict[str, Any]:
@@ -333,6 +343,8 @@ ACTIONS = {
     ("POST", "/v1/reconcile"): "node:reconcile",
     ("POST", "/v1/warm/claim"): "sandbox:claim_warm",
     ("PUT", "/v1/warm/pools"): "node:warm_pool",
+    ("POST", "/v1/warm/drain"): "node:warm_pool",
+    ("POST", "/v1/warm/undrain"): "node:warm_pool",
 }
 
 

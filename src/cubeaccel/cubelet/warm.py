@@ -40,6 +40,7 @@ P, RE = ReservationPhase, ReservationEvent
 WARM_PREFIX = WARM_ID_PREFIX  # a warm sandbox's own id (its shim, VMM and run directory keep it after a claim)
 BACKOFF_FIRST_S = 2.0
 BACKOFF_MAX_S = 300.0
+DRAINED = "warm.drained"  # teardown reason and miss reason while the node's pools are drained
 CLAIM_TIMEOUT_S = 40.0  # the shim's rebind waits up to 30 s for the guest's new session
 # Labels are not in the key: they narrow which devices qualify, so a claim checks the warm sandbox's devices.
 KEY_FIELDS = ("count", "class", "memory_mib", "vcpus", "pin_memory", "network")
@@ -84,7 +85,9 @@ class Pool:
     failures: int = 0
     backoff_s: float = 0.0
     retry_at: float = 0.0
-    refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations (metrics)
+    refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations
+    refills: int = 0  # warm starts that became warm, and their total time (metrics: a summary)
+    refill_total_s: float = 0.0
 
 
 class WarmPools:
@@ -93,9 +96,11 @@ class WarmPools:
         self.max_concurrent_starts = max(1, max_concurrent_starts)
         self.pools: dict[str, Pool] = {}
         self.claiming: set[str] = set()  # sandbox ids whose claim is being handed to the shim now
+        self.misses_by_reason: dict[str, int] = {}  # the node's claim misses (a `warm.no_pool` one has no pool)
         self._inflight: dict[str, str] = {}  # warm id → pool key, while this process reserves and starts it
         self._cv = threading.Condition()
         self._stopped = False
+        self.draining = False  # drain or `down`: no refill, no claim, the unclaimed ones torn down
         self._thread: threading.Thread | None = None
 
     # ---- configuration -------------------------------------------------------------------------------------
@@ -183,6 +188,8 @@ class WarmPools:
         """Start what the pools lack, within the bound on concurrent starts; returns the warm ids started."""
         started: list[str] = []
         now = time.monotonic()
+        if self.draining:
+            return started
         for pool in list(self.pools.values()):
             warm, starting = self.counts(pool.key)
             with self._cv:
@@ -202,6 +209,9 @@ class WarmPools:
         ok = False
         try:
             self.cubelet.reserve(sid, pool.request)
+            if self.draining:  # the drain's scan may have run before this reservation existed
+                self.cubelet.begin_teardown(sid, DRAINED, message="the node's warm pools are drained")
+                return
             self.cubelet.start(sid, warm_pool=pool.key)
             deadline = t0 + self.cubelet.config.startup_timeout_s + 60
             while time.monotonic() < deadline:
@@ -222,18 +232,46 @@ class WarmPools:
                 self._inflight.pop(sid, None)
                 if ok:
                     pool.backoff_s, pool.retry_at = 0.0, 0.0
-                    pool.refill_s = [*pool.refill_s[-9:], round(time.monotonic() - t0, 3)]
-                else:
+                    took = time.monotonic() - t0
+                    pool.refill_s = [*pool.refill_s[-9:], round(took, 3)]
+                    pool.refills, pool.refill_total_s = pool.refills + 1, pool.refill_total_s + took
+                elif not self.draining:  # a start the drain ended is not the pool's failure
                     pool.failures += 1
                     pool.backoff_s = min(BACKOFF_MAX_S, pool.backoff_s * 2 or BACKOFF_FIRST_S)
                     pool.retry_at = time.monotonic() + pool.backoff_s
                 self._cv.notify_all()
+
+    # ---- drain -------------------------------------------------------------------------------------------------
+    def drain(self) -> list[str]:
+        """Stop refilling and claiming, and tear down every unclaimed warm sandbox (warm or still starting)
+        through the release path; returns their ids. A drained node's tenants are left to their owners."""
+        with self._cv:
+            self.draining = True
+            self._cv.notify_all()
+        ids = [
+            r.sandbox_id
+            for r in self.cubelet.store.reservations()
+            if r.checkpoint.warm_pool is not None and r.checkpoint.claimed_at is None and r.phase is not P.RELEASING
+        ]
+        for sid in ids:
+            self.cubelet.begin_teardown(sid, DRAINED, message="the node's warm pools are drained")
+        self._event("warm_drained", None, None, {"torn_down": ids})
+        return ids
+
+    def undrain(self) -> None:
+        with self._cv:
+            self.draining = False
+            for pool in self.pools.values():
+                pool.backoff_s, pool.retry_at = 0.0, 0.0
+            self._cv.notify_all()
+        self._event("warm_undrained", None, None, {})
 
     # ---- claim ---------------------------------------------------------------------------------------------
     def miss(self, key: str | None, reason: str) -> CubeError:
         with self._cv:
             if key is not None and (pool := self.pools.get(key)) is not None:
                 pool.misses += 1
+            self.misses_by_reason[reason] = self.misses_by_reason.get(reason, 0) + 1
         return conflict(
             "warm.no_match", f"no warm sandbox matches ({reason})", layer="cubelet", details={"reason": reason}
         )
@@ -251,6 +289,8 @@ class WarmPools:
         key = pool_key(params)
         if key not in self.pools:
             raise self.miss(None, "warm.no_pool")
+        if self.draining:
+            raise self.miss(key, DRAINED)
         token = given or secrets.token_urlsafe(32)
         with self.cubelet.change() as t:
             if t.reservation(sandbox_id) is not None:

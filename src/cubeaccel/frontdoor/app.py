@@ -52,6 +52,10 @@ class FrontDoorConfig:
     secret: bytes  # derives each sandbox's envd access token; shared by every replica
     domain: str | None = None  # the E2B_DOMAIN way: REST at api.<domain>, envd at 49983-<id>.<domain>
     create_wait_s: float = 300.0  # how long create waits for the guest to be validated (running)
+    # A sandbox lives on this lease until its create's reply is on its way: a front door that dies mid-create
+    # leaves a sandbox that CubeMaster times out within the lease (docs/decisions.md, issue 30 #7). Above the
+    # front door's call to CubeMaster (30 s), which a create may spend waiting for capacity.
+    create_lease_s: float = 60.0
 
 
 def error(status: int, message: str, retry: bool = False) -> JSONResponse:
@@ -125,19 +129,45 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         req: NewSandbox = await body_of(request, NewSandbox)
         sid = f"{await master.id_prefix(key)}{uuid.uuid4().hex[:16]}"  # in the tenant's own id namespace
         body = M.create_body(req, sid, token(sid))
+        asked_s = float(body["timeout_s"])
+        lease_s = min(asked_s, cfg.create_lease_s)
+        body["timeout_s"] = lease_s  # the client's lifetime is set only once its reply is ready
         headers = {}
         if request.headers.get("idempotency-key"):
             headers["Idempotency-Key"] = request.headers["idempotency-key"]
+        t0 = time.monotonic()
         row: dict[str, Any] = await master.call("POST", "/v1/sandboxes", key, body, headers)
         sid = str(row["id"])  # an idempotent repeat answers the first create's sandbox (its token: derived too)
-        row = await wait_running(key, sid, row)
+        row = await wait_running(key, sid, row, lease_s)
+        if asked_s > lease_s:
+            row = await set_lifetime(key, sid, max(1.0, asked_s - (time.monotonic() - t0)))  # from the create
         return JSONResponse(M.created(row, token(sid), cfg.domain).body(), status_code=201)
 
-    async def wait_running(key: str, sid: str, row: dict[str, Any]) -> dict[str, Any]:
-        """Until the guest is validated: E2B's create returns a sandbox ready for commands."""
+    async def set_lifetime(key: str, sid: str, timeout_s: float) -> dict[str, Any]:
+        """The lifetime the client asked for; refused (a tenant's cap), the sandbox is deleted: nobody has it."""
+        try:
+            row: dict[str, Any] = await master.call(
+                "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": timeout_s}
+            )
+        except Refusal:
+            with contextlib.suppress(Refusal):
+                await master.call("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", key)
+            raise
+        return row
+
+    async def wait_running(key: str, sid: str, row: dict[str, Any], lease_s: float) -> dict[str, Any]:
+        """Until the guest is validated: E2B's create returns a sandbox ready for commands. The create's lease
+        is renewed every third of it meanwhile (a start may take longer than the lease)."""
         deadline = time.monotonic() + cfg.create_wait_s
+        renewed = time.monotonic()
         pause = 0.05
         while row["state"] != M.LIVE:
+            if time.monotonic() - renewed > lease_s / 3:
+                renewed = time.monotonic()
+                with contextlib.suppress(Refusal):  # not live any more: the next read says how it ended
+                    await master.call(
+                        "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": lease_s}
+                    )
             if row["state"] in NOT_LIVE:
                 err = row.get("error") or {}
                 err = err.get("error", err) if isinstance(err, dict) else {}
@@ -151,7 +181,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                     504, f"cubeaccel (api): sandbox {sid} was not running after {cfg.create_wait_s:g}s; deleted"
                 )
             t0 = time.monotonic()
-            row = await sandbox(key, sid, wait_s=max(0.1, min(20.0, deadline - t0)))
+            row = await sandbox(key, sid, wait_s=max(0.1, min(20.0, lease_s / 3, deadline - t0)))
             if time.monotonic() - t0 < pause:  # answered at once: a CubeMaster without `?wait=`, poll gently
                 await asyncio.sleep(pause)
                 pause = min(pause * 1.5, 0.25)

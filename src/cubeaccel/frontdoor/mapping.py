@@ -6,6 +6,7 @@ import base64
 import binascii
 import hashlib
 import hmac
+import ipaddress
 import json
 import urllib.parse
 from datetime import UTC, datetime
@@ -53,7 +54,6 @@ def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
             ("autoPause", bool(req.auto_pause)),
             ("autoResume", req.auto_resume is not None),
             ("volumeMounts", bool(req.volume_mounts)),
-            ("network", bool(req.network)),
         )
         if asked
     ]
@@ -71,6 +71,8 @@ def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
         "env_vars": dict(req.env_vars or {}),
         "workload_token": token,
     }
+    if (network := network_narrowing(req)) is not None:
+        body["network"] = network
     # Older SDK lines send their 300 s themselves; 2.63 leaves it out and means E2B's default, not CubeMaster's.
     body["timeout_s"] = float(req.timeout if req.timeout is not None else DEFAULT_TIMEOUT_S)
     spec = metadata.get(ACCELERATORS_KEY)
@@ -84,6 +86,68 @@ def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
         else:
             body["gpu"] = text
     return body
+
+
+# E2B `network` options cubeaccel cannot express: egress goes straight from the sandbox's namespace, filtered by
+# address; there is no proxy on the way to tunnel, rewrite or resolve names, and no per-sandbox URL host to mask.
+E2B_NETWORK_UNSUPPORTED = {
+    "egressProxy": "a SOCKS5 egress proxy",
+    "rules": "per-host HTTP transforms",
+    "maskRequestHost": "a custom host mask for sandbox URLs",
+}
+# `allowPublicTraffic` asks whether a sandbox's other ports may be reached without a token; the front door serves
+# only envd's port, always behind the sandbox's token, so either value is what it already does.
+E2B_NETWORK_KNOWN = {"allowOut", "denyOut", "allowPublicTraffic", *E2B_NETWORK_UNSUPPORTED}
+ALL_TRAFFIC = "0.0.0.0/0"
+OPTION_UNSUPPORTED = "network.e2b_option_unsupported"
+DESTINATION_UNSUPPORTED = "network.e2b_destination_unsupported"
+
+
+def _network_refusal(code: str, message: str) -> Refusal:
+    return Refusal(400, f"cubeaccel (api): {code}: {message} (docs/e2b.md)")
+
+
+def _destinations(network: dict[str, Any], key: str) -> list[str]:
+    """An `allowOut`/`denyOut` list as IPv4 CIDRs; domain names and IPv6 cannot be expressed."""
+    raw = network.get(key)
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _network_refusal(DESTINATION_UNSUPPORTED, f"{key} must be a list of IP addresses or CIDRs")
+    out = []
+    for entry in raw:
+        try:
+            net = ipaddress.ip_network(entry.strip(), strict=False) if isinstance(entry, str) else None
+        except ValueError:
+            net = None
+        if not isinstance(net, ipaddress.IPv4Network):
+            what = "IPv6 is off in every sandbox" if net is not None else "sandbox egress is filtered by address only"
+            raise _network_refusal(
+                DESTINATION_UNSUPPORTED, f"{key} entry {entry!r:.80}: not an IPv4 address or CIDR ({what})"
+            )
+        out.append(str(net))
+    return out
+
+
+def network_narrowing(req: NewSandbox) -> dict[str, list[str]] | None:
+    """E2B's `network` (and `allow_internet_access`) as CubeMaster's address narrowing of the template's
+    allowlist (model/sandbox_policy.AddressNarrowing): `denyOut` takes addresses away, `allowOut` keeps them
+    whatever `denyOut` says, and the template's allowlist is E2B's "all traffic". None: the template's policy."""
+    network = dict(req.network or {})
+    if unknown := sorted(set(network) - E2B_NETWORK_KNOWN):
+        raise _network_refusal(OPTION_UNSUPPORTED, f"unknown network option(s) {', '.join(unknown)[:200]}")
+    asked = [key for key in E2B_NETWORK_UNSUPPORTED if network.get(key) not in (None, "", [], {})]
+    if asked:
+        what = ", ".join(f"{key} ({E2B_NETWORK_UNSUPPORTED[key]})" for key in asked)
+        raise _network_refusal(OPTION_UNSUPPORTED, f"{what}: sandbox egress is filtered by address, with no proxy")
+    if not isinstance(network.get("allowPublicTraffic", True), bool):
+        raise _network_refusal(OPTION_UNSUPPORTED, "allowPublicTraffic must be true or false")
+    allow, deny = _destinations(network, "allowOut"), _destinations(network, "denyOut")
+    if req.allow_internet_access is False:  # E2B: the same as denyOut [0.0.0.0/0]
+        deny.append(ALL_TRAFFIC)
+    if not allow and not deny:
+        return None
+    return {"allow_out": allow, "deny_out": deny}
 
 
 def iso(ts: float) -> str:

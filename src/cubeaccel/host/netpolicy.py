@@ -5,7 +5,11 @@
 The guest link is link-local on purpose: no allowlist can name link-local, so no rule can overlap it. The
 namespace forwards only new connections to the allowlisted `CIDR:port/proto`s (and their replies), masquerading
 them to its veth address; everything else from the guest is rejected (TCP reset, ICMP admin-prohibited), the
-namespace itself accepts nothing from the guest, and IPv6 is off. The uplink is the host's namespace (production:
+namespace itself accepts nothing from the guest, and IPv6 is off. The node itself is never a destination, whatever
+the allowlist: every address (and broadcast) on every interface of the uplink namespace is in the set `node`,
+rejected before any allow rule — read when the sandbox's network is built and re-read by `refresh_node_addresses`
+(the Cubelet's reconcile pass), so an allowlist CIDR that contains a host address reaches the rest of the CIDR
+only. The uplink is the host's namespace (production:
 the operator routes the pool onward) or a named one (tests: a namespace with nothing beyond it). Each sandbox
 takes one /30 of the node's pool for its veth; allowlists overlapping the pool are refused (other sandboxes).
 
@@ -24,6 +28,7 @@ import shutil
 import struct
 import subprocess
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from fcntl import ioctl
 from pathlib import Path
@@ -39,6 +44,7 @@ GATEWAY_ADDR = "169.254.100.1"
 LINK_PREFIX = 30
 TAP = "tap0"
 UPLINK_IF = "up0"
+NODE_SET = "node"  # nft set: the node's own addresses, never a destination
 DEFAULT_POOL = "100.96.0.0/16"
 CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
@@ -123,15 +129,25 @@ def _ip(netns: str | None, *args: str) -> str:
     return _run(["ip", *(["-n", netns] if netns else []), *args])
 
 
-def ruleset(policy: NetworkPolicy) -> str:
-    """The namespace's whole nftables ruleset (it is the only one there): allowlist forward, masquerade, drop."""
+def _elements(addresses: Iterable[ipaddress.IPv4Address]) -> str:
+    return ", ".join(str(a) for a in sorted(set(addresses)))
+
+
+def ruleset(policy: NetworkPolicy, node_addresses: Iterable[ipaddress.IPv4Address] = ()) -> str:
+    """The namespace's whole nftables ruleset (it is the only one there): allowlist forward, masquerade, drop.
+    `node_addresses` (the uplink namespace's own) are refused before any allow rule."""
     allow = [
         f'    iifname "{TAP}" oifname "{UPLINK_IF}" ip daddr {r.network} {r.proto} dport {r.port} ct state new accept'
         for r in policy.egress
     ]
+    elements = _elements(node_addresses)
     lines = [
         "flush ruleset",
         "table inet cube {",
+        f"  set {NODE_SET} {{",
+        "    type ipv4_addr;",
+        *([f"    elements = {{ {elements} }}"] if elements else []),
+        "  }",
         "  chain input {",
         "    type filter hook input priority 0; policy drop;",
         '    iifname "lo" accept',
@@ -147,6 +163,8 @@ def ruleset(policy: NetworkPolicy) -> str:
         "    meta nfproto ipv6 drop",
         f'    iifname "{UPLINK_IF}" oifname "{TAP}" ct state established,related accept',
         f'    iifname "{TAP}" oifname "{UPLINK_IF}" ct state established,related accept',
+        f'    iifname "{TAP}" ip daddr @{NODE_SET} meta l4proto tcp reject with tcp reset',
+        f'    iifname "{TAP}" ip daddr @{NODE_SET} reject with icmpx type admin-prohibited',
         *allow,
         f'    iifname "{TAP}" meta l4proto tcp reject with tcp reset',
         f'    iifname "{TAP}" reject with icmpx type admin-prohibited',
@@ -165,6 +183,29 @@ def ruleset(policy: NetworkPolicy) -> str:
 def _taken(uplink_netns: str | None) -> set[ipaddress.IPv4Address]:
     out = json.loads(_ip(uplink_netns, "-j", "-4", "addr", "show") or "[]")
     return {ipaddress.IPv4Address(a["local"]) for link in out for a in link.get("addr_info", []) if "local" in a}
+
+
+def node_addresses(uplink_netns: str | None) -> set[ipaddress.IPv4Address]:
+    """Every IPv4 address the node itself answers on: each interface's own addresses and broadcasts in the uplink
+    namespace (the host's, in production), read now."""
+    out = json.loads(_ip(uplink_netns, "-j", "-4", "addr", "show") or "[]")
+    return {
+        ipaddress.IPv4Address(a[key])
+        for link in out
+        for a in link.get("addr_info", [])
+        for key in ("local", "broadcast")
+        if key in a
+    }
+
+
+def refresh_node_addresses(sandbox_id: str, addresses: Iterable[ipaddress.IPv4Address]) -> None:
+    """Replace the sandbox's `node` set with `addresses` (the node's as they are now, `node_addresses`), in one
+    nft transaction, so no moment has an empty set."""
+    elements = _elements(addresses)
+    script = f"flush set inet cube {NODE_SET}\n" + (
+        f"add element inet cube {NODE_SET} {{ {elements} }}\n" if elements else ""
+    )
+    _run(["ip", "netns", "exec", netns_name(sandbox_id), "nft", "-f", "-"], stdin=script)
 
 
 def _slot(sandbox_id: str, pool: ipaddress.IPv4Network, uplink_netns: str | None) -> ipaddress.IPv4Network:
@@ -212,7 +253,8 @@ def setup(
         _ip(ns, "route", "add", "default", "via", str(theirs))
         _ip(uplink_netns, "addr", "add", f"{theirs}/30", "dev", upif)
         _ip(uplink_netns, "link", "set", upif, "up")
-        _run(["ip", "netns", "exec", ns, "nft", "-f", "-"], stdin=ruleset(policy))
+        # read last: the uplink end of this sandbox's own veth is one of the node's addresses too
+        _run(["ip", "netns", "exec", ns, "nft", "-f", "-"], stdin=ruleset(policy, node_addresses(uplink_netns)))
     except CubeError:
         teardown(sandbox_id, node=node, uplink_netns=uplink_netns)
         raise

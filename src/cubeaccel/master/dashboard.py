@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from cubeaccel.master.node_truth import silent_nodes
 from cubeaccel.master.service import CubeMaster, sandbox_json
 from cubeaccel.master.warm import warm_rows
 from cubeaccel.model.errors import CubeError
@@ -82,8 +83,9 @@ class DashboardFeed:
             nodes.append(node)
         rows = self.master.store.sandboxes(states=SHOWN_STATES, limit=MAX_SANDBOXES)
         sandboxes = []
+        silent = silent_nodes(self.master)
         for r in rows:
-            out = sandbox_json(r)
+            out = sandbox_json(r, silent)
             sandboxes.append({**out, "phases": phases.get(str(r["id"]), {})})
         sandboxes += [{**w, "phases": {}} for w in warm_rows([v for v in views if not v.stale(now, staleness)])]
         events.sort(key=lambda e: e.get("at") or 0.0, reverse=True)

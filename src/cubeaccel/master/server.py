@@ -12,6 +12,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -39,6 +40,7 @@ from cubeaccel.master.auth import (
 from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
+from cubeaccel.master.node_truth import NodeTruth, silent_nodes
 from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
@@ -50,7 +52,7 @@ from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.dashboard import Dashboard
-from cubeaccel.wire.heartbeat import Heartbeat
+from cubeaccel.wire.heartbeat import Heartbeat, NodeNews
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
 from cubeaccel.wire.telemetry import accept_request_id
 from cubeaccel.wire.templates import TemplateDocument
@@ -92,6 +94,7 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:delete"),
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): (USERS, "sandbox:set_timeout"),
     ("GET", "/v1/sandboxes/{sandbox_id}/events"): (USERS, "sandbox:events"),
+    ("GET", "/v1/sandboxes/{sandbox_id}/workload"): (USERS, "sandbox:workload"),
     ("POST", "/v1/tenants"): (ADMINS, "tenant:create"),
     ("GET", "/v1/tenants"): (ADMINS, "tenant:list"),
     ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
@@ -188,6 +191,7 @@ def create_app(
     """`audit`: the audit log (a path or an open log); None keeps none (unit tests that do not look at it)."""
     metrics = metrics_of(master)
     feed = DashboardFeed(master)
+    truth = NodeTruth(master, maintenance.request_reconcile if maintenance is not None else None)
     app = api_app("cubeaccel CubeMaster", body_models=(Heartbeat, TemplateDocument), telemetry=metrics.api)
     auth = master.auth
     log = AuditLog(audit, sealers=[DatabaseSeal(master.store)]) if isinstance(audit, Path) else audit
@@ -362,11 +366,12 @@ def create_app(
             raise CubeError(
                 "node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api", {}, 422
             )
-        state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)
+        state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)  # validated the body
         if returned:  # routine heartbeats reach the views within the cache's TTL; new nodes at once
             master.cache.invalidate()
             if maintenance is not None:
                 maintenance.request_reconcile(node)
+        truth.heard(node, NodeNews.model_validate(body))  # what the node ended; a restart it came back from
         return {"node": node, "state": state}
 
     def node_views() -> list[dict[str, Any]]:
@@ -397,7 +402,15 @@ def create_app(
         state = master.store.node_event(node, NodeEvent(verb))
         master.cache.invalidate()
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
-        return {"node": node, "state": state.value, "who": ident.label()}
+        return {"node": node, "state": state.value, "who": ident.label(), "warm": warm_verb(node, verb)}
+
+    def warm_verb(node: str, verb: str) -> dict[str, Any]:
+        """A drain removes the node's warm sandboxes first (and stops their refill); undrain resumes it. The
+        node's state changed either way: an unreachable Cubelet is reported, not an error of the drain."""
+        try:
+            return dict(forwarded(node, lambda c: c.request("POST", f"/v1/warm/{verb}")))
+        except CubeError as e:
+            return {"error": e.code, "message": e.message}
 
     def cubelet_of(node: str) -> CubeletClient:
         view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)
@@ -558,14 +571,15 @@ def create_app(
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
         if ident.role == TENANT:
             rows = [r for r in rows if r["tenant"] == ident.tenant]
-        return {"sandboxes": [sandbox_json(r) for r in rows]}
+        silent = silent_nodes(master)
+        return {"sandboxes": [sandbox_json(r, silent) for r in rows]}
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
     async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> dict[str, Any]:
         row = await run_in_threadpool(owned, request.state.identity, sandbox_id)
         if wait > 0 and row["state"] not in SETTLED_STATES:
             row = await settle(sandbox_id, wait)
-        return sandbox_json(row)
+        return sandbox_json(row, silent_nodes(master))
 
     @app.get("/v1/sandboxes/{sandbox_id}/events", response_model=W.SandboxEvents)
     def sandbox_events(sandbox_id: str, request: Request) -> dict[str, Any]:
@@ -573,6 +587,23 @@ def create_app(
         row = owned(request.state.identity, sandbox_id)
         phases, answered = master.start_phases(row)
         return {"sandbox_id": sandbox_id, "state": row["state"], "phases": phases, "node_answered": answered}
+
+    @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
+    def sandbox_workload(sandbox_id: str, request: Request) -> dict[str, Any]:
+        """The node's workload proxy for the caller's own running sandbox: a tenant's way to exec and copy, which
+        needs no node route (those are admins')."""
+        row = owned(request.state.identity, sandbox_id)
+        url = master.node_url(row["node"]) if row["state"] == SandboxState.RUNNING.value else None
+        if url is None:
+            raise CubeError(
+                "workload.not_running",
+                f"sandbox {sandbox_id} is {row['state']}, not running",
+                "api",
+                {"state": row["state"]},
+                409,
+            )
+        base = f"{url.rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
+        return {"sandbox_id": sandbox_id, "node": row["node"], "url": base}
 
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
     def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> dict[str, Any]:

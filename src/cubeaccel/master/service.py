@@ -27,6 +27,7 @@ from cubeaccel.master.capacity_wait import ArrivalQueue, expired, returning
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
+from cubeaccel.master.shown import shown_state
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmCandidate
 from cubeaccel.master.warm import candidates as warm_candidates
@@ -742,11 +743,15 @@ NODE_PHASES = {
 SETTLED_STATES = ("running", "failed", "deleting", "deleted", "lost")  # where a create's wait ends
 
 
-def sandbox_json(row: Row) -> dict[str, Any]:
+def sandbox_json(row: Row, silent_nodes: Collection[str] = ()) -> dict[str, Any]:
+    """`silent_nodes`: nodes whose heartbeats are stale (master/node_truth.py); their live sandboxes show
+    `unknown`, with the stored state in `last_known_state`."""
+    state, last_known = shown_state(str(row["state"]), row["node"], silent_nodes)
     return {
         "id": row["id"],
         "tenant": row["tenant"],
-        "state": row["state"],
+        "state": state,
+        "last_known_state": last_known,
         "node": row["node"],
         "class": row["accel_class"],
         "count": row["count"],

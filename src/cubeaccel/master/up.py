@@ -36,6 +36,7 @@ from cubeaccel.wire.templates import loads_document
 # Package data, so an installed wheel registers them too (not a path into a source checkout).
 EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
 DEFAULTS = {"edu-demo.yaml": "accelerator", "cuda12-h100.yaml": "gpu"}
+WARM_TEMPLATE = {"emulated": "edu-demo.yaml", "simulated": "cuda12-h100.yaml"}  # what `up`'s warm pool keeps
 BY_NAME = ("base.yaml",)  # registered, default for no class: asked for by name (E2B's default templateID)
 SIMULATED_PINNABLE_MIB = 1 << 20  # a simulated node advertises 1 TiB lockable
 
@@ -101,28 +102,49 @@ def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[by
     raise RuntimeError(f"{what} not ready within {deadline_s}s ({last})")
 
 
+def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> dict[str, Any]:
+    """An example template as registered; with `pin_to_image`, an emulated or CPU-only one names this host's
+    image."""
+    doc = loads_document((directory / name).read_text(), name)
+    if not isinstance(doc, dict):
+        raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
+    backend = (doc["spec"].get("accelerator") or {}).get("backend", "none")  # none: CPU-only
+    if pin_to_image and backend in ("emulated", "none"):
+        from cubeaccel.images.builder import latest
+        from cubeaccel.images.manifest import pin_template_document
+
+        image = latest()
+        if image is not None:
+            doc = pin_template_document(doc, image)
+    return doc
+
+
 def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> list[str]:
     """Register the example templates (class defaults, and `base` by name); with `pin_to_image`, edu-demo and
     base name this host's image."""
     done = []
     for name, cls in [*DEFAULTS.items(), *((n, None) for n in BY_NAME)]:
-        path = directory / name
-        if not path.is_file():
+        if not (directory / name).is_file():
             continue
-        doc = loads_document(path.read_text(), name)
-        if not isinstance(doc, dict):
-            raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
-        backend = (doc["spec"].get("accelerator") or {}).get("backend", "none")  # none: CPU-only
-        if pin_to_image and backend in ("emulated", "none"):
-            from cubeaccel.images.builder import latest
-            from cubeaccel.images.manifest import pin_template_document
-
-            image = latest()
-            if image is not None:
-                doc = pin_template_document(doc, image)
-        client.register_template(doc, default=cls is not None)
+        client.register_template(example_document(name, directory, pin_to_image), default=cls is not None)
         done.append(f"{name.removesuffix('.yaml')}" + (f" (default for {cls})" if cls else ""))
     return done
+
+
+def warm_pool_file(state_dir: Path, backend: str, size: int) -> tuple[list[str], str]:
+    """`cubelet serve` flags for `up`'s warm pool and the line `up` prints about it: `size` sandboxes of the
+    default template of the class this backend serves (edu-demo on real MicroVMs, cuda12-h100 simulated),
+    written as registered so the pool's contract is the one CubeMaster's creates carry."""
+    if size == 0:
+        return [], "warm pool: off (--warm 0)"
+    name = WARM_TEMPLATE[backend]
+    doc = example_document(name, pin_to_image=backend == "emulated")
+    path = state_dir / f"warm-{name}"
+    path.write_text(json.dumps(doc))
+    memory = doc["spec"]["memory"]
+    pins = f"pins {size * memory['size_mib']} MiB" if memory.get("pinned") else "pins nothing"
+    why = f"warm pool: {size} x {name.removesuffix('.yaml')} kept started ({pins}; --warm 0 turns it off)"
+    return ["--warm", f"{path}={size}"], why
 
 
 def running(state_dir: Path) -> dict[str, Any] | None:
@@ -151,7 +173,14 @@ def _report_running(info: dict[str, Any]) -> None:
     )
 
 
-def run_up(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None] = _quiet) -> int:
+def run_up(
+    state_dir: Path,
+    backend: str,
+    profile: str,
+    detach: bool,
+    on_phase: Callable[[str], None] = _quiet,
+    warm: int = 0,
+) -> int:
     """Start the stack, or — when one already runs on `state_dir` — say so and start nothing.
 
     `up.lock` is held while starting (and for a foreground `up`'s whole life), so two `up`s racing on one
@@ -177,12 +206,14 @@ def run_up(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: 
         print(f"error {e.code}: {e.message}", file=sys.stderr)
         return statelock.LOCKED_EXIT
     try:
-        return _up_locked(state_dir, backend, profile, detach, on_phase)
+        return _up_locked(state_dir, backend, profile, detach, on_phase, warm)
     finally:
         lock.release()
 
 
-def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None]) -> int:
+def _up_locked(
+    state_dir: Path, backend: str, profile: str, detach: bool, on_phase: Callable[[str], None], warm: int
+) -> int:
     if (info := running(state_dir)) is not None:  # started between our check and our lock
         _report_running(info)
         return 0
@@ -251,6 +282,8 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         token = client.request("POST", "/v1/nodes/local/credential")["token"]
         _write_secret(state_dir / "node-local.token", token)
         registered = register_examples(client, pin_to_image=chosen == "emulated")
+        warm_flags, warm_line = warm_pool_file(state_dir, chosen, warm)
+        cub_argv += warm_flags
         on_phase(f"starting the Cubelet ({chosen}) and waiting for it to register")
         spawned = time.time()
         procs.append(_spawn(cub_argv, state_dir / "cubelet.log", detach))
@@ -288,6 +321,7 @@ def _up_locked(state_dir: Path, backend: str, profile: str, detach: bool, on_pha
         f"{node['allocatable']}/{node['total']} devices free"
     )
     print("templates: " + (", ".join(registered) or f"none found in {EXAMPLES}"))
+    print(warm_line)
     for t in client.request("GET", "/v1/templates")["templates"]:
         need = client.request("GET", f"/v1/templates/{t['name']}")["document"]["spec"]["memory"]
         if t["default"] and need["pinned"] and need["size_mib"] > node["pinnable_memory_mib"]:
@@ -326,11 +360,15 @@ def _secret(path: Path) -> str | None:
 
 def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s: float = 60.0) -> list[str]:
     """End every sandbox `up` served, through the release path, before its daemons stop: a stopped Cubelet
-    leaves its shims and VMMs (and their pinned memory) running. Deletes each sandbox at CubeMaster, then
+    leaves its shims and VMMs (and their pinned memory) running. Drains the Cubelet's warm pools first (their
+    sandboxes enter the release path at once and none is started again), then deletes each sandbox at CubeMaster, then
     releases whatever the Cubelet still holds (a sandbox CubeMaster never recorded included) and waits until
     it holds nothing. Returns the sandbox ids still held at the deadline."""
     from cubeaccel.wire.cubelet_client import CubeletClient
 
+    c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
+    with contextlib.suppress(CubeError, httpx.HTTPError):  # warm ones first, and no refill behind the release
+        c.request("POST", "/v1/warm/drain")
     m = MasterClient(master_url, timeout=10.0, key=_secret(state_dir / "admin.key"))
     try:
         rows = m.sandboxes()
@@ -341,7 +379,6 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
             with contextlib.suppress(CubeError, httpx.HTTPError):
                 m.delete(row["id"])
     m.close()
-    c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
     end = time.monotonic() + deadline_s
     held: list[str] = []
     try:

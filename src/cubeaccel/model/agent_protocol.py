@@ -27,6 +27,7 @@ GUEST_ERROR_CODES = frozenset(
         "agent.probe_crashed",
         "agent.read_timeout",
         "agent.request_too_large",
+        "agent.reseed_failed",
         "agent.unknown_method",
         "agent.unsupported_version",
     }

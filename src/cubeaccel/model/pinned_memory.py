@@ -18,6 +18,20 @@ virtio-serial and two root ports, the test image's kernel + initrd booting; peak
 | the same, `prealloc-threads=2` / `4` / `8` | 1 | 345 / 350 / 350 MiB | |
 | the same, 4 threads in a `thread-context` | 1 | 422 MiB | |
 
+Measured again on the confined VMM a sandbox really runs (issue 30 #8; `bench/vmm_locked_bench.py`: an emulated
+Cubelet's shim, seccomp and its own uid, the workload and agent ports, the console cap; peak from the VMM's start
+until 5 s after the guest was validated; 3 runs per shape, TCG, docs/benchmarks.md):
+
+| guest RAM | vCPUs | VmLck above guest (min / median / max) | charged before |
+|---|---|---|---|
+| 256 MiB | 1 | 554 / 554 / 554 MiB | 464 MiB |
+| 256 MiB | 2 | 626 / 627 / 754 MiB | 544 MiB |
+
+So the confined VMM's own locked memory is 490 MiB without the TCG cache (554 - 64), and a second vCPU adds 73 MiB
+in two runs of three and 200 MiB in the third: glibc gives a thread that allocates its own malloc arena, a 64 MiB
+mapping that mlockall counts whole, and how many threads get one varies run to run. The margin is that unit: one
+arena (64 MiB) above the measured base, and one arena per vCPU above the measured 73 MiB (rounded up to 8 MiB).
+
 The overhead does not grow with guest RAM; each extra vCPU thread adds ~73 MiB of locked mappings (its stack
 and TCG state). A preallocation pool of any size adds ~70 MiB once, and it stays locked after the pool is gone
 (glibc keeps the threads' stacks and arenas); a thread context (NUMA-local preallocation) adds ~72 MiB more.
@@ -32,8 +46,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-QEMU_LOCKED_OVERHEAD_MIB = 400  # QEMU's own mappings, 1 vCPU, no TCG cache (measured 387 - 64 = 323 MiB)
-QEMU_LOCKED_PER_VCPU_MIB = 80  # each vCPU after the first (measured 73 MiB)
+MALLOC_ARENA_MIB = 64  # the margin's unit: one glibc arena, which a VMM thread may or may not get
+QEMU_LOCKED_OVERHEAD_MIB = 490 + MALLOC_ARENA_MIB + 6  # confined VMM, 1 vCPU, no TCG cache (measured 554 - 64)
+QEMU_LOCKED_PER_VCPU_MIB = 73 + MALLOC_ARENA_MIB + 7  # each vCPU after the first (measured 73 MiB, or 200 with arenas)
 TCG_CACHE_MIB = 64  # `-accel tcg,tb-size=64`: the translation cache is locked too
 PREALLOC_POOL_MIB = 80  # a pool of 2..8 preallocation threads (measured 68-73 MiB, not per thread)
 THREAD_CONTEXT_MIB = 80  # the thread context that keeps the pool on the devices' NUMA node (measured 72 MiB)

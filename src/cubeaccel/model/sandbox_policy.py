@@ -113,11 +113,106 @@ def forbidden_overlap(policy: NetworkPolicy, extra: Sequence[ipaddress.IPv4Netwo
     return [str(r) for r in policy.egress if any(r.network.overlaps(n) for n in bad)]
 
 
+def _destination(text: object) -> ipaddress.IPv4Network:
+    """An IPv4 address or CIDR (host bits masked, as E2B reads them)."""
+    if not isinstance(text, str) or not re.fullmatch(r"[0-9./]{7,18}", text.strip()):
+        raise policy_error("network.invalid_rule", f"destination {text!r:.80}: expected an IPv4 address or CIDR")
+    try:
+        return ipaddress.IPv4Network(text.strip(), strict=False)
+    except ValueError as e:
+        raise policy_error("network.invalid_rule", f"destination {text!r:.80}: {e}") from None
+
+
+def _without(net: ipaddress.IPv4Network, holes: Iterable[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
+    parts = [net]
+    for hole in holes:
+        parts = [
+            piece
+            for part in parts
+            if not part.subnet_of(hole)
+            for piece in ((part,) if not part.overlaps(hole) else part.address_exclude(hole))
+        ]
+    return parts
+
+
+def _within(net: ipaddress.IPv4Network, nets: Iterable[ipaddress.IPv4Network]) -> list[ipaddress.IPv4Network]:
+    """`net` cut to each of `nets` it overlaps (two CIDRs either nest or are disjoint)."""
+    return [n if n.subnet_of(net) else net for n in nets if n.overlaps(net)]
+
+
+@dataclass(frozen=True)
+class AddressNarrowing:
+    """A request's narrowing by destination address alone, on every port and protocol the template allows there
+    (E2B's `allowOut`/`denyOut`): what `deny_out` names is taken away, except what `allow_out` names. The
+    template's allowlist plays E2B's "all traffic": nothing outside it is ever reached."""
+
+    allow_out: tuple[ipaddress.IPv4Network, ...] = ()
+    deny_out: tuple[ipaddress.IPv4Network, ...] = ()
+
+    KEYS = frozenset({"allow_out", "deny_out"})
+
+    @classmethod
+    def asked(cls, data: object) -> bool:
+        return isinstance(data, dict) and bool(cls.KEYS & data.keys())
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AddressNarrowing:
+        if extra := sorted(set(data) - cls.KEYS):
+            raise policy_error(
+                "network.invalid_policy", f"allow_out/deny_out narrowing takes no other keys, got {extra[:4]}"
+            )
+        lists = {k: data.get(k) or [] for k in cls.KEYS}
+        if any(not isinstance(v, list) or len(v) > MAX_EGRESS_RULES for v in lists.values()):
+            raise policy_error("network.invalid_policy", f"allow_out and deny_out are lists of ≤ {MAX_EGRESS_RULES}")
+        return cls(
+            tuple(_destination(x) for x in lists["allow_out"]), tuple(_destination(x) for x in lists["deny_out"])
+        )
+
+    def to_json(self) -> dict[str, list[str]]:
+        return {"allow_out": [str(n) for n in self.allow_out], "deny_out": [str(n) for n in self.deny_out]}
+
+    def apply(self, template: NetworkPolicy) -> NetworkPolicy:
+        """The template's rules, each kept on its addresses outside deny_out and on those inside allow_out. An
+        `allow_out` entry the template reaches nowhere is refused: it would silently grant nothing."""
+        unreachable = [str(a) for a in self.allow_out if not any(a.overlaps(t.network) for t in template.egress)]
+        if unreachable:
+            raise CubeError(
+                "network.policy_widened",
+                f"allow_out names destinations the template does not allow: {', '.join(unreachable)}",
+                "api",
+                {"widened": unreachable, "template": template.to_json()},
+                422,
+            )
+        by_port: dict[tuple[int, str], list[ipaddress.IPv4Network]] = {}
+        for t in template.egress:
+            kept = [*_without(t.network, self.deny_out), *_within(t.network, self.allow_out)]
+            by_port.setdefault((t.port, t.proto), []).extend(kept)
+        rules = sorted(
+            EgressRule(net, port, proto)
+            for (port, proto), nets in by_port.items()
+            for net in ipaddress.collapse_addresses(nets)
+        )
+        if len(rules) > MAX_EGRESS_RULES:
+            raise CubeError(
+                "network.policy_too_large",
+                f"allow_out/deny_out cut the template's allowlist into {len(rules)} rules (at most "
+                f"{MAX_EGRESS_RULES}): deny fewer or wider address ranges",
+                "api",
+                {"rules": len(rules), "max": MAX_EGRESS_RULES},
+                422,
+            )
+        return NetworkPolicy("allowlist", tuple(rules)) if rules else NetworkPolicy()
+
+
 def narrow_network(template: NetworkPolicy, requested: object) -> NetworkPolicy:
     """The sandbox's policy: the template's, or the request's when every requested rule lies inside one of the
-    template's (a subset of its addresses, same port and protocol). Anything wider is refused, never clipped."""
+    template's (a subset of its addresses, same port and protocol). Anything wider is refused, never clipped.
+    A request may instead narrow by address alone (`AddressNarrowing`: `allow_out`/`deny_out`)."""
     if requested is None:
         return template
+    if AddressNarrowing.asked(requested):
+        assert isinstance(requested, dict)
+        return AddressNarrowing.from_json(requested).apply(template)
     want = NetworkPolicy.from_json(requested)
     wider = [str(r) for r in want.egress if not any(t.covers(r) for t in template.egress)]
     if wider:

@@ -13,6 +13,7 @@ import os
 import select
 import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -54,6 +55,8 @@ VISIBLE_TIMEOUT_S = 10.0
 BAR_SETTLE_S = 3.0  # from the function's appearance to every BAR placed (ms in practice; only a failure waits)
 AGENT_SHUTDOWN_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
+RESEED_TIMEOUT_S = 5.0  # one write and two ioctls in the guest
+RESEED_FACTS = ("mixed", "credited_bits", "crng_reseeded", "why_not")
 SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
 
 
@@ -86,6 +89,8 @@ class Shim:
         self.guest_addresses: dict[str, str] = {}  # device id → where the guest saw it appear
         self._known: set[str] | None = None  # guest PCI addresses before our hot-plugs, when the agent waits
         self._agent_methods: frozenset[str] = frozenset()
+        self._reseeded: dict[str, object] | None = None  # the guest's answer to a claim's reseed
+        self._agent_lock = threading.Lock()  # a claim's reseed (control thread) and the teardown share the channel
         self.timeline: dict[str, float] = {}
         self.deadlines = start_deadlines(spec.memory_mib, spec.boot_timeout_s)
         self._stop = False
@@ -287,11 +292,23 @@ class Shim:
         self._validate(agent)
         self._phase("guest_validation_s", t)
         if spec.warm and self.bridge is not None:  # the claim arrives here, after the sandbox is validated
-            self.control = WarmControl(spec.run_dir, self.bridge, self._claimed)
+            self.control = WarmControl(spec.run_dir, self.bridge, self._claimed, self._reseed)
             self.control.start()
 
+    def _reseed(self, seed: str) -> bool:
+        """The claim's seed into the guest kernel's RNG (cube-agent's `reseed`); True only when the guest says
+        the seed was mixed in. Called on the control socket's thread: the agent channel is held meanwhile."""
+        if "reseed" not in self._agent_methods:
+            return False
+        with self._agent_lock:
+            if self.agent is None or self._stop:
+                return False
+            result = self.agent.call("reseed", {"seed": seed}, timeout_s=RESEED_TIMEOUT_S, cancel_fd=self._wake_r)
+        self._reseeded = {k: result.get(k) for k in RESEED_FACTS}  # what the guest says it did, for the report
+        return result.get("mixed") is True
+
     def _claimed(self, claim: ShimClaim) -> None:
-        self.reporter.report(K.WARM_CLAIMED, claimed_as=claim.sandbox_id)
+        self.reporter.report(K.WARM_CLAIMED, claimed_as=claim.sandbox_id, reseed=self._reseeded)
 
     def _manifest(self) -> Manifest:
         """The image named in the spec: an explicit manifest, else the cached image with `image_digest` (or, when
@@ -538,13 +555,16 @@ class Shim:
             self.control.close()
         if self.bridge is not None:  # workload connections end first; the guest kills their commands
             self.bridge.close()
-        if alive and self.agent is not None:
-            with contextlib.suppress(Exception):  # the guest is untrusted: nothing it says stops the teardown
-                self.agent.notify(
-                    "shutdown", {"poweroff": False}, timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s)
-                )
-        if self.agent is not None:
-            self.agent.close()
+        with self._agent_lock:
+            if alive and self.agent is not None:
+                with contextlib.suppress(Exception):  # the guest is untrusted: nothing it says stops the teardown
+                    self.agent.notify(
+                        "shutdown",
+                        {"poweroff": False},
+                        timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s),
+                    )
+            if self.agent is not None:
+                self.agent.close()
         if alive and self.added:
             self._detach(vmm)
         t = self._phase("detach_s", t)

@@ -3,7 +3,9 @@
 A warm sandbox starts with an unknowable workload token (made here, never written or sent), so its workload
 service refuses every request. Cubelet's claim arrives as one `ShimClaim` line; the bridge rebinds to the
 tenant's token (a new mux session whose preamble carries it) and the reply, one `ShimClaimAck` line, is sent
-once the guest answers under the new session. A second claim is refused: a claimed sandbox stays its tenant's.
+once the guest answers under the new session. Before the rebind, the claim's seed goes into the guest's RNG
+(cube-agent's `reseed`); the ack says `reseeded` only when the agent confirmed it. A second claim is refused:
+a claimed sandbox stays its tenant's.
 """
 
 from __future__ import annotations
@@ -37,10 +39,17 @@ def unknowable_token() -> str:
 
 
 class WarmControl:
-    def __init__(self, run_dir: Path, bridge: WorkloadBridge, on_claim: Callable[[ShimClaim], None]) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        bridge: WorkloadBridge,
+        on_claim: Callable[[ShimClaim], None],
+        reseed: Callable[[str], bool] = lambda seed: False,
+    ) -> None:
         self.path = run_dir / CONTROL_SOCKET
         self.bridge = bridge
         self.on_claim = on_claim  # the shim's report of the claim (history for Cubelet's journal)
+        self.reseed = reseed  # the seed into the guest's RNG through cube-agent; True once the guest confirmed
         self.claimed = False
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
@@ -92,6 +101,11 @@ class WarmControl:
                 return ShimClaimAck(ok=False, code="warm.already_claimed", message="this sandbox was claimed")
             self.claimed = True
             t0 = time.monotonic()
+            try:  # before the rebind: no tenant command can run on the guest's old RNG state
+                reseeded = self.reseed(claim.rng_seed)
+            except Exception:  # a guest that cannot take the seed still serves; the ack says it was not reseeded
+                log.warning("the guest did not take the claim's RNG seed", exc_info=True)
+                reseeded = False
             try:
                 self.bridge.rebind(claim.workload_token.get_secret_value(), REBIND_TIMEOUT_S)
             except CubeError as e:
@@ -99,4 +113,4 @@ class WarmControl:
             took = round((time.monotonic() - t0) * 1000, 1)
         with contextlib.suppress(Exception):  # a report that cannot be sent costs history, never the claim
             self.on_claim(claim)
-        return ShimClaimAck(ok=True, rebind_ms=took)
+        return ShimClaimAck(ok=True, rebind_ms=took, reseeded=reseeded)

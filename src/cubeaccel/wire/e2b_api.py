@@ -1,8 +1,8 @@
 """The E2B REST bodies the front door reads and writes (docs/e2b.md), as the E2B SDK's generated client has them.
 
 Requests are lenient: the SDK sends fields we ignore (`secure`, `mcp`, ...); the ones that ask for something we do
-not do (`autoPause`, `volumeMounts`, a network policy) are refused by the front door, by name. Replies carry E2B's
-camelCase names; they have no `v` (the SDK's schema has none).
+not do (`autoPause`, `volumeMounts`, network options with no equivalent) are refused by the front door, by name.
+Replies carry E2B's camelCase names; they have no `v` (the SDK's schema has none).
 """
 
 from __future__ import annotations

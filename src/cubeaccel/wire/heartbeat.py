@@ -4,17 +4,22 @@ CubeMaster stores the body as sent and parses it again on every read, so this mo
 older Cubelet wrote: fields added since (readiness, pinned memory, guest images, hot-plug paths, the
 per-sandbox device limit, warm pools) have the defaults an older Cubelet meant, and unknown fields are ignored.
 `version` is the Cubelet's package version; the message's own version is `v`.
+
+`incarnation` is new each time a Cubelet process starts, and `ended` lists the sandboxes that process ended on its
+own (its reconcile found the VMM gone, a guest failed): CubeMaster marks those at once and reconciles a node whose
+incarnation changed, so a restart inside the staleness bound is not a blind spot (issue 30 #8).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, StrictBool, StrictStr, field_validator
+from pydantic import BeforeValidator, Field, StrictBool, StrictStr, field_validator
 
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
 from cubeaccel.wire.base import Count, Finite, Lenient, LenientMessage, count
 from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.master_api import StatusError
 from cubeaccel.wire.warm import WarmPoolFact
 
 PINNED_COUNTS = ("lockable_mib", "locked_mib", "free_mib", "vmm_overhead_mib", "vmm_overhead_per_vcpu_mib")
@@ -29,7 +34,25 @@ class HostProblem(Lenient):
     message: Annotated[str, BeforeValidator(str)] = ""
 
 
-class Heartbeat(LenientMessage):
+class EndedSandbox(Lenient):
+    """A sandbox the node ended on its own, with the failure it recorded."""
+
+    sandbox_id: StrictStr = Field(min_length=1, max_length=256)
+    created_at: Finite  # the reservation's: a later sandbox reusing the id is not this one
+    error: StatusError
+
+
+MAX_ENDED = 1024
+
+
+class NodeNews(Lenient):
+    """The heartbeat's word on the node's sandboxes; CubeMaster reads it on its own (the rest is stored)."""
+
+    incarnation: StrictStr | None = Field(default=None, max_length=64)  # None: a Cubelet older than the field
+    ended: Annotated[list[EndedSandbox], BeforeValidator(_none_is_empty), Field(max_length=MAX_ENDED)] = []
+
+
+class Heartbeat(LenientMessage, NodeNews):
     node: StrictStr
     cubelet_url: StrictStr  # checked by CubeMaster (`node.invalid_url`) before the rest
     version: Annotated[str, BeforeValidator(str)] = ""

@@ -48,7 +48,8 @@ class SandboxBody(Message):
     # The workload token the start gives the guest, when the caller derives its own (the E2B front door does, to
     # hand it out again on connect); passed to the Cubelet, never stored. None: the Cubelet makes one.
     workload_token: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{32,200}$", repr=False)
-    # Narrows the template's network policy ({"mode": "allowlist", "egress": [...]} or {"mode": "none"}); never widens.
+    # Narrows the template's network policy ({"mode": "allowlist", "egress": [...]}, {"mode": "none"}, or by address
+    # alone: {"allow_out": [CIDR], "deny_out": [CIDR]}, model/sandbox_policy.AddressNarrowing); never widens.
     network: dict[str, Any] | None = None
 
 
@@ -107,9 +108,11 @@ class NodeList(Reply):
 
 
 class NodeVerbReply(Reply):
-    """drain/undrain: node, state, who; reconcile: what the reconcile did (its own fields)."""
+    """drain/undrain: node, state, who, and `warm` (the Cubelet's `WarmDrainReply`, or why it could not be
+    asked); reconcile: what the reconcile did (its own fields)."""
 
     node: str
+    warm: dict[str, Any] | None = None
 
 
 class ModelCapacity(Record):
@@ -171,7 +174,8 @@ class Sandbox(Record):
 
     id: str
     tenant: str
-    state: str
+    state: str  # `unknown` while its node's heartbeats are stale
+    last_known_state: str | None = None  # the stored state when `state` shows `unknown`
     node: str | None
     accel_class: str | None = Field(alias="class")
     count: int | None
@@ -195,6 +199,15 @@ class StartPhase(Record):
     phase: str  # "VM up", "memory pinned", "device attached", "workload service up", "guest validated"
     event: str  # the node's event kind it comes from
     at: float
+
+
+class WorkloadEndpoint(Reply):
+    """`GET /v1/sandboxes/{id}/workload`: where the running sandbox's workload is reached (its node's Cubelet
+    proxy, which checks the sandbox's own access token); for its tenant, without the admin-only node routes."""
+
+    sandbox_id: str
+    node: str
+    url: str
 
 
 class SandboxEvents(Reply):

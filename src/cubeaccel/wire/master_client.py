@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 
 from cubeaccel.wire.http_reply import reply_body
+from cubeaccel.wire.master_api import WorkloadEndpoint
 from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.telemetry import add_request_id
 
@@ -64,6 +65,10 @@ class MasterClient:
     def sandbox_events(self, sandbox_id: str) -> dict[str, Any]:
         """The start phases the sandbox's node recorded, through CubeMaster."""
         return dict(self.request("GET", f"/v1/sandboxes/{sandbox_id}/events"))
+
+    def workload_endpoint(self, sandbox_id: str) -> WorkloadEndpoint:
+        """Where the caller's own running sandbox's workload is reached (a tenant key is enough)."""
+        return WorkloadEndpoint.model_validate(self.request("GET", f"/v1/sandboxes/{sandbox_id}/workload"))
 
     def sandboxes(self, state: str | None = None) -> list[dict[str, Any]]:
         params = {"state": state} if state else None

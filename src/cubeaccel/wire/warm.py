@@ -71,6 +71,15 @@ class WarmPoolView(Reply):
 class WarmPoolList(Reply):
     pools: list[WarmPoolView]
     max_concurrent_starts: int
+    draining: bool = False
+
+
+class WarmDrainReply(Reply):
+    """`POST /v1/warm/drain` (a node drain, `cubeaccel down`): refilling and claims stop; these unclaimed warm
+    sandboxes entered the release path. `POST /v1/warm/undrain` answers the same with none."""
+
+    draining: bool
+    torn_down: list[str]
 
 
 class WarmClaimBody(ReservationBody):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -145,11 +146,24 @@ class WorkloadClient:
         return result
 
     def _feed_stdin(self, pid: int, stdin: BinaryIO) -> None:
+        """Feed `stdin` from a daemon thread, which may still be blocked reading when the command has ended. A
+        stream with a file descriptor is read with os.read: a thread blocked inside a buffered reader holds its
+        lock, and the interpreter aborts (SIGABRT) when it cannot take that lock at exit."""
         import threading
+
+        try:
+            fd: int | None = stdin.fileno()
+        except (AttributeError, OSError, ValueError):
+            fd = None
+
+        def read() -> bytes:
+            if fd is not None:
+                return os.read(fd, 64 * 1024)
+            return stdin.read1(64 * 1024) if hasattr(stdin, "read1") else stdin.read(64 * 1024)
 
         def pump() -> None:
             try:
-                while chunk := stdin.read1(64 * 1024) if hasattr(stdin, "read1") else stdin.read(64 * 1024):
+                while chunk := read():
                     data = base64.b64encode(chunk).decode()
                     self.unary("process.Process/SendInput", {"process": {"pid": pid}, "input": {"stdin": data}})
                 self.unary("process.Process/CloseStdin", {"process": {"pid": pid}})

@@ -1,0 +1,164 @@
+"""Issue 28's aims on real MicroVMs: E2B SDK `Sandbox.create` → first `commands.run("true")` returned, warm vs cold,
+with C concurrent clients, in the same run.
+
+One CubeMaster, one emulated Cubelet (edu stand-ins, real QEMU under TCG) with a warm pool of the bench's template,
+one front door. A round: C clients at once each create and run `true`; the path each create took is read from
+CubeMaster's timeline (`path: warm|cold`). Warm rounds start with the pool full; cold rounds with the pool set to
+size 0 (drained by `PUT /v1/warm/pools`), so the same request takes the whole cold path. Rounds alternate
+warm/cold; every sandbox is killed and its device back before the next round (the pool refilled for a warm one).
+
+Also: the cold path's control-plane share — the create's wall time minus the shim's timeline (VMM start, boot or
+restore, hot-plug, guest validation, workload up), over the wall time, for each cold create.
+
+Run: `PYTHONPATH=src:. .venv/bin/python bench/warm_e2b_bench.py [--rounds 3] [--clients 2]`. Prints JSON with
+min/median/max per figure and /proc/loadavg before and after (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+from e2b import Sandbox
+from tests.support.frontdoor_process import FrontDoorProcess
+from tests.support.master_harness import MasterProcess, emulated_cubelet
+from tests.support.poll import poll
+from tests.support.vmm_cleanup import kill_started_vmms
+from tests.vm.test_master_ready import edu_template
+
+from cubeaccel.images.builder import build
+from cubeaccel.model.contract import freeze
+from cubeaccel.wire.templates import parse_template
+
+NODE = "warm-bench"
+TEMPLATE = "edu-warm-bench"
+VMM_PHASES = (
+    "vmm_start_s",
+    "template_lookup_s",
+    "confinement_proof_s",
+    "pin_proof_s",
+    "boot_to_agent_s",
+    "restore_to_agent_s",
+    "hotplug_to_visible_s",
+    "workload_up_s",
+    "guest_validation_s",
+)
+
+
+def spread(xs: list[float]) -> dict[str, float]:
+    return {"min": round(min(xs), 1), "median": round(statistics.median(xs), 1), "max": round(max(xs), 1)}
+
+
+def pool(cubelet: Any) -> dict[str, Any]:
+    return dict(cubelet.client.request("GET", "/v1/warm/pools")["pools"][0])
+
+
+def set_size(cubelet: Any, doc: dict[str, Any], size: int) -> None:
+    """The pool `--warm` made, resized: the same shape (the template's contract, class, memory and pinning)."""
+    t = parse_template(doc)
+    body = {"contract": freeze(t).to_json(), "template": t.name, "class": t.accel_class, "size": size}
+    cubelet.client.request("PUT", "/v1/warm/pools", {**body, "memory_mib": t.memory_mib, "pin_memory": t.pin_memory})
+
+
+def one(opts: dict[str, Any]) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    sbx = Sandbox.create(TEMPLATE, **opts)
+    sbx.commands.run("true")
+    return (time.perf_counter() - t0) * 1000, sbx.sandbox_id
+
+
+def shim_seconds(row: dict[str, Any]) -> float:
+    """The VMM, guest and device phases of the create, from the shim's own timeline in CubeMaster's record."""
+    total = 0.0
+    for e in row.get("timeline") or []:
+        for k in VMM_PHASES:
+            v = e.get(k) if isinstance(e, dict) else None
+            if isinstance(v, int | float):
+                total += float(v)
+    return total
+
+
+def round_of(stack: dict[str, Any], opts: dict[str, Any], clients: int, warm: bool) -> list[dict[str, Any]]:
+    cubelet, master = stack["cubelet"], stack["master"]
+    if warm:
+        poll(lambda: pool(cubelet)["warm"] >= clients, 900, what="the pool full")
+    with ThreadPoolExecutor(clients) as ex:
+        done = list(ex.map(lambda _: one(opts), range(clients)))
+    out = []
+    for ms, sid in done:
+        row = master.client.sandbox(sid)
+        path = next((e["path"] for e in row["timeline"] if e.get("phase") == "path"), "?")
+        out.append({"ms": ms, "path": path, "vm_s": shim_seconds(row)})
+        master.client.delete(sid)
+    for _, sid in done:
+        poll(lambda s=sid: master.client.sandbox(s)["state"] == "deleted", 300)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=2)
+    args = ap.parse_args()
+    image, _ = build()
+    base = Path(tempfile.mkdtemp(prefix="warm-bench-"))
+    doc = edu_template(image, TEMPLATE)
+    (base / "template.yaml").write_text(yaml.safe_dump(doc))
+    master = MasterProcess(base / "master").start()
+    (base / "cubelet").mkdir()
+    devices = str(2 * args.clients)  # a warm pool of C and C cold creates beside it
+    warm_flag = f"{base / 'template.yaml'}={args.clients}"
+    cubelet = emulated_cubelet(master, base / "cubelet", NODE, "--emulated-devices", devices, "--warm", warm_flag)
+    cubelet.start()
+    stack = {"master": master, "cubelet": cubelet}
+    load = [Path("/proc/loadavg").read_text().split()[:3]]
+    fd = None
+    try:
+        poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 60)
+        master.client.register_template(doc)
+        fd = FrontDoorProcess(base / "fd", master.url, master.admin_key).start()
+        opts = {"api_key": master.tenant_key, "api_url": fd.url, "sandbox_url": fd.url, "request_timeout": 900}
+        warm: list[dict[str, Any]] = []
+        cold: list[dict[str, Any]] = []
+        for _ in range(args.rounds):
+            set_size(cubelet, doc, args.clients)
+            warm += round_of(stack, opts, args.clients, warm=True)
+            set_size(cubelet, doc, 0)
+            poll(lambda: pool(cubelet)["warm"] == 0 and pool(cubelet)["starting"] == 0, 600, what="pool drained")
+            cold += round_of(stack, opts, args.clients, warm=False)
+        w = [r["ms"] for r in warm if r["path"] == "warm"]
+        c = [r["ms"] for r in cold if r["path"] == "cold"]
+        result: dict[str, Any] = {
+            "clients": args.clients,
+            "rounds": args.rounds,
+            "paths": {"warm_rounds": [r["path"] for r in warm], "cold_rounds": [r["path"] for r in cold]},
+            "warm_ms": spread(w) if w else None,
+            "cold_ms": spread(c) if c else None,
+            "warm_over_cold_median": round(statistics.median(w) / statistics.median(c), 3) if w and c else None,
+            "cold_control_plane_share": spread(
+                [max(0.0, r["ms"] - r["vm_s"] * 1000) / r["ms"] * 100 for r in cold if r["path"] == "cold"]
+            )
+            if c
+            else None,
+        }
+    finally:
+        load.append(Path("/proc/loadavg").read_text().split()[:3])
+        if fd is not None:
+            fd.stop()
+        cubelet.stop()
+        master.stop()
+        kill_started_vmms(base)
+    print(json.dumps({**result, "loadavg_before_after": load}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""A node drain through CubeMaster removes the node's warm sandboxes first, through the release path, and stops
+their refill; a tenant's sandbox on the node is left running; undrain refills (docs/warm.md). Real CubeMaster and
+Cubelet processes over HTTP, simulated devices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from cubeaccel.model.contract import freeze
+from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.templates import parse_template
+from tests.support.cubelet_process import CubeletProcess
+from tests.support.master_harness import Cluster, example
+from tests.support.poll import poll
+
+PROFILES = {"w1": "4xh100"}
+
+
+def _pool(p: CubeletProcess) -> dict[str, Any]:
+    reply = p.client.request("GET", "/v1/warm/pools")
+    (pool,) = reply["pools"]
+    return {**pool, "draining": reply["draining"]}
+
+
+def _rows(p: CubeletProcess) -> list[dict[str, Any]]:
+    return list(p.client.request("GET", "/v1/reservations")["reservations"])
+
+
+def _warm_ids(p: CubeletProcess) -> set[str]:
+    return {r["sandbox_id"] for r in _rows(p) if r["sandbox_id"].startswith("warm-")}
+
+
+def _teardown_reasons(p: CubeletProcess, sid: str) -> list[str | None]:
+    events = p.client.events(0, 10000)["events"]
+    return [e["reason"] for e in events if e["sandbox_id"] == sid and e["kind"] == "teardown_started"]
+
+
+def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_undrain_refills(c: Cluster) -> None:
+    node = c.cubelets["w1"]
+    doc = example("cuda12-h100", spec__memory__size_mib=1024)
+    shape = {"contract": freeze(parse_template(doc)).to_json(), "template": "cuda12-h100", "class": "gpu"}
+    node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 2})
+    poll(lambda: _pool(node)["warm"] == 2, 60, what="two warm sandboxes")
+    tenant = c.c.create({"gpu": "H100:1"})  # warm or cold, as CubeMaster finds the pool: a tenant's either way
+    assert tenant["node"] == "w1"
+    poll(lambda: _pool(node)["warm"] == 2 and _pool(node)["starting"] == 0, 60, what="the pool full again")
+    warm = _warm_ids(node)
+
+    reply = c.c.node_verb("w1", "drain", "alice", "kernel update")
+    assert reply["state"] == "draining"
+    assert reply["warm"]["draining"] is True and set(reply["warm"]["torn_down"]) == warm
+    for sid in warm:
+        assert _teardown_reasons(node, sid) == ["warm.drained"]
+    poll(lambda: not _warm_ids(node), 60, what="the warm reservations closed (VMMs gone)")
+    poll(lambda: sum(d["state"] == "allocatable" for d in node.client.devices()) == 3, 60)
+    assert [r["phase"] for r in _rows(node)] == ["running"]  # the tenant's, untouched
+
+    # Drained: no refill (it runs every second and would have replaced them while they were releasing), and a
+    # claim of the pool's shape misses saying why.
+    assert _pool(node)["draining"] is True and _pool(node)["starting"] == 0 and not _warm_ids(node)
+    with pytest.raises(CubeError) as miss:
+        node.client.request("POST", "/v1/warm/claim", {**shape, "memory_mib": 1024, "sandbox_id": "late"})
+    assert miss.value.details["reason"] == "warm.drained"
+    assert _pool(node)["failures"] == 0  # ending warm starts is not the pool failing
+    journal = {e["sandbox_id"] for e in node.client.events(0, 10000)["events"] if e["sandbox_id"]}
+    assert {sid for sid in journal if sid.startswith("warm-")} == warm  # none started since the drain
+
+    back = c.c.node_verb("w1", "undrain", "alice")
+    assert back["state"] == "ready" and back["warm"] == {"v": 1, "draining": False, "torn_down": []}
+    poll(lambda: _pool(node)["warm"] == 2, 60, what="the pool refilled after undrain")
+    c.c.delete(tenant["id"])
+    node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 0})
+    for sid in _warm_ids(node):
+        node.client.release(sid)
+    poll(lambda: not _rows(node), 60)
