@@ -140,7 +140,8 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
         created = [master.client.create({"gpu": "H100:1", "template": "h100-40g"}) for _ in range(2)]
         assert [s["node"] for s in created] == ["n100", "n100"]
         e = _refused(master, {"gpu": "H100:1", "template": "h100-40g"})
-        assert e.code == "schedule.unschedulable" and e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
+        assert e.code == "schedule.unschedulable", (e.code, e.message, e.details)
+        assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
         assert "pinned_memory" in e.details["tried"][0]["nodes"]["n100"]["detail"]
         node = poll(lambda: (n := _node(master, "n100")) and n["pinned_memory"]["locked_mib"] > 0 and n)
         assert node["pinned_memory"]["lockable_mib"] == 100 * GIB  # type: ignore[index]
@@ -155,6 +156,7 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
         )
         assert master.client.create({"gpu": "H100:1", "template": "h100-64g"})["node"] == "n100"
         e = _refused(master, {"gpu": "H100:1", "template": "h100-64g"})
+        assert e.code == "schedule.unschedulable", (e.code, e.message, e.details)
         assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
     finally:
         p.stop()
