@@ -31,6 +31,7 @@ CODE_SHAPE = re.compile(r"^[a-z][a-z0-9_]*\.[a-z][a-z0-9_]*$")
 NOT_CODES = {
     # file names in state dirs, images and the source tree
     "build.log", "nvidia.py", "packages.py", "preferences.d", "sources.list", "vendor.py",
+    "flavour.py", "userland.py", "cert.pem", "nsswitch.conf", "pam.d", "sudoers.d",
     "admin.key", "default.key", "audit.jsonl", "node.token",
     "agent.sock", "workload.sock", "control.sock",
     "builder.py", "console.log", "cpio.py", "cubelet.db", "cubelet.log", "cubelet.sock",

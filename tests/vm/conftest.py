@@ -29,7 +29,8 @@ from typing import Any
 import pytest
 
 from cubeaccel.backends.emulated import slot_address
-from cubeaccel.images.builder import build, cache_dir
+from cubeaccel.images.builder import build, cache_dir, image_label
+from cubeaccel.images.flavour import VALIDATION, Flavour
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.images.vendor import VendorStack
 from cubeaccel.model.device import device_id_for
@@ -53,11 +54,13 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def private_image(shared: Path, run_cache: Path, stack: VendorStack | None = None) -> Manifest:
+def private_image(
+    shared: Path, run_cache: Path, stack: VendorStack | None = None, flavour: Flavour = VALIDATION
+) -> Manifest:
     """Build (or reuse) the image in the shared cache, then take this run's own copy of it under the builder's
     lock (a concurrent build prunes only after it holds that lock, so the files are all there while we link)."""
     for _ in range(3):
-        m, _built = build(shared, stack=stack)
+        m, _built = build(shared, stack=stack, flavour=flavour)
         with (shared / "images" / ".lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             files = [p for p in m.directory.iterdir() if p.is_file()] if m.directory.is_dir() else []
@@ -70,7 +73,8 @@ def private_image(shared: Path, run_cache: Path, stack: VendorStack | None = Non
             for f in files:
                 if not (mine / f.name).exists():  # images are immutable by key: a copy taken is the same bytes
                     _link_or_copy(f, mine / f.name)
-        (run_cache / "images" / (f"latest-{stack.name}" if stack else "latest")).write_text(m.key + "\n")
+        label = image_label(flavour, stack)
+        (run_cache / "images" / (f"latest-{label}" if label else "latest")).write_text(m.key + "\n")
         return Manifest.load(mine / "manifest.json")
     raise AssertionError(f"the image in {shared} kept being pruned by concurrent builds")
 
@@ -97,11 +101,21 @@ def guest_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Manifest]:
 
 @pytest.fixture(scope="session")
 def gpu_image(guest_image: Manifest) -> Manifest:
-    """The NVIDIA GPU image, built from Debian's packages in the shared cache (its module compile is cached
-    there across runs: minutes cold), taken into this run's cache beside the CPU image."""
+    """The GPU image the shipped templates pin (the userland flavour with NVIDIA's stack), built from Debian's
+    packages in the shared cache (its module compile is cached there across runs: minutes cold), taken into
+    this run's cache beside the CPU image."""
+    from cubeaccel.images.builder import GPU_FLAVOUR, flavour_named
     from cubeaccel.images.nvidia import NVIDIA
 
-    return private_image(SHARED_CACHE, guest_image.directory.parent.parent, NVIDIA)
+    return private_image(SHARED_CACHE, guest_image.directory.parent.parent, NVIDIA, flavour_named(GPU_FLAVOUR))
+
+
+@pytest.fixture(scope="session")
+def userland_image(guest_image: Manifest) -> Manifest:
+    """The userland flavour (E2B base's tools), built in the shared cache, taken into this run's cache."""
+    from cubeaccel.images.userland import USERLAND
+
+    return private_image(SHARED_CACHE, guest_image.directory.parent.parent, flavour=USERLAND)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from cubeaccel.master.up import EXAMPLES
 from cubeaccel.model.contract import freeze
 from cubeaccel.wire.templates import loads_document, parse_template
 
-GPU_GUEST_MIB = 1024  # the initrd carries libcuda, NVML and the GSP firmware (~200 MiB unpacked)
+GPU_GUEST_MIB = 1024  # the initrd (~310 MB: userland, libcuda, NVML, GSP firmware) and its unpacked rootfs
 
 
 def stand_in_contract(image: Manifest) -> dict[str, Any]:

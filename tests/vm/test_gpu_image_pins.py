@@ -2,7 +2,8 @@
 schedulable for them; and two builds from the same inputs give the same digests.
 
 When guest-side code (agent, workload, model) or a Debian package changes, the image changes: re-pin with
-`cubeaccel template pin --vendor nvidia src/cubeaccel/examples/templates/<file>`.
+`cubeaccel template pin --vendor nvidia src/cubeaccel/examples/templates/<file>` (the userland flavour with
+NVIDIA's stack: docs/images.md).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.images.builder import build
+from cubeaccel.images.builder import GPU_FLAVOUR, build, flavour_named
 from cubeaccel.images.manifest import Manifest, pin_template_document, pinned_paths
 from cubeaccel.images.nvidia import NVIDIA
 from cubeaccel.master.up import EXAMPLES
@@ -48,7 +49,7 @@ def test_a_second_gpu_image_build_from_the_same_inputs_gives_the_same_digests(
     (fresh / "images").mkdir(parents=True)
     for sub in ("debs-nvidia", "vendor-modules", "apt"):
         os.symlink(SHARED_CACHE / sub, fresh / sub)
-    m, built = build(fresh, force=True, stack=NVIDIA)
+    m, built = build(fresh, force=True, stack=NVIDIA, flavour=flavour_named(GPU_FLAVOUR))
     assert built and m.key == gpu_image.key
     assert (m.image_digest, m.modules_img.sha256, m.rootfs.sha256) == (
         gpu_image.image_digest,

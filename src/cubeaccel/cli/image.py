@@ -12,6 +12,12 @@ import typer
 from cubeaccel.model.errors import CubeError
 
 app = typer.Typer(no_args_is_help=True, help="guest image: kernel, modules.img, rootfs with cube-agent")
+FlavourOption = typer.Option(
+    "",
+    "--flavour",
+    help="validation (cube-agent and bash only) or userland (E2B base's tools: git, curl, sudo, python3 with pip…);"
+    " default: validation, or with --vendor the flavour the shipped GPU templates pin (userland)",
+)
 
 
 @app.command("build")
@@ -21,17 +27,19 @@ def build(
     vendor: str | None = typer.Option(
         None, "--vendor", help="a GPU image with this vendor's driver stack (nvidia); default: CPU-only"
     ),
+    flavour: str = FlavourOption,
 ) -> None:
     """Build (or reuse) the image; prints its manifest path, digests and whether it was built now."""
     from cubeaccel.cli.output import Progress
+    from cubeaccel.images.builder import GPU_FLAVOUR, flavour_named, stack_named
     from cubeaccel.images.builder import build as build_image
-    from cubeaccel.images.builder import stack_named
 
     t0 = time.monotonic()
     try:
         stack = stack_named(vendor)
+        kind = flavour_named(flavour or (GPU_FLAVOUR if stack is not None else None))
         with Progress("image build") as progress:
-            manifest, built = build_image(cache, force=force, on_phase=progress.phase, stack=stack)
+            manifest, built = build_image(cache, force=force, on_phase=progress.phase, stack=stack, flavour=kind)
     except CubeError as e:
         print(json.dumps(e.to_json()), file=sys.stderr)
         raise typer.Exit(1) from e
@@ -45,12 +53,18 @@ def build(
 
 
 @app.command("show")
-def show(cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~/.cache/cubeaccel")) -> None:
-    """The most recently built image's manifest (no apt queries); exit 1 if none was built."""
-    from cubeaccel.images.builder import latest
+def show(
+    cache: Path | None = typer.Option(None, "--cache-dir", help="default: ~/.cache/cubeaccel"),
+    vendor: str | None = typer.Option(None, "--vendor", help="the GPU image of this driver stack (nvidia)"),
+    flavour: str = FlavourOption,
+) -> None:
+    """The most recently built image's manifest of that flavour and stack (no apt queries); exit 1 if none."""
+    from cubeaccel.images.builder import GPU_FLAVOUR, flavour_named, image_label, latest, stack_named
 
     try:
-        manifest = latest(cache)
+        stack = stack_named(vendor)
+        kind = flavour_named(flavour or (GPU_FLAVOUR if stack is not None else None))
+        manifest = latest(cache, image_label(kind, stack))
     except CubeError as e:
         print(json.dumps(e.to_json()), file=sys.stderr)
         raise typer.Exit(1) from e

@@ -289,18 +289,22 @@ def pin_cmd(
     vendor: str | None = typer.Option(
         None, "--vendor", help="the GPU image with this driver stack (nvidia): also pins driver and CUDA versions"
     ),
+    flavour: str = typer.Option(
+        "", "--flavour", help="the image flavour (validation, userland); default: the GPU templates' for --vendor"
+    ),
 ) -> None:
     """Write the digests of the image this host builds (guest image, kernel, modules.img) into FILE; with
     --vendor, the GPU image's, and its driver and CUDA driver API versions too."""
     from cubeaccel.cli import output
+    from cubeaccel.images.builder import GPU_FLAVOUR, flavour_named, image_label, latest, stack_named
     from cubeaccel.images.builder import build as build_image
-    from cubeaccel.images.builder import latest, stack_named
     from cubeaccel.images.manifest import pin_template_document, pinned_paths
     from cubeaccel.wire.templates import loads_document
 
     try:
         stack = stack_named(vendor)
-        image = build_image(cache, stack=stack)[0] if build else latest(cache, stack.name if stack else "")
+        kind = flavour_named(flavour or (GPU_FLAVOUR if stack is not None else None))
+        image = build_image(cache, stack=stack, flavour=kind)[0] if build else latest(cache, image_label(kind, stack))
         if image is None:
             raise CubeError("image.manifest_invalid", "no image built yet: run `cubeaccel image build`", "template")
         text = file.read_text()

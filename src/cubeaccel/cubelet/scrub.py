@@ -188,9 +188,11 @@ class ProcessScrubRunner:
             if named is None or _stack(named) == method.image_stack:
                 return self.image_digest
         mine = agent_digest()
-        return next(
-            (m.image_digest for m in images if m.agent_sha256 == mine and _stack(m) == method.image_stack), None
-        )
+        fits = [m for m in images if m.agent_sha256 == mine and _stack(m) == method.image_stack]
+        # The validation flavour first (newest first within each): a scrub runs no user's tools, and the userland's
+        # larger initrd may not even fit the scrub VM's memory.
+        fits.sort(key=lambda m: m.flavour != "validation")
+        return fits[0].image_digest if fits else None
 
     def spec(self, sid: str, device: DeviceRecord, attach: AttachSpec) -> ShimSpec:
         run_dir = self.dir / sid

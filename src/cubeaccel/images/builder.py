@@ -20,13 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cubeaccel.images import cpio, kernel, packages, rootfs, vendor
+from cubeaccel.images.flavour import VALIDATION, Flavour
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
 from cubeaccel.images.nvidia import NVIDIA
 from cubeaccel.images.packages import HOST_APT, Apt
+from cubeaccel.images.userland import USERLAND
 from cubeaccel.images.vendor import StackInputs, VendorBuild, VendorStack
 from cubeaccel.model.errors import CubeError
 
 STACKS: dict[str, VendorStack] = {NVIDIA.name: NVIDIA}  # `cubeaccel image build --vendor NAME`
+FLAVOURS: dict[str, Flavour] = {f.name: f for f in (VALIDATION, USERLAND)}  # `--flavour NAME`
+GPU_FLAVOUR = USERLAND.name  # the shipped GPU templates' flavour (docs/decisions.md): `template pin --vendor`
 BUILDER_VERSION = 1
 KEEP_IMAGES = 3  # older images are removed after a build (their templates go with the template pruning)
 CMDLINE = "console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init 8250.nr_uarts=1 tsc=reliable no_timer_check"
@@ -66,10 +70,12 @@ class Inputs:
     builder_sha256: str
     stack: StackInputs | None = None  # a vendor driver stack (GPU images); None: a CPU-only image
     apt: Apt = HOST_APT
+    flavour: Flavour = VALIDATION
 
     @property
     def key(self) -> str:
-        """The image's directory name: a vendor image's starts with its stack (`nvidia-…`)."""
+        """The image's directory name: its label (`userland-nvidia`), a dash and a digest of every input; a
+        validation image without a stack has no label."""
         doc = {
             "builder": BUILDER_VERSION,
             "builder_sha256": self.builder_sha256,
@@ -81,12 +87,16 @@ class Inputs:
         }
         if self.stack is not None:
             doc["stack"] = self.stack.to_json()
+        if self.flavour.prefix:
+            doc["flavour"] = self.flavour.name
         digest = hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
-        return f"{self.stack.stack.name}-{digest}" if self.stack is not None else digest
+        return f"{self.label}-{digest}" if self.label else digest
 
     @property
-    def flavour(self) -> str:
-        return self.stack.stack.name if self.stack is not None else ""
+    def label(self) -> str:
+        """Flavour and stack (`userland-nvidia`, `nvidia`, `userland`, "" validation): key prefix, `latest-`
+        pointer and pruning group."""
+        return image_label(self.flavour, self.stack.stack if self.stack is not None else None)
 
     @property
     def all_packages(self) -> list[packages.Package]:
@@ -94,18 +104,37 @@ class Inputs:
         return [self.kernel_package, *self.rootfs_packages, *extra]
 
 
-def resolve_inputs(stack: VendorStack | None = None, cache: Path | None = None) -> Inputs:
+def image_label(flavour: Flavour = VALIDATION, stack: VendorStack | None = None) -> str:
+    return "-".join(p for p in (flavour.prefix, stack.name if stack is not None else "") if p)
+
+
+def _unique(names: list[str]) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+def resolve_inputs(
+    stack: VendorStack | None = None, cache: Path | None = None, flavour: Flavour = VALIDATION
+) -> Inputs:
     """Exact package versions. A vendor stack's image takes everything (kernel included, so its headers match)
     from a private apt root with the stack's archive components; a CPU-only image from the host's apt."""
     apt = HOST_APT
     if stack is not None:
         apt = packages.private_apt((cache or cache_dir()) / "apt" / stack.name, stack.components)
     kpkg_name = packages.kernel_package(apt)
-    pkgs = packages.resolve([kpkg_name, *rootfs.ROOTFS_PACKAGES], apt)
-    names = ("builder.py", "cpio.py", "kernel.py", "rootfs.py", "vendor.py", "nvidia.py", "packages.py")
+    pkgs = packages.resolve(_unique([kpkg_name, *rootfs.ROOTFS_PACKAGES, *flavour.packages]), apt)
+    names: tuple[str, ...] = (
+        "builder.py",
+        "cpio.py",
+        "kernel.py",
+        "rootfs.py",
+        "vendor.py",
+        "nvidia.py",
+        "packages.py",
+    )
+    names += ("flavour.py", "userland.py") if flavour.prefix else ()  # the validation key stays as it was
     builder_src = [_SRC_PKG / "images" / n for n in names]
     stack_inputs = vendor.resolve(stack, apt, packages.kernel_release(kpkg_name)) if stack is not None else None
-    return Inputs(pkgs[0], tuple(pkgs[1:]), agent_digest(), _tree_digest(builder_src), stack_inputs, apt)
+    return Inputs(pkgs[0], tuple(pkgs[1:]), agent_digest(), _tree_digest(builder_src), stack_inputs, apt, flavour)
 
 
 @contextmanager
@@ -134,6 +163,20 @@ def _quiet(_: str) -> None:
     pass
 
 
+def flavour_named(name: str | None) -> Flavour:
+    if not name:
+        return VALIDATION
+    if name not in FLAVOURS:
+        raise CubeError(
+            "image.flavour_unknown",
+            f"no image flavour {name!r}; known: {', '.join(sorted(FLAVOURS))}",
+            "template",
+            {"known": sorted(FLAVOURS)},
+            status=422,
+        )
+    return FLAVOURS[name]
+
+
 def stack_named(name: str | None) -> VendorStack | None:
     if not name:
         return None
@@ -149,35 +192,49 @@ def stack_named(name: str | None) -> VendorStack | None:
 
 
 def build(
-    cache: Path | None = None, force: bool = False, on_phase: Phase = _quiet, stack: VendorStack | None = None
+    cache: Path | None = None,
+    force: bool = False,
+    on_phase: Phase = _quiet,
+    stack: VendorStack | None = None,
+    flavour: Flavour = VALIDATION,
 ) -> tuple[Manifest, bool]:
     """Return (manifest, built_now). Reuses a cached image whose inputs and digests match unless `force`.
-    `stack`: a GPU image with that vendor's driver stack (a separate image: CPU-only ones stay lean)."""
+    `stack`: a GPU image with that vendor's driver stack (a separate image: CPU-only ones stay lean).
+    `flavour`: what the rootfs holds (validation: the agent's needs; userland: E2B's base tools)."""
     cache = cache or cache_dir()
     on_phase("resolving package versions (apt)")
-    inputs = resolve_inputs(stack, cache)
+    inputs = resolve_inputs(stack, cache, flavour)
     on_phase("waiting for the image cache lock")
     with _locked(cache / "images" / ".lock"):
         if not force and (m := cached(cache, inputs.key)) is not None:
             on_phase(f"verifying cached image {m.key}")
-            _point_latest(cache, m, inputs.flavour)
+            _point_latest(cache, m, inputs.label)
             return m, False
         m = _build(cache, inputs, on_phase)
-        _point_latest(cache, m, inputs.flavour)
-        prune(cache / "images", keep=KEEP_IMAGES, protect=m.key, flavour=inputs.flavour)
+        _point_latest(cache, m, inputs.label)
+        prune(cache / "images", keep=KEEP_IMAGES, protect=m.key, flavour=inputs.label)
         if stack is None:  # a vendor build keeps its own kernel's packages; each flavour prunes only its own
-            _prune_debs(cache / "debs", {packages.deb_path(cache / "debs", p).name for p in inputs.all_packages})
+            debs = _debs_dir(cache, inputs)
+            _prune_debs(debs, {packages.deb_path(debs, p).name for p in inputs.all_packages})
         return m, True
 
 
+def _debs_dir(cache: Path, inputs: Inputs) -> Path:
+    """Downloaded packages per apt source and flavour: a validation build's prune never drops the userland's."""
+    if inputs.stack is not None:
+        return cache / f"debs-{inputs.stack.stack.name}"
+    return cache / (f"debs-{inputs.flavour.prefix}" if inputs.flavour.prefix else "debs")
+
+
 def _flavour_of(name: str) -> str:
-    """`nvidia-0123…` → `nvidia`; a CPU-only image's key has no prefix."""
+    """`userland-nvidia-0123…` → `userland-nvidia`; a validation image's key has no prefix."""
     return name.rsplit("-", 1)[0] if "-" in name else ""
 
 
 def prune(root: Path, keep: int, protect: str = "", flavour: str | None = None) -> list[str]:
     """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`.
-    `flavour`: only images of that stack ("" CPU-only), so a GPU build never prunes CPU images or the reverse."""
+    `flavour`: only images of that label ("" validation), so a GPU or userland build never prunes another
+    label's images."""
     entries = sorted(
         (
             p
@@ -203,7 +260,8 @@ def _prune_debs(debs: Path, keep: set[str]) -> None:
 
 
 def latest(cache: Path | None = None, flavour: str = "") -> Manifest | None:
-    """The most recently built or reused image of `flavour` ("" CPU-only; a stack name), without asking apt."""
+    """The most recently built or reused image of a label (`image_label`: "" validation, `nvidia`, `userland`,
+    `userland-nvidia`), without asking apt."""
     cache = cache or cache_dir()
     pointer = cache / "images" / _latest_name(flavour)
     if not pointer.exists():
@@ -248,7 +306,7 @@ def _point_latest(cache: Path, m: Manifest, flavour: str = "") -> None:
 def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
     pkgs = inputs.all_packages
     on_phase(f"downloading {len(pkgs)} packages")
-    debs = packages.download(cache / (f"debs-{inputs.flavour}" if inputs.flavour else "debs"), pkgs, inputs.apt)
+    debs = packages.download(_debs_dir(cache, inputs), pkgs, inputs.apt)
     n_base = 1 + len(inputs.rootfs_packages)
     final = cache / "images" / inputs.key
     work = Path(tempfile.mkdtemp(prefix=f"build-{inputs.key}-", dir=cache / "images"))
@@ -276,18 +334,22 @@ def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
         on_phase("assembling the root filesystem")
         for deb in debs[1:n_base]:
             packages.extract(deb, root)
-        rootfs.prune(root)
+        inputs.flavour.before_prune(root)
+        rootfs.prune(root, inputs.flavour.keep, inputs.flavour.keep_dynload)
         rootfs.install_busybox(root)
         rootfs.install_agent(root, _SRC_PKG)
+        if inputs.flavour.prefix:
+            on_phase(f"{inputs.flavour.name}: configuration, links, library check")
+            inputs.flavour.install(root)
         vendor_build = None
         if inputs.stack is not None and built_mods is not None:
             on_phase(f"{inputs.stack.stack.name} user space and firmware")
             vendor_build = _install_stack(inputs.stack, debs[n_base:], root, built_mods)
         on_phase("compiling bytecode, smoke-testing the guest python")
-        rootfs.compile_and_smoke_test(root)
+        rootfs.compile_and_smoke_test(root, inputs.flavour.precompile)
         on_phase("writing rootfs.cpio and initrd.img")
         with (out / "rootfs.cpio").open("wb") as f:
-            cpio.write_tree(root, f)
+            cpio.write_tree(root, f, modes=inputs.flavour.modes)
         with (out / "initrd.img").open("wb") as f:
             for part in ("rootfs.cpio", "modules.img"):
                 with (out / part).open("rb") as src:
@@ -312,6 +374,7 @@ def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
             cmdline=CMDLINE,
             directory=final,
             vendor=vendor_build,
+            flavour=inputs.flavour.name,
         )
         if final.exists():
             shutil.rmtree(final)

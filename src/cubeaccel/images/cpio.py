@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
@@ -33,11 +34,12 @@ def _perm(mode: int) -> int:
     return 0o644
 
 
-def write_tree(root: Path, out: BinaryIO, prefix: str = "") -> int:
+def write_tree(root: Path, out: BinaryIO, prefix: str = "", modes: Mapping[str, int] | None = None) -> int:
     """Write every file, directory and symlink under `root` (sorted) as a newc archive; returns entry count.
 
     `prefix` is prepended to member names, so a tree can be placed at e.g. `lib/modules/<kver>`.
-    Hard links are stored as separate copies (simple and correct for an initramfs).
+    Hard links are stored as separate copies (simple and correct for an initramfs). `modes` gives the
+    permission bits of named members (`usr/bin/sudo`: setuid) instead of the normalized ones.
     """
     ino = 1
     entries: list[tuple[str, Path]] = []
@@ -56,7 +58,7 @@ def write_tree(root: Path, out: BinaryIO, prefix: str = "") -> int:
             _header(out, name, stat.S_IFDIR | 0o755, 0, ino, 2)
         else:
             st = path.lstat()
-            perm = _perm(st.st_mode)
+            perm = modes[name] if modes and name in modes else _perm(st.st_mode)
             if stat.S_ISLNK(st.st_mode):
                 target = os.readlink(path).encode()
                 _header(out, name, stat.S_IFLNK | 0o777, len(target), ino)

@@ -54,6 +54,7 @@ class Manifest:
     cmdline: str
     directory: Path
     vendor: VendorBuild | None = None  # a GPU image's driver stack; None: CPU-only
+    flavour: str = "validation"  # what the rootfs holds (images/flavour.py): validation, userland
 
     @property
     def image_digest(self) -> str:
@@ -94,7 +95,12 @@ class Manifest:
                 "kernel_release": self.kernel_release,
                 "modules": list(self.modules),
             },
-            "rootfs": {**self.rootfs.to_json(), "packages": list(self.packages), "agent_sha256": self.agent_sha256},
+            "rootfs": {
+                **self.rootfs.to_json(),
+                "packages": list(self.packages),
+                "agent_sha256": self.agent_sha256,
+                "flavour": self.flavour,
+            },
             "initrd": self.initrd.to_json(),
             "cmdline": self.cmdline,
             **({"vendor": self.vendor.to_json()} if self.vendor is not None else {}),
@@ -130,6 +136,7 @@ class Manifest:
                 cmdline=str(d["cmdline"]),
                 directory=path.parent,
                 vendor=VendorBuild.from_json(d["vendor"]) if isinstance(d.get("vendor"), dict) else None,
+                flavour=str(d["rootfs"].get("flavour", "validation")),
             )
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CubeError("image.manifest_invalid", f"{path}: {e}", layer="template", status=422) from e

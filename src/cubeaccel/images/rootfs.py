@@ -175,12 +175,24 @@ def _rm(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def prune(root: Path) -> None:
+def prune(root: Path, keep: tuple[str, ...] = (), keep_dynload: tuple[str, ...] = ()) -> None:
+    """Remove _PRUNE_DIRS except the `keep` paths under them (set aside and put back), and the extension
+    modules whose libraries the image lacks except `keep_dynload` (name prefixes)."""
+    aside = root.parent / f"{root.name}.keep"
+    for rel in keep:
+        if (root / rel).exists():
+            (aside / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).replace(aside / rel)
     for rel in _PRUNE_DIRS:
         _rm(root / rel)
+    for rel in keep:
+        if (aside / rel).exists():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (aside / rel).replace(root / rel)
+    shutil.rmtree(aside, ignore_errors=True)
     dynload = root / "usr/lib/python3.11/lib-dynload"
     for so in dynload.glob("*.so"):
-        if so.name.startswith(_PRUNE_DYNLOAD_PREFIXES):
+        if so.name.startswith(_PRUNE_DYNLOAD_PREFIXES) and not so.name.startswith(keep_dynload or ("\0",)):
             so.unlink()
 
 
@@ -194,7 +206,7 @@ def install_busybox(root: Path) -> None:
     (root / "etc/group").write_text(GROUP)
     for applet in _APPLETS:
         link = root / "bin" / applet
-        if not link.exists():
+        if not link.exists() and not (root / "usr/bin" / applet).exists():  # a package's own tool wins
             link.symlink_to("busybox")
     py = root / "usr/bin/python3"
     if not py.exists():
@@ -241,22 +253,29 @@ def guest_python(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
 
 
-def compile_and_smoke_test(root: Path) -> None:
+def compile_and_smoke_test(root: Path, more: tuple[str, ...] = ()) -> None:
     """Precompile bytecode with the guest interpreter, then import what cube-agent needs, or fail the build.
 
     One worker, in sorted order, with a fixed hash seed: marshal's output depends on the compiling process's
-    state (interned strings, set ordering), so the same sources must be compiled the same way each build."""
+    state (interned strings, set ordering), so the same sources must be compiled the same way each build.
+    `more`: further trees (relative to the rootfs) compiled the same way, e.g. the userland's dist-packages."""
     script = (
         "import compileall, py_compile, sys\n"
         "mode = py_compile.PycInvalidationMode.UNCHECKED_HASH\n"
         f"ok = compileall.compile_dir(sys.argv[1], ddir='/usr/lib/python3.11', quiet=2, workers=1,"
         " invalidation_mode=mode)\n"
         f"ok &= compileall.compile_dir(sys.argv[2], ddir='{AGENT_HOME}', quiet=2, invalidation_mode=mode)\n"
+        "for tree in sys.argv[3:]:\n"
+        "    ok &= compileall.compile_dir(tree, ddir=tree[len(sys.argv[1]) - len('/usr/lib/python3.11'):], quiet=2,"
+        " workers=1, invalidation_mode=mode)\n"
         "import json, ctypes, hashlib, select, socket, struct, fcntl, termios, pty, tty, lzma, zlib, gzip\n"
         "import cubeaccel.agent.__main__, cubeaccel.workload.__main__, cubeaccel.workload.app\n"
         "sys.exit(0 if ok else 3)\n"
     )
-    proc = guest_python(root, "-c", script, str(root / "usr/lib/python3.11"), str(root / AGENT_HOME.lstrip("/")))
+    trees = [str(root / rel) for rel in more]
+    proc = guest_python(
+        root, "-c", script, str(root / "usr/lib/python3.11"), str(root / AGENT_HOME.lstrip("/")), *trees
+    )
     if proc.returncode != 0:
         raise image_error(
             "image.python_broken",

@@ -1,0 +1,111 @@
+"""The userland flavour in a real MicroVM: what E2B's `base` template offers a command, run as the E2B SDK runs it
+(`/bin/bash -l -c CMD` as user `user`, through the guest's workload service and the shim's bridge).
+
+On the validation image every one of these fails (no git, curl, sudo, tput, pip, procps' ps, gawk: exit 127);
+docs/images.md has the flavours and how to build them.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from cubeaccel.images.manifest import Manifest
+from tests.support.vmm_cleanup import kill_started_vmms
+from tests.vm.conftest import ShimRun, emulated_id
+from tests.workload_client import WorkloadClient
+
+# The first test also builds (or takes) the validation and userland images, behind other builders' lock.
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(900)]
+USERLAND_GUEST_MIB = 512  # the initrd (~120 MB) and the rootfs it unpacks to are both in RAM during boot
+
+# What E2B base users (and the SDK's own test suite) run, each expected to exit 0.
+COMMANDS = {
+    "git": "git --version",
+    "curl": "curl --version",
+    "sudo": 'sudo -n true && test "$(sudo -n id -u)" = 0',
+    "tput": "tput cols",
+    "pip": "python3 -m pip --version",
+    "ps": "ps --version | grep -q procps && ps -e -o args= | grep -q '[c]ubeaccel.workload serve'",
+    "xargs": "printf 'a\\nb\\n' | xargs -n1 echo | wc -l | grep -qx 2",
+    "grep": "echo needle | grep -E -q '^ne+dle$'",
+    "gawk": "gawk 'BEGIN { print 6 * 7 }' | grep -qx 42 && awk --version | grep -q GNU",
+    "sed": "echo abc | sed 's/b/x/' | grep -qx axc",
+    "find": "find /usr/bin -name git | grep -q git",
+    "git_commit": 'cd "$(mktemp -d)" && git init -q && git -c user.email=u@x -c user.name=u commit -q'
+    " --allow-empty -m m && git log --oneline | wc -l | grep -qx 1",
+    "ca_bundle": "test -s /etc/ssl/certs/ca-certificates.crt && python3 -c 'import ssl; "
+    'assert ssl.create_default_context().cert_store_stats()["x509_ca"] > 100\'',
+}
+
+
+@pytest.fixture(scope="module")
+def vm(tmp_path_factory: pytest.TempPathFactory, userland_image: Manifest) -> Iterator[ShimRun]:
+    base = tmp_path_factory.mktemp("userland")
+    sandbox = f"u-{uuid.uuid4().hex[:10]}"
+    spec = {
+        "sandbox_id": sandbox,
+        "devices": [
+            {
+                "device_id": emulated_id(11),
+                "driver": "edu",
+                "properties": {},
+                "vendor_id": "1234",
+                "device_id_hex": "11e8",
+            }
+        ],
+        "memory_mib": USERLAND_GUEST_MIB,
+        "vcpus": 1,
+        "pin_memory": True,
+        "image_manifest": str(userland_image.directory / "manifest.json"),
+        "start": "cold",
+        "state_dir": str(base / "state"),
+        "report": {"file": str(base / "reports.jsonl")},
+        "detach_timeout_s": 10.0,
+        "boot_timeout_s": 240.0,  # TCG on a loaded host: the larger initrd unpacks and boots in seconds to minutes
+        "workload": True,
+    }
+    (base / "spec.json").write_text(json.dumps(spec))
+    run = ShimRun(sandbox, base / "spec.json", base / "reports.jsonl", base / "state")
+    run.workload_token = secrets.token_urlsafe(24)
+    run.start()
+    try:
+        run.wait_for("guest_validated", 300)
+        yield run
+    finally:
+        if run.proc is not None and run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+        kill_started_vmms(base)
+
+
+@pytest.fixture
+def wl(vm: ShimRun) -> Iterator[WorkloadClient]:
+    transport = httpx.HTTPTransport(uds=str(vm.state_dir / "workload.sock"))
+    http = httpx.Client(transport=transport, base_url="http://workload", timeout=180.0)
+    assert vm.workload_token is not None
+    yield WorkloadClient(http, vm.workload_token)
+    http.close()
+
+
+def test_the_image_records_its_flavour(userland_image: Manifest) -> None:
+    assert userland_image.flavour == "userland" and userland_image.key.startswith("userland-")
+    names = {p["name"] for p in userland_image.packages}
+    assert {"git", "curl", "sudo", "ncurses-bin", "python3-pip", "procps", "gawk", "findutils"} <= names
+
+
+@pytest.mark.parametrize("tool", sorted(COMMANDS))
+def test_e2b_base_tools_run_as_user_in_a_login_shell(wl: WorkloadClient, tool: str) -> None:
+    s = wl.run(COMMANDS[tool])  # envd's default user: `user`
+    out = (s.output() + s.output("stderr")).decode(errors="replace")
+    assert s.end.get("exitCode", 0) == 0 and s.end.get("exited"), f"{tool}: {s.end} {out[-800:]}"
+
+
+def test_the_commands_ran_as_user_and_sudo_made_root(wl: WorkloadClient) -> None:
+    s = wl.run("id -un; sudo -n id -un; tput -T xterm cols")
+    assert s.output().decode().split() == ["user", "root", "80"], s.output()
