@@ -9,9 +9,11 @@ the default for accelerator).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import httpx
 
+from cubeaccel.master.scheduler import CONTRACT_REASONS, FILTERS, contract
 from tests.support.master_harness import Cluster
 from tests.support.poll import poll
 
@@ -32,7 +34,8 @@ def test_gpu_shorthand_alone_places_on_a_node_that_has_it_and_the_cubelet_agrees
     s = c.c.create({"gpu": "H100:1"})
     assert s["state"] == "running" and s["node"] in ("n1", "n2") and len(s["device_ids"]) == 1
     assert s["template"]["name"] == "cuda12-h100"
-    assert [p["phase"] for p in s["timeline"]] == ["requested", "scheduled", "reserved"]
+    assert [p["phase"] for p in s["timeline"]] == ["requested", "path", "scheduled", "reserved"]
+    assert s["timeline"][1]["path"] == "cold"  # no warm pool in this cluster (docs/warm.md)
     assert holders(c) == {f"{s['node']}/{s['device_ids'][0]}": s["id"]}
     dev = c.cubelets[s["node"]].client.devices()
     assert {d["state"] for d in dev if d["sandbox_id"] == s["id"]} == {"attached"}
@@ -85,31 +88,42 @@ def test_placement_prefers_numa_locality_then_packing_and_takes_the_first_altern
     }
 
 
+# Every reason a node can be refused for: one per filter, the contract filter's per check_node code.
+ALL_REASONS = {f.__name__ for f in FILTERS if f is not contract} | set(CONTRACT_REASONS.values())
+
+
 def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
-    assert c.reasons({"gpu": "B200:1"}) == dict.fromkeys(PROFILES, "labels_mismatch(model)")
-    assert c.reasons({"gpu": "T4:1"}) == {
+    reached: set[str] = set()
+
+    def reasons(body: dict[str, Any]) -> dict[str, str]:
+        got = c.reasons(body)
+        reached.update(r.split("(")[0] for r in got.values())
+        return got
+
+    assert reasons({"gpu": "B200:1"}) == dict.fromkeys(PROFILES, "labels_mismatch(model)")
+    assert reasons({"gpu": "T4:1"}) == {
         "n1": "device_incompatible",
         "n2": "labels_mismatch(model)",
         "n3": "labels_mismatch(model)",
     }
     assert c.reasons({"gpu": "A100:1"})["n3"] == "device_incompatible"
-    assert c.reasons(
-        {"accelerators": [{"class": "gpu", "selector": "int(device.memory_gib) >= 141"}]}
-    ) == dict.fromkeys(PROFILES, "selector_mismatch")
-    assert c.reasons({"gpu": "H100:1", "template": "cuda12-h100-huge"}) == {
+    assert reasons({"accelerators": [{"class": "gpu", "selector": "int(device.memory_gib) >= 141"}]}) == dict.fromkeys(
+        PROFILES, "selector_mismatch"
+    )
+    assert reasons({"gpu": "H100:1", "template": "cuda12-h100-huge"}) == {
         "n1": "pinned_memory",
         "n2": "pinned_memory",
         "n3": "labels_mismatch(model)",
     }
-    assert c.reasons({"gpu": "H100:8"}) == {
+    assert reasons({"gpu": "H100:8"}) == {
         "n1": "insufficient_devices",
         "n2": "insufficient_devices",
         "n3": "labels_mismatch(model)",
     }
-    assert c.reasons({"gpu": "accelerator:1"}) == dict.fromkeys(PROFILES, "class_missing")
+    assert reasons({"gpu": "accelerator:1"}) == dict.fromkeys(PROFILES, "class_missing")
     c.c.node_verb("n2", "drain", "alice", "maintenance")
     try:
-        assert c.reasons({"gpu": "H100:5"}) == {
+        assert reasons({"gpu": "H100:5"}) == {
             "n1": "insufficient_devices",
             "n2": "node_draining",
             "n3": "labels_mismatch(model)",
@@ -117,19 +131,22 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
         assert c.c.create({"gpu": "H100:2"})["node"] == "n1"  # n2 would pack better, but it is draining
     finally:
         c.c.node_verb("n2", "undrain")
-    # backend, guest kernel and image come from what a node reports; a node reporting other ones is sent by hand.
+    # Host readiness, the device limit, backend, hot-plug, guest kernel, image and modules.img come from what a
+    # node reports; a node reporting each in turn is sent by hand.
     guest = {
         "digest": "sha256:" + "1" * 64,
         "kernel_release": "5.10.0-1-amd64",
         "kernel_digests": ["sha256:" + "2" * 64],
         "modules_img_digest": "sha256:" + "3" * 64,
     }
-    fake = {
+    fake: dict[str, Any] = {
         "node": "fake",
         "cubelet_url": "http://127.0.0.1:9",
         "version": "0",
         "sent_at": 0.0,
         "pinnable_memory_mib": 1 << 20,
+        "ready": False,
+        "host_problems": [{"code": "host.no_iommu", "message": "no IOMMU groups"}],
         "guest_images": [guest],
         "hotplug": ["pcie-root-port-acpi"],
         "capacity": {
@@ -153,19 +170,27 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
             ],
         },
     }
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
-    assert c.reasons({"gpu": "H100:8"})["fake"] == "kernel_incompatible"
-    h100 = next(i for i in c.c.nodes() if i["node"] == "n1")["guest_images"][0]  # the kernel cuda12-h100 pins
-    fake.update(guest_images=[{**h100, "digest": guest["digest"]}])
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
-    assert c.reasons({"gpu": "H100:8"})["fake"] == "image_missing"
-    fake.update(hotplug=[])
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
-    assert c.reasons({"gpu": "H100:8"})["fake"] == "hotplug_unsupported"
-    fake["capacity"]["backends"] = ["emulated"]  # type: ignore[index]
-    httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
-    assert c.reasons({"gpu": "H100:8"})["fake"] == "backend_unsupported"
+
+    def on_fake(**changes: Any) -> str:
+        """The fake node's reason for an 8-H100 sandbox once it reports `changes`."""
+        fake.update(changes)
+        httpx.put(f"{c.master.url}/v1/nodes/fake", json=fake, auth=c.master.node_auth("fake")).raise_for_status()
+        why = c.reasons({"gpu": "H100:8"})["fake"]
+        reached.add(why)
+        return why
+
+    assert on_fake() == "host_not_ready"
+    assert on_fake(ready=True, host_problems=[], max_devices_per_sandbox=4) == "device_limit"
+    assert on_fake(max_devices_per_sandbox=None) == "kernel_incompatible"
+    h100 = next(i for i in c.c.nodes() if i["node"] == "n1")["guest_images"][0]  # the guest cuda12-h100 pins
+    assert on_fake(guest_images=[{**h100, "modules_img_digest": guest["modules_img_digest"]}]) == "modules_img_missing"
+    assert on_fake(guest_images=[{**h100, "digest": guest["digest"]}]) == "image_missing"
+    assert on_fake(hotplug=[]) == "hotplug_unsupported"
+    fake["capacity"]["backends"] = ["emulated"]
+    assert on_fake() == "backend_unsupported"
     poll(lambda: c.reasons({"gpu": "H100:8"})["fake"] == "node_stale")
+    reached.add("node_stale")
+    assert reached == ALL_REASONS
 
 
 def test_rejection_message_counts_reasons_per_node(c: Cluster) -> None:

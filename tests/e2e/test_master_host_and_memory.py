@@ -137,14 +137,15 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
             master.client.register_template(
                 example("cuda12-h100", metadata__name=f"h100-{gib}g", spec__memory__size_mib=gib * GIB)
             )
-        placed = [master.client.create({"gpu": "H100:1", "template": "h100-40g"})["node"] for _ in range(2)]
-        assert placed == ["n100", "n100"]
+        created = [master.client.create({"gpu": "H100:1", "template": "h100-40g"}) for _ in range(2)]
+        assert [s["node"] for s in created] == ["n100", "n100"]
         e = _refused(master, {"gpu": "H100:1", "template": "h100-40g"})
-        assert e.code == "schedule.unschedulable" and e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
+        assert e.code == "schedule.unschedulable", (e.code, e.message, e.details)
+        assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
         assert "pinned_memory" in e.details["tried"][0]["nodes"]["n100"]["detail"]
         node = poll(lambda: (n := _node(master, "n100")) and n["pinned_memory"]["locked_mib"] > 0 and n)
         assert node["pinned_memory"]["lockable_mib"] == 100 * GIB  # type: ignore[index]
-        for s in master.client.sandboxes("running"):
+        for s in created:  # whatever state each has reached: "running" only would leave a starting one holding 40 GiB
             master.client.delete(s["id"])
         poll(
             lambda: (
@@ -155,6 +156,7 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
         )
         assert master.client.create({"gpu": "H100:1", "template": "h100-64g"})["node"] == "n100"
         e = _refused(master, {"gpu": "H100:1", "template": "h100-64g"})
+        assert e.code == "schedule.unschedulable", (e.code, e.message, e.details)
         assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
     finally:
         p.stop()

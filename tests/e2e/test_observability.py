@@ -70,9 +70,22 @@ def has(lines: list[dict[str, Any]], **fields: Any) -> bool:
     return any(all(x.get(k) == v for k, v in fields.items()) for x in lines)
 
 
+def heartbeat_landed(c: Cluster, allocatable: int) -> None:
+    """Wait for the event CubeMaster's device metrics follow: a heartbeat from node a that counts `allocatable`
+    devices, with no claim of CubeMaster's own still pending on top of it. A claim clears when the sandbox
+    starts, which can be before the next heartbeat: until then CubeMaster still holds the older summary."""
+
+    def landed() -> bool:
+        node = next(n for n in c.c.nodes() if n["node"] == "a")
+        return node["allocatable"] == allocatable and all(g["claimed"] == 0 for g in node["groups"])
+
+    poll(landed, 30, what=f"a heartbeat counting {allocatable} allocatable")
+
+
 def test_metrics_move_by_a_sandbox_lifecycle_and_logs_follow_one_request_id(c: Cluster) -> None:
     m = Scraper(c)
     cub = c.cubelets["a"].client
+    heartbeat_landed(c, allocatable=2)
     m0, k0 = m.master(), m.cubelet()
     assert value(k0, "cubeaccel_devices", Hostname="a", state="allocatable", modelName="H100-SXM5-80GB") == 2
     assert value(k0, "cubeaccel_device_state", Hostname="a", state="allocatable") == 2
@@ -90,6 +103,7 @@ def test_metrics_move_by_a_sandbox_lifecycle_and_logs_follow_one_request_id(c: C
     assert value(k1, "cubeaccel_devices", Hostname="a", state="allocatable") == 1
     attached = [lb for (n, lb), v in k1.items() if n == "cubeaccel_device_state" and ("state", "attached") in lb]
     assert len(attached) == 1 and dict(attached[0])["pci_bus_id"].count(":") == 2  # 00000000:BB:DD.F, DCGM's form
+    heartbeat_landed(c, allocatable=1)
     m1 = m.master()
     assert value(m1, "cubeaccel_node_devices", Hostname="a", kind="allocatable") == 1
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from hypothesis import given
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from cubeaccel.master.server import create_app
@@ -110,6 +110,8 @@ def test_group_counts_must_be_finite_whole_numbers(api: TestClient, where: str) 
         "http://u:p@h:1",
         "http://h:1?q=1",
         "http://h:99999",
+        "http://h:0",
+        "http://@h:1",
         "",
         7,
         None,
@@ -120,8 +122,48 @@ def test_cubelet_url_must_be_http_host_port(api: TestClient, url: Any) -> None:
     assert (r.status_code, r.json()["error"]["code"]) == (422, "node.invalid_url")
 
 
+# Each part of a URL, the spellings the parser must accept and those it must refuse.
+URL_PARTS: dict[str, tuple[st.SearchStrategy[str], st.SearchStrategy[str]]] = {
+    "scheme": (st.sampled_from(["http", "https", "HTTP", "Https"]), st.sampled_from(["ftp", "file", "", "htp"])),
+    "userinfo": (st.just(""), st.sampled_from(["u@", "u:p@", ":p@", "@"])),
+    "host": (st.sampled_from(["127.0.0.1", "node-1", "gpu17.example.org", "[::1]", "[fe80::1]"]), st.just("")),
+    "port": (st.integers(1, 65535).map(str), st.sampled_from([":", ":0", ":65536", ":99999", ":x", ":-1", ""])),
+    "path": (st.sampled_from(["", "/"]), st.sampled_from(["/v1", "//", "/x/", "/v1?"])),
+    "query": (st.sampled_from(["", "?"]), st.sampled_from(["?a=1", "?a"])),
+    "fragment": (st.sampled_from(["", "#"]), st.sampled_from(["#f", "#/"])),
+}
+
+
+@st.composite
+def url_like(draw: st.DrawFn) -> tuple[str, str | None]:
+    """A URL built from parts with at most one part wrong, and what the parser must make of it: the normalised
+    `scheme://host:port`, or None when it must refuse. About half are valid; every way to be wrong is drawn."""
+    wrong = draw(st.one_of(st.none(), st.sampled_from(sorted(URL_PARTS))))
+    p = {name: draw(bad if name == wrong else good) for name, (good, bad) in URL_PARTS.items()}
+    port = p["port"] if wrong == "port" else f":{p['port']}"
+    netloc = f"{p['userinfo']}{p['host']}{port}"
+    raw = f"{p['scheme']}://{netloc}{p['path']}{p['query']}{p['fragment']}"
+    return raw, None if wrong else f"{p['scheme'].lower()}://{netloc}"
+
+
+@given(url_like())
+def test_cubelet_url_parser_accepts_exactly_http_host_port_and_returns_it_normalised(
+    case: tuple[str, str | None],
+) -> None:
+    raw, expected = case
+    event("accepted" if expected is not None else "refused")
+    try:
+        url = cubelet_url(raw)
+    except CubeError as e:
+        assert (e.code, e.status) == ("node.invalid_url", 422)
+        assert expected is None, f"{raw!r} refused"
+        return
+    assert url == expected and cubelet_url(url) == url
+
+
 @given(st.text(max_size=40))
-def test_cubelet_url_parser_accepts_only_what_it_can_return_normalised(raw: str) -> None:
+def test_cubelet_url_parser_refuses_arbitrary_text_with_its_code(raw: str) -> None:
+    """Text that is not URL-shaped (nearly all of it here) is refused with the code, never an exception."""
     try:
         url = cubelet_url(raw)
     except CubeError as e:

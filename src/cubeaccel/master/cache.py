@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from cubeaccel.master.index import NodeIndex
 from cubeaccel.master.scheduler import Decision, decide
 from cubeaccel.master.selector import Selector
-from cubeaccel.master.store import MasterStore
+from cubeaccel.master.store import MasterStore, Placement
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
@@ -69,15 +69,42 @@ class NodeCache:
         old = {v.name: v for v in self._index.views()}
         known = {name: (v.received_at, v.state) for name, v in old.items()}
         changed, names = self.store.node_views(known)
-        claims, memory = self.store.claims(), self.store.memory_claims()
+        as_of = self.store.claims_as_of()
         warm = self.store.warm_claimed()
         fresh = {name: old[name] for name in names if name in old}
         for v in changed:  # unchanged views keep their contract and device memos
-            v.claims = claims.get(v.name, {})
-            v.memory_claims_mib = memory.get(v.name, 0)
             fresh[v.name] = v
+        # A view's claims must be relative to the summary it holds. A heartbeat that landed after the views were
+        # read makes the claims relative to a newer one, which would free a device the view still shows held:
+        # those few nodes' claims are derived again from their placements, against the view's own summary.
+        torn = [v.name for v in fresh.values() if (c := as_of.get(v.name)) is None or c.sent_at != v.sent_at]
+        placed: dict[str, list[Placement]] = {name: [] for name in torn}
+        for p in self.store.placements(torn) if torn else []:
+            placed[p.node].append(p)
+
+        def claims_of(v: NodeView) -> tuple[dict[str, int], int]:
+            if v.name in placed:
+                return unseen_claims(placed[v.name], v.sent_at)
+            c = as_of[v.name]
+            return c.devices, c.memory_mib
+
+        for v in changed:
+            v.claims, v.memory_claims_mib = claims_of(v)
         self._index.replace_all(fresh.values())
         for name, v in fresh.items():
-            self._index.set_claims(name, claims.get(name, {}), memory.get(name, 0))
+            self._index.set_claims(name, *claims_of(v))
             v.warm_claimed = warm.get(name, frozenset())
         self._loaded_at = time.monotonic()
+
+
+def unseen_claims(placements: Sequence[Placement], sent_at: float) -> tuple[dict[str, int], int]:
+    """Devices per group key and MiB of lockable memory placed on a node that its summary sent at `sent_at`
+    cannot show."""
+    devices: dict[str, int] = {}
+    memory = 0
+    for p in placements:
+        if p.unseen_by(sent_at):
+            if p.group_key is not None:
+                devices[p.group_key] = devices.get(p.group_key, 0) + p.count
+            memory += p.pinned_mib
+    return devices, memory

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,39 @@ class MasterStore:
     def claims(self) -> dict[str, dict[str, int]]:
         with self.tx() as c:
             return _claims(c, None)
+
+    def claims_as_of(self) -> dict[str, NodeClaims]:
+        """Per node, what `claims()` and `memory_claims()` give, with the summary's `sent_at` they were derived
+        against: one statement, so each node's claims and that `sent_at` describe the same heartbeat."""
+        s, n = S.sandboxes, S.nodes
+        q = (
+            sa.select(n.c.name, n.c.sent_at, s.c.group_key, sa.func.sum(s.c.count), sa.func.sum(s.c.pinned_mib))
+            .select_from(n.outerjoin(s, sa.and_(s.c.node == n.c.name, _unseen())))
+            .group_by(n.c.name, n.c.sent_at, s.c.group_key)
+        )
+        out: dict[str, NodeClaims] = {}
+        with self.tx() as c:
+            for name, sent_at, key, count, pinned in c.execute(q):
+                entry = out.setdefault(name, NodeClaims(sent_at))
+                if key is not None and count:
+                    entry.devices[key] = int(count)
+                entry.memory_mib += int(pinned or 0)
+        return out
+
+    def placements(self, nodes: Collection[str]) -> list[Placement]:
+        """The live placements on `nodes`, for a caller that must compare them with summaries older than the
+        stored ones (`Placement.unseen_by`)."""
+        s = S.sandboxes
+        q = sa.select(s.c.node, s.c.group_key, s.c.count, s.c.pinned_mib, s.c.state, s.c.cubelet_created_at).where(
+            s.c.node.in_(list(nodes)),
+            s.c.state.in_([SS.PLACING.value, *(h.value for h in HELD_STATES)]),
+            s.c.warm_id.is_(None),  # as in `_unseen`: a warm claim's devices were held before it
+        )
+        with self.tx() as c:
+            return [
+                Placement(node, key, int(count), int(pinned or 0), None if state == SS.PLACING.value else created)
+                for node, key, count, pinned, state, created in c.execute(q)
+            ]
 
     def memory_claims(self) -> dict[str, int]:
         """Per node, MiB of lockable memory placed that its last heartbeat cannot show yet."""
@@ -565,6 +599,28 @@ def _quota(code: str, tenant: str, what: str, limit: int, used: int, asked: int)
         {"limit": limit, "in_use": used, "requested": asked},
         429,
     )
+
+
+@dataclass
+class NodeClaims:
+    sent_at: float  # of the summary these claims are relative to
+    devices: dict[str, int] = field(default_factory=dict)  # group key -> devices
+    memory_mib: int = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A live sandbox's devices and lockable memory on its node."""
+
+    node: str
+    group_key: str | None
+    count: int
+    pinned_mib: int
+    cubelet_created_at: float | None  # Cubelet clock; None while placing or before the Cubelet answered
+
+    def unseen_by(self, sent_at: float) -> bool:
+        """Whether a summary the node sent at `sent_at` (its clock) cannot show this placement (as `_unseen`)."""
+        return self.cubelet_created_at is None or self.cubelet_created_at >= sent_at
 
 
 def _unseen() -> sa.ColumnElement[bool]:

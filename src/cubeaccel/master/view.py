@@ -185,9 +185,8 @@ def cubelet_url(raw: Any) -> str:
         u is None
         or u.scheme not in ("http", "https")
         or not u.hostname
-        or port is None
-        or u.username
-        or u.password
+        or not port  # absent, or 0: no Cubelet can be reached there
+        or "@" in u.netloc  # credentials, or an empty userinfo that would make one node two URLs
         or u.path not in ("", "/")
         or u.query
         or u.fragment
