@@ -76,7 +76,16 @@ def refused_spec(sid: str, reports: Path) -> dict[str, object]:
     return {
         "sandbox_id": sid,
         "memory_mib": 256,
-        "hotplug": False,
+        "hotplug": False,  # with a device to plug: refused (a CPU-only spec plugs nothing and would go on)
+        "devices": [
+            {
+                "device_id": "emulated-0000:e0:00.0",
+                "driver": "edu",
+                "properties": {},
+                "vendor_id": "1234",
+                "device_id_hex": "11e8",
+            }
+        ],
         "report": {"socket": str(reports)},
         "state_dir": str(run_dir),
     }

@@ -15,7 +15,11 @@ DIGESTS = st.from_regex(r"sha256:[0-9a-f]{64}", fullmatch=True)
 
 def test_the_simulated_node_holds_exactly_the_guests_the_example_templates_pin() -> None:
     """Simulated clusters schedule the examples; an edited example must move the simulated set with it."""
-    assert (pinned_image(h100()), pinned_image(edu())) == simulated_guest_images()
+    from cubeaccel.master.up import EXAMPLES
+    from cubeaccel.wire.templates import load_template
+
+    base = load_template(EXAMPLES / "base.yaml")  # E2B's default, on the userland image
+    assert (pinned_image(h100()), pinned_image(edu()), pinned_image(base)) == simulated_guest_images()
 
 
 @given(

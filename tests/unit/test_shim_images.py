@@ -303,6 +303,15 @@ def _cached(cache: Path, key: str) -> Manifest:
     return m
 
 
+EDU_DEVICE = {
+    "device_id": "emulated-0000:e0:00.0",
+    "driver": "edu",
+    "properties": {},
+    "vendor_id": "1234",
+    "device_id_hex": "11e8",
+}
+
+
 def _shim_spec(tmp_path: Path, **fields: object) -> ShimSpec:
 
     return parse_spec(
@@ -340,7 +349,7 @@ def test_the_shim_boots_the_image_named_by_digest_not_the_last_one_built(
     [
         ({"image_digest": "sha256:" + "9" * 64}, "shim.image_not_found", "template"),
         ({}, "shim.no_image", "template"),  # no digest named: never "the latest"
-        ({"hotplug": False}, "shim.coldplug_unsupported", "backend"),
+        ({"hotplug": False, "devices": [EDU_DEVICE]}, "shim.coldplug_unsupported", "backend"),  # a device to plug
     ],
 )
 def test_the_shim_refuses_before_any_vm_starts(

@@ -87,7 +87,7 @@ def simulated_guest_images() -> tuple[GuestImageFact, ...]:
     folder = resources.files("cubeaccel") / "examples" / "templates"
     return tuple(
         pinned_image(parse_template(loads_document((folder / name).read_text(), name), name))
-        for name in ("cuda12-h100.yaml", "edu-demo.yaml")
+        for name in ("cuda12-h100.yaml", "edu-demo.yaml", "base.yaml")
     )
 
 
