@@ -3,8 +3,9 @@ with C concurrent clients, in the same run.
 
 One CubeMaster, one emulated Cubelet (edu stand-ins, real QEMU under TCG) with a warm pool of the bench's template,
 one front door. A round: C clients at once each create and run `true`; the path each create took is read from
-CubeMaster's timeline (`path: warm|cold`). Warm rounds start with the pool full; cold rounds with the pool set to
-size 0 (drained by `PUT /v1/warm/pools`), so the same request takes the whole cold path. Rounds alternate
+CubeMaster's timeline (`path: warm|cold`). Warm rounds start with the pool full; cold rounds with the node's warm
+pools drained (`POST /v1/warm/drain`: claims miss with `warm.drained`), so the same request takes the whole cold
+path; `undrain` lets the pool refill for the next warm round. Rounds alternate
 warm/cold; every sandbox is killed and its device back before the next round (the pool refilled for a warm one).
 
 Also: the cold path's control-plane share — the create's wall time minus the shim's timeline (VMM start, boot or
@@ -35,8 +36,6 @@ from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
 
 from cubeaccel.images.builder import build
-from cubeaccel.model.contract import freeze
-from cubeaccel.wire.templates import parse_template
 
 NODE = "warm-bench"
 TEMPLATE = "edu-warm-bench"
@@ -59,13 +58,6 @@ def spread(xs: list[float]) -> dict[str, float]:
 
 def pool(cubelet: Any) -> dict[str, Any]:
     return dict(cubelet.client.request("GET", "/v1/warm/pools")["pools"][0])
-
-
-def set_size(cubelet: Any, doc: dict[str, Any], size: int) -> None:
-    """The pool `--warm` made, resized: the same shape (the template's contract, class, memory and pinning)."""
-    t = parse_template(doc)
-    body = {"contract": freeze(t).to_json(), "template": t.name, "class": t.accel_class, "size": size}
-    cubelet.client.request("PUT", "/v1/warm/pools", {**body, "memory_mib": t.memory_mib, "pin_memory": t.pin_memory})
 
 
 def one(opts: dict[str, Any]) -> tuple[float, str]:
@@ -129,9 +121,9 @@ def main() -> int:
         warm: list[dict[str, Any]] = []
         cold: list[dict[str, Any]] = []
         for _ in range(args.rounds):
-            set_size(cubelet, doc, args.clients)
+            cubelet.client.request("POST", "/v1/warm/undrain")
             warm += round_of(stack, opts, args.clients, warm=True)
-            set_size(cubelet, doc, 0)
+            cubelet.client.request("POST", "/v1/warm/drain")  # unclaimed warm ones torn down, claims miss
             poll(lambda: pool(cubelet)["warm"] == 0 and pool(cubelet)["starting"] == 0, 600, what="pool drained")
             cold += round_of(stack, opts, args.clients, warm=False)
         w = [r["ms"] for r in warm if r["path"] == "warm"]
