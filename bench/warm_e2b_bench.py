@@ -114,7 +114,7 @@ def main() -> int:
     load = [Path("/proc/loadavg").read_text().split()[:3]]
     fd = None
     try:
-        poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 60)
+        poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 600)
         master.client.register_template(doc)
         fd = FrontDoorProcess(base / "fd", master.url, master.admin_key).start()
         opts = {"api_key": master.tenant_key, "api_url": fd.url, "sandbox_url": fd.url, "request_timeout": 900}

@@ -293,6 +293,8 @@ class WarmPools:
             raise self.miss(key, DRAINED)
         token = given or secrets.token_urlsafe(32)
         with self.cubelet.change() as t:
+            if self.draining:  # again under the lock: a drain that began meanwhile tears these down, one by one
+                raise self.miss(key, DRAINED)
             if t.reservation(sandbox_id) is not None:
                 raise conflict("reserve.sandbox_conflict", f"sandbox {sandbox_id} already holds a reservation")
             warm = [

@@ -11,6 +11,7 @@ SandboxNotRunningException.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -120,6 +121,7 @@ class EnvdProxy:
         self._routes: dict[str, tuple[float, Route]] = {}
         self._nodes: dict[str, tuple[float, str]] = {}
         self._running: tuple[float, list[str]] = (float("-inf"), [])
+        self._running_refresh = asyncio.Lock()  # one re-read at a time: concurrent forged URLs wait for it
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -146,10 +148,15 @@ class EnvdProxy:
             for sid in ids:
                 if signed_ok(request, envd_token(self.secret, sid)):
                     return sid
-            if attempt or time.monotonic() - stamp < RUNNING_REFRESH_S:
+            if attempt:
                 return None
-            listed = await self.master.admin("GET", "/v1/sandboxes?state=running")
-            self._running = (time.monotonic(), [str(r["id"]) for r in listed.get("sandboxes", [])])
+            async with self._running_refresh:
+                if time.monotonic() - self._running[0] < RUNNING_REFRESH_S:
+                    if self._running[0] == stamp:
+                        return None  # read within the interval: nothing newer to try
+                    continue  # another request re-read it while this one waited: try the new list
+                listed = await self.master.admin("GET", "/v1/sandboxes?state=running")
+                self._running = (time.monotonic(), [str(r["id"]) for r in listed.get("sandboxes", [])])
         return None
 
     async def route(self, sandbox_id: str, fresh: bool = False) -> Route | None:

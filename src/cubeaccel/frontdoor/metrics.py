@@ -27,7 +27,7 @@ def devices_of(
         guest = [g for g in seen if (g.vendor, g.device) == (vendor, device)]
         out.append(
             MetricDevice.model_validate(
-                {"id": d["id"], "state": d["state"], "class": d.get("class", ""), "guest": guest}
+                {"id": d["id"], "state": d.get("state", ""), "class": d.get("class", ""), "guest": guest}
             )
         )
     return out

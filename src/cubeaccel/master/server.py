@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -371,7 +372,11 @@ def create_app(
             master.cache.invalidate()
             if maintenance is not None:
                 maintenance.request_reconcile(node)
-        truth.heard(node, NodeNews.model_validate(body))  # what the node ended; a restart it came back from
+        try:  # what the node ended; a restart it came back from. The heartbeat is stored either way: a failure
+            # here must not turn every later heartbeat into a 500 (the node would go stale); the next one retries
+            truth.heard(node, NodeNews.model_validate(body))
+        except Exception:
+            logging.getLogger("cubeaccel.master").exception("node truth from %s's heartbeat not applied", node)
         return {"node": node, "state": state}
 
     def node_views() -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
@@ -521,7 +522,7 @@ class CubeMaster:
         client = self.client(node.cubelet_url)
         try:
             reply = client.claim_warm(body)
-        except (CubeError, httpx.HTTPError) as e:
+        except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: outcome unknown, as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
             why = e.details.get("reason") if isinstance(e, CubeError) else None
             tried.append({"node": node.name, "warm_id": warm_id, "code": code, "reason": why, "message": str(e)[:300]})
@@ -539,11 +540,20 @@ class CubeMaster:
                 group_key=None,
                 warm_id=None,
             )
+            self.cache.invalidate()
             return None
         res = reply.reservation or {}
         if reply.access_token is not None:
             self.issued_tokens[sid] = reply.access_token  # passed to the create's caller, never stored
-        event = SE.READY if res.get("phase") == ReservationPhase.RUNNING else SE.STARTED
+        # as the cold path reads a start's reply: a claimed sandbox that already ended is `failed`, never `starting`
+        event = (
+            SE.FAIL
+            if reply.failure or not res
+            else SE.READY
+            if res.get("phase") == ReservationPhase.RUNNING
+            else SE.STARTED
+        )
+        error = {"error": reply.failure or START_FAILED} if event is SE.FAIL else {}
         self.store.update_sandbox(
             sid,
             "reserved",
@@ -563,6 +573,7 @@ class CubeMaster:
             template_version=contract.template_version,
             contract=contract.to_json(),
             cubelet_created_at=res.get("created_at"),
+            **error,
         )
         self.cache.invalidate()
         row = self.store.sandbox(sid)

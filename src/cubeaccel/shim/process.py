@@ -297,7 +297,9 @@ class Shim:
 
     def _reseed(self, seed: str) -> bool:
         """The claim's seed into the guest kernel's RNG (cube-agent's `reseed`); True only when the guest says
-        the seed was mixed in. Called on the control socket's thread: the agent channel is held meanwhile."""
+        its CRNG was reseeded from it: a seed only mixed into the input pool leaves every clone of one snapshot
+        drawing the same numbers until the kernel's own reseed. Called on the control socket's thread: the
+        agent channel is held meanwhile."""
         if "reseed" not in self._agent_methods:
             return False
         with self._agent_lock:
@@ -305,7 +307,7 @@ class Shim:
                 return False
             result = self.agent.call("reseed", {"seed": seed}, timeout_s=RESEED_TIMEOUT_S, cancel_fd=self._wake_r)
         self._reseeded = {k: result.get(k) for k in RESEED_FACTS}  # what the guest says it did, for the report
-        return result.get("mixed") is True
+        return result.get("mixed") is True and result.get("crng_reseeded") is True
 
     def _claimed(self, claim: ShimClaim) -> None:
         self.reporter.report(K.WARM_CLAIMED, claimed_as=claim.sandbox_id, reseed=self._reseeded)
