@@ -54,7 +54,9 @@ def front(request: pytest.FixtureRequest) -> Iterator[str]:
     async def relay(req: Request) -> Response:
         client = httpx.AsyncClient()
         up = await client.send(client.build_request("GET", f"http://127.0.0.1:{upstream_port}/"), stream=True)
-        return StreamingResponse(_relay(up), headers={"content-type": "application/connect+json"})
+        return StreamingResponse(
+            _relay(up, req.scope["http_version"]), headers={"content-type": "application/connect+json"}
+        )
 
     app = Starlette(routes=[Route("/stream", relay)])
     port = free_port()

@@ -246,7 +246,8 @@ class EnvdProxy:
             if again is None:
                 return gone(sandbox_id)
             return envd_error(502, f"sandbox {sandbox_id}: its node could not be reached: {type(e).__name__}")
-        return StreamingResponse(_relay(upstream), status_code=upstream.status_code, headers=headers)
+        relay = _relay(upstream, str(request.scope.get("http_version", "1.1")))
+        return StreamingResponse(relay, status_code=upstream.status_code, headers=headers)
 
     async def _send(self, request: Request, route: Route, sandbox_id: str, path: str) -> httpx.Response:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
@@ -301,13 +302,13 @@ def _cubelet_not_running(body: bytes) -> bool:
 CLIENT_TRANSPORT: ContextVar[Any] = ContextVar("cubeaccel_frontdoor_client_transport", default=None)
 
 
-def reset_client_connection() -> None:
-    """Abort this HTTP/1.1 connection with a TCP reset. An upstream cut mid-stream (a sandbox killed) must reach
-    the SDK as a dropped connection, which it answers with a health probe (502: "killed"); a FIN after a partial
-    chunked body is a protocol error to it instead (pyqwest's RemoteProtocolError, which SDK 2.45 reads as a
-    sandbox timeout)."""
+def reset_client_connection(http_version: str = "1.1") -> None:
+    """Abort this HTTP/1.x connection with a TCP reset (never an h2c one: its other streams live on it). An
+    upstream cut mid-stream (a sandbox killed) must reach the SDK as a dropped connection, which it answers with a
+    health probe (502: "killed"); a FIN after a partial chunked body is a protocol error to it instead (pyqwest's
+    RemoteProtocolError, which SDK 2.45 reads as a sandbox timeout)."""
     transport = CLIENT_TRANSPORT.get()
-    if transport is None:
+    if transport is None or not http_version.startswith("1"):
         return
     sock = transport.get_extra_info("socket")
     with contextlib.suppress(OSError, AttributeError):
@@ -315,12 +316,12 @@ def reset_client_connection() -> None:
     transport.abort()  # closes now, without the FIN a graceful close would send first
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+async def _relay(upstream: httpx.Response, http_version: str) -> AsyncIterator[bytes]:
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
     except httpx.HTTPError:
-        reset_client_connection()
+        reset_client_connection(http_version)
         raise
     finally:
         await upstream.aclose()

@@ -110,7 +110,7 @@ def _labels_ok(choice: AcceleratorChoice, selector: Selector | None, labels: dic
 
 def warm_rows(views: Sequence[NodeView]) -> list[dict[str, Any]]:
     """The advertised warm sandboxes as sandbox records (`wire.master_api.Sandbox`) in state `warm`: owned by
-    their node (tenant ""), no request, no timeline; `claimed_by` names the create holding it, if any."""
+    their node (tenant ""), no request, no timeline; `claimed` says whether a create holds its claim row now."""
     out: list[dict[str, Any]] = []
     for v in sorted(views, key=lambda v: v.name):
         for p in v.warm_pools:
