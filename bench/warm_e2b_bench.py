@@ -67,32 +67,40 @@ def one(opts: dict[str, Any]) -> tuple[float, str]:
     return (time.perf_counter() - t0) * 1000, sbx.sandbox_id
 
 
-def shim_seconds(row: dict[str, Any]) -> float:
-    """The VMM, guest and device phases of the create, from the shim's own timeline in CubeMaster's record."""
-    total = 0.0
-    for e in row.get("timeline") or []:
-        for k in VMM_PHASES:
-            v = e.get(k) if isinstance(e, dict) else None
-            if isinstance(v, int | float):
-                total += float(v)
-    return total
+def shim_seconds(cubelet: Any, sid: str) -> float:
+    """The VMM, guest and device phases of the sandbox's start, from its shim's own timeline (reported as the shim
+    exits, so read after the delete)."""
+    events = cubelet.client.events(0, 10000)["events"]
+    for e in events:
+        if e.get("sandbox_id") == sid and e.get("event") == "shim_exiting":
+            timeline = (e.get("details") or {}).get("timeline") or {}
+            return float(sum(v for k, v in timeline.items() if k in VMM_PHASES and isinstance(v, int | float)))
+    return 0.0
+
+
+def advertised_warm(master: Any) -> int:
+    """Warm sandboxes CubeMaster sees (the heartbeat's pools): what a create can claim now."""
+    return sum(p.get("warm", 0) for n in master.client.nodes() if n["node"] == NODE for p in n.get("warm_pools", []))
 
 
 def round_of(stack: dict[str, Any], opts: dict[str, Any], clients: int, warm: bool) -> list[dict[str, Any]]:
     cubelet, master = stack["cubelet"], stack["master"]
     if warm:
-        poll(lambda: pool(cubelet)["warm"] >= clients, 900, what="the pool full")
+
+        def full() -> bool:
+            return bool(pool(cubelet)["warm"] >= clients and advertised_warm(master) >= clients)
+
+        poll(full, 900, what="pool full")
     with ThreadPoolExecutor(clients) as ex:
         done = list(ex.map(lambda _: one(opts), range(clients)))
-    out = []
-    for ms, sid in done:
+    paths = {}
+    for _, sid in done:
         row = master.client.sandbox(sid)
-        path = next((e["path"] for e in row["timeline"] if e.get("phase") == "path"), "?")
-        out.append({"ms": ms, "path": path, "vm_s": shim_seconds(row)})
+        paths[sid] = next((e["path"] for e in row["timeline"] if e.get("phase") == "path"), "?")
         master.client.delete(sid)
     for _, sid in done:
         poll(lambda s=sid: master.client.sandbox(s)["state"] == "deleted", 300)
-    return out
+    return [{"ms": ms, "path": paths[sid], "vm_s": shim_seconds(cubelet, sid)} for ms, sid in done]
 
 
 def main() -> int:
