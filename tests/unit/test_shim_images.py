@@ -396,6 +396,25 @@ def test_the_node_reports_its_intact_images_newest_first_and_skips_a_corrupt_one
     assert [f.digest for f in driver.node_facts().guest_images] == [old.image_digest]
 
 
+def test_an_unpinned_sandbox_boots_the_newest_validation_image_even_when_a_userland_or_gpu_one_is_newer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A userland or GPU initrd does not unpack in a 256 MiB guest ("Initramfs unpacking failed: write error"):
+    the node's default stays the validation image, whatever was built last (`up` builds the userland one)."""
+    import os
+
+    from cubeaccel.cubelet.process_shim import ProcessShimDriver
+
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CUBEACCEL_QEMU", "/usr/bin/qemu-system-x86_64")
+    images = [_cached(tmp_path / "cache", k) for k in ("0ld", "v4l1d", "userland-f00d", "userland-nvidia-beef")]
+    for i, m in enumerate(images):
+        os.utime(m.directory / "manifest.json", (1000 + i, 1000 + i))
+    facts = ProcessShimDriver(tmp_path / "state").node_facts()
+    assert facts.default_image == images[1].image_digest  # the newest validation image
+    assert {f.digest for f in facts.guest_images} == {m.image_digest for m in images}  # all still advertised
+
+
 def test_a_node_without_images_or_qemu_reports_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from cubeaccel.cubelet.process_shim import ProcessShimDriver
 

@@ -28,7 +28,7 @@ from cubeaccel.host.childenv import component_env
 from cubeaccel.host.hypervisor import hotplug_paths
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.host.vmmproc import find_shim, find_vmm
-from cubeaccel.images.builder import cache_dir, cached_images
+from cubeaccel.images.builder import cache_dir, cached_images, label_of
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
@@ -218,8 +218,12 @@ class ProcessShimDriver:
 
     def node_facts(self) -> NodeFacts:
         """The intact images of `cubeaccel image build`'s cache (the one the shim boots from) and QEMU's
-        hot-plug paths. Each image is hashed once per change of its files, not on every heartbeat."""
-        facts = [f for m in cached_images(cache_dir())[:MAX_IMAGES] if (f := self._intact(m)) is not None]
+        hot-plug paths. Each image is hashed once per change of its files, not on every heartbeat. The first is
+        the default for unpinned sandboxes: the newest validation image (a userland or GPU one, newer or not,
+        would not unpack in a small guest)."""
+        images = cached_images(cache_dir())
+        images.sort(key=lambda m: label_of(m) != "")  # stable: the newest validation image first, the default
+        facts = [f for m in images[:MAX_IMAGES] if (f := self._intact(m)) is not None]
         return NodeFacts(tuple(facts), hotplug_paths())
 
     def _intact(self, m: Manifest) -> GuestImageFact | None:

@@ -231,6 +231,12 @@ def _flavour_of(name: str) -> str:
     return name.rsplit("-", 1)[0] if "-" in name else ""
 
 
+def label_of(m: Manifest) -> str:
+    """An image's label (`image_label`): "" for the validation flavour with no vendor stack, which is what a
+    sandbox with no pinned image boots (the smallest guest; a userland or GPU initrd does not fit every size)."""
+    return _flavour_of(m.key)
+
+
 def prune(root: Path, keep: int, protect: str = "", flavour: str | None = None) -> list[str]:
     """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`.
     `flavour`: only images of that label ("" validation), so a GPU or userland build never prunes another
