@@ -37,6 +37,9 @@ from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 
 K = ShimReportKind
+# The lab guest locks 1 GiB; a sandbox is charged its guest and the measured VMM overhead (model/pinned_memory.py:
+# 624 MiB at one vCPU), so the lab's sandboxes are 256 MiB guests.
+LAB_GUEST_MIB = 256
 
 
 class TcgLabBackend(VfioBackend):
@@ -124,7 +127,7 @@ def cubelet_cycle() -> dict[str, Any]:
     try:
         out["initial"] = state()
         t0 = time.monotonic()
-        cubelet.reserve(sid, ReservationRequest(count=1))
+        cubelet.reserve(sid, ReservationRequest(count=1, memory_mib=LAB_GUEST_MIB))
         cubelet.start(sid)
         out["start_ms"] = round((time.monotonic() - t0) * 1000)
         shim, vmm = shims.started[sid]
@@ -144,7 +147,7 @@ def cubelet_cycle() -> dict[str, Any]:
         cubelet.try_release(sid)
         out["releasing_vmm_alive"] = state()
         try:
-            cubelet.reserve(f"{sid}-next", ReservationRequest(count=1))
+            cubelet.reserve(f"{sid}-next", ReservationRequest(count=1, memory_mib=LAB_GUEST_MIB))
             out["reserve_while_releasing"] = "granted"
         except CubeError as e:
             out["reserve_while_releasing"] = e.code
