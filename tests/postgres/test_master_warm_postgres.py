@@ -133,6 +133,8 @@ def test_a_replica_sigkilled_mid_claim_converges(
         wait_nodes_ready(b.client, {"n"})
         b.client.register_template(TEMPLATE, default=True)
         warm = _frozen_pool(b, node, "n", 2)
+        # A creates: its own view must hold the pool first (a replica reads heartbeats through its cache)
+        poll(lambda: set(advertised(a, "n")[0]["sandboxes"]) == warm if advertised(a, "n") else False, 30)
 
         # The Cubelet is stopped, so replica A's claim waits on it after A wrote its claim row; A dies there.
         os.kill(node.proc.pid, signal.SIGSTOP)
@@ -147,7 +149,7 @@ def test_a_replica_sigkilled_mid_claim_converges(
         t = threading.Thread(target=create_on_a, daemon=True)
         try:
             t.start()
-            poll(lambda: [e["path"] for e in path_entries(b.client.sandbox("sb-k"))] == ["warm"], 10)
+            poll(lambda: [e["path"] for e in path_entries(b.client.sandbox("sb-k"))] == ["warm"], 30)
             w = path_entries(b.client.sandbox("sb-k"))[0]["warm_id"]
             assert w in warm and b.client.sandbox("sb-k")["state"] == "placing"
             assert a.proc is not None
