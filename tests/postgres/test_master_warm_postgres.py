@@ -168,7 +168,9 @@ def test_a_replica_sigkilled_mid_claim_converges(
         # Replica B settles the abandoned placement by asking the Cubelet, whose journal decided the claim.
         poll(lambda: b.client.sandbox("sb-k")["state"] in ("running", "failed"), 90)
         row = b.client.sandbox("sb-k")
-        assert row["state"] == ("running" if claim_lands else "failed"), row
+        # Killed before the Cubelet answered, A's request may still sit whole in the Cubelet's socket, which reads
+        # and claims it on waking (measured: some runs): either outcome converges, and the journal decides which.
+        assert row["state"] in (("running",) if claim_lands else ("running", "failed")), row
         res = node.client.request("GET", "/v1/reservations")["reservations"]
         mine = [r for r in res if r["sandbox_id"] == "sb-k"]
         if row["state"] == "running":  # the claim reached the Cubelet: the sandbox is sb-k's, W is gone
