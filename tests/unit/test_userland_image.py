@@ -188,3 +188,16 @@ def test_a_cpu_scrub_vm_boots_the_validation_flavour_even_when_a_userland_image_
     assert runner._image(EDU_REGISTERS) == validation.image_digest
     shutil.rmtree(validation.directory)
     assert runner._image(EDU_REGISTERS) == userland.image_digest  # the only one that carries this agent
+
+
+def test_an_image_built_under_a_private_umask_is_readable_by_the_vmms(tmp_path: Path) -> None:
+    """Confined VMMs run as uids of their own: a build under a Cubelet's or CLI's 0077 umask (files 0600, as a
+    CI run left the userland + NVIDIA image: "could not open kernel file … Permission denied") is made 0755/0644."""
+    from cubeaccel.images.builder import readable_by_vmms
+
+    d = tmp_path / "images" / "userland-nvidia-x"
+    d.mkdir(parents=True, mode=0o700)
+    (d / "vmlinux").write_bytes(b"k")
+    (d / "vmlinux").chmod(0o600)
+    readable_by_vmms(d)
+    assert (d.stat().st_mode & 0o777, (d / "vmlinux").stat().st_mode & 0o777) == (0o755, 0o644)

@@ -208,9 +208,11 @@ def build(
     with _locked(cache / "images" / ".lock"):
         if not force and (m := cached(cache, inputs.key)) is not None:
             on_phase(f"verifying cached image {m.key}")
+            readable_by_vmms(m.directory)  # one built under a private umask before this rule is repaired here
             _point_latest(cache, m, inputs.label)
             return m, False
         m = _build(cache, inputs, on_phase)
+        readable_by_vmms(m.directory)
         _point_latest(cache, m, inputs.label)
         prune(cache / "images", keep=KEEP_IMAGES, protect=m.key, flavour=inputs.label)
         if stack is None:  # a vendor build keeps its own kernel's packages; each flavour prunes only its own
@@ -296,6 +298,15 @@ def cached_images(cache: Path | None = None) -> list[Manifest]:
 def find_image(digest: str, cache: Path | None = None) -> Manifest | None:
     """The cached image whose digest is `digest` (a template's `guest.image.digest`), if any."""
     return next((m for m in cached_images(cache) if m.image_digest == digest), None)
+
+
+def readable_by_vmms(directory: Path) -> None:
+    """An image is read by confined VMMs that run as uids of their own: its directory 0755 and its files 0644,
+    whatever the umask of the process that built it (a Cubelet or a CLI runs under a private 0077 one)."""
+    directory.chmod(0o755)
+    for f in directory.iterdir():
+        if f.is_file() and not f.is_symlink():
+            f.chmod(0o644)
 
 
 def _latest_name(flavour: str) -> str:
