@@ -247,24 +247,8 @@ class MasterStore:
                 return False  # a CPU-only placement (count 0) takes no device: only memory and quota decide
             if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
                 return False
-            if tenant is not None:
-                _check_quota(c, sandbox_id, tenant, accel_class, count, pinned_mib)
-            guard = SANDBOX_MACHINE.sources(SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
-            target = SANDBOX_MACHINE.transition(SS.SCHEDULING, SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
-            res = c.execute(
-                S.sandboxes.update()
-                .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state.in_([g.value for g in guard]))
-                .values(
-                    node=node,
-                    group_key=group_key,
-                    count=count,
-                    pinned_mib=pinned_mib,
-                    accel_class=accel_class,
-                    state=target.value,
-                    updated_at=now,
-                )
-            )
-            return res.rowcount == 1
+            values = {"node": node, "group_key": group_key, "count": count, "pinned_mib": pinned_mib}
+            return _claim_row(c, sandbox_id, tenant, now, accel_class=accel_class, **values)
 
     def claim_warm(
         self,
@@ -301,25 +285,8 @@ class MasterStore:
             free = [w for w in warm_ids if w in advertised and w not in held]
             if not free:
                 return None
-            if tenant is not None:
-                _check_quota(c, sandbox_id, tenant, accel_class, count, pinned_mib)
-            guard = SANDBOX_MACHINE.sources(SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
-            target = SANDBOX_MACHINE.transition(SS.SCHEDULING, SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
-            res = c.execute(
-                S.sandboxes.update()
-                .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state.in_([g.value for g in guard]))
-                .values(
-                    node=node,
-                    group_key=group_key,
-                    count=count,
-                    pinned_mib=pinned_mib,
-                    accel_class=accel_class,
-                    warm_id=free[0],
-                    state=target.value,
-                    updated_at=now,
-                )
-            )
-            if res.rowcount != 1:
+            values = {"node": node, "group_key": group_key, "count": count, "pinned_mib": pinned_mib}
+            if not _claim_row(c, sandbox_id, tenant, now, accel_class=accel_class, warm_id=free[0], **values):
                 return None
             c.execute(wc.insert().values(node=node, warm_id=free[0], sandbox_id=sandbox_id, pool=pool, claimed_at=now))
             return free[0]
@@ -557,6 +524,23 @@ class MasterStore:
                 with suppress(Exception):  # telemetry never fails a change that is already made
                     listener(change)
         return True
+
+
+def _claim_row(
+    c: sa.Connection, sandbox_id: str, tenant: str | None, now: float, *, accel_class: str | None, **values: Any
+) -> bool:
+    """The placement's claim, cold or warm: the tenant's quota checked, then the row's CAS from a state the
+    sandbox table lets a placement claim from (quota.* raised; False when the row moved on meanwhile)."""
+    if tenant is not None:
+        _check_quota(c, sandbox_id, tenant, accel_class, int(values["count"]), int(values["pinned_mib"]))
+    guard = SANDBOX_MACHINE.sources(SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
+    target = SANDBOX_MACHINE.transition(SS.SCHEDULING, SandboxEvent.CLAIM, SandboxActor.PLACEMENT)
+    res = c.execute(
+        S.sandboxes.update()
+        .where(S.sandboxes.c.id == sandbox_id, S.sandboxes.c.state.in_([g.value for g in guard]))
+        .values(accel_class=accel_class, state=target.value, updated_at=now, **values)
+    )
+    return bool(res.rowcount == 1)
 
 
 def _check_quota(
