@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import ssl
 import time
 from collections.abc import Iterator
@@ -312,3 +313,42 @@ def test_a_create_right_after_a_kill_waits_for_the_devices_coming_back(stack: di
     finally:
         again.kill()
     stack["cluster"].cleanup()
+
+
+def _reply(sock: socket.socket) -> tuple[bytes, bytes]:
+    """One HTTP/1.1 reply with a Content-Length body: (head, body); b"" head when the server closed first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"", b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(ln.split(b":", 1)[1] for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head.lower(), body
+
+
+def test_a_reply_sent_before_its_body_was_read_tells_the_client_not_to_reuse_the_connection(
+    stack: dict[str, Any],
+) -> None:
+    """CI found this through the isolation property test: the front door answers an envd call for an unknown
+    sandbox from its headers; Hypercorn then closes the connection without saying so, and a client reusing it
+    at once got "Server disconnected without sending a response". The reply must say `connection: close`, or
+    the connection must serve the next request."""
+    host, port = stack["fd"].url.removeprefix("http://").rsplit(":", 1)
+    body = b'{"process": {"cmd": "/bin/true"}}'
+    head = (
+        f"POST /process.Process/Start HTTP/1.1\r\nHost: {host}\r\nE2b-Sandbox-Id: nobody{time.monotonic_ns()}\r\n"
+        f"X-Access-Token: none\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)  # the body only once the reply is here
+        first, _ = _reply(sock)
+        assert first.startswith(b"http/1.1 4"), first
+        if b"connection: close" in first:
+            return
+        sock.sendall(body + f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        second, _ = _reply(sock)
+        assert second.startswith(b"http/1.1 "), "the connection was closed though its reply did not say so"

@@ -108,6 +108,24 @@ def test_a_device_of_a_sandbox_being_deleted_counts_before_any_summary_shows_it(
     assert e.value.code == "schedule.capacity_returning", e.value
 
 
+@pytest.mark.parametrize(("deleted_after_the_beat", "code"), [(True, "capacity_returning"), (False, "unschedulable")])
+def test_a_device_of_a_sandbox_deleted_since_the_nodes_last_heartbeat_counts_as_coming_back(
+    master: CubeMaster, deleted_after_the_beat: bool, code: str
+) -> None:
+    """CI found this: a create right after a kill saw the last summary (device still attached) and no deleting
+    row (the delete had finished), so it was refused at once although the device was on its way back."""
+    beat(master, attached=1)
+    heard = time.time()  # the beat was received at or just before this
+    key = group_key("gpu", group(H100, 1)["labels"])
+    at = heard + 5 if deleted_after_the_beat else heard - 5
+    master.store.insert_sandbox(
+        sandbox_row("sb-gone", at, state="deleted", node="n1", group_key=key, cubelet_created_at=1.0)
+    )
+    with pytest.raises(CubeError) as e:
+        master.create(spec("sb-new", 0.3))
+    assert e.value.code == f"schedule.{code}", e.value
+
+
 @pytest.mark.parametrize("state", ["quarantined", "unhealthy", "disabled", "attached"])
 def test_capacity_that_cannot_come_back_is_refused_at_once(master: CubeMaster, state: str) -> None:
     beat(master, **{state: 1})

@@ -29,6 +29,7 @@ from cubeaccel.frontdoor.envd import EnvdProxy, envd_error
 from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.frontdoor.metrics import devices_of, e2b_metrics, window
+from cubeaccel.frontdoor.unread_body import close_when_body_unread
 from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
 from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 
@@ -335,4 +336,4 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                 return
         await rest(scope, receive, send)
 
-    return app
+    return close_when_body_unread(app)

@@ -196,12 +196,14 @@ class MasterStore:
             return _memory_claims(c, None)
 
     def deleting_devices(self) -> dict[str, dict[str, int]]:
-        """node → group key → devices of sandboxes being deleted: on their way back, before a summary shows
-        them releasing."""
-        s = S.sandboxes
+        """node → group key → devices of sandboxes being deleted, or deleted after the node's last heartbeat
+        reached us: on their way back, before a summary shows them releasing."""
+        s, n = S.sandboxes, S.nodes
+        unreported = sa.and_(s.c.state == SS.DELETED.value, s.c.updated_at > n.c.received_at)
         q = (
             sa.select(s.c.node, s.c.group_key, sa.func.sum(s.c.count))
-            .where(s.c.state == SS.DELETING.value, s.c.node.isnot(None))
+            .select_from(s.join(n, s.c.node == n.c.name))
+            .where(sa.or_(s.c.state == SS.DELETING.value, unreported))
             .group_by(s.c.node, s.c.group_key)
         )
         out: dict[str, dict[str, int]] = {}
