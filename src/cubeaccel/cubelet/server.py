@@ -225,8 +225,9 @@ def create_app(
 
     def claim_now(body: WarmClaimBody) -> dict[str, Any]:
         given = body.workload_token.get_secret_value() if body.workload_token else None
-        _, token = cubelet.warm.claim(body.sandbox_id, _request(body), given, body.warm_id)
-        return {**_reservation_json(cubelet, body.sandbox_id, local), "access_token": token}
+        _, token, ack = cubelet.warm.claim(body.sandbox_id, _request(body), given, body.warm_id)
+        hand_off = {"reseed_ms": ack.reseed_ms, "rebind_ms": ack.rebind_ms, "reseeded": ack.reseeded}
+        return {**_reservation_json(cubelet, body.sandbox_id, local), "access_token": token, "hand_off": hand_off}
 
     @app.get("/v1/warm/pools", response_model=WarmPoolList)
     def warm_pools() -> dict[str, Any]:

@@ -33,7 +33,7 @@ from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
-from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim
+from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim, ShimClaimAck
 
 log = logging.getLogger(__name__)
 P, RE = ReservationPhase, ReservationEvent
@@ -278,10 +278,11 @@ class WarmPools:
 
     def claim(
         self, sandbox_id: str, req: Any, given: str | None = None, warm_id: str | None = None
-    ) -> tuple[Reservation, str]:
+    ) -> tuple[Reservation, str, ShimClaimAck]:
         """The requester's sandbox from a warm one, or `warm.no_match` (409, `details.reason` names the miss:
         `warm.no_pool`, `warm.pool_empty`). `warm_id`: only that warm sandbox (CubeMaster names the one its
-        claim row holds); a miss when it is no longer warm. Returns the reservation and the token it serves."""
+        claim row holds); a miss when it is no longer warm. Returns the reservation, the token it serves and the
+        shim's ack (the hand-off's timing)."""
         validate_sandbox_id(sandbox_id)
         if sandbox_id.startswith(WARM_PREFIX):
             raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
@@ -322,13 +323,14 @@ class WarmPools:
                 self.claiming.add(sandbox_id)
                 self.pools[key].claims += 1
         try:
-            return self._hand_off(claimed, token), token
+            res, ack = self._hand_off(claimed, token)
+            return res, token, ack
         finally:
             with self._cv:
                 self.claiming.discard(sandbox_id)
                 self._cv.notify_all()  # the refill starts the next one
 
-    def _hand_off(self, res: Reservation, token: str) -> Reservation:
+    def _hand_off(self, res: Reservation, token: str) -> tuple[Reservation, ShimClaimAck]:
         msg = ShimClaim(sandbox_id=res.sandbox_id, workload_token=token, rng_seed=secrets.token_hex(32))  # type: ignore[arg-type]
         ack = self.cubelet.shim.claim(res.shim_id, msg, CLAIM_TIMEOUT_S)
         if not ack.ok:
@@ -345,9 +347,9 @@ class WarmPools:
                 "warm_claim_acked",
                 Actor.CUBELET,
                 sandbox_id=res.sandbox_id,
-                details={"rebind_ms": ack.rebind_ms, "reseeded": ack.reseeded},
+                details={"reseed_ms": ack.reseed_ms, "rebind_ms": ack.rebind_ms, "reseeded": ack.reseeded},
             )
-            return cur
+            return cur, ack
 
     def unacknowledged(self) -> list[str]:
         """Claimed reservations whose shim never took the claim and whose claim is not in flight here."""

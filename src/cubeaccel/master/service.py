@@ -30,7 +30,7 @@ from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
 from cubeaccel.master.shown import shown_state
 from cubeaccel.master.store import MasterStore, Row
-from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmCandidate
+from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmCandidate, claim_phases
 from cubeaccel.master.warm import candidates as warm_candidates
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
@@ -501,6 +501,8 @@ class CubeMaster:
         self.store.update_sandbox(
             sid, "path", detail={"path": "warm", "node": node.name, "warm_id": warm_id, "pool": cand.pool.key}
         )
+        placing = self.store.sandbox(sid)
+        requested_at = time.time() if placing is None else float(placing["created_at"])
         body = WarmClaimBody.model_validate(
             {
                 "sandbox_id": sid,
@@ -514,11 +516,11 @@ class CubeMaster:
                 "workload_token": spec.workload_token,
                 "network": spec.network,
                 "tenant": spec.tenant,
-                "lifetime_s": self._node_lifetime(sid),
+                "lifetime_s": self._node_lifetime(placing),
                 "warm_id": warm_id,
             }
         )
-        t0 = time.perf_counter()
+        t0, sent_at = time.perf_counter(), time.time()
         client = self.client(node.cubelet_url)
         try:
             reply = client.claim_warm(body)
@@ -562,6 +564,7 @@ class CubeMaster:
                 "node": node.name,
                 "path": "warm",
                 "claim_ms": round((time.perf_counter() - t0) * 1000, 3),
+                "phases": claim_phases(requested_at, sent_at, time.time(), reply),
                 "cubelet_timeline": [e.model_dump(mode="json") for e in reply.timeline][-20:],
             },
             event=event,
@@ -580,9 +583,8 @@ class CubeMaster:
         assert row is not None
         return row
 
-    def _node_lifetime(self, sid: str) -> float | None:
+    def _node_lifetime(self, row: Row | None) -> float | None:
         """The Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)."""
-        row = self.store.sandbox(sid)
         if row is None:
             return None
         deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])

@@ -91,6 +91,15 @@ class DeviceList(Reply):
     devices: list[Device]
 
 
+class WarmHandOff(Record):
+    """A warm claim's hand-off in the shim, timed (docs/warm.md): the guest RNG reseed, then the bridge's rebind
+    to the tenant's token; what a create's timeline shows of the warm path."""
+
+    reseed_ms: float | None
+    rebind_ms: float | None
+    reseeded: bool
+
+
 class ReservationView(Reply):
     """A sandbox's reservation (None once released), its devices, its timeline and why it failed, if it did."""
 
@@ -101,6 +110,7 @@ class ReservationView(Reply):
     failure: dict[str, Any] | None
     # The workload access token of the start this reply reports, given once (only its hash is kept); else None.
     access_token: str | None = None
+    hand_off: WarmHandOff | None = None  # a warm claim's reply only
 
 
 class ReservationList(Reply):

@@ -38,7 +38,8 @@ class ShimClaimAck(Message):
     ok: StrictBool
     code: StrictStr | None = None
     message: StrictStr = ""
-    rebind_ms: float | None = None
+    rebind_ms: float | None = None  # the bridge's rebind to the new token, until the guest answered under it
+    reseed_ms: float | None = None  # the guest RNG reseed before it
     reseeded: StrictBool = False
 
 
