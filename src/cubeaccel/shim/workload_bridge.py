@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import socket
 import threading
 import time
@@ -35,8 +36,11 @@ from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.mux import (
     DataReceived,
+    Frame,
+    FrameType,
     MuxConfig,
     MuxError,
+    PingAnswered,
     ResetCode,
     Session,
     SessionEnding,
@@ -52,11 +56,23 @@ RECONNECT_PAUSE_S = 0.5  # first pause after a session ends: the guest must see 
 RECONNECT_MAX_S = 5.0
 RECONNECT_HEALTH_S = 10.0  # a new session that does not answer /health within this is dropped and retried
 OPEN_WAIT_S = 15.0  # how long a new connection waits for a reconnect in progress
+HANDOVER_ACK_S = 5.0  # an in-place rebind whose GOAWAY+PING is not answered within this reconnects instead
 HEALTH_REQUEST = b"GET /health HTTP/1.1\r\nHost: workload\r\nConnection: close\r\n\r\n"
 
 
 def workload_error(code: str, message: str, **details: object) -> CubeError:
     return CubeError(code, message, layer="workload", details=dict(details), status=502)
+
+
+@dataclass
+class _Handover:
+    """An in-place rebind in progress on `session`'s channel: the guest answers `ping` once its reader has taken
+    our GOAWAY (both came in one read, the GOAWAY first), and reads nothing more of that session."""
+
+    session: Session
+    ping: int
+    answered: bool = False
+    failed: bool = False
 
 
 @dataclass
@@ -88,6 +104,9 @@ class WorkloadBridge:
         self._closing = False
         self._reconnecting = False
         self._reader_alive = False  # the current session's reader still runs
+        self._writer: threading.Thread | None = None  # the current session's writer
+        self._handover: _Handover | None = None  # an in-place rebind waiting for the guest's answer
+        self.in_place_rebinds = 0  # rebinds done without reconnecting (tests, reports)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> None:
@@ -119,33 +138,40 @@ class WorkloadBridge:
                 if time.monotonic() > deadline:
                     raise workload_error("workload.channel_unreachable", f"workload port socket: {e}") from e
                 time.sleep(0.02)
+        self._begin(chan)
+
+    def _begin(self, chan: socket.socket) -> None:
+        """Preamble, then a new session on `chan` with its own reader and writer."""
         try:
             chan.sendall(self._preamble)
         except OSError as e:
             chan.close()
             raise workload_error("workload.channel_unreachable", f"workload port socket: {e}") from e
         session = Session(client=True, config=self._config)
+        writer = threading.Thread(
+            target=self._write_loop, args=(chan, session), daemon=True, name="workload mux writer"
+        )
         with self._cv:
             if self._closing:
                 chan.close()
                 raise workload_error("workload.channel_closed", "the bridge is closing")
-            if self._chan is not None:
+            if self._chan is not None and self._chan is not chan:
                 self._chan.close()  # the ended session's socket (its threads have returned or will)
-            self._chan, self.session = chan, session
+            self._chan, self.session, self._writer = chan, session, writer
             self._streams.clear()
             self.ended, self.error = False, None
             self._reader_alive = True
             self.sessions += 1
             self._cv.notify_all()
         threading.Thread(target=self._read_loop, args=(chan, session), daemon=True, name="workload mux reader").start()
-        threading.Thread(target=self._write_loop, args=(chan, session), daemon=True, name="workload mux writer").start()
+        writer.start()
 
     def _supervise(self) -> None:
         """Replace a session that ended (not by close()) with a new one that answers /health."""
         pause = RECONNECT_PAUSE_S
         while True:
             with self._cv:
-                while not (self.ended or self._closing):
+                while not (self.ended or self._closing) or (self._handover is not None and not self._closing):
                     self._cv.wait()
                 if self._closing or not self.reconnect:
                     return
@@ -166,19 +192,84 @@ class WorkloadBridge:
 
     def rebind(self, token: str, timeout_s: float) -> None:
         """Serve `token` from now on (a warm sandbox's claim): the current session ends (its clients see their
-        connections closed), the supervisor reconnects with the new preamble, and this returns once the guest
-        answers `/health` in that session — every request after it is judged against the new token."""
+        connections closed), a new one starts with the new preamble, and this returns once the guest answers
+        `/health` in it — every request after it is judged against the new token.
+
+        In place first (`_rebind_in_place`: no reconnect, so no pause for the guest to see the host go away);
+        where that does not finish, the supervisor reconnects with the new preamble."""
         preamble = token_preamble(token)
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            self._preamble = preamble
             before = self.sessions
-            self._drop_session(None)
+        if self._rebind_in_place(preamble, deadline):
+            return
+        with self._cv:
+            self._preamble = preamble
+            if not self.ended:  # (an in-place try that failed has ended it: the supervisor is on it)
+                self._drop_session(None)
             while self.sessions == before or self._reconnecting or self.ended:
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closing:
                     raise workload_error("workload.not_up", f"no session under the new token within {timeout_s:.0f} s")
                 self._cv.wait(left)
+
+    def _rebind_in_place(self, preamble: bytes, deadline: float) -> bool:
+        """End the session and start the next on the same connection. The guest's service reads its channel in
+        chunks and stops reading a session at the chunk holding its GOAWAY, then reads the next preamble from
+        the channel a byte at a time (skipping what precedes it); so GOAWAY and a PING go in one write, and the
+        guest's answer to the PING proves its session reader took the GOAWAY and stopped. Only then is the new
+        preamble sent: no byte of it can be read as a frame of the old session. False (nothing sent after the
+        GOAWAY, the session ended) where the guest does not answer or the new session does not answer /health:
+        the caller reconnects, which a guest serves in every case."""
+        with self._cv:
+            if self.ended or self._reconnecting or self._closing or self._chan is None or not self._reader_alive:
+                return False
+            chan, writer = self._chan, self._writer
+            handover = _Handover(self.session, secrets.randbits(32))
+            self._handover, self._preamble = handover, preamble
+            self.ended = self._reconnecting = True  # the old session's clients see their streams end; new ones wait
+            self._cv.notify_all()
+        try:
+            if writer is not None:
+                writer.join(max(0.0, min(HANDOVER_ACK_S, deadline - time.monotonic())))  # it drains and returns
+                if writer.is_alive():
+                    return self._handover_failed(handover)
+            goaway = Frame(FrameType.RESET, 0, length=ResetCode.GOING_AWAY).encode()
+            chan.sendall(goaway + Frame(FrameType.PING, 0, length=handover.ping).encode())
+            ack_by = min(deadline, time.monotonic() + HANDOVER_ACK_S)
+            with self._cv:
+                while not (handover.answered or handover.failed or self._closing):
+                    left = ack_by - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cv.wait(left)
+                if not handover.answered:
+                    return self._handover_failed(handover)
+            self._begin(chan)
+            with self._cv:
+                self._handover = None  # only now: the supervisor must never see the old session ended without it
+            self.wait_healthy(
+                max(0.1, min(RECONNECT_HEALTH_S, deadline - time.monotonic())), cancelled=lambda: self._closing
+            )
+        except (OSError, CubeError):
+            with self._cv:
+                self._handover = None
+                self._drop_session(None)
+            return False
+        with self._cv:
+            self._reconnecting = False
+            self.in_place_rebinds += 1
+            self._cv.notify_all()
+        return True
+
+    def _handover_failed(self, handover: _Handover) -> bool:
+        with self._cv:
+            handover.failed = True
+            if self._handover is handover:
+                self._handover = None
+            self._reconnecting = False  # the supervisor's reconnect takes over
+            self._drop_session(None)
+        return False
 
     def wait_healthy(self, timeout_s: float, cancelled: Callable[[], bool] = lambda: False) -> float:
         """Until the guest service answers `GET /health` over the channel; seconds it took. The service is up
@@ -371,6 +462,12 @@ class WorkloadBridge:
                 error = exc
                 break
             with self._cv:
+                handover = self._handover
+                if handover is not None and handover.session is session:
+                    self._take_handover_reply(handover, data)
+                    if handover.answered or handover.failed:
+                        return  # the guest reads nothing more of this session, nor do we
+                    continue
                 if session is not self.session:
                     return  # a newer session replaced ours
                 try:
@@ -391,6 +488,19 @@ class WorkloadBridge:
             if session is self.session:
                 self._reader_alive = False
                 self._drop_session(error)
+
+    def _take_handover_reply(self, handover: _Handover, data: bytes) -> None:
+        """What the guest sends during an in-place rebind (lock held): the end of the old session's output, then
+        the answer to our PING."""
+        try:
+            events = handover.session.receive(data) if data else None
+        except MuxError:
+            events = None
+        if events is None:
+            handover.failed = True
+        elif any(isinstance(ev, PingAnswered) and ev.value == handover.ping for ev in events):
+            handover.answered = True
+        self._cv.notify_all()
 
     def _apply(self, ev: object) -> None:
         if isinstance(ev, DataReceived):
