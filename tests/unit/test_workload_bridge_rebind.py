@@ -8,6 +8,7 @@ guest's answer); a guest that cannot take it in place is reconnected to instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pty
 import secrets
@@ -24,6 +25,7 @@ import httpx
 import pytest
 
 from cubeaccel.shim import workload_bridge
+from cubeaccel.shim.warm_control import warm_up
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from tests.unit.test_workload_bridge_recovery import RespawningPort, echo
 from tests.workload_client import ROOT, WorkloadClient
@@ -82,10 +84,8 @@ class TerminalPort:
             except OSError:
                 return
             if self.conn is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self.conn.sendall(data)
-                except OSError:
-                    pass
 
     def stop(self) -> None:
         self.sock.close()
@@ -95,10 +95,13 @@ class TerminalPort:
         os.close(self.slave)
 
 
+WARM_TOKEN = secrets.token_urlsafe(32)  # a warm sandbox's own (unknowable_token's kind)
+
+
 @pytest.fixture
 def terminal(tmp_path: Path) -> Iterator[tuple[TerminalPort, WorkloadBridge, httpx.Client]]:
     port = TerminalPort(tmp_path / "vmm.sock")
-    bridge = WorkloadBridge(tmp_path / "vmm.sock", tmp_path / "workload.sock", secrets.token_urlsafe(32))
+    bridge = WorkloadBridge(tmp_path / "vmm.sock", tmp_path / "workload.sock", WARM_TOKEN)
     http = httpx.Client(
         transport=httpx.HTTPTransport(uds=str(tmp_path / "workload.sock")), base_url="http://w", timeout=60
     )
@@ -153,3 +156,15 @@ def test_a_guest_that_cannot_serve_a_second_session_in_place_is_reconnected_to(t
         http.close()
         bridge.close()
         port.stop()
+
+
+def test_the_warm_up_runs_a_login_shell_under_the_warm_token_only_and_leaves_no_listed_process(
+    terminal: tuple[TerminalPort, WorkloadBridge, httpx.Client],
+) -> None:
+    _, bridge, http = terminal
+    assert warm_up(bridge, secrets.token_urlsafe(32)) is False  # any other token is refused, as a tenant's is
+    assert warm_up(bridge, WARM_TOKEN) is True
+    tenant = secrets.token_urlsafe(32)
+    bridge.rebind(tenant, 30)
+    listed = WorkloadClient(http, tenant).ok("process.Process/List", {})
+    assert listed.get("processes", []) == []

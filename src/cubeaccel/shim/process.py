@@ -43,7 +43,7 @@ from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
-from cubeaccel.shim.warm_control import WarmControl, unknowable_token
+from cubeaccel.shim.warm_control import WarmControl, unknowable_token, warm_up
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
@@ -236,9 +236,10 @@ class Shim:
                 while self._policy_fds:  # the VMM holds its own copies now
                     os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
+        warm_token: str | None = None  # a warm sandbox's own token: the warm-up's, never kept past this start
         if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
             if spec.warm and not self.workload_token:  # refuses everything until a claim brings the tenant's
-                self.workload_token = unknowable_token()
+                self.workload_token = warm_token = unknowable_token()
             if not self.workload_token:
                 raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
             self.bridge = WorkloadBridge(
@@ -290,8 +291,12 @@ class Shim:
         # Every sandbox is validated in the guest, a CPU-only one too (its kernel, modules, libraries); without a
         # contract, the minimal checks.
         self._validate(agent)
-        self._phase("guest_validation_s", t)
+        t = self._phase("guest_validation_s", t)
         if spec.warm and self.bridge is not None:  # the claim arrives here, after the sandbox is validated
+            if warm_token is not None:
+                warm_up(self.bridge, warm_token)  # a failure costs the first command its cold start, never the sandbox
+                self._phase("warm_up_s", t)
+                warm_token = None
             self.control = WarmControl(spec.run_dir, self.bridge, self._claimed, self._reseed)
             self.control.start()
 
