@@ -113,10 +113,15 @@ class WarmControl:
                 return
             with conn:
                 conn.settimeout(REBIND_TIMEOUT_S + 5)
+                ack, claim = self._answer(conn)
                 with contextlib.suppress(OSError):
-                    conn.sendall(self._answer(conn).model_dump_json().encode() + b"\n")
+                    conn.sendall(ack.model_dump_json().encode() + b"\n")
+            if claim is not None:  # after the ack: the report is history, the claim's caller is waiting
+                with contextlib.suppress(Exception):  # a report that cannot be sent costs history, never the claim
+                    self.on_claim(claim)
 
-    def _answer(self, conn: socket.socket) -> ShimClaimAck:
+    def _answer(self, conn: socket.socket) -> tuple[ShimClaimAck, ShimClaim | None]:
+        """The ack, and the claim when it was taken."""
         raw = bytearray()
         while not raw.endswith(b"\n") and len(raw) <= MAX_CONTROL_LINE:
             chunk = conn.recv(MAX_CONTROL_LINE)
@@ -126,10 +131,10 @@ class WarmControl:
         try:
             claim = ShimClaim.model_validate(json_guard.loads(bytes(raw)))
         except (ValueError, ValidationError, RecursionError) as e:
-            return ShimClaimAck(ok=False, code="warm.claim_malformed", message=str(e)[:300])
+            return ShimClaimAck(ok=False, code="warm.claim_malformed", message=str(e)[:300]), None
         with self._lock:
             if self.claimed:
-                return ShimClaimAck(ok=False, code="warm.already_claimed", message="this sandbox was claimed")
+                return ShimClaimAck(ok=False, code="warm.already_claimed", message="this sandbox was claimed"), None
             self.claimed = True
             t0 = time.monotonic()
             try:  # before the rebind: no tenant command can run on the guest's old RNG state
@@ -141,10 +146,9 @@ class WarmControl:
             try:
                 self.bridge.rebind(claim.workload_token.get_secret_value(), REBIND_TIMEOUT_S)
             except CubeError as e:
-                return ShimClaimAck(ok=False, code=e.code, message=e.message[:300])
+                return ShimClaimAck(ok=False, code=e.code, message=e.message[:300]), None
             t2 = time.monotonic()
-        with contextlib.suppress(Exception):  # a report that cannot be sent costs history, never the claim
-            self.on_claim(claim)
-        return ShimClaimAck(
+        ack = ShimClaimAck(
             ok=True, reseed_ms=round((t1 - t0) * 1000, 1), rebind_ms=round((t2 - t1) * 1000, 1), reseeded=reseeded
         )
+        return ack, claim
