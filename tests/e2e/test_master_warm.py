@@ -88,6 +88,12 @@ def test_a_matching_create_claims_a_warm_sandbox_and_its_timeline_says_warm(
     assert path["path"] == "warm", (path, advertised(m, "n"))
     assert path["warm_id"] in warm_ids and path["node"] == "n"
     assert len(sb["device_ids"]) == 1
+    # Its phases, timed (the simulated shim's hand-off takes no time and has no agent to reseed).
+    (reserved,) = [e for e in sb["timeline"] if e["phase"] == "reserved"]
+    phases = reserved["phases"]
+    assert set(phases) == {"master_ms", "claim_ms", "cas_ms", "reseed_ms", "rebind_ms", "claim_other_ms"}
+    assert (phases["reseed_ms"], phases["rebind_ms"]) == (None, 0.0)
+    assert 0 <= phases["cas_ms"] <= phases["claim_ms"] and phases["master_ms"] >= 0
     # The Cubelet's reservation is the warm one, renamed: its shim keeps the warm id.
     res = node.client.reservation("sb-warm")["reservation"]
     assert res["phase"] == "running" and res["facts"]["shim_id"] == path["warm_id"]
