@@ -14,8 +14,10 @@ front door. Per round and stack, with the pool full (and nothing else of the ben
   the Cubelet's workload proxy, and straight to the shim's `workload.sock` (medians of 3 each): the
   differences are each layer's part; and `/bin/bash -l -c true` timed inside the guest (its own clock).
 
-`--baseline DIR`: a second stack run from DIR/src (a checkout of the code before a change, e.g.
-`git worktree add DIR main`), measured in alternation with this tree's: before/after in the same run.
+`--baseline DIR`: a second stack run from the checkout DIR (the code before a change, e.g. `git worktree add DIR
+main`, with its own `DIR/.venv` whose editable install is DIR/src: a copy of this tree's venv with its
+`_editable_impl_cubeaccel.pth` pointed at DIR/src will do), measured in alternation with this tree's:
+before/after in the same run.
 
 Run: `PYTHONPATH=src:. .venv/bin/python bench/warm_path_bench.py [--rounds 3] [--baseline DIR]`. Prints JSON:
 per stack, min/median/max of each phase, and /proc/loadavg before and after each create.
@@ -66,24 +68,31 @@ def loadavg() -> list[str]:
 
 
 @contextlib.contextmanager
-def python_path(src: Path | None) -> Iterator[None]:
-    """Processes started inside run the code under `src` (None: this tree's)."""
-    before = os.environ.get("PYTHONPATH")
-    if src is not None:
-        os.environ["PYTHONPATH"] = f"{src}:{Path.cwd()}"
+def checkout(root: Path | None) -> Iterator[None]:
+    """Processes started inside run the checkout at `root` (None: this tree) with its own interpreter
+    (`root/.venv`, whose editable install is `root/src`): the Cubelet passes its shims no PYTHONPATH, so only
+    the interpreter decides which code a shim runs."""
+    if root is None:
+        yield
+        return
+    python = root / ".venv/bin/python"
+    if not python.exists():
+        raise SystemExit(f"{python}: the baseline needs its own venv (an editable install of {root / 'src'})")
+    before = os.environ.get("PYTHONPATH"), sys.executable
+    os.environ["PYTHONPATH"], sys.executable = str(root / "src"), str(python)
     try:
         yield
     finally:
-        if src is not None:
-            if before is None:
-                os.environ.pop("PYTHONPATH", None)
-            else:
-                os.environ["PYTHONPATH"] = before
+        if before[0] is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before[0]
+        sys.executable = before[1]
 
 
 class Stack:
-    def __init__(self, name: str, base: Path, doc: dict[str, Any], src: Path | None) -> None:
-        self.name, self.base, self.doc, self.src = name, base, doc, src
+    def __init__(self, name: str, base: Path, doc: dict[str, Any], root: Path | None) -> None:
+        self.name, self.base, self.doc, self.root = name, base, doc, root
         self.node = f"warm-path-{name}"
         base.mkdir(parents=True)
         (base / "template.yaml").write_text(yaml.safe_dump(doc))
@@ -92,7 +101,7 @@ class Stack:
         self.fd: Any = None
 
     def start(self) -> Stack:
-        with python_path(self.src):
+        with checkout(self.root):
             self.master = MasterProcess(self.base / "master").start()
             (self.base / "cubelet").mkdir()
             self.cubelet = emulated_cubelet(
@@ -222,7 +231,7 @@ def main() -> int:
     doc = edu_template(image, TEMPLATE)
     stacks = [Stack("this", base / "this", doc, None)]
     if args.baseline is not None:
-        stacks.insert(0, Stack("baseline", base / "baseline", doc, args.baseline.resolve() / "src"))
+        stacks.insert(0, Stack("baseline", base / "baseline", doc, args.baseline.resolve()))
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in stacks}
     load = [loadavg()]
     try:
