@@ -124,6 +124,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, default=2)
+    ap.add_argument("--warm-max-starts", type=int, help="warm starts at once (the refill between rounds only)")
     args = ap.parse_args()
     image, _ = build()
     base = Path(tempfile.mkdtemp(prefix="warm-bench-"))
@@ -133,7 +134,10 @@ def main() -> int:
     (base / "cubelet").mkdir()
     devices = str(2 * args.clients)  # a warm pool of C and C cold creates beside it
     warm_flag = f"{base / 'template.yaml'}={args.clients}"
-    cubelet = emulated_cubelet(master, base / "cubelet", NODE, "--emulated-devices", devices, "--warm", warm_flag)
+    starts = [] if args.warm_max_starts is None else ["--warm-max-starts", str(args.warm_max_starts)]
+    cubelet = emulated_cubelet(
+        master, base / "cubelet", NODE, "--emulated-devices", devices, "--warm", warm_flag, *starts
+    )
     cubelet.start()
     stack = {"master": master, "cubelet": cubelet}
     load = [Path("/proc/loadavg").read_text().split()[:3]]
@@ -148,9 +152,11 @@ def main() -> int:
         for _ in range(args.rounds):
             cubelet.client.request("POST", "/v1/warm/undrain")
             warm += round_of(stack, opts, args.clients, warm=True)
+            print(json.dumps({"round": "warm", "runs": warm[-args.clients :]}), file=sys.stderr, flush=True)
             cubelet.client.request("POST", "/v1/warm/drain")  # unclaimed warm ones torn down, claims miss
             poll(lambda: pool(cubelet)["warm"] == 0 and pool(cubelet)["starting"] == 0, 600, what="pool drained")
             cold += round_of(stack, opts, args.clients, warm=False)
+            print(json.dumps({"round": "cold", "runs": cold[-args.clients :]}), file=sys.stderr, flush=True)
         w = [r["ms"] for r in warm if r["path"] == "warm"]
         c = [r["ms"] for r in cold if r["path"] == "cold"]
         result: dict[str, Any] = {
