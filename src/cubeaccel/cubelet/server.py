@@ -244,16 +244,7 @@ def create_app(
 
     @app.put("/v1/warm/pools", response_model=WarmPoolList)
     def set_warm_pool(body: WarmPoolBody) -> dict[str, Any]:
-        req = ReservationRequest(
-            count=body.count,
-            accel_class=body.accel_class,
-            template=body.template,
-            memory_mib=body.memory_mib,
-            vcpus=body.vcpus,
-            pin_memory=body.pin_memory,
-            contract=body.contract,
-        )
-        cubelet.warm.set_pool(req, body.size)
+        cubelet.warm.set_pool(cubelet.pool_request(body), body.size)
         return warm_pools()
 
     @app.get("/v1/reservations", response_model=W.ReservationList)

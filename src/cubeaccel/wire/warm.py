@@ -56,6 +56,28 @@ class WarmPoolBody(Message):
     template: str | None = Field(default=None, max_length=200)
 
 
+class WarmPoolSetting(Message):
+    """One pool as the Cubelet's journal keeps it (`WarmSettings`): the shape `PUT /v1/warm/pools` or `--warm`
+    gave, and its size. A pool of a request with no contract (a CPU-only shape) keeps None."""
+
+    size: StrictInt = Field(ge=0, le=64)
+    count: StrictInt = 1
+    accel_class: str | None = Field(default=None, alias="class", max_length=32)
+    memory_mib: StrictInt = 512
+    vcpus: StrictInt = Field(default=1, ge=1, le=256)
+    pin_memory: StrictBool = True
+    contract: dict[str, Any] | None = None
+    template: str | None = Field(default=None, max_length=200)
+
+
+class WarmSettings(Message):
+    """The node's warm pools and its drain, in the Cubelet's journal (`meta` key `warm`): a restarted Cubelet
+    keeps the pools it was given and stays drained until undrained (docs/warm.md)."""
+
+    draining: StrictBool = False
+    pools: list[WarmPoolSetting] = []
+
+
 class WarmPoolView(Reply):
     key: str
     template: str | None
