@@ -176,6 +176,14 @@ class WarmPools:
             key = pool_key(params)
             self.pools[key] = Pool(key, req, shape.size)
 
+    def reset(self) -> None:
+        """No pools, not drained, in the journal too: a start that brings its whole warm config (`up`)."""
+        with self.cubelet.change() as t, self._cv:
+            self.pools.clear()
+            self.draining = False
+            self._save(t)
+            t.event("warm_reset", Actor.CUBELET, details={})
+
     def orphans(self) -> list[str]:
         """Unclaimed warm sandboxes of no pool kept here (their pool's shape no longer validates): the refill
         will never count them and no claim can match them, so reconcile releases them."""

@@ -271,6 +271,7 @@ def _up_locked(
         "local",
         "--node-token-file",
         str(state_dir / "node-local.token"),
+        "--warm-reset",  # this stack owns its node: `down` drained the last run's pools; `--warm` says this one's
     ]
     if chosen == "simulated":
         cub_argv += ["--profile", profile, "--pinnable-memory-mib", str(SIMULATED_PINNABLE_MIB)]
