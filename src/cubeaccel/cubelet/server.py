@@ -234,13 +234,13 @@ def create_app(
         return {"pools": warm.views(), "max_concurrent_starts": warm.max_concurrent_starts, "draining": warm.draining}
 
     @app.post("/v1/warm/drain", response_model=WarmDrainReply)
-    def drain_warm() -> dict[str, Any]:
-        return {"draining": True, "torn_down": cubelet.warm.drain()}
+    def drain_warm() -> WarmDrainReply:
+        return WarmDrainReply(draining=True, torn_down=cubelet.warm.drain())
 
     @app.post("/v1/warm/undrain", response_model=WarmDrainReply)
-    def undrain_warm() -> dict[str, Any]:
+    def undrain_warm() -> WarmDrainReply:
         cubelet.warm.undrain()
-        return {"draining": False, "torn_down": []}
+        return WarmDrainReply(draining=False, torn_down=[])
 
     @app.put("/v1/warm/pools", response_model=WarmPoolList)
     def set_warm_pool(body: WarmPoolBody) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from cubeaccel.master.view import NodeView, device_attributes, group_key
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
+from cubeaccel.wire.master_api import WarmSandbox
 from cubeaccel.wire.warm import WarmPoolFact
 
 WARM_STATE = "warm"  # how CubeMaster lists a node's warm sandbox (`GET /v1/sandboxes?state=warm`)
@@ -108,32 +109,32 @@ def _labels_ok(choice: AcceleratorChoice, selector: Selector | None, labels: dic
     return selector is None or selector.matches(device_attributes(choice.accel_class, labels))
 
 
-def warm_rows(views: Sequence[NodeView]) -> list[dict[str, Any]]:
-    """The advertised warm sandboxes as sandbox records (`wire.master_api.Sandbox`) in state `warm`: owned by
-    their node (tenant ""), no request, no timeline; `claimed` says whether a create holds its claim row now."""
-    out: list[dict[str, Any]] = []
-    for v in sorted(views, key=lambda v: v.name):
-        for p in v.warm_pools:
-            for w in p.sandboxes:
-                out.append(
-                    {
-                        "id": w.id,
-                        "tenant": "",
-                        "state": WARM_STATE,
-                        "node": v.name,
-                        "class": p.accel_class,
-                        "count": p.count,
-                        "device_ids": [],
-                        "template": {"name": p.template, "version": None, "digest": p.contract_digest},
-                        "request": None,
-                        "error": None,
-                        "timeline": [],
-                        "expires_at": None,
-                        "created_at": v.received_at,
-                        "updated_at": v.received_at,
-                        "pool": p.key,
-                        "labels": dict(w.labels),
-                        "claimed": w.id in v.warm_claimed,
-                    }
-                )
-    return out
+def warm_rows(views: Sequence[NodeView]) -> list[WarmSandbox]:
+    """The advertised warm sandboxes as sandbox records in state `warm`: owned by their node (tenant ""), no
+    request, no timeline; `claimed` says whether a create holds its claim row now."""
+    return [
+        WarmSandbox.model_validate(
+            {
+                "id": w.id,
+                "tenant": "",
+                "state": WARM_STATE,
+                "node": v.name,
+                "class": p.accel_class,
+                "count": p.count,
+                "device_ids": [],
+                "template": {"name": p.template, "version": None, "digest": p.contract_digest},
+                "request": None,
+                "error": None,
+                "timeline": [],
+                "expires_at": None,
+                "created_at": v.received_at,
+                "updated_at": v.received_at,
+                "pool": p.key,
+                "labels": dict(w.labels),
+                "claimed": w.id in v.warm_claimed,
+            }
+        )
+        for v in sorted(views, key=lambda v: v.name)
+        for p in v.warm_pools
+        for w in p.sandboxes
+    ]

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, StrictBool, StrictInt, StrictStr
 
-from cubeaccel.wire.base import Count, Lenient, LenientMessage, Message, Reply
+from cubeaccel.wire.base import Count, Lenient, LenientMessage, Message, Record, Reply
 from cubeaccel.wire.cubelet_api import ReservationBody
 
 WARM_ID_PREFIX = "warm-"  # a warm sandbox's own id: the node's namespace, never a requester's
@@ -102,6 +102,14 @@ class WarmDrainReply(Reply):
 
     draining: bool
     torn_down: list[str]
+
+
+class WarmVerbFailure(Record):
+    """In CubeMaster's drain/undrain reply instead of `WarmDrainReply`: the node's state changed, but its Cubelet
+    could not be asked to drain (or undrain) its warm pools; the code and message say why."""
+
+    error: str
+    message: str
 
 
 class WarmClaimBody(ReservationBody):
