@@ -12,6 +12,8 @@ Crash rule: the journal decides, and a claimed reservation belongs to its reques
 acknowledged the claim (`claim_acked` false, no claim in flight in this process) is failed through the release
 path by reconcile (`warm.claim_unacknowledged`), never put back in the pool: the tenant's token may have reached
 the guest, and a sandbox a tenant could have reached is never handed to another.
+
+The pools and the drain are one record in the journal (`WarmSettings`), so a restarted Cubelet keeps both.
 """
 
 from __future__ import annotations
