@@ -20,10 +20,10 @@ import pytest
 from cubeaccel.host.simulated import SimulatedPciHost
 from cubeaccel.model.errors import CubeError
 from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_pool
-from tests.postgres.test_master_warm_postgres import claimed_warm_ids, request_waiting_on
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, wait_nodes_ready
 from tests.support.poll import poll
+from tests.support.warm import claimed_warm_ids, request_waiting_on
 
 
 @pytest.fixture
