@@ -60,6 +60,7 @@ from cubeaccel.model.sandbox_policy import (
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.telemetry import request_id
+from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
 
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
@@ -163,6 +164,7 @@ class Cubelet(ReleasePath):
         self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
         self.scrubs: dict[str, ScrubJob] = {}
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
+        self.warm.restore()  # the pools and drain this node was given, before reconcile looks at warm sandboxes
         self.node_address_sets: dict[str, frozenset[ipaddress.IPv4Address]] = {}  # sandbox → last refused set
         shim.bind(self.handle_report)
 
@@ -259,6 +261,19 @@ class Cubelet(ReleasePath):
                 f"count must be 1..{limit} on this node (one VM takes at most "
                 f"{self.shim.max_devices} devices), got {count}",
             )
+
+    @staticmethod
+    def pool_request(shape: WarmPoolBody | WarmPoolSetting) -> ReservationRequest:
+        """A warm pool's shape as a reservation request (no tenant, lifetime or labels: those come with a claim)."""
+        return ReservationRequest(
+            count=shape.count,
+            accel_class=shape.accel_class,
+            template=shape.template,
+            memory_mib=shape.memory_mib,
+            vcpus=shape.vcpus,
+            pin_memory=shape.pin_memory,
+            contract=shape.contract,
+        )
 
     def request_params(self, req: ReservationRequest) -> tuple[CompatibilityContract | None, dict[str, Any]]:
         """The reservation's recorded parameters: the frozen contract's memory and the effective network policy
