@@ -10,7 +10,9 @@ serves the next good request.
 from __future__ import annotations
 
 import json
+import os
 import re
+import resource
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +28,7 @@ from cubeaccel.wire.node_sig import sign
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.frontdoor_process import FrontDoorProcess
 from tests.support.master_harness import MasterProcess, free_port
+from tests.support.poll import poll
 
 Where = tuple[str, object]  # ("unix", path) or ("tcp", (host, port))
 LISTENERS = ["cubelet-unix", "cubelet-tcp", "master", "frontdoor"]
@@ -196,11 +199,12 @@ def _refused_with(lis: Listener, status: int, reply: bytes) -> str:
     return str(code)
 
 
-def _serves_the_next_request(lis: Listener) -> None:
+def _serves_the_next_request(lis: Listener) -> bool:
     s = _connect(lis.where)
     s.sendall(f"GET {lis.health} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert _read_reply(s)[0] == 200
     s.close()
+    return True
 
 
 def _post(lis: Listener, body: bytes, extra: str = "") -> tuple[int, dict[str, str], bytes]:
@@ -467,6 +471,36 @@ def test_any_body_gets_the_strict_parsers_verdict_and_the_listener_lives_on(
         _serves_the_next_request(lis)
 
     case()
+
+
+@pytest.mark.parametrize("name", LISTENERS)
+def test_a_listener_out_of_descriptors_keeps_running_and_serves_once_they_are_freed(
+    listeners: dict[str, Listener], name: str
+) -> None:
+    """No listener caps its connections (docs/decisions.md): the process's descriptor limit does. At that limit
+    the event loop pauses accepting and retries; nothing crashes, and once the attackers' connections are gone
+    (closed by them or by the header deadline) the next good request is served."""
+    lis = listeners[name]
+    pid = _pid(lis.proc)
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    in_use = len(os.listdir(f"/proc/{pid}/fd"))
+    flood: list[socket.socket] = []
+    try:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (in_use + 16, hard))
+        for _ in range(64):
+            s = _connect(lis.where)  # the kernel completes the handshake; the server runs out of descriptors
+            s.sendall(f"GET {lis.health} HTTP/1.1\r\nHost: x\r\n".encode())
+            flood.append(s)
+        assert poll(lambda: len(os.listdir(f"/proc/{pid}/fd")) >= in_use + 16, 10, what="the listener at its limit")
+        for s in flood:
+            s.close()
+        flood.clear()
+        assert poll(lambda: _serves_the_next_request(lis), 20, what="served after the flood")
+    finally:
+        for s in flood:
+            s.close()
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    assert lis.proc.proc.poll() is None  # type: ignore[attr-defined]
 
 
 def test_anonymous_envd_health_makes_no_admin_lookup_and_says_nothing_of_the_id(

@@ -48,6 +48,25 @@ REFUSED = {
 }
 
 
+# E2B's REST routes: (method, path, handler); frontdoor/openapi.py documents each (docs/openapi/frontdoor-e2b.json).
+REST_ROUTES = [
+    ("GET", "/health", "health"),
+    ("POST", "/v2/sandboxes", "create"),
+    ("POST", "/sandboxes", "create"),
+    ("GET", "/v2/sandboxes", "list"),
+    ("GET", "/sandboxes", "list"),
+    ("GET", "/sandboxes/{sandbox_id}", "get_info"),
+    ("DELETE", "/sandboxes/{sandbox_id}", "kill"),
+    ("POST", "/sandboxes/{sandbox_id}/timeout", "set_timeout"),
+    ("GET", "/sandboxes/{sandbox_id}/metrics", "metrics"),
+    ("POST", "/v2/sandboxes/{sandbox_id}/connect", "connect"),
+    ("POST", "/sandboxes/{sandbox_id}/connect", "connect"),
+    ("POST", "/sandboxes/{sandbox_id}/{op}", "refused"),
+    ("GET", "/snapshots", "refused"),
+    ("POST", "/snapshots", "refused"),
+]
+
+
 @dataclass(frozen=True)
 class FrontDoorConfig:
     master_url: str
@@ -269,21 +288,18 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v2/sandboxes", create, methods=["POST"]),
-        Route("/sandboxes", create, methods=["POST"]),
-        Route("/v2/sandboxes", list_sandboxes, methods=["GET"]),
-        Route("/sandboxes", list_sandboxes, methods=["GET"]),
-        Route("/sandboxes/{sandbox_id}", get_info, methods=["GET"]),
-        Route("/sandboxes/{sandbox_id}", kill, methods=["DELETE"]),
-        Route("/sandboxes/{sandbox_id}/timeout", set_timeout, methods=["POST"]),
-        Route("/sandboxes/{sandbox_id}/metrics", metrics, methods=["GET"]),
-        Route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
-        Route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
-        Route("/sandboxes/{sandbox_id}/{op}", refused, methods=["POST"]),
-        Route("/snapshots", refused, methods=["GET", "POST"]),
-    ]
+    handlers = {
+        "health": health,
+        "create": create,
+        "list": list_sandboxes,
+        "get_info": get_info,
+        "kill": kill,
+        "set_timeout": set_timeout,
+        "metrics": metrics,
+        "connect": connect,
+        "refused": refused,
+    }
+    routes = [Route(path, handlers[name], methods=[method]) for method, path, name in REST_ROUTES]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -302,9 +318,9 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         status = int(getattr(exc, "status_code", 404))
         return error(status, f"cubeaccel (api): {request.method} {request.url.path}: no such E2B route here")
 
-    handlers = {Refusal: refusal, 404: no_route, 405: no_route}
+    on_error = {Refusal: refusal, 404: no_route, 405: no_route}
     rest = EdgeGuard(
-        Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers),  # type: ignore[arg-type]
+        Starlette(routes=routes, lifespan=lifespan, exception_handlers=on_error),
         body_timeout_s=HttpLimits.from_env().body_timeout_s,
         render=edge_error,
         streams=lambda path: False,
