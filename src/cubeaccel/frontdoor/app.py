@@ -309,10 +309,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
 
     async def refusal(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, Refusal)
-        response = error(exc.status, exc.message, exc.retry)
-        if exc.close:
-            response.headers["connection"] = "close"
-        return response
+        return error(exc.status, exc.message, exc.retry)
 
     async def no_route(request: Request, exc: Exception) -> Response:
         status = int(getattr(exc, "status_code", 404))
