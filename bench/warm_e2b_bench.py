@@ -76,11 +76,15 @@ def pool(cubelet: Any) -> dict[str, Any]:
     return dict(cubelet.client.request("GET", "/v1/warm/pools")["pools"][0])
 
 
-def one(opts: dict[str, Any]) -> tuple[float, str]:
+def one(opts: dict[str, Any]) -> tuple[float, str | None, str | None]:
+    """(ms, sandbox id, None), or (ms, None, why) for a create or command that failed: counted, not fatal."""
     t0 = time.perf_counter()
-    sbx = Sandbox.create(TEMPLATE, **opts)
-    sbx.commands.run("true")
-    return (time.perf_counter() - t0) * 1000, sbx.sandbox_id
+    try:
+        sbx = Sandbox.create(TEMPLATE, **opts)
+        sbx.commands.run("true")
+    except Exception as e:  # the SDK's exceptions; a create under heavy load may fail its start deadline
+        return (time.perf_counter() - t0) * 1000, None, f"{type(e).__name__}: {e}"[:300]
+    return (time.perf_counter() - t0) * 1000, sbx.sandbox_id, None
 
 
 def shim_seconds(cubelet: Any, sid: str) -> float:
@@ -111,13 +115,23 @@ def round_of(stack: dict[str, Any], opts: dict[str, Any], clients: int, warm: bo
     with ThreadPoolExecutor(clients) as ex:
         done = list(ex.map(lambda _: one(opts), range(clients)))
     paths = {}
-    for _, sid in done:
+    for _, sid, _ in done:
+        if sid is None:
+            continue
         row = master.client.sandbox(sid)
         paths[sid] = next((e["path"] for e in row["timeline"] if e.get("phase") == "path"), "?")
         master.client.delete(sid)
-    for _, sid in done:
-        poll(lambda s=sid: master.client.sandbox(s)["state"] == "deleted", 300)
-    return [{"ms": ms, "path": paths[sid], "vm_s": shim_seconds(cubelet, sid), "load": load} for ms, sid in done]
+    for _, sid, _ in done:
+        if sid is not None:
+            poll(lambda s=sid: master.client.sandbox(s)["state"] == "deleted", 300)
+    settled = ("deleted", "failed", "lost", "warm")
+    poll(lambda: not [r for r in master.client.sandboxes() if r["state"] not in settled], 300)
+    return [
+        {"ms": ms, "path": "failed", "error": why, "load": load}
+        if sid is None
+        else {"ms": ms, "path": paths[sid], "vm_s": shim_seconds(cubelet, sid), "load": load}
+        for ms, sid, why in done
+    ]
 
 
 def main() -> int:
@@ -163,6 +177,7 @@ def main() -> int:
             "clients": args.clients,
             "rounds": args.rounds,
             "paths": {"warm_rounds": [r["path"] for r in warm], "cold_rounds": [r["path"] for r in cold]},
+            "failed": [r["error"] for r in warm + cold if r["path"] == "failed"],
             "warm_ms": spread(w) if w else None,
             "cold_ms": spread(c) if c else None,
             "warm_over_cold_median": round(statistics.median(w) / statistics.median(c), 3) if w and c else None,
