@@ -159,6 +159,8 @@ def _exchange(sock: socket.socket, port: int, target: str, request: Request, res
     while data := reply.read1(READ_SIZE):
         response.write(data)
         sent += len(data)
+    if not sent:
+        response.write(b"")  # flushes the head of an empty body
     if sent != int(declared or 0):
         raise ConnectionError(f"port {port}: the reply ended after {sent} of {declared} bytes")
 
