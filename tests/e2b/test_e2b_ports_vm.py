@@ -112,9 +112,9 @@ def test_a_large_reply_streams_through_whole(served: dict[str, Any]) -> None:
 def test_ports_need_a_token_and_the_traffic_token_reaches_no_shell(served: dict[str, Any]) -> None:
     sbx, url = served["sbx"], served["url"]
     r = httpx.get(f"{url}/hello.txt", headers=port_headers(sbx, PORT))
-    assert r.status_code == 401 and code_of(r) == "port.unauthenticated"
+    assert r.status_code == 403 and code_of(r) == "port.token_required"
     r = httpx.get(f"{url}/hello.txt", headers=port_headers(sbx, PORT, {"e2b-traffic-access-token": "x" * 43}))
-    assert r.status_code == 401 and "hello" not in r.text
+    assert r.status_code == 403 and "hello" not in r.text
     traffic_as_envd = port_headers(sbx, 49983, {"X-Access-Token": sbx.traffic_access_token or ""})
     r = httpx.post(f"{url}/process.Process/List", json={}, headers={**traffic_as_envd, "Connect-Protocol-Version": "1"})
     assert r.status_code == 401  # the traffic token is for the app's ports, never envd's

@@ -313,7 +313,7 @@ def test_the_front_door_refuses_bad_ports_missing_tokens_and_websockets_before_a
     assert r.status_code == 400 and error_code(r) == "port.invalid"
     for headers in ({}, {"e2b-traffic-access-token": "x"}, {"X-Access-Token": M.traffic_token(b"s" * 32, sid)}):
         r = front.get("/", headers={"Host": f"8000-{sid}.e2b.test", **headers})
-        assert r.status_code == 401 and error_code(r) == "port.unauthenticated"
+        assert r.status_code == 403 and error_code(r) == "port.token_required"
     r = front.get("/", headers={"Host": f"8000-{sid}.e2b.test", "Upgrade": "h2c-like", **traffic})
     assert r.status_code == 501 and error_code(r) == "port.upgrade_unsupported"
     ws_headers = {"Host": f"8000-{sid}.e2b.test", **traffic}

@@ -56,7 +56,7 @@ RUNNING_REFRESH_S = 1.0  # a signed URL that names no sandbox re-reads the runni
 GONE_STATES = {"deleting", "deleted", "failed", "lost"}
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"  # E2B's header for a sandbox's other ports
 PORT_INVALID = "port.invalid"
-PORT_UNAUTHENTICATED = "port.unauthenticated"
+PORT_TOKEN_REQUIRED = "port.token_required"
 PORT_UPGRADE = "port.upgrade_unsupported"
 
 
@@ -245,8 +245,8 @@ class EnvdProxy:
             ok = token is not None and hmac.compare_digest(token.encode(), envd_token(self.secret, sandbox_id).encode())
         if not ok:
             return port_error(
-                401,
-                PORT_UNAUTHENTICATED,
+                403,  # E2B's proxy answers a missing traffic token so
+                PORT_TOKEN_REQUIRED,
                 f"port {port} of sandbox {sandbox_id} needs the sandbox's {TRAFFIC_TOKEN_HEADER} or X-Access-Token",
             )
         if request.headers.get("upgrade"):

@@ -299,7 +299,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("compat.scratch_invalid_size", 422, "template", "scratch_mib outside 16 MiB..16 TiB"),
     _c("compat.mount_invalid", 422, "template", "a read-only mount with a bad or reserved path"),
     _c("port.invalid", 400, "api", "a sandbox port that is not 1-65535 (Host `<port>-<id>.D`, E2b-Sandbox-Port)"),
-    _c("port.unauthenticated", 401, "api", "a sandbox port asked without its traffic token or envd access token"),
+    _c("port.token_required", 403, "api", "a sandbox port asked without its traffic token or envd token (E2B: 403)"),
     _c("port.upgrade_unsupported", 501, "api", "Upgrade (WebSocket) to a sandbox port: plain HTTP/1.1 only"),
     _c("port.not_listening", 502, "workload", "nothing listens on that port on 127.0.0.1 inside the sandbox"),
     _c("port.bad_reply", 502, "workload", "the app on a sandbox port answered with no valid HTTP/1.x reply head"),
