@@ -73,7 +73,7 @@ def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float, fl
 
 
 def concurrent_cycles_per_s(dir: Path, seconds: float, threads: int = 16) -> tuple[float, int, float]:
-    """`threads` callers doing reserve+release at once: what group commit is for (one fsync per batch).
+    """`threads` callers doing reserve+release at once (one durable commit per decision).
     Returns cycles/s, cycles, and durable commits per cycle (nan where the store does not count them)."""
     host = SimulatedPciHost(f"h100x{2 * threads}")
     store = Store(dir / "cubelet-concurrent.db")

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +37,17 @@ def devices_never_return_unsanitized(request: pytest.FixtureRequest) -> Iterator
         return
     bad = violations(root)
     assert not bad, "a device went from a tenant to allocatable unsanitized:\n" + "\n".join(bad[:20])
+
+
+@pytest.fixture(autouse=True)
+def umask_kept() -> Iterator[None]:
+    """A daemon's entry point sets the private umask process-wide (`host/private.py`); a test that runs one
+    in-process (`run_shim` in tests/unit/test_shim_images.py) must not hand it to later tests: a GPU image built
+    afterwards in this process was 0600 and the confined VMMs could not read it."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)
 
 
 @pytest.fixture

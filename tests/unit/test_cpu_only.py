@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.master.auth import Auth, Quota
 from cubeaccel.master.index import NodeIndex
-from cubeaccel.master.scheduler import CPU_GROUP, Context, decide, evaluate, evaluate_indexed, explain
+from cubeaccel.master.scheduler import CPU_GROUP, Context, decide, evaluate_indexed, explain
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_guest, check_node, freeze
@@ -27,6 +27,7 @@ from cubeaccel.model.template_spec import NO_ACCELERATOR, Template
 from cubeaccel.wire.templates import parse_template
 from tests.support.contract_builders import EXAMPLES, example_doc, set_path
 from tests.support.master_builders import group, heartbeat, image, sandbox_row, view
+from tests.support.scheduler_oracle import evaluate
 
 BASE_FILE = EXAMPLES / "base.yaml"
 NOW, STALE = 1001.0, 10.0

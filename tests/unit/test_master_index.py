@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cubeaccel.master.index import NodeIndex
-from cubeaccel.master.scheduler import ChoiceOutcome, Context, decide, evaluate, evaluate_indexed
+from cubeaccel.master.scheduler import ChoiceOutcome, Context, decide, evaluate_indexed
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.request import AcceleratorChoice
 from tests.support.master_builders import group, h100_contract, view
+from tests.support.scheduler_oracle import evaluate
 
 NOW, STALE = 1001.0, 10.0
 CONTRACT = h100_contract()

@@ -6,12 +6,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.master.scheduler import Context, decide, evaluate, explain, rejection
+from cubeaccel.master.scheduler import Context, decide, explain, rejection
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
 from tests.support.master_builders import group, h100_contract, heartbeat, image, view
+from tests.support.scheduler_oracle import evaluate
 
 NOW, STALE = 1001.0, 10.0
 H100 = "H100-SXM5-80GB"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.ended import EndedSandboxes
-from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
+from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
 from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
@@ -146,7 +147,7 @@ class Cubelet(ReleasePath):
         self.shim = shim
         self.config = config or CubeletConfig()
         self.vmm_host = self.config.vmm_host or memory_ledger.VmmHost.here(vfio=backend.name == "vfio")
-        self.lock = FairRLock()  # lifecycle decisions: held only around short transactions, never host I/O
+        self.lock = threading.RLock()  # lifecycle decisions: held only around short transactions, never host I/O
         self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
         self.status_sink = None

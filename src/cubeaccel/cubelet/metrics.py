@@ -22,7 +22,7 @@ from cubeaccel.cubelet.store import Event
 from cubeaccel.model.cold_start import MILESTONES, cold_start_phases
 from cubeaccel.model.device import DeviceRecord, PciAddress
 from cubeaccel.model.states import DeviceState
-from cubeaccel.wire.telemetry import ApiTelemetry, log_many
+from cubeaccel.wire.telemetry import ApiTelemetry
 
 if TYPE_CHECKING:
     from cubeaccel.cubelet.lifecycle import Cubelet
@@ -240,9 +240,10 @@ class CubeletMetrics:
     def on_events(self, events: list[Event]) -> None:
         for e in events:
             self._count(e)
-        if log.isEnabledFor(logging.INFO):  # one line per event, one write per transaction
+        if log.isEnabledFor(logging.INFO):  # one line per event
             node = self.cubelet.config.node_name
-            log_many(log, logging.INFO, [(e.kind, {"node": node, **_event_fields(e)}) for e in events])
+            for e in events:
+                log.info(e.kind, extra={"fields": {"node": node, **_event_fields(e)}})
 
     def _count(self, e: Event) -> None:
         kind, sid = e.kind, e.sandbox_id

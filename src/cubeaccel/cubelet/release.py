@@ -18,7 +18,7 @@ from typing import Any
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem, ResetContext
 from cubeaccel.cubelet.ended import EndedSandboxes, status_error
-from cubeaccel.cubelet.locks import FairRLock, KeyedLocks
+from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.memory_ledger import VmmHost
 from cubeaccel.cubelet.scrub import (
     DEFAULT_POLICY,
@@ -134,7 +134,7 @@ class ReleasePath:
     capabilities: Capabilities
     shim: ShimDriver
     config: CubeletConfig
-    lock: FairRLock
+    lock: threading.RLock
     device_locks: KeyedLocks
     status_sink: StatusSink | None
     ended: EndedSandboxes
@@ -143,13 +143,11 @@ class ReleasePath:
 
     @contextmanager
     def change(self) -> Iterator[Tx]:
-        """One lifecycle decision: under the lifecycle lock, in one transaction, durable on return — but the
-        wait for the disk happens after the lock is let go, so concurrent decisions share one commit."""
+        """One lifecycle decision: under the lifecycle lock, in one transaction, durable on return."""
         try:
-            with self.lock, self.store.tx(durable=False) as t:
+            with self.lock, self.store.tx() as t:
                 yield t
         finally:
-            self.store.flush()
             if (audit := getattr(self, "device_audit", None)) is not None:
                 audit.settle()  # the change's audit entries are on disk too before anything is replied
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.cubelet.locks import FairRLock
 from cubeaccel.cubelet.schema import MIGRATIONS, SCHEMA_VERSION
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.device import (
@@ -433,44 +432,29 @@ class Tx:
 
 
 class Store:
-    """Thread-safe facade over one writer connection with group commit, and a read connection per thread.
+    """Thread-safe facade over one writer connection, and a read connection per thread.
 
-    A transaction's body runs on the writer connection (under its lock, as a SAVEPOINT inside the open batch);
-    the store's writer thread then commits everything batched so far in one durable COMMIT
-    (`synchronous=FULL`), and `tx()` returns only once its batch is durable — so a reply sent after it never
-    announces a change a crash could lose, and concurrent changes share one fsync. A body that raises is rolled
-    back alone (its savepoint), never its batch-mates. Reads use their thread's own connection in WAL mode: they
-    see only committed state and never wait for a commit or for the writer.
+    A transaction's body runs on the writer connection under its lock and commits durably (`synchronous=FULL`)
+    before `tx()` returns, so a reply sent after it never announces a change a crash could lose. One commit per
+    change: a node's decisions are bounded by VM starts, not by commits (docs/decisions.md, "One commit per
+    change"). Reads use their thread's own connection in WAL mode: they see only committed state and never
+    wait for the writer.
     """
 
     def __init__(self, path: Path, *, clock: Any = time.time) -> None:
         self.path = path
         self.clock = clock
-        # The writer connection, handed over in arrival order: a leader about to commit queues behind the
-        # changes already waiting for the connection, so they join its batch (with a barging lock the leader
-        # would take it straight back, and every change would get a commit of its own).
-        self._lock = FairRLock()
+        self._lock = threading.RLock()
         self._conn = self._connect()
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._migrate()
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
-        self._cv = threading.Condition(threading.Lock())
-        self._batch = 0  # the newest batch opened on the writer connection
-        self._open = False  # a batch is open (BEGIN IMMEDIATE issued, not yet committed)
-        self._pending = False  # the writer is asked to commit
-        self._committed = 0  # every batch up to this one is durable (or failed: `_failed`)
-        # One event per batch someone waits for: a commit wakes only its own waiters, not every thread
-        # waiting on any batch (a notify_all herd was most of a busy node's futex calls).
-        self._done: dict[int, threading.Event] = {}
-        self._leading = False  # a caller of `_await` is committing for everyone (see there)
-        self._failed: dict[int, BaseException] = {}
+        self._readers_lock = threading.Lock()
         self._closed = False
         self.commits = 0  # durable commits so far (the benchmark's commits per cycle)
         # Called with each change's events once its transaction is in (metrics, logs); never inside the lock.
         self.listeners: list[Callable[[list[Event]], None]] = []
-        self._writer = threading.Thread(target=self._commit_loop, name="cubelet-store-writer", daemon=True)
-        self._writer.start()
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False, timeout=30)
@@ -510,94 +494,16 @@ class Store:
         with self.read() as t:
             return int(t.c.execute("PRAGMA user_version").fetchone()[0])
 
-    # ---- group commit ---------------------------------------------------------------------------
-    def _commit_loop(self) -> None:
-        """Ends a batch nobody waits for (a rolled-back change's, at close) so its write lock is not held."""
-        while True:
-            with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-                if not self._pending:
-                    return
-                self._pending = False
-            self._commit_open_batch()
-
-    def _commit_open_batch(self) -> None:
-        err: BaseException | None = None
-        with self._lock:
-            batch = self._batch
-            if self._open:
-                try:
-                    self._conn.execute("COMMIT")
-                    self.commits += 1
-                except BaseException as e:  # disk full, I/O error: every waiter of the batch hears it
-                    err = e
-                    with suppress(sqlite3.Error):
-                        self._conn.execute("ROLLBACK")
-                self._open = False
-        with self._cv:
-            if err is not None:
-                self._failed[batch] = err
-                for old in [b for b in self._failed if b < batch - 1000]:
-                    del self._failed[old]
-            self._mark_committed(batch)
-
-    def _mark_committed(self, batch: int) -> None:
-        """Under `_cv`: every batch up to `batch` is done; wake their waiters."""
-        self._committed = max(self._committed, batch)
-        for b in [b for b in self._done if b <= self._committed]:
-            self._done.pop(b).set()
-
-    def _await(self, batch: int) -> None:
-        """Wait until `batch` is durable. A waiter that finds no commit under way commits the open batch itself
-        (no hand-off to another thread for a lone caller); whoever arrives meanwhile joins the next batch and
-        waits on its event. A leader commits once — its own batch is then durable — and passes the lead to
-        the oldest batch still waited for, so no caller keeps committing for others while its reply waits."""
-        while True:
-            with self._cv:
-                if self._committed >= batch:
-                    break
-                if self._leading:
-                    done = self._done.get(batch) or self._done.setdefault(batch, threading.Event())
-                else:
-                    self._leading, done = True, None
-            if done is None:
-                self._lead()
-            else:
-                done.wait()  # committed, or handed the lead: look again
-        with self._cv:
-            err = self._failed.get(batch)
-        if err is not None:
-            raise CubeError("store.commit_failed", f"the store could not commit: {err}", "cubelet", status=500)
-
-    def _lead(self) -> None:
-        try:
-            time.sleep(0)  # let a thread that was just handed the lifecycle lock put its change in this batch
-            self._commit_open_batch()
-        finally:
-            with self._cv:
-                self._leading = False
-                if self._done:  # its waiters look again, and one of them leads
-                    self._done.pop(min(self._done)).set()
-
     @contextmanager
-    def tx(self, *, durable: bool = True) -> Iterator[Tx]:
-        """One atomic change, durable when the block exits (its batch committed with synchronous=FULL).
-
-        `durable=False` returns as soon as the change is in the batch; the caller then calls `flush()`
-        (`Cubelet.change()` does, once it has let go of the lifecycle lock, so that waiting for the disk never
-        holds the node's decisions up and concurrent changes share one commit). This thread's reads flush first."""
+    def tx(self) -> Iterator[Tx]:
+        """One atomic change, durable when the block exits. A transaction opened inside another on the same
+        thread is a savepoint of it: it rolls back alone, and commits with the outer one."""
         depth = int(getattr(self._local, "depth", 0))
         with self._lock:
             if self._closed:
                 raise CubeError("store.closed", "the store is closed", "cubelet", status=500)
-            if not self._open:
-                self._conn.execute("BEGIN IMMEDIATE")
-                self._open = True
-                self._batch += 1
-            batch = self._batch
             name = f"tx{depth}"
-            self._conn.execute(f"SAVEPOINT {name}")
+            self._conn.execute("BEGIN IMMEDIATE" if depth == 0 else f"SAVEPOINT {name}")
             self._local.depth = depth + 1
             if depth == 0:
                 self._local.emitted = []
@@ -607,32 +513,28 @@ class Store:
                 yield Tx(self._conn, float(self.clock()), emitted)
             except BaseException:
                 del emitted[mark:]
-                self._conn.execute(f"ROLLBACK TO {name}")
-                self._conn.execute(f"RELEASE {name}")
-                if depth == 0:  # end the batch soon even if nothing else comes: no write lock left held
-                    with self._cv:
-                        self._pending = True
-                        self._cv.notify()
+                if depth == 0:
+                    self._conn.execute("ROLLBACK")
+                else:
+                    self._conn.execute(f"ROLLBACK TO {name}")
+                    self._conn.execute(f"RELEASE {name}")
                 raise
             finally:
                 self._local.depth = depth
-            self._conn.execute(f"RELEASE {name}")
-        if depth == 0:
-            self._local.emitted = []
-            for listener in self.listeners if emitted else ():
-                with suppress(Exception):  # telemetry never fails a change that is already made
-                    listener(emitted)
-            if durable:
-                self._await(batch)
-            else:
-                self._local.unflushed = batch
-
-    def flush(self) -> None:
-        """Wait until this thread's changes made with `durable=False` are durable."""
-        batch = int(getattr(self._local, "unflushed", 0))
-        if batch:
-            self._local.unflushed = 0
-            self._await(batch)
+            if depth:
+                self._conn.execute(f"RELEASE {name}")
+                return
+            try:
+                self._conn.execute("COMMIT")
+            except sqlite3.Error as e:  # disk full, I/O error: the change is not made
+                with suppress(sqlite3.Error):
+                    self._conn.execute("ROLLBACK")
+                raise CubeError("store.commit_failed", f"the store could not commit: {e}", "cubelet", status=500) from e
+            self.commits += 1
+        self._local.emitted = []
+        for listener in self.listeners if emitted else ():
+            with suppress(Exception):  # telemetry never fails a change that is already made
+                listener(emitted)
 
     @contextmanager
     def read(self) -> Iterator[Tx]:
@@ -642,12 +544,11 @@ class Store:
             with self._lock:
                 yield Tx(self._conn, float(self.clock()))
             return
-        self.flush()  # read your own writes
         conn: sqlite3.Connection | None = getattr(self._local, "reader", None)
         if conn is None:
             conn = self._connect()
             self._local.reader = conn
-            with self._cv:
+            with self._readers_lock:
                 self._readers.append(conn)
         conn.execute("BEGIN")
         try:
@@ -695,19 +596,10 @@ class Store:
         return [_row_to_event(r) for r in rows]
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._pending = True
-            self._cv.notify()
-        self._writer.join()
         with self._lock:
-            if self._open:  # a body outside tx() never leaves one open; belt and braces
-                self._conn.execute("COMMIT")
-                self._open = False
+            self._closed = True
             self._conn.close()
-            last = self._batch
-        with self._cv:
-            self._mark_committed(last)  # nobody is left waiting on a writer that is gone
+        with self._readers_lock:
             for conn in self._readers:
                 conn.close()
             self._readers.clear()

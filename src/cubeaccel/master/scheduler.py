@@ -286,37 +286,6 @@ def _node_contract_ok(n: NodeView, c: Context) -> bool:
     return all(v.code == "compat.node_no_matching_device" for v in vs)
 
 
-def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceOutcome:
-    """Fast path: the `keep` best candidates, with verdicts memoised per label set and per node view.
-
-    Same filters as `explain`, without building reasons: only when nothing fits does the thorough path
-    run, to say why. A decision is then one pass of dictionary lookups over the nodes.
-    """
-    if ctx.choice.cpu_only:
-        return _evaluate_cpu(nodes, ctx, keep)
-    verdict: dict[str, bool] = {}
-    cutoff, count = ctx.now - ctx.staleness_s, ctx.choice.count
-    scored: list[tuple[float, float, float, str, int, Group, NodeView]] = []
-    for i, n in enumerate(nodes):
-        if n.received_at < cutoff or n.state != NodeState.READY or not n.host_ready or _over_limit(n, count):
-            continue
-        claims = n.claims
-        for g in n.groups:
-            ok = verdict.get(g.key)
-            if ok is None:
-                ok = verdict[g.key] = _group_ok(g, ctx)
-            if not ok or g.allocatable - claims.get(g.key, 0) < count:
-                continue
-            if not _node_contract_ok(n, ctx):
-                break
-            numa, pack, node_free = score(n, g, count)
-            scored.append((-numa, -pack, -node_free, n.name, i, g, n))
-    if not scored:
-        return explain(nodes, ctx)
-    best = heapq.nsmallest(keep, scored, key=lambda x: x[:5])
-    return ChoiceOutcome(ctx.choice, [Candidate(x[6], x[5], (-x[0], -x[1], -x[2])) for x in best], {})
-
-
 def _evaluate_cpu(nodes: Sequence[NodeView], ctx: Context, keep: int) -> ChoiceOutcome:
     """A CPU-only choice: every schedulable node whose lockable memory and guest facts fit the contract. One pass
     over the nodes (the index is keyed by device groups, which a CPU-only sandbox does not use)."""
@@ -333,8 +302,10 @@ def _evaluate_cpu(nodes: Sequence[NodeView], ctx: Context, keep: int) -> ChoiceO
 
 
 def evaluate_indexed(index: NodeIndex, ctx: Context, keep: int = 16) -> ChoiceOutcome:
-    """`evaluate`'s answer from the index: the same candidates in the same order, visiting only the entries
-    that can fit (`free >= count`) of the label sets that pass, best first, until `keep` pass the node checks."""
+    """The `keep` best candidates from the index, visiting only the entries that can fit (`free >= count`) of the
+    label sets that pass, best first, until `keep` pass the node checks; only when nothing fits does the
+    thorough path (`explain`) run, to say why. A linear scan giving the same answer is the tests' oracle
+    (tests/support/scheduler_oracle.py)."""
     if ctx.choice.cpu_only:
         return _evaluate_cpu(index.views(), ctx, keep)
     count, cutoff = ctx.choice.count, ctx.now - ctx.staleness_s
@@ -409,12 +380,16 @@ def decide(
     vcpus: int = 1,
     index: NodeIndex | None = None,
 ) -> Decision:
-    """Ordered alternatives: the first choice that fits anywhere wins, its candidates best first. With an
-    `index` (holding the same views as `nodes`) a decision does not visit every node."""
+    """Ordered alternatives: the first choice that fits anywhere wins, its candidates best first. `index` holds
+    the same views as `nodes` (CubeMaster's cache keeps one); without it one is built for this decision."""
+    if index is None:
+        index = NodeIndex()
+        for n in nodes:
+            index.put(n)
     outcomes = []
     for choice, contract_, selector in choices:
         ctx = Context(choice, contract_, selector, now, staleness_s, vcpus=vcpus)
-        out = evaluate(nodes, ctx) if index is None else evaluate_indexed(index, ctx)
+        out = evaluate_indexed(index, ctx)
         outcomes.append(out)
         if out.candidates:
             return Decision(choice, contract_, out.candidates, outcomes)

@@ -142,47 +142,6 @@ def configure_logging(level: str | int | None = None, stream: IO[str] | None = N
     return log
 
 
-def log_many(logger: logging.Logger, level: int, entries: list[tuple[str, dict[str, Any]]]) -> None:
-    """Several structured lines (one transaction's events) in one write: the same lines `logger.log` would
-    give, without a LogRecord and a flush per line — what keeps per-transition logging off the hot path."""
-    if not entries or not logger.isEnabledFor(level):
-        return
-    handlers = logging.getLogger("cubeaccel").handlers
-    ours = [h for h in handlers if getattr(h, "_cubeaccel_json", False)]
-    if logger.propagate is False or len(ours) != 1 or len(handlers) != 1 or logger.handlers:
-        for msg, fields in entries:  # someone else's handlers (a test's caplog): the ordinary way
-            logger.log(level, msg, extra={"fields": fields})
-        return
-    handler = ours[0]
-    assert isinstance(handler, logging.StreamHandler)
-    head: dict[str, Any] = {"ts": round(time.time(), 6), "level": logging.getLevelName(level).lower()}
-    head["logger"] = logger.name
-    rid = _request_id.get()
-    text = "".join(
-        json.dumps(
-            {**head, "msg": msg, **({"request_id": rid} if rid else {}), **redact(fields)},
-            default=str,
-            separators=(",", ":"),
-        )
-        + "\n"
-        for msg, fields in entries
-    )
-    with handler.lock or _NO_LOCK:
-        handler.stream.write(text)
-        handler.flush()
-
-
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
-
-
 def log_fields(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
     """One structured line (cheap when the level is off: nothing is formatted)."""
     if logger.isEnabledFor(level):
@@ -245,7 +204,7 @@ class ApiTelemetry:
                 "client": client[0] if client else None,
                 "error_code": code,
             }
-            log_many(api_log, logging.INFO, [("request", fields)])  # the request's id is still the context's
+            log_fields(api_log, logging.INFO, "request", **fields)  # the request's id is still the context's
 
     async def __call__(self, app: Any, scope: Any, receive: Any, send: Any) -> None:
         """Run `app` for one HTTP request with its id set, then count and log it."""
