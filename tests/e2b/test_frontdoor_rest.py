@@ -352,3 +352,26 @@ def test_a_reply_sent_before_its_body_was_read_tells_the_client_not_to_reuse_the
         sock.sendall(body + f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
         second, _ = _reply(sock)
         assert second.startswith(b"http/1.1 "), "the connection was closed though its reply did not say so"
+
+
+@pytest.mark.parametrize("line", ["2.15.2", SDK_245])
+def test_older_sdk_lines_send_network_options_the_front_door_maps_or_refuses_by_name(
+    stack: dict[str, Any], line: str
+) -> None:
+    """Issue 29: E2B's `network` and `allow_internet_access` were checked with 2.63 only; the older lines send
+    their own body (`allowInternetAccess` always), which must map the same way."""
+    seen = run_check(
+        line,
+        Path(__file__).with_name("sdk_network_check.py"),
+        ["cuda12-h100", f"t{time.monotonic_ns()}"],
+        stack["key"],
+        stack["fd"].url,
+    )
+    assert seen["version"] == line
+    asked = {
+        name: stack["cluster"].c.sandbox(seen[name]["sandbox_id"])["request"] for name in ("deny_some", "no_internet")
+    }
+    assert asked["deny_some"]["network"]["deny_out"] == ["10.1.2.0/24"]
+    assert "0.0.0.0/0" in asked["no_internet"]["network"]["deny_out"]
+    assert "network.e2b_destination_unsupported" in seen["by_name"]["error"]
+    assert "network.policy_widened" in seen["widened"]["error"]

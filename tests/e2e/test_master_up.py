@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,3 +156,27 @@ def test_up_with_warm_0_keeps_none(tmp_path: Path, capsys: pytest.CaptureFixture
         node.close()
     finally:
         assert run_down(tmp_path) == 0
+
+
+def test_up_after_down_refills_its_pool_and_warm_0_then_keeps_none(tmp_path: Path) -> None:
+    """`down` drains the Cubelet's pools (kept in its journal); the next `up` on the same state directory brings
+    its own warm config (`--warm-reset`): the pool refills, and with `--warm 0` there is none."""
+
+    def pools() -> list[dict[str, Any]]:
+        node = CubeletClient(socket=tmp_path / "cubelet" / "cubelet.sock")
+        try:
+            reply = node.request("GET", "/v1/warm/pools")
+            assert reply["draining"] is False, reply
+            return list(reply["pools"])
+        finally:
+            node.close()
+
+    for warm in (1, 1, 0):
+        assert run_up(tmp_path, "simulated", "h100x4", detach=True, warm=warm) == 0
+        try:
+            if warm:
+                poll(lambda: [p["warm"] for p in pools()] == [1], 30, what="the pool warm again")
+            else:
+                assert pools() == []
+        finally:
+            assert run_down(tmp_path) == 0

@@ -142,4 +142,6 @@ def test_with_every_warm_sandbox_taken_a_matching_create_goes_cold_with_pool_emp
     assert path_entries(first)[0]["path"] == "warm"
     poll(lambda: [p["warm"] for p in advertised(m, "n")] == [0], 30)
     second = m.client.create({"gpu": "H100:1", "id": "sb-2"})
-    assert [(e["path"], e.get("reason")) for e in path_entries(second)] == [("cold", "warm.pool_empty")]
+    assert [(e["path"], e.get("reason"), e.get("refilling")) for e in path_entries(second)] == [
+        ("cold", "warm.pool_empty", 0)  # size 0: none on the way either
+    ]

@@ -22,28 +22,9 @@ from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, wait_nodes_ready
 from tests.support.poll import poll
+from tests.support.warm import claimed_warm_ids, request_waiting_on
 
 pytestmark = pytest.mark.postgres
-
-
-def claimed_warm_ids(node: CubeletProcess) -> list[str]:
-    """The warm ids the Cubelet handed out: each claimed reservation keeps its warm sandbox's shim id."""
-    out = []
-    for r in node.client.request("GET", "/v1/reservations")["reservations"]:
-        shim = (r.get("facts") or {}).get("shim_id")
-        if shim and shim.startswith("warm-") and not r["sandbox_id"].startswith("warm-"):
-            out.append(shim)
-    return out
-
-
-def request_waiting_on(port: int) -> bool:
-    """A connection to 127.0.0.1:`port` holds bytes its (stopped) server has not read: a request was sent."""
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        f = line.split()
-        local, state, queues = f[1], f[3], f[4]
-        if state == "01" and int(local.split(":")[1], 16) == port and int(queues.split(":")[1], 16) > 0:
-            return True
-    return False
 
 
 @pytest.fixture

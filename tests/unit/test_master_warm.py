@@ -10,9 +10,11 @@ from hypothesis import strategies as st
 
 from cubeaccel.master.selector import compile_selector
 from cubeaccel.master.view import NodeView, view_from_heartbeat
-from cubeaccel.master.warm import NO_POOL, POOL_EMPTY, candidates, warm_rows
+from cubeaccel.master.warm import NO_POOL, POOL_EMPTY, candidates, refilling, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
+from cubeaccel.wire.master_api import NodeVerbReply, SandboxList, WarmSandbox
+from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 from tests.support.master_builders import group, h100_contract, heartbeat
 
 CONTRACT = h100_contract(1024)
@@ -56,6 +58,16 @@ def test_a_matching_pool_offers_its_warm_ids_and_a_claimed_one_is_not_offered_ag
     assert find([v]) == ([], POOL_EMPTY)
 
 
+def test_a_pool_that_is_refilling_is_a_miss_that_counts_its_warm_starts_on_the_way() -> None:
+    """A create does not wait for a warm start in flight (docs/decisions.md): it goes cold, saying how many."""
+    empty = node(pool((), starting=2, size=2), pool((), starting=5, size=5, vcpus=2, key="k2"))
+    assert find([empty]) == ([], POOL_EMPTY)
+    assert refilling([empty], [(GPU, CONTRACT, None)], None, 1, None, 1000.0, 10.0) == 2  # its shape's only
+    assert refilling([empty], [(GPU, CONTRACT, None)], None, 3, None, 1000.0, 10.0) == 0
+    stale = node(pool((), starting=2), received_at=0.0)
+    assert refilling([stale], [(GPU, CONTRACT, None)], None, 1, None, 1000.0, 10.0) == 0
+
+
 def test_another_shape_model_or_selector_is_no_pool() -> None:
     assert find([node(pool())], vcpus=2)[1] == NO_POOL
     assert find([node(pool())], choice=AcceleratorChoice("gpu", 1, model="A100"))[1] == NO_POOL
@@ -79,7 +91,27 @@ def test_warm_sandboxes_are_listed_in_state_warm() -> None:
     v = node(pool())
     v.warm_claimed = frozenset({"warm-" + "a" * 16})
     rows = warm_rows([v])
-    assert [(r["state"], r["node"], r["claimed"]) for r in rows] == [("warm", "n", True), ("warm", "n", False)]
+    assert [(r.state, r.node, r.claimed) for r in rows] == [("warm", "n", True), ("warm", "n", False)]
+    # As the API lists them (`SandboxList`): the typed warm record, every field of it on the wire.
+    listed = SandboxList(sandboxes=rows).model_dump(mode="json", by_alias=True)["sandboxes"]
+    assert [set(r) for r in listed] == [WARM_ROW_KEYS] * 2 and listed[0]["class"] == "gpu"
+    again = SandboxList.model_validate({"sandboxes": listed}).sandboxes
+    assert all(isinstance(r, WarmSandbox) for r in again) and list(again) == rows
+
+
+WARM_ROW_KEYS = {
+    *("id", "tenant", "state", "last_known_state", "node", "class", "count", "device_ids", "template", "request"),
+    *("error", "timeline", "expires_at", "created_at", "updated_at", "pool", "labels", "claimed"),
+}
+
+
+def test_the_node_verbs_warm_answer_is_typed_either_way() -> None:
+    drained = NodeVerbReply.model_validate({"node": "n", "warm": {"v": 1, "draining": True, "torn_down": ["w"]}})
+    assert drained.warm == WarmDrainReply(draining=True, torn_down=["w"])
+    failed = NodeVerbReply.model_validate({"node": "n", "warm": {"error": "cubelet.unreachable", "message": "x"}})
+    assert failed.warm == WarmVerbFailure(error="cubelet.unreachable", message="x")
+    assert failed.model_dump(mode="json")["warm"] == {"error": "cubelet.unreachable", "message": "x"}
+    assert drained.model_dump(mode="json")["warm"] == {"v": 1, "draining": True, "torn_down": ["w"]}
 
 
 def test_heartbeat_warm_pools_are_typed_and_an_older_cubelets_are_none() -> None:

@@ -153,9 +153,17 @@ def serve_cmd(
         list[str] | None,
         typer.Option(
             help="real MicroVMs: TEMPLATE_FILE=SIZE, keep SIZE warm sandboxes of that template (one device each; "
-            "repeatable; changeable at run time with PUT /v1/warm/pools, docs/warm.md)"
+            "repeatable; changeable at run time with PUT /v1/warm/pools; the journal keeps pools and drain across "
+            "restarts, docs/warm.md)"
         ),
     ] = None,
+    warm_reset: Annotated[
+        bool,
+        typer.Option(
+            help="forget the warm pools and drain the journal kept: only this start's --warm pools "
+            "(`cubeaccel up`'s Cubelet; the warm sandboxes of the others are released)"
+        ),
+    ] = False,
     warm_max_starts: Annotated[
         int | None,
         typer.Option(min=1, max=64, help="warm sandboxes started at once by the refill (default: one per 2 CPUs)"),
@@ -259,6 +267,8 @@ def serve_cmd(
             with cubelet.store.tx() as t:
                 t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})
         initialize_host(cubelet)
+        if warm_reset:
+            cubelet.warm.reset()  # before reconcile, which then releases the forgotten pools' warm sandboxes
         repairs = reconcile(cubelet)  # before any capacity is advertised
         for tpl_path, size in _warm_pools(warm or []):
             cubelet.warm.set_pool(_warm_request(tpl_path), size)

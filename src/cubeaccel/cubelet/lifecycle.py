@@ -12,6 +12,7 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ from cubeaccel.model.sandbox_policy import (
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.telemetry import request_id
+from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
 
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
@@ -162,6 +164,7 @@ class Cubelet(ReleasePath):
         self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
         self.scrubs: dict[str, ScrubJob] = {}
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
+        self.warm.restore()  # the pools and drain this node was given, before reconcile looks at warm sandboxes
         self.node_address_sets: dict[str, frozenset[ipaddress.IPv4Address]] = {}  # sandbox → last refused set
         shim.bind(self.handle_report)
 
@@ -258,6 +261,19 @@ class Cubelet(ReleasePath):
                 f"count must be 1..{limit} on this node (one VM takes at most "
                 f"{self.shim.max_devices} devices), got {count}",
             )
+
+    @staticmethod
+    def pool_request(shape: WarmPoolBody | WarmPoolSetting) -> ReservationRequest:
+        """A warm pool's shape as a reservation request (no tenant, lifetime or labels: those come with a claim)."""
+        return ReservationRequest(
+            count=shape.count,
+            accel_class=shape.accel_class,
+            template=shape.template,
+            memory_mib=shape.memory_mib,
+            vcpus=shape.vcpus,
+            pin_memory=shape.pin_memory,
+            contract=shape.contract,
+        )
 
     def request_params(self, req: ReservationRequest) -> tuple[CompatibilityContract | None, dict[str, Any]]:
         """The reservation's recorded parameters: the frozen contract's memory and the effective network policy
@@ -514,67 +530,29 @@ class Cubelet(ReleasePath):
         return confine.cubelet_verdict(cp.vmm_pid, details.get("uid"))
 
     def handle_report(self, report: ShimReport) -> None:
-        sid = report.sandbox_id
+        """Record a shim's report (its kind's handler updates the checkpoint and devices), judge readiness, then
+        act on it outside the transaction (a teardown takes the lock itself)."""
         with self.change() as t:  # the lock covers the transaction; teardown takes it itself
-            res = t.reservation(sid) or t.reservation_of_shim(sid)  # a claimed warm shim reports under its own id
-            sid = sid if res is None else res.sandbox_id
-            expected = res.checkpoint.start_id if res else None
-            if res is not None and (expected is None or report.start_id != expected):
-                # A late report from an earlier start (reused sandbox id), a forged one, or one for a
-                # reservation no shim serves yet (not started: no nonce to match): evidence of nothing.
-                t.event(
-                    "shim_report_rejected",
-                    Actor.SHIM,
-                    sandbox_id=sid,
-                    event=report.kind.value,
-                    reason="shim.report_stale",
-                    details={"start_id": report.start_id},
-                )
-                return
-            details = report.details if res else {**report.details, "reservation": "closed"}
-            t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
+            res = self._accepted_report(t, report)
             if res is None:
                 return
-            k, cp = report.kind, res.checkpoint
-            unconfined: list[str] = []
-            if k is ShimReportKind.VM_STARTED:
-                pid = report.details.get("pid")
-                cp.vmm_pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT else None
-            elif k is ShimReportKind.VMM_CONFINED and self._gated:
-                unconfined = self._confinement_problems(cp, report.details)
-                cp.vmm_confined = not unconfined
-            elif k is ShimReportKind.DEVICE_ATTACHED and self._gated and not cp.vmm_confined:
-                unconfined = ["no confinement proof before the device was attached"]
-            elif k is ShimReportKind.GUEST_VALIDATED and self._gated and not cp.vmm_confined:
-                unconfined = ["no confinement proof before the sandbox was ready"]  # one with no device, too
-            elif k is ShimReportKind.DEVICE_ATTACHED:
-                named = set(report.device_ids)  # one report per device; none named means all
-                devs = self._sandbox_devices(t, sid)
-                addresses = cp.guest_addresses
-                for d in devs:
-                    if d.state is S.PREPARING and (not named or d.id in named):
-                        t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
-                        if isinstance(report.details.get("guest_address"), str):
-                            addresses[d.id] = report.details["guest_address"]
-            elif k is ShimReportKind.DEVICE_DETACHED:
-                cp.detached = sorted(set(cp.detached) | set(report.device_ids or res.device_ids))
-            elif k is ShimReportKind.SHIM_EXITING:
-                cp.shim_exited = True
-            # detach_timeout and vmm_exited are history (the shim_report event above), not release evidence
+            sid, cp = res.sandbox_id, res.checkpoint
+            unconfined = self._unproven(report.kind, cp)
+            if not unconfined and (record := _REPORT_RECORDERS.get(report.kind)) is not None:
+                unconfined = record(self, t, res, report)
             violations = self._judge_guest(t, res, report)
             ready = (
-                k is ShimReportKind.GUEST_VALIDATED
+                report.kind is ShimReportKind.GUEST_VALIDATED
                 and not violations
                 and res.phase is P.STARTING
                 and all(d.state is S.ATTACHED for d in self._sandbox_devices(t, sid))
                 and (cp.vmm_confined or not self._gated)  # a sandbox with no device to gate is gated here
             )
-            warm = res.checkpoint.warm_pool is not None and res.checkpoint.claimed_at is None
+            warm = cp.warm_pool is not None and cp.claimed_at is None
             if ready:  # ready means ready: every device attached *and* validated in the guest
                 res.fire(RE.WARMED if warm else RE.READY)
                 t.event("sandbox_warm" if warm else "sandbox_running", Actor.CUBELET, sandbox_id=sid)
             t.update_reservation(res)
-        det = report.details
         if unconfined:  # the VMM gets no device: the start fails and what it holds goes through the release path
             self.begin_teardown(
                 sid,
@@ -585,7 +563,79 @@ class Cubelet(ReleasePath):
             )
         elif ready and not warm:  # a warm sandbox is the node's: CubeMaster has no record of it
             self.notify(sid, {"phase": "running"})
-        elif report.kind is ShimReportKind.ATTACH_FAILED:
+        else:
+            self._act_on_failure(res, report, violations)
+
+    def _accepted_report(self, t: Tx, report: ShimReport) -> Reservation | None:
+        """The reservation a report is evidence for, with the report recorded as an event; None when it is
+        evidence of nothing (no reservation, or another start's report)."""
+        res = t.reservation(report.sandbox_id) or t.reservation_of_shim(report.sandbox_id)  # a claimed warm shim
+        sid = report.sandbox_id if res is None else res.sandbox_id  # reports under its own id
+        expected = res.checkpoint.start_id if res else None
+        if res is not None and (expected is None or report.start_id != expected):
+            # A late report from an earlier start (reused sandbox id), a forged one, or one for a
+            # reservation no shim serves yet (not started: no nonce to match): evidence of nothing.
+            t.event(
+                "shim_report_rejected",
+                Actor.SHIM,
+                sandbox_id=sid,
+                event=report.kind.value,
+                reason="shim.report_stale",
+                details={"start_id": report.start_id},
+            )
+            return None
+        details = report.details if res else {**report.details, "reservation": "closed"}
+        t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
+        return res
+
+    def _unproven(self, kind: ShimReportKind, cp: ReservationCheckpoint) -> list[str]:
+        """A device attached, or a sandbox ready, before Cubelet's own reading proved the VMM confined."""
+        if not self._gated or cp.vmm_confined:
+            return []
+        if kind is ShimReportKind.DEVICE_ATTACHED:
+            return ["no confinement proof before the device was attached"]
+        if kind is ShimReportKind.GUEST_VALIDATED:
+            return ["no confinement proof before the sandbox was ready"]  # one with no device, too
+        return []
+
+    def _on_vm_started(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
+        pid = report.details.get("pid")
+        ok = isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT
+        res.checkpoint.vmm_pid = pid if ok else None
+        return []
+
+    def _on_vmm_confined(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
+        if not self._gated:
+            return []
+        problems = self._confinement_problems(res.checkpoint, report.details)
+        res.checkpoint.vmm_confined = not problems
+        return problems
+
+    def _on_device_attached(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
+        named = set(report.device_ids)  # one report per device; none named means all
+        address = report.details.get("guest_address")
+        for d in self._sandbox_devices(t, res.sandbox_id):
+            if d.state is S.PREPARING and (not named or d.id in named):
+                t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
+                if isinstance(address, str):
+                    res.checkpoint.guest_addresses[d.id] = address
+        return []
+
+    def _on_device_detached(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
+        cp = res.checkpoint
+        cp.detached = sorted(set(cp.detached) | set(report.device_ids or res.device_ids))
+        return []
+
+    def _on_shim_exiting(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
+        res.checkpoint.shim_exited = True
+        return []
+
+    def _act_on_failure(self, res: Reservation, report: ShimReport, violations: list[ContractViolation]) -> None:
+        """What a report that is not a readiness means for the sandbox: a failed start or a dead VMM is torn down;
+        the shim's final report lets a release finish. detach_timeout and vmm_exited during a release are
+        history (the shim_report event), not release evidence."""
+        sid, det, k = res.sandbox_id, report.details, report.kind
+        if k is ShimReportKind.ATTACH_FAILED:
             self.begin_teardown(
                 sid,
                 str(det.get("reason") or "attach_failed"),
@@ -593,21 +643,12 @@ class Cubelet(ReleasePath):
                 layer=str(det.get("layer") or "backend"),
                 message=str(det.get("message") or ""),
             )
-        elif report.kind is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
-            v = violations[0] if violations else None
-            layers = det.get("failed_layers") if isinstance(det.get("failed_layers"), list) else None
-            layer = v.layer.value if v else str(det.get("layer") or (layers[0] if layers else "guest_kernel"))
-            self.begin_teardown(
-                sid,
-                v.code if v else str(det.get("reason") or "guest.validation_failed"),
-                layer=layer,
-                message=f"expected {v.expected}, found {v.found}"
-                if v
-                else str(det.get("message") or "the guest does not satisfy the contract"),
-            )
-        elif report.kind is ShimReportKind.VMM_EXITED:
+        elif k is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
+            reason, layer, message = _guest_failure(det, violations)
+            self.begin_teardown(sid, reason, layer=layer, message=message)
+        elif k is ShimReportKind.VMM_EXITED:
             self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
-        elif report.kind is ShimReportKind.SHIM_EXITING and res.phase is P.RELEASING:
+        elif k is ShimReportKind.SHIM_EXITING and res.phase is P.RELEASING:
             self.try_release(sid)  # the final report is release evidence: no waiting for the next reconcile pass
 
     def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
@@ -650,6 +691,29 @@ class Cubelet(ReleasePath):
         self.get_reservation(sandbox_id)  # 404 when unknown
         self.begin_teardown(sandbox_id, reason)
         return self.store.reservation(sandbox_id)
+
+
+ReportRecorder = Callable[[Cubelet, Tx, Reservation, ShimReport], list[str]]
+
+# What each kind of shim report changes in the journal; a kind not here is history only (its event).
+_REPORT_RECORDERS: dict[ShimReportKind, ReportRecorder] = {
+    ShimReportKind.VM_STARTED: Cubelet._on_vm_started,
+    ShimReportKind.VMM_CONFINED: Cubelet._on_vmm_confined,
+    ShimReportKind.DEVICE_ATTACHED: Cubelet._on_device_attached,
+    ShimReportKind.DEVICE_DETACHED: Cubelet._on_device_detached,
+    ShimReportKind.SHIM_EXITING: Cubelet._on_shim_exiting,
+}
+
+
+def _guest_failure(det: dict[str, Any], violations: list[ContractViolation]) -> tuple[str, str, str]:
+    """(reason, layer, message) of a start the guest failed: the host's own judgement first, else the shim's."""
+    if violations:
+        v = violations[0]
+        return v.code, v.layer.value, f"expected {v.expected}, found {v.found}"
+    layers = det.get("failed_layers") if isinstance(det.get("failed_layers"), list) else None
+    layer = str(det.get("layer") or (layers[0] if layers else "guest_kernel"))
+    reason = str(det.get("reason") or "guest.validation_failed")
+    return reason, layer, str(det.get("message") or "the guest does not satisfy the contract")
 
 
 def _widest(bars: tuple[Bar, ...]) -> tuple[int, int]:

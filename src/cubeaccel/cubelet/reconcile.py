@@ -184,6 +184,9 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
     for sid in cubelet.warm.unacknowledged():  # the journal says claimed, the shim never said so (docs/warm.md)
         cubelet.begin_teardown(sid, "warm.claim_unacknowledged", message="the warm shim never acknowledged the claim")
         repairs.append(Repair(None, sid, "failed", "warm.claim_unacknowledged"))
+    for sid in cubelet.warm.orphans():  # warm sandboxes of a pool not kept here: never claimable, never counted
+        cubelet.begin_teardown(sid, "warm.no_pool", message="no warm pool of this sandbox's shape is kept here")
+        repairs.append(Repair(None, sid, "failed", "warm.no_pool"))
     for res in cubelet.store.reservations():
         if res.phase is ReservationPhase.RELEASING:
             cubelet.try_release(res.sandbox_id)

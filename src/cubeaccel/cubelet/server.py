@@ -234,26 +234,17 @@ def create_app(
         return {"pools": warm.views(), "max_concurrent_starts": warm.max_concurrent_starts, "draining": warm.draining}
 
     @app.post("/v1/warm/drain", response_model=WarmDrainReply)
-    def drain_warm() -> dict[str, Any]:
-        return {"draining": True, "torn_down": cubelet.warm.drain()}
+    def drain_warm() -> WarmDrainReply:
+        return WarmDrainReply(draining=True, torn_down=cubelet.warm.drain())
 
     @app.post("/v1/warm/undrain", response_model=WarmDrainReply)
-    def undrain_warm() -> dict[str, Any]:
+    def undrain_warm() -> WarmDrainReply:
         cubelet.warm.undrain()
-        return {"draining": False, "torn_down": []}
+        return WarmDrainReply(draining=False, torn_down=[])
 
     @app.put("/v1/warm/pools", response_model=WarmPoolList)
     def set_warm_pool(body: WarmPoolBody) -> dict[str, Any]:
-        req = ReservationRequest(
-            count=body.count,
-            accel_class=body.accel_class,
-            template=body.template,
-            memory_mib=body.memory_mib,
-            vcpus=body.vcpus,
-            pin_memory=body.pin_memory,
-            contract=body.contract,
-        )
-        cubelet.warm.set_pool(req, body.size)
+        cubelet.warm.set_pool(cubelet.pool_request(body), body.size)
         return warm_pools()
 
     @app.get("/v1/reservations", response_model=W.ReservationList)

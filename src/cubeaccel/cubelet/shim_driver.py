@@ -172,7 +172,14 @@ class SimulatedShimDriver:
         return []
 
     def claim(self, shim_id: str, claim: ShimClaim, timeout_s: float) -> ShimClaimAck:
-        if self.host.find_process(f"shim:{shim_id}") is None:
+        """As the real shim's control socket: a stopped shim (`SimulatedPciHost.pause`) answers once continued,
+        or never within `timeout_s`; a shim that is gone (or killed while stopped) answers nothing."""
+        deadline = time.monotonic() + timeout_s
+        while (pid := self.host.find_process(f"shim:{shim_id}")) is not None and self.host.stopped(pid):
+            if time.monotonic() >= deadline:
+                return ShimClaimAck(ok=False, code="warm.claim_unanswered", message="timed out: the shim is stopped")
+            time.sleep(0.05)
+        if pid is None:
             return ShimClaimAck(ok=False, code="warm.claim_unanswered", message="no shim")
         self._report(shim_id, ShimReportKind.WARM_CLAIMED, claimed_as=claim.sandbox_id)
         return ShimClaimAck(ok=True, rebind_ms=0.0)

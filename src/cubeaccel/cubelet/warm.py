@@ -12,6 +12,8 @@ Crash rule: the journal decides, and a claimed reservation belongs to its reques
 acknowledged the claim (`claim_acked` false, no claim in flight in this process) is failed through the release
 path by reconcile (`warm.claim_unacknowledged`), never put back in the pool: the tenant's token may have reached
 the guest, and a sandbox a tenant could have reached is never handed to another.
+
+The pools and the drain are one record in the journal (`WarmSettings`), so a restarted Cubelet keeps both.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from cubeaccel.cubelet.release import CubeletConfig
 from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.shim_driver import ShimDriver
@@ -33,7 +37,7 @@ from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
-from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim
+from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim, WarmPoolSetting, WarmSettings
 
 log = logging.getLogger(__name__)
 P, RE = ReservationPhase, ReservationEvent
@@ -41,6 +45,8 @@ WARM_PREFIX = WARM_ID_PREFIX  # a warm sandbox's own id (its shim, VMM and run d
 BACKOFF_FIRST_S = 2.0
 BACKOFF_MAX_S = 300.0
 DRAINED = "warm.drained"  # teardown reason and miss reason while the node's pools are drained
+NO_POOL = "warm.no_pool"  # miss reason, and teardown reason of a warm sandbox no configured pool keeps
+SETTINGS_KEY = "warm"  # the journal's `meta` row holding `WarmSettings`
 CLAIM_TIMEOUT_S = 40.0  # the shim's rebind waits up to 30 s for the guest's new session
 # Labels are not in the key: they narrow which devices qualify, so a claim checks the warm sandbox's devices.
 KEY_FIELDS = ("count", "class", "memory_mib", "vcpus", "pin_memory", "network")
@@ -63,6 +69,8 @@ class WarmHost(Protocol):
     config: CubeletConfig
 
     def request_params(self, req: Any) -> tuple[Any, dict[str, Any]]: ...
+
+    def pool_request(self, shape: WarmPoolSetting) -> Any: ...
 
     def reserve(self, sandbox_id: str, req: Any) -> Reservation: ...
 
@@ -109,15 +117,89 @@ class WarmPools:
         (the warm ones stay until claimed or the node is drained)."""
         _, params = self.cubelet.request_params(req)
         key = pool_key(params)
-        with self._cv:
-            pool = self.pools.get(key)
-            if pool is None:
-                pool = self.pools[key] = Pool(key, req, size)
-            pool.size = size
-            pool.backoff_s, pool.retry_at = 0.0, 0.0
-            self._cv.notify_all()
-        self._event("warm_pool_set", None, None, {"pool": key, "size": size, "template": req.template})
+        with self.cubelet.change() as t:
+            with self._cv:
+                pool = self.pools.get(key)
+                if pool is None:
+                    pool = self.pools[key] = Pool(key, req, size)
+                pool.size = size
+                pool.backoff_s, pool.retry_at = 0.0, 0.0
+                self._save(t)
+                self._cv.notify_all()
+            details = {"pool": key, "size": size, "template": req.template}
+            t.event("warm_pool_set", Actor.CUBELET, details=details)
         return pool
+
+    # ---- the journal's record: pools and drain outlive this process ------------------------------------------
+    def _save(self, t: Tx) -> None:
+        """Under `_cv`, inside the change that made the difference: the record is never behind what was said."""
+        settings = WarmSettings(
+            draining=self.draining,
+            pools=[
+                WarmPoolSetting.model_validate(
+                    {
+                        "size": p.size,
+                        "count": p.request.count,
+                        "class": p.request.accel_class,
+                        "memory_mib": p.request.memory_mib,
+                        "vcpus": p.request.vcpus,
+                        "pin_memory": p.request.pin_memory,
+                        "contract": p.request.contract,
+                        "template": p.request.template,
+                    }
+                )
+                for p in self.pools.values()
+            ],
+        )
+        t.set_meta(SETTINGS_KEY, settings.model_dump_json(by_alias=True))
+
+    def restore(self) -> None:
+        """The pools and drain the journal kept. A record this build cannot read leaves the node drained (no
+        refill, no claim) and says so, rather than guess; a pool whose shape no longer validates is skipped."""
+        with self.cubelet.store.read() as t:
+            raw = t.meta(SETTINGS_KEY)
+        if raw is None:
+            return
+        try:
+            settings = WarmSettings.model_validate_json(raw)
+        except ValidationError as e:
+            log.error("warm settings unreadable, the node stays drained: %s", e)
+            self.draining = True
+            self._event("warm_settings_unreadable", None, "warm.drained", {"error": str(e)[:500]})
+            return
+        self.draining = settings.draining
+        for shape in settings.pools:
+            req = self.cubelet.pool_request(shape)
+            try:
+                _, params = self.cubelet.request_params(req)
+            except CubeError as e:
+                self._event("warm_pool_dropped", None, e.code, {"template": shape.template, "message": e.message})
+                continue
+            key = pool_key(params)
+            self.pools[key] = Pool(key, req, shape.size)
+
+    def reset(self) -> None:
+        """No pools, not drained, in the journal too: a start that brings its whole warm config (`up`)."""
+        with self.cubelet.change() as t, self._cv:
+            self.pools.clear()
+            self.draining = False
+            self._save(t)
+            t.event("warm_reset", Actor.CUBELET, details={})
+
+    def orphans(self) -> list[str]:
+        """Unclaimed warm sandboxes of no pool kept here (their pool's shape no longer validates): the refill
+        will never count them and no claim can match them, so reconcile releases them."""
+        with self._cv:
+            known, busy = set(self.pools), set(self._inflight)
+        return [
+            r.sandbox_id
+            for r in self.cubelet.store.reservations()
+            if r.checkpoint.warm_pool is not None
+            and r.checkpoint.claimed_at is None
+            and r.checkpoint.warm_pool not in known
+            and r.phase is not P.RELEASING
+            and r.sandbox_id not in busy
+        ]
 
     def _event(self, kind: str, sandbox_id: str | None, reason: str | None, details: dict[str, Any]) -> None:
         with self.cubelet.change() as t:
@@ -245,8 +327,9 @@ class WarmPools:
     def drain(self) -> list[str]:
         """Stop refilling and claiming, and tear down every unclaimed warm sandbox (warm or still starting)
         through the release path; returns their ids. A drained node's tenants are left to their owners."""
-        with self._cv:
+        with self.cubelet.change() as t, self._cv:
             self.draining = True
+            self._save(t)
             self._cv.notify_all()
         ids = [
             r.sandbox_id
@@ -259,12 +342,14 @@ class WarmPools:
         return ids
 
     def undrain(self) -> None:
-        with self._cv:
-            self.draining = False
-            for pool in self.pools.values():
-                pool.backoff_s, pool.retry_at = 0.0, 0.0
-            self._cv.notify_all()
-        self._event("warm_undrained", None, None, {})
+        with self.cubelet.change() as t:
+            with self._cv:
+                self.draining = False
+                for pool in self.pools.values():
+                    pool.backoff_s, pool.retry_at = 0.0, 0.0
+                self._save(t)
+                self._cv.notify_all()
+            t.event("warm_undrained", Actor.CUBELET, details={})
 
     # ---- claim ---------------------------------------------------------------------------------------------
     def miss(self, key: str | None, reason: str) -> CubeError:
@@ -288,7 +373,7 @@ class WarmPools:
         _, params = self.cubelet.request_params(req)
         key = pool_key(params)
         if key not in self.pools:
-            raise self.miss(None, "warm.no_pool")
+            raise self.miss(None, NO_POOL)
         if self.draining:
             raise self.miss(key, DRAINED)
         token = given or secrets.token_urlsafe(32)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,10 +29,13 @@ from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.frontdoor.metrics import devices_of, e2b_metrics, window
 from cubeaccel.frontdoor.unread_body import close_when_body_unread
+from cubeaccel.model.error_catalog import http_status
+from cubeaccel.model.errors import CubeError
+from cubeaccel.wire import json_guard
+from cubeaccel.wire.api_edges import EdgeGuard
 from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
 from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 
-MAX_BODY = 1 << 20
 GONE = {"deleting", "deleted"}
 NOT_LIVE = {"deleting", "deleted", "failed", "lost"}
 # The design excludes these for a sandbox holding a device (ARCHITECTURE.md: no snapshot of VFIO state).
@@ -44,6 +46,25 @@ REFUSED = {
     "fork": "fork (clone)",
     "refreshes": "refreshes",
 }
+
+
+# E2B's REST routes: (method, path, handler); frontdoor/openapi.py documents each (docs/openapi/frontdoor-e2b.json).
+REST_ROUTES = [
+    ("GET", "/health", "health"),
+    ("POST", "/v2/sandboxes", "create"),
+    ("POST", "/sandboxes", "create"),
+    ("GET", "/v2/sandboxes", "list"),
+    ("GET", "/sandboxes", "list"),
+    ("GET", "/sandboxes/{sandbox_id}", "get_info"),
+    ("DELETE", "/sandboxes/{sandbox_id}", "kill"),
+    ("POST", "/sandboxes/{sandbox_id}/timeout", "set_timeout"),
+    ("GET", "/sandboxes/{sandbox_id}/metrics", "metrics"),
+    ("POST", "/v2/sandboxes/{sandbox_id}/connect", "connect"),
+    ("POST", "/sandboxes/{sandbox_id}/connect", "connect"),
+    ("POST", "/sandboxes/{sandbox_id}/{op}", "refused"),
+    ("GET", "/snapshots", "refused"),
+    ("POST", "/snapshots", "refused"),
+]
 
 
 @dataclass(frozen=True)
@@ -76,30 +97,26 @@ def api_key(request: Request) -> str:
     return key
 
 
+def edge_error(e: CubeError) -> Response:
+    """A refusal at the server edge (wire/api_edges.EdgeGuard, shared with CubeMaster and the Cubelet) in E2B's
+    format: the catalogued code leads the message, as it does for CubeMaster's refusals."""
+    refusal = M.refusal_from_error(e.to_json()["error"], http_status(e.code, e.status))
+    return error(refusal.status, refusal.message, refusal.retry)
+
+
 async def body_of(request: Request, model: type[BaseModel], required: bool = True) -> Any:
-    """The whole REST body within the body deadline (the other servers' 30 s, `CUBEACCEL_HTTP_BODY_TIMEOUT_S`)
-    and size limit; a late body is 408 and the connection is closed."""
-    raw = bytearray()
-    limit_s = HttpLimits.from_env().body_timeout_s
-    try:
-        async with asyncio.timeout(limit_s):
-            async for chunk in request.stream():
-                raw += chunk
-                if len(raw) > MAX_BODY:
-                    raise Refusal(413, "cubeaccel (api): request body above 1 MiB")
-    except TimeoutError as e:
-        raise Refusal(408, f"cubeaccel (api): request body not received within {limit_s:g} s", close=True) from e
+    """The REST body as `model`. The edge guard has read it already (size counted on the bytes read, within
+    the body deadline) and checked it is strict JSON."""
+    raw = await request.body()
     if not raw and not required:
         return model()
     try:
-        return model.model_validate(json.loads(raw or b"null"))
-    except (ValueError, ValidationError) as e:
-        msg = (
-            "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:3])
-            if isinstance(e, ValidationError)
-            else str(e)
-        )
-        raise Refusal(400, f"cubeaccel (api): invalid request body: {msg}") from e
+        return model.model_validate(json_guard.loads(raw or b"null"))
+    except json_guard.JsonRefused as e:
+        raise Refusal(400, f"cubeaccel (api): {e.code}: {e}") from e
+    except ValidationError as e:
+        msg = "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors()[:3])
+        raise Refusal(400, f"cubeaccel (api): api.invalid_request: invalid request body: {msg}") from e
 
 
 def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
@@ -275,21 +292,18 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v2/sandboxes", create, methods=["POST"]),
-        Route("/sandboxes", create, methods=["POST"]),
-        Route("/v2/sandboxes", list_sandboxes, methods=["GET"]),
-        Route("/sandboxes", list_sandboxes, methods=["GET"]),
-        Route("/sandboxes/{sandbox_id}", get_info, methods=["GET"]),
-        Route("/sandboxes/{sandbox_id}", kill, methods=["DELETE"]),
-        Route("/sandboxes/{sandbox_id}/timeout", set_timeout, methods=["POST"]),
-        Route("/sandboxes/{sandbox_id}/metrics", metrics, methods=["GET"]),
-        Route("/v2/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
-        Route("/sandboxes/{sandbox_id}/connect", connect, methods=["POST"]),
-        Route("/sandboxes/{sandbox_id}/{op}", refused, methods=["POST"]),
-        Route("/snapshots", refused, methods=["GET", "POST"]),
-    ]
+    handlers = {
+        "health": health,
+        "create": create,
+        "list": list_sandboxes,
+        "get_info": get_info,
+        "kill": kill,
+        "set_timeout": set_timeout,
+        "metrics": metrics,
+        "connect": connect,
+        "refused": refused,
+    }
+    routes = [Route(path, handlers[name], methods=[method]) for method, path, name in REST_ROUTES]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -299,23 +313,25 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
 
     async def refusal(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, Refusal)
-        response = error(exc.status, exc.message, exc.retry)
-        if exc.close:
-            response.headers["connection"] = "close"
-        return response
+        return error(exc.status, exc.message, exc.retry)
 
     async def no_route(request: Request, exc: Exception) -> Response:
         status = int(getattr(exc, "status_code", 404))
         return error(status, f"cubeaccel (api): {request.method} {request.url.path}: no such E2B route here")
 
-    rest = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={Refusal: refusal, 404: no_route, 405: no_route}
+    on_error = {Refusal: refusal, 404: no_route, 405: no_route}
+    rest = EdgeGuard(
+        Starlette(routes=routes, lifespan=lifespan, exception_handlers=on_error),
+        body_timeout_s=HttpLimits.from_env().body_timeout_s,
+        render=edge_error,
+        streams=lambda path: False,
     )
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             if headers_too_large(scope):  # the other listeners' bound, on the parsed request (HTTP/2 too)
-                too_large = error(431, f"cubeaccel (api): request line and headers over {MAX_HEADER_BYTES} bytes")
+                msg = f"request line and headers over {MAX_HEADER_BYTES} bytes"
+                too_large = edge_error(CubeError("api.headers_too_large", msg, "api", {}, 431))
                 too_large.headers["connection"] = "close"
                 await too_large(scope, receive, send)
                 return

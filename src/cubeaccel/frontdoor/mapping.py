@@ -29,12 +29,11 @@ E2B_DEFAULT_TEMPLATE = "base"  # what the SDK sends when the caller names no tem
 class Refusal(Exception):
     """An answer in E2B's error format: status, message, and whether the SDK may retry."""
 
-    def __init__(self, status: int, message: str, retry: bool = False, close: bool = False) -> None:
+    def __init__(self, status: int, message: str, retry: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.retry = retry
-        self.close = close  # the connection is closed after the answer (the rest of a late body is not read)
 
 
 def traffic_token(secret: bytes, sandbox_id: str) -> str:

@@ -11,8 +11,8 @@ from typing import Any
 
 from cubeaccel.frontdoor.app import FrontDoorConfig, create_app
 from cubeaccel.frontdoor.envd import CLIENT_TRANSPORT
+from cubeaccel.frontdoor.hypercorn_edge import answer_protocol_errors_in_json, bounded_config
 from cubeaccel.host import sdnotify
-from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits
 
 
 def read_secret(path: Path) -> str:
@@ -45,22 +45,10 @@ def expose_client_sockets() -> None:
 
 def serve(cfg: FrontDoorConfig, listen: str, certfile: Path | None = None, keyfile: Path | None = None) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
-    from hypercorn.config import Config
 
     expose_client_sockets()
-
-    hc = Config()
-    hc.bind = [listen]
-    hc.accesslog = None
-    # The same bounds as every other listener (wire/http_server.py). Hypercorn's idle timer runs from the
-    # connection's start (or the end of a reply) until a request's headers are complete: it is the header
-    # deadline and the keep-alive timeout in one, so it gets the shorter of the two (10 s; clients expire
-    # their idle connections sooner, httpx at 5 s). Bodies have their deadline in the app (REST) and none
-    # for envd streams, which stay open while a command runs, as the Cubelet's workload proxy does.
-    limits = HttpLimits.from_env()
-    hc.keep_alive_timeout = min(limits.header_timeout_s, float(limits.idle_timeout_s))
-    hc.h11_max_incomplete_size = MAX_HEADER_BYTES
-    hc.h2_max_header_list_size = MAX_HEADER_BYTES
+    answer_protocol_errors_in_json()
+    hc = bounded_config(listen)  # header, idle and header-size bounds; bodies: the shared edge guard (app.py)
     if certfile is not None:
         hc.certfile = str(certfile)
         hc.keyfile = str(keyfile) if keyfile else None

@@ -260,6 +260,19 @@ class SimulatedPciHost:
             if p is not None:
                 p["immortal"] = False
 
+    def pause(self, pid: int, stopped: bool = True) -> None:
+        """SIGSTOP (`stopped` False: SIGCONT): a stopped shim answers nothing on its control socket until it is
+        continued; a kill still takes. Persisted, so a test can stop a shim a Cubelet in another process drives."""
+        with self._locked(write=True):
+            p = self._s["procs"].get(str(pid))
+            if p is not None:
+                p["stopped"] = stopped
+
+    def stopped(self, pid: int) -> bool:
+        with self._locked(write=False):
+            p = self._s["procs"].get(str(pid))
+            return p is not None and bool(p.get("stopped"))
+
     def command_of(self, pid: int) -> str | None:
         with self._locked(write=False):
             p = self._s["procs"].get(str(pid))

@@ -87,6 +87,7 @@ class DashboardFeed:
         for r in rows:
             out = sandbox_json(r, silent)
             sandboxes.append({**out, "phases": phases.get(str(r["id"]), {})})
-        sandboxes += [{**w, "phases": {}} for w in warm_rows([v for v in views if not v.stale(now, staleness)])]
+        fresh = [v for v in views if not v.stale(now, staleness)]
+        sandboxes += [{**w.model_dump(mode="json", by_alias=True), "phases": {}} for w in warm_rows(fresh)]
         events.sort(key=lambda e: e.get("at") or 0.0, reverse=True)
         return {"at": now, "nodes": nodes, "sandboxes": sandboxes, "events": events[:MAX_EVENTS]}

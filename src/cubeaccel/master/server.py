@@ -19,6 +19,7 @@ import httpx
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import BaseRoute
@@ -57,6 +58,7 @@ from cubeaccel.wire.heartbeat import Heartbeat, NodeNews
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
 from cubeaccel.wire.telemetry import accept_request_id
 from cubeaccel.wire.templates import TemplateDocument
+from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 
 SANDBOX_STATES = tuple(s.value for s in SandboxState)
 DEVICE_VERBS = frozenset({"quarantine", "recover", "disable", "enable"})
@@ -409,13 +411,16 @@ def create_app(
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
         return {"node": node, "state": state.value, "who": ident.label(), "warm": warm_verb(node, verb)}
 
-    def warm_verb(node: str, verb: str) -> dict[str, Any]:
+    def warm_verb(node: str, verb: str) -> WarmDrainReply | WarmVerbFailure:
         """A drain removes the node's warm sandboxes first (and stops their refill); undrain resumes it. The
         node's state changed either way: an unreachable Cubelet is reported, not an error of the drain."""
         try:
-            return dict(forwarded(node, lambda c: c.request("POST", f"/v1/warm/{verb}")))
+            reply: WarmDrainReply = forwarded(node, lambda c: c.warm_drain() if verb == "drain" else c.warm_undrain())
+            return reply
         except CubeError as e:
-            return {"error": e.code, "message": e.message}
+            return WarmVerbFailure(error=e.code, message=e.message)
+        except ValidationError as e:  # a malformed answer: as the warm claim reads one, the Cubelet's failure
+            return WarmVerbFailure(error="cubelet.unreachable", message=f"malformed reply: {e}"[:300])
 
     def cubelet_of(node: str) -> CubeletClient:
         view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)

@@ -32,6 +32,7 @@ from cubeaccel.master.shown import shown_state
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmCandidate
 from cubeaccel.master.warm import candidates as warm_candidates
+from cubeaccel.master.warm import refilling as warm_refilling
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
@@ -449,9 +450,8 @@ class CubeMaster:
         quota, which may refuse the create outright), then the Cubelet's claim of exactly that id, whose
         journal CAS decides. A claim that did not hand a sandbox over gives the row back to `scheduling`."""
         network = self._effective_network(spec, resolved)
-        cands, reason = warm_candidates(
-            self.cache.views(), resolved, spec.memory_mib, spec.vcpus, network, time.time(), self.config.staleness_s
-        )
+        views, now, stale = self.cache.views(), time.time(), self.config.staleness_s
+        cands, reason = warm_candidates(views, resolved, spec.memory_mib, spec.vcpus, network, now, stale)
         tried: list[dict[str, Any]] = []
         for cand in cands:
             if len(tried) >= self.config.max_attempts:
@@ -482,6 +482,8 @@ class CubeMaster:
         detail: dict[str, Any] = {"path": "cold", "reason": reason}
         if tried:
             detail["warm_attempts"] = tried
+        if reason == POOL_EMPTY:  # warm starts on the way are not waited for (docs/decisions.md)
+            detail["refilling"] = warm_refilling(views, resolved, spec.memory_mib, spec.vcpus, network, now, stale)
         self.store.update_sandbox(sid, "path", detail=detail)
         if self.on_path is not None:
             self.on_path("cold", reason)

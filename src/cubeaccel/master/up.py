@@ -271,6 +271,7 @@ def _up_locked(
         "local",
         "--node-token-file",
         str(state_dir / "node-local.token"),
+        "--warm-reset",  # this stack owns its node: `down` drained the last run's pools; `--warm` says this one's
     ]
     if chosen == "simulated":
         cub_argv += ["--profile", profile, "--pinnable-memory-mib", str(SIMULATED_PINNABLE_MIB)]
@@ -371,7 +372,7 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
 
     c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
     with contextlib.suppress(CubeError, httpx.HTTPError):  # warm ones first, and no refill behind the release
-        c.request("POST", "/v1/warm/drain")
+        c.warm_drain()
     m = MasterClient(master_url, timeout=10.0, key=_secret(state_dir / "admin.key"))
     try:
         rows = m.sandboxes()

@@ -17,6 +17,7 @@ from cubeaccel.master.view import NodeView, device_attributes, group_key
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
+from cubeaccel.wire.master_api import WarmSandbox
 from cubeaccel.wire.warm import WarmPoolFact
 
 WARM_STATE = "warm"  # how CubeMaster lists a node's warm sandbox (`GET /v1/sandboxes?state=warm`)
@@ -75,31 +76,65 @@ def candidates(
     the most free warm ones), and the miss reason when there are none."""
     out: list[WarmCandidate] = []
     shaped = False
-    for choice, contract, selector in resolved:
-        mem = memory_mib or contract.memory_mib
+    for alternative in resolved:
+        choice, contract, selector = alternative
         here: list[WarmCandidate] = []
-        for n in views:
-            if not node_eligible(n, now, staleness_s):
-                continue
-            for pool in n.warm_pools:
-                if not pool_matches(pool, choice, contract, mem, vcpus, network):
+        for n, pool in _matching(views, alternative, memory_mib, vcpus, network, now, staleness_s):
+            fitting = [w for w in pool.sandboxes if _labels_ok(choice, selector, w.labels)]
+            shaped = shaped or bool(fitting) or not pool.sandboxes  # an empty pool's labels are unknown
+            free = set(n.warm_free(pool))
+            by_group: dict[str, list[str]] = {}
+            labels_of: dict[str, dict[str, str]] = {}
+            for w in fitting:
+                if w.id not in free:
                     continue
-                fitting = [w for w in pool.sandboxes if _labels_ok(choice, selector, w.labels)]
-                shaped = shaped or bool(fitting) or not pool.sandboxes  # an empty pool's labels are unknown
-                free = set(n.warm_free(pool))
-                by_group: dict[str, list[str]] = {}
-                labels_of: dict[str, dict[str, str]] = {}
-                for w in fitting:
-                    if w.id not in free:
-                        continue
-                    key = group_key(choice.accel_class, w.labels)
-                    by_group.setdefault(key, []).append(w.id)
-                    labels_of[key] = dict(w.labels)
-                for key, ids in by_group.items():
-                    here.append(WarmCandidate(n, pool, choice, contract, tuple(ids), key, labels_of[key]))
+                key = group_key(choice.accel_class, w.labels)
+                by_group.setdefault(key, []).append(w.id)
+                labels_of[key] = dict(w.labels)
+            for key, ids in by_group.items():
+                here.append(WarmCandidate(n, pool, choice, contract, tuple(ids), key, labels_of[key]))
         here.sort(key=lambda c: (-len(c.warm_ids), c.node.name))
         out.extend(here)
     return out, ("" if out else POOL_EMPTY if shaped else NO_POOL)
+
+
+def refilling(
+    views: Sequence[NodeView],
+    resolved: Sequence[tuple[AcceleratorChoice, CompatibilityContract, Selector | None]],
+    memory_mib: int | None,
+    vcpus: int,
+    network: dict[str, Any] | None,
+    now: float,
+    staleness_s: float,
+) -> int:
+    """Warm starts in flight in the pools a create matched (`starting`): a create that found them all taken
+    goes cold without waiting for one (docs/decisions.md); its timeline says how many were on the way."""
+    return sum(
+        pool.starting
+        for alternative in resolved
+        for _, pool in _matching(views, alternative, memory_mib, vcpus, network, now, staleness_s)
+    )
+
+
+def _matching(
+    views: Sequence[NodeView],
+    alternative: tuple[AcceleratorChoice, CompatibilityContract, Selector | None],
+    memory_mib: int | None,
+    vcpus: int,
+    network: dict[str, Any] | None,
+    now: float,
+    staleness_s: float,
+) -> list[tuple[NodeView, WarmPoolFact]]:
+    """The eligible nodes' pools of exactly the request's shape (labels aside: those are per warm sandbox)."""
+    choice, contract, _ = alternative
+    mem = memory_mib or contract.memory_mib
+    return [
+        (n, pool)
+        for n in views
+        if node_eligible(n, now, staleness_s)
+        for pool in n.warm_pools
+        if pool_matches(pool, choice, contract, mem, vcpus, network)
+    ]
 
 
 def _labels_ok(choice: AcceleratorChoice, selector: Selector | None, labels: dict[str, str]) -> bool:
@@ -108,32 +143,32 @@ def _labels_ok(choice: AcceleratorChoice, selector: Selector | None, labels: dic
     return selector is None or selector.matches(device_attributes(choice.accel_class, labels))
 
 
-def warm_rows(views: Sequence[NodeView]) -> list[dict[str, Any]]:
-    """The advertised warm sandboxes as sandbox records (`wire.master_api.Sandbox`) in state `warm`: owned by
-    their node (tenant ""), no request, no timeline; `claimed` says whether a create holds its claim row now."""
-    out: list[dict[str, Any]] = []
-    for v in sorted(views, key=lambda v: v.name):
-        for p in v.warm_pools:
-            for w in p.sandboxes:
-                out.append(
-                    {
-                        "id": w.id,
-                        "tenant": "",
-                        "state": WARM_STATE,
-                        "node": v.name,
-                        "class": p.accel_class,
-                        "count": p.count,
-                        "device_ids": [],
-                        "template": {"name": p.template, "version": None, "digest": p.contract_digest},
-                        "request": None,
-                        "error": None,
-                        "timeline": [],
-                        "expires_at": None,
-                        "created_at": v.received_at,
-                        "updated_at": v.received_at,
-                        "pool": p.key,
-                        "labels": dict(w.labels),
-                        "claimed": w.id in v.warm_claimed,
-                    }
-                )
-    return out
+def warm_rows(views: Sequence[NodeView]) -> list[WarmSandbox]:
+    """The advertised warm sandboxes as sandbox records in state `warm`: owned by their node (tenant ""), no
+    request, no timeline; `claimed` says whether a create holds its claim row now."""
+    return [
+        WarmSandbox.model_validate(
+            {
+                "id": w.id,
+                "tenant": "",
+                "state": WARM_STATE,
+                "node": v.name,
+                "class": p.accel_class,
+                "count": p.count,
+                "device_ids": [],
+                "template": {"name": p.template, "version": None, "digest": p.contract_digest},
+                "request": None,
+                "error": None,
+                "timeline": [],
+                "expires_at": None,
+                "created_at": v.received_at,
+                "updated_at": v.received_at,
+                "pool": p.key,
+                "labels": dict(w.labels),
+                "claimed": w.id in v.warm_claimed,
+            }
+        )
+        for v in sorted(views, key=lambda v: v.name)
+        for p in v.warm_pools
+        for w in p.sandboxes
+    ]

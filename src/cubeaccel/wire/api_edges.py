@@ -135,19 +135,33 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY, telemetry: ApiTele
     )
 
 
+def is_workload_stream(path: str) -> bool:
+    """The Cubelet's workload proxy streams bodies of any size to the guest."""
+    return path.startswith("/v1/sandboxes/") and "/workload/" in path
+
+
 class EdgeGuard:
-    """Pure ASGI middleware in front of every route: the body is read here, counted by the bytes that
-    actually arrive (a chunked body has no Content-Length to trust), within a deadline, and parsed as strict
-    JSON before a route sees it. A refusal answers in the error format and closes the connection, so the
-    rest of an oversized body is never read."""
+    """Pure ASGI middleware in front of every route of every listener (CubeMaster, the Cubelet, the front
+    door's REST routes): the body is read here, counted by the bytes that actually arrive (a chunked body has
+    no Content-Length to trust), within a deadline, and parsed as strict JSON before a route sees it. A
+    refusal answers in the listener's error format and closes the connection, so the rest of an oversized
+    body is never read."""
 
     def __init__(
-        self, app: Any, max_body: int = MAX_BODY, body_timeout_s: float = 30.0, telemetry: ApiTelemetry | None = None
+        self,
+        app: Any,
+        max_body: int = MAX_BODY,
+        body_timeout_s: float = 30.0,
+        telemetry: ApiTelemetry | None = None,
+        render: Callable[[CubeError], Response] = error_response,
+        streams: Callable[[str], bool] = is_workload_stream,
     ) -> None:
         self.app = app
         self.max_body = max_body
         self.body_timeout_s = body_timeout_s
         self.telemetry = telemetry
+        self.render = render  # the front door answers in E2B's error format
+        self.streams = streams  # paths whose bodies stream through unread (flow-controlled, never held whole)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -162,9 +176,7 @@ class EdgeGuard:
             msg = f"request line and headers over {MAX_HEADER_BYTES} bytes"
             await self._refuse(scope, send, CubeError("api.headers_too_large", msg, "api", {}, 431))
             return
-        path = scope.get("path", "")
-        if path.startswith("/v1/sandboxes/") and "/workload/" in path:
-            # Cubelet's workload proxy streams bodies of any size to the guest (flow-controlled, never held whole).
+        if self.streams(scope.get("path", "")):
             await self.app(scope, receive, send)
             return
         size = dict(scope.get("headers", ())).get(b"content-length")
@@ -214,10 +226,9 @@ class EdgeGuard:
     def _too_large(self) -> CubeError:
         return CubeError("api.body_too_large", f"request body over {self.max_body} bytes", "api", {}, 413)
 
-    @staticmethod
-    async def _refuse(scope: Any, send: Any, e: CubeError, close: bool = True) -> None:
+    async def _refuse(self, scope: Any, send: Any, e: CubeError, close: bool = True) -> None:
         scope.setdefault("state", {})["error_code"] = e.code
-        response = error_response(e)
+        response = self.render(e)
         if close:
             response.headers["connection"] = "close"
         await response(scope, _nothing, send)

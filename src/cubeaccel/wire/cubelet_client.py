@@ -12,7 +12,7 @@ from cubeaccel.wire.cubelet_api import ReservationView
 from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.telemetry import add_request_id
-from cubeaccel.wire.warm import WarmClaimBody
+from cubeaccel.wire.warm import WarmClaimBody, WarmDrainReply
 
 
 class CubeletClient:
@@ -60,6 +60,13 @@ class CubeletClient:
         if body.workload_token is not None:
             raw["workload_token"] = body.workload_token.get_secret_value()
         return ReservationView.model_validate(self.request("POST", "/v1/warm/claim", raw))
+
+    def warm_drain(self) -> WarmDrainReply:
+        """`POST /v1/warm/drain`: the refill and claims stop; the unclaimed warm sandboxes enter the release path."""
+        return WarmDrainReply.model_validate(self.request("POST", "/v1/warm/drain"))
+
+    def warm_undrain(self) -> WarmDrainReply:
+        return WarmDrainReply.model_validate(self.request("POST", "/v1/warm/undrain"))
 
     def start(self, sandbox_id: str) -> dict[str, Any]:
         return dict(self.request("POST", f"/v1/reservations/{quote(sandbox_id, safe='')}/start"))

@@ -8,6 +8,7 @@ from pydantic import Field, StrictInt, StringConstraints
 
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.wire.base import Message, Record, Reply, Strict
+from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 
 
 class StatusError(Strict):
@@ -112,7 +113,7 @@ class NodeVerbReply(Reply):
     asked); reconcile: what the reconcile did (its own fields)."""
 
     node: str
-    warm: dict[str, Any] | None = None
+    warm: WarmDrainReply | WarmVerbFailure | None = None
 
 
 class ModelCapacity(Record):
@@ -189,6 +190,15 @@ class Sandbox(Record):
     updated_at: float
 
 
+class WarmSandbox(Sandbox):
+    """A node's warm sandbox as CubeMaster lists it (`?state=warm`, the dashboard): state `warm`, tenant "", no
+    request or timeline; `claimed` while a create's claim row holds it."""
+
+    pool: str
+    labels: dict[str, str]
+    claimed: bool
+
+
 class SandboxReply(Sandbox):
     v: Literal[1] = 1
     # The create that started it gets the sandbox's workload access token, once (nothing stores it); else None.
@@ -220,7 +230,7 @@ class SandboxEvents(Reply):
 
 
 class SandboxList(Reply):
-    sandboxes: list[Sandbox]
+    sandboxes: list[WarmSandbox | Sandbox]
 
 
 class StatusReply(Reply):

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, StrictBool, StrictInt, StrictStr
 
-from cubeaccel.wire.base import Count, Lenient, LenientMessage, Message, Reply
+from cubeaccel.wire.base import Count, Lenient, LenientMessage, Message, Record, Reply
 from cubeaccel.wire.cubelet_api import ReservationBody
 
 WARM_ID_PREFIX = "warm-"  # a warm sandbox's own id: the node's namespace, never a requester's
@@ -56,6 +56,28 @@ class WarmPoolBody(Message):
     template: str | None = Field(default=None, max_length=200)
 
 
+class WarmPoolSetting(Message):
+    """One pool as the Cubelet's journal keeps it (`WarmSettings`): the shape `PUT /v1/warm/pools` or `--warm`
+    gave, and its size. A pool of a request with no contract (a CPU-only shape) keeps None."""
+
+    size: StrictInt = Field(ge=0, le=64)
+    count: StrictInt = 1
+    accel_class: str | None = Field(default=None, alias="class", max_length=32)
+    memory_mib: StrictInt = 512
+    vcpus: StrictInt = Field(default=1, ge=1, le=256)
+    pin_memory: StrictBool = True
+    contract: dict[str, Any] | None = None
+    template: str | None = Field(default=None, max_length=200)
+
+
+class WarmSettings(Message):
+    """The node's warm pools and its drain, in the Cubelet's journal (`meta` key `warm`): a restarted Cubelet
+    keeps the pools it was given and stays drained until undrained (docs/warm.md)."""
+
+    draining: StrictBool = False
+    pools: list[WarmPoolSetting] = []
+
+
 class WarmPoolView(Reply):
     key: str
     template: str | None
@@ -80,6 +102,14 @@ class WarmDrainReply(Reply):
 
     draining: bool
     torn_down: list[str]
+
+
+class WarmVerbFailure(Record):
+    """In CubeMaster's drain/undrain reply instead of `WarmDrainReply`: the node's state changed, but its Cubelet
+    could not be asked to drain (or undrain) its warm pools; the code and message say why."""
+
+    error: str
+    message: str
 
 
 class WarmClaimBody(ReservationBody):
