@@ -368,13 +368,8 @@ async def refuse_websocket(scope: Scope, send: Send) -> None:
     if "websocket.http.response" not in scope.get("extensions", {}):
         await send({"type": "websocket.close", "code": 1008})
         return
-    body = json.dumps(
-        {
-            "code": 501,
-            "message": f"cubeaccel (api): {PORT_UPGRADE}: WebSocket: only plain HTTP/1.1 requests reach a sandbox "
-            "(docs/e2b.md)",
-        }
-    ).encode()
+    message = f"cubeaccel (api): {PORT_UPGRADE}: WebSocket: only plain HTTP/1.1 requests reach a sandbox (docs/e2b.md)"
+    body = Error(code=501, message=message).model_dump_json().encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "websocket.http.response.start", "status": 501, "headers": head})
     await send({"type": "websocket.http.response.body", "body": body})
