@@ -56,7 +56,7 @@ NOT_CODES = {
     # a prefix CubeMaster matches retryable codes by (reserve.pinned_memory_*), not a code itself
     "reserve.pinned_memory",
     # ASGI message types
-    "http.disconnect", "http.request",
+    "http.disconnect", "http.request", "websocket.close",
     # cgroup v2 interface files (workload/limits.py)
     "cgroup.controllers", "cgroup.procs", "cgroup.subtree_control", "cpu.weight", "memory.max",
     "pids.max",

@@ -506,6 +506,8 @@ def serve(
 WORKLOAD_PREFIX = "/v1/sandboxes/"  # + {sandbox_id}/workload/{path}: envd's API of that sandbox, streamed through
 _WORKLOAD_PATH = re.compile(r"^/v1/sandboxes/[^/]+/workload/")
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
+WORKLOAD_METHODS = ("GET", "POST", "HEAD", "PUT", "PATCH", "DELETE", "OPTIONS")  # the last four: ports only
+PORT_PATH = "cubeaccel/port/"  # …/workload/cubeaccel/port/<port>/<path>: another port of the sandbox
 
 
 def workload_socket(cubelet: Cubelet, sandbox_id: str) -> Path:
@@ -628,6 +630,21 @@ def _end_of_stream_error(code: str, message: str) -> bytes:
     return bytes([0x02]) + len(body).to_bytes(4, "big") + body
 
 
+def _port_request(client: httpx.AsyncClient, request: Request, headers: list[tuple[str, str]]) -> httpx.Request:
+    """A request to another port of the sandbox (the guest forwards it: workload/portforward.py): any method,
+    the caller's path and query as sent (not re-encoded), and its body framed as it came, so an app that
+    cannot read a chunked body still gets a Content-Length."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    target = raw.decode("latin-1").split("/workload", 1)[1]
+    if request.url.query:
+        target += "?" + request.url.query
+    length = request.headers.get("content-length")
+    framed = length is not None or "transfer-encoding" in request.headers
+    if length is not None:
+        headers = [*headers, ("Content-Length", length)]
+    return client.build_request(request.method, target, headers=headers, content=request.stream() if framed else None)
+
+
 def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
     """Route `…/{sandbox_id}/workload/{path}` to that sandbox's shim socket, bodies streamed both ways (never
     buffered whole). The caller's `X-Access-Token` is checked against the start's stored hash here, and again by
@@ -638,7 +655,7 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
 
     @app.api_route(
         WORKLOAD_PREFIX + "{sandbox_id}/workload/{path:path}",
-        methods=["GET", "POST", "HEAD"],
+        methods=list(WORKLOAD_METHODS),
         include_in_schema=False,
     )
     async def workload(sandbox_id: str, path: str, request: Request) -> Response:
@@ -652,14 +669,16 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
         sock = workload_socket(cubelet, sandbox_id)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
         client = upstreams.get(sandbox_id, sock)
-        has_body = request.method == "POST"
-        upstream_req = client.build_request(
-            request.method,
-            "/" + path,
-            params=list(request.query_params.multi_items()),
-            headers=headers,
-            content=request.stream() if has_body else None,
-        )
+        if path.startswith(PORT_PATH):
+            upstream_req = _port_request(client, request, headers)
+        else:
+            upstream_req = client.build_request(
+                request.method,
+                "/" + path,
+                params=list(request.query_params.multi_items()),
+                headers=headers,
+                content=request.stream() if request.method == "POST" else None,
+            )
         try:
             upstream = await client.send(upstream_req, stream=True)
         except httpx.HTTPError as e:

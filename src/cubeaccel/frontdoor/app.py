@@ -18,13 +18,13 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from cubeaccel.frontdoor import mapping as M
-from cubeaccel.frontdoor.envd import EnvdProxy, envd_error
+from cubeaccel.frontdoor.envd import PORT_UPGRADE, EnvdProxy, envd_error
 from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.frontdoor.metrics import devices_of, e2b_metrics, window
@@ -159,7 +159,9 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         row = await wait_running(key, sid, row, lease_s)
         if asked_s > lease_s:
             row = await set_lifetime(key, sid, max(1.0, asked_s - (time.monotonic() - t0)))  # from the create
-        return JSONResponse(M.created(row, token(sid), cfg.domain).body(), status_code=201)
+        return JSONResponse(
+            M.created(row, token(sid), cfg.domain, M.traffic_token(cfg.secret, sid)).body(), status_code=201
+        )
 
     async def set_lifetime(key: str, sid: str, timeout_s: float) -> dict[str, Any]:
         """The lifetime the client asked for; refused (a tenant's cap), the sandbox is deleted: nobody has it."""
@@ -214,7 +216,9 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
             row = await master.call(
                 "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": float(req.timeout)}
             )
-        return JSONResponse(M.created(row, token(sid), cfg.domain).body(), status_code=200)
+        return JSONResponse(
+            M.created(row, token(sid), cfg.domain, M.traffic_token(cfg.secret, sid)).body(), status_code=200
+        )
 
     async def get_info(request: Request) -> Response:
         key = api_key(request)
@@ -350,6 +354,22 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                     response = error(e.status, e.message, e.retry)
                 await response(scope, receive, send)
                 return
+        elif scope["type"] == "websocket" and envd.target(HTTPConnection(scope)) is not None:
+            await refuse_websocket(scope, send)
+            return
         await rest(scope, receive, send)
 
     return close_when_body_unread(app)
+
+
+async def refuse_websocket(scope: Scope, send: Send) -> None:
+    """A WebSocket to a sandbox: the guest's channel carries requests and replies, not a two-way byte stream.
+    Denied with a 501 that says so where the server can send one (Hypercorn can), else closed (403)."""
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    message = f"cubeaccel (api): {PORT_UPGRADE}: WebSocket: only plain HTTP/1.1 requests reach a sandbox (docs/e2b.md)"
+    body = Error(code=501, message=message).model_dump_json().encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "websocket.http.response.start", "status": 501, "headers": head})
+    await send({"type": "websocket.http.response.body", "body": body})

@@ -21,7 +21,7 @@ import re
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -29,10 +29,10 @@ from urllib.parse import quote
 
 import httpx
 from pydantic import ValidationError
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token
+from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token, traffic_token
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.wire.e2b_api import GuestMetrics
@@ -54,6 +54,10 @@ ROUTE_TTL_S = 5.0  # how long a sandbox → node answer is reused (a gone sandbo
 NODE_TTL_S = 30.0
 RUNNING_REFRESH_S = 1.0  # a signed URL that names no sandbox re-reads the running list at most this often
 GONE_STATES = {"deleting", "deleted", "failed", "lost"}
+TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"  # E2B's header for a sandbox's other ports
+PORT_INVALID = "port.invalid"
+PORT_TOKEN_REQUIRED = "port.token_required"
+PORT_UPGRADE = "port.upgrade_unsupported"
 
 
 @dataclass(frozen=True)
@@ -126,11 +130,13 @@ class EnvdProxy:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    def target(self, request: Request) -> tuple[int, str] | None:
-        """(port, sandbox id) when the request is envd traffic, else None (a REST call)."""
+    def target(self, request: HTTPConnection) -> tuple[int, str] | None:
+        """(port, sandbox id) when the request is sandbox traffic, else None (a REST call). A port header that is
+        not a number is port -1, which `handle` refuses as `port.invalid`."""
         sid = request.headers.get("e2b-sandbox-id")
         if sid is not None:
-            return int(request.headers.get("e2b-sandbox-port") or ENVD_PORT), sid
+            given = request.headers.get("e2b-sandbox-port") or str(ENVD_PORT)
+            return (int(given) if given.isdigit() and len(given) <= 5 else -1), sid
         return host_sandbox(request.headers.get("host", ""), self.domain)
 
     @staticmethod
@@ -211,7 +217,7 @@ class EnvdProxy:
 
     async def handle(self, request: Request, port: int, sandbox_id: str) -> Response:
         if port != ENVD_PORT:
-            return envd_error(404, f"port {port} of sandbox {sandbox_id}: only envd's port {ENVD_PORT} is served")
+            return await self.handle_port(request, port, sandbox_id)
         path = request.url.path
         # Authenticated here, before anything is looked up with the front door's admin key: the sandbox's
         # token, or a signed /files URL made with it. Nothing else (not even envd's open `/health`) reaches
@@ -223,13 +229,44 @@ class EnvdProxy:
                 return envd_error(401, "missing or wrong access token")
         elif not (path == "/files" and signed_ok(request, expected)):
             return envd_error(401, "missing or wrong access token")
+        return await self._forward(request, sandbox_id, lambda route: self._send(request, route, sandbox_id, path))
+
+    async def handle_port(self, request: Request, port: int, sandbox_id: str) -> Response:
+        """Another port of the sandbox: the request goes through the node's workload proxy to the guest, which
+        forwards it to 127.0.0.1:<port> there (workload/portforward.py). Authorised by the sandbox's traffic
+        token (`e2b-traffic-access-token`) or its envd token, before anything is looked up; never public."""
+        if not 1 <= port <= 65535:
+            return port_error(400, PORT_INVALID, f"port {port if port >= 0 else '(not a number)'} is not 1-65535")
+        traffic = request.headers.get(TRAFFIC_TOKEN_HEADER)
+        token = request.headers.get("x-access-token")
+        if traffic is not None:
+            ok = hmac.compare_digest(traffic.encode(), traffic_token(self.secret, sandbox_id).encode())
+        else:
+            ok = token is not None and hmac.compare_digest(token.encode(), envd_token(self.secret, sandbox_id).encode())
+        if not ok:
+            return port_error(
+                403,  # E2B's proxy answers a missing traffic token so
+                PORT_TOKEN_REQUIRED,
+                f"port {port} of sandbox {sandbox_id} needs the sandbox's {TRAFFIC_TOKEN_HEADER} or X-Access-Token",
+            )
+        if request.headers.get("upgrade"):
+            return port_error(
+                501,
+                PORT_UPGRADE,
+                f"Upgrade: {request.headers['upgrade'][:40]}: only plain HTTP/1.1 requests reach a port",
+            )
+        return await self._forward(request, sandbox_id, lambda route: self._send_port(request, route, sandbox_id, port))
+
+    async def _forward(
+        self, request: Request, sandbox_id: str, send: Callable[[Route], Awaitable[httpx.Response]]
+    ) -> Response:
         if SANDBOX_ID_RE.fullmatch(sandbox_id) is None:
             return gone(sandbox_id)
         try:
             route = await self.route(sandbox_id)
             if route is None:
                 return gone(sandbox_id)
-            upstream = await self._send(request, route, sandbox_id, path)
+            upstream = await send(route)
             headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP - {"content-length"}}
             if upstream.status_code in (409, 503):
                 body = await upstream.aread()
@@ -267,6 +304,31 @@ class EnvdProxy:
             url += "?" + request.url.query
         req = self.http.build_request(request.method, url, headers=headers, content=content)
         return await self.http.send(req, stream=True)
+
+    async def _send_port(self, request: Request, route: Route, sandbox_id: str, port: int) -> httpx.Response:
+        """The caller's request as the app in the guest should see it: its own headers (less this hop's and the
+        tokens), the caller's Host and scheme in X-Forwarded-*, and the sandbox's token for the Cubelet only."""
+        drop = _HOP_BY_HOP | {"x-access-token", TRAFFIC_TOKEN_HEADER, "e2b-sandbox-id", "e2b-sandbox-port"}
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+        headers += [
+            ("X-Forwarded-Host", request.headers.get("host", "")),
+            ("X-Forwarded-Proto", request.url.scheme),
+            ("X-Access-Token", envd_token(self.secret, sandbox_id)),
+        ]
+        framed = "content-length" in request.headers or "transfer-encoding" in request.headers
+        content: Any = request.stream() if framed else None
+        if framed and request.headers.get("content-length") is not None:
+            headers.append(("Content-Length", request.headers["content-length"]))
+        url = f"{route.cubelet_url}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload/cubeaccel/port/{port}"
+        url += (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
+        if request.url.query:
+            url += "?" + request.url.query
+        req = self.http.build_request(request.method, url, headers=headers, content=content)
+        return await self.http.send(req, stream=True)
+
+
+def port_error(status: int, code: str, message: str) -> JSONResponse:
+    return envd_error(status, f"cubeaccel (api): {code}: {message} (docs/e2b.md)")
 
 
 def signed_ok(request: Request, token: str) -> bool:

@@ -21,6 +21,7 @@ ACCELERATORS_KEY = "cubeaccel.accelerators"  # metadata key: overrides the templ
 CLIENT_ID = "cubeaccel"
 LIVE = "running"  # the only CubeMaster state E2B calls a sandbox (E2B's other one, paused, we never have)
 TOKEN_CONTEXT = b"cubeaccel-envd-token/v1:"
+TRAFFIC_TOKEN_CONTEXT = b"cubeaccel-traffic-token/v1:"
 DEFAULT_TIMEOUT_S = 300  # E2B's lifetime for a create that names none (not CubeMaster's own default)
 E2B_DEFAULT_TEMPLATE = "base"  # what the SDK sends when the caller names no template (examples/templates/base.yaml)
 
@@ -33,6 +34,13 @@ class Refusal(Exception):
         self.status = status
         self.message = message
         self.retry = retry
+
+
+def traffic_token(secret: bytes, sandbox_id: str) -> str:
+    """The sandbox's traffic token (E2B's `trafficAccessToken`): reaches its other ports, never envd's, so a
+    URL to an app in the sandbox can be shared without sharing a shell in it. Derived as the envd token is."""
+    mac = hmac.new(secret, TRAFFIC_TOKEN_CONTEXT + sandbox_id.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac).decode().rstrip("=")
 
 
 def envd_token(secret: bytes, sandbox_id: str) -> str:
@@ -94,8 +102,8 @@ E2B_NETWORK_UNSUPPORTED = {
     "rules": "per-host HTTP transforms",
     "maskRequestHost": "a custom host mask for sandbox URLs",
 }
-# `allowPublicTraffic` asks whether a sandbox's other ports may be reached without a token; the front door serves
-# only envd's port, always behind the sandbox's token, so either value is what it already does.
+# `allowPublicTraffic` asks whether a sandbox's other ports may be reached without a token; here they never are
+# (the traffic token or the envd token is always needed: docs/decisions.md), so either value is accepted.
 E2B_NETWORK_KNOWN = {"allowOut", "denyOut", "allowPublicTraffic", *E2B_NETWORK_UNSUPPORTED}
 ALL_TRAFFIC = "0.0.0.0/0"
 OPTION_UNSUPPORTED = "network.e2b_option_unsupported"
@@ -182,7 +190,7 @@ def _listed_fields(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def created(row: dict[str, Any], token: str, domain: str | None) -> SandboxCreated:
+def created(row: dict[str, Any], token: str, domain: str | None, traffic: str | None = None) -> SandboxCreated:
     name = template_name(row)
     return SandboxCreated.model_validate(
         {
@@ -192,6 +200,7 @@ def created(row: dict[str, Any], token: str, domain: str | None) -> SandboxCreat
             "envd_version": ENVD_VERSION,
             "alias": name or None,
             "envd_access_token": token,
+            "traffic_access_token": traffic,
             "domain": domain,
         }
     )

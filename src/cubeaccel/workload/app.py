@@ -24,6 +24,7 @@ from cubeaccel.workload import files as fs
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError, Request, Response, log
 from cubeaccel.workload.metrics import Sampler, pci_devices
+from cubeaccel.workload.portforward import PORT_PREFIX, forward
 from cubeaccel.workload.process import SIGNAL_ENUM, Process, ProcessTable, Subscriber
 from cubeaccel.workload.users import User, expand_and_resolve, lookup
 from cubeaccel.workload.watch import Watcher, WatcherTable, watch_path_checks
@@ -63,6 +64,11 @@ class Workload:
                 response.send_json(200, self.metrics.latest())
             else:
                 response.send_json(200, {"samples": self.metrics.series(), "devices": pci_devices()})
+            return
+        if route.startswith(PORT_PREFIX):
+            if not self._token_ok(request):
+                raise HttpError(401, "unauthorized access, please provide a valid access token")
+            forward(request, response)
             return
         if route == "/files":
             if request.method == "GET":

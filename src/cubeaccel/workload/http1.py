@@ -300,6 +300,13 @@ class Response:
         body = json.dumps(obj, separators=(",", ":")).encode()
         self.send(status, [("Content-Type", "application/json"), *(headers or [])], body)
 
+    def send_head(self, status: int, headers: list[tuple[str, str]]) -> None:
+        """A head with no body and no framing header of ours: a HEAD reply keeps the Content-Length it is given."""
+        self.started = True
+        self._w.write(self._head(status, headers))
+        self._w.flush()
+        self.finished = True
+
     def start_fixed(self, status: int, headers: list[tuple[str, str]], length: int) -> None:
         """Head of a body of known length, then `write` it piece by piece."""
         self.started = True
