@@ -83,7 +83,12 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     # The guest mixed the claim's seed into its kernel RNG, credited and reseeded as root, before the rebind.
     acked = _events(node, "tenant-1", "warm_claim_acked")
     assert [e["details"]["reseeded"] for e in acked] == [True]
-    claimed = [e for e in _events(node, "tenant-1", "shim_report") if e["event"] == "warm_claimed"]
+
+    def reported() -> list[dict[str, Any]]:  # the shim's history report follows its ack
+        return [e for e in _events(node, "tenant-1", "shim_report") if e["event"] == "warm_claimed"]
+
+    poll(lambda: reported(), 30, what="the shim's warm_claimed report")
+    claimed = reported()
     assert claimed[0]["details"]["reseed"] == {
         "mixed": True,
         "credited_bits": 256,

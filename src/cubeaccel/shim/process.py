@@ -288,17 +288,19 @@ class Shim:
             took = self.bridge.wait_healthy(spec.boot_timeout_s, cancelled=lambda: self._stop)
             t = self._phase("workload_up_s", t)
             self.reporter.report(K.WORKLOAD_READY, health_ms=round(took * 1000, 1), socket="workload.sock")
+        if spec.warm and self.bridge is not None:
+            if warm_token is not None:
+                warm_up(self.bridge, warm_token)  # a failure costs the first command its cold start, never the sandbox
+                t = self._phase("warm_up_s", t)
+                warm_token = None
+            # Listening before the validated report, after which the Cubelet may claim at once; a claim cannot
+            # come earlier (the sandbox is warm only once validated).
+            self.control = WarmControl(spec.run_dir, self.bridge, self._claimed, self._reseed)
+            self.control.start()
         # Every sandbox is validated in the guest, a CPU-only one too (its kernel, modules, libraries); without a
         # contract, the minimal checks.
         self._validate(agent)
-        t = self._phase("guest_validation_s", t)
-        if spec.warm and self.bridge is not None:  # the claim arrives here, after the sandbox is validated
-            if warm_token is not None:
-                warm_up(self.bridge, warm_token)  # a failure costs the first command its cold start, never the sandbox
-                self._phase("warm_up_s", t)
-                warm_token = None
-            self.control = WarmControl(spec.run_dir, self.bridge, self._claimed, self._reseed)
-            self.control.start()
+        self._phase("guest_validation_s", t)
 
     def _reseed(self, seed: str) -> bool:
         """The claim's seed into the guest kernel's RNG (cube-agent's `reseed`); True only when the guest says
