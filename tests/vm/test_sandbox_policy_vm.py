@@ -75,7 +75,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         sb_tool = master.client.create({"template": "edu-tool", "accelerators": acc, "network": narrowed})
         started.append(sb_tool["id"])
         for sb in (sb_closed, sb_tool):
-            poll(lambda sb=sb: master.client.sandbox(sb["id"])["state"] == "running", 240)
+            poll(lambda sb=sb: _running(master.client.sandbox(sb["id"])), 240, what=f"{sb['id']} running")
         yield {
             "master": master,
             "cubelet": cubelet,
@@ -92,6 +92,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         shutil.rmtree(shared, ignore_errors=True)
         for sid in started:  # a failed run leaves no namespace behind (only this run's sandboxes, by name)
             subprocess.run(["ip", "netns", "del", f"cube-{sid}"], check=False, capture_output=True, timeout=30)
+
+
+def _running(row: dict[str, Any]) -> bool:
+    """Running yet; a start that ended fails at once, with its error (not after the whole deadline)."""
+    assert row["state"] not in ("failed", "deleted", "lost"), (row["state"], row.get("error"))
+    return bool(row["state"] == "running")
 
 
 def run(stack: dict[str, Any], which: str, *argv: str, user: str | None = None) -> subprocess.CompletedProcess[bytes]:

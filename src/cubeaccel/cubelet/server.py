@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import socket
@@ -32,6 +31,7 @@ from cubeaccel.host.audit import AuditLog
 from cubeaccel.host.throttle import Throttle
 from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.cold_start import cold_start_phases, start_path
+from cubeaccel.model.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
 from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -592,7 +592,7 @@ class _EnvelopeTracker:
     at a boundary; inside an envelope there is nothing valid left to append)."""
 
     def __init__(self) -> None:
-        self._need = 5  # bytes until the next boundary event
+        self._need = HEADER.size  # bytes until the next boundary event
         self._header = True
         self._head = bytearray()
         self.ended = False  # an end-of-stream envelope passed
@@ -607,17 +607,17 @@ class _EnvelopeTracker:
             if self._need:
                 continue
             if self._header:
-                flags, length = self._head[0], int.from_bytes(self._head[1:5], "big")
-                self.ended = self.ended or bool(flags & 0x02)
+                flags, length = HEADER.unpack(self._head)
+                self.ended = self.ended or bool(flags & FLAG_END_STREAM)
                 self._head.clear()
                 self._header, self._need = False, length
                 if length:
                     continue
-            self._header, self._need = True, 5
+            self._header, self._need = True, HEADER.size
 
     @property
     def at_boundary(self) -> bool:
-        return self._header and self._need == 5 and not self.ended
+        return self._header and self._need == HEADER.size and not self.ended
 
 
 def _still_running(cubelet: Cubelet, sandbox_id: str) -> bool:
@@ -626,8 +626,7 @@ def _still_running(cubelet: Cubelet, sandbox_id: str) -> bool:
 
 
 def _end_of_stream_error(code: str, message: str) -> bytes:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return bytes([0x02]) + len(body).to_bytes(4, "big") + body
+    return encode_json({"error": {"code": code, "message": message}}, FLAG_END_STREAM)
 
 
 def _port_request(client: httpx.AsyncClient, request: Request, headers: list[tuple[str, str]]) -> httpx.Request:

@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token, traffic_token
 from cubeaccel.frontdoor.master import MasterClient
+from cubeaccel.model import connect_envelope
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.wire.e2b_api import GuestMetrics
 
@@ -92,12 +93,10 @@ def inject_envs(payload: bytes, env_vars: dict[str, str], streaming: bool) -> by
     if not env_vars:
         return payload
     if streaming:
-        if len(payload) < 5:
-            return payload  # malformed: the guest answers it
-        flags, length = payload[0], struct.unpack(">I", payload[1:5])[0]
-        if flags != 0 or length != len(payload) - 5:
-            return payload  # compressed or not one message: leave it for the guest to judge
-        message = payload[5:]
+        one = connect_envelope.single(payload)
+        if one is None or one.flags != 0:
+            return payload  # malformed, compressed or not one message: leave it for the guest to judge
+        message = one.payload
     else:
         message = payload
     try:
@@ -111,7 +110,7 @@ def inject_envs(payload: bytes, env_vars: dict[str, str], streaming: bool) -> by
     own: dict[str, Any] = given if isinstance(given, dict) else {}
     proc["envs"] = {**env_vars, **own}
     out = json.dumps(req, separators=(",", ":")).encode()
-    return b"\x00" + struct.pack(">I", len(out)) + out if streaming else out
+    return connect_envelope.encode(out) if streaming else out
 
 
 class EnvdProxy:

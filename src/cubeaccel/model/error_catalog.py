@@ -98,7 +98,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("state.transition_refused", 409, "cubelet", "the device state machine refuses this event in this state"),
     _c("store.migration_failed", 500, "cubelet", "a stored row does not convert to the new schema (store unchanged)"),
     _c("store.closed", 500, "cubelet", "a change was attempted after the store was closed (shutdown)"),
-    _c("store.commit_failed", 500, "cubelet", "the durable commit of a batch of changes failed (disk full, I/O)"),
+    _c("store.commit_failed", 500, "cubelet", "a change's durable commit failed (disk full, I/O): not made"),
     _c("store.checkpoint_too_new", 500, "cubelet", "a reservation checkpoint written by a newer cubeaccel"),
     _c("reservation.transition_refused", 409, "cubelet", "the reservation phase table refuses this event now"),
     _c("reservation.actor_not_allowed", 409, "cubelet", "this actor may not fire this reservation event"),

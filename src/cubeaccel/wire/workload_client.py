@@ -1,8 +1,7 @@
 """Host-side client of a sandbox's workload service (envd's protocol), through Cubelet's proxy or a shim socket.
 
-The guest's Connect codec lives in `cubeaccel.workload`, which the host side never imports; what a client needs
-of it is small: 5-byte envelopes (flags u8, big-endian length u32) around JSON messages, flags 0x02 marking the
-end of the stream. Used by `cubeaccel sandbox exec/cp` and `make demo`.
+Envelopes are the shared codec's (`model/connect_envelope.py`, which the guest's Connect codec uses too).
+Used by `cubeaccel sandbox exec/cp` and `make demo`.
 """
 
 from __future__ import annotations
@@ -10,41 +9,35 @@ from __future__ import annotations
 import base64
 import json
 import os
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import httpx
 
+from cubeaccel.model import connect_envelope
 from cubeaccel.model.errors import CubeError
 
-END_STREAM = 0x02
+END_STREAM = connect_envelope.FLAG_END_STREAM
 MAX_MESSAGE = 16 * 1024 * 1024
 CHUNK = 256 * 1024
 
 
 def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
-    raw = json.dumps(message, separators=(",", ":")).encode()
-    return struct.pack(">BI", flags, len(raw)) + raw
+    return connect_envelope.encode_json(message, flags)
 
 
 def envelopes(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any]]]:
     """(flags, message) for each envelope in a byte stream cut anywhere."""
-    buf = bytearray()
-    for chunk in chunks:
-        buf += chunk
-        while len(buf) >= 5:
-            flags, size = struct.unpack_from(">BI", buf)
-            if size > MAX_MESSAGE:
-                raise workload_error("workload.bad_reply", f"a message of {size} bytes from the workload service")
-            if len(buf) < 5 + size:
-                break
-            msg = json.loads(bytes(buf[5 : 5 + size]) or b"{}")
-            del buf[: 5 + size]
-            yield flags, msg if isinstance(msg, dict) else {}
-    if buf:
-        raise workload_error("workload.bad_reply", "the workload stream ended inside a message")
+    decoder = connect_envelope.EnvelopeDecoder(MAX_MESSAGE)
+    try:
+        for chunk in chunks:
+            for e in decoder.feed(chunk):
+                msg = json.loads(e.payload or b"{}")
+                yield e.flags, msg if isinstance(msg, dict) else {}
+        decoder.finish()
+    except connect_envelope.EnvelopeError as e:
+        raise workload_error("workload.bad_reply", f"from the workload service: {e}") from None
 
 
 def workload_error(code: str, message: str, **details: object) -> CubeError:

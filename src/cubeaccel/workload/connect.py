@@ -15,13 +15,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-ENVELOPE = struct.Struct(">BI")
-FLAG_COMPRESSED = 0x01
-FLAG_END_STREAM = 0x02
+from cubeaccel.model import connect_envelope as envelope
+
+ENVELOPE = envelope.HEADER
+FLAG_COMPRESSED = envelope.FLAG_COMPRESSED
+FLAG_END_STREAM = envelope.FLAG_END_STREAM
 DEFAULT_MAX_MESSAGE = 1024 * 1024
 
 # Connect code -> HTTP status for unary errors (connectrpc.com/docs/protocol#error-codes).
@@ -61,8 +62,7 @@ class ConnectError(Exception):
 
 
 def encode_envelope(message: dict[str, Any], flags: int = 0) -> bytes:
-    payload = json.dumps(message, separators=(",", ":")).encode()
-    return ENVELOPE.pack(flags, len(payload)) + payload
+    return envelope.encode_json(message, flags)
 
 
 def end_stream(error: ConnectError | None = None) -> bytes:
@@ -70,41 +70,37 @@ def end_stream(error: ConnectError | None = None) -> bytes:
 
 
 @dataclass(frozen=True)
-class Envelope:
-    flags: int
-    payload: bytes
-
+class Envelope(envelope.Envelope):
     def message(self) -> dict[str, Any]:
         return parse_message(self.payload)
 
 
-@dataclass
 class EnvelopeDecoder:
-    """Bytes in, envelopes out (for tests and a host-side client); a length over `max_message` is refused."""
+    """The shared codec (`model/connect_envelope.py`) with Connect's errors: an oversized length is
+    `resource_exhausted`, a stream cut inside an envelope `invalid_argument`."""
 
-    max_message: int = DEFAULT_MAX_MESSAGE
-    _buf: bytearray = field(default_factory=bytearray)
+    def __init__(self, max_message: int = DEFAULT_MAX_MESSAGE) -> None:
+        self._codec = envelope.EnvelopeDecoder(max_message)
 
     def feed(self, data: bytes) -> list[Envelope]:
-        self._buf += data
-        out: list[Envelope] = []
-        while len(self._buf) >= ENVELOPE.size:
-            flags, length = ENVELOPE.unpack_from(self._buf)
-            if length > self.max_message:
-                raise ConnectError("resource_exhausted", f"message of {length} bytes exceeds {self.max_message}")
-            if len(self._buf) < ENVELOPE.size + length:
-                break
-            out.append(Envelope(flags, bytes(self._buf[ENVELOPE.size : ENVELOPE.size + length])))
-            del self._buf[: ENVELOPE.size + length]
-        return out
+        try:
+            return [Envelope(e.flags, e.payload) for e in self._codec.feed(data)]
+        except envelope.EnvelopeError as e:
+            raise _connect_error(e) from None
 
     def finish(self) -> None:
-        if self._buf:
-            raise ConnectError("invalid_argument", f"stream ended inside an envelope ({len(self._buf)} bytes)")
+        try:
+            self._codec.finish()
+        except envelope.EnvelopeError as e:
+            raise _connect_error(e) from None
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return self._codec.buffered
+
+
+def _connect_error(e: envelope.EnvelopeError) -> ConnectError:
+    return ConnectError("resource_exhausted" if e.kind == "too_large" else "invalid_argument", str(e))
 
 
 def parse_message(payload: bytes) -> dict[str, Any]:
