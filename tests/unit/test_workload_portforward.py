@@ -6,6 +6,7 @@ the front door's checks that come before any lookup."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import queue
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -332,3 +334,57 @@ def test_the_traffic_token_differs_from_the_envd_token_and_from_other_sandboxes(
     assert M.traffic_token(secret, "a") != M.envd_token(secret, "a")
     assert M.traffic_token(secret, "a") != M.traffic_token(secret, "b")
     assert M.traffic_token(secret, "a") == M.traffic_token(secret, "a")
+
+
+def _raw_get(raw_path: bytes, headers: dict[str, str]) -> tuple[int, str]:
+    """A GET with its path exactly as sent (an HTTP client would remove the dot segments first; curl
+    --path-as-is and any hand-written client do not)."""
+    app = create_app(FrontDoorConfig("http://127.0.0.1:9", "admin", b"s" * 32, domain="e2b.test"))
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": unquote(raw_path.decode()),
+        "raw_path": raw_path,
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 40000),
+        "server": ("api.e2b.test", 80),
+    }
+    asyncio.run(app(scope, receive, send))  # type: ignore[arg-type]
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return int(sent[0]["status"]), body.decode()
+
+
+@pytest.mark.parametrize(
+    "raw_path",
+    [
+        b"/../../../process.Process/Start",
+        b"/a/./b",
+        b"/%2e%2e/%2E%2E/process.Process/Start",
+        b"/x%2f..%2f..%2fprocess.Process/Start",
+        b"/%252e%252e/process.Process/Start",
+        b"/..%5c..%5cprocess.Process/Start",
+    ],
+)
+def test_a_port_path_that_could_climb_to_envd_is_refused_before_any_lookup(raw_path: bytes) -> None:
+    """The path is appended under the port's prefix at the Cubelet with the sandbox's envd token, and httpx
+    removes dot segments on the way: `/../../process.Process/Start` would have been a shell for anyone holding
+    only the shareable traffic token."""
+    sid = "sb-0123456789"
+    headers = {"Host": f"8000-{sid}.e2b.test", "e2b-traffic-access-token": M.traffic_token(b"s" * 32, sid)}
+    status, body = _raw_get(raw_path, headers)
+    assert status == 400 and "port.invalid" in body, (status, body)
+    status, body = _raw_get(b"/plain/path.txt", headers)
+    assert status in (502, 503) and "port." not in body  # an ordinary path passes on to CubeMaster (unreachable)

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import httpx
 from pydantic import ValidationError
@@ -236,6 +236,8 @@ class EnvdProxy:
         token (`e2b-traffic-access-token`) or its envd token, before anything is looked up; never public."""
         if not 1 <= port <= 65535:
             return port_error(400, PORT_INVALID, f"port {port if port >= 0 else '(not a number)'} is not 1-65535")
+        if climbs(raw_target(request)):
+            return port_error(400, PORT_INVALID, "a path with `.` or `..` segments (plain or percent-encoded)")
         traffic = request.headers.get(TRAFFIC_TOKEN_HEADER)
         token = request.headers.get("x-access-token")
         if traffic is not None:
@@ -319,11 +321,30 @@ class EnvdProxy:
         if framed and request.headers.get("content-length") is not None:
             headers.append(("Content-Length", request.headers["content-length"]))
         url = f"{route.cubelet_url}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload/cubeaccel/port/{port}"
-        url += (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
+        url += raw_target(request)
         if request.url.query:
             url += "?" + request.url.query
         req = self.http.build_request(request.method, url, headers=headers, content=content)
         return await self.http.send(req, stream=True)
+
+
+def raw_target(request: Request) -> str:
+    return (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
+
+
+def climbs(path: str) -> bool:
+    """Whether a port request's path has a `.` or `..` segment, as sent or once percent-decoded (up to three
+    times): the path is appended under the port's prefix at the Cubelet, and the HTTP clients on the way
+    (httpx) remove dot segments, so `/../../process.Process/Start` would reach envd itself with the sandbox's
+    token, which this hop adds: a traffic token would become a shell."""
+    for _ in range(3):
+        if "\\" in path or any(seg in (".", "..") for seg in path.split("/")):
+            return True
+        decoded = unquote(path)
+        if decoded == path:
+            return False
+        path = decoded
+    return True  # still encoded after three rounds: refused rather than guessed at
 
 
 def port_error(status: int, code: str, message: str) -> JSONResponse:
