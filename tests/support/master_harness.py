@@ -152,12 +152,18 @@ def wait_nodes_ready(client: MasterClient, names: set[str], deadline_s: float = 
 
 class Cluster:
     def __init__(
-        self, root: Path, profiles: dict[str, str], guest_images: dict[str, list[dict[str, Any]]] | None = None
+        self,
+        root: Path,
+        profiles: dict[str, str],
+        guest_images: dict[str, list[dict[str, Any]]] | None = None,
+        staleness: float = 5.0,
     ) -> None:
-        """`guest_images`: node → the simulated image set it reports instead of the default one."""
+        """`guest_images`: node → the simulated image set it reports instead of the default one. `staleness`: long
+        enough that a loaded CI machine (Chromium starting beside two Cubelets) never turns both nodes stale between
+        heartbeats; tests of staleness poll for it."""
         self.root = root
         self.profiles = profiles
-        self.master = MasterProcess(root / "master").start()
+        self.master = MasterProcess(root / "master", staleness=staleness).start()
         self.c = self.master.client
         self.cubelets: dict[str, CubeletProcess] = {}
         for name, profile in profiles.items():

@@ -266,6 +266,9 @@ def node_undrain(
     _node_verb("undrain", node, who, reason, url)
 
 
+NODE_PHASES_GRACE_S = 2.0
+
+
 def _node_phases(client: MasterClient, sid: str) -> list[dict[str, Any]]:
     try:
         return list(client.sandbox_events(sid)["phases"])
@@ -290,13 +293,19 @@ def _wait_running(url: str | None, s: dict[str, Any], quiet: bool, timeout_s: fl
                 if not quiet:
                     console.print(f"  {max(0.0, at - t0):7.2f}s  {what}")
 
+    node_grace: float | None = None  # a node's journal may trail CubeMaster's state by a moment
     while True:
         s = _call(url, lambda c: c.sandbox(sid))
         phases = [(float(e["at"]), str(e["phase"])) for e in s.get("timeline", [])]
+        node_phases: list[tuple[float, str]] = []
         if s.get("node"):
-            phases += [(float(p["at"]), str(p["phase"])) for p in _call(url, lambda c: _node_phases(c, sid))]
-        show(phases)
-        if s.get("state") in ("running", "failed", "deleted") or time.monotonic() > deadline:
+            node_phases = [(float(p["at"]), str(p["phase"])) for p in _call(url, lambda c: _node_phases(c, sid))]
+        show(phases + node_phases)
+        done = s.get("state") in ("running", "failed", "deleted")
+        if done and s.get("node") and not node_phases:
+            node_grace = node_grace or time.monotonic() + NODE_PHASES_GRACE_S
+            done = time.monotonic() > node_grace
+        if done or time.monotonic() > deadline:
             if s.get("state") == "failed" and not quiet:
                 err = s.get("error") or {}
                 console.print(f"[red]failed[/red] {err.get('code')} (layer {err.get('layer')}): {err.get('message')}")
