@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.master.selector import compile_selector
 from cubeaccel.master.view import NodeView, view_from_heartbeat
-from cubeaccel.master.warm import NO_POOL, POOL_EMPTY, candidates, refilling, warm_rows
+from cubeaccel.master.warm import NO_POOL, POOL_EMPTY, WarmAsk, candidates, refilling, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.wire.master_api import NodeVerbReply, SandboxList, WarmSandbox
@@ -47,7 +47,7 @@ def node(*pools: dict[str, Any], name: str = "n", received_at: float = 1000.0) -
 
 def find(views: list[NodeView], vcpus: int = 1, choice: AcceleratorChoice = GPU, sel: str | None = None) -> Any:
     selector = compile_selector(sel) if sel else None
-    return candidates(views, [(choice, CONTRACT, selector)], None, vcpus, None, 1000.0, 10.0)
+    return candidates(views, WarmAsk([(choice, CONTRACT, selector)], None, vcpus, None), 1000.0, 10.0)
 
 
 def test_a_matching_pool_offers_its_warm_ids_and_a_claimed_one_is_not_offered_again() -> None:
@@ -62,10 +62,10 @@ def test_a_pool_that_is_refilling_is_a_miss_that_counts_its_warm_starts_on_the_w
     """A create does not wait for a warm start in flight (docs/decisions.md): it goes cold, saying how many."""
     empty = node(pool((), starting=2, size=2), pool((), starting=5, size=5, vcpus=2, key="k2"))
     assert find([empty]) == ([], POOL_EMPTY)
-    assert refilling([empty], [(GPU, CONTRACT, None)], None, 1, None, 1000.0, 10.0) == 2  # its shape's only
-    assert refilling([empty], [(GPU, CONTRACT, None)], None, 3, None, 1000.0, 10.0) == 0
+    assert refilling([empty], WarmAsk([(GPU, CONTRACT, None)], None, 1, None), 1000.0, 10.0) == 2  # its shape's only
+    assert refilling([empty], WarmAsk([(GPU, CONTRACT, None)], None, 3, None), 1000.0, 10.0) == 0
     stale = node(pool((), starting=2), received_at=0.0)
-    assert refilling([stale], [(GPU, CONTRACT, None)], None, 1, None, 1000.0, 10.0) == 0
+    assert refilling([stale], WarmAsk([(GPU, CONTRACT, None)], None, 1, None), 1000.0, 10.0) == 0
 
 
 def test_another_shape_model_or_selector_is_no_pool() -> None:

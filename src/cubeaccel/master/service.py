@@ -30,7 +30,7 @@ from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
 from cubeaccel.master.shown import shown_state
 from cubeaccel.master.store import MasterStore, Row
-from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmCandidate, claim_phases
+from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmAsk, WarmCandidate, claim_phases
 from cubeaccel.master.warm import candidates as warm_candidates
 from cubeaccel.master.warm import refilling as warm_refilling
 from cubeaccel.model.contract import CompatibilityContract
@@ -451,7 +451,8 @@ class CubeMaster:
         journal CAS decides. A claim that did not hand a sandbox over gives the row back to `scheduling`."""
         network = self._effective_network(spec, resolved)
         views, now, stale = self.cache.views(), time.time(), self.config.staleness_s
-        cands, reason = warm_candidates(views, resolved, spec.memory_mib, spec.vcpus, network, now, stale)
+        ask = WarmAsk(resolved, spec.memory_mib, spec.vcpus, network)
+        cands, reason = warm_candidates(views, ask, now, stale)
         tried: list[dict[str, Any]] = []
         for cand in cands:
             if len(tried) >= self.config.max_attempts:
@@ -483,7 +484,7 @@ class CubeMaster:
         if tried:
             detail["warm_attempts"] = tried
         if reason == POOL_EMPTY:  # warm starts on the way are not waited for (docs/decisions.md)
-            detail["refilling"] = warm_refilling(views, resolved, spec.memory_mib, spec.vcpus, network, now, stale)
+            detail["refilling"] = warm_refilling(views, ask, now, stale)
         self.store.update_sandbox(sid, "path", detail=detail)
         if self.on_path is not None:
             self.on_path("cold", reason)

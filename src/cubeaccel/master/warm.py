@@ -29,6 +29,20 @@ POOL_EMPTY = "warm.pool_empty"  # pools of that shape exist, none has a warm san
 CLAIM_FAILED = "warm.claim_failed"  # a claim was tried and did not hand a sandbox over (the Cubelet said why)
 
 
+Alternative = tuple[AcceleratorChoice, CompatibilityContract, Selector | None]
+
+
+@dataclass(frozen=True)
+class WarmAsk:
+    """A create's shape as a warm pool must match it: its resolved alternatives, the memory it names (None: the
+    template's), its vCPUs and its effective network policy."""
+
+    resolved: Sequence[Alternative]
+    memory_mib: int | None
+    vcpus: int
+    network: dict[str, Any] | None
+
+
 @dataclass(frozen=True)
 class WarmCandidate:
     node: NodeView
@@ -65,22 +79,16 @@ def node_eligible(n: NodeView, now: float, staleness_s: float) -> bool:
 
 
 def candidates(
-    views: Sequence[NodeView],
-    resolved: Sequence[tuple[AcceleratorChoice, CompatibilityContract, Selector | None]],
-    memory_mib: int | None,
-    vcpus: int,
-    network: dict[str, Any] | None,
-    now: float,
-    staleness_s: float,
+    views: Sequence[NodeView], ask: WarmAsk, now: float, staleness_s: float
 ) -> tuple[list[WarmCandidate], str]:
     """Claimable warm sandboxes for the request, best first (the first alternative first, then the node with
     the most free warm ones), and the miss reason when there are none."""
     out: list[WarmCandidate] = []
     shaped = False
-    for alternative in resolved:
+    for alternative in ask.resolved:
         choice, contract, selector = alternative
         here: list[WarmCandidate] = []
-        for n, pool in _matching(views, alternative, memory_mib, vcpus, network, now, staleness_s):
+        for n, pool in _matching(views, ask, alternative, now, staleness_s):
             fitting = [w for w in pool.sandboxes if _labels_ok(choice, selector, w.labels)]
             shaped = shaped or bool(fitting) or not pool.sandboxes  # an empty pool's labels are unknown
             free = set(n.warm_free(pool))
@@ -99,42 +107,28 @@ def candidates(
     return out, ("" if out else POOL_EMPTY if shaped else NO_POOL)
 
 
-def refilling(
-    views: Sequence[NodeView],
-    resolved: Sequence[tuple[AcceleratorChoice, CompatibilityContract, Selector | None]],
-    memory_mib: int | None,
-    vcpus: int,
-    network: dict[str, Any] | None,
-    now: float,
-    staleness_s: float,
-) -> int:
+def refilling(views: Sequence[NodeView], ask: WarmAsk, now: float, staleness_s: float) -> int:
     """Warm starts in flight in the pools a create matched (`starting`): a create that found them all taken
     goes cold without waiting for one (docs/decisions.md); its timeline says how many were on the way."""
     return sum(
         pool.starting
-        for alternative in resolved
-        for _, pool in _matching(views, alternative, memory_mib, vcpus, network, now, staleness_s)
+        for alternative in ask.resolved
+        for _, pool in _matching(views, ask, alternative, now, staleness_s)
     )
 
 
 def _matching(
-    views: Sequence[NodeView],
-    alternative: tuple[AcceleratorChoice, CompatibilityContract, Selector | None],
-    memory_mib: int | None,
-    vcpus: int,
-    network: dict[str, Any] | None,
-    now: float,
-    staleness_s: float,
+    views: Sequence[NodeView], ask: WarmAsk, alternative: Alternative, now: float, staleness_s: float
 ) -> list[tuple[NodeView, WarmPoolFact]]:
     """The eligible nodes' pools of exactly the request's shape (labels aside: those are per warm sandbox)."""
     choice, contract, _ = alternative
-    mem = memory_mib or contract.memory_mib
+    mem = ask.memory_mib or contract.memory_mib
     return [
         (n, pool)
         for n in views
         if node_eligible(n, now, staleness_s)
         for pool in n.warm_pools
-        if pool_matches(pool, choice, contract, mem, vcpus, network)
+        if pool_matches(pool, choice, contract, mem, ask.vcpus, ask.network)
     ]
 
 
