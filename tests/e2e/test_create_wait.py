@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 
-import typer
 from typer.testing import CliRunner
 
-from cubeaccel.cli.master import register_top_level
+from cubeaccel.cli.root import app as cli
 from tests.support.master_harness import Cluster
 
 PROFILES = {"w": "2xh100"}
@@ -26,8 +25,7 @@ def test_create_with_wait_answers_running_and_the_phases_come_through_cubemaster
 
 
 def test_the_cli_shows_the_nodes_phases_live(c: Cluster) -> None:
-    root = typer.Typer()
-    register_top_level(root)
+    root = cli
     env = {"CUBEACCEL_MASTER": c.master.url, "CUBEACCEL_API_KEY": c.master.admin_key, "COLUMNS": "200"}
     out = CliRunner().invoke(root, ["sandbox", "create", "--gpu", "H100:1", "--id", "wait-cli"], env=env)
     assert out.exit_code == 0, out.output

@@ -8,10 +8,9 @@ from typing import Any
 
 import httpx
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from cubeaccel.cli.master import register_top_level
+from cubeaccel.cli.root import app as cli
 from cubeaccel.model.errors import CubeError
 from tests.support.master_harness import Cluster, example
 from tests.support.poll import poll
@@ -176,8 +175,7 @@ def test_delete_gives_devices_back_through_the_cubelet_and_timeouts_delete(c: Cl
 
 
 def test_cli_sandbox_create_list_show_delete_and_nodes(c: Cluster) -> None:
-    root = typer.Typer()
-    register_top_level(root)
+    root = cli
     run = CliRunner().invoke
     env = {"CUBEACCEL_MASTER": c.master.url, "CUBEACCEL_API_KEY": c.master.admin_key, "COLUMNS": "200"}
     out = run(root, ["sandbox", "create", "--gpu", "H100:1", "--json", "--id", "cli-1"], env=env)

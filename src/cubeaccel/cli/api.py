@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from cubeaccel.cli.locate import UP_STATE
-from cubeaccel.cli.master import MasterUrl, master_url, write_secret
+from cubeaccel.cli.master_access import MasterUrl, master_url, write_secret
 
 app = typer.Typer(no_args_is_help=True, help="The E2B-compatible API: `from e2b import Sandbox` against cubeaccel.")
 

@@ -11,7 +11,7 @@ import typer
 
 from cubeaccel.cli import output
 from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
-from cubeaccel.cli.master import MasterUrl, _call
+from cubeaccel.cli.master_access import MasterUrl, call_master
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.cubelet_client import CubeletClient
@@ -348,7 +348,7 @@ def devices_cmd(
     """Device table: full id, address, model, NUMA, state (colored), sandbox, reason."""
     output.json_flag(as_json)
     if node is not None:
-        devs = _call(master, lambda c: c.request("GET", f"/v1/nodes/{node}/devices"))["devices"]
+        devs = call_master(master, lambda c: c.request("GET", f"/v1/nodes/{node}/devices"))["devices"]
     else:
         devs = _Node(state_dir, url)(lambda c: c.devices())
     output.emit({"devices": devs}, lambda: console.print(device_table(devs)))
@@ -374,7 +374,7 @@ def device_cmd(
         if who is not None:
             raise typer.BadParameter("--who is the admin key's identity through CubeMaster; leave it out")
         path = f"/v1/nodes/{node}/devices/{device_id}/{verb}"
-        d = _call(master, lambda c: c.request("POST", path, {"reason": reason, **extra}))["device"]
+        d = call_master(master, lambda c: c.request("POST", path, {"reason": reason, **extra}))["device"]
         output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} ({reason})")))
         return
     if who is None:

@@ -196,12 +196,6 @@ def prepare_cmd(
 
 
 # ---- registered templates (CubeMaster) ------------------------------------------------------------------------
-def _master_call(url: str | None, fn: Any) -> Any:
-    from cubeaccel.cli.master import _call
-
-    return _call(url, fn)
-
-
 MasterOpt = typer.Option(None, "--master", help="CubeMaster URL (default: $CUBEACCEL_MASTER, then `cubeaccel up`'s)")
 
 
@@ -209,9 +203,10 @@ MasterOpt = typer.Option(None, "--master", help="CubeMaster URL (default: $CUBEA
 def list_cmd(url: str | None = MasterOpt, as_json: bool = AsJson) -> None:
     """Templates registered with CubeMaster: name, version, class, digest, and which is each class's default."""
     from cubeaccel.cli import output
+    from cubeaccel.cli.master_access import call_master
 
     output.json_flag(as_json)
-    body = _master_call(url, lambda c: c.request("GET", "/v1/templates"))
+    body = call_master(url, lambda c: c.request("GET", "/v1/templates"))
 
     def table() -> None:
         t = Table(title="templates")
@@ -233,8 +228,9 @@ def delete_cmd(
 ) -> None:
     """Delete a registered template (sandboxes already created keep their frozen contract)."""
     from cubeaccel.cli import output
+    from cubeaccel.cli.master_access import call_master
 
-    r = _master_call(url, lambda c: c.request("DELETE", f"/v1/templates/{ref}"))
+    r = call_master(url, lambda c: c.request("DELETE", f"/v1/templates/{ref}"))
     output.emit(r, lambda: _console().print(f"deleted {r['deleted']} version(s) of {escape(r['template'])}"))
 
 
