@@ -121,14 +121,21 @@ class GuardedH11(H11Protocol):
         super().connection_lost(exc)
 
     def send_400_response(self, msg: str) -> None:
-        body = _error_bytes("api.bad_http_request", msg)
+        """uvicorn's answer to any h11 protocol error. One of them is headers past the bound while still incomplete
+        (h11 hints 431, uvicorn drops the hint): what h11 still buffers tells it apart, and it gets the 431 a
+        complete request of that size gets (`api.headers_too_large`)."""
+        status, reason, code = 400, b"Bad Request", "api.bad_http_request"
+        if self.conn.their_state is h11.ERROR and len(self.conn.trailing_data[0]) > MAX_HEADER_BYTES:
+            status, reason, code = 431, b"Request Header Fields Too Large", "api.headers_too_large"
+            msg = f"request line and headers over {MAX_HEADER_BYTES} bytes"
+        body = _error_bytes(code, msg)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
         ]
         try:
-            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Response(status_code=status, headers=headers, reason=reason)))
             self.transport.write(self.conn.send(h11.Data(data=body)))
             self.transport.write(self.conn.send(h11.EndOfMessage()))
         except h11.LocalProtocolError:  # h11 cannot frame a reply in this state: just close
