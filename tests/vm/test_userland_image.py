@@ -31,6 +31,7 @@ COMMANDS = {
     "sudo": 'sudo -n true && test "$(sudo -n id -u)" = 0',
     "tput": "tput cols",
     "pip": "python3 -m pip --version",
+    "python": "python -c 'import sys; assert sys.version_info[0] == 3'",
     "ps": "ps --version | grep -q procps && ps -e -o args= | grep -q '[c]ubeaccel.workload serve'",
     "xargs": "printf 'a\\nb\\n' | xargs -n1 echo | wc -l | grep -qx 2",
     "grep": "echo needle | grep -E -q '^ne+dle$'",

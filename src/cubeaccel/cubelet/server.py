@@ -33,6 +33,7 @@ from cubeaccel.host.unix_path import connect_path
 from cubeaccel.model.cold_start import cold_start_phases, start_path
 from cubeaccel.model.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
 from cubeaccel.model.errors import CubeError, invalid, not_found
+from cubeaccel.model.hop_by_hop import HOP_BY_HOP
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
@@ -505,7 +506,6 @@ def serve(
 # ---- the workload proxy ------------------------------------------------------------------------------------------
 WORKLOAD_PREFIX = "/v1/sandboxes/"  # + {sandbox_id}/workload/{path}: envd's API of that sandbox, streamed through
 _WORKLOAD_PATH = re.compile(r"^/v1/sandboxes/[^/]+/workload/")
-_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host", "content-length"}
 WORKLOAD_METHODS = ("GET", "POST", "HEAD", "PUT", "PATCH", "DELETE", "OPTIONS")  # the last four: ports only
 PORT_PATH = "cubeaccel/port/"  # …/workload/cubeaccel/port/<port>/<path>: another port of the sandbox
 
@@ -666,7 +666,7 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
         elif not (path == "health" or (path == "files" and "signature" in request.query_params)):
             raise CubeError("workload.unauthenticated", "missing or wrong access token", "api", {}, 401)
         sock = workload_socket(cubelet, sandbox_id)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         client = upstreams.get(sandbox_id, sock)
         if path.startswith(PORT_PATH):
             upstream_req = _port_request(client, request, headers)
@@ -705,5 +705,5 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
             finally:
                 await upstream.aclose()
 
-        out = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP - {"content-length"}}
+        out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP - {"content-length"}}
         return StreamingResponse(body(), status_code=upstream.status_code, headers=out)

@@ -35,20 +35,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token, traffic_token
 from cubeaccel.frontdoor.master import MasterClient
 from cubeaccel.model import connect_envelope
+from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.wire.e2b_api import GuestMetrics
 
-_HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "host",
-    "content-length",
-    "proxy-connection",
-}
 START_PATH = "/process.Process/Start"
 MAX_START_MESSAGE = 1 << 20  # the guest's own bound for a stream request message
 ROUTE_TTL_S = 5.0  # how long a sandbox → node answer is reused (a gone sandbox is re-checked at once)
@@ -268,7 +258,7 @@ class EnvdProxy:
             if route is None:
                 return gone(sandbox_id)
             upstream = await send(route)
-            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP - {"content-length"}}
+            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP - {"content-length"}}
             if upstream.status_code in (409, 503):
                 body = await upstream.aread()
                 await upstream.aclose()
@@ -288,7 +278,7 @@ class EnvdProxy:
         return StreamingResponse(relay, status_code=upstream.status_code, headers=headers)
 
     async def _send(self, request: Request, route: Route, sandbox_id: str, path: str) -> httpx.Response:
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         content: Any = None
         if request.method == "POST":
             content = request.stream()
@@ -309,7 +299,7 @@ class EnvdProxy:
     async def _send_port(self, request: Request, route: Route, sandbox_id: str, port: int) -> httpx.Response:
         """The caller's request as the app in the guest should see it: its own headers (less this hop's and the
         tokens), the caller's Host and scheme in X-Forwarded-*, and the sandbox's token for the Cubelet only."""
-        drop = _HOP_BY_HOP | {"x-access-token", TRAFFIC_TOKEN_HEADER, "e2b-sandbox-id", "e2b-sandbox-port"}
+        drop = HOP_BY_HOP | SANDBOX_CHANNEL_HEADERS
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
         headers += [
             ("X-Forwarded-Host", request.headers.get("host", "")),

@@ -2,9 +2,10 @@
 
 The validation image carries only what cube-agent and `bash -l -c` need. Sandboxes that users drive through the
 E2B SDK run arbitrary shell: git, curl (with CA certificates), sudo (user `user` needs no password), ncurses'
-`tput`, python3 with pip, procps, findutils, grep, sed, gawk. Those packages and every shared library they load are
-extracted into the same kind of rootfs (no dpkg, no maintainer scripts), so what the scripts would have done is done
-here: the CA bundle, the `awk` alternative, sudo's setuid bit and configuration, a PAM stack with no passwords.
+`tput`, python3 (also as `python`) with pip, procps, findutils, grep, sed, gawk. Those packages and every shared
+library they load are extracted into the same kind of rootfs (no dpkg, no maintainer scripts), so what the scripts
+would have done is done here: the CA bundle, the `awk` and `python` links, sudo's setuid bit and configuration, a
+PAM stack with no passwords.
 `USERLAND_LIBRARIES` is checked at build time: every ELF file the flavour ships must find its libraries.
 """
 
@@ -176,6 +177,7 @@ def install(root: Path) -> None:
     _link(ssl / "certs", "/etc/ssl/certs")
     _link(ssl / "cert.pem", f"/{CA_BUNDLE}")
     _link(root / "usr/bin/awk", "gawk")
+    _link(root / "usr/bin/python", "python3")  # what python-is-python3 makes: E2B base users (and tests) type `python`
     for rel in SETUID:
         if not (root / rel).is_file():
             raise image_error("image.userland_incomplete", f"/{rel} is missing", layer="template")

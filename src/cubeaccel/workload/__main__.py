@@ -158,7 +158,8 @@ def _serve_mux(args: argparse.Namespace, workload: Workload) -> int:
             server.serve_forever()
             if not reconnect:
                 break
-            stopped.wait(EOF_RETRY_S)  # the host side is away: a virtio port reads EOF until it is back
+            if not args.token_from_channel:  # else read_preamble waits, only when the host is really away (EOF)
+                stopped.wait(EOF_RETRY_S)  # the host side is away: a virtio port reads EOF until it is back
     finally:
         workload.processes.kill_all()
     return 0

@@ -15,30 +15,13 @@ import http.client
 import re
 import socket
 
+from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.workload.http1 import Request, Response
 
 PORT_PREFIX = "/cubeaccel/port/"
 CONNECT_TIMEOUT_S = 10.0
 READ_SIZE = 65536
-# Never forwarded either way: they describe one connection, not the message; the access token and the front
-# door's routing headers stay with the channel (the app in the guest never sees the sandbox's token).
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-connection",
-        "transfer-encoding",
-        "te",
-        "trailer",
-        "upgrade",
-        "content-length",
-        "host",
-        "x-access-token",
-        "e2b-traffic-access-token",
-        "e2b-sandbox-id",
-        "e2b-sandbox-port",
-    }
-)
+NOT_FORWARDED = HOP_BY_HOP | SANDBOX_CHANNEL_HEADERS
 _PORT_TARGET = re.compile(r"/cubeaccel/port/(\d{1,5})(/[^?#]*)?(\?.*)?", re.DOTALL)
 
 INVALID = "port.invalid"
@@ -85,7 +68,7 @@ def request_head(method: str, target: str, port: int, headers: list[tuple[str, s
 def end_to_end(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """The headers that travel on, less those that `Connection` names (RFC 9110 §7.6.1)."""
     named = {token.strip().lower() for k, v in headers if k.lower() == "connection" for token in v.split(",") if token}
-    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in named]
+    return [(k, v) for k, v in headers if k.lower() not in NOT_FORWARDED and k.lower() not in named]
 
 
 def forward(request: Request, response: Response) -> None:
