@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from cubeaccel.frontdoor import mapping as M
 from cubeaccel.frontdoor.envd import PORT_UPGRADE, EnvdProxy, envd_error
 from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
-from cubeaccel.frontdoor.master import MasterClient
+from cubeaccel.frontdoor.master import FrontDoorMaster
 from cubeaccel.frontdoor.metrics import devices_of, e2b_metrics, window
 from cubeaccel.frontdoor.unread_body import close_when_body_unread
 from cubeaccel.model.error_catalog import http_status
@@ -120,7 +120,7 @@ async def body_of(request: Request, model: type[BaseModel], required: bool = Tru
 
 
 def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
-    master = MasterClient(cfg.master_url, cfg.admin_key)
+    master = FrontDoorMaster(cfg.master_url, cfg.admin_key)
     envd = EnvdProxy(master, cfg.secret, cfg.domain)
 
     def token(sandbox_id: str) -> str:

@@ -33,7 +33,7 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token, traffic_token
-from cubeaccel.frontdoor.master import MasterClient
+from cubeaccel.frontdoor.master import FrontDoorMaster
 from cubeaccel.model import connect_envelope
 from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.model.ids import SANDBOX_ID_RE
@@ -104,7 +104,7 @@ def inject_envs(payload: bytes, env_vars: dict[str, str], streaming: bool) -> by
 
 
 class EnvdProxy:
-    def __init__(self, master: MasterClient, secret: bytes, domain: str | None) -> None:
+    def __init__(self, master: FrontDoorMaster, secret: bytes, domain: str | None) -> None:
         self.master = master
         self.secret = secret
         self.domain = domain

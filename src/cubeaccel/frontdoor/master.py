@@ -9,14 +9,20 @@ from typing import Any
 import httpx
 
 from cubeaccel.frontdoor.mapping import Refusal, refusal_from_master
+from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.http_reply import UNREADABLE_ERROR
+from cubeaccel.wire.master_client import AsyncMasterClient
 
 MAX_PREFIXES = 4096
 
 
-class MasterClient:
+class FrontDoorMaster:
+    """`wire.master_client.AsyncMasterClient` with the front door's two needs on top: a CubeMaster error raised
+    as the E2B refusal it maps to, and each tenant's sandbox id prefix, asked once per key."""
+
     def __init__(self, url: str, admin_key: str, timeout_s: float = 30.0) -> None:
         self.admin_key = admin_key
-        self.http = httpx.AsyncClient(base_url=url.rstrip("/"), timeout=timeout_s)
+        self.master = AsyncMasterClient(url, timeout=timeout_s)
         self.prefixes: dict[str, str] = {}  # sha256 of a key → its tenant's sandbox id prefix
 
     async def id_prefix(self, key: str) -> str:
@@ -31,7 +37,7 @@ class MasterClient:
         return self.prefixes[digest]
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.master.aclose()
 
     async def call(
         self,
@@ -44,22 +50,11 @@ class MasterClient:
     ) -> Any:
         """The reply's JSON; a CubeMaster error is raised as the E2B refusal it maps to."""
         try:
-            r = await self.http.request(
-                method,
-                path,
-                json=body,
-                params=params,
-                headers={"Authorization": f"Bearer {key}", **(headers or {})},
-            )
+            return await self.master.request(method, path, body, params=params, headers=headers, key=key)
         except httpx.HTTPError as e:
             raise Refusal(503, f"cubeaccel (api): CubeMaster unreachable: {type(e).__name__}", retry=True) from e
-        try:
-            data = r.json()
-        except ValueError:
-            data = None
-        if r.status_code >= 400:
-            raise refusal_from_master(r.status_code, data)
-        return data
+        except CubeError as e:  # an error body CubeMaster did not send is the 502 of "no error body"
+            raise refusal_from_master(e.status, None if e.code == UNREADABLE_ERROR else e.to_json()) from e
 
     async def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         return await self.call(method, path, self.admin_key, body)

@@ -12,6 +12,8 @@ import httpx
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.base import WIRE_VERSION
 
+UNREADABLE_ERROR = "http.error"  # an error reply without the server's `{"error": {...}}` (a proxy's page, a crash)
+
 
 def reply_body(r: httpx.Response) -> Any:
     try:
@@ -21,7 +23,7 @@ def reply_body(r: httpx.Response) -> Any:
     if r.status_code >= 400:
         err = body.get("error", {}) if isinstance(body, dict) else {}
         raise CubeError(
-            err.get("code", "http.error"),
+            err.get("code", UNREADABLE_ERROR),
             err.get("message", r.text[:500]),
             err.get("layer", "api"),
             err.get("details", {}),

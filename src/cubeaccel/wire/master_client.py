@@ -1,4 +1,6 @@
-"""HTTP client for the CubeMaster API (CLI, `cubeaccel up`, tests). Errors come back as `CubeError`."""
+"""HTTP client for the CubeMaster API, with a sync face (CLI, `cubeaccel up`, tests) and an async one (the E2B
+front door) over one request core: the same credentials, `?wait=` timeouts and reply parsing. Errors come back as
+`CubeError`."""
 
 from __future__ import annotations
 
@@ -12,14 +14,36 @@ from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.telemetry import add_request_id
 
 
+def _credentials(key: str | None) -> tuple[dict[str, str] | None, NodeAuth | None]:
+    """`key`: an API key (tenant or admin), sent as a bearer credential, or a node token (`cbn:…`), which signs
+    each request instead (wire/node_sig.py)."""
+    if key and key.startswith("cbn:"):
+        return None, NodeAuth(key)
+    return ({"Authorization": f"Bearer {key}"} if key else None), None
+
+
+def _call_options(
+    connect_s: float | None, params: dict[str, Any] | None, wait_s: float | None
+) -> tuple[dict[str, Any] | None, Any]:
+    """`wait_s`: the server holds the request up to that long (`?wait=`): the read timeout covers it."""
+    if not wait_s:
+        return params, httpx.USE_CLIENT_DEFAULT
+    return {**(params or {}), "wait": wait_s}, httpx.Timeout(connect_s, read=wait_s + 30.0, write=30.0, pool=30.0)
+
+
+def _bearer(key: str | None, headers: dict[str, str] | None) -> dict[str, str] | None:
+    """A per-call API key (the front door sends each caller's own) on top of the call's headers."""
+    return headers if key is None else {**(headers or {}), "Authorization": f"Bearer {key}"}
+
+
+async def _add_request_id(request: httpx.Request) -> None:
+    add_request_id(request)
+
+
 class MasterClient:
     def __init__(self, url: str, timeout: float = 60.0, key: str | None = None) -> None:
-        """`key`: an API key (tenant or admin), sent as a bearer credential, or a node token (`cbn:…`), which
-        signs each request instead (wire/node_sig.py)."""
         self.url = url.rstrip("/")
-        node = key is not None and key.startswith("cbn:")
-        headers = {"Authorization": f"Bearer {key}"} if key and not node else None
-        auth = NodeAuth(key) if key and node else None
+        headers, auth = _credentials(key)
         self._http = httpx.Client(
             base_url=self.url, timeout=timeout, headers=headers, auth=auth, event_hooks={"request": [add_request_id]}
         )
@@ -33,11 +57,7 @@ class MasterClient:
         headers: dict[str, str] | None = None,
         wait_s: float | None = None,
     ) -> Any:
-        """`wait_s`: the server holds the request up to that long (`?wait=`): the read timeout covers it."""
-        timeout: Any = httpx.USE_CLIENT_DEFAULT
-        if wait_s:
-            params = {**(params or {}), "wait": wait_s}
-            timeout = httpx.Timeout(self._http.timeout.connect, read=wait_s + 30.0, write=30.0, pool=30.0)
+        params, timeout = _call_options(self._http.timeout.connect, params, wait_s)
         return reply_body(self._http.request(method, path, json=json, params=params, headers=headers, timeout=timeout))
 
     def health(self) -> dict[str, Any]:
@@ -86,3 +106,34 @@ class MasterClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+class AsyncMasterClient:
+    """The async face: the same calls as `MasterClient.request`, and a key per call where one client serves many
+    callers."""
+
+    def __init__(self, url: str, timeout: float = 60.0, key: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        headers, auth = _credentials(key)
+        self._http = httpx.AsyncClient(
+            base_url=self.url, timeout=timeout, headers=headers, auth=auth, event_hooks={"request": [_add_request_id]}
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        wait_s: float | None = None,
+        key: str | None = None,
+    ) -> Any:
+        params, timeout = _call_options(self._http.timeout.connect, params, wait_s)
+        r = await self._http.request(
+            method, path, json=json, params=params, headers=_bearer(key, headers), timeout=timeout
+        )
+        return reply_body(r)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
