@@ -17,7 +17,8 @@ front door. Per round and stack, with the pool full (and nothing else of the ben
 `--baseline DIR`: a second stack run from the checkout DIR (the code before a change, e.g. `git worktree add DIR
 main`, with its own `DIR/.venv` whose editable install is DIR/src: a copy of this tree's venv with its
 `_editable_impl_cubeaccel.pth` pointed at DIR/src will do), measured in alternation with this tree's:
-before/after in the same run.
+before/after in the same run. Each stack boots the guest image built from its own checkout, so a change to the
+guest's code (the workload service, the agent) is compared too.
 
 Run: `PYTHONPATH=src:. .venv/bin/python bench/warm_path_bench.py [--rounds 3] [--baseline DIR]`. Prints JSON:
 per stack, min/median/max of each phase, and /proc/loadavg before and after each create.
@@ -31,6 +32,7 @@ import json
 import os
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +50,7 @@ from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.test_master_ready import edu_template
 
 from cubeaccel.images.builder import build
+from cubeaccel.images.manifest import Manifest
 
 TEMPLATE = "edu-warm-path"
 START = "/process.Process/Start"
@@ -88,6 +91,18 @@ def checkout(root: Path | None) -> Iterator[None]:
         else:
             os.environ["PYTHONPATH"] = before[0]
         sys.executable = before[1]
+
+
+def image_of(root: Path | None) -> Manifest:
+    """The validation image built from the checkout at `root` (None: this tree), by that checkout's own code."""
+    if root is None:
+        return build()[0]
+    code = "from cubeaccel.images.builder import build; print(build()[0].directory / 'manifest.json')"
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    out = subprocess.run([str(root / ".venv/bin/python"), "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"building the baseline's image failed: {out.stderr[-2000:]}")
+    return Manifest.load(Path(out.stdout.strip().splitlines()[-1]))
 
 
 class Stack:
@@ -226,12 +241,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="a checkout whose src/ is measured beside this tree's")
     args = ap.parse_args()
-    image, _ = build()
     base = Path(tempfile.mkdtemp(prefix="warm-path-"))
-    doc = edu_template(image, TEMPLATE)
-    stacks = [Stack("this", base / "this", doc, None)]
+    stacks = [Stack("this", base / "this", edu_template(image_of(None), TEMPLATE), None)]
     if args.baseline is not None:
-        stacks.insert(0, Stack("baseline", base / "baseline", doc, args.baseline.resolve()))
+        root = args.baseline.resolve()
+        stacks.insert(0, Stack("baseline", base / "baseline", edu_template(image_of(root), TEMPLATE), root))
     runs: dict[str, list[dict[str, Any]]] = {s.name: [] for s in stacks}
     load = [loadavg()]
     try:
