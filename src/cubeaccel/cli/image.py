@@ -103,7 +103,7 @@ def import_(
             raise CubeError("template.pin_failed", f"{template} is not a template document", "template")
         manifest = import_image(source, doc, cache or cache_dir())
     except OSError as e:
-        err = CubeError("image.import_mismatch", f"cannot read {e.filename}: {e.strerror}", "template", status=422)
+        err = CubeError("image.import_mismatch", f"cannot read {e.filename}: {e.strerror}", "template")
         print(json.dumps(err.to_json()), file=sys.stderr)
         raise typer.Exit(1) from e
     except CubeError as e:

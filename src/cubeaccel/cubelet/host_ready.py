@@ -110,5 +110,4 @@ def refuse_if_not_ready(t: Tx) -> None:
         f"this node's host is not ready for its backend ({codes}): {r.problems[0].message}",
         "host_hardware",
         r.to_json(),
-        409,
     )

@@ -120,7 +120,6 @@ def admit(t: Tx, sandbox_id: str, params: dict[str, Any], configured_mib: int | 
             f"{led.per_vmm_limit_mib} MiB (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)",
             "pinned_memory",
             details,
-            409,
         )
     if need > led.free_mib:
         raise CubeError(
@@ -130,6 +129,5 @@ def admit(t: Tx, sandbox_id: str, params: dict[str, Any], configured_mib: int | 
             f"held by {len(led.by_sandbox)} sandbox(es)",
             "pinned_memory",
             details,
-            409,
         )
     return led

@@ -85,7 +85,7 @@ def create_app(
         async def signed_body(request: Request) -> None:
             claim = getattr(request.state, "node_claim", None)
             if claim is not None and not node_sig.body_matches(claim, await request.body()):
-                raise CubeError("auth.invalid_credential", "the body is not the one signed", "api", {}, 401)
+                raise CubeError("auth.invalid_credential", "the body is not the one signed", "api")
 
         app.router.dependencies.append(Depends(signed_body))
 
@@ -124,7 +124,6 @@ def create_app(
                     f"uid {peer[1]} may not use the Cubelet's socket (root or the Cubelet's own uid only)",
                     "api",
                     {"uid": peer[1]},
-                    403,
                 )
             )
 
@@ -515,7 +514,7 @@ def workload_socket(cubelet: Cubelet, sandbox_id: str) -> Path:
     res = cubelet.store.reservation(sandbox_id)
     if res is None or res.phase is not ReservationPhase.RUNNING:
         raise CubeError(
-            "workload.not_running", f"sandbox {sandbox_id} is not running here", "api", {"sandbox_id": sandbox_id}, 409
+            "workload.not_running", f"sandbox {sandbox_id} is not running here", "api", {"sandbox_id": sandbox_id}
         )
     find = getattr(cubelet.shim, "workload_socket", None)  # only drivers that run real shims have one
     path = find(res.shim_id) if find is not None else None  # a claimed warm sandbox's shim keeps its own id
@@ -525,7 +524,6 @@ def workload_socket(cubelet: Cubelet, sandbox_id: str) -> Path:
             f"sandbox {sandbox_id} has no workload endpoint",
             "api",
             {"sandbox_id": sandbox_id},
-            503,
         )
     return path
 
@@ -662,9 +660,9 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
         token = request.headers.get("x-access-token")
         if token is not None:
             if not cubelet.workload_token_ok(sandbox_id, token):
-                raise CubeError("workload.unauthenticated", "missing or wrong access token", "api", {}, 401)
+                raise CubeError("workload.unauthenticated", "missing or wrong access token", "api")
         elif not (path == "health" or (path == "files" and "signature" in request.query_params)):
-            raise CubeError("workload.unauthenticated", "missing or wrong access token", "api", {}, 401)
+            raise CubeError("workload.unauthenticated", "missing or wrong access token", "api")
         sock = workload_socket(cubelet, sandbox_id)
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         client = upstreams.get(sandbox_id, sock)
@@ -682,7 +680,7 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
             upstream = await client.send(upstream_req, stream=True)
         except httpx.HTTPError as e:
             upstreams.drop(sandbox_id)  # its pooled connections may all be dead (the bridge reconnected)
-            raise CubeError("workload.unavailable", f"workload endpoint: {e}", "api", {}, 503) from e
+            raise CubeError("workload.unavailable", f"workload endpoint: {e}", "api") from e
         connect_stream = upstream.headers.get("content-type", "").startswith("application/connect+")
 
         async def body() -> Any:

@@ -501,7 +501,7 @@ class Store:
         depth = int(getattr(self._local, "depth", 0))
         with self._lock:
             if self._closed:
-                raise CubeError("store.closed", "the store is closed", "cubelet", status=500)
+                raise CubeError("store.closed", "the store is closed", "cubelet")
             name = f"tx{depth}"
             self._conn.execute("BEGIN IMMEDIATE" if depth == 0 else f"SAVEPOINT {name}")
             self._local.depth = depth + 1
@@ -529,7 +529,7 @@ class Store:
             except sqlite3.Error as e:  # disk full, I/O error: the change is not made
                 with suppress(sqlite3.Error):
                     self._conn.execute("ROLLBACK")
-                raise CubeError("store.commit_failed", f"the store could not commit: {e}", "cubelet", status=500) from e
+                raise CubeError("store.commit_failed", f"the store could not commit: {e}", "cubelet") from e
             self.commits += 1
         self._local.emitted = []
         for listener in self.listeners if emitted else ():

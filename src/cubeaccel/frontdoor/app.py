@@ -331,7 +331,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         if scope["type"] == "http":
             if headers_too_large(scope):  # the other listeners' bound, on the parsed request (HTTP/2 too)
                 msg = f"request line and headers over {MAX_HEADER_BYTES} bytes"
-                too_large = edge_error(CubeError("api.headers_too_large", msg, "api", {}, 431))
+                too_large = edge_error(CubeError("api.headers_too_large", msg, "api"))
                 too_large.headers["connection"] = "close"
                 await too_large(scope, receive, send)
                 return

@@ -55,7 +55,6 @@ def acquire(state_dir: Path, role: str) -> StateLock:
             f"{state_dir} is in use by {who} (another {role}); stop it or pick another --state-dir",
             "api",
             {"state_dir": str(state_dir), "lock": str(path), "holder_pid": pid, "role": role},
-            409,
         ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -33,8 +33,6 @@ class Throttle:
                     "auth.throttled",
                     f"too many failed authentications with this credential; retry after {self.window_s:g}s",
                     "api",
-                    {},
-                    429,
                 )
 
     def fail(self, source: str) -> None:

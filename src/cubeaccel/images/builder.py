@@ -172,7 +172,6 @@ def flavour_named(name: str | None) -> Flavour:
             f"no image flavour {name!r}; known: {', '.join(sorted(FLAVOURS))}",
             "template",
             {"known": sorted(FLAVOURS)},
-            status=422,
         )
     return FLAVOURS[name]
 
@@ -186,7 +185,6 @@ def stack_named(name: str | None) -> VendorStack | None:
             f"no vendor stack {name!r}; known: {', '.join(sorted(STACKS))}",
             "template",
             {"known": sorted(STACKS)},
-            status=422,
         )
     return STACKS[name]
 

@@ -49,7 +49,6 @@ def import_image(source: Path, template: dict[str, Any], cache: Path) -> Manifes
             f"{source}: artifacts do not match their manifest: {', '.join(bad)}",
             "template",
             {"corrupt": bad},
-            status=422,
         )
     if diff := mismatches(template, m):
         first = diff[0]
@@ -59,7 +58,6 @@ def import_image(source: Path, template: dict[str, Any], cache: Path) -> Manifes
             f"the template says {first['template']}" + (f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""),
             first["layer"],
             {"mismatches": diff},
-            status=422,
         )
     dest = cache / "images" / f"import-{m.image_digest.removeprefix('sha256:')[:16]}"
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +71,5 @@ def import_image(source: Path, template: dict[str, Any], cache: Path) -> Manifes
         shutil.rmtree(staging, ignore_errors=True)
     imported = Manifest.load(dest / "manifest.json")
     if imported.verify():  # copied bytes are checked again where they will be booted from
-        raise CubeError(
-            "image.import_mismatch", f"{dest}: the copy does not match the manifest", "template", status=422
-        )
+        raise CubeError("image.import_mismatch", f"{dest}: the copy does not match the manifest", "template")
     return imported

@@ -102,7 +102,7 @@ def unauthorized(code: str, message: str) -> CubeError:
 
 
 def forbidden(message: str) -> CubeError:
-    return CubeError("auth.forbidden", message, "api", {}, 403)
+    return CubeError("auth.forbidden", message, "api")
 
 
 def credential_of(header: str, signed: SignedRequest | None) -> str:
@@ -227,7 +227,7 @@ class Auth:
             if tenant is not None:
                 t = c.execute(sa.select(S.tenants.c.revoked_at).where(S.tenants.c.name == tenant)).first()
                 if t is None or t.revoked_at is not None:
-                    raise CubeError("tenant.not_found", f"no tenant {tenant!r}", "api", {}, 404)
+                    raise CubeError("tenant.not_found", f"no tenant {tenant!r}", "api")
             c.execute(
                 S.api_keys.insert().values(
                     id=kid, digest=_digest(key), role=role, tenant=tenant, created_at=time.time()
@@ -253,7 +253,7 @@ class Auth:
         with self.store.tx() as c:
             n = c.execute(S.api_keys.update().where(*cond).values(revoked_at=time.time())).rowcount
         if n != 1:
-            raise CubeError("key.not_found", f"no live key {kid!r}", "api", {}, 404)
+            raise CubeError("key.not_found", f"no live key {kid!r}", "api")
 
     def has_admin(self) -> bool:
         with self.store.tx() as c:
@@ -262,11 +262,11 @@ class Auth:
 
     def create_tenant(self, name: str, quota: Quota) -> None:
         if TENANT_RE.fullmatch(name) is None:
-            raise CubeError("tenant.invalid_name", f"invalid tenant name {name!r}", "api", {}, 422)
+            raise CubeError("tenant.invalid_name", f"invalid tenant name {name!r}", "api")
         with self.store.tx() as c:
             r = c.execute(sa.select(S.tenants.c.name).where(S.tenants.c.name == name)).first()
             if r is not None:
-                raise CubeError("tenant.exists", f"tenant {name!r} exists", "api", {}, 409)
+                raise CubeError("tenant.exists", f"tenant {name!r} exists", "api")
             c.execute(S.tenants.insert().values(name=name, quota=quota.to_json(), created_at=time.time()))
 
     def tenants(self) -> list[dict[str, Any]]:
@@ -294,7 +294,7 @@ class Auth:
             ).rowcount
             c.execute(S.api_keys.update().where(S.api_keys.c.tenant == name).values(revoked_at=time.time()))
         if n != 1:
-            raise CubeError("tenant.not_found", f"no live tenant {name!r}", "api", {}, 404)
+            raise CubeError("tenant.not_found", f"no live tenant {name!r}", "api")
 
     def revoked_tenants(self) -> set[str]:
         with self.store.tx() as c:
@@ -310,7 +310,7 @@ class Auth:
     def enrol_node(self, node: str) -> str:
         """A fresh token for `node`; any earlier one stops working."""
         if NODE_ID_RE.fullmatch(node) is None:
-            raise CubeError("node.invalid_name", f"invalid node name {node!r}", "api", {}, 422)
+            raise CubeError("node.invalid_name", f"invalid node name {node!r}", "api")
         with self.store.tx() as c:
             r = c.execute(
                 sa.select(S.node_credentials).where(S.node_credentials.c.node == node).with_for_update()
@@ -336,7 +336,7 @@ class Auth:
                 S.node_credentials.update().where(S.node_credentials.c.node == node).values(revoked=True)
             ).rowcount
         if n != 1:
-            raise CubeError("node.not_found", f"node {node!r} was never enrolled", "api", {}, 404)
+            raise CubeError("node.not_found", f"node {node!r} was never enrolled", "api")
 
 
 def bootstrap(auth: Auth) -> dict[str, str] | None:

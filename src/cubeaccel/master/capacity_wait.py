@@ -40,7 +40,6 @@ def expired(back: int, waited_s: float, why: str) -> CubeError:
         f"(waited {waited_s:.1f}s); retry",
         "scheduler",
         {"returning_devices": back, "waited_s": round(waited_s, 3)},
-        503,
     )
 
 

@@ -176,7 +176,7 @@ def _cubelet_call(master: CubeMaster, url: str, method: str, path: str) -> dict[
         return dict(master.client(url).request(method, path))
     except httpx.HTTPError as e:
         raise CubeError(
-            "cubelet.unreachable", f"Cubelet at {url}: {type(e).__name__}: {e}", "api", {"cubelet_url": url}, 502
+            "cubelet.unreachable", f"Cubelet at {url}: {type(e).__name__}: {e}", "api", {"cubelet_url": url}
         ) from e
 
 

@@ -34,7 +34,6 @@ class Registry:
                 f"expected {v.expected}, found {v.found}",
                 v.layer.value,
                 {"violations": [x.to_json() for x in violations]},
-                422,
             )
         c = freeze(t)
         created = self.store.put_template(t.name, t.version, t.accel_class, c.digest, t.to_json(), time.time())
@@ -45,7 +44,7 @@ class Registry:
     def set_default(self, accel_class: str, name: str) -> None:
         validate_class(accel_class)
         if self.store.template(name) is None:
-            raise CubeError("template.not_found", f"no template {name!r}", "template", {}, 404)
+            raise CubeError("template.not_found", f"no template {name!r}", "template")
         self.store.set_default(accel_class, name)
 
     def is_default(self, t: Template) -> bool:
@@ -61,7 +60,6 @@ class Registry:
                 f"no template {ref!r} is registered",
                 "template",
                 {"template": ref, "known": sorted({r["name"] for r in self.store.templates()})},
-                422,
             )
         key = (row["name"], row["version"])
         c = self._frozen.get(key)
@@ -77,7 +75,6 @@ class Registry:
                 f"no template given and no default template for class {accel_class!r}; register one with default=true",
                 "template",
                 {"class": accel_class},
-                422,
             )
         return self.contract(name)
 
@@ -85,7 +82,7 @@ class Registry:
         name, _, version = ref.partition("@")
         row = self.store.template(name, version or None)
         if row is None:
-            raise CubeError("template.not_found", f"no template {ref!r}", "template", {}, 404)
+            raise CubeError("template.not_found", f"no template {ref!r}", "template")
         versions = [r["version"] for r in self.store.templates() if r["name"] == name]
         return {**self._row_json(row), "versions": versions, "document": row["document"]}
 
@@ -96,7 +93,7 @@ class Registry:
         name, _, version = ref.partition("@")
         n = self.store.delete_template(name, version or None)
         if n == 0:
-            raise CubeError("template.not_found", f"no template {ref!r}", "template", {}, 404)
+            raise CubeError("template.not_found", f"no template {ref!r}", "template")
         return {"deleted": n, "template": ref}
 
     def _row_json(self, r: Row) -> dict[str, Any]:

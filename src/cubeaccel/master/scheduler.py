@@ -423,14 +423,12 @@ def rejection(decision: Decision, total: int) -> CubeError:
             f"{most}, or split the work across sandboxes — {head}",
             "scheduler",
             {"nodes_total": total, "max_devices_per_sandbox": most, "tried": tried},
-            409,
         )
     return CubeError(
         "schedule.unschedulable",
         f"no node can host this sandbox — {head}",
         "scheduler",
         {"nodes_total": total, "tried": tried},
-        409,
     )
 
 

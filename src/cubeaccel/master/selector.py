@@ -45,7 +45,6 @@ class Selector:
                 f"selector does not compile: {_first_line(e)}",
                 "api",
                 {"selector": expression, "error": str(e)},
-                422,
             ) from e
         kind = self._expr.return_type().name()
         if kind not in ("bool", "BOOL", "dyn", "DYN"):
@@ -54,7 +53,6 @@ class Selector:
                 f"selector must be a boolean expression, it is {kind}",
                 "api",
                 {"selector": expression, "type": kind},
-                422,
             )
         self._memo: dict[frozenset[tuple[str, str]], bool] = {}
         self.evaluations = 0  # how often CEL actually ran (the bench and tests read it)

@@ -129,11 +129,9 @@ def route_key(route: BaseRoute, method: str) -> tuple[str, str]:
 
 def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
     if body.id is not None and SANDBOX_ID_RE.fullmatch(body.id) is None:
-        raise CubeError(
-            "sandbox.invalid_id", f"invalid sandbox id {body.id!r}: [A-Za-z0-9._-], 1-63 chars", "api", {}, 422
-        )
+        raise CubeError("sandbox.invalid_id", f"invalid sandbox id {body.id!r}: [A-Za-z0-9._-], 1-63 chars", "api")
     if body.gpu is not None and body.accelerators is not None:
-        raise CubeError("request.ambiguous_accelerators", "give either gpu (shorthand) or accelerators", "api", {}, 422)
+        raise CubeError("request.ambiguous_accelerators", "give either gpu (shorthand) or accelerators", "api")
     request: AcceleratorRequest | None = None
     if body.gpu is not None:
         request = parse_shorthand(body.gpu)
@@ -144,8 +142,6 @@ def create_spec(body: SandboxBody, header_key: str | None) -> CreateSpec:
             "request.invalid_idempotency_key",
             f"Idempotency-Key must be 1-{MAX_IDEMPOTENCY_KEY} printable characters, got {len(header_key)}",
             "api",
-            {},
-            422,
         )
     key = header_key or body.idempotency_key
     return CreateSpec(
@@ -206,7 +202,7 @@ def create_app(
         if rule is not None and rule[1] == "device:verb" and request.path_params.get("verb") in DEVICE_VERBS:
             request.state.action = f"device:{request.path_params['verb']}"  # refusals too
         if rule is None:
-            raise CubeError("auth.no_policy", "this route has no access rule (refused)", "api", {}, 500)
+            raise CubeError("auth.no_policy", "this route has no access rule (refused)", "api")
         roles, _ = rule
         if ANONYMOUS in roles:  # public (health): no credential is looked at
             request.state.identity = ANON
@@ -221,13 +217,11 @@ def create_app(
         request.state.identity = ident
         if ident.role not in roles:
             if ident.role == ANONYMOUS:
-                raise CubeError("auth.missing_credential", "this route needs a credential", "api", {}, 401)
+                raise CubeError("auth.missing_credential", "this route needs a credential", "api")
             raise forbidden(f"a {ident.role} credential may not call {rule[1]}")
         node_param = request.path_params.get("node")
         if ident.role == NODE and "node" in request.path_params and node_param != ident.node:
-            raise CubeError(
-                "auth.wrong_node", f"node {ident.node}'s credential cannot act as node {node_param}", "api", {}, 403
-            )
+            raise CubeError("auth.wrong_node", f"node {ident.node}'s credential cannot act as node {node_param}", "api")
         return ident
 
     app.router.dependencies.append(Depends(authorize))
@@ -258,7 +252,7 @@ def create_app(
         """A tenant sees only its own sandboxes: another tenant's is 404, as if it did not exist."""
         row = master.get(sandbox_id)
         if ident.role == TENANT and row["tenant"] != ident.tenant:
-            raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api", {}, 404)
+            raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api")
         return row
 
     cfg = master.config
@@ -366,9 +360,7 @@ def create_app(
     @app.put("/v1/nodes/{node}", response_model=W.HeartbeatAck, openapi_extra=json_body("Heartbeat"))
     def heartbeat(node: str, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
-            raise CubeError(
-                "node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api", {}, 422
-            )
+            raise CubeError("node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api")
         state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)  # validated the body
         if returned:  # routine heartbeats reach the views within the cache's TTL; new nodes at once
             master.cache.invalidate()
@@ -396,16 +388,14 @@ def create_app(
         for n in node_views():
             if n["node"] == node:
                 return n
-        raise CubeError("node.not_found", f"no node {node!r}", "api", {}, 404)
+        raise CubeError("node.not_found", f"no node {node!r}", "api")
 
     @app.post("/v1/nodes/{node}/{verb}", response_model=W.NodeVerbReply)
     def node_verb(node: str, verb: str, request: Request, body: OperatorBody | None = None) -> dict[str, Any]:
         if verb == "reconcile":
             return reconcile_node(master, node)
         if verb not in ("drain", "undrain"):
-            raise CubeError(
-                "api.unknown_verb", f"unknown node verb {verb!r}; known: drain, undrain, reconcile", "api", {}, 404
-            )
+            raise CubeError("api.unknown_verb", f"unknown node verb {verb!r}; known: drain, undrain, reconcile", "api")
         state = master.store.node_event(node, NodeEvent(verb))
         master.cache.invalidate()
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
@@ -425,7 +415,7 @@ def create_app(
     def cubelet_of(node: str) -> CubeletClient:
         view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)
         if view is None:
-            raise CubeError("node.not_found", f"no node {node!r}", "api", {}, 404)
+            raise CubeError("node.not_found", f"no node {node!r}", "api")
         return master.client(view.cubelet_url)
 
     def forwarded(node: str, call: Any) -> Any:
@@ -433,7 +423,7 @@ def create_app(
             return call(cubelet_of(node))
         except httpx.HTTPError as e:
             raise CubeError(
-                "cubelet.unreachable", f"node {node}'s Cubelet: {type(e).__name__}", "api", {"node": node}, 502
+                "cubelet.unreachable", f"node {node}'s Cubelet: {type(e).__name__}", "api", {"node": node}
             ) from e
 
     @app.get("/v1/nodes/{node}/devices", response_model=W.NodeDevices)
@@ -445,9 +435,7 @@ def create_app(
         """quarantine | recover | disable | enable on one device of `node`, done by that node's Cubelet (its TCP
         API, with the node's token); the Cubelet's events and both audit logs name the admin's key."""
         if verb not in DEVICE_VERBS:
-            raise CubeError(
-                "api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(DEVICE_VERBS)}", "api", {}, 404
-            )
+            raise CubeError("api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(DEVICE_VERBS)}", "api")
         ident: Identity = request.state.identity
         extra = {"restore_driver": True} if body.restore_driver else {}
         rid = request.state.request_id
@@ -544,7 +532,6 @@ def create_app(
                     " sandbox_id_prefix); leave `id` out to have one made",
                     "api",
                     {"sandbox_id_prefix": prefix},
-                    422,
                 )
         elif body.tenant is None:
             body = body.model_copy(update={"tenant": DEFAULT_TENANT})
@@ -552,9 +539,7 @@ def create_app(
         spec = create_spec(body, request.headers.get("idempotency-key"))
         if not spec.request.choices:
             if spec.template is None:
-                raise CubeError(
-                    "request.no_accelerator", "give gpu (e.g. 'H100:1'), accelerators or a template", "api", {}, 422
-                )
+                raise CubeError("request.no_accelerator", "give gpu (e.g. 'H100:1'), accelerators or a template", "api")
             cls = master.registry.contract(spec.template).accel_class
             spec = dataclasses.replace(spec, request=for_template(cls))
         t0 = time.perf_counter()
@@ -575,9 +560,7 @@ def create_app(
             views = [v for v in master.cache.views() if node in (None, v.name)]
             return {"sandboxes": [] if ident.role == TENANT else warm_rows(views)}
         if state is not None and state not in SANDBOX_STATES:
-            raise CubeError(
-                "api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api", {}, 422
-            )
+            raise CubeError("api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api")
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
         if ident.role == TENANT:
             rows = [r for r in rows if r["tenant"] == ident.tenant]
@@ -610,7 +593,6 @@ def create_app(
                 f"sandbox {sandbox_id} is {row['state']}, not running",
                 "api",
                 {"state": row["state"]},
-                409,
             )
         base = f"{url.rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
         return {"sandbox_id": sandbox_id, "node": row["node"], "url": base}
@@ -629,9 +611,7 @@ def create_app(
     def sandbox_status(node: str, sandbox_id: str, body: W.StatusBody) -> dict[str, Any]:
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
         if (body.phase == "failed") != (body.error is not None):
-            raise CubeError(
-                "api.invalid_request", "a failed status carries an error; a running one does not", "api", {}, 422
-            )
+            raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not", "api")
         error = {} if body.error is None else body.error.model_dump()
         return {"state": master.node_status(node, sandbox_id, body.phase, error)}
 

@@ -139,7 +139,6 @@ class CubeMaster:
                     f"template {c.template_name} is for class {c.accel_class}, the request asks for {ch.accel_class}",
                     "api",
                     {"template_class": c.accel_class, "requested": ch.accel_class},
-                    422,
                 )
             if spec.memory_mib is not None and spec.memory_mib != c.memory_mib:
                 # The template fixes the guest's memory (its snapshot, its pinned-memory check): a request that
@@ -149,7 +148,6 @@ class CubeMaster:
                     f"memory_mib {spec.memory_mib} differs from template {c.template_name}'s {c.memory_mib} MiB",
                     "api",
                     {"requested": spec.memory_mib, "template": c.template_name, "template_memory_mib": c.memory_mib},
-                    422,
                 )
             narrow_network(c.template.sandbox.network, spec.network)  # refused here, before any placement
             out.append((ch, c, compile_selector(ch.selector) if ch.selector else None))
@@ -159,7 +157,7 @@ class CubeMaster:
         """Returns (sandbox, created): created is False for an idempotent repeat."""
         resolved = self.resolve(spec)
         if spec.tenant in self.auth.revoked_tenants():  # an admin's create for it, too (issue 30 #2)
-            raise CubeError("tenant.not_found", f"no live tenant {spec.tenant!r}", "api", {}, 404)
+            raise CubeError("tenant.not_found", f"no live tenant {spec.tenant!r}", "api")
         quota = self.auth.quota(spec.tenant)
         lifetime = spec.timeout_s or quota.default_lifetime_s or self.config.default_lifetime_s
         if not spec.timeout_s and quota.max_lifetime_s is not None:  # a default never exceeds the tenant's cap
@@ -170,7 +168,6 @@ class CubeMaster:
                 f"tenant {spec.tenant}'s sandboxes live at most {quota.max_lifetime_s:g}s; asked for {lifetime:g}s",
                 "scheduler",
                 {"max_lifetime_s": quota.max_lifetime_s, "requested_s": lifetime},
-                422,
             )
         now = time.time()
         sid = spec.sandbox_id or f"sb-{uuid.uuid4().hex[:16]}"
@@ -240,8 +237,6 @@ class CubeMaster:
                     "sandbox.create_in_progress",
                     f"sandbox {row['id'] if existing is None else existing['id']} is still being placed; retry",
                     "api",
-                    {},
-                    409,
                 )
             time.sleep(0.05)
 
@@ -256,7 +251,6 @@ class CubeMaster:
                 f"sandbox {sandbox_id} exists with another request",
                 "api",
                 {"existing": request} if mine else {},
-                409,
             )
 
     def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row:
@@ -362,7 +356,6 @@ class CubeMaster:
             f"{lost} candidate(s) were taken by concurrent placements; retry",
             "scheduler",
             {"attempts": attempts, "claims_lost": lost},
-            409,
         )
 
     def _reserve(
@@ -608,7 +601,6 @@ class CubeMaster:
                 f"sandbox {sandbox_id} may live at most {cap:g}s from its creation",
                 "scheduler",
                 {"max_lifetime_s": cap, "requested_s": timeout_s},
-                422,
             )
         ok = self.store.update_sandbox(
             sandbox_id,
@@ -618,9 +610,7 @@ class CubeMaster:
             expires_at=time.time() + timeout_s,
         )
         if not ok:
-            raise CubeError(
-                "sandbox.not_live", f"sandbox {sandbox_id} is {row['state']}: its lifetime is over", "api", {}, 409
-            )
+            raise CubeError("sandbox.not_live", f"sandbox {sandbox_id} is {row['state']}: its lifetime is over", "api")
         return self.get(sandbox_id)
 
     # ---- delete -----------------------------------------------------------------------------------
@@ -628,7 +618,7 @@ class CubeMaster:
         row = self.get(sandbox_id)
         if row["state"] in PLACEMENT_STATES:
             if not self.placement_abandoned(row, time.time()):
-                raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api", {}, 409)
+                raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api")
             # The create that owned it died: whatever it may have reserved is released on the Cubelet.
             self.store.update_sandbox(
                 sandbox_id,
@@ -662,7 +652,6 @@ class CubeMaster:
                 f"sandbox {sandbox_id} is not placed on node {node}",
                 "api",
                 {"node": row["node"]},
-                409,
             )
         if phase == "running":
             self.store.update_sandbox(sandbox_id, "ready", expect=(SS.STARTING,), event=SE.READY, by=SA.CUBELET)
@@ -738,7 +727,7 @@ class CubeMaster:
     def get(self, sandbox_id: str) -> Row:
         row = self.store.sandbox(sandbox_id)
         if row is None:
-            raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api", {}, 404)
+            raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api")
         return row
 
 

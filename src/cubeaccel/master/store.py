@@ -121,7 +121,6 @@ class MasterStore:
                     f"{staleness_s:g}s",
                     "api",
                     {"cubelet_url": row.cubelet_url},
-                    409,
                 )
             c.execute(S.nodes.update().where(S.nodes.c.name == name).values(**values))
             return str(row.state), stale
@@ -131,7 +130,7 @@ class MasterStore:
         with self.tx() as c:
             r = c.execute(sa.select(S.nodes.c.state).where(S.nodes.c.name == name).with_for_update()).first()
             if r is None:
-                raise CubeError("node.not_found", f"no node {name!r}", "api", {}, 404)
+                raise CubeError("node.not_found", f"no node {name!r}", "api")
             target = NODE_MACHINE.transition(NodeState(r.state), event, actor)
             c.execute(S.nodes.update().where(S.nodes.c.name == name).values(state=target.value))
             return target
@@ -344,7 +343,6 @@ class MasterStore:
                         f"template {name} version {version} exists with another document; register a new version",
                         "template",
                         {"digest": old.digest},
-                        409,
                     )
                 return False
             seq = c.execute(sa.select(sa.func.coalesce(sa.func.max(S.templates.c.seq), 0))).scalar_one() + 1

@@ -109,7 +109,7 @@ def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image:
     image (the userland one for CPU-only `base`)."""
     doc = loads_document((directory / name).read_text(), name)
     if not isinstance(doc, dict):
-        raise CubeError("template.invalid", f"example template {name} is not a mapping", "template", status=422)
+        raise CubeError("template.invalid", f"example template {name} is not a mapping", "template")
     backend = (doc["spec"].get("accelerator") or {}).get("backend", "none")  # none: CPU-only
     if pin_to_image and backend in ("emulated", "none"):
         from cubeaccel.images.builder import latest

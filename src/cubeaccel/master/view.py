@@ -191,7 +191,7 @@ def cubelet_url(raw: Any) -> str:
         or u.query
         or u.fragment
     ):
-        raise CubeError("node.invalid_url", f"cubelet_url must be http(s)://HOST:PORT, got {raw!r}", "api", {}, 422)
+        raise CubeError("node.invalid_url", f"cubelet_url must be http(s)://HOST:PORT, got {raw!r}", "api")
     return f"{u.scheme}://{u.netloc}"
 
 
@@ -221,8 +221,6 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
             f"malformed heartbeat: {where}: {first['msg']}"
             + (f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""),
             "api",
-            {},
-            422,
         ) from e
     return NodeView(
         name=hb.node,

@@ -183,18 +183,15 @@ class CompatibilityContract:
             version = data["contract_version"]
             doc, digest = data["document"], data["template"]["digest"]
         except (KeyError, TypeError) as e:
-            raise CubeError(
-                "contract.invalid_json", f"not a frozen contract: missing {e}", "template", status=422
-            ) from e
+            raise CubeError("contract.invalid_json", f"not a frozen contract: missing {e}", "template") from e
         if version != CONTRACT_VERSION:
             raise CubeError(
                 "contract.unsupported_version",
                 f"contract_version {version!r} is not {CONTRACT_VERSION}",
                 "template",
-                status=422,
             )
         if not isinstance(doc, dict):
-            raise CubeError("contract.invalid_json", "contract document is not an object", "template", status=422)
+            raise CubeError("contract.invalid_json", "contract document is not an object", "template")
         t = Template.from_json(doc)
         actual = template_digest(t)
         if actual != digest:
@@ -203,7 +200,6 @@ class CompatibilityContract:
                 f"stored contract digest {digest} does not match its document ({actual})",
                 "template",
                 details={"expected": digest, "found": actual},
-                status=422,
             )
         return cls(template=t, digest=digest)
 

@@ -181,7 +181,6 @@ class AddressNarrowing:
                 f"allow_out names destinations the template does not allow: {', '.join(unreachable)}",
                 "api",
                 {"widened": unreachable, "template": template.to_json()},
-                422,
             )
         by_port: dict[tuple[int, str], list[ipaddress.IPv4Network]] = {}
         for t in template.egress:
@@ -199,7 +198,6 @@ class AddressNarrowing:
                 f"{MAX_EGRESS_RULES}): deny fewer or wider address ranges",
                 "api",
                 {"rules": len(rules), "max": MAX_EGRESS_RULES},
-                422,
             )
         return NetworkPolicy("allowlist", tuple(rules)) if rules else NetworkPolicy()
 
@@ -221,7 +219,6 @@ def narrow_network(template: NetworkPolicy, requested: object) -> NetworkPolicy:
             f"the request asks for egress the template does not allow: {', '.join(wider)}",
             "api",
             {"widened": wider, "template": template.to_json()},
-            422,
         )
     return want
 

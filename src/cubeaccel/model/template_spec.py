@@ -180,7 +180,6 @@ class Template:
                 "template.invalid_document",
                 f"not a template document: {type(e).__name__}: {e}",
                 "template",
-                status=422,
             ) from e
 
 
@@ -190,7 +189,6 @@ def _from_doc(doc: dict[str, Any]) -> Template:
             "template.unsupported_api_version",
             f"expected apiVersion {API_VERSION!r} and kind {KIND!r}, got {doc.get('apiVersion')!r}/{doc.get('kind')!r}",
             "template",
-            status=422,
         )
     meta, spec = doc["metadata"], doc["spec"]
     acc, guest = spec.get("accelerator"), spec["guest"]

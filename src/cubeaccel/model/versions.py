@@ -75,7 +75,6 @@ class DriverVersion(_OrderedByKey):
                 "version.invalid_driver",
                 f"not an NVIDIA driver version (like 550.54.14): {s!r}",
                 "kernel_driver",
-                status=422,
             )
         return cls(int(m[1]), int(m[2]), int(m[3]) if m[3] is not None else None)
 
@@ -104,22 +103,18 @@ class CudaVersion:
         s = _text(text, "version.invalid_cuda", "CUDA version", "cuda_runtime")
         m = _CUDA.fullmatch(s)
         if m is None:
-            raise CubeError(
-                "version.invalid_cuda", f"not a CUDA version (like 12.4 or 12.4.1): {s!r}", "cuda_runtime", status=422
-            )
+            raise CubeError("version.invalid_cuda", f"not a CUDA version (like 12.4 or 12.4.1): {s!r}", "cuda_runtime")
         return cls(int(m[1]), int(m[2]), int(m[3]) if m[3] is not None else 0)
 
     @classmethod
     def from_driver_api(cls, value: object) -> CudaVersion:
         """`cuDriverGetVersion` returns 1000*major + 10*minor (12040 = 12.4); strings are parsed as usual."""
         if isinstance(value, bool):
-            raise CubeError(
-                "version.invalid_cuda", f"not a CUDA driver API version: {value!r}", "cuda_runtime", status=422
-            )
+            raise CubeError("version.invalid_cuda", f"not a CUDA driver API version: {value!r}", "cuda_runtime")
         if isinstance(value, int):
             if not 1000 <= value <= 999_999:
                 raise CubeError(
-                    "version.invalid_cuda", f"CUDA driver API version out of range: {value}", "cuda_runtime", status=422
+                    "version.invalid_cuda", f"CUDA driver API version out of range: {value}", "cuda_runtime"
                 )
             return cls(value // 1000, (value % 1000) // 10)
         return cls.parse(value)
@@ -153,7 +148,6 @@ class KernelVersion(_OrderedByKey):
                 "version.invalid_kernel",
                 f"not a kernel release (like 6.1.0-27-cloud-amd64): {s!r}",
                 "guest_kernel",
-                status=422,
             )
         return cls(
             major=int(m[1]),

@@ -526,7 +526,6 @@ class QemuVmm:
                 "a VM with a device attached is never snapshotted",
                 layer="backend",
                 details={"devices": sorted(self._attached)},
-                status=409,
             )
         tmp = dest.with_suffix(".partial")
         self.qmp("stop")

@@ -94,5 +94,4 @@ def snapshot_refused(found: list[dict[str, Any]]) -> CubeError:
         + ", ".join(sorted({str(f.get("vendor_device") or f.get("type")) for f in found})),
         layer="backend",
         details={"devices": found},
-        status=409,
     )

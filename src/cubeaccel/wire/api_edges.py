@@ -174,7 +174,7 @@ class EdgeGuard:
     async def _guarded(self, scope: Any, receive: Any, send: Any) -> None:
         if headers_too_large(scope):
             msg = f"request line and headers over {MAX_HEADER_BYTES} bytes"
-            await self._refuse(scope, send, CubeError("api.headers_too_large", msg, "api", {}, 431))
+            await self._refuse(scope, send, CubeError("api.headers_too_large", msg, "api"))
             return
         if self.streams(scope.get("path", "")):
             await self.app(scope, receive, send)
@@ -191,7 +191,7 @@ class EdgeGuard:
                 message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 msg = f"request body not received within {self.body_timeout_s:g} s"
-                await self._refuse(scope, send, CubeError("api.body_timeout", msg, "api", {}, 408))
+                await self._refuse(scope, send, CubeError("api.body_timeout", msg, "api"))
                 return
             if message["type"] == "http.disconnect":
                 return
@@ -224,7 +224,7 @@ class EdgeGuard:
         await self.app(scope, replay, send)
 
     def _too_large(self) -> CubeError:
-        return CubeError("api.body_too_large", f"request body over {self.max_body} bytes", "api", {}, 413)
+        return CubeError("api.body_too_large", f"request body over {self.max_body} bytes", "api")
 
     async def _refuse(self, scope: Any, send: Any, e: CubeError, close: bool = True) -> None:
         scope.setdefault("state", {})["error_code"] = e.code

@@ -35,6 +35,5 @@ def reply_body(r: httpx.Response) -> Any:
             f"{r.request.method} {r.request.url.path}: reply of version {body['v']!r:.20}; this client reads v1",
             "api",
             {"v": body["v"]},
-            502,
         )
     return body

@@ -183,19 +183,16 @@ def parse_template(data: object, source: str = "template") -> Template:
     """A parsed YAML/JSON value (dict) → Template, or a `template.*` CubeError."""
     if not isinstance(data, dict):
         raise CubeError(
-            "template.not_a_mapping", f"{source}: expected a mapping, got {type(data).__name__}", "template", status=422
+            "template.not_a_mapping", f"{source}: expected a mapping, got {type(data).__name__}", "template"
         )
     if data.get("apiVersion") != API_VERSION:
         raise CubeError(
             "template.unsupported_api_version",
             f"{source}: apiVersion must be {API_VERSION!r}, got {data.get('apiVersion')!r}",
             "template",
-            status=422,
         )
     if data.get("kind") != KIND:
-        raise CubeError(
-            "template.wrong_kind", f"{source}: kind must be {KIND!r}, got {data.get('kind')!r}", "template", status=422
-        )
+        raise CubeError("template.wrong_kind", f"{source}: kind must be {KIND!r}, got {data.get('kind')!r}", "template")
     try:
         doc = TemplateDocument.model_validate(data)
     except ValidationError as e:
@@ -206,24 +203,20 @@ def parse_template(data: object, source: str = "template") -> Template:
 def loads_document(text: str, source: str = "template") -> object:
     """YAML (a superset of JSON) text → the value it holds. Duplicate keys are not caught by PyYAML; JSON's are."""
     if len(text.encode()) > MAX_TEMPLATE_BYTES:
-        raise CubeError(
-            "template.too_large", f"{source}: larger than {MAX_TEMPLATE_BYTES} bytes", "template", status=422
-        )
+        raise CubeError("template.too_large", f"{source}: larger than {MAX_TEMPLATE_BYTES} bytes", "template")
     stripped = text.lstrip()
-    too_deep = CubeError(
-        "template.too_deep", f"{source}: nested deeper than {json_guard.MAX_DEPTH} levels", "template", status=422
-    )
+    too_deep = CubeError("template.too_deep", f"{source}: nested deeper than {json_guard.MAX_DEPTH} levels", "template")
     try:
         if stripped.startswith("{"):
             try:
                 data: Any = json.loads(text)
             except json.JSONDecodeError as e:
-                raise CubeError("template.invalid_json", f"{source}: {e}", "template", status=422) from e
+                raise CubeError("template.invalid_json", f"{source}: {e}", "template") from e
         else:
             try:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as e:
-                raise CubeError("template.invalid_yaml", f"{source}: {e}", "template", status=422) from e
+                raise CubeError("template.invalid_yaml", f"{source}: {e}", "template") from e
     except RecursionError:
         raise too_deep from None
     try:
@@ -245,30 +238,28 @@ def load_document(path: str | Path) -> object:
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError as e:
-        raise CubeError("template.not_found", f"no such template file: {p}", "template", status=404) from e
+        raise CubeError("template.not_found", f"no such template file: {p}", "template") from e
     except OSError as e:
-        raise CubeError("template.unreadable", f"cannot read {p}: {e.strerror}", "template", status=422) from e
+        raise CubeError("template.unreadable", f"cannot read {p}: {e.strerror}", "template") from e
     try:
         mode = os.fstat(fd).st_mode
         if stat.S_ISDIR(mode):
-            raise CubeError("template.unreadable", f"cannot read {p}: Is a directory", "template", status=422)
+            raise CubeError("template.unreadable", f"cannot read {p}: Is a directory", "template")
         if not stat.S_ISREG(mode):
-            raise CubeError(
-                "template.not_a_file", f"{p} is not a regular file (a device, FIFO or socket)", "template", status=422
-            )
+            raise CubeError("template.not_a_file", f"{p} is not a regular file (a device, FIFO or socket)", "template")
         chunks, size = [], 0
         while size <= MAX_TEMPLATE_BYTES and (chunk := os.read(fd, 65536)):
             chunks.append(chunk)
             size += len(chunk)
         raw = b"".join(chunks)[: MAX_TEMPLATE_BYTES + 1]
     except OSError as e:
-        raise CubeError("template.unreadable", f"cannot read {p}: {e.strerror}", "template", status=422) from e
+        raise CubeError("template.unreadable", f"cannot read {p}: {e.strerror}", "template") from e
     finally:
         os.close(fd)
     try:
         text = raw.decode()
     except UnicodeDecodeError as e:
-        raise CubeError("template.invalid_encoding", f"{p}: not UTF-8 ({e.reason})", "template", status=422) from e
+        raise CubeError("template.invalid_encoding", f"{p}: not UTF-8 ({e.reason})", "template") from e
     return loads_document(text, str(p))
 
 
