@@ -96,8 +96,9 @@ def test_exec_streams_output_and_exits_with_the_commands_code(sandbox: dict[str,
     assert r.returncode == 0 and r.stdout == b"FROM STDIN\n", r.stderr
     t0 = time.monotonic()
     r = cli(sandbox, "exec", "--timeout", "1", sandbox["id"], "--", "sleep", "100")
-    # past its timeout the command is killed and the stream ends as envd's: a deadline error (issue 29), said so
-    assert r.returncode == 1 and b"deadline_exceeded" in r.stderr and time.monotonic() - t0 < 30, r.stderr
+    # past its timeout the command is killed and the stream ends as envd's: a deadline error (issue 29), said
+    # so, and the CLI exits 124 as timeout(1) does
+    assert r.returncode == 124 and b"deadline_exceeded" in r.stderr and time.monotonic() - t0 < 30, r.stderr
 
 
 def test_cp_round_trips_a_binary_file(sandbox: dict[str, Any], tmp_path: Path) -> None:

@@ -195,6 +195,9 @@ def _env_pairs(values: list[str]) -> dict[str, str]:
     return out
 
 
+TIMED_OUT_EXIT = 124
+
+
 @sandbox_app.command("exec", context_settings={"allow_interspersed_args": False})
 def sandbox_exec(
     sandbox_id: Annotated[str, typer.Argument(help="sandbox id")],
@@ -235,8 +238,8 @@ def sandbox_exec(
             on_stdout=out,
             on_stderr=err,
         )
-    except CubeError as e:
-        fail(e)
+    except CubeError as e:  # past --timeout: said, and 124 as timeout(1) exits
+        fail(e, TIMED_OUT_EXIT if e.details.get("connect_code") == "deadline_exceeded" else 1)
     except OSError as e:
         console.print(f"[red]error[/red] cannot reach the sandbox's node: {e}")
         raise typer.Exit(1) from e
