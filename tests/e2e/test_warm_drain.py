@@ -122,3 +122,28 @@ def test_a_drain_outlives_a_cubelet_restart_and_so_does_the_undrain(c: Cluster) 
     for sid in _warm_ids(node):
         node.client.release(sid)
     poll(lambda: not _rows(node), 60)
+
+
+def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster) -> None:
+    """CubeMaster says draining, the node's warm pools do not (the drain's call never arrived, or the Cubelet was
+    started with `--warm-reset`, as `up` does): CubeMaster's maintenance drains them again from the heartbeat."""
+    node = c.cubelets["w1"]
+    cursor = max((e["seq"] for e in node.client.events(0, 10000)["events"]), default=0)
+    doc = example("cuda12-h100", spec__memory__size_mib=1024)
+    shape = {"contract": freeze(parse_template(doc)).to_json(), "template": "cuda12-h100", "class": "gpu"}
+    node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 1})
+    poll(lambda: _pool(node)["warm"] == 1, 60, what="a warm sandbox")
+    assert c.c.node_verb("w1", "drain", "alice", "kernel update")["warm"]["draining"] is True
+    poll(lambda: not _warm_ids(node), 60, what="the warm sandbox released")
+
+    node.client.request("POST", "/v1/warm/undrain")  # the Cubelet alone forgets the drain
+    poll(lambda: _pool(node)["draining"], 30, what="CubeMaster's drain sent again")
+    poll(lambda: not _warm_ids(node) and _pool(node)["starting"] == 0, 60, what="no warm sandbox left")
+    drains = [e for e in node.client.events(cursor, 10000)["events"] if e["kind"] == "warm_drained"]
+    assert len(drains) == 2, drains  # the operator's, then CubeMaster's once (not one per maintenance tick)
+
+    assert c.c.node_verb("w1", "undrain", "alice")["warm"]["draining"] is False
+    node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 0})
+    for sid in _warm_ids(node):
+        node.client.release(sid)
+    poll(lambda: not _rows(node), 60)

@@ -26,7 +26,14 @@ from cubeaccel.master.service import START_FAILED, CubeMaster
 from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
-from cubeaccel.model.sandbox_states import HELD_STATES, PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.model.sandbox_states import (
+    HELD_STATES,
+    PLACEMENT_STATES,
+    NodeState,
+    SandboxActor,
+    SandboxEvent,
+    SandboxState,
+)
 from cubeaccel.wire.warm import WARM_ID_PREFIX
 
 SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE
@@ -191,6 +198,7 @@ class Maintenance:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="master-maintenance", daemon=True)
         self.last_errors: list[str] = []
+        self._warm_drain_sent: dict[str, float] = {}  # node → when its warm drain was last sent (master clock)
 
     def request_reconcile(self, node: str) -> None:
         with self._lock:
@@ -234,6 +242,7 @@ class Maintenance:
         for row in self.master.store.sandboxes(states=(SS.STARTING, SS.RUNNING)):
             if row["expires_at"] is not None and row["expires_at"] < now:
                 self.master.store.update_sandbox(row["id"], "timeout", event=SE.TIMEOUT, by=MAINT)
+        self._drain_warm_pools(now)
         advertised = {v.name: {w.id for p in v.warm_pools for w in p.sandboxes} for v in self.master.cache.views()}
         if self.master.store.settle_warm_claims(advertised):
             self.master.cache.invalidate()
@@ -242,6 +251,26 @@ class Maintenance:
             self.master.end_revoked(revoked, MAINT)
         for row in self.master.store.sandboxes(states=(SS.DELETING,)):
             self.master.release(row)
+
+    def _drain_warm_pools(self, now: float) -> None:
+        """A draining node whose heartbeat says its warm pools are not drained is asked again: the drain verb's
+        own call may not have reached the Cubelet, or the Cubelet forgot it (`--warm-reset`). Once per staleness
+        bound per node, since the view changes only with the next heartbeat. Undrain is not converged: a
+        Cubelet's own drain (`down`) is not CubeMaster's to undo."""
+        for v in self.master.cache.views():
+            if (
+                v.state != NodeState.DRAINING
+                or v.warm_draining is not False
+                or v.stale(now, self.master.config.staleness_s)
+            ):
+                continue
+            if now - self._warm_drain_sent.get(v.name, 0.0) < self.master.config.staleness_s:
+                continue
+            self._warm_drain_sent[v.name] = now
+            try:
+                self.master.client(v.cubelet_url).warm_drain()
+            except (CubeError, httpx.HTTPError) as e:
+                self._note(f"warm drain {v.name}: {e}")
 
     def _note(self, msg: str) -> None:
         self.last_errors = [*self.last_errors[-19:], msg]

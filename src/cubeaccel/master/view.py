@@ -67,6 +67,7 @@ class NodeView:
     max_devices: int | None = None  # per sandbox, as the Cubelet advertised it; None: an older Cubelet, not said
     warm_pools: tuple[WarmPoolFact, ...] = ()  # docs/warm.md: shape, counts, the ids ready to claim
     warm_claimed: frozenset[str] = frozenset()  # warm ids this cluster's claim rows hold (not offered again)
+    warm_draining: bool | None = None  # the Cubelet's warm drain as its last heartbeat said; None: not said
 
     def free(self, g: Group) -> int:
         return g.allocatable - self.claims.get(g.key, 0)
@@ -239,4 +240,5 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
         pinned=hb.pinned_memory,
         max_devices=hb.max_devices_per_sandbox,
         warm_pools=tuple(hb.warm_pools),
+        warm_draining=hb.warm_draining,
     )

@@ -69,6 +69,8 @@ class Heartbeat(LenientMessage, NodeNews):
     # The node's warm pools (docs/warm.md): shape, counts and the ids ready to claim. Absent (an older Cubelet):
     # none, so every create there takes the cold path.
     warm_pools: Annotated[list[WarmPoolFact], BeforeValidator(_none_is_empty)] = []
+    # Whether the node's warm pools are drained (a node drain, `down`). None: a Cubelet older than the field.
+    warm_draining: StrictBool | None = None
     sent_at: Finite | None = None  # Cubelet clock, read before the capacity: the summary is at least this fresh
 
     @field_validator("pinned_memory", mode="before")
