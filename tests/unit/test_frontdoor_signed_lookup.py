@@ -5,11 +5,16 @@ running list is read at most once per refresh interval (frontdoor/envd.py `signe
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import time
 from typing import Any
+from urllib.parse import urlencode
 
 from starlette.requests import Request
 
-from cubeaccel.frontdoor.envd import EnvdProxy
+from cubeaccel.frontdoor.envd import SIGNATURE_EXPIRED, SIGNATURE_INVALID, EnvdProxy, signature_refusal
+from cubeaccel.frontdoor.mapping import envd_token
 
 
 class CountingMaster:
@@ -41,3 +46,41 @@ def test_concurrent_forged_signed_urls_cost_one_running_list_read() -> None:
 
     assert asyncio.run(main()) == [None] * 50
     assert master.calls == 1
+
+
+def signed(token: str, expiration: int | None, path: str = "/tmp/x", signature: str | None = None) -> Request:
+    """A `/files` read URL as the SDK signs it (envd's v1_: sha256 of path:operation:username:token[:exp])."""
+    fields = [path, "read", "user", token, *([str(expiration)] if expiration is not None else [])]
+    good = "v1_" + base64.b64encode(hashlib.sha256(":".join(fields).encode()).digest()).decode().rstrip("=")
+    query = {"path": path, "username": "user", "signature": signature or good}
+    if expiration is not None:
+        query["signature_expiration"] = str(expiration)
+    raw = urlencode(query).encode()
+    return Request({"type": "http", "method": "GET", "path": "/files", "query_string": raw, "headers": []})
+
+
+def test_a_signed_url_is_refused_in_envds_words_signature_first_then_expiration() -> None:
+    """E2B's own test reads the body: `{"code": 401, "message": "signature is already expired"}`."""
+    token, now = "tok", int(time.time())
+    assert signature_refusal(signed(token, None), token) is None
+    assert signature_refusal(signed(token, now + 120), token) is None
+    assert signature_refusal(signed(token, now - 120), token) == SIGNATURE_EXPIRED
+    assert signature_refusal(signed("other", now - 120), token) == SIGNATURE_INVALID  # not ours: never "expired"
+    assert signature_refusal(signed(token, now + 120, signature="v1_forged"), token) == SIGNATURE_INVALID
+
+
+def test_an_expired_url_in_plain_http_mode_finds_its_sandbox_so_the_refusal_can_say_expired() -> None:
+    master = CountingMaster()
+    proxy = EnvdProxy(master, b"s" * 32, None)  # type: ignore[arg-type]
+    token = envd_token(b"s" * 32, "sb-1")
+
+    async def main() -> list[str | None]:
+        try:
+            return [
+                await proxy.signed_sandbox(signed(token, int(time.time()) - 120)),
+                await proxy.signed_sandbox(signed("not-a-sandbox-token", int(time.time()) - 120)),
+            ]
+        finally:
+            await proxy.aclose()
+
+    assert asyncio.run(main()) == ["sb-1", None]

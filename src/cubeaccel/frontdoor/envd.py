@@ -136,12 +136,13 @@ class EnvdProxy:
 
     async def signed_sandbox(self, request: Request) -> str | None:
         """The running sandbox whose token signed this `/files` URL (its signature is a sha256 over the
-        token, so at most one matches), or None. The running list comes from CubeMaster, re-read at most once
-        a `RUNNING_REFRESH_S` however many unsigned or forged URLs arrive."""
+        token, so at most one matches; an expired one too, which `handle` then refuses as envd does), or
+        None. The running list comes from CubeMaster, re-read at most once a `RUNNING_REFRESH_S` however many
+        unsigned or forged URLs arrive."""
         for attempt in range(2):
             stamp, ids = self._running
             for sid in ids:
-                if signed_ok(request, envd_token(self.secret, sid)):
+                if signed_by(request, envd_token(self.secret, sid)):
                     return sid
             if attempt:
                 return None
@@ -216,8 +217,10 @@ class EnvdProxy:
         if token is not None:
             if not hmac.compare_digest(token.encode(), expected.encode()):
                 return envd_error(401, "missing or wrong access token")
-        elif not (path == "/files" and signed_ok(request, expected)):
+        elif path != "/files" or "signature" not in request.query_params:
             return envd_error(401, "missing or wrong access token")
+        elif (refused := signature_refusal(request, expected)) is not None:
+            return envd_error(401, refused)
         return await self._forward(request, sandbox_id, lambda route: self._send(request, route, sandbox_id, path))
 
     async def handle_port(self, request: Request, port: int, sandbox_id: str) -> Response:
@@ -341,23 +344,36 @@ def port_error(status: int, code: str, message: str) -> JSONResponse:
     return envd_error(status, f"cubeaccel (api): {code}: {message} (docs/e2b.md)")
 
 
-def signed_ok(request: Request, token: str) -> bool:
-    """A signed `/files` URL made with this sandbox's token (envd's `v1_` signature: sha256 of
-    path:operation:username:token[:expiration], as the guest's workload service checks it again); an expired
-    one is refused here too."""
+SIGNATURE_INVALID = "invalid signature"  # envd's words, which the SDK's tests read
+SIGNATURE_EXPIRED = "signature is already expired"
+
+
+def signature_refusal(request: Request, token: str) -> str | None:
+    """Why a signed `/files` URL made with this sandbox's token (envd's `v1_` signature: sha256 of
+    path:operation:username:token[:expiration], as the guest's workload service checks it again) is refused,
+    in envd's words and order (the signature, then its expiration); None when it is good."""
     q = request.query_params
     signature, expiration = q.get("signature"), q.get("signature_expiration")
     if signature is None:
-        return False
+        return SIGNATURE_INVALID
     operation = "write" if request.method == "POST" else "read"
     fields = [q.get("path") or "", operation, q.get("username") or "", token]
     if expiration is not None:
-        if not expiration.isdigit() or int(expiration) < time.time():
-            return False
+        if not expiration.lstrip("-").isdigit() or len(expiration) > 20:
+            return "invalid signature expiration"
         fields.append(expiration)
     digest = hashlib.sha256(":".join(fields).encode()).digest()
     expected = "v1_" + base64.b64encode(digest).decode().rstrip("=")
-    return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogateescape"))
+    if not hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogateescape")):
+        return SIGNATURE_INVALID
+    if expiration is not None and int(expiration) < time.time():
+        return SIGNATURE_EXPIRED
+    return None
+
+
+def signed_by(request: Request, token: str) -> bool:
+    """Whether this sandbox's token made the URL's signature, expired or not (which sandbox a URL is for)."""
+    return signature_refusal(request, token) in (None, SIGNATURE_EXPIRED)
 
 
 def _cubelet_not_running(body: bytes) -> bool:
