@@ -120,16 +120,24 @@ def entry_info(path: str) -> dict[str, Any]:
 # ---- file metadata (envd 0.6.2): `X-Metadata-<key>` on upload, `user.e2b.<key>` xattrs, EntryInfo.metadata ----
 
 METADATA_XATTR = "user.e2b."
+# Where a filesystem has no user xattrs (tmpfs before Linux 6.6: the guest's own root), envd keeps no metadata;
+# this service, which runs as root, keeps it in the trusted namespace instead, so the SDK's metadata works on
+# the guest's disk-less root. Read from both; the user namespace wins (a user's own `setfattr`).
+FALLBACK_XATTR = "trusted.e2b."
 METADATA_HEADER = "x-metadata-"
 _NO_XATTRS = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS}
 
 
 def read_metadata(path: str) -> dict[str, str]:
-    """The file's `user.e2b.*` xattrs, prefix stripped (other `user.*` xattrs are not metadata); {} where the
-    filesystem has none."""
+    """The file's `user.e2b.*` (then `trusted.e2b.*`) xattrs, prefix stripped (other xattrs are not metadata);
+    {} where the filesystem has none."""
     try:
-        names = [n for n in os.listxattr(path) if n.startswith(METADATA_XATTR)]
-        return {n[len(METADATA_XATTR) :]: os.getxattr(path, n).decode("utf-8", "replace") for n in sorted(names)}
+        names = os.listxattr(path)
+        out: dict[str, str] = {}
+        for prefix in (FALLBACK_XATTR, METADATA_XATTR):
+            for n in sorted(x for x in names if x.startswith(prefix)):
+                out[n[len(prefix) :]] = os.getxattr(path, n).decode("utf-8", "replace")
+        return dict(sorted(out.items()))
     except OSError:
         return {}
 
@@ -145,15 +153,21 @@ def metadata_of(headers: Any) -> dict[str, str]:
 
 
 def write_metadata(fd: int, metadata: dict[str, str]) -> None:
-    """Replace the file's whole metadata set (O_TRUNC keeps a prior upload's xattrs, so stale keys are removed).
-    A filesystem without user xattrs keeps the body and no metadata, as envd does; the reply reads back what
-    was stored, so it never claims metadata that was not kept."""
+    """Replace the file's whole metadata set (O_TRUNC keeps a prior upload's xattrs, so the old set goes first),
+    in the user namespace, else the trusted one. A filesystem with neither keeps the body and no metadata, as
+    envd does; the reply reads back what was stored, so it never claims metadata that was not kept."""
     try:
         for name in os.listxattr(fd):
-            if name.startswith(METADATA_XATTR) and name[len(METADATA_XATTR) :] not in metadata:
+            if name.startswith((METADATA_XATTR, FALLBACK_XATTR)):
                 os.removexattr(fd, name)
-        for key, value in metadata.items():
-            os.setxattr(fd, METADATA_XATTR + key, value.encode())
+        for prefix in (METADATA_XATTR, FALLBACK_XATTR):
+            try:
+                for key, value in metadata.items():
+                    os.setxattr(fd, prefix + key, value.encode())
+                return
+            except OSError as exc:
+                if exc.errno not in _NO_XATTRS and not (exc.errno == errno.EPERM and prefix == FALLBACK_XATTR):
+                    raise
     except OSError as exc:
         if exc.errno in _NO_XATTRS:
             return
