@@ -199,6 +199,7 @@ class Maintenance:
         self._thread = threading.Thread(target=self._run, name="master-maintenance", daemon=True)
         self.last_errors: list[str] = []
         self._warm_drain_sent: dict[str, float] = {}  # node → when its warm drain was last sent (master clock)
+        self._warm_drain_seen: dict[str, float] = {}  # node → when its undrained pools were first seen draining
 
     def request_reconcile(self, node: str) -> None:
         with self._lock:
@@ -254,17 +255,20 @@ class Maintenance:
 
     def _drain_warm_pools(self, now: float) -> None:
         """A draining node whose heartbeat says its warm pools are not drained is asked again: the drain verb's
-        own call may not have reached the Cubelet, or the Cubelet forgot it (`--warm-reset`). Once per staleness
-        bound per node, since the view changes only with the next heartbeat. Undrain is not converged: a
-        Cubelet's own drain (`down`) is not CubeMaster's to undo."""
+        own call may not have reached the Cubelet, or the Cubelet forgot it (`--warm-reset`). Only on a heartbeat
+        received after this replica first saw the mismatch (one from before a drain that did arrive says "not
+        drained" too), and once per staleness bound per node. Undrain is not converged: a Cubelet's own drain
+        (`down`) is not CubeMaster's to undo."""
         for v in self.master.cache.views():
             if (
                 v.state != NodeState.DRAINING
                 or v.warm_draining is not False
                 or v.stale(now, self.master.config.staleness_s)
             ):
+                self._warm_drain_seen.pop(v.name, None)
                 continue
-            if now - self._warm_drain_sent.get(v.name, 0.0) < self.master.config.staleness_s:
+            seen = self._warm_drain_seen.setdefault(v.name, now)
+            if v.received_at <= seen or now - self._warm_drain_sent.get(v.name, 0.0) < self.master.config.staleness_s:
                 continue
             self._warm_drain_sent[v.name] = now
             try:
