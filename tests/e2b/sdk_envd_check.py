@@ -1,7 +1,9 @@
 """envd features through whichever e2b SDK line is first on the path (2.15, 2.45, the pinned one): command
-deadlines, directory watch (polling form, as the sync SDK uses it), entry info and file metadata.
+deadlines, directory watch (the polling form, as the sync SDK uses it, and the stream form, as the async SDK
+does), entry info and file metadata.
 
-Usage: python sdk_envd_check.py URL TOKEN ENVD_VERSION SCRATCH_DIR CHECK... (deadline, watch, info, metadata).
+Usage: python sdk_envd_check.py URL TOKEN ENVD_VERSION SCRATCH_DIR CHECK... (deadline, watch, stream_watch, info,
+metadata).
 The Sandbox is built directly (no REST create), envd at URL. The last stdout line is JSON:
 {"version": <SDK version>, "passed": [checks], "skipped": {check: why}}; the first mismatch exits non-zero.
 """
@@ -167,7 +169,34 @@ def metadata(sbx: Any, scratch: str) -> None:
     assert over.metadata is None and sbx.files.get_info(f"{scratch}/meta/n.txt").metadata is None
 
 
-CHECKS = {"deadline": deadline, "watch": watch, "info": info, "metadata": metadata}
+def stream_watch(sbx: Any, scratch: str) -> None:
+    """The stream form (`WatchDir`), as the async SDK uses it: events arrive through `on_event`."""
+    import asyncio
+
+    from e2b import AsyncSandbox
+
+    d = f"{scratch}/streamed"
+    sbx.files.make_dir(d)
+    accepted = inspect.signature(SandboxBase.__init__).parameters
+    opts = {k: getattr(sbx, f"_{k}", None) for k in accepted if k != "self"}
+    opts.update(sandbox_id=sbx.sandbox_id, connection_config=sbx.connection_config)
+
+    async def main() -> list[tuple[Any, str]]:  # the async SDK's client wants the running loop at construction
+        asbx = AsyncSandbox(**{k: v for k, v in opts.items() if v is not None or k in ("sandbox_domain",)})
+        seen: list[tuple[Any, str]] = []
+        handle = await asbx.files.watch_dir(d, lambda e: seen.append((e.type, e.name)))
+        await asbx.files.write(f"{d}/s.txt", "streamed")
+        deadline = time.monotonic() + 10
+        while (FilesystemEventType.WRITE, "s.txt") not in seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await handle.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert (FilesystemEventType.CREATE, "s.txt") in seen and (FilesystemEventType.WRITE, "s.txt") in seen, seen
+
+
+CHECKS = {"deadline": deadline, "watch": watch, "stream_watch": stream_watch, "info": info, "metadata": metadata}
 
 
 def main() -> int:

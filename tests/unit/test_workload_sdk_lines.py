@@ -80,6 +80,14 @@ def test_directory_watch_in_the_polling_form(service: tuple[str, str], tmp_path:
 
 
 @pytest.mark.parametrize("version", LINES)
+def test_directory_watch_in_the_stream_form(service: tuple[str, str], tmp_path: Path, version: str) -> None:
+    """The async SDK's `watch_dir` (`WatchDir` stream): it read an empty message while the guest wrapped each
+    one in an `event` key that envd's WatchDirResponse does not have."""
+    seen = run_line(version, *service, tmp_path, "stream_watch")
+    assert seen["passed"] == ["stream_watch"]
+
+
+@pytest.mark.parametrize("version", LINES)
 def test_entry_info_and_file_metadata(service: tuple[str, str], tmp_path: Path, version: str) -> None:
     seen = run_line(version, *service, tmp_path, "info", "metadata")
     assert seen["passed"] == (["info"] if version == "2.15.2" else ["info", "metadata"]), seen

@@ -518,20 +518,20 @@ def test_watch_dir_streams_fsnotify_events_until_its_deadline(wl: WorkloadClient
     headers = {"Connect-Timeout-Ms": "2500", "Keepalive-Ping-Interval": "1"}
     seen: list[dict[str, Any]] = []
     with wl.stream("filesystem.Filesystem/WatchDir", body, headers=headers) as messages:
-        assert next(messages) == {"event": {"start": {}}}
+        assert next(messages) == {"start": {}}  # envd's WatchDirResponse: its oneof's fields, no "event" key
         (watched / "f.txt").write_text("hello")
         (watched / "f.txt").unlink()
         seen.extend(messages)
     end = seen.pop()["__end__"]
     assert end == {"error": {"code": "deadline_exceeded", "message": "context deadline exceeded"}}
-    events = [m["event"]["filesystem"] for m in seen if "filesystem" in m["event"]]
+    events = [m["filesystem"] for m in seen if "filesystem" in m]
     assert [(e["type"], e["name"]) for e in events] == [
         ("EVENT_TYPE_CREATE", "f.txt"),
         ("EVENT_TYPE_WRITE", "f.txt"),
         ("EVENT_TYPE_REMOVE", "f.txt"),
     ]
     assert all("entry" not in e for e in events[2:])  # a removal carries no entry (envd's opCarriesEntry)
-    assert any(m["event"] == {"keepalive": {}} for m in seen)
+    assert any(m == {"keepalive": {}} for m in seen)
     missing = wl.collect("filesystem.Filesystem/WatchDir", {"path": str(tmp_path / "none")})
     assert missing.error is not None and missing.error["code"] == "not_found"
 

@@ -201,7 +201,7 @@ class Workload:
         if name == WATCH_DIR:
             try:
                 response.start_chunked(200, headers)
-                response.chunk(c.encode_envelope({"event": {"start": {}}}))
+                response.chunk(c.encode_envelope({"start": {}}))  # WatchDirResponse: a oneof, no wrapper
                 outcome = self._relay_watch(watcher, _keepalive(request), response, deadline)
                 response.chunk(c.end_stream(outcome))
                 response.end()
@@ -300,11 +300,11 @@ class Workload:
             except ConnectError as err:
                 return err
             for event in events:
-                response.chunk(c.encode_envelope({"event": {"filesystem": event}}))
+                response.chunk(c.encode_envelope({"filesystem": event}))
             if events:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= keepalive_s:
-                response.chunk(c.encode_envelope({"event": {"keepalive": {}}}))
+                response.chunk(c.encode_envelope({"keepalive": {}}))
                 quiet_since = time.monotonic()
 
     @staticmethod
