@@ -200,6 +200,18 @@ def test_signed_file_urls_work_in_plain_http_mode_and_watch_and_metadata(sbx: Sa
     assert "trusted.e2b.author" in kept.stdout or "user.e2b.author" in kept.stdout, kept.stdout
 
 
+def test_a_users_own_xattr_in_the_home_is_file_metadata(sbx: Sandbox) -> None:
+    """The home has user xattrs (an ext4 RAM disk; the tmpfs root has none on Linux 6.1): metadata the SDK writes
+    there is envd's `user.e2b.*`, and one the user sets with the syscall (as E2B's suite does with setfattr) reads
+    back as metadata."""
+    sbx.files.write("meta.txt", "content", metadata={"stage": "sdk"})
+    user_set = "import os; os.setxattr('xattr.txt', 'user.e2b.author', b'mish'); print(os.listxattr('meta.txt'))"
+    r = sbx.commands.run(f'echo c > xattr.txt && python3 -c "{user_set}"')
+    assert r.stdout.strip() == "['user.e2b.stage']", r
+    assert sbx.files.get_info("xattr.txt").metadata == {"author": "mish"}
+    assert sbx.files.get_info("meta.txt").metadata == {"stage": "sdk"}
+
+
 def test_envd_by_host_name_and_a_chunked_upload(stack: dict[str, Any], sbx: Sandbox) -> None:
     url = stack["fd"].url
     host = {"Host": f"49983-{sbx.sandbox_id}.{DOMAIN}"}

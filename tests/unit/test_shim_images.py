@@ -62,10 +62,9 @@ def _ko(deps: str, vermagic: str = f"{REL} SMP preempt mod_unload modversions ")
 
 
 def _policy_modules() -> dict[str, bytes]:
-    """The sandbox policy's modules (NIC, scratch disk, 9p), dependency-free stand-ins."""
-    return {
-        f"policy/{m}.ko": _ko("") for m in ("virtio_net", "virtio_blk", "crc32c_generic", "ext4", "9pnet_virtio", "9p")
-    }
+    """The home's RAM disk and the sandbox policy's modules (NIC, scratch disk, 9p), dependency-free stand-ins."""
+    names = ("brd", "virtio_net", "virtio_blk", "crc32c_generic", "ext4", "9pnet_virtio", "9p")
+    return {f"policy/{m}.ko": _ko("") for m in names}
 
 
 def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> None:
@@ -88,7 +87,7 @@ def test_modules_img_holds_the_closure_with_a_modules_dep(tmp_path: Path) -> Non
     assert mods == sorted(
         [
             *("virtio", "virtio_ring", "virtio_pci", "virtio_console", "uio", "uio_pci_generic", "pci_stub"),
-            *("virtio_net", "virtio_blk", "crc32c_generic", "ext4", "9pnet_virtio", "9p"),
+            *("brd", "virtio_net", "virtio_blk", "crc32c_generic", "ext4", "9pnet_virtio", "9p"),
         ]
     )
     dep = (tmp_path / "work/modules/modules.dep").read_text()

@@ -21,11 +21,13 @@ ELF_MAGIC = b"\x7fELF"
 # The agent channel (virtio-serial) needs the virtio stack, which Debian builds as modules; uio_pci_generic is a
 # generic in-guest driver the emulated accelerator can bind to (the contract's `kernel_driver` probe for `edu`).
 BOOT_MODULES = ("virtio_pci", "virtio_console")
-# The sandbox policy's devices, loaded only when the command line asks (images/rootfs.py): a NIC, the scratch disk
-# and its filesystem (ext4 asks the crypto API for crc32c: a soft dependency, loaded first), read-only 9p shares.
+# The home's RAM disk and its filesystem (ext4 asks the crypto API for crc32c: a soft dependency, loaded first), and
+# the sandbox policy's devices, loaded only when the command line asks (images/rootfs.py): a NIC, the scratch disk,
+# read-only 9p shares.
 EXTRA_MODULES = (
     "uio_pci_generic",
     "pci-stub",
+    "brd",
     "virtio_net",
     "virtio_blk",
     "crc32c_generic",

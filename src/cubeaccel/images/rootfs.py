@@ -39,6 +39,14 @@ ROOTFS_PACKAGES = (
     "libgmp10",
     "libselinux1",
     "libpcre2-8-0",
+    # mke2fs for the home's RAM disk (images/rootfs.py INIT_SCRIPT); e2fsprogs whole, as on Debian (and E2B's base)
+    "e2fsprogs",
+    "libext2fs2",
+    "libss2",
+    "logsave",
+    "libblkid1",
+    "libuuid1",
+    "libcom-err2",
 )
 AGENT_HOME = "/opt/cubeaccel"
 
@@ -114,6 +122,16 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mkdir -p /tmp /run /dev/pts && mount -t tmpfs tmpfs /tmp && chmod 1777 /tmp
 mount -t devpts devpts /dev/pts
+# The user's home has user xattrs (E2B's file metadata, a user's own `setfattr -n user.…`), which the RAM-backed
+# root (Linux 6.1's tmpfs) refuses: ext4 (no journal) on a RAM disk of half the guest's memory, tmpfs's default
+# bound. Its pages are taken as blocks are first written and kept (6.1's brd has no discard), so the home costs
+# its high-water mark. A scratch disk (cube.scratch below) is mounted over it.
+read -r _ mem_kib _ < /proc/meminfo
+# e2fsprogs' mke2fs by path (busybox sh runs its own applets first, and that one writes every inode table); inode
+# tables are left to lazy init, and never initialised (noinit_itable): a fresh RAM disk reads zeros.
+modprobe brd rd_nr=1 rd_size=$((mem_kib / 2)) max_part=0 && modprobe crc32c_generic && modprobe ext4 \
+  && /sbin/mke2fs -q -t ext4 -O ^has_journal -m 0 -E lazy_itable_init=1,nodiscard /dev/ram0 \
+  && mount -t ext4 -o nosuid,nodev,noinit_itable /dev/ram0 /home/user && echo "cube-init: home on /dev/ram0"
 chown 1000:1000 /home/user && chmod 0750 /home/user /root
 modprobe virtio_pci
 modprobe virtio_console

@@ -41,6 +41,7 @@ USERLAND_TOOLS = (
     "debianutils",
     "tar",
     "gzip",
+    "attr",
 )
 USERLAND_LIBRARIES = (
     "libaudit1",
@@ -48,7 +49,6 @@ USERLAND_LIBRARIES = (
     "libbrotli1",
     "libcap-ng0",
     "libcap2",
-    "libcom-err2",
     "libcrypt1",
     "libcurl3-gnutls",
     "libcurl4",
@@ -88,7 +88,6 @@ USERLAND_LIBRARIES = (
     "libtirpc-common",
     "libtirpc3",
     "libunistring2",
-    "libuuid1",
     "libzstd1",
 )
 
