@@ -8,7 +8,11 @@ alternate between the images so load drifts hit both; min/median/max over `--run
 each run (the machine is shared). Template-snapshot starts restore guest RAM and do not unpack the initrd again,
 so their cost follows memory size, not flavour.
 
-Run: `PYTHONPATH=src:. .venv/bin/python bench/userland_boot_bench.py [--runs 3] [--memory-mib 512]`.
+`--baseline-image DIR` boots an image directory of the cache (an earlier build, e.g. of the same flavour before a
+change to the guest's init) as the baseline instead of the validation image.
+
+Run: `PYTHONPATH=src:. .venv/bin/python bench/userland_boot_bench.py [--runs 3] [--memory-mib 512]
+[--baseline-image ~/.cache/cubeaccel/images/KEY]`.
 """
 
 from __future__ import annotations
@@ -109,21 +113,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--memory-mib", type=int, default=512)
+    ap.add_argument("--baseline-image", type=Path, default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="userland-boot-bench-"))
     # This run's own copies (hard links): other builders sharing the cache prune it while we boot.
-    images = {
-        "validation": private_image(cache_dir(), work / "cache"),
-        "userland": private_image(cache_dir(), work / "cache", flavour=USERLAND),
-    }
+    if args.baseline_image is not None:
+        copy = shutil.copytree(args.baseline_image, work / "baseline" / args.baseline_image.name)
+        baseline = ("baseline", Manifest.load(Path(copy) / "manifest.json"))
+    else:
+        baseline = ("validation", private_image(cache_dir(), work / "cache"))
+    images = dict([baseline, ("userland", private_image(cache_dir(), work / "cache", flavour=USERLAND))])
     results: dict[tuple[str, str], list[float]] = {}
     loads: list[str] = []
     try:
         for i in range(args.runs):
             for j, (name, image) in enumerate(images.items()):
                 loads.append(Path("/proc/loadavg").read_text().split()[0])
-                for phase, secs in boot_once(image, args.memory_mib, work, 20 + 2 * i + j).items():
-                    results.setdefault((name, phase), []).append(secs)
+                for phase, took in boot_once(image, args.memory_mib, work, 20 + 2 * i + j).items():
+                    results.setdefault((name, phase), []).append(took)
         for name, image in images.items():
             print(f"{name:10s} initrd {image.path(image.initrd).stat().st_size / 1e6:6.1f} MB  {image.key}")
     finally:
@@ -134,8 +141,8 @@ def main() -> None:
             f"  max {max(secs):6.1f} s"
         )
     for phase in ("workload_ready", "guest_validated"):
-        ratio = statistics.median(results[("userland", phase)]) / statistics.median(results[("validation", phase)])
-        print(f"userland / validation, {phase} (median): {ratio:.2f}")
+        ratio = statistics.median(results[("userland", phase)]) / statistics.median(results[(baseline[0], phase)])
+        print(f"userland / {baseline[0]}, {phase} (median): {ratio:.2f}")
     print(f"load before each run: {','.join(loads)}")
 
 

@@ -128,9 +128,12 @@ mount -t devpts devpts /dev/pts
 # its high-water mark. A scratch disk (cube.scratch below) is mounted over it.
 read -r _ mem_kib _ < /proc/meminfo
 # e2fsprogs' mke2fs by path (busybox sh runs its own applets first, and that one writes every inode table); inode
-# tables are left to lazy init, and never initialised (noinit_itable): a fresh RAM disk reads zeros.
+# tables are left to lazy init, and never initialised (noinit_itable): a fresh RAM disk reads zeros. Its UUID and
+# hash seed come from the kernel's uuid file: mke2fs's own getrandom() blocks until the CRNG is seeded, 4 s of an
+# idle guest at this point of a TCG boot.
 modprobe brd rd_nr=1 rd_size=$((mem_kib / 2)) max_part=0 && modprobe crc32c_generic && modprobe ext4 \
-  && /sbin/mke2fs -q -t ext4 -O ^has_journal -m 0 -E lazy_itable_init=1,nodiscard /dev/ram0 \
+  && /sbin/mke2fs -q -t ext4 -O ^has_journal -m 0 -U "$(cat /proc/sys/kernel/random/uuid)" \
+    -E lazy_itable_init=1,nodiscard,hash_seed="$(cat /proc/sys/kernel/random/uuid)" /dev/ram0 \
   && mount -t ext4 -o nosuid,nodev,noinit_itable /dev/ram0 /home/user && echo "cube-init: home on /dev/ram0"
 chown 1000:1000 /home/user && chmod 0750 /home/user /root
 modprobe virtio_pci
