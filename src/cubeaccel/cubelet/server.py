@@ -27,9 +27,9 @@ from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sa
 from cubeaccel.cubelet.metrics import metrics_of
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.store import Reservation
-from cubeaccel.host.audit import AuditLog
-from cubeaccel.host.throttle import Throttle
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service.audit import AuditLog
+from cubeaccel.host.service.throttle import Throttle
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.cold_start import cold_start_phases, start_path
 from cubeaccel.model.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
 from cubeaccel.model.errors import CubeError, invalid, not_found
@@ -494,7 +494,7 @@ def serve(
     servers = [uvicorn.Server(c) for c in configs]
 
     async def run() -> None:
-        from cubeaccel.host import sdnotify
+        from cubeaccel.host.service import sdnotify
 
         status = f"cubelet {cubelet.config.node_name}: serving {socket_path}"
         await asyncio.gather(*(s.serve() for s in servers), sdnotify.when_started(servers, status))
