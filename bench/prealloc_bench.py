@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.host.hypervisor import detect_accel
+from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.shim.memory import status_kib
 
 LIBC = ctypes.CDLL(None, use_errno=True)

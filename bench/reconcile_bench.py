@@ -22,7 +22,7 @@ from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import PciAddress
 
 

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.host.hypervisor import detect_accel
+from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.images.builder import build
 from cubeaccel.shim.qemu import SOCKETS, VmmFds, _listen, build_argv
 from cubeaccel.shim.template import ensure_template

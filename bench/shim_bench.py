@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.cubelet.shim_forkserver import ForkServer
-from cubeaccel.host.hypervisor import detect_accel
+from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.images.builder import build, cache_dir
 from cubeaccel.shim.memory import status_kib
 from cubeaccel.shim.qemu import SOCKETS, VmmFds, _listen, build_argv

@@ -24,7 +24,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.wire.cubelet_client import CubeletClient
 
 

@@ -55,10 +55,10 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 from cubeaccel.backends.vfio import VfioBackend  # noqa: E402
-from cubeaccel.host import procfs  # noqa: E402
-from cubeaccel.host.pci import function_json  # noqa: E402
-from cubeaccel.host.readiness import check_host  # noqa: E402
-from cubeaccel.host.sysfs import SysfsPciHost  # noqa: E402
+from cubeaccel.host.pci import procfs  # noqa: E402
+from cubeaccel.host.pci.base import function_json  # noqa: E402
+from cubeaccel.host.pci.readiness import check_host  # noqa: E402
+from cubeaccel.host.pci.sysfs import SysfsPciHost  # noqa: E402
 from cubeaccel.model.device import DeviceRecord  # noqa: E402
 from cubeaccel.model.states import DeviceState  # noqa: E402
 

@@ -6,8 +6,8 @@
 #  - postgresql: server binaries for tests/postgres (initdb/pg_ctl in a temp dir; no system cluster is used)
 #  - util-linux (setpriv, prlimit): the pinned-memory test drops CAP_IPC_LOCK and lowers RLIMIT_MEMLOCK
 #  - chromium: the web dashboard's test drives Debian's headless Chromium over the DevTools protocol
-#  - iproute2, nftables: sandbox networks (a namespace, TAP, veth and nftables rules per sandbox; host/netpolicy.py)
-#  - e2fsprogs (mkfs.ext4): the sandbox's capped scratch disk (host/scratch.py)
+#  - iproute2, nftables: sandbox networks (a namespace, TAP, veth and nftables rules per sandbox; host/net/netpolicy.py)
+#  - e2fsprogs (mkfs.ext4): the sandbox's capped scratch disk (host/vmm/scratch.py)
 set -euo pipefail
 need=()
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)

@@ -35,7 +35,7 @@ def cubelet_doc(tmp: Path, local: bool) -> dict[str, Any]:
     from cubeaccel.cubelet.server import create_app
     from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
     from cubeaccel.cubelet.store import Store
-    from cubeaccel.host.simulated import SimulatedPciHost
+    from cubeaccel.host.pci.simulated import SimulatedPciHost
 
     host = SimulatedPciHost("h100x8")
     store = Store(tmp / f"cubelet-{local}.db")

@@ -47,7 +47,7 @@ def devices_never_return_unsanitized(request: pytest.FixtureRequest) -> Iterator
 
 @pytest.fixture(autouse=True)
 def umask_kept() -> Iterator[None]:
-    """A daemon's entry point sets the private umask process-wide (`host/private.py`); a test that runs one
+    """A daemon's entry point sets the private umask process-wide (`host/service/private.py`); a test that runs one
     in-process (`run_shim` in tests/unit/test_shim_images.py) must not hand it to later tests: a GPU image built
     afterwards in this process was 0600 and the confined VMMs could not read it."""
     before = os.umask(0o022)

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from tests.support.frontdoor_process import FrontDoorProcess
 from tests.support.master_harness import Cluster
 from tests.support.poll import poll

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 
@@ -28,7 +28,7 @@ def test_sigkill_between_steps_then_restart_converges(tmp_path: Path, step: str)
         devs = [d["id"] for d in body["devices"]]
         host = SimulatedPciHost(path=tmp_path / "simulated-host.json")
         if step == "releasing_stuck_holder":
-            from cubeaccel.host.simulated import Fault
+            from cubeaccel.host.pci.simulated import Fault
             from cubeaccel.model.device import PciAddress
 
             for d in body["devices"]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.cubelet.memory_ledger import VmmHost, locked
-from cubeaccel.host.readiness import check_host
+from cubeaccel.host.pci.readiness import check_host
 from cubeaccel.model.errors import CubeError
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, example, free_port

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.errors import CubeError
 from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_pool
 from tests.support.cubelet_process import CubeletProcess

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host import sdnotify
+from cubeaccel.host.service import sdnotify
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_client import MasterClient
 from tests.support.cubelet_process import terminate

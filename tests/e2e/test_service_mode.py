@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.statelock import LOCKED_EXIT
+from cubeaccel.host.service.statelock import LOCKED_EXIT
 from cubeaccel.master.up import run_down, run_up
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, free_port

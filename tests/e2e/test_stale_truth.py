@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
 from tests.support.poll import poll

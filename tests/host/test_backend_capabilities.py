@@ -13,7 +13,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.states import DeviceState
 

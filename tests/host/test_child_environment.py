@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
-from cubeaccel.host import childenv
-from cubeaccel.host.vmmproc import find_shim
+from cubeaccel.host.service import childenv
+from cubeaccel.host.vmm.vmmproc import find_shim
 from cubeaccel.wire.shim_launch import SOCKET_NAME
 from cubeaccel.wire.shim_spec import ShimSpec
 from cubeaccel.wire.telemetry import LOG_LEVEL_ENV

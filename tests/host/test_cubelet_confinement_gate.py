@@ -13,7 +13,7 @@ from pathlib import Path
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
-from cubeaccel.host.confine import cubelet_verdict
+from cubeaccel.host.vmm.confine import cubelet_verdict
 from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.model.states import DeviceState
 from tests.support.cubelet_harness import Node

@@ -16,7 +16,7 @@ from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationReque
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.readiness import HostRoots
+from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
 from tests.support.fake_sysfs import Dev, FakeSysfs

@@ -8,7 +8,7 @@ import pytest
 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.lifecycle import ReservationRequest
-from cubeaccel.host.simulated import Fault
+from cubeaccel.host.pci.simulated import Fault
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
@@ -34,7 +34,7 @@ def test_host_initialization_binds_to_vfio_then_makes_devices_allocatable(node: 
 
 
 def test_bind_failure_at_host_init_leaves_the_device_unhealthy(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from cubeaccel.host.simulated import SimulatedPciHost
+    from cubeaccel.host.pci.simulated import SimulatedPciHost
     from cubeaccel.model.device import PciAddress
 
     SimulatedPciHost("h100x2", tmp_path / "host.json").inject(Fault.BIND_FAIL, PciAddress.parse("0000:11:00.0"))

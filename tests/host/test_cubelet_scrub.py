@@ -181,7 +181,7 @@ def test_the_process_runner_boots_only_an_image_with_this_cubelets_agent(
 
 def test_every_scrub_records_its_evidence_in_the_journal_and_the_audit_log(node: Node, tmp_path: Path) -> None:
     from cubeaccel.cubelet.device_audit import DeviceAudit
-    from cubeaccel.host.audit import AuditLog, read
+    from cubeaccel.host.service.audit import AuditLog, read
 
     log = AuditLog(tmp_path / "audit.jsonl")
     node.cubelet.device_audit = DeviceAudit(log, "n1")

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.host.simulated import Fault
+from cubeaccel.host.pci.simulated import Fault
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import TENANT_STATES, DeviceState
 from tests.support.cubelet_harness import Node

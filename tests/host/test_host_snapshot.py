@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.host.simulated import Fault, SimulatedPciHost
-from cubeaccel.host.snapshot import SnapshotHost
+from cubeaccel.host.pci.simulated import Fault, SimulatedPciHost
+from cubeaccel.host.pci.snapshot import SnapshotHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.states import DeviceState
 from tests.support.cubelet_harness import Node

@@ -20,7 +20,7 @@ import pytest
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.release import CubeletConfig
-from cubeaccel.host import netpolicy
+from cubeaccel.host.net import netpolicy
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import NetworkPolicy
@@ -308,7 +308,7 @@ def test_cubelet_narrows_records_and_refuses_pool_overlap_and_widening(tmp_path:
 
 @pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="e2fsprogs missing")
 def test_the_scratch_disk_is_sparse_and_exactly_the_cap(tmp_path: Path) -> None:
-    from cubeaccel.host.scratch import SCRATCH_FILE, create_scratch, remove_scratch
+    from cubeaccel.host.vmm.scratch import SCRATCH_FILE, create_scratch, remove_scratch
 
     create_scratch(tmp_path / SCRATCH_FILE, 64)
     st = (tmp_path / SCRATCH_FILE).stat()

@@ -18,8 +18,8 @@ from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationReque
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.pci import PciFunction
-from cubeaccel.host.readiness import HostRoots
+from cubeaccel.host.pci.base import PciFunction
+from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host import procfs
-from cubeaccel.host.pci import Holder
+from cubeaccel.host.pci import procfs
+from cubeaccel.host.pci.base import Holder
 from tests.support.holder_proc import holding
 
 

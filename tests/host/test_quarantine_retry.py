@@ -12,8 +12,8 @@ from cubeaccel.cubelet.heartbeat import heartbeat_body
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.scrub import VM_NOT_STARTED, ScrubOutcome
-from cubeaccel.host.audit import AuditLog, verify
-from cubeaccel.host.simulated import Fault
+from cubeaccel.host.pci.simulated import Fault
+from cubeaccel.host.service.audit import AuditLog, verify
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.recovery import RETRY_LIMIT, retry_delay
 from cubeaccel.model.states import DeviceState

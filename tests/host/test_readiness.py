@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cubeaccel.cli import app
-from cubeaccel.host.readiness import Status, check_host
+from cubeaccel.host.pci.readiness import Status, check_host
 from tests.support.fake_sysfs import Dev, FakeSysfs
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.host.pci.sysfs import SysfsPciHost
 
 DEVICES = Path("/sys/bus/pci/devices")
 pytestmark = pytest.mark.skipif(not DEVICES.is_dir() or not any(DEVICES.iterdir()), reason="no PCI bus in /sys")

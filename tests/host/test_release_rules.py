@@ -27,8 +27,8 @@ from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimSpec
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host import procfs
-from cubeaccel.host.readiness import HostRoots
+from cubeaccel.host.pci import procfs
+from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
@@ -298,7 +298,7 @@ def test_a_release_on_a_host_that_stopped_being_ready_gives_nothing_back(vfio: V
 def test_a_group_node_handed_to_the_vmm_uid_is_taken_back_before_the_device_returns(vfio: VfioNode) -> None:
     group = vfio.fake.dev.resolve() / "vfio" / "7"
     vfio.running()
-    os.chown(group, 1_900_000_123, 1_900_000_123)  # what the shim did for the sandbox's VMM (host/confine.py)
+    os.chown(group, 1_900_000_123, 1_900_000_123)  # what the shim did for the sandbox's VMM (host/vmm/confine.py)
     os.chmod(group, 0o660)
     vfio.cubelet.release(vfio.sid)
     vfio.shims.kill(vfio.sid)
@@ -311,7 +311,7 @@ def test_a_group_node_handed_to_the_vmm_uid_is_taken_back_before_the_device_retu
 def test_a_group_node_that_cannot_be_taken_back_quarantines_the_device(
     vfio: VfioNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cubeaccel.host import confine
+    from cubeaccel.host.vmm import confine
 
     group = vfio.fake.dev.resolve() / "vfio" / "7"
     vfio.running()

@@ -17,7 +17,7 @@ from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.scrub import ProcessScrubRunner, parse_policy
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.readiness import HostRoots
+from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.images.builder import cached_images
 from cubeaccel.model.device import DeviceIdentity
 from cubeaccel.model.error_catalog import CATALOG

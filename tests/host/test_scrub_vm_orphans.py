@@ -19,7 +19,7 @@ import pytest
 
 from cubeaccel.backends.base import AttachSpec
 from cubeaccel.cubelet.scrub import ProcessScrubRunner
-from cubeaccel.host.vmmproc import find_shim, inspect
+from cubeaccel.host.vmm.vmmproc import find_shim, inspect
 from tests.support.cubelet_harness import Node
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms, started_vmms
@@ -29,7 +29,7 @@ ATTACH = AttachSpec("vfio-pci", {"host": "0000:10:00.0"})
 FAKE_SHIM = """#!{python}
 import json, os, subprocess, sys, time
 from pathlib import Path
-from cubeaccel.host.vmmproc import vmm_processes
+from cubeaccel.host.vmm.vmmproc import vmm_processes
 args = sys.argv[1:]
 sid = args[args.index("--sandbox") + 1]
 spec = json.loads(Path(args[args.index("--spec") + 1]).read_text())

@@ -22,8 +22,8 @@ import pytest
 
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.shim_forkserver import ForkServer
-from cubeaccel.host import proctitle
-from cubeaccel.host.vmmproc import find_shim
+from cubeaccel.host.service import proctitle
+from cubeaccel.host.vmm.vmmproc import find_shim
 from cubeaccel.wire.shim_launch import SOCKET_NAME
 from cubeaccel.wire.shim_spec import ShimSpec
 from cubeaccel.wire.telemetry import LOG_LEVEL_ENV
@@ -233,7 +233,7 @@ def test_spawn_mode_never_starts_a_fork_server(tmp_path: Path) -> None:
 def test_a_cmdline_is_rewritten_in_place_and_never_past_its_room(tmp_path: Path) -> None:
     sid = f"renamed-{uuid.uuid4().hex[:12]}"  # unique to this run: find_shim reads the whole host's /proc
     code = (
-        "import sys; from cubeaccel.host import proctitle as p\n"
+        "import sys; from cubeaccel.host.service import proctitle as p\n"
         "try:\n    p.set_cmdline(['x' * 9000])\nexcept ValueError as e:\n    print('refused', e, flush=True)\n"
         f"p.set_cmdline(['python', 'shim', 'run', '--sandbox', '{sid}'])\nprint('done', flush=True)\n"
         "sys.stdin.read()\n"

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cubeaccel.host.sysfs_parse import (
+from cubeaccel.host.pci.sysfs_parse import (
     parse_aer_total,
     parse_config_serial,
     parse_config_vendor,

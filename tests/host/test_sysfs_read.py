@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.pci import HostError
+from cubeaccel.host.pci.base import HostError
 from cubeaccel.model.bars import Bar, BarKind
 from cubeaccel.model.device import PciAddress
 from tests.support.fake_sysfs import Dev, FakeSysfs

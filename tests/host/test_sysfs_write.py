@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.pci import HostError
-from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.host.pci.base import HostError
+from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import CubeError
 from tests.support.fake_sysfs import Dev, FakeSysfs

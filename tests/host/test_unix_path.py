@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.unix_path import SUN_PATH_MAX, connect_path
+from cubeaccel.host.service.unix_path import SUN_PATH_MAX, connect_path
 
 
 def _deep(tmp_path: Path) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.host import procfs
+from cubeaccel.host.pci import procfs
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState

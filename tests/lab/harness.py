@@ -256,8 +256,9 @@ def _overlay_cpio(dest: Path, cubelet_from: Path | None, extra: dict[str, Path] 
         _compile_into(SRC_PKG / "__init__.py", pkg / "__init__.py", "/opt/cubeaccel/cubeaccel")
         subs = GUEST_PACKAGES + (CUBELET_PACKAGES if cubelet_from else ())
         for sub in subs:
-            for f in sorted((SRC_PKG / sub).glob("*.py")):
-                _compile_into(f, pkg / sub / f.name, f"/opt/cubeaccel/cubeaccel/{sub}")
+            for f in sorted((SRC_PKG / sub).rglob("*.py")):  # with subpackages (host/pci, host/vmm, ...)
+                rel = f.relative_to(SRC_PKG)
+                _compile_into(f, pkg / rel, f"/opt/cubeaccel/cubeaccel/{rel.parent}")
         if cubelet_from is not None:
             qmp = _qmp_package()
             for f in sorted(qmp.glob("*.py")):

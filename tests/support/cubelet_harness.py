@@ -11,7 +11,7 @@ from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.reconcile import Repair, reconcile
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import DeviceRecord, PciAddress
 from cubeaccel.model.states import DeviceState
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cubeaccel.host import vmmproc
+from cubeaccel.host.vmm import vmmproc
 from cubeaccel.wire.cubelet_client import CubeletClient
 from tests.support.poll import poll
 

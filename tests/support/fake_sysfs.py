@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.device import PciAddress
 
 DRIVER_FILES = ("bind", "unbind", "new_id", "remove_id", "uevent")

@@ -19,7 +19,7 @@ sys.stdin.read()
 def unreadable_pids() -> frozenset[int]:
     """Processes of this host whose fds we cannot read (here: the sandbox runtime's PID 1). Tests that scan the
     real /proc exempt exactly these, as an operator would with `--holder-scan-exempt-pid`."""
-    from cubeaccel.host import procfs
+    from cubeaccel.host.pci import procfs
 
     return frozenset(h.pid for h in procfs.find_holders(procfs.glob("/nonexistent/*")) if h.unknown and h.pid)
 

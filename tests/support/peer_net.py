@@ -3,7 +3,7 @@ and a peer namespace beyond it holding the servers a guest may be allowed to rea
 addresses only (192.0.2.0/24, 198.18.0.0/30), and no default route out of the uplink: nothing leaves.
 
 The servers live in the peer, not in the uplink: the node's own addresses are never a destination
-(host/netpolicy.py), so a server on one of them could not be reached whatever the allowlist says."""
+(host/net/netpolicy.py), so a server on one of them could not be reached whatever the allowlist says."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import os
 import signal
 from pathlib import Path
 
-from cubeaccel.host.vmmproc import inspect
+from cubeaccel.host.vmm.vmmproc import inspect
 from tests.support.poll import poll
 
 

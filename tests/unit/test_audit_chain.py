@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.host.audit import AuditLog, head_path, log_id, read_head, verify
+from cubeaccel.host.service.audit import AuditLog, head_path, log_id, read_head, verify
 from cubeaccel.master.auth import DatabaseSeal, audit_seals
 from cubeaccel.master.store import MasterStore
 from tests.support.poll import poll

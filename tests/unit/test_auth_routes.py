@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from cubeaccel.host.audit import verify
+from cubeaccel.host.service.audit import verify
 from cubeaccel.master import schema as S
 from cubeaccel.master.auth import ADMIN, SEAL_PREFIX, TENANT, Quota, key_id_of
 from cubeaccel.master.server import create_app

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.server import _reservation_json, create_app
-from cubeaccel.host.audit import AuditLog
+from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.wire.http_server import PEER_KEY
 from tests.support.cubelet_harness import Node
 

@@ -111,7 +111,7 @@ def test_the_check_finds_each_kind_of_dangling_reference() -> None:
 def test_names_that_exist_pass() -> None:
     doc = ROOT / "docs" / "shim.md"
     text = (
-        "`cubeaccel.host.vmmproc.find_vmm`, `python -m cubeaccel.shim`, `host/vmmproc.py`, "
+        "`cubeaccel.host.vmm.vmmproc.find_vmm`, `python -m cubeaccel.shim`, `host/vmm/vmmproc.py`, "
         "`wire/heartbeat.py::Heartbeat`, `tests/unit/test_docs_paths.py::test_the_check_finds…`, "
         "`test_docs_paths.py`, `cubeaccel.tenant:` (not a module)"
     )

@@ -14,10 +14,10 @@ import pyqwest
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from cubeaccel.frontdoor.envd import _relay
+from cubeaccel.frontdoor.envd import relayed
 from cubeaccel.frontdoor.serve import expose_client_sockets
 from tests.support.master_harness import free_port
 
@@ -54,9 +54,7 @@ def front(request: pytest.FixtureRequest) -> Iterator[str]:
     async def relay(req: Request) -> Response:
         client = httpx.AsyncClient()
         up = await client.send(client.build_request("GET", f"http://127.0.0.1:{upstream_port}/"), stream=True)
-        return StreamingResponse(
-            _relay(up, req.scope["http_version"]), headers={"content-type": "application/connect+json"}
-        )
+        return relayed(up, req.scope["http_version"])
 
     app = Starlette(routes=[Route("/stream", relay)])
     port = free_port()

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from cubeaccel.cubelet import memory_ledger
 from cubeaccel.cubelet.memory_ledger import VmmHost
-from cubeaccel.host.confine import memlock_limit_bytes
-from cubeaccel.host.hypervisor import numa_nodes
+from cubeaccel.host.vmm.confine import memlock_limit_bytes
+from cubeaccel.host.vmm.hypervisor import numa_nodes
 from cubeaccel.images.manifest import Artifact, Manifest
 from cubeaccel.model.cold_start import (
     COLD_CONFIGURED,

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_address
-from cubeaccel.host.vmmproc import ENV_DEVICES, find_vmm, inspect, name_arg, vmm_processes
+from cubeaccel.host.vmm.vmmproc import ENV_DEVICES, find_vmm, inspect, name_arg, vmm_processes
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, device_id_for
 from cubeaccel.model.states import DeviceState
 from tests.support.poll import poll
@@ -104,7 +104,7 @@ def test_a_real_tagged_process_is_found_until_it_exits() -> None:
 
 
 def test_find_shim_matches_the_exact_sandbox_argument_of_a_live_shim() -> None:
-    from cubeaccel.host.vmmproc import find_shim
+    from cubeaccel.host.vmm.vmmproc import find_shim
 
     # A stand-in with a shim's argv: python -c '...' shim run --sandbox ab
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "shim", "run", "--sandbox", "ab"])
@@ -171,7 +171,7 @@ def test_two_cubelets_on_one_host_never_take_each_others_vmms_for_holders(tmp_pa
 
 
 def test_a_shim_of_another_cubelet_with_the_same_sandbox_id_is_not_ours(tmp_path: Path) -> None:
-    from cubeaccel.host.vmmproc import find_shim
+    from cubeaccel.host.vmm.vmmproc import find_shim
 
     mine, theirs = tmp_path / "a" / "shims", tmp_path / "b" / "shims"
     _proc(

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.hypervisor import detect_accel
+from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.shim.memory import prove_pinned, status_kib

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.host.simulated import Fault, SimulatedPciHost
+from cubeaccel.host.pci.simulated import Fault, SimulatedPciHost
 
 HOST = "2xh100,2xt4"
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.hypervisor import detect_accel
+from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.qemu import QemuVmm

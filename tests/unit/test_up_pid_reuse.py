@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host.procfs import start_time
+from cubeaccel.host.pci.procfs import start_time
 from cubeaccel.master import up
 from tests.support.poll import poll
 

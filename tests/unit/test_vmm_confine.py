@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.host import confine, vmm_launch
-from cubeaccel.host.confine import (
+from cubeaccel.host.vmm import confine, vmm_launch
+from cubeaccel.host.vmm.confine import (
     CAP_IPC_LOCK,
     CAP_SYS_RESOURCE,
     ConfinePolicy,

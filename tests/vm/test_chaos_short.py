@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.netpolicy import netns_name, uplink_ifname
+from cubeaccel.host.net.netpolicy import netns_name, uplink_ifname
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
 from cubeaccel.wire.templates import parse_template

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.confine import CAP_IPC_LOCK, ConfinePolicy
+from cubeaccel.host.vmm.confine import CAP_IPC_LOCK, ConfinePolicy
 from cubeaccel.images.manifest import Manifest
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll

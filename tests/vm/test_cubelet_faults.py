@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.host.unix_path import connect_path
-from cubeaccel.host.vmmproc import ENV_DEVICES
+from cubeaccel.host.service.unix_path import connect_path
+from cubeaccel.host.vmm.vmmproc import ENV_DEVICES
 from cubeaccel.images.manifest import Manifest
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll

@@ -9,7 +9,7 @@ import pytest
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
 from cubeaccel.backends.emulated import pci_testdev_identity
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.bars import Bar, BarKind
 from tests.vm.conftest import ShimRun, emulated_id
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_address
-from cubeaccel.host.unix_path import connect_path
-from cubeaccel.host.vmmproc import find_vmm, inspect
+from cubeaccel.host.service.unix_path import connect_path
+from cubeaccel.host.vmm.vmmproc import find_vmm, inspect
 from cubeaccel.images.builder import cache_dir, latest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord

@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from cubeaccel.host.pci import Holder
+from cubeaccel.host.pci.base import Holder
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 
 

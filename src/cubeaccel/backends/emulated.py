@@ -19,9 +19,9 @@ import re
 from pathlib import Path
 
 from cubeaccel.backends.base import AttachSpec, Problem
-from cubeaccel.host.hypervisor import find_qemu
-from cubeaccel.host.pci import Holder
-from cubeaccel.host.vmmproc import vmm_processes
+from cubeaccel.host.pci.base import Holder
+from cubeaccel.host.vmm.hypervisor import find_qemu
+from cubeaccel.host.vmm.vmmproc import vmm_processes
 from cubeaccel.model.bars import Bar, BarKind, is_bar_size
 from cubeaccel.model.device import (
     AcceleratorClass,
@@ -105,7 +105,7 @@ class EmulatedBackend:
     ) -> None:
         """`vmm_root` (the Cubelet's shims directory) and `uid` (the Cubelet's) tie a holder to evidence: a
         process counts only when its own files lie under `vmm_root` and it runs as `uid` or as one of the confined
-        VMMs' uids (`vmm_uids`, host/confine.py: no local user runs as those). A tag and a device
+        VMMs' uids (`vmm_uids`, host/vmm/confine.py: no local user runs as those). A tag and a device
         list in an environment are words anyone can write; a local user's or another Cubelet's process that
         copies them must not quarantine this Cubelet's devices. The runtime always passes both."""
         """`memory_devices` (bytes each, powers of two, 4 KiB..64 MiB): ivshmem-plain stand-ins whose memory is a

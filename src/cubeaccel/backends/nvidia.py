@@ -19,8 +19,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cubeaccel.backends.base import Problem
-from cubeaccel.host.pci import PciFunction
-from cubeaccel.host.readiness import Check, Status
+from cubeaccel.host.pci.base import PciFunction
+from cubeaccel.host.pci.readiness import Check, Status
 
 NVIDIA_VENDOR = 0x10DE
 BRIDGE_OTHER = 0x0680  # PCI base class 06 (bridge), subclass 80 (other)

@@ -23,10 +23,10 @@ from pathlib import Path
 from cubeaccel.backends import nvidia
 from cubeaccel.backends.base import AttachSpec, HostPreparation, Problem, ResetContext, ResetResult
 from cubeaccel.backends.vfio_spec import DeviceSpec, accelerator_class, parse_allow
-from cubeaccel.host.confine import take_back
-from cubeaccel.host.pci import Holder, HostError, PciFunction, PciHost, SupportsBusReach, SupportsRestore
-from cubeaccel.host.readiness import HostRoots, check_host
-from cubeaccel.host.snapshot import SnapshotHost
+from cubeaccel.host.pci.base import Holder, HostError, PciFunction, PciHost, SupportsBusReach, SupportsRestore
+from cubeaccel.host.pci.readiness import HostRoots, check_host
+from cubeaccel.host.pci.snapshot import SnapshotHost
+from cubeaccel.host.vmm.confine import take_back
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
 from cubeaccel.model.reset_ladder import Reached, ResetFacts, ResetStep, Rung, next_step
@@ -405,7 +405,7 @@ class VfioBackend:
         return AttachSpec(driver=VFIO_DRIVER, properties={"host": str(device.address)})
 
     def reclaim_nodes(self, device: DeviceRecord) -> list[Problem]:
-        """The group node the shim handed to the VMM's uid (host/confine.py), back to root:root 0600. A host
+        """The group node the shim handed to the VMM's uid (host/vmm/confine.py), back to root:root 0600. A host
         without device nodes (simulated) has nothing to take back."""
         dev_root = getattr(self._host, "dev_root", None)
         group = device.iommu_group

@@ -13,7 +13,7 @@ import fnmatch
 import re
 from dataclasses import dataclass
 
-from cubeaccel.host.pci import PciFunction
+from cubeaccel.host.pci.base import PciFunction
 from cubeaccel.model.device import AcceleratorClass
 from cubeaccel.model.errors import invalid
 

@@ -194,8 +194,8 @@ def serve_cmd(
     from cubeaccel.cubelet.server import Ticker, serve
 
     addr = _listen(listen)
-    from cubeaccel.host import statelock
-    from cubeaccel.host.private import private_umask
+    from cubeaccel.host.service import statelock
+    from cubeaccel.host.service.private import private_umask
 
     private_umask()  # the store, the socket, shims' dirs and VMM files: owner-only whatever the parent
     try:
@@ -515,7 +515,7 @@ def backup_cmd(
 ) -> None:
     """Back up a (running) Cubelet's store with SQLite's online backup, plus its instance id and audit log."""
     from cubeaccel.cubelet.runtime import INSTANCE_FILE
-    from cubeaccel.host.backup import backup
+    from cubeaccel.host.service.backup import backup
 
     side = [state_dir / n for n in (INSTANCE_FILE, "simulated-host.json", "audit.jsonl")]
     try:
@@ -532,7 +532,7 @@ def restore_cmd(
     state_dir: StateDir = DEFAULT_STATE,
 ) -> None:
     """Restore a backup into a fresh state directory (refused where a store exists or a Cubelet runs)."""
-    from cubeaccel.host.backup import restore
+    from cubeaccel.host.service.backup import restore
 
     try:
         info = restore(backup_dir, state_dir, "cubelet")

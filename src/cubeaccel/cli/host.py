@@ -15,9 +15,9 @@ from rich.table import Table
 
 from cubeaccel.backends import nvidia
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.host.pci import function_json
-from cubeaccel.host.readiness import HostReadiness, Status, check_host
-from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.host.pci.base import function_json
+from cubeaccel.host.pci.readiness import HostReadiness, Status, check_host
+from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.errors import CubeError
 
 app = typer.Typer(no_args_is_help=True, help="host readiness and discovery (read-only)")

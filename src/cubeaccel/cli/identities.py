@@ -131,8 +131,8 @@ def audit_cmd(
     """Query (or verify) an audit log (CubeMaster's or a Cubelet's), a local file of hash-chained JSON lines.
     --verify finds edited, removed or reordered lines, and a cut-off tail against the sealed head. --device ID
     (on a Cubelet's log, `--file STATE_DIR/audit.jsonl`) answers who held the device at --at, with the trail."""
-    from cubeaccel.host.audit import log_id, read
-    from cubeaccel.host.audit import verify as check
+    from cubeaccel.host.service.audit import log_id, read
+    from cubeaccel.host.service.audit import verify as check
 
     if not path.exists():
         console.print(f"[red]error[/red] no audit log at {path}")

@@ -72,8 +72,8 @@ def serve_cmd(
     from cubeaccel.wire.http_server import run_servers, server_config
 
     host, port = _listen(listen)
-    from cubeaccel.host import statelock
-    from cubeaccel.host.private import private_umask
+    from cubeaccel.host.service import statelock
+    from cubeaccel.host.service.private import private_umask
 
     private_umask()  # master.db (every tenant's records) is owner-only whatever the state dir allows
     try:
@@ -113,7 +113,7 @@ def serve_cmd(
     try:
         import asyncio
 
-        from cubeaccel.host import sdnotify
+        from cubeaccel.host.service import sdnotify
 
         app = create_app(master, maintenance, audit=audit_log or state_dir / "audit.jsonl")
         server = uvicorn.Server(server_config(app, host=host, port=port))
@@ -166,7 +166,7 @@ def backup_cmd(
     db: Annotated[str | None, typer.Option(help="sqlite:///PATH (default: STATE_DIR/master.db)")] = None,
 ) -> None:
     """Back up a (running) CubeMaster's SQLite database with the online backup API, plus its audit log."""
-    from cubeaccel.host.backup import backup
+    from cubeaccel.host.service.backup import backup
 
     try:
         info = backup(_sqlite_path(db, state_dir), [state_dir / "audit.jsonl"], out, "master")
@@ -181,7 +181,7 @@ def restore_cmd(
     state_dir: Annotated[Path, typer.Option(help="a fresh state directory")] = DEFAULT_STATE,
 ) -> None:
     """Restore a backup into a fresh state directory (refused where a database exists or a CubeMaster runs)."""
-    from cubeaccel.host.backup import restore
+    from cubeaccel.host.service.backup import restore
 
     try:
         info = restore(backup_dir, state_dir, "master")

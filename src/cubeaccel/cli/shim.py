@@ -23,7 +23,7 @@ def run(
 @app.command("find")
 def find(sandbox: str = typer.Argument(..., help="sandbox id")) -> None:
     """Print the pid of the sandbox's VMM (found by its command-line tag), exit 1 when none runs."""
-    from cubeaccel.host.vmmproc import find_vmm
+    from cubeaccel.host.vmm.vmmproc import find_vmm
 
     pid = find_vmm(sandbox)
     if pid is None:

@@ -1,5 +1,5 @@
 """The node's audit trail of its devices: each step of a device's life, from the journal's events, as entries in
-the Cubelet's hash-chained audit log (host/audit.py), so the log alone says who had which device
+the Cubelet's hash-chained audit log (host/service/audit.py), so the log alone says who had which device
 (`cubeaccel audit --device ID --at TIME`, model/audit_trail.py).
 
 A store listener: it sees each change's events once its transaction is in, queues their entries without waiting
@@ -15,7 +15,7 @@ from contextlib import suppress
 from typing import Any
 
 from cubeaccel.cubelet.store import Event
-from cubeaccel.host.audit import AuditLog
+from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model import audit_trail as A
 from cubeaccel.model.states import DeviceEvent
 from cubeaccel.wire.scrub import RESULT_FIELDS

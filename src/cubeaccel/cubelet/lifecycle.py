@@ -31,9 +31,10 @@ from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, Unavailab
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.cubelet.warm import WarmPools
-from cubeaccel.host import confine, netpolicy
-from cubeaccel.host.audit import AuditLog
-from cubeaccel.host.meminfo import available_mib
+from cubeaccel.host.net import netpolicy
+from cubeaccel.host.service.audit import AuditLog
+from cubeaccel.host.vmm import confine
+from cubeaccel.host.vmm.meminfo import available_mib
 from cubeaccel.model.bars import Bar, port_shape
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.contract import (

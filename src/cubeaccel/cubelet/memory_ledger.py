@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.cubelet.store import Reservation, Tx
-from cubeaccel.host.hypervisor import detect_accel, host_cpus, numa_nodes
-from cubeaccel.host.meminfo import available_mib, memlock_limit_mib
+from cubeaccel.host.vmm.hypervisor import detect_accel, host_cpus, numa_nodes
+from cubeaccel.host.vmm.meminfo import available_mib, memlock_limit_mib
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import (
     QEMU_LOCKED_OVERHEAD_MIB,

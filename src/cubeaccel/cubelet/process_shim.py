@@ -24,10 +24,10 @@ from pydantic import ValidationError
 from cubeaccel.cubelet import runfiles
 from cubeaccel.cubelet.shim_driver import NodeFacts, ReportSink, ShimStatus
 from cubeaccel.cubelet.shim_forkserver import ForkServer
-from cubeaccel.host.childenv import component_env
-from cubeaccel.host.hypervisor import hotplug_paths
-from cubeaccel.host.unix_path import connect_path
-from cubeaccel.host.vmmproc import find_shim, find_vmm
+from cubeaccel.host.service.childenv import component_env
+from cubeaccel.host.service.unix_path import connect_path
+from cubeaccel.host.vmm.hypervisor import hotplug_paths
+from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images, label_of
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
@@ -180,7 +180,7 @@ class ProcessShimDriver:
             return ShimClaimAck(ok=False, code="warm.claim_unanswered", message=f"{type(e).__name__}: {e}"[:300])
 
     def release_files(self, sandbox_id: str) -> list[str]:
-        from cubeaccel.host.scratch import SCRATCH_FILE, remove_scratch
+        from cubeaccel.host.vmm.scratch import SCRATCH_FILE, remove_scratch
 
         return [SCRATCH_FILE] if remove_scratch(self.dir / sandbox_id) else []
 

@@ -17,7 +17,7 @@ from cubeaccel.cubelet import backend_facts, host_ready
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.cubelet.quarantine_retry import retry_quarantined
-from cubeaccel.host import netpolicy
+from cubeaccel.host.net import netpolicy
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -204,7 +204,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
 
 def _refresh_node_addresses(cubelet: Cubelet, repairs: list[Repair]) -> None:
     """The node's addresses as they are now, in each live sandbox network's refused set: an address the host
-    gained after a sandbox's network was built is no destination there either (host/netpolicy.py). One address
+    gained after a sandbox's network was built is no destination there either (host/net/netpolicy.py). One address
     read per uplink per pass; a sandbox's set is rewritten only when it differs from what was last applied."""
     now: dict[str | None, frozenset[IPv4Address]] = {}
     live: set[str] = set()

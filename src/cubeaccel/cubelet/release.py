@@ -56,7 +56,7 @@ class CubeletConfig:
     kill_grace_s: float = 10.0  # after SIGKILL, how long a VMM (many GiB pinned) may take to be reaped
     pinnable_memory_mib: int | None = None  # lockable guest memory to advertise; None: MemAvailable
     vmm_host: VmmHost | None = None  # what shapes a VMM's locked memory here; None: read from this host
-    # Sandbox networks (host/netpolicy.py): each sandbox's veth /30 comes from `network_pool`; its uplink end goes
+    # Sandbox networks (host/net/netpolicy.py): each sandbox's veth /30 comes from `network_pool`; its uplink end goes
     # into `network_uplink_netns` (None: the host's namespace, where the operator routes the pool onward).
     network_pool: str = "100.96.0.0/16"
     network_uplink_netns: str | None = None
@@ -318,7 +318,7 @@ class ReleasePath:
         """Once the VMM is proven gone: remove the sandbox's network namespace (TAP, veth, rules) and its scratch
         disk. Idempotent (run on every pass until the reservation closes); returns the events to record, one
         `network_teardown_failed` while the namespace could not be removed."""
-        from cubeaccel.host import netpolicy  # host I/O of the release path only
+        from cubeaccel.host.net import netpolicy  # host I/O of the release path only
 
         sid = res.sandbox_id
         out: list[tuple[str, str | None, dict[str, Any]]] = []

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from cubeaccel.host.vmmproc import find_shim, find_vmm
+from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm
 from cubeaccel.model.ids import SANDBOX_ID_RE
 
 FINISHED = "finished"

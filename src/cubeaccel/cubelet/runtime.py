@@ -98,7 +98,7 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     shim: ShimDriver
     if opts.backend == "simulated":
         from cubeaccel.backends.vfio import VfioBackend
-        from cubeaccel.host.simulated import SimulatedPciHost
+        from cubeaccel.host.pci.simulated import SimulatedPciHost
 
         host = SimulatedPciHost(opts.profile, opts.state_dir / "simulated-host.json")
         backend = VfioBackend(host, allow=SIMULATED_ALLOW)
@@ -110,8 +110,8 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     elif opts.backend == "vfio":
         from cubeaccel.backends.vfio import VfioBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
-        from cubeaccel.host.readiness import HostRoots
-        from cubeaccel.host.sysfs import SysfsPciHost
+        from cubeaccel.host.pci.readiness import HostRoots
+        from cubeaccel.host.pci.sysfs import SysfsPciHost
 
         roots = HostRoots(opts.sysfs_root, opts.dev_root, opts.proc_root)
         backend = VfioBackend(
@@ -128,7 +128,7 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
     else:
         from cubeaccel.backends.emulated import EmulatedBackend
         from cubeaccel.cubelet.process_shim import ProcessShimDriver
-        from cubeaccel.host.confine import ConfinePolicy
+        from cubeaccel.host.vmm.confine import ConfinePolicy
 
         backend = EmulatedBackend(
             instance_id(opts.state_dir),

@@ -28,8 +28,8 @@ from typing import Any, Protocol
 from cubeaccel.backends.base import AttachSpec, Problem
 from cubeaccel.backends.scrub_methods import NO_METHOD, ScrubMethod, kind_key, method_for, no_method_message
 from cubeaccel.cubelet import runfiles
-from cubeaccel.host.childenv import component_env
-from cubeaccel.host.vmmproc import find_shim, find_vmm, vmm_processes
+from cubeaccel.host.service.childenv import component_env
+from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm, vmm_processes
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.errors import invalid

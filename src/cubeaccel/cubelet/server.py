@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.capacity import capacity_summary
@@ -27,17 +27,16 @@ from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sa
 from cubeaccel.cubelet.metrics import metrics_of
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.store import Reservation
-from cubeaccel.host.audit import AuditLog
-from cubeaccel.host.throttle import Throttle
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service.audit import AuditLog
+from cubeaccel.host.service.throttle import Throttle
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.cold_start import cold_start_phases, start_path
 from cubeaccel.model.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
 from cubeaccel.model.errors import CubeError, invalid, not_found
-from cubeaccel.model.hop_by_hop import HOP_BY_HOP
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
-from cubeaccel.wire import node_sig
+from cubeaccel.wire import node_sig, proxy
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, GateMiddleware, api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
@@ -494,7 +493,7 @@ def serve(
     servers = [uvicorn.Server(c) for c in configs]
 
     async def run() -> None:
-        from cubeaccel.host import sdnotify
+        from cubeaccel.host.service import sdnotify
 
         status = f"cubelet {cubelet.config.node_name}: serving {socket_path}"
         await asyncio.gather(*(s.serve() for s in servers), sdnotify.when_started(servers, status))
@@ -627,19 +626,14 @@ def _end_of_stream_error(code: str, message: str) -> bytes:
     return encode_json({"error": {"code": code, "message": message}}, FLAG_END_STREAM)
 
 
-def _port_request(client: httpx.AsyncClient, request: Request, headers: list[tuple[str, str]]) -> httpx.Request:
-    """A request to another port of the sandbox (the guest forwards it: workload/portforward.py): any method,
-    the caller's path and query as sent (not re-encoded), and its body framed as it came, so an app that
-    cannot read a chunked body still gets a Content-Length."""
+def _port_target(request: Request) -> str:
+    """Where a request to another port of the sandbox goes (the guest forwards it: workload/portforward.py):
+    the caller's path and query as sent, not re-encoded."""
     raw = request.scope.get("raw_path") or request.url.path.encode()
     target = raw.decode("latin-1").split("/workload", 1)[1]
     if request.url.query:
         target += "?" + request.url.query
-    length = request.headers.get("content-length")
-    framed = length is not None or "transfer-encoding" in request.headers
-    if length is not None:
-        headers = [*headers, ("Content-Length", length)]
-    return client.build_request(request.method, target, headers=headers, content=request.stream() if framed else None)
+    return target
 
 
 def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
@@ -664,44 +658,27 @@ def add_workload_proxy(app: FastAPI, cubelet: Cubelet) -> None:
         elif not (path == "health" or (path == "files" and "signature" in request.query_params)):
             raise CubeError("workload.unauthenticated", "missing or wrong access token", "api")
         sock = workload_socket(cubelet, sandbox_id)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
         client = upstreams.get(sandbox_id, sock)
-        if path.startswith(PORT_PATH):
-            upstream_req = _port_request(client, request, headers)
-        else:
-            upstream_req = client.build_request(
-                request.method,
-                "/" + path,
-                params=list(request.query_params.multi_items()),
-                headers=headers,
-                content=request.stream() if request.method == "POST" else None,
-            )
+        headers = proxy.request_headers(request)
         try:
-            upstream = await client.send(upstream_req, stream=True)
+            if path.startswith(PORT_PATH):
+                upstream = await proxy.send(client, request, _port_target(request), headers, framed=True)
+            else:
+                url = httpx.URL("/" + path, params=list(request.query_params.multi_items()))
+                upstream = await proxy.send(client, request, url, headers)
         except httpx.HTTPError as e:
             upstreams.drop(sandbox_id)  # its pooled connections may all be dead (the bridge reconnected)
             raise CubeError("workload.unavailable", f"workload endpoint: {e}", "api") from e
         connect_stream = upstream.headers.get("content-type", "").startswith("application/connect+")
+        tracker = _EnvelopeTracker()
 
-        async def body() -> Any:
-            tracker = _EnvelopeTracker()
-            try:
-                async for chunk in upstream.aiter_raw():
-                    if connect_stream:
-                        tracker.feed(chunk)
-                    yield chunk
-            except httpx.HTTPError as e:
-                upstreams.drop(sandbox_id)
-                if not (connect_stream and tracker.at_boundary) or not _still_running(cubelet, sandbox_id):
-                    # A sandbox being torn down ends its streams as E2B's do when a sandbox is killed: the
-                    # connection is cut, and the SDK's health probe (502, gone) tells it the sandbox was killed.
-                    raise
-                code = "workload.channel_closed"  # ours, in the message; the Connect code is envd's vocabulary
-                yield _end_of_stream_error(
-                    "unavailable", f"{code}: the sandbox's workload channel broke mid-stream ({e})"
-                )
-            finally:
-                await upstream.aclose()
+        def broke(e: httpx.HTTPError) -> bytes | None:
+            upstreams.drop(sandbox_id)
+            if not (connect_stream and tracker.at_boundary) or not _still_running(cubelet, sandbox_id):
+                # A sandbox being torn down ends its streams as E2B's do when a sandbox is killed: the
+                # connection is cut, and the SDK's health probe (502, gone) tells it the sandbox was killed.
+                return None
+            code = "workload.channel_closed"  # ours, in the message; the Connect code is envd's vocabulary
+            return _end_of_stream_error("unavailable", f"{code}: the sandbox's workload channel broke mid-stream ({e})")
 
-        out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP - {"content-length"}}
-        return StreamingResponse(body(), status_code=upstream.status_code, headers=out)
+        return proxy.Relay(upstream, observe=tracker.feed if connect_stream else None, on_error=broke)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Protocol
 
-from cubeaccel.host.pci import Holder
-from cubeaccel.host.simulated import SimulatedPciHost
+from cubeaccel.host.pci.base import Holder
+from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from cubeaccel.host import proctitle
-from cubeaccel.host.childenv import component_env
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service import proctitle
+from cubeaccel.host.service.childenv import component_env
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.wire.shim_launch import MAX_REQUEST_BYTES, SOCKET_NAME, ShimLaunchReply, ShimLaunchRequest
 
 REPLY_TIMEOUT_S = 15.0  # the fork server waits up to 10 s for its child to show its argv

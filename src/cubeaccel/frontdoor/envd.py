@@ -21,7 +21,7 @@ import re
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +30,14 @@ from urllib.parse import quote, unquote
 import httpx
 from pydantic import ValidationError
 from starlette.requests import HTTPConnection, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token, traffic_token
 from cubeaccel.frontdoor.master import FrontDoorMaster
 from cubeaccel.model import connect_envelope
 from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.model.ids import SANDBOX_ID_RE
+from cubeaccel.wire import proxy
 from cubeaccel.wire.e2b_api import GuestMetrics
 
 START_PATH = "/process.Process/Start"
@@ -261,12 +262,11 @@ class EnvdProxy:
             if route is None:
                 return gone(sandbox_id)
             upstream = await send(route)
-            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP - {"content-length"}}
             if upstream.status_code in (409, 503):
                 body = await upstream.aread()
                 await upstream.aclose()
                 if not _cubelet_not_running(body):  # the guest's own error (Connect uses 409 too): pass it on
-                    return Response(body, status_code=upstream.status_code, headers=headers)
+                    return Response(body, status_code=upstream.status_code, headers=proxy.response_headers(upstream))
                 if await self.route(sandbox_id, fresh=True) is None:
                     return gone(sandbox_id)
                 return envd_error(503, f"sandbox {sandbox_id} has no workload endpoint right now")
@@ -277,48 +277,37 @@ class EnvdProxy:
             if again is None:
                 return gone(sandbox_id)
             return envd_error(502, f"sandbox {sandbox_id}: its node could not be reached: {type(e).__name__}")
-        relay = _relay(upstream, str(request.scope.get("http_version", "1.1")))
-        return StreamingResponse(relay, status_code=upstream.status_code, headers=headers)
+        return relayed(upstream, str(request.scope.get("http_version", "1.1")))
 
     async def _send(self, request: Request, route: Route, sandbox_id: str, path: str) -> httpx.Response:
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
-        content: Any = None
-        if request.method == "POST":
-            content = request.stream()
-            if path == START_PATH and route.env_vars:
-                raw = bytearray()
-                async for chunk in request.stream():
-                    raw += chunk
-                    if len(raw) > MAX_START_MESSAGE + 5:
-                        raise Refusal(413, "process start request above 1 MiB")
-                streaming = "connect+" in request.headers.get("content-type", "")
-                content = inject_envs(bytes(raw), route.env_vars, streaming)
+        body = None
+        if request.method == "POST" and path == START_PATH and route.env_vars:
+            raw = bytearray()
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > MAX_START_MESSAGE + 5:
+                    raise Refusal(413, "process start request above 1 MiB")
+            streaming = "connect+" in request.headers.get("content-type", "")
+            body = inject_envs(bytes(raw), route.env_vars, streaming)
         url = f"{route.cubelet_url}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload{path}"
         if request.url.query:
             url += "?" + request.url.query
-        req = self.http.build_request(request.method, url, headers=headers, content=content)
-        return await self.http.send(req, stream=True)
+        return await proxy.send(self.http, request, url, proxy.request_headers(request), body=body)
 
     async def _send_port(self, request: Request, route: Route, sandbox_id: str, port: int) -> httpx.Response:
         """The caller's request as the app in the guest should see it: its own headers (less this hop's and the
         tokens), the caller's Host and scheme in X-Forwarded-*, and the sandbox's token for the Cubelet only."""
-        drop = HOP_BY_HOP | SANDBOX_CHANNEL_HEADERS
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+        headers = proxy.request_headers(request, HOP_BY_HOP | SANDBOX_CHANNEL_HEADERS)
         headers += [
             ("X-Forwarded-Host", request.headers.get("host", "")),
             ("X-Forwarded-Proto", request.url.scheme),
             ("X-Access-Token", envd_token(self.secret, sandbox_id)),
         ]
-        framed = "content-length" in request.headers or "transfer-encoding" in request.headers
-        content: Any = request.stream() if framed else None
-        if framed and request.headers.get("content-length") is not None:
-            headers.append(("Content-Length", request.headers["content-length"]))
         url = f"{route.cubelet_url}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload/cubeaccel/port/{port}"
         url += raw_target(request)
         if request.url.query:
             url += "?" + request.url.query
-        req = self.http.build_request(request.method, url, headers=headers, content=content)
-        return await self.http.send(req, stream=True)
+        return await proxy.send(self.http, request, url, headers, framed=True)
 
 
 def raw_target(request: Request) -> str:
@@ -404,12 +393,10 @@ def reset_client_connection(http_version: str = "1.1") -> None:
     transport.abort()  # closes now, without the FIN a graceful close would send first
 
 
-async def _relay(upstream: httpx.Response, http_version: str) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in upstream.aiter_raw():
-            yield chunk
-    except httpx.HTTPError:
+def relayed(upstream: httpx.Response, http_version: str) -> Response:
+    """The upstream's response streamed to the caller; a stream cut upstream is cut for the caller with a reset."""
+
+    def cut(_: httpx.HTTPError) -> None:
         reset_client_connection(http_version)
-        raise
-    finally:
-        await upstream.aclose()
+
+    return proxy.Relay(upstream, on_error=cut)

@@ -12,7 +12,7 @@ from typing import Any
 from cubeaccel.frontdoor.app import FrontDoorConfig, create_app
 from cubeaccel.frontdoor.envd import CLIENT_TRANSPORT
 from cubeaccel.frontdoor.hypercorn_edge import answer_protocol_errors_in_json, bounded_config
-from cubeaccel.host import sdnotify
+from cubeaccel.host.service import sdnotify
 
 
 def read_secret(path: Path) -> str:

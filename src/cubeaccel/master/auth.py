@@ -24,7 +24,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from cubeaccel.host.throttle import Throttle
+from cubeaccel.host.service.throttle import Throttle
 from cubeaccel.master import schema as S
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
@@ -353,7 +353,7 @@ def bootstrap(auth: Auth) -> dict[str, str] | None:
     return {"admin": admin, DEFAULT_TENANT: tenant}
 
 
-# ---- audit seals: each replica's log head, kept in the database (host/audit.py) --------------------------
+# ---- audit seals: each replica's log head, kept in the database (host/service/audit.py) --------------------------
 SEAL_PREFIX = "audit_seal:"
 
 

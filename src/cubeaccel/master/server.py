@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import BaseRoute
 
-from cubeaccel.host.audit import AuditLog
+from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.master.auth import (
     ADMIN,
     ANON,

@@ -16,7 +16,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from cubeaccel.host.private import private_file
+from cubeaccel.host.service.private import private_file
 from cubeaccel.master import schema as S
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.errors import CubeError

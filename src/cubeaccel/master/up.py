@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.host.childenv import component_env
-from cubeaccel.host.hypervisor import detect_accel, find_qemu
-from cubeaccel.host.procfs import start_time
+from cubeaccel.host.pci.procfs import start_time
+from cubeaccel.host.service.childenv import component_env
+from cubeaccel.host.vmm.hypervisor import detect_accel, find_qemu
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.master_client import MasterClient
 from cubeaccel.wire.templates import loads_document
@@ -190,7 +190,7 @@ def run_up(
     directory never start two pairs; the second waits for the first's `up.json` and reports it. CubeMaster and
     the Cubelet also lock their own state (`master.lock`, `cubelet/cubelet.lock`): a stack started some other
     way on this directory makes this one fail instead of running beside it."""
-    from cubeaccel.host import statelock
+    from cubeaccel.host.service import statelock
 
     if (info := running(state_dir)) is not None:
         _report_running(info)

@@ -63,7 +63,7 @@ class ReservationCheckpoint:
     shim_exited: bool = False  # the shim's final report (`shim_exiting`): it starts nothing after it
     # ---- release path ----
     failure: SandboxFailure | None = None
-    # the network Cubelet built for this start (host/netpolicy.SandboxNet.to_json): removed in the release path,
+    # the network Cubelet built for this start (host/net/netpolicy.SandboxNet.to_json): removed in the release path,
     # and the reservation closes only after it is
     network: dict[str, Any] | None = None
     kill_at: float | None = None  # when the release path SIGKILLed shim and VMM (once)

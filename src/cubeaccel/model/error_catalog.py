@@ -289,7 +289,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("compat.template_invalid_name", 422, "template", "template name is not a DNS label"),
     _c("compat.template_invalid_version", 422, "template", "template version has characters outside A-Z a-z 0-9 . _ -"),
     _c("compat.template_probe_invalid", 422, "template", "a probe that is not a module, /dev path, soname"),
-    # ---- sandbox policy (model/sandbox_policy.py, host/netpolicy.py; docs/untrusted-tool.md) ----
+    # ---- sandbox policy (model/sandbox_policy.py, host/net/netpolicy.py; docs/untrusted-tool.md) ----
     _c("compat.unsupported_nested_virtualization", 422, "template", "nested virtualization in a device sandbox"),
     _c("compat.unsupported_privileged", 422, "template", "a privileged workload: refused in every sandbox"),
     _c("compat.unsupported_host_namespace", 422, "template", "a workload sharing a host namespace: refused"),

@@ -1,7 +1,7 @@
 """How much memory one sandbox locks on its node: guest RAM plus the VMM's own locked memory.
 
 One function, `vmm_locked`, says it for every caller: the shim raises a confined VMM's RLIMIT_MEMLOCK to its
-`rlimit_mib` (host/confine.py), Cubelet's ledger charges its `node_mib` and refuses a sandbox whose `rlimit_mib`
+`rlimit_mib` (host/vmm/confine.py), Cubelet's ledger charges its `node_mib` and refuses a sandbox whose `rlimit_mib`
 is over the limit a VMM gets, and CubeMaster's placement claims use `sandbox_locked_mib` with the node's figures
 from the heartbeat. A term left out of one of them used to let a VMM start that then could not lock its memory.
 

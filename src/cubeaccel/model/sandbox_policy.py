@@ -4,7 +4,7 @@ A template declares a `SandboxPolicy` (`spec.sandbox` in the file); a sandbox re
 part (`narrow_network`), never widen it. The default is the closed one: no NIC, no scratch disk, no host mount.
 Everything a GPU sandbox cannot offer safely (nested virtualization, privileged or host-namespace workloads, device
 sharing, snapshot/clone/pause) is written in the same section only so that it can be refused with a code rather
-than as an unknown field. Pure values and checks; no I/O (host/netpolicy.py builds the namespace).
+than as an unknown field. Pure values and checks; no I/O (host/net/netpolicy.py builds the namespace).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
 from cubeaccel.model.error_catalog import CATALOG
 from cubeaccel.model.errors import CubeError

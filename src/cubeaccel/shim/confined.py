@@ -1,4 +1,4 @@
-"""What a confined VMM may see, and the command line that confines it (host/vmm_launch.py, setpriv, QEMU).
+"""What a confined VMM may see, and the command line that confines it (host/vmm/vmm_launch.py, setpriv, QEMU).
 
 `vmm_exposure` is the one place that decides which host paths exist inside a VMM's mount namespace: a path not
 named there does not exist for QEMU. Anything new a VMM must open (a TAP, a scratch disk) is added there.
@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cubeaccel.host import vmm_launch
-from cubeaccel.host.confine import expected_caps
+from cubeaccel.host.vmm import vmm_launch
+from cubeaccel.host.vmm.confine import expected_caps
 from cubeaccel.shim.vmm import VmConfig
 
 VMM_ROOT_DIR = "vmm-root"  # under the state dir: the mount point of the VMM's own root (empty on the host)

@@ -3,7 +3,7 @@
 A spawned shim spends ~0.3 s of every sandbox start importing (pydantic models, qemu.qmp, httpx) before it
 does anything (measured by bench/shim_bench.py). This process imports all of that once and then forks: the
 child is a shim with its imports done, in its own session, with the environment, working directory and log
-Cubelet sent (what `Popen` would have given it), showing the same argv in /proc (host/proctitle.py) — so
+Cubelet sent (what `Popen` would have given it), showing the same argv in /proc (host/service/proctitle.py) — so
 Cubelet's liveness checks, restarts and kills see no difference. Cubelet falls back to spawning on any
 refusal, so this is only ever a faster path, never the only one.
 
@@ -28,9 +28,9 @@ from typing import NoReturn
 import httpx  # noqa: F401 - preloaded: the shim's reporter imports it in socket mode
 from pydantic import ValidationError
 
-from cubeaccel.host import proctitle
-from cubeaccel.host.private import private_umask
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service import proctitle
+from cubeaccel.host.service.private import private_umask
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.shim import entry
 from cubeaccel.shim import process as _process  # noqa: F401 - preloaded: what a forked shim runs
 from cubeaccel.wire.shim_launch import MAX_REQUEST_BYTES, SOCKET_NAME, ShimLaunchReply, ShimLaunchRequest

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import replace
 from types import FrameType
 
-from cubeaccel.host import netpolicy, scratch
-from cubeaccel.host.hypervisor import host_cpus, numa_nodes
-from cubeaccel.host.private import private_umask
+from cubeaccel.host.net import netpolicy
+from cubeaccel.host.service.private import private_umask
+from cubeaccel.host.vmm import scratch
+from cubeaccel.host.vmm.hypervisor import host_cpus, numa_nodes
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S

@@ -29,10 +29,11 @@ from typing import Any
 from qemu.qmp import ExecuteError, QMPError
 from qemu.qmp.legacy import QEMUMonitorProtocol
 
-from cubeaccel.host import childenv, confine
-from cubeaccel.host import vmmproc as find
-from cubeaccel.host.hypervisor import detect_accel, find_qemu, host_phys_bits, numa_nodes
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service import childenv
+from cubeaccel.host.service.unix_path import connect_path
+from cubeaccel.host.vmm import confine
+from cubeaccel.host.vmm import vmmproc as find
+from cubeaccel.host.vmm.hypervisor import detect_accel, find_qemu, host_phys_bits, numa_nodes
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.bars import DEFAULT_MEM32_WINDOW, DEFAULT_PHYS_BITS, DEFAULT_PREF64_WINDOW
 from cubeaccel.model.errors import CubeError
@@ -152,7 +153,7 @@ def build_argv(cfg: VmConfig, accel: str, incoming: bool = False, fds: VmmFds | 
         "-append",
         cmdline,
         # The console log is opened by the shim; `opaque` names it, and places the VMM under its state dir for
-        # the /proc lookups (host/vmmproc.py `under`).
+        # the /proc lookups (host/vmm/vmmproc.py `under`).
         "-add-fd",
         f"fd={fds.console},set=1,opaque={_opt(str(sd / 'console.log'))}",
         "-chardev",

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from cubeaccel.host.hypervisor import detect_accel, host_cpus, numa_nodes
+from cubeaccel.host.vmm.hypervisor import detect_accel, host_cpus, numa_nodes
 from cubeaccel.images.builder import prune
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.bars import Bar

@@ -50,10 +50,10 @@ class VmConfig:
     memory_files: tuple[str, ...] = ()  # its devices' memory files (hot-plugged later; QEMU opens them by name)
     # Sandbox policy (model/sandbox_policy.py). A NIC, disk or mount changes the machine, so such a VM is always
     # cold-booted, never restored from a template state.
-    tap_fd: int | None = None  # an open TAP in the sandbox's network namespace (host/netpolicy.open_tap)
+    tap_fd: int | None = None  # an open TAP in the sandbox's network namespace (host/net/netpolicy.open_tap)
     mac: str | None = None
     guest_net: str | None = None  # "ADDR/PREFIX,GATEWAY", told to the guest on its command line
-    # fds on the workload's capped disk (host/scratch.py): read-write, and read-only (QEMU opens an image
+    # fds on the workload's capped disk (host/vmm/scratch.py): read-write, and read-only (QEMU opens an image
     # read-only first, and an fd set answers only with an fd of the asked access mode)
     scratch_fd: int | None = None
     scratch_ro_fd: int | None = None

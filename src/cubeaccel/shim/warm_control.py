@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.wire import json_guard

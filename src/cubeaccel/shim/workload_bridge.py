@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cubeaccel.host.unix_path import connect_path
+from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.mux import (
     DataReceived,

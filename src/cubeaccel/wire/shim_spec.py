@@ -128,7 +128,7 @@ class DeviceSpec(Strict):
 
 
 class NetSpec(Strict):
-    """The sandbox's network as Cubelet built it (host/netpolicy.py): the shim opens `tap` inside `netns`."""
+    """The sandbox's network as Cubelet built it (host/net/netpolicy.py): the shim opens `tap` inside `netns`."""
 
     netns: AbsPath  # /run/netns/cube-<sandbox>
     tap: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,15}$")]

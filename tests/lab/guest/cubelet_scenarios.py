@@ -30,8 +30,8 @@ from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.shim_driver import NodeFacts, ShimSpec
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.readiness import HostRoots
-from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.host.pci.readiness import HostRoots
+from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind

@@ -18,8 +18,8 @@ from scenarios import RC, RP, fn, ms_since, problems
 
 from cubeaccel.backends.base import ResetContext
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.host.readiness import HostRoots
-from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.host.pci.readiness import HostRoots
+from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.device import DeviceRecord, PciAddress, device_id_for
 from cubeaccel.model.states import DeviceState
 

@@ -17,9 +17,9 @@ import vfio_ioctl
 
 from cubeaccel.backends.base import Problem
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.host.pci import PciFunction
-from cubeaccel.host.readiness import HostRoots, check_host
-from cubeaccel.host.sysfs import SysfsPciHost
+from cubeaccel.host.pci.base import PciFunction
+from cubeaccel.host.pci.readiness import HostRoots, check_host
+from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.device import DeviceRecord, PciAddress, device_id_for
 from cubeaccel.model.states import DeviceState
 

@@ -1,6 +1,6 @@
 """Rewrite this process's /proc/PID/cmdline in place: a forked shim must show the argv a spawned one has.
 
-Cubelet finds a sandbox's shim by its argv in /proc (host/vmmproc.py `find_shim`), also after Cubelet restarts,
+Cubelet finds a sandbox's shim by its argv in /proc (host/vmm/vmmproc.py `find_shim`), also after Cubelet restarts,
 so a shim forked from the fork server has to look exactly like `python -m cubeaccel.shim run --sandbox ID
 --spec PATH`. The kernel reads cmdline from the process's own argument area, [arg_start, arg_end) in
 /proc/self/stat; we overwrite that memory with the new NUL-separated argv and NUL padding (the padding reads as

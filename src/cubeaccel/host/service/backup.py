@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.host import statelock
+from cubeaccel.host.service import statelock
 from cubeaccel.model.errors import CubeError
 
 MANIFEST = "backup.json"

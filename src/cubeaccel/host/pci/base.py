@@ -1,7 +1,7 @@
 """PCI host boundary: what the kernel tells us about PCI functions, and the few writes we make.
 
-`PciHost` is implemented by `host.sysfs.SysfsPciHost` (real /sys, or a fake tree on disk) and by
-`host.simulated.SimulatedPciHost` (in-memory kernel model with fault injection). Backends only see this protocol;
+`PciHost` is implemented by `host.pci.sysfs.SysfsPciHost` (real /sys, or a fake tree on disk) and by
+`host.pci.simulated.SimulatedPciHost` (in-memory kernel model with fault injection). Backends only see this protocol;
 both implementations import this module, never the other way round.
 """
 

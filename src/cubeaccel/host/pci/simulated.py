@@ -19,7 +19,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.host.pci import Holder, PciFunction, host_error
+from cubeaccel.host.pci.base import Holder, PciFunction, host_error
 from cubeaccel.model.bars import Bar, BarKind
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.errors import invalid

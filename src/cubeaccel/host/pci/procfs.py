@@ -17,7 +17,7 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from cubeaccel.host.pci import Holder
+from cubeaccel.host.pci.base import Holder
 
 Matcher = Callable[[str], bool]
 

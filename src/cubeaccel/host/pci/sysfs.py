@@ -24,9 +24,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from cubeaccel.host import procfs
-from cubeaccel.host.pci import Holder, HostError, PciFunction, host_error
-from cubeaccel.host.sysfs_parse import (
+from cubeaccel.host.pci import procfs
+from cubeaccel.host.pci.base import Holder, HostError, PciFunction, host_error
+from cubeaccel.host.pci.sysfs_parse import (
     driver_from_link,
     is_driver_name,
     parse_aer_total,

@@ -8,7 +8,7 @@ restore) drops the cache so nothing the pass changed is answered from before the
 
 from __future__ import annotations
 
-from cubeaccel.host.pci import Holder, PciFunction, PciHost, SupportsRestore
+from cubeaccel.host.pci.base import Holder, PciFunction, PciHost, SupportsRestore
 from cubeaccel.model.device import PciAddress
 
 _MISSING = object()

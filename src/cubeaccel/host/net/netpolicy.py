@@ -34,7 +34,7 @@ from fcntl import ioctl
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.host.childenv import component_env
+from cubeaccel.host.service.childenv import component_env
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import NetworkPolicy
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from cubeaccel.host.childenv import component_env
+from cubeaccel.host.service.childenv import component_env
 from cubeaccel.model.errors import CubeError
 
 SCRATCH_FILE = "scratch.img"

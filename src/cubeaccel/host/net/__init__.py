@@ -1,0 +1,1 @@
+"""A sandbox's network on this host: its namespace, TAP, uplink and nftables rules."""
