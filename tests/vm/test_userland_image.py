@@ -29,6 +29,7 @@ COMMANDS = {
     "git": "git --version",
     "curl": "curl --version",
     "sudo": 'sudo -n true && test "$(sudo -n id -u)" = 0',
+    "sudo_quiet": 'test -z "$(sudo -n true 2>&1)" && test "$(uname -n)" = sandbox',  # no "unable to resolve host"
     "tput": "tput cols",
     "pip": "python3 -m pip --version",
     "python": "python -c 'import sys; assert sys.version_info[0] == 3'",

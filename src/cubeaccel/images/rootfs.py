@@ -122,6 +122,8 @@ mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
 mkdir -p /tmp /run /dev/pts && mount -t tmpfs tmpfs /tmp && chmod 1777 /tmp
 mount -t devpts devpts /dev/pts
+# A name /etc/hosts resolves (sudo warns on stderr, every time, when it cannot resolve the host's name).
+echo sandbox > /proc/sys/kernel/hostname
 # The user's home has user xattrs (E2B's file metadata, a user's own `setfattr -n user.…`), which the RAM-backed
 # root (Linux 6.1's tmpfs) refuses: ext4 (no journal) on a RAM disk of half the guest's memory, tmpfs's default
 # bound. Its pages are taken as blocks are first written and kept (6.1's brd has no discard), so the home costs

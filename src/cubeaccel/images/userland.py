@@ -134,7 +134,7 @@ export TERM="${TERM:-xterm}"
 export LANG="${LANG:-C.UTF-8}"
 if [ -d "$HOME/.local/bin" ]; then PATH="$HOME/.local/bin:$PATH"; fi
 """
-HOSTS = "127.0.0.1 localhost\n::1 localhost ip6-localhost ip6-loopback\n"
+HOSTS = "127.0.0.1 localhost\n127.0.1.1 sandbox\n::1 localhost ip6-localhost ip6-loopback\n"  # init names the host
 NSSWITCH = "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\n"
 CA_BUNDLE = "etc/ssl/certs/ca-certificates.crt"
 SETUID = ("usr/bin/sudo",)
