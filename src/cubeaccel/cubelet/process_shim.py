@@ -28,7 +28,7 @@ from cubeaccel.host.service.childenv import component_env
 from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.host.vmm.hypervisor import hotplug_paths
 from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm
-from cubeaccel.images.builder import cache_dir, cached_images, label_of
+from cubeaccel.images.builder import cache_dir, cached_images, find_image, hold_image, label_of
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
@@ -66,6 +66,7 @@ class ProcessShimDriver:
         self.socket = state_dir / "cubelet.sock"
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._verified: dict[Path, tuple[_Signature, GuestImageFact | None]] = {}
+        self._held_images: dict[str, int] = {}  # digest → fd of a shared lock: the image builder's prune skips it
         if launch not in LAUNCH_MODES:
             raise ValueError(f"shim launch {launch!r}: want one of {', '.join(LAUNCH_MODES)}")
         self.forks = ForkServer(self.dir, python) if launch == "fork" else None
@@ -93,9 +94,12 @@ class ProcessShimDriver:
         threading.Thread(target=run, name="template-prepare", daemon=True).start()
 
     def close(self) -> None:
-        """The fork server goes (shims keep running); spawned children are not waited for."""
+        """The fork server goes (shims keep running); spawned children are not waited for; images are let go."""
         if self.forks is not None:
             self.forks.close()
+        for fd in self._held_images.values():
+            os.close(fd)
+        self._held_images.clear()
 
     def bind(self, sink: ReportSink) -> None:
         """Reports come over HTTP; nothing to bind in-process."""
@@ -107,6 +111,7 @@ class ProcessShimDriver:
             launch = self._launch_spec(spec)
         except ValidationError as e:  # refused here as the shim would refuse it, before any process starts
             raise spec_error(e) from e
+        self._hold_image(launch.boot_image_digest)
         spec_path.write_text(json.dumps(launch.to_json()))
         argv = [self.python, "-m", "cubeaccel.shim", "run", "--sandbox", sid, "--spec", str(spec_path)]
         token = spec.workload_token.get_secret_value() if spec.workload_token is not None else None
@@ -133,6 +138,16 @@ class ProcessShimDriver:
             child.stdin.close()
         self._children[sid] = child
         self.launches["spawn"] += 1
+
+    def _hold_image(self, digest: str | None) -> None:
+        """Keep what this node boots for as long as the Cubelet runs: a rebuild's prune would otherwise remove
+        the image of a template the node serves (its next create, warm refill or template state fails)."""
+        if digest is None or digest in self._held_images:
+            return
+        m = find_image(digest)
+        fd = hold_image(m.directory) if m is not None else None
+        if fd is not None:
+            self._held_images[digest] = fd
 
     def _launch_spec(self, spec: ShimSpec) -> ShimSpec:
         """The sandbox's spec plus where this shim lives and reports, checked with the shim's own limits."""

@@ -238,9 +238,9 @@ def label_of(m: Manifest) -> str:
 
 
 def prune(root: Path, keep: int, protect: str = "", flavour: str | None = None) -> list[str]:
-    """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`.
-    `flavour`: only images of that label ("" validation), so a GPU or userland build never prunes another
-    label's images."""
+    """Remove all but the `keep` most recent entries under `root` (images or template states); never `protect`,
+    nor an image a running Cubelet holds (`hold_image`). `flavour`: only images of that label ("" validation),
+    so a GPU or userland build never prunes another label's images."""
     entries = sorted(
         (
             p
@@ -252,10 +252,44 @@ def prune(root: Path, keep: int, protect: str = "", flavour: str | None = None) 
     )
     removed = []
     for p in entries[keep:]:
-        if p.name != protect:
-            shutil.rmtree(p, ignore_errors=True)
+        if p.name != protect and _remove_unheld(p):
             removed.append(p.name)
     return removed
+
+
+def hold_image(directory: Path) -> int | None:
+    """A shared lock on the image's manifest, kept as long as the returned fd is open: `prune` skips the image.
+    A Cubelet holds what its sandboxes and warm pools boot, so a re-pin on the node (a new build, and its prune)
+    cannot take the image of a template the node is serving. None: the image is gone or being removed."""
+    try:
+        fd = os.open(directory / "manifest.json", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _remove_unheld(entry: Path) -> bool:
+    """Remove `entry` unless its manifest is held; the exclusive lock is kept while the files go, so a hold
+    taken meanwhile fails instead of holding a half-removed image."""
+    try:
+        fd = os.open(entry / "manifest.json", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no manifest (a template state, a broken image): nothing can hold it
+        shutil.rmtree(entry, ignore_errors=True)
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(entry, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _prune_debs(debs: Path, keep: set[str]) -> None:

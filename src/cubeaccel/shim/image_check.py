@@ -10,29 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 from cubeaccel.images.manifest import Manifest
-
-
-def _guest(contract: dict[str, Any]) -> dict[str, Any]:
-    """`document.spec.guest` of a frozen contract, or a bare `guest` section; {} when neither is present."""
-    for path in (("document", "spec", "guest"), ("spec", "guest"), ("guest",)):
-        node: Any = contract
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            return node
-    return {}
-
-
-def pinned_image_digest(contract: dict[str, Any] | None) -> str | None:
-    """The guest image digest a contract pins (`guest.image.digest`), if it pins one."""
-    image = _guest(contract or {}).get("image")
-    digest = image.get("digest") if isinstance(image, dict) else None
-    return digest if isinstance(digest, str) else None
+from cubeaccel.wire.shim_spec import contract_guest
 
 
 def image_mismatches(contract: dict[str, Any] | None, manifest: Manifest) -> list[dict[str, str]]:
     """Each pinned value that differs from the manifest: {layer, code, expected, found}."""
-    guest = _guest(contract or {})
+    guest = contract_guest(contract or {})
     out: list[dict[str, str]] = []
 
     def pinned(section: str, key: str) -> str | None:

@@ -37,7 +37,7 @@ from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
-from cubeaccel.shim.image_check import image_mismatches, pinned_image_digest
+from cubeaccel.shim.image_check import image_mismatches
 from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
@@ -329,7 +329,7 @@ class Shim:
         """
         if self.spec.image_manifest is not None:
             return Manifest.load(self.spec.image_manifest)
-        digest = self.spec.image_digest or pinned_image_digest(self.spec.contract)
+        digest = self.spec.boot_image_digest
         if digest is None:
             raise CubeError(
                 "shim.no_image",

@@ -137,6 +137,24 @@ class NetSpec(Strict):
     mac: Annotated[StrictStr, Field(pattern=r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")]
 
 
+def contract_guest(contract: dict[str, Any]) -> dict[str, Any]:
+    """`document.spec.guest` of a frozen contract, or a bare `guest` section; {} when neither is present."""
+    for path in (("document", "spec", "guest"), ("spec", "guest"), ("guest",)):
+        node: Any = contract
+        for key in path:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            return node
+    return {}
+
+
+def pinned_image_digest(contract: dict[str, Any] | None) -> str | None:
+    """The guest image digest a contract pins (`guest.image.digest`), if it pins one."""
+    image = contract_guest(contract or {}).get("image")
+    digest = image.get("digest") if isinstance(image, dict) else None
+    return digest if isinstance(digest, str) else None
+
+
 class MountSpec(Strict):
     """A read-only host directory for the guest: allowlisted on the node, checked by Cubelet before it gets here."""
 
@@ -190,6 +208,11 @@ class ShimSpec(Message):
     # BAR layouts of every device on the node the contract admits: a template start shapes each root port for the
     # largest, so one template state fits whichever of them a sandbox gets (model/bars.py `uniform_shape`).
     template_bars: tuple[Bars, ...] = Field(default=(), max_length=64)
+
+    @property
+    def boot_image_digest(self) -> str | None:
+        """The guest image this sandbox boots: the spec's, else the one its contract pins (None: the default)."""
+        return self.image_digest or pinned_image_digest(self.contract)
 
     @property
     def policy_devices(self) -> bool:
