@@ -180,3 +180,42 @@ def test_up_after_down_refills_its_pool_and_warm_0_then_keeps_none(tmp_path: Pat
                 assert pools() == []
         finally:
             assert run_down(tmp_path) == 0
+
+
+def test_up_after_an_example_changed_registers_it_as_a_new_version_and_warms_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An upgrade (or a re-pin) changes an example template while the state directory keeps the old document
+    under the same version: `up` registers the new one as `<version>.<hex>` (the same on every later `up`), and
+    its warm pool keeps that document, so the pool's contract is the one creates carry."""
+    import cubeaccel.master.up as up
+
+    def pools() -> list[dict[str, Any]]:
+        node = CubeletClient(socket=tmp_path / "cubelet" / "cubelet.sock")
+        try:
+            return list(node.request("GET", "/v1/warm/pools")["pools"])
+        finally:
+            node.close()
+
+    original = up.example_document
+    assert run_up(tmp_path, "simulated", "h100x4", detach=True, warm=1) == 0
+    assert run_down(tmp_path) == 0
+
+    def changed(name: str, *args: Any, **kw: Any) -> dict[str, Any]:
+        doc = original(name, *args, **kw)
+        return {**doc, "metadata": {**doc["metadata"], "description": "after an upgrade"}}
+
+    monkeypatch.setattr(up, "example_document", changed)
+    versions = []
+    for _ in range(2):
+        assert run_up(tmp_path, "simulated", "h100x4", detach=True, warm=1) == 0
+        try:
+            info = json.loads((tmp_path / "up.json").read_text())
+            admin = MasterClient(info["master_url"], key=(tmp_path / "admin.key").read_text().strip())
+            shown = admin.request("GET", "/v1/templates/cuda12-h100")
+            admin.close()
+            versions.append(shown["version"])
+            poll(lambda: [p["warm"] for p in pools()] == [1], 30, what="the new version's pool warm")
+        finally:
+            assert run_down(tmp_path) == 0
+    assert versions[0] == versions[1] and versions[0].startswith("1."), versions

@@ -11,6 +11,7 @@ cuda12-h100 for `gpu`; and `base` (CPU-only), which E2B's SDK asks for when it n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -122,26 +123,48 @@ def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image:
     return doc
 
 
-def register_examples(client: MasterClient, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> list[str]:
+def register_examples(
+    client: MasterClient, directory: Traversable = EXAMPLES, pin_to_image: bool = False
+) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """Register the example templates (class defaults, and `base` by name); with `pin_to_image`, edu-demo and
-    base name this host's image."""
-    done = []
+    base name this host's image. Returns what to print, and each document as registered (by file name)."""
+    done, docs = [], {}
     for name, cls in [*DEFAULTS.items(), *((n, None) for n in BY_NAME)]:
         if not (directory / name).is_file():
             continue
-        client.register_template(example_document(name, directory, pin_to_image), default=cls is not None)
+        docs[name] = register_example(client, example_document(name, directory, pin_to_image), cls is not None)
         done.append(f"{name.removesuffix('.yaml')}" + (f" (default for {cls})" if cls else ""))
-    return done
+    return done, docs
 
 
-def warm_pool_file(state_dir: Path, backend: str, size: int) -> tuple[list[str], str]:
+def register_example(client: MasterClient, doc: dict[str, Any], default: bool) -> dict[str, Any]:
+    """Register `doc`; where its version is taken by another document (the state dir of an earlier `up`, before
+    an upgrade or a re-pin changed the example), as the version `<version>.<12 hex of the document>`: the same
+    document gets the same version on every later `up`, and sandboxes of the old one keep theirs."""
+    try:
+        client.register_template(doc, default=default)
+        return doc
+    except CubeError as e:
+        if e.code != "template.version_exists":
+            raise
+    meta = doc["metadata"]
+    digest = hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
+    doc = {**doc, "metadata": {**meta, "version": f"{meta['version']}.{digest}"}}
+    client.register_template(doc, default=default)
+    return doc
+
+
+def warm_pool_file(
+    state_dir: Path, backend: str, size: int, registered: dict[str, dict[str, Any]]
+) -> tuple[list[str], str]:
     """`cubelet serve` flags for `up`'s warm pool and the line `up` prints about it: `size` sandboxes of the
     default template of the class this backend serves (edu-demo on real MicroVMs, cuda12-h100 simulated),
-    written as registered so the pool's contract is the one CubeMaster's creates carry."""
+    written as registered (`registered`: by file name) so the pool's contract is the one CubeMaster's creates
+    carry."""
     if size == 0:
         return [], "warm pool: off (--warm 0)"
     name = WARM_TEMPLATE[backend]
-    doc = example_document(name, pin_to_image=backend == "emulated")
+    doc = registered.get(name) or example_document(name, pin_to_image=backend == "emulated")
     path = state_dir / f"warm-{name}"
     path.write_text(json.dumps(doc))
     memory = doc["spec"]["memory"]
@@ -285,8 +308,8 @@ def _up_locked(
         client = MasterClient(murl, key=admin)
         token = client.request("POST", "/v1/nodes/local/credential")["token"]
         _write_secret(state_dir / "node-local.token", token)
-        registered = register_examples(client, pin_to_image=chosen == "emulated")
-        warm_flags, warm_line = warm_pool_file(state_dir, chosen, warm)
+        registered, documents = register_examples(client, pin_to_image=chosen == "emulated")
+        warm_flags, warm_line = warm_pool_file(state_dir, chosen, warm, documents)
         cub_argv += warm_flags
         on_phase(f"starting the Cubelet ({chosen}) and waiting for it to register")
         spawned = time.time()
