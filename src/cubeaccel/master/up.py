@@ -23,7 +23,7 @@ from collections.abc import Callable
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -31,8 +31,12 @@ from cubeaccel.host.pci.procfs import start_time
 from cubeaccel.host.service.childenv import component_env
 from cubeaccel.host.vmm.hypervisor import detect_accel, find_qemu
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.master_client import MasterClient
 from cubeaccel.wire.templates import loads_document
+
+if TYPE_CHECKING:
+    from cubeaccel.wire.cubelet_client import CubeletClient
 
 # Package data, so an installed wheel registers them too (not a path into a source checkout).
 EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
@@ -390,7 +394,9 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
     leaves its shims and VMMs (and their pinned memory) running. Drains the Cubelet's warm pools first (their
     sandboxes enter the release path at once and none is started again), then deletes each sandbox at CubeMaster, then
     releases whatever the Cubelet still holds (a sandbox CubeMaster never recorded included) and waits until
-    it holds nothing. Returns the sandbox ids still held at the deadline."""
+    it holds nothing and no released device is still being scrubbed (a scrub VM outliving its Cubelet would run
+    unrecorded, beside the next start's reconcile scrubbing the same device). Returns the sandbox ids still
+    held at the deadline."""
     from cubeaccel.wire.cubelet_client import CubeletClient
 
     c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
@@ -412,10 +418,11 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
         while True:
             try:
                 reservations = c.request("GET", "/v1/reservations")["reservations"]
+                cleaning = scrubbing(c)
             except (CubeError, httpx.HTTPError):
                 return held  # no Cubelet to ask: nothing more this command can end
             held = [r["sandbox_id"] for r in reservations]
-            if not held or time.monotonic() > end:
+            if (not held and not cleaning) or time.monotonic() > end:
                 return held
             for r in reservations:
                 if r["phase"] != "releasing":
@@ -424,6 +431,12 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
             time.sleep(0.2)
     finally:
         c.close()
+
+
+def scrubbing(c: CubeletClient) -> list[str]:
+    """Devices between a tenant and the next one: released and not yet scrubbed (the Cubelet's scrub runs)."""
+    devices = c.request("GET", "/v1/devices")["devices"]
+    return [d["id"] for d in devices if d["state"] in (DeviceState.RELEASING, DeviceState.RELEASED)]
 
 
 def _report_left(held: list[str]) -> None:
