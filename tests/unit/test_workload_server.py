@@ -563,3 +563,26 @@ def test_the_sampler_keeps_a_bounded_series_with_cpu_over_each_interval() -> Non
         assert any(s["cpu_used_pct"] > 0 for s in series)
     finally:
         sampler.stop()
+
+
+def test_a_subdirectory_renamed_inside_a_recursive_watch_reports_under_its_new_name(tmp_path: Path) -> None:
+    """inotify keeps one watch per inode: re-adding the moved directory returns its descriptor, so the
+    watcher re-keys it (and what is below it) to the new path; later events name `c/b/x`, never `a/b/x`."""
+    from cubeaccel.workload.watch import Watcher
+
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    w = Watcher(path=str(tmp_path), recursive=True, include_entry=False)
+    try:
+        seen: list[tuple[str, str]] = []
+
+        def has(wanted: tuple[str, str]) -> bool:
+            seen.extend((e["type"], e["name"]) for e in w.take(0.2))
+            return wanted in seen
+
+        (tmp_path / "a").rename(tmp_path / "c")
+        wait_until(lambda: has(("EVENT_TYPE_CREATE", "c/b")), what="the moved tree")
+        (tmp_path / "c" / "b" / "x").write_text("hi")
+        wait_until(lambda: has(("EVENT_TYPE_WRITE", "c/b/x")), what="the write under its new name")
+        assert ("EVENT_TYPE_RENAME", "a") in seen and not [n for _, n in seen if n.startswith("a/")], seen
+    finally:
+        w.close()
