@@ -421,6 +421,16 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+MAX_LOAD_SCALE = 3.0
+
+
+def load_scale() -> float:
+    """How much longer than on an idle machine a TCG boot may take now: the 1-minute load per core, from 1 up to
+    MAX_LOAD_SCALE (at load 12-18 on 2 cores the fixed allowances ran out and the lab errored)."""
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return min(MAX_LOAD_SCALE, max(1.0, per_core))
+
+
 def boot(
     image: LabImage,
     work: Path,
@@ -435,10 +445,14 @@ def boot(
     modules: str = "scenarios",
     extra_args: tuple[str, ...] = (),
 ) -> BootResult:
-    """Boot the lab guest, run `plan`, return its results. A boot that never reaches the runner is retried.
+    """Boot the lab guest, run `plan`, return its results. A boot that never reaches the runner is retried. The
+    deadlines are for an idle machine and stretch with its load (`load_scale`).
     `extra_args`: more QEMU arguments for the lab guest's machine (later options win: `-cpu` replaces the default)."""
     if shutil.which(QEMU) is None:
         raise LabError(f"{QEMU} missing: run scripts/install-system-deps.sh")
+    scale = load_scale()
+    ready_timeout_s, total_timeout_s = ready_timeout_s * scale, total_timeout_s * scale
+    scenario_timeout_s = int(scenario_timeout_s * scale)
     last = ""
     for attempt in range(1, retries + 2):
         log = work / f"console-{os.getpid()}-{time.monotonic_ns()}.log"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.lab.harness import LabError, LabImage, boot
+from tests.lab.harness import MAX_LOAD_SCALE, LabError, LabImage, boot
 
 # Argv as harness._qemu_cmd builds it; behaviour per attempt from MODE (one word per attempt, in a file).
 FAKE_QEMU = """#!{python}
@@ -77,7 +77,7 @@ def test_a_run_that_hangs_is_cut_at_the_deadline_and_names_what_is_missing(
     t0 = time.monotonic()
     with pytest.raises(LabError, match=r"no result for \['b'\]"):
         boot(image, tmp_path, ["a", "b"], ready_timeout_s=5, total_timeout_s=3)
-    assert time.monotonic() - t0 < 15 and attempts(tmp_path) == 1  # a boot that ran is not retried
+    assert time.monotonic() - t0 < 5 + 3 * MAX_LOAD_SCALE and attempts(tmp_path) == 1  # a boot that ran is not retried
 
 
 def test_done_ends_the_wait_even_if_the_vmm_lingers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,3 +96,12 @@ def test_a_scenario_that_raised_fails_with_its_traceback(tmp_path: Path) -> None
         r.scenario("x")
     with pytest.raises(LabError, match="no result"):
         r.scenario("y")
+
+
+def test_the_allowances_stretch_with_the_load_per_core_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.lab import harness
+
+    monkeypatch.setattr(harness.os, "cpu_count", lambda: 2)
+    for load, scale in ((0.5, 1.0), (4.0, 2.0), (18.0, MAX_LOAD_SCALE)):
+        monkeypatch.setattr(harness.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        assert harness.load_scale() == scale
