@@ -44,7 +44,7 @@ def summary(xs: list[float]) -> dict[str, float]:
 
 def wait_released(stack: dict[str, Any], sid: str) -> None:
     poll(lambda: stack["master"].client.sandbox(sid)["state"] == "deleted", 120)
-    poll(lambda: all(d["state"] == "allocatable" for d in stack["cubelet"].client.devices()), 120)
+    poll(lambda: all(d.state == "allocatable" for d in stack["cubelet"].client.devices()), 120)
 
 
 def sdk_once(stack: dict[str, Any], opts: dict[str, Any]) -> float:

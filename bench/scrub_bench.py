@@ -31,20 +31,27 @@ from cubeaccel.images.builder import build
 
 def one_run(p: CubeletProcess, i: int) -> dict[str, Any]:
     sid = f"bench-{i}"
-    dev = p.client.reserve(sid, 1, start=True, memory_mib=256)["devices"][0]["id"]
-    poll(lambda: (p.client.reservation(sid)["reservation"] or {}).get("phase") == "running", 180)
+    dev = p.client.reserve(sid, 1, start=True, memory_mib=256).devices[0].id
+
+    def running() -> bool:
+        res = p.client.reservation(sid).reservation
+        return res is not None and res.phase == "running"
+
+    def state() -> str:
+        return next(d.state for d in p.client.devices() if d.id == dev)
+
+    poll(running, 180)
     t0 = time.monotonic()
     p.client.release(sid)
-    poll(lambda: next(d for d in p.client.devices() if d["id"] == dev)["state"] != "releasing", 120)
+    poll(lambda: state() != "releasing", 120)
 
     def finished() -> dict[str, Any] | None:
-        evs = [e for e in p.client.events(0, 10000)["events"] if e["kind"] == "scrub_finished" and e["sandbox_id"]]
-        return next((e for e in evs if e["sandbox_id"] == sid), None)
+        evs = p.client.events(0, 10000, sandbox_id=sid).events
+        return next((e.details for e in evs if e.kind == "scrub_finished"), None)
 
-    done = poll(finished, 600)
-    poll(lambda: next(d for d in p.client.devices() if d["id"] == dev)["state"] == "allocatable", 60)
+    d = poll(finished, 600)
+    poll(lambda: state() == "allocatable", 60)
     release_to_allocatable = time.monotonic() - t0
-    d = done["details"]
     tl = d.get("timeline") or {}
     assert d["ok"], d
     return {

@@ -90,10 +90,9 @@ def one(opts: dict[str, Any]) -> tuple[float, str | None, str | None]:
 def shim_seconds(cubelet: Any, sid: str) -> float:
     """The VMM, guest and device phases of the sandbox's start, from its shim's own timeline (reported as the shim
     exits, so read after the delete)."""
-    events = cubelet.client.events(0, 10000)["events"]
-    for e in events:
-        if e.get("sandbox_id") == sid and e.get("event") == "shim_exiting":
-            timeline = (e.get("details") or {}).get("timeline") or {}
+    for e in cubelet.client.events(0, 10000, sandbox_id=sid).events:
+        if e.event == "shim_exiting":
+            timeline = e.details.get("timeline") or {}
             return float(sum(v for k, v in timeline.items() if k in VMM_PHASES and isinstance(v, int | float)))
     return 0.0
 

@@ -337,7 +337,7 @@ def test_kill_twice_then_the_sandbox_is_gone_for_the_sdk(stack: dict[str, Any], 
     assert "was not found" in str(e.value), e.value
     assert not sbx.is_running()
     poll(lambda: stack["master"].client.sandbox(sbx.sandbox_id)["state"] == "deleted", 90)
-    poll(lambda: next(d for d in stack["cubelet"].client.devices() if d["id"] == dev)["state"] == "allocatable", 60)
+    poll(lambda: next(d for d in stack["cubelet"].client.devices() if d.id == dev).state == "allocatable", 60)
 
 
 SDK_215 = "2.15.2"

@@ -245,8 +245,8 @@ def test_the_envd_token_reaches_the_node_as_its_hash_and_is_stored_nowhere(stack
         assert token and len(token) >= 32
         cl = stack["cluster"]
         row = cl.c.sandbox(sbx.sandbox_id)
-        facts = cl.cubelets[NODE].client.reservation(sbx.sandbox_id)["reservation"]["facts"]
-        assert facts["workload_token_sha256"] == hashlib.sha256(token.encode()).hexdigest()
+        facts = cl.cubelets[NODE].client.reservation(sbx.sandbox_id).reservation.facts
+        assert facts.workload_token_sha256 == hashlib.sha256(token.encode()).hexdigest()
         assert token not in json.dumps(row) and row["request"]["env_vars"] == {"SECRETISH": "v"}
         for path in cl.root.rglob("*"):  # not in any file: databases, journals, logs, audit logs
             if path.is_file() and not path.is_socket() and path.stat().st_size < 64 * 1024 * 1024:

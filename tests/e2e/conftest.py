@@ -34,12 +34,12 @@ def cubelet(module_cubelet: CubeletProcess) -> Iterator[CubeletProcess]:
     devices allocatable again. Its event log keeps growing: a test reads events from a cursor it took first."""
     yield module_cubelet
     c = module_cubelet.client
-    for sandbox_id in {d["sandbox_id"] for d in c.devices() if d["sandbox_id"]}:
+    for sandbox_id in {d.sandbox_id for d in c.devices() if d.sandbox_id}:
         c.release(sandbox_id)
     for d in c.devices():
-        if d["state"] == "quarantined":
-            c.verb(d["id"], "recover", "tests", "reset between tests")
-    poll(lambda: all(d["state"] == "allocatable" for d in c.devices()), 20, what="every device allocatable again")
+        if d.state == "quarantined":
+            c.verb(d.id, "recover", "tests", "reset between tests")
+    poll(lambda: all(d.state == "allocatable" for d in c.devices()), 20, what="every device allocatable again")
 
 
 @pytest.fixture(scope="module")

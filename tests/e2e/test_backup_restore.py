@@ -27,7 +27,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 def _devices(state: Path) -> list[tuple[str, str, str | None, str | None]]:
     c = CubeletClient(socket=state / "cubelet" / "cubelet.sock")
     try:
-        return [(d["id"], d["state"], d["sandbox_id"], d["reason"]) for d in c.devices()]
+        return [(d.id, d.state, d.sandbox_id, d.reason) for d in c.devices()]
     finally:
         c.close()
 

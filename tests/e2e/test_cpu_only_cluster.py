@@ -31,16 +31,16 @@ def test_a_cpu_only_sandbox_takes_no_device_and_its_release_completes(cl: Cluste
     assert s["node"] == "full"
     cub = cl.cubelets["full"].client
     held = cub.reservation("cpu-1")
-    assert held["reservation"]["device_ids"] == [] and held["devices"] == []
+    assert held.reservation is not None and held.reservation.device_ids == [] and held.devices == []
     poll(lambda: "cpu-1" in node(cl, "full")["pinned_memory"]["sandboxes"], 20, what="the ledger charges it")  # type: ignore[index]
     assert {n: node(cl, n)["allocatable"] for n in PROFILES} == before
-    cursor = max((e["seq"] for e in cub.events(limit=10000)["events"]), default=0)
+    cursor = max((e.seq for e in cub.events(limit=10000).events), default=0)
     cl.c.delete("cpu-1")
     poll(lambda: cl.c.sandbox("cpu-1")["state"] == "deleted", 30, what="cpu-1 deleted")
-    mine = [e for e in cub.events(since=cursor, limit=10000)["events"] if e["sandbox_id"] == "cpu-1"]
-    kinds = [e["kind"] for e in mine]
+    mine = [e for e in cub.events(since=cursor, limit=10000).events if e.sandbox_id == "cpu-1"]
+    kinds = [e.kind for e in mine]
     assert "teardown_started" in kinds and "reservation_closed" in kinds  # the release path ran to its end
-    assert not any(e["device_id"] for e in mine)  # no device reserved, detached, reset or scrubbed for it
+    assert not any(e.device_id for e in mine)  # no device reserved, detached, reset or scrubbed for it
     assert {n: node(cl, n)["allocatable"] for n in PROFILES} == before
     cl.c.delete("holds-full")
 

@@ -35,20 +35,20 @@ def test_cli_errors_print_their_code_and_exit_1(cubelet: CubeletProcess) -> None
     out = _cli(cubelet, "device", "recover", "no-such-device", "--who", "a", "--reason", "b")
     assert out.returncode == 1
     assert "device.not_found" in out.stderr and out.stdout == ""  # errors on stderr
-    dev = cubelet.client.devices()[0]["id"]
+    dev = cubelet.client.devices()[0].id
     out = _cli(cubelet, "device", "enable", dev, "--who", "a", "--reason", "b")
     assert out.returncode == 1 and "state.transition_refused" in out.stderr
 
 
 def test_a_device_is_named_by_its_full_id_or_its_address(cubelet: CubeletProcess) -> None:
     dev = cubelet.client.devices()[1]
-    out = _cli(cubelet, "-o", "json", "device", "quarantine", dev["address"], "--who", "a", "--reason", "b")
+    out = _cli(cubelet, "-o", "json", "device", "quarantine", dev.address, "--who", "a", "--reason", "b")
     assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["id"] == dev["id"] and json.loads(out.stdout)["state"] == "quarantined"
+    assert json.loads(out.stdout)["id"] == dev.id and json.loads(out.stdout)["state"] == "quarantined"
 
 
 def test_events_follow_prints_new_matching_events_as_they_happen(cubelet: CubeletProcess) -> None:
-    x, y = (d["id"] for d in cubelet.client.devices()[2:4])
+    x, y = (d.id for d in cubelet.client.devices()[2:4])
     cmd = [sys.executable, "-m", "cubeaccel", "events", "--follow", "--device", x, "--limit", "1", "-o", "json"]
     follow = subprocess.Popen(
         [*cmd, "--state-dir", str(cubelet.state_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

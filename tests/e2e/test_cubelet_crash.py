@@ -16,7 +16,7 @@ STEPS = ["reserved", "attached", "releasing_stuck_holder"]
 
 
 def _states(p: CubeletProcess) -> dict[str, str]:
-    return {d["id"]: d["state"] for d in p.client.devices()}
+    return {d.id: d.state for d in p.client.devices()}
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -25,14 +25,14 @@ def test_sigkill_between_steps_then_restart_converges(tmp_path: Path, step: str)
     try:
         c = p.client
         body = c.reserve("sb", 2, start=step != "reserved")
-        devs = [d["id"] for d in body["devices"]]
+        devs = [d.id for d in body.devices]
         host = SimulatedPciHost(path=tmp_path / "simulated-host.json")
         if step == "releasing_stuck_holder":
             from cubeaccel.host.pci.simulated import Fault
             from cubeaccel.model.device import PciAddress
 
-            for d in body["devices"]:
-                host.inject(Fault.HOLDER_STUCK, PciAddress.parse(d["address"]))
+            for d in body.devices:
+                host.inject(Fault.HOLDER_STUCK, PciAddress.parse(d.address))
             c.release("sb")
         p.sigkill()
         p.start()
@@ -51,7 +51,7 @@ def test_sigkill_between_steps_then_restart_converges(tmp_path: Path, step: str)
         else:
             final = poll(lambda: (s := _states(p)) and all(s[d] == "quarantined" for d in devs) and s)
             assert all(final[d] == "quarantined" for d in devs)
-            reasons = {d["reason"] for d in c.devices() if d["id"] in devs}
+            reasons = {d.reason for d in c.devices() if d.id in devs}
             assert reasons == {"release.holder_stuck"}
         others = [s for d, s in _states(p).items() if d not in devs]
         assert others == ["allocatable", "allocatable"]
@@ -62,14 +62,14 @@ def test_sigkill_between_steps_then_restart_converges(tmp_path: Path, step: str)
 def test_vmm_killed_while_cubelet_is_down_is_reconciled_and_released(tmp_path: Path) -> None:
     p = CubeletProcess(tmp_path, "h100x2").start()
     try:
-        devs = [d["id"] for d in p.client.reserve("sb", 1, start=True)["devices"]]
+        devs = [d.id for d in p.client.reserve("sb", 1, start=True).devices]
         p.sigkill()
         host = SimulatedPciHost(path=tmp_path / "simulated-host.json")
         vmm = host.find_process("vmm:sb")
         assert vmm is not None and host.kill(vmm)
         p.start()
         assert _states(p)[devs[0]] == "allocatable"
-        repairs = [e for e in p.client.events()["events"] if e["kind"] == "reconcile_repair"]
-        assert repairs and repairs[0]["reason"] == "VMM is gone"
+        repairs = [e for e in p.client.events().events if e.kind == "reconcile_repair"]
+        assert repairs and repairs[0].reason == "VMM is gone"
     finally:
         p.stop()

@@ -85,19 +85,19 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
         h = node_sig.NodeAuth(p.token)
         r = httpx.post(f"{base}/v1/shim-reports", json={"sandbox_id": "x", "kind": "vmm_exited"}, auth=h)
         assert r.status_code in (404, 405) and r.json()["error"]["code"].startswith("api.")
-        dev = p.client.devices()[0]["id"]
+        dev = p.client.devices()[0].id
         r = httpx.post(f"{base}/v1/devices/{dev}/recover", json={"who": "a", "reason": "b"}, auth=h)
         assert r.json()["error"]["code"] == "operator.not_recoverable"  # reached the verb: it is allocatable
         r = httpx.post(f"{base}/v1/devices/{dev}/quarantine", json={"who": "a", "reason": "b"}, headers=wrong)
-        assert r.status_code == 429 and p.client.devices()[0]["state"] == "allocatable"
+        assert r.status_code == 429 and p.client.devices()[0].state == "allocatable"
         assert httpx.get(f"{base}/v1/devices", auth=h).status_code == 200
         p.client.reserve("sb", 1)
         poll(lambda: master.beats[-1][1]["capacity"]["allocatable"] == 3)
         master.up = False
-        poll(lambda: any(e["kind"] == "master_unreachable" for e in p.client.events()["events"]))
+        poll(lambda: any(e.kind == "master_unreachable" for e in p.client.events().events))
         n = len(master.beats)
         poll(lambda: len(master.beats) > n + 1)  # keeps trying
-        kinds = [e["kind"] for e in p.client.events()["events"]]
+        kinds = [e.kind for e in p.client.events().events]
         assert kinds.count("master_unreachable") == 1  # a change, not a flood
     finally:
         p.stop()

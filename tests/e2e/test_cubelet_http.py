@@ -18,22 +18,22 @@ def _raw(p: CubeletProcess) -> httpx.Client:
 
 
 def _snapshot(p: CubeletProcess) -> Any:
-    return p.client.devices(), p.client.events()["next"]
+    return p.client.devices(), p.client.events().next
 
 
 def test_stable_shapes_and_full_cycle(cubelet: CubeletProcess) -> None:
     c = cubelet.client
     devs = c.devices()
     assert len(devs) == 8
-    assert {"id", "address", "state", "sandbox_id", "reason", "labels"} <= set(devs[0])
+    assert {"id", "address", "state", "sandbox_id", "reason", "labels"} <= set(c.request("GET", "/v1/devices")["devices"][0])
     body = c.reserve("sb-1", 2, start=True)
-    assert [d["state"] for d in body["devices"]] == ["attached", "attached"]
+    assert [d.state for d in body.devices] == ["attached", "attached"]
     out = c.release("sb-1")
-    assert out["released"] is True
-    assert all(d["state"] == "allocatable" for d in c.devices())
+    assert out.released is True
+    assert all(d.state == "allocatable" for d in c.devices())
     cap = c.capacity()
-    assert cap["allocatable"] == 8 and cap["groups"][0]["labels"]["model"] == "H100-SXM5-80GB"
-    kinds = [e["kind"] for e in c.events()["events"]]
+    assert cap.allocatable == 8 and cap.groups[0].labels["model"] == "H100-SXM5-80GB"
+    kinds = [e.kind for e in c.events().events]
     assert "reservation_created" in kinds and "reservation_closed" in kinds and "reconcile_repair" not in kinds
 
 
@@ -84,7 +84,8 @@ def test_unknown_ids_and_verbs_and_path_tricks(cubelet: CubeletProcess) -> None:
 def test_same_sandbox_different_parameters_is_a_conflict(cubelet: CubeletProcess) -> None:
     c = cubelet.client
     c.reserve("sb", 1)
-    assert c.reserve("sb", 1)["reservation"]["device_ids"]  # idempotent
+    again = c.reserve("sb", 1).reservation  # idempotent
+    assert again is not None and again.device_ids
     before = _snapshot(cubelet)
     with pytest.raises(CubeError) as err:
         c.reserve("sb", 2)
@@ -94,12 +95,12 @@ def test_same_sandbox_different_parameters_is_a_conflict(cubelet: CubeletProcess
 
 def test_operator_verbs_over_http_are_audited(cubelet: CubeletProcess) -> None:
     c = cubelet.client
-    dev = c.devices()[0]["id"]
-    since = c.events()["next"]  # the module's Cubelet: earlier tests' events are not this test's
-    assert c.verb(dev, "quarantine", "alice", "ECC")["state"] == "quarantined"
-    assert c.verb(dev, "recover", "bob", "clean")["state"] == "allocatable"
-    ops = [e for e in c.events(since)["events"] if e["actor"] == "operator"]
-    assert [(e["event"], e["details"]["who"]) for e in ops] == [("quarantine", "alice"), ("recover", "bob")]
+    dev = c.devices()[0].id
+    since = c.events().next  # the module's Cubelet: earlier tests' events are not this test's
+    assert c.verb(dev, "quarantine", "alice", "ECC").state == "quarantined"
+    assert c.verb(dev, "recover", "bob", "clean").state == "allocatable"
+    ops = [e for e in c.events(since).events if e.actor == "operator"]
+    assert [(e.event, e.details["who"]) for e in ops] == [("quarantine", "alice"), ("recover", "bob")]
 
 
 def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet: CubeletProcess) -> None:
@@ -123,8 +124,8 @@ def test_64_concurrent_reservations_against_8_devices_exactly_8_succeed(cubelet:
         cubelet.client.reserve("one-more", 1)
     assert err.value.details == {"requested": 1, "devices_by_state": {"reserved": 8}}
     devs = cubelet.client.devices()
-    owners = [d["sandbox_id"] for d in devs]
-    assert len(set(owners)) == 8 and all(d["state"] == "reserved" for d in devs)
+    owners = [d.sandbox_id for d in devs]
+    assert len(set(owners)) == 8 and all(d.state == "reserved" for d in devs)
 
 
 @pytest.mark.parametrize("op", ["snapshot", "clone", "rollback", "pause", "resume", "live_migration"])
@@ -134,7 +135,7 @@ def test_lifecycle_operations_a_device_cannot_survive_are_refused(cubelet: Cubel
         cubelet.client.request("POST", f"/v1/reservations/sb/{op}")
     assert (err.value.status, err.value.code) == (409, "lifecycle.unsupported_for_accelerator")
     assert err.value.details["operation"] == op
-    assert {d["state"] for d in cubelet.client.devices() if d["sandbox_id"] == "sb"} == {"attached"}
+    assert {d.state for d in cubelet.client.devices() if d.sandbox_id == "sb"} == {"attached"}
 
 
 def test_unknown_lifecycle_operation_and_unknown_sandbox(cubelet: CubeletProcess) -> None:

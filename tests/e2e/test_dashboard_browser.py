@@ -38,7 +38,7 @@ def shown(browser: Browser) -> list[list[str]]:
 
 
 def actual(c: Cluster) -> list[list[str]]:
-    return sorted([n, d["id"], d["state"]] for n, p in c.cubelets.items() for d in p.client.devices())
+    return sorted([n, d.id, d.state] for n, p in c.cubelets.items() for d in p.client.devices())
 
 
 def test_the_dashboard_shows_the_stack_and_a_quarantine_within_2s(c: Cluster, browser: Browser, tmp_path: Path) -> None:
@@ -55,16 +55,16 @@ def test_the_dashboard_shows_the_stack_and_a_quarantine_within_2s(c: Cluster, br
     poll(lambda: browser.evaluate(bars) >= 3, 5, what="the sandbox's cold-start waterfall")
 
     # a quarantine on node b: on the page within 2 s, with its reason, in the quarantined list
-    target = next(d for d in c.cubelets["b"].client.devices() if d["state"] == "allocatable")
-    cell = f'document.querySelector(\'.dev[data-device="{target["id"]}"][data-node="b"]\')'
-    row = f"document.querySelector('tr[data-quarantined=\"{target['id']}\"]')"
+    target = next(d for d in c.cubelets["b"].client.devices() if d.state == "allocatable")
+    cell = f'document.querySelector(\'.dev[data-device="{target.id}"][data-node="b"]\')'
+    row = f"document.querySelector('tr[data-quarantined=\"{target.id}\"]')"
     assert browser.evaluate(f"{cell}.dataset.state") == "allocatable"
     t0 = time.monotonic()  # before the verb: the 2 s include its own round trip
-    c.cubelets["b"].client.verb(target["id"], "quarantine", "tests", "dashboard check")
+    c.cubelets["b"].client.verb(target.id, "quarantine", "tests", "dashboard check")
     try:
         _shown_within_2s(browser, cell, row, t0, tmp_path)
     finally:
-        c.cubelets["b"].client.verb(target["id"], "recover", "tests", "dashboard check done")
+        c.cubelets["b"].client.verb(target.id, "recover", "tests", "dashboard check done")
     poll(lambda: browser.evaluate(f"{cell}.dataset.state") == "allocatable", 5, what="recovered on the page")
 
 

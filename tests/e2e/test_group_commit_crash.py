@@ -43,7 +43,7 @@ def test_sigkill_mid_batch_loses_no_acknowledged_change_and_applies_no_unasked_o
                     with lock:
                         releasing.add(sid)
                     out = c.release(sid)
-                    if out["released"]:
+                    if out.released:
                         with lock:
                             reserved.discard(sid)
                             released.add(sid)
@@ -90,5 +90,5 @@ def test_sigkill_mid_batch_loses_no_acknowledged_change_and_applies_no_unasked_o
     assert all(len(ids) == 1 for ids in holders.values())
 
     p.start()  # and the restarted Cubelet serves again on that store
-    assert p.client.health()["status"] == "ok"
+    assert p.client.health().status == "ok"
     p.stop()

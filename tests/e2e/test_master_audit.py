@@ -109,7 +109,7 @@ def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Clus
     tenant.close()
     assert len(record["device_ids"]) == 1  # CubeMaster keeps which devices the sandbox had, after its delete too
     dev = record["device_ids"][0]
-    poll(lambda: {d["id"]: d["state"] for d in node.client.devices()}[dev] == "allocatable")
+    poll(lambda: {d.id: d.state for d in node.client.devices()}[dev] == "allocatable")
     node.client.verb(dev, "quarantine", "ops", "suspect")
     node.client.verb(dev, "recover", "ops", "checked")
     log = node.state_dir / "audit.jsonl"
@@ -150,8 +150,8 @@ def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Clus
 
 def test_an_admin_quarantines_and_recovers_a_device_through_cubemaster_and_a_tenant_cannot(c: Cluster) -> None:
     node = c.cubelets["n1"]
-    dev = node.client.devices()[0]["id"]
-    cursor = node.client.events(limit=10000)["next"]
+    dev = node.client.devices()[0].id
+    cursor = node.client.events(limit=10000).next
     tenant = MasterClient(c.master.url, key=c.master.tenant_key)
     path = f"/v1/nodes/n1/devices/{dev}"
     with pytest.raises(CubeError) as e:
@@ -161,13 +161,13 @@ def test_an_admin_quarantines_and_recovers_a_device_through_cubemaster_and_a_ten
         tenant.request("GET", "/v1/nodes/n1/devices")
     assert e.value.status == 403
     tenant.close()
-    assert node.client.devices()[0]["state"] == "allocatable"  # the refusal changed nothing
+    assert node.client.devices()[0].state == "allocatable"  # the refusal changed nothing
 
     listed = c.c.request("GET", "/v1/nodes/n1/devices")["devices"]
-    assert [d["id"] for d in listed] == [d["id"] for d in node.client.devices()]
+    assert [d["id"] for d in listed] == [d.id for d in node.client.devices()]
     q = c.c.request("POST", f"{path}/quarantine", {"reason": "ECC errors"})
     assert (q["node"], q["device"]["id"], q["device"]["state"]) == ("n1", dev, "quarantined")
-    assert node.client.devices()[0]["state"] == "quarantined"
+    assert node.client.devices()[0].state == "quarantined"
     with pytest.raises(CubeError) as e:  # the Cubelet's own refusal comes back with its code
         c.c.request("POST", "/v1/nodes/n1/devices/simulated-0000:ff:1f.7/recover", {"reason": "x"})
     assert e.value.code == "device.not_found"
@@ -192,13 +192,13 @@ def test_an_admin_quarantines_and_recovers_a_device_through_cubemaster_and_a_ten
         ("device:quarantine", "node-token:n1 (CubeMaster)"),
         ("device:recover", "node-token:n1 (CubeMaster)"),
     ]
-    evs = node.client.events(cursor, limit=10000)["events"]
-    who = {ev["details"]["who"] for ev in evs if ev["device_id"] == dev and "who" in ev["details"]}
+    evs = node.client.events(cursor, limit=10000).events
+    who = {ev.details["who"] for ev in evs if ev.device_id == dev and "who" in ev.details}
     assert who == {mine[1]["identity"]}
 
 
 def test_the_device_cli_goes_through_cubemaster_with_node(c: Cluster) -> None:
-    dev = c.cubelets["n1"].client.devices()[0]["id"]
+    dev = c.cubelets["n1"].client.devices()[0].id
     env = {**os.environ, "CUBEACCEL_API_KEY": c.master.admin_key}
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -210,7 +210,7 @@ def test_the_device_cli_goes_through_cubemaster_with_node(c: Cluster) -> None:
     listed = cli("devices", "--json")
     assert json.loads(listed.stdout)["devices"][0]["state"] == "quarantined"
     r = cli("device", "recover", dev, "--reason", "clean")
-    assert r.returncode == 0 and c.cubelets["n1"].client.devices()[0]["state"] == "allocatable", r.stdout
+    assert r.returncode == 0 and c.cubelets["n1"].client.devices()[0].state == "allocatable", r.stdout
 
 
 def test_a_tenant_rotates_its_key_with_the_cli(c: Cluster, tmp_path: Path) -> None:

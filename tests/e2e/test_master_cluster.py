@@ -25,8 +25,8 @@ def holders(cl: Cluster) -> dict[str, str]:
     out = {}
     for node, p in cl.cubelets.items():
         for d in p.client.devices():
-            if d["sandbox_id"]:
-                out[f"{node}/{d['id']}"] = d["sandbox_id"]
+            if d.sandbox_id:
+                out[f"{node}/{d.id}"] = d.sandbox_id
     return out
 
 
@@ -38,7 +38,7 @@ def test_gpu_shorthand_alone_places_on_a_node_that_has_it_and_the_cubelet_agrees
     assert s["timeline"][1]["path"] == "cold"  # no warm pool in this cluster (docs/warm.md)
     assert holders(c) == {f"{s['node']}/{s['device_ids'][0]}": s["id"]}
     dev = c.cubelets[s["node"]].client.devices()
-    assert {d["state"] for d in dev if d["sandbox_id"] == s["id"]} == {"attached"}
+    assert {d.state for d in dev if d.sandbox_id == s["id"]} == {"attached"}
 
 
 def settle(cl: Cluster) -> None:

@@ -62,8 +62,8 @@ def test_vfio_cubelet_on_this_host_advertises_nothing_and_cubemaster_refuses_wit
     ).start()
     try:
         host = p.client.host()
-        assert host["ready"] is False and [x["code"] for x in host["problems"]] == expected
-        assert not [d for d in p.client.devices() if d["state"] == "allocatable"]
+        assert host.ready is False and [x.code for x in host.problems] == expected
+        assert not [d for d in p.client.devices() if d.state == "allocatable"]
         with pytest.raises(CubeError) as err:
             p.client.reserve("sb-direct", 1)
         assert (err.value.code, err.value.layer) == ("host.not_ready", "host_hardware")
@@ -76,8 +76,8 @@ def test_vfio_cubelet_on_this_host_advertises_nothing_and_cubemaster_refuses_wit
         why = e.details["tried"][0]["nodes"]["this-host"]
         assert why["reason"] == "host_not_ready"
         assert all(code in why["detail"] for code in expected)
-        events = [x for x in p.client.events(0, 10000)["events"] if x["kind"] in ("host_ready", "host_not_ready")]
-        assert [x["kind"] for x in events] == ["host_not_ready"]  # one event at startup, none per tick
+        events = [x for x in p.client.events(0, 10000).events if x.kind in ("host_ready", "host_not_ready")]
+        assert [x.kind for x in events] == ["host_not_ready"]  # one event at startup, none per tick
     finally:
         p.stop()
 
@@ -98,14 +98,14 @@ def test_64_gib_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_
                 assert (e.layer, e.status) == ("pinned_memory", 409), e
                 outcomes.append(e.code)
         assert outcomes == ["reserved", "reserve.pinned_memory_exhausted", "reserve.pinned_memory_exhausted"]
-        assert sum(d["state"] == "reserved" for d in p.client.devices()) == 1  # the refused ones touched nothing
-        ledger = p.client.host()["pinned_memory"]
+        assert sum(d.state == "reserved" for d in p.client.devices()) == 1  # the refused ones touched nothing
+        ledger = p.client.host().pinned_memory
         # The VMM's own locked memory on this host: its accelerator (TCG cache) and CPUs (preallocation pool).
         charged = locked({"memory_mib": 64 * GIB, "vcpus": 1, "pin_memory": True}, VmmHost.here(vfio=True)).node_mib
         assert charged >= 64 * GIB + 400
-        assert ledger["lockable_mib"] == 100 * GIB and ledger["sandboxes"] == {"api-0": charged}
+        assert ledger.lockable_mib == 100 * GIB and ledger.sandboxes == {"api-0": charged}
         p.client.release("api-0")
-        assert p.client.host()["pinned_memory"]["locked_mib"] == 0
+        assert p.client.host().pinned_memory.locked_mib == 0
         p.client.reserve("api-1", 1, memory_mib=64 * GIB)  # freed memory is lockable again
     finally:
         p.stop()

@@ -48,10 +48,10 @@ def test_killed_cubelet_goes_stale_is_not_scheduled_and_its_restart_reconciles(c
 def test_restart_reconcile_releases_reservations_master_does_not_know(c: Cluster) -> None:
     cub = c.cubelets["b"].client
     cub.reserve("orphan-1", 1, **{"class": "gpu"})
-    assert any(d["sandbox_id"] == "orphan-1" for d in cub.devices())
+    assert any(d.sandbox_id == "orphan-1" for d in cub.devices())
     report = c.c.node_verb("b", "reconcile")
     assert report["released_orphans"] == ["orphan-1"]
-    poll(lambda: not any(d["sandbox_id"] == "orphan-1" for d in cub.devices()))
+    poll(lambda: not any(d.sandbox_id == "orphan-1" for d in cub.devices()))
 
 
 def test_master_record_lost_when_the_cubelet_no_longer_holds_it(c: Cluster) -> None:
@@ -167,7 +167,7 @@ def test_delete_gives_devices_back_through_the_cubelet_and_timeouts_delete(c: Cl
     phases = [p["phase"] for p in c.c.sandbox(s["id"])["timeline"]]
     assert phases[-2:] == ["timeout", "deleted"]
     cub = c.cubelets[s["node"]].client
-    poll(lambda: all(d["state"] == "allocatable" for d in cub.devices()))
+    poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
     s2 = c.c.create({"gpu": "H100:1"})
     gone = c.c.delete(s2["id"])
     assert gone["state"] == "deleted" and c.c.delete(s2["id"])["state"] == "deleted"

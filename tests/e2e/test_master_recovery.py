@@ -52,7 +52,7 @@ def master(tmp_path: Path, cubelet: tuple[CubeletProcess, str]) -> Iterator[Cube
     yield m
     for r in proc.client.request("GET", "/v1/reservations")["reservations"]:  # leave the Cubelet empty
         proc.client.release(r["sandbox_id"])
-    poll(lambda: all(d["state"] == "allocatable" for d in proc.client.devices()))
+    poll(lambda: all(d.state == "allocatable" for d in proc.client.devices()))
     m.store.close()
 
 
@@ -62,7 +62,7 @@ def heartbeat(m: CubeMaster, url: str, cub: CubeletClient) -> None:
         "cubelet_url": url,
         "version": "test",
         "sent_at": time.time(),
-        "capacity": cub.capacity(),
+        "capacity": cub.capacity().model_dump(mode="json", by_alias=True),
         "pinnable_memory_mib": 1 << 20,
         "guest_images": [i.to_json() for i in simulated_guest_images()],
         "hotplug": list(SIMULATED_HOTPLUG),
@@ -88,7 +88,8 @@ def age(m: CubeMaster, sid: str, seconds: float) -> None:
 
 def reserve(cub: CubeletClient, sid: str, start: bool = True) -> list[str]:
     reply = cub.reserve(sid, 1, **{"class": "gpu", "start": start})
-    return list(reply["reservation"]["device_ids"])
+    assert reply.reservation is not None
+    return list(reply.reservation.device_ids)
 
 
 def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
@@ -104,7 +105,7 @@ def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
     row = master.store.sandbox("sb-run")
     assert row is not None and (row["state"], row["device_ids"]) == ("running", devices)
     assert master.delete("sb-run")["state"] == "deleted"
-    poll(lambda: all(d["state"] == "allocatable" for d in cub.devices()))
+    poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 
 def test_abandoned_placing_row_without_reservation_fails_and_stops_counting_as_a_claim(master: CubeMaster) -> None:
@@ -128,7 +129,7 @@ def test_abandoned_reservation_that_never_started_is_released_on_the_cubelet(
     age(master, "sb-half", AN_HOUR)
     Maintenance(master).tick()
     assert master.store.sandbox("sb-half")["state"] == "failed"  # type: ignore[index]
-    poll(lambda: all(d["state"] == "allocatable" for d in cub.devices()))
+    poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 
 def test_delete_of_an_abandoned_placing_row_releases_it_instead_of_busy_forever(
@@ -143,7 +144,7 @@ def test_delete_of_an_abandoned_placing_row_releases_it_instead_of_busy_forever(
     age(master, "sb-del", AN_HOUR)
     assert master.delete("sb-del")["state"] == "deleted"
     assert master.store.claims() == {}
-    poll(lambda: all(d["state"] == "allocatable" for d in cub.devices()))
+    poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 
 class _RacingClient(CubeletClient):

@@ -95,8 +95,8 @@ def test_a_matching_create_claims_a_warm_sandbox_and_its_timeline_says_warm(
     assert (phases["reseed_ms"], phases["rebind_ms"]) == (None, 0.0)
     assert 0 <= phases["cas_ms"] <= phases["claim_ms"] and phases["master_ms"] >= 0
     # The Cubelet's reservation is the warm one, renamed: its shim keeps the warm id.
-    res = node.client.reservation("sb-warm")["reservation"]
-    assert res["phase"] == "running" and res["facts"]["shim_id"] == path["warm_id"]
+    res = node.client.reservation("sb-warm").reservation
+    assert res is not None and res.phase == "running" and res.facts.shim_id == path["warm_id"]
 
     # The pool refills; the claimed id is never advertised again.
     poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [2], 60)
@@ -121,8 +121,8 @@ def test_a_create_of_another_shape_takes_the_cold_path_with_the_reason(
     (path,) = path_entries(sb)
     assert path == {**path, "path": "cold", "reason": "warm.no_pool"}
     assert [p["claimable"] for p in advertised(m, "n")] == [1]  # the warm one is still there
-    res = node.client.reservation("sb-cold")["reservation"]
-    assert "shim_id" not in res["facts"] or res["facts"]["shim_id"] in (None, "sb-cold")
+    res = node.client.reservation("sb-cold").reservation
+    assert res is not None and res.facts.shim_id in (None, "sb-cold")
     metrics = httpx.get(f"{m.url}/metrics", headers=m.headers()).text
     assert 'cubeaccel_sandbox_create_paths_total{path="cold",reason="warm.no_pool"} 1.0' in metrics
 

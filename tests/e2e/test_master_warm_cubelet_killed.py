@@ -66,7 +66,7 @@ def _settled(m: MasterProcess, node: CubeletProcess) -> bool:
     res = _reservations(node)
     if any(r["phase"] == "releasing" for r in res.values()):
         return False
-    holders = {d["sandbox_id"] for d in node.client.devices() if d["sandbox_id"]}
+    holders = {d.sandbox_id for d in node.client.devices() if d.sandbox_id}
     assert holders <= set(res), (holders, res)  # a device held by nobody
     tenants = {sid for sid, r in res.items() if not sid.startswith("warm-")}
     live = {s["id"] for s in m.client.sandboxes("running")}
@@ -128,14 +128,14 @@ def test_a_cubelet_sigkilled_mid_claim_converges_after_its_restart(
         assert "sb-k" not in res
     else:
         assert row is not None and row["state"] == "running" and res["sb-k"]["phase"] == "running"
-    events = node.client.events(0, 10000)["events"]
-    w_claims = [e for e in events if e["kind"] == "warm_claimed" and e["sandbox_id"] == w]
+    events = node.client.events(0, 10000).events
+    w_claims = [e for e in events if e.kind == "warm_claimed" and e.sandbox_id == w]
     if at == "before-the-cas":  # the claim never reached the journal: W is warm, advertised and claimable again
         assert not w_claims and res[w]["phase"] == "warm"
         poll(lambda: w in advertised(m, "n")[0]["sandboxes"], 30, what="W advertised again")
     else:  # the journal took it and the shim never acknowledged: torn down, never handed out again
         assert len(w_claims) == 1 and w not in res
-        reasons = [e["reason"] for e in events if e["sandbox_id"] == "sb-k" and e["kind"] == "teardown_started"]
+        reasons = [e.reason for e in events if e.sandbox_id == "sb-k" and e.kind == "teardown_started"]
         assert reasons == ["warm.claim_unacknowledged"], reasons
     left = {x for x in warm if x in res and res[x]["phase"] == "warm"}
     poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [len(left)], 30, what="the rest claimable")

@@ -109,13 +109,13 @@ def test_metrics_move_by_a_sandbox_lifecycle_and_logs_follow_one_request_id(c: C
 
     c.c.delete(sid)
     poll(lambda: c.c.sandbox(sid)["state"] == "deleted", 30, what="sandbox deleted")
-    poll(lambda: all(d["state"] == "allocatable" for d in cub.devices()), 30, what="devices back")
+    poll(lambda: all(d.state == "allocatable" for d in cub.devices()), 30, what="devices back")
     poll(lambda: delta(k0, m.cubelet(), "cubeaccel_reservations_total", outcome="closed") == 1, 10, what="closed")
 
     refused = c.refused({"gpu": "H100:5"})  # more than the node has: unschedulable
     assert refused.code == "schedule.unschedulable"
     assert httpx.get(f"{c.master.url}/v1/nodes").status_code == 401  # no credential
-    device = cub.devices()[0]["id"]
+    device = cub.devices()[0].id
     cub.verb(device, "quarantine", "tests", "metrics check")
 
     m2, k2 = m.master(), m.cubelet()

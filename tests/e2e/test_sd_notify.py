@@ -54,7 +54,7 @@ def test_cubelet_is_ready_when_systemd_is_told_and_says_stopping_on_sigterm(
         msg = _messages(notify_socket)
         assert msg["READY"] == "1" and msg["MAINPID"] == str(proc.pid)
         c = CubeletClient(socket=state / "cubelet.sock")
-        assert c.health()["status"] == "ok"  # at READY the socket already serves: no retry needed
+        assert c.health().status == "ok"  # at READY the socket already serves: no retry needed
         c.close()
         proc.send_signal(signal.SIGTERM)
         assert _messages(notify_socket) == {"STOPPING": "1"}

@@ -35,8 +35,8 @@ def _warm_ids(p: CubeletProcess) -> set[str]:
 
 
 def _teardown_reasons(p: CubeletProcess, sid: str) -> list[str | None]:
-    events = p.client.events(0, 10000)["events"]
-    return [e["reason"] for e in events if e["sandbox_id"] == sid and e["kind"] == "teardown_started"]
+    events = p.client.events(0, 10000).events
+    return [e.reason for e in events if e.sandbox_id == sid and e.kind == "teardown_started"]
 
 
 def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_undrain_refills(c: Cluster) -> None:
@@ -56,7 +56,7 @@ def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_un
     for sid in warm:
         assert _teardown_reasons(node, sid) == ["warm.drained"]
     poll(lambda: not _warm_ids(node), 60, what="the warm reservations closed (VMMs gone)")
-    poll(lambda: sum(d["state"] == "allocatable" for d in node.client.devices()) == 3, 60)
+    poll(lambda: sum(d.state == "allocatable" for d in node.client.devices()) == 3, 60)
     assert [r["phase"] for r in _rows(node)] == ["running"]  # the tenant's, untouched
 
     # Drained: no refill (it runs every second and would have replaced them while they were releasing), and a
@@ -66,7 +66,7 @@ def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_un
         node.client.request("POST", "/v1/warm/claim", {**shape, "memory_mib": 1024, "sandbox_id": "late"})
     assert miss.value.details["reason"] == "warm.drained"
     assert _pool(node)["failures"] == 0  # ending warm starts is not the pool failing
-    journal = {e["sandbox_id"] for e in node.client.events(0, 10000)["events"] if e["sandbox_id"]}
+    journal = {e.sandbox_id for e in node.client.events(0, 10000).events if e.sandbox_id}
     # None started since the drain; the tenant's own shim keeps the warm id its create claimed, if it went warm.
     claimed = {(r.get("facts") or {}).get("shim_id") for r in _rows(node) if r["sandbox_id"] == tenant["id"]}
     assert {sid for sid in journal if sid.startswith("warm-")} - claimed == warm
@@ -128,7 +128,7 @@ def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster
     """CubeMaster says draining, the node's warm pools do not (the drain's call never arrived, or the Cubelet was
     started with `--warm-reset`, as `up` does): CubeMaster's maintenance drains them again from the heartbeat."""
     node = c.cubelets["w1"]
-    cursor = max((e["seq"] for e in node.client.events(0, 10000)["events"]), default=0)
+    cursor = max((e.seq for e in node.client.events(0, 10000).events), default=0)
     doc = example("cuda12-h100", spec__memory__size_mib=1024)
     shape = {"contract": freeze(parse_template(doc)).to_json(), "template": "cuda12-h100", "class": "gpu"}
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 1})
@@ -139,7 +139,7 @@ def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster
     node.client.request("POST", "/v1/warm/undrain")  # the Cubelet alone forgets the drain
     poll(lambda: _pool(node)["draining"], 30, what="CubeMaster's drain sent again")
     poll(lambda: not _warm_ids(node) and _pool(node)["starting"] == 0, 60, what="no warm sandbox left")
-    drains = [e for e in node.client.events(cursor, 10000)["events"] if e["kind"] == "warm_drained"]
+    drains = [e for e in node.client.events(cursor, 10000).events if e.kind == "warm_drained"]
     assert len(drains) == 2, drains  # the operator's, then CubeMaster's once (not one per maintenance tick)
 
     assert c.c.node_verb("w1", "undrain", "alice")["warm"]["draining"] is False

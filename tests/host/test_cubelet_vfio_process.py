@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from cubeaccel.wire.cubelet_api import Device
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.fake_sysfs import Dev, FakeSysfs
 from tests.support.holder_proc import unreadable_pids
@@ -58,15 +59,15 @@ def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
     p.stop()
 
 
-def _by_address(p: CubeletProcess) -> dict[str, dict[str, object]]:
-    return {str(d["address"]): d for d in p.client.devices()}
+def _by_address(p: CubeletProcess) -> dict[str, Device]:
+    return {str(d.address): d for d in p.client.devices()}
 
 
 def test_discovers_binds_and_validates_through_real_sysfs_code(vfio_node: tuple[CubeletProcess, FakeSysfs]) -> None:
     p, fake = vfio_node
     devs = _by_address(p)
     assert set(devs) == {"0000:3b:00.0", "0000:86:00.0", "0000:af:00.0"}  # the audio function is not ours
-    assert devs["0000:3b:00.0"]["state"] == "allocatable"
+    assert devs["0000:3b:00.0"].state == "allocatable"
     assert devs["0000:3b:00.0"]["labels"]["model"] == "H100-SXM5-80GB"  # type: ignore[index]
     # The nvidia-bound one was bound the documented way: override, unbind the old driver, probe; never new_id.
     sysfs = fake.sys
@@ -75,8 +76,8 @@ def test_discovers_binds_and_validates_through_real_sysfs_code(vfio_node: tuple[
     assert (sysfs / "bus/pci/drivers_probe").read_text().strip() == "0000:af:00.0"
     assert (sysfs / "bus/pci/drivers/vfio-pci/new_id").read_text() == ""
     # No kernel applied the probe here, so the bind did not take: Cubelet checks, and never hands it out.
-    assert devs["0000:af:00.0"]["state"] == "unhealthy"
-    assert devs["0000:af:00.0"]["reason"] == "backend.bind_failed"
+    assert devs["0000:af:00.0"].state == "unhealthy"
+    assert devs["0000:af:00.0"].reason == "backend.bind_failed"
 
 
 def test_release_resets_through_the_reset_attribute_and_revalidates(
@@ -84,10 +85,10 @@ def test_release_resets_through_the_reset_attribute_and_revalidates(
 ) -> None:
     p, fake = vfio_node
     body = p.client.reserve("sb", 1, labels={"numa_node": "1"})
-    dev = body["devices"][0]
-    assert dev["address"] == "0000:86:00.0"
+    dev = body.devices[0]
+    assert dev.address == "0000:86:00.0"
     p.client.release("sb")
-    poll(lambda: _by_address(p)["0000:86:00.0"]["state"] == "allocatable")
+    poll(lambda: _by_address(p)["0000:86:00.0"].state == "allocatable")
     assert (fake.sys / "bus/pci/devices/0000:86:00.0/reset").read_text().strip() == "1"
     assert (fake.sys / "bus/pci/devices/0000:3b:00.0/reset").read_text() == ""  # untouched
 
@@ -97,5 +98,5 @@ def test_identity_change_at_the_same_address_is_caught_by_periodic_reconcile(
 ) -> None:
     p, fake = vfio_node
     fake.change_identity("0000:3b:00.0", 0x2331)
-    poll(lambda: _by_address(p)["0000:3b:00.0"]["state"] == "unhealthy")
-    assert _by_address(p)["0000:3b:00.0"]["reason"] == "host.identity_changed"
+    poll(lambda: _by_address(p)["0000:3b:00.0"].state == "unhealthy")
+    assert _by_address(p)["0000:3b:00.0"].reason == "host.identity_changed"

@@ -96,6 +96,7 @@ def test_the_start_nonce_is_not_served_over_tcp(tmp_path: Path) -> None:
         tcp.post("/v1/reservations", json={"sandbox_id": "sb", "count": 1, "start": True}).text,
     ]
     assert all(start_id not in r for r in replies)
+    assert "start_id" not in tcp.get("/v1/reservations/sb").json()["reservation"]["facts"]  # absent, not null
     assert local.get("/v1/reservations/sb").json()["reservation"]["facts"]["start_id"] == start_id
 
 

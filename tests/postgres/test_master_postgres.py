@@ -65,7 +65,7 @@ def test_two_replicas_200_concurrent_creates_against_16_devices_place_exactly_16
         placed = {sid for s, sid in results if s == 201}
 
         # the Cubelets' truth: 16 devices, each in exactly one sandbox, and those are the placed ones
-        holders = [d["sandbox_id"] for n in nodes for d in n.client.devices() if d["sandbox_id"]]
+        holders = [d.sandbox_id for n in nodes for d in n.client.devices() if d.sandbox_id]
         assert len(holders) == 16 and set(holders) == placed
         rows = replicas[1].client.sandboxes("running")
         assert {r["id"] for r in rows} == placed
@@ -99,7 +99,7 @@ def test_the_same_create_sent_to_both_replicas_makes_one_sandbox(fresh_db: str, 
         with ThreadPoolExecutor(max_workers=10) as pool:
             codes = list(pool.map(create, range(10)))
         assert codes.count(201) == 1 and set(codes) <= {200, 201}
-        assert len([d for d in node.client.devices() if d["sandbox_id"]]) == 1
+        assert len([d for d in node.client.devices() if d.sandbox_id]) == 1
     finally:
         node.stop()
         for m in replicas:
@@ -135,7 +135,7 @@ def test_50_concurrent_creates_from_a_tenant_with_a_4_gpu_quota_through_two_repl
         assert Counter(s for s, _ in results) == {201: 4, 429: 46}, Counter(results)
         assert {code for s, code in results if s == 429} == {"quota.accelerators"}
         placed = {sid for s, sid in results if s == 201}
-        holders = [d["sandbox_id"] for n in nodes for d in n.client.devices() if d["sandbox_id"]]
+        holders = [d.sandbox_id for n in nodes for d in n.client.devices() if d.sandbox_id]
         assert set(holders) == placed and len(holders) == 4
 
         tenant = MasterClient(replicas[1].url, key=key)

@@ -93,7 +93,7 @@ def test_20_concurrent_creates_on_two_replicas_against_4_warm_sandboxes_hand_eac
         # The Cubelet's truth agrees: 4 claims, of 4 distinct warm sandboxes, under the warm creates' ids.
         handed = claimed_warm_ids(nodes[0])
         assert sorted(handed) == sorted(warm)
-        holders = [d["sandbox_id"] for n in nodes for d in n.client.devices() if d["sandbox_id"]]
+        holders = [d.sandbox_id for n in nodes for d in n.client.devices() if d.sandbox_id]
         assert sorted(holders) == sorted(placed)
         tenant.close()
     finally:

@@ -11,6 +11,9 @@ from typing import Any
 
 import httpx
 
+from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.cubelet_api import Device
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 from tests.workload_client import WorkloadClient
@@ -37,20 +40,26 @@ class Tenancy:
     release_s: float = 0.0  # release → allocatable, host side
 
 
-def devices(p: CubeletProcess) -> dict[str, dict[str, Any]]:
-    return {d["id"]: d for d in p.client.devices()}
+def devices(p: CubeletProcess) -> dict[str, Device]:
+    return {d.id: d for d in p.client.devices()}
 
 
 def tenant(p: CubeletProcess, sid: str) -> Tenancy:
     body = p.client.reserve(sid, 1, start=True, memory_mib=256)
-    dev = body["devices"][0]["id"]
-    poll(lambda: (p.client.reservation(sid)["reservation"] or {}).get("phase") == "running", 180)
+    dev = body.devices[0].id
+
+    def running() -> bool:
+        res = p.client.reservation(sid).reservation
+        return res is not None and res.phase is ReservationPhase.RUNNING
+
+    poll(running, 180)
     http = httpx.Client(
         transport=httpx.HTTPTransport(uds=str(p.state_dir / "cubelet.sock")),
         base_url=f"http://cubelet/v1/sandboxes/{sid}/workload",
         timeout=120,
     )
-    wl = WorkloadClient(http, body["access_token"])
+    assert body.access_token is not None
+    wl = WorkloadClient(http, body.access_token)
     s = wl.run(f"PYTHONPATH=/opt/cubeaccel python3 -c '{CANARY_SCRIPT}' '{sid}'", user="root")
     assert s.end.get("exitCode", 0) == 0, (s.end, s.output("stderr"))
     found = dict(json.loads(s.output().decode().strip().splitlines()[-1]))
@@ -61,17 +70,17 @@ def release(p: CubeletProcess, t: Tenancy) -> None:
     """Release and wait until the device is allocatable again (after its scrub, when one is owed)."""
     import time
 
-    seen = {e["seq"] for e in p.client.events(0, 10000)["events"] if e["kind"] == "scrub_finished"}
+    seen = {e.seq for e in p.client.events(0, 10000).events if e.kind == "scrub_finished"}
     t0 = time.monotonic()
     p.client.release(t.sandbox)
-    poll(lambda: devices(p)[t.device]["state"] == "allocatable", 300)
+    poll(lambda: devices(p)[t.device].state is DeviceState.ALLOCATABLE, 300)
     t.release_s = time.monotonic() - t0
     done = [
         e
-        for e in p.client.events(0, 10000)["events"]
-        if e["kind"] == "scrub_finished" and e["device_id"] == t.device and e["seq"] not in seen
+        for e in p.client.events(0, 10000).events
+        if e.kind == "scrub_finished" and e.device_id == t.device and e.seq not in seen
     ]
-    t.scrub = done[-1]["details"] if done else {}
+    t.scrub = done[-1].details if done else {}
 
 
 def run(p: CubeletProcess, n: int, prefix: str = "tenant") -> list[Tenancy]:

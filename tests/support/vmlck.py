@@ -29,15 +29,14 @@ class LockedSample:
 
 
 def _validated(p: CubeletProcess, sid: str) -> bool:
-    events = p.client.events(0, 10000)["events"]
-    return any(e["sandbox_id"] == sid and e["kind"] == "guest_checked" for e in events)
+    return any(e.kind == "guest_checked" for e in p.client.events(0, 10000, sandbox_id=sid).events)
 
 
 def measure_locked(
     p: CubeletProcess, sid: str, contract: dict[str, Any], memory_mib: int, vcpus: int, settle_s: float = 5.0
 ) -> LockedSample:
     p.client.reserve(sid, 1, contract=contract, memory_mib=memory_mib, vcpus=vcpus, start=True)
-    charge = int(p.client.request("GET", "/v1/host")["pinned_memory"]["sandboxes"][sid])
+    charge = p.client.host().pinned_memory.sandboxes[sid]
     pid = poll(lambda: p.vmm(sid), 120, what=f"{sid}'s VMM")
     peak, settled_at = 0, None
     deadline = time.monotonic() + 300

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.cubelet.server import _reservation_json, create_app
+from cubeaccel.cubelet.server import create_app, reservation_view
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.wire.http_server import PEER_KEY
 from tests.support.cubelet_harness import Node
@@ -122,12 +122,12 @@ def test_a_closed_sandbox_shows_its_failure_and_timeline(local: tuple[Node, Test
     node.clock.advance(node.config.reservation_ttl_s + 1)
     reconcile(node.cubelet)  # never started: it expires and is torn down
     assert client.get("/v1/reservations/sb").status_code == 404
-    view = _reservation_json(node.cubelet, "sb")  # the reply a request racing the close gets
-    assert view["reservation"] is None and view["devices"] == []
-    assert view["failure"]["code"] == "reserve.expired"
-    kinds = [e["kind"] for e in view["timeline"]]
+    view = reservation_view(node.cubelet, "sb")  # the reply a request racing the close gets
+    assert view.reservation is None and view.devices == []
+    assert view.failure is not None and view.failure.code == "reserve.expired"
+    kinds = [e.kind for e in view.timeline]
     assert "reservation_expired" in kinds and kinds[-1] == "reservation_closed"
-    assert set(view["timeline"][0]) == {"at", "kind", "event", "device_id", "to_state"}
+    assert set(view.model_dump()["timeline"][0]) == {"at", "kind", "event", "device_id", "to_state"}
 
 
 def test_a_delete_reply_lists_the_sandbox_devices(local: tuple[Node, TestClient, Path]) -> None:

@@ -7,15 +7,17 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.master.view import group_key
+from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.wire.cubelet_api import Checkpoint, Reservation, ReservationBody, ReservationView
 from tests.support.contract_builders import example_doc
 from tests.support.master_builders import group, heartbeat, sandbox_row
 from tests.support.poll import poll
@@ -26,8 +28,24 @@ H100 = "H100-SXM5-80GB"
 class Cubelet:
     """Reserves whatever it is asked for and says the guest validated (no Cubelet round trip in this test)."""
 
-    def reserve(self, sid: str, **body: Any) -> dict[str, Any]:
-        return {"reservation": {"phase": "running", "device_ids": [f"dev-{sid}"]}, "timeline": []}
+    def reserve(self, body: ReservationBody) -> ReservationView:
+        sid = body.sandbox_id
+        return ReservationView(
+            sandbox_id=sid,
+            reservation=Reservation(
+                sandbox_id=sid,
+                params={},
+                device_ids=[f"dev-{sid}"],
+                phase=ReservationPhase.RUNNING,
+                created_at=time.time(),
+                expires_at=None,
+                facts=Checkpoint.of(ReservationCheckpoint()),
+                releasing_since=None,
+            ),
+            devices=[],
+            timeline=[],
+            failure=None,
+        )
 
 
 @pytest.fixture

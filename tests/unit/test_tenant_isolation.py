@@ -18,6 +18,7 @@ from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.ids import tenant_sandbox_prefix
 from cubeaccel.model.sandbox_states import SandboxActor as SA
 from cubeaccel.model.sandbox_states import SandboxEvent as SE
+from cubeaccel.wire.cubelet_api import Release
 from tests.support.master_builders import sandbox_row
 
 SECRET = "sk-live-0123456789abcdef"
@@ -111,9 +112,9 @@ class Node:
     def __init__(self) -> None:
         self.held: set[str] = set()
 
-    def release(self, sid: str) -> dict[str, Any]:
+    def release(self, sid: str) -> Release:
         self.held.discard(sid)
-        return {"released": True}
+        return Release(sandbox_id=sid, released=True, reservation=None, devices=[])
 
 
 def running(stack: Stack, node: Node, tenant: str, name: str) -> str:

@@ -83,7 +83,7 @@ def networked_contract(image: Manifest) -> dict[str, Any]:
 
 
 def _seen(p: CubeletProcess, sid: str, kind: str) -> bool:
-    return any(e["sandbox_id"] == sid and e["kind"] == kind for e in p.client.events(0, 10000)["events"])
+    return any(e.sandbox_id == sid and e.kind == kind for e in p.client.events(0, 10000).events)
 
 
 def _kill(p: CubeletProcess, sid: str, what: str) -> None:
@@ -114,7 +114,7 @@ def _leaks(p: CubeletProcess, root: Path, sids: list[str], uplink: str) -> dict[
         "uplink_tables": tables.split(),
         "locked_mib": pinned["locked_mib"],
         "run_dirs": [s for s in sids if (p.state_dir / "shims" / s).exists()],
-        "devices": [d["state"] for d in p.client.devices() if d["state"] != "allocatable"],
+        "devices": [d.state for d in p.client.devices() if d.state != "allocatable"],
     }
     return {k: v for k, v in found.items() if v}
 

@@ -13,6 +13,7 @@ import pytest
 
 from cubeaccel.host.vmm.confine import CAP_IPC_LOCK, ConfinePolicy
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.cubelet_api import Event
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
@@ -157,19 +158,19 @@ def test_refused_start_through_cubelet_releases_the_device(
         "accelerator=none",
     ).start()
     try:
-        dev = node.client.reserve("f-unconfined", 1, memory_mib=256, start=True)["devices"][0]["id"]
+        dev = node.client.reserve("f-unconfined", 1, memory_mib=256, start=True).devices[0].id
 
-        def events() -> list[dict[str, Any]]:
-            return [e for e in node.client.events(0, 10000)["events"] if e["sandbox_id"] == "f-unconfined"]
+        def events() -> list[Event]:
+            return [e for e in node.client.events(0, 10000).events if e.sandbox_id == "f-unconfined"]
 
-        poll(lambda: any(e["kind"] == "reservation_closed" for e in events()), 120)
-        device = next(d for d in node.client.devices() if d["id"] == dev)
-        assert device["state"] == "allocatable"  # through the release path: VMM gone, reset, revalidated
-        kinds = [e["event"] or e["kind"] for e in events()]
+        poll(lambda: any(e.kind == "reservation_closed" for e in events()), 120)
+        device = next(d for d in node.client.devices() if d.id == dev)
+        assert device.state == "allocatable"  # through the release path: VMM gone, reset, revalidated
+        kinds = [e.event or e.kind for e in events()]
         assert kinds.index("teardown_started") < kinds.index("release_confirmed") < kinds.index("revalidated")
-        started = next(e for e in events() if e["kind"] == "teardown_started")
-        assert started["reason"] == "vmm.not_confined"
-        shim = [e["event"] for e in events() if e["kind"] == "shim_report"]
+        started = next(e for e in events() if e.kind == "teardown_started")
+        assert started.reason == "vmm.not_confined"
+        shim = [e.event for e in events() if e.kind == "shim_report"]
         assert "device_attached" not in shim and "vmm_confined" not in shim
     finally:
         node.stop()

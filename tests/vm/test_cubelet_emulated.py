@@ -38,11 +38,11 @@ def edu_contract(image: Manifest) -> dict[str, Any]:
 
 
 def _state(p: CubeletProcess, dev: str) -> str:
-    return str(next(d["state"] for d in p.client.devices() if d["id"] == dev))
+    return str(next(d.state for d in p.client.devices() if d.id == dev))
 
 
 def _kinds(p: CubeletProcess, sid: str) -> list[str]:
-    return [e["event"] or e["kind"] for e in p.client.events(0, 10000)["events"] if e["sandbox_id"] == sid]
+    return [e.event or e.kind for e in p.client.events(0, 10000).events if e.sandbox_id == sid]
 
 
 @pytest.fixture
@@ -61,11 +61,11 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
     ctx = contextvars.copy_context()
     ctx.run(set_request_id, rid)
     body = ctx.run(emulated.client.reserve, "vm-1", 1, contract=edu_contract(guest_image), start=True)
-    dev = body["devices"][0]["id"]
+    dev = body.devices[0].id
     poll(lambda: "guest_checked" in _kinds(emulated, "vm-1"), 120)
     assert _state(emulated, dev) == "attached"
-    checked = [e for e in emulated.client.events(0, 10000)["events"] if e["kind"] == "guest_checked"]
-    assert checked[-1]["details"]["violations"] == []
+    checked = [e for e in emulated.client.events(0, 10000).events if e.kind == "guest_checked"]
+    assert checked[-1].details["violations"] == []
     assert emulated.vmm("vm-1") is not None
     emulated.client.release("vm-1")
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
@@ -88,8 +88,8 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
     # Released on host evidence: DEVICE_DELETED seen and no live VMM lists the device (the VMM's own exit
     # report may arrive after that; the release never waited for a report, only for /proc).
     assert kinds.index("device_detached") < kinds.index("release_confirmed")
-    confirmed = [e for e in emulated.client.events(0, 10000)["events"] if e["event"] == "release_confirmed"]
-    assert confirmed[-1]["details"]["holders"] == 0 and confirmed[-1]["details"]["reset"] is True
+    confirmed = [e for e in emulated.client.events(0, 10000).events if e.event == "release_confirmed"]
+    assert confirmed[-1].details["holders"] == 0 and confirmed[-1].details["reset"] is True
     # One request id from the reserve through the shim's own log and back in its reports' transitions
     shim_lines = [json.loads(x) for x in _shim_log(emulated.state_dir, "vm-1").read_text().splitlines() if x[:1] == "{"]
     assert {x["kind"] for x in shim_lines if x.get("msg") == "report" and x.get("request_id") == rid} >= {
@@ -105,7 +105,7 @@ def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
 
 def test_shim_killed_mid_sandbox_orphaned_vmm_is_stopped_then_released(emulated: CubeletProcess) -> None:
     body = emulated.client.reserve("vm-2", 1, start=True, memory_mib=256)
-    dev = body["devices"][0]["id"]
+    dev = body.devices[0].id
     poll(lambda: _state(emulated, dev) == "attached", 120)
     shim_pid = emulated.shim("vm-2")
     assert shim_pid is not None
@@ -114,13 +114,13 @@ def test_shim_killed_mid_sandbox_orphaned_vmm_is_stopped_then_released(emulated:
     os.kill(shim_pid, signal.SIGKILL)
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
     assert emulated.vmm("vm-2") is None  # Cubelet stopped the orphan before handing the device out
-    repairs = [e for e in emulated.client.events(0, 10000)["events"] if e["kind"] == "reconcile_repair"]
-    assert any("shim died" in e["reason"] for e in repairs)
+    repairs = [e for e in emulated.client.events(0, 10000).events if e.kind == "reconcile_repair"]
+    assert any("shim died" in (e.reason or "") for e in repairs)
 
 
 def test_cubelet_killed_mid_sandbox_keeps_the_vm_and_releases_after_restart(emulated: CubeletProcess) -> None:
     body = emulated.client.reserve("vm-3", 1, start=True, memory_mib=256)
-    dev = body["devices"][0]["id"]
+    dev = body.devices[0].id
     poll(lambda: _state(emulated, dev) == "attached", 120)
     emulated.sigkill()
     emulated.start()
@@ -140,12 +140,10 @@ def test_a_contract_pinning_another_guest_image_never_boots(emulated: CubeletPro
         modules_img=ModulesImg(guest_image.kernel_release, guest_image.modules_img.sha256),
     )
     contract = freeze(t).to_json()
-    dev = emulated.client.reserve("vm-img", 1, contract=contract, start=True)["devices"][0]["id"]
+    dev = emulated.client.reserve("vm-img", 1, contract=contract, start=True).devices[0].id
     poll(
         lambda: any(
-            e["kind"] == "reservation_closed"
-            for e in emulated.client.events(0, 10000)["events"]
-            if e["sandbox_id"] == "vm-img"
+            e.kind == "reservation_closed" for e in emulated.client.events(0, 10000).events if e.sandbox_id == "vm-img"
         ),
         60,
     )
@@ -153,10 +151,10 @@ def test_a_contract_pinning_another_guest_image_never_boots(emulated: CubeletPro
     assert "attach_failed" in kinds and "vm_started" not in kinds  # refused before any VMM started
     failed = next(
         e
-        for e in emulated.client.events(0, 10000)["events"]
-        if e["sandbox_id"] == "vm-img" and e["event"] == "attach_failed" and e["kind"] == "shim_report"
+        for e in emulated.client.events(0, 10000).events
+        if e.sandbox_id == "vm-img" and e.event == "attach_failed" and e.kind == "shim_report"
     )
-    assert (failed["details"]["reason"], failed["details"]["layer"]) == ("shim.image_not_found", "template")
+    assert (failed.details["reason"], failed.details["layer"]) == ("shim.image_not_found", "template")
     # The shim was started, so the scrub VM runs before the device is back (no report proves no VMM had it).
     poll(lambda: _state(emulated, dev) == "allocatable", 60)
 

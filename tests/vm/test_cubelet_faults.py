@@ -8,13 +8,13 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.host.vmm.vmmproc import ENV_DEVICES
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.cubelet_api import Device, Event
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
@@ -22,12 +22,12 @@ from tests.support.vmm_cleanup import kill_started_vmms
 pytestmark = pytest.mark.vm
 
 
-def _dev(p: CubeletProcess, dev: str) -> dict[str, Any]:
-    return next(d for d in p.client.devices() if d["id"] == dev)
+def _dev(p: CubeletProcess, dev: str) -> Device:
+    return next(d for d in p.client.devices() if d.id == dev)
 
 
-def _events(p: CubeletProcess, sid: str) -> list[dict[str, Any]]:
-    return [e for e in p.client.events(0, 10000)["events"] if e["sandbox_id"] == sid]
+def _events(p: CubeletProcess, sid: str) -> list[Event]:
+    return [e for e in p.client.events(0, 10000).events if e.sandbox_id == sid]
 
 
 # These faults are about the release rules before the scrub step: no scrub VM (one boot fewer per test; the scrub
@@ -48,14 +48,14 @@ def node(tmp_path: Path, guest_image: Manifest, request: pytest.FixtureRequest) 
 
 @pytest.mark.parametrize("node", [("--vm-start", "cold")], indirect=True)
 def test_cold_boot_through_cubelet_full_cycle(node: CubeletProcess) -> None:
-    dev = node.client.reserve("f-cold", 1, memory_mib=256, start=True)["devices"][0]["id"]
-    poll(lambda: _dev(node, dev)["state"] == "attached", 120)
-    shim_kinds = [e["event"] for e in _events(node, "f-cold") if e["kind"] == "shim_report"]
+    dev = node.client.reserve("f-cold", 1, memory_mib=256, start=True).devices[0].id
+    poll(lambda: _dev(node, dev).state == "attached", 120)
+    shim_kinds = [e.event for e in _events(node, "f-cold") if e.kind == "shim_report"]
     assert shim_kinds[:5] == ["vm_started", "vmm_confined", "memory_pinned", "guest_ready", "device_attached"]
     node.client.release("f-cold")
-    poll(lambda: any(e["kind"] == "reservation_closed" for e in _events(node, "f-cold")), 60)
-    assert _dev(node, dev)["state"] == "allocatable"
-    timeline = next(e for e in _events(node, "f-cold") if e["event"] == "shim_exiting")["details"]["timeline"]
+    poll(lambda: any(e.kind == "reservation_closed" for e in _events(node, "f-cold")), 60)
+    assert _dev(node, dev).state == "allocatable"
+    timeline = next(e for e in _events(node, "f-cold") if e.event == "shim_exiting").details["timeline"]
     assert "boot_to_agent_s" in timeline  # a cold boot, not a restore
 
 
@@ -63,23 +63,23 @@ def test_cold_boot_through_cubelet_full_cycle(node: CubeletProcess) -> None:
 def test_paused_guest_detach_times_out_and_device_returns_only_after_the_vmm_is_gone(node: CubeletProcess) -> None:
     from qemu.qmp.legacy import QEMUMonitorProtocol
 
-    dev = node.client.reserve("f-paused", 1, memory_mib=256, start=True)["devices"][0]["id"]
-    poll(lambda: any(e["event"] == "guest_validated" for e in _events(node, "f-paused")), 120)  # running
+    dev = node.client.reserve("f-paused", 1, memory_mib=256, start=True).devices[0].id
+    poll(lambda: any(e.event == "guest_validated" for e in _events(node, "f-paused")), 120)  # running
     aux = QEMUMonitorProtocol(connect_path(node.state_dir / "shims" / "f-paused" / "qmp-aux.sock"))
     aux.connect()
     aux.cmd("stop")  # the guest can no longer answer the ACPI unplug request
     aux.close()
     node.client.release("f-paused")
-    poll(lambda: any(e["event"] == "detach_timeout" for e in _events(node, "f-paused")), 60)
-    poll(lambda: _dev(node, dev)["state"] == "allocatable", 60)
+    poll(lambda: any(e.event == "detach_timeout" for e in _events(node, "f-paused")), 60)
+    poll(lambda: _dev(node, dev).state == "allocatable", 60)
     assert node.vmm("f-paused") is None
-    confirmed = [e for e in _events(node, "f-paused") if e["event"] == "release_confirmed"]
-    assert confirmed[-1]["details"]["detach_confirmed"] is False and confirmed[-1]["details"]["vmm_exited"] is True
+    confirmed = [e for e in _events(node, "f-paused") if e.event == "release_confirmed"]
+    assert confirmed[-1].details["detach_confirmed"] is False and confirmed[-1].details["vmm_exited"] is True
 
 
 def test_a_holder_that_keeps_the_device_open_ends_in_quarantine(node: CubeletProcess) -> None:
-    dev = node.client.reserve("f-held", 1, memory_mib=256, start=True)["devices"][0]["id"]
-    poll(lambda: _dev(node, dev)["state"] == "attached", 120)
+    dev = node.client.reserve("f-held", 1, memory_mib=256, start=True).devices[0].id
+    poll(lambda: _dev(node, dev).state == "attached", 120)
     # An injected holder: a real process the backend's holder check sees holding this device — with the
     # evidence a VMM of this Cubelet carries (its files under the shims dir, this uid), else it is no holder.
     files = f"{node.state_dir.absolute()}/shims/intruder/vmm.log"
@@ -89,12 +89,12 @@ def test_a_holder_that_keeps_the_device_open_ends_in_quarantine(node: CubeletPro
     )
     try:
         node.client.release("f-held")
-        poll(lambda: _dev(node, dev)["state"] == "quarantined", 60)
-        assert _dev(node, dev)["reason"] == "release.holder_stuck"
-        poll(lambda: any(e["kind"] == "reservation_closed" for e in _events(node, "f-held")), 60)
+        poll(lambda: _dev(node, dev).state == "quarantined", 60)
+        assert _dev(node, dev).reason == "release.holder_stuck"
+        poll(lambda: any(e.kind == "reservation_closed" for e in _events(node, "f-held")), 60)
     finally:
         intruder.kill()
         intruder.wait()
     # the tenant's leftovers are not proven gone: recover sends it through the scrub before it is allocatable
-    assert node.client.verb(dev, "recover", "alice", "intruder gone")["state"] in ("released", "allocatable")
-    poll(lambda: _dev(node, dev)["state"] == "allocatable", 120, what="scrubbed and revalidated after recover")
+    assert node.client.verb(dev, "recover", "alice", "intruder gone").state in ("released", "allocatable")
+    poll(lambda: _dev(node, dev).state == "allocatable", 120, what="scrubbed and revalidated after recover")

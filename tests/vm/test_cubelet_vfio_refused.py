@@ -43,13 +43,13 @@ def test_vfio_hotplug_refused_by_qemu_is_attach_failed_and_released_safely(
     ).start()
     try:
         body = p.client.reserve("vf-1", 1, memory_mib=256, start=True)
-        dev = body["devices"][0]["id"]
-        events = lambda: p.client.events(0, 10000)["events"]  # noqa: E731
-        poll(lambda: any(e["event"] == "attach_failed" and e["kind"] == "shim_report" for e in events()), 120)
-        poll(lambda: p.client.devices()[0]["state"] == "allocatable", 60)
-        failed = next(e for e in events() if e["event"] == "attach_failed" and e["kind"] == "shim_report")
-        assert "vfio" in str(failed["details"]).lower()
-        trail = [e["event"] for e in events() if e["device_id"] == dev and e["kind"] == "transition"]
+        dev = body.devices[0].id
+        events = lambda: p.client.events(0, 10000).events  # noqa: E731
+        poll(lambda: any(e.event == "attach_failed" and e.kind == "shim_report" for e in events()), 120)
+        poll(lambda: p.client.devices()[0].state == "allocatable", 60)
+        failed = next(e for e in events() if e.event == "attach_failed" and e.kind == "shim_report")
+        assert "vfio" in str(failed.details).lower()
+        trail = [e.event for e in events() if e.device_id == dev and e.kind == "transition"]
         assert trail[-3:] == ["attach_failed", "release_confirmed", "revalidated"]
         assert "attach_succeeded" not in trail
         assert p.vmm("vf-1") is None

@@ -51,7 +51,7 @@ def _accelerators(count: int) -> dict[str, Any]:
 
 
 def _allocatable(cubelet: CubeletProcess) -> int:
-    return sum(d["state"] == "allocatable" for d in cubelet.client.devices())
+    return sum(d.state == "allocatable" for d in cubelet.client.devices())
 
 
 def test_one_sandbox_holds_eight_devices_and_more_than_the_vm_takes_is_refused_before_any_reservation(
@@ -62,31 +62,31 @@ def test_one_sandbox_holds_eight_devices_and_more_than_the_vm_takes_is_refused_b
     node = next(n for n in master.client.nodes() if n["node"] == "wide")
     assert node["max_devices_per_sandbox"] == MAX_DEVICES and node["allocatable"] == NODE_DEVICES
 
-    events_before = cubelet.client.events(0, 10000)["events"]
+    events_before = cubelet.client.events(0, 10000).events
     with pytest.raises(CubeError) as err:
         master.client.create(_accelerators(NODE_DEVICES))
     assert (err.value.code, err.value.status) == ("schedule.too_many_devices", 409)
     why = err.value.details["tried"][0]["nodes"]["wide"]
     assert why["reason"] == "device_limit" and f"at most {MAX_DEVICES}" in why["detail"]
     assert "attempts" not in err.value.details  # no Cubelet was asked
-    after = cubelet.client.events(0, 10000)["events"]
-    assert not [e for e in after[len(events_before) :] if e["sandbox_id"]]  # no reservation, not even refused
+    after = cubelet.client.events(0, 10000).events
+    assert not [e for e in after[len(events_before) :] if e.sandbox_id]  # no reservation, not even refused
     assert _allocatable(cubelet) == NODE_DEVICES
 
     sb = master.client.create(_accelerators(8))
     sid = sb["id"]
     poll(lambda: master.client.sandbox(sid)["state"] == "running", 240)
-    events = [e for e in cubelet.client.events(0, 10000)["events"] if e["sandbox_id"] == sid]
-    reports = [e for e in events if e["kind"] == "shim_report"]
-    attached = [e["details"] for e in reports if e["event"] == "device_attached"]
+    events = [e for e in cubelet.client.events(0, 10000).events if e.sandbox_id == sid]
+    reports = [e for e in events if e.kind == "shim_report"]
+    attached = [e.details for e in reports if e.event == "device_attached"]
     assert len(attached) == 8
     assert len({a["guest_address"] for a in attached}) == 8  # eight functions the guest saw appear
     assert sorted(a["bus"] for a in attached) == sorted(f"rp{i}" for i in range(1, 9))
-    validated = next(e for e in reports if e["event"] == "guest_validated")
-    in_guest = [d for d in validated["details"]["report"]["pci_devices"] if d.get("device_id") == "11e8"]
+    validated = next(e for e in reports if e.event == "guest_validated")
+    in_guest = [d for d in validated.details["report"]["pci_devices"] if d.get("device_id") == "11e8"]
     assert len(in_guest) == 8
-    held = [d for d in cubelet.client.devices() if d["sandbox_id"] == sid]
-    assert len(held) == 8 and {d["state"] for d in held} == {"attached"}
+    held = [d for d in cubelet.client.devices() if d.sandbox_id == sid]
+    assert len(held) == 8 and {d.state for d in held} == {"attached"}
 
     master.client.delete(sid)
     poll(lambda: _allocatable(cubelet) == NODE_DEVICES, 120)

@@ -66,10 +66,10 @@ def test_a_guest_that_fails_validation_is_failed_at_cubemaster_with_its_layer_wi
     assert row["error"]["layer"] == "modules_img" and row["error"]["code"].startswith("compat.modules_img")
     report = next(
         e
-        for e in cubelet.client.events(0, 10000)["events"]
-        if e["sandbox_id"] == sid and e["event"] == "guest_validation_failed"
+        for e in cubelet.client.events(0, 10000).events
+        if e.sandbox_id == sid and e.event == "guest_validation_failed"
     )
-    assert _phase_at(row, "failed") - report["at"] <= 2.0
+    assert _phase_at(row, "failed") - report.at <= 2.0
     assert "ready" not in [e["phase"] for e in row["timeline"]]
 
 
@@ -82,11 +82,9 @@ def test_a_sandbox_is_running_at_cubemaster_only_after_its_guest_validated(
     sid = sb["id"]
     poll(lambda: master.client.sandbox(sid)["state"] == "running", 120)
     validated = next(
-        e
-        for e in cubelet.client.events(0, 10000)["events"]
-        if e["sandbox_id"] == sid and e["event"] == "guest_validated"
+        e for e in cubelet.client.events(0, 10000).events if e.sandbox_id == sid and e.event == "guest_validated"
     )
     row = master.client.sandbox(sid)
-    assert _phase_at(row, "ready") >= validated["at"] and _phase_at(row, "ready") - validated["at"] <= 2.0
+    assert _phase_at(row, "ready") >= validated.at and _phase_at(row, "ready") - validated.at <= 2.0
     master.client.delete(sid)
     poll(lambda: master.client.sandbox(sid)["state"] == "deleted", 60)

@@ -126,8 +126,8 @@ def test_a_closed_sandbox_has_no_network_interface_but_lo(stack: dict[str, Any])
     r = run(stack, "closed", "ls", "/sys/class/net")
     assert r.returncode == 0 and r.stdout.split() == [b"lo"], r.stderr
     assert probe(stack, "closed", f"{ALLOWED}:{PORT}") == {f"{ALLOWED}:{PORT}": "OSError"}  # ENETUNREACH
-    res = stack["cubelet"].client.reservation(stack["closed"]["id"])["reservation"]
-    assert res["facts"]["network"] is None and "network" not in res["params"]
+    res = stack["cubelet"].client.reservation(stack["closed"]["id"]).reservation
+    assert res.facts.network is None and "network" not in res.params
 
 
 def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: dict[str, Any]) -> None:
@@ -140,7 +140,7 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
     assert got["169.254.169.254:80"] == "ConnectionRefusedError"  # metadata
     # the host end of the sandbox link drops everything (the namespace accepts nothing from the guest), and the
     # uplink end of the veth is one of the node's own addresses, never a destination
-    facts = stack["cubelet"].client.reservation(stack["tool"]["id"])["reservation"]["facts"]["network"]
+    facts = stack["cubelet"].client.reservation(stack["tool"]["id"]).reservation.facts.network
     peer = facts["veth_cidr"].split("/")[0].rsplit(".", 1)
     uplink_end = f"{peer[0]}.{int(peer[1]) + 1}"
     got = probe(stack, "tool", f"{facts['gateway']}:22", f"{uplink_end}:{PORT}")
@@ -154,9 +154,9 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
 
 def test_the_policy_is_recorded_shown_and_audited(stack: dict[str, Any]) -> None:
     sid = stack["tool"]["id"]
-    res = stack["cubelet"].client.reservation(sid)["reservation"]
-    assert res["params"]["network"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
-    assert res["facts"]["network"]["netns"] == f"cube-{sid}"
+    res = stack["cubelet"].client.reservation(sid).reservation
+    assert res.params["network"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
+    assert res.facts.network["netns"] == f"cube-{sid}"
     shown = stack["master"].client.sandbox(sid)
     assert shown["request"]["network_policy"] == res["params"]["network"]
     audit = [json.loads(x) for x in (stack["base"] / "cubelet" / "audit.jsonl").read_text().splitlines()]
@@ -215,7 +215,7 @@ def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host
 
 def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
     master, cubelet, sid = stack["master"], stack["cubelet"], stack["tool"]["id"]
-    facts = cubelet.client.reservation(sid)["reservation"]["facts"]["network"]
+    facts = cubelet.client.reservation(sid).reservation.facts.network
 
     def uplink_links() -> set[str]:
         return {x["ifname"] for x in json.loads(sh("ip", "-n", stack["uplink"], "-j", "link", "show"))}
@@ -228,5 +228,5 @@ def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
     assert not (stack["base"] / "cubelet" / "shims" / sid / "scratch.img").exists()
     # the kernel frees a namespace (and the veth pair with it) shortly after its last user is gone
     poll(lambda: uplink_links() <= {"lo", UPLINK_LINK}, 30, what=f"only the test's own links: {uplink_links()}")
-    kinds = [e["kind"] for e in cubelet.client.events()["events"] if e.get("sandbox_id") == sid]
+    kinds = [e.kind for e in cubelet.client.events().events if e.sandbox_id == sid]
     assert "network_applied" in kinds and "network_removed" in kinds

@@ -20,6 +20,8 @@ import pytest
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.wire.cubelet_api import Device, Event
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms
@@ -42,25 +44,31 @@ print(json.dumps(read_bar(dev, EDU_REGISTERS)))
 """
 
 
-def _events(p: CubeletProcess) -> list[dict[str, Any]]:
-    return list(p.client.events(0, 10000)["events"])
+def _events(p: CubeletProcess) -> list[Event]:
+    return p.client.events(0, 10000).events
 
 
-def _state(p: CubeletProcess, dev: str) -> dict[str, Any]:
-    return next(d for d in p.client.devices() if d["id"] == dev)
+def _state(p: CubeletProcess, dev: str) -> Device:
+    return next(d for d in p.client.devices() if d.id == dev)
 
 
 def _tenant(p: CubeletProcess, sid: str, dev: str | None = None) -> tuple[str, WorkloadClient]:
     body = p.client.reserve(sid, 1, start=True, memory_mib=256)
-    got = body["devices"][0]["id"]
+    got = body.devices[0].id
     assert dev is None or got == dev, (got, dev)
-    poll(lambda: (p.client.reservation(sid)["reservation"] or {}).get("phase") == "running", 120)
+    poll(lambda: _phase(p, sid) is ReservationPhase.RUNNING, 120)
     http = httpx.Client(
         transport=httpx.HTTPTransport(uds=str(p.state_dir / "cubelet.sock")),
         base_url=f"http://cubelet/v1/sandboxes/{sid}/workload",
         timeout=60,
     )
-    return got, WorkloadClient(http, body["access_token"])
+    assert body.access_token is not None
+    return got, WorkloadClient(http, body.access_token)
+
+
+def _phase(p: CubeletProcess, sid: str) -> ReservationPhase | None:
+    res = p.client.reservation(sid).reservation
+    return None if res is None else res.phase
 
 
 def _bar(wl: WorkloadClient, values: dict[str, int]) -> dict[str, int]:
@@ -83,27 +91,27 @@ def test_two_tenants_in_sequence_with_the_scrub_vm_between(cubelet: CubeletProce
     dev, a = _tenant(cubelet, "tenant-a")
     assert _bar(a, MARKER) == {"liveness": 0, **MARKER}  # tenant-writable, read back through BAR0
     cubelet.client.release("tenant-a")
-    poll(lambda: any(e["kind"] == "scrub_started" for e in _events(cubelet)), 60)
+    poll(lambda: any(e.kind == "scrub_started" for e in _events(cubelet)), 60)
     # Until the scrub VM passed, the device is not the next tenant's: a second reservation finds nothing.
-    assert _state(cubelet, dev)["state"] in ("released", "allocatable")
-    if _state(cubelet, dev)["state"] == "released":
-        assert _state(cubelet, dev)["reason"] == "release.scrub_pending"
+    assert _state(cubelet, dev).state in ("released", "allocatable")
+    if _state(cubelet, dev).state == "released":
+        assert _state(cubelet, dev).reason == "release.scrub_pending"
         with pytest.raises(CubeError) as refused:  # 2 slots, 1 free
             cubelet.client.reserve("too-early", 2)
         assert refused.value.code == "reserve.insufficient_devices"
-    poll(lambda: _state(cubelet, dev)["state"] == "allocatable", 180)
-    events = [e for e in _events(cubelet) if e["device_id"] == dev]
-    kinds = [e["event"] or e["kind"] for e in events]
+    poll(lambda: _state(cubelet, dev).state == "allocatable", 180)
+    events = [e for e in _events(cubelet) if e.device_id == dev]
+    kinds = [e.event or e.kind for e in events]
     order = [kinds.index(k) for k in ("release_confirmed", "scrub_started", "scrub_finished", "revalidated")]
     assert order == sorted(order), kinds
-    done = next(e for e in events if e["kind"] == "scrub_finished")["details"]
+    done = next(e for e in events if e.kind == "scrub_finished").details
     assert done["ok"] is True and done["method"] == "bar"
     assert done["bytes_zeroed"] == done["bytes_verified"] == 28  # liveness (4) + three 64-bit DMA registers
     assert done["agent"]["mismatches"] == [] and done["duration_s"] > 0
     assert done["timeline"]["scrub_s"] >= 0 and "vmm_exit_s" in done["timeline"]
     scrub_vm = done["scrub_vm"]
     assert scrub_vm.startswith("scrub-") and cubelet.vmm(scrub_vm) is None  # the scrub VM is gone
-    assert _state(cubelet, dev)["reason"] is None
+    assert _state(cubelet, dev).reason is None
     _, b = _tenant(cubelet, "tenant-b", dev)
     assert _bar(b, {}) == {"liveness": 0, "dma_src": 0, "dma_dst": 0, "dma_count": 0}
     cubelet.client.release("tenant-b")  # its own scrub follows; the fixture stops it with the Cubelet
@@ -112,12 +120,12 @@ def test_two_tenants_in_sequence_with_the_scrub_vm_between(cubelet: CubeletProce
 @pytest.mark.parametrize("cubelet", [("--scrub-timeout", "0.5")], indirect=True)
 def test_a_scrub_vm_that_does_not_finish_quarantines_the_device(cubelet: CubeletProcess) -> None:
     body = cubelet.client.reserve("tenant-a", 1, start=True, memory_mib=256)
-    dev = body["devices"][0]["id"]
-    poll(lambda: _state(cubelet, dev)["state"] == "attached", 120)
+    dev = body.devices[0].id
+    poll(lambda: _state(cubelet, dev).state == "attached", 120)
     cubelet.client.release("tenant-a")
-    poll(lambda: _state(cubelet, dev)["state"] == "quarantined", 90)
-    assert _state(cubelet, dev)["reason"] == "release.scrub_failed"
-    done = next(e for e in _events(cubelet) if e["kind"] == "scrub_finished" and e["device_id"] == dev)
-    assert done["details"]["ok"] is False and "did not finish within 0.5s" in done["details"]["message"]
-    assert cubelet.vmm(done["details"]["scrub_vm"]) is None  # stopped at the deadline, not left running
-    assert not any(e["event"] == "revalidated" for e in _events(cubelet) if e["device_id"] == dev)
+    poll(lambda: _state(cubelet, dev).state == "quarantined", 90)
+    assert _state(cubelet, dev).reason == "release.scrub_failed"
+    done = next(e for e in _events(cubelet) if e.kind == "scrub_finished" and e.device_id == dev)
+    assert done.details["ok"] is False and "did not finish within 0.5s" in done.details["message"]
+    assert cubelet.vmm(done.details["scrub_vm"]) is None  # stopped at the deadline, not left running
+    assert not any(e.event == "revalidated" for e in _events(cubelet) if e.device_id == dev)

@@ -12,6 +12,7 @@ import pytest
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.cubelet_api import Event
 from cubeaccel.wire.workload_client import WorkloadClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
@@ -47,8 +48,8 @@ def _workload(p: CubeletProcess, sid: str, token: str) -> WorkloadClient:
     return WorkloadClient.over(f"http://cubelet/v1/sandboxes/{sid}/workload", token, uds=sock, timeout=60)
 
 
-def _events(p: CubeletProcess, sid: str, kind: str) -> list[dict[str, Any]]:
-    return [e for e in p.client.events(0, 10000)["events"] if e["sandbox_id"] == sid and e["kind"] == kind]
+def _events(p: CubeletProcess, sid: str, kind: str) -> list[Event]:
+    return [e for e in p.client.events(0, 10000).events if e.sandbox_id == sid and e.kind == kind]
 
 
 def _refused(client: WorkloadClient) -> CubeError:
@@ -82,14 +83,14 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     assert body["reservation"]["facts"]["claim_acked"] is True
     # The guest mixed the claim's seed into its kernel RNG, credited and reseeded as root, before the rebind.
     acked = _events(node, "tenant-1", "warm_claim_acked")
-    assert [e["details"]["reseeded"] for e in acked] == [True]
+    assert [e.details["reseeded"] for e in acked] == [True]
 
-    def reported() -> list[dict[str, Any]]:  # the shim's history report follows its ack
-        return [e for e in _events(node, "tenant-1", "shim_report") if e["event"] == "warm_claimed"]
+    def reported() -> list[Event]:  # the shim's history report follows its ack
+        return [e for e in _events(node, "tenant-1", "shim_report") if e.event == "warm_claimed"]
 
     poll(lambda: reported(), 30, what="the shim's warm_claimed report")
     claimed = reported()
-    assert claimed[0]["details"]["reseed"] == {
+    assert claimed[0].details["reseed"] == {
         "mixed": True,
         "credited_bits": 256,
         "crng_reseeded": True,
@@ -116,22 +117,20 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     assert node.vmm(warm_id) is None
 
     def device_trail() -> list[str]:
-        events = [e for e in node.client.events(0, 10000)["events"] if e["device_id"] == dev]
-        return [e["event"] or e["kind"] for e in events[[e["sandbox_id"] for e in events].index("tenant-1") :]]
+        events = [e for e in node.client.events(0, 10000).events if e.device_id == dev]
+        return [e.event or e.kind for e in events[[e.sandbox_id for e in events].index("tenant-1") :]]
 
     try:
         poll(lambda: "revalidated" in device_trail(), 300, what="the device scrubbed and revalidated")
     except AssertionError as e:
-        state = next(d for d in node.client.devices() if d["id"] == dev)
-        raise AssertionError(f"{e}: {state['state']} ({state['reason']}), trail {device_trail()}") from None
+        state = next(d for d in node.client.devices() if d.id == dev)
+        raise AssertionError(f"{e}: {state.state} ({state.reason}), trail {device_trail()}") from None
     trail = device_trail()
     order = [
         trail.index(k) for k in ("teardown", "release_confirmed", "scrub_started", "scrub_finished", "revalidated")
     ]
     assert order == sorted(order), trail
-    scrubbed = [
-        e for e in node.client.events(0, 10000)["events"] if e["device_id"] == dev and e["kind"] == "scrub_finished"
-    ]
-    assert scrubbed[-1]["details"]["ok"] is True
+    scrubbed = [e for e in node.client.events(0, 10000).events if e.device_id == dev and e.kind == "scrub_finished"]
+    assert scrubbed[-1].details["ok"] is True
     poll(lambda: _pool(node)["warm"] == 1, 300, what="the pool refilled")
     assert _warm_ids(node) != [warm_id] and _pool(node)["claims"] == 1

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import BaseModel
 
 from cubeaccel.cli import output
 from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
 from cubeaccel.cli.master_access import MasterUrl, call_master
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.cubelet_api import DeviceReply, Event, Reservation
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.node_sig import TokenFile
 
@@ -300,8 +302,8 @@ def serve_cmd(
                 "backend": backend,
                 "repairs": len(repairs),
                 "pid": os.getpid(),
-                "host_ready": host["ready"],
-                "host_problems": [p["code"] for p in host["problems"]],
+                "host_ready": host.ready,
+                "host_problems": [p.code for p in host.problems],
             }
         ),
         flush=True,
@@ -350,7 +352,7 @@ def devices_cmd(
     if node is not None:
         devs = call_master(master, lambda c: c.request("GET", f"/v1/nodes/{node}/devices"))["devices"]
     else:
-        devs = _Node(state_dir, url)(lambda c: c.devices())
+        devs = [_shown(d) for d in _Node(state_dir, url)(lambda c: c.devices())]
     output.emit({"devices": devs}, lambda: console.print(device_table(devs)))
 
 
@@ -369,11 +371,11 @@ def device_cmd(
 ) -> None:
     """Operator verbs on one device (by its full id or its PCI address); audited with who and why. With --node,
     through CubeMaster with an admin key, which is then the audited identity (--who is not taken)."""
-    extra: dict[str, Any] = {"restore_driver": True} if restore_driver else {}
     if node is not None:
         if who is not None:
             raise typer.BadParameter("--who is the admin key's identity through CubeMaster; leave it out")
         path = f"/v1/nodes/{node}/devices/{device_id}/{verb}"
+        extra = {"restore_driver": True} if restore_driver else {}
         d = call_master(master, lambda c: c.request("POST", path, {"reason": reason, **extra}))["device"]
         output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} ({reason})")))
         return
@@ -381,24 +383,29 @@ def device_cmd(
         raise typer.BadParameter("--who is required on the local socket (operator identity, audited)")
     local_who: str = who
 
-    def act(c: CubeletClient) -> dict[str, Any]:
+    def act(c: CubeletClient) -> DeviceReply:
         devs = c.devices()
-        if not any(d["id"] == device_id for d in devs):
-            by_address = [d["id"] for d in devs if d["address"] == device_id]
+        if not any(d.id == device_id for d in devs):
+            by_address = [d.id for d in devs if d.address == device_id]
             if len(by_address) == 1:  # `0000:10:00.0` as `devices` shows it in the address column
-                return c.verb(by_address[0], verb, local_who, reason, **extra)
-        return c.verb(device_id, verb, local_who, reason, **extra)
+                return c.verb(by_address[0], verb, local_who, reason, restore_driver=restore_driver)
+        return c.verb(device_id, verb, local_who, reason, restore_driver=restore_driver)
 
-    d = _Node(state_dir, url)(act)
+    d = _shown(_Node(state_dir, url)(act))
     output.emit(d, lambda: console.print(device_table([d], title=f"{verb}: {device_id} (by {who}: {reason})")))
 
 
-def _matches(e: dict[str, Any], device: str | None, sandbox: str | None, kind: str | None, event: str | None) -> bool:
+def _shown(record: BaseModel) -> dict[str, Any]:
+    """A reply record as `--json` prints it and the tables read it: its wire JSON."""
+    return record.model_dump(mode="json", by_alias=True)
+
+
+def _matches(e: Event, device: str | None, sandbox: str | None, kind: str | None, event: str | None) -> bool:
     return (
-        (device is None or e.get("device_id") == device)
-        and (sandbox is None or e.get("sandbox_id") == sandbox)
-        and (kind is None or e.get("kind") == kind)
-        and (event is None or e.get("event") == event)
+        (device is None or e.device_id == device)
+        and (sandbox is None or e.sandbox_id == sandbox)
+        and (kind is None or e.kind == kind)
+        and (event is None or e.event == event)
     )
 
 
@@ -419,34 +426,32 @@ def events_cmd(
 
     output.json_flag(as_json)
     node = _Node(state_dir, url)
-    params: dict[str, Any] = {"since": since, "limit": 10000}
-    if device:
-        params["device_id"] = device
-    if sandbox:
-        params["sandbox_id"] = sandbox
 
-    def page(c: CubeletClient, after: int) -> tuple[list[dict[str, Any]], int]:
-        evs: list[dict[str, Any]] = []
+    def page(c: CubeletClient, after: int) -> tuple[list[Event], int]:
+        evs: list[Event] = []
         cursor = after
         while True:
-            body = c.request("GET", "/v1/events", params={**params, "since": cursor})
-            evs += body["events"]
-            if len(body["events"]) < 10000:
-                return evs, int(body["next"])
-            cursor = int(body["next"])
+            body = c.events(cursor, 10000, device_id=device or None, sandbox_id=sandbox or None)
+            evs += body.events
+            if len(body.events) < 10000:
+                return evs, body.next
+            cursor = body.next
 
-    def first(c: CubeletClient) -> tuple[list[dict[str, Any]], int]:
+    def first(c: CubeletClient) -> tuple[list[Event], int]:
         return page(c, since)
+
+    def picked(evs: list[Event]) -> list[dict[str, Any]]:
+        return [_shown(e) for e in evs if _matches(e, device, sandbox, kind, event)]
 
     if not follow:
         evs, _ = node(first)
-        newest = [e for e in evs if _matches(e, device, sandbox, kind, event)][-limit:][::-1]
+        newest = picked(evs)[-limit:][::-1]
         output.emit({"events": newest}, lambda: console.print(event_table(newest)))
         return
     try:
         with output.reaching("Cubelet", node.where, node.fix):
             evs, cursor = first(node.client)
-            shown = [e for e in evs if _matches(e, device, sandbox, kind, event)][-limit:][::-1]
+            shown = picked(evs)[-limit:][::-1]
             if output.machine():
                 for e in shown[::-1]:
                     print(json.dumps(e), flush=True)
@@ -455,12 +460,11 @@ def events_cmd(
             while True:
                 time.sleep(0.5)
                 evs, cursor = page(node.client, cursor)
-                for e in evs:
-                    if _matches(e, device, sandbox, kind, event):
-                        if output.machine():
-                            print(json.dumps(e), flush=True)
-                        else:
-                            console.print(event_table([e], title=""), end="")
+                for e in picked(evs):
+                    if output.machine():
+                        print(json.dumps(e), flush=True)
+                    else:
+                        console.print(event_table([e], title=""), end="")
     except KeyboardInterrupt:
         pass
     finally:
@@ -473,23 +477,18 @@ def reservation_list(state_dir: ClientStateDir = None, url: Url = None, as_json:
     from rich.table import Table
 
     output.json_flag(as_json)
-    rows = _Node(state_dir, url)(lambda c: c.request("GET", "/v1/reservations")["reservations"])
+    held: list[Reservation] = _Node(state_dir, url)(lambda c: c.reservations())
 
     def table() -> None:
         t = Table(title="reservations")
         t.add_column("sandbox", no_wrap=True)
         for col in ("phase", "devices", "expires"):
             t.add_column(col, overflow="fold")
-        for r in rows:
-            t.add_row(
-                r["sandbox_id"],
-                output.state(r.get("phase")),
-                ", ".join(r.get("device_ids") or []) or "-",
-                str(r.get("expires_at") or "-"),
-            )
+        for r in held:
+            t.add_row(r.sandbox_id, output.state(r.phase), ", ".join(r.device_ids) or "-", str(r.expires_at or "-"))
         console.print(t)
 
-    output.emit({"reservations": rows}, table)
+    output.emit({"reservations": [_shown(r) for r in held]}, table)
 
 
 def demo_cmd(profile: Annotated[str, typer.Option(help="simulated devices, when QEMU is missing")] = "h100x2") -> None:

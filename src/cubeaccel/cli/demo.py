@@ -15,8 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rich.table import Table
+
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.cubelet_api import Device, Event
 from cubeaccel.wire.cubelet_client import CubeletClient
 
 
@@ -33,24 +37,32 @@ def wait_for(fn: Any, what: str, deadline_s: float = 120.0) -> Any:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def _events(client: CubeletClient, sid: str) -> list[dict[str, Any]]:
-    return [e for e in client.events(0, 10000)["events"] if e["sandbox_id"] == sid]
+def _events(client: CubeletClient, sid: str) -> list[Event]:
+    return client.events(0, 10000, sandbox_id=sid).events
 
 
-def print_timeline(events: list[dict[str, Any]]) -> None:
+def _has(client: CubeletClient, device_id: str, state: DeviceState) -> bool:
+    return any(d.id == device_id and d.state is state for d in client.devices())
+
+
+def _table(devices: list[Device], title: str) -> Table:
+    return device_table([d.model_dump(mode="json", by_alias=True) for d in devices], title=title)
+
+
+def print_timeline(events: list[Event]) -> None:
     if not events:
         return
-    t0 = events[0]["at"]
+    t0 = events[0].at
     console.print("[bold]sandbox timeline[/bold] (seconds since the reservation, from Cubelet's event journal)")
     for e in events:
-        label = e["event"] or e["kind"]
-        if e["kind"] == "transition":
-            label = f"{e['device_id']}: {e['from_state']} → {e['to_state']}"
-        console.print(f"  {e['at'] - t0:7.3f}s  {label}")
-    shim = [e for e in events if e["event"] == "shim_exiting"]
-    if shim and shim[-1]["details"].get("timeline"):
+        label = e.event or e.kind
+        if e.kind == "transition":
+            label = f"{e.device_id}: {e.from_state} → {e.to_state}"
+        console.print(f"  {e.at - t0:7.3f}s  {label}")
+    shim = [e for e in events if e.event == "shim_exiting"]
+    if shim and shim[-1].details.get("timeline"):
         console.print("[bold]shim phase breakdown[/bold] (seconds, measured by the shim)")
-        for k, v in shim[-1]["details"]["timeline"].items():
+        for k, v in shim[-1].details["timeline"].items():
             console.print(f"  {k:<24} {v:8.3f}")
 
 
@@ -113,28 +125,26 @@ def run_demo(profile: str) -> int:
         console.print(f"placed on node {sb['node']} with template {sb['template']['name']}: device {dev}")
 
         def ready() -> bool:
-            kinds = [e["event"] or e["kind"] for e in _events(cubelet, sid)]
-            attached = any(d["id"] == dev and d["state"] == "attached" for d in cubelet.devices())
-            return attached and ("guest_checked" in kinds or not emulated)
+            kinds = [e.event or e.kind for e in _events(cubelet, sid)]
+            return _has(cubelet, dev, DeviceState.ATTACHED) and ("guest_checked" in kinds or not emulated)
 
         wait_for(ready, "the sandbox to run with its device attached and validated", 180)
-        console.print(device_table(cubelet.devices(), title=f"sandbox {sid} running"))
+        console.print(_table(cubelet.devices(), title=f"sandbox {sid} running"))
         if emulated and sb.get("access_token"):
             show_device_in_guest(info["cubelet_url"], sid, sb["access_token"])
         console.print(f"[bold]cubeaccel sandbox delete {sid}[/bold]")
         master.delete(sid)
         # Its own device: `up` keeps a warm sandbox, whose device stays attached (docs/warm.md).
+        wait_for(lambda: _has(cubelet, dev, DeviceState.ALLOCATABLE), "the release", 120)
         wait_for(
-            lambda: any(d["id"] == dev and d["state"] == "allocatable" for d in cubelet.devices()), "the release", 120
-        )
-        wait_for(
-            lambda: any(e["kind"] == "reservation_closed" for e in _events(cubelet, sid)),
+            lambda: any(e.kind == "reservation_closed" for e in _events(cubelet, sid)),
             "the reservation to close (shim and VMM gone)",
             60,
         )
-        console.print(device_table(cubelet.devices(), title="after release (VMM gone, no holders, reset, revalidated)"))
+        console.print(_table(cubelet.devices(), title="after release (VMM gone, no holders, reset, revalidated)"))
         print_timeline(_events(cubelet, sid))
-        console.print(event_table(cubelet.events(0, 10000)["events"], title="event trail (Cubelet journal)"))
+        trail = [e.model_dump(mode="json") for e in cubelet.events(0, 10000).events]
+        console.print(event_table(trail, title="event trail (Cubelet journal)"))
         return 0
     finally:
         subprocess.run([sys.executable, "-m", "cubeaccel", "down", "--state-dir", str(state)], timeout=60)

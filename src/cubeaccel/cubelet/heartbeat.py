@@ -18,6 +18,7 @@ from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
+from cubeaccel.wire.heartbeat import HostProblem
 from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.warm import WarmPoolFact, WarmSandboxFact
 
@@ -31,10 +32,10 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         cubelet_url=cubelet_url,
         version=__version__,
         capacity=capacity_summary(cubelet.store.devices(), cubelet.config.node_name, [cubelet.backend.name]),
-        pinnable_memory_mib=pinned["free_mib"],  # free lockable memory: what a new sandbox may lock
-        pinned_memory=pinned,
-        ready=readiness["ready"],
-        host_problems=readiness["problems"],
+        pinnable_memory_mib=pinned.free_mib,  # free lockable memory: what a new sandbox may lock
+        pinned_memory=pinned.to_json(),
+        ready=readiness.ready,
+        host_problems=[HostProblem(code=p.code, message=p.message) for p in readiness.problems],
         guest_images=[i.to_json() for i in facts.guest_images],
         hotplug=list(facts.hotplug),
         max_devices_per_sandbox=cubelet.max_devices_per_sandbox,
@@ -87,12 +88,12 @@ def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
     return out
 
 
-def host_state(cubelet: Cubelet) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Host readiness and the pinned-memory ledger, as the heartbeat and `GET /v1/host` show them."""
+def host_state(cubelet: Cubelet) -> tuple[host_ready.Readiness, memory_ledger.Ledger]:
+    """Host readiness and the pinned-memory ledger, as the heartbeat and `GET /v1/host` show them (one read)."""
     with cubelet.store.read() as t:
         readiness = host_ready.current(t)
         led = memory_ledger.ledger(t.reservations(), cubelet.config.pinnable_memory_mib, cubelet.vmm_host)
-    return readiness.to_json(), led.to_json()
+    return readiness, led
 
 
 class Heartbeat:

@@ -26,7 +26,7 @@ from cubeaccel.cubelet.heartbeat import host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.metrics import metrics_of
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.cubelet.store import Reservation
+from cubeaccel.cubelet.store import Event, Reservation
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.host.service.throttle import Throttle
 from cubeaccel.host.service.unix_path import connect_path
@@ -34,12 +34,13 @@ from cubeaccel.model.cold_start import cold_start_phases, start_path
 from cubeaccel.model.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
 from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
+from cubeaccel.model.pinned_memory import QEMU_LOCKED_PER_VCPU_MIB
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire import node_sig, proxy
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, GateMiddleware, api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
-from cubeaccel.wire.dashboard import EVENT_FIELDS, NodeDashboard
+from cubeaccel.wire.dashboard import DashboardEvent, DashboardSandbox, NodeDashboard
 from cubeaccel.wire.http_server import PEER_KEY, run_servers, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 from cubeaccel.wire.warm import WarmClaimBody, WarmDrainReply, WarmPoolBody, WarmPoolList
@@ -155,26 +156,26 @@ def create_app(
 
         app.add_middleware(BeforeReplyMiddleware, hook=audit_request)
 
-    def dev(device_id: str) -> dict[str, Any]:
+    def dev(device_id: str) -> W.DeviceReply:
         d = cubelet.store.device(device_id)
         if d is None:
             raise not_found("device.not_found", f"no device {device_id!r}")
-        return d.to_json()
+        return W.DeviceReply.of(d)
 
     # The journal's schema is migrated when the store opens, before any app exists; it cannot change after.
-    healthy = {"status": "ok", "node": cubelet.config.node_name, "schema_version": cubelet.store.schema_version}
+    healthy = W.Health(status="ok", node=cubelet.config.node_name, schema_version=cubelet.store.schema_version)
 
     @app.get("/v1/health", response_model=W.Health)
-    async def health() -> dict[str, Any]:
+    async def health() -> W.Health:
         """On the event loop: a liveness probe needs no worker thread (and no store read)."""
         return healthy
 
     @app.get("/v1/devices", response_model=W.DeviceList)
-    def devices() -> dict[str, Any]:
-        return {"devices": [d.to_json() for d in cubelet.store.devices()]}
+    def devices() -> W.DeviceList:
+        return W.DeviceList(devices=[W.Device.of(d) for d in cubelet.store.devices()])
 
     @app.get("/v1/devices/{device_id}", response_model=W.DeviceReply)
-    def device(device_id: str) -> dict[str, Any]:
+    def device(device_id: str) -> W.DeviceReply:
         return dev(device_id)
 
     verbs = {
@@ -184,23 +185,23 @@ def create_app(
         "enable": operator.enable,
     }
 
-    def device_verb(device_id: str, verb: str, body: W.OperatorBody) -> dict[str, Any]:
+    def device_verb(device_id: str, verb: str, body: W.OperatorBody) -> W.DeviceReply:
         fn = verbs.get(verb)
         if fn is None:
             raise not_found("api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(verbs)}")
         dev(device_id)
         if verb == "disable":
-            return operator.disable(cubelet, device_id, body.who, body.reason, body.restore_driver).to_json()
-        return fn(cubelet, device_id, body.who, body.reason).to_json()
+            return W.DeviceReply.of(operator.disable(cubelet, device_id, body.who, body.reason, body.restore_driver))
+        return W.DeviceReply.of(fn(cubelet, device_id, body.who, body.reason))
 
     # The hot routes are async with one worker-thread hand-off for the blocking work: a sync route would take
     # a second one just to check its reply against the response model.
     @app.post("/v1/reservations", status_code=201, response_model=W.ReservationView)
-    async def create_reservation(body: W.ReservationBody, request: Request) -> dict[str, Any]:
+    async def create_reservation(body: W.ReservationBody, request: Request) -> W.ReservationView:
         request.state.audit_fields = {"sandbox": body.sandbox_id, "tenant": body.tenant}  # the request's own entry
         return await run_in_threadpool(reserve_now, body)
 
-    def reserve_now(body: W.ReservationBody) -> dict[str, Any]:
+    def reserve_now(body: W.ReservationBody) -> W.ReservationView:
         req = _request(body)
         try:
             cubelet.reserve(body.sandbox_id, req)
@@ -209,24 +210,21 @@ def create_app(
             raise
         if body.start:
             cubelet.start(body.sandbox_id, body.workload_token.get_secret_value() if body.workload_token else None)
-        return {
-            **_reservation_json(cubelet, body.sandbox_id, local),
-            "access_token": cubelet.take_token(body.sandbox_id),
-        }
+        return reservation_view(cubelet, body.sandbox_id, local, access_token=cubelet.take_token(body.sandbox_id))
 
     # ---- warm sandboxes (docs/warm.md) ----
     @app.post("/v1/warm/claim", status_code=201, response_model=W.ReservationView)
-    async def claim_warm(body: WarmClaimBody, request: Request) -> dict[str, Any]:
+    async def claim_warm(body: WarmClaimBody, request: Request) -> W.ReservationView:
         """A reservation request served only from the node's warm pool: 201 and the running sandbox with its
         workload token, or 409 `warm.no_match` with `details.reason` (the caller takes the cold path)."""
         request.state.audit_fields = {"sandbox": body.sandbox_id, "tenant": body.tenant}
         return await run_in_threadpool(claim_now, body)
 
-    def claim_now(body: WarmClaimBody) -> dict[str, Any]:
+    def claim_now(body: WarmClaimBody) -> W.ReservationView:
         given = body.workload_token.get_secret_value() if body.workload_token else None
         _, token, ack = cubelet.warm.claim(body.sandbox_id, _request(body), given, body.warm_id)
-        hand_off = {"reseed_ms": ack.reseed_ms, "rebind_ms": ack.rebind_ms, "reseeded": ack.reseeded}
-        return {**_reservation_json(cubelet, body.sandbox_id, local), "access_token": token, "hand_off": hand_off}
+        hand_off = W.WarmHandOff(reseed_ms=ack.reseed_ms, rebind_ms=ack.rebind_ms, reseeded=ack.reseeded)
+        return reservation_view(cubelet, body.sandbox_id, local, access_token=token, hand_off=hand_off)
 
     @app.get("/v1/warm/pools", response_model=WarmPoolList)
     def warm_pools() -> dict[str, Any]:
@@ -248,18 +246,18 @@ def create_app(
         return warm_pools()
 
     @app.get("/v1/reservations", response_model=W.ReservationList)
-    def reservations() -> dict[str, Any]:
-        return {"reservations": [_view(r, local) for r in cubelet.store.reservations()]}
+    def reservations() -> W.ReservationList:
+        return W.ReservationList(reservations=[_view(r, local) for r in cubelet.store.reservations()])
 
     @app.get("/v1/reservations/{sandbox_id}", response_model=W.ReservationView)
-    def reservation(sandbox_id: str) -> dict[str, Any]:
+    def reservation(sandbox_id: str) -> W.ReservationView:
         cubelet.get_reservation(sandbox_id)
-        return _reservation_json(cubelet, sandbox_id, local)
+        return reservation_view(cubelet, sandbox_id, local)
 
     @app.post("/v1/reservations/{sandbox_id}/start", response_model=W.ReservationView)
-    def start(sandbox_id: str) -> dict[str, Any]:
+    def start(sandbox_id: str) -> W.ReservationView:
         cubelet.start(validate_sandbox_id(sandbox_id))
-        return {**_reservation_json(cubelet, sandbox_id, local), "access_token": cubelet.take_token(sandbox_id)}
+        return reservation_view(cubelet, sandbox_id, local, access_token=cubelet.take_token(sandbox_id))
 
     @app.post("/v1/reservations/{sandbox_id}/{operation}")
     def lifecycle_operation(sandbox_id: str, operation: str) -> dict[str, Any]:
@@ -268,37 +266,53 @@ def create_app(
         raise refuse(operation, res.sandbox_id, has_accelerator=bool(res.device_ids))
 
     @app.delete("/v1/reservations/{sandbox_id}", status_code=202, response_model=W.Release)
-    async def delete_reservation(sandbox_id: str) -> dict[str, Any]:
+    async def delete_reservation(sandbox_id: str) -> W.Release:
         return await run_in_threadpool(release_now, sandbox_id)
 
-    def release_now(sandbox_id: str) -> dict[str, Any]:
-        return _release_json(cubelet, sandbox_id, cubelet.release(sandbox_id), local)
+    def release_now(sandbox_id: str) -> W.Release:
+        return _release_view(cubelet, sandbox_id, cubelet.release(sandbox_id), local)
 
-    def shim_report(body: dict[str, Any]) -> dict[str, Any]:
+    def shim_report(body: dict[str, Any]) -> W.Accepted:
         try:
             report = parse_report(body)
         except ValueError as e:
             raise invalid("api.invalid_shim_report", f"invalid shim report: {e}") from e
         validate_sandbox_id(report.sandbox_id)
         cubelet.handle_report(report)
-        return {"accepted": True}
+        return W.Accepted(accepted=True)
 
     @app.get("/v1/events", response_model=W.EventPage)
     def events(
         since: int = 0, limit: int = 1000, device_id: str | None = None, sandbox_id: str | None = None
-    ) -> dict[str, Any]:
+    ) -> W.EventPage:
         if not 0 <= since < 2**62 or not 1 <= limit <= 10000:
             raise invalid("api.invalid_cursor", "since must be ≥ 0 and limit 1..10000")
         if sandbox_id is not None:
             validate_sandbox_id(sandbox_id)
         evs = cubelet.store.events(since, limit, device_id, sandbox_id=sandbox_id)
-        return {"events": [e.to_json() for e in evs], "next": evs[-1].seq if evs else since}
+        return W.EventPage(events=[_event(e) for e in evs], next=evs[-1].seq if evs else since)
 
     @app.get("/v1/host", response_model=W.HostReply)
-    def host() -> dict[str, Any]:
+    def host() -> W.HostReply:
         """Host readiness (the backend's host-wide checks) and the pinned-memory ledger."""
-        readiness, pinned = host_state(cubelet)
-        return {"node": cubelet.config.node_name, "backend": cubelet.backend.name, **readiness, "pinned_memory": pinned}
+        readiness, led = host_state(cubelet)
+        return W.HostReply(
+            node=cubelet.config.node_name,
+            backend=cubelet.backend.name,
+            ready=readiness.ready,
+            checked_at=readiness.checked_at,
+            problems=[W.HostProblem(code=p.code, message=p.message) for p in readiness.problems],
+            pinned_memory=W.PinnedMemory(
+                lockable_mib=led.lockable_mib,
+                locked_mib=led.locked_mib,
+                free_mib=led.free_mib,
+                source=led.source,
+                per_vmm_limit_mib=led.per_vmm_limit_mib,
+                vmm_overhead_mib=led.vmm_overhead_mib,
+                vmm_overhead_per_vcpu_mib=QEMU_LOCKED_PER_VCPU_MIB,
+                sandboxes=dict(led.by_sandbox),
+            ),
+        )
 
     @app.get("/v1/capacity", response_model=CapacitySummary)
     def capacity() -> CapacitySummary:
@@ -309,12 +323,15 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/dashboard", response_model=NodeDashboard)
-    def dashboard(events: int = 50) -> dict[str, Any]:
+    def dashboard(events: int = 50) -> NodeDashboard:
         """Devices, reservations with their cold-start waterfall, and the newest events: CubeMaster's page."""
-        return dashboard_json(cubelet, max(0, min(events, 500)))
+        return dashboard_view(cubelet, max(0, min(events, 500)))
 
-    def run_reconcile() -> dict[str, Any]:
-        return {"repairs": [r.__dict__ for r in reconcile(cubelet)]}
+    def run_reconcile() -> W.Repairs:
+        repairs = reconcile(cubelet)
+        return W.Repairs(
+            repairs=[W.Repair(device_id=r.device_id, sandbox_id=r.sandbox_id, what=r.what, why=r.why) for r in repairs]
+        )
 
     add_workload_proxy(app, cubelet)
     app.post("/v1/devices/{device_id}/{verb}", response_model=W.DeviceReply)(device_verb)
@@ -366,70 +383,116 @@ def _action(request: Request) -> str:
     return ACTIONS.get((request.method, path), f"{request.method} {path}")
 
 
-def _view(res: Reservation, local: bool) -> dict[str, Any]:
+def _view(res: Reservation, local: bool) -> W.Reservation:
     """A reservation as served. The start nonce (`facts.start_id`) is what makes a shim report count: it goes
     to the shim in its spec and is shown on the root-only unix socket, never over TCP."""
-    out = res.to_json()
-    if not local:
-        out["facts"] = {k: v for k, v in out["facts"].items() if k != "start_id"}
-    return out
+    facts = W.LocalCheckpoint.of(res.checkpoint) if local else W.Checkpoint.of(res.checkpoint)
+    return W.Reservation(
+        sandbox_id=res.sandbox_id,
+        params=res.params,
+        device_ids=res.device_ids,
+        phase=res.phase,
+        created_at=res.created_at,
+        expires_at=res.expires_at,
+        facts=facts,
+        releasing_since=res.releasing_since,
+    )
 
 
-def _reservation_json(cubelet: Cubelet, sandbox_id: str, local: bool = True) -> dict[str, Any]:
-    with cubelet.store.read() as t:  # one snapshot: the reservation, its devices and its timeline agree
+def _event(e: Event) -> W.Event:
+    return W.Event(
+        seq=e.seq,
+        at=e.at,
+        kind=e.kind,
+        device_id=e.device_id,
+        sandbox_id=e.sandbox_id,
+        event=e.event,
+        from_state=e.from_state,
+        to_state=e.to_state,
+        actor=e.actor,
+        reason=e.reason,
+        details=e.details,
+    )
+
+
+def reservation_view(
+    cubelet: Cubelet,
+    sandbox_id: str,
+    local: bool = True,
+    access_token: str | None = None,
+    hand_off: W.WarmHandOff | None = None,
+) -> W.ReservationView:
+    """A sandbox's reservation, devices, timeline and failure, from one snapshot (they agree)."""
+    with cubelet.store.read() as t:
         res = t.reservation(sandbox_id)
-        devs = [d.to_json() for d in t.devices_of(sandbox_id)]
-        timeline = t.timeline(sandbox_id)
+        devs = [W.Device.of(d) for d in t.devices_of(sandbox_id)]
+        timeline = [W.TimelineEntry(**row) for row in t.timeline(sandbox_id)]
         failure = _failure(res, t.last_closed(sandbox_id) if res is None else None)
-    return {
-        "sandbox_id": sandbox_id,
-        "reservation": None if res is None else _view(res, local),
-        "devices": devs,
-        "timeline": timeline,
-        "failure": failure,
-    }
+    return W.ReservationView(
+        sandbox_id=sandbox_id,
+        reservation=None if res is None else _view(res, local),
+        devices=devs,
+        timeline=timeline,
+        failure=failure,
+        access_token=access_token,
+        hand_off=hand_off,
+    )
 
 
-def _release_json(cubelet: Cubelet, sandbox_id: str, res: Reservation | None, local: bool) -> dict[str, Any]:
+def _release_view(cubelet: Cubelet, sandbox_id: str, res: Reservation | None, local: bool) -> W.Release:
     """A DELETE's reply: the devices only (no timeline read to be dropped)."""
     with cubelet.store.read() as t:
-        devs = [d.to_json() for d in t.devices_of(sandbox_id)]
-    return {
-        "sandbox_id": sandbox_id,
-        "released": res is None,
-        "reservation": None if res is None else _view(res, local),
-        "devices": devs,
-    }
+        devs = [W.Device.of(d) for d in t.devices_of(sandbox_id)]
+    return W.Release(
+        sandbox_id=sandbox_id,
+        released=res is None,
+        reservation=None if res is None else _view(res, local),
+        devices=devs,
+    )
 
 
-def dashboard_json(cubelet: Cubelet, n_events: int) -> dict[str, Any]:
+def dashboard_view(cubelet: Cubelet, n_events: int) -> NodeDashboard:
     sandboxes = []
     for r in cubelet.store.reservations():
         events = cubelet.store.events(0, 10000, sandbox_id=r.sandbox_id)
-        trail = [(e.kind, e.event, e.at) for e in events]
         sandboxes.append(
-            {
-                "sandbox_id": r.sandbox_id,
-                "phase": r.phase.value,
-                "device_ids": r.device_ids,
-                "created_at": r.created_at,
-                "phases": cold_start_phases(trail),
-                "start": start_path((e.kind, e.event, e.details) for e in events),
-            }
+            DashboardSandbox(
+                sandbox_id=r.sandbox_id,
+                phase=r.phase,
+                device_ids=r.device_ids,
+                created_at=r.created_at,
+                phases=cold_start_phases((e.kind, e.event, e.at) for e in events),
+                start=start_path((e.kind, e.event, e.details) for e in events),
+            )
         )
-    return {
-        "node": cubelet.config.node_name,
-        "devices": [d.to_json() for d in cubelet.store.devices()],
-        "sandboxes": sandboxes,
-        "events": [{k: getattr(e, k) for k in EVENT_FIELDS} for e in cubelet.store.latest_events(n_events)],
-    }
+    return NodeDashboard(
+        node=cubelet.config.node_name,
+        devices=[W.Device.of(d) for d in cubelet.store.devices()],
+        sandboxes=sandboxes,
+        events=[
+            DashboardEvent(
+                seq=e.seq,
+                at=e.at,
+                kind=e.kind,
+                device_id=e.device_id,
+                sandbox_id=e.sandbox_id,
+                event=e.event,
+                from_state=e.from_state,
+                to_state=e.to_state,
+                actor=e.actor,
+                reason=e.reason,
+            )
+            for e in cubelet.store.latest_events(n_events)
+        ],
+    )
 
 
-def _failure(res: Reservation | None, closed: dict[str, Any] | None) -> dict[str, Any] | None:
+def _failure(res: Reservation | None, closed: dict[str, Any] | None) -> W.Failure | None:
+    """The live reservation's failure, or the one its `reservation_closed` event kept."""
     if res is not None:
-        return None if res.checkpoint.failure is None else res.checkpoint.failure.to_json()
+        return None if res.checkpoint.failure is None else W.Failure.of(res.checkpoint.failure)
     failure = closed.get("facts", {}).get("failure") if closed else None
-    return failure if isinstance(failure, dict) else None
+    return W.Failure.model_validate(failure) if isinstance(failure, dict) else None
 
 
 class Ticker:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from cubeaccel.master.node_truth import silent_nodes
 from cubeaccel.master.service import CubeMaster, sandbox_json
@@ -46,8 +47,7 @@ class DashboardFeed:
             return self._last
 
     def _ask(self, url: str) -> dict[str, Any]:
-        reply = self.master.client(url).request("GET", "/v1/dashboard", params={"events": 30}, timeout=NODE_TIMEOUT_S)
-        return dict(reply)
+        return self.master.client(url).dashboard(30, timeout=NODE_TIMEOUT_S).model_dump(mode="json", by_alias=True)
 
     def _gather(self) -> dict[str, Any]:
         now = time.time()
@@ -72,7 +72,7 @@ class DashboardFeed:
             else:
                 try:
                     got = future.result()
-                except (CubeError, httpx.HTTPError) as e:
+                except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed reply: as unreachable
                     code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
                     node["error"] = {"code": code, "message": str(e)[:300]}
                 else:

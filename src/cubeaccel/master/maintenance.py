@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import httpx
 
@@ -34,10 +35,13 @@ from cubeaccel.model.sandbox_states import (
     SandboxEvent,
     SandboxState,
 )
+from cubeaccel.wire.cubelet_api import Failure, Reservation
+from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.warm import WARM_ID_PREFIX
 
 SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE
 
+T = TypeVar("T")
 ORPHAN_GRACE_S = 60.0  # a reservation younger than this may belong to a create still in flight
 STARTING_POLL_AFTER_S = 5.0  # the Cubelet pushes ready/failed at once; polling is only the fallback
 
@@ -53,8 +57,8 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
     if view is None:
         return {"node": name, "skipped": "unknown node"}
     rows = master.store.sandboxes(states=HELD_STATES, node=name)
-    reservations = _cubelet_call(master, view.cubelet_url, "GET", "/v1/reservations")["reservations"]
-    held = {r["sandbox_id"]: r for r in reservations}
+    url = view.cubelet_url
+    held = {r.sandbox_id: r for r in _on_node(master, url, lambda c: c.reservations())}
     lost, orphans = [], []
     for row in rows:
         if row["id"] in held:
@@ -62,7 +66,7 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
         if row["state"] is SS.DELETING:
             master.store.update_sandbox(row["id"], "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=MAINT)
             continue
-        failure = _closed_failure(master, view.cubelet_url, str(row["id"]))
+        failure = _closed_failure(master, url, str(row["id"]))
         if failure is not None:
             master.store.update_sandbox(
                 row["id"],
@@ -70,7 +74,7 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
                 expect=(SS.STARTING, SS.RUNNING),
                 event=SE.FAIL,
                 by=MAINT,
-                error={**failure, "node": name},
+                error={**failure.model_dump(mode="json"), "node": name},
             )
             continue
         master.store.update_sandbox(
@@ -93,21 +97,23 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
             continue  # the node's own warm sandbox: no record here until a claim names it (docs/warm.md)
         rec = master.store.sandbox(sid)
         live = rec is not None and rec["node"] == name and rec["state"] in (SS.PLACING, *HELD_STATES)
-        young = now - float(r.get("created_at") or 0) < ORPHAN_GRACE_S and rec is not None
+        young = now - r.created_at < ORPHAN_GRACE_S and rec is not None
         if not live and not young:
-            _cubelet_call(master, view.cubelet_url, "DELETE", f"/v1/reservations/{sid}")
+            _release(master, url, sid)
             orphans.append(sid)
     master.store.mark_reconciled(name, now)
     master.cache.invalidate()
     return {"node": name, "lost": lost, "released_orphans": orphans}
 
 
-def _closed_failure(master: CubeMaster, url: str, sid: str) -> dict[str, Any] | None:
+def _closed_failure(master: CubeMaster, url: str, sid: str) -> Failure | None:
     """The failure the Cubelet recorded when it closed the sandbox's reservation, from its event trail."""
-    events = master.client(url).request("GET", "/v1/events", params={"sandbox_id": sid, "limit": 10000})["events"]
-    closed = [e for e in events if e.get("kind") == "reservation_closed"]
-    failure = ((closed[-1].get("details") or {}).get("facts") or {}).get("failure") if closed else None
-    return failure if isinstance(failure, dict) else None
+    closed = [
+        e for e in master.client(url).events(limit=10000, sandbox_id=sid).events if e.kind == "reservation_closed"
+    ]
+    facts = closed[-1].details.get("facts") if closed else None  # the event's details are free-form
+    failure = facts.get("failure") if isinstance(facts, dict) else None
+    return Failure.model_validate(failure) if isinstance(failure, dict) else None
 
 
 def poll_starting(master: CubeMaster, row: Row) -> str:
@@ -115,16 +121,18 @@ def poll_starting(master: CubeMaster, row: Row) -> str:
     url = master.node_url(row["node"])
     if url is None:
         return str(row["state"])
+    sid = str(row["id"])
     try:
-        reply = _cubelet_call(master, url, "GET", f"/v1/reservations/{row['id']}")
+        reply = _on_node(master, url, lambda c: c.reservation(sid))
+        res, failure = reply.reservation, reply.failure
     except CubeError as e:
         if e.code != "reservation.not_found":
             raise
-        reply = {"reservation": None, "failure": _closed_failure(master, url, str(row["id"]))}
-    res, failure = reply.get("reservation"), reply.get("failure")
-    if failure or res is None:
-        return master.node_status(str(row["node"]), str(row["id"]), "failed", failure or START_FAILED)
-    if res.get("phase") == ReservationPhase.RUNNING:
+        res, failure = None, _closed_failure(master, url, sid)
+    if failure is not None or res is None:
+        error = START_FAILED if failure is None else failure.model_dump(mode="json")
+        return master.node_status(str(row["node"]), sid, "failed", error)
+    if res.phase is ReservationPhase.RUNNING:
         return master.node_status(str(row["node"]), str(row["id"]), "running", {})
     return str(row["state"])
 
@@ -138,14 +146,14 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
     """
     sid, state = str(row["id"]), str(row["state"])
     url = master.node_url(row["node"]) if row["state"] is SS.PLACING else None
-    res: dict[str, Any] | None = None
+    res: Reservation | None = None
     if url is not None:
         try:
-            res = _cubelet_call(master, url, "GET", f"/v1/reservations/{sid}").get("reservation")
+            res = _on_node(master, url, lambda c: c.reservation(sid)).reservation
         except CubeError as e:
             if e.code != "reservation.not_found":
                 raise
-    if res is not None and res.get("phase") == ReservationPhase.RUNNING:
+    if res is not None and res.phase is ReservationPhase.RUNNING:
         master.store.update_sandbox(
             sid,
             "reserved",
@@ -153,14 +161,14 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
             event=SE.READY,
             by=MAINT,
             detail={"node": row["node"], "recovered": True},
-            device_ids=list(res.get("device_ids", [])),
-            cubelet_created_at=res.get("created_at"),
+            device_ids=list(res.device_ids),
+            cubelet_created_at=res.created_at,
         )
-    elif res is not None and res.get("phase") == ReservationPhase.STARTING:
+    elif res is not None and res.phase is ReservationPhase.STARTING:
         return state  # the Cubelet is still starting it: look again next tick
     else:
         if res is not None and url is not None:
-            _cubelet_call(master, url, "DELETE", f"/v1/reservations/{sid}")
+            _release(master, url, sid)
         master.store.update_sandbox(
             sid,
             "failed",
@@ -178,9 +186,15 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
     return "gone" if current is None else str(current["state"])
 
 
-def _cubelet_call(master: CubeMaster, url: str, method: str, path: str) -> dict[str, Any]:
+def _release(master: CubeMaster, url: str, sid: str) -> None:
+    """Ask the node to run its release path for `sid` (it decides when the devices are safe again)."""
+    _on_node(master, url, lambda c: c.release(sid))
+
+
+def _on_node(master: CubeMaster, url: str, call: Callable[[CubeletClient], T]) -> T:
+    """One call to the node's Cubelet; a transport failure is 502 `cubelet.unreachable`."""
     try:
-        return dict(master.client(url).request(method, path))
+        return call(master.client(url))
     except httpx.HTTPError as e:
         raise CubeError(
             "cubelet.unreachable", f"Cubelet at {url}: {type(e).__name__}: {e}", "api", {"cubelet_url": url}

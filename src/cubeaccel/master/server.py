@@ -428,7 +428,8 @@ def create_app(
 
     @app.get("/v1/nodes/{node}/devices", response_model=W.NodeDevices)
     def node_devices(node: str) -> dict[str, Any]:
-        return {"node": node, "devices": forwarded(node, lambda c: c.devices())}
+        devices = forwarded(node, lambda c: c.devices())
+        return {"node": node, "devices": [d.model_dump(mode="json", by_alias=True) for d in devices]}
 
     @app.post("/v1/nodes/{node}/devices/{device_id}/{verb}", response_model=W.NodeDevice)
     def device_verb(node: str, device_id: str, verb: str, body: W.DeviceVerbBody, request: Request) -> dict[str, Any]:
@@ -437,10 +438,14 @@ def create_app(
         if verb not in DEVICE_VERBS:
             raise CubeError("api.unknown_verb", f"unknown device verb {verb!r}; known: {sorted(DEVICE_VERBS)}", "api")
         ident: Identity = request.state.identity
-        extra = {"restore_driver": True} if body.restore_driver else {}
         rid = request.state.request_id
-        dev = forwarded(node, lambda c: c.verb(device_id, verb, ident.label(), body.reason, request_id=rid, **extra))
-        return {"node": node, "device": dev}
+        dev = forwarded(
+            node,
+            lambda c: c.verb(
+                device_id, verb, ident.label(), body.reason, request_id=rid, restore_driver=body.restore_driver
+            ),
+        )
+        return {"node": node, "device": dev.model_dump(mode="json", by_alias=True)}
 
     @app.get("/v1/capacity", response_model=W.Capacity)
     def capacity() -> dict[str, Any]:

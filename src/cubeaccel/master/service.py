@@ -39,6 +39,7 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.wire.cubelet_api import ReservationBody, ReservationView
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 from cubeaccel.wire.warm import WarmClaimBody
@@ -367,7 +368,8 @@ class CubeMaster:
         contract: CompatibilityContract,
         attempts: list[dict[str, Any]],
     ) -> Row | None:
-        body: dict[str, Any] = {
+        raw: dict[str, Any] = {
+            "sandbox_id": sid,
             "count": choice.count,
             "class": choice.accel_class,
             "labels": dict(cand.group.labels),
@@ -376,19 +378,17 @@ class CubeMaster:
             "memory_mib": spec.memory_mib or contract.memory_mib,
             "vcpus": spec.vcpus,
             "start": True,
+            "workload_token": spec.workload_token,
+            "network": spec.network,  # Cubelet narrows again: it trusts no policy it did not derive
         }
-        if spec.workload_token is not None:
-            body["workload_token"] = spec.workload_token
-        if spec.network is not None:
-            body["network"] = spec.network  # Cubelet narrows again: it trusts no policy it did not derive
         row = self.store.sandbox(sid)
         if row is not None:  # the Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)
-            body["tenant"] = row["tenant"]  # and whose it is: the node's audit trail names who had the device
+            raw["tenant"] = row["tenant"]  # and whose it is: the node's audit trail names who had the device
             deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])
-            body["lifetime_s"] = max(1.0, deadline - time.time() + LIFETIME_SLACK_S)
+            raw["lifetime_s"] = max(1.0, deadline - time.time() + LIFETIME_SLACK_S)
         try:
-            reply = self.client(cand.node.cubelet_url).reserve(sid, **body)
-        except (CubeError, httpx.HTTPError) as e:
+            reply = self.client(cand.node.cubelet_url).reserve(ReservationBody.model_validate(raw))
+        except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
             attempts.append({"node": cand.node.name, "code": code, "message": str(e)[:300]})
             self.store.update_sandbox(
@@ -406,30 +406,23 @@ class CubeMaster:
                     code, f"{cand.node.name}: {e.message}", e.layer, {**e.details, "node": cand.node.name}, e.status
                 ) from e
             return None
-        res = reply.get("reservation") or {}
-        failure = reply.get("failure")
-        if isinstance(reply.get("access_token"), str):
-            self.issued_tokens[sid] = reply["access_token"]  # passed to the create's caller, never stored
-        # Ready means ready: `running` only once the Cubelet says the guest validated; a start that already
-        # failed (and may be released already) is `failed` with the Cubelet's code and layer.
-        event = (
-            SE.FAIL if failure or not res else SE.READY if res.get("phase") == ReservationPhase.RUNNING else SE.STARTED
-        )
-        error = {"error": failure or START_FAILED} if event is SE.FAIL else {}
+        if reply.access_token is not None:
+            self.issued_tokens[sid] = reply.access_token  # passed to the create's caller, never stored
+        event, error = _start_outcome(reply)
         self.store.update_sandbox(
             sid,
             "reserved",
             expect=(SS.PLACING,),
-            detail={"node": cand.node.name, "cubelet_timeline": reply.get("timeline", [])[-20:]},
+            detail={"node": cand.node.name, "cubelet_timeline": _timeline(reply)},
             event=event,
             by=SA.PLACEMENT,
-            device_ids=list(res.get("device_ids", [])),
+            device_ids=[] if reply.reservation is None else list(reply.reservation.device_ids),
             accel_class=choice.accel_class,
             count=choice.count,
             template_name=contract.template_name,
             template_version=contract.template_version,
             contract=contract.to_json(),
-            cubelet_created_at=res.get("created_at"),
+            cubelet_created_at=None if reply.reservation is None else reply.reservation.created_at,
             **error,
         )
         row = self.store.sandbox(sid)
@@ -540,18 +533,10 @@ class CubeMaster:
             )
             self.cache.invalidate()
             return None
-        res = reply.reservation or {}
         if reply.access_token is not None:
             self.issued_tokens[sid] = reply.access_token  # passed to the create's caller, never stored
         # as the cold path reads a start's reply: a claimed sandbox that already ended is `failed`, never `starting`
-        event = (
-            SE.FAIL
-            if reply.failure or not res
-            else SE.READY
-            if res.get("phase") == ReservationPhase.RUNNING
-            else SE.STARTED
-        )
-        error = {"error": reply.failure or START_FAILED} if event is SE.FAIL else {}
+        event, error = _start_outcome(reply)
         self.store.update_sandbox(
             sid,
             "reserved",
@@ -561,17 +546,17 @@ class CubeMaster:
                 "path": "warm",
                 "claim_ms": round((time.perf_counter() - t0) * 1000, 3),
                 "phases": claim_phases(requested_at, sent_at, time.time(), reply),
-                "cubelet_timeline": [e.model_dump(mode="json") for e in reply.timeline][-20:],
+                "cubelet_timeline": _timeline(reply),
             },
             event=event,
             by=SA.PLACEMENT,
-            device_ids=list(res.get("device_ids", [])),
+            device_ids=[] if reply.reservation is None else list(reply.reservation.device_ids),
             accel_class=cand.choice.accel_class,
             count=cand.choice.count,
             template_name=contract.template_name,
             template_version=contract.template_version,
             contract=contract.to_json(),
-            cubelet_created_at=res.get("created_at"),
+            cubelet_created_at=None if reply.reservation is None else reply.reservation.created_at,
             **error,
         )
         self.cache.invalidate()
@@ -688,15 +673,15 @@ class CubeMaster:
         """Ask the node's Cubelet to run its release path; `deleted` only once it says the devices are back."""
         url = self.node_url(row["node"])
         try:
-            reply = self.client(url).release(row["id"]) if url else {"released": True}
+            released = self.client(url).release(row["id"]).released if url else True
         except CubeError as e:
-            reply = {"released": e.code == "reservation.not_found"}
-        except httpx.HTTPError as e:
+            released = e.code == "reservation.not_found"
+        except (httpx.HTTPError, ValidationError) as e:
             self.store.update_sandbox(
                 row["id"], None, expect=(SS.DELETING,), error={"code": "cubelet.unreachable", "message": str(e)[:300]}
             )
             return
-        if reply.get("released"):
+        if released:
             self.store.update_sandbox(row["id"], "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=by)
             self.cache.invalidate()
 
@@ -714,14 +699,14 @@ class CubeMaster:
         if url is None:
             return [], False
         try:
-            page = self.client(url).request("GET", "/v1/events", params={"limit": 10000, "sandbox_id": row["id"]})
-        except (CubeError, httpx.HTTPError, OSError):
+            page = self.client(url).events(limit=10000, sandbox_id=row["id"])
+        except (CubeError, httpx.HTTPError, OSError, ValidationError):
             return [], False
         phases: dict[str, dict[str, Any]] = {}
-        for e in page.get("events", []):
-            label = NODE_PHASES.get(str(e.get("event")))
+        for e in page.events:
+            label = NODE_PHASES.get(str(e.event))
             if label is not None and label not in phases:
-                phases[label] = {"phase": label, "event": e["event"], "at": float(e["at"])}
+                phases[label] = {"phase": label, "event": e.event, "at": e.at}
         return sorted(phases.values(), key=lambda p: float(p["at"])), True
 
     def get(self, sandbox_id: str) -> Row:
@@ -729,6 +714,20 @@ class CubeMaster:
         if row is None:
             raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api")
         return row
+
+
+def _start_outcome(reply: ReservationView) -> tuple[SandboxEvent, dict[str, Any]]:
+    """Ready means ready: `running` only once the Cubelet says the guest validated; a start that already failed
+    (and may be released already) is `failed` with the Cubelet's code and layer."""
+    res = reply.reservation
+    if reply.failure is not None or res is None:
+        return SE.FAIL, {"error": START_FAILED if reply.failure is None else reply.failure.model_dump(mode="json")}
+    return (SE.READY if res.phase is ReservationPhase.RUNNING else SE.STARTED), {}
+
+
+def _timeline(reply: ReservationView) -> list[dict[str, Any]]:
+    """The Cubelet's last steps of the start, kept in the sandbox's detail."""
+    return [e.model_dump(mode="json") for e in reply.timeline[-20:]]
 
 
 def _with_attempts(e: CubeError, attempts: list[dict[str, Any]]) -> CubeError:

@@ -31,6 +31,7 @@ from cubeaccel.host.pci.procfs import start_time
 from cubeaccel.host.service.childenv import component_env
 from cubeaccel.host.vmm.hypervisor import detect_accel, find_qemu
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.master_client import MasterClient
 from cubeaccel.wire.templates import loads_document
@@ -417,17 +418,17 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
     try:
         while True:
             try:
-                reservations = c.request("GET", "/v1/reservations")["reservations"]
+                reservations = c.reservations()
                 cleaning = scrubbing(c)
             except (CubeError, httpx.HTTPError):
                 return held  # no Cubelet to ask: nothing more this command can end
-            held = [r["sandbox_id"] for r in reservations]
+            held = [r.sandbox_id for r in reservations]
             if (not held and not cleaning) or time.monotonic() > end:
                 return held
             for r in reservations:
-                if r["phase"] != "releasing":
+                if r.phase is not ReservationPhase.RELEASING:
                     with contextlib.suppress(CubeError, httpx.HTTPError):
-                        c.release(r["sandbox_id"])
+                        c.release(r.sandbox_id)
             time.sleep(0.2)
     finally:
         c.close()
@@ -435,8 +436,7 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
 
 def scrubbing(c: CubeletClient) -> list[str]:
     """Devices between a tenant and the next one: released and not yet scrubbed (the Cubelet's scrub runs)."""
-    devices = c.request("GET", "/v1/devices")["devices"]
-    return [d["id"] for d in devices if d["state"] in (DeviceState.RELEASING, DeviceState.RELEASED)]
+    return [d.id for d in c.devices() if d.state in (DeviceState.RELEASING, DeviceState.RELEASED)]
 
 
 def _report_left(held: list[str]) -> None:

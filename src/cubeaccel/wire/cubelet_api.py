@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, SecretStr, StrictBool, StrictInt
 
+from cubeaccel.model import bars
+from cubeaccel.model.bars import BarKind
+from cubeaccel.model.checkpoint import ReservationCheckpoint, SandboxFailure
+from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
+from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.base import Message, Record, Reply
 
 
@@ -36,23 +42,81 @@ class OperatorBody(Message):
     restore_driver: StrictBool = False  # disable only: give the device back to its original host driver
 
 
+class Bar(Record):
+    """One BAR of a device as discovery saw it (model/bars.py)."""
+
+    index: int
+    size: int
+    kind: BarKind
+    prefetch: bool
+
+    @classmethod
+    def of(cls, bar: bars.Bar) -> Bar:
+        return cls(index=bar.index, size=bar.size, kind=bar.kind, prefetch=bar.prefetch)
+
+
+class Identity(Record):
+    """What a device is, in the hex spellings `lspci -n` uses."""
+
+    vendor_id: str
+    device_id: str
+    subsystem_vendor_id: str
+    subsystem_device_id: str
+    class_code: str
+    revision: str
+    serial: str | None
+    bars: list[Bar]
+
+    @classmethod
+    def of(cls, ident: DeviceIdentity) -> Identity:
+        return cls(
+            vendor_id=f"{ident.vendor_id:04x}",
+            device_id=f"{ident.device_id:04x}",
+            subsystem_vendor_id=f"{ident.subsystem_vendor_id:04x}",
+            subsystem_device_id=f"{ident.subsystem_device_id:04x}",
+            class_code=f"{ident.class_code:06x}",
+            revision=f"{ident.revision:02x}",
+            serial=ident.serial,
+            bars=[Bar.of(b) for b in ident.bars],
+        )
+
+
 class Device(Record):
-    """`DeviceRecord.to_json()`: one device as the store holds it."""
+    """One device as the store holds it."""
 
     id: str
     address: str
-    state: str
+    state: DeviceState
     sandbox_id: str | None
     reason: str | None
     labels: dict[str, str]
-    accel_class: str = Field(alias="class")
+    accel_class: AcceleratorClass = Field(validation_alias="class", serialization_alias="class")
     backend: str
     numa_node: int
     iommu_group: int | None
     expected_driver: str | None
-    identity: dict[str, Any]
+    identity: Identity
     generation: int
     updated_at: float
+
+    @classmethod
+    def of(cls, d: DeviceRecord) -> Self:
+        return cls(
+            id=d.id,
+            address=str(d.address),
+            state=d.state,
+            sandbox_id=d.sandbox_id,
+            reason=d.reason,
+            labels=dict(d.labels),
+            accel_class=d.accel_class,
+            backend=d.backend,
+            numa_node=d.numa_node,
+            iommu_group=d.iommu_group,
+            expected_driver=d.expected_driver,
+            identity=Identity.of(d.identity),
+            generation=d.generation,
+            updated_at=d.updated_at,
+        )
 
 
 class DeviceReply(Device):
@@ -60,6 +124,9 @@ class DeviceReply(Device):
 
 
 class Event(Record):
+    """One row of the node's journal. `kind` names what happened (a device transition, a shim report, a repair,
+    …); the vocabulary grows with the code, so it stays a string. `details` are the event's own facts."""
+
     seq: int
     at: float
     kind: str
@@ -79,6 +146,104 @@ class TimelineEntry(Record):
     event: str | None
     device_id: str | None
     to_state: str | None
+
+
+class Failure(Record):
+    """Why a sandbox failed (model/checkpoint.SandboxFailure)."""
+
+    code: str
+    layer: str
+    message: str
+    phase: str  # the reservation phase it failed in
+
+    @classmethod
+    def of(cls, f: SandboxFailure) -> Failure:
+        return cls(code=f.code, layer=f.layer, message=f.message, phase=f.phase)
+
+
+class _CheckpointHead(Record):
+    v: int
+    shim_started: bool
+    started_at: float | None
+
+
+class _StartNonce(Record):
+    start_id: str | None
+
+
+class _CheckpointRest(Record):
+    image_digest: str | None
+    workload_token_sha256: str | None
+    warm_pool: str | None
+    shim_id: str | None
+    claimed_at: float | None
+    claim_acked: bool
+    vmm_pid: int | None
+    vmm_confined: bool
+    guest_addresses: dict[str, str]
+    detached: list[str]
+    shim_exited: bool
+    failure: Failure | None
+    network: dict[str, Any] | None  # host/netpolicy.SandboxNet as the release path reads it back
+    kill_at: float | None
+    vmm_survives: bool
+    release_waits: dict[str, list[str]]
+
+
+# Bases are listed last-first: pydantic orders fields from the deepest base, so the nonce keeps its place
+# (after `started_at`) in the unix socket's JSON.
+class Checkpoint(_CheckpointRest, _CheckpointHead):
+    """A start's checkpoint (model/checkpoint.ReservationCheckpoint), served as the reservation's `facts`, over
+    TCP without the start nonce: only the root-only unix socket shows it (`LocalCheckpoint`)."""
+
+    @classmethod
+    def of(cls, c: ReservationCheckpoint) -> Checkpoint:
+        return cls(**_checkpoint_fields(c))
+
+
+class LocalCheckpoint(_CheckpointRest, _StartNonce, _CheckpointHead):
+    """The unix socket's: with the nonce that makes a shim report count (`start_id`)."""
+
+    @classmethod
+    def of(cls, c: ReservationCheckpoint) -> LocalCheckpoint:
+        return cls(**_checkpoint_fields(c), start_id=c.start_id)
+
+
+def _checkpoint_fields(c: ReservationCheckpoint) -> dict[str, Any]:
+    return {
+        "v": c.v,
+        "shim_started": c.shim_started,
+        "started_at": c.started_at,
+        "image_digest": c.image_digest,
+        "workload_token_sha256": c.workload_token_sha256,
+        "warm_pool": c.warm_pool,
+        "shim_id": c.shim_id,
+        "claimed_at": c.claimed_at,
+        "claim_acked": c.claim_acked,
+        "vmm_pid": c.vmm_pid,
+        "vmm_confined": c.vmm_confined,
+        "guest_addresses": dict(c.guest_addresses),
+        "detached": list(c.detached),
+        "shim_exited": c.shim_exited,
+        "failure": None if c.failure is None else Failure.of(c.failure),
+        "network": None if c.network is None else dict(c.network),
+        "kill_at": c.kill_at,
+        "vmm_survives": c.vmm_survives,
+        "release_waits": {k: list(v) for k, v in c.release_waits.items()},
+    }
+
+
+class Reservation(Record):
+    """A sandbox's claim on devices, with its start's checkpoint (`facts`)."""
+
+    sandbox_id: str
+    params: dict[str, Any]  # the reservation request as the Cubelet stored it (cubelet/lifecycle.py)
+    device_ids: list[str]
+    phase: ReservationPhase
+    created_at: float
+    expires_at: float | None
+    facts: LocalCheckpoint | Checkpoint
+    releasing_since: float | None
 
 
 class Health(Reply):
@@ -104,23 +269,23 @@ class ReservationView(Reply):
     """A sandbox's reservation (None once released), its devices, its timeline and why it failed, if it did."""
 
     sandbox_id: str
-    reservation: dict[str, Any] | None
+    reservation: Reservation | None
     devices: list[Device]
     timeline: list[TimelineEntry]
-    failure: dict[str, Any] | None
+    failure: Failure | None
     # The workload access token of the start this reply reports, given once (only its hash is kept); else None.
     access_token: str | None = None
     hand_off: WarmHandOff | None = None  # a warm claim's reply only
 
 
 class ReservationList(Reply):
-    reservations: list[dict[str, Any]]
+    reservations: list[Reservation]
 
 
 class Release(Reply):
     sandbox_id: str
     released: bool  # false: the release is under way (202); poll the reservation
-    reservation: dict[str, Any] | None
+    reservation: Reservation | None
     devices: list[Device]
 
 
@@ -133,14 +298,39 @@ class EventPage(Reply):
     next: int  # the cursor for the next page (`since`)
 
 
+class HostProblem(Record):
+    code: str
+    message: str
+
+
+class PinnedMemory(Record):
+    """The pinned-memory ledger (cubelet/memory_ledger.py)."""
+
+    lockable_mib: int
+    locked_mib: int
+    free_mib: int
+    source: str
+    per_vmm_limit_mib: int | None
+    vmm_overhead_mib: int
+    vmm_overhead_per_vcpu_mib: int
+    sandboxes: dict[str, int]  # sandbox id → MiB it locks
+
+
 class HostReply(Reply):
     node: str
     backend: str
     ready: bool
     checked_at: float | None
-    problems: list[dict[str, Any]]
-    pinned_memory: dict[str, Any]
+    problems: list[HostProblem]
+    pinned_memory: PinnedMemory
+
+
+class Repair(Record):
+    device_id: str | None
+    sandbox_id: str | None
+    what: str
+    why: str
 
 
 class Repairs(Reply):
-    repairs: list[dict[str, Any]]
+    repairs: list[Repair]

@@ -8,7 +8,22 @@ from urllib.parse import quote
 
 import httpx
 
-from cubeaccel.wire.cubelet_api import ReservationView
+from cubeaccel.wire.capacity import CapacitySummary
+from cubeaccel.wire.cubelet_api import (
+    Device,
+    DeviceList,
+    DeviceReply,
+    EventPage,
+    Health,
+    HostReply,
+    OperatorBody,
+    Release,
+    Reservation,
+    ReservationBody,
+    ReservationList,
+    ReservationView,
+)
+from cubeaccel.wire.dashboard import NodeDashboard
 from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.telemetry import add_request_id
@@ -48,18 +63,19 @@ class CubeletClient:
         wait = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
         return reply_body(self._http.request(method, path, json=json, params=params, headers=headers, timeout=wait))
 
-    def devices(self) -> list[dict[str, Any]]:
-        return list(self.request("GET", "/v1/devices")["devices"])
+    def devices(self) -> list[Device]:
+        return DeviceList.model_validate(self.request("GET", "/v1/devices")).devices
 
-    def reserve(self, sandbox_id: str, count: int = 1, **extra: Any) -> dict[str, Any]:
-        return dict(self.request("POST", "/v1/reservations", {"sandbox_id": sandbox_id, "count": count, **extra}))
+    def reserve(self, body: ReservationBody | str, count: int = 1, **fields: Any) -> ReservationView:
+        """`POST /v1/reservations`: 201 and the reservation (started when `start`), or a `CubeError`. `body`: the
+        request, or a sandbox id with `count` and the other fields by their wire names, sent as given (the
+        Cubelet judges them: the CLI and tests ask for what it must refuse)."""
+        sent = _sent(body) if isinstance(body, ReservationBody) else {"sandbox_id": body, "count": count, **fields}
+        return ReservationView.model_validate(self.request("POST", "/v1/reservations", sent))
 
     def claim_warm(self, body: WarmClaimBody) -> ReservationView:
         """`POST /v1/warm/claim`: 201 and the running sandbox, or a `CubeError` (409 `warm.no_match`, …)."""
-        raw = body.model_dump(mode="json", by_alias=True, exclude_none=True)
-        if body.workload_token is not None:
-            raw["workload_token"] = body.workload_token.get_secret_value()
-        return ReservationView.model_validate(self.request("POST", "/v1/warm/claim", raw))
+        return ReservationView.model_validate(self.request("POST", "/v1/warm/claim", _sent(body)))
 
     def warm_drain(self) -> WarmDrainReply:
         """`POST /v1/warm/drain`: the refill and claims stop; the unclaimed warm sandboxes enter the release path."""
@@ -68,38 +84,74 @@ class CubeletClient:
     def warm_undrain(self) -> WarmDrainReply:
         return WarmDrainReply.model_validate(self.request("POST", "/v1/warm/undrain"))
 
-    def start(self, sandbox_id: str) -> dict[str, Any]:
-        return dict(self.request("POST", f"/v1/reservations/{quote(sandbox_id, safe='')}/start"))
+    def start(self, sandbox_id: str) -> ReservationView:
+        return ReservationView.model_validate(self.request("POST", f"/v1/reservations/{_seg(sandbox_id)}/start"))
 
-    def release(self, sandbox_id: str) -> dict[str, Any]:
-        return dict(self.request("DELETE", f"/v1/reservations/{quote(sandbox_id, safe='')}"))
+    def release(self, sandbox_id: str) -> Release:
+        return Release.model_validate(self.request("DELETE", f"/v1/reservations/{_seg(sandbox_id)}"))
 
-    def reservation(self, sandbox_id: str) -> dict[str, Any]:
-        return dict(self.request("GET", f"/v1/reservations/{quote(sandbox_id, safe='')}"))
+    def reservation(self, sandbox_id: str) -> ReservationView:
+        return ReservationView.model_validate(self.request("GET", f"/v1/reservations/{_seg(sandbox_id)}"))
 
-    def events(self, since: int = 0, limit: int = 1000) -> dict[str, Any]:
-        return dict(self.request("GET", "/v1/events", params={"since": since, "limit": limit}))
+    def reservations(self) -> list[Reservation]:
+        return ReservationList.model_validate(self.request("GET", "/v1/reservations")).reservations
+
+    def events(
+        self, since: int = 0, limit: int = 1000, device_id: str | None = None, sandbox_id: str | None = None
+    ) -> EventPage:
+        params: dict[str, Any] = {"since": since, "limit": limit}
+        if device_id is not None:
+            params["device_id"] = device_id
+        if sandbox_id is not None:
+            params["sandbox_id"] = sandbox_id
+        return EventPage.model_validate(self.request("GET", "/v1/events", params=params))
 
     def verb(
-        self, device_id: str, verb: str, who: str, reason: str, request_id: str | None = None, **extra: Any
-    ) -> dict[str, Any]:
-        return dict(
+        self,
+        device_id: str,
+        verb: str,
+        who: str,
+        reason: str,
+        request_id: str | None = None,
+        restore_driver: bool = False,
+    ) -> DeviceReply:
+        body = OperatorBody(who=who, reason=reason, restore_driver=restore_driver)
+        return DeviceReply.model_validate(
             self.request(
                 "POST",
-                f"/v1/devices/{quote(device_id, safe='')}/{quote(verb, safe='')}",
-                {"who": who, "reason": reason, **extra},
+                f"/v1/devices/{_seg(device_id)}/{_seg(verb)}",
+                body.model_dump(mode="json", exclude_unset=True),
                 headers={"x-request-id": request_id} if request_id else None,
             )
         )
 
-    def capacity(self) -> dict[str, Any]:
-        return dict(self.request("GET", "/v1/capacity"))
+    def capacity(self) -> CapacitySummary:
+        return CapacitySummary.model_validate(self.request("GET", "/v1/capacity"))
 
-    def host(self) -> dict[str, Any]:
-        return dict(self.request("GET", "/v1/host"))
+    def host(self) -> HostReply:
+        return HostReply.model_validate(self.request("GET", "/v1/host"))
 
-    def health(self) -> dict[str, Any]:
-        return dict(self.request("GET", "/v1/health"))
+    def health(self) -> Health:
+        return Health.model_validate(self.request("GET", "/v1/health"))
+
+    def dashboard(self, events: int, timeout: float | None = None) -> NodeDashboard:
+        return NodeDashboard.model_validate(
+            self.request("GET", "/v1/dashboard", params={"events": events}, timeout=timeout)
+        )
 
     def close(self) -> None:
         self._http.close()
+
+
+def _seg(value: str) -> str:
+    """One path segment, whatever the id holds."""
+    return quote(value, safe="")
+
+
+def _sent(body: ReservationBody) -> dict[str, Any]:
+    """A request body as JSON: None fields left out (the Cubelet's defaults), the workload token in clear (a
+    `SecretStr` dumps masked)."""
+    raw = body.model_dump(mode="json", by_alias=True, exclude_none=True)
+    if body.workload_token is not None:
+        raw["workload_token"] = body.workload_token.get_secret_value()
+    return raw

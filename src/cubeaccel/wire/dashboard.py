@@ -5,14 +5,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire.base import Record, Reply
+from cubeaccel.wire.cubelet_api import Device
 
-EVENT_FIELDS = ("seq", "at", "kind", "device_id", "sandbox_id", "event", "from_state", "to_state", "actor", "reason")
+
+class DashboardEvent(Record):
+    """A journal event as the page lists it: without its details."""
+
+    seq: int
+    at: float
+    kind: str
+    device_id: str | None
+    sandbox_id: str | None
+    event: str | None
+    from_state: str | None
+    to_state: str | None
+    actor: str
+    reason: str | None
 
 
 class DashboardSandbox(Record):
     sandbox_id: str
-    phase: str  # the reservation's phase on the node
+    phase: ReservationPhase  # the reservation's phase on the node
     device_ids: list[str]
     created_at: float
     phases: dict[str, float]  # cold-start waterfall (model.cold_start.PHASES), empty until running
@@ -21,9 +36,9 @@ class DashboardSandbox(Record):
 
 class NodeDashboard(Reply):
     node: str
-    devices: list[dict[str, Any]]
+    devices: list[Device]
     sandboxes: list[DashboardSandbox]
-    events: list[dict[str, Any]]  # newest first, EVENT_FIELDS only (no details)
+    events: list[DashboardEvent]  # newest first
 
 
 class DashboardNode(Record):
