@@ -25,7 +25,9 @@ def test_stable_shapes_and_full_cycle(cubelet: CubeletProcess) -> None:
     c = cubelet.client
     devs = c.devices()
     assert len(devs) == 8
-    assert {"id", "address", "state", "sandbox_id", "reason", "labels"} <= set(c.request("GET", "/v1/devices")["devices"][0])
+    assert {"id", "address", "state", "sandbox_id", "reason", "labels"} <= set(
+        c.request("GET", "/v1/devices")["devices"][0]
+    )
     body = c.reserve("sb-1", 2, start=True)
     assert [d.state for d in body.devices] == ["attached", "attached"]
     out = c.release("sb-1")

@@ -94,7 +94,7 @@ def test_migration_6_converts_old_facts_rows_and_drops_the_unread_keys(tmp_path:
         vmm_survives=True,
         release_waits={"dev-a": ["release.vmm_not_exited"]},
     )
-    assert not set(UNREAD_FACTS) & set(old.to_json()["facts"])
+    assert not set(UNREAD_FACTS) & set(old.checkpoint.to_json())
     assert store.reservation("sb-new").checkpoint == ReservationCheckpoint()  # type: ignore[union-attr]
     assert store.reservation("sb-odd-pid").checkpoint.vmm_pid is None  # type: ignore[union-attr]
     store.close()

@@ -75,19 +75,6 @@ class Reservation:
         """Change the phase through the table (`reservation.transition_refused` if it does not allow it)."""
         self.phase = next_phase(self.phase, event)
 
-    def to_json(self) -> dict[str, Any]:
-        """The API's shape; the checkpoint keeps its old wire name, `facts`."""
-        return {
-            "sandbox_id": self.sandbox_id,
-            "params": self.params,
-            "device_ids": self.device_ids,
-            "phase": self.phase.value,
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-            "facts": self.checkpoint.to_json(),
-            "releasing_since": self.releasing_since,
-        }
-
 
 _KEEP = object()
 

@@ -160,21 +160,3 @@ class DeviceRecord:
     reason: str | None
     sandbox_id: str | None
     updated_at: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "address": str(self.address),
-            "state": self.state.value,
-            "sandbox_id": self.sandbox_id,
-            "reason": self.reason,
-            "labels": dict(self.labels),
-            "class": self.accel_class.value,
-            "backend": self.backend,
-            "numa_node": self.numa_node,
-            "iommu_group": self.iommu_group,
-            "expected_driver": self.expected_driver,
-            "identity": self.identity.to_json(),
-            "generation": self.generation,
-            "updated_at": self.updated_at,
-        }
