@@ -59,6 +59,7 @@ from cubeaccel.model.sandbox_policy import (
     narrow_network,
 )
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+from cubeaccel.wire.reports import DeviceAttached, GuestValidated, StartFailed, VmmConfined, VmStarted
 from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.telemetry import request_id
 from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
@@ -66,7 +67,6 @@ from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
 MAX_COUNT = 64
-PID_LIMIT = 1 << 22  # the kernel's pid_max ceiling: a larger "pid" from a guest is no process
 __all__ = ["Cubelet", "CubeletConfig", "ReservationRequest", "problem_event", "record_problems", "validate_sandbox_id"]
 
 
@@ -524,11 +524,11 @@ class Cubelet(ReleasePath):
         """Whether a device waits for Cubelet's own reading of the VMM's confinement (real shims)."""
         return self.shim.host_devices and self.config.require_vmm_confinement
 
-    def _confinement_problems(self, cp: ReservationCheckpoint, details: dict[str, Any]) -> list[str]:
+    def _confinement_problems(self, cp: ReservationCheckpoint, proof: VmmConfined) -> list[str]:
         """Cubelet's own /proc reading of the VMM the shim vouched for (the pid it started, the uid it claims)."""
-        if cp.vmm_pid is None or details.get("pid") != cp.vmm_pid:
-            return [f"confinement proof for pid {details.get('pid')!r}, VMM started as {cp.vmm_pid!r}"]
-        return confine.cubelet_verdict(cp.vmm_pid, details.get("uid"))
+        if cp.vmm_pid is None or proof.pid != cp.vmm_pid:
+            return [f"confinement proof for pid {proof.pid!r}, VMM started as {cp.vmm_pid!r}"]
+        return confine.cubelet_verdict(cp.vmm_pid, proof.uid)
 
     def handle_report(self, report: ShimReport) -> None:
         """Record a shim's report (its kind's handler updates the checkpoint and devices), judge readiness, then
@@ -600,25 +600,23 @@ class Cubelet(ReleasePath):
         return []
 
     def _on_vm_started(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
-        pid = report.details.get("pid")
-        ok = isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < PID_LIMIT
-        res.checkpoint.vmm_pid = pid if ok else None
+        res.checkpoint.vmm_pid = VmStarted.model_validate(report.details).pid
         return []
 
     def _on_vmm_confined(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
         if not self._gated:
             return []
-        problems = self._confinement_problems(res.checkpoint, report.details)
+        problems = self._confinement_problems(res.checkpoint, VmmConfined.model_validate(report.details))
         res.checkpoint.vmm_confined = not problems
         return problems
 
     def _on_device_attached(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
         named = set(report.device_ids)  # one report per device; none named means all
-        address = report.details.get("guest_address")
+        address = DeviceAttached.model_validate(report.details).guest_address
         for d in self._sandbox_devices(t, res.sandbox_id):
             if d.state is S.PREPARING and (not named or d.id in named):
                 t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
-                if isinstance(address, str):
+                if address is not None:
                     res.checkpoint.guest_addresses[d.id] = address
         return []
 
@@ -635,17 +633,18 @@ class Cubelet(ReleasePath):
         """What a report that is not a readiness means for the sandbox: a failed start or a dead VMM is torn down;
         the shim's final report lets a release finish. detach_timeout and vmm_exited during a release are
         history (the shim_report event), not release evidence."""
-        sid, det, k = res.sandbox_id, report.details, report.kind
+        sid, k = res.sandbox_id, report.kind
         if k is ShimReportKind.ATTACH_FAILED:
+            failed = StartFailed.model_validate(report.details)
             self.begin_teardown(
                 sid,
-                str(det.get("reason") or "attach_failed"),
+                failed.reason or "attach_failed",
                 attach_failed=True,
-                layer=str(det.get("layer") or "backend"),
-                message=str(det.get("message") or ""),
+                layer=failed.layer or "backend",
+                message=failed.message or "",
             )
         elif k is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
-            reason, layer, message = _guest_failure(det, violations)
+            reason, layer, message = _guest_failure(StartFailed.model_validate(report.details), violations)
             self.begin_teardown(sid, reason, layer=layer, message=message)
         elif k is ShimReportKind.VMM_EXITED:
             self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
@@ -654,14 +653,14 @@ class Cubelet(ReleasePath):
 
     def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
         """Stage 5, judged again on the host: the agent's own verdict is not trusted alone."""
-        raw = report.details.get("report")
         contract = res.params.get("contract")
         if report.kind not in (ShimReportKind.GUEST_VALIDATED, ShimReportKind.GUEST_VALIDATION_FAILED):
             return []
-        if report.kind is ShimReportKind.GUEST_VALIDATION_FAILED and not isinstance(raw, dict):
+        raw = GuestValidated.model_validate(report.details).report
+        if report.kind is ShimReportKind.GUEST_VALIDATION_FAILED and raw is None:
             return []  # the agent could not even probe: the shim's own reason decides
         try:
-            if not isinstance(raw, dict):  # a pass without facts is no pass: every sandbox is validated
+            if raw is None:  # a pass without facts is no pass: every sandbox is validated
                 raise ValueError("no guest report")
             guest = GuestReport.from_json(raw)
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:  # the guest wrote it
@@ -706,15 +705,14 @@ _REPORT_RECORDERS: dict[ShimReportKind, ReportRecorder] = {
 }
 
 
-def _guest_failure(det: dict[str, Any], violations: list[ContractViolation]) -> tuple[str, str, str]:
+def _guest_failure(failed: StartFailed, violations: list[ContractViolation]) -> tuple[str, str, str]:
     """(reason, layer, message) of a start the guest failed: the host's own judgement first, else the shim's."""
     if violations:
         v = violations[0]
         return v.code, v.layer.value, f"expected {v.expected}, found {v.found}"
-    layers = det.get("failed_layers") if isinstance(det.get("failed_layers"), list) else None
-    layer = str(det.get("layer") or (layers[0] if layers else "guest_kernel"))
-    reason = str(det.get("reason") or "guest.validation_failed")
-    return reason, layer, str(det.get("message") or "the guest does not satisfy the contract")
+    layer = failed.layer or (str(failed.failed_layers[0]) if failed.failed_layers else "guest_kernel")
+    reason = failed.reason or "guest.validation_failed"
+    return reason, layer, failed.message or "the guest does not satisfy the contract"
 
 
 def _widest(bars: tuple[Bar, ...]) -> tuple[int, int]:

@@ -6,12 +6,20 @@ ignored as they always were (a newer shim may say more); an unknown version is r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import StrictStr, field_validator
+from pydantic import (
+    BeforeValidator,
+    Field,
+    StrictStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+)
 
 from cubeaccel.model.reports import ShimReport, ShimReportKind
-from cubeaccel.wire.base import Finite, LenientMessage
+from cubeaccel.wire.base import Finite, Lenient, LenientMessage
 from cubeaccel.wire.json_guard import INT64, check_value
 
 
@@ -53,3 +61,57 @@ def report_json(r: ShimReport) -> dict[str, Any]:
 def parse_report(data: object) -> ShimReport:
     """A report from JSON; a pydantic ValidationError (a ValueError) when it is not one."""
     return ShimReportBody.model_validate(data).report()
+
+
+# ---- what the Cubelet reads of a report's details, per kind --------------------------------------------------
+# The details come from the shim, which relays what the guest said: the event trail keeps them as sent, and a
+# field the Cubelet cannot use is read as absent (None), never as a refused report. Unknown fields are history.
+
+PID_LIMIT = 1 << 22  # the kernel's pid_max ceiling: a larger "pid" from a guest is no process
+
+
+def _or_none(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    try:
+        return handler(value)
+    except ValidationError:
+        return None
+
+
+def _text(value: Any) -> str | None:
+    """A reason, layer or message as the shim gave it, in words; empty is absent."""
+    return str(value) if value else None
+
+
+Pid = Annotated[int | None, Field(strict=True, gt=0, lt=PID_LIMIT), WrapValidator(_or_none)]
+Text = Annotated[str | None, BeforeValidator(_text)]
+OptStr = Annotated[StrictStr | None, WrapValidator(_or_none)]
+OptObject = Annotated[dict[str, Any] | None, WrapValidator(_or_none)]
+OptList = Annotated[list[Any] | None, WrapValidator(_or_none)]
+
+
+class VmStarted(Lenient):
+    pid: Pid = None  # the VMM the shim started (its identity is then read from /proc, not taken from here)
+
+
+class VmmConfined(Lenient):
+    pid: Any = None  # compared with the pid of `vm_started`, as sent
+    uid: Any = None  # the uid the shim says the VMM runs as; /proc has the last word
+
+
+class DeviceAttached(Lenient):
+    guest_address: OptStr = None  # where the guest sees the device
+
+
+class StartFailed(Lenient):
+    """`attach_failed` and `guest_validation_failed`: the shim's reason, layer and message; the latter may carry
+    the guest's report and the layers it failed."""
+
+    reason: Text = None
+    layer: Text = None
+    message: Text = None
+    failed_layers: OptList = None
+    report: OptObject = None
+
+
+class GuestValidated(Lenient):
+    report: OptObject = None  # the agent's GuestReport as JSON, judged again by the Cubelet
