@@ -227,9 +227,11 @@ def create_app(
         return reservation_view(cubelet, body.sandbox_id, local, access_token=token, hand_off=hand_off)
 
     @app.get("/v1/warm/pools", response_model=WarmPoolList)
-    def warm_pools() -> dict[str, Any]:
+    def warm_pools() -> WarmPoolList:
         warm = cubelet.warm
-        return {"pools": warm.views(), "max_concurrent_starts": warm.max_concurrent_starts, "draining": warm.draining}
+        return WarmPoolList(
+            pools=warm.views(), max_concurrent_starts=warm.max_concurrent_starts, draining=warm.draining
+        )
 
     @app.post("/v1/warm/drain", response_model=WarmDrainReply)
     def drain_warm() -> WarmDrainReply:
@@ -241,7 +243,7 @@ def create_app(
         return WarmDrainReply(draining=False, torn_down=[])
 
     @app.put("/v1/warm/pools", response_model=WarmPoolList)
-    def set_warm_pool(body: WarmPoolBody) -> dict[str, Any]:
+    def set_warm_pool(body: WarmPoolBody) -> WarmPoolList:
         cubelet.warm.set_pool(cubelet.pool_request(body), body.size)
         return warm_pools()
 

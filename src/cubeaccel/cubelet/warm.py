@@ -37,7 +37,7 @@ from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
-from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim, ShimClaimAck, WarmPoolSetting, WarmSettings
+from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim, ShimClaimAck, WarmPoolSetting, WarmPoolView, WarmSettings
 
 log = logging.getLogger(__name__)
 P, RE = ReservationPhase, ReservationEvent
@@ -220,22 +220,22 @@ class WarmPools:
             starting += sum(1 for k in self._inflight.values() if k == key)
         return warm, starting
 
-    def views(self) -> list[dict[str, Any]]:
+    def views(self) -> list[WarmPoolView]:
         out = []
         for pool in list(self.pools.values()):
             warm, starting = self.counts(pool.key)
             out.append(
-                {
-                    "key": pool.key,
-                    "template": pool.request.template,
-                    "size": pool.size,
-                    "warm": warm,
-                    "starting": starting,
-                    "claims": pool.claims,
-                    "misses": pool.misses,
-                    "failures": pool.failures,
-                    "backoff_s": pool.backoff_s,
-                }
+                WarmPoolView(
+                    key=pool.key,
+                    template=pool.request.template,
+                    size=pool.size,
+                    warm=warm,
+                    starting=starting,
+                    claims=pool.claims,
+                    misses=pool.misses,
+                    failures=pool.failures,
+                    backoff_s=pool.backoff_s,
+                )
             )
         return out
 
