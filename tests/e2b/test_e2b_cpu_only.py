@@ -45,27 +45,27 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> It
 
 def test_sandbox_create_without_a_template_runs_a_command_in_a_cpu_only_microvm(stack: dict[str, Any]) -> None:
     master, cubelet = stack["master"].client, stack["cubelet"].client
-    devices_before = {d["id"]: d["state"] for d in cubelet.devices()}
+    devices_before = {d.id: d.state for d in cubelet.devices()}
     sbx = Sandbox.create(**opts(stack))  # no template: the SDK sends its default, `base`
     try:
         row = master.sandbox(sbx.sandbox_id)
         assert row["template"]["name"] == "base" and row["state"] == "running" and row["node"] == NODE
         assert row["device_ids"] == [] and row["class"] == "none"
-        assert cubelet.reservation(sbx.sandbox_id)["devices"] == []
-        assert {d["id"]: d["state"] for d in cubelet.devices()} == devices_before  # the edu device stayed free
+        assert cubelet.reservation(sbx.sandbox_id).devices == []
+        assert {d.id: d.state for d in cubelet.devices()} == devices_before  # the edu device stayed free
         r = sbx.commands.run("echo hi")
         assert (r.stdout, r.exit_code) == ("hi\n", 0)
         r = sbx.commands.run("cat /sys/bus/pci/devices/*/vendor")
         assert "0x1234" not in r.stdout  # nothing was hot-plugged: no edu device in the guest
-        cursor = max((e["seq"] for e in cubelet.events(limit=10000)["events"]), default=0)
+        cursor = max((e.seq for e in cubelet.events(limit=10000).events), default=0)
     finally:
         sbx.kill()
     poll(lambda: master.sandbox(sbx.sandbox_id)["state"] == "deleted", 60, what="the kill's release completes")
-    mine = [e for e in cubelet.events(since=cursor, limit=10000)["events"] if e["sandbox_id"] == sbx.sandbox_id]
-    kinds = [e["kind"] for e in mine]
+    mine = [e for e in cubelet.events(since=cursor, limit=10000).events if e.sandbox_id == sbx.sandbox_id]
+    kinds = [e.kind for e in mine]
     assert kinds.index("teardown_started") < kinds.index("reservation_closed")  # VMM gone, then closed
-    assert not any(e["device_id"] for e in mine)  # no device in its release path either
-    assert {d["id"]: d["state"] for d in cubelet.devices()} == devices_before
+    assert not any(e.device_id for e in mine)  # no device in its release path either
+    assert {d.id: d.state for d in cubelet.devices()} == devices_before
 
 
 @pytest.mark.parametrize("line", ["2.15.2", "2.45.1"])

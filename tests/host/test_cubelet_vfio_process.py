@@ -68,7 +68,7 @@ def test_discovers_binds_and_validates_through_real_sysfs_code(vfio_node: tuple[
     devs = _by_address(p)
     assert set(devs) == {"0000:3b:00.0", "0000:86:00.0", "0000:af:00.0"}  # the audio function is not ours
     assert devs["0000:3b:00.0"].state == "allocatable"
-    assert devs["0000:3b:00.0"]["labels"]["model"] == "H100-SXM5-80GB"  # type: ignore[index]
+    assert devs["0000:3b:00.0"].labels["model"] == "H100-SXM5-80GB"
     # The nvidia-bound one was bound the documented way: override, unbind the old driver, probe; never new_id.
     sysfs = fake.sys
     assert (sysfs / "bus/pci/devices/0000:af:00.0/driver_override").read_text().strip() == "vfio-pci"

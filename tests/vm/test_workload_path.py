@@ -65,9 +65,9 @@ def test_the_token_is_given_once_and_stored_only_hashed(sandbox: dict[str, Any])
     assert isinstance(token, str) and len(token) >= 32
     assert sandbox["master"].client.sandbox(sandbox["id"]).get("access_token") is None  # not kept by CubeMaster
     res = sandbox["cubelet"].client.reservation(sandbox["id"])
-    assert res["access_token"] is None
-    facts = res["reservation"]["facts"]
-    assert facts["workload_token_sha256"] == hashlib.sha256(token.encode()).hexdigest()
+    assert res.access_token is None
+    facts = res.reservation.facts
+    assert facts.workload_token_sha256 == hashlib.sha256(token.encode()).hexdigest()
     for path in sandbox["base"].rglob("*"):  # not in any file: spec, database, logs, events
         if path.is_file() and path.stat().st_size < 64 * MiB and not path.is_socket():
             assert token.encode() not in path.read_bytes(), path
@@ -135,6 +135,6 @@ def test_delete_releases_the_device_after_workloads(sandbox: dict[str, Any]) -> 
     dev = master.client.sandbox(sandbox["id"])["device_ids"][0]
     master.client.delete(sandbox["id"])
     poll(lambda: master.client.sandbox(sandbox["id"])["state"] == "deleted", 90)
-    poll(lambda: next(d for d in cubelet.client.devices() if d["id"] == dev)["state"] == "allocatable", 60)
+    poll(lambda: next(d for d in cubelet.client.devices() if d.id == dev).state == "allocatable", 60)
     r = cli(sandbox, "exec", sandbox["id"], "--", "true")
     assert r.returncode == 1
