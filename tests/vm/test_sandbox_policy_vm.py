@@ -158,7 +158,7 @@ def test_the_policy_is_recorded_shown_and_audited(stack: dict[str, Any]) -> None
     assert res.params["network"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
     assert res.facts.network["netns"] == f"cube-{sid}"
     shown = stack["master"].client.sandbox(sid)
-    assert shown["request"]["network_policy"] == res["params"]["network"]
+    assert shown["request"]["network_policy"] == res.params["network"]
     audit = [json.loads(x) for x in (stack["base"] / "cubelet" / "audit.jsonl").read_text().splitlines()]
     applied = [e for e in audit if e.get("action") == "network:apply" and e.get("target") == sid]
     assert applied and applied[0]["egress"] == [f"{ALLOWED}/32:{PORT}/tcp"]
