@@ -17,10 +17,11 @@ from typing import Any
 import httpx
 
 from cubeaccel.master.node_truth import silent_nodes
-from cubeaccel.master.service import CubeMaster, sandbox_json
+from cubeaccel.master.service import CubeMaster, sandbox_record
 from cubeaccel.master.warm import warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.wire.master_api import Sandbox
 
 CACHE_S = 0.25  # viewers polling together share one fan-out
 NODE_TIMEOUT_S = 2.0
@@ -85,7 +86,7 @@ class DashboardFeed:
         sandboxes = []
         silent = silent_nodes(self.master)
         for r in rows:
-            out = sandbox_json(r, silent)
+            out = sandbox_record(r, Sandbox, silent).model_dump(mode="json", by_alias=True)
             sandboxes.append({**out, "phases": phases.get(str(r["id"]), {})})
         fresh = [v for v in views if not v.stale(now, staleness)]
         sandboxes += [{**w.model_dump(mode="json", by_alias=True), "phases": {}} for w in warm_rows(fresh)]

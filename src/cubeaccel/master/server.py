@@ -43,12 +43,13 @@ from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.node_truth import NodeTruth, silent_nodes
-from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
+from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_record
+from cubeaccel.master.store import Row
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
-from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxState
+from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, SandboxActor, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
@@ -248,7 +249,7 @@ def create_app(
 
     app.add_middleware(AuditedRequests, hook=audit_request)
 
-    def owned(ident: Identity, sandbox_id: str) -> dict[str, Any]:
+    def owned(ident: Identity, sandbox_id: str) -> Row:
         """A tenant sees only its own sandboxes: another tenant's is 404, as if it did not exist."""
         row = master.get(sandbox_id)
         if ident.role == TENANT and row["tenant"] != ident.tenant:
@@ -493,7 +494,7 @@ def create_app(
         return {"class": accel_class, "template": body.template}
 
     # ---- sandboxes --------------------------------------------------------------------------------
-    async def settle(sandbox_id: str, wait_s: float) -> dict[str, Any]:
+    async def settle(sandbox_id: str, wait_s: float) -> Row:
         """The sandbox once it is running (guest validated, so its workload service is up: the shim waits for
         it before validation), failed (code and layer in `error`) or gone, or as it is when `wait_s` ends. Async
         so that a thousand waiting callers hold no worker thread (heartbeats must still get one)."""
@@ -510,14 +511,14 @@ def create_app(
     @app.post("/v1/sandboxes", status_code=201, response_model=W.SandboxReply)
     async def create(
         body: SandboxBody, request: Request, response: Response, wait: float = WaitQuery
-    ) -> dict[str, Any]:
+    ) -> W.SandboxReply:
         reply = await run_in_threadpool(create_now, body, request, response)
-        if wait > 0 and reply["state"] not in SETTLED_STATES:
-            row = await settle(str(reply["id"]), wait)
-            reply = {**sandbox_json(row), "access_token": reply["access_token"]}
+        if wait > 0 and reply.state not in SETTLED_STATES:
+            row = await settle(reply.id, wait)
+            reply = sandbox_record(row, W.SandboxReply, access_token=reply.access_token)
         return reply
 
-    def create_now(body: SandboxBody, request: Request, response: Response) -> dict[str, Any]:
+    def create_now(body: SandboxBody, request: Request, response: Response) -> W.SandboxReply:
         ident: Identity = request.state.identity
         if ident.role == TENANT:
             if body.tenant not in (None, ident.tenant):
@@ -551,38 +552,44 @@ def create_app(
         metrics.created("created" if created else "replayed", time.perf_counter() - t0)
         if not created:
             response.status_code = 200
-        return {**sandbox_json(row), "access_token": master.issued_tokens.pop(str(row["id"]), None)}
+        token = master.issued_tokens.pop(str(row["id"]), None)
+        return sandbox_record(row, W.SandboxReply, access_token=token)
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
-    def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> dict[str, Any]:
+    def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> W.SandboxList:
         ident: Identity = request.state.identity
         if state == WARM_STATE:  # the nodes' warm sandboxes (no tenant's until claimed): an admin's view
             views = [v for v in master.cache.views() if node in (None, v.name)]
-            return {"sandboxes": [] if ident.role == TENANT else warm_rows(views)}
+            return W.SandboxList(sandboxes=[] if ident.role == TENANT else list(warm_rows(views)))
         if state is not None and state not in SANDBOX_STATES:
             raise CubeError("api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api")
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
         if ident.role == TENANT:
             rows = [r for r in rows if r["tenant"] == ident.tenant]
         silent = silent_nodes(master)
-        return {"sandboxes": [sandbox_json(r, silent) for r in rows]}
+        return W.SandboxList(sandboxes=[sandbox_record(r, W.Sandbox, silent) for r in rows])
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
-    async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> dict[str, Any]:
+    async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> W.SandboxReply:
         row = await run_in_threadpool(owned, request.state.identity, sandbox_id)
         if wait > 0 and row["state"] not in SETTLED_STATES:
             row = await settle(sandbox_id, wait)
-        return sandbox_json(row, silent_nodes(master))
+        return sandbox_record(row, W.SandboxReply, silent_nodes(master))
 
     @app.get("/v1/sandboxes/{sandbox_id}/events", response_model=W.SandboxEvents)
-    def sandbox_events(sandbox_id: str, request: Request) -> dict[str, Any]:
+    def sandbox_events(sandbox_id: str, request: Request) -> W.SandboxEvents:
         """The start phases the sandbox's node recorded, fetched with the node token (a user has none)."""
         row = owned(request.state.identity, sandbox_id)
-        phases, answered = master.start_phases(row)
-        return {"sandbox_id": sandbox_id, "state": row["state"], "phases": phases, "node_answered": answered}
+        phases, answered = master.start_phases(row)  # the node's words: checked here
+        return W.SandboxEvents(
+            sandbox_id=sandbox_id,
+            state=row["state"],
+            phases=[W.StartPhase.model_validate(p) for p in phases],
+            node_answered=answered,
+        )
 
     @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
-    def sandbox_workload(sandbox_id: str, request: Request) -> dict[str, Any]:
+    def sandbox_workload(sandbox_id: str, request: Request) -> W.WorkloadEndpoint:
         """The node's workload proxy for the caller's own running sandbox: a tenant's way to exec and copy, which
         needs no node route (those are admins')."""
         row = owned(request.state.identity, sandbox_id)
@@ -595,24 +602,24 @@ def create_app(
                 {"state": row["state"]},
             )
         base = f"{url.rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
-        return {"sandbox_id": sandbox_id, "node": row["node"], "url": base}
+        return W.WorkloadEndpoint(sandbox_id=sandbox_id, node=row["node"], url=base)
 
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
-    def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> dict[str, Any]:
+    def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> W.SandboxReply:
         request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
-        return sandbox_json(master.set_timeout(sandbox_id, body.timeout_s))
+        return sandbox_record(master.set_timeout(sandbox_id, body.timeout_s), W.SandboxReply)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
-    def delete(sandbox_id: str, request: Request) -> dict[str, Any]:
+    def delete(sandbox_id: str, request: Request) -> W.SandboxReply:
         request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
-        return sandbox_json(master.delete(sandbox_id))
+        return sandbox_record(master.delete(sandbox_id), W.SandboxReply)
 
     @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status", response_model=W.StatusReply)
-    def sandbox_status(node: str, sandbox_id: str, body: W.StatusBody) -> dict[str, Any]:
+    def sandbox_status(node: str, sandbox_id: str, body: W.StatusBody) -> W.StatusReply:
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
         if (body.phase == "failed") != (body.error is not None):
             raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not", "api")
         error = {} if body.error is None else body.error.model_dump()
-        return {"state": master.node_status(node, sandbox_id, body.phase, error)}
+        return W.StatusReply(state=SandboxState(master.node_status(node, sandbox_id, body.phase, error)))
 
     return app

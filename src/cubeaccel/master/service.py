@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Collection
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
@@ -39,11 +39,13 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 from cubeaccel.wire.warm import WarmClaimBody
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
+SandboxT = TypeVar("SandboxT", bound=W.Sandbox)
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
 START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
@@ -745,33 +747,32 @@ NODE_PHASES = {
     "workload_ready": "workload service up",
     "guest_validated": "guest validated",
 }
-SETTLED_STATES = ("running", "failed", "deleting", "deleted", "lost")  # where a create's wait ends
 
 
-def sandbox_json(row: Row, silent_nodes: Collection[str] = ()) -> dict[str, Any]:
-    """`silent_nodes`: nodes whose heartbeats are stale (master/node_truth.py); their live sandboxes show
-    `unknown`, with the stored state in `last_known_state`."""
-    state, last_known = shown_state(str(row["state"]), row["node"], silent_nodes)
-    return {
-        "id": row["id"],
-        "tenant": row["tenant"],
-        "state": state,
-        "last_known_state": last_known,
-        "node": row["node"],
-        "class": row["accel_class"],
-        "count": row["count"],
-        "device_ids": row["device_ids"],
-        "template": None
-        if row["template_name"] is None
-        else {
-            "name": row["template_name"],
-            "version": row["template_version"],
-            "digest": (row["contract"] or {}).get("template", {}).get("digest"),
-        },
-        "request": row["request"],
-        "error": row["error"],
-        "timeline": row["timeline"],
-        "expires_at": row["expires_at"],
-        "created_at": row["created_at"],
-        "updated_at": row["updated_at"],
-    }
+def sandbox_record(row: Row, model: type[SandboxT], silent_nodes: Collection[str] = (), **extra: Any) -> SandboxT:
+    """The reply's record of a stored sandbox (`model`: `Sandbox`, or a reply that adds `extra` fields).
+    `silent_nodes`: nodes whose heartbeats are stale (master/node_truth.py); their live sandboxes show `unknown`,
+    with the stored state in `last_known_state`."""
+    state, last_known = shown_state(row["state"], row["node"], silent_nodes)
+    template = None
+    if row["template_name"] is not None:
+        digest = (row["contract"] or {}).get("template", {}).get("digest")
+        template = W.SandboxTemplate(name=row["template_name"], version=row["template_version"], digest=digest)
+    return model(
+        id=row["id"],
+        tenant=row["tenant"],
+        state=state,
+        last_known_state=last_known,
+        node=row["node"],
+        accel_class=row["accel_class"],
+        count=row["count"],
+        device_ids=row["device_ids"],
+        template=template,
+        request=None if row["request"] is None else W.SandboxRequest.model_validate(row["request"]),
+        error=None if row["error"] is None else W.SandboxError.model_validate(row["error"]),
+        timeline=[W.TimelineEntry.model_validate(t) for t in row["timeline"] or ()],
+        expires_at=row["expires_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        **extra,
+    )

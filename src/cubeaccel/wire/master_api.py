@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt, StringConstraints
+from pydantic import AliasChoices, Field, StrictInt, StringConstraints
 
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
-from cubeaccel.wire.base import Message, Record, Reply, Strict
+from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.wire.base import Message, Record, Reply, Sparse, Strict
 from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 
 
@@ -170,30 +171,73 @@ class DefaultSet(Reply):
     template: str
 
 
-class Sandbox(Record):
-    """`sandbox_json`: one sandbox record."""
+class SandboxTemplate(Record):
+    name: str
+    version: str | None
+    digest: str | None  # the contract's template digest (None: a record without one)
+
+
+class SandboxRequest(Sparse):
+    """The create request as stored with the sandbox (normalized): what it asked for, and the effective network
+    policy. Fields a create did not give are left out, as they were stored."""
+
+    template: str | None = None
+    accelerators: list[dict[str, Any]] = []  # model/request.AcceleratorRequest.to_json, one per request
+    memory_mib: int | None = None
+    vcpus: int = 1
+    timeout_s: float | None = None
+    metadata: dict[str, str] = {}  # the caller's labels
+    env_vars: dict[str, str] = {}
+    network: dict[str, Any] | None = None  # the caller's narrowing, as given
+    network_policy: dict[str, Any] | None = None  # the effective policy (model/sandbox_policy)
+
+
+class SandboxError(Sparse):
+    """Why the sandbox failed or could not be released: a catalogued code, and where it came from."""
+
+    code: str | None = None
+    layer: str | None = None
+    message: str | None = None
+    phase: str | None = None  # the Cubelet phase it failed in
+    node: str | None = None
+
+
+class TimelineEntry(Record):
+    at: float
+    phase: str  # and the phase's own detail fields
+
+
+class SandboxRecord(Record):
+    """The fields a sandbox record and a node's warm sandbox share."""
 
     id: str
     tenant: str
-    state: str  # `unknown` while its node's heartbeats are stale
-    last_known_state: str | None = None  # the stored state when `state` shows `unknown`
     node: str | None
-    accel_class: str | None = Field(alias="class")
+    accel_class: str | None = Field(validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class")
     count: int | None
     device_ids: list[str]  # the node's device ids this sandbox was given (kept after delete: the audit's key)
-    template: dict[str, Any] | None
-    request: Any
-    error: Any
-    timeline: Any
+    template: SandboxTemplate | None
+    request: SandboxRequest | None
+    error: SandboxError | None
+    timeline: list[TimelineEntry]
     expires_at: float | None
     created_at: float
     updated_at: float
 
 
-class WarmSandbox(Sandbox):
+class Sandbox(SandboxRecord):
+    """One sandbox record (master/service.sandbox_reply)."""
+
+    state: SandboxState | Literal["unknown"]  # `unknown` while its node's heartbeats are stale
+    last_known_state: SandboxState | None = None  # the stored state when `state` shows `unknown`
+
+
+class WarmSandbox(SandboxRecord):
     """A node's warm sandbox as CubeMaster lists it (`?state=warm`, the dashboard): state `warm`, tenant "", no
     request or timeline; `claimed` while a create's claim row holds it."""
 
+    state: Literal["warm"]
+    last_known_state: None = None
     pool: str
     labels: dict[str, str]
     claimed: bool
@@ -224,17 +268,17 @@ class SandboxEvents(Reply):
     """`GET /v1/sandboxes/{id}/events`: the start phases the node recorded (through CubeMaster)."""
 
     sandbox_id: str
-    state: str
+    state: SandboxState
     phases: list[StartPhase]
     node_answered: bool  # False: no node yet, or it did not answer (the phases may be incomplete)
 
 
 class SandboxList(Reply):
-    sandboxes: list[WarmSandbox | Sandbox]
+    sandboxes: list[Sandbox | WarmSandbox]
 
 
 class StatusReply(Reply):
-    state: str
+    state: SandboxState
 
 
 # ---- identities (docs/security.md) ----------------------------------------------------------------------
