@@ -41,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> It
         fd = None
         started: list[str] = []
         try:
-            poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
+            poll(lambda: any(n.node == NODE and n.state == "ready" for n in master.client.nodes()), 30)
             tpl = edu_template(guest_image, TEMPLATE)
             tpl["spec"]["sandbox"] = {
                 "network": {"mode": "allowlist", "egress": [f"{a}/32:{PORT}" for a in (ALLOWED, OTHER)]}

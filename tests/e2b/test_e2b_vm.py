@@ -50,7 +50,7 @@ def start_stack(base: Any, guest_image: Manifest, *fd_args: str) -> dict[str, An
     (base / "cubelet").mkdir()
     cubelet = emulated_cubelet(master, base / "cubelet", NODE)
     cubelet.start()
-    poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
+    poll(lambda: any(n.node == NODE and n.state == "ready" for n in master.client.nodes()), 30)
     master.client.register_template(edu_template(guest_image, TEMPLATE))
     fd = FrontDoorProcess(base / "fd", master.url, master.admin_key, "--domain", DOMAIN, *fd_args).start()
     return {"master": master, "cubelet": cubelet, "fd": fd, "base": base}

@@ -28,7 +28,7 @@ def node_devices() -> list[dict[str, Any]]:
 
 def test_the_newest_sample_carries_the_sandboxs_devices_and_what_the_guest_sees() -> None:
     g = guest([100, 105, 110])
-    devices = devices_of({"device_ids": ["d1"]}, node_devices(), g.devices)
+    devices = devices_of(["d1"], node_devices(), g.devices)
     out = e2b_metrics(g, None, None, devices)
     assert [m["timestampUnix"] for m in out] == [100, 105, 110]
     assert out[0]["timestamp"] == "1970-01-01T00:01:40Z" and out[0]["memCache"] == 0 and "devices" not in out[0]

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.master_api import Sandbox
 from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.peer_net import ALLOWED, OTHER, OTHER_PORT, PORT, PROBE, UPLINK_LINK, peer_net, sh
 from tests.support.poll import poll
@@ -55,7 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
     cubelet.start()
     started: list[str] = []
     try:
-        poll(lambda: any(n["node"] == "policy-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == "policy-node" and n.state == "ready" for n in master.client.nodes()), 30)
         closed = edu_template(guest_image, "edu-closed")
         tool = edu_template(guest_image, "edu-tool")
         tool["spec"]["sandbox"] = {
@@ -69,13 +70,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         master.client.register_template(tool)
         acc = [{"class": "accelerator"}]
         sb_closed = master.client.create({"template": "edu-closed", "accelerators": acc})
-        started.append(sb_closed["id"])
+        started.append(sb_closed.id)
         # the request narrows the template's two destinations to one
         narrowed = {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}"]}
         sb_tool = master.client.create({"template": "edu-tool", "accelerators": acc, "network": narrowed})
-        started.append(sb_tool["id"])
+        started.append(sb_tool.id)
         for sb in (sb_closed, sb_tool):
-            poll(lambda sb=sb: _running(master.client.sandbox(sb["id"])), 240, what=f"{sb['id']} running")
+            poll(lambda sb=sb: _running(master.client.sandbox(sb["id"])), 240, what=f"{sb.id} running")
         yield {
             "master": master,
             "cubelet": cubelet,
@@ -94,10 +95,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
             subprocess.run(["ip", "netns", "del", f"cube-{sid}"], check=False, capture_output=True, timeout=30)
 
 
-def _running(row: dict[str, Any]) -> bool:
+def _running(row: Sandbox) -> bool:
     """Running yet; a start that ended fails at once, with its error (not after the whole deadline)."""
-    assert row["state"] not in ("failed", "deleted", "lost"), (row["state"], row.get("error"))
-    return bool(row["state"] == "running")
+    assert row.state not in ("failed", "deleted", "lost"), (row.state, row.error)
+    return row.state == "running"
 
 
 def run(stack: dict[str, Any], which: str, *argv: str, user: str | None = None) -> subprocess.CompletedProcess[bytes]:

@@ -36,11 +36,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> It
     cubelet.start()
     tenant = MasterClient(master.url, key=master.tenant_key)
     try:
-        poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == NODE and n.state == "ready" for n in master.client.nodes()), 30)
         master.client.register_template(edu_template(guest_image, TEMPLATE))
         other_key = master.client.request("POST", "/v1/tenants", {"name": f"other{os.getpid()}"})["key"]
         sb = tenant.create({"template": TEMPLATE, "accelerators": [{"class": "accelerator"}]})
-        poll(lambda: tenant.sandbox(sb["id"])["state"] == "running", 240)
+        poll(lambda: tenant.sandbox(sb.id).state == "running", 240)
         yield {"master": master, "sb": sb, "other_key": other_key, "base": base}
     finally:
         tenant.close()

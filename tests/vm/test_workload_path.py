@@ -33,11 +33,11 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> 
     cubelet = emulated_cubelet(master, base / "cubelet", "wl-node")
     cubelet.start()
     try:
-        poll(lambda: any(n["node"] == "wl-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == "wl-node" and n.state == "ready" for n in master.client.nodes()), 30)
         master.client.register_template(edu_template(guest_image, "edu-wl"))
         sb = master.client.create({"template": "edu-wl", "accelerators": [{"class": "accelerator"}]})
-        poll(lambda: master.client.sandbox(sb["id"])["state"] == "running", 180)
-        yield {"master": master, "cubelet": cubelet, "id": sb["id"], "token": sb["access_token"], "base": base}
+        poll(lambda: master.client.sandbox(sb.id).state == "running", 180)
+        yield {"master": master, "cubelet": cubelet, "id": sb.id, "token": sb.access_token, "base": base}
     finally:
         cubelet.stop()
         master.stop()

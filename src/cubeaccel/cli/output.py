@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import httpx
 import typer
+from pydantic_core import to_jsonable_python
 from rich.console import Console
 from rich.text import Text
 
@@ -84,12 +85,13 @@ def state(value: str | None) -> Text:
 def emit(data: Any, render: Callable[[], None] | None = None) -> None:
     """The result: JSON/YAML of `data` under -o json|yaml, else `render()` (default: pretty JSON)."""
     fmt = _format["value"]
+    data = to_jsonable_python(data, by_alias=True, fallback=str)  # wire models as their JSON
     if fmt == "json" or (fmt == "table" and render is None):
         print(json.dumps(data, indent=2, default=str))
     elif fmt == "yaml":
         import yaml
 
-        print(yaml.safe_dump(json.loads(json.dumps(data, default=str)), sort_keys=False), end="")
+        print(yaml.safe_dump(data, sort_keys=False), end="")
     else:
         assert render is not None
         render()

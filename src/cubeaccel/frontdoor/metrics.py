@@ -3,6 +3,7 @@ sandbox's devices (the node's state for each, and what the guest sees of it)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,9 +16,10 @@ def window(start: str | None, end: str | None) -> tuple[int | None, int | None]:
 
 
 def devices_of(
-    row: dict[str, Any], node_devices: list[dict[str, Any]], seen: list[GuestPciDevice]
+    device_ids: Collection[str], node_devices: list[dict[str, Any]], seen: list[GuestPciDevice]
 ) -> list[MetricDevice]:
-    mine = set(row.get("device_ids") or [])
+    """The sandbox's devices (`device_ids`) among its node's (the Cubelet's device records)."""
+    mine = set(device_ids)
     out = []
     for d in node_devices:
         if d.get("id") not in mine:

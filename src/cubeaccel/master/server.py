@@ -49,7 +49,7 @@ from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
-from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, SandboxActor, SandboxState
+from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, NodeState, SandboxActor, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
@@ -359,7 +359,7 @@ def create_app(
 
     # ---- nodes ------------------------------------------------------------------------------------
     @app.put("/v1/nodes/{node}", response_model=W.HeartbeatAck, openapi_extra=json_body("Heartbeat"))
-    def heartbeat(node: str, body: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(node: str, body: dict[str, Any]) -> W.HeartbeatAck:
         if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
             raise CubeError("node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api")
         state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)  # validated the body
@@ -372,24 +372,23 @@ def create_app(
             truth.heard(node, NodeNews.model_validate(body))
         except Exception:
             logging.getLogger("cubeaccel.master").exception("node truth from %s's heartbeat not applied", node)
-        return {"node": node, "state": state}
+        return W.HeartbeatAck(node=node, state=NodeState(state))
 
-    def node_views() -> list[dict[str, Any]]:
+    def node_views() -> list[W.NodeSummary]:
         now = time.time()
-        return [
-            v.summary_json(now, cfg.staleness_s) for v in sorted(master.cache.views(fresh=True), key=lambda v: v.name)
-        ]
+        views = sorted(master.cache.views(fresh=True), key=lambda v: v.name)
+        return [v.summary(now, cfg.staleness_s, W.NodeSummary) for v in views]
 
     @app.get("/v1/nodes", response_model=W.NodeList)
-    def nodes() -> dict[str, Any]:
-        return {"nodes": node_views()}
+    def nodes() -> W.NodeList:
+        return W.NodeList(nodes=node_views())
 
     @app.get("/v1/nodes/{node}", response_model=W.NodeReply)
-    def node(node: str) -> dict[str, Any]:
-        for n in node_views():
-            if n["node"] == node:
-                return n
-        raise CubeError("node.not_found", f"no node {node!r}", "api")
+    def node(node: str) -> W.NodeReply:
+        view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)
+        if view is None:
+            raise CubeError("node.not_found", f"no node {node!r}", "api")
+        return view.summary(time.time(), cfg.staleness_s, W.NodeReply)
 
     @app.post("/v1/nodes/{node}/{verb}", response_model=W.NodeVerbReply)
     def node_verb(node: str, verb: str, request: Request, body: OperatorBody | None = None) -> dict[str, Any]:
@@ -444,27 +443,27 @@ def create_app(
         return {"node": node, "device": dev}
 
     @app.get("/v1/capacity", response_model=W.Capacity)
-    def capacity() -> dict[str, Any]:
+    def capacity() -> W.Capacity:
         ns = node_views()
         by_model: Counter[str] = Counter()
         free_model: Counter[str] = Counter()
         warm: Counter[str] = Counter()  # claimable warm sandboxes by template: capacity for matching creates
         for n in ns:
-            for g in n["groups"]:
-                name = f"{g['class']}/{g['labels'].get('model', '?')}"
-                by_model[name] += g["total"]
-                free_model[name] += g["allocatable"] if n["schedulable"] else 0
-            for p in n["warm_pools"] if n["schedulable"] else ():
-                warm[p["template"] or p["key"]] += p["claimable"]
-        return {
-            "nodes": len(ns),
-            "schedulable_nodes": sum(n["schedulable"] for n in ns),
-            "by_state": dict(Counter(n["state"] for n in ns)),
-            "total": sum(by_model.values()),
-            "allocatable": sum(free_model.values()),
-            "models": {k: {"total": by_model[k], "allocatable": free_model[k]} for k in sorted(by_model)},
-            "warm": dict(warm),
-        }
+            for g in n.groups:
+                name = f"{g.accel_class}/{g.labels.get('model', '?')}"
+                by_model[name] += g.total
+                free_model[name] += g.allocatable if n.schedulable else 0
+            for p in n.warm_pools if n.schedulable else ():
+                warm[p.template or p.key] += p.claimable
+        return W.Capacity(
+            nodes=len(ns),
+            schedulable_nodes=sum(n.schedulable for n in ns),
+            by_state=dict(Counter(str(n.state) for n in ns)),
+            total=sum(by_model.values()),
+            allocatable=sum(free_model.values()),
+            models={k: W.ModelCapacity(total=by_model[k], allocatable=free_model[k]) for k in sorted(by_model)},
+            warm=dict(warm),
+        )
 
     # ---- templates --------------------------------------------------------------------------------
     @app.post(

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field, StrictInt, StringConstraints
 
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
-from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.model.sandbox_states import NodeState, SandboxState
 from cubeaccel.wire.base import Message, Record, Reply, Sparse, Strict
 from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 
@@ -79,26 +79,62 @@ class Health(Reply):
 
 class HeartbeatAck(Reply):
     node: str
-    state: str  # the operator state: ready | draining
+    state: NodeState
+
+
+ClassField = Field(validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class")
+
+
+class HostProblem(Record):
+    code: str
+    message: str
+
+
+class NodeGroup(Record):
+    """One capacity group of the node (devices of one class with equal summary labels)."""
+
+    accel_class: str = ClassField
+    labels: dict[str, str]
+    total: int
+    allocatable: int  # free after this cluster's claims
+    claimed: int  # placed here, not yet in the node's summary
+    allocatable_by_numa: dict[str, int]
+
+
+class WarmPoolShown(Record):
+    key: str
+    template: str | None
+    accel_class: str | None = ClassField
+    count: int
+    memory_mib: int
+    vcpus: int
+    size: int  # wanted
+    warm: int  # ready now
+    starting: int
+    claimable: int  # warm and held by no claim row of this cluster
+    sandboxes: list[str]
 
 
 class NodeSummary(Record):
     node: str
     cubelet_url: str
     version: str
-    state: str  # ready | draining | stale
+    state: NodeState | Literal["stale"]  # the operator state, or `stale` (no recent heartbeat)
     schedulable: bool
     ready: bool
-    host_problems: list[dict[str, Any]]
-    pinned_memory: dict[str, Any]
+    host_problems: list[HostProblem]
+    pinned_memory: dict[str, Any]  # the heartbeat's ledger as sent, with this cluster's claims
     last_heartbeat_age_s: float
     backends: list[str]
     pinnable_memory_mib: int
     guest_images: list[dict[str, Any]]
     hotplug: list[str]
+    max_devices_per_sandbox: int | None  # None: the Cubelet did not say
+    warm: int
+    warm_pools: list[WarmPoolShown]
     total: int
     allocatable: int
-    groups: list[dict[str, Any]]
+    groups: list[NodeGroup]
 
 
 class NodeReply(NodeSummary):
@@ -213,7 +249,7 @@ class SandboxRecord(Record):
     id: str
     tenant: str
     node: str | None
-    accel_class: str | None = Field(validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class")
+    accel_class: str | None = ClassField
     count: int | None
     device_ids: list[str]  # the node's device ids this sandbox was given (kept after delete: the audit's key)
     template: SandboxTemplate | None
