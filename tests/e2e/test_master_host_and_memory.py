@@ -145,7 +145,7 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
         assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
         assert "pinned_memory" in e.details["tried"][0]["nodes"]["n100"]["detail"]
         node = poll(lambda: (n := _node(master, "n100")) and n.pinned_memory["locked_mib"] > 0 and n)
-        assert node["pinned_memory"]["lockable_mib"] == 100 * GIB  # type: ignore[index]
+        assert node.pinned_memory["lockable_mib"] == 100 * GIB
         for s in created:  # whatever state each has reached: "running" only would leave a starting one holding 40 GiB
             master.client.delete(s.id)
         poll(
