@@ -259,81 +259,77 @@ def create_app(
     cfg = master.config
 
     @app.get("/v1/whoami", response_model=W.WhoAmI)
-    def whoami(request: Request) -> dict[str, Any]:
+    def whoami(request: Request) -> W.WhoAmI:
         ident: Identity = request.state.identity
         prefix = tenant_sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
-        return {
-            "role": ident.role,
-            "tenant": ident.tenant,
-            "node": ident.node,
-            "key_id": ident.key_id,
-            "sandbox_id_prefix": prefix,
-        }
+        return W.WhoAmI(
+            role=ident.role, tenant=ident.tenant, node=ident.node, key_id=ident.key_id, sandbox_id_prefix=prefix
+        )
 
     # ---- identities ---------------------------------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, response_model=W.TenantCreated)
-    def create_tenant(body: W.TenantBody, request: Request) -> dict[str, Any]:
+    def create_tenant(body: W.TenantBody, request: Request) -> W.TenantCreated:
         request.state.tenant = body.name
         auth.create_tenant(body.name, Quota.from_json(body.quota.model_dump()))
         kid, key = auth.create_key(TENANT, body.name)
-        return {"name": body.name, "key_id": kid, "key": key}
+        return W.TenantCreated(name=body.name, key_id=kid, key=key)
 
     @app.get("/v1/tenants", response_model=W.TenantList)
-    def tenants() -> dict[str, Any]:
-        return {"tenants": auth.tenants()}
+    def tenants() -> W.TenantList:
+        return W.TenantList(tenants=auth.tenants())
 
     @app.delete("/v1/tenants/{tenant}", response_model=W.Revoked)
-    def revoke_tenant(tenant: str, request: Request) -> dict[str, Any]:
+    def revoke_tenant(tenant: str, request: Request) -> W.Revoked:
         request.state.tenant = tenant
         auth.revoke_tenant(tenant)
         master.end_revoked({tenant}, SandboxActor.USER)
-        return {"revoked": tenant}
+        return W.Revoked(revoked=tenant)
 
     @app.post("/v1/tenants/{tenant}/keys", status_code=201, response_model=W.KeyCreated)
-    def create_key(tenant: str, request: Request) -> dict[str, Any]:
+    def create_key(tenant: str, request: Request) -> W.KeyCreated:
         request.state.tenant = tenant
         kid, key = auth.create_key(TENANT, tenant)
-        return {"key_id": kid, "key": key, "tenant": tenant}
+        return W.KeyCreated(key_id=kid, key=key, tenant=tenant)
 
     @app.post("/v1/admin-keys", status_code=201, response_model=W.KeyCreated)
-    def create_admin_key() -> dict[str, Any]:
+    def create_admin_key() -> W.KeyCreated:
         kid, key = auth.create_key(ADMIN)
-        return {"key_id": kid, "key": key, "tenant": None}
+        return W.KeyCreated(key_id=kid, key=key, tenant=None)
 
     @app.post("/v1/keys", status_code=201, response_model=W.KeyCreated)
-    def create_own_key(request: Request) -> dict[str, Any]:
+    def create_own_key(request: Request) -> W.KeyCreated:
         """Rotation without downtime: a second key for the caller's own tenant (an admin: an admin key); both
         work until the old one is revoked."""
         ident: Identity = request.state.identity
         request.state.tenant = ident.tenant
         kid, key = auth.create_key(ident.role, ident.tenant)
-        return {"key_id": kid, "key": key, "tenant": ident.tenant}
+        return W.KeyCreated(key_id=kid, key=key, tenant=ident.tenant)
 
     @app.get("/v1/keys", response_model=W.KeyList)
-    def keys(request: Request) -> dict[str, Any]:
+    def keys(request: Request) -> W.KeyList:
         ident: Identity = request.state.identity
-        return {"keys": auth.keys(ident.tenant if ident.role == TENANT else None)}
+        return W.KeyList(keys=auth.keys(ident.tenant if ident.role == TENANT else None))
 
     @app.delete("/v1/keys/{key_id}", response_model=W.Revoked)
-    def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    def revoke_key(key_id: str, request: Request) -> W.Revoked:
         ident: Identity = request.state.identity
         request.state.tenant = ident.tenant
         auth.revoke_key(key_id, ident.tenant if ident.role == TENANT else None)
-        return {"revoked": key_id}
+        return W.Revoked(revoked=key_id)
 
     @app.get("/v1/audit/seals", response_model=W.AuditSeals)
-    def seals() -> dict[str, Any]:
+    def seals() -> W.AuditSeals:
         """Each audit log's sealed head (`cubeaccel audit --verify --master-seal`: a cut-off tail shows)."""
-        return {"seals": audit_seals(master.store)}
+        return W.AuditSeals(seals=[W.AuditSeal.model_validate(s) for s in audit_seals(master.store)])
 
     @app.post("/v1/nodes/{node}/credential", status_code=201, response_model=W.NodeCredential)
-    def enrol(node: str) -> dict[str, Any]:
-        return {"node": node, "token": auth.enrol_node(node)}
+    def enrol(node: str) -> W.NodeCredential:
+        return W.NodeCredential(node=node, token=auth.enrol_node(node))
 
     @app.delete("/v1/nodes/{node}/credential", response_model=W.Revoked)
-    def revoke_node(node: str) -> dict[str, Any]:
+    def revoke_node(node: str) -> W.Revoked:
         auth.revoke_node(node)
-        return {"revoked": node}
+        return W.Revoked(revoked=node)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:
@@ -349,13 +345,13 @@ def create_app(
         return feed.snapshot()
 
     @app.get("/v1/health", response_model=W.Health)
-    def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "schema_version": master.store.schema_version,
-            "db": master.store.dialect,
-            "errors": maintenance.last_errors if maintenance else [],
-        }
+    def health() -> W.Health:
+        return W.Health(
+            status="ok",
+            schema_version=master.store.schema_version,
+            db=master.store.dialect,
+            errors=maintenance.last_errors if maintenance else [],
+        )
 
     # ---- nodes ------------------------------------------------------------------------------------
     @app.put("/v1/nodes/{node}", response_model=W.HeartbeatAck, openapi_extra=json_body("Heartbeat"))
@@ -391,15 +387,16 @@ def create_app(
         return view.summary(time.time(), cfg.staleness_s, W.NodeReply)
 
     @app.post("/v1/nodes/{node}/{verb}", response_model=W.NodeVerbReply)
-    def node_verb(node: str, verb: str, request: Request, body: OperatorBody | None = None) -> dict[str, Any]:
+    def node_verb(node: str, verb: str, request: Request, body: OperatorBody | None = None) -> W.NodeVerbReply:
         if verb == "reconcile":
-            return reconcile_node(master, node)
+            return W.NodeVerbReply.model_validate(reconcile_node(master, node))
         if verb not in ("drain", "undrain"):
             raise CubeError("api.unknown_verb", f"unknown node verb {verb!r}; known: drain, undrain, reconcile", "api")
         state = master.store.node_event(node, NodeEvent(verb))
         master.cache.invalidate()
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
-        return {"node": node, "state": state.value, "who": ident.label(), "warm": warm_verb(node, verb)}
+        said = {"node": node, "state": state.value, "who": ident.label(), "warm": warm_verb(node, verb)}
+        return W.NodeVerbReply.model_validate(said)
 
     def warm_verb(node: str, verb: str) -> WarmDrainReply | WarmVerbFailure:
         """A drain removes the node's warm sandboxes first (and stops their refill); undrain resumes it. The
@@ -427,11 +424,11 @@ def create_app(
             ) from e
 
     @app.get("/v1/nodes/{node}/devices", response_model=W.NodeDevices)
-    def node_devices(node: str) -> dict[str, Any]:
-        return {"node": node, "devices": forwarded(node, lambda c: c.devices())}
+    def node_devices(node: str) -> W.NodeDevices:
+        return W.NodeDevices(node=node, devices=forwarded(node, lambda c: c.devices()))
 
     @app.post("/v1/nodes/{node}/devices/{device_id}/{verb}", response_model=W.NodeDevice)
-    def device_verb(node: str, device_id: str, verb: str, body: W.DeviceVerbBody, request: Request) -> dict[str, Any]:
+    def device_verb(node: str, device_id: str, verb: str, body: W.DeviceVerbBody, request: Request) -> W.NodeDevice:
         """quarantine | recover | disable | enable on one device of `node`, done by that node's Cubelet (its TCP
         API, with the node's token); the Cubelet's events and both audit logs name the admin's key."""
         if verb not in DEVICE_VERBS:
@@ -440,7 +437,7 @@ def create_app(
         extra = {"restore_driver": True} if body.restore_driver else {}
         rid = request.state.request_id
         dev = forwarded(node, lambda c: c.verb(device_id, verb, ident.label(), body.reason, request_id=rid, **extra))
-        return {"node": node, "device": dev}
+        return W.NodeDevice(node=node, device=dev)
 
     @app.get("/v1/capacity", response_model=W.Capacity)
     def capacity() -> W.Capacity:
@@ -472,25 +469,25 @@ def create_app(
         response_model=W.TemplateRegistered,
         openapi_extra=json_body("TemplateDocument"),
     )
-    def register_template(document: dict[str, Any], default: bool = False) -> dict[str, Any]:
+    def register_template(document: dict[str, Any], default: bool = False) -> W.TemplateRegistered:
         return master.registry.register(document, default)
 
     @app.get("/v1/templates", response_model=W.TemplateList)
-    def templates() -> dict[str, Any]:
-        return {"templates": master.registry.list(), "defaults": master.store.defaults()}
+    def templates() -> W.TemplateList:
+        return W.TemplateList(templates=master.registry.list(), defaults=master.store.defaults())
 
     @app.get("/v1/templates/{ref}", response_model=W.TemplateShown)
-    def template(ref: str) -> dict[str, Any]:
+    def template(ref: str) -> W.TemplateShown:
         return master.registry.show(ref)
 
     @app.delete("/v1/templates/{ref}", response_model=W.TemplateDeleted)
-    def delete_template(ref: str) -> dict[str, Any]:
+    def delete_template(ref: str) -> W.TemplateDeleted:
         return master.registry.delete(ref)
 
     @app.put("/v1/template-defaults/{accel_class}", response_model=W.DefaultSet)
-    def set_default(accel_class: str, body: W.DefaultBody) -> dict[str, Any]:
+    def set_default(accel_class: str, body: W.DefaultBody) -> W.DefaultSet:
         master.registry.set_default(accel_class, body.template)
-        return {"class": accel_class, "template": body.template}
+        return W.DefaultSet(accel_class=accel_class, template=body.template)
 
     # ---- sandboxes --------------------------------------------------------------------------------
     async def settle(sandbox_id: str, wait_s: float) -> Row:

@@ -171,7 +171,7 @@ class Capacity(Reply):
 class TemplateRef(Record):
     name: str
     version: str
-    accel_class: str = Field(alias="class")
+    accel_class: str = ClassField
     digest: str
     default: bool  # the class's default template
 
@@ -203,7 +203,7 @@ class TemplateDeleted(Reply):
 
 
 class DefaultSet(Reply):
-    accel_class: str = Field(alias="class")
+    accel_class: str = ClassField
     template: str
 
 
