@@ -159,7 +159,7 @@ def test_the_policy_is_recorded_shown_and_audited(stack: dict[str, Any]) -> None
     assert res["params"]["network"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
     assert res["facts"]["network"]["netns"] == f"cube-{sid}"
     shown = stack["master"].client.sandbox(sid)
-    assert shown["request"]["network_policy"] == res["params"]["network"]
+    assert shown.request.network_policy == res["params"]["network"]
     audit = [json.loads(x) for x in (stack["base"] / "cubelet" / "audit.jsonl").read_text().splitlines()]
     applied = [e for e in audit if e.get("action") == "network:apply" and e.get("target") == sid]
     assert applied and applied[0]["egress"] == [f"{ALLOWED}/32:{PORT}/tcp"]
@@ -224,7 +224,7 @@ def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
     assert facts["uplink_if"] in uplink_links()
     master.client.delete(sid)
     master.client.delete(stack["closed"]["id"])
-    poll(lambda: master.client.sandbox(sid)["state"] == "deleted", 120)
+    poll(lambda: master.client.sandbox(sid).state == "deleted", 120)
     poll(lambda: not Path(f"/run/netns/cube-{sid}").exists(), 60)
     assert not (stack["base"] / "cubelet" / "shims" / sid / "scratch.img").exists()
     # the kernel frees a namespace (and the veth pair with it) shortly after its last user is gone
