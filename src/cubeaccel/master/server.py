@@ -576,13 +576,8 @@ def create_app(
     def sandbox_events(sandbox_id: str, request: Request) -> W.SandboxEvents:
         """The start phases the sandbox's node recorded, fetched with the node token (a user has none)."""
         row = owned(request.state.identity, sandbox_id)
-        phases, answered = master.start_phases(row)  # the node's words: checked here
-        return W.SandboxEvents(
-            sandbox_id=sandbox_id,
-            state=row["state"],
-            phases=[W.StartPhase.model_validate(p) for p in phases],
-            node_answered=answered,
-        )
+        phases, answered = master.start_phases(row)
+        return W.SandboxEvents(sandbox_id=sandbox_id, state=row["state"], phases=phases, node_answered=answered)
 
     @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
     def sandbox_workload(sandbox_id: str, request: Request) -> W.WorkloadEndpoint:
@@ -616,6 +611,6 @@ def create_app(
         if (body.phase == "failed") != (body.error is not None):
             raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not", "api")
         error = {} if body.error is None else body.error.model_dump()
-        return W.StatusReply(state=SandboxState(master.node_status(node, sandbox_id, body.phase, error)))
+        return W.StatusReply(state=master.node_status(node, sandbox_id, body.phase, error))
 
     return app

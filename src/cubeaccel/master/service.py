@@ -644,7 +644,7 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "deleted", event=SE.DELETED, by=SA.USER)
         return self.get(sandbox_id)
 
-    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> str:
+    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> SandboxState:
         """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
         (at start or later) → `failed` with the Cubelet's code and layer. Only that sandbox's own node counts."""
         row = self.get(sandbox_id)
@@ -667,7 +667,8 @@ class CubeMaster:
                 error={**error, "node": node},
             )
             self.cache.invalidate()
-        return str(self.get(sandbox_id)["state"])
+        state: SandboxState = self.get(sandbox_id)["state"]
+        return state
 
     def placement_abandoned(self, row: Row, now: float) -> bool:
         return row["state"] in PLACEMENT_STATES and now - float(row["updated_at"]) > self.config.placement_stale_s
@@ -708,7 +709,7 @@ class CubeMaster:
         v = next((v for v in self.cache.views() if v.name == node), None)
         return v.cubelet_url if v else None
 
-    def start_phases(self, row: Row) -> tuple[list[dict[str, Any]], bool]:
+    def start_phases(self, row: Row) -> tuple[list[W.StartPhase], bool]:
         """The sandbox's start phases from its node's event journal (VM up, memory pinned, device attached,
         workload service up, guest validated), first of each, in time order; and whether the node answered.
         Through CubeMaster because only CubeMaster holds the node token that the Cubelet's TCP API asks for."""
@@ -719,12 +720,12 @@ class CubeMaster:
             page = self.client(url).request("GET", "/v1/events", params={"limit": 10000, "sandbox_id": row["id"]})
         except (CubeError, httpx.HTTPError, OSError):
             return [], False
-        phases: dict[str, dict[str, Any]] = {}
+        phases: dict[str, W.StartPhase] = {}
         for e in page.get("events", []):
             label = NODE_PHASES.get(str(e.get("event")))
             if label is not None and label not in phases:
-                phases[label] = {"phase": label, "event": e["event"], "at": float(e["at"])}
-        return sorted(phases.values(), key=lambda p: float(p["at"])), True
+                phases[label] = W.StartPhase(phase=label, event=e["event"], at=float(e["at"]))
+        return sorted(phases.values(), key=lambda p: p.at), True
 
     def get(self, sandbox_id: str) -> Row:
         row = self.store.sandbox(sandbox_id)
