@@ -81,10 +81,25 @@ def _sandbox_table(rows: Sequence[Sandbox | WarmSandbox]) -> Table:
     for col in ("state", "node", "template", "devices", "error"):
         t.add_column(col, overflow="fold")
     for s in rows:
-        tpl = "@".join(x for x in (s.template.name, s.template.version) if x) if s.template else ""
-        err = (s.error.code if s.error else None) or ""
-        t.add_row(s.id, output.state(s.state), s.node or "-", tpl or "-", ", ".join(s.device_ids) or "-", err)
+        t.add_row(
+            s.id,
+            output.state(s.state),
+            s.node or "-",
+            _template_cell(s),
+            ", ".join(s.device_ids) or "-",
+            _error_cell(s),
+        )
     return t
+
+
+def _template_cell(s: Sandbox | WarmSandbox) -> str:
+    if s.template is None:
+        return "-"
+    return "@".join(x for x in (s.template.name, s.template.version) if x) or "-"
+
+
+def _error_cell(s: Sandbox | WarmSandbox) -> str:
+    return (s.error.code if s.error is not None else None) or ""
 
 
 @sandbox_app.command("create")
