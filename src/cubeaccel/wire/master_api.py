@@ -129,9 +129,9 @@ class NodeSummary(Record):
     pinnable_memory_mib: int
     guest_images: list[dict[str, Any]]
     hotplug: list[str]
-    max_devices_per_sandbox: int | None  # None: the Cubelet did not say
-    warm: int
-    warm_pools: list[WarmPoolShown]
+    max_devices_per_sandbox: int | None = None  # None: the Cubelet did not say
+    warm: int = 0
+    warm_pools: list[WarmPoolShown] = []
     total: int
     allocatable: int
     groups: list[NodeGroup]
