@@ -76,7 +76,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         sb_tool = master.client.create({"template": "edu-tool", "accelerators": acc, "network": narrowed})
         started.append(sb_tool.id)
         for sb in (sb_closed, sb_tool):
-            poll(lambda sb=sb: _running(master.client.sandbox(sb["id"])), 240, what=f"{sb.id} running")
+            poll(lambda sb=sb: _running(master.client.sandbox(sb.id)), 240, what=f"{sb.id} running")
         yield {
             "master": master,
             "cubelet": cubelet,
@@ -107,13 +107,13 @@ def run(stack: dict[str, Any], which: str, *argv: str, user: str | None = None) 
         **os.environ,
         "CUBEACCEL_MASTER": stack["master"].url,
         "CUBEACCEL_API_KEY": stack["master"].admin_key,
-        "CUBEACCEL_SANDBOX_TOKEN": sb["access_token"],
+        "CUBEACCEL_SANDBOX_TOKEN": sb.access_token,
     }
     # --no-stdin: nothing to send, and no stdin reader left running at the CLI's exit
     cmd = [sys.executable, "-c", "from cubeaccel.cli import main; main()", "sandbox", "exec", "--no-stdin"]
     cmd += ["--user", user] if user else []
     return subprocess.run(
-        [*cmd, sb["id"], "--", *argv], capture_output=True, env=env, timeout=180, stdin=subprocess.DEVNULL
+        [*cmd, sb.id, "--", *argv], capture_output=True, env=env, timeout=180, stdin=subprocess.DEVNULL
     )
 
 
@@ -127,7 +127,7 @@ def test_a_closed_sandbox_has_no_network_interface_but_lo(stack: dict[str, Any])
     r = run(stack, "closed", "ls", "/sys/class/net")
     assert r.returncode == 0 and r.stdout.split() == [b"lo"], r.stderr
     assert probe(stack, "closed", f"{ALLOWED}:{PORT}") == {f"{ALLOWED}:{PORT}": "OSError"}  # ENETUNREACH
-    res = stack["cubelet"].client.reservation(stack["closed"]["id"])["reservation"]
+    res = stack["cubelet"].client.reservation(stack["closed"].id)["reservation"]
     assert res["facts"]["network"] is None and "network" not in res["params"]
 
 
@@ -141,7 +141,7 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
     assert got["169.254.169.254:80"] == "ConnectionRefusedError"  # metadata
     # the host end of the sandbox link drops everything (the namespace accepts nothing from the guest), and the
     # uplink end of the veth is one of the node's own addresses, never a destination
-    facts = stack["cubelet"].client.reservation(stack["tool"]["id"])["reservation"]["facts"]["network"]
+    facts = stack["cubelet"].client.reservation(stack["tool"].id)["reservation"]["facts"]["network"]
     peer = facts["veth_cidr"].split("/")[0].rsplit(".", 1)
     uplink_end = f"{peer[0]}.{int(peer[1]) + 1}"
     got = probe(stack, "tool", f"{facts['gateway']}:22", f"{uplink_end}:{PORT}")
@@ -154,7 +154,7 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
 
 
 def test_the_policy_is_recorded_shown_and_audited(stack: dict[str, Any]) -> None:
-    sid = stack["tool"]["id"]
+    sid = stack["tool"].id
     res = stack["cubelet"].client.reservation(sid)["reservation"]
     assert res["params"]["network"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
     assert res["facts"]["network"]["netns"] == f"cube-{sid}"
@@ -188,7 +188,7 @@ def test_only_the_allowlisted_host_directory_is_shared_and_only_for_reading(stac
 
 
 def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host_alone(stack: dict[str, Any]) -> None:
-    sid = stack["tool"]["id"]
+    sid = stack["tool"].id
     disk = stack["base"] / "cubelet" / "shims" / sid / "scratch.img"
     assert disk.stat().st_size == SCRATCH_MIB * 1024 * 1024
     fill = (
@@ -215,7 +215,7 @@ def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host
 
 
 def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
-    master, cubelet, sid = stack["master"], stack["cubelet"], stack["tool"]["id"]
+    master, cubelet, sid = stack["master"], stack["cubelet"], stack["tool"].id
     facts = cubelet.client.reservation(sid)["reservation"]["facts"]["network"]
 
     def uplink_links() -> set[str]:
@@ -223,7 +223,7 @@ def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
 
     assert facts["uplink_if"] in uplink_links()
     master.client.delete(sid)
-    master.client.delete(stack["closed"]["id"])
+    master.client.delete(stack["closed"].id)
     poll(lambda: master.client.sandbox(sid).state == "deleted", 120)
     poll(lambda: not Path(f"/run/netns/cube-{sid}").exists(), 60)
     assert not (stack["base"] / "cubelet" / "shims" / sid / "scratch.img").exists()
