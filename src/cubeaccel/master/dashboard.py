@@ -65,7 +65,7 @@ class DashboardFeed:
                 "node": v.name,
                 "state": s.state,
                 "schedulable": s.schedulable,
-                "warm_pools": [p.model_dump(mode="json", by_alias=True) for p in s.warm_pools],
+                "warm_pools": s.model_dump(mode="json", by_alias=True, include={"warm_pools"})["warm_pools"],
             }
             future = asks.get(v.name)
             if future is None:
