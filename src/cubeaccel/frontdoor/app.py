@@ -144,9 +144,9 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         req: NewSandbox = await body_of(request, NewSandbox)
         sid = f"{await master.id_prefix(key)}{uuid.uuid4().hex[:16]}"  # in the tenant's own id namespace
         body = M.create_body(req, sid, token(sid))
-        asked_s = float(body["timeout_s"])
+        asked_s = body.timeout_s or float(M.DEFAULT_TIMEOUT_S)  # create_body always sets it
         lease_s = min(asked_s, cfg.create_lease_s)
-        body["timeout_s"] = lease_s  # the client's lifetime is set only once its reply is ready
+        body = body.model_copy(update={"timeout_s": lease_s})  # the client's lifetime: once its reply is ready
         t0 = time.monotonic()
         row = await master.call(Calls.create(body, request.headers.get("idempotency-key")), key)
         sid = row.id  # an idempotent repeat answers the first create's sandbox (its token: derived too)

@@ -15,7 +15,7 @@ from typing import Any
 
 from cubeaccel.model.sandbox_states import SandboxState
 from cubeaccel.wire.e2b_api import ListedSandbox, NewSandbox, SandboxCreated, SandboxDetail
-from cubeaccel.wire.master_api import Sandbox, WarmSandbox
+from cubeaccel.wire.master_api import Sandbox, SandboxBody, WarmSandbox
 
 # What the guest's cube-workload implements (docs/workload.md); a test holds it equal to the guest's own constant.
 ENVD_VERSION = "0.6.4"
@@ -53,11 +53,12 @@ def envd_token(secret: bytes, sandbox_id: str) -> str:
     return base64.urlsafe_b64encode(mac).decode().rstrip("=")
 
 
-def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
+def create_body(req: NewSandbox, sandbox_id: str, token: str) -> SandboxBody:
     """CubeMaster's create body for an E2B create. `templateID` is a registered template by name (or
     `name@version`), passed as it is: a GPU one, or `base`, the CPU-only one the SDK asks for by default. The
     metadata key `cubeaccel.accelerators` (shorthand `H100:2`, or a JSON list of alternatives) overrides the
-    template's default request (a CPU-only template refuses it: `request.class_mismatch`)."""
+    template's default request (a CPU-only template refuses it: `request.class_mismatch`). Built unchecked:
+    CubeMaster checks it, and its refusal names the field; only the fields set here are sent."""
     unsupported = [
         name
         for name, asked in (
@@ -95,7 +96,7 @@ def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
                 raise Refusal(400, f"cubeaccel (api): metadata {ACCELERATORS_KEY} is not valid JSON: {e}") from e
         else:
             body["gpu"] = text
-    return body
+    return SandboxBody.model_construct(**body)
 
 
 # E2B `network` options cubeaccel cannot express: egress goes straight from the sandbox's namespace, filtered by

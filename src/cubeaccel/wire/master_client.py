@@ -115,10 +115,13 @@ class Calls:
 
     @staticmethod
     def create(
-        body: dict[str, Any], idempotency_key: str | None = None, wait_s: float | None = None
+        body: W.SandboxBody | dict[str, Any], idempotency_key: str | None = None, wait_s: float | None = None
     ) -> Call[W.SandboxReply]:
-        """`wait_s`: CubeMaster answers once the sandbox is running (workload service up), failed or gone."""
+        """`wait_s`: CubeMaster answers once the sandbox is running (workload service up), failed or gone. A
+        `SandboxBody` is sent with the fields it was given, as the dict it stands for would be."""
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
+        if isinstance(body, W.SandboxBody):
+            body = body.model_dump(mode="json", exclude_unset=True)
         return Call("POST", "/v1/sandboxes", W.SandboxReply, body, headers=headers, wait_s=wait_s)
 
     @staticmethod
