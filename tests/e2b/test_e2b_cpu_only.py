@@ -49,8 +49,8 @@ def test_sandbox_create_without_a_template_runs_a_command_in_a_cpu_only_microvm(
     sbx = Sandbox.create(**opts(stack))  # no template: the SDK sends its default, `base`
     try:
         row = master.sandbox(sbx.sandbox_id)
-        assert row["template"]["name"] == "base" and row["state"] == "running" and row["node"] == NODE
-        assert row["device_ids"] == [] and row["class"] == "none"
+        assert row.template.name == "base" and row.state == "running" and row.node == NODE
+        assert row.device_ids == [] and row.accel_class == "none"
         assert cubelet.reservation(sbx.sandbox_id).devices == []
         assert {d.id: d.state for d in cubelet.devices()} == devices_before  # the edu device stayed free
         r = sbx.commands.run("echo hi")
@@ -60,7 +60,7 @@ def test_sandbox_create_without_a_template_runs_a_command_in_a_cpu_only_microvm(
         cursor = max((e.seq for e in cubelet.events(limit=10000).events), default=0)
     finally:
         sbx.kill()
-    poll(lambda: master.sandbox(sbx.sandbox_id)["state"] == "deleted", 60, what="the kill's release completes")
+    poll(lambda: master.sandbox(sbx.sandbox_id).state == "deleted", 60, what="the kill's release completes")
     mine = [e for e in cubelet.events(since=cursor, limit=10000).events if e.sandbox_id == sbx.sandbox_id]
     kinds = [e.kind for e in mine]
     assert kinds.index("teardown_started") < kinds.index("reservation_closed")  # VMM gone, then closed
@@ -73,4 +73,4 @@ def test_older_sdk_lines_default_to_base_and_get_a_cpu_only_sandbox(stack: dict[
     seen = run_check(line, Path(__file__).with_name("sdk_default_template_check.py"), [], stack["key"], stack["fd"].url)
     assert (seen["stdout"], seen["exit_code"], seen["killed"]) == ("hi\n", 0, True)
     row = stack["master"].client.sandbox(seen["sandbox_id"])
-    assert row["template"]["name"] == "base" and row["device_ids"] == [] and row["class"] == "none"
+    assert row.template.name == "base" and row.device_ids == [] and row.accel_class == "none"

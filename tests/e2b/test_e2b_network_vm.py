@@ -41,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> It
         fd = None
         started: list[str] = []
         try:
-            poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
+            poll(lambda: any(n.node == NODE and n.state == "ready" for n in master.client.nodes()), 30)
             tpl = edu_template(guest_image, TEMPLATE)
             tpl["spec"]["sandbox"] = {
                 "network": {"mode": "allowlist", "egress": [f"{a}/32:{PORT}" for a in (ALLOWED, OTHER)]}
@@ -87,9 +87,9 @@ def test_allow_out_reaches_only_that_peer_and_deny_out_blocks_it(stack: dict[str
         got = probe(denied, *targets)
         assert got[targets[0]] == "ConnectionRefusedError" and got[targets[1]].startswith(f"hello {PORT} from {OTHER}")
         # what CubeMaster recorded and shows: the template's allowlist cut by the request
-        shown = {s.sandbox_id: stack["master"].client.sandbox(s.sandbox_id)["request"] for s in (only, denied)}
-        assert shown[only.sandbox_id]["network_policy"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
-        assert shown[denied.sandbox_id]["network_policy"] == {"mode": "allowlist", "egress": [f"{OTHER}/32:{PORT}/tcp"]}
+        shown = {s.sandbox_id: stack["master"].client.sandbox(s.sandbox_id).request for s in (only, denied)}
+        assert shown[only.sandbox_id].network_policy == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
+        assert shown[denied.sandbox_id].network_policy == {"mode": "allowlist", "egress": [f"{OTHER}/32:{PORT}/tcp"]}
     finally:
         only.kill()
         denied.kill()
@@ -104,8 +104,8 @@ def test_allow_out_reaches_only_that_peer_and_deny_out_blocks_it(stack: dict[str
     ],
 )
 def test_what_cannot_be_expressed_is_refused_by_name(stack: dict[str, Any], network: dict[str, Any], code: str) -> None:
-    before = {s["id"] for s in stack["master"].client.sandboxes()}
+    before = {s.id for s in stack["master"].client.sandboxes()}
     with pytest.raises(Exception) as e:
         create(stack, network)
     assert code in str(e.value)
-    assert {s["id"] for s in stack["master"].client.sandboxes()} == before  # nothing was created
+    assert {s.id for s in stack["master"].client.sandboxes()} == before  # nothing was created

@@ -50,7 +50,7 @@ def start_stack(base: Any, guest_image: Manifest, *fd_args: str) -> dict[str, An
     (base / "cubelet").mkdir()
     cubelet = emulated_cubelet(master, base / "cubelet", NODE)
     cubelet.start()
-    poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
+    poll(lambda: any(n.node == NODE and n.state == "ready" for n in master.client.nodes()), 30)
     master.client.register_template(edu_template(guest_image, TEMPLATE))
     fd = FrontDoorProcess(base / "fd", master.url, master.admin_key, "--domain", DOMAIN, *fd_args).start()
     return {"master": master, "cubelet": cubelet, "fd": fd, "base": base}
@@ -89,14 +89,14 @@ def sbx(stack: dict[str, Any]) -> Iterator[Sandbox]:
     try:
         yield s
     finally:
-        if stack["master"].client.sandbox(s.sandbox_id)["state"] == "running":
+        if stack["master"].client.sandbox(s.sandbox_id).state == "running":
             stack["master"].client.delete(s.sandbox_id)
 
 
 def test_create_returns_a_running_sandbox_with_its_device(stack: dict[str, Any], sbx: Sandbox) -> None:
     row = stack["master"].client.sandbox(sbx.sandbox_id)
-    assert row["state"] == "running" and row["node"] == NODE and len(row["device_ids"]) == 1
-    assert row["template"]["name"] == TEMPLATE
+    assert row.state == "running" and row.node == NODE and len(row.device_ids) == 1
+    assert row.template.name == TEMPLATE
     r = sbx.commands.run("cat /sys/bus/pci/devices/*/vendor /sys/bus/pci/devices/*/device")
     assert "0x1234" in r.stdout and "0x11e8" in r.stdout, r.stdout  # the hot-plugged edu device
     assert sbx.is_running()
@@ -112,7 +112,7 @@ def test_metrics_are_the_guests_samples_and_the_newest_names_its_device(stack: d
         f"{stack['fd'].url}/sandboxes/{sbx.sandbox_id}/metrics", headers={"X-API-Key": stack["key"]}, timeout=60
     ).json()
     (device,) = raw[-1]["devices"]
-    assert device["id"] == stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
+    assert device["id"] == stack["master"].client.sandbox(sbx.sandbox_id).device_ids[0]
     assert device["state"] not in ("allocatable", "quarantined")
     assert [(g["vendor"], g["device"]) for g in device["guest"]] == [("0x1234", "0x11e8")]  # the edu device
     assert (
@@ -297,7 +297,7 @@ def test_the_domain_way_https_http2_and_http1_through_a_replica(
 def test_set_timeout_connect_and_list_by_metadata(stack: dict[str, Any], sbx: Sandbox) -> None:
     sbx.set_timeout(1200)
     row = stack["master"].client.sandbox(sbx.sandbox_id)
-    assert row["expires_at"] == pytest.approx(time.time() + 1200, abs=30)
+    assert row.expires_at == pytest.approx(time.time() + 1200, abs=30)
     again = Sandbox.connect(sbx.sandbox_id, **opts(stack))  # a second client, from the id alone
     assert again.commands.run("echo $FROM_CREATE").stdout == "yes\n"
     assert (
@@ -325,7 +325,7 @@ def test_refusals_name_the_layer_a_wrong_key_and_another_tenant(stack: dict[str,
 
 
 def test_kill_twice_then_the_sandbox_is_gone_for_the_sdk(stack: dict[str, Any], sbx: Sandbox) -> None:
-    dev = stack["master"].client.sandbox(sbx.sandbox_id)["device_ids"][0]
+    dev = stack["master"].client.sandbox(sbx.sandbox_id).device_ids[0]
     streaming = sbx.commands.run("sleep 120", background=True)
     assert sbx.kill() is True
     with pytest.raises(SandboxNotRunningException) as killed:  # the stream is cut, /health says gone (E2B's way)
@@ -336,7 +336,7 @@ def test_kill_twice_then_the_sandbox_is_gone_for_the_sdk(stack: dict[str, Any], 
         sbx.commands.run("true")
     assert "was not found" in str(e.value), e.value
     assert not sbx.is_running()
-    poll(lambda: stack["master"].client.sandbox(sbx.sandbox_id)["state"] == "deleted", 90)
+    poll(lambda: stack["master"].client.sandbox(sbx.sandbox_id).state == "deleted", 90)
     poll(lambda: next(d for d in stack["cubelet"].client.devices() if d.id == dev).state == "allocatable", 60)
 
 
@@ -374,7 +374,7 @@ def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None
         True,
         False,
     )
-    assert stack["master"].client.sandbox(seen["sandbox_id"])["state"] in ("deleting", "deleted")
+    assert stack["master"].client.sandbox(seen["sandbox_id"]).state in ("deleting", "deleted")
 
 
 def test_the_2_45_sdk_line_sees_a_sandbox_killed_mid_command(stack: dict[str, Any]) -> None:
@@ -394,5 +394,5 @@ def test_a_guest_that_fails_validation_reaches_the_sdk_with_its_layer(
         Sandbox.create("edu-e2b-needs-nvidia", **opts(stack))
     msg = str(e.value)
     assert "cubeaccel (modules_img): compat.modules_img" in msg, msg
-    failed = [s for s in stack["master"].client.sandboxes() if s["state"] == "failed"]
-    assert failed and all(s["error"]["layer"] == "modules_img" for s in failed)
+    failed = [s for s in stack["master"].client.sandboxes() if s.state == "failed"]
+    assert failed and all(s.error.layer == "modules_img" for s in failed)

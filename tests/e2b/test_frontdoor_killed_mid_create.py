@@ -55,21 +55,21 @@ def _create_through(fd: FrontDoorProcess, key: str, outcome: dict[str, Any]) -> 
 
 def test_a_create_whose_front_door_died_is_deleted_within_its_lease(stack: tuple[Cluster, FrontDoorProcess]) -> None:
     cl, fd = stack
-    blocker = cl.c.create({"gpu": "H100:1"})["id"]
+    blocker = cl.c.create({"gpu": "H100:1"}).id
     host = SimulatedPciHost(path=cl.cubelets[NODE].state_dir / "simulated-host.json")
     host.set_reset_delay(8.0)
     deleting = threading.Thread(target=cl.c.delete, args=(blocker,), daemon=True)  # answers after the reset
     deleting.start()
-    poll(lambda: cl.c.sandbox(blocker)["state"] == "deleting", 30, what="its device is coming back")
+    poll(lambda: cl.c.sandbox(blocker).state == "deleting", 30, what="its device is coming back")
     outcome: dict[str, Any] = {}
     client = threading.Thread(target=_create_through, args=(fd, cl.master.tenant_key, outcome), daemon=True)
     client.start()
     waiting = poll(
-        lambda: [s for s in cl.c.sandboxes() if s["id"] != blocker and s["state"] == "scheduling"],
+        lambda: [s for s in cl.c.sandboxes() if s.id != blocker and s.state == "scheduling"],
         30,
         what="the front door's create waits for capacity in CubeMaster",
     )
-    orphan = waiting[0]["id"]
+    orphan = waiting[0].id
     assert fd.proc is not None
     fd.proc.kill()  # SIGKILL, by the pid this test started
     fd.proc.wait(10)
@@ -77,10 +77,10 @@ def test_a_create_whose_front_door_died_is_deleted_within_its_lease(stack: tuple
     assert "reply" not in outcome, outcome  # no client learned the id
     host.set_reset_delay(0.0)
     deleting.join(60)
-    placed = poll(lambda: (s := cl.c.sandbox(orphan))["node"] == NODE and s, 30, what="the orphan placed")
-    assert placed["expires_at"] - placed["created_at"] <= LEASE_S + 1  # its lease, not the 600 s asked for
+    placed = poll(lambda: (s := cl.c.sandbox(orphan)).node == NODE and s, 30, what="the orphan placed")
+    assert placed.expires_at - placed.created_at <= LEASE_S + 1  # its lease, not the 600 s asked for
     t0 = time.monotonic()
-    gone = poll(lambda: (s := cl.c.sandbox(orphan))["state"] == "deleted" and s, LEASE_S + 30, what="reaped")
+    gone = poll(lambda: (s := cl.c.sandbox(orphan)).state == "deleted" and s, LEASE_S + 30, what="reaped")
     print(f"orphan deleted {time.monotonic() - t0:.1f}s after it was placed (lease {LEASE_S:g}s)")
-    assert [t["phase"] for t in gone["timeline"] if t["phase"] == "timeout"] == ["timeout"]
-    poll(lambda: all(n["allocatable"] == n["total"] for n in cl.c.nodes()), 30, what="the device is back")
+    assert [t.phase for t in gone.timeline if t.phase == "timeout"] == ["timeout"]
+    poll(lambda: all(n.allocatable == n.total for n in cl.c.nodes()), 30, what="the device is back")

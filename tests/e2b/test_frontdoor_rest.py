@@ -4,7 +4,6 @@ calls never reach envd). The envd path with a real MicroVM is tests/e2b/test_e2b
 from __future__ import annotations
 
 import hashlib
-import json
 import socket
 import ssl
 import time
@@ -54,9 +53,9 @@ def test_create_info_list_timeout_kill_through_the_sdk(stack: dict[str, Any]) ->
     tag = f"t{time.monotonic_ns()}"
     sbx = Sandbox.create("cuda12-h100", metadata={"suite": tag, "k": "v w"}, timeout=600, **opts(stack))
     row = stack["cluster"].c.sandbox(sbx.sandbox_id)
-    assert row["state"] == "running" and row["tenant"] == "default" and row["class"] == "gpu"
-    assert row["request"]["metadata"] == {"suite": tag, "k": "v w"}
-    assert row["expires_at"] - row["created_at"] == pytest.approx(600, abs=2)
+    assert row.state == "running" and row.tenant == "default" and row.accel_class == "gpu"
+    assert row.request.metadata == {"suite": tag, "k": "v w"}
+    assert row.expires_at - row.created_at == pytest.approx(600, abs=2)
     info = sbx.get_info()
     assert (info.sandbox_id, info.template_id, info.metadata, info.state.value) == (
         sbx.sandbox_id,
@@ -73,12 +72,12 @@ def test_create_info_list_timeout_kill_through_the_sdk(stack: dict[str, Any]) ->
     sbx.set_timeout(30)
     end = sbx.get_info().end_at
     assert abs((end - datetime.now(UTC)).total_seconds() - 30) < 5
-    assert stack["cluster"].c.sandbox(sbx.sandbox_id)["expires_at"] == pytest.approx(time.time() + 30, abs=5)
+    assert stack["cluster"].c.sandbox(sbx.sandbox_id).expires_at == pytest.approx(time.time() + 30, abs=5)
     again = Sandbox.connect(sbx.sandbox_id, **opts(stack))
     assert again._envd_access_token == sbx._envd_access_token and again._envd_access_token
     assert sbx.kill() is True
     assert Sandbox.kill(sbx.sandbox_id, **opts(stack)) is False  # killed twice: the second finds nothing
-    assert stack["cluster"].c.sandbox(sbx.sandbox_id)["state"] in ("deleting", "deleted")
+    assert stack["cluster"].c.sandbox(sbx.sandbox_id).state in ("deleting", "deleted")
     with pytest.raises(NotFoundException):
         Sandbox.get_info(sbx.sandbox_id, **opts(stack))
     assert other.kill() is True
@@ -106,7 +105,7 @@ def test_the_accelerators_key_overrides_the_templates_default(stack: dict[str, A
     sbx = Sandbox.create("cuda12-h100", metadata={"cubeaccel.accelerators": "H100:2"}, **opts(stack))
     try:
         row = stack["cluster"].c.sandbox(sbx.sandbox_id)
-        assert row["count"] == 2 and len(row["device_ids"]) == 2
+        assert row.count == 2 and len(row.device_ids) == 2
     finally:
         sbx.kill()
 
@@ -128,7 +127,7 @@ def test_another_tenants_sandbox_is_not_found(stack: dict[str, Any]) -> None:
             Sandbox.get_info(sbx.sandbox_id, **theirs)
         assert Sandbox.kill(sbx.sandbox_id, **theirs) is False
         assert sbx.sandbox_id not in {s.sandbox_id for s in Sandbox.list(**theirs).next_items()}
-        assert stack["cluster"].c.sandbox(sbx.sandbox_id)["state"] == "running"
+        assert stack["cluster"].c.sandbox(sbx.sandbox_id).state == "running"
     finally:
         sbx.kill()
 
@@ -247,7 +246,7 @@ def test_the_envd_token_reaches_the_node_as_its_hash_and_is_stored_nowhere(stack
         row = cl.c.sandbox(sbx.sandbox_id)
         facts = cl.cubelets[NODE].client.reservation(sbx.sandbox_id).reservation.facts
         assert facts.workload_token_sha256 == hashlib.sha256(token.encode()).hexdigest()
-        assert token not in json.dumps(row) and row["request"]["env_vars"] == {"SECRETISH": "v"}
+        assert token not in row.model_dump_json() and row.request.env_vars == {"SECRETISH": "v"}
         for path in cl.root.rglob("*"):  # not in any file: databases, journals, logs, audit logs
             if path.is_file() and not path.is_socket() and path.stat().st_size < 64 * 1024 * 1024:
                 assert token.encode() not in path.read_bytes(), path
@@ -291,7 +290,7 @@ def test_a_create_without_timeout_lives_e2bs_300_s_and_metrics_answer_as_e2b_doc
 ) -> None:
     sbx = Sandbox.create("cuda12-h100", **opts(stack))  # 2.63 sends no timeout at all
     row = stack["cluster"].c.sandbox(sbx.sandbox_id)
-    assert row["expires_at"] - row["created_at"] == pytest.approx(300, abs=2)
+    assert row.expires_at - row.created_at == pytest.approx(300, abs=2)
     assert sbx.get_metrics() == []  # running on a simulated node: no guest, so nothing sampled (docs/e2b.md)
     assert sbx.kill() is True
     with pytest.raises(NotFoundException):
@@ -309,7 +308,7 @@ def test_a_create_right_after_a_kill_waits_for_the_devices_coming_back(stack: di
     assert sbx.kill() is True
     again = Sandbox.create("cuda12-h100", metadata=every, **opts(stack))
     try:
-        assert len(stack["cluster"].c.sandbox(again.sandbox_id)["device_ids"]) == 8
+        assert len(stack["cluster"].c.sandbox(again.sandbox_id).device_ids) == 8
     finally:
         again.kill()
     stack["cluster"].cleanup()
@@ -369,9 +368,9 @@ def test_older_sdk_lines_send_network_options_the_front_door_maps_or_refuses_by_
     )
     assert seen["version"] == line
     asked = {
-        name: stack["cluster"].c.sandbox(seen[name]["sandbox_id"])["request"] for name in ("deny_some", "no_internet")
+        name: stack["cluster"].c.sandbox(seen[name]["sandbox_id"]).request for name in ("deny_some", "no_internet")
     }
-    assert asked["deny_some"]["network"]["deny_out"] == ["10.1.2.0/24"]
-    assert "0.0.0.0/0" in asked["no_internet"]["network"]["deny_out"]
+    assert asked["deny_some"].network["deny_out"] == ["10.1.2.0/24"]
+    assert "0.0.0.0/0" in asked["no_internet"].network["deny_out"]
     assert "network.e2b_destination_unsupported" in seen["by_name"]["error"]
     assert "network.policy_widened" in seen["widened"]["error"]

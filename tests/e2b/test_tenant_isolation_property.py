@@ -142,4 +142,4 @@ def test_no_reply_to_one_tenant_carries_the_others(stack: Stack, steps: list[tup
         for t in (a, b):
             with contextlib.suppress(CubeError):  # revoked already by a step
                 stack.cluster.c.request("DELETE", f"/v1/tenants/{t.name}")  # its sandboxes end with it
-        poll(lambda: all(n["allocatable"] == n["total"] for n in stack.cluster.c.nodes()), 60, what="devices back")
+        poll(lambda: all(n.allocatable == n.total for n in stack.cluster.c.nodes()), 60, what="devices back")

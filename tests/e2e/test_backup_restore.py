@@ -40,7 +40,7 @@ def test_a_restored_stack_has_the_same_devices_and_sandboxes(tmp_path: Path) -> 
         m = MasterClient(info["master_url"], key=(old / "default.key").read_text().strip())
         sandbox = m.create({"gpu": "H100:1"})
         m.close()
-        assert sandbox["state"] == "running"
+        assert sandbox.state == "running"
         idle = next(d for d, state, _, _ in _devices(old) if state == "allocatable")
         q = cli("device", "quarantine", idle, "--who", "alice", "--reason", "ECC", "--state-dir", str(old / "cubelet"))
         assert q.returncode == 0, q.stderr
@@ -63,9 +63,9 @@ def test_a_restored_stack_has_the_same_devices_and_sandboxes(tmp_path: Path) -> 
     try:
         info = json.loads((new / "up.json").read_text())
         m = MasterClient(info["master_url"], key=(new / "default.key").read_text().strip())  # the old key works
-        rows = {s["id"]: s for s in m.sandboxes()}
+        rows = {s.id: s for s in m.sandboxes()}
         m.close()
-        assert rows[sandbox["id"]]["state"] == "running" and rows[sandbox["id"]]["device_ids"] == sandbox["device_ids"]
+        assert rows[sandbox.id].state == "running" and rows[sandbox.id].device_ids == sandbox.device_ids
         assert _devices(new) == backed_up  # same ids, states, holders and reasons; the later disable is absent
         assert (idle, "quarantined", None, "operator.quarantine") in backed_up
     finally:

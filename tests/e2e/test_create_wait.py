@@ -17,11 +17,11 @@ START_PHASES = ["VM up", "memory pinned", "device attached", "guest validated"] 
 
 def test_create_with_wait_answers_running_and_the_phases_come_through_cubemaster(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1", "id": "wait-1"}, wait_s=60)
-    assert s["state"] == "running" and s["access_token"]
+    assert s.state == "running" and s.access_token
     events = c.c.sandbox_events("wait-1")
-    assert events["node_answered"] is True and events["state"] == "running"
-    assert [p["phase"] for p in events["phases"]] == START_PHASES
-    assert [p["at"] for p in events["phases"]] == sorted(p["at"] for p in events["phases"])
+    assert events.node_answered is True and events.state == "running"
+    assert [p.phase for p in events.phases] == START_PHASES
+    assert [p.at for p in events.phases] == sorted(p.at for p in events.phases)
 
 
 def test_the_cli_shows_the_nodes_phases_live(c: Cluster) -> None:

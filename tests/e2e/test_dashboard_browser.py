@@ -43,7 +43,7 @@ def actual(c: Cluster) -> list[list[str]]:
 
 def test_the_dashboard_shows_the_stack_and_a_quarantine_within_2s(c: Cluster, browser: Browser, tmp_path: Path) -> None:
     sb = c.c.create({"gpu": "H100:1"})
-    poll(lambda: c.c.sandbox(sb["id"])["state"] == "running", 30, what="sandbox running")
+    poll(lambda: c.c.sandbox(sb.id).state == "running", 30, what="sandbox running")
     browser.navigate(f"{c.master.url}/dashboard#key={c.master.admin_key}")
 
     # every device of both nodes, in its Cubelet's state (the sandbox's device attached)
@@ -51,7 +51,7 @@ def test_the_dashboard_shows_the_stack_and_a_quarantine_within_2s(c: Cluster, br
     states = [s for _, _, s in shown(browser)]
     assert states.count("attached") == 1 and states.count("allocatable") == 3
     assert browser.evaluate("location.hash") == ""  # the key left the URL for the tab's sessionStorage
-    bars = f"document.querySelectorAll('tr[data-sandbox=\"{sb['id']}\"] .wf div').length"
+    bars = f"document.querySelectorAll('tr[data-sandbox=\"{sb.id}\"] .wf div').length"
     poll(lambda: browser.evaluate(bars) >= 3, 5, what="the sandbox's cold-start waterfall")
 
     # a quarantine on node b: on the page within 2 s, with its reason, in the quarantined list

@@ -38,8 +38,8 @@ def test_a_scripted_session_is_audited_once_per_mutation_and_verify_finds_tamper
     with pytest.raises(CubeError) as e:  # a quota denial
         acme.create({"gpu": "H100:1"})
     assert e.value.code == "quota.sandboxes"
-    acme.delete(sb["id"])
-    poll(lambda: acme.sandbox(sb["id"])["state"] == "deleted")
+    acme.delete(sb.id)
+    poll(lambda: acme.sandbox(sb.id).state == "deleted")
     admin.node_verb("n1", "drain")
     admin.node_verb("n1", "undrain")
     admin.request("DELETE", f"/v1/keys/{extra['key_id']}")
@@ -103,36 +103,36 @@ def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Clus
     tenant = MasterClient(c.master.url, key=c.master.tenant_key)
     sb = tenant.create({"gpu": "H100:1"})
     during = time.time()
-    tenant.delete(sb["id"])
-    poll(lambda: tenant.sandbox(sb["id"])["state"] == "deleted")
-    record = tenant.sandbox(sb["id"])
+    tenant.delete(sb.id)
+    poll(lambda: tenant.sandbox(sb.id).state == "deleted")
+    record = tenant.sandbox(sb.id)
     tenant.close()
-    assert len(record["device_ids"]) == 1  # CubeMaster keeps which devices the sandbox had, after its delete too
-    dev = record["device_ids"][0]
+    assert len(record.device_ids) == 1  # CubeMaster keeps which devices the sandbox had, after its delete too
+    dev = record.device_ids[0]
     poll(lambda: {d.id: d.state for d in node.client.devices()}[dev] == "allocatable")
     node.client.verb(dev, "quarantine", "ops", "suspect")
     node.client.verb(dev, "recover", "ops", "checked")
     log = node.state_dir / "audit.jsonl"
     entries = [json.loads(x) for x in log.read_text().splitlines()]
-    mine = Counter((e["action"], e["identity"]) for e in entries if sb["id"] in e["target"] or dev in e["target"])
+    mine = Counter((e["action"], e["identity"]) for e in entries if sb.id in e["target"] or dev in e["target"])
     via_master = "node-token:n1 (CubeMaster)"
     # one entry per release request; CubeMaster's maintenance may ask again while the release is under way
     assert mine[("device:release", via_master)] >= 1
     assert mine[("device:quarantine", "local-socket")] == 1 and mine[("device:recover", "local-socket")] == 1
     assigns = [e for e in entries if e["action"] == "device:assign" and e["identity"] == via_master]
-    assert [(e["outcome"], e["sandbox"], e["tenant"]) for e in assigns if e.get("sandbox") == sb["id"]] == [
-        ("ok", sb["id"], "default")
+    assert [(e["outcome"], e["sandbox"], e["tenant"]) for e in assigns if e.get("sandbox") == sb.id] == [
+        ("ok", sb.id, "default")
     ]
     # the device's own custody: assigned (tenant, template, contract digest), attached, VMM gone, reset, released,
     # scrubbed, back in service; then the operator's quarantine and recovery, each naming who
     custody = [e for e in entries if e.get("device") == dev and e["identity"] == "cubelet"]
-    custody = custody[next(i for i, e in enumerate(custody) if e.get("sandbox") == sb["id"]) :]  # this test's
+    custody = custody[next(i for i, e in enumerate(custody) if e.get("sandbox") == sb.id) :]  # this test's
     actions = [e["action"] for e in custody]
     for step in ("device:assigned", "device:attached", "device:teardown", "device:reset", "device:released"):
         assert step in actions, actions
     assert actions.index("device:assigned") < actions.index("device:released") < actions.index("device:allocatable")
     assigned = custody[actions.index("device:assigned")]
-    assert (assigned["sandbox"], assigned["tenant"]) == (sb["id"], "default")
+    assert (assigned["sandbox"], assigned["tenant"]) == (sb.id, "default")
     assert assigned["template"] and str(assigned["contract_digest"]).startswith("sha256:")
     assert [(e["action"], e.get("who")) for e in custody[-2:]] == [
         ("device:quarantined", "ops"),
@@ -143,7 +143,7 @@ def test_the_cubelet_audits_device_assignment_release_and_operator_verbs(c: Clus
     who = audit("--file", str(log), "--device", dev, "--at", str(during))
     assert who.returncode == 0, who.stdout + who.stderr
     held = json.loads(who.stdout)["holder"]
-    assert (held["tenant"], held["sandbox"], held["device"]) == ("default", sb["id"], dev)
+    assert (held["tenant"], held["sandbox"], held["device"]) == ("default", sb.id, dev)
     after = json.loads(audit("--file", str(log), "--device", dev).stdout)  # now: nobody; the last was that tenant
     assert after["holder"] is None and after["previous"]["tenant"] == "default"
 

@@ -32,13 +32,13 @@ def holders(cl: Cluster) -> dict[str, str]:
 
 def test_gpu_shorthand_alone_places_on_a_node_that_has_it_and_the_cubelet_agrees(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1"})
-    assert s["state"] == "running" and s["node"] in ("n1", "n2") and len(s["device_ids"]) == 1
-    assert s["template"]["name"] == "cuda12-h100"
-    assert [p["phase"] for p in s["timeline"]] == ["requested", "path", "scheduled", "reserved"]
-    assert s["timeline"][1]["path"] == "cold"  # no warm pool in this cluster (docs/warm.md)
-    assert holders(c) == {f"{s['node']}/{s['device_ids'][0]}": s["id"]}
-    dev = c.cubelets[s["node"]].client.devices()
-    assert {d.state for d in dev if d.sandbox_id == s["id"]} == {"attached"}
+    assert s.state == "running" and s.node in ("n1", "n2") and len(s.device_ids) == 1
+    assert s.template.name == "cuda12-h100"
+    assert [p.phase for p in s.timeline] == ["requested", "path", "scheduled", "reserved"]
+    assert s.timeline[1].model_dump()["path"] == "cold"  # no warm pool in this cluster (docs/warm.md)
+    assert holders(c) == {f"{s.node}/{s.device_ids[0]}": s.id}
+    dev = c.cubelets[s.node].client.devices()
+    assert {d.state for d in dev if d.sandbox_id == s.id} == {"attached"}
 
 
 def settle(cl: Cluster) -> None:
@@ -47,15 +47,15 @@ def settle(cl: Cluster) -> None:
 
     def settled() -> bool:
         nodes = cl.c.nodes()
-        held = sum(n["total"] - n["allocatable"] for n in nodes)
-        return all(g["claimed"] == 0 for n in nodes for g in n["groups"]) and held == len(holders(cl))
+        held = sum(n.total - n.allocatable for n in nodes)
+        return all(g.claimed == 0 for n in nodes for g in n.groups) and held == len(holders(cl))
 
     poll(settled)
 
 
 def test_placement_prefers_numa_locality_then_packing_and_takes_the_first_alternative_that_fits(c: Cluster) -> None:
     first = c.c.create({"gpu": "H100:2"})
-    assert first["node"] == "n1"  # n1 has 3 H100s on NUMA node 0; n2's two sit on different NUMA nodes
+    assert first.node == "n1"  # n1 has 3 H100s on NUMA node 0; n2's two sit on different NUMA nodes
     settle(c)
     alt = c.c.create(
         {
@@ -69,7 +69,7 @@ def test_placement_prefers_numa_locality_then_packing_and_takes_the_first_altern
             ]
         }
     )
-    assert alt["node"] == "n2" and alt["count"] == 2 and len(alt["device_ids"]) == 2  # packing: emptier n1 kept
+    assert alt.node == "n2" and alt.count == 2 and len(alt.device_ids) == 2  # packing: emptier n1 kept
     sel = c.c.create(
         {
             "accelerators": [
@@ -77,9 +77,9 @@ def test_placement_prefers_numa_locality_then_packing_and_takes_the_first_altern
             ]
         }
     )
-    assert sel["node"] == "n1"
+    assert sel.node == "n1"
     placed = holders(c)
-    assert len(placed) == 5 and sorted(placed.values()).count(alt["id"]) == 2
+    assert len(placed) == 5 and sorted(placed.values()).count(alt.id) == 2
     settle(c)
     assert c.reasons({"gpu": "H100:2"}) == {
         "n1": "insufficient_devices",
@@ -128,7 +128,7 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
             "n2": "node_draining",
             "n3": "labels_mismatch(model)",
         }
-        assert c.c.create({"gpu": "H100:2"})["node"] == "n1"  # n2 would pack better, but it is draining
+        assert c.c.create({"gpu": "H100:2"}).node == "n1"  # n2 would pack better, but it is draining
     finally:
         c.c.node_verb("n2", "undrain")
     # Host readiness, the device limit, backend, hot-plug, guest kernel, image and modules.img come from what a
@@ -182,7 +182,7 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
     assert on_fake() == "host_not_ready"
     assert on_fake(ready=True, host_problems=[], max_devices_per_sandbox=4) == "device_limit"
     assert on_fake(max_devices_per_sandbox=None) == "kernel_incompatible"
-    h100 = next(i for i in c.c.nodes() if i["node"] == "n1")["guest_images"][0]  # the guest cuda12-h100 pins
+    h100 = next(i for i in c.c.nodes() if i.node == "n1").guest_images[0]  # the guest cuda12-h100 pins
     assert on_fake(guest_images=[{**h100, "modules_img_digest": guest["modules_img_digest"]}]) == "modules_img_missing"
     assert on_fake(guest_images=[{**h100, "digest": guest["digest"]}]) == "image_missing"
     assert on_fake(hotplug=[]) == "hotplug_unsupported"

@@ -12,6 +12,7 @@ import pytest
 from cubeaccel.cubelet.memory_ledger import VmmHost, locked
 from cubeaccel.host.pci.readiness import check_host
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_api import NodeSummary
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, example, free_port
 from tests.support.poll import poll
@@ -26,8 +27,8 @@ def master(tmp_path: Path) -> Iterator[MasterProcess]:
     m.stop()
 
 
-def _node(m: MasterProcess, name: str) -> dict[str, object] | None:
-    return next((n for n in m.client.nodes() if n["node"] == name), None)
+def _node(m: MasterProcess, name: str) -> NodeSummary | None:
+    return next((n for n in m.client.nodes() if n.node == name), None)
 
 
 def _refused(m: MasterProcess, body: dict[str, object]) -> CubeError:
@@ -68,8 +69,8 @@ def test_vfio_cubelet_on_this_host_advertises_nothing_and_cubemaster_refuses_wit
             p.client.reserve("sb-direct", 1)
         assert (err.value.code, err.value.layer) == ("host.not_ready", "host_hardware")
         node = poll(lambda: _node(master, "this-host"))
-        assert node["ready"] is False and node["schedulable"] is False and node["allocatable"] == 0
-        assert [x["code"] for x in node["host_problems"]] == expected  # type: ignore[attr-defined]
+        assert node.ready is False and node.schedulable is False and node.allocatable == 0
+        assert [x.code for x in node.host_problems] == expected
         master.client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
         e = _refused(master, {"gpu": "H100:1"})
         assert e.code == "schedule.unschedulable"
@@ -138,23 +139,23 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
                 example("cuda12-h100", metadata__name=f"h100-{gib}g", spec__memory__size_mib=gib * GIB)
             )
         created = [master.client.create({"gpu": "H100:1", "template": "h100-40g"}) for _ in range(2)]
-        assert [s["node"] for s in created] == ["n100", "n100"]
+        assert [s.node for s in created] == ["n100", "n100"]
         e = _refused(master, {"gpu": "H100:1", "template": "h100-40g"})
         assert e.code == "schedule.unschedulable", (e.code, e.message, e.details)
         assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
         assert "pinned_memory" in e.details["tried"][0]["nodes"]["n100"]["detail"]
-        node = poll(lambda: (n := _node(master, "n100")) and n["pinned_memory"]["locked_mib"] > 0 and n)
-        assert node["pinned_memory"]["lockable_mib"] == 100 * GIB  # type: ignore[index]
+        node = poll(lambda: (n := _node(master, "n100")) and n.pinned_memory["locked_mib"] > 0 and n)
+        assert node.pinned_memory["lockable_mib"] == 100 * GIB
         for s in created:  # whatever state each has reached: "running" only would leave a starting one holding 40 GiB
-            master.client.delete(s["id"])
+            master.client.delete(s.id)
         poll(
             lambda: (
                 (n := _node(master, "n100"))
-                and n["pinned_memory"]["locked_mib"] == 0
-                and n["pinned_memory"]["claimed_mib"] == 0
+                and n.pinned_memory["locked_mib"] == 0
+                and n.pinned_memory["claimed_mib"] == 0
             )
         )
-        assert master.client.create({"gpu": "H100:1", "template": "h100-64g"})["node"] == "n100"
+        assert master.client.create({"gpu": "H100:1", "template": "h100-64g"}).node == "n100"
         e = _refused(master, {"gpu": "H100:1", "template": "h100-64g"})
         assert e.code == "schedule.unschedulable", (e.code, e.message, e.details)
         assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}

@@ -19,30 +19,30 @@ PROFILES = {"a": "2xh100", "b": "2xh100"}
 
 
 def node_state(cl: Cluster, name: str) -> str:
-    return str(next(n["state"] for n in cl.c.nodes() if n["node"] == name))
+    return str(next(n.state for n in cl.c.nodes() if n.node == name))
 
 
 def test_killed_cubelet_goes_stale_is_not_scheduled_and_its_restart_reconciles(c: Cluster) -> None:
     on_a = c.c.create({"gpu": "H100:2", "id": "keep-a"})
-    assert on_a["node"] == "a"
+    assert on_a.node == "a"
     orphan = c.cubelets["a"].client  # a reservation CubeMaster never made (a create that died mid-way)
     c.cubelets["a"].sigkill()
     poll(lambda: node_state(c, "a") == "stale")
-    placed = [c.c.create({"gpu": "H100:1"})["node"] for _ in range(2)]
+    placed = [c.c.create({"gpu": "H100:1"}).node for _ in range(2)]
     assert placed == ["b", "b"]  # a's devices are never offered while it is stale
     err = c.refused({"gpu": "H100:1"})
     assert {n: d["reason"] for n, d in err.details["tried"][0]["nodes"].items()} == {
         "a": "node_stale",
         "b": "insufficient_devices",
     }
-    assert c.c.capacity()["by_state"] == {"stale": 1, "ready": 1}
+    assert c.c.capacity().by_state == {"stale": 1, "ready": 1}
     c.cubelets["a"].start()  # same state dir: the Cubelet's journal survives
     poll(lambda: node_state(c, "a") == "ready")
     held = {r["sandbox_id"] for r in orphan.request("GET", "/v1/reservations")["reservations"]}
     # master and Cubelet agree once CubeMaster has heard the restarted node: its reconcile (`lost`) or the
     # heartbeat's word that the node ended the sandbox itself (`failed`), whichever lands first
     agreed = {"running"} if "keep-a" in held else {"lost", "failed"}
-    poll(lambda: c.c.sandbox("keep-a")["state"] in agreed, 20, what=f"keep-a's state one of {agreed} ({held})")
+    poll(lambda: c.c.sandbox("keep-a").state in agreed, 20, what=f"keep-a's state one of {agreed} ({held})")
 
 
 def test_restart_reconcile_releases_reservations_master_does_not_know(c: Cluster) -> None:
@@ -50,18 +50,18 @@ def test_restart_reconcile_releases_reservations_master_does_not_know(c: Cluster
     cub.reserve("orphan-1", 1, **{"class": "gpu"})
     assert any(d.sandbox_id == "orphan-1" for d in cub.devices())
     report = c.c.node_verb("b", "reconcile")
-    assert report["released_orphans"] == ["orphan-1"]
+    assert report.model_dump()["released_orphans"] == ["orphan-1"]
     poll(lambda: not any(d.sandbox_id == "orphan-1" for d in cub.devices()))
 
 
 def test_master_record_lost_when_the_cubelet_no_longer_holds_it(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1", "id": "gone-1"})
-    c.cubelets[s["node"]].client.release("gone-1")  # the node lost it behind CubeMaster's back
-    report = c.c.node_verb(s["node"], "reconcile")
-    assert report["lost"] == ["gone-1"]
+    c.cubelets[s.node].client.release("gone-1")  # the node lost it behind CubeMaster's back
+    report = c.c.node_verb(s.node, "reconcile")
+    assert report.model_dump()["lost"] == ["gone-1"]
     got = c.c.sandbox("gone-1")
-    assert got["state"] == "lost" and got["error"]["code"] == "sandbox.lost"
-    assert c.c.delete("gone-1")["state"] == "deleted"
+    assert got.state == "lost" and got.error.code == "sandbox.lost"
+    assert c.c.delete("gone-1").state == "deleted"
 
 
 @pytest.mark.parametrize(
@@ -90,7 +90,7 @@ def test_bad_input_is_a_4xx_with_a_code_and_creates_nothing(
 ) -> None:
     r = httpx.post(f"{c.master.url}/v1/sandboxes", json=body, headers=c.master.headers())
     assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
-    assert c.c.sandboxes() == [] or all(s["state"] == "deleted" or s["state"] == "lost" for s in c.c.sandboxes())
+    assert c.c.sandboxes() == [] or all(s.state == "deleted" or s.state == "lost" for s in c.c.sandboxes())
 
 
 def test_malformed_json_and_bad_templates_are_refused_with_codes(c: Cluster) -> None:
@@ -123,14 +123,14 @@ def test_templates_are_versioned_and_sandboxes_keep_their_frozen_version(c: Clus
     c.c.register_template(v2)
     try:
         s = c.c.create({"gpu": "H100:1"})
-        assert s["template"]["version"] == "2"
+        assert s.template.version == "2"
         pinned = c.c.create({"gpu": "H100:1", "template": "cuda12-h100@1"})
-        assert pinned["template"]["version"] == "1"
+        assert pinned.template.version == "1"
         shown = c.c.request("GET", "/v1/templates/cuda12-h100")
         assert shown["versions"] == ["1", "2"] and shown["default"] is True
     finally:
         c.c.request("DELETE", "/v1/templates/cuda12-h100@2")
-    assert c.c.sandbox(s["id"])["template"]["version"] == "2"  # the copy outlives the template
+    assert c.c.sandbox(s.id).template.version == "2"  # the copy outlives the template
 
 
 def test_create_is_idempotent_per_id_and_per_idempotency_key(c: Cluster) -> None:
@@ -143,34 +143,34 @@ def test_create_is_idempotent_per_id_and_per_idempotency_key(c: Cluster) -> None
     assert (e.value.status, e.value.code) == (409, "sandbox.conflict")
     k1 = c.c.create({"gpu": "H100:1"}, idempotency_key="client-42")
     k2 = c.c.create({"gpu": "H100:1"}, idempotency_key="client-42")
-    assert k1["id"] == k2["id"] and len(c.c.sandboxes("running")) == 2
+    assert k1.id == k2.id and len(c.c.sandboxes("running")) == 2
 
 
 def test_a_lifetime_is_extended_then_expires_through_the_release_path(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1", "timeout_s": 1.0})
-    extended = c.c.set_timeout(s["id"], 60)
-    assert extended["expires_at"] > s["expires_at"] + 50
+    extended = c.c.set_timeout(s.id, 60)
+    assert extended.expires_at > s.expires_at + 50
     time.sleep(1.5)  # past the first deadline: nothing to poll for, the extension must hold
-    assert c.c.sandbox(s["id"])["state"] == "running"
-    c.c.set_timeout(s["id"], 0.3)
-    poll(lambda: c.c.sandbox(s["id"])["state"] == "deleted")
-    phases = [p["phase"] for p in c.c.sandbox(s["id"])["timeline"]]
+    assert c.c.sandbox(s.id).state == "running"
+    c.c.set_timeout(s.id, 0.3)
+    poll(lambda: c.c.sandbox(s.id).state == "deleted")
+    phases = [p.phase for p in c.c.sandbox(s.id).timeline]
     assert "timeout_set" in phases and phases[-2:] == ["timeout", "deleted"]
     with pytest.raises(CubeError) as e:
-        c.c.set_timeout(s["id"], 10)
+        c.c.set_timeout(s.id, 10)
     assert (e.value.status, e.value.code) == (409, "sandbox.not_live")
 
 
 def test_delete_gives_devices_back_through_the_cubelet_and_timeouts_delete(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1", "timeout_s": 0.5})
-    poll(lambda: c.c.sandbox(s["id"])["state"] == "deleted")
-    phases = [p["phase"] for p in c.c.sandbox(s["id"])["timeline"]]
+    poll(lambda: c.c.sandbox(s.id).state == "deleted")
+    phases = [p.phase for p in c.c.sandbox(s.id).timeline]
     assert phases[-2:] == ["timeout", "deleted"]
-    cub = c.cubelets[s["node"]].client
+    cub = c.cubelets[s.node].client
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
     s2 = c.c.create({"gpu": "H100:1"})
-    gone = c.c.delete(s2["id"])
-    assert gone["state"] == "deleted" and c.c.delete(s2["id"])["state"] == "deleted"
+    gone = c.c.delete(s2.id)
+    assert gone.state == "deleted" and c.c.delete(s2.id).state == "deleted"
     with pytest.raises(CubeError) as e:
         c.c.delete("never-was")
     assert (e.value.status, e.value.code) == (404, "sandbox.not_found")

@@ -29,10 +29,10 @@ def pinned_to(name: str, image: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_each_node_reports_the_guest_images_it_holds(c: Cluster) -> None:
-    nodes = {n["node"]: n for n in c.c.nodes()}
-    assert nodes["b"]["guest_images"] == [K99]
-    assert "6.1.0-57-amd64" in {i["kernel_release"] for i in nodes["a"]["guest_images"]}
-    assert nodes["a"]["hotplug"] == nodes["b"]["hotplug"] == ["pcie-root-port-acpi"]
+    nodes = {n.node: n for n in c.c.nodes()}
+    assert nodes["b"].guest_images == [K99]
+    assert "6.1.0-57-amd64" in {i["kernel_release"] for i in nodes["a"].guest_images}
+    assert nodes["a"].hotplug == nodes["b"].hotplug == ["pcie-root-port-acpi"]
 
 
 def test_a_template_pinning_a_kernel_no_node_has_is_refused_with_layer_guest_kernel(c: Cluster) -> None:
@@ -49,8 +49,8 @@ def test_a_template_pinning_a_kernel_no_node_has_is_refused_with_layer_guest_ker
 def test_each_template_lands_only_where_its_kernel_is(c: Cluster) -> None:
     c.c.register_template(pinned_to("cuda12-k99", K99))
     on_b = c.c.create({"gpu": "H100:1", "template": "cuda12-k99"})
-    assert on_b["node"] == "b"
-    poll(lambda: c.c.sandbox(on_b["id"])["state"] == "running")  # b's simulated shim holds that guest
+    assert on_b.node == "b"
+    poll(lambda: c.c.sandbox(on_b.id).state == "running")  # b's simulated shim holds that guest
     on_a = c.c.create({"gpu": "H100:2"})  # the default cuda12-h100 pins 6.1.0-27: only a has it
-    assert on_a["node"] == "a"
+    assert on_a.node == "a"
     assert c.reasons({"gpu": "H100:1"}) == {"a": "insufficient_devices", "b": "kernel_incompatible"}

@@ -65,11 +65,11 @@ def test_up_detached_registers_a_node_and_the_defaults_then_down_stops_it(
             assert not any(s in argv for s in secrets), argv
         c = MasterClient(info["master_url"], key=(tmp_path / "admin.key").read_text().strip())
         [node] = c.nodes()
-        assert node["state"] == "ready" and node["total"] == 2
+        assert node.state == "ready" and node.total == 2
         defaults = c.request("GET", "/v1/templates")["defaults"]
         assert defaults == {"gpu": "cuda12-h100", "accelerator": "edu-demo"}
         made = c.create({"gpu": "H100:1"})
-        assert made["state"] == "running"  # the example pins 64 GiB: up's node can lock it
+        assert made.state == "running"  # the example pins 64 GiB: up's node can lock it
         c.close()
         # no secret on the command line of anything up started, nor of their children (shims, VMMs) ...
         every = _descendants(set(info["pids"]))
@@ -100,7 +100,7 @@ def test_down_ends_the_sandboxes_up_started_through_the_release_path(tmp_path: P
     try:
         info = json.loads((tmp_path / "up.json").read_text())
         c = MasterClient(info["master_url"], key=(tmp_path / "default.key").read_text().strip())
-        ids = [c.create({"gpu": "H100:1"})["id"] for _ in range(2)]
+        ids = [c.create({"gpu": "H100:1"}).id for _ in range(2)]
         c.close()
     finally:
         assert run_down(tmp_path) == 0
@@ -132,8 +132,8 @@ def test_up_keeps_a_warm_sandbox_of_the_default_template_and_down_drains_it_firs
         info = json.loads((tmp_path / "up.json").read_text())
         c = MasterClient(info["master_url"], key=(tmp_path / "default.key").read_text().strip())
         made = c.create({"gpu": "H100:1"})  # warm when the heartbeat already advertised the pool, else cold
-        tenant = made["id"]
-        path = next(p["path"] for p in made["timeline"] if p["phase"] == "path")
+        tenant = made.id
+        path = next(p.model_dump()["path"] for p in made.timeline if p.phase == "path")
         c.close()
         node.close()
     finally:

@@ -17,6 +17,7 @@ import pytest
 
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_api import Sandbox, WarmPoolShown
 from cubeaccel.wire.templates import parse_template
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
@@ -34,13 +35,14 @@ def warm_pool(node: CubeletProcess, size: int, **shape: Any) -> None:
     )
 
 
-def advertised(m: MasterProcess, node: str) -> list[dict[str, Any]]:
-    n = next((n for n in m.client.nodes() if n["node"] == node), None)
-    return [] if n is None else list(n["warm_pools"])
+def advertised(m: MasterProcess, node: str) -> list[WarmPoolShown]:
+    n = next((n for n in m.client.nodes() if n.node == node), None)
+    return [] if n is None else n.warm_pools
 
 
-def path_entries(row: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in row["timeline"] if e["phase"] == "path"]
+def path_entries(row: Sandbox) -> list[dict[str, Any]]:
+    """The create's `path` timeline entries (warm or cold, and why), with their detail fields."""
+    return [e.model_dump() for e in row.timeline if e.phase == "path"]
 
 
 @pytest.fixture
@@ -62,11 +64,11 @@ def test_a_matching_create_claims_a_warm_sandbox_and_its_timeline_says_warm(
 ) -> None:
     m, node = stack
     warm_pool(node, 2)
-    poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [2], 60)
-    warm_ids = set(advertised(m, "n")[0]["sandboxes"])
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [2], 60)
+    warm_ids = set(advertised(m, "n")[0].sandboxes)
     # Reconcile leaves the node's own warm sandboxes alone: CubeMaster has no record of them, by design.
     assert m.client.request("POST", "/v1/nodes/n/reconcile")["released_orphans"] == []
-    assert set(advertised(m, "n")[0]["sandboxes"]) == warm_ids
+    assert set(advertised(m, "n")[0].sandboxes) == warm_ids
     # Where CubeMaster shows sandboxes and nodes, the warm ones are there in state `warm`.
     listed = m.client.request("GET", "/v1/sandboxes", params={"state": "warm"})["sandboxes"]
     assert {r["id"] for r in listed} == warm_ids and {r["state"] for r in listed} == {"warm"}
@@ -83,14 +85,14 @@ def test_a_matching_create_claims_a_warm_sandbox_and_its_timeline_says_warm(
     assert {r["id"] for r in json.loads(listing.stdout)["sandboxes"] if r["state"] == "warm"} == warm_ids
 
     sb = m.client.create({"gpu": "H100:1", "id": "sb-warm"})
-    assert sb["state"] == "running" and sb["access_token"]
+    assert sb.state == "running" and sb.access_token
     (path,) = path_entries(sb)
     assert path["path"] == "warm", (path, advertised(m, "n"))
     assert path["warm_id"] in warm_ids and path["node"] == "n"
-    assert len(sb["device_ids"]) == 1
+    assert len(sb.device_ids) == 1
     # Its phases, timed (the simulated shim's hand-off takes no time and has no agent to reseed).
-    (reserved,) = [e for e in sb["timeline"] if e["phase"] == "reserved"]
-    phases = reserved["phases"]
+    (reserved,) = [e for e in sb.timeline if e.phase == "reserved"]
+    phases = reserved.model_dump()["phases"]
     assert set(phases) == {"master_ms", "claim_ms", "cas_ms", "reseed_ms", "rebind_ms", "claim_other_ms"}
     assert (phases["reseed_ms"], phases["rebind_ms"]) == (None, 0.0)
     assert 0 <= phases["cas_ms"] <= phases["claim_ms"] and phases["master_ms"] >= 0
@@ -99,14 +101,14 @@ def test_a_matching_create_claims_a_warm_sandbox_and_its_timeline_says_warm(
     assert res is not None and res.phase == "running" and res.facts.shim_id == path["warm_id"]
 
     # The pool refills; the claimed id is never advertised again.
-    poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [2], 60)
-    assert path["warm_id"] not in advertised(m, "n")[0]["sandboxes"]
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [2], 60)
+    assert path["warm_id"] not in advertised(m, "n")[0].sandboxes
     metrics = httpx.get(f"{m.url}/metrics", headers=m.headers()).text
     assert 'cubeaccel_sandbox_create_paths_total{path="warm",reason=""} 1.0' in metrics
     assert 'kind="warm"' in metrics and "cubeaccel_warm_pool_sandboxes" in metrics
 
     m.client.delete("sb-warm")
-    poll(lambda: m.client.sandbox("sb-warm")["state"] == "deleted", 60)
+    poll(lambda: m.client.sandbox("sb-warm").state == "deleted", 60)
 
 
 def test_a_create_of_another_shape_takes_the_cold_path_with_the_reason(
@@ -114,27 +116,27 @@ def test_a_create_of_another_shape_takes_the_cold_path_with_the_reason(
 ) -> None:
     m, node = stack
     warm_pool(node, 1)
-    poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [1], 60)
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [1], 60)
 
     sb = m.client.create({"gpu": "H100:1", "id": "sb-cold", "vcpus": 2})  # the pool's sandboxes have 1 vCPU
-    assert sb["state"] == "running"
+    assert sb.state == "running"
     (path,) = path_entries(sb)
     assert path == {**path, "path": "cold", "reason": "warm.no_pool"}
-    assert [p["claimable"] for p in advertised(m, "n")] == [1]  # the warm one is still there
+    assert [p.claimable for p in advertised(m, "n")] == [1]  # the warm one is still there
     res = node.client.reservation("sb-cold").reservation
     assert res is not None and res.facts.shim_id in (None, "sb-cold")
     metrics = httpx.get(f"{m.url}/metrics", headers=m.headers()).text
     assert 'cubeaccel_sandbox_create_paths_total{path="cold",reason="warm.no_pool"} 1.0' in metrics
 
     # The warm sandbox's device is not free for a request of another shape: 3 of 4 devices, then refused.
-    assert m.client.capacity()["warm"] == {"cuda12-h100": 1}
+    assert m.client.capacity().warm == {"cuda12-h100": 1}
     for i in range(2):
-        assert m.client.create({"gpu": "H100:1", "id": f"sb-cold-{i}", "vcpus": 2})["state"] == "running"
-    poll(lambda: m.client.capacity()["allocatable"] == 0, 30)  # decided on a summary that shows them held
+        assert m.client.create({"gpu": "H100:1", "id": f"sb-cold-{i}", "vcpus": 2}).state == "running"
+    poll(lambda: m.client.capacity().allocatable == 0, 30)  # decided on a summary that shows them held
     with pytest.raises(CubeError) as refused:
         m.client.create({"gpu": "H100:1", "id": "sb-cold-3", "vcpus": 2})
     assert refused.value.code == "schedule.unschedulable" and refused.value.details["warm_held"] == {"n": 1}
-    assert [p["warm"] for p in advertised(m, "n")] == [1]
+    assert [p.warm for p in advertised(m, "n")] == [1]
 
 
 def test_with_every_warm_sandbox_taken_a_matching_create_goes_cold_with_pool_empty(
@@ -142,11 +144,11 @@ def test_with_every_warm_sandbox_taken_a_matching_create_goes_cold_with_pool_emp
 ) -> None:
     m, node = stack
     warm_pool(node, 1)
-    poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [1], 60)
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [1], 60)
     warm_pool(node, 0)  # no refill: the one warm sandbox is the pool
     first = m.client.create({"gpu": "H100:1", "id": "sb-1"})
     assert path_entries(first)[0]["path"] == "warm"
-    poll(lambda: [p["warm"] for p in advertised(m, "n")] == [0], 30)
+    poll(lambda: [p.warm for p in advertised(m, "n")] == [0], 30)
     second = m.client.create({"gpu": "H100:1", "id": "sb-2"})
     assert [(e["path"], e.get("reason"), e.get("refilling")) for e in path_entries(second)] == [
         ("cold", "warm.pool_empty", 0)  # size 0: none on the way either

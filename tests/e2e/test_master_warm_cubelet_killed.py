@@ -19,6 +19,7 @@ import pytest
 
 from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_api import SandboxReply
 from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_pool
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, wait_nodes_ready
@@ -42,16 +43,16 @@ def stack(tmp_path: Path) -> Iterator[tuple[MasterProcess, CubeletProcess]]:
 
 def _frozen_pool(m: MasterProcess, node: CubeletProcess, size: int) -> set[str]:
     warm_pool(node, size)
-    poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [size], 90, what="the pool warm")
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [size], 90, what="the pool warm")
     warm_pool(node, 0)  # no refill: the pool is exactly these
-    return set(advertised(m, "n")[0]["sandboxes"])
+    return set(advertised(m, "n")[0].sandboxes)
 
 
 def _reservations(node: CubeletProcess) -> dict[str, dict[str, Any]]:
     return {r["sandbox_id"]: r for r in node.client.request("GET", "/v1/reservations")["reservations"]}
 
 
-def _row(m: MasterProcess, sid: str) -> dict[str, Any] | None:
+def _row(m: MasterProcess, sid: str) -> SandboxReply | None:
     try:
         return m.client.sandbox(sid)
     except CubeError as e:
@@ -69,7 +70,7 @@ def _settled(m: MasterProcess, node: CubeletProcess) -> bool:
     holders = {d.sandbox_id for d in node.client.devices() if d.sandbox_id}
     assert holders <= set(res), (holders, res)  # a device held by nobody
     tenants = {sid for sid, r in res.items() if not sid.startswith("warm-")}
-    live = {s["id"] for s in m.client.sandboxes("running")}
+    live = {s.id for s in m.client.sandboxes("running")}
     warm = m.client.request("GET", "/v1/sandboxes", params={"state": "warm"})["sandboxes"]
     return live == tenants and not any(w["claimed"] for w in warm)
 
@@ -124,27 +125,27 @@ def test_a_cubelet_sigkilled_mid_claim_converges_after_its_restart(
     row = _row(m, "sb-k")
     res = _reservations(node)
     if isinstance(outcome[0], CubeError):
-        assert row is None or row["state"] in ("failed", "deleted"), row
+        assert row is None or row.state in ("failed", "deleted"), row
         assert "sb-k" not in res
     else:
-        assert row is not None and row["state"] == "running" and res["sb-k"]["phase"] == "running"
+        assert row is not None and row.state == "running" and res["sb-k"]["phase"] == "running"
     events = node.client.events(0, 10000).events
     w_claims = [e for e in events if e.kind == "warm_claimed" and e.sandbox_id == w]
     if at == "before-the-cas":  # the claim never reached the journal: W is warm, advertised and claimable again
         assert not w_claims and res[w]["phase"] == "warm"
-        poll(lambda: w in advertised(m, "n")[0]["sandboxes"], 30, what="W advertised again")
+        poll(lambda: w in advertised(m, "n")[0].sandboxes, 30, what="W advertised again")
     else:  # the journal took it and the shim never acknowledged: torn down, never handed out again
         assert len(w_claims) == 1 and w not in res
         reasons = [e.reason for e in events if e.sandbox_id == "sb-k" and e.kind == "teardown_started"]
         assert reasons == ["warm.claim_unacknowledged"], reasons
     left = {x for x in warm if x in res and res[x]["phase"] == "warm"}
-    poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [len(left)], 30, what="the rest claimable")
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [len(left)], 30, what="the rest claimable")
 
     # The rest are handed out once each, then creates go cold: no warm sandbox in two sandboxes.
     taken = []
     for i in range(len(left) + 1):
         got = m.client.create({"gpu": "H100:1", "id": f"sb-after-{i}"})
-        assert got["state"] == "running", got
+        assert got.state == "running", got
         taken.append(path_entries(got)[-1].get("warm_id"))
     assert sorted(x for x in taken if x) == sorted(left) and taken[-1] is None
     handed = claimed_warm_ids(node)

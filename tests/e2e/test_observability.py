@@ -41,8 +41,8 @@ class Scraper:
     def __init__(self, c: Cluster) -> None:
         self.master_url = c.master.url
         self.admin = {"Authorization": f"Bearer {c.master.admin_key}"}
-        node = next(n for n in c.c.nodes() if n["node"] == "a")
-        self.cubelet_url = node["cubelet_url"]
+        node = next(n for n in c.c.nodes() if n.node == "a")
+        self.cubelet_url = node.cubelet_url
 
     def master(self) -> Samples:
         r = httpx.get(f"{self.master_url}/metrics", headers=self.admin)
@@ -76,8 +76,8 @@ def heartbeat_landed(c: Cluster, allocatable: int) -> None:
     starts, which can be before the next heartbeat: until then CubeMaster still holds the older summary."""
 
     def landed() -> bool:
-        node = next(n for n in c.c.nodes() if n["node"] == "a")
-        return node["allocatable"] == allocatable and all(g["claimed"] == 0 for g in node["groups"])
+        node = next(n for n in c.c.nodes() if n.node == "a")
+        return node.allocatable == allocatable and all(g.claimed == 0 for g in node.groups)
 
     poll(landed, 30, what=f"a heartbeat counting {allocatable} allocatable")
 
@@ -97,7 +97,7 @@ def test_metrics_move_by_a_sandbox_lifecycle_and_logs_follow_one_request_id(c: C
     assert r.status_code == 201, r.text
     assert r.headers["x-request-id"] == rid
     sid = r.json()["id"]
-    poll(lambda: c.c.sandbox(sid)["state"] == "running", 30, what="sandbox running")
+    poll(lambda: c.c.sandbox(sid).state == "running", 30, what="sandbox running")
     k1 = m.cubelet()
     assert value(k1, "cubeaccel_devices", Hostname="a", state="attached") == 1
     assert value(k1, "cubeaccel_devices", Hostname="a", state="allocatable") == 1
@@ -108,7 +108,7 @@ def test_metrics_move_by_a_sandbox_lifecycle_and_logs_follow_one_request_id(c: C
     assert value(m1, "cubeaccel_node_devices", Hostname="a", kind="allocatable") == 1
 
     c.c.delete(sid)
-    poll(lambda: c.c.sandbox(sid)["state"] == "deleted", 30, what="sandbox deleted")
+    poll(lambda: c.c.sandbox(sid).state == "deleted", 30, what="sandbox deleted")
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()), 30, what="devices back")
     poll(lambda: delta(k0, m.cubelet(), "cubeaccel_reservations_total", outcome="closed") == 1, 10, what="closed")
 

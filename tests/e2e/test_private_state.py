@@ -36,7 +36,7 @@ def test_daemons_create_their_state_owner_only(tmp_path: Path, open_umask: None)
     cub = CubeletProcess(cub_dir).start()
     master = MasterProcess(m_dir).start()
     try:
-        assert master.client.health()["status"] == "ok"
+        assert master.client.health().status == "ok"
         assert _mode(cub_dir / "cubelet.sock") == 0o600
         assert _mode(cub_dir / "cubelet.db") == 0o600
         assert _mode(m_dir / "master.db") == 0o600

@@ -74,7 +74,7 @@ def test_cubemaster_is_ready_when_systemd_is_told(tmp_path: Path, notify_socket:
         msg = _messages(notify_socket)
         assert msg["READY"] == "1" and f"127.0.0.1:{port}" in msg["STATUS"]
         c = MasterClient(f"http://127.0.0.1:{port}")
-        assert c.health()["status"] == "ok"
+        assert c.health().status == "ok"
         c.close()
     finally:
         terminate(proc)

@@ -48,7 +48,7 @@ def test_a_second_cubemaster_on_a_held_state_dir_exits_with_the_locks_code(tmp_p
         assert second.returncode == LOCKED_EXIT
         err = json.loads(second.stdout)["error"]  # under -o json the refusal is one JSON document
         assert err["code"] == "state.locked" and err["details"]["holder_pid"] == first.proc.pid
-        assert first.client.health()["status"] == "ok"
+        assert first.client.health().status == "ok"
     finally:
         first.stop()
 

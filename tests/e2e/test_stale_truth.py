@@ -63,34 +63,34 @@ def test_cubelet_dying_with_its_vm_is_failed_at_cubemaster_right_after_the_resta
     slow_to_stale: tuple[MasterProcess, CubeletProcess],
 ) -> None:
     master, node = slow_to_stale
-    sid = master.client.create({"gpu": "H100:1"}, wait_s=20)["id"]
-    assert master.client.sandbox(sid)["state"] == "running"
+    sid = master.client.create({"gpu": "H100:1"}, wait_s=20).id
+    assert master.client.sandbox(sid).state == "running"
     node.sigkill()
     _kill_vmm(node, sid)
     t0 = time.monotonic()
     node.start()
     final = poll(
-        lambda: (s := master.client.sandbox(sid))["state"] != "running" and s,
+        lambda: (s := master.client.sandbox(sid)).state != "running" and s,
         TRUTH_WITHIN_S,
         what="CubeMaster shows the dead sandbox",
     )
     took = time.monotonic() - t0
     print(f"restart to CubeMaster's truth: {took:.2f}s")
-    assert final["state"] == "failed", final
-    assert final["error"]["code"] == "reconcile.vmm_gone"
-    assert final["error"]["node"] == NODE
-    assert master.client.nodes()[0]["state"] == "ready"  # never seen stale: the heartbeat said it
+    assert final.state == "failed", final
+    assert final.error.code == "reconcile.vmm_gone"
+    assert final.error.node == NODE
+    assert master.client.nodes()[0].state == "ready"  # never seen stale: the heartbeat said it
 
 
 def test_a_sandbox_on_a_silent_node_is_shown_unknown_and_running_again_when_it_returns(
     quick_to_stale: tuple[MasterProcess, CubeletProcess],
 ) -> None:
     master, node = quick_to_stale
-    sid = master.client.create({"gpu": "H100:1"}, wait_s=20)["id"]
+    sid = master.client.create({"gpu": "H100:1"}, wait_s=20).id
     node.sigkill()
-    unknown = poll(lambda: (s := master.client.sandbox(sid))["state"] == "unknown" and s, 20, what="shown unknown")
-    assert unknown["last_known_state"] == "running"
-    assert [s["state"] for s in master.client.sandboxes() if s["id"] == sid] == ["unknown"]
+    unknown = poll(lambda: (s := master.client.sandbox(sid)).state == "unknown" and s, 20, what="shown unknown")
+    assert unknown.last_known_state == "running"
+    assert [s.state for s in master.client.sandboxes() if s.id == sid] == ["unknown"]
     node.start()  # its VMM survived: the node's reconcile keeps it, and CubeMaster shows it running again
-    back = poll(lambda: (s := master.client.sandbox(sid))["state"] == "running" and s, 20, what="running again")
-    assert back["last_known_state"] is None
+    back = poll(lambda: (s := master.client.sandbox(sid)).state == "running" and s, 20, what="running again")
+    assert back.last_known_state is None

@@ -13,6 +13,7 @@ import pytest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.templates import parse_template
+from cubeaccel.wire.warm import WarmDrainReply
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import Cluster, example
 from tests.support.poll import poll
@@ -46,13 +47,13 @@ def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_un
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 2})
     poll(lambda: _pool(node)["warm"] == 2, 60, what="two warm sandboxes")
     tenant = c.c.create({"gpu": "H100:1"})  # warm or cold, as CubeMaster finds the pool: a tenant's either way
-    assert tenant["node"] == "w1"
+    assert tenant.node == "w1"
     poll(lambda: _pool(node)["warm"] == 2 and _pool(node)["starting"] == 0, 60, what="the pool full again")
     warm = _warm_ids(node)
 
     reply = c.c.node_verb("w1", "drain", "alice", "kernel update")
-    assert reply["state"] == "draining"
-    assert reply["warm"]["draining"] is True and set(reply["warm"]["torn_down"]) == warm
+    assert reply.model_dump()["state"] == "draining"
+    assert reply.warm.draining is True and set(reply.warm.torn_down) == warm
     for sid in warm:
         assert _teardown_reasons(node, sid) == ["warm.drained"]
     poll(lambda: not _warm_ids(node), 60, what="the warm reservations closed (VMMs gone)")
@@ -68,13 +69,13 @@ def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_un
     assert _pool(node)["failures"] == 0  # ending warm starts is not the pool failing
     journal = {e.sandbox_id for e in node.client.events(0, 10000).events if e.sandbox_id}
     # None started since the drain; the tenant's own shim keeps the warm id its create claimed, if it went warm.
-    claimed = {(r.get("facts") or {}).get("shim_id") for r in _rows(node) if r["sandbox_id"] == tenant["id"]}
+    claimed = {(r.get("facts") or {}).get("shim_id") for r in _rows(node) if r["sandbox_id"] == tenant.id}
     assert {sid for sid in journal if sid.startswith("warm-")} - claimed == warm
 
     back = c.c.node_verb("w1", "undrain", "alice")
-    assert back["state"] == "ready" and back["warm"] == {"v": 1, "draining": False, "torn_down": []}
+    assert back.model_dump()["state"] == "ready" and back.warm == WarmDrainReply(draining=False, torn_down=[])
     poll(lambda: _pool(node)["warm"] == 2, 60, what="the pool refilled after undrain")
-    c.c.delete(tenant["id"])
+    c.c.delete(tenant.id)
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 0})
     for sid in _warm_ids(node):
         node.client.release(sid)
@@ -99,7 +100,7 @@ def test_a_drain_outlives_a_cubelet_restart_and_so_does_the_undrain(c: Cluster) 
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 2})
     poll(lambda: _pool(node)["warm"] == 2, 60, what="two warm sandboxes")
     warm = _warm_ids(node)
-    assert set(c.c.node_verb("w1", "drain", "alice", "kernel update")["warm"]["torn_down"]) == warm
+    assert set(c.c.node_verb("w1", "drain", "alice", "kernel update").warm.torn_down) == warm
     poll(lambda: not _warm_ids(node), 60, what="the warm sandboxes released")
 
     node.sigkill()  # a crash: nothing is written on the way out
@@ -112,7 +113,7 @@ def test_a_drain_outlives_a_cubelet_restart_and_so_does_the_undrain(c: Cluster) 
     assert miss.value.details["reason"] == "warm.drained"
     _holds(lambda: _pool(node)["starting"] == 0 and not _warm_ids(node), 3, "a drained node refilled")
 
-    assert c.c.node_verb("w1", "undrain", "alice")["warm"]["draining"] is False
+    assert c.c.node_verb("w1", "undrain", "alice").warm.draining is False
     poll(lambda: _pool(node)["warm"] == 2, 60, what="the pool refilled after undrain")
     node.sigkill()
     node.start()
@@ -133,7 +134,7 @@ def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster
     shape = {"contract": freeze(parse_template(doc)).to_json(), "template": "cuda12-h100", "class": "gpu"}
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 1})
     poll(lambda: _pool(node)["warm"] == 1, 60, what="a warm sandbox")
-    assert c.c.node_verb("w1", "drain", "alice", "kernel update")["warm"]["draining"] is True
+    assert c.c.node_verb("w1", "drain", "alice", "kernel update").warm.draining is True
     poll(lambda: not _warm_ids(node), 60, what="the warm sandbox released")
 
     node.client.request("POST", "/v1/warm/undrain")  # the Cubelet alone forgets the drain
@@ -142,7 +143,7 @@ def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster
     drains = [e for e in node.client.events(cursor, 10000).events if e.kind == "warm_drained"]
     assert len(drains) == 2, drains  # the operator's, then CubeMaster's once (not one per maintenance tick)
 
-    assert c.c.node_verb("w1", "undrain", "alice")["warm"]["draining"] is False
+    assert c.c.node_verb("w1", "undrain", "alice").warm.draining is False
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 0})
     for sid in _warm_ids(node):
         node.client.release(sid)

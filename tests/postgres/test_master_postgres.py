@@ -68,10 +68,10 @@ def test_two_replicas_200_concurrent_creates_against_16_devices_place_exactly_16
         holders = [d.sandbox_id for n in nodes for d in n.client.devices() if d.sandbox_id]
         assert len(holders) == 16 and set(holders) == placed
         rows = replicas[1].client.sandboxes("running")
-        assert {r["id"] for r in rows} == placed
-        devices = [(r["node"], d) for r in rows for d in r["device_ids"]]
+        assert {r.id for r in rows} == placed
+        devices = [(r.node, d) for r in rows for d in r.device_ids]
         assert len(devices) == len(set(devices)) == 16
-        poll(lambda: all(n["allocatable"] == 0 for n in replicas[1].client.nodes()))
+        poll(lambda: all(n.allocatable == 0 for n in replicas[1].client.nodes()))
     finally:
         for n in nodes:
             n.stop()
@@ -141,7 +141,7 @@ def test_50_concurrent_creates_from_a_tenant_with_a_4_gpu_quota_through_two_repl
         tenant = MasterClient(replicas[1].url, key=key)
         for sid in placed:
             tenant.delete(sid)
-        poll(lambda: all(s["state"] == "deleted" for s in tenant.sandboxes()), 60)
+        poll(lambda: all(s.state == "deleted" for s in tenant.sandboxes()), 60)
         again = [create(100 + i) for i in range(5)]  # the quota is free again: 4 more, then refused
         assert [s for s, _ in again] == [201, 201, 201, 201, 429], again
         tenant.close()

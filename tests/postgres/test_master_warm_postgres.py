@@ -43,9 +43,9 @@ def replicas(fresh_db: str, tmp_path: Path) -> Iterator[list[MasterProcess]]:
 def _frozen_pool(m: MasterProcess, node: CubeletProcess, name: str, size: int) -> set[str]:
     """`size` warm sandboxes, then no refill: the pool is exactly those."""
     warm_pool(node, size)
-    poll(lambda: [p["warm"] for p in advertised(m, name)] == [size], 90)
+    poll(lambda: [p.warm for p in advertised(m, name)] == [size], 90)
     warm_pool(node, 0)
-    return set(advertised(m, name)[0]["sandboxes"])
+    return set(advertised(m, name)[0].sandboxes)
 
 
 def test_20_concurrent_creates_on_two_replicas_against_4_warm_sandboxes_hand_each_out_once(
@@ -115,7 +115,7 @@ def test_a_replica_sigkilled_mid_claim_converges(
         b.client.register_template(TEMPLATE, default=True)
         warm = _frozen_pool(b, node, "n", 2)
         # A creates: its own view must hold the pool first (a replica reads heartbeats through its cache)
-        poll(lambda: set(advertised(a, "n")[0]["sandboxes"]) == warm if advertised(a, "n") else False, 30)
+        poll(lambda: set(advertised(a, "n")[0].sandboxes) == warm if advertised(a, "n") else False, 30)
 
         # The Cubelet is stopped, so replica A's claim waits on it after A wrote its claim row; A dies there.
         os.kill(node.proc.pid, signal.SIGSTOP)
@@ -132,7 +132,7 @@ def test_a_replica_sigkilled_mid_claim_converges(
             t.start()
             poll(lambda: [e["path"] for e in path_entries(b.client.sandbox("sb-k"))] == ["warm"], 30)
             w = path_entries(b.client.sandbox("sb-k"))[0]["warm_id"]
-            assert w in warm and b.client.sandbox("sb-k")["state"] == "placing"
+            assert w in warm and b.client.sandbox("sb-k").state == "placing"
             assert a.proc is not None
             if claim_lands:
                 port = int(node.extra[node.extra.index("--listen") + 1].rsplit(":", 1)[1])
@@ -147,22 +147,22 @@ def test_a_replica_sigkilled_mid_claim_converges(
         t.join(30)
 
         # Replica B settles the abandoned placement by asking the Cubelet, whose journal decided the claim.
-        poll(lambda: b.client.sandbox("sb-k")["state"] in ("running", "failed"), 90)
+        poll(lambda: b.client.sandbox("sb-k").state in ("running", "failed"), 90)
         row = b.client.sandbox("sb-k")
         # Killed before the Cubelet answered, A's request may still sit whole in the Cubelet's socket, which reads
         # and claims it on waking (measured: some runs): either outcome converges, and the journal decides which.
-        assert row["state"] in (("running",) if claim_lands else ("running", "failed")), row
+        assert row.state in (("running",) if claim_lands else ("running", "failed")), row
         res = node.client.request("GET", "/v1/reservations")["reservations"]
         mine = [r for r in res if r["sandbox_id"] == "sb-k"]
-        if row["state"] == "running":  # the claim reached the Cubelet: the sandbox is sb-k's, W is gone
+        if row.state == "running":  # the claim reached the Cubelet: the sandbox is sb-k's, W is gone
             assert [r["facts"]["shim_id"] for r in mine] == [w]
-            poll(lambda: w not in advertised(b, "n")[0]["sandboxes"], 30)
+            poll(lambda: w not in advertised(b, "n")[0].sandboxes, 30)
         else:  # it never did: W is still warm, its claim row is freed, and it is handed out again
-            assert row["error"]["code"] == "sandbox.placement_abandoned" and not mine
-            poll(lambda: w in advertised(b, "n")[0]["sandboxes"] and advertised(b, "n")[0]["claimable"] == 2, 30)
+            assert row.error.code == "sandbox.placement_abandoned" and not mine
+            poll(lambda: w in advertised(b, "n")[0].sandboxes and advertised(b, "n")[0].claimable == 2, 30)
         # Either way: no warm sandbox in two sandboxes, and the rest stay claimable, once each.
         left = warm - set(claimed_warm_ids(node))
-        poll(lambda: advertised(b, "n")[0]["claimable"] == len(left), 30)
+        poll(lambda: advertised(b, "n")[0].claimable == len(left), 30)
         taken = []
         for i in range(len(left) + 1):
             got = b.client.create({"gpu": "H100:1", "id": f"sb-after-{i}"})

@@ -147,7 +147,7 @@ def cubelet(state_dir: Path, profile: str, node: str, master_url: str, *extra: s
 
 
 def wait_nodes_ready(client: MasterClient, names: set[str], deadline_s: float = 30.0) -> None:
-    poll(lambda: names <= {n["node"] for n in client.nodes() if n["state"] == "ready"}, deadline_s)
+    poll(lambda: names <= {n.node for n in client.nodes() if n.state == "ready"}, deadline_s)
 
 
 class Cluster:
@@ -192,9 +192,9 @@ class Cluster:
 
     def cleanup(self) -> None:
         for s in self.c.sandboxes("running"):
-            self.c.delete(s["id"])
+            self.c.delete(s.id)
         poll(lambda: not self.c.sandboxes("deleting") and not self.c.sandboxes("running"))
-        poll(lambda: all(n["allocatable"] == n["total"] for n in self.c.nodes() if n["node"] in self.profiles))
+        poll(lambda: all(n.allocatable == n.total for n in self.c.nodes() if n.node in self.profiles))
 
     def stop(self) -> None:
         for p in self.cubelets.values():

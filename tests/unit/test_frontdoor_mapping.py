@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from cubeaccel.frontdoor import mapping as M
 from cubeaccel.frontdoor.envd import host_sandbox, inject_envs
 from cubeaccel.wire.e2b_api import NewSandbox
+from cubeaccel.wire.master_api import Sandbox
 from cubeaccel.workload import ENVD_VERSION
 
 
@@ -34,7 +35,7 @@ def test_create_body_maps_template_timeout_metadata_env_and_the_accelerators_key
         }
     )
     body = M.create_body(req, "sb-1", "t" * 43)
-    assert body == {
+    assert body.model_dump(exclude_unset=True) == {
         "id": "sb-1",
         "template": "cuda12-h100",
         "metadata": {"a": "b", M.ACCELERATORS_KEY: " H100:2 "},
@@ -45,7 +46,7 @@ def test_create_body_maps_template_timeout_metadata_env_and_the_accelerators_key
     }
     alts = [{"class": "gpu", "count": 1, "selector": "device.model == 'H100'"}, {"class": "gpu", "count": 2}]
     req = NewSandbox.model_validate({"templateID": "x", "metadata": {M.ACCELERATORS_KEY: json.dumps(alts)}})
-    assert M.create_body(req, "sb-2", "t" * 43)["accelerators"] == alts
+    assert M.create_body(req, "sb-2", "t" * 43).accelerators == alts
     with pytest.raises(M.Refusal) as e:
         M.create_body(NewSandbox.model_validate({"templateID": "x", "metadata": {M.ACCELERATORS_KEY: "[1,"}}), "s", "t")
     assert e.value.status == 400 and M.ACCELERATORS_KEY in e.value.message
@@ -73,20 +74,34 @@ def test_metadata_filters_round_trip_the_sdks_double_encoding(meta: dict[str, st
     assert M.parse_metadata_query(urllib.parse.urlencode(quoted)) == meta
 
 
-def rows(n: int) -> list[dict[str, object]]:
-    return [
-        {"id": f"sb-{i}", "state": "running", "created_at": 100.0 + i, "request": {"metadata": {"i": str(i % 2)}}}
-        for i in range(n)
-    ]
+def record(sid: str, state: str, created_at: float, metadata: dict[str, str]) -> Sandbox:
+    """A sandbox as CubeMaster lists it, with the fields the front door reads."""
+    return Sandbox.model_validate(
+        {
+            **dict.fromkeys(("node", "class", "count", "template", "error", "expires_at")),
+            "id": sid,
+            "tenant": "t",
+            "state": state,
+            "device_ids": [],
+            "request": {"metadata": metadata},
+            "timeline": [],
+            "created_at": created_at,
+            "updated_at": created_at,
+        }
+    )
+
+
+def rows(n: int) -> list[Sandbox]:
+    return [record(f"sb-{i}", "running", 100.0 + i, {"i": str(i % 2)}) for i in range(n)]
 
 
 @given(st.integers(0, 30), st.integers(1, 7), st.booleans())
 def test_pages_cover_every_row_once_in_order(n: int, limit: int, newest_first: bool) -> None:
-    all_rows = M.select(rows(n), {}, {"running"}, newest_first=newest_first)  # type: ignore[arg-type]
+    all_rows = M.select(rows(n), {}, {"running"}, newest_first=newest_first)
     seen, token = [], None
     for _ in range(n + 2):
         chunk, token = M.page(all_rows, limit, token, newest_first)
-        seen += [r["id"] for r in chunk]
+        seen += [r.id for r in chunk]
         if token is None:
             break
     order = [f"sb-{i}" for i in range(n)]
@@ -98,24 +113,24 @@ def test_lists_are_newest_first_by_default_and_filter_by_start_time() -> None:
     assert M.parse_order(None) is True and M.parse_order("desc") is True and M.parse_order("asc") is False
     with pytest.raises(M.Refusal):
         M.parse_order("sideways")
-    assert [r["id"] for r in M.select(rows(3), {}, {"running"})] == ["sb-2", "sb-1", "sb-0"]  # type: ignore[arg-type]
+    assert [r.id for r in M.select(rows(3), {}, {"running"})] == ["sb-2", "sb-1", "sb-0"]
     after = M.parse_started_after(datetime.fromtimestamp(101.0, UTC).astimezone().isoformat())
     assert after == 101.0
-    got = M.select(rows(3), {}, {"running"}, after, newest_first=False)  # type: ignore[arg-type]
-    assert [r["id"] for r in got] == ["sb-1", "sb-2"]
+    got = M.select(rows(3), {}, {"running"}, after, newest_first=False)
+    assert [r.id for r in got] == ["sb-1", "sb-2"]
     with pytest.raises(M.Refusal):
         M.parse_started_after("yesterday")
 
 
 def test_a_create_without_timeout_gets_e2bs_300_s() -> None:
     body = M.create_body(NewSandbox.model_validate({"templateID": "x"}), "sb-1", "t")
-    assert body["timeout_s"] == 300.0
+    assert body.timeout_s == 300.0
 
 
 def test_select_filters_by_metadata_and_state() -> None:
-    rs = [*rows(4), {"id": "gone", "state": "deleted", "created_at": 1.0, "request": {"metadata": {"i": "0"}}}]
-    assert [r["id"] for r in M.select(rs, {"i": "0"}, {"running", "paused"})] == ["sb-2", "sb-0"]  # type: ignore[arg-type]
-    assert M.select(rs, {}, {"paused"}) == []  # type: ignore[arg-type]
+    rs = [*rows(4), record("gone", "deleted", 1.0, {"i": "0"})]
+    assert [r.id for r in M.select(rs, {"i": "0"}, {"running", "paused"})] == ["sb-2", "sb-0"]
+    assert M.select(rs, {}, {"paused"}) == []
     with pytest.raises(M.Refusal):
         M.parse_states("running,sleeping")
     with pytest.raises(M.Refusal):
@@ -195,9 +210,9 @@ def test_every_e2b_network_option_is_either_a_narrowing_or_a_named_refusal(
         return
     asked = network.get("allowOut") or network.get("denyOut") or internet is False
     if not asked:
-        assert "network" not in body  # the template's policy
+        assert "network" not in body.model_fields_set  # the template's policy
         return
-    narrowing = body["network"]
+    narrowing = body.network
     assert AddressNarrowing.asked(narrowing)
     parsed = AddressNarrowing.from_json(narrowing)  # what CubeMaster and the Cubelet read
     masked = {
@@ -225,7 +240,7 @@ def test_e2b_network_maps_to_allow_and_deny_out(
     network: dict[str, object], internet: bool | None, expected: tuple[list[str], list[str]] | None
 ) -> None:
     req = NewSandbox.model_validate({"templateID": "x", "network": network, "allow_internet_access": internet})
-    got = M.create_body(req, "s", "t").get("network")
+    got = M.create_body(req, "s", "t").network
     assert got == (None if expected is None else {"allow_out": expected[0], "deny_out": expected[1]})
 
 

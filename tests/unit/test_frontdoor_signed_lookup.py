@@ -8,13 +8,14 @@ import asyncio
 import base64
 import hashlib
 import time
-from typing import Any
 from urllib.parse import urlencode
 
 from starlette.requests import Request
 
 from cubeaccel.frontdoor.envd import SIGNATURE_EXPIRED, SIGNATURE_INVALID, EnvdProxy, signature_refusal
 from cubeaccel.frontdoor.mapping import envd_token
+from cubeaccel.wire.master_api import Sandbox, SandboxList
+from cubeaccel.wire.master_client import Call
 
 
 class CountingMaster:
@@ -23,10 +24,11 @@ class CountingMaster:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def admin(self, method: str, path: str) -> dict[str, Any]:
+    async def admin(self, call: Call[SandboxList]) -> SandboxList:
+        assert (call.path, call.params) == ("/v1/sandboxes", {"state": "running"})
         self.calls += 1
         await asyncio.sleep(0.05)  # a network round trip, so the concurrent requests overlap it
-        return {"sandboxes": [{"id": f"sb-{i}"} for i in range(3)]}
+        return SandboxList.model_construct(sandboxes=[Sandbox.model_construct(id=f"sb-{i}") for i in range(3)])
 
 
 def forged(i: int) -> Request:

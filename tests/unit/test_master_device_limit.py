@@ -23,6 +23,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.shim.qemu import build_argv
 from cubeaccel.shim.vmm import VmConfig
+from cubeaccel.wire.master_api import NodeSummary
 from cubeaccel.wire.shim_spec import MAX_DEVICES
 from tests.support.contract_builders import example_doc
 from tests.support.cubelet_harness import Node
@@ -92,9 +93,9 @@ def test_an_older_heartbeat_without_the_limit_is_not_filtered_on_it() -> None:
     old = view("old", group(H100, 16))
     assert old.max_devices is None
     assert placed([old], 16, False) == (["old"], {})
-    assert old.summary_json(NOW, STALE)["max_devices_per_sandbox"] is None
+    assert old.summary(NOW, STALE, NodeSummary).max_devices_per_sandbox is None
     new = view_from_heartbeat(heartbeat("new", group(H100, 1), max_devices=16), 1000.0)
-    assert new.max_devices == 16 and new.summary_json(NOW, STALE)["max_devices_per_sandbox"] == 16
+    assert new.max_devices == 16 and new.summary(NOW, STALE, NodeSummary).max_devices_per_sandbox == 16
     with pytest.raises(CubeError) as err:
         view_from_heartbeat({**heartbeat("bad", group(H100, 1)), "max_devices_per_sandbox": -1}, 1000.0)
     assert err.value.code == "node.invalid_heartbeat"

@@ -17,6 +17,7 @@ from cubeaccel.master.view import view_from_heartbeat
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
+from cubeaccel.wire.master_api import NodeSummary
 from tests.support.master_builders import group, h100_contract, heartbeat, sandbox_row, view
 
 H100 = "H100-SXM5-80GB"
@@ -44,9 +45,9 @@ def test_a_node_whose_host_is_not_ready_is_filtered_with_the_host_codes() -> Non
     d = decide([n], [(AcceleratorChoice("gpu", 1), h100_contract(), None)], 1001.0, 10.0)
     err = rejection(d, 1)
     assert "1 host_not_ready" in err.message and err.details["tried"][0]["nodes"]["pvm"]["reason"] == "host_not_ready"
-    shown = n.summary_json(1001.0, 10.0)
-    assert shown["ready"] is False and shown["schedulable"] is False
-    assert [p["code"] for p in shown["host_problems"]] == ["host.no_iommu", "host.pvm_unsupported"]
+    shown = n.summary(1001.0, 10.0, NodeSummary)
+    assert shown.ready is False and shown.schedulable is False
+    assert [p.code for p in shown.host_problems] == ["host.no_iommu", "host.pvm_unsupported"]
 
 
 def test_an_older_heartbeat_without_readiness_counts_as_ready() -> None:

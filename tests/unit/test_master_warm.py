@@ -93,7 +93,7 @@ def test_warm_sandboxes_are_listed_in_state_warm() -> None:
     rows = warm_rows([v])
     assert [(r.state, r.node, r.claimed) for r in rows] == [("warm", "n", True), ("warm", "n", False)]
     # As the API lists them (`SandboxList`): the typed warm record, every field of it on the wire.
-    listed = SandboxList(sandboxes=rows).model_dump(mode="json", by_alias=True)["sandboxes"]
+    listed = SandboxList(sandboxes=list(rows)).model_dump(mode="json", by_alias=True)["sandboxes"]
     assert [set(r) for r in listed] == [WARM_ROW_KEYS] * 2 and listed[0]["class"] == "gpu"
     again = SandboxList.model_validate({"sandboxes": listed}).sandboxes
     assert all(isinstance(r, WarmSandbox) for r in again) and list(again) == rows

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from cubeaccel.master.node_truth import NodeTruth
-from cubeaccel.master.service import CubeMaster, sandbox_json
+from cubeaccel.master.service import CubeMaster, sandbox_record
 from cubeaccel.master.store import MasterStore
 from cubeaccel.wire.heartbeat import EndedSandbox, NodeNews
-from cubeaccel.wire.master_api import StatusError
+from cubeaccel.wire.master_api import Sandbox, StatusError
 from tests.support.master_builders import sandbox_row
 
 GONE = StatusError(code="reconcile.vmm_gone", layer="cubelet", message="VMM is gone", phase="running")
@@ -47,6 +47,9 @@ def test_ends_apply_to_that_node_and_that_reservation_only(tmp_path: Path) -> No
 def test_a_silent_nodes_live_sandbox_is_shown_unknown(tmp_path: Path) -> None:
     m = CubeMaster(MasterStore(str(tmp_path / "m.db")))
     _running(m, "s", "n1", 100.0)
-    shown = sandbox_json(m.get("s"), silent_nodes={"n1"})
-    assert (shown["state"], shown["last_known_state"]) == ("unknown", "running")
-    assert (sandbox_json(m.get("s"))["state"], sandbox_json(m.get("s"))["last_known_state"]) == ("running", None)
+    shown = sandbox_record(m.get("s"), Sandbox, silent_nodes={"n1"})
+    assert (shown.state, shown.last_known_state) == ("unknown", "running")
+    assert (sandbox_record(m.get("s"), Sandbox).state, sandbox_record(m.get("s"), Sandbox).last_known_state) == (
+        "running",
+        None,
+    )

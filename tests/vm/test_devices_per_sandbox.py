@@ -38,7 +38,7 @@ def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess
     )
     cubelet.start()
     try:
-        poll(lambda: any(n["node"] == "wide" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == "wide" and n.state == "ready" for n in master.client.nodes()), 30)
         yield master, cubelet
     finally:
         cubelet.stop()
@@ -59,8 +59,8 @@ def test_one_sandbox_holds_eight_devices_and_more_than_the_vm_takes_is_refused_b
 ) -> None:
     master, cubelet = stack
     master.client.register_template(edu_template(guest_image, "edu-wide"))
-    node = next(n for n in master.client.nodes() if n["node"] == "wide")
-    assert node["max_devices_per_sandbox"] == MAX_DEVICES and node["allocatable"] == NODE_DEVICES
+    node = next(n for n in master.client.nodes() if n.node == "wide")
+    assert node.max_devices_per_sandbox == MAX_DEVICES and node.allocatable == NODE_DEVICES
 
     events_before = cubelet.client.events(0, 10000).events
     with pytest.raises(CubeError) as err:
@@ -74,8 +74,8 @@ def test_one_sandbox_holds_eight_devices_and_more_than_the_vm_takes_is_refused_b
     assert _allocatable(cubelet) == NODE_DEVICES
 
     sb = master.client.create(_accelerators(8))
-    sid = sb["id"]
-    poll(lambda: master.client.sandbox(sid)["state"] == "running", 240)
+    sid = sb.id
+    poll(lambda: master.client.sandbox(sid).state == "running", 240)
     events = [e for e in cubelet.client.events(0, 10000).events if e.sandbox_id == sid]
     reports = [e for e in events if e.kind == "shim_report"]
     attached = [e.details for e in reports if e.event == "device_attached"]

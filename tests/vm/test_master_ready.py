@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.master_api import Sandbox
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, emulated_cubelet, example
 from tests.support.poll import poll
@@ -41,7 +42,7 @@ def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess
     cubelet = emulated_cubelet(master, tmp_path / "cubelet", "vm-node")
     cubelet.start()
     try:
-        poll(lambda: any(n["node"] == "vm-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == "vm-node" and n.state == "ready" for n in master.client.nodes()), 30)
         yield master, cubelet
     finally:
         cubelet.stop()
@@ -49,8 +50,8 @@ def stack(tmp_path: Path, guest_image: Manifest) -> Iterator[tuple[MasterProcess
         kill_started_vmms(tmp_path)  # this Cubelet's VMMs only, by their pid files
 
 
-def _phase_at(sandbox: dict[str, Any], phase: str) -> float:
-    return float(next(e["at"] for e in sandbox["timeline"] if e["phase"] == phase))
+def _phase_at(sandbox: Sandbox, phase: str) -> float:
+    return next(e.at for e in sandbox.timeline if e.phase == phase)
 
 
 def test_a_guest_that_fails_validation_is_failed_at_cubemaster_with_its_layer_within_2s(
@@ -59,18 +60,18 @@ def test_a_guest_that_fails_validation_is_failed_at_cubemaster_with_its_layer_wi
     master, cubelet = stack
     master.client.register_template(edu_template(guest_image, "edu-needs-nvidia", modules=["nvidia"]))
     sb = master.client.create({"template": "edu-needs-nvidia", "accelerators": [{"class": "accelerator"}]})
-    assert sb["state"] == "starting"  # placed and booting: not yet validated
-    sid = sb["id"]
-    poll(lambda: master.client.sandbox(sid)["state"] == "failed", 120)
+    assert sb.state == "starting"  # placed and booting: not yet validated
+    sid = sb.id
+    poll(lambda: master.client.sandbox(sid).state == "failed", 120)
     row = master.client.sandbox(sid)
-    assert row["error"]["layer"] == "modules_img" and row["error"]["code"].startswith("compat.modules_img")
+    assert row.error.layer == "modules_img" and row.error.code.startswith("compat.modules_img")
     report = next(
         e
         for e in cubelet.client.events(0, 10000).events
         if e.sandbox_id == sid and e.event == "guest_validation_failed"
     )
     assert _phase_at(row, "failed") - report.at <= 2.0
-    assert "ready" not in [e["phase"] for e in row["timeline"]]
+    assert "ready" not in [e.phase for e in row.timeline]
 
 
 def test_a_sandbox_is_running_at_cubemaster_only_after_its_guest_validated(
@@ -79,12 +80,12 @@ def test_a_sandbox_is_running_at_cubemaster_only_after_its_guest_validated(
     master, cubelet = stack
     master.client.register_template(edu_template(guest_image, "edu-ok"))
     sb = master.client.create({"template": "edu-ok", "accelerators": [{"class": "accelerator"}]})
-    sid = sb["id"]
-    poll(lambda: master.client.sandbox(sid)["state"] == "running", 120)
+    sid = sb.id
+    poll(lambda: master.client.sandbox(sid).state == "running", 120)
     validated = next(
         e for e in cubelet.client.events(0, 10000).events if e.sandbox_id == sid and e.event == "guest_validated"
     )
     row = master.client.sandbox(sid)
     assert _phase_at(row, "ready") >= validated.at and _phase_at(row, "ready") - validated.at <= 2.0
     master.client.delete(sid)
-    poll(lambda: master.client.sandbox(sid)["state"] == "deleted", 60)
+    poll(lambda: master.client.sandbox(sid).state == "deleted", 60)

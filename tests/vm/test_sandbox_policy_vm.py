@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.master_api import Sandbox
 from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.peer_net import ALLOWED, OTHER, OTHER_PORT, PORT, PROBE, UPLINK_LINK, peer_net, sh
 from tests.support.poll import poll
@@ -55,7 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
     cubelet.start()
     started: list[str] = []
     try:
-        poll(lambda: any(n["node"] == "policy-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == "policy-node" and n.state == "ready" for n in master.client.nodes()), 30)
         closed = edu_template(guest_image, "edu-closed")
         tool = edu_template(guest_image, "edu-tool")
         tool["spec"]["sandbox"] = {
@@ -69,13 +70,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         master.client.register_template(tool)
         acc = [{"class": "accelerator"}]
         sb_closed = master.client.create({"template": "edu-closed", "accelerators": acc})
-        started.append(sb_closed["id"])
+        started.append(sb_closed.id)
         # the request narrows the template's two destinations to one
         narrowed = {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}"]}
         sb_tool = master.client.create({"template": "edu-tool", "accelerators": acc, "network": narrowed})
-        started.append(sb_tool["id"])
+        started.append(sb_tool.id)
         for sb in (sb_closed, sb_tool):
-            poll(lambda sb=sb: _running(master.client.sandbox(sb["id"])), 240, what=f"{sb['id']} running")
+            poll(lambda sb=sb: _running(master.client.sandbox(sb.id)), 240, what=f"{sb.id} running")
         yield {
             "master": master,
             "cubelet": cubelet,
@@ -94,10 +95,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
             subprocess.run(["ip", "netns", "del", f"cube-{sid}"], check=False, capture_output=True, timeout=30)
 
 
-def _running(row: dict[str, Any]) -> bool:
+def _running(row: Sandbox) -> bool:
     """Running yet; a start that ended fails at once, with its error (not after the whole deadline)."""
-    assert row["state"] not in ("failed", "deleted", "lost"), (row["state"], row.get("error"))
-    return bool(row["state"] == "running")
+    assert row.state not in ("failed", "deleted", "lost"), (row.state, row.error)
+    return row.state == "running"
 
 
 def run(stack: dict[str, Any], which: str, *argv: str, user: str | None = None) -> subprocess.CompletedProcess[bytes]:
@@ -106,13 +107,13 @@ def run(stack: dict[str, Any], which: str, *argv: str, user: str | None = None) 
         **os.environ,
         "CUBEACCEL_MASTER": stack["master"].url,
         "CUBEACCEL_API_KEY": stack["master"].admin_key,
-        "CUBEACCEL_SANDBOX_TOKEN": sb["access_token"],
+        "CUBEACCEL_SANDBOX_TOKEN": sb.access_token,
     }
     # --no-stdin: nothing to send, and no stdin reader left running at the CLI's exit
     cmd = [sys.executable, "-c", "from cubeaccel.cli import main; main()", "sandbox", "exec", "--no-stdin"]
     cmd += ["--user", user] if user else []
     return subprocess.run(
-        [*cmd, sb["id"], "--", *argv], capture_output=True, env=env, timeout=180, stdin=subprocess.DEVNULL
+        [*cmd, sb.id, "--", *argv], capture_output=True, env=env, timeout=180, stdin=subprocess.DEVNULL
     )
 
 
@@ -126,7 +127,7 @@ def test_a_closed_sandbox_has_no_network_interface_but_lo(stack: dict[str, Any])
     r = run(stack, "closed", "ls", "/sys/class/net")
     assert r.returncode == 0 and r.stdout.split() == [b"lo"], r.stderr
     assert probe(stack, "closed", f"{ALLOWED}:{PORT}") == {f"{ALLOWED}:{PORT}": "OSError"}  # ENETUNREACH
-    res = stack["cubelet"].client.reservation(stack["closed"]["id"]).reservation
+    res = stack["cubelet"].client.reservation(stack["closed"].id).reservation
     assert res.facts.network is None and "network" not in res.params
 
 
@@ -140,7 +141,7 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
     assert got["169.254.169.254:80"] == "ConnectionRefusedError"  # metadata
     # the host end of the sandbox link drops everything (the namespace accepts nothing from the guest), and the
     # uplink end of the veth is one of the node's own addresses, never a destination
-    facts = stack["cubelet"].client.reservation(stack["tool"]["id"]).reservation.facts.network
+    facts = stack["cubelet"].client.reservation(stack["tool"].id).reservation.facts.network
     peer = facts["veth_cidr"].split("/")[0].rsplit(".", 1)
     uplink_end = f"{peer[0]}.{int(peer[1]) + 1}"
     got = probe(stack, "tool", f"{facts['gateway']}:22", f"{uplink_end}:{PORT}")
@@ -153,12 +154,12 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
 
 
 def test_the_policy_is_recorded_shown_and_audited(stack: dict[str, Any]) -> None:
-    sid = stack["tool"]["id"]
+    sid = stack["tool"].id
     res = stack["cubelet"].client.reservation(sid).reservation
     assert res.params["network"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
     assert res.facts.network["netns"] == f"cube-{sid}"
     shown = stack["master"].client.sandbox(sid)
-    assert shown["request"]["network_policy"] == res.params["network"]
+    assert shown.request.network_policy == res.params["network"]
     audit = [json.loads(x) for x in (stack["base"] / "cubelet" / "audit.jsonl").read_text().splitlines()]
     applied = [e for e in audit if e.get("action") == "network:apply" and e.get("target") == sid]
     assert applied and applied[0]["egress"] == [f"{ALLOWED}/32:{PORT}/tcp"]
@@ -187,7 +188,7 @@ def test_only_the_allowlisted_host_directory_is_shared_and_only_for_reading(stac
 
 
 def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host_alone(stack: dict[str, Any]) -> None:
-    sid = stack["tool"]["id"]
+    sid = stack["tool"].id
     disk = stack["base"] / "cubelet" / "shims" / sid / "scratch.img"
     assert disk.stat().st_size == SCRATCH_MIB * 1024 * 1024
     fill = (
@@ -214,7 +215,7 @@ def test_filling_the_scratch_space_gives_enospc_in_the_guest_and_leaves_the_host
 
 
 def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
-    master, cubelet, sid = stack["master"], stack["cubelet"], stack["tool"]["id"]
+    master, cubelet, sid = stack["master"], stack["cubelet"], stack["tool"].id
     facts = cubelet.client.reservation(sid).reservation.facts.network
 
     def uplink_links() -> set[str]:
@@ -222,8 +223,8 @@ def test_nothing_remains_after_delete(stack: dict[str, Any]) -> None:
 
     assert facts["uplink_if"] in uplink_links()
     master.client.delete(sid)
-    master.client.delete(stack["closed"]["id"])
-    poll(lambda: master.client.sandbox(sid)["state"] == "deleted", 120)
+    master.client.delete(stack["closed"].id)
+    poll(lambda: master.client.sandbox(sid).state == "deleted", 120)
     poll(lambda: not Path(f"/run/netns/cube-{sid}").exists(), 60)
     assert not (stack["base"] / "cubelet" / "shims" / sid / "scratch.img").exists()
     # the kernel frees a namespace (and the veth pair with it) shortly after its last user is gone

@@ -36,11 +36,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> It
     cubelet.start()
     tenant = MasterClient(master.url, key=master.tenant_key)
     try:
-        poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == NODE and n.state == "ready" for n in master.client.nodes()), 30)
         master.client.register_template(edu_template(guest_image, TEMPLATE))
         other_key = master.client.request("POST", "/v1/tenants", {"name": f"other{os.getpid()}"})["key"]
         sb = tenant.create({"template": TEMPLATE, "accelerators": [{"class": "accelerator"}]})
-        poll(lambda: tenant.sandbox(sb["id"])["state"] == "running", 240)
+        poll(lambda: tenant.sandbox(sb.id).state == "running", 240)
         yield {"master": master, "sb": sb, "other_key": other_key, "base": base}
     finally:
         tenant.close()
@@ -54,12 +54,12 @@ def env(stack: dict[str, Any], key: str | None = None) -> dict[str, str]:
         **os.environ,
         "CUBEACCEL_MASTER": stack["master"].url,
         "CUBEACCEL_API_KEY": key or stack["master"].tenant_key,
-        "CUBEACCEL_SANDBOX_TOKEN": stack["sb"]["access_token"],
+        "CUBEACCEL_SANDBOX_TOKEN": stack["sb"].access_token,
     }
 
 
 def test_tenant_exec_passes_stdin_and_returns_the_commands_exit_code(stack: dict[str, Any]) -> None:
-    sid = stack["sb"]["id"]
+    sid = stack["sb"].id
     r = subprocess.run(
         [*CLI, "sandbox", "exec", sid, "--", "sh", "-c", "cat; echo err >&2; exit 3"],
         input=b"from stdin\n",
@@ -72,7 +72,7 @@ def test_tenant_exec_passes_stdin_and_returns_the_commands_exit_code(stack: dict
 
 def test_exit_code_survives_a_stdin_that_stays_open(stack: dict[str, Any]) -> None:
     """The command ends while the CLI's stdin (a pipe this test holds open) is still being read."""
-    sid = stack["sb"]["id"]
+    sid = stack["sb"].id
     p = subprocess.Popen(
         [*CLI, "sandbox", "exec", sid, "--", "sh", "-c", "echo done; exit 7"],
         stdin=subprocess.PIPE,
@@ -93,7 +93,7 @@ def test_exit_code_survives_a_stdin_that_stays_open(stack: dict[str, Any]) -> No
 
 
 def test_tenant_cp_copies_both_ways(stack: dict[str, Any], tmp_path: Path) -> None:
-    sid = stack["sb"]["id"]
+    sid = stack["sb"].id
     src, back = tmp_path / "in.bin", tmp_path / "back.bin"
     src.write_bytes(os.urandom(300_000))
     for args in ((str(src), f"{sid}:/tmp/tenant/in.bin"), (f"{sid}:/tmp/tenant/in.bin", str(back))):
@@ -103,7 +103,7 @@ def test_tenant_cp_copies_both_ways(stack: dict[str, Any], tmp_path: Path) -> No
 
 
 def test_another_tenant_learns_nothing_and_node_routes_stay_admin_only(stack: dict[str, Any]) -> None:
-    sid = stack["sb"]["id"]
+    sid = stack["sb"].id
     r = subprocess.run(
         [*CLI, "sandbox", "exec", "--no-stdin", sid, "--", "true"],
         capture_output=True,

@@ -33,11 +33,11 @@ def sandbox(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest) -> 
     cubelet = emulated_cubelet(master, base / "cubelet", "wl-node")
     cubelet.start()
     try:
-        poll(lambda: any(n["node"] == "wl-node" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == "wl-node" and n.state == "ready" for n in master.client.nodes()), 30)
         master.client.register_template(edu_template(guest_image, "edu-wl"))
         sb = master.client.create({"template": "edu-wl", "accelerators": [{"class": "accelerator"}]})
-        poll(lambda: master.client.sandbox(sb["id"])["state"] == "running", 180)
-        yield {"master": master, "cubelet": cubelet, "id": sb["id"], "token": sb["access_token"], "base": base}
+        poll(lambda: master.client.sandbox(sb.id).state == "running", 180)
+        yield {"master": master, "cubelet": cubelet, "id": sb.id, "token": sb.access_token, "base": base}
     finally:
         cubelet.stop()
         master.stop()
@@ -63,7 +63,7 @@ def cli(sb: dict[str, Any], *args: str, stdin: bytes | None = None, token: str |
 def test_the_token_is_given_once_and_stored_only_hashed(sandbox: dict[str, Any]) -> None:
     token = sandbox["token"]
     assert isinstance(token, str) and len(token) >= 32
-    assert sandbox["master"].client.sandbox(sandbox["id"]).get("access_token") is None  # not kept by CubeMaster
+    assert sandbox["master"].client.sandbox(sandbox["id"]).access_token is None  # not kept by CubeMaster
     res = sandbox["cubelet"].client.reservation(sandbox["id"])
     assert res.access_token is None
     facts = res.reservation.facts
@@ -110,7 +110,7 @@ def test_cp_round_trips_a_binary_file(sandbox: dict[str, Any], tmp_path: Path) -
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "out.bin").read_bytes() == blob
     # a body with a Content-Length above the API's 1 MiB limit passes the proxy (it streams), as the SDK sends it
-    url = next(n["cubelet_url"] for n in sandbox["master"].client.nodes() if n["node"] == "wl-node")
+    url = next(n.cubelet_url for n in sandbox["master"].client.nodes() if n.node == "wl-node")
     r = httpx.post(
         f"{url}/v1/sandboxes/{sandbox['id']}/workload/files",
         params={"path": "/tmp/cp/sized.bin"},
@@ -124,7 +124,7 @@ def test_cp_round_trips_a_binary_file(sandbox: dict[str, Any], tmp_path: Path) -
 def test_the_proxy_refuses_a_missing_or_wrong_token(sandbox: dict[str, Any]) -> None:
     r = cli(sandbox, "exec", sandbox["id"], "--", "true", token="wrong-token-" + "x" * 30)
     assert r.returncode == 1 and b"workload.unauthenticated" in r.stdout + r.stderr
-    url = next(n["cubelet_url"] for n in sandbox["master"].client.nodes() if n["node"] == "wl-node")
+    url = next(n.cubelet_url for n in sandbox["master"].client.nodes() if n.node == "wl-node")
     base = f"{url}/v1/sandboxes/{sandbox['id']}/workload"
     assert httpx.post(f"{base}/process.Process/List", json={}).status_code == 401
     assert httpx.get(f"{base}/health").status_code == 204  # open, as envd's
@@ -132,9 +132,9 @@ def test_the_proxy_refuses_a_missing_or_wrong_token(sandbox: dict[str, Any]) -> 
 
 def test_delete_releases_the_device_after_workloads(sandbox: dict[str, Any]) -> None:
     master, cubelet = sandbox["master"], sandbox["cubelet"]
-    dev = master.client.sandbox(sandbox["id"])["device_ids"][0]
+    dev = master.client.sandbox(sandbox["id"]).device_ids[0]
     master.client.delete(sandbox["id"])
-    poll(lambda: master.client.sandbox(sandbox["id"])["state"] == "deleted", 90)
+    poll(lambda: master.client.sandbox(sandbox["id"]).state == "deleted", 90)
     poll(lambda: next(d for d in cubelet.client.devices() if d.id == dev).state == "allocatable", 60)
     r = cli(sandbox, "exec", sandbox["id"], "--", "true")
     assert r.returncode == 1

@@ -17,6 +17,7 @@ from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.cubelet_api import DeviceReply, Event, Reservation
 from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.wire.master_client import Calls
 from cubeaccel.wire.node_sig import TokenFile
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
@@ -350,7 +351,7 @@ def devices_cmd(
     """Device table: full id, address, model, NUMA, state (colored), sandbox, reason."""
     output.json_flag(as_json)
     if node is not None:
-        devs = call_master(master, lambda c: c.request("GET", f"/v1/nodes/{node}/devices"))["devices"]
+        devs = [_shown(d) for d in call_master(master, lambda c: c.call(Calls.node_devices(node))).devices]
     else:
         devs = [_shown(d) for d in _Node(state_dir, url)(lambda c: c.devices())]
     output.emit({"devices": devs}, lambda: console.print(device_table(devs)))

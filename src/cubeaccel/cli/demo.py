@@ -120,9 +120,11 @@ def run_demo(profile: str) -> int:
         request = {"gpu": "accelerator:1"} if emulated else {"gpu": "H100:1"}
         console.print(f"[bold]cubeaccel sandbox create --gpu {request['gpu']}[/bold]")
         sb = master.create(request)
-        sid = sb["id"]
-        dev = sb["device_ids"][0]
-        console.print(f"placed on node {sb['node']} with template {sb['template']['name']}: device {dev}")
+        sid = sb.id
+        dev = sb.device_ids[0]
+        console.print(
+            f"placed on node {sb.node} with template {sb.template.name if sb.template else '-'}: device {dev}"
+        )
 
         def ready() -> bool:
             kinds = [e.event or e.kind for e in _events(cubelet, sid)]
@@ -130,8 +132,8 @@ def run_demo(profile: str) -> int:
 
         wait_for(ready, "the sandbox to run with its device attached and validated", 180)
         console.print(_table(cubelet.devices(), title=f"sandbox {sid} running"))
-        if emulated and sb.get("access_token"):
-            show_device_in_guest(info["cubelet_url"], sid, sb["access_token"])
+        if emulated and sb.access_token:
+            show_device_in_guest(info["cubelet_url"], sid, sb.access_token)
         console.print(f"[bold]cubeaccel sandbox delete {sid}[/bold]")
         master.delete(sid)
         # Its own device: `up` keeps a warm sandbox, whose device stays attached (docs/warm.md).

@@ -16,6 +16,7 @@ from cubeaccel.cli.master_access import (
     write_secret,
 )
 from cubeaccel.cli.render import console
+from cubeaccel.wire.master_client import Calls
 
 tenant_app = typer.Typer(no_args_is_help=True, help="Tenants (admin key): each gets an API key, shown once.")
 key_app = typer.Typer(
@@ -49,19 +50,19 @@ def tenant_create(
         "max_lifetime_s": max_lifetime,
         "default_lifetime_s": default_lifetime,
     }
-    r = call_master(url, lambda c: c.request("POST", "/v1/tenants", {"name": name, "quota": quota}))
-    print(json.dumps(r, indent=2))
+    r = call_master(url, lambda c: c.call(Calls.create_tenant(name, quota)))
+    print(json.dumps(r.model_dump(mode="json"), indent=2))
 
 
 @tenant_app.command("list")
 def tenant_list(url: MasterUrl = None) -> None:
-    output.emit(call_master(url, lambda c: c.request("GET", "/v1/tenants"))["tenants"])
+    output.emit(call_master(url, lambda c: c.call(Calls.tenants())).tenants)
 
 
 @tenant_app.command("revoke")
 def tenant_revoke(name: str, url: MasterUrl = None) -> None:
     """Revoke a tenant and every key it has."""
-    print(json.dumps(call_master(url, lambda c: c.request("DELETE", f"/v1/tenants/{name}"))))
+    print(json.dumps(call_master(url, lambda c: c.call(Calls.revoke_tenant(name))).model_dump(mode="json")))
 
 
 @key_app.command("create")
@@ -75,8 +76,8 @@ def key_create(
 ) -> None:
     """A new key, shown once. Without --tenant/--admin: another key for the calling key's own tenant (or
     admin role), both working until the old one is revoked."""
-    path = f"/v1/tenants/{tenant}/keys" if tenant else "/v1/admin-keys" if admin else "/v1/keys"
-    r = call_master(url, lambda c: c.request("POST", path))
+    created = call_master(url, lambda c: c.call(Calls.create_key(tenant, admin)))
+    r = created.model_dump(mode="json")
     if out is not None:
         write_secret(out, r.pop("key"))
         r["written_to"] = str(out)
@@ -86,13 +87,13 @@ def key_create(
 @key_app.command("list")
 def key_list(url: MasterUrl = None) -> None:
     """Live keys (ids only): a tenant's own, or (admin) every key."""
-    output.emit(call_master(url, lambda c: c.request("GET", "/v1/keys"))["keys"])
+    output.emit(call_master(url, lambda c: c.call(Calls.keys())).keys)
 
 
 @key_app.command("revoke")
 def key_revoke(key_id: str, url: MasterUrl = None) -> None:
     """Revoke a key by id (a tenant: only its own)."""
-    print(json.dumps(call_master(url, lambda c: c.request("DELETE", f"/v1/keys/{key_id}"))))
+    print(json.dumps(call_master(url, lambda c: c.call(Calls.revoke_key(key_id))).model_dump(mode="json")))
 
 
 @node_cred_app.command("enrol")
@@ -102,14 +103,14 @@ def node_enrol(
     url: MasterUrl = None,
 ) -> None:
     """A token for `node` (any earlier one stops working), written 0600, never printed."""
-    r = call_master(url, lambda c: c.request("POST", f"/v1/nodes/{node}/credential"))
-    write_secret(out, r["token"])
+    r = call_master(url, lambda c: c.call(Calls.enrol(node)))
+    write_secret(out, r.token)
     print(f"node {node}: token written to {out}")
 
 
 @node_cred_app.command("revoke")
 def node_revoke(node: str, url: MasterUrl = None) -> None:
-    print(json.dumps(call_master(url, lambda c: c.request("DELETE", f"/v1/nodes/{node}/credential"))))
+    print(json.dumps(call_master(url, lambda c: c.call(Calls.revoke_node(node))).model_dump(mode="json")))
 
 
 def audit_cmd(
@@ -147,8 +148,8 @@ def audit_cmd(
         seals: list[dict[str, Any]] = []
         if master_seal:
             lid = log_id(path) or ""
-            held = call_master(url, lambda c: c.request("GET", "/v1/audit/seals"))["seals"]
-            seals = [s for s in held if lid.startswith(s["log"])]
+            held = call_master(url, lambda c: c.call(Calls.seals())).seals
+            seals = [s.model_dump() for s in held if lid.startswith(s.log)]
             if not seals:
                 print("CubeMaster holds no seal for this log")
                 raise typer.Exit(1)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn, TypeVar
 
 import typer
 
@@ -55,10 +56,11 @@ def fail(e: CubeError, exit_code: int = 1) -> NoReturn:
     output.fail(e, exit_code)
 
 
+T = TypeVar("T")
 MASTER_FIX = "is it running? start one with `cubeaccel up`, or pass --master URL / set $CUBEACCEL_MASTER"
 
 
-def call_master(url: str | None, fn: Any) -> Any:
+def call_master(url: str | None, fn: Callable[[MasterClient], T]) -> T:
     client = MasterClient(master_url(url), key=api_key())
     try:
         with output.reaching("CubeMaster", client.url, MASTER_FIX):

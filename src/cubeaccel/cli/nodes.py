@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -14,6 +14,7 @@ from cubeaccel.cli.master_access import (
     call_master,
 )
 from cubeaccel.cli.render import console
+from cubeaccel.wire.master_api import NodeSummary, WarmPoolShown
 
 
 def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
@@ -23,32 +24,30 @@ def nodes_cmd(url: MasterUrl = None, as_json: AsJson = False) -> None:
     output.emit({"nodes": nodes}, lambda: console.print(_nodes_table(nodes)))
 
 
-def _nodes_table(nodes: list[dict[str, Any]]) -> Table:
+def _nodes_table(nodes: list[NodeSummary]) -> Table:
     t = Table(title="nodes")
     for col in ("node", "state", "heartbeat", "backends", "free/total", "devices", "warm"):
         t.add_column(col)
     for n in nodes:
-        groups = ", ".join(
-            f"{g['labels'].get('model', g['class'])} {g['allocatable']}/{g['total']}" for g in n["groups"]
-        )
+        groups = ", ".join(f"{g.labels.get('model', g.accel_class)} {g.allocatable}/{g.total}" for g in n.groups)
         t.add_row(
-            n["node"],
-            output.state(n["state"]),
-            f"{n['last_heartbeat_age_s']:.1f}s ago",
-            ",".join(n["backends"]),
-            f"{n['allocatable']}/{n['total']}",
+            n.node,
+            output.state(n.state),
+            f"{n.last_heartbeat_age_s:.1f}s ago",
+            ",".join(n.backends),
+            f"{n.allocatable}/{n.total}",
             groups,
-            _warm_cell(n.get("warm_pools") or []),
+            _warm_cell(n.warm_pools),
         )
     return t
 
 
-def _warm_cell(pools: list[dict[str, Any]]) -> str:
+def _warm_cell(pools: list[WarmPoolShown]) -> str:
     """Per pool: warm/size, and how many are starting (refill)."""
     cells = []
     for p in pools:
-        starting = f" +{p['starting']} starting" if p["starting"] else ""
-        cells.append(f"{p['template'] or p['key']} {p['warm']}/{p['size']} warm{starting}")
+        starting = f" +{p.starting} starting" if p.starting else ""
+        cells.append(f"{p.template or p.key} {p.warm}/{p.size} warm{starting}")
     return ", ".join(cells) or "-"
 
 
@@ -64,7 +63,10 @@ def node_list(url: MasterUrl = None, as_json: AsJson = False) -> None:
 def _node_verb(verb: str, node: str, who: str | None, reason: str, url: str | None) -> None:
     r = call_master(url, lambda c: c.node_verb(node, verb, who or "operator", reason))
     # `who` in the reply is the authenticated identity CubeMaster recorded, not what was claimed.
-    output.emit(r, lambda: console.print(f"node {node}: {r.get('state', verb)} (by {r.get('who', who)}: {reason})"))
+    said = r.model_dump()  # drain/undrain add `state` and `who`; reconcile its own fields
+    output.emit(
+        r, lambda: console.print(f"node {node}: {said.get('state', verb)} (by {said.get('who', who)}: {reason})")
+    )
 
 
 @node_app.command("drain")

@@ -15,37 +15,42 @@ from typing import Any, NoReturn
 
 import httpx
 import typer
+from pydantic_core import to_jsonable_python
 from rich.console import Console
 from rich.text import Text
 
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.sandbox_states import NodeState, SandboxState
+from cubeaccel.model.states import DeviceState
 
 FORMATS = ("table", "json", "yaml")
 _format = {"value": "table"}
 
-# States by what an operator should notice: handed-out-able green, busy cyan, out of service red.
-STATE_STYLES = {
-    "allocatable": "green",
-    "ready": "green",
-    "running": "green",
-    "initialized": "blue",
-    "reserved": "cyan",
-    "preparing": "cyan",
-    "attached": "cyan",
-    "scheduling": "cyan",
-    "placing": "cyan",
-    "starting": "cyan",
-    "releasing": "yellow",
-    "released": "yellow",
-    "draining": "yellow",
-    "deleting": "yellow",
-    "stale": "yellow",
-    "quarantined": "bold white on red",
-    "unhealthy": "bold red",
-    "failed": "bold red",
-    "lost": "bold red",
-    "disabled": "dim",
-    "deleted": "dim",
+# States by what an operator should notice: handed-out-able green, busy cyan, out of service red. Keyed by the
+# machines' own states (device, sandbox, node), so a renamed state cannot silently lose its colour.
+D, SS, N = DeviceState, SandboxState, NodeState
+STATE_STYLES: dict[str, str] = {
+    D.ALLOCATABLE: "green",
+    N.READY: "green",
+    SS.RUNNING: "green",
+    D.INITIALIZED: "blue",
+    D.RESERVED: "cyan",
+    D.PREPARING: "cyan",
+    D.ATTACHED: "cyan",
+    SS.SCHEDULING: "cyan",
+    SS.PLACING: "cyan",
+    SS.STARTING: "cyan",
+    D.RELEASING: "yellow",
+    D.RELEASED: "yellow",
+    N.DRAINING: "yellow",
+    SS.DELETING: "yellow",
+    "stale": "yellow",  # a node's, derived (never stored)
+    D.QUARANTINED: "bold white on red",
+    D.UNHEALTHY: "bold red",
+    SS.FAILED: "bold red",
+    SS.LOST: "bold red",
+    D.DISABLED: "dim",
+    SS.DELETED: "dim",
 }
 
 
@@ -84,12 +89,13 @@ def state(value: str | None) -> Text:
 def emit(data: Any, render: Callable[[], None] | None = None) -> None:
     """The result: JSON/YAML of `data` under -o json|yaml, else `render()` (default: pretty JSON)."""
     fmt = _format["value"]
+    data = to_jsonable_python(data, by_alias=True, fallback=str)  # wire models as their JSON
     if fmt == "json" or (fmt == "table" and render is None):
         print(json.dumps(data, indent=2, default=str))
     elif fmt == "yaml":
         import yaml
 
-        print(yaml.safe_dump(json.loads(json.dumps(data, default=str)), sort_keys=False), end="")
+        print(yaml.safe_dump(data, sort_keys=False), end="")
     else:
         assert render is not None
         render()

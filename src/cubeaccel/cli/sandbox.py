@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,6 +21,8 @@ from cubeaccel.cli.master_access import (
 )
 from cubeaccel.cli.render import console
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.wire.master_api import Sandbox, SandboxError, SandboxReply, StartPhase, WarmSandbox
 from cubeaccel.wire.master_client import MasterClient
 
 sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes through CubeMaster.")
@@ -28,20 +31,20 @@ sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes through CubeMast
 NODE_PHASES_GRACE_S = 2.0
 
 
-def _node_phases(client: MasterClient, sid: str) -> list[dict[str, Any]]:
+def _node_phases(client: MasterClient, sid: str) -> list[StartPhase]:
     try:
-        return list(client.sandbox_events(sid)["phases"])
+        return client.sandbox_events(sid).phases
     except CubeError:
         return []  # the node's phases are a nicety; CubeMaster's state decides
 
 
-def _wait_running(url: str | None, s: dict[str, Any], quiet: bool, timeout_s: float) -> dict[str, Any]:
+def _wait_running(url: str | None, s: SandboxReply, quiet: bool, timeout_s: float) -> SandboxReply:
     """Poll CubeMaster until running or failed, printing each phase once as it appears: CubeMaster's own
     (its timeline) and the node's (VM up … guest validated, `GET /v1/sandboxes/{id}/events`: CubeMaster
     fetches them with the node token; the CLI has none)."""
     import time
 
-    sid, t0 = str(s["id"]), time.time()
+    sid, t0 = s.id, time.time()
     deadline = time.monotonic() + timeout_s
     shown: set[tuple[str, float]] = set()
 
@@ -55,34 +58,48 @@ def _wait_running(url: str | None, s: dict[str, Any], quiet: bool, timeout_s: fl
     node_grace: float | None = None  # a node's journal may trail CubeMaster's state by a moment
     while True:
         s = call_master(url, lambda c: c.sandbox(sid))
-        phases = [(float(e["at"]), str(e["phase"])) for e in s.get("timeline", [])]
+        phases = [(e.at, e.phase) for e in s.timeline]
         node_phases: list[tuple[float, str]] = []
-        if s.get("node"):
-            node_phases = [(float(p["at"]), str(p["phase"])) for p in call_master(url, lambda c: _node_phases(c, sid))]
+        if s.node:
+            node_phases = [(p.at, p.phase) for p in call_master(url, lambda c: _node_phases(c, sid))]
         show(phases + node_phases)
-        done = s.get("state") in ("running", "failed", "deleted")
-        if done and s.get("node") and not node_phases:
+        done = s.state in (SandboxState.RUNNING, SandboxState.FAILED, SandboxState.DELETED)
+        if done and s.node and not node_phases:
             node_grace = node_grace or time.monotonic() + NODE_PHASES_GRACE_S
             done = time.monotonic() > node_grace
         if done or time.monotonic() > deadline:
-            if s.get("state") == "failed" and not quiet:
-                err = s.get("error") or {}
-                console.print(f"[red]failed[/red] {err.get('code')} (layer {err.get('layer')}): {err.get('message')}")
+            if s.state == SandboxState.FAILED and not quiet:
+                err = s.error or SandboxError()
+                console.print(f"[red]failed[/red] {err.code} (layer {err.layer}): {err.message}")
             return s
         time.sleep(0.2)
 
 
-def _sandbox_table(rows: list[dict[str, Any]]) -> Table:
+def _sandbox_table(rows: Sequence[Sandbox | WarmSandbox]) -> Table:
     t = Table(title="sandboxes")
     t.add_column("id", no_wrap=True)
     for col in ("state", "node", "template", "devices", "error"):
         t.add_column(col, overflow="fold")
     for s in rows:
-        tpl = s["template"] or {}
-        tpl = "@".join(x for x in (tpl.get("name"), tpl.get("version")) if x) or "-"
-        err = (s["error"] or {}).get("code", "")
-        t.add_row(s["id"], output.state(s["state"]), s["node"] or "-", tpl, ", ".join(s["device_ids"]) or "-", err)
+        t.add_row(
+            s.id,
+            output.state(s.state),
+            s.node or "-",
+            _template_cell(s),
+            ", ".join(s.device_ids) or "-",
+            _error_cell(s),
+        )
     return t
+
+
+def _template_cell(s: Sandbox | WarmSandbox) -> str:
+    if s.template is None:
+        return "-"
+    return "@".join(x for x in (s.template.name, s.template.version) if x) or "-"
+
+
+def _error_cell(s: Sandbox | WarmSandbox) -> str:
+    return (s.error.code if s.error is not None else None) or ""
 
 
 @sandbox_app.command("create")
@@ -118,18 +135,17 @@ def sandbox_create(
     for k, v in (("template", template), ("id", sandbox_id), ("memory_mib", memory_mib), ("timeout_s", timeout)):
         if v is not None:
             body[k] = v
-    s = call_master(url, lambda c: c.create(body))
-    token = s.get("access_token")
+    s: SandboxReply = call_master(url, lambda c: c.create(body))
+    token = s.access_token
     if wait:  # even when already running: the phases it went through are shown
-        s = _wait_running(url, s, quiet=as_json, timeout_s=wait_timeout)
-        s["access_token"] = token
+        s = _wait_running(url, s, quiet=as_json, timeout_s=wait_timeout).model_copy(update={"access_token": token})
     if as_json:
-        print(json.dumps(s, indent=2))
+        print(json.dumps(s.model_dump(mode="json", by_alias=True), indent=2))
     else:
         console.print(_sandbox_table([s]))
-        if s.get("access_token"):  # shown once: only its hash is kept
-            console.print(f"access token (for exec/cp; shown once): {s['access_token']}")
-    if s.get("state") == "failed":
+        if s.access_token:  # shown once: only its hash is kept
+            console.print(f"access token (for exec/cp; shown once): {s.access_token}")
+    if s.state == SandboxState.FAILED:
         raise typer.Exit(1)
 
 
@@ -154,13 +170,13 @@ def sandbox_timeout(
     sandbox_id: str, seconds: Annotated[float, typer.Argument(help="from now")], url: MasterUrl = None
 ) -> None:
     """Extend (or shorten) a sandbox's lifetime; at expiry it is deleted through the release path."""
-    s = call_master(url, lambda c: c.set_timeout(sandbox_id, seconds))
-    console.print(f"{sandbox_id} expires at {s['expires_at']:.0f} (in {seconds:.0f} s)")
+    s: SandboxReply = call_master(url, lambda c: c.set_timeout(sandbox_id, seconds))
+    console.print(f"{sandbox_id} expires at {s.expires_at or 0:.0f} (in {seconds:.0f} s)")
 
 
 @sandbox_app.command("delete")
 def sandbox_delete(sandbox_id: str, url: MasterUrl = None) -> None:
-    s = call_master(url, lambda c: c.delete(sandbox_id))
+    s: SandboxReply = call_master(url, lambda c: c.delete(sandbox_id))
     output.emit(s, lambda: console.print(_sandbox_table([s])))
 
 

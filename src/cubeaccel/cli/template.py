@@ -204,9 +204,10 @@ def list_cmd(url: str | None = MasterOpt, as_json: bool = AsJson) -> None:
     """Templates registered with CubeMaster: name, version, class, digest, and which is each class's default."""
     from cubeaccel.cli import output
     from cubeaccel.cli.master_access import call_master
+    from cubeaccel.wire.master_client import Calls
 
     output.json_flag(as_json)
-    body = call_master(url, lambda c: c.request("GET", "/v1/templates"))
+    body = call_master(url, lambda c: c.call(Calls.templates()))
 
     def table() -> None:
         t = Table(title="templates")
@@ -215,11 +216,11 @@ def list_cmd(url: str | None = MasterOpt, as_json: bool = AsJson) -> None:
         t.add_column("class")
         t.add_column("default")
         t.add_column("digest", overflow="fold")
-        for r in body["templates"]:
-            t.add_row(r["name"], r["version"], r["class"], "yes" if r["default"] else "", r["digest"])
+        for r in body.templates:
+            t.add_row(r.name, r.version, r.accel_class, "yes" if r.default else "", r.digest)
         _console().print(t)
 
-    output.emit({"templates": body["templates"], "defaults": body["defaults"]}, table)
+    output.emit({"templates": body.templates, "defaults": body.defaults}, table)
 
 
 @app.command("delete")
@@ -229,9 +230,10 @@ def delete_cmd(
     """Delete a registered template (sandboxes already created keep their frozen contract)."""
     from cubeaccel.cli import output
     from cubeaccel.cli.master_access import call_master
+    from cubeaccel.wire.master_client import Calls
 
-    r = call_master(url, lambda c: c.request("DELETE", f"/v1/templates/{ref}"))
-    output.emit(r, lambda: _console().print(f"deleted {r['deleted']} version(s) of {escape(r['template'])}"))
+    r = call_master(url, lambda c: c.call(Calls.delete_template(ref)))
+    output.emit(r, lambda: _console().print(f"deleted {r.deleted} version(s) of {escape(r.template)}"))
 
 
 # ---- pin: the real digests of this host's image, written into the file ---------------------------------------

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
@@ -31,13 +30,15 @@ from cubeaccel.frontdoor.metrics import devices_of, e2b_metrics, window
 from cubeaccel.frontdoor.unread_body import close_when_body_unread
 from cubeaccel.model.error_catalog import http_status
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.sandbox_states import ENDED_STATES, SandboxState
 from cubeaccel.wire import json_guard
 from cubeaccel.wire.api_edges import EdgeGuard
 from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
 from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
+from cubeaccel.wire.master_api import SandboxReply
+from cubeaccel.wire.master_client import Calls
 
-GONE = {"deleting", "deleted"}
-NOT_LIVE = {"deleting", "deleted", "failed", "lost"}
+GONE = (SandboxState.DELETING, SandboxState.DELETED)  # E2B's kill answers 404 for these
 # The design excludes these for a sandbox holding a device (ARCHITECTURE.md: no snapshot of VFIO state).
 REFUSED = {
     "pause": "pause",
@@ -126,20 +127,16 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
     def token(sandbox_id: str) -> str:
         return M.envd_token(cfg.secret, sandbox_id)
 
-    async def sandbox(key: str, sandbox_id: str, wait_s: float = 0.0) -> dict[str, Any]:
+    async def sandbox(key: str, sandbox_id: str, wait_s: float = 0.0) -> SandboxReply:
         """`wait_s`: CubeMaster holds the reply until the sandbox settles (running, failed, gone), where it has
         `?wait=`; where it has not, the parameter is ignored and the caller polls."""
-        params = {"wait": f"{wait_s:.1f}"} if wait_s > 0 else None
-        row: dict[str, Any] = await master.call(
-            "GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}", key, params=params
-        )
-        return row
+        return await master.call(Calls.sandbox(sandbox_id, round(wait_s, 1) if wait_s > 0 else None), key)
 
-    async def live(key: str, sandbox_id: str) -> dict[str, Any]:
+    async def live(key: str, sandbox_id: str) -> SandboxReply:
         """The caller's running sandbox, else 404 (gone, failed, or another tenant's: CubeMaster says 404)."""
         row = await sandbox(key, sandbox_id)
-        if row["state"] != M.LIVE:
-            raise Refusal(404, f"sandbox {sandbox_id} not found (it is {row['state']})")
+        if row.state != M.LIVE:
+            raise Refusal(404, f"sandbox {sandbox_id} not found (it is {row.state})")
         return row
 
     async def create(request: Request) -> Response:
@@ -147,15 +144,12 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         req: NewSandbox = await body_of(request, NewSandbox)
         sid = f"{await master.id_prefix(key)}{uuid.uuid4().hex[:16]}"  # in the tenant's own id namespace
         body = M.create_body(req, sid, token(sid))
-        asked_s = float(body["timeout_s"])
+        asked_s = body.timeout_s or float(M.DEFAULT_TIMEOUT_S)  # create_body always sets it
         lease_s = min(asked_s, cfg.create_lease_s)
-        body["timeout_s"] = lease_s  # the client's lifetime is set only once its reply is ready
-        headers = {}
-        if request.headers.get("idempotency-key"):
-            headers["Idempotency-Key"] = request.headers["idempotency-key"]
+        body = body.model_copy(update={"timeout_s": lease_s})  # the client's lifetime: once its reply is ready
         t0 = time.monotonic()
-        row: dict[str, Any] = await master.call("POST", "/v1/sandboxes", key, body, headers)
-        sid = str(row["id"])  # an idempotent repeat answers the first create's sandbox (its token: derived too)
+        row = await master.call(Calls.create(body, request.headers.get("idempotency-key")), key)
+        sid = row.id  # an idempotent repeat answers the first create's sandbox (its token: derived too)
         row = await wait_running(key, sid, row, lease_s)
         if asked_s > lease_s:
             row = await set_lifetime(key, sid, max(1.0, asked_s - (time.monotonic() - t0)))  # from the create
@@ -163,40 +157,33 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
             M.created(row, token(sid), cfg.domain, M.traffic_token(cfg.secret, sid)).body(), status_code=201
         )
 
-    async def set_lifetime(key: str, sid: str, timeout_s: float) -> dict[str, Any]:
+    async def set_lifetime(key: str, sid: str, timeout_s: float) -> SandboxReply:
         """The lifetime the client asked for; refused (a tenant's cap), the sandbox is deleted: nobody has it."""
         try:
-            row: dict[str, Any] = await master.call(
-                "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": timeout_s}
-            )
+            return await master.call(Calls.set_timeout(sid, timeout_s), key)
         except Refusal:
             with contextlib.suppress(Refusal):
-                await master.call("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", key)
+                await master.call(Calls.delete(sid), key)
             raise
-        return row
 
-    async def wait_running(key: str, sid: str, row: dict[str, Any], lease_s: float) -> dict[str, Any]:
+    async def wait_running(key: str, sid: str, row: SandboxReply, lease_s: float) -> SandboxReply:
         """Until the guest is validated: E2B's create returns a sandbox ready for commands. The create's lease
         is renewed every third of it meanwhile (a start may take longer than the lease)."""
         deadline = time.monotonic() + cfg.create_wait_s
         renewed = time.monotonic()
         pause = 0.05
-        while row["state"] != M.LIVE:
+        while row.state != M.LIVE:
             if time.monotonic() - renewed > lease_s / 3:
                 renewed = time.monotonic()
                 with contextlib.suppress(Refusal):  # not live any more: the next read says how it ended
-                    await master.call(
-                        "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": lease_s}
-                    )
-            if row["state"] in NOT_LIVE:
-                err = row.get("error") or {}
-                err = err.get("error", err) if isinstance(err, dict) else {}
-                if isinstance(err, dict) and err.get("code"):
-                    raise M.refusal_from_error(err, 500)
-                raise Refusal(500, f"cubeaccel (api): sandbox {sid} ended while starting ({row['state']})")
+                    await master.call(Calls.set_timeout(sid, lease_s), key)
+            if row.state in ENDED_STATES:
+                if row.error is not None and row.error.code:
+                    raise M.refusal_from_error(row.error.model_dump(), 500)
+                raise Refusal(500, f"cubeaccel (api): sandbox {sid} ended while starting ({row.state})")
             if time.monotonic() > deadline:
                 with contextlib.suppress(Refusal):
-                    await master.call("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", key)
+                    await master.call(Calls.delete(sid), key)
                 raise Refusal(
                     504, f"cubeaccel (api): sandbox {sid} was not running after {cfg.create_wait_s:g}s; deleted"
                 )
@@ -212,10 +199,8 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         sid = request.path_params["sandbox_id"]
         req: ConnectBody = await body_of(request, ConnectBody, required=False)
         row = await live(key, sid)
-        if req.timeout is not None and time.time() + req.timeout > float(row.get("expires_at") or 0):
-            row = await master.call(
-                "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": float(req.timeout)}
-            )
+        if req.timeout is not None and time.time() + req.timeout > (row.expires_at or 0.0):
+            row = await master.call(Calls.set_timeout(sid, float(req.timeout)), key)
         return JSONResponse(
             M.created(row, token(sid), cfg.domain, M.traffic_token(cfg.secret, sid)).body(), status_code=200
         )
@@ -237,8 +222,8 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
             raise Refusal(400, "cubeaccel (api): limit must be an integer") from e
         newest_first = M.parse_order(q.get("order"))
         after = M.parse_started_after(q.get("startedAfter"))
-        reply = await master.call("GET", "/v1/sandboxes", key, params={"state": M.LIVE})
-        rows = M.select(reply["sandboxes"], meta, states, after, newest_first)
+        reply = await master.call(Calls.sandboxes(M.LIVE), key)
+        rows = M.select(reply.sandboxes, meta, states, after, newest_first)
         if q.get("template"):
             rows = [r for r in rows if M.template_name(r) == q["template"]]
         chunk, nxt = M.page(rows, limit, q.get("nextToken"), newest_first)
@@ -256,18 +241,17 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
             raise Refusal(400, "cubeaccel (api): start and end are Unix seconds") from None
         row = await live(key, sid)
         guest = await envd.guest_metrics(sid)
-        node = str(row.get("node") or "")
-        listed = await master.admin("GET", f"/v1/nodes/{quote(node, safe='')}/devices")
-        devices = devices_of(row, list(listed.get("devices") or []), guest.devices)
+        listed = await master.admin(Calls.node_devices(row.node or ""))
+        devices = devices_of(row.device_ids, listed.devices, guest.devices)
         return JSONResponse(e2b_metrics(guest, start, end, devices))
 
     async def kill(request: Request) -> Response:
         key = api_key(request)
         sid = request.path_params["sandbox_id"]
         row = await sandbox(key, sid)
-        if row["state"] in GONE:
-            raise Refusal(404, f"sandbox {sid} not found (it is {row['state']})")
-        await master.call("DELETE", f"/v1/sandboxes/{quote(sid, safe='')}", key)
+        if row.state in GONE:
+            raise Refusal(404, f"sandbox {sid} not found (it is {row.state})")
+        await master.call(Calls.delete(sid), key)
         return Response(status_code=204)
 
     async def set_timeout(request: Request) -> Response:
@@ -275,9 +259,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         sid = request.path_params["sandbox_id"]
         req: TimeoutBody = await body_of(request, TimeoutBody)
         await live(key, sid)
-        await master.call(
-            "POST", f"/v1/sandboxes/{quote(sid, safe='')}/timeout", key, {"timeout_s": max(1.0, req.timeout)}
-        )
+        await master.call(Calls.set_timeout(sid, max(1.0, req.timeout)), key)
         return Response(status_code=204)
 
     async def refused(request: Request) -> Response:

@@ -37,15 +37,16 @@ from cubeaccel.frontdoor.master import FrontDoorMaster
 from cubeaccel.model import connect_envelope
 from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.model.ids import SANDBOX_ID_RE
+from cubeaccel.model.sandbox_states import ENDED_STATES
 from cubeaccel.wire import proxy
 from cubeaccel.wire.e2b_api import GuestMetrics
+from cubeaccel.wire.master_client import Calls
 
 START_PATH = "/process.Process/Start"
 MAX_START_MESSAGE = 1 << 20  # the guest's own bound for a stream request message
 ROUTE_TTL_S = 5.0  # how long a sandbox → node answer is reused (a gone sandbox is re-checked at once)
 NODE_TTL_S = 30.0
 RUNNING_REFRESH_S = 1.0  # a signed URL that names no sandbox re-reads the running list at most this often
-GONE_STATES = {"deleting", "deleted", "failed", "lost"}
 TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"  # E2B's header for a sandbox's other ports
 PORT_INVALID = "port.invalid"
 PORT_TOKEN_REQUIRED = "port.token_required"
@@ -152,8 +153,8 @@ class EnvdProxy:
                     if self._running[0] == stamp:
                         return None  # read within the interval: nothing newer to try
                     continue  # another request re-read it while this one waited: try the new list
-                listed = await self.master.admin("GET", "/v1/sandboxes?state=running")
-                self._running = (time.monotonic(), [str(r["id"]) for r in listed.get("sandboxes", [])])
+                listed = await self.master.admin(Calls.sandboxes(LIVE))
+                self._running = (time.monotonic(), [r.id for r in listed.sandboxes])
         return None
 
     async def route(self, sandbox_id: str, fresh: bool = False) -> Route | None:
@@ -163,25 +164,25 @@ class EnvdProxy:
         if hit is not None and hit[0] > now and not fresh:
             return hit[1]
         try:
-            row = await self.master.admin("GET", f"/v1/sandboxes/{quote(sandbox_id, safe='')}")
+            row = await self.master.admin(Calls.sandbox(sandbox_id))
         except Refusal as e:
             if e.status == 404:
                 self._routes.pop(sandbox_id, None)
                 return None
             raise
-        if row["state"] in GONE_STATES or not row.get("node"):
+        if row.state in ENDED_STATES or not row.node:
             self._routes.pop(sandbox_id, None)
             return None
-        if row["state"] != LIVE:
-            raise Refusal(503, f"sandbox {sandbox_id} is {row['state']}, not running yet", retry=True)
-        node = str(row["node"])
+        if row.state != LIVE:
+            raise Refusal(503, f"sandbox {sandbox_id} is {row.state}, not running yet", retry=True)
+        node = row.node
         cached = self._nodes.get(node)
         if cached is not None and cached[0] > now and not fresh:
             url = cached[1]
         else:
-            url = str((await self.master.admin("GET", f"/v1/nodes/{quote(node, safe='')}"))["cubelet_url"])
+            url = (await self.master.admin(Calls.node(node))).cubelet_url
             self._nodes[node] = (now + NODE_TTL_S, url)
-        route = Route(url.rstrip("/"), dict((row.get("request") or {}).get("env_vars") or {}))
+        route = Route(url.rstrip("/"), dict(row.request.env_vars) if row.request is not None else {})
         self._routes[sandbox_id] = (now + ROUTE_TTL_S, route)
         return route
 

@@ -9,17 +9,20 @@ import hmac
 import ipaddress
 import json
 import urllib.parse
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+from cubeaccel.model.sandbox_states import SandboxState
 from cubeaccel.wire.e2b_api import ListedSandbox, NewSandbox, SandboxCreated, SandboxDetail
+from cubeaccel.wire.master_api import Sandbox, SandboxBody, WarmSandbox
 
 # What the guest's cube-workload implements (docs/workload.md); a test holds it equal to the guest's own constant.
 ENVD_VERSION = "0.6.4"
 ENVD_PORT = 49983
 ACCELERATORS_KEY = "cubeaccel.accelerators"  # metadata key: overrides the template's default accelerator request
 CLIENT_ID = "cubeaccel"
-LIVE = "running"  # the only CubeMaster state E2B calls a sandbox (E2B's other one, paused, we never have)
+LIVE = SandboxState.RUNNING  # the only CubeMaster state E2B calls a sandbox (E2B's other one, paused, we never have)
 TOKEN_CONTEXT = b"cubeaccel-envd-token/v1:"
 TRAFFIC_TOKEN_CONTEXT = b"cubeaccel-traffic-token/v1:"
 DEFAULT_TIMEOUT_S = 300  # E2B's lifetime for a create that names none (not CubeMaster's own default)
@@ -50,11 +53,12 @@ def envd_token(secret: bytes, sandbox_id: str) -> str:
     return base64.urlsafe_b64encode(mac).decode().rstrip("=")
 
 
-def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
+def create_body(req: NewSandbox, sandbox_id: str, token: str) -> SandboxBody:
     """CubeMaster's create body for an E2B create. `templateID` is a registered template by name (or
     `name@version`), passed as it is: a GPU one, or `base`, the CPU-only one the SDK asks for by default. The
     metadata key `cubeaccel.accelerators` (shorthand `H100:2`, or a JSON list of alternatives) overrides the
-    template's default request (a CPU-only template refuses it: `request.class_mismatch`)."""
+    template's default request (a CPU-only template refuses it: `request.class_mismatch`). Built unchecked:
+    CubeMaster checks it, and its refusal names the field; only the fields set here are sent."""
     unsupported = [
         name
         for name, asked in (
@@ -92,7 +96,7 @@ def create_body(req: NewSandbox, sandbox_id: str, token: str) -> dict[str, Any]:
                 raise Refusal(400, f"cubeaccel (api): metadata {ACCELERATORS_KEY} is not valid JSON: {e}") from e
         else:
             body["gpu"] = text
-    return body
+    return SandboxBody.model_construct(**body)
 
 
 # E2B `network` options cubeaccel cannot express: egress goes straight from the sandbox's namespace, filtered by
@@ -161,28 +165,27 @@ def iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
-def template_name(row: dict[str, Any]) -> str:
-    tpl = row.get("template") or {}
-    return str(tpl.get("name") or (row.get("request") or {}).get("template") or "")
+def template_name(row: Sandbox) -> str:
+    asked = row.request.template if row.request is not None else None
+    return (row.template.name if row.template is not None else None) or asked or ""
 
 
-def metadata_of(row: dict[str, Any]) -> dict[str, str]:
-    return dict((row.get("request") or {}).get("metadata") or {})
+def metadata_of(row: Sandbox) -> dict[str, str]:
+    return dict(row.request.metadata) if row.request is not None else {}
 
 
-def _listed_fields(row: dict[str, Any]) -> dict[str, Any]:
-    req = row.get("request") or {}
+def _listed_fields(row: Sandbox) -> dict[str, Any]:
     name = template_name(row)
-    end = row.get("expires_at") or row["created_at"]
+    req = row.request
     return {
         "template_id": name,
-        "sandbox_id": row["id"],
+        "sandbox_id": row.id,
         "client_id": CLIENT_ID,
         "alias": name or None,
-        "started_at": iso(float(row["created_at"])),
-        "end_at": iso(float(end)),
-        "cpu_count": int(req.get("vcpus") or 1),
-        "memory_mb": int(req.get("memory_mib") or 0),
+        "started_at": iso(row.created_at),
+        "end_at": iso(row.expires_at or row.created_at),
+        "cpu_count": (req.vcpus if req is not None else 0) or 1,
+        "memory_mb": (req.memory_mib if req is not None else 0) or 0,
         "disk_size_mb": 0,
         "state": "running",
         "envd_version": ENVD_VERSION,
@@ -190,12 +193,12 @@ def _listed_fields(row: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def created(row: dict[str, Any], token: str, domain: str | None, traffic: str | None = None) -> SandboxCreated:
+def created(row: Sandbox, token: str, domain: str | None, traffic: str | None = None) -> SandboxCreated:
     name = template_name(row)
     return SandboxCreated.model_validate(
         {
             "template_id": name,
-            "sandbox_id": row["id"],
+            "sandbox_id": row.id,
             "client_id": CLIENT_ID,
             "envd_version": ENVD_VERSION,
             "alias": name or None,
@@ -206,11 +209,11 @@ def created(row: dict[str, Any], token: str, domain: str | None, traffic: str | 
     )
 
 
-def listed(row: dict[str, Any]) -> ListedSandbox:
+def listed(row: Sandbox) -> ListedSandbox:
     return ListedSandbox.model_validate(_listed_fields(row))
 
 
-def detail(row: dict[str, Any], token: str, domain: str | None) -> SandboxDetail:
+def detail(row: Sandbox, token: str, domain: str | None) -> SandboxDetail:
     return SandboxDetail.model_validate({**_listed_fields(row), "envd_access_token": token, "domain": domain})
 
 
@@ -256,22 +259,22 @@ def parse_started_after(raw: str | None) -> float | None:
     return (when if when.tzinfo is not None else when.replace(tzinfo=UTC)).timestamp()
 
 
-def _started(row: dict[str, Any]) -> float:
+def _started(row: Sandbox) -> float:
     """The start time at the microsecond `startedAt` shows (a client passes back what it was shown)."""
-    return datetime.fromtimestamp(float(row["created_at"]), UTC).timestamp()
+    return datetime.fromtimestamp(row.created_at, UTC).timestamp()
 
 
-def _order_key(row: dict[str, Any]) -> tuple[float, str]:
-    return float(row["created_at"]), str(row["id"])
+def _order_key(row: Sandbox) -> tuple[float, str]:
+    return row.created_at, row.id
 
 
 def select(
-    rows: list[dict[str, Any]],
+    rows: Sequence[Sandbox | WarmSandbox],
     metadata: dict[str, str],
     states: set[str],
     started_after: float | None = None,
     newest_first: bool = True,
-) -> list[dict[str, Any]]:
+) -> list[Sandbox]:
     """The live sandboxes whose metadata has every asked pair and that started at or after `started_after`,
     newest first as E2B lists them (or oldest first); ties broken by id, a stable order for pages."""
     if "running" not in states:
@@ -279,21 +282,22 @@ def select(
     out = [
         r
         for r in rows
-        if r["state"] == LIVE
+        if isinstance(r, Sandbox)
+        and r.state == LIVE
         and all(metadata_of(r).get(k) == v for k, v in metadata.items())
         and (started_after is None or _started(r) >= started_after)
     ]
     return sorted(out, key=_order_key, reverse=newest_first)
 
 
-def page_token(row: dict[str, Any]) -> str:
-    raw = json.dumps([float(row["created_at"]), str(row["id"])]).encode()
+def page_token(row: Sandbox) -> str:
+    raw = json.dumps([row.created_at, row.id]).encode()
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
 def page(
-    rows: list[dict[str, Any]], limit: int, token: str | None, newest_first: bool = True
-) -> tuple[list[dict[str, Any]], str | None]:
+    rows: list[Sandbox], limit: int, token: str | None, newest_first: bool = True
+) -> tuple[list[Sandbox], str | None]:
     """One page after the row a `nextToken` names (by its position in the order, so a sandbox that ends between
     pages shifts nothing), and the token of the next page (None when this is the last)."""
     if not 1 <= limit <= 1000:

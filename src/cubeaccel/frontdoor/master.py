@@ -4,14 +4,14 @@ scopes them: another tenant's sandbox is a 404 there), envd routing uses the fro
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from cubeaccel.frontdoor.mapping import Refusal, refusal_from_master
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.http_reply import UNREADABLE_ERROR
-from cubeaccel.wire.master_client import AsyncMasterClient
+from cubeaccel.wire.master_client import AsyncMasterClient, Call, Calls, ReplyT
 
 MAX_PREFIXES = 4096
 
@@ -30,31 +30,25 @@ class FrontDoorMaster:
         of CubeMaster once per key. An admin key chooses any id: `sb-`."""
         digest = hashlib.sha256(key.encode()).hexdigest()
         if digest not in self.prefixes:
-            me = await self.call("GET", "/v1/whoami", key)
+            me = await self.call(Calls.whoami(), key)
             if len(self.prefixes) >= MAX_PREFIXES:
                 self.prefixes.pop(next(iter(self.prefixes)))
-            self.prefixes[digest] = str((me or {}).get("sandbox_id_prefix") or "sb-")
+            self.prefixes[digest] = me.sandbox_id_prefix or "sb-"
         return self.prefixes[digest]
 
     async def aclose(self) -> None:
         await self.master.aclose()
 
-    async def call(
-        self,
-        method: str,
-        path: str,
-        key: str,
-        body: dict[str, Any] | None = None,
-        headers: dict[str, str] | None = None,
-        params: dict[str, str] | None = None,
-    ) -> Any:
-        """The reply's JSON; a CubeMaster error is raised as the E2B refusal it maps to."""
+    async def call(self, c: Call[ReplyT], key: str) -> ReplyT:
+        """The reply as its model; a CubeMaster error is raised as the E2B refusal it maps to."""
         try:
-            return await self.master.request(method, path, body, params=params, headers=headers, key=key)
+            return await self.master.call(c, key=key)
         except httpx.HTTPError as e:
             raise Refusal(503, f"cubeaccel (api): CubeMaster unreachable: {type(e).__name__}", retry=True) from e
         except CubeError as e:  # an error body CubeMaster did not send is the 502 of "no error body"
             raise refusal_from_master(e.status, None if e.code == UNREADABLE_ERROR else e.to_json()) from e
+        except ValidationError as e:  # a reply that is not what CubeMaster documents
+            raise Refusal(502, f"cubeaccel (api): CubeMaster's reply to {c.method} {c.path} is malformed") from e
 
-    async def admin(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        return await self.call(method, path, self.admin_key, body)
+    async def admin(self, c: Call[ReplyT]) -> ReplyT:
+        return await self.call(c, self.admin_key)

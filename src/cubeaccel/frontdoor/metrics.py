@@ -3,9 +3,11 @@ sandbox's devices (the node's state for each, and what the guest sees of it)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
 
+from cubeaccel.wire.cubelet_api import Device
 from cubeaccel.wire.e2b_api import GuestMetrics, GuestPciDevice, MetricDevice, SandboxMetric
 
 
@@ -15,19 +17,19 @@ def window(start: str | None, end: str | None) -> tuple[int | None, int | None]:
 
 
 def devices_of(
-    row: dict[str, Any], node_devices: list[dict[str, Any]], seen: list[GuestPciDevice]
+    device_ids: Collection[str], node_devices: list[Device], seen: list[GuestPciDevice]
 ) -> list[MetricDevice]:
-    mine = set(row.get("device_ids") or [])
+    """The sandbox's devices (`device_ids`) among its node's (the Cubelet's device records)."""
+    mine = set(device_ids)
     out = []
     for d in node_devices:
-        if d.get("id") not in mine:
+        if d.id not in mine:
             continue
-        ident = d.get("identity") or {}
-        vendor, device = f"0x{ident.get('vendor_id', '')}", f"0x{ident.get('device_id', '')}"
+        vendor, device = f"0x{d.identity.vendor_id}", f"0x{d.identity.device_id}"
         guest = [g for g in seen if (g.vendor, g.device) == (vendor, device)]
         out.append(
             MetricDevice.model_validate(
-                {"id": d["id"], "state": d.get("state", ""), "class": d.get("class", ""), "guest": guest}
+                {"id": d.id, "state": str(d.state), "class": str(d.accel_class), "guest": guest}
             )
         )
     return out

@@ -30,6 +30,7 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE
 from cubeaccel.wire import node_sig
+from cubeaccel.wire.master_api import KeyRow, TenantRow
 
 ADMIN, TENANT, NODE, ANONYMOUS = "admin", "tenant", "node", "anonymous"
 DEFAULT_TENANT = "default"
@@ -235,15 +236,13 @@ class Auth:
             )
         return kid, key
 
-    def keys(self, tenant: str | None = None) -> list[dict[str, Any]]:
+    def keys(self, tenant: str | None = None) -> list[KeyRow]:
         """Live keys (ids, never digests): one tenant's, or (None) every key."""
         q = sa.select(S.api_keys).where(S.api_keys.c.revoked_at.is_(None)).order_by(S.api_keys.c.created_at)
         if tenant is not None:
             q = q.where(S.api_keys.c.tenant == tenant)
         with self.store.tx() as c:
-            return [
-                {"key_id": r.id, "role": r.role, "tenant": r.tenant, "created_at": r.created_at} for r in c.execute(q)
-            ]
+            return [KeyRow(key_id=r.id, role=r.role, tenant=r.tenant, created_at=r.created_at) for r in c.execute(q)]
 
     def revoke_key(self, kid: str, tenant: str | None = None) -> None:
         """Revoke `kid`; with `tenant`, only if it is that tenant's (another's is 404, as if it did not exist)."""
@@ -269,19 +268,19 @@ class Auth:
                 raise CubeError("tenant.exists", f"tenant {name!r} exists", "api")
             c.execute(S.tenants.insert().values(name=name, quota=quota.to_json(), created_at=time.time()))
 
-    def tenants(self) -> list[dict[str, Any]]:
+    def tenants(self) -> list[TenantRow]:
         with self.store.tx() as c:
             keys: dict[str, list[str]] = {}
             for k in c.execute(sa.select(S.api_keys).where(S.api_keys.c.revoked_at.is_(None))):
                 keys.setdefault(k.tenant or "", []).append(k.id)
             return [
-                {
-                    "name": r.name,
-                    "quota": r.quota,
-                    "created_at": r.created_at,
-                    "revoked": r.revoked_at is not None,
-                    "keys": sorted(keys.get(r.name, [])),
-                }
+                TenantRow(
+                    name=r.name,
+                    quota=r.quota,
+                    created_at=r.created_at,
+                    revoked=r.revoked_at is not None,
+                    keys=sorted(keys.get(r.name, [])),
+                )
                 for r in c.execute(sa.select(S.tenants).order_by(S.tenants.c.name))
             ]
 

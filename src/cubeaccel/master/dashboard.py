@@ -18,10 +18,11 @@ import httpx
 from pydantic import ValidationError
 
 from cubeaccel.master.node_truth import silent_nodes
-from cubeaccel.master.service import CubeMaster, sandbox_json
+from cubeaccel.master.service import CubeMaster, sandbox_record
 from cubeaccel.master.warm import warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.wire.master_api import NodeSummary, Sandbox
 
 CACHE_S = 0.25  # viewers polling together share one fan-out
 NODE_TIMEOUT_S = 2.0
@@ -53,7 +54,7 @@ class DashboardFeed:
         now = time.time()
         staleness = self.master.config.staleness_s
         views = sorted(self.master.cache.views(), key=lambda v: v.name)  # the cache (0.25 s TTL)
-        summaries = {v.name: v.summary_json(now, staleness) for v in views}
+        summaries = {v.name: v.summary(now, staleness, NodeSummary) for v in views}
         asks = {v.name: self._pool.submit(self._ask, v.cubelet_url) for v in views if not v.stale(now, staleness)}
         nodes: list[dict[str, Any]] = []
         events: list[dict[str, Any]] = []
@@ -62,13 +63,13 @@ class DashboardFeed:
             s = summaries[v.name]
             node: dict[str, Any] = {
                 "node": v.name,
-                "state": s["state"],
-                "schedulable": s["schedulable"],
-                "warm_pools": s["warm_pools"],
+                "state": s.state,
+                "schedulable": s.schedulable,
+                "warm_pools": s.model_dump(mode="json", by_alias=True, include={"warm_pools"})["warm_pools"],
             }
             future = asks.get(v.name)
             if future is None:
-                node["error"] = {"code": "node.stale", "message": f"no heartbeat for {s['last_heartbeat_age_s']} s"}
+                node["error"] = {"code": "node.stale", "message": f"no heartbeat for {s.last_heartbeat_age_s} s"}
             else:
                 try:
                     got = future.result()
@@ -85,7 +86,7 @@ class DashboardFeed:
         sandboxes = []
         silent = silent_nodes(self.master)
         for r in rows:
-            out = sandbox_json(r, silent)
+            out = sandbox_record(r, Sandbox, silent).model_dump(mode="json", by_alias=True)
             sandboxes.append({**out, "phases": phases.get(str(r["id"]), {})})
         fresh = [v for v in views if not v.stale(now, staleness)]
         sandboxes += [{**w.model_dump(mode="json", by_alias=True), "phases": {}} for w in warm_rows(fresh)]

@@ -9,13 +9,16 @@ name+version with another document is a 409. By name alone, the latest registere
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, TypeVar
 
 from cubeaccel.master.store import MasterStore, Row
 from cubeaccel.model.contract import CompatibilityContract, Template, check_template, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import validate_class
+from cubeaccel.wire import master_api as W
 from cubeaccel.wire.templates import parse_template
+
+RowT = TypeVar("RowT", bound=W.TemplateRow)
 
 
 class Registry:
@@ -23,7 +26,7 @@ class Registry:
         self.store = store
         self._frozen: dict[tuple[str, str], CompatibilityContract] = {}
 
-    def register(self, document: object, default: bool = False) -> dict[str, Any]:
+    def register(self, document: object, default: bool = False) -> W.TemplateRegistered:
         t = parse_template(document, "template")
         violations = check_template(t)
         if violations:
@@ -39,7 +42,15 @@ class Registry:
         created = self.store.put_template(t.name, t.version, t.accel_class, c.digest, t.to_json(), time.time())
         if default:
             self.set_default(t.accel_class, t.name)
-        return {**self._json(t, c.digest), "created": created, "default": default or self.is_default(t)}
+        return W.TemplateRegistered(
+            name=t.name,
+            version=t.version,
+            accel_class=t.accel_class,
+            backend=t.backend,
+            digest=c.digest,
+            created=created,
+            default=default or self.is_default(t),
+        )
 
     def set_default(self, accel_class: str, name: str) -> None:
         validate_class(accel_class)
@@ -78,34 +89,31 @@ class Registry:
             )
         return self.contract(name)
 
-    def show(self, ref: str) -> dict[str, Any]:
+    def show(self, ref: str) -> W.TemplateShown:
         name, _, version = ref.partition("@")
         row = self.store.template(name, version or None)
         if row is None:
             raise CubeError("template.not_found", f"no template {ref!r}", "template")
         versions = [r["version"] for r in self.store.templates() if r["name"] == name]
-        return {**self._row_json(row), "versions": versions, "document": row["document"]}
+        return self._row(row, W.TemplateShown, versions=versions, document=row["document"])
 
-    def list(self) -> list[dict[str, Any]]:
-        return [self._row_json(r) for r in self.store.templates()]
+    def list(self) -> list[W.TemplateRow]:
+        return [self._row(r, W.TemplateRow) for r in self.store.templates()]
 
-    def delete(self, ref: str) -> dict[str, Any]:
+    def delete(self, ref: str) -> W.TemplateDeleted:
         name, _, version = ref.partition("@")
         n = self.store.delete_template(name, version or None)
         if n == 0:
             raise CubeError("template.not_found", f"no template {ref!r}", "template")
-        return {"deleted": n, "template": ref}
+        return W.TemplateDeleted(deleted=n, template=ref)
 
-    def _row_json(self, r: Row) -> dict[str, Any]:
-        return {
-            "name": r["name"],
-            "version": r["version"],
-            "class": r["accel_class"],
-            "digest": r["digest"],
-            "default": self.store.defaults().get(r["accel_class"]) == r["name"],
-            "created_at": r["created_at"],
-        }
-
-    @staticmethod
-    def _json(t: Template, digest: str) -> dict[str, Any]:
-        return {"name": t.name, "version": t.version, "class": t.accel_class, "backend": t.backend, "digest": digest}
+    def _row(self, r: Row, model: type[RowT], **extra: Any) -> RowT:
+        return model(
+            name=r["name"],
+            version=r["version"],
+            accel_class=r["accel_class"],
+            digest=r["digest"],
+            default=self.store.defaults().get(r["accel_class"]) == r["name"],
+            created_at=r["created_at"],
+            **extra,
+        )

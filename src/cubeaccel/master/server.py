@@ -43,12 +43,13 @@ from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.node_truth import NodeTruth, silent_nodes
-from cubeaccel.master.service import SETTLED_STATES, CreateSpec, CubeMaster, sandbox_json
+from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_record
+from cubeaccel.master.store import Row
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
-from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxState
+from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, NodeState, SandboxActor, SandboxState
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire import node_sig
 from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
@@ -248,7 +249,7 @@ def create_app(
 
     app.add_middleware(AuditedRequests, hook=audit_request)
 
-    def owned(ident: Identity, sandbox_id: str) -> dict[str, Any]:
+    def owned(ident: Identity, sandbox_id: str) -> Row:
         """A tenant sees only its own sandboxes: another tenant's is 404, as if it did not exist."""
         row = master.get(sandbox_id)
         if ident.role == TENANT and row["tenant"] != ident.tenant:
@@ -258,81 +259,77 @@ def create_app(
     cfg = master.config
 
     @app.get("/v1/whoami", response_model=W.WhoAmI)
-    def whoami(request: Request) -> dict[str, Any]:
+    def whoami(request: Request) -> W.WhoAmI:
         ident: Identity = request.state.identity
         prefix = tenant_sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
-        return {
-            "role": ident.role,
-            "tenant": ident.tenant,
-            "node": ident.node,
-            "key_id": ident.key_id,
-            "sandbox_id_prefix": prefix,
-        }
+        return W.WhoAmI(
+            role=ident.role, tenant=ident.tenant, node=ident.node, key_id=ident.key_id, sandbox_id_prefix=prefix
+        )
 
     # ---- identities ---------------------------------------------------------------------------------
     @app.post("/v1/tenants", status_code=201, response_model=W.TenantCreated)
-    def create_tenant(body: W.TenantBody, request: Request) -> dict[str, Any]:
+    def create_tenant(body: W.TenantBody, request: Request) -> W.TenantCreated:
         request.state.tenant = body.name
         auth.create_tenant(body.name, Quota.from_json(body.quota.model_dump()))
         kid, key = auth.create_key(TENANT, body.name)
-        return {"name": body.name, "key_id": kid, "key": key}
+        return W.TenantCreated(name=body.name, key_id=kid, key=key)
 
     @app.get("/v1/tenants", response_model=W.TenantList)
-    def tenants() -> dict[str, Any]:
-        return {"tenants": auth.tenants()}
+    def tenants() -> W.TenantList:
+        return W.TenantList(tenants=auth.tenants())
 
     @app.delete("/v1/tenants/{tenant}", response_model=W.Revoked)
-    def revoke_tenant(tenant: str, request: Request) -> dict[str, Any]:
+    def revoke_tenant(tenant: str, request: Request) -> W.Revoked:
         request.state.tenant = tenant
         auth.revoke_tenant(tenant)
         master.end_revoked({tenant}, SandboxActor.USER)
-        return {"revoked": tenant}
+        return W.Revoked(revoked=tenant)
 
     @app.post("/v1/tenants/{tenant}/keys", status_code=201, response_model=W.KeyCreated)
-    def create_key(tenant: str, request: Request) -> dict[str, Any]:
+    def create_key(tenant: str, request: Request) -> W.KeyCreated:
         request.state.tenant = tenant
         kid, key = auth.create_key(TENANT, tenant)
-        return {"key_id": kid, "key": key, "tenant": tenant}
+        return W.KeyCreated(key_id=kid, key=key, tenant=tenant)
 
     @app.post("/v1/admin-keys", status_code=201, response_model=W.KeyCreated)
-    def create_admin_key() -> dict[str, Any]:
+    def create_admin_key() -> W.KeyCreated:
         kid, key = auth.create_key(ADMIN)
-        return {"key_id": kid, "key": key, "tenant": None}
+        return W.KeyCreated(key_id=kid, key=key, tenant=None)
 
     @app.post("/v1/keys", status_code=201, response_model=W.KeyCreated)
-    def create_own_key(request: Request) -> dict[str, Any]:
+    def create_own_key(request: Request) -> W.KeyCreated:
         """Rotation without downtime: a second key for the caller's own tenant (an admin: an admin key); both
         work until the old one is revoked."""
         ident: Identity = request.state.identity
         request.state.tenant = ident.tenant
         kid, key = auth.create_key(ident.role, ident.tenant)
-        return {"key_id": kid, "key": key, "tenant": ident.tenant}
+        return W.KeyCreated(key_id=kid, key=key, tenant=ident.tenant)
 
     @app.get("/v1/keys", response_model=W.KeyList)
-    def keys(request: Request) -> dict[str, Any]:
+    def keys(request: Request) -> W.KeyList:
         ident: Identity = request.state.identity
-        return {"keys": auth.keys(ident.tenant if ident.role == TENANT else None)}
+        return W.KeyList(keys=auth.keys(ident.tenant if ident.role == TENANT else None))
 
     @app.delete("/v1/keys/{key_id}", response_model=W.Revoked)
-    def revoke_key(key_id: str, request: Request) -> dict[str, Any]:
+    def revoke_key(key_id: str, request: Request) -> W.Revoked:
         ident: Identity = request.state.identity
         request.state.tenant = ident.tenant
         auth.revoke_key(key_id, ident.tenant if ident.role == TENANT else None)
-        return {"revoked": key_id}
+        return W.Revoked(revoked=key_id)
 
     @app.get("/v1/audit/seals", response_model=W.AuditSeals)
-    def seals() -> dict[str, Any]:
+    def seals() -> W.AuditSeals:
         """Each audit log's sealed head (`cubeaccel audit --verify --master-seal`: a cut-off tail shows)."""
-        return {"seals": audit_seals(master.store)}
+        return W.AuditSeals(seals=[W.AuditSeal.model_validate(s) for s in audit_seals(master.store)])
 
     @app.post("/v1/nodes/{node}/credential", status_code=201, response_model=W.NodeCredential)
-    def enrol(node: str) -> dict[str, Any]:
-        return {"node": node, "token": auth.enrol_node(node)}
+    def enrol(node: str) -> W.NodeCredential:
+        return W.NodeCredential(node=node, token=auth.enrol_node(node))
 
     @app.delete("/v1/nodes/{node}/credential", response_model=W.Revoked)
-    def revoke_node(node: str) -> dict[str, Any]:
+    def revoke_node(node: str) -> W.Revoked:
         auth.revoke_node(node)
-        return {"revoked": node}
+        return W.Revoked(revoked=node)
 
     @app.get("/metrics", include_in_schema=False)
     def prometheus() -> Response:
@@ -348,17 +345,17 @@ def create_app(
         return feed.snapshot()
 
     @app.get("/v1/health", response_model=W.Health)
-    def health() -> dict[str, Any]:
-        return {
-            "status": "ok",
-            "schema_version": master.store.schema_version,
-            "db": master.store.dialect,
-            "errors": maintenance.last_errors if maintenance else [],
-        }
+    def health() -> W.Health:
+        return W.Health(
+            status="ok",
+            schema_version=master.store.schema_version,
+            db=master.store.dialect,
+            errors=maintenance.last_errors if maintenance else [],
+        )
 
     # ---- nodes ------------------------------------------------------------------------------------
     @app.put("/v1/nodes/{node}", response_model=W.HeartbeatAck, openapi_extra=json_body("Heartbeat"))
-    def heartbeat(node: str, body: dict[str, Any]) -> dict[str, Any]:
+    def heartbeat(node: str, body: dict[str, Any]) -> W.HeartbeatAck:
         if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
             raise CubeError("node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api")
         state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)  # validated the body
@@ -371,35 +368,35 @@ def create_app(
             truth.heard(node, NodeNews.model_validate(body))
         except Exception:
             logging.getLogger("cubeaccel.master").exception("node truth from %s's heartbeat not applied", node)
-        return {"node": node, "state": state}
+        return W.HeartbeatAck(node=node, state=NodeState(state))
 
-    def node_views() -> list[dict[str, Any]]:
+    def node_views() -> list[W.NodeSummary]:
         now = time.time()
-        return [
-            v.summary_json(now, cfg.staleness_s) for v in sorted(master.cache.views(fresh=True), key=lambda v: v.name)
-        ]
+        views = sorted(master.cache.views(fresh=True), key=lambda v: v.name)
+        return [v.summary(now, cfg.staleness_s, W.NodeSummary) for v in views]
 
     @app.get("/v1/nodes", response_model=W.NodeList)
-    def nodes() -> dict[str, Any]:
-        return {"nodes": node_views()}
+    def nodes() -> W.NodeList:
+        return W.NodeList(nodes=node_views())
 
     @app.get("/v1/nodes/{node}", response_model=W.NodeReply)
-    def node(node: str) -> dict[str, Any]:
-        for n in node_views():
-            if n["node"] == node:
-                return n
-        raise CubeError("node.not_found", f"no node {node!r}", "api")
+    def node(node: str) -> W.NodeReply:
+        view = next((v for v in master.cache.views(fresh=True) if v.name == node), None)
+        if view is None:
+            raise CubeError("node.not_found", f"no node {node!r}", "api")
+        return view.summary(time.time(), cfg.staleness_s, W.NodeReply)
 
     @app.post("/v1/nodes/{node}/{verb}", response_model=W.NodeVerbReply)
-    def node_verb(node: str, verb: str, request: Request, body: OperatorBody | None = None) -> dict[str, Any]:
+    def node_verb(node: str, verb: str, request: Request, body: OperatorBody | None = None) -> W.NodeVerbReply:
         if verb == "reconcile":
-            return reconcile_node(master, node)
+            return W.NodeVerbReply.model_validate(reconcile_node(master, node))
         if verb not in ("drain", "undrain"):
             raise CubeError("api.unknown_verb", f"unknown node verb {verb!r}; known: drain, undrain, reconcile", "api")
         state = master.store.node_event(node, NodeEvent(verb))
         master.cache.invalidate()
         ident: Identity = request.state.identity  # the authenticated identity, not whatever `who` says
-        return {"node": node, "state": state.value, "who": ident.label(), "warm": warm_verb(node, verb)}
+        said = {"node": node, "state": state.value, "who": ident.label(), "warm": warm_verb(node, verb)}
+        return W.NodeVerbReply.model_validate(said)
 
     def warm_verb(node: str, verb: str) -> WarmDrainReply | WarmVerbFailure:
         """A drain removes the node's warm sandboxes first (and stops their refill); undrain resumes it. The
@@ -427,12 +424,11 @@ def create_app(
             ) from e
 
     @app.get("/v1/nodes/{node}/devices", response_model=W.NodeDevices)
-    def node_devices(node: str) -> dict[str, Any]:
-        devices = forwarded(node, lambda c: c.devices())
-        return {"node": node, "devices": [d.model_dump(mode="json", by_alias=True) for d in devices]}
+    def node_devices(node: str) -> W.NodeDevices:
+        return W.NodeDevices(node=node, devices=forwarded(node, lambda c: c.devices()))
 
     @app.post("/v1/nodes/{node}/devices/{device_id}/{verb}", response_model=W.NodeDevice)
-    def device_verb(node: str, device_id: str, verb: str, body: W.DeviceVerbBody, request: Request) -> dict[str, Any]:
+    def device_verb(node: str, device_id: str, verb: str, body: W.DeviceVerbBody, request: Request) -> W.NodeDevice:
         """quarantine | recover | disable | enable on one device of `node`, done by that node's Cubelet (its TCP
         API, with the node's token); the Cubelet's events and both audit logs name the admin's key."""
         if verb not in DEVICE_VERBS:
@@ -445,30 +441,30 @@ def create_app(
                 device_id, verb, ident.label(), body.reason, request_id=rid, restore_driver=body.restore_driver
             ),
         )
-        return {"node": node, "device": dev.model_dump(mode="json", by_alias=True)}
+        return W.NodeDevice(node=node, device=dev)
 
     @app.get("/v1/capacity", response_model=W.Capacity)
-    def capacity() -> dict[str, Any]:
+    def capacity() -> W.Capacity:
         ns = node_views()
         by_model: Counter[str] = Counter()
         free_model: Counter[str] = Counter()
         warm: Counter[str] = Counter()  # claimable warm sandboxes by template: capacity for matching creates
         for n in ns:
-            for g in n["groups"]:
-                name = f"{g['class']}/{g['labels'].get('model', '?')}"
-                by_model[name] += g["total"]
-                free_model[name] += g["allocatable"] if n["schedulable"] else 0
-            for p in n["warm_pools"] if n["schedulable"] else ():
-                warm[p["template"] or p["key"]] += p["claimable"]
-        return {
-            "nodes": len(ns),
-            "schedulable_nodes": sum(n["schedulable"] for n in ns),
-            "by_state": dict(Counter(n["state"] for n in ns)),
-            "total": sum(by_model.values()),
-            "allocatable": sum(free_model.values()),
-            "models": {k: {"total": by_model[k], "allocatable": free_model[k]} for k in sorted(by_model)},
-            "warm": dict(warm),
-        }
+            for g in n.groups:
+                name = f"{g.accel_class}/{g.labels.get('model', '?')}"
+                by_model[name] += g.total
+                free_model[name] += g.allocatable if n.schedulable else 0
+            for p in n.warm_pools if n.schedulable else ():
+                warm[p.template or p.key] += p.claimable
+        return W.Capacity(
+            nodes=len(ns),
+            schedulable_nodes=sum(n.schedulable for n in ns),
+            by_state=dict(Counter(str(n.state) for n in ns)),
+            total=sum(by_model.values()),
+            allocatable=sum(free_model.values()),
+            models={k: W.ModelCapacity(total=by_model[k], allocatable=free_model[k]) for k in sorted(by_model)},
+            warm=dict(warm),
+        )
 
     # ---- templates --------------------------------------------------------------------------------
     @app.post(
@@ -477,28 +473,28 @@ def create_app(
         response_model=W.TemplateRegistered,
         openapi_extra=json_body("TemplateDocument"),
     )
-    def register_template(document: dict[str, Any], default: bool = False) -> dict[str, Any]:
+    def register_template(document: dict[str, Any], default: bool = False) -> W.TemplateRegistered:
         return master.registry.register(document, default)
 
     @app.get("/v1/templates", response_model=W.TemplateList)
-    def templates() -> dict[str, Any]:
-        return {"templates": master.registry.list(), "defaults": master.store.defaults()}
+    def templates() -> W.TemplateList:
+        return W.TemplateList(templates=master.registry.list(), defaults=master.store.defaults())
 
     @app.get("/v1/templates/{ref}", response_model=W.TemplateShown)
-    def template(ref: str) -> dict[str, Any]:
+    def template(ref: str) -> W.TemplateShown:
         return master.registry.show(ref)
 
     @app.delete("/v1/templates/{ref}", response_model=W.TemplateDeleted)
-    def delete_template(ref: str) -> dict[str, Any]:
+    def delete_template(ref: str) -> W.TemplateDeleted:
         return master.registry.delete(ref)
 
     @app.put("/v1/template-defaults/{accel_class}", response_model=W.DefaultSet)
-    def set_default(accel_class: str, body: W.DefaultBody) -> dict[str, Any]:
+    def set_default(accel_class: str, body: W.DefaultBody) -> W.DefaultSet:
         master.registry.set_default(accel_class, body.template)
-        return {"class": accel_class, "template": body.template}
+        return W.DefaultSet(accel_class=accel_class, template=body.template)
 
     # ---- sandboxes --------------------------------------------------------------------------------
-    async def settle(sandbox_id: str, wait_s: float) -> dict[str, Any]:
+    async def settle(sandbox_id: str, wait_s: float) -> Row:
         """The sandbox once it is running (guest validated, so its workload service is up: the shim waits for
         it before validation), failed (code and layer in `error`) or gone, or as it is when `wait_s` ends. Async
         so that a thousand waiting callers hold no worker thread (heartbeats must still get one)."""
@@ -515,14 +511,14 @@ def create_app(
     @app.post("/v1/sandboxes", status_code=201, response_model=W.SandboxReply)
     async def create(
         body: SandboxBody, request: Request, response: Response, wait: float = WaitQuery
-    ) -> dict[str, Any]:
+    ) -> W.SandboxReply:
         reply = await run_in_threadpool(create_now, body, request, response)
-        if wait > 0 and reply["state"] not in SETTLED_STATES:
-            row = await settle(str(reply["id"]), wait)
-            reply = {**sandbox_json(row), "access_token": reply["access_token"]}
+        if wait > 0 and reply.state not in SETTLED_STATES:
+            row = await settle(reply.id, wait)
+            reply = sandbox_record(row, W.SandboxReply, access_token=reply.access_token)
         return reply
 
-    def create_now(body: SandboxBody, request: Request, response: Response) -> dict[str, Any]:
+    def create_now(body: SandboxBody, request: Request, response: Response) -> W.SandboxReply:
         ident: Identity = request.state.identity
         if ident.role == TENANT:
             if body.tenant not in (None, ident.tenant):
@@ -556,38 +552,39 @@ def create_app(
         metrics.created("created" if created else "replayed", time.perf_counter() - t0)
         if not created:
             response.status_code = 200
-        return {**sandbox_json(row), "access_token": master.issued_tokens.pop(str(row["id"]), None)}
+        token = master.issued_tokens.pop(str(row["id"]), None)
+        return sandbox_record(row, W.SandboxReply, access_token=token)
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
-    def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> dict[str, Any]:
+    def sandboxes(request: Request, state: str | None = None, node: str | None = None) -> W.SandboxList:
         ident: Identity = request.state.identity
         if state == WARM_STATE:  # the nodes' warm sandboxes (no tenant's until claimed): an admin's view
             views = [v for v in master.cache.views() if node in (None, v.name)]
-            return {"sandboxes": [] if ident.role == TENANT else warm_rows(views)}
+            return W.SandboxList(sandboxes=[] if ident.role == TENANT else list(warm_rows(views)))
         if state is not None and state not in SANDBOX_STATES:
             raise CubeError("api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api")
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
         if ident.role == TENANT:
             rows = [r for r in rows if r["tenant"] == ident.tenant]
         silent = silent_nodes(master)
-        return {"sandboxes": [sandbox_json(r, silent) for r in rows]}
+        return W.SandboxList(sandboxes=[sandbox_record(r, W.Sandbox, silent) for r in rows])
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
-    async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> dict[str, Any]:
+    async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> W.SandboxReply:
         row = await run_in_threadpool(owned, request.state.identity, sandbox_id)
         if wait > 0 and row["state"] not in SETTLED_STATES:
             row = await settle(sandbox_id, wait)
-        return sandbox_json(row, silent_nodes(master))
+        return sandbox_record(row, W.SandboxReply, silent_nodes(master))
 
     @app.get("/v1/sandboxes/{sandbox_id}/events", response_model=W.SandboxEvents)
-    def sandbox_events(sandbox_id: str, request: Request) -> dict[str, Any]:
+    def sandbox_events(sandbox_id: str, request: Request) -> W.SandboxEvents:
         """The start phases the sandbox's node recorded, fetched with the node token (a user has none)."""
         row = owned(request.state.identity, sandbox_id)
         phases, answered = master.start_phases(row)
-        return {"sandbox_id": sandbox_id, "state": row["state"], "phases": phases, "node_answered": answered}
+        return W.SandboxEvents(sandbox_id=sandbox_id, state=row["state"], phases=phases, node_answered=answered)
 
     @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
-    def sandbox_workload(sandbox_id: str, request: Request) -> dict[str, Any]:
+    def sandbox_workload(sandbox_id: str, request: Request) -> W.WorkloadEndpoint:
         """The node's workload proxy for the caller's own running sandbox: a tenant's way to exec and copy, which
         needs no node route (those are admins')."""
         row = owned(request.state.identity, sandbox_id)
@@ -600,24 +597,24 @@ def create_app(
                 {"state": row["state"]},
             )
         base = f"{url.rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
-        return {"sandbox_id": sandbox_id, "node": row["node"], "url": base}
+        return W.WorkloadEndpoint(sandbox_id=sandbox_id, node=row["node"], url=base)
 
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
-    def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> dict[str, Any]:
+    def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> W.SandboxReply:
         request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
-        return sandbox_json(master.set_timeout(sandbox_id, body.timeout_s))
+        return sandbox_record(master.set_timeout(sandbox_id, body.timeout_s), W.SandboxReply)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
-    def delete(sandbox_id: str, request: Request) -> dict[str, Any]:
+    def delete(sandbox_id: str, request: Request) -> W.SandboxReply:
         request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
-        return sandbox_json(master.delete(sandbox_id))
+        return sandbox_record(master.delete(sandbox_id), W.SandboxReply)
 
     @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status", response_model=W.StatusReply)
-    def sandbox_status(node: str, sandbox_id: str, body: W.StatusBody) -> dict[str, Any]:
+    def sandbox_status(node: str, sandbox_id: str, body: W.StatusBody) -> W.StatusReply:
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
         if (body.phase == "failed") != (body.error is not None):
             raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not", "api")
         error = {} if body.error is None else body.error.model_dump()
-        return {"state": master.node_status(node, sandbox_id, body.phase, error)}
+        return W.StatusReply(state=master.node_status(node, sandbox_id, body.phase, error))
 
     return app

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Collection
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import ValidationError
@@ -39,12 +39,14 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import ReservationBody, ReservationView
 from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 from cubeaccel.wire.warm import WarmClaimBody
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
+SandboxT = TypeVar("SandboxT", bound=W.Sandbox)
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
 START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
@@ -627,7 +629,7 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "deleted", event=SE.DELETED, by=SA.USER)
         return self.get(sandbox_id)
 
-    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> str:
+    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> SandboxState:
         """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
         (at start or later) → `failed` with the Cubelet's code and layer. Only that sandbox's own node counts."""
         row = self.get(sandbox_id)
@@ -650,7 +652,8 @@ class CubeMaster:
                 error={**error, "node": node},
             )
             self.cache.invalidate()
-        return str(self.get(sandbox_id)["state"])
+        state: SandboxState = self.get(sandbox_id)["state"]
+        return state
 
     def placement_abandoned(self, row: Row, now: float) -> bool:
         return row["state"] in PLACEMENT_STATES and now - float(row["updated_at"]) > self.config.placement_stale_s
@@ -691,7 +694,7 @@ class CubeMaster:
         v = next((v for v in self.cache.views() if v.name == node), None)
         return v.cubelet_url if v else None
 
-    def start_phases(self, row: Row) -> tuple[list[dict[str, Any]], bool]:
+    def start_phases(self, row: Row) -> tuple[list[W.StartPhase], bool]:
         """The sandbox's start phases from its node's event journal (VM up, memory pinned, device attached,
         workload service up, guest validated), first of each, in time order; and whether the node answered.
         Through CubeMaster because only CubeMaster holds the node token that the Cubelet's TCP API asks for."""
@@ -702,12 +705,12 @@ class CubeMaster:
             page = self.client(url).events(limit=10000, sandbox_id=row["id"])
         except (CubeError, httpx.HTTPError, OSError, ValidationError):
             return [], False
-        phases: dict[str, dict[str, Any]] = {}
+        phases: dict[str, W.StartPhase] = {}
         for e in page.events:
             label = NODE_PHASES.get(str(e.event))
             if label is not None and label not in phases:
-                phases[label] = {"phase": label, "event": e.event, "at": e.at}
-        return sorted(phases.values(), key=lambda p: float(p["at"])), True
+                phases[label] = W.StartPhase(phase=label, event=str(e.event), at=e.at)
+        return sorted(phases.values(), key=lambda p: p.at), True
 
     def get(self, sandbox_id: str) -> Row:
         row = self.store.sandbox(sandbox_id)
@@ -744,33 +747,32 @@ NODE_PHASES = {
     "workload_ready": "workload service up",
     "guest_validated": "guest validated",
 }
-SETTLED_STATES = ("running", "failed", "deleting", "deleted", "lost")  # where a create's wait ends
 
 
-def sandbox_json(row: Row, silent_nodes: Collection[str] = ()) -> dict[str, Any]:
-    """`silent_nodes`: nodes whose heartbeats are stale (master/node_truth.py); their live sandboxes show
-    `unknown`, with the stored state in `last_known_state`."""
-    state, last_known = shown_state(str(row["state"]), row["node"], silent_nodes)
-    return {
-        "id": row["id"],
-        "tenant": row["tenant"],
-        "state": state,
-        "last_known_state": last_known,
-        "node": row["node"],
-        "class": row["accel_class"],
-        "count": row["count"],
-        "device_ids": row["device_ids"],
-        "template": None
-        if row["template_name"] is None
-        else {
-            "name": row["template_name"],
-            "version": row["template_version"],
-            "digest": (row["contract"] or {}).get("template", {}).get("digest"),
-        },
-        "request": row["request"],
-        "error": row["error"],
-        "timeline": row["timeline"],
-        "expires_at": row["expires_at"],
-        "created_at": row["created_at"],
-        "updated_at": row["updated_at"],
-    }
+def sandbox_record(row: Row, model: type[SandboxT], silent_nodes: Collection[str] = (), **extra: Any) -> SandboxT:
+    """The reply's record of a stored sandbox (`model`: `Sandbox`, or a reply that adds `extra` fields).
+    `silent_nodes`: nodes whose heartbeats are stale (master/node_truth.py); their live sandboxes show `unknown`,
+    with the stored state in `last_known_state`."""
+    state, last_known = shown_state(row["state"], row["node"], silent_nodes)
+    template = None
+    if row["template_name"] is not None:
+        digest = (row["contract"] or {}).get("template", {}).get("digest")
+        template = W.SandboxTemplate(name=row["template_name"], version=row["template_version"], digest=digest)
+    return model(
+        id=row["id"],
+        tenant=row["tenant"],
+        state=state,
+        last_known_state=last_known,
+        node=row["node"],
+        accel_class=row["accel_class"],
+        count=row["count"],
+        device_ids=row["device_ids"],
+        template=template,
+        request=None if row["request"] is None else W.SandboxRequest.model_validate(row["request"]),
+        error=None if row["error"] is None else W.SandboxError.model_validate(row["error"]),
+        timeline=[W.TimelineEntry.model_validate(t) for t in row["timeline"] or ()],
+        expires_at=row["expires_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        **extra,
+    )

@@ -32,8 +32,9 @@ from cubeaccel.host.service.childenv import component_env
 from cubeaccel.host.vmm.hypervisor import detect_accel, find_qemu
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.model.sandbox_states import SandboxState
 from cubeaccel.model.states import DeviceState
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.wire.master_client import Calls, MasterClient
 from cubeaccel.wire.templates import loads_document
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ def _up_locked(
         admin = (state_dir / "admin.key").read_text().strip()  # written 0600 by CubeMaster's first start
         client.close()
         client = MasterClient(murl, key=admin)
-        token = client.request("POST", "/v1/nodes/local/credential")["token"]
+        token = client.call(Calls.enrol("local")).token
         _write_secret(state_dir / "node-local.token", token)
         registered, documents = register_examples(client, pin_to_image=chosen == "emulated")
         warm_flags, warm_line = warm_pool_file(state_dir, chosen, warm, documents)
@@ -323,7 +324,7 @@ def _up_locked(
         def registered_now() -> bool:
             # A heartbeat from this Cubelet, not the node row an earlier run (or a restored backup) left `ready`.
             return any(
-                n["node"] == "local" and n["state"] == "ready" and n["last_heartbeat_age_s"] <= time.time() - spawned
+                n.node == "local" and n.state == "ready" and n.last_heartbeat_age_s <= time.time() - spawned
                 for n in client.nodes()
             )
 
@@ -349,17 +350,17 @@ def _up_locked(
     node = client.nodes()[0]
     print(f"backend: {chosen} — {why}")
     print(
-        f"CubeMaster {murl} (SQLite {state_dir / 'master.db'}); node {node['node']}: "
-        f"{node['allocatable']}/{node['total']} devices free"
+        f"CubeMaster {murl} (SQLite {state_dir / 'master.db'}); node {node.node}: "
+        f"{node.allocatable}/{node.total} devices free"
     )
     print("templates: " + (", ".join(registered) or f"none found in {EXAMPLES}"))
     print(warm_line)
-    for t in client.request("GET", "/v1/templates")["templates"]:
-        need = client.request("GET", f"/v1/templates/{t['name']}")["document"]["spec"]["memory"]
-        if t["default"] and need["pinned"] and need["size_mib"] > node["pinnable_memory_mib"]:
+    for t in client.call(Calls.templates()).templates:
+        need = client.call(Calls.template(t.name)).document["spec"]["memory"]
+        if t.default and need["pinned"] and need["size_mib"] > node.pinnable_memory_mib:
             print(
-                f"note: {t['name']} pins {need['size_mib']} MiB and this node can lock "
-                f"{node['pinnable_memory_mib']} MiB: its sandboxes will be refused with pinned_memory"
+                f"note: {t.name} pins {need['size_mib']} MiB and this node can lock "
+                f"{node.pinnable_memory_mib} MiB: its sandboxes will be refused with pinned_memory"
             )
     print(f"keys (0600): admin {state_dir / 'admin.key'}, tenant default {state_dir / 'default.key'}")
     print(
@@ -409,9 +410,9 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
     except (CubeError, httpx.HTTPError):
         rows = []
     for row in rows:
-        if row["state"] not in ("deleted", "deleting"):
+        if row.state not in (SandboxState.DELETED, SandboxState.DELETING):
             with contextlib.suppress(CubeError, httpx.HTTPError):
-                m.delete(row["id"])
+                m.delete(row.id)
     m.close()
     end = time.monotonic() + deadline_s
     held: list[str] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from pydantic import ValidationError
@@ -21,9 +21,12 @@ from cubeaccel.model.node_facts import GuestImageFact
 from cubeaccel.model.pinned_memory import sandbox_locked_mib
 from cubeaccel.model.profiles import PROFILES
 from cubeaccel.model.sandbox_states import NodeState
+from cubeaccel.wire import master_api as W
 from cubeaccel.wire.capacity import CapacityGroup
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.warm import WarmPoolFact
+
+SummaryT = TypeVar("SummaryT", bound=W.NodeSummary)
 
 # model label → (vendor_id, device_id), for summaries whose group labels omit the ids
 _IDS_BY_MODEL = {p.model: (f"{v:04x}", f"{d:04x}") for (v, d), p in PROFILES.items()}
@@ -90,63 +93,65 @@ class NodeView:
         """The pool's warm ids no claim row holds: what a matching create may still take here."""
         return [w.id for w in pool.sandboxes if w.id not in self.warm_claimed]
 
-    def warm_json(self) -> list[dict[str, Any]]:
+    def warm_shown(self) -> list[W.WarmPoolShown]:
         return [
-            {
-                "key": p.key,
-                "template": p.template,
-                "class": p.accel_class,
-                "count": p.count,
-                "memory_mib": p.memory_mib,
-                "vcpus": p.vcpus,
-                "size": p.size,
-                "warm": p.warm,
-                "starting": p.starting,
-                "claimable": len(self.warm_free(p)),
-                "sandboxes": [w.id for w in p.sandboxes],
-            }
+            W.WarmPoolShown(
+                key=p.key,
+                template=p.template,
+                accel_class=p.accel_class,
+                count=p.count,
+                memory_mib=p.memory_mib,
+                vcpus=p.vcpus,
+                size=p.size,
+                warm=p.warm,
+                starting=p.starting,
+                claimable=len(self.warm_free(p)),
+                sandboxes=[w.id for w in p.sandboxes],
+            )
             for p in self.warm_pools
         ]
 
     def stale(self, now: float, staleness_s: float) -> bool:
         return now - self.received_at > staleness_s
 
-    def summary_json(self, now: float, staleness_s: float) -> dict[str, Any]:
-        return {
-            "node": self.name,
-            "cubelet_url": self.cubelet_url,
-            "version": self.version,
-            "state": "stale" if self.stale(now, staleness_s) else self.state,
-            "schedulable": self.state == NodeState.READY and self.host_ready and not self.stale(now, staleness_s),
-            "ready": self.host_ready,
-            "host_problems": [{"code": c, "message": m} for c, m in self.host_problems],
-            "pinned_memory": {
+    def summary(self, now: float, staleness_s: float, model: type[SummaryT]) -> SummaryT:
+        """What CubeMaster shows of the node (`model`: `NodeSummary`, or `NodeReply` for one node)."""
+        stale = self.stale(now, staleness_s)
+        return model(
+            node=self.name,
+            cubelet_url=self.cubelet_url,
+            version=self.version,
+            state="stale" if stale else NodeState(self.state),
+            schedulable=self.state == NodeState.READY and self.host_ready and not stale,
+            ready=self.host_ready,
+            host_problems=[W.HostProblem(code=c, message=m) for c, m in self.host_problems],
+            pinned_memory={
                 **self.pinned,
                 "claimed_mib": self.memory_claims_mib,
                 "free_after_claims_mib": self.free_pinnable_mib(),
             },
-            "last_heartbeat_age_s": round(now - self.received_at, 3),
-            "backends": sorted(self.backends),
-            "pinnable_memory_mib": self.pinnable_memory_mib,
-            "guest_images": [i.to_json() for i in self.guest_images],
-            "hotplug": sorted(self.hotplug),
-            "max_devices_per_sandbox": self.max_devices,
-            "warm": sum(p.warm for p in self.warm_pools),
-            "warm_pools": self.warm_json(),
-            "total": sum(g.total for g in self.groups),
-            "allocatable": sum(max(0, self.free(g)) for g in self.groups),
-            "groups": [
-                {
-                    "class": g.accel_class,
-                    "labels": dict(g.labels),
-                    "total": g.total,
-                    "allocatable": max(0, self.free(g)),
-                    "claimed": self.claims.get(g.key, 0),
-                    "allocatable_by_numa": dict(g.by_numa),
-                }
+            last_heartbeat_age_s=round(now - self.received_at, 3),
+            backends=sorted(self.backends),
+            pinnable_memory_mib=self.pinnable_memory_mib,
+            guest_images=[i.to_json() for i in self.guest_images],
+            hotplug=sorted(self.hotplug),
+            max_devices_per_sandbox=self.max_devices,
+            warm=sum(p.warm for p in self.warm_pools),
+            warm_pools=self.warm_shown(),
+            total=sum(g.total for g in self.groups),
+            allocatable=sum(max(0, self.free(g)) for g in self.groups),
+            groups=[
+                W.NodeGroup(
+                    accel_class=g.accel_class,
+                    labels=dict(g.labels),
+                    total=g.total,
+                    allocatable=max(0, self.free(g)),
+                    claimed=self.claims.get(g.key, 0),
+                    allocatable_by_numa=dict(g.by_numa),
+                )
                 for g in self.groups
             ],
-        }
+        )
 
 
 def _int(raw: Any) -> int:

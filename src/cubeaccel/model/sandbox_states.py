@@ -76,6 +76,12 @@ SANDBOX_TRANSITIONS = SANDBOX_MACHINE.rules
 PLACEMENT_STATES: tuple[SandboxState, ...] = (SS.SCHEDULING, SS.PLACING)
 # A node holds (or may hold) devices for the sandbox in these states.
 HELD_STATES: tuple[SandboxState, ...] = (SS.STARTING, SS.RUNNING, SS.DELETING)
+# Going or gone: the sandbox never runs again (E2B's "not found", envd's refusal).
+ENDED_STATES: tuple[SandboxState, ...] = (SS.DELETING, SS.DELETED, SS.FAILED, SS.LOST)
+# Where a wait for a start ends (a create's or show's `?wait=`): running, or ended.
+SETTLED_STATES: tuple[SandboxState, ...] = (SS.RUNNING, *ENDED_STATES)
+# Shown, never stored, for a live sandbox on a node whose heartbeats are stale (master/shown.py).
+UNKNOWN_STATE = "unknown"
 
 
 class NodeState(StrEnum):

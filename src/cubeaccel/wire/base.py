@@ -10,7 +10,15 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 from pydantic_core import PydanticCustomError
 
 WIRE_VERSION = 1
@@ -99,3 +107,14 @@ class Reply(Record):
     """A top-level reply body, with its version."""
 
     v: Literal[1] = 1
+
+
+class Sparse(Record):
+    """A stored document nested in a reply, whose writer left out what it did not have: a field that was not
+    given stays out of the JSON (absent is not null), as it was stored."""
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unset(self, handler: SerializerFunctionWrapHandler) -> Any:
+        out = handler(self)
+        unset = set(type(self).model_fields) - self.model_fields_set  # Sparse fields have no aliases
+        return {k: v for k, v in out.items() if k not in unset} if isinstance(out, dict) else out

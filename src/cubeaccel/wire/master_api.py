@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, StrictInt, StringConstraints
+from pydantic import AliasChoices, Field, StrictInt, StringConstraints
 
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
-from cubeaccel.wire.base import Message, Record, Reply, Strict
+from cubeaccel.model.sandbox_states import NodeState, SandboxState
+from cubeaccel.wire.base import Message, Record, Reply, Sparse, Strict
+from cubeaccel.wire.cubelet_api import Device, DeviceReply
 from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 
 
@@ -78,26 +80,62 @@ class Health(Reply):
 
 class HeartbeatAck(Reply):
     node: str
-    state: str  # the operator state: ready | draining
+    state: NodeState
+
+
+ClassField = Field(validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class")
+
+
+class HostProblem(Record):
+    code: str
+    message: str
+
+
+class NodeGroup(Record):
+    """One capacity group of the node (devices of one class with equal summary labels)."""
+
+    accel_class: str = ClassField
+    labels: dict[str, str]
+    total: int
+    allocatable: int  # free after this cluster's claims
+    claimed: int  # placed here, not yet in the node's summary
+    allocatable_by_numa: dict[str, int]
+
+
+class WarmPoolShown(Record):
+    key: str
+    template: str | None
+    accel_class: str | None = ClassField
+    count: int
+    memory_mib: int
+    vcpus: int
+    size: int  # wanted
+    warm: int  # ready now
+    starting: int
+    claimable: int  # warm and held by no claim row of this cluster
+    sandboxes: list[str]
 
 
 class NodeSummary(Record):
     node: str
     cubelet_url: str
     version: str
-    state: str  # ready | draining | stale
+    state: NodeState | Literal["stale"]  # the operator state, or `stale` (no recent heartbeat)
     schedulable: bool
     ready: bool
-    host_problems: list[dict[str, Any]]
-    pinned_memory: dict[str, Any]
+    host_problems: list[HostProblem]
+    pinned_memory: dict[str, Any]  # the heartbeat's ledger as sent, with this cluster's claims
     last_heartbeat_age_s: float
     backends: list[str]
     pinnable_memory_mib: int
     guest_images: list[dict[str, Any]]
     hotplug: list[str]
+    max_devices_per_sandbox: int | None = None  # None: the Cubelet did not say
+    warm: int = 0
+    warm_pools: list[WarmPoolShown] = []
     total: int
     allocatable: int
-    groups: list[dict[str, Any]]
+    groups: list[NodeGroup]
 
 
 class NodeReply(NodeSummary):
@@ -134,7 +172,7 @@ class Capacity(Reply):
 class TemplateRef(Record):
     name: str
     version: str
-    accel_class: str = Field(alias="class")
+    accel_class: str = ClassField
     digest: str
     default: bool  # the class's default template
 
@@ -166,34 +204,77 @@ class TemplateDeleted(Reply):
 
 
 class DefaultSet(Reply):
-    accel_class: str = Field(alias="class")
+    accel_class: str = ClassField
     template: str
 
 
-class Sandbox(Record):
-    """`sandbox_json`: one sandbox record."""
+class SandboxTemplate(Record):
+    name: str
+    version: str | None
+    digest: str | None  # the contract's template digest (None: a record without one)
+
+
+class SandboxRequest(Sparse):
+    """The create request as stored with the sandbox (normalized): what it asked for, and the effective network
+    policy. Fields a create did not give are left out, as they were stored."""
+
+    template: str | None = None
+    accelerators: list[dict[str, Any]] = []  # model/request.AcceleratorRequest.to_json, one per request
+    memory_mib: int | None = None
+    vcpus: int = 1
+    timeout_s: float | None = None
+    metadata: dict[str, str] = {}  # the caller's labels
+    env_vars: dict[str, str] = {}
+    network: dict[str, Any] | None = None  # the caller's narrowing, as given
+    network_policy: dict[str, Any] | None = None  # the effective policy (model/sandbox_policy)
+
+
+class SandboxError(Sparse):
+    """Why the sandbox failed or could not be released: a catalogued code, and where it came from."""
+
+    code: str | None = None
+    layer: str | None = None
+    message: str | None = None
+    phase: str | None = None  # the Cubelet phase it failed in
+    node: str | None = None
+
+
+class TimelineEntry(Record):
+    at: float
+    phase: str  # and the phase's own detail fields
+
+
+class SandboxRecord(Record):
+    """The fields a sandbox record and a node's warm sandbox share."""
 
     id: str
     tenant: str
-    state: str  # `unknown` while its node's heartbeats are stale
-    last_known_state: str | None = None  # the stored state when `state` shows `unknown`
     node: str | None
-    accel_class: str | None = Field(alias="class")
+    accel_class: str | None = ClassField
     count: int | None
     device_ids: list[str]  # the node's device ids this sandbox was given (kept after delete: the audit's key)
-    template: dict[str, Any] | None
-    request: Any
-    error: Any
-    timeline: Any
+    template: SandboxTemplate | None
+    request: SandboxRequest | None
+    error: SandboxError | None
+    timeline: list[TimelineEntry]
     expires_at: float | None
     created_at: float
     updated_at: float
 
 
-class WarmSandbox(Sandbox):
+class Sandbox(SandboxRecord):
+    """One sandbox record (master/service.sandbox_reply)."""
+
+    state: SandboxState | Literal["unknown"]  # `unknown` while its node's heartbeats are stale
+    last_known_state: SandboxState | None = None  # the stored state when `state` shows `unknown`
+
+
+class WarmSandbox(SandboxRecord):
     """A node's warm sandbox as CubeMaster lists it (`?state=warm`, the dashboard): state `warm`, tenant "", no
     request or timeline; `claimed` while a create's claim row holds it."""
 
+    state: Literal["warm"]
+    last_known_state: None = None
     pool: str
     labels: dict[str, str]
     claimed: bool
@@ -224,17 +305,17 @@ class SandboxEvents(Reply):
     """`GET /v1/sandboxes/{id}/events`: the start phases the node recorded (through CubeMaster)."""
 
     sandbox_id: str
-    state: str
+    state: SandboxState
     phases: list[StartPhase]
     node_answered: bool  # False: no node yet, or it did not answer (the phases may be incomplete)
 
 
 class SandboxList(Reply):
-    sandboxes: list[WarmSandbox | Sandbox]
+    sandboxes: list[Sandbox | WarmSandbox]
 
 
 class StatusReply(Reply):
-    state: str
+    state: SandboxState
 
 
 # ---- identities (docs/security.md) ----------------------------------------------------------------------
@@ -313,12 +394,12 @@ class DeviceVerbBody(Message):
 
 class NodeDevices(Reply):
     node: str
-    devices: list[dict[str, Any]]
+    devices: list[Device]  # the node's own reply, forwarded
 
 
 class NodeDevice(Reply):
     node: str
-    device: dict[str, Any]
+    device: DeviceReply
 
 
 class AuditSeal(Record):
