@@ -143,8 +143,8 @@ def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster
     drains = [e for e in node.client.events(cursor, 10000).events if e.kind == "warm_drained"]
     assert len(drains) == 2, drains  # the operator's, then CubeMaster's once (not one per maintenance tick)
 
+    node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 0})  # no refill after
     assert c.c.node_verb("w1", "undrain", "alice").warm.draining is False
-    node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 0})
     for sid in _warm_ids(node):
         node.client.release(sid)
     poll(lambda: not _rows(node), 60)
