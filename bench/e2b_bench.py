@@ -30,7 +30,7 @@ from tests.e2b.test_e2b_vm import TEMPLATE, start_stack, stop_stack
 from tests.support.poll import poll
 
 from cubeaccel.images.builder import build
-from cubeaccel.wire.workload_client import WorkloadClient
+from cubeaccel.transport.workload_client import WorkloadClient
 
 
 def pct(xs: list[float], p: float) -> float:

@@ -25,7 +25,7 @@ from typing import Any
 from http_bench import AsyncRawClient, clients_round, cpu_s, p99, timed_health, timed_pair
 
 from cubeaccel.host.pci.simulated import SimulatedPciHost
-from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.transport.cubelet_client import CubeletClient
 
 FIGURES = ("health", "refused", "pair", "pair16", "p99_16", "hp99_16")
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from store_bench import cubelet_process
 
-from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.transport.cubelet_client import CubeletClient
 
 CLIENTS = 16
 TICKS = os.sysconf("SC_CLK_TCK")

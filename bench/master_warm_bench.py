@@ -24,7 +24,7 @@ from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_
 from tests.support.master_harness import MasterProcess, cubelet, wait_nodes_ready
 from tests.support.poll import poll
 
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.master_client import MasterClient
 
 
 def _timed_create(client: MasterClient, sid: str, body: dict[str, Any]) -> tuple[float, str]:

@@ -25,7 +25,7 @@ from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.simulated import SimulatedPciHost
-from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.transport.cubelet_client import CubeletClient
 
 
 def raw_commits_per_s(path: Path, seconds: float) -> tuple[float, int]:

@@ -9,7 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from cubeaccel.wire.workload_client import WorkloadClient
+from cubeaccel.transport.workload_client import WorkloadClient
 
 MiB = 1 << 20
 

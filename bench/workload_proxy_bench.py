@@ -32,7 +32,7 @@ from workload_measure import measure
 from cubeaccel.cubelet import server as cubelet_server
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.shim.workload_bridge import WorkloadBridge
-from cubeaccel.wire.workload_client import WorkloadClient
+from cubeaccel.transport.workload_client import WorkloadClient
 
 
 def main() -> int:

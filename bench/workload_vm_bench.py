@@ -28,7 +28,7 @@ from tests.vm.test_master_ready import edu_template
 from workload_measure import measure
 
 from cubeaccel.images.builder import build
-from cubeaccel.wire.workload_client import WorkloadClient
+from cubeaccel.transport.workload_client import WorkloadClient
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ from e2b.exceptions import (
 from packaging.version import Version
 
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.wire.workload_client import WorkloadClient
+from cubeaccel.transport.workload_client import WorkloadClient
 from cubeaccel.workload import ENVD_VERSION
 from tests.support.e2b_sdk import run_check, sdk_path
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files

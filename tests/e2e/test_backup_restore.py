@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from cubeaccel.master.up import run_down, run_up
-from cubeaccel.wire.cubelet_client import CubeletClient
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.transport.master_client import MasterClient
 from tests.support.cubelet_process import CubeletProcess
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.wire import node_sig
+from cubeaccel.transport import node_sig
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from cubeaccel.model.errors import CubeError
-from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.transport.cubelet_client import CubeletClient
 from tests.support.cubelet_process import CubeletProcess
 
 

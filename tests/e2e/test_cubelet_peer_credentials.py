@@ -19,7 +19,7 @@ import uvicorn
 
 from cubeaccel.cubelet.server import create_app, local_uids
 from cubeaccel.host.service.audit import AuditLog
-from cubeaccel.wire.http_server import server_config
+from cubeaccel.transport.http_server import server_config
 from tests.support.cubelet_harness import Node
 from tests.support.poll import poll
 

@@ -10,7 +10,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.transport.cubelet_client import CubeletClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cubeaccel.model.error_catalog import CATALOG
-from cubeaccel.wire.node_sig import sign
+from cubeaccel.transport.node_sig import sign
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.frontdoor_process import FrontDoorProcess
 from tests.support.master_harness import MasterProcess, free_port

@@ -21,7 +21,7 @@ from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
-from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.transport.cubelet_client import CubeletClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_builders import sandbox_row
 from tests.support.master_harness import free_port

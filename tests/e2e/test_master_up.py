@@ -11,8 +11,8 @@ import pytest
 import cubeaccel
 from cubeaccel.master.up import DEFAULTS, EXAMPLES, choose_backend, run_down, run_up
 from cubeaccel.model.errors import CubeError
-from cubeaccel.wire.cubelet_client import CubeletClient
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.transport.master_client import MasterClient
 from tests.support.poll import poll
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.host.service import sdnotify
-from cubeaccel.wire.cubelet_client import CubeletClient
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.transport.master_client import MasterClient
 from tests.support.cubelet_process import terminate
 from tests.support.master_harness import free_port
 

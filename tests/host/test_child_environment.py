@@ -11,9 +11,9 @@ import pytest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.host.service import childenv
 from cubeaccel.host.vmm.vmmproc import find_shim
+from cubeaccel.transport.telemetry import LOG_LEVEL_ENV
 from cubeaccel.wire.shim_launch import SOCKET_NAME
 from cubeaccel.wire.shim_spec import ShimSpec
-from cubeaccel.wire.telemetry import LOG_LEVEL_ENV
 from tests.host.test_shim_forkserver import HeldReports, refused_spec
 from tests.support.poll import poll
 

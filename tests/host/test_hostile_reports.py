@@ -12,7 +12,7 @@ from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.server import create_app
 from cubeaccel.model.reports import ShimReport, ShimReportKind
-from cubeaccel.wire.node_sig import NodeAuth
+from cubeaccel.transport.node_sig import NodeAuth
 from tests.support.cubelet_harness import Node
 
 HOSTILE_REPORTS = [

@@ -24,9 +24,9 @@ from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.shim_forkserver import ForkServer
 from cubeaccel.host.service import proctitle
 from cubeaccel.host.vmm.vmmproc import find_shim
+from cubeaccel.transport.telemetry import LOG_LEVEL_ENV
 from cubeaccel.wire.shim_launch import SOCKET_NAME
 from cubeaccel.wire.shim_spec import ShimSpec
-from cubeaccel.wire.telemetry import LOG_LEVEL_ENV
 from tests.support.poll import poll
 
 

@@ -59,7 +59,7 @@ CUBELET_THIRD_PARTY = (
     "annotated_types",
     "typing_extensions",
     "typing_inspection",
-    "prometheus_client",  # the Cubelet's metrics (wire/telemetry.py, cubelet/metrics.py)
+    "prometheus_client",  # the Cubelet's metrics (transport/telemetry.py, cubelet/metrics.py)
 )
 _SQLITE_GLOBS = ("./usr/lib/python3.11/sqlite3/*", "./usr/lib/python3.11/lib-dynload/_sqlite3*")
 LIBSQLITE = "/usr/lib/x86_64-linux-gnu/libsqlite3.so.0"

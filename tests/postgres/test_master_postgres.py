@@ -13,7 +13,7 @@ import pytest
 from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.ids import tenant_sandbox_prefix
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.master_client import MasterClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
 from tests.support.poll import poll

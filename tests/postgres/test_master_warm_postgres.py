@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from cubeaccel.model.ids import tenant_sandbox_prefix
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.master_client import MasterClient
 from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_pool
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, wait_nodes_ready

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from cubeaccel.host.vmm import vmmproc
-from cubeaccel.wire.cubelet_client import CubeletClient
+from cubeaccel.transport.cubelet_client import CubeletClient
 from tests.support.poll import poll
 
 

@@ -10,7 +10,7 @@ from cubeaccel.cubelet.shim_driver import simulated_guest_images
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
-from cubeaccel.wire import node_sig
+from cubeaccel.transport import node_sig
 from tests.support.contract_builders import template
 
 MODELS = {

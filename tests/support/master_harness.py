@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from cubeaccel.model.errors import CubeError
-from cubeaccel.wire.master_client import MasterClient
-from cubeaccel.wire.node_sig import NodeAuth
+from cubeaccel.transport.master_client import MasterClient
+from cubeaccel.transport.node_sig import NodeAuth
 from tests.support.cubelet_process import CubeletProcess, terminate
 from tests.support.poll import poll
 

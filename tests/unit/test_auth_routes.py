@@ -27,7 +27,7 @@ from cubeaccel.master.auth import ADMIN, SEAL_PREFIX, TENANT, Quota, key_id_of
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
-from cubeaccel.wire.node_sig import NodeAuth, sign
+from cubeaccel.transport.node_sig import NodeAuth, sign
 from tests.support.master_builders import group, heartbeat, sandbox_row
 
 URL = "http://127.0.0.1:9"

@@ -14,7 +14,7 @@ from cubeaccel.cubelet.server import _end_of_stream_error, _EnvelopeTracker
 from cubeaccel.frontdoor.envd import inject_envs
 from cubeaccel.model import connect_envelope as ce
 from cubeaccel.model.errors import CubeError
-from cubeaccel.wire.workload_client import envelope, envelopes
+from cubeaccel.transport.workload_client import envelope, envelopes
 from cubeaccel.workload import connect as guest
 
 messages = st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=20), max_size=4)

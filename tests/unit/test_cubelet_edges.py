@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.server import create_app, reservation_view
 from cubeaccel.host.service.audit import AuditLog
-from cubeaccel.wire.http_server import PEER_KEY
+from cubeaccel.transport.http_server import PEER_KEY
 from tests.support.cubelet_harness import Node
 
 TOKEN = "cbn:n1:1:" + "cd" * 32

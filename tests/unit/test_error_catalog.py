@@ -243,7 +243,7 @@ def test_an_omitted_status_comes_from_the_catalog() -> None:
 
 
 def test_the_api_edge_answers_with_the_catalogs_status() -> None:
-    from cubeaccel.wire.api_edges import error_response
+    from cubeaccel.transport.api_edges import error_response
 
     assert error_response(CubeError("template.not_found", "m", "template")).status_code == 404
     assert error_response(CubeError("api.http_error", "m", "api", {}, 418)).status_code == 418

@@ -12,7 +12,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import sys, threading, time
-    from cubeaccel.wire.workload_client import WorkloadClient
+    from cubeaccel.transport.workload_client import WorkloadClient
 
     client = WorkloadClient.over("http://127.0.0.1:9/v1/sandboxes/x/workload", "t" * 32)
     client._feed_stdin(1, sys.stdin.buffer)

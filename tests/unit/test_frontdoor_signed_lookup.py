@@ -14,8 +14,8 @@ from starlette.requests import Request
 
 from cubeaccel.frontdoor.envd import SIGNATURE_EXPIRED, SIGNATURE_INVALID, EnvdProxy, signature_refusal
 from cubeaccel.frontdoor.mapping import envd_token
+from cubeaccel.transport.master_client import Call
 from cubeaccel.wire.master_api import Sandbox, SandboxList
-from cubeaccel.wire.master_client import Call
 
 
 class CountingMaster:

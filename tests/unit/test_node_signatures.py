@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cubeaccel.cubelet.server import create_app
-from cubeaccel.wire.node_sig import NodeAuth, TokenFile, sign
+from cubeaccel.transport.node_sig import NodeAuth, TokenFile, sign
 from tests.support.cubelet_harness import Node
 
 TOKEN = "cbn:n1:1:" + "ab" * 32

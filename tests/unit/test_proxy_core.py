@@ -1,4 +1,4 @@
-"""The relay both sandbox proxies use (`wire/proxy.py`), driven as an ASGI app against an in-memory upstream:
+"""The relay both sandbox proxies use (`transport/proxy.py`), driven as an ASGI app against an in-memory upstream:
 hop-by-hop headers stay on their hop both ways, the body goes through chunk by chunk as it arrives, and the
 upstream is closed however the relay ends, a caller that went away included."""
 
@@ -13,7 +13,7 @@ import pytest
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
 
-from cubeaccel.wire import proxy
+from cubeaccel.transport import proxy
 
 DEADLINE_S = 10.0
 CALLER_HOP_HEADERS = [

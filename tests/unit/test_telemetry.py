@@ -27,7 +27,7 @@ from cubeaccel.model.cold_start import cold_start_phases
 from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.model.states import Actor, DeviceEvent
 from cubeaccel.shim.reporter import Reporter
-from cubeaccel.wire.telemetry import REDACTED, configure_logging, log_fields, parse_level, set_request_id
+from cubeaccel.transport.telemetry import REDACTED, configure_logging, log_fields, parse_level, set_request_id
 from tests.support.cubelet_harness import Node
 
 

@@ -17,11 +17,11 @@ from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.model.template_spec import API_VERSION, KIND
+from cubeaccel.transport.http_reply import reply_body
 from cubeaccel.wire import cubelet_api as CW
 from cubeaccel.wire import master_api as MW
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.heartbeat import Heartbeat
-from cubeaccel.wire.http_reply import reply_body
 from cubeaccel.wire.reports import ShimReportBody, parse_report, report_json
 from cubeaccel.wire.shim_spec import MAX_DEVICES, parse_spec
 from cubeaccel.wire.templates import TemplateDocument, load_template, parse_template

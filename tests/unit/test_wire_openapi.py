@@ -16,8 +16,8 @@ from cubeaccel.cubelet.server import create_app as cubelet_app
 from cubeaccel.master.server import create_app as master_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
+from cubeaccel.transport.api_edges import ErrorReply
 from cubeaccel.wire import cubelet_api as CW
-from cubeaccel.wire.api_edges import ErrorReply
 from cubeaccel.wire.base import Reply
 from tests.support.cubelet_harness import Node
 from tests.support.master_builders import Credentials

@@ -22,8 +22,8 @@ import pytest
 from cubeaccel.host.net.netpolicy import netns_name, uplink_ifname
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
+from cubeaccel.transport.workload_client import WorkloadClient
 from cubeaccel.wire.templates import parse_template
-from cubeaccel.wire.workload_client import WorkloadClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms, started_vmms

@@ -15,7 +15,7 @@ import pytest
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.template_spec import GuestKernel, ModulesImg
-from cubeaccel.wire.telemetry import set_request_id
+from cubeaccel.transport.telemetry import set_request_id
 from cubeaccel.wire.templates import load_template
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
@@ -57,7 +57,7 @@ def emulated(tmp_path: Path, guest_image: Manifest) -> Any:
 def test_sandbox_through_cubelet_boots_validates_and_returns_the_device(
     emulated: CubeletProcess, guest_image: Manifest
 ) -> None:
-    rid = f"vm-story-{os.getpid()}"  # as CubeMaster's call carries its request's id (wire.telemetry)
+    rid = f"vm-story-{os.getpid()}"  # as CubeMaster's call carries its request's id (transport.telemetry)
     ctx = contextvars.copy_context()
     ctx.run(set_request_id, rid)
     body = ctx.run(emulated.client.reserve, "vm-1", 1, contract=edu_contract(guest_image), start=True)

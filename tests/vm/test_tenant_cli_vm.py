@@ -15,7 +15,7 @@ import pytest
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.errors import CubeError
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.master_client import MasterClient
 from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms

@@ -12,8 +12,8 @@ import pytest
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.errors import CubeError
+from cubeaccel.transport.workload_client import WorkloadClient
 from cubeaccel.wire.cubelet_api import Event
-from cubeaccel.wire.workload_client import WorkloadClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll
 from tests.support.vmm_cleanup import kill_started_vmms

@@ -15,10 +15,10 @@ from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
 from cubeaccel.cli.master_access import MasterUrl, call_master
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
+from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.transport.master_client import Calls
+from cubeaccel.transport.node_sig import TokenFile
 from cubeaccel.wire.cubelet_api import DeviceReply, Event, Reservation
-from cubeaccel.wire.cubelet_client import CubeletClient
-from cubeaccel.wire.master_client import Calls
-from cubeaccel.wire.node_sig import TokenFile
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
 reservation_app = typer.Typer(no_args_is_help=True, help="Reservations a Cubelet holds (node view).")
@@ -187,7 +187,7 @@ def serve_cmd(
     ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
-    from cubeaccel.wire.telemetry import configure_logging
+    from cubeaccel.transport.telemetry import configure_logging
 
     configure_logging(log_level)  # None: $CUBEACCEL_LOG_LEVEL, else info
     from cubeaccel.cubelet.inventory import initialize_host

@@ -20,8 +20,8 @@ from rich.table import Table
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
+from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire.cubelet_api import Device, Event
-from cubeaccel.wire.cubelet_client import CubeletClient
 
 
 def wait_for(fn: Any, what: str, deadline_s: float = 120.0) -> Any:
@@ -77,7 +77,7 @@ GUEST_DEVICE_SCRIPT = (
 def show_device_in_guest(cubelet_url: str, sid: str, token: str) -> None:
     """A command run inside the sandbox (through Cubelet's proxy, as `cubeaccel sandbox exec` does) that shows
     the hot-plugged device as the guest kernel sees it."""
-    from cubeaccel.wire.workload_client import WorkloadClient
+    from cubeaccel.transport.workload_client import WorkloadClient
 
     console.print(f"[bold]cubeaccel sandbox exec {sid} -- sh -c '<list PCI functions 1234:11e8 from sysfs>'[/bold]")
     wl = WorkloadClient.over(f"{cubelet_url.rstrip('/')}/v1/sandboxes/{sid}/workload", token, timeout=60)
@@ -100,7 +100,7 @@ def show_device_in_guest(cubelet_url: str, sid: str, token: str) -> None:
 def run_demo(profile: str) -> int:
     """`cubeaccel up` (embedded CubeMaster + one Cubelet, best backend here), one sandbox created through
     CubeMaster, then deleted; the device table, the timeline and the event trail come from Cubelet."""
-    from cubeaccel.wire.master_client import MasterClient
+    from cubeaccel.transport.master_client import MasterClient
 
     state = Path(tempfile.mkdtemp(prefix="cubeaccel-demo-"))
     up = subprocess.run(

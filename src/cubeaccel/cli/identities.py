@@ -16,7 +16,7 @@ from cubeaccel.cli.master_access import (
     write_secret,
 )
 from cubeaccel.cli.render import console
-from cubeaccel.wire.master_client import Calls
+from cubeaccel.transport.master_client import Calls
 
 tenant_app = typer.Typer(no_args_is_help=True, help="Tenants (admin key): each gets an API key, shown once.")
 key_app = typer.Typer(

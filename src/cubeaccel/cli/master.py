@@ -61,7 +61,7 @@ def serve_cmd(
     """Run CubeMaster: migrate the database, then serve the API."""
     import uvicorn
 
-    from cubeaccel.wire.telemetry import configure_logging
+    from cubeaccel.transport.telemetry import configure_logging
 
     configure_logging(log_level)  # None: $CUBEACCEL_LOG_LEVEL, else info
 
@@ -69,7 +69,7 @@ def serve_cmd(
     from cubeaccel.master.server import create_app
     from cubeaccel.master.service import CubeMaster, MasterConfig
     from cubeaccel.master.store import MasterStore
-    from cubeaccel.wire.http_server import run_servers, server_config
+    from cubeaccel.transport.http_server import run_servers, server_config
 
     host, port = _listen(listen)
     from cubeaccel.host.service import statelock

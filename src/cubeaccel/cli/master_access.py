@@ -12,7 +12,7 @@ import typer
 from cubeaccel.cli import output
 from cubeaccel.cli.locate import UP_STATE, up_info
 from cubeaccel.model.errors import CubeError
-from cubeaccel.wire.master_client import MasterClient
+from cubeaccel.transport.master_client import MasterClient
 
 MasterUrl = Annotated[
     str | None,

@@ -22,8 +22,8 @@ from cubeaccel.cli.master_access import (
 from cubeaccel.cli.render import console
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.transport.master_client import MasterClient
 from cubeaccel.wire.master_api import Sandbox, SandboxError, SandboxReply, StartPhase, WarmSandbox
-from cubeaccel.wire.master_client import MasterClient
 
 sandbox_app = typer.Typer(no_args_is_help=True, help="Sandboxes through CubeMaster.")
 
@@ -192,7 +192,7 @@ TokenOpt = Annotated[
 def _workload(sandbox_id: str, url: str | None, token: str | None, timeout: float | None = None) -> Any:
     """A workload client for the sandbox, at its node's Cubelet proxy: CubeMaster names it to the sandbox's own
     tenant (`GET /v1/sandboxes/{id}/workload`), so a tenant key is enough."""
-    from cubeaccel.wire.workload_client import WorkloadClient
+    from cubeaccel.transport.workload_client import WorkloadClient
 
     token = token or os.environ.get("CUBEACCEL_SANDBOX_TOKEN")
     if not token:

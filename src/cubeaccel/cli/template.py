@@ -204,7 +204,7 @@ def list_cmd(url: str | None = MasterOpt, as_json: bool = AsJson) -> None:
     """Templates registered with CubeMaster: name, version, class, digest, and which is each class's default."""
     from cubeaccel.cli import output
     from cubeaccel.cli.master_access import call_master
-    from cubeaccel.wire.master_client import Calls
+    from cubeaccel.transport.master_client import Calls
 
     output.json_flag(as_json)
     body = call_master(url, lambda c: c.call(Calls.templates()))
@@ -230,7 +230,7 @@ def delete_cmd(
     """Delete a registered template (sandboxes already created keep their frozen contract)."""
     from cubeaccel.cli import output
     from cubeaccel.cli.master_access import call_master
-    from cubeaccel.wire.master_client import Calls
+    from cubeaccel.transport.master_client import Calls
 
     r = call_master(url, lambda c: c.call(Calls.delete_template(ref)))
     output.emit(r, lambda: _console().print(f"deleted {r.deleted} version(s) of {escape(r.template)}"))

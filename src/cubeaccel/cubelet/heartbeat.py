@@ -17,9 +17,9 @@ from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.transport.node_sig import NodeAuth
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
 from cubeaccel.wire.heartbeat import HostProblem
-from cubeaccel.wire.node_sig import NodeAuth
 from cubeaccel.wire.warm import WarmPoolFact, WarmSandboxFact
 
 

@@ -59,9 +59,9 @@ from cubeaccel.model.sandbox_policy import (
     narrow_network,
 )
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+from cubeaccel.transport.telemetry import request_id
 from cubeaccel.wire.reports import DeviceAttached, GuestValidated, StartFailed, VmmConfined, VmStarted
 from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
-from cubeaccel.wire.telemetry import request_id
 from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
 
 S, E = DeviceState, DeviceEvent

@@ -22,7 +22,7 @@ from cubeaccel.cubelet.store import Event
 from cubeaccel.model.cold_start import MILESTONES, cold_start_phases
 from cubeaccel.model.device import DeviceRecord, PciAddress
 from cubeaccel.model.states import DeviceState
-from cubeaccel.wire.telemetry import ApiTelemetry
+from cubeaccel.transport.telemetry import ApiTelemetry
 
 if TYPE_CHECKING:
     from cubeaccel.cubelet.lifecycle import Cubelet

@@ -36,12 +36,12 @@ from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.pinned_memory import QEMU_LOCKED_PER_VCPU_MIB
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.transport import node_sig, proxy
+from cubeaccel.transport.api_edges import BeforeReplyMiddleware, GateMiddleware, api_app, error_response, json_body
+from cubeaccel.transport.http_server import PEER_KEY, run_servers, server_config
 from cubeaccel.wire import cubelet_api as W
-from cubeaccel.wire import node_sig, proxy
-from cubeaccel.wire.api_edges import BeforeReplyMiddleware, GateMiddleware, api_app, error_response, json_body
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.dashboard import DashboardEvent, DashboardSandbox, NodeDashboard
-from cubeaccel.wire.http_server import PEER_KEY, run_servers, server_config
 from cubeaccel.wire.reports import ShimReportBody, parse_report
 from cubeaccel.wire.warm import WarmClaimBody, WarmDrainReply, WarmPoolBody, WarmPoolList
 

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 from pydantic import ValidationError
 
+from cubeaccel.transport.node_sig import NodeAuth
 from cubeaccel.wire.master_api import StatusBody
-from cubeaccel.wire.node_sig import NodeAuth
 
 RETRIES = 5
 RETRY_WAIT_S = 0.5
@@ -30,7 +30,7 @@ class StatusPush:
         timeout_s: float = 5.0,
         token: str | Callable[[], str | None] | None = None,
     ) -> None:
-        self.auth = NodeAuth(token) if token else None  # each push signed (wire/node_sig.py)
+        self.auth = NodeAuth(token) if token else None  # each push signed (transport/node_sig.py)
         self.base = f"{master_url.rstrip('/')}/v1/nodes/{node}/sandboxes"
         self.timeout_s = timeout_s
         self._queue: queue.Queue[tuple[str, dict[str, Any]] | None] = queue.Queue(maxsize=10000)

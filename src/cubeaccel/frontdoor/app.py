@@ -31,12 +31,12 @@ from cubeaccel.frontdoor.unread_body import close_when_body_unread
 from cubeaccel.model.error_catalog import http_status
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import ENDED_STATES, SandboxState
+from cubeaccel.transport.api_edges import EdgeGuard
+from cubeaccel.transport.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
+from cubeaccel.transport.master_client import Calls
 from cubeaccel.wire import json_guard
-from cubeaccel.wire.api_edges import EdgeGuard
 from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
-from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 from cubeaccel.wire.master_api import SandboxReply
-from cubeaccel.wire.master_client import Calls
 
 GONE = (SandboxState.DELETING, SandboxState.DELETED)  # E2B's kill answers 404 for these
 # The design excludes these for a sandbox holding a device (ARCHITECTURE.md: no snapshot of VFIO state).
@@ -99,7 +99,7 @@ def api_key(request: Request) -> str:
 
 
 def edge_error(e: CubeError) -> Response:
-    """A refusal at the server edge (wire/api_edges.EdgeGuard, shared with CubeMaster and the Cubelet) in E2B's
+    """A refusal at the server edge (transport/api_edges.EdgeGuard, shared with CubeMaster and the Cubelet) in E2B's
     format: the catalogued code leads the message, as it does for CubeMaster's refusals."""
     refusal = M.refusal_from_error(e.to_json()["error"], http_status(e.code, e.status))
     return error(refusal.status, refusal.message, refusal.retry)

@@ -38,9 +38,9 @@ from cubeaccel.model import connect_envelope
 from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.sandbox_states import ENDED_STATES
-from cubeaccel.wire import proxy
+from cubeaccel.transport import proxy
+from cubeaccel.transport.master_client import Calls
 from cubeaccel.wire.e2b_api import GuestMetrics
-from cubeaccel.wire.master_client import Calls
 
 START_PATH = "/process.Process/Start"
 MAX_START_MESSAGE = 1 << 20  # the guest's own bound for a stream request message

@@ -1,4 +1,4 @@
-"""The front door's server edge under Hypercorn: the bounds every cubeaccel listener has (wire/http_server.py).
+"""The front door's server edge under Hypercorn: the bounds every cubeaccel listener has (transport/http_server.py).
 
 What Hypercorn enforces, read from its code (0.17/0.18) and checked by tests/e2e/test_hostile_http.py:
 - `keep_alive_timeout` runs from the connection's start (or the end of a reply) until a request's headers are
@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from cubeaccel.transport.http_server import MAX_HEADER_BYTES, HttpLimits
 from cubeaccel.wire.e2b_api import Error
-from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits
 
 
 def bounded_config(listen: str, limits: HttpLimits | None = None) -> Any:

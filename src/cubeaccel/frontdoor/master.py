@@ -10,14 +10,14 @@ from pydantic import ValidationError
 
 from cubeaccel.frontdoor.mapping import Refusal, refusal_from_master
 from cubeaccel.model.errors import CubeError
-from cubeaccel.wire.http_reply import UNREADABLE_ERROR
-from cubeaccel.wire.master_client import AsyncMasterClient, Call, Calls, ReplyT
+from cubeaccel.transport.http_reply import UNREADABLE_ERROR
+from cubeaccel.transport.master_client import AsyncMasterClient, Call, Calls, ReplyT
 
 MAX_PREFIXES = 4096
 
 
 class FrontDoorMaster:
-    """`wire.master_client.AsyncMasterClient` with the front door's two needs on top: a CubeMaster error raised
+    """`transport.master_client.AsyncMasterClient` with the front door's two needs on top: a CubeMaster error raised
     as the E2B refusal it maps to, and each tenant's sandbox id prefix, asked once per key."""
 
     def __init__(self, url: str, admin_key: str, timeout_s: float = 30.0) -> None:

@@ -29,7 +29,7 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE
-from cubeaccel.wire import node_sig
+from cubeaccel.transport import node_sig
 from cubeaccel.wire.master_api import KeyRow, TenantRow
 
 ADMIN, TENANT, NODE, ANONYMOUS = "admin", "tenant", "node", "anonymous"

@@ -35,8 +35,8 @@ from cubeaccel.model.sandbox_states import (
     SandboxEvent,
     SandboxState,
 )
+from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire.cubelet_api import Failure, Reservation
-from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.warm import WARM_ID_PREFIX
 
 SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE

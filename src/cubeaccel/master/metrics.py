@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from cubeaccel.master.scheduler import Decision
 from cubeaccel.master.service import CubeMaster
-from cubeaccel.wire.telemetry import API_BUCKETS, ApiTelemetry
+from cubeaccel.transport.telemetry import API_BUCKETS, ApiTelemetry
 
 log = logging.getLogger("cubeaccel.master")
 

@@ -50,14 +50,14 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, NodeState, SandboxActor, SandboxState
+from cubeaccel.transport import node_sig
+from cubeaccel.transport.api_edges import BeforeReplyMiddleware, api_app, json_body
+from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.transport.telemetry import accept_request_id
 from cubeaccel.wire import master_api as W
-from cubeaccel.wire import node_sig
-from cubeaccel.wire.api_edges import BeforeReplyMiddleware, api_app, json_body
-from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.dashboard import Dashboard
 from cubeaccel.wire.heartbeat import Heartbeat, NodeNews
 from cubeaccel.wire.master_api import OperatorBody, SandboxBody
-from cubeaccel.wire.telemetry import accept_request_id
 from cubeaccel.wire.templates import TemplateDocument
 from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 

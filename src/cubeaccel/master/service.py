@@ -39,9 +39,9 @@ from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import ReservationBody, ReservationView
-from cubeaccel.wire.cubelet_client import CubeletClient
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 from cubeaccel.wire.warm import WarmClaimBody
 

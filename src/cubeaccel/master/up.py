@@ -34,11 +34,11 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import SandboxState
 from cubeaccel.model.states import DeviceState
-from cubeaccel.wire.master_client import Calls, MasterClient
+from cubeaccel.transport.master_client import Calls, MasterClient
 from cubeaccel.wire.templates import loads_document
 
 if TYPE_CHECKING:
-    from cubeaccel.wire.cubelet_client import CubeletClient
+    from cubeaccel.transport.cubelet_client import CubeletClient
 
 # Package data, so an installed wheel registers them too (not a path into a source checkout).
 EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
@@ -399,7 +399,7 @@ def end_sandboxes(master_url: str, cubelet_url: str, state_dir: Path, deadline_s
     it holds nothing and no released device is still being scrubbed (a scrub VM outliving its Cubelet would run
     unrecorded, beside the next start's reconcile scrubbing the same device). Returns the sandbox ids still
     held at the deadline."""
-    from cubeaccel.wire.cubelet_client import CubeletClient
+    from cubeaccel.transport.cubelet_client import CubeletClient
 
     c = CubeletClient(url=cubelet_url, timeout=10.0, token=_secret(state_dir / "node-local.token"))
     with contextlib.suppress(CubeError, httpx.HTTPError):  # warm ones first, and no refill behind the release

@@ -46,9 +46,9 @@ from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.warm_control import WarmControl, unknowable_token, warm_up
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
+from cubeaccel.transport.telemetry import configure_logging, set_request_id
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
-from cubeaccel.wire.telemetry import configure_logging, set_request_id
 from cubeaccel.wire.warm import ShimClaim
 
 PIN_PROOF_TIMEOUT_S = 5.0

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.transport.telemetry import outgoing_headers
 from cubeaccel.wire.reports import report_json
-from cubeaccel.wire.telemetry import outgoing_headers
 
 log = logging.getLogger("cubeaccel.shim")
 

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Mapping
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 BASE_VARS = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "HOME")
-# Settings a child of ours reads (each one's reader: host/vmm/hypervisor.py, host/vmm/confine.py, wire/telemetry.py,
-# wire/http_server.py, images/builder.py, cli/config, shim/console.py). A new setting a child needs is added
-# here, by name.
+# Settings a child of ours reads (each one's reader: host/vmm/hypervisor.py, host/vmm/confine.py,
+# transport/telemetry.py, transport/http_server.py, images/builder.py, cli/config, shim/console.py). A new setting a
+# child needs is added here, by name.
 COMPONENT_VARS = (
     "CUBEACCEL_QEMU",
     "CUBEACCEL_ACCEL",

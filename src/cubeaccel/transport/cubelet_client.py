@@ -8,6 +8,9 @@ from urllib.parse import quote
 
 import httpx
 
+from cubeaccel.transport.http_reply import reply_body
+from cubeaccel.transport.node_sig import NodeAuth
+from cubeaccel.transport.telemetry import add_request_id
 from cubeaccel.wire.capacity import CapacitySummary
 from cubeaccel.wire.cubelet_api import (
     Device,
@@ -24,9 +27,6 @@ from cubeaccel.wire.cubelet_api import (
     ReservationView,
 )
 from cubeaccel.wire.dashboard import NodeDashboard
-from cubeaccel.wire.http_reply import reply_body
-from cubeaccel.wire.node_sig import NodeAuth
-from cubeaccel.wire.telemetry import add_request_id
 from cubeaccel.wire.warm import WarmClaimBody, WarmDrainReply
 
 

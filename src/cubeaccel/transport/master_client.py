@@ -12,15 +12,15 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel
 
+from cubeaccel.transport.http_reply import reply_body
+from cubeaccel.transport.node_sig import NodeAuth
+from cubeaccel.transport.telemetry import add_request_id
 from cubeaccel.wire import master_api as W
-from cubeaccel.wire.http_reply import reply_body
-from cubeaccel.wire.node_sig import NodeAuth
-from cubeaccel.wire.telemetry import add_request_id
 
 
 def _credentials(key: str | None) -> tuple[dict[str, str] | None, NodeAuth | None]:
     """`key`: an API key (tenant or admin), sent as a bearer credential, or a node token (`cbn:…`), which signs
-    each request instead (wire/node_sig.py)."""
+    each request instead (transport/node_sig.py)."""
     if key and key.startswith("cbn:"):
         return None, NodeAuth(key)
     return ({"Authorization": f"Bearer {key}"} if key else None), None

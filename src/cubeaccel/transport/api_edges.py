@@ -22,10 +22,10 @@ from starlette.responses import Response
 
 from cubeaccel.model.error_catalog import http_status
 from cubeaccel.model.errors import CubeError
+from cubeaccel.transport.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
+from cubeaccel.transport.telemetry import ApiTelemetry
 from cubeaccel.wire import json_guard
 from cubeaccel.wire.base import UNSUPPORTED_VERSION, Strict
-from cubeaccel.wire.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
-from cubeaccel.wire.telemetry import ApiTelemetry
 
 MAX_BODY = 1 << 20
 
