@@ -42,7 +42,7 @@ COMMANDS = {
     "git_commit": 'cd "$(mktemp -d)" && git init -q && git -c user.email=u@x -c user.name=u commit -q'
     " --allow-empty -m m && git log --oneline | wc -l | grep -qx 1",
     # E2B's own suite sets metadata this way: needs `attr` and a home with user xattrs (not 6.1's tmpfs)
-    "setfattr": "cd && echo c > x.txt && setfattr -n user.e2b.author -v mish x.txt"
+    "setfattr": "cd && test ! -e lost+found && echo c > x.txt && setfattr -n user.e2b.author -v mish x.txt"
     " && getfattr --only-values -n user.e2b.author x.txt | grep -qx mish",
     "ca_bundle": "test -s /etc/ssl/certs/ca-certificates.crt && python3 -c 'import ssl; "
     'assert ssl.create_default_context().cert_store_stats()["x509_ca"] > 100\'',

@@ -137,6 +137,7 @@ modprobe brd rd_nr=1 rd_size=$((mem_kib / 2)) max_part=0 && modprobe crc32c_gene
   && /sbin/mke2fs -q -t ext4 -O ^has_journal -m 0 -U "$(cat /proc/sys/kernel/random/uuid)" \
     -E lazy_itable_init=1,nodiscard,hash_seed="$(cat /proc/sys/kernel/random/uuid)" /dev/ram0 \
   && mount -t ext4 -o nosuid,nodev,noinit_itable /dev/ram0 /home/user && echo "cube-init: home on /dev/ram0"
+rmdir /home/user/lost+found 2>/dev/null  # mke2fs's, for an fsck this RAM disk never gets: not the user's
 chown 1000:1000 /home/user && chmod 0750 /home/user /root
 modprobe virtio_pci
 modprobe virtio_console
