@@ -50,7 +50,7 @@ _MODULE_GLOBS = (
 # cubeaccel's parts the backend scenarios import: stdlib only.
 GUEST_PACKAGES = ("model", "host", "backends")
 # With a VMM, the Cubelet runs in the guest too: its closure (the wire models need pydantic), qemu.qmp, sqlite3.
-CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images", "wire")
+CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images", "wire", "transport")
 # Third-party distributions the Cubelet's closure imports, copied from this interpreter's site-packages (pure
 # Python but pydantic_core, a cp311 manylinux extension that loads on the guest's Debian 3.11).
 CUBELET_THIRD_PARTY = (
