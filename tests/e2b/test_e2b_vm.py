@@ -347,8 +347,8 @@ def sdk_215_path() -> Path:
     return sdk_path(SDK_215)
 
 
-def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None:
-    """After the module's sandbox is gone: its own create, run and kill."""
+def test_the_2_15_sdk_line_creates_runs_connects_and_kills(stack: dict[str, Any]) -> None:
+    """After the module's sandbox is gone: its own create, run, connect and kill."""
     url = stack["fd"].url
     env = {
         "PATH": os.environ["PATH"],
@@ -367,7 +367,7 @@ def test_the_2_15_sdk_line_creates_runs_and_kills(stack: dict[str, Any]) -> None
     )
     assert r.returncode == 0, r.stdout + r.stderr
     seen = json.loads(r.stdout.strip().splitlines()[-1])
-    assert seen["version"] == SDK_215
+    assert seen["version"] == SDK_215 and seen["connected"] is True
     assert (seen["stdout"], seen["exit_code"], seen["killed"], seen["killed_again"]) == (
         "2.15\nLinux\n",
         0,

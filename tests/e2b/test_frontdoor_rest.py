@@ -374,3 +374,22 @@ def test_older_sdk_lines_send_network_options_the_front_door_maps_or_refuses_by_
     assert "0.0.0.0/0" in asked["no_internet"].network["deny_out"]
     assert "network.e2b_destination_unsupported" in seen["by_name"]["error"]
     assert "network.policy_widened" in seen["widened"]["error"]
+
+
+def test_the_2_15_sdks_connect_names_the_sandbox_in_envds_headers_and_is_still_rest(stack: dict[str, Any]) -> None:
+    """SDK 2.15's `Sandbox.connect` sends `POST /sandboxes/{id}/connect` with the API key and also
+    `E2b-Sandbox-Id`/`E2b-Sandbox-Port: 49983`, the headers that mark envd traffic in plain-http mode: the front
+    door answered it as envd (401, no access token) and every 2.15 connect failed."""
+    sbx = Sandbox.create("cuda12-h100", timeout=120, **opts(stack))
+    try:
+        envd_headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49983"}
+        r = rest(stack, "POST", f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60}, headers=envd_headers)
+        assert r.status_code in (200, 201), r.text
+        assert r.json()["sandboxID"] == sbx.sandbox_id and r.json()["envdAccessToken"] == sbx._envd_access_token
+        anonymous = httpx.post(f"{stack['fd'].url}/sandboxes/{sbx.sandbox_id}/connect", headers=envd_headers)
+        assert anonymous.status_code == 401  # no API key: envd's, and refused for its missing token
+        # a sandbox that line connected sends envd traffic with only its token: a token no sandbox has is envd's 401
+        wrong = httpx.get(f"{stack['fd'].url}/health", headers={"X-Access-Token": "not-a-sandboxes-token"})
+        assert (wrong.status_code, wrong.json()["message"]) == (401, "missing or wrong access token")
+    finally:
+        sbx.kill()

@@ -329,6 +329,16 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
                     await envd_error(401, "invalid signature")(scope, receive, send)
                     return
                 target = (ENVD_PORT, found)
+            elif target is None and envd.unaddressed_by_token(request):
+                try:
+                    by_token = await envd.token_sandbox(request)
+                except Refusal as e:
+                    await error(e.status, e.message, e.retry)(scope, receive, send)
+                    return
+                if by_token is None:  # no running sandbox has this token: envd's own answer to a wrong one
+                    await envd_error(401, "missing or wrong access token")(scope, receive, send)
+                    return
+                target = (ENVD_PORT, by_token)
             if target is not None:
                 try:
                     response = await envd.handle(request, *target)

@@ -59,6 +59,10 @@ class Route:
     env_vars: dict[str, str]
 
 
+# E2B's REST paths about sandboxes; envd serves none of them (`/files`, `/health`, `/envs`, Connect services).
+REST_PATHS = ("/sandboxes/", "/v2/sandboxes/")
+
+
 def gone(sandbox_id: str) -> JSONResponse:
     """What E2B's own proxy answers for a sandbox that no longer exists: the SDK keys on "was not found"."""
     return JSONResponse(
@@ -127,7 +131,10 @@ class EnvdProxy:
         sid = request.headers.get("e2b-sandbox-id")
         if sid is not None:
             given = request.headers.get("e2b-sandbox-port") or str(ENVD_PORT)
-            return (int(given) if given.isdigit() and len(given) <= 5 else -1), sid
+            port = int(given) if given.isdigit() and len(given) <= 5 else -1
+            if port == ENVD_PORT and "x-api-key" in request.headers and request.url.path.startswith(REST_PATHS):
+                return None  # SDK 2.15's connect: a REST call (the API key, E2B's path) that names the sandbox too
+            return port, sid
         return host_sandbox(request.headers.get("host", ""), self.domain)
 
     @staticmethod
@@ -136,15 +143,33 @@ class EnvdProxy:
         every sandbox, so nothing in it names the sandbox."""
         return request.url.path == "/files" and "signature" in request.query_params
 
+    @staticmethod
+    def unaddressed_by_token(request: Request) -> bool:
+        """envd traffic of a sandbox that SDK 2.15 `connect`ed in plain-http mode: that line sends the access
+        token but not `E2b-Sandbox-Id` from a connected sandbox, so only the token names it (a REST call carries
+        the API key instead)."""
+        return "x-access-token" in request.headers and "x-api-key" not in request.headers
+
     async def signed_sandbox(self, request: Request) -> str | None:
         """The running sandbox whose token signed this `/files` URL (its signature is a sha256 over the
         token, so at most one matches; an expired one too, which `handle` then refuses as envd does), or
-        None. The running list comes from CubeMaster, re-read at most once a `RUNNING_REFRESH_S` however many
-        unsigned or forged URLs arrive."""
+        None."""
+        return await self._running_sandbox(lambda sid: signed_by(request, envd_token(self.secret, sid)))
+
+    async def token_sandbox(self, request: Request) -> str | None:
+        """The running sandbox whose envd access token the request presents, or None."""
+        token = request.headers.get("x-access-token", "").encode()
+        return await self._running_sandbox(
+            lambda sid: hmac.compare_digest(token, envd_token(self.secret, sid).encode())
+        )
+
+    async def _running_sandbox(self, match: Callable[[str], bool]) -> str | None:
+        """The running sandbox `match` picks. The running list comes from CubeMaster, re-read at most once a
+        `RUNNING_REFRESH_S` however many unmatched requests arrive."""
         for attempt in range(2):
             stamp, ids = self._running
             for sid in ids:
-                if signed_by(request, envd_token(self.secret, sid)):
+                if match(sid):
                     return sid
             if attempt:
                 return None
