@@ -123,9 +123,9 @@ class DeviceReply(Device):
     v: Literal[1] = 1
 
 
-class Event(Record):
-    """One row of the node's journal. `kind` names what happened (a device transition, a shim report, a repair,
-    …); the vocabulary grows with the code, so it stays a string. `details` are the event's own facts."""
+class JournalEvent(Record):
+    """One row of the node's journal, without its details. `kind` names what happened (a device transition, a
+    shim report, a repair, …); the vocabulary grows with the code, so it stays a string."""
 
     seq: int
     at: float
@@ -137,6 +137,11 @@ class Event(Record):
     to_state: str | None
     actor: str
     reason: str | None
+
+
+class Event(JournalEvent):
+    """A journal row with `details`, the event's own facts."""
+
     details: dict[str, Any]
 
 

@@ -7,22 +7,11 @@ from typing import Any
 
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.wire.base import Record, Reply
-from cubeaccel.wire.cubelet_api import Device
+from cubeaccel.wire.cubelet_api import Device, JournalEvent
 
 
-class DashboardEvent(Record):
+class DashboardEvent(JournalEvent):
     """A journal event as the page lists it: without its details."""
-
-    seq: int
-    at: float
-    kind: str
-    device_id: str | None
-    sandbox_id: str | None
-    event: str | None
-    from_state: str | None
-    to_state: str | None
-    actor: str
-    reason: str | None
 
 
 class DashboardSandbox(Record):
