@@ -5,6 +5,7 @@ the sandbox's health, where a FIN after a partial chunked body would be a protoc
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -60,7 +61,8 @@ def front(request: pytest.FixtureRequest) -> Iterator[str]:
     port = free_port()
     cfg = Config()
     cfg.bind = [f"127.0.0.1:{port}"]
-    cfg.accesslog = cfg.errorlog = None
+    cfg.accesslog = None
+    cfg.errorlog = logging.getLogger("tests.hypercorn.error")  # what the server says, for caplog
     expose_client_sockets()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
@@ -85,10 +87,15 @@ def front(request: pytest.FixtureRequest) -> Iterator[str]:
         upstream_sock.close()
 
 
-def test_a_stream_cut_upstream_is_a_reset_for_the_caller(front: str) -> None:
+def test_a_stream_cut_upstream_is_a_reset_for_the_caller(front: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
     got = bytearray()
     with pytest.raises(pyqwest.ReadError) as cut, pyqwest.SyncClient().stream("GET", f"{front}/stream") as r:
         for chunk in r.content:
             got.extend(chunk)
     assert bytes(got) == b"first"
     assert "reset" in str(cut.value).lower()
+    # A designed cut is one line of the front door's, not the server's traceback of an app error.
+    cuts = [r for r in caplog.records if r.name == "cubeaccel.frontdoor" and "stream cut" in r.getMessage()]
+    assert len(cuts) == 1 and "GET /stream" in cuts[0].getMessage()
+    assert not [r for r in caplog.records if r.name == "tests.hypercorn.error" and r.levelno >= logging.ERROR]

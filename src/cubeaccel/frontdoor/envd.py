@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import logging
 import re
 import socket
 import struct
@@ -31,6 +32,7 @@ import httpx
 from pydantic import ValidationError
 from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
 
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token, traffic_token
 from cubeaccel.frontdoor.master import FrontDoorMaster
@@ -51,6 +53,7 @@ TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"  # E2B's header for a sandbox'
 PORT_INVALID = "port.invalid"
 PORT_TOKEN_REQUIRED = "port.token_required"
 PORT_UPGRADE = "port.upgrade_unsupported"
+log = logging.getLogger("cubeaccel.frontdoor")
 
 
 @dataclass(frozen=True)
@@ -419,10 +422,35 @@ def reset_client_connection(http_version: str = "1.1") -> None:
     transport.abort()  # closes now, without the FIN a graceful close would send first
 
 
+class CutRelay(proxy.Relay):
+    """The upstream's response streamed to the caller; a stream cut upstream is cut for the caller with a reset.
+
+    A cut is designed (a sandbox killed mid-command, a command's deadline), so it is logged as one line, not as
+    the server's "Error in ASGI Framework" traceback: Hypercorn ends the stream the same way whether the app
+    returns or raises (`send(None)` in its `finally`), so keeping the error from it changes only the log."""
+
+    def __init__(self, upstream: httpx.Response, http_version: str) -> None:
+        self.cut_by: httpx.HTTPError | None = None
+        self._http_version = http_version
+        super().__init__(upstream, on_error=self._cut)
+
+    def _cut(self, e: httpx.HTTPError) -> None:
+        self.cut_by = e
+        reset_client_connection(self._http_version)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except Exception:
+            if self.cut_by is None:
+                raise
+            log.info(
+                "stream cut upstream, caller's stream cut: %s %s: %s",
+                scope.get("method"),
+                scope.get("path"),
+                type(self.cut_by).__name__,
+            )
+
+
 def relayed(upstream: httpx.Response, http_version: str) -> Response:
-    """The upstream's response streamed to the caller; a stream cut upstream is cut for the caller with a reset."""
-
-    def cut(_: httpx.HTTPError) -> None:
-        reset_client_connection(http_version)
-
-    return proxy.Relay(upstream, on_error=cut)
+    return CutRelay(upstream, http_version)
