@@ -4,10 +4,14 @@ processes, held alive at a known step by the report socket (tests/host/test_shim
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import cubeaccel
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.host.service import childenv
 from cubeaccel.host.vmm.vmmproc import find_shim
@@ -60,3 +64,33 @@ def test_a_vmm_gets_only_its_tags_and_a_fixed_path(monkeypatch: pytest.MonkeyPat
     assert env == {"PATH": childenv.SAFE_PATH, "CUBEACCEL_SANDBOX": "sb-1"}
     tool = childenv.component_env(passed=())  # nft, ip, mkfs
     assert not set(SECRETS) & set(tool) and tool["PATH"] == "/home/op/bin:/usr/bin"
+
+
+def test_a_component_runs_the_code_its_parent_runs(tmp_path: Path) -> None:
+    """A stack started from a copy of the code (a worktree, a checkout beside an editable install of another
+    tree): the processes it starts import that copy, not what the interpreter would find by default."""
+    copy = tmp_path / "tree"
+    shutil.copytree(Path(cubeaccel.__file__).parent, copy / "cubeaccel", ignore=shutil.ignore_patterns("__pycache__"))
+    parent = (
+        "import subprocess, sys\n"
+        "from cubeaccel.host.service.childenv import component_env\n"
+        "child = 'import cubeaccel; print(cubeaccel.__file__)'\n"
+        "print(subprocess.run([sys.executable, '-c', child], env=component_env(), capture_output=True, text=True,"
+        " check=True, timeout=60).stdout, end='')\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", parent],
+        env={"PYTHONPATH": str(copy), "PATH": childenv.SAFE_PATH},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert ran.returncode == 0, ran.stderr
+    assert Path(ran.stdout.strip()) == copy / "cubeaccel" / "__init__.py"
+
+
+def test_a_host_tool_gets_no_python_search_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/somewhere")
+    assert "PYTHONPATH" not in childenv.tool_env()
+    assert childenv.component_env()["PYTHONPATH"] == childenv.CODE_ROOT

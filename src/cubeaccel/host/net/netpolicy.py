@@ -34,7 +34,7 @@ from fcntl import ioctl
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.host.service.childenv import component_env
+from cubeaccel.host.service.childenv import tool_env
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import NetworkPolicy
 
@@ -112,7 +112,7 @@ def _run(args: list[str], stdin: str | None = None) -> str:
         p = subprocess.run(
             args,
             input=stdin,
-            env=component_env(passed=()),
+            env=tool_env(),
             capture_output=True,
             text=True,
             timeout=CMD_TIMEOUT_S,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from cubeaccel.host.service.childenv import component_env
+from cubeaccel.host.service.childenv import tool_env
 from cubeaccel.model.errors import CubeError
 
 SCRATCH_FILE = "scratch.img"
@@ -36,7 +36,7 @@ def create_scratch(path: Path, size_mib: int) -> None:
         str(tmp),
     ]
     try:
-        p = subprocess.run(argv, env=component_env(passed=()), capture_output=True, text=True, timeout=60, check=False)
+        p = subprocess.run(argv, env=tool_env(), capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         tmp.unlink(missing_ok=True)
         raise CubeError("filesystem.scratch_failed", f"mkfs.ext4: {e}", "backend", {}, 500) from e
