@@ -15,6 +15,7 @@ from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
 from cubeaccel.cli.master_access import MasterUrl, call_master
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.transport.master_client import Calls
 from cubeaccel.transport.node_sig import TokenFile
@@ -268,7 +269,7 @@ def serve_cmd(
                 cubelet.shim.prepare_templates(shapes)
         if holder_scan_exempt_pid:
             with cubelet.store.tx() as t:
-                t.event("holder_scan_exempt", "operator", details={"pids": sorted(holder_scan_exempt_pid)})
+                t.event(EventKind.HOLDER_SCAN_EXEMPT, "operator", details={"pids": sorted(holder_scan_exempt_pid)})
         initialize_host(cubelet)
         if warm_reset:
             cubelet.warm.reset()  # before reconcile, which then releases the forgotten pools' warm sandboxes

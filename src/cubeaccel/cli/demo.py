@@ -19,6 +19,7 @@ from rich.table import Table
 
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import DeviceState
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire.cubelet_api import Device, Event
@@ -56,7 +57,7 @@ def print_timeline(events: list[Event]) -> None:
     console.print("[bold]sandbox timeline[/bold] (seconds since the reservation, from Cubelet's event journal)")
     for e in events:
         label = e.event or e.kind
-        if e.kind == "transition":
+        if e.kind == EventKind.TRANSITION:
             label = f"{e.device_id}: {e.from_state} → {e.to_state}"
         console.print(f"  {e.at - t0:7.3f}s  {label}")
     shim = [e for e in events if e.event == "shim_exiting"]
@@ -139,7 +140,7 @@ def run_demo(profile: str) -> int:
         # Its own device: `up` keeps a warm sandbox, whose device stays attached (docs/warm.md).
         wait_for(lambda: _has(cubelet, dev, DeviceState.ALLOCATABLE), "the release", 120)
         wait_for(
-            lambda: any(e.kind == "reservation_closed" for e in _events(cubelet, sid)),
+            lambda: any(e.kind == EventKind.RESERVATION_CLOSED for e in _events(cubelet, sid)),
             "the reservation to close (shim and VMM gone)",
             60,
         )

@@ -17,6 +17,8 @@ from typing import Any
 from cubeaccel.cubelet.store import Event
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model import audit_trail as A
+from cubeaccel.model.event_kinds import EventKind
+from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.model.states import DeviceEvent
 from cubeaccel.wire.scrub import RESULT_FIELDS
 
@@ -44,7 +46,7 @@ def entries_of(ev: Event) -> list[Entry]:
         "by": ev.actor,
     }
     d = ev.details
-    if ev.kind == "transition" and ev.event is not None and ev.event in _EVENTS:
+    if ev.kind == EventKind.TRANSITION and ev.event is not None and ev.event in _EVENTS:
         event = DeviceEvent(ev.event)
         fields = {**base, "from_state": ev.from_state, "to_state": ev.to_state, "reason": ev.reason}
         if isinstance(d.get("who"), str):
@@ -56,20 +58,20 @@ def entries_of(ev: Event) -> list[Entry]:
             out.append((A.RESET, "ok", {**base, "after": "release"}))
         out.append((A.DEVICE_ACTIONS[event], "ok", fields))
         return out
-    if ev.kind == "scrub_started":
+    if ev.kind == EventKind.SCRUB_STARTED:
         return [(A.SCRUB_STARTED, "ok", {**base, "policy": d.get("policy")})]
-    if ev.kind == "scrub_finished":
+    if ev.kind == EventKind.SCRUB_FINISHED:
         fields = {**base, **{k: d[k] for k in SCRUB_FIELDS if k in d}}
         out = [(A.SCRUBBED, "ok" if d.get("ok") is True else "failed", fields)]
         if d.get("ok") is True and d.get("reset_after") == "ok":
             out.append((A.RESET, "ok", {**base, "after": "scrub"}))
         return out
-    if ev.kind == "quarantine_retry":
+    if ev.kind == EventKind.QUARANTINE_RETRY:
         keys = ("attempt", "limit", "probe", "quarantine_reason", "exhausted")
         return [(A.RETRY_ATTEMPT, "ok" if d.get("ok") is True else "failed", {**base, **{k: d.get(k) for k in keys}})]
-    if ev.kind == "shim_report" and ev.event == "device_detached":
+    if ev.kind == EventKind.SHIM_REPORT and ev.event == ShimReportKind.DEVICE_DETACHED:
         return [(A.DETACHED, "ok", base)]
-    if ev.kind == "shim_report" and ev.event == "vmm_exited":
+    if ev.kind == EventKind.SHIM_REPORT and ev.event == ShimReportKind.VMM_EXITED:
         return [(A.VMM_EXITED, "ok", {**base, "pid": d.get("pid"), "status": d.get("status")})]
     return []
 

@@ -16,6 +16,7 @@ from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.transport.node_sig import NodeAuth
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
@@ -133,7 +134,7 @@ class Heartbeat:
         if ok != self._reachable:
             with self.cubelet.store.tx() as t:
                 t.event(
-                    "master_reachable" if ok else "master_unreachable",
+                    EventKind.MASTER_REACHABLE if ok else EventKind.MASTER_UNREACHABLE,
                     "cubelet",
                     details={"url": self.url, "error": detail},
                 )

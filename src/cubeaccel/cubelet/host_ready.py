@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from cubeaccel.backends.base import Backend, Problem
 from cubeaccel.cubelet.store import Store, Tx
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 META_KEY = "host_readiness"
@@ -77,7 +78,7 @@ def check(cubelet: Cubelet) -> Readiness:
             codes = [p.code for p in problems]
             if [p.code for p in before.problems] != codes or before.checked_at is None:
                 t.event(
-                    "host_ready" if now.ready else "host_not_ready",
+                    EventKind.HOST_READY if now.ready else EventKind.HOST_NOT_READY,
                     Actor.CUBELET,
                     reason=codes[0] if codes else None,
                     details={**now.to_json(), "was": before.to_json()},

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from cubeaccel.cubelet.store import Event
 from cubeaccel.model.cold_start import MILESTONES, cold_start_phases
 from cubeaccel.model.device import DeviceRecord, PciAddress
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import DeviceState
 from cubeaccel.transport.telemetry import ApiTelemetry
 
@@ -247,23 +248,25 @@ class CubeletMetrics:
 
     def _count(self, e: Event) -> None:
         kind, sid = e.kind, e.sandbox_id
-        if kind == "transition":
+        if kind == EventKind.TRANSITION:
             self.transitions.labels(e.event or "", e.actor, e.to_state or "").inc()
             if e.to_state == DeviceState.QUARANTINED.value:
                 self.quarantines.labels(e.reason or "none").inc()
             elif e.to_state == DeviceState.UNHEALTHY.value:
                 self.unhealthy.labels(e.reason or "none").inc()
-        elif kind == "reservation_created":
+        elif kind == EventKind.RESERVATION_CREATED:
             self.reservations.labels("created").inc()
-        elif kind == "reservation_expired":
+        elif kind == EventKind.RESERVATION_EXPIRED:
             self.reservations.labels("expired").inc()
-        elif kind == "release_waiting":
+        elif kind == EventKind.RELEASE_WAITING:
             self.release_waits.labels(e.reason or "none").inc()
-        elif kind.startswith("scrub") and isinstance(e.details.get("duration_s"), int | float):
+        elif kind in (EventKind.SCRUB_STARTED, EventKind.SCRUB_FINISHED) and isinstance(
+            e.details.get("duration_s"), int | float
+        ):
             cls = str(e.details.get("class") or self.classes.get(e.device_id or "", ""))
             ok = e.details.get("ok")
             self.observe_scrub(float(e.details["duration_s"]), cls, ok=ok if isinstance(ok, bool) else e.reason is None)
-        elif kind == "teardown_started" and sid is not None:
+        elif kind == EventKind.TEARDOWN_STARTED and sid is not None:
             with self._lock:
                 self._teardowns[sid] = e.at
                 self._trails.pop(sid, None)
@@ -273,23 +276,23 @@ class CubeletMetrics:
                 self.failures.labels(str(failure.get("code", e.reason)), phase).inc()
                 if phase in STARTING_PHASES:
                     self.starts.labels("failed").inc()
-        elif kind == "reservation_closed" and sid is not None:
+        elif kind == EventKind.RESERVATION_CLOSED and sid is not None:
             self.reservations.labels("closed").inc()
             with self._lock:
                 began = self._teardowns.pop(sid, None)
                 self._trails.pop(sid, None)
             if began is not None:
                 self.release.observe(max(0.0, e.at - began))
-        if sid is None or kind not in _MILESTONE_KINDS | {"reservation_created"}:
+        if sid is None or kind not in _MILESTONE_KINDS | {EventKind.RESERVATION_CREATED}:
             return
         with self._lock:
-            if kind == "reservation_created":
+            if kind == EventKind.RESERVATION_CREATED:
                 self._trails[sid] = []
             trail = self._trails.get(sid)
             if trail is None:
                 return
             trail.append((kind, e.event, e.at))
-            if kind != "sandbox_running":
+            if kind != EventKind.SANDBOX_RUNNING:
                 return
             del self._trails[sid]
         self.starts.labels("running").inc()

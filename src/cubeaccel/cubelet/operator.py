@@ -9,6 +9,7 @@ from cubeaccel.cubelet.release import SCRUB_PENDING
 from cubeaccel.cubelet.scrub import ScrubPolicy, scrub_method_name, scrub_needs_vm
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import conflict, invalid, not_found
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.sanitize import leftover_tenant
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
 
@@ -141,7 +142,7 @@ def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver
             problems = binding.restore_host(d, original)
             with cubelet.store.tx() as t:
                 t.event(
-                    "driver_restored" if not problems else "driver_restore_failed",
+                    EventKind.DRIVER_RESTORED if not problems else EventKind.DRIVER_RESTORE_FAILED,
                     Actor.OPERATOR,
                     device_id=d.id,
                     reason=problems[0].code if problems else None,

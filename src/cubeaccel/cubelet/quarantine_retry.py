@@ -20,11 +20,12 @@ from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.cubelet.release import SCRUB_PENDING
 from cubeaccel.cubelet.scrub import ScrubPolicy, scrub_method_name, scrub_needs_vm
 from cubeaccel.model.device import DeviceRecord
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.recovery import RETRY_LIMIT, Recovery, recovery_of, retry_due
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 S, E = DeviceState, DeviceEvent
-KIND = "quarantine_retry"
+KIND = EventKind.QUARANTINE_RETRY
 
 
 def history(cubelet: Cubelet, device_id: str) -> tuple[int, float | None]:

@@ -20,6 +20,7 @@ from cubeaccel.cubelet.quarantine_retry import retry_quarantined
 from cubeaccel.host.net import netpolicy
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.start_deadlines import startup_timeout_s
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -39,7 +40,7 @@ def _record(cubelet: Cubelet, repairs: list[Repair], r: Repair) -> None:
     repairs.append(r)
     with cubelet.store.tx() as t:
         t.event(
-            "reconcile_repair",
+            EventKind.RECONCILE_REPAIR,
             Actor.CUBELET,
             device_id=r.device_id,
             sandbox_id=r.sandbox_id,

@@ -33,6 +33,7 @@ from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.cold_start import cold_start_phases, start_path
 from cubeaccel.model.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
 from cubeaccel.model.errors import CubeError, invalid, not_found
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.pinned_memory import QEMU_LOCKED_PER_VCPU_MIB
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -518,7 +519,7 @@ class Ticker:
                 reconcile(self.cubelet)
             except Exception as e:  # a failed tick is logged as an event and retried next tick
                 with self.cubelet.store.tx() as t:
-                    t.event("reconcile_failed", "cubelet", reason=type(e).__name__, details={"error": str(e)})
+                    t.event(EventKind.RECONCILE_FAILED, "cubelet", reason=type(e).__name__, details={"error": str(e)})
 
 
 def local_uids() -> frozenset[int]:

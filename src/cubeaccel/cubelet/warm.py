@@ -35,6 +35,7 @@ from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.shim_driver import ShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.errors import CubeError, conflict
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
 from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim, ShimClaimAck, WarmPoolSetting, WarmPoolView, WarmSettings
@@ -127,7 +128,7 @@ class WarmPools:
                 self._save(t)
                 self._cv.notify_all()
             details = {"pool": key, "size": size, "template": req.template}
-            t.event("warm_pool_set", Actor.CUBELET, details=details)
+            t.event(EventKind.WARM_POOL_SET, Actor.CUBELET, details=details)
         return pool
 
     # ---- the journal's record: pools and drain outlive this process ------------------------------------------
@@ -165,7 +166,7 @@ class WarmPools:
         except ValidationError as e:
             log.error("warm settings unreadable, the node stays drained: %s", e)
             self.draining = True
-            self._event("warm_settings_unreadable", None, "warm.drained", {"error": str(e)[:500]})
+            self._event(EventKind.WARM_SETTINGS_UNREADABLE, None, "warm.drained", {"error": str(e)[:500]})
             return
         self.draining = settings.draining
         for shape in settings.pools:
@@ -173,7 +174,9 @@ class WarmPools:
             try:
                 _, params = self.cubelet.request_params(req)
             except CubeError as e:
-                self._event("warm_pool_dropped", None, e.code, {"template": shape.template, "message": e.message})
+                self._event(
+                    EventKind.WARM_POOL_DROPPED, None, e.code, {"template": shape.template, "message": e.message}
+                )
                 continue
             key = pool_key(params)
             self.pools[key] = Pool(key, req, shape.size)
@@ -184,7 +187,7 @@ class WarmPools:
             self.pools.clear()
             self.draining = False
             self._save(t)
-            t.event("warm_reset", Actor.CUBELET, details={})
+            t.event(EventKind.WARM_RESET, Actor.CUBELET, details={})
 
     def orphans(self) -> list[str]:
         """Unclaimed warm sandboxes of no pool kept here (their pool's shape no longer validates): the refill
@@ -201,7 +204,7 @@ class WarmPools:
             and r.sandbox_id not in busy
         ]
 
-    def _event(self, kind: str, sandbox_id: str | None, reason: str | None, details: dict[str, Any]) -> None:
+    def _event(self, kind: EventKind, sandbox_id: str | None, reason: str | None, details: dict[str, Any]) -> None:
         with self.cubelet.change() as t:
             t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
 
@@ -308,7 +311,7 @@ class WarmPools:
                         break
                     self._cv.wait(0.2)
         except CubeError as e:
-            self._event("warm_start_failed", sid, e.code, {"pool": pool.key})
+            self._event(EventKind.WARM_START_FAILED, sid, e.code, {"pool": pool.key})
         finally:
             with self._cv:
                 self._inflight.pop(sid, None)
@@ -338,7 +341,7 @@ class WarmPools:
         ]
         for sid in ids:
             self.cubelet.begin_teardown(sid, DRAINED, message="the node's warm pools are drained")
-        self._event("warm_drained", None, None, {"torn_down": ids})
+        self._event(EventKind.WARM_DRAINED, None, None, {"torn_down": ids})
         return ids
 
     def undrain(self) -> None:
@@ -349,7 +352,7 @@ class WarmPools:
                     pool.backoff_s, pool.retry_at = 0.0, 0.0
                 self._save(t)
                 self._cv.notify_all()
-            t.event("warm_undrained", Actor.CUBELET, details={})
+            t.event(EventKind.WARM_UNDRAINED, Actor.CUBELET, details={})
 
     # ---- claim ---------------------------------------------------------------------------------------------
     def miss(self, key: str | None, reason: str) -> CubeError:
@@ -402,8 +405,10 @@ class WarmPools:
             if not t.claim_reservation(w.sandbox_id, claimed):  # cannot happen under the lock; the CAS says so
                 raise self.miss(key, "warm.pool_empty")
             details = {"pool": key, "warm_id": w.sandbox_id, "tenant": req.tenant, "path": "warm"}
-            t.event("warm_claimed", Actor.CUBELET, sandbox_id=sandbox_id, details=details)
-            t.event("warm_claimed", Actor.CUBELET, sandbox_id=w.sandbox_id, details={**details, "as": sandbox_id})
+            t.event(EventKind.WARM_CLAIMED, Actor.CUBELET, sandbox_id=sandbox_id, details=details)
+            t.event(
+                EventKind.WARM_CLAIMED, Actor.CUBELET, sandbox_id=w.sandbox_id, details={**details, "as": sandbox_id}
+            )
             with self._cv:
                 self.claiming.add(sandbox_id)
                 self.pools[key].claims += 1
@@ -429,7 +434,7 @@ class WarmPools:
             cur.checkpoint.claim_acked = True
             t.update_reservation(cur)
             t.event(
-                "warm_claim_acked",
+                EventKind.WARM_CLAIM_ACKED,
                 Actor.CUBELET,
                 sandbox_id=res.sandbox_id,
                 details={"reseed_ms": ack.reseed_ms, "rebind_ms": ack.rebind_ms, "reseeded": ack.reseeded},

@@ -26,6 +26,7 @@ import httpx
 from cubeaccel.master.service import START_FAILED, CubeMaster
 from cubeaccel.master.store import Row
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import (
     HELD_STATES,
@@ -109,7 +110,9 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
 def _closed_failure(master: CubeMaster, url: str, sid: str) -> Failure | None:
     """The failure the Cubelet recorded when it closed the sandbox's reservation, from its event trail."""
     closed = [
-        e for e in master.client(url).events(limit=10000, sandbox_id=sid).events if e.kind == "reservation_closed"
+        e
+        for e in master.client(url).events(limit=10000, sandbox_id=sid).events
+        if e.kind == EventKind.RESERVATION_CLOSED
     ]
     facts = closed[-1].details.get("facts") if closed else None  # the event's details are free-form
     failure = facts.get("failure") if isinstance(facts, dict) else None

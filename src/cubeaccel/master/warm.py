@@ -15,6 +15,7 @@ from typing import Any
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView, device_attributes, group_key
 from cubeaccel.model.contract import CompatibilityContract
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.wire.cubelet_api import ReservationView
@@ -174,7 +175,7 @@ def claim_phases(requested_at: float, sent_at: float, answered_at: float, reply:
     before the claim (match, claim row), the Cubelet until its journal CAS committed, the shim's RNG reseed and
     rebind, and the rest of the claim's round trip (ack recorded, reply). Times are this host's and the node's
     wall clocks: a phase across them is only as good as their agreement."""
-    cas_at = next((e.at for e in reply.timeline if e.kind == "warm_claimed"), None)
+    cas_at = next((e.at for e in reply.timeline if e.kind == EventKind.WARM_CLAIMED), None)
     hand = reply.hand_off
     out: dict[str, Any] = {
         "master_ms": round((sent_at - requested_at) * 1000, 1),

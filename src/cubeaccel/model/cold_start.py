@@ -10,6 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from cubeaccel.model.event_kinds import EventKind
+from cubeaccel.model.reports import ShimReportKind
+from cubeaccel.model.states import DeviceEvent
+
 # Why a start booted cold instead of restoring its machine shape's template snapshot (error_catalog.py).
 COLD_NO_SNAPSHOT = "start.cold_no_snapshot"  # none was prepared for this shape on this node
 COLD_POLICY_DEVICES = "start.cold_policy_devices"  # a NIC, scratch disk or mount: not the snapshot's machine
@@ -23,16 +27,17 @@ def cold_start_reason(start: str, policy_devices: bool) -> str | None:
     return COLD_CONFIGURED if start != "template" else None
 
 
+K, R = EventKind, ShimReportKind
 # (phase name, event kind, shim report or transition event, last occurrence counts)
-MILESTONES: tuple[tuple[str, str, str | None, bool], ...] = (
-    ("reserve", "transition", "prepare", False),  # reservation made → start recorded (revalidated, launching)
-    ("vm_start", "shim_report", "vm_started", False),  # VMM spawned or restored from the template snapshot
-    ("pin", "shim_report", "memory_pinned", False),  # guest memory proven locked
-    ("guest_boot", "shim_report", "guest_ready", False),  # the guest agent said hello
-    ("hotplug", "shim_report", "device_attached", True),  # every device hot-plugged and seen by the guest
-    ("workload_ready", "shim_report", "workload_ready", False),  # the workload service answered
-    ("guest_validation", "shim_report", "guest_validated", False),  # the contract checked inside the guest
-    ("ready", "sandbox_running", None, False),  # Cubelet judged the guest report: the sandbox runs
+MILESTONES: tuple[tuple[str, EventKind, str | None, bool], ...] = (
+    ("reserve", K.TRANSITION, DeviceEvent.PREPARE, False),  # reservation made → start recorded (revalidated, launching)
+    ("vm_start", K.SHIM_REPORT, R.VM_STARTED, False),  # VMM spawned or restored from the template snapshot
+    ("pin", K.SHIM_REPORT, R.MEMORY_PINNED, False),  # guest memory proven locked
+    ("guest_boot", K.SHIM_REPORT, R.GUEST_READY, False),  # the guest agent said hello
+    ("hotplug", K.SHIM_REPORT, R.DEVICE_ATTACHED, True),  # every device hot-plugged and seen by the guest
+    ("workload_ready", K.SHIM_REPORT, R.WORKLOAD_READY, False),  # the workload service answered
+    ("guest_validation", K.SHIM_REPORT, R.GUEST_VALIDATED, False),  # the contract checked inside the guest
+    ("ready", K.SANDBOX_RUNNING, None, False),  # Cubelet judged the guest report: the sandbox runs
 )
 PHASES = (*(m[0] for m in MILESTONES), "total")
 
@@ -41,7 +46,7 @@ def cold_start_phases(events: Iterable[tuple[str, str | None, float]]) -> dict[s
     """`events`: (kind, event, at) of one sandbox, oldest first. Only the latest start counts (a sandbox id
     may be reused): everything before its last `reservation_created` is ignored. Empty until it is running."""
     trail = list(events)
-    starts = [i for i, (kind, _, _) in enumerate(trail) if kind == "reservation_created"]
+    starts = [i for i, (kind, _, _) in enumerate(trail) if kind == EventKind.RESERVATION_CREATED]
     if not starts:
         return {}
     trail = trail[starts[-1] :]
@@ -68,9 +73,9 @@ def start_path(events: Iterable[tuple[str, str | None, Mapping[str, Any]]]) -> d
     `vm_started` report; empty before one. A cold start always names its reason."""
     found: dict[str, str | None] = {}
     for kind, event, details in events:
-        if kind == "reservation_created":
+        if kind == EventKind.RESERVATION_CREATED:
             found = {}
-        elif kind == "shim_report" and event == "vm_started":
+        elif kind == EventKind.SHIM_REPORT and event == ShimReportKind.VM_STARTED:
             path = str(details.get("start") or "cold")
             reason = details.get("cold_reason")
             found = {"path": path, "reason": str(reason) if reason else None}

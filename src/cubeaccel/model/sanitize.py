@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from cubeaccel.model.event_kinds import EventKind
+
 ALLOCATABLE = "allocatable"
 RECOVER_SCRUB = "recover_scrub"  # model/states.DeviceEvent.RECOVER_SCRUB: this module stays free of the tables
 
@@ -23,9 +25,9 @@ RECOVER_SCRUB = "recover_scrub"  # model/states.DeviceEvent.RECOVER_SCRUB: this 
 def _sanitizes(e: Mapping[str, Any]) -> str | None:
     """The sanitizing stage this event records, if it is one."""
     kind, event, details = e.get("kind"), e.get("event"), e.get("details") or {}
-    if kind == "scrub_finished" and details.get("ok") is True:
+    if kind == EventKind.SCRUB_FINISHED and details.get("ok") is True:
         return "scrub"
-    if kind != "transition":
+    if kind != EventKind.TRANSITION:
         return None
     if e.get("actor") == "operator":
         return None if event == RECOVER_SCRUB else f"operator:{event}"
