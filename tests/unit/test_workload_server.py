@@ -576,7 +576,7 @@ def test_a_subdirectory_renamed_inside_a_recursive_watch_reports_under_its_new_n
         seen: list[tuple[str, str]] = []
 
         def has(wanted: tuple[str, str]) -> bool:
-            seen.extend((e["type"], e["name"]) for e in w.take(0.2))
+            seen.extend((e.type, e.name) for e in w.take(0.2))
             return wanted in seen
 
         (tmp_path / "a").rename(tmp_path / "c")
