@@ -1,6 +1,7 @@
-"""envd's messages as both ends hold them (model/envd_messages.py): each round-trips through its JSON; the JSON is
-byte-for-byte what the service and the host's client wrote before they were typed (the `_old_*` functions are
-that code, kept here as the oracle); a request decoder fed any JSON answers a Connect error, never a crash."""
+"""envd's messages as both ends hold them (model/envd_process.py, envd_filesystem.py): each round-trips through
+its JSON; the JSON is byte-for-byte what the service and the host's client wrote before they were typed (the
+`_old_*` functions are that code, kept here as the oracle); a request decoder fed any JSON answers a Connect
+error, never a crash."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.model import envd_messages as m
+from cubeaccel.model import envd_filesystem as f
+from cubeaccel.model import envd_process as m
 from cubeaccel.model import proto_json as pj
 from cubeaccel.model.connect_envelope import encode_json
 from cubeaccel.model.errors import CubeError
@@ -122,7 +124,7 @@ def test_entries_are_written_as_before(tmp_path: Path) -> None:
     paths = [str(p) for p in sorted(tmp_path.iterdir())] + [str(tmp_path), "/"]
     for path in paths:
         assert dumps(fs.entry_info(path).to_json()) == dumps(_old_entry_info(path)), path
-        assert m.EntryInfo.from_json(_old_entry_info(path)) == fs.entry_info(path)
+        assert f.EntryInfo.from_json(_old_entry_info(path)) == fs.entry_info(path)
     listed = fs.list_dir(str(tmp_path) + "/./", 2)
     assert [e.path for e in listed.entries] == [
         str(tmp_path) + "/./" + n for n in ("dangling", "data", "dir", "empty", "fifo", "link")
@@ -155,19 +157,19 @@ def test_the_guest_writes_process_events_as_before(pid: int, kind: str, data: by
     assert dumps(m.ProcessEvent(m.DataEvent(stream, data)).to_json()) == dumps(old_data)
     assert dumps(m.ProcessEvent(m.KeepAlive()).to_json()) == b'{"event":{"keepalive":{}}}'
     assert dumps(m.ProcessEvent(end_event(-9)).to_json()) == dumps({"event": {"end": _old_end_event(-9)}})
-    assert dumps(m.WatchDirResponse("start").to_json()) == b'{"start":{}}'
-    assert dumps(m.WatchDirResponse("keepalive").to_json()) == b'{"keepalive":{}}'
-    event = m.FilesystemEvent("a/b", "EVENT_TYPE_CREATE")
+    assert dumps(f.WatchDirResponse("start").to_json()) == b'{"start":{}}'
+    assert dumps(f.WatchDirResponse("keepalive").to_json()) == b'{"keepalive":{}}'
+    event = f.FilesystemEvent("a/b", "EVENT_TYPE_CREATE")
     old_event = {"filesystem": {"name": "a/b", "type": "EVENT_TYPE_CREATE"}}
-    assert dumps(m.WatchDirResponse("filesystem", event).to_json()) == dumps(old_event)
-    assert dumps(m.CreateWatcherResponse("w01").to_json()) == b'{"watcherId":"w01"}'
-    assert m.GetWatcherEventsResponse().to_json() == {}
+    assert dumps(f.WatchDirResponse("filesystem", event).to_json()) == dumps(old_event)
+    assert dumps(f.CreateWatcherResponse("w01").to_json()) == b'{"watcherId":"w01"}'
+    assert f.GetWatcherEventsResponse().to_json() == {}
 
 
 def test_upload_entries_are_written_as_before() -> None:
-    plain = m.UploadedEntry("/h/a.txt", "a.txt").to_json()
+    plain = f.UploadedEntry("/h/a.txt", "a.txt").to_json()
     assert dumps(plain) == b'{"path":"/h/a.txt","name":"a.txt","type":"file"}'
-    with_metadata = m.UploadedEntry("/a", "a", {"k": "v"}).to_json()
+    with_metadata = f.UploadedEntry("/a", "a", {"k": "v"}).to_json()
     assert dumps(with_metadata) == b'{"path":"/a","name":"a","type":"file","metadata":{"k":"v"}}'
 
 
@@ -205,10 +207,10 @@ configs = st.builds(
     st.none() | names,
 )
 entries = st.builds(
-    m.EntryInfo,
+    f.EntryInfo,
     name=names,
     path=names,
-    type=st.none() | st.sampled_from(m.FILE_TYPES),
+    type=st.none() | st.sampled_from(f.FILE_TYPES),
     size=st.integers(0, 2**63 - 1),
     mode=st.integers(0, 0o7777),
     permissions=names,
@@ -218,7 +220,7 @@ entries = st.builds(
     symlink_target=st.none() | names,
     metadata=str_maps,
 )
-fs_events = st.builds(m.FilesystemEvent, names, names, st.none() | entries)
+fs_events = st.builds(f.FilesystemEvent, names, names, st.none() | entries)
 end_events = st.builds(m.EndEvent, st.integers(-(2**31), 2**31 - 1), st.booleans(), names, st.none() | names)
 process_events = st.builds(
     m.ProcessEvent,
@@ -229,7 +231,7 @@ process_events = st.builds(
     | st.just(m.KeepAlive()),
 )
 MESSAGES: list[st.SearchStrategy[Any]] = [
-    st.just(m.Empty()),
+    st.just(pj.Empty()),
     st.builds(m.StartRequest, configs, st.none() | ptys, st.none() | names, st.none() | st.booleans()),
     st.builds(m.ProcessRequest, st.none() | selectors),
     st.builds(m.SendInputRequest, st.none() | selectors, st.none() | inputs),
@@ -241,18 +243,18 @@ MESSAGES: list[st.SearchStrategy[Any]] = [
     process_events,
     st.builds(m.ListResponse, st.lists(st.builds(m.ProcessInfo, configs, uint32, st.none() | names)).map(tuple)),
     entries,
-    st.builds(m.PathRequest, names),
-    st.builds(m.ListDirRequest, names, uint32),
-    st.builds(m.MoveRequest, names, names),
-    st.builds(m.WatchRequest, names, st.booleans(), st.booleans(), st.booleans()),
-    st.builds(m.WatcherRequest, names),
-    st.builds(m.EntryResponse, entries),
-    st.builds(m.ListDirResponse, st.lists(entries, max_size=3).map(tuple)),
-    st.builds(m.WatchDirResponse, st.sampled_from(["start", "keepalive"]))
-    | st.builds(m.WatchDirResponse, st.just("filesystem"), fs_events),
-    st.builds(m.CreateWatcherResponse, names),
-    st.builds(m.GetWatcherEventsResponse, st.lists(fs_events, max_size=3).map(tuple)),
-    st.builds(m.UploadedEntry, names, names, str_maps),
+    st.builds(f.PathRequest, names),
+    st.builds(f.ListDirRequest, names, uint32),
+    st.builds(f.MoveRequest, names, names),
+    st.builds(f.WatchRequest, names, st.booleans(), st.booleans(), st.booleans()),
+    st.builds(f.WatcherRequest, names),
+    st.builds(f.EntryResponse, entries),
+    st.builds(f.ListDirResponse, st.lists(entries, max_size=3).map(tuple)),
+    st.builds(f.WatchDirResponse, st.sampled_from(["start", "keepalive"]))
+    | st.builds(f.WatchDirResponse, st.just("filesystem"), fs_events),
+    st.builds(f.CreateWatcherResponse, names),
+    st.builds(f.GetWatcherEventsResponse, st.lists(fs_events, max_size=3).map(tuple)),
+    st.builds(f.UploadedEntry, names, names, str_maps),
 ]
 
 
@@ -270,7 +272,7 @@ def test_snake_case_null_and_string_numbers_are_read_as_protojson_reads_them() -
         {"process": {"cmd": "ls", "args": None, "cwd": None}, "pty": {"size": {"cols": "80", "rows": 24.0}}}
     )
     assert request == m.StartRequest(m.ProcessConfig("ls"), m.Pty(m.PtySize(80, 24)))
-    assert m.WatchRequest.from_json({"include_entry": True, "allowNetworkMounts": True}) == m.WatchRequest(
+    assert f.WatchRequest.from_json({"include_entry": True, "allowNetworkMounts": True}) == f.WatchRequest(
         "", False, True, True
     )
     assert m.SendSignalRequest.from_json({"signal": "SIGNAL_SIGKILL"}).signal == 9
@@ -289,25 +291,25 @@ FIELDS += ["cwd", "start", "data", "keepalive", "event", "end", "exitCode", "pat
 objects = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6)
 nested = st.recursive(objects, lambda inner: st.dictionaries(st.sampled_from(FIELDS), inner, max_size=4), max_leaves=8)
 DECODERS: list[Callable[[pj.Json], object]] = [
-    m.Empty.from_json,
+    pj.Empty.from_json,
     m.ProcessEvent.from_json,
     m.ListResponse.from_json,
-    m.ListDirResponse.from_json,
+    f.ListDirResponse.from_json,
     m.StartRequest.from_json,
     m.ProcessRequest.from_json,
     m.SendInputRequest.from_json,
     m.SendSignalRequest.from_json,
     m.UpdateRequest.from_json,
     m.StreamInputRequest.from_json,
-    m.PathRequest.from_json,
-    m.ListDirRequest.from_json,
-    m.MoveRequest.from_json,
-    m.WatchRequest.from_json,
-    m.WatcherRequest.from_json,
-    m.EntryResponse.from_json,
-    m.WatchDirResponse.from_json,
-    m.GetWatcherEventsResponse.from_json,
-    m.UploadedEntry.from_json,
+    f.PathRequest.from_json,
+    f.ListDirRequest.from_json,
+    f.MoveRequest.from_json,
+    f.WatchRequest.from_json,
+    f.WatcherRequest.from_json,
+    f.EntryResponse.from_json,
+    f.WatchDirResponse.from_json,
+    f.GetWatcherEventsResponse.from_json,
+    f.UploadedEntry.from_json,
 ]
 
 
@@ -417,7 +419,7 @@ def test_the_host_client_reads_the_service_events() -> None:
     ],
 )
 def test_a_malformed_event_is_a_bad_reply_not_a_crash(bad: bytes) -> None:
-    """Before the events were typed, most of these raised ValueError, AttributeError or JSONDecodeError from inside exec."""
+    """Before the events were typed, most of these raised ValueError, AttributeError or JSONDecodeError."""
     with pytest.raises(CubeError) as e:
         _host([bad, encode_json({}, 2)]).exec(["x"])
     assert e.value.code == "workload.bad_reply"

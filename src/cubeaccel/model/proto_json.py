@@ -1,7 +1,12 @@
-"""proto3 JSON field access as protojson reads it, for envd's messages (`model/envd_messages.py`).
+"""proto3 JSON as envd's messages (`model/envd_process.py`, `model/envd_filesystem.py`) are read and written.
 
-Lenient where protojson is: a field by its lowerCamelCase or original name, null read as absent, numbers given as
-strings, base64 in either alphabet with or without padding. Strict on type: a field of the wrong type is a
+Written as the guest's service has always written them, which is protojson's form: lowerCamelCase, int64 as a
+string, bytes as base64, defaults omitted (a few fields envd always sets are always written, and key order is
+kept); a field that is `None` in a message is absent on the wire, and a oneof is read in the order the service
+has always tried its members (the first one set wins).
+
+Read leniently where protojson is: a field by its lowerCamelCase or original name, null read as absent, numbers
+given as strings, base64 in either alphabet with or without padding. Strict on type: a field of the wrong type is a
 `ProtoJsonError` naming the field, which the guest answers as Connect's `invalid_argument` and the host's client
 as a bad reply. Stdlib only: the guest imports it.
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 Json = Mapping[str, object]  # a decoded JSON object, read field by field
 
@@ -169,3 +175,15 @@ def get_enum(msg: Json, name: str, values: Mapping[str, int]) -> int:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
+
+
+@dataclass(frozen=True)
+class Empty:
+    """The reply of the calls that answer nothing (and `{}` read back)."""
+
+    def to_json(self) -> dict[str, object]:
+        return {}
+
+    @classmethod
+    def from_json(cls, msg: Json) -> Empty:
+        return cls()

@@ -1,7 +1,7 @@
 """Host-side client of a sandbox's workload service (envd's protocol), through Cubelet's proxy or a shim socket.
 
 Envelopes are the shared codec's (`model/connect_envelope.py`) and messages the shared models
-(`model/envd_messages.py`), which the guest's service uses too. Used by `cubeaccel sandbox exec/cp` and `make demo`.
+(`model/envd_process.py`), which the guest's service uses too. Used by `cubeaccel sandbox exec/cp` and `make demo`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import httpx
 
 from cubeaccel.model import connect_envelope
 from cubeaccel.model import proto_json as pj
-from cubeaccel.model.envd_messages import (
+from cubeaccel.model.envd_process import (
     DataEvent,
-    Empty,
     EndEvent,
     ProcessConfig,
     ProcessEvent,
@@ -31,6 +30,7 @@ from cubeaccel.model.envd_messages import (
     StartRequest,
 )
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.proto_json import Empty
 
 END_STREAM = connect_envelope.FLAG_END_STREAM
 MAX_MESSAGE = 16 * 1024 * 1024

@@ -18,17 +18,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from cubeaccel.model.envd_messages import (
+from cubeaccel.model.envd_filesystem import (
     CreateWatcherResponse,
-    DataEvent,
-    Empty,
-    EndEvent,
     GetWatcherEventsResponse,
-    KeepAlive,
     ListDirRequest,
-    ListResponse,
     MoveRequest,
     PathRequest,
+    UploadedEntry,
+    WatchDirResponse,
+    WatcherRequest,
+    WatchRequest,
+)
+from cubeaccel.model.envd_process import (
+    DataEvent,
+    EndEvent,
+    KeepAlive,
+    ListResponse,
     ProcessEvent,
     ProcessInput,
     ProcessRequest,
@@ -38,12 +43,8 @@ from cubeaccel.model.envd_messages import (
     StartRequest,
     StreamInputRequest,
     UpdateRequest,
-    UploadedEntry,
-    WatchDirResponse,
-    WatcherRequest,
-    WatchRequest,
 )
-from cubeaccel.model.proto_json import Json, ProtoJsonError
+from cubeaccel.model.proto_json import Empty, Json, ProtoJsonError
 from cubeaccel.workload import ENVD_VERSION
 from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs

@@ -5,8 +5,9 @@ Unary:            POST /pkg.Service/Method, Content-Type application/json, body 
 Server-streaming: Content-Type application/connect+json; request = one envelope; reply 200 and envelopes
                   [flags u8][length u32 big-endian][json], the last with flags 0x02 holding {} or {"error": {...}}.
 
-Messages are envd's (`model/envd_messages.py`, proto3 JSON as protojson writes it); a malformed field is
-`invalid_argument`, as connect-go's JSON codec answers. Unknown fields are ignored, like that codec.
+Messages are envd's (`model/envd_process.py`, `model/envd_filesystem.py`: proto3 JSON as protojson writes it); a
+malformed field is `invalid_argument`, as connect-go's JSON codec answers. Unknown fields are ignored, like that
+codec.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from datetime import UTC, datetime
 from email.message import Message
 from typing import Any
 
-from cubeaccel.model.envd_messages import Empty, EntryInfo, EntryResponse, ListDirResponse
+from cubeaccel.model.envd_filesystem import EntryInfo, EntryResponse, ListDirResponse
+from cubeaccel.model.proto_json import Empty
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError
 from cubeaccel.workload.users import User, chown, ensure_dirs, owner_names
