@@ -24,7 +24,9 @@ from cubeaccel.model import envd_process as m
 from cubeaccel.model import proto_json as pj
 from cubeaccel.model.connect_envelope import encode_json
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.guest_metrics import MetricsSample, MetricsSeries, PciFunction
 from cubeaccel.transport.workload_client import WorkloadClient as HostClient
+from cubeaccel.wire.e2b_api import GuestMetrics
 from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs
 from cubeaccel.workload.process import SIGNAL_NAMES, end_event
@@ -430,3 +432,48 @@ def test_connect_codes_are_unchanged() -> None:
         "code": "invalid_argument",
         "message": "pid must be a uint32",
     }
+
+
+# ---- the guest's metrics ------------------------------------------------------------------------------------
+
+counts = st.integers(0, 2**53)
+samples = st.builds(
+    MetricsSample,
+    counts,
+    counts,
+    st.floats(0, 100),
+    counts,
+    counts,
+    counts,
+    counts,
+    counts,
+    counts,
+    counts,
+)
+pci = st.builds(PciFunction, names, names, names, names, names)
+
+
+@given(samples, pci)
+def test_metrics_are_written_as_before_and_read_by_the_host_field_for_field(
+    sample: MetricsSample, device: PciFunction
+) -> None:
+    old_sample = {  # metrics.py's dict, in its order
+        "ts": sample.ts,
+        "cpu_count": sample.cpu_count,
+        "cpu_used_pct": sample.cpu_used_pct,
+        "mem_total_mib": sample.mem_total_mib,
+        "mem_used_mib": sample.mem_used_mib,
+        "mem_total": sample.mem_total,
+        "mem_used": sample.mem_used,
+        "mem_cache": sample.mem_cache,
+        "disk_used": sample.disk_used,
+        "disk_total": sample.disk_total,
+    }
+    old_device = {"address": device.address, "vendor": device.vendor, "device": device.device}
+    old_device |= {"class": device.pci_class, "driver": device.driver}
+    series = MetricsSeries((sample,), (device,))
+    assert dumps(series.to_json()) == dumps({"samples": [old_sample], "devices": [old_device]})
+    assert MetricsSeries.from_json(json.loads(dumps(series.to_json()))) == series
+    host = GuestMetrics.model_validate_json(dumps(series.to_json()))  # the front door's reader
+    assert host.samples[0].model_dump() == {k: v for k, v in old_sample.items() if not k.endswith("_mib")}
+    assert host.devices[0].model_dump(by_alias=True) == old_device

@@ -559,8 +559,8 @@ def test_the_sampler_keeps_a_bounded_series_with_cpu_over_each_interval() -> Non
         while time.monotonic() < end:  # busy: the next samples see CPU use
             pass
         series = sampler.series()
-        assert len(series) == 5 and all(0.0 <= s["cpu_used_pct"] <= 100.0 for s in series)
-        assert any(s["cpu_used_pct"] > 0 for s in series)
+        assert len(series) == 5 and all(0.0 <= s.cpu_used_pct <= 100.0 for s in series)
+        assert any(s.cpu_used_pct > 0 for s in series)
     finally:
         sampler.stop()
 

@@ -44,6 +44,7 @@ from cubeaccel.model.envd_process import (
     StreamInputRequest,
     UpdateRequest,
 )
+from cubeaccel.model.guest_metrics import MetricsSeries
 from cubeaccel.model.proto_json import Empty, Json, ProtoJsonError
 from cubeaccel.workload import ENVD_VERSION
 from cubeaccel.workload import connect as c
@@ -94,9 +95,10 @@ class Workload:
             if not self._token_ok(request):
                 raise HttpError(401, "unauthorized access, please provide a valid access token")
             if route == "/metrics":  # envd's: the newest sample
-                response.send_json(200, self.metrics.latest())
+                response.send_json(200, self.metrics.latest().to_json())
             else:
-                response.send_json(200, {"samples": self.metrics.series(), "devices": pci_devices()})
+                series = MetricsSeries(self.metrics.series(), tuple(pci_devices()))
+                response.send_json(200, series.to_json())
             return
         if route.startswith(PORT_PREFIX):
             if not self._token_ok(request):
