@@ -30,6 +30,8 @@ from tests.e2b.test_e2b_vm import TEMPLATE, start_stack, stop_stack
 from tests.support.poll import poll
 
 from cubeaccel.images.builder import build
+from cubeaccel.model.envd_process import ListResponse
+from cubeaccel.model.proto_json import Empty
 from cubeaccel.transport.workload_client import WorkloadClient
 
 
@@ -82,7 +84,7 @@ def per_call(stack: dict[str, Any], opts: dict[str, Any], calls: int) -> dict[st
     out: dict[str, Any] = {}
     try:
         for name, fn in (
-            ("list", lambda wl: wl.unary("process.Process/List", {})),
+            ("list", lambda wl: wl.unary("process.Process/List", Empty(), ListResponse.from_json)),
             ("exec_true", lambda wl: wl.exec(["/bin/true"])),
         ):
             times: dict[str, list[float]] = {"front_door": [], "direct": []}

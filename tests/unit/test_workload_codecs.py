@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cubeaccel.model import proto_json as pj
 from cubeaccel.workload import connect as c
 from cubeaccel.workload.app import _accepts_gzip
 from cubeaccel.workload.files import Multipart, go_mode_string, timestamp
@@ -66,15 +67,15 @@ def test_envelope_layout_and_errors() -> None:
 
 def test_proto_json_field_access() -> None:
     msg = {"exitCode": 3, "symlink_target": "x", "pid": "12", "data": "/w==", "url": "_-8", "sig": "SIGNAL_SIGKILL"}
-    assert c.get(msg, "exit_code") == 3 and c.get_str(msg, "symlink_target") == "x"
-    assert c.get_uint32(msg, "pid") == 12  # numbers may arrive as strings
-    assert c.get_bytes(msg, "data") == b"\xff" and c.get_bytes(msg, "url") == b"\xff\xef"
-    assert c.get_enum(msg, "sig", {"SIGNAL_SIGKILL": 9}) == 9
+    assert pj.get(msg, "exit_code") == 3 and pj.get_str(msg, "symlink_target") == "x"
+    assert pj.get_uint32(msg, "pid") == 12  # numbers may arrive as strings
+    assert pj.get_bytes(msg, "data") == b"\xff" and pj.get_bytes(msg, "url") == b"\xff\xef"
+    assert pj.get_enum(msg, "sig", {"SIGNAL_SIGKILL": 9}) == 9
     for bad in ({"pid": -1}, {"pid": 2**32}, {"pid": True}, {"pid": "x"}):
-        with pytest.raises(c.ConnectError):
-            c.get_uint32(bad, "pid")
-    with pytest.raises(c.ConnectError):
-        c.get_bytes({"d": "!!"}, "d")
+        with pytest.raises(pj.ProtoJsonError):
+            pj.get_uint32(bad, "pid")
+    with pytest.raises(pj.ProtoJsonError):
+        pj.get_bytes({"d": "!!"}, "d")
     assert {
         code: c.ConnectError(code, "").http_status for code in ("unauthenticated", "not_found", "unimplemented")
     } == {
@@ -177,9 +178,18 @@ def test_protojson_timestamps() -> None:
 
 
 def test_end_events_match_go_process_state() -> None:
-    assert end_event(0) == {"exited": True, "status": "exit status 0"}
-    assert end_event(2) == {"exitCode": 2, "exited": True, "status": "exit status 2", "error": "exit status 2"}
-    assert end_event(-signal.SIGTERM) == {"exitCode": -1, "status": "signal: terminated", "error": "signal: terminated"}
+    assert end_event(0).to_json() == {"exited": True, "status": "exit status 0"}
+    assert end_event(2).to_json() == {
+        "exitCode": 2,
+        "exited": True,
+        "status": "exit status 2",
+        "error": "exit status 2",
+    }
+    assert end_event(-signal.SIGTERM).to_json() == {
+        "exitCode": -1,
+        "status": "signal: terminated",
+        "error": "signal: terminated",
+    }
 
 
 def test_paths_resolve_as_envd_resolves_them() -> None:

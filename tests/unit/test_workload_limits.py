@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.model.envd_process import EndEvent, ProcessConfig, StartRequest
 from cubeaccel.workload import limits
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.process import ProcessTable
@@ -23,18 +24,16 @@ def _me() -> User:
     return User(e.pw_name, e.pw_uid, e.pw_gid, e.pw_dir)
 
 
-def _run(table: ProcessTable, cmd: str, *args: str, cwd: str | None = None) -> tuple[bytes, dict[str, Any]]:
-    proc: dict[str, Any] = {"cmd": cmd, "args": list(args), "envs": {"ONE": "1"}}
-    if cwd:
-        proc["cwd"] = cwd
-    _, sub = table.start({"process": proc, "stdin": False}, _me(), 30)
+def _run(table: ProcessTable, cmd: str, *args: str, cwd: str | None = None) -> tuple[bytes, EndEvent]:
+    proc = ProcessConfig(cmd, args, {"ONE": "1"}, cwd)
+    _, sub = table.start(StartRequest(proc, stdin=False), _me(), 30)
     out = b""
     while True:
         item = sub.get(30)
         assert item is not None
-        if isinstance(item, dict):
+        if isinstance(item, EndEvent):
             return out, item
-        out += item[1]
+        out += item.data
 
 
 def test_a_gated_command_runs_exactly_as_a_direct_one(tmp_path: Path) -> None:
@@ -44,9 +43,9 @@ def test_a_gated_command_runs_exactly_as_a_direct_one(tmp_path: Path) -> None:
     for table in (gated, plain):
         out, end = _run(table, "/bin/sh", "-c", script, "a b", "c", cwd=str(tmp_path))
         assert out == f"a b|c|1|{tmp_path}|\n".encode()
-        assert end["exitCode"] == 3
+        assert end.exit_code == 3
     out, end = _run(gated, "true")  # found on PATH, as exec "$@" finds it
-    assert out == b"" and end.get("exitCode", 0) == 0
+    assert out == b"" and end.exit_code == 0
     out, _ = _run(gated, "sh", "-c", 'echo "$0"')  # argv[0] as given, though the gate execs the absolute path
     assert out == b"sh\n"
     with pytest.raises(ConnectError) as err:
@@ -59,7 +58,7 @@ def test_confine_writes_the_pid_into_the_groups_procs_file_while_the_command_is_
     procs.write_text("")
     table = ProcessTable(limits=limits.CommandLimits(procs=str(procs), shell="/bin/bash"))
     out, end = _run(table, "/bin/sh", "-c", "echo $$")
-    assert end.get("exitCode", 0) == 0
+    assert end.exit_code == 0
     assert procs.read_text() == out.decode().strip()  # the command's own pid (sh exec'd it: same pid)
 
 

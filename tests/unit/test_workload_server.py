@@ -559,8 +559,8 @@ def test_the_sampler_keeps_a_bounded_series_with_cpu_over_each_interval() -> Non
         while time.monotonic() < end:  # busy: the next samples see CPU use
             pass
         series = sampler.series()
-        assert len(series) == 5 and all(0.0 <= s["cpu_used_pct"] <= 100.0 for s in series)
-        assert any(s["cpu_used_pct"] > 0 for s in series)
+        assert len(series) == 5 and all(0.0 <= s.cpu_used_pct <= 100.0 for s in series)
+        assert any(s.cpu_used_pct > 0 for s in series)
     finally:
         sampler.stop()
 
@@ -576,7 +576,7 @@ def test_a_subdirectory_renamed_inside_a_recursive_watch_reports_under_its_new_n
         seen: list[tuple[str, str]] = []
 
         def has(wanted: tuple[str, str]) -> bool:
-            seen.extend((e["type"], e["name"]) for e in w.take(0.2))
+            seen.extend((e.type, e.name) for e in w.take(0.2))
             return wanted in seen
 
         (tmp_path / "a").rename(tmp_path / "c")

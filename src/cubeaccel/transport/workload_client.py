@@ -1,7 +1,7 @@
 """Host-side client of a sandbox's workload service (envd's protocol), through Cubelet's proxy or a shim socket.
 
-Envelopes are the shared codec's (`model/connect_envelope.py`, which the guest's Connect codec uses too).
-Used by `cubeaccel sandbox exec/cp` and `make demo`.
+Envelopes are the shared codec's (`model/connect_envelope.py`) and messages the shared models
+(`model/envd_process.py`), which the guest's service uses too. Used by `cubeaccel sandbox exec/cp` and `make demo`.
 """
 
 from __future__ import annotations
@@ -9,25 +9,44 @@ from __future__ import annotations
 import base64
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import BinaryIO, Protocol, TypeVar
 
 import httpx
 
 from cubeaccel.model import connect_envelope
+from cubeaccel.model import proto_json as pj
+from cubeaccel.model.envd_process import (
+    DataEvent,
+    EndEvent,
+    ProcessConfig,
+    ProcessEvent,
+    ProcessInput,
+    ProcessRequest,
+    ProcessSelector,
+    SendInputRequest,
+    StartEvent,
+    StartRequest,
+)
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.proto_json import Empty
 
 END_STREAM = connect_envelope.FLAG_END_STREAM
 MAX_MESSAGE = 16 * 1024 * 1024
 CHUNK = 256 * 1024
+T = TypeVar("T")
 
 
-def envelope(message: dict[str, Any], flags: int = 0) -> bytes:
+class Message(Protocol):
+    def to_json(self) -> dict[str, object]: ...
+
+
+def envelope(message: Mapping[str, object], flags: int = 0) -> bytes:
     return connect_envelope.encode_json(message, flags)
 
 
-def envelopes(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any]]]:
+def envelopes(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict[str, object]]]:
     """(flags, message) for each envelope in a byte stream cut anywhere."""
     decoder = connect_envelope.EnvelopeDecoder(MAX_MESSAGE)
     try:
@@ -38,6 +57,25 @@ def envelopes(chunks: Iterable[bytes]) -> Iterator[tuple[int, dict[str, Any]]]:
         decoder.finish()
     except connect_envelope.EnvelopeError as e:
         raise workload_error("workload.bad_reply", f"from the workload service: {e}") from None
+    except (ValueError, RecursionError):
+        raise workload_error("workload.bad_reply", "from the workload service: a message is not JSON") from None
+
+
+def decode(parse: Callable[[pj.Json], T], msg: pj.Json) -> T:
+    """A reply read as its message; a malformed field is the service's bad reply, not a crash here."""
+    try:
+        return parse(msg)
+    except pj.ProtoJsonError as e:
+        raise workload_error("workload.bad_reply", f"from the workload service: {e}") from None
+
+
+def stream_error(end: pj.Json) -> CubeError | None:
+    """The end-of-stream message's error (`{"error": {code, message}}`), None for success."""
+    error = decode(lambda m: pj.get_obj(m, "error"), end)
+    if not error:
+        return None
+    code, message = decode(lambda e: (pj.get_opt_str(e, "code"), pj.get_str(e, "message")), error)
+    return workload_error("workload.refused", message, connect_code=code)
 
 
 def workload_error(code: str, message: str, **details: object) -> CubeError:
@@ -46,9 +84,18 @@ def workload_error(code: str, message: str, **details: object) -> CubeError:
 
 @dataclass
 class ExecResult:
+    """`exit_code` as a shell reports it: 128 + the signal after one (9 for killed, else 15)."""
+
     exit_code: int
     status: str
     pid: int | None
+
+    @classmethod
+    def of(cls, end: EndEvent, pid: int | None) -> ExecResult:
+        code = end.exit_code
+        if code < 0 or end.status.startswith("signal"):
+            code = 128 + (9 if "killed" in end.status else 15)
+        return cls(code, end.status, pid)
 
 
 class WorkloadClient:
@@ -70,14 +117,19 @@ class WorkloadClient:
             h["Authorization"] = "Basic " + base64.b64encode(f"{user}:".encode()).decode()
         return h
 
-    def unary(self, method: str, body: dict[str, Any], user: str | None = None) -> dict[str, Any]:
+    def unary(self, method: str, body: Message, reply: Callable[[pj.Json], T], user: str | None = None) -> T:
         r = self.http.post(
-            f"/{method}", content=json.dumps(body), headers=self.headers(user, **{"Content-Type": "application/json"})
+            f"/{method}",
+            content=json.dumps(body.to_json()),
+            headers=self.headers(user, **{"Content-Type": "application/json"}),
         )
         if r.status_code != 200:
             raise _reply_error(r.status_code, r.content)
-        out = r.json()
-        return out if isinstance(out, dict) else {}
+        try:
+            out = r.json()
+        except ValueError:
+            raise workload_error("workload.bad_reply", f"{method}: the reply is not JSON") from None
+        return decode(reply, out if isinstance(out, dict) else {})
 
     def exec(
         self,
@@ -92,15 +144,13 @@ class WorkloadClient:
         on_stderr: Callable[[bytes], None] = lambda b: None,
     ) -> ExecResult:
         """Start `cmd`, stream its output to the callbacks as it comes, feed `stdin` (then close it)."""
-        process: dict[str, Any] = {"cmd": cmd[0], "args": cmd[1:]}
-        if envs:
-            process["envs"] = envs
-        if cwd:
-            process["cwd"] = cwd
+        request = StartRequest(
+            ProcessConfig(cmd[0], tuple(cmd[1:]), envs or None, cwd or None), stdin=stdin is not None
+        )
         extra = {"Content-Type": "application/connect+json"}
         if timeout_s:
             extra["Connect-Timeout-Ms"] = str(int(timeout_s * 1000))
-        body = envelope({"process": process, "stdin": stdin is not None})
+        body = envelope(request.to_json())
         pid: int | None = None
         result: ExecResult | None = None
         with self.http.stream("POST", "/process.Process/Start", content=body, headers=self.headers(user, **extra)) as r:
@@ -108,30 +158,21 @@ class WorkloadClient:
                 raise _reply_error(r.status_code, r.read())
             for flags, msg in envelopes(r.iter_raw()):
                 if flags & END_STREAM:
-                    if msg.get("error"):
-                        err = msg["error"]
-                        raise workload_error(
-                            "workload.refused", str(err.get("message", "")), connect_code=err.get("code")
-                        )
+                    if (failure := stream_error(msg)) is not None:
+                        raise failure
                     break
-                event = msg.get("event", {})
-                if "start" in event:
-                    pid = int(event["start"]["pid"])
+                event = decode(ProcessEvent.from_json, msg).event
+                if isinstance(event, StartEvent):
+                    pid = event.pid
                     if stdin is not None:
                         self._feed_stdin(pid, stdin)
-                elif "data" in event:
-                    data = event["data"]
-                    if "stdout" in data:
-                        on_stdout(base64.b64decode(data["stdout"]))
-                    if "stderr" in data:
-                        on_stderr(base64.b64decode(data["stderr"]))
-                elif "end" in event:
-                    end = event["end"]
-                    status = str(end.get("status", ""))
-                    code = int(end.get("exitCode", 0))
-                    if code < 0 or status.startswith("signal"):
-                        code = 128 + (9 if "killed" in status else 15)
-                    result = ExecResult(code, status, pid)
+                elif isinstance(event, DataEvent):
+                    if event.stream == "stdout":
+                        on_stdout(event.data)
+                    elif event.stream == "stderr":
+                        on_stderr(event.data)
+                elif isinstance(event, EndEvent):
+                    result = ExecResult.of(event, pid)
             else:
                 raise workload_error("workload.bad_reply", "the command's stream ended without an end-of-stream")
         if result is None:
@@ -156,10 +197,11 @@ class WorkloadClient:
 
         def pump() -> None:
             try:
+                process = ProcessSelector(pid)
                 while chunk := read():
-                    data = base64.b64encode(chunk).decode()
-                    self.unary("process.Process/SendInput", {"process": {"pid": pid}, "input": {"stdin": data}})
-                self.unary("process.Process/CloseStdin", {"process": {"pid": pid}})
+                    request = SendInputRequest(process, ProcessInput(stdin=chunk))
+                    self.unary("process.Process/SendInput", request, Empty.from_json)
+                self.unary("process.Process/CloseStdin", ProcessRequest(process), Empty.from_json)
             except (CubeError, httpx.HTTPError, OSError, ValueError):
                 pass  # the command ended first
 

@@ -16,8 +16,36 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+from cubeaccel.model.envd_filesystem import (
+    CreateWatcherResponse,
+    GetWatcherEventsResponse,
+    ListDirRequest,
+    MoveRequest,
+    PathRequest,
+    UploadedEntry,
+    WatchDirResponse,
+    WatcherRequest,
+    WatchRequest,
+)
+from cubeaccel.model.envd_process import (
+    DataEvent,
+    EndEvent,
+    KeepAlive,
+    ListResponse,
+    ProcessEvent,
+    ProcessInput,
+    ProcessRequest,
+    SendInputRequest,
+    SendSignalRequest,
+    StartEvent,
+    StartRequest,
+    StreamInputRequest,
+    UpdateRequest,
+)
+from cubeaccel.model.guest_metrics import MetricsSeries
+from cubeaccel.model.proto_json import Empty, Json, ProtoJsonError
 from cubeaccel.workload import ENVD_VERSION
 from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs
@@ -34,7 +62,13 @@ DEFAULT_KEEPALIVE_S = 90.0  # envd's default when Keepalive-Ping-Interval is abs
 METRICS_SERIES = "/cubeaccel/metrics"  # ours: the hour of samples the guest keeps, and the PCI devices it sees
 DEADLINE_EXCEEDED = ConnectError("deadline_exceeded", "context deadline exceeded")  # Go's ctx.Err() text
 
-Unary = Callable[["Workload", dict[str, Any], User], dict[str, Any]]
+
+class Reply(Protocol):
+    def to_json(self) -> dict[str, object]: ...
+
+
+Unary = Callable[["Workload", Json, User], Reply]
+R = TypeVar("R")
 
 
 @dataclass
@@ -61,9 +95,10 @@ class Workload:
             if not self._token_ok(request):
                 raise HttpError(401, "unauthorized access, please provide a valid access token")
             if route == "/metrics":  # envd's: the newest sample
-                response.send_json(200, self.metrics.latest())
+                response.send_json(200, self.metrics.latest().to_json())
             else:
-                response.send_json(200, {"samples": self.metrics.series(), "devices": pci_devices()})
+                series = MetricsSeries(self.metrics.series(), tuple(pci_devices()))
+                response.send_json(200, series.to_json())
             return
         if route.startswith(PORT_PREFIX):
             if not self._token_ok(request):
@@ -149,6 +184,10 @@ class Workload:
                 raise ConnectError("unimplemented", f"{name} is not implemented")
             body = request.body.read_all(MAX_UNARY_BODY)
             reply = handler(self, c.parse_message(body), self._rpc_user(request))
+        except ProtoJsonError as err:
+            invalid = c.invalid(err)
+            response.send_json(invalid.http_status, invalid.to_json())
+            return
         except HttpError as err:
             error = ConnectError("resource_exhausted" if err.status == 413 else "invalid_argument", str(err))
             response.keep_alive = False
@@ -161,7 +200,7 @@ class Workload:
             internal = _internal(name, exc)
             response.send_json(internal.http_status, internal.to_json())
             return
-        response.send_json(200, reply)
+        response.send_json(200, reply.to_json())
 
     def _stream(self, name: str, ctype: str, request: Request, response: Response) -> None:
         headers = [("Content-Type", "application/connect+json")]
@@ -184,16 +223,14 @@ class Workload:
             # connect-go gives the handler a context with the call's deadline; envd's stream ends with it
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             if name == WATCH_DIR:
-                watcher = self._open_watch(message, user)
+                watcher = self._open_watch(WatchRequest.from_json(message), user)
             elif name == "process.Process/Start":
-                proc, sub = self.processes.start(message, user, timeout_s)
-                first = {"event": {"start": {"pid": proc.pid}}}
+                proc, sub = self.processes.start(StartRequest.from_json(message), user, timeout_s)
             else:
-                proc = self.processes.find(c.get_obj(message, "process"), include_ended=True)
+                proc = self.processes.find(ProcessRequest.from_json(message).process, include_ended=True)
                 sub = proc.subscribe()
-                first = {"event": {"start": {"pid": proc.pid}}}
         except Exception as exc:
-            failure = exc if isinstance(exc, ConnectError) else _internal(name, exc)
+            failure = _as_connect_error(name, exc)
             response.start_chunked(200, headers)
             response.chunk(c.end_stream(failure))
             response.end()
@@ -201,7 +238,7 @@ class Workload:
         if name == WATCH_DIR:
             try:
                 response.start_chunked(200, headers)
-                response.chunk(c.encode_envelope({"start": {}}))  # WatchDirResponse: a oneof, no wrapper
+                response.chunk(c.encode_envelope(WatchDirResponse("start").to_json()))
                 outcome = self._relay_watch(watcher, _keepalive(request), response, deadline)
                 response.chunk(c.end_stream(outcome))
                 response.end()
@@ -210,7 +247,7 @@ class Workload:
             return
         try:
             response.start_chunked(200, headers)
-            response.chunk(c.encode_envelope(first))
+            response.chunk(c.encode_envelope(ProcessEvent(StartEvent(proc.pid)).to_json()))
             ended = self._relay(sub, _keepalive(request), response, deadline)
             response.chunk(c.end_stream(None if ended else DEADLINE_EXCEEDED))
             response.end()
@@ -235,29 +272,29 @@ class Workload:
                 for env in decoder.feed(data):
                     if env.flags & c.FLAG_COMPRESSED:
                         raise ConnectError("unimplemented", "compressed messages are not supported")
-                    msg = env.message()
-                    if (start := c.get_obj(msg, "start")) is not None:
-                        proc = self.processes.find(c.get_obj(start, "process"))
-                    elif (event := c.get_obj(msg, "data")) is not None:
+                    msg = StreamInputRequest.from_json(env.message())
+                    if msg.kind == "start":
+                        proc = self.processes.find(msg.process)
+                    elif msg.kind == "data":
                         if proc is None:
                             raise ConnectError("failed_precondition", "input before the start event")
-                        _input(proc, c.get_obj(event, "input") or {})
-                    elif c.get_obj(msg, "keepalive") is None:
+                        _input(proc, msg.input or ProcessInput())
+                    elif msg.kind is None:
                         raise ConnectError("unimplemented", "invalid event type")
         except Exception as exc:
-            failure = exc if isinstance(exc, ConnectError) else _internal(CLIENT_STREAMING, exc)
+            failure = _as_connect_error(CLIENT_STREAMING, exc)
             response.keep_alive = response.keep_alive and request.body.done
             response.start_chunked(200, [("Content-Type", "application/connect+json")])
             response.chunk(c.end_stream(failure))
             response.end()
             return
         response.start_chunked(200, [("Content-Type", "application/connect+json")])
-        response.chunk(c.encode_envelope({}))
+        response.chunk(c.encode_envelope(Empty().to_json()))
         response.chunk(c.end_stream())
         response.end()
 
     @staticmethod
-    def _read_envelope(request: Request) -> dict[str, Any]:
+    def _read_envelope(request: Request) -> dict[str, object]:
         try:
             head = request.body.read_exact(c.ENVELOPE.size)
             if len(head) < c.ENVELOPE.size:
@@ -276,10 +313,10 @@ class Workload:
             raise ConnectError("invalid_argument", str(err)) from None
         return c.parse_message(payload)
 
-    def _open_watch(self, message: dict[str, Any], user: User) -> Watcher:
-        path = _path(self, message, user)
-        watch_path_checks(path, c.get_bool(message, "allow_network_mounts"))
-        return self.watchers.open_stream(path, c.get_bool(message, "recursive"), c.get_bool(message, "include_entry"))
+    def _open_watch(self, message: WatchRequest, user: User) -> Watcher:
+        path = _path(self, message.path, user)
+        watch_path_checks(path, message.allow_network_mounts)
+        return self.watchers.open_stream(path, message.recursive, message.include_entry)
 
     @staticmethod
     def _relay_watch(
@@ -300,11 +337,11 @@ class Workload:
             except ConnectError as err:
                 return err
             for event in events:
-                response.chunk(c.encode_envelope({"filesystem": event}))
+                response.chunk(c.encode_envelope(WatchDirResponse("filesystem", event).to_json()))
             if events:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= keepalive_s:
-                response.chunk(c.encode_envelope({"keepalive": {}}))
+                response.chunk(c.encode_envelope(WatchDirResponse("keepalive").to_json()))
                 quiet_since = time.monotonic()
 
     @staticmethod
@@ -319,16 +356,13 @@ class Workload:
                 if left <= 0:
                     return False
                 wait = min(wait, left)
-            item = sub.get(wait)
+            item: DataEvent | EndEvent | KeepAlive | None = sub.get(wait)
             if item is None:
                 if deadline is not None and time.monotonic() >= deadline:
                     return False
-                response.chunk(c.encode_envelope({"event": {"keepalive": {}}}))
-            elif isinstance(item, tuple):
-                kind, data = item
-                response.chunk(c.encode_envelope({"event": {"data": {kind: c.b64(data)}}}))
-            else:
-                response.chunk(c.encode_envelope({"event": {"end": item}}))
+                item = KeepAlive()
+            response.chunk(c.encode_envelope(ProcessEvent(item).to_json()))
+            if isinstance(item, EndEvent):
                 return True
 
     # ---- /files --------------------------------------------------------------------------------------------
@@ -379,7 +413,7 @@ class Workload:
         read = fs.decoded(request.body.read, request.header("Content-Encoding"))
         ctype = request.header("Content-Type")
         media = ctype.split(";")[0].strip().lower()
-        uploaded: list[dict[str, Any]] = []
+        uploaded: list[UploadedEntry] = []
         metadata = fs.metadata_of(request.headers)
         if media == "application/octet-stream":
             if request.param("path") is None:
@@ -403,7 +437,7 @@ class Workload:
                         path = expand_and_resolve(filename, user, self.default_workdir)
                     except ConnectError as err:
                         raise HttpError(400, f"error resolving path: {err.message}") from None
-                if any(u["path"] == path for u in uploaded):
+                if any(u.path == path for u in uploaded):
                     raise HttpError(
                         400, f"you cannot upload multiple files to the same path '{path}' in one upload request"
                     )
@@ -413,16 +447,11 @@ class Workload:
             raise HttpError(
                 400, f"unsupported content type: {ctype}, expected multipart/form-data or application/octet-stream"
             )
-        response.send_json(200, uploaded)
+        response.send_json(200, [u.to_json() for u in uploaded])
 
 
-def _uploaded(path: str) -> dict[str, Any]:
-    """envd's upload reply entry; `metadata` as read back from the file (envd 0.6.2)."""
-    entry: dict[str, Any] = {"path": path, "name": path.rsplit("/", 1)[-1], "type": "file"}
-    metadata = fs.read_metadata(path)
-    if metadata:
-        entry["metadata"] = metadata
-    return entry
+def _uploaded(path: str) -> UploadedEntry:
+    return UploadedEntry(path, path.rsplit("/", 1)[-1], fs.read_metadata(path))
 
 
 class PartDisposition:
@@ -484,6 +513,12 @@ def _accepts_gzip(header: str) -> bool:
     return False
 
 
+def _as_connect_error(name: str, exc: Exception) -> ConnectError:
+    if isinstance(exc, ConnectError):
+        return exc
+    return c.invalid(exc) if isinstance(exc, ProtoJsonError) else _internal(name, exc)
+
+
 def _internal(name: str, exc: Exception) -> ConnectError:
     log(f"{name}: {type(exc).__name__}: {exc}")
     return ConnectError("internal", f"{type(exc).__name__}: {exc}"[:300])
@@ -510,90 +545,90 @@ def _keepalive(request: Request) -> float:
 # ---- handlers ------------------------------------------------------------------------------------------------
 
 
-def _list(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    processes = w.processes.list()
-    return {"processes": processes} if processes else {}
+def _route(decode: Callable[[Json], R], handle: Callable[[Workload, R, User], Reply]) -> Unary:
+    """A unary call: the request decoded into its message (a malformed field is `invalid_argument`), handled."""
+    return lambda w, msg, user: handle(w, decode(msg), user)
 
 
-def _send_input(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    proc = w.processes.find(c.get_obj(msg, "process"))
-    _input(proc, c.get_obj(msg, "input") or {})
-    return {}
+def _list(w: Workload, req: Empty, user: User) -> ListResponse:
+    return w.processes.list()
 
 
-def _input(proc: Process, given: dict[str, Any]) -> None:
-    pty = c.get_bytes(given, "pty")
-    if pty is not None:
-        proc.write_pty(pty)
-        return
-    data = c.get_bytes(given, "stdin")
-    if data is None:
+def _send_input(w: Workload, req: SendInputRequest, user: User) -> Empty:
+    _input(w.processes.find(req.process), req.input or ProcessInput())
+    return Empty()
+
+
+def _input(proc: Process, given: ProcessInput) -> None:
+    if given.pty is not None:
+        proc.write_pty(given.pty)
+    elif given.stdin is not None:
+        proc.write_stdin(given.stdin)
+    else:
         raise ConnectError("unimplemented", "invalid input type <nil>")
-    proc.write_stdin(data)
 
 
-def _update(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    proc = w.processes.find(c.get_obj(msg, "process"))
-    pty = c.get_obj(msg, "pty")
-    if pty is not None:
-        size = c.get_obj(pty, "size") or {}
-        proc.resize(c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
-    return {}
+def _update(w: Workload, req: UpdateRequest, user: User) -> Empty:
+    proc = w.processes.find(req.process)
+    if req.pty is not None:
+        proc.resize(req.pty.size.cols, req.pty.size.rows)
+    return Empty()
 
 
-def _close_stdin(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    w.processes.find(c.get_obj(msg, "process")).close_stdin()
-    return {}
+def _close_stdin(w: Workload, req: ProcessRequest, user: User) -> Empty:
+    w.processes.find(req.process).close_stdin()
+    return Empty()
 
 
-def _send_signal(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    proc = w.processes.find(c.get_obj(msg, "process"))
-    signum = c.get_enum(msg, "signal", SIGNAL_ENUM)
-    if signum not in (signal.SIGKILL, signal.SIGTERM):
+def _send_signal(w: Workload, req: SendSignalRequest, user: User) -> Empty:
+    proc = w.processes.find(req.process)
+    if req.signal not in (signal.SIGKILL, signal.SIGTERM):
         names = {v: k for k, v in SIGNAL_ENUM.items()}
-        raise ConnectError("unimplemented", f"invalid signal: {names.get(signum, signum)}")
-    proc.signal(signum)
-    return {}
+        raise ConnectError("unimplemented", f"invalid signal: {names.get(req.signal, req.signal)}")
+    proc.signal(req.signal)
+    return Empty()
 
 
-def _path(w: Workload, msg: dict[str, Any], user: User, name: str = "path") -> str:
-    return expand_and_resolve(c.get_str(msg, name), user, w.default_workdir)
+def _path(w: Workload, path: str, user: User) -> str:
+    return expand_and_resolve(path, user, w.default_workdir)
+
+
+def _create_watcher(w: Workload, req: WatchRequest, user: User) -> CreateWatcherResponse:
+    path = _path(w, req.path, user)
+    watch_path_checks(path, req.allow_network_mounts)
+    return CreateWatcherResponse(w.watchers.create(path, req.recursive, req.include_entry))
+
+
+def _watcher_events(w: Workload, req: WatcherRequest, user: User) -> GetWatcherEventsResponse:
+    return GetWatcherEventsResponse(tuple(w.watchers.find(req.watcher_id).take()))
+
+
+def _remove_watcher(w: Workload, req: WatcherRequest, user: User) -> Empty:
+    w.watchers.remove(req.watcher_id)
+    return Empty()
+
+
+def _move(w: Workload, req: MoveRequest, user: User) -> Reply:
+    return fs.move(_path(w, req.source, user), _path(w, req.destination, user), user)
 
 
 UNARY: dict[str, Unary] = {
-    "process.Process/List": _list,
-    "process.Process/SendInput": _send_input,
-    "process.Process/CloseStdin": _close_stdin,
-    "process.Process/Update": _update,
-    "process.Process/SendSignal": _send_signal,
-    "filesystem.Filesystem/Stat": lambda w, m, u: fs.stat_rpc(_path(w, m, u)),
-    "filesystem.Filesystem/ListDir": lambda w, m, u: fs.list_dir(_path(w, m, u), c.get_uint32(m, "depth")),
-    "filesystem.Filesystem/MakeDir": lambda w, m, u: fs.make_dir(_path(w, m, u), u),
-    "filesystem.Filesystem/Move": lambda w, m, u: fs.move(_path(w, m, u, "source"), _path(w, m, u, "destination"), u),
-    "filesystem.Filesystem/Remove": lambda w, m, u: fs.remove(_path(w, m, u)),
+    "process.Process/List": _route(Empty.from_json, _list),
+    "process.Process/SendInput": _route(SendInputRequest.from_json, _send_input),
+    "process.Process/CloseStdin": _route(ProcessRequest.from_json, _close_stdin),
+    "process.Process/Update": _route(UpdateRequest.from_json, _update),
+    "process.Process/SendSignal": _route(SendSignalRequest.from_json, _send_signal),
+    "filesystem.Filesystem/Stat": _route(PathRequest.from_json, lambda w, r, u: fs.stat_rpc(_path(w, r.path, u))),
+    "filesystem.Filesystem/ListDir": _route(
+        ListDirRequest.from_json, lambda w, r, u: fs.list_dir(_path(w, r.path, u), r.depth)
+    ),
+    "filesystem.Filesystem/MakeDir": _route(PathRequest.from_json, lambda w, r, u: fs.make_dir(_path(w, r.path, u), u)),
+    "filesystem.Filesystem/Move": _route(MoveRequest.from_json, _move),
+    "filesystem.Filesystem/Remove": _route(PathRequest.from_json, lambda w, r, u: fs.remove(_path(w, r.path, u))),
+    "filesystem.Filesystem/CreateWatcher": _route(WatchRequest.from_json, _create_watcher),
+    "filesystem.Filesystem/GetWatcherEvents": _route(WatcherRequest.from_json, _watcher_events),
+    "filesystem.Filesystem/RemoveWatcher": _route(WatcherRequest.from_json, _remove_watcher),
 }
-
-
-def _create_watcher(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    path = _path(w, msg, user)
-    watch_path_checks(path, c.get_bool(msg, "allow_network_mounts"))
-    watcher_id = w.watchers.create(path, c.get_bool(msg, "recursive"), c.get_bool(msg, "include_entry"))
-    return {"watcherId": watcher_id}
-
-
-def _watcher_events(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    events = w.watchers.find(c.get_str(msg, "watcher_id")).take()
-    return {"events": events} if events else {}
-
-
-def _remove_watcher(w: Workload, msg: dict[str, Any], user: User) -> dict[str, Any]:
-    w.watchers.remove(c.get_str(msg, "watcher_id"))
-    return {}
-
-
-UNARY["filesystem.Filesystem/CreateWatcher"] = _create_watcher
-UNARY["filesystem.Filesystem/GetWatcherEvents"] = _watcher_events
-UNARY["filesystem.Filesystem/RemoveWatcher"] = _remove_watcher
 WATCH_DIR = "filesystem.Filesystem/WatchDir"
 STREAMING = ("process.Process/Start", "process.Process/Connect", WATCH_DIR)
 CLIENT_STREAMING = "process.Process/StreamInput"

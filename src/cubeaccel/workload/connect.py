@@ -5,20 +5,19 @@ Unary:            POST /pkg.Service/Method, Content-Type application/json, body 
 Server-streaming: Content-Type application/connect+json; request = one envelope; reply 200 and envelopes
                   [flags u8][length u32 big-endian][json], the last with flags 0x02 holding {} or {"error": {...}}.
 
-proto3 JSON mapping as protojson writes it: lowerCamelCase names (both spellings accepted on input), bytes as
-base64, enums by name, 64-bit integers as strings, default values omitted. Unknown fields are ignored, like
-connect-go's JSON codec.
+Messages are envd's (`model/envd_process.py`, `model/envd_filesystem.py`: proto3 JSON as protojson writes it); a
+malformed field is `invalid_argument`, as connect-go's JSON codec answers. Unknown fields are ignored, like that
+codec.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from cubeaccel.model import connect_envelope as envelope
+from cubeaccel.model.proto_json import ProtoJsonError
 
 ENVELOPE = envelope.HEADER
 FLAG_COMPRESSED = envelope.FLAG_COMPRESSED
@@ -57,11 +56,16 @@ class ConnectError(Exception):
     def http_status(self) -> int:
         return HTTP_STATUS[self.code]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, str]:
         return {"code": self.code, "message": self.message}
 
 
-def encode_envelope(message: dict[str, Any], flags: int = 0) -> bytes:
+def invalid(err: ProtoJsonError) -> ConnectError:
+    """A request field of the wrong type: connect-go's answer to what its JSON codec cannot unmarshal."""
+    return ConnectError("invalid_argument", str(err))
+
+
+def encode_envelope(message: Mapping[str, object], flags: int = 0) -> bytes:
     return envelope.encode_json(message, flags)
 
 
@@ -71,7 +75,7 @@ def end_stream(error: ConnectError | None = None) -> bytes:
 
 @dataclass(frozen=True)
 class Envelope(envelope.Envelope):
-    def message(self) -> dict[str, Any]:
+    def message(self) -> dict[str, object]:
         return parse_message(self.payload)
 
 
@@ -103,7 +107,7 @@ def _connect_error(e: envelope.EnvelopeError) -> ConnectError:
     return ConnectError("resource_exhausted" if e.kind == "too_large" else "invalid_argument", str(e))
 
 
-def parse_message(payload: bytes) -> dict[str, Any]:
+def parse_message(payload: bytes) -> dict[str, object]:
     try:
         message = json.loads(payload.decode("utf-8")) if payload.strip() else {}
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -111,111 +115,3 @@ def parse_message(payload: bytes) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ConnectError("invalid_argument", "message must be a JSON object")
     return message
-
-
-# ---- proto3 JSON field access ------------------------------------------------------------------------------
-
-
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(p.title() for p in rest)
-
-
-def get(msg: dict[str, Any], name: str) -> Any:
-    """A field by its proto name, accepting the JSON (lowerCamelCase) or the original spelling; null = absent."""
-    value = msg.get(_camel(name))
-    return msg.get(name) if value is None else value
-
-
-def get_str(msg: dict[str, Any], name: str, default: str = "") -> str:
-    value = get(msg, name)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise ConnectError("invalid_argument", f"{name} must be a string")
-    return value
-
-
-def get_opt_str(msg: dict[str, Any], name: str) -> str | None:
-    return None if get(msg, name) is None else get_str(msg, name)
-
-
-def get_bool(msg: dict[str, Any], name: str, default: bool = False) -> bool:
-    value = get(msg, name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ConnectError("invalid_argument", f"{name} must be a boolean")
-    return value
-
-
-def get_uint32(msg: dict[str, Any], name: str, default: int = 0) -> int:
-    value = get(msg, name)
-    if value is None:
-        return default
-    if isinstance(value, str):  # protojson accepts numbers as strings
-        try:
-            value = int(value)
-        except ValueError:
-            raise ConnectError("invalid_argument", f"{name} must be an integer") from None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= 0xFFFFFFFF:
-        raise ConnectError("invalid_argument", f"{name} must be a uint32")
-    return value
-
-
-def get_obj(msg: dict[str, Any], name: str) -> dict[str, Any] | None:
-    value = get(msg, name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise ConnectError("invalid_argument", f"{name} must be an object")
-    return value
-
-
-def get_str_list(msg: dict[str, Any], name: str) -> list[str]:
-    value = get(msg, name)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConnectError("invalid_argument", f"{name} must be a list of strings")
-    return value
-
-
-def get_str_map(msg: dict[str, Any], name: str) -> dict[str, str]:
-    value = get(msg, name)
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise ConnectError("invalid_argument", f"{name} must be a map of strings")
-    return value
-
-
-def get_bytes(msg: dict[str, Any], name: str) -> bytes | None:
-    value = get(msg, name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ConnectError("invalid_argument", f"{name} must be base64")
-    try:  # protojson accepts standard or URL-safe alphabets, padded or not
-        return base64.b64decode(value.replace("-", "+").replace("_", "/") + "=" * (-len(value) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise ConnectError("invalid_argument", f"{name} is not valid base64") from None
-
-
-def get_enum(msg: dict[str, Any], name: str, values: dict[str, int]) -> int:
-    value = get(msg, name)
-    if value is None:
-        return 0
-    if isinstance(value, str):
-        if value not in values:
-            raise ConnectError("invalid_argument", f"unknown {name} {value[:64]!r}")
-        return values[value]
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    raise ConnectError("invalid_argument", f"{name} must be an enum name or number")
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")

@@ -14,10 +14,13 @@ import os
 import stat
 import zlib
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from email.message import Message
 from typing import Any
 
+from cubeaccel.model.envd_filesystem import EntryInfo, EntryResponse, ListDirResponse
+from cubeaccel.model.proto_json import Empty
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError
 from cubeaccel.workload.users import User, chown, ensure_dirs, owner_names
@@ -81,14 +84,13 @@ def _kind(mode: int) -> str | None:
     return None
 
 
-def entry_info(path: str) -> dict[str, Any]:
+def entry_info(path: str) -> EntryInfo:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         raise ConnectError("not_found", f"file not found: lstat {path}: no such file or directory") from None
     except OSError as exc:
         raise ConnectError("internal", f"error getting file info: {exc.strerror}") from None
-    entry: dict[str, Any] = {"name": os.path.basename(path.rstrip("/")) or "/"}
     kind, mode = _kind(st.st_mode), stat.S_IMODE(st.st_mode) & 0o777
     target: str | None = None
     if stat.S_ISLNK(st.st_mode):
@@ -99,22 +101,20 @@ def entry_info(path: str) -> dict[str, Any]:
         except OSError:
             target = target or path  # envd: an unresolvable link reports itself as its target
             kind, mode = None, 0
-    if kind:
-        entry["type"] = kind
-    entry["path"] = path
-    if st.st_size:
-        entry["size"] = str(st.st_size)  # int64: a string in proto JSON
-    if mode:
-        entry["mode"] = mode
-    entry["permissions"] = go_mode_string(st.st_mode)
-    entry["owner"], entry["group"] = owner_names(st.st_uid, st.st_gid)
-    entry["modifiedTime"] = timestamp(st.st_mtime_ns)
-    if target is not None:
-        entry["symlinkTarget"] = target
-    metadata = read_metadata(path)
-    if metadata:
-        entry["metadata"] = metadata
-    return entry
+    owner, group = owner_names(st.st_uid, st.st_gid)
+    return EntryInfo(
+        name=os.path.basename(path.rstrip("/")) or "/",
+        path=path,
+        type=kind,
+        size=st.st_size,
+        mode=mode,
+        permissions=go_mode_string(st.st_mode),
+        owner=owner,
+        group=group,
+        modified_time=timestamp(st.st_mtime_ns),
+        symlink_target=target,
+        metadata=read_metadata(path),
+    )
 
 
 # ---- file metadata (envd 0.6.2): `X-Metadata-<key>` on upload, `user.e2b.<key>` xattrs, EntryInfo.metadata ----
@@ -176,11 +176,11 @@ def write_metadata(fd: int, metadata: dict[str, str]) -> None:
         raise HttpError(500, f"error writing file metadata: {exc.strerror}") from None
 
 
-def stat_rpc(path: str) -> dict[str, Any]:
-    return {"entry": entry_info(path)}
+def stat_rpc(path: str) -> EntryResponse:
+    return EntryResponse(entry_info(path))
 
 
-def list_dir(requested: str, depth: int) -> dict[str, Any]:
+def list_dir(requested: str, depth: int) -> ListDirResponse:
     depth = depth or 1
     try:
         resolved = os.path.realpath(requested, strict=True)
@@ -192,7 +192,7 @@ def list_dir(requested: str, depth: int) -> dict[str, Any]:
         raise ConnectError("internal", f"error resolving symlink: {exc.strerror}") from None
     if not os.path.isdir(resolved):
         raise ConnectError("invalid_argument", f"path is not a directory: {resolved}")
-    entries: list[dict[str, Any]] = []
+    entries: list[EntryInfo] = []
 
     def walk(directory: str, rel: str, level: int) -> None:
         try:
@@ -207,18 +207,17 @@ def list_dir(requested: str, depth: int) -> dict[str, Any]:
                 if err.code == "not_found":
                     continue  # gone between listdir and lstat
                 raise
-            entry["path"] = os.path.join(requested, relpath)
-            entries.append(entry)
+            entries.append(replace(entry, path=os.path.join(requested, relpath)))
             if len(entries) > MAX_LIST_ENTRIES:
                 raise ConnectError("resource_exhausted", f"more than {MAX_LIST_ENTRIES} entries; ask for less depth")
             if level < depth and stat.S_ISDIR(os.lstat(full).st_mode):  # links are listed, never followed
                 walk(full, relpath, level + 1)
 
     walk(resolved, "", 1)
-    return {"entries": entries}
+    return ListDirResponse(tuple(entries))
 
 
-def make_dir(path: str, user: User) -> dict[str, Any]:
+def make_dir(path: str, user: User) -> EntryResponse:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -230,7 +229,7 @@ def make_dir(path: str, user: User) -> dict[str, Any]:
             raise ConnectError("already_exists", f"directory already exists: {path}")
         raise ConnectError("invalid_argument", f"path already exists but it is not a directory: {path}")
     _ensure(path, user)
-    return {"entry": entry_info(path)}
+    return EntryResponse(entry_info(path))
 
 
 def _ensure(path: str, user: User) -> None:
@@ -240,7 +239,7 @@ def _ensure(path: str, user: User) -> None:
         raise ConnectError("internal", f"failed to create directory: {exc.strerror}") from None
 
 
-def move(source: str, destination: str, user: User) -> dict[str, Any]:
+def move(source: str, destination: str, user: User) -> EntryResponse:
     _ensure(os.path.dirname(destination), user)
     try:
         os.rename(source, destination)
@@ -248,15 +247,15 @@ def move(source: str, destination: str, user: User) -> dict[str, Any]:
         raise ConnectError("not_found", f"source file not found: rename {source} {destination}") from None
     except OSError as exc:
         raise ConnectError("internal", f"error renaming: {exc.strerror}") from None
-    return {"entry": entry_info(destination)}
+    return EntryResponse(entry_info(destination))
 
 
-def remove(path: str) -> dict[str, Any]:
+def remove(path: str) -> Empty:
     """os.RemoveAll: a missing path is not an error; a directory goes with everything in it (links not followed)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return {}
+        return Empty()
     try:
         if stat.S_ISDIR(st.st_mode):
             import shutil
@@ -268,7 +267,7 @@ def remove(path: str) -> dict[str, Any]:
         pass
     except OSError as exc:
         raise ConnectError("internal", f"error removing file or directory: {exc.strerror}") from None
-    return {}
+    return Empty()
 
 
 # ---- /files --------------------------------------------------------------------------------------------------

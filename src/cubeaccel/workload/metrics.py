@@ -14,7 +14,8 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any
+
+from cubeaccel.model.guest_metrics import MetricsSample, PciFunction
 
 INTERVAL_S = 5.0
 KEEP = 720  # one hour of samples
@@ -42,9 +43,9 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def pci_devices() -> list[dict[str, str]]:
+def pci_devices() -> list[PciFunction]:
     """Every PCI function the guest sees but its own plumbing (virtio, bridges): address, ids, class, driver."""
-    found: list[dict[str, str]] = []
+    found: list[PciFunction] = []
     with contextlib.suppress(OSError):
         for address in sorted(os.listdir(PCI)):
             base = os.path.join(PCI, address)
@@ -64,9 +65,7 @@ def pci_devices() -> list[dict[str, str]]:
                 if os.path.islink(os.path.join(base, "driver"))
                 else ""
             )
-            found.append(
-                {"address": address, "vendor": vendor, "device": read("device"), "class": pci_class, "driver": driver}
-            )
+            found.append(PciFunction(address, vendor, read("device"), pci_class, driver))
     return found
 
 
@@ -75,14 +74,14 @@ class Sampler:
 
     def __init__(self, interval_s: float = INTERVAL_S, keep: int = KEEP) -> None:
         self.interval_s = interval_s
-        self._samples: deque[dict[str, Any]] = deque(maxlen=keep)
+        self._samples: deque[MetricsSample] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self._last_cpu: tuple[int, int] | None = None
         self._stop = threading.Event()
         self.sample()
         threading.Thread(target=self._run, daemon=True, name="metrics").start()
 
-    def sample(self) -> dict[str, Any]:
+    def sample(self) -> MetricsSample:
         busy, total = _cpu_times()
         pct = 0.0
         if self._last_cpu is not None and total > self._last_cpu[1]:
@@ -93,18 +92,18 @@ class Sampler:
         mem_used = mem_total - mem.get("MemAvailable", mem.get("MemFree", 0))
         st = os.statvfs("/")
         disk_total, disk_free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-        sample = {
-            "ts": int(time.time()),
-            "cpu_count": os.cpu_count() or 1,
-            "cpu_used_pct": max(0.0, pct),
-            "mem_total_mib": mem_total // (1 << 20),
-            "mem_used_mib": mem_used // (1 << 20),
-            "mem_total": mem_total,
-            "mem_used": mem_used,
-            "mem_cache": mem.get("Cached", 0),
-            "disk_used": disk_total - disk_free,
-            "disk_total": disk_total,
-        }
+        sample = MetricsSample(
+            ts=int(time.time()),
+            cpu_count=os.cpu_count() or 1,
+            cpu_used_pct=max(0.0, pct),
+            mem_total_mib=mem_total // (1 << 20),
+            mem_used_mib=mem_used // (1 << 20),
+            mem_total=mem_total,
+            mem_used=mem_used,
+            mem_cache=mem.get("Cached", 0),
+            disk_used=disk_total - disk_free,
+            disk_total=disk_total,
+        )
         with self._lock:
             self._samples.append(sample)
         return sample
@@ -114,13 +113,13 @@ class Sampler:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 self.sample()
 
-    def latest(self) -> dict[str, Any]:
+    def latest(self) -> MetricsSample:
         with self._lock:
-            return dict(self._samples[-1])
+            return self._samples[-1]
 
-    def series(self) -> list[dict[str, Any]]:
+    def series(self) -> tuple[MetricsSample, ...]:
         with self._lock:
-            return [dict(s) for s in self._samples]
+            return tuple(self._samples)
 
     def stop(self) -> None:
         self._stop.set()

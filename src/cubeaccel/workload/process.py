@@ -18,8 +18,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from cubeaccel.model.envd_process import (
+    SIGNALS,
+    DataEvent,
+    EndEvent,
+    ListResponse,
+    ProcessConfig,
+    ProcessInfo,
+    ProcessSelector,
+    StartRequest,
+)
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.limits import CommandLimits
 from cubeaccel.workload.users import User, expand_and_resolve
@@ -47,48 +57,44 @@ SIGNAL_NAMES: dict[int, str] = {
     signal.SIGALRM: "alarm clock",
     signal.SIGTERM: "terminated",
 }
-SIGNAL_ENUM = {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
+SIGNAL_ENUM = SIGNALS
 
 
-def end_event(returncode: int) -> dict[str, Any]:
-    """EndEvent as envd fills it from Go's ProcessState (status strings included), defaults omitted."""
+def end_event(returncode: int) -> EndEvent:
+    """EndEvent as envd fills it from Go's ProcessState (status strings included)."""
     if returncode >= 0:
         status = f"exit status {returncode}"
-        end: dict[str, Any] = {"exited": True, "status": status}
-        if returncode:
-            end["exitCode"] = returncode
-            end["error"] = status
-        return end
+        return EndEvent(returncode, True, status, status if returncode else None)
     signum = -returncode
     status = f"signal: {SIGNAL_NAMES.get(signum, f'signal {signum}')}"
-    return {"exitCode": -1, "status": status, "error": status}
+    return EndEvent(-1, False, status, status)
 
 
 class Subscriber:
     """One stream's view of a process: bounded queue of output chunks, then the end event."""
 
     def __init__(self, maxlen: int = SUBSCRIBER_QUEUE) -> None:
-        self._items: deque[tuple[str, bytes]] = deque()
+        self._items: deque[DataEvent] = deque()
         self._maxlen = maxlen
         self._cv = threading.Condition()
-        self._end: dict[str, Any] | None = None
+        self._end: EndEvent | None = None
         self.cancelled = False
 
-    def put(self, kind: str, data: bytes) -> None:
+    def put(self, data: DataEvent) -> None:
         """Blocks while full: this is the backpressure that reaches the command's write(2)."""
         with self._cv:
             while len(self._items) >= self._maxlen and not self.cancelled:
                 self._cv.wait()
             if not self.cancelled:
-                self._items.append((kind, data))
+                self._items.append(data)
                 self._cv.notify_all()
 
-    def finish(self, end: dict[str, Any]) -> None:
+    def finish(self, end: EndEvent) -> None:
         with self._cv:
             self._end = end
             self._cv.notify_all()
 
-    def get(self, timeout: float | None) -> tuple[str, bytes] | dict[str, Any] | None:
+    def get(self, timeout: float | None) -> DataEvent | EndEvent | None:
         """Next chunk, else the end event once all chunks are out, else None after `timeout` (send a keepalive)."""
         with self._cv:
             deadline = None if timeout is None else time.monotonic() + timeout
@@ -113,13 +119,13 @@ class Subscriber:
 @dataclass
 class Process:
     pid: int
-    config: dict[str, Any]  # ProcessConfig as proto JSON, for List
+    config: ProcessConfig  # as given, for List
     tag: str | None
     popen: subprocess.Popen[bytes]
     _subscribers: list[Subscriber] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stdin_lock: threading.Lock = field(default_factory=threading.Lock)
-    end: dict[str, Any] | None = None
+    end: EndEvent | None = None
     killed: threading.Event = field(default_factory=threading.Event)
     tty: int | None = None  # the pty master, for a command started with a pty
 
@@ -138,13 +144,13 @@ class Process:
             if sub in self._subscribers:
                 self._subscribers.remove(sub)
 
-    def publish(self, kind: str, data: bytes) -> None:
+    def publish(self, data: DataEvent) -> None:
         with self._lock:
             subs = list(self._subscribers)
         for sub in subs:
-            sub.put(kind, data)
+            sub.put(data)
 
-    def finish(self, end: dict[str, Any]) -> None:
+    def finish(self, end: EndEvent) -> None:
         with self._lock:
             self.end = end
             subs, self._subscribers = self._subscribers, []
@@ -222,19 +228,15 @@ class ProcessTable:
     retained: dict[int, tuple[float, Process]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def start(self, request: dict[str, Any], user: User, timeout_s: float | None) -> tuple[Process, Subscriber]:
-        from cubeaccel.workload import connect as c
-
-        config = c.get_obj(request, "process") or {}
-        pty = c.get_obj(request, "pty")
-        cmd = c.get_str(config, "cmd")
+    def start(self, request: StartRequest, user: User, timeout_s: float | None) -> tuple[Process, Subscriber]:
+        config, pty, tag = request.process, request.pty, request.tag
+        cmd = config.cmd
         if not cmd:
             raise ConnectError("invalid_argument", "process.cmd is required")
-        args = c.get_str_list(config, "args")
-        envs = c.get_str_map(config, "envs")
-        cwd_in = c.get_opt_str(config, "cwd")
-        tag = c.get_opt_str(request, "tag")
-        stdin = c.get_bool(request, "stdin", True)  # envd: absent means true (backwards compatibility)
+        args = list(config.args or ())
+        envs = config.envs or {}
+        cwd_in = config.cwd
+        stdin = request.stdin is not False  # envd: absent means true (backwards compatibility)
         cwd = expand_and_resolve(cwd_in or "", user, self.default_workdir)
         if not os.path.exists(cwd):
             raise ConnectError("invalid_argument", f"cwd '{cwd}' does not exist")
@@ -262,9 +264,8 @@ class ProcessTable:
             "stderr": subprocess.PIPE,
         }
         if pty is not None:
-            size = c.get_obj(pty, "size") or {}
             master, slave = os.openpty()
-            set_winsize(master, c.get_uint32(size, "cols"), c.get_uint32(size, "rows"))
+            set_winsize(master, pty.size.cols, pty.size.rows)
             streams = {"stdin": slave, "stdout": slave, "stderr": slave, "preexec_fn": _controlling_tty}
         argv = [cmd, *args]
         gated = self.limits is not None and pty is None  # the pty path keeps its preexec_fn (no gate)
@@ -300,13 +301,7 @@ class ProcessTable:
             ended = self.limits.confine(popen.pid, user.uid)
             if ended is not None:
                 popen.returncode = ended  # reaped already; wait() returns it
-        shown: dict[str, Any] = {"cmd": cmd}
-        if args:
-            shown["args"] = args
-        if envs:
-            shown["envs"] = envs
-        if cwd_in is not None:
-            shown["cwd"] = cwd_in
+        shown = ProcessConfig(cmd, tuple(args) or None, envs or None, cwd_in)  # as given, defaults omitted
         proc = Process(popen.pid, shown, tag, popen, tty=master)
         first = proc.subscribe()  # before any output can be read: the starter sees all of it
         with self._lock:
@@ -351,7 +346,7 @@ class ProcessTable:
         threading.Thread(target=wait, daemon=True, name=f"wait {proc.pid}").start()
 
     @staticmethod
-    def _pump(proc: Process, pipe: Any, kind: str) -> None:
+    def _pump(proc: Process, pipe: Any, kind: Literal["stdout", "stderr", "pty"]) -> None:
         """Output to subscribers until EOF (a pty master reads EIO once the last slave fd is closed)."""
         fd = pipe if isinstance(pipe, int) else pipe.fileno()
         try:
@@ -362,7 +357,7 @@ class ProcessTable:
                     return
                 if not data:
                     return
-                proc.publish(kind, data)
+                proc.publish(DataEvent(kind, data))
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd) if isinstance(pipe, int) else pipe.close()
@@ -372,23 +367,18 @@ class ProcessTable:
         for pid in [p for p, (until, _) in self.retained.items() if until < now]:
             del self.retained[pid]
 
-    def find(self, selector: dict[str, Any] | None, include_ended: bool = False) -> Process:
-        from cubeaccel.workload import connect as c
-
-        selector = selector or {}
-        pid = c.get(selector, "pid")
-        tag = c.get_opt_str(selector, "tag")
+    def find(self, selector: ProcessSelector | None, include_ended: bool = False) -> Process:
+        pid, tag = (None, None) if selector is None else (selector.pid, selector.tag)
         with self._lock:
             self._expire()
             candidates = list(self.live.values())
             if include_ended:
                 candidates += [p for _, p in self.retained.values()]
             if pid is not None:
-                want = c.get_uint32(selector, "pid")
                 for p in candidates:
-                    if p.pid == want:
+                    if p.pid == pid:
                         return p
-                raise ConnectError("not_found", f"process with pid {want} not found")
+                raise ConnectError("not_found", f"process with pid {pid} not found")
             if tag is not None:
                 for p in candidates:
                     if p.tag == tag:
@@ -396,16 +386,10 @@ class ProcessTable:
                 raise ConnectError("not_found", f"process with tag {tag} not found")
         raise ConnectError("unimplemented", "invalid input type: no process selector")
 
-    def list(self) -> list[dict[str, Any]]:
+    def list(self) -> ListResponse:
         with self._lock:
             procs = list(self.live.values())
-        out = []
-        for p in procs:
-            info: dict[str, Any] = {"config": p.config, "pid": p.pid}
-            if p.tag is not None:
-                info["tag"] = p.tag
-            out.append(info)
-        return out
+        return ListResponse(tuple(ProcessInfo(p.config, p.pid, p.tag) for p in procs))
 
     def kill_all(self) -> None:
         with self._lock:

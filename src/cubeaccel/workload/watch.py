@@ -25,8 +25,8 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
+from cubeaccel.model.envd_filesystem import FilesystemEvent
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.files import entry_info
 
@@ -122,7 +122,7 @@ class Watcher:
     _fd: int = -1
     _wake: tuple[int, int] = (-1, -1)
     _dirs: dict[int, str] = field(default_factory=dict)  # watch descriptor -> directory
-    _events: list[dict[str, Any]] = field(default_factory=list)
+    _events: list[FilesystemEvent] = field(default_factory=list)
     _error: ConnectError | None = None
     _closed: bool = False
     _cv: threading.Condition = field(default_factory=threading.Condition)
@@ -177,11 +177,11 @@ class Watcher:
         for bits, kind in OPS:
             if not mask & bits:
                 continue
-            event: dict[str, Any] = {"name": os.path.relpath(full, self.path), "type": kind}
+            entry = None
             if self.include_entry and kind in WITH_ENTRY:
                 with contextlib.suppress(ConnectError):  # best effort, as envd: gone again is no entry
-                    event["entry"] = entry_info(full)
-            self._events.append(event)
+                    entry = entry_info(full)
+            self._events.append(FilesystemEvent(os.path.relpath(full, self.path), kind, entry))
         if len(self._events) > MAX_PENDING and self._error is None:
             self._error = ConnectError("internal", OVERFLOW)
 
@@ -239,7 +239,7 @@ class Watcher:
                 if self._error is not None:
                     return
 
-    def take(self, wait_s: float = 0.0) -> list[dict[str, Any]]:
+    def take(self, wait_s: float = 0.0) -> list[FilesystemEvent]:
         """Events since the last take; waits up to `wait_s` for one. A failed watch raises its error."""
         with self._cv:
             self._drain()
