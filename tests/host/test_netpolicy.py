@@ -242,7 +242,7 @@ def test_the_cubelets_reconcile_pass_refuses_an_address_the_node_gains_later(
     subnet = routed["node"].rsplit(".", 1)[0]
     allow = {"network": {"mode": "allowlist", "egress": [f"{subnet}.0/24:8080"]}}
     res = node.cubelet.reserve(sid, ReservationRequest(contract=_tool_contract(allow)))
-    net = netpolicy.setup(sid, NetworkPolicy.from_json(res.params["network"]), node="n1", uplink_netns=routed["uplink"])
+    net = netpolicy.setup(sid, res.params.network, node="n1", uplink_netns=routed["uplink"])
     try:
         with node.cubelet.store.tx() as t:  # as the Cubelet's start path records it (the simulated shim builds none)
             cur = t.reservation(sid)
@@ -291,7 +291,7 @@ def test_cubelet_narrows_records_and_refuses_pool_overlap_and_widening(tmp_path:
         "sb1",
         ReservationRequest(contract=_tool_contract(net), network={"mode": "allowlist", "egress": ["10.1.0.0/16:443"]}),
     )
-    assert res.params["network"] == {"mode": "allowlist", "egress": ["10.1.0.0/16:443/tcp"]}
+    assert res.params.to_json()["network"] == {"mode": "allowlist", "egress": ["10.1.0.0/16:443/tcp"]}
     with pytest.raises(CubeError) as e:
         node.cubelet.reserve(
             "sb2",
