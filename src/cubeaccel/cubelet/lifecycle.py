@@ -478,7 +478,7 @@ class Cubelet(ReleasePath):
             memory_mib=p.memory_mib,
             vcpus=p.vcpus,
             pin_memory=p.pin_memory,
-            contract=None if contract is None else contract.to_json(),
+            contract=contract,
             start_id=res.checkpoint.start_id,
             image_digest=res.checkpoint.image_digest or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
