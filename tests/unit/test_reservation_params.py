@@ -17,7 +17,7 @@ from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.server import create_app
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.contract import CompatibilityContract, freeze
-from cubeaccel.model.reservation_params import CarriedContract, ReservationParams, parse_contract
+from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.transport.cubelet_client import _sent
 from cubeaccel.wire.cubelet_api import ReservationBody
@@ -251,3 +251,53 @@ def test_a_warm_pool_with_a_malformed_contract_keeps_its_code(http: tuple[Node, 
     assert r.status_code == 422 and r.json()["error"]["code"] == "contract.digest_mismatch"
     r = client.put("/v1/warm/pools", json={"size": 1, "contract": {"document": {}}})
     assert r.status_code == 422 and r.json()["error"]["code"] == "contract.invalid_json"
+
+
+# ---- the request's network narrowing: parsed at the edge, sent as given, refused with its own codes ----
+
+
+@pytest.mark.parametrize(
+    "network",
+    [
+        {"mode": "allowlist", "egress": ["10.1.0.0/16:443", "10.2.0.0/16:53/udp"]},  # not normalized: sent as given
+        {"allow_out": ["10.1.2.3"], "deny_out": []},
+        {"mode": "none"},
+    ],
+)
+def test_the_body_carries_the_network_narrowing_as_sent(network: dict[str, Any]) -> None:
+    typed = ReservationBody.model_validate({"sandbox_id": "sb-1", "contract": TOOL, "network": network})
+    assert isinstance(typed.network, NetworkRequest)
+    old = {"v": 1, "sandbox_id": "sb-1", "count": 1, "labels": {}, "memory_mib": 512, "vcpus": 1}
+    old |= {"pin_memory": True, "contract": TOOL.to_json(), "start": False, "network": network}
+    assert json.dumps(_sent(typed)) == json.dumps(old)
+
+
+@pytest.mark.parametrize(
+    ("network", "code"),
+    [
+        ({"mode": "open"}, "network.invalid_policy"),
+        ({"mode": "allowlist", "egress": ["10.0.0.0/8"]}, "network.invalid_rule"),
+        ({"allow_out": ["nowhere"]}, "network.invalid_rule"),
+        ({"allow_out": [], "egress": []}, "network.invalid_policy"),
+        ("allowlist", "api.invalid_request"),
+    ],
+)
+def test_a_malformed_network_is_refused_with_its_code(
+    http: tuple[Node, TestClient, Path], network: object, code: str
+) -> None:
+    node, client, audit = http
+    body = {"sandbox_id": "sb", "contract": TOOL.to_json(), "network": network, "tenant": "t"}
+    r = client.post("/v1/reservations", json=body)
+    assert r.status_code == 422 and r.json()["error"]["code"] == code, r.text
+    assert node.cubelet.store.reservation("sb") is None
+    (row,) = [json.loads(x) for x in audit.read_text().splitlines()]
+    if code != "api.invalid_request":
+        assert (row["sandbox"], row["reason"]) == ("sb", code)
+
+
+def test_a_network_narrowing_without_a_contract_is_still_refused_by_the_cubelet(
+    http: tuple[Node, TestClient, Path],
+) -> None:
+    _, client, _ = http
+    r = client.post("/v1/reservations", json={"sandbox_id": "sb", "network": {"mode": "none"}})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "network.policy_widened"

@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pydantic import SecretStr
 
@@ -49,7 +48,7 @@ from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
-from cubeaccel.model.reservation_params import CarriedContract, ReservationParams, parse_contract
+from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.sandbox_policy import (
     FilesystemPolicy,
@@ -57,7 +56,7 @@ from cubeaccel.model.sandbox_policy import (
     SandboxPolicy,
     forbidden_overlap,
     mount_not_allowlisted,
-    narrow_network,
+    narrowed,
 )
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.transport.telemetry import request_id
@@ -82,7 +81,7 @@ class ReservationRequest:
     pin_memory: bool = True
     contract: CompatibilityContract | None = None  # parsed where it arrived; re-checked by `request_params`
     lifetime_s: float | None = None  # from start; None: the Cubelet's default_lifetime_s (no sandbox lives forever)
-    network: dict[str, Any] | None = None  # the request's narrowing of the template's network policy
+    network: NetworkRequest | None = None  # the request's narrowing of the template's network policy
     tenant: str | None = None  # whose sandbox (CubeMaster says); audited with the assignment
 
 
@@ -276,7 +275,7 @@ class Cubelet(ReleasePath):
         return contract, params
 
     def _network_policy(
-        self, contract: CompatibilityContract | None, requested: dict[str, Any] | None
+        self, contract: CompatibilityContract | None, requested: NetworkRequest | None
     ) -> NetworkPolicy:
         """The sandbox's policy, re-derived here (not trusted from CubeMaster): the template's narrowed by the
         request; refused when it names this node's pool, needs a NIC this node cannot build, or a mount the
@@ -284,7 +283,7 @@ class Cubelet(ReleasePath):
         tpl = contract.template.sandbox if contract is not None else SandboxPolicy()
         if requested is not None and contract is None:
             raise invalid("network.policy_widened", "a network policy needs a template that declares one")
-        policy = narrow_network(tpl.network, requested)
+        policy = tpl.network if requested is None else narrowed(tpl.network, requested.asked)
         pool = ipaddress.IPv4Network(self.config.network_pool)
         if bad := forbidden_overlap(policy, [pool]):
             raise conflict(

@@ -14,7 +14,7 @@ from typing import Any
 
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.errors import CubeError, invalid
-from cubeaccel.model.sandbox_policy import NetworkPolicy
+from cubeaccel.model.sandbox_policy import AddressNarrowing, NetworkPolicy, parse_narrowing
 
 INVALID_CONTRACT = "reserve.invalid_contract"
 
@@ -45,6 +45,26 @@ def parse_contract(data: object) -> CarriedContract:
     except (KeyError, TypeError, ValueError) as e:
         raise invalid(INVALID_CONTRACT, f"invalid frozen contract: {e}", layer="template") from e
     return CarriedContract(parsed.template, parsed.digest, copy.deepcopy(dict(data)))
+
+
+@dataclass(frozen=True)
+class NetworkRequest:
+    """A request's narrowing of its template's network policy, parsed (`parse_narrowing`); passed on as the JSON
+    it came as. The node derives the effective policy from it again (`narrowed`)."""
+
+    asked: NetworkPolicy | AddressNarrowing
+    carried: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def parse(cls, data: object) -> NetworkRequest:
+        if isinstance(data, NetworkRequest):
+            return data
+        asked = parse_narrowing(data)  # a non-object is `network.invalid_policy`
+        assert isinstance(data, dict)
+        return cls(asked, copy.deepcopy(data))
+
+    def to_json(self) -> dict[str, Any]:
+        return copy.deepcopy(dict(self.carried))
 
 
 @dataclass(frozen=True)

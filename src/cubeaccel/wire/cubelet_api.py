@@ -14,7 +14,7 @@ from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.base import Message, Record, Reply
-from cubeaccel.wire.frozen_contract import Contract
+from cubeaccel.wire.frozen_contract import Contract, Network
 
 
 class ReservationBody(Message):
@@ -32,7 +32,8 @@ class ReservationBody(Message):
     start: StrictBool = False
     # The start's workload token when the caller chose it (CubeMaster passes the creator's on); None: a fresh one.
     workload_token: SecretStr | None = Field(default=None, min_length=32, max_length=200)
-    network: dict[str, Any] | None = None  # narrows the contract's network policy (model/sandbox_policy.py)
+    # Narrows the contract's network policy (model/sandbox_policy.py); the Cubelet derives the effective one.
+    network: Network | None = Field(default=None, title="Network")
     # Whose sandbox it is, for the node's audit trail (who had which device). Absent from an older CubeMaster and
     # from local callers: the assignment is then audited with tenant null.
     tenant: str | None = Field(default=None, min_length=1, max_length=128)
