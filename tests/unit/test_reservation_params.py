@@ -17,6 +17,7 @@ from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.server import create_app
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.contract import CompatibilityContract, freeze
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.transport.cubelet_client import _sent
@@ -140,7 +141,10 @@ def test_a_reservation_row_written_by_the_dict_code_is_served_and_released(tmp_p
     assert got.params.contract.digest == H100.digest
     app = create_app(node.cubelet, local=True)
     served = TestClient(app).get("/v1/reservations/sb").json()["reservation"]["params"]
-    assert served == row
+    assert json.dumps(served) == json.dumps(json.loads(stored(row)))  # the row as read back, key order too
+    with pytest.raises(CubeError) as e:
+        node.cubelet.reserve("sb", ReservationRequest(count=2, contract=H100))
+    assert json.dumps(e.value.details["existing"]) == json.dumps(json.loads(stored(row)))
     node.cubelet.release("sb")
     assert node.cubelet.store.reservation("sb") is None and res.phase is ReservationPhase.RESERVED
 

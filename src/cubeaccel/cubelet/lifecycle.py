@@ -174,7 +174,7 @@ class Cubelet(ReleasePath):
                 raise conflict(
                     "reserve.sandbox_conflict",
                     f"sandbox {sandbox_id} already holds devices with different parameters",
-                    details={"existing": existing.params.to_json()},
+                    details={"existing": existing.params.as_stored()},
                 )
             host_ready.refuse_if_not_ready(t)
             devices = [] if req.count == 0 else t.devices(S.ALLOCATABLE)  # the others are counted on refusal

@@ -8,6 +8,7 @@ agent reads `guest_probes` as the sender derived them, and the journal and the s
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,12 @@ class ReservationParams:
             **({"network": self.network.to_json()} if self.network is not None else {}),
             **({"tenant": self.tenant} if self.tenant is not None else {}),
         }
+
+    def as_stored(self) -> dict[str, Any]:
+        """The JSON as the journal holds it, keys sorted at every level: what the Cubelet serves and puts in
+        errors (it served the row it read back)."""
+        loaded: dict[str, Any] = json.loads(json.dumps(self.to_json(), sort_keys=True))
+        return loaded
 
     @classmethod
     def from_json(cls, data: object) -> ReservationParams:
