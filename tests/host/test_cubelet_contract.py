@@ -26,7 +26,7 @@ def test_contract_matching_devices_are_reserved(tmp_path: Path) -> None:
     node = Node.create(tmp_path, "2xt4,2xh100")
     res = node.cubelet.reserve("sb", ReservationRequest(count=2, contract=_h100_contract()))
     assert {node.device(d).labels["model"] for d in res.device_ids} == {"H100-SXM5-80GB"}
-    assert res.params["memory_mib"] == 65536  # the contract's memory wins
+    assert res.params.memory_mib == 65536  # the contract's memory wins
 
 
 def test_reservation_refused_by_check_device_leaves_devices_allocatable_and_no_row(tmp_path: Path) -> None:

@@ -43,7 +43,7 @@ def test_a_cpu_only_sandbox_runs_and_is_released_without_any_device_moving(tmp_p
     assert res.device_ids == []
     assert node.cubelet.start("sb-cpu") is not None
     cur = node.cubelet.get_reservation("sb-cpu")
-    assert cur.phase is ReservationPhase.RUNNING and cur.params["count"] == 0
+    assert cur.phase is ReservationPhase.RUNNING and cur.params.count == 0
     held = ledger(node.cubelet.store.reservations(), 1 << 20, node.cubelet.vmm_host)
     assert held.by_sandbox["sb-cpu"] >= 512 and held.locked_mib >= 512  # its pinned memory is charged
     assert node.states() == before  # every device stayed allocatable, none reserved or prepared

@@ -20,6 +20,7 @@ from cubeaccel.model.pinned_memory import (
     TCG_CACHE_MIB,
     THREAD_CONTEXT_MIB,
 )
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationPhase as P
 from cubeaccel.model.states import DeviceState
 from tests.support.cubelet_harness import Node
@@ -119,7 +120,7 @@ def test_without_a_configured_size_lockable_is_memavailable_plus_what_started_vm
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("cubeaccel.cubelet.memory_ledger.available_mib", lambda: 10_000)
-    params = {"memory_mib": 1000, "vcpus": 1, "pin_memory": True}
+    params = ReservationParams(memory_mib=1000, vcpus=1, pin_memory=True)
     started = Reservation("s", params, [], P.RUNNING, 0.0, None, ReservationCheckpoint(shim_started=True))
     waiting = Reservation("w", params, [], P.RESERVED, 0.0, None)
     led = ledger([started, waiting], None, HOST)

@@ -23,6 +23,7 @@ from cubeaccel.cubelet.release import CubeletConfig
 from cubeaccel.host.net import netpolicy
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_params import NetworkRequest
 from cubeaccel.model.sandbox_policy import NetworkPolicy
 from cubeaccel.wire.templates import load_document, parse_template
 from tests.support.cubelet_harness import Node
@@ -242,7 +243,7 @@ def test_the_cubelets_reconcile_pass_refuses_an_address_the_node_gains_later(
     subnet = routed["node"].rsplit(".", 1)[0]
     allow = {"network": {"mode": "allowlist", "egress": [f"{subnet}.0/24:8080"]}}
     res = node.cubelet.reserve(sid, ReservationRequest(contract=_tool_contract(allow)))
-    net = netpolicy.setup(sid, NetworkPolicy.from_json(res.params["network"]), node="n1", uplink_netns=routed["uplink"])
+    net = netpolicy.setup(sid, res.params.network, node="n1", uplink_netns=routed["uplink"])
     try:
         with node.cubelet.store.tx() as t:  # as the Cubelet's start path records it (the simulated shim builds none)
             cur = t.reservation(sid)
@@ -284,20 +285,22 @@ def test_cubelet_refuses_mounts_the_operator_did_not_allowlist(tmp_path: Path) -
     assert allowed.cubelet.reserve("sb", ReservationRequest(contract=_tool_contract(mounts))).device_ids
 
 
+def _asked(egress: list[str]) -> NetworkRequest:
+    return NetworkRequest.parse({"mode": "allowlist", "egress": egress})
+
+
 def test_cubelet_narrows_records_and_refuses_pool_overlap_and_widening(tmp_path: Path) -> None:
     net = {"network": {"mode": "allowlist", "egress": ["10.0.0.0/8:443"]}}
     node = Node.create(tmp_path, "h100x2")
     res = node.cubelet.reserve(
         "sb1",
-        ReservationRequest(contract=_tool_contract(net), network={"mode": "allowlist", "egress": ["10.1.0.0/16:443"]}),
+        ReservationRequest(contract=_tool_contract(net), network=_asked(["10.1.0.0/16:443"])),
     )
-    assert res.params["network"] == {"mode": "allowlist", "egress": ["10.1.0.0/16:443/tcp"]}
+    assert res.params.to_json()["network"] == {"mode": "allowlist", "egress": ["10.1.0.0/16:443/tcp"]}
     with pytest.raises(CubeError) as e:
         node.cubelet.reserve(
             "sb2",
-            ReservationRequest(
-                contract=_tool_contract(net), network={"mode": "allowlist", "egress": ["10.0.0.0/7:443"]}
-            ),
+            ReservationRequest(contract=_tool_contract(net), network=_asked(["10.0.0.0/7:443"])),
         )
     assert e.value.code == "network.policy_widened"
     pool = {"network": {"mode": "allowlist", "egress": ["100.96.4.0/24:443"]}}

@@ -21,6 +21,7 @@ from cubeaccel.model.cold_start import (
     start_path,
 )
 from cubeaccel.model.pinned_memory import LockedGuest, numa_bind_node, prealloc_threads, vmm_locked
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.start_deadlines import start_deadlines, startup_timeout_s
 from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.qemu import build_argv, locked_guest, memory_argv
@@ -91,7 +92,7 @@ def test_the_vmm_rlimit_and_the_ledger_count_the_same_bytes_for_any_guest(
     cfg = vm_config(spec, MANIFEST, cpus, host_nodes)
     shim_side = locked_guest(cfg, "tcg" if tcg else "kvm", len(host_nodes) > 1)
     host = VmmHost(tcg=tcg, cpus=cpus, vfio=vfio, numa=len(host_nodes) > 1)
-    charged = memory_ledger.locked({"memory_mib": memory, "vcpus": vcpus, "pin_memory": pin}, host)
+    charged = memory_ledger.locked(ReservationParams(memory_mib=memory, vcpus=vcpus, pin_memory=pin), host)
     assert memlock_limit_bytes(shim_side) == charged.rlimit_mib * MIB
     assert vmm_locked(shim_side).node_mib == charged.node_mib
     if pin:  # every thread the VMM runs is in both

@@ -11,6 +11,7 @@ import pytest
 
 from cubeaccel.cubelet.store import Reservation, Store
 from cubeaccel.model.machine import Machine, TransitionRefused, rule
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import (
     RESERVATION_MACHINE,
     ReservationEvent,
@@ -179,7 +180,7 @@ def test_a_table_naming_one_pair_twice_is_refused() -> None:
 def test_the_cubelet_store_reads_phases_back_as_the_enum_and_refuses_an_illegal_change(tmp_path: Path) -> None:
     store = Store(tmp_path / "c.db")
     with store.tx() as t:
-        t.insert_reservation(Reservation("sb", {}, [], P.RESERVED, t.now, None))
+        t.insert_reservation(Reservation("sb", ReservationParams(), [], P.RESERVED, t.now, None))
     with store.tx() as t:
         res = t.reservation("sb")
         assert res is not None and res.phase is P.RESERVED

@@ -6,6 +6,7 @@ import io
 import lzma
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,14 @@ from hypothesis import strategies as st
 
 from cubeaccel.images import cpio, kernel
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
+from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.template_spec import GuestKernel, ModulesImg
 from cubeaccel.wire.shim_spec import ShimSpec, parse_spec
+from cubeaccel.wire.templates import load_template
 
 REL = "6.1.0-99-amd64"
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 
 
 def _tree(root: Path, files: dict[str, bytes]) -> None:
@@ -196,23 +201,25 @@ def _manifest(tmp_path: Path) -> Manifest:
     return m
 
 
+def _pinned(m: Manifest, **over: object) -> CompatibilityContract:
+    """A frozen contract pinning `m`'s image, kernel (by its vmlinuz digest) and modules.img, with `over` replaced."""
+    t = load_template(EXAMPLES / "edu-demo.yaml")
+    pins = {
+        "guest_image_digest": m.image_digest,
+        "guest_kernel": GuestKernel(REL, "sha256:aa"),
+        "modules_img": ModulesImg(REL, m.modules_img.sha256),
+    }
+    return freeze(replace(t, **{**pins, **over}))  # type: ignore[arg-type]
+
+
 def test_contract_pins_are_compared_with_the_built_image(tmp_path: Path) -> None:
     from cubeaccel.shim.image_check import image_mismatches
 
     m = _manifest(tmp_path)
-    good = {
-        "document": {
-            "spec": {
-                "guest": {
-                    "image": {"digest": m.image_digest},
-                    "kernel": {"version": REL, "digest": "sha256:aa"},
-                    "modules_img": {"kernel_version": REL, "digest": m.modules_img.sha256},
-                }
-            }
-        }
-    }
-    assert image_mismatches(good, m) == [] and image_mismatches(None, m) == []
-    bad = {"guest": {"kernel": {"version": "6.1.0-57-amd64"}, "modules_img": {"digest": "sha256:00"}}}
+    assert image_mismatches(_pinned(m), m) == [] and image_mismatches(None, m) == []
+    bad = _pinned(
+        m, guest_kernel=GuestKernel("6.1.0-57-amd64", "sha256:aa"), modules_img=ModulesImg(REL, "sha256:" + "0" * 64)
+    )
     assert [(x["layer"], x["code"]) for x in image_mismatches(bad, m)] == [
         ("guest_kernel", "compat.guest_kernel_mismatch"),
         ("modules_img", "compat.modules_img_mismatch"),
@@ -230,7 +237,7 @@ def test_enforced_image_mismatch_fails_before_any_vm_starts(tmp_path: Path) -> N
             "sandbox_id": "sb-x",
             "devices": [],
             "memory_mib": 256,
-            "contract": {"guest": {"modules_img": {"digest": "sha256:00"}}},
+            "contract": _pinned(m, modules_img=ModulesImg(REL, "sha256:" + "0" * 64)).to_json(),
             "image_check": "enforce",
             "image_manifest": str(m.directory / "manifest.json"),
             "state_dir": str(tmp_path / "st"),

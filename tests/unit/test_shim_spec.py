@@ -10,9 +10,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cubeaccel.cubelet.lifecycle import ReservationRequest
+from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.lifecycle_ops import UNSUPPORTED, refuse
 from cubeaccel.wire.shim_spec import MAX_DEVICES, DeviceSpec, ShimSpec, load_spec, parse_spec
+from cubeaccel.wire.templates import load_template
+from tests.support.cubelet_harness import Node
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 
 
 def _spec(**over: Any) -> dict[str, Any]:
@@ -160,7 +166,7 @@ def test_the_spec_cubelet_builds_round_trips_through_the_file_the_shim_reads(tmp
         memory_mib=512,
         vcpus=2,
         pin_memory=True,
-        contract={"template": {"name": "t"}},
+        contract=freeze(load_template(EXAMPLES / "edu-demo.yaml")),
         start_id="abc-1",
         image_digest="sha256:" + "a" * 64,
         state_dir=Path("/run/sb-1"),
@@ -195,3 +201,29 @@ def test_the_shim_refuses_a_spec_that_does_not_say_where_it_lives_or_reports() -
         data = _spec()
         del data[missing]
         assert _code_field(data) == ("shim.invalid_spec", missing)
+
+
+def test_the_spec_file_carries_the_contract_as_the_journal_holds_it_byte_for_byte(tmp_path: Path) -> None:
+    """The file the shim reads is what the dict-typed spec wrote: the contract as read back from the journal
+    (keys sorted by the store), not a re-derivation; the shim parses it and cube-agent gets those bytes."""
+    contract = freeze(load_template(EXAMPLES / "cuda12-h100.yaml"))
+    node = Node.create(tmp_path, "h100x1")
+    node.cubelet.reserve("sb", ReservationRequest(count=1, contract=contract))
+    spec = node.cubelet._spec("sb")
+    written = json.dumps(spec.to_json())
+    as_journal_held = json.loads(json.dumps(contract.to_json(), sort_keys=True))
+    assert written == json.dumps({**spec.to_json(), "contract": as_journal_held})  # the old spec's bytes
+    read = parse_spec({**json.loads(written), "state_dir": "/run/sb", "report": {"file": "/run/sb/r"}})
+    assert read.contract is not None and read.contract.digest == contract.digest
+    assert json.dumps(read.contract.to_json()) == json.dumps(as_journal_held)  # what the agent is sent
+    assert read.boot_image_digest == spec.image_digest == contract.template.guest_image_digest
+
+
+def test_a_tampered_contract_in_the_spec_is_refused_before_any_vm() -> None:
+    contract = freeze(load_template(EXAMPLES / "edu-demo.yaml")).to_json()
+    contract["document"]["spec"]["memory"]["size_mib"] = 1 << 20
+    assert _code_field(_spec(contract=contract)) == ("shim.invalid_spec", "contract")
+    assert _code_field(_spec(contract={"guest": {"image": {"digest": "sha256:" + "0" * 64}}})) == (
+        "shim.invalid_spec",
+        "contract",
+    )

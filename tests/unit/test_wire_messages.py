@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import ReservationRequest
+from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.model.template_spec import API_VERSION, KIND
@@ -101,7 +102,13 @@ def test_a_client_refuses_a_reply_of_a_version_it_cannot_read() -> None:
 
 REQUESTS: list[BaseModel] = [
     CW.ReservationBody.model_validate(
-        {"sandbox_id": "sb-1", "count": 2, "class": "gpu", "labels": {"model": "H100"}, "contract": {"a": 1}}
+        {
+            "sandbox_id": "sb-1",
+            "count": 2,
+            "class": "gpu",
+            "labels": {"model": "H100"},
+            "contract": freeze(load_template(EXAMPLES / "edu-demo.yaml")).to_json(),
+        }
     ),
     CW.OperatorBody(who="op", reason="bad fan", restore_driver=True),
     MW.StatusBody.model_validate(

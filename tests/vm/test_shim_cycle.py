@@ -14,11 +14,16 @@ from cubeaccel.backends.emulated import EDU_IDENTITY, EmulatedBackend, slot_addr
 from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.host.vmm.vmmproc import find_vmm, inspect
 from cubeaccel.images.builder import cache_dir, latest
-from cubeaccel.images.manifest import Manifest
+from cubeaccel.images.manifest import Manifest, pin_template_document
+from cubeaccel.model.contract import freeze
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.templates import parse_template
+from tests.support.contract_builders import H100_FILE, example_doc
 from tests.support.poll import poll
 from tests.vm.conftest import RUN_INSTANCE, emulated_id
+from tests.vm.test_cubelet_emulated import edu_contract
+from tests.vm.test_gpu_image import stand_in_contract
 
 pytestmark = pytest.mark.vm
 
@@ -74,11 +79,7 @@ def _assert_full_cycle(run: Any, kinds: list[str]) -> None:
 
 
 def test_cold_boot_on_memfd_full_cycle_validates_contract(shim_factory: Any, guest_image: Manifest) -> None:
-    contract = {
-        "guest_kernel": {"version": guest_image.kernel_release},
-        "probes": {"pci": [{"vendor_id": "1234", "device_id": "11e8"}]},
-    }
-    run = shim_factory(start="cold", contract=contract, memory_backend="memfd").start()
+    run = shim_factory(start="cold", contract=edu_contract(guest_image), memory_backend="memfd").start()
     run.wait_for("guest_validated")
     assert run.one("vm_started")["details"]["accel"] in ("tcg", "kvm")
     assert run.terminate() == 0
@@ -127,9 +128,9 @@ def test_a_shape_with_no_snapshot_boots_cold_and_says_why_then_restores_once_pre
     assert "restore_to_agent_s" in again.one("shim_exiting")["details"]["timeline"]
 
 
-def test_guest_failing_its_contract_is_reported_and_torn_down(shim_factory: Any) -> None:
-    contract = {"probes": {"pci": [{"vendor_id": "10de", "device_id": "2330"}]}}
-    run = shim_factory(start="template", contract=contract).start()
+def test_guest_failing_its_contract_is_reported_and_torn_down(shim_factory: Any, guest_image: Manifest) -> None:
+    h100 = pin_template_document(example_doc(H100_FILE), guest_image)  # an H100 the edu guest does not have
+    run = shim_factory(start="template", contract=freeze(parse_template(h100)).to_json()).start()
     run.wait_for("shim_exiting")
     assert run.proc.wait(30) == 1
     failed = run.one("guest_validation_failed")["details"]
@@ -277,16 +278,10 @@ def test_two_devices_go_to_their_own_root_ports_and_both_detach(shim_factory: An
     assert run.kinds()[-2:] == ["vmm_exited", "shim_exiting"]
 
 
-def test_nvidia_contract_in_a_guest_without_nvidia_fails_at_modules_img_and_kernel_driver(shim_factory: Any) -> None:
-    contract = {
-        "probes": {
-            "modules": ["nvidia", "nvidia_uvm"],
-            "device_files": ["/dev/nvidia0", "/dev/nvidiactl"],
-            "pci": [{"vendor_id": "1234", "device_id": "11e8"}],
-        },
-        "kernel_driver": {"version": "550.54.15"},
-    }
-    run = shim_factory(start="template", contract=contract).start()
+def test_nvidia_contract_in_a_guest_without_nvidia_fails_at_modules_img_and_kernel_driver(
+    shim_factory: Any, guest_image: Manifest
+) -> None:
+    run = shim_factory(start="template", contract=stand_in_contract(guest_image)).start()  # CUDA on the edu device
     run.wait_for("shim_exiting")
     failed = run.one("guest_validation_failed")["details"]
     assert {"modules_img", "kernel_driver"} <= set(failed["failed_layers"])

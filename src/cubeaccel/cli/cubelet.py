@@ -82,7 +82,7 @@ def _warm_request(path: Path) -> Any:
     return ReservationRequest(
         accel_class=t.accel_class,
         template=t.name,
-        contract=freeze(t).to_json(),
+        contract=freeze(t),
         memory_mib=t.memory_mib,
         pin_memory=t.pin_memory,
     )

@@ -66,19 +66,19 @@ def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
                 labels = {k: devs[0].labels[k] for k in SUMMARY_LABELS if devs and k in devs[0].labels}
                 ready.append(WarmSandboxFact(id=r.sandbox_id, labels=labels))
         warm, starting = cubelet.warm.counts(pool.key)
-        digest = ((params.get("contract") or {}).get("template") or {}).get("digest") or "none"
+        digest = "none" if params.contract is None else params.contract.digest
         out.append(
             WarmPoolFact.model_validate(
                 {
                     "key": pool.key,
                     "template": pool.request.template,
                     "contract_digest": str(digest),
-                    "class": params.get("class"),
-                    "count": params.get("count"),
-                    "memory_mib": params.get("memory_mib"),
-                    "vcpus": params.get("vcpus"),
-                    "pin_memory": params.get("pin_memory", True),
-                    "network": params.get("network"),
+                    "class": params.accel_class,
+                    "count": params.count,
+                    "memory_mib": params.memory_mib,
+                    "vcpus": params.vcpus,
+                    "pin_memory": params.pin_memory,
+                    "network": None if params.network is None else params.network.to_json(),
                     "size": pool.size,
                     "warm": warm,
                     "starting": starting,

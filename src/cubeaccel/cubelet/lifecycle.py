@@ -15,7 +15,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pydantic import SecretStr
 
@@ -49,6 +48,7 @@ from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.sandbox_policy import (
     FilesystemPolicy,
@@ -56,7 +56,7 @@ from cubeaccel.model.sandbox_policy import (
     SandboxPolicy,
     forbidden_overlap,
     mount_not_allowlisted,
-    narrow_network,
+    narrowed,
 )
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.transport.telemetry import request_id
@@ -79,38 +79,16 @@ class ReservationRequest:
     memory_mib: int = 512
     vcpus: int = 1
     pin_memory: bool = True
-    contract: dict[str, Any] | None = None
+    contract: CompatibilityContract | None = None  # parsed where it arrived; re-checked by `request_params`
     lifetime_s: float | None = None  # from start; None: the Cubelet's default_lifetime_s (no sandbox lives forever)
-    network: dict[str, Any] | None = None  # the request's narrowing of the template's network policy
+    network: NetworkRequest | None = None  # the request's narrowing of the template's network policy
     tenant: str | None = None  # whose sandbox (CubeMaster says); audited with the assignment
 
-    def params(self) -> dict[str, Any]:
-        return {
-            "count": self.count,
-            "class": self.accel_class,
-            "labels": dict(self.labels),
-            "template": self.template,
-            "memory_mib": self.memory_mib,
-            "vcpus": self.vcpus,
-            "pin_memory": self.pin_memory,
-            "contract": self.contract,
-            "lifetime_s": self.lifetime_s,
-            **({"network": self.network} if self.network is not None else {}),
-            **({"tenant": self.tenant} if self.tenant is not None else {}),
-        }
 
-
-def parse_contract(data: dict[str, Any] | None) -> CompatibilityContract | None:
-    """A frozen contract as CubeMaster sends it; tampered or malformed ones are refused up front."""
-    if data is None:
-        return None
-    try:
-        contract = CompatibilityContract.from_json(data)
-    except CubeError:
-        raise
-    except (KeyError, TypeError, ValueError) as e:
-        raise invalid("reserve.invalid_contract", f"invalid frozen contract: {e}", layer="template") from e
-    broken = check_template(contract.template)  # re-checked, not trusted: it crossed a process boundary
+def recheck_contract(contract: CompatibilityContract) -> CarriedContract:
+    """A frozen contract from another process, re-checked, not trusted: an inconsistent one is refused up front."""
+    carried = parse_contract(contract)
+    broken = check_template(carried.template)
     if broken:
         v = broken[0]
         raise CubeError(
@@ -120,7 +98,7 @@ def parse_contract(data: dict[str, Any] | None) -> CompatibilityContract | None:
             {"violations": [x.to_json() for x in broken]},
             422,
         )
-    return contract
+    return carried
 
 
 def contract_refusal(violations: list[ContractViolation], count: int) -> CubeError:
@@ -191,12 +169,12 @@ class Cubelet(ReleasePath):
             if existing is not None:
                 if existing.phase is P.RELEASING:
                     raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is still being released")
-                if existing.params == params:
+                if existing.params.to_json() == params.to_json():  # as recorded: a contract by its JSON
                     return existing
                 raise conflict(
                     "reserve.sandbox_conflict",
                     f"sandbox {sandbox_id} already holds devices with different parameters",
-                    details={"existing": existing.params},
+                    details={"existing": existing.params.as_stored()},
                 )
             host_ready.refuse_if_not_ready(t)
             devices = [] if req.count == 0 else t.devices(S.ALLOCATABLE)  # the others are counted on refusal
@@ -242,7 +220,7 @@ class Cubelet(ReleasePath):
                 "reservation_created",
                 Actor.CUBELET,
                 sandbox_id=sandbox_id,
-                details={"device_ids": res.device_ids, "params": params},
+                details={"device_ids": res.device_ids, "params": params.to_json()},
             )
             return res
 
@@ -273,23 +251,31 @@ class Cubelet(ReleasePath):
             memory_mib=shape.memory_mib,
             vcpus=shape.vcpus,
             pin_memory=shape.pin_memory,
-            contract=shape.contract,
+            contract=None if shape.contract is None else parse_contract(shape.contract),  # a journal's: a dict
         )
 
-    def request_params(self, req: ReservationRequest) -> tuple[CompatibilityContract | None, dict[str, Any]]:
+    def request_params(self, req: ReservationRequest) -> tuple[CarriedContract | None, ReservationParams]:
         """The reservation's recorded parameters: the frozen contract's memory and the effective network policy
         (what the sandbox gets), re-derived here. A warm pool's key is derived from these too."""
-        contract = parse_contract(req.contract)
-        params = req.params()
-        if contract is not None:
-            params.update(memory_mib=contract.memory_mib, pin_memory=contract.pin_memory)
-        params.pop("network", None)
-        if (network := self._network_policy(contract, req.network)).has_nic:
-            params["network"] = network.to_json()  # the effective policy: what the sandbox gets, recorded
+        contract = None if req.contract is None else recheck_contract(req.contract)
+        network = self._network_policy(contract, req.network)
+        params = ReservationParams(
+            count=req.count,
+            accel_class=req.accel_class,
+            labels=dict(req.labels),
+            template=req.template,
+            memory_mib=req.memory_mib if contract is None else contract.memory_mib,
+            vcpus=req.vcpus,
+            pin_memory=req.pin_memory if contract is None else contract.pin_memory,
+            contract=contract,
+            lifetime_s=req.lifetime_s,
+            network=network if network.has_nic else None,  # the effective policy: what the sandbox gets, recorded
+            tenant=req.tenant,
+        )
         return contract, params
 
     def _network_policy(
-        self, contract: CompatibilityContract | None, requested: dict[str, Any] | None
+        self, contract: CompatibilityContract | None, requested: NetworkRequest | None
     ) -> NetworkPolicy:
         """The sandbox's policy, re-derived here (not trusted from CubeMaster): the template's narrowed by the
         request; refused when it names this node's pool, needs a NIC this node cannot build, or a mount the
@@ -297,7 +283,7 @@ class Cubelet(ReleasePath):
         tpl = contract.template.sandbox if contract is not None else SandboxPolicy()
         if requested is not None and contract is None:
             raise invalid("network.policy_widened", "a network policy needs a template that declares one")
-        policy = narrow_network(tpl.network, requested)
+        policy = tpl.network if requested is None else narrowed(tpl.network, requested.asked)
         pool = ipaddress.IPv4Network(self.config.network_pool)
         if bad := forbidden_overlap(policy, [pool]):
             raise conflict(
@@ -323,8 +309,8 @@ class Cubelet(ReleasePath):
         res = self.store.reservation(sandbox_id)
         if res is None or not self.shim.host_devices:
             return
-        policy = NetworkPolicy.from_json(res.params.get("network"))
-        if not policy.has_nic:
+        policy = res.params.network
+        if policy is None or not policy.has_nic:
             return
         net = netpolicy.setup(
             sandbox_id,
@@ -470,7 +456,7 @@ class Cubelet(ReleasePath):
                 )
             )
         p = res.params
-        contract = parse_contract(p.get("contract"))
+        contract = p.contract
         admitted = [d for d in node_devs if contract is not None and not check_device(contract, d)] or devs
         fs = contract.template.sandbox.filesystem if contract is not None else FilesystemPolicy()
         net = res.checkpoint.network
@@ -488,10 +474,10 @@ class Cubelet(ReleasePath):
             readonly_mounts=tuple(MountSpec(source=Path(m.source), target=m.target) for m in fs.readonly_mounts),
             sandbox_id=sandbox_id,
             devices=tuple(shim_devs),
-            memory_mib=int(p["memory_mib"]),
-            vcpus=int(p["vcpus"]),
-            pin_memory=bool(p["pin_memory"]),
-            contract=p.get("contract"),
+            memory_mib=p.memory_mib,
+            vcpus=p.vcpus,
+            pin_memory=p.pin_memory,
+            contract=contract,
             start_id=res.checkpoint.start_id,
             image_digest=res.checkpoint.image_digest or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
@@ -503,7 +489,7 @@ class Cubelet(ReleasePath):
 
         The shim is always told a digest and never picks one itself; None (no image on the node) makes it refuse.
         """
-        contract = parse_contract(res.params.get("contract"))
+        contract = res.params.contract
         if contract is not None:
             return contract.template.guest_image_digest
         return self.shim.node_facts().default_image
@@ -653,7 +639,7 @@ class Cubelet(ReleasePath):
 
     def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
         """Stage 5, judged again on the host: the agent's own verdict is not trusted alone."""
-        contract = res.params.get("contract")
+        contract = res.params.contract
         if report.kind not in (ShimReportKind.GUEST_VALIDATED, ShimReportKind.GUEST_VALIDATION_FAILED):
             return []
         raw = GuestValidated.model_validate(report.details).report
@@ -675,7 +661,7 @@ class Cubelet(ReleasePath):
         if contract is None:
             violations = check_minimal(self._sandbox_devices(t, res.sandbox_id), res.checkpoint.guest_addresses, guest)
         else:
-            violations = check_guest(CompatibilityContract.from_json(contract), guest)
+            violations = check_guest(contract, guest)
         t.event(
             "guest_checked",
             Actor.CUBELET,

@@ -32,6 +32,7 @@ from cubeaccel.model.pinned_memory import (
     prealloc_threads,
     vmm_locked,
 )
+from cubeaccel.model.reservation_params import ReservationParams
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,13 @@ class VmmHost:
         return cls(detect_accel()[0] != "kvm", host_cpus(), vfio, len(numa_nodes()) > 1)
 
 
-def locked_guest(params: dict[str, Any], host: VmmHost) -> LockedGuest:
+def locked_guest(params: ReservationParams, host: VmmHost) -> LockedGuest:
     """The guest a reservation's shim will run, in the shim's own terms (shim/qemu.py `locked_guest`)."""
-    memory = int(params["memory_mib"])
+    memory = params.memory_mib
     return LockedGuest(
         memory_mib=memory,
-        vcpus=int(params.get("vcpus", 1)),
-        mlock=bool(params["pin_memory"]),
+        vcpus=params.vcpus,
+        mlock=params.pin_memory,
         vfio=host.vfio,
         tcg=host.tcg,
         prealloc_threads=prealloc_threads(memory, host.cpus),
@@ -62,7 +63,7 @@ def locked_guest(params: dict[str, Any], host: VmmHost) -> LockedGuest:
     )
 
 
-def locked(params: dict[str, Any], host: VmmHost) -> LockedMemory:
+def locked(params: ReservationParams, host: VmmHost) -> LockedMemory:
     return vmm_locked(locked_guest(params, host))
 
 
@@ -104,14 +105,14 @@ def ledger(reservations: list[Reservation], configured_mib: int | None, host: Vm
     return Ledger(available_mib() + started, "meminfo", by_sandbox, memlock_limit_mib(), overhead)
 
 
-def admit(t: Tx, sandbox_id: str, params: dict[str, Any], configured_mib: int | None, host: VmmHost) -> Ledger:
+def admit(t: Tx, sandbox_id: str, params: ReservationParams, configured_mib: int | None, host: VmmHost) -> Ledger:
     """Inside `reserve`'s transaction, before any device moves: refuse what the node cannot lock."""
     led = ledger(t.reservations(), configured_mib, host)
     want = locked(params, host)
     need = want.node_mib
     if need == 0:
         return led
-    details = {"requested_mib": need, "rlimit_mib": want.rlimit_mib, "guest_mib": int(params["memory_mib"])}
+    details = {"requested_mib": need, "rlimit_mib": want.rlimit_mib, "guest_mib": params.memory_mib}
     details.update(led.to_json())
     if led.per_vmm_limit_mib is not None and want.rlimit_mib > led.per_vmm_limit_mib:
         raise CubeError(
@@ -124,7 +125,7 @@ def admit(t: Tx, sandbox_id: str, params: dict[str, Any], configured_mib: int | 
     if need > led.free_mib:
         raise CubeError(
             "reserve.pinned_memory_exhausted",
-            f"sandbox {sandbox_id} must lock {need} MiB (guest {params['memory_mib']} MiB + VMM "
+            f"sandbox {sandbox_id} must lock {need} MiB (guest {params.memory_mib} MiB + VMM "
             f"overhead); {led.free_mib} of {led.lockable_mib} MiB lockable are free, {led.locked_mib} MiB "
             f"held by {len(led.by_sandbox)} sandbox(es)",
             "pinned_memory",

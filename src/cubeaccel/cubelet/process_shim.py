@@ -161,7 +161,7 @@ class ProcessShimDriver:
                 "start": "cold" if spec.policy_devices else self.start_mode,
                 "detach_timeout_s": self.detach_timeout_s,
                 # A sandbox with a contract boots only the image, kernel and modules.img that contract pins.
-                "image_check": "enforce" if spec.contract else "report",
+                "image_check": "enforce" if spec.contract is not None else "report",
             },
             context=SHIM_LIMITS,
         )

@@ -101,7 +101,7 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair], late
     elif not st.vmm_alive:
         if st.shim_alive and not res.checkpoint.vmm_pid:
             started = res.checkpoint.started_at or 0.0
-            limit = startup_timeout_s(int(res.params.get("memory_mib", 0)), cubelet.config.startup_timeout_s)
+            limit = startup_timeout_s(res.params.memory_mib, cubelet.config.startup_timeout_s)
             if float(cubelet.store.clock()) - started <= limit:
                 return  # the shim is still starting its VMM
             _record(cubelet, repairs, Repair(d.id, sid, "teardown", "the shim did not start a VMM in time"))

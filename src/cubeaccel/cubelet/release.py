@@ -564,7 +564,7 @@ class ReleasePath:
             self.begin_teardown(sid, "reserve.expired", message="the reservation was never started")
         for r in self.store.reservations():  # every sandbox has a lifetime, also one created here directly
             started = r.checkpoint.started_at
-            lifetime = float(r.params.get("lifetime_s") or self.config.default_lifetime_s)
+            lifetime = float(r.params.lifetime_s or self.config.default_lifetime_s)
             if r.phase in (P.STARTING, P.RUNNING) and started is not None and now - started > lifetime:
                 with self.store.tx() as t:
                     t.event(

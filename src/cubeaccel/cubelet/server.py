@@ -152,7 +152,7 @@ def create_app(
                     target=path,
                     node=cubelet.config.node_name,
                     **peer,
-                    **getattr(request.state, "audit_fields", {}),
+                    **getattr(request.state, "audit_fields", None) or _body_fields(request),
                 )
 
         app.add_middleware(BeforeReplyMiddleware, hook=audit_request)
@@ -359,6 +359,15 @@ ACTIONS = {
 }
 
 
+def _body_fields(request: Request) -> dict[str, Any]:
+    """A reservation refused for its contract at the edge is audited as one refused by the route: with its sandbox
+    and tenant."""
+    body = getattr(request.state, "refused_body", None)
+    if request.url.path not in ("/v1/reservations", "/v1/warm/claim") or not isinstance(body, dict):
+        return {}
+    return {"sandbox": body.get("sandbox_id"), "tenant": body.get("tenant")}
+
+
 def _request(body: W.ReservationBody) -> ReservationRequest:
     return ReservationRequest(
         count=body.count,
@@ -392,7 +401,7 @@ def _view(res: Reservation, local: bool) -> W.Reservation:
     facts = W.LocalCheckpoint.of(res.checkpoint) if local else W.Checkpoint.of(res.checkpoint)
     return W.Reservation(
         sandbox_id=res.sandbox_id,
-        params=res.params,
+        params=res.params.as_stored(),
         device_ids=res.device_ids,
         phase=res.phase,
         created_at=res.created_at,

@@ -17,7 +17,6 @@ from typing import Any, Protocol
 
 from cubeaccel.host.pci.base import Holder
 from cubeaccel.host.pci.simulated import SimulatedPciHost
-from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
@@ -47,7 +46,7 @@ def simulated_guest_report(spec: ShimSpec) -> GuestReport:
     )
     if spec.contract is None:
         return GuestReport(agent_version=1, kernel_release="simulated", pci_devices=pci)
-    t = CompatibilityContract.from_json(spec.contract).template
+    t = spec.contract.template
     modules = ([t.kernel_driver.module] if t.kernel_driver else []) + list(t.probes.modules)
     libraries: dict[str, dict[str, Any]] = {n: {"loaded": True, "version": None} for n in t.probes.libraries}
     if t.userspace_driver:

@@ -27,6 +27,7 @@ from cubeaccel.model.device import (
     PciAddress,
 )
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase, next_phase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
 
@@ -58,7 +59,7 @@ class Reservation:
     """A sandbox's claim on devices; `checkpoint` is what Cubelet recorded about its start and release."""
 
     sandbox_id: str
-    params: dict[str, Any]
+    params: ReservationParams
     device_ids: list[str]
     phase: ReservationPhase
     created_at: float
@@ -119,10 +120,25 @@ def _row_to_device(r: sqlite3.Row) -> DeviceRecord:
     )
 
 
+# Decoded params by their stored text: written once (reserve, claim) and read on every reservation read; the
+# contract in them is parsed and its digest checked, which costs more than the rest of a row.
+_PARAMS: dict[str, ReservationParams] = {}
+_PARAMS_MAX = 1024
+
+
+def _params(text: str) -> ReservationParams:
+    hit = _PARAMS.get(text)
+    if hit is None:
+        if len(_PARAMS) >= _PARAMS_MAX:
+            _PARAMS.clear()
+        hit = _PARAMS[text] = ReservationParams.from_json(json.loads(text))
+    return hit
+
+
 def _row_to_reservation(r: sqlite3.Row) -> Reservation:
     return Reservation(
         sandbox_id=r["sandbox_id"],
-        params=json.loads(r["params"]),
+        params=_params(r["params"]),
         device_ids=json.loads(r["device_ids"]),
         phase=ReservationPhase(r["phase"]),
         created_at=r["created_at"],
@@ -300,7 +316,7 @@ class Tx:
             " VALUES (?,?,?,?,?,?,?,?)",
             (
                 res.sandbox_id,
-                json.dumps(res.params, sort_keys=True),
+                json.dumps(res.params.to_json(), sort_keys=True),
                 json.dumps(res.device_ids),
                 res.phase.value,
                 res.created_at,
@@ -330,7 +346,7 @@ class Tx:
             " WHERE sandbox_id=? AND phase='warm'",
             (
                 res.sandbox_id,
-                json.dumps(res.params, sort_keys=True),
+                json.dumps(res.params.to_json(), sort_keys=True),
                 res.phase.value,
                 res.expires_at,
                 json.dumps(res.checkpoint.to_json()),

@@ -36,6 +36,7 @@ from cubeaccel.cubelet.shim_driver import ShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.event_kinds import EventKind
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
 from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim, ShimClaimAck, WarmPoolSetting, WarmPoolView, WarmSettings
@@ -53,13 +54,13 @@ CLAIM_TIMEOUT_S = 40.0  # the shim's rebind waits up to 30 s for the guest's new
 KEY_FIELDS = ("count", "class", "memory_mib", "vcpus", "pin_memory", "network")
 
 
-def pool_key(params: dict[str, Any]) -> str:
+def pool_key(params: ReservationParams) -> str:
     """What a warm sandbox is, as one string: readable head, digest of every deciding field."""
-    contract = params.get("contract") or {}
-    digest = str((contract.get("template") or {}).get("digest") or "none")
-    shape = {k: params.get(k) for k in KEY_FIELDS}
+    digest = "none" if params.contract is None else params.contract.digest
+    recorded = params.to_json()
+    shape = {k: recorded.get(k) for k in KEY_FIELDS}
     h = hashlib.sha256(json.dumps({"contract": digest, **shape}, sort_keys=True).encode()).hexdigest()
-    return f"{digest.removeprefix('sha256:')[:12]}-{params.get('memory_mib')}m{params.get('vcpus')}c-{h[:12]}"
+    return f"{digest.removeprefix('sha256:')[:12]}-{params.memory_mib}m{params.vcpus}c-{h[:12]}"
 
 
 class WarmHost(Protocol):
@@ -69,7 +70,7 @@ class WarmHost(Protocol):
     shim: ShimDriver
     config: CubeletConfig
 
-    def request_params(self, req: Any) -> tuple[Any, dict[str, Any]]: ...
+    def request_params(self, req: Any) -> tuple[Any, ReservationParams]: ...
 
     def pool_request(self, shape: WarmPoolSetting) -> Any: ...
 
@@ -145,7 +146,7 @@ class WarmPools:
                         "memory_mib": p.request.memory_mib,
                         "vcpus": p.request.vcpus,
                         "pin_memory": p.request.pin_memory,
-                        "contract": p.request.contract,
+                        "contract": None if p.request.contract is None else p.request.contract.to_json(),
                         "template": p.request.template,
                     }
                 )
@@ -170,8 +171,8 @@ class WarmPools:
             return
         self.draining = settings.draining
         for shape in settings.pools:
-            req = self.cubelet.pool_request(shape)
             try:
+                req = self.cubelet.pool_request(shape)
                 _, params = self.cubelet.request_params(req)
             except CubeError as e:
                 self._event(

@@ -202,16 +202,25 @@ class AddressNarrowing:
         return NetworkPolicy("allowlist", tuple(rules)) if rules else NetworkPolicy()
 
 
+def parse_narrowing(requested: object) -> NetworkPolicy | AddressNarrowing:
+    """A request's network field: rules of its own, or addresses alone (`allow_out`/`deny_out`)."""
+    if AddressNarrowing.asked(requested):
+        assert isinstance(requested, dict)
+        return AddressNarrowing.from_json(requested)
+    return NetworkPolicy.from_json(requested)
+
+
 def narrow_network(template: NetworkPolicy, requested: object) -> NetworkPolicy:
     """The sandbox's policy: the template's, or the request's when every requested rule lies inside one of the
     template's (a subset of its addresses, same port and protocol). Anything wider is refused, never clipped.
     A request may instead narrow by address alone (`AddressNarrowing`: `allow_out`/`deny_out`)."""
-    if requested is None:
-        return template
-    if AddressNarrowing.asked(requested):
-        assert isinstance(requested, dict)
-        return AddressNarrowing.from_json(requested).apply(template)
-    want = NetworkPolicy.from_json(requested)
+    return template if requested is None else narrowed(template, parse_narrowing(requested))
+
+
+def narrowed(template: NetworkPolicy, want: NetworkPolicy | AddressNarrowing) -> NetworkPolicy:
+    """`narrow_network` of a parsed request."""
+    if isinstance(want, AddressNarrowing):
+        return want.apply(template)
     wider = [str(r) for r in want.egress if not any(t.covers(r) for t in template.egress)]
     if wider:
         raise CubeError(

@@ -485,7 +485,7 @@ class Shim:
         """The frozen contract, or the minimum the host knows: its devices' vendor:device (Cubelet also checks
         that each is at the guest address the shim saw it appear at)."""
         if self.spec.contract is not None:
-            return self.spec.contract
+            return self.spec.contract.to_json()  # as CubeMaster froze it: the agent reads its guest_probes
         pci = [{"vendor_id": f"{d.vendor_id:04x}", "device_id": f"{d.device_id_hex:04x}"} for d in self.spec.devices]
         return {"probes": {"pci": pci}}
 

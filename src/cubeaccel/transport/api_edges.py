@@ -25,7 +25,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.transport.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 from cubeaccel.transport.telemetry import ApiTelemetry
 from cubeaccel.wire import json_guard
-from cubeaccel.wire.base import UNSUPPORTED_VERSION, Strict
+from cubeaccel.wire.base import UNSUPPORTED_VERSION, Strict, carried_cube_error
 
 MAX_BODY = 1 << 20
 
@@ -102,6 +102,8 @@ def error_response(e: CubeError) -> JSONResponse:
 
 def validation_error(e: RequestValidationError) -> CubeError:
     errs = e.errors()
+    if (own := carried_cube_error(errs)) is not None:  # a field's own parser refused it: its code, as before
+        return own
     code = "api.malformed_json" if any(x.get("type") == "json_invalid" for x in errs) else "api.invalid_request"
     if any(x.get("type") == "extra_forbidden" for x in errs):
         code = "api.unknown_field"
@@ -128,6 +130,8 @@ def install_api_edges(app: FastAPI, max_body: int = MAX_BODY, telemetry: ApiTele
     async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         err = validation_error(e)
         request.state.error_code = err.code
+        if carried_cube_error(e.errors()) is not None:  # a field's parser refused it: what the route would have read
+            request.state.refused_body = e.body
         return error_response(err)
 
     app.add_middleware(

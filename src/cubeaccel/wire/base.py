@@ -8,6 +8,7 @@ with an `unsupported_version` error that names what this build reads, never half
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -20,6 +21,8 @@ from pydantic import (
     model_serializer,
 )
 from pydantic_core import PydanticCustomError
+
+from cubeaccel.model.errors import CubeError
 
 WIRE_VERSION = 1
 UNSUPPORTED_VERSION = "unsupported_version"  # the pydantic error type; the edges turn it into a stable code
@@ -118,3 +121,20 @@ class Sparse(Record):
         out = handler(self)
         unset = set(type(self).model_fields) - self.model_fields_set  # Sparse fields have no aliases
         return {k: v for k, v in out.items() if k not in unset} if isinstance(out, dict) else out
+
+
+CUBE_ERROR = "cube_error"  # the pydantic error type of a field whose own parser raised a catalogued CubeError
+
+
+def cube_error_field(e: CubeError) -> PydanticCustomError:
+    """A field parser's `CubeError` as a validation error that keeps it: the edge answers with its code, status
+    and message when it is the only thing wrong with a body (`carried_cube_error`)."""
+    return PydanticCustomError(CUBE_ERROR, "{message}", {"message": e.message, "error": e})
+
+
+def carried_cube_error(errors: Sequence[Mapping[str, Any]]) -> CubeError | None:
+    """The `CubeError` a body failed on alone, or None when anything else is wrong with it too."""
+    if len(errors) != 1 or errors[0].get("type") != CUBE_ERROR:
+        return None
+    found = (errors[0].get("ctx") or {}).get("error")
+    return found if isinstance(found, CubeError) else None

@@ -14,6 +14,7 @@ from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.base import Message, Record, Reply
+from cubeaccel.wire.frozen_contract import Contract, Network
 
 
 class ReservationBody(Message):
@@ -25,12 +26,14 @@ class ReservationBody(Message):
     memory_mib: StrictInt = Field(default=512, ge=MIN_MEMORY_MIB, le=MAX_MEMORY_MIB)
     vcpus: StrictInt = Field(default=1, ge=1, le=256)
     pin_memory: StrictBool = True
-    contract: dict[str, Any] | None = None
+    # Parsed here; the Cubelet re-checks it (it crossed a process boundary).
+    contract: Contract | None = Field(default=None, title="Contract")
     lifetime_s: float | None = Field(default=None, gt=0, le=31 * 86400)  # None: the Cubelet's default
     start: StrictBool = False
     # The start's workload token when the caller chose it (CubeMaster passes the creator's on); None: a fresh one.
     workload_token: SecretStr | None = Field(default=None, min_length=32, max_length=200)
-    network: dict[str, Any] | None = None  # narrows the contract's network policy (model/sandbox_policy.py)
+    # Narrows the contract's network policy (model/sandbox_policy.py); the Cubelet derives the effective one.
+    network: Network | None = Field(default=None, title="Network")
     # Whose sandbox it is, for the node's audit trail (who had which device). Absent from an older CubeMaster and
     # from local callers: the assignment is then audited with tenant null.
     tenant: str | None = Field(default=None, min_length=1, max_length=128)

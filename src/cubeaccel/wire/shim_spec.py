@@ -34,6 +34,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.node_facts import DIGEST
 from cubeaccel.wire.base import Message, Strict, field_path
+from cubeaccel.wire.frozen_contract import Contract
 
 _START_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
 _QDEV_PROP = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
@@ -137,24 +138,6 @@ class NetSpec(Strict):
     mac: Annotated[StrictStr, Field(pattern=r"^([0-9a-f]{2}:){5}[0-9a-f]{2}$")]
 
 
-def contract_guest(contract: dict[str, Any]) -> dict[str, Any]:
-    """`document.spec.guest` of a frozen contract, or a bare `guest` section; {} when neither is present."""
-    for path in (("document", "spec", "guest"), ("spec", "guest"), ("guest",)):
-        node: Any = contract
-        for key in path:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            return node
-    return {}
-
-
-def pinned_image_digest(contract: dict[str, Any] | None) -> str | None:
-    """The guest image digest a contract pins (`guest.image.digest`), if it pins one."""
-    image = contract_guest(contract or {}).get("image")
-    digest = image.get("digest") if isinstance(image, dict) else None
-    return digest if isinstance(digest, str) else None
-
-
 class MountSpec(Strict):
     """A read-only host directory for the guest: allowlisted on the node, checked by Cubelet before it gets here."""
 
@@ -171,7 +154,9 @@ class ShimSpec(Message):
     memory_mib: Annotated[StrictInt, Field(ge=64, le=4 * 1024 * 1024)]
     vcpus: Annotated[StrictInt, Field(ge=1, le=256)] = 1
     pin_memory: StrictBool = True
-    contract: dict[str, Any] | None = None
+    # The sandbox's frozen contract, parsed (a tampered or malformed one fails here, before any VM); written to
+    # the file and sent to cube-agent as the JSON it came as.
+    contract: Contract | None = None
     start_id: Annotated[StrictStr, Field(pattern=_START_ID.pattern)] | None = None  # echoed in every report
     image_digest: Annotated[StrictStr, Field(pattern=f"^{DIGEST.pattern}$")] | None = None  # the guest to boot
     hotplug: StrictBool = True  # the contract's attach expectation: true = hot-plug after boot (the only path)
@@ -212,7 +197,8 @@ class ShimSpec(Message):
     @property
     def boot_image_digest(self) -> str | None:
         """The guest image this sandbox boots: the spec's, else the one its contract pins (None: the default)."""
-        return self.image_digest or pinned_image_digest(self.contract)
+        pinned = None if self.contract is None else self.contract.template.guest_image_digest
+        return self.image_digest or pinned
 
     @property
     def policy_devices(self) -> bool:

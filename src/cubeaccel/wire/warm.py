@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, StrictBool, StrictInt, StrictStr
 
 from cubeaccel.wire.base import Count, Lenient, LenientMessage, Message, Record, Reply
 from cubeaccel.wire.cubelet_api import ReservationBody
+from cubeaccel.wire.frozen_contract import Contract
 
 WARM_ID_PREFIX = "warm-"  # a warm sandbox's own id: the node's namespace, never a requester's
 WARM_ID = r"^warm-[0-9a-f]{16}$"
@@ -53,7 +54,7 @@ class WarmPoolBody(Message):
     memory_mib: StrictInt = 512
     vcpus: StrictInt = Field(default=1, ge=1, le=256)
     pin_memory: StrictBool = True
-    contract: dict[str, Any]
+    contract: Contract = Field(title="Contract")
     template: str | None = Field(default=None, max_length=200)
 
 
