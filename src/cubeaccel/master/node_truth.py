@@ -52,13 +52,13 @@ class NodeTruth:
             if key in self._settled:
                 return
         row = self.master.store.sandbox(e.sandbox_id)
-        if row is not None and row["node"] == node and row["state"] is SS.PLACING:
+        if row is not None and row.node == node and row.state is SS.PLACING:
             return  # the create's reply settles it; look again next heartbeat
         ours = (
             row is not None
-            and row["node"] == node
-            and row["state"] in LIVE_STATES  # `placing` is its create's to settle
-            and row["cubelet_created_at"] in (None, e.created_at)  # a later sandbox reusing the id is not this one
+            and row.node == node
+            and row.state in LIVE_STATES  # `placing` is its create's to settle
+            and row.cubelet_created_at in (None, e.created_at)  # a later sandbox reusing the id is not this one
         )
         if ours:
             self.master.store.update_sandbox(
