@@ -23,8 +23,9 @@ from typing import Any, TypeVar
 
 import httpx
 
+from cubeaccel.master.placement_records import Recovered
 from cubeaccel.master.records import SandboxRow
-from cubeaccel.master.service import START_FAILED, CubeMaster
+from cubeaccel.master.service import START_FAILED, CubeMaster, sandbox_error
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import (
@@ -36,6 +37,7 @@ from cubeaccel.model.sandbox_states import (
     SandboxState,
 )
 from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import Failure, Reservation
 from cubeaccel.wire.warm import WARM_ID_PREFIX
 
@@ -74,7 +76,7 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
                 expect=(SS.STARTING, SS.RUNNING),
                 event=SE.FAIL,
                 by=MAINT,
-                error={**failure.model_dump(mode="json"), "node": name},
+                error=sandbox_error(failure).model_copy(update={"node": name}),
             )
             continue
         master.store.update_sandbox(
@@ -83,12 +85,12 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
             expect=(SS.STARTING, SS.RUNNING),
             event=SE.LOSE,
             by=MAINT,
-            error={
-                "code": "sandbox.lost",
-                "layer": "cubelet",
-                "message": f"node {name} holds no reservation for it and no record of its end",
-                "node": name,
-            },
+            error=W.SandboxError(
+                code="sandbox.lost",
+                layer="cubelet",
+                message=f"node {name} holds no reservation for it and no record of its end",
+                node=name,
+            ),
         )
         lost.append(row.id)
     now = time.time()
@@ -130,10 +132,10 @@ def poll_starting(master: CubeMaster, row: SandboxRow) -> str:
             raise
         res, failure = None, _closed_failure(master, url, sid)
     if failure is not None or res is None:
-        error = START_FAILED if failure is None else failure.model_dump(mode="json")
+        error = START_FAILED if failure is None else sandbox_error(failure)
         return master.node_status(str(row.node), sid, "failed", error)
     if res.phase is ReservationPhase.RUNNING:
-        return master.node_status(str(row.node), str(row.id), "running", {})
+        return master.node_status(str(row.node), str(row.id), "running", None)
     return str(row.state)
 
 
@@ -160,7 +162,7 @@ def resolve_abandoned(master: CubeMaster, row: SandboxRow) -> str:
             expect=(row.state,),
             event=SE.READY,
             by=MAINT,
-            detail={"node": row.node, "recovered": True},
+            detail=Recovered(row.node),
             device_ids=list(res.device_ids),
             cubelet_created_at=res.created_at,
         )
@@ -175,11 +177,11 @@ def resolve_abandoned(master: CubeMaster, row: SandboxRow) -> str:
             expect=(row.state,),
             event=SE.FAIL,
             by=MAINT,
-            error={
-                "code": "sandbox.placement_abandoned",
-                "message": f"the create placing it stopped in state {state} "
+            error=W.SandboxError(
+                code="sandbox.placement_abandoned",
+                message=f"the create placing it stopped in state {state} "
                 f"and node {row.node} holds {'no' if res is None else 'an unstarted'} reservation for it",
-            },
+            ),
         )
     master.cache.invalidate()
     current = master.store.sandbox(sid)

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from cubeaccel.master.service import CubeMaster
+from cubeaccel.master.service import CubeMaster, sandbox_error
 from cubeaccel.master.shown import LIVE_STATES
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.heartbeat import EndedSandbox, NodeNews
@@ -67,7 +67,7 @@ class NodeTruth:
                 expect=LIVE_STATES,
                 event=SandboxEvent.FAIL,
                 by=SandboxActor.CUBELET,
-                error={**e.error.model_dump(), "node": node},
+                error=sandbox_error(e.error).model_copy(update={"node": node}),
             )
             self.master.cache.invalidate()
         with self._lock:

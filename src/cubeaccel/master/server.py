@@ -43,7 +43,7 @@ from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.node_truth import NodeTruth, silent_nodes
 from cubeaccel.master.records import Quota, SandboxRow
-from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_record
+from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_error, sandbox_record
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
@@ -613,7 +613,7 @@ def create_app(
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
         if (body.phase == "failed") != (body.error is not None):
             raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not", "api")
-        error = {} if body.error is None else body.error.model_dump()
+        error = None if body.error is None else sandbox_error(body.error)
         return W.StatusReply(state=master.node_status(node, sandbox_id, body.phase, error))
 
     return app

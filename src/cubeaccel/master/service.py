@@ -25,6 +25,18 @@ from pydantic import ValidationError
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.capacity_wait import ArrivalQueue, expired, returning
+from cubeaccel.master.placement_records import (
+    AbandonedDelete,
+    ColdPath,
+    ReserveAttempt,
+    Reserved,
+    Scheduled,
+    TimeoutSet,
+    WarmAttempt,
+    WarmClaimTiming,
+    WarmPath,
+    cubelet_steps,
+)
 from cubeaccel.master.records import IdempotencyClaim, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
@@ -42,7 +54,7 @@ from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
-from cubeaccel.wire.cubelet_api import ReservationBody, ReservationView
+from cubeaccel.wire.cubelet_api import Failure, ReservationBody, ReservationView
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 from cubeaccel.wire.warm import WarmClaimBody
 
@@ -50,7 +62,9 @@ SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 SandboxT = TypeVar("SandboxT", bound=W.Sandbox)
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
-START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
+START_FAILED = W.SandboxError(
+    code="sandbox.start_failed", layer="cubelet", message="the reservation closed during start"
+)
 LIFETIME_SLACK_S = 60.0  # CubeMaster times a sandbox out first; the Cubelet's own lifetime is the backstop
 RETRYABLE = (
     "reserve.insufficient_devices",
@@ -301,7 +315,7 @@ class CubeMaster:
 
     def _place_in_turn(self, sid: str, spec: CreateSpec, resolved: list[Resolved], ticket: list[int]) -> SandboxRow:
         t0 = time.perf_counter()
-        attempts: list[dict[str, Any]] = []
+        attempts: list[ReserveAttempt] = []
         tried: set[tuple[str, str]] = set()
         lost = 0  # claims another placement won first
         for round_ in range(3):
@@ -345,7 +359,7 @@ class CubeMaster:
                 self.store.update_sandbox(
                     sid,
                     "scheduled",
-                    detail={"node": cand.node.name, "decision_ms": round(decided_ms, 3), **cand.to_json()},
+                    detail=Scheduled(cand.node.name, round(decided_ms, 3), cand),
                 )
                 placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts)
                 if placed is not None:
@@ -357,7 +371,7 @@ class CubeMaster:
             f"{len(attempts)} node(s) refused the reservation and "
             f"{lost} candidate(s) were taken by concurrent placements; retry",
             "scheduler",
-            {"attempts": attempts, "claims_lost": lost},
+            {"attempts": [a.to_json() for a in attempts], "claims_lost": lost},
         )
 
     def _reserve(
@@ -367,7 +381,7 @@ class CubeMaster:
         cand: Candidate,
         choice: AcceleratorChoice,
         contract: CompatibilityContract,
-        attempts: list[dict[str, Any]],
+        attempts: list[ReserveAttempt],
     ) -> SandboxRow | None:
         raw: dict[str, Any] = {
             "sandbox_id": sid,
@@ -391,7 +405,7 @@ class CubeMaster:
             reply = self.client(cand.node.cubelet_url).reserve(ReservationBody.model_validate(raw))
         except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
-            attempts.append({"node": cand.node.name, "code": code, "message": str(e)[:300]})
+            attempts.append(ReserveAttempt(cand.node.name, code, str(e)[:300]))
             self.store.update_sandbox(
                 sid,
                 "reserve_refused",
@@ -414,7 +428,7 @@ class CubeMaster:
             sid,
             "reserved",
             expect=(SS.PLACING,),
-            detail={"node": cand.node.name, "cubelet_timeline": _timeline(reply)},
+            detail=Reserved(cand.node.name, cubelet_steps(reply)),
             event=event,
             by=SA.PLACEMENT,
             device_ids=[] if reply.reservation is None else list(reply.reservation.device_ids),
@@ -424,7 +438,7 @@ class CubeMaster:
             template_version=contract.template_version,
             contract=contract.to_json(),
             cubelet_created_at=None if reply.reservation is None else reply.reservation.created_at,
-            **error,
+            error=error,
         )
         row = self.store.sandbox(sid)
         assert row is not None
@@ -440,7 +454,7 @@ class CubeMaster:
         views, now, stale = self.cache.views(), time.time(), self.config.staleness_s
         ask = WarmAsk(resolved, spec.memory_mib, spec.vcpus, network)
         cands, reason = warm_candidates(views, ask, now, stale)
-        tried: list[dict[str, Any]] = []
+        tried: list[WarmAttempt] = []
         for cand in cands:
             if len(tried) >= self.config.max_attempts:
                 break
@@ -467,12 +481,9 @@ class CubeMaster:
                     self.on_path("warm", "")
                 return row
             reason = CLAIM_FAILED
-        detail: dict[str, Any] = {"path": "cold", "reason": reason}
-        if tried:
-            detail["warm_attempts"] = tried
-        if reason == POOL_EMPTY:  # warm starts on the way are not waited for (docs/decisions.md)
-            detail["refilling"] = warm_refilling(views, ask, now, stale)
-        self.store.update_sandbox(sid, "path", detail=detail)
+        # warm starts on the way are not waited for (docs/decisions.md)
+        refilling = warm_refilling(views, ask, now, stale) if reason == POOL_EMPTY else None
+        self.store.update_sandbox(sid, "path", detail=ColdPath(reason, tuple(tried), refilling))
         if self.on_path is not None:
             self.on_path("cold", reason)
         return None
@@ -485,12 +496,10 @@ class CubeMaster:
         return policy.to_json() if policy.has_nic else None
 
     def _hand_over(
-        self, sid: str, spec: CreateSpec, cand: WarmCandidate, warm_id: str, tried: list[dict[str, Any]]
+        self, sid: str, spec: CreateSpec, cand: WarmCandidate, warm_id: str, tried: list[WarmAttempt]
     ) -> SandboxRow | None:
         contract, node = cand.contract, cand.node
-        self.store.update_sandbox(
-            sid, "path", detail={"path": "warm", "node": node.name, "warm_id": warm_id, "pool": cand.pool.key}
-        )
+        self.store.update_sandbox(sid, "path", detail=WarmPath(node.name, warm_id, cand.pool.key))
         placing = self.store.sandbox(sid)
         requested_at = time.time() if placing is None else placing.created_at
         body = WarmClaimBody.model_validate(
@@ -517,7 +526,7 @@ class CubeMaster:
         except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: outcome unknown, as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
             why = e.details.get("reason") if isinstance(e, CubeError) else None
-            tried.append({"node": node.name, "warm_id": warm_id, "code": code, "reason": why, "message": str(e)[:300]})
+            tried.append(WarmAttempt(node.name, warm_id, code, why, str(e)[:300]))
             if not (isinstance(e, CubeError) and e.code == "warm.no_match"):
                 # Outcome unknown (unreachable) or torn down: the node lets go of anything under this id.
                 with suppress(CubeError, httpx.HTTPError):
@@ -542,13 +551,13 @@ class CubeMaster:
             sid,
             "reserved",
             expect=(SS.PLACING,),
-            detail={
-                "node": node.name,
-                "path": "warm",
-                "claim_ms": round((time.perf_counter() - t0) * 1000, 3),
-                "phases": claim_phases(requested_at, sent_at, time.time(), reply),
-                "cubelet_timeline": _timeline(reply),
-            },
+            detail=Reserved(
+                node.name,
+                cubelet_steps(reply),
+                WarmClaimTiming(
+                    round((time.perf_counter() - t0) * 1000, 3), claim_phases(requested_at, sent_at, time.time(), reply)
+                ),
+            ),
             event=event,
             by=SA.PLACEMENT,
             device_ids=[] if reply.reservation is None else list(reply.reservation.device_ids),
@@ -558,7 +567,7 @@ class CubeMaster:
             template_version=contract.template_version,
             contract=contract.to_json(),
             cubelet_created_at=None if reply.reservation is None else reply.reservation.created_at,
-            **error,
+            error=error,
         )
         self.cache.invalidate()
         row = self.store.sandbox(sid)
@@ -592,7 +601,7 @@ class CubeMaster:
             sandbox_id,
             "timeout_set",
             expect=(SS.STARTING, SS.RUNNING),
-            detail={"timeout_s": timeout_s},
+            detail=TimeoutSet(timeout_s),
             expires_at=time.time() + timeout_s,
         )
         if not ok:
@@ -610,7 +619,7 @@ class CubeMaster:
                 sandbox_id,
                 "delete_requested",
                 expect=(row.state,),
-                detail={"abandoned_in": row.state},
+                detail=AbandonedDelete(row.state.value),
                 event=SE.DELETE,
                 by=SA.USER,
             )
@@ -628,9 +637,10 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "deleted", event=SE.DELETED, by=SA.USER)
         return self.get(sandbox_id)
 
-    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> SandboxState:
+    def node_status(self, node: str, sandbox_id: str, phase: str, error: W.SandboxError | None) -> SandboxState:
         """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
-        (at start or later) → `failed` with the Cubelet's code and layer. Only that sandbox's own node counts."""
+        (at start or later) → `failed` with the Cubelet's code and layer (`error`, which the node is added to).
+        Only that sandbox's own node counts."""
         row = self.get(sandbox_id)
         if row.node != node:
             raise CubeError(
@@ -648,7 +658,7 @@ class CubeMaster:
                 expect=(SS.PLACING, SS.STARTING, SS.RUNNING),
                 event=SE.FAIL,
                 by=SA.CUBELET,
-                error={**error, "node": node},
+                error=(W.SandboxError() if error is None else error).model_copy(update={"node": node}),
             )
             self.cache.invalidate()
         state: SandboxState = self.get(sandbox_id).state
@@ -680,7 +690,10 @@ class CubeMaster:
             released = e.code == "reservation.not_found"
         except (httpx.HTTPError, ValidationError) as e:
             self.store.update_sandbox(
-                row.id, None, expect=(SS.DELETING,), error={"code": "cubelet.unreachable", "message": str(e)[:300]}
+                row.id,
+                None,
+                expect=(SS.DELETING,),
+                error=W.SandboxError(code="cubelet.unreachable", message=str(e)[:300]),
             )
             return
         if released:
@@ -718,23 +731,23 @@ class CubeMaster:
         return row
 
 
-def _start_outcome(reply: ReservationView) -> tuple[SandboxEvent, dict[str, Any]]:
+def _start_outcome(reply: ReservationView) -> tuple[SandboxEvent, W.SandboxError | None]:
     """Ready means ready: `running` only once the Cubelet says the guest validated; a start that already failed
     (and may be released already) is `failed` with the Cubelet's code and layer."""
     res = reply.reservation
     if reply.failure is not None or res is None:
-        return SE.FAIL, {"error": START_FAILED if reply.failure is None else reply.failure.model_dump(mode="json")}
-    return (SE.READY if res.phase is ReservationPhase.RUNNING else SE.STARTED), {}
+        return SE.FAIL, START_FAILED if reply.failure is None else sandbox_error(reply.failure)
+    return (SE.READY if res.phase is ReservationPhase.RUNNING else SE.STARTED), None
 
 
-def _timeline(reply: ReservationView) -> list[dict[str, Any]]:
-    """The Cubelet's last steps of the start, kept in the sandbox's detail."""
-    return [e.model_dump(mode="json") for e in reply.timeline[-20:]]
+def sandbox_error(failure: Failure | W.StatusError) -> W.SandboxError:
+    """The Cubelet's failure as the sandbox records it: its fields as the Cubelet sent them."""
+    return W.SandboxError.model_validate(failure.model_dump(mode="json"))
 
 
-def _with_attempts(e: CubeError, attempts: list[dict[str, Any]]) -> CubeError:
+def _with_attempts(e: CubeError, attempts: list[ReserveAttempt]) -> CubeError:
     if attempts:
-        e.details["attempts"] = attempts
+        e.details["attempts"] = [a.to_json() for a in attempts]
     return e
 
 

@@ -19,6 +19,7 @@ import sqlalchemy as sa
 from cubeaccel.host.service.private import private_file
 from cubeaccel.master import schema as S
 from cubeaccel.master.records import (
+    Detail,
     IdempotencyClaim,
     Quota,
     Refusal,
@@ -41,6 +42,7 @@ from cubeaccel.model.sandbox_states import (
     SandboxState,
 )
 from cubeaccel.model.states import Actor
+from cubeaccel.wire import master_api as W
 
 SS = SandboxState
 
@@ -488,13 +490,15 @@ class MasterStore:
         sandbox_id: str,
         phase: str | None = None,
         expect: tuple[SandboxState, ...] | None = None,
-        detail: Mapping[str, Any] | None = None,
+        detail: Detail | None = None,
         *,
         event: SandboxEvent | None = None,
         by: SandboxActor | None = None,
+        error: W.SandboxError | None = None,
         **values: Any,
     ) -> bool:
-        """Set columns (and append a timeline entry `phase`) if the sandbox is in one of `expect` states.
+        """Set columns (and append a timeline entry `phase` with its `detail`; record `error`) if the sandbox is in
+        one of `expect` states.
 
         A state change is an `event` fired `by` an actor, never a `state=` value: the table decides the target,
         and its guard is the states that actor may fire the event from, narrowed by `expect`. An `expect` naming
@@ -504,6 +508,8 @@ class MasterStore:
         """
         if "state" in values:
             raise TypeError("update_sandbox: change the state with event=, not state=")
+        if error is not None:
+            values["error"] = error.model_dump(mode="json")
         guard: frozenset[SandboxState] | None = None if expect is None else frozenset(expect)
         if event is not None:
             if by is None:
@@ -521,7 +527,8 @@ class MasterStore:
             if event is not None and by is not None:
                 values["state"] = SANDBOX_MACHINE.transition(SandboxState(r.state), event, by).value
             if phase is not None:
-                values["timeline"] = [*r.timeline, {"at": now, "phase": phase, **(detail or {})}]
+                entry = {"at": now, "phase": phase, **({} if detail is None else detail.to_json())}
+                values["timeline"] = [*r.timeline, entry]
             c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sandbox_id).values(updated_at=now, **values))
         if event is not None and by is not None:
             change = SandboxChange(sandbox_id, event.value, by.value, r.state, values["state"], phase)
