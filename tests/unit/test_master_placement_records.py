@@ -12,7 +12,16 @@ from typing import Any, cast
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cubeaccel.master.placement_records import (
+from cubeaccel.master.scheduler import Candidate
+from cubeaccel.master.service import START_FAILED, sandbox_error
+from cubeaccel.master.store import MasterStore
+from cubeaccel.master.view import Group, NodeView
+from cubeaccel.master.warm import claim_phases
+from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
+from cubeaccel.wire import master_api as W
+from cubeaccel.wire.base import Record
+from cubeaccel.wire.cubelet_api import Failure, ReservationView, TimelineEntry, WarmHandOff
+from cubeaccel.wire.sandbox_timeline import (
     AbandonedDelete,
     ColdPath,
     Recovered,
@@ -21,24 +30,17 @@ from cubeaccel.master.placement_records import (
     Scheduled,
     TimeoutSet,
     WarmAttempt,
-    WarmClaimTiming,
     WarmPath,
-    cubelet_steps,
 )
-from cubeaccel.master.records import Detail
-from cubeaccel.master.scheduler import Candidate
-from cubeaccel.master.service import START_FAILED, sandbox_error
-from cubeaccel.master.store import MasterStore
-from cubeaccel.master.view import Group, NodeView
-from cubeaccel.master.warm import claim_phases
-from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
-from cubeaccel.wire import master_api as W
-from cubeaccel.wire.cubelet_api import Failure, ReservationView, TimelineEntry, WarmHandOff
 from tests.support.master_builders import sandbox_row
 from tests.support.stored_rows import text
 
 ms = st.floats(0, 1e6, allow_nan=False)
 maybe_ms = st.none() | ms
+
+
+def js(model: Record) -> Any:
+    return model.model_dump(mode="json")
 
 
 def same(new: Any, old: Any) -> None:
@@ -48,9 +50,9 @@ def same(new: Any, old: Any) -> None:
 
 @given(node=text, code=text, message=text, warm_id=text, reason=st.none() | text)
 def test_attempts_are_the_dicts_they_were(node: str, code: str, message: str, warm_id: str, reason: str | None) -> None:
-    same(ReserveAttempt(node, code, message).to_json(), {"node": node, "code": code, "message": message})
+    same(js(ReserveAttempt(node=node, code=code, message=message)), {"node": node, "code": code, "message": message})
     old = {"node": node, "warm_id": warm_id, "code": code, "reason": reason, "message": message}
-    same(WarmAttempt(node, warm_id, code, reason, message).to_json(), old)
+    same(js(WarmAttempt(node=node, warm_id=warm_id, code=code, reason=reason, message=message)), old)
 
 
 @given(node=text, decision_ms=ms, labels=st.dictionaries(text, text, max_size=3), score=st.lists(ms, max_size=3))
@@ -60,25 +62,31 @@ def test_a_scheduled_entry_is_the_candidate_after_node_and_decision_time(
     cand = Candidate(
         cast(NodeView, SimpleNamespace(name=node)), cast(Group, SimpleNamespace(labels=labels)), tuple(score)
     )
-    same(Scheduled(node, decision_ms, cand).to_json(), {"node": node, "decision_ms": decision_ms, **cand.to_json()})
+    new = Scheduled(node=node, decision_ms=decision_ms, group=dict(cand.group.labels), score=list(cand.score))
+    same(js(new), {"node": node, "decision_ms": decision_ms, **cand.to_json()})
 
 
 @given(reason=text, n=st.integers(0, 3), refilling=st.none() | st.integers(0, 9))
 def test_the_cold_path_entry_names_only_what_it_has(reason: str, n: int, refilling: int | None) -> None:
-    tried = [WarmAttempt(f"n{i}", f"w{i}", "warm.no_match", None, "m") for i in range(n)]
+    tried = [
+        WarmAttempt(node=f"n{i}", warm_id=f"w{i}", code="warm.no_match", reason=None, message="m") for i in range(n)
+    ]
     old: dict[str, Any] = {"path": "cold", "reason": reason}
     if tried:
-        old["warm_attempts"] = [t.to_json() for t in tried]
+        old["warm_attempts"] = [js(t) for t in tried]
     if refilling is not None:
         old["refilling"] = refilling
-    same(ColdPath(reason, tuple(tried), refilling).to_json(), old)
+    same(js(ColdPath.of(reason, tried, refilling)), old)
 
 
 def test_the_small_entries_are_the_dicts_they_were() -> None:
-    same(WarmPath("n1", "w1", "pool").to_json(), {"path": "warm", "node": "n1", "warm_id": "w1", "pool": "pool"})
-    same(Recovered("n1").to_json(), {"node": "n1", "recovered": True})
-    same(AbandonedDelete("placing").to_json(), {"abandoned_in": "placing"})
-    same(TimeoutSet(30.0).to_json(), {"timeout_s": 30.0})
+    same(
+        js(WarmPath(node="n1", warm_id="w1", pool="pool")),
+        {"path": "warm", "node": "n1", "warm_id": "w1", "pool": "pool"},
+    )
+    same(js(Recovered(node="n1")), {"node": "n1", "recovered": True})
+    same(js(AbandonedDelete(abandoned_in="placing")), {"abandoned_in": "placing"})
+    same(js(TimeoutSet(timeout_s=30.0)), {"timeout_s": 30.0})
 
 
 def old_claim_phases(requested_at: float, sent_at: float, answered_at: float, reply: ReservationView) -> dict[str, Any]:
@@ -126,14 +134,15 @@ def test_a_reserved_entry_and_a_warm_claims_phases_are_what_they_were(
     reply = ReservationView.model_construct(timeline=steps, hand_off=hand)
     sent, answered = at + waits[0] / 1000, at + (waits[0] + waits[1]) / 1000
     phases = claim_phases(at, sent, answered, reply)
-    same(phases.to_json(), old_claim_phases(at, sent, answered, reply))
+    same(js(phases), old_claim_phases(at, sent, answered, reply))
     kept = [e.model_dump(mode="json") for e in reply.timeline[-20:]]
     if warm:
-        old = {"node": "n1", "path": "warm", "claim_ms": claim_ms, "phases": phases.to_json(), "cubelet_timeline": kept}
-        new = Reserved("n1", cubelet_steps(reply), WarmClaimTiming(claim_ms, phases))
+        old = {"node": "n1", "path": "warm", "claim_ms": claim_ms, "phases": js(phases), "cubelet_timeline": kept}
+        steps_kept = reply.timeline[-20:]
+        new = Reserved(node="n1", path="warm", claim_ms=claim_ms, phases=phases, cubelet_timeline=steps_kept)
     else:
-        old, new = {"node": "n1", "cubelet_timeline": kept}, Reserved("n1", cubelet_steps(reply))
-    same(new.to_json(), old)
+        old, new = {"node": "n1", "cubelet_timeline": kept}, Reserved(node="n1", cubelet_timeline=reply.timeline[-20:])
+    same(js(new), old)
 
 
 failures = st.builds(Failure, code=text, layer=text, message=text, phase=text)
@@ -163,7 +172,8 @@ def test_a_sandbox_error_is_the_cubelets_failure_with_its_node(
 def test_the_stored_timeline_entry_and_error_are_the_json_the_dict_based_store_wrote(tmp_path: Path) -> None:
     store = MasterStore(str(tmp_path / "m.db"))
     store.insert_sandbox(sandbox_row("sb-1", time.time()))
-    detail: Detail = ColdPath("no_pool", (WarmAttempt("n1", "w1", "warm.no_match", "gone", "m"),), 2)
+    tried = [WarmAttempt(node="n1", warm_id="w1", code="warm.no_match", reason="gone", message="m")]
+    detail: Record = ColdPath.of("no_pool", tried, 2)
     error = W.SandboxError(code="cubelet.unreachable", message="timed out")
     assert store.update_sandbox(
         "sb-1", "path", detail=detail, event=SandboxEvent.DELETE, by=SandboxActor.USER, error=error
@@ -171,6 +181,6 @@ def test_the_stored_timeline_entry_and_error_are_the_json_the_dict_based_store_w
     with store.tx() as c:
         timeline, stored_error = c.exec_driver_sql("SELECT timeline, error FROM sandboxes WHERE id = 'sb-1'").one()
     at = json.loads(timeline)[-1]["at"]
-    assert timeline == json.dumps([{"at": at, "phase": "path", **detail.to_json()}])
+    assert timeline == json.dumps([{"at": at, "phase": "path", **js(detail)}])
     assert stored_error == json.dumps({"code": "cubelet.unreachable", "message": "timed out"})
     store.close()

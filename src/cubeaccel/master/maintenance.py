@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 import httpx
 
-from cubeaccel.master.placement_records import Recovered
 from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.service import START_FAILED, CubeMaster, sandbox_error
 from cubeaccel.model.errors import CubeError
@@ -39,6 +38,7 @@ from cubeaccel.model.sandbox_states import (
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import Failure, Reservation
+from cubeaccel.wire.sandbox_timeline import Recovered
 from cubeaccel.wire.warm import WARM_ID_PREFIX
 
 SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE
@@ -162,7 +162,7 @@ def resolve_abandoned(master: CubeMaster, row: SandboxRow) -> str:
             expect=(row.state,),
             event=SE.READY,
             by=MAINT,
-            detail=Recovered(row.node),
+            detail=Recovered(node=row.node),
             device_ids=list(res.device_ids),
             cubelet_created_at=res.created_at,
         )

@@ -10,17 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
 from cubeaccel.wire import master_api as W
-
-
-class Detail(Protocol):
-    """A timeline entry's detail (master/placement_records.py): its fields follow the entry's `at` and `phase`."""
-
-    def to_json(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)

@@ -25,18 +25,6 @@ from pydantic import ValidationError
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.capacity_wait import ArrivalQueue, expired, returning
-from cubeaccel.master.placement_records import (
-    AbandonedDelete,
-    ColdPath,
-    ReserveAttempt,
-    Reserved,
-    Scheduled,
-    TimeoutSet,
-    WarmAttempt,
-    WarmClaimTiming,
-    WarmPath,
-    cubelet_steps,
-)
 from cubeaccel.master.records import IdempotencyClaim, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
@@ -55,7 +43,18 @@ from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, Sandb
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import Failure, ReservationBody, ReservationView
+from cubeaccel.wire.cubelet_api import TimelineEntry as CubeletStep
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
+from cubeaccel.wire.sandbox_timeline import (
+    AbandonedDelete,
+    ColdPath,
+    ReserveAttempt,
+    Reserved,
+    Scheduled,
+    TimeoutSet,
+    WarmAttempt,
+    WarmPath,
+)
 from cubeaccel.wire.warm import WarmClaimBody
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
@@ -359,7 +358,12 @@ class CubeMaster:
                 self.store.update_sandbox(
                     sid,
                     "scheduled",
-                    detail=Scheduled(cand.node.name, round(decided_ms, 3), cand),
+                    detail=Scheduled(
+                        node=cand.node.name,
+                        decision_ms=round(decided_ms, 3),
+                        group=dict(cand.group.labels),
+                        score=list(cand.score),
+                    ),
                 )
                 placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts)
                 if placed is not None:
@@ -371,7 +375,7 @@ class CubeMaster:
             f"{len(attempts)} node(s) refused the reservation and "
             f"{lost} candidate(s) were taken by concurrent placements; retry",
             "scheduler",
-            {"attempts": [a.to_json() for a in attempts], "claims_lost": lost},
+            {"attempts": [a.model_dump(mode="json") for a in attempts], "claims_lost": lost},
         )
 
     def _reserve(
@@ -405,7 +409,7 @@ class CubeMaster:
             reply = self.client(cand.node.cubelet_url).reserve(ReservationBody.model_validate(raw))
         except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
-            attempts.append(ReserveAttempt(cand.node.name, code, str(e)[:300]))
+            attempts.append(ReserveAttempt(node=cand.node.name, code=code, message=str(e)[:300]))
             self.store.update_sandbox(
                 sid,
                 "reserve_refused",
@@ -428,7 +432,7 @@ class CubeMaster:
             sid,
             "reserved",
             expect=(SS.PLACING,),
-            detail=Reserved(cand.node.name, cubelet_steps(reply)),
+            detail=Reserved(node=cand.node.name, cubelet_timeline=_timeline(reply)),
             event=event,
             by=SA.PLACEMENT,
             device_ids=[] if reply.reservation is None else list(reply.reservation.device_ids),
@@ -483,7 +487,7 @@ class CubeMaster:
             reason = CLAIM_FAILED
         # warm starts on the way are not waited for (docs/decisions.md)
         refilling = warm_refilling(views, ask, now, stale) if reason == POOL_EMPTY else None
-        self.store.update_sandbox(sid, "path", detail=ColdPath(reason, tuple(tried), refilling))
+        self.store.update_sandbox(sid, "path", detail=ColdPath.of(reason, tried, refilling))
         if self.on_path is not None:
             self.on_path("cold", reason)
         return None
@@ -499,7 +503,7 @@ class CubeMaster:
         self, sid: str, spec: CreateSpec, cand: WarmCandidate, warm_id: str, tried: list[WarmAttempt]
     ) -> SandboxRow | None:
         contract, node = cand.contract, cand.node
-        self.store.update_sandbox(sid, "path", detail=WarmPath(node.name, warm_id, cand.pool.key))
+        self.store.update_sandbox(sid, "path", detail=WarmPath(node=node.name, warm_id=warm_id, pool=cand.pool.key))
         placing = self.store.sandbox(sid)
         requested_at = time.time() if placing is None else placing.created_at
         body = WarmClaimBody.model_validate(
@@ -526,7 +530,7 @@ class CubeMaster:
         except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: outcome unknown, as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
             why = e.details.get("reason") if isinstance(e, CubeError) else None
-            tried.append(WarmAttempt(node.name, warm_id, code, why, str(e)[:300]))
+            tried.append(WarmAttempt(node=node.name, warm_id=warm_id, code=code, reason=why, message=str(e)[:300]))
             if not (isinstance(e, CubeError) and e.code == "warm.no_match"):
                 # Outcome unknown (unreachable) or torn down: the node lets go of anything under this id.
                 with suppress(CubeError, httpx.HTTPError):
@@ -552,11 +556,11 @@ class CubeMaster:
             "reserved",
             expect=(SS.PLACING,),
             detail=Reserved(
-                node.name,
-                cubelet_steps(reply),
-                WarmClaimTiming(
-                    round((time.perf_counter() - t0) * 1000, 3), claim_phases(requested_at, sent_at, time.time(), reply)
-                ),
+                node=node.name,
+                path="warm",
+                claim_ms=round((time.perf_counter() - t0) * 1000, 3),
+                phases=claim_phases(requested_at, sent_at, time.time(), reply),
+                cubelet_timeline=_timeline(reply),
             ),
             event=event,
             by=SA.PLACEMENT,
@@ -601,7 +605,7 @@ class CubeMaster:
             sandbox_id,
             "timeout_set",
             expect=(SS.STARTING, SS.RUNNING),
-            detail=TimeoutSet(timeout_s),
+            detail=TimeoutSet(timeout_s=timeout_s),
             expires_at=time.time() + timeout_s,
         )
         if not ok:
@@ -619,7 +623,7 @@ class CubeMaster:
                 sandbox_id,
                 "delete_requested",
                 expect=(row.state,),
-                detail=AbandonedDelete(row.state.value),
+                detail=AbandonedDelete(abandoned_in=row.state.value),
                 event=SE.DELETE,
                 by=SA.USER,
             )
@@ -740,6 +744,11 @@ def _start_outcome(reply: ReservationView) -> tuple[SandboxEvent, W.SandboxError
     return (SE.READY if res.phase is ReservationPhase.RUNNING else SE.STARTED), None
 
 
+def _timeline(reply: ReservationView) -> list[CubeletStep]:
+    """The Cubelet's last steps of the start, kept in the sandbox's detail."""
+    return reply.timeline[-20:]
+
+
 def sandbox_error(failure: Failure | W.StatusError) -> W.SandboxError:
     """The Cubelet's failure as the sandbox records it: its fields as the Cubelet sent them."""
     return W.SandboxError.model_validate(failure.model_dump(mode="json"))
@@ -747,7 +756,7 @@ def sandbox_error(failure: Failure | W.StatusError) -> W.SandboxError:
 
 def _with_attempts(e: CubeError, attempts: list[ReserveAttempt]) -> CubeError:
     if attempts:
-        e.details["attempts"] = [a.to_json() for a in attempts]
+        e.details["attempts"] = [a.model_dump(mode="json") for a in attempts]
     return e
 
 

@@ -19,7 +19,6 @@ import sqlalchemy as sa
 from cubeaccel.host.service.private import private_file
 from cubeaccel.master import schema as S
 from cubeaccel.master.records import (
-    Detail,
     IdempotencyClaim,
     Quota,
     Refusal,
@@ -43,6 +42,7 @@ from cubeaccel.model.sandbox_states import (
 )
 from cubeaccel.model.states import Actor
 from cubeaccel.wire import master_api as W
+from cubeaccel.wire.base import Record
 
 SS = SandboxState
 
@@ -490,7 +490,7 @@ class MasterStore:
         sandbox_id: str,
         phase: str | None = None,
         expect: tuple[SandboxState, ...] | None = None,
-        detail: Detail | None = None,
+        detail: Record | None = None,
         *,
         event: SandboxEvent | None = None,
         by: SandboxActor | None = None,
@@ -527,7 +527,7 @@ class MasterStore:
             if event is not None and by is not None:
                 values["state"] = SANDBOX_MACHINE.transition(SandboxState(r.state), event, by).value
             if phase is not None:
-                entry = {"at": now, "phase": phase, **({} if detail is None else detail.to_json())}
+                entry = {"at": now, "phase": phase, **({} if detail is None else detail.model_dump(mode="json"))}
                 values["timeline"] = [*r.timeline, entry]
             c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sandbox_id).values(updated_at=now, **values))
         if event is not None and by is not None:

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.master.placement_records import ClaimPhases
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import NodeView, device_attributes, group_key
 from cubeaccel.model.contract import CompatibilityContract
@@ -20,6 +19,7 @@ from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.wire.cubelet_api import ReservationView
 from cubeaccel.wire.master_api import WarmSandbox
+from cubeaccel.wire.sandbox_timeline import ClaimPhases
 from cubeaccel.wire.warm import WarmPoolFact
 
 WARM_STATE = "warm"  # how CubeMaster lists a node's warm sandbox (`GET /v1/sandboxes?state=warm`)
