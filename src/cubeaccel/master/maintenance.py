@@ -68,7 +68,7 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
         if row.state is SS.DELETING:
             master.store.update_sandbox(row.id, "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=MAINT)
             continue
-        failure = _closed_failure(master, url, str(row.id))
+        failure = _closed_failure(master, url, row.id)
         if failure is not None:
             master.store.update_sandbox(
                 row.id,
@@ -123,7 +123,7 @@ def poll_starting(master: CubeMaster, row: SandboxRow) -> str:
     url = master.node_url(row.node)
     if url is None:
         return str(row.state)
-    sid = str(row.id)
+    sid = row.id
     try:
         reply = _on_node(master, url, lambda c: c.reservation(sid))
         res, failure = reply.reservation, reply.failure
@@ -135,7 +135,7 @@ def poll_starting(master: CubeMaster, row: SandboxRow) -> str:
         error = START_FAILED if failure is None else sandbox_error(failure)
         return master.node_status(str(row.node), sid, "failed", error)
     if res.phase is ReservationPhase.RUNNING:
-        return master.node_status(str(row.node), str(row.id), "running", None)
+        return master.node_status(str(row.node), row.id, "running", None)
     return str(row.state)
 
 
@@ -146,7 +146,7 @@ def resolve_abandoned(master: CubeMaster, row: SandboxRow) -> str:
     which also stops the row counting as a claim on the node. A reservation caught half-way (reserved, never
     started) is released through the Cubelet and the row `failed`. Returns the row's state afterwards.
     """
-    sid, state = str(row.id), str(row.state)
+    sid, state = row.id, str(row.state)
     url = master.node_url(row.node) if row.state is SS.PLACING else None
     res: Reservation | None = None
     if url is not None:
@@ -251,7 +251,7 @@ class Maintenance:
                 except CubeError as e:
                     self._note(f"abandoned {row.id}: {e}")
         for row in self.master.store.sandboxes(states=(SS.STARTING,)):
-            if now - float(row.updated_at) > STARTING_POLL_AFTER_S:
+            if now - row.updated_at > STARTING_POLL_AFTER_S:
                 try:
                     poll_starting(self.master, row)
                 except (CubeError, httpx.HTTPError, KeyError) as e:

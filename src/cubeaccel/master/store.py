@@ -12,7 +12,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
@@ -45,6 +45,7 @@ from cubeaccel.wire import master_api as W
 from cubeaccel.wire.base import Record
 
 SS = SandboxState
+ClaimKind = Literal["inserted", "sandbox", "refused", "retry"]
 
 
 def _row(r: sa.Row[Any]) -> SandboxRow:
@@ -403,7 +404,7 @@ class MasterStore:
         _, existing = self.claim_sandbox(row)
         return existing if isinstance(existing, SandboxRow) else None
 
-    def claim_sandbox(self, row: SandboxRow) -> tuple[str, SandboxRow | IdempotencyClaim | None]:
+    def claim_sandbox(self, row: SandboxRow) -> tuple[ClaimKind, SandboxRow | IdempotencyClaim | None]:
         """Insert the record and, with a key, its idempotency claim, in one transaction. Returns
         ("inserted", None); ("sandbox", existing) on a duplicate id or key whose record exists;
         ("refused", claim) when the keyed create was refused (its claim holds the refusal); or ("retry", None)
