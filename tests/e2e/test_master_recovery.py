@@ -99,12 +99,12 @@ def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
     claimed_row(master, "sb-run")
     devices = reserve(cub, "sb-run")  # the Cubelet did its part; the replica died before recording it
     Maintenance(master).tick()
-    assert master.store.sandbox("sb-run")["state"] == "placing"  # type: ignore[index]  # young: may be live
+    assert master.store.sandbox("sb-run").state == "placing"  # type: ignore[index]  # young: may be live
     age(master, "sb-run", AN_HOUR)
     Maintenance(master).tick()
     row = master.store.sandbox("sb-run")
-    assert row is not None and (row["state"], row["device_ids"]) == ("running", devices)
-    assert master.delete("sb-run")["state"] == "deleted"
+    assert row is not None and (row.state, list(row.device_ids)) == ("running", devices)
+    assert master.delete("sb-run").state == "deleted"
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 
@@ -114,10 +114,10 @@ def test_abandoned_placing_row_without_reservation_fails_and_stops_counting_as_a
     age(master, "sb-none", AN_HOUR)
     Maintenance(master).tick()
     row = master.store.sandbox("sb-none")
-    assert row is not None and row["state"] == "failed"
-    assert row["error"]["code"] == "sandbox.placement_abandoned"
+    assert row is not None and row.state == "failed"
+    assert row.error is not None and row.error.code == "sandbox.placement_abandoned"
     assert master.store.claims() == {}
-    assert master.delete("sb-none")["state"] == "deleted"
+    assert master.delete("sb-none").state == "deleted"
 
 
 def test_abandoned_reservation_that_never_started_is_released_on_the_cubelet(
@@ -128,7 +128,7 @@ def test_abandoned_reservation_that_never_started_is_released_on_the_cubelet(
     reserve(cub, "sb-half", start=False)
     age(master, "sb-half", AN_HOUR)
     Maintenance(master).tick()
-    assert master.store.sandbox("sb-half")["state"] == "failed"  # type: ignore[index]
+    assert master.store.sandbox("sb-half").state == "failed"  # type: ignore[index]
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 
@@ -142,7 +142,7 @@ def test_delete_of_an_abandoned_placing_row_releases_it_instead_of_busy_forever(
         master.delete("sb-del")  # a live create may still be placing it
     assert (e.value.status, e.value.code) == (409, "sandbox.busy")
     age(master, "sb-del", AN_HOUR)
-    assert master.delete("sb-del")["state"] == "deleted"
+    assert master.delete("sb-del").state == "deleted"
     assert master.store.claims() == {}
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
@@ -183,7 +183,7 @@ def test_reconcile_does_not_lose_a_create_that_completes_while_it_reads_the_cube
     token = master.auth.current_node_token(NODE)
     master._clients[(url, token)] = _RacingClient(url, create_completes, token)
     report = reconcile_node(master, NODE)
-    assert report["lost"] == [] and master.store.sandbox("sb-race")["state"] == "running"  # type: ignore[index]
+    assert report["lost"] == [] and master.store.sandbox("sb-race").state == "running"  # type: ignore[union-attr]
     assert reconcile_node(master, NODE)["released_orphans"] == []
     held = {r["sandbox_id"] for r in cub.client.request("GET", "/v1/reservations")["reservations"]}
     assert "sb-race" in held

@@ -77,7 +77,7 @@ def _cubelet_state(n: Node) -> object:
 
 
 def _master_state(m: CubeMaster) -> object:
-    return [r["id"] for r in m.store.sandboxes()], [v.name for v in m.store.all_node_views()]
+    return [r.id for r in m.store.sandboxes()], [v.name for v in m.store.all_node_views()]
 
 
 CUBELET_ROUTES = [("POST", "/v1/shim-reports"), ("POST", "/v1/reservations"), ("POST", "/v1/reservations/sb/start")]

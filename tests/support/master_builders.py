@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 
 from cubeaccel.cubelet.shim_driver import simulated_guest_images
+from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
@@ -20,8 +21,13 @@ MODELS = {
 }
 
 
-def sandbox_row(sid: str, at: float, **over: Any) -> dict[str, Any]:
+def sandbox_row(sid: str, at: float, **over: Any) -> SandboxRow:
     """A CubeMaster sandbox row as `insert_sandbox` takes it: born `scheduling`, nothing placed yet."""
+    return SandboxRow.from_columns(sandbox_columns(sid, at, **over))
+
+
+def sandbox_columns(sid: str, at: float, **over: Any) -> dict[str, Any]:
+    """The columns of `sandbox_row`, as the database holds them."""
     return {
         "id": sid,
         "tenant": "t",

@@ -23,7 +23,8 @@ from fastapi.testclient import TestClient
 
 from cubeaccel.host.service.audit import verify
 from cubeaccel.master import schema as S
-from cubeaccel.master.auth import ADMIN, SEAL_PREFIX, TENANT, Quota, key_id_of
+from cubeaccel.master.auth import ADMIN, SEAL_PREFIX, TENANT, key_id_of
+from cubeaccel.master.records import Quota
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore

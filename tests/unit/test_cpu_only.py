@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.master.auth import Auth, Quota
+from cubeaccel.master.auth import Auth
 from cubeaccel.master.index import NodeIndex
+from cubeaccel.master.records import Quota
 from cubeaccel.master.scheduler import CPU_GROUP, Context, decide, evaluate_indexed, explain
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import NodeView

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
-from cubeaccel.master.store import MasterStore, Row
+from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import group_key
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.errors import CubeError
@@ -73,7 +74,7 @@ class Create(threading.Thread):
     def __init__(self, m: CubeMaster, s: CreateSpec) -> None:
         super().__init__(daemon=True)
         self.m, self.s = m, s
-        self.row: Row | None = None
+        self.row: SandboxRow | None = None
         self.error: CubeError | None = None
 
     def run(self) -> None:
@@ -95,7 +96,7 @@ def test_a_create_waits_for_a_device_being_scrubbed_and_creates_take_it_in_arriv
     beat(master, allocatable=1)  # scrubbed and revalidated: one device back
     first.join(20)
     second.join(20)
-    assert first.row is not None and first.row["state"] == "running", first.error
+    assert first.row is not None and first.row.state == "running", first.error
     # the device went to the earlier create; nothing else is coming back, so the later one is refused at once
     assert second.error is not None and second.error.code == "schedule.unschedulable", second.error
     assert len(master.waiters) == 0

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
-from cubeaccel.master.store import MasterStore, Row
+from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.sandbox_states import SandboxActor as SA
@@ -42,7 +43,7 @@ class Placement:
         self.calls = 0
         self.lock = threading.Lock()
 
-    def __call__(self, sid: str, spec: CreateSpec, resolved: Any) -> Row:
+    def __call__(self, sid: str, spec: CreateSpec, resolved: Any) -> SandboxRow:
         with self.lock:
             self.calls += 1
         if self.go is not None:
@@ -65,12 +66,12 @@ def db(tmp_path: Path) -> Iterator[str]:
     yield str(tmp_path / "m.db")
 
 
-def outcome(fn: Callable[[], tuple[Row, bool]]) -> str:
+def outcome(fn: Callable[[], tuple[SandboxRow, bool]]) -> str:
     try:
         row, _ = fn()
     except CubeError as e:
         return e.code
-    return f"row:{row['id']}"
+    return f"row:{row.id}"
 
 
 def test_a_twin_of_a_create_that_is_then_refused_gets_the_refusal_not_a_phantom(db: str) -> None:
@@ -100,7 +101,7 @@ def test_a_retry_of_a_placed_create_gets_its_record(db: str) -> None:
     m._place = Placement(m, refuse=False)  # type: ignore[method-assign]
     row, created = m.create(spec())
     again, created_again = m.create(spec())
-    assert created and not created_again and again["id"] == row["id"]
+    assert created and not created_again and again.id == row.id
     with pytest.raises(CubeError) as err:
         m.create(CreateSpec(None, "t", "k1", None, AcceleratorRequest((AcceleratorChoice("gpu", 2),)), None, 1, None))
     assert err.value.code == "sandbox.conflict"
@@ -109,7 +110,7 @@ def test_a_retry_of_a_placed_create_gets_its_record(db: str) -> None:
 def test_a_create_that_dies_of_a_non_refusal_frees_its_key(db: str) -> None:
     m = replica(db)
 
-    def crash(sid: str, spec: CreateSpec, resolved: Any) -> Row:
+    def crash(sid: str, spec: CreateSpec, resolved: Any) -> SandboxRow:
         raise RuntimeError("boom")
 
     m._place = crash  # type: ignore[method-assign]
@@ -117,7 +118,7 @@ def test_a_create_that_dies_of_a_non_refusal_frees_its_key(db: str) -> None:
         m.create(spec())
     m._place = Placement(m, refuse=False)  # type: ignore[method-assign]
     row, created = m.create(spec())
-    assert created and row["idempotency_key"] == "k1"
+    assert created and row.idempotency_key == "k1"
 
 
 def race(url: str, keys: int = 12, per_key: int = 6) -> None:
@@ -127,8 +128,8 @@ def race(url: str, keys: int = 12, per_key: int = 6) -> None:
     placements: dict[str, int] = {}
     lock = threading.Lock()
 
-    def place_for(m: CubeMaster) -> Callable[[str, CreateSpec, Any], Row]:
-        def place(sid: str, s: CreateSpec, resolved: Any) -> Row:
+    def place_for(m: CubeMaster) -> Callable[[str, CreateSpec, Any], SandboxRow]:
+        def place(sid: str, s: CreateSpec, resolved: Any) -> SandboxRow:
             with lock:
                 placements[str(s.idempotency_key)] = placements.get(str(s.idempotency_key), 0) + 1
             time.sleep(0.02)

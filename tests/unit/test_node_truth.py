@@ -34,9 +34,10 @@ def test_ends_apply_to_that_node_and_that_reservation_only(tmp_path: Path) -> No
         incarnation="i1", ended=[_ended("dead", 100.0), _ended("reused", 150.0), _ended("elsewhere", 100.0)]
     )
     truth.heard("n1", news)
-    states = {sid: m.get(sid)["state"] for sid in ("dead", "reused", "elsewhere")}
+    states = {sid: m.get(sid).state for sid in ("dead", "reused", "elsewhere")}
     assert states == {"dead": "failed", "reused": "running", "elsewhere": "running"}
-    assert m.get("dead")["error"] == {**GONE.model_dump(), "node": "n1"}
+    error = m.get("dead").error
+    assert error is not None and error.model_dump() == {**GONE.model_dump(), "node": "n1"}
     assert asked == ["n1"]  # first seen: reconciled
     truth.heard("n1", news)
     assert asked == ["n1"]  # the same process: nothing to reconcile

@@ -69,8 +69,8 @@ def test_the_stored_state_follows_the_table_for_any_event_sequence(
             model = SANDBOX_MACHINE.transition(model, event, by)
             phases.append(f"step{i}")
         row = shared.sandbox(sid)
-        assert row is not None and row["state"] is model
-        assert [t["phase"] for t in row["timeline"]] == phases  # a refused step leaves no trace
+        assert row is not None and row.state is model
+        assert [t.phase for t in row.timeline] == phases  # a refused step leaves no trace
 
 
 def test_an_expect_outside_the_table_is_refused_whatever_the_row_is_in(shared: MasterStore) -> None:
@@ -83,7 +83,7 @@ def test_an_expect_outside_the_table_is_refused_whatever_the_row_is_in(shared: M
         shared.update_sandbox(sid, "ready", expect=(SS.PLACING,), event=SE.READY, by=SA.USER)
     assert err.value.code == "sandbox.actor_not_allowed"
     row = shared.sandbox(sid)
-    assert row is not None and row["state"] is SS.SCHEDULING and row["timeline"] == []
+    assert row is not None and row.state is SS.SCHEDULING and row.timeline == ()
 
 
 def test_a_state_can_no_longer_be_written_as_a_column(shared: MasterStore) -> None:
@@ -93,7 +93,7 @@ def test_a_state_can_no_longer_be_written_as_a_column(shared: MasterStore) -> No
         shared.update_sandbox(sid, "reserved", state="running")
     with pytest.raises(TypeError, match="by="):
         shared.update_sandbox(sid, "reserved", event=SE.READY)
-    assert shared.sandbox(sid)["state"] is SS.SCHEDULING  # type: ignore[index]
+    assert shared.sandbox(sid).state is SS.SCHEDULING  # type: ignore[union-attr]
 
 
 def test_claim_moves_scheduling_to_placing_once(shared: MasterStore) -> None:
@@ -104,7 +104,7 @@ def test_claim_moves_scheduling_to_placing_once(shared: MasterStore) -> None:
     shared.insert_sandbox(sandbox(sid))
     assert shared.claim(sid, node, key, 1, time.time(), 10)
     assert not shared.claim(sid, node, key, 1, time.time(), 10)  # placing is no source of a claim
-    assert shared.sandbox(sid)["state"] is SS.PLACING  # type: ignore[index]
+    assert shared.sandbox(sid).state is SS.PLACING  # type: ignore[union-attr]
 
 
 def test_node_drain_and_undrain_go_through_the_node_table(shared: MasterStore) -> None:

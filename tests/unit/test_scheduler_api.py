@@ -224,7 +224,7 @@ def test_a_malformed_status_push_is_refused_and_changes_nothing(
     _starting(master)
     r = api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=body)
     assert r.status_code == 422 and r.json()["error"]["layer"] == "api"
-    assert master.store.sandbox("sb-push")["state"] == "starting"  # type: ignore[index]
+    assert master.store.sandbox("sb-push").state == "starting"  # type: ignore[index]
 
 
 def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, master: CubeMaster) -> None:
@@ -233,10 +233,14 @@ def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, 
     r = api.put("/v1/nodes/n2/sandboxes/sb-push/status", json=failed)
     assert (r.status_code, r.json()["error"]["code"]) == (409, "sandbox.not_on_node")
     assert api.put("/v1/nodes/n1/sandboxes/sb-nope/status", json=failed).status_code == 404
-    assert master.store.sandbox("sb-push")["state"] == "starting"  # type: ignore[index]
+    assert master.store.sandbox("sb-push").state == "starting"  # type: ignore[index]
     assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=failed).json() == {"v": 1, "state": "failed"}
     row = master.store.sandbox("sb-push")
-    assert row is not None and row["error"] == {**failed["error"], "message": "", "phase": None, "node": "n1"}
+    assert (
+        row is not None
+        and row.error is not None
+        and row.error.model_dump() == {**failed["error"], "message": "", "phase": None, "node": "n1"}
+    )
     # a late "running" never revives a failed sandbox
     assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json={"phase": "running"}).json() == {
         "v": 1,

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxEvent
@@ -24,9 +25,9 @@ def store(tmp_path: Path) -> Iterator[MasterStore]:
     s.close()
 
 
-def sandbox(sid: str, count: int = 1) -> dict[str, Any]:
+def sandbox(sid: str, count: int = 1, **over: Any) -> SandboxRow:
     now = time.time()
-    return sandbox_row(sid, now, count=count)
+    return sandbox_row(sid, now, count=count, **over)
 
 
 def test_migrations_run_once_and_reopening_keeps_the_version(tmp_path: Path) -> None:
@@ -72,11 +73,11 @@ def test_no_claim_on_stale_draining_or_unknown_nodes(store: MasterStore) -> None
 
 
 def test_duplicate_ids_and_idempotency_keys_return_the_existing_record(store: MasterStore) -> None:
-    first = {**sandbox("a"), "idempotency_key": "k"}
+    first = sandbox("a", idempotency_key="k")
     assert store.insert_sandbox(first) is None
     same_id = store.insert_sandbox(sandbox("a"))
-    same_key = store.insert_sandbox({**sandbox("b"), "idempotency_key": "k"})
-    assert same_id is not None and same_key is not None and same_id["id"] == same_key["id"] == "a"
+    same_key = store.insert_sandbox(sandbox("b", idempotency_key="k"))
+    assert same_id is not None and same_key is not None and same_id.id == same_key.id == "a"
 
 
 def test_heartbeat_reports_return_from_stale(store: MasterStore) -> None:

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from cubeaccel.master.auth import TENANT, Quota
+from cubeaccel.master.auth import TENANT
+from cubeaccel.master.records import Quota, SandboxRow
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
-from cubeaccel.master.store import MasterStore, Row
+from cubeaccel.master.store import MasterStore
 from cubeaccel.model.ids import tenant_sandbox_prefix
 from cubeaccel.model.sandbox_states import SandboxActor as SA
 from cubeaccel.model.sandbox_states import SandboxEvent as SE
@@ -37,7 +38,7 @@ class Stack:
             auth.create_tenant(t, Quota())
             self.keys[t] = auth.create_key(TENANT, t)[1]
 
-    def place(self, sid: str, spec: CreateSpec, resolved: Any) -> Row:
+    def place(self, sid: str, spec: CreateSpec, resolved: Any) -> SandboxRow:
         """Stands in for the Cubelet round trip: the record as placement leaves it."""
         store = self.master.store
         store.update_sandbox(sid, "scheduled", event=SE.CLAIM, by=SA.PLACEMENT, node="n1")
@@ -138,11 +139,11 @@ def test_revoking_a_tenant_ends_its_sandboxes_and_their_tokens(stack: Stack) -> 
     admin = {"Authorization": f"Bearer {stack.master.auth.create_key('admin')[1]}"}
     assert stack.api.delete("/v1/tenants/t1", headers=admin).status_code == 200
     for sid in doomed:
-        assert stack.master.store.sandbox(sid)["state"] == "deleted"  # type: ignore[index]
+        assert stack.master.store.sandbox(sid).state == "deleted"  # type: ignore[index]
         assert sid not in node.held  # the node released it: its envd token reaches nothing
         r = stack.api.delete(f"/v1/sandboxes/{sid}", headers=admin)
         assert (r.status_code, r.json()["state"]) == (202, "deleted")
-    assert stack.master.store.sandbox(kept)["state"] == "running" and kept in node.held  # type: ignore[index]
+    assert stack.master.store.sandbox(kept).state == "running" and kept in node.held  # type: ignore[index]
     # a create racing the revoke that lands after it is ended by the next maintenance pass
     late = tenant_sandbox_prefix("t1") + "late"
     stack.master.store.insert_sandbox(sandbox_row(late, time.time(), tenant="t1", state="running", node="n1"))
@@ -150,6 +151,6 @@ def test_revoking_a_tenant_ends_its_sandboxes_and_their_tokens(stack: Stack) -> 
     from cubeaccel.master.maintenance import Maintenance
 
     Maintenance(stack.master).tick()
-    assert stack.master.store.sandbox(late)["state"] == "deleted" and late not in node.held  # type: ignore[index]
+    assert stack.master.store.sandbox(late).state == "deleted" and late not in node.held  # type: ignore[index]
     r = stack.api.post("/v1/sandboxes", json={"gpu": "H100:1", "tenant": "t1"}, headers=admin)
     assert (r.status_code, r.json()["error"]["code"]) == (404, "tenant.not_found")  # nothing new for it either

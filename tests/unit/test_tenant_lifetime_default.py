@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.master.auth import TENANT, Quota
+from cubeaccel.master.auth import TENANT
+from cubeaccel.master.records import Quota
 from cubeaccel.model.ids import tenant_sandbox_prefix
 from tests.unit.test_tenant_isolation import Stack
 

@@ -19,13 +19,14 @@ import re
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
 from cubeaccel.host.service.throttle import Throttle
 from cubeaccel.master import schema as S
+from cubeaccel.master.records import Quota
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE
@@ -66,36 +67,6 @@ class SignedRequest:
     target: str
     body: bytes
     body_sha: str | None
-
-
-@dataclass(frozen=True)
-class Quota:
-    """None is unlimited. Lifetimes in seconds; `default_lifetime_s` applies to a create that names none."""
-
-    max_sandboxes: int | None = None
-    max_accelerators: dict[str, int] = field(default_factory=dict)  # by class
-    max_pinned_mib: int | None = None
-    max_lifetime_s: float | None = None
-    default_lifetime_s: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "max_sandboxes": self.max_sandboxes,
-            "max_accelerators": dict(self.max_accelerators),
-            "max_pinned_mib": self.max_pinned_mib,
-            "max_lifetime_s": self.max_lifetime_s,
-            "default_lifetime_s": self.default_lifetime_s,
-        }
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> Quota:
-        return Quota(
-            d.get("max_sandboxes"),
-            {str(k): int(v) for k, v in (d.get("max_accelerators") or {}).items()},
-            d.get("max_pinned_mib"),
-            d.get("max_lifetime_s"),
-            d.get("default_lifetime_s"),
-        )
 
 
 def unauthorized(code: str, message: str) -> CubeError:

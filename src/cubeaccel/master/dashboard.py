@@ -87,7 +87,7 @@ class DashboardFeed:
         silent = silent_nodes(self.master)
         for r in rows:
             out = sandbox_record(r, Sandbox, silent).model_dump(mode="json", by_alias=True)
-            sandboxes.append({**out, "phases": phases.get(str(r["id"]), {})})
+            sandboxes.append({**out, "phases": phases.get(str(r.id), {})})
         fresh = [v for v in views if not v.stale(now, staleness)]
         sandboxes += [{**w.model_dump(mode="json", by_alias=True), "phases": {}} for w in warm_rows(fresh)]
         events.sort(key=lambda e: e.get("at") or 0.0, reverse=True)

@@ -23,8 +23,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from cubeaccel.master.service import START_FAILED, CubeMaster
-from cubeaccel.master.store import Row
+from cubeaccel.master.records import SandboxRow
+from cubeaccel.master.service import START_FAILED, CubeMaster, sandbox_error
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -37,7 +37,9 @@ from cubeaccel.model.sandbox_states import (
     SandboxState,
 )
 from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import Failure, Reservation
+from cubeaccel.wire.sandbox_timeline import Recovered
 from cubeaccel.wire.warm import WARM_ID_PREFIX
 
 SS, SE, MAINT = SandboxState, SandboxEvent, SandboxActor.MAINTENANCE
@@ -62,42 +64,42 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
     held = {r.sandbox_id: r for r in _on_node(master, url, lambda c: c.reservations())}
     lost, orphans = [], []
     for row in rows:
-        if row["id"] in held:
+        if row.id in held:
             continue
-        if row["state"] is SS.DELETING:
-            master.store.update_sandbox(row["id"], "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=MAINT)
+        if row.state is SS.DELETING:
+            master.store.update_sandbox(row.id, "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=MAINT)
             continue
-        failure = _closed_failure(master, url, str(row["id"]))
+        failure = _closed_failure(master, url, row.id)
         if failure is not None:
             master.store.update_sandbox(
-                row["id"],
+                row.id,
                 "failed",
                 expect=(SS.STARTING, SS.RUNNING),
                 event=SE.FAIL,
                 by=MAINT,
-                error={**failure.model_dump(mode="json"), "node": name},
+                error=sandbox_error(failure).model_copy(update={"node": name}),
             )
             continue
         master.store.update_sandbox(
-            row["id"],
+            row.id,
             "lost",
             expect=(SS.STARTING, SS.RUNNING),
             event=SE.LOSE,
             by=MAINT,
-            error={
-                "code": "sandbox.lost",
-                "layer": "cubelet",
-                "message": f"node {name} holds no reservation for it and no record of its end",
-                "node": name,
-            },
+            error=W.SandboxError(
+                code="sandbox.lost",
+                layer="cubelet",
+                message=f"node {name} holds no reservation for it and no record of its end",
+                node=name,
+            ),
         )
-        lost.append(row["id"])
+        lost.append(row.id)
     now = time.time()
     for sid, r in held.items():
         if sid.startswith(WARM_ID_PREFIX):
             continue  # the node's own warm sandbox: no record here until a claim names it (docs/warm.md)
         rec = master.store.sandbox(sid)
-        live = rec is not None and rec["node"] == name and rec["state"] in (SS.PLACING, *HELD_STATES)
+        live = rec is not None and rec.node == name and rec.state in (SS.PLACING, *HELD_STATES)
         young = now - r.created_at < ORPHAN_GRACE_S and rec is not None
         if not live and not young:
             _release(master, url, sid)
@@ -119,12 +121,12 @@ def _closed_failure(master: CubeMaster, url: str, sid: str) -> Failure | None:
     return Failure.model_validate(failure) if isinstance(failure, dict) else None
 
 
-def poll_starting(master: CubeMaster, row: Row) -> str:
+def poll_starting(master: CubeMaster, row: SandboxRow) -> str:
     """The fallback for a lost push: ask the node what became of a sandbox that is still `starting`."""
-    url = master.node_url(row["node"])
+    url = master.node_url(row.node)
     if url is None:
-        return str(row["state"])
-    sid = str(row["id"])
+        return str(row.state)
+    sid = row.id
     try:
         reply = _on_node(master, url, lambda c: c.reservation(sid))
         res, failure = reply.reservation, reply.failure
@@ -133,22 +135,22 @@ def poll_starting(master: CubeMaster, row: Row) -> str:
             raise
         res, failure = None, _closed_failure(master, url, sid)
     if failure is not None or res is None:
-        error = START_FAILED if failure is None else failure.model_dump(mode="json")
-        return master.node_status(str(row["node"]), sid, "failed", error)
+        error = START_FAILED if failure is None else sandbox_error(failure)
+        return master.node_status(str(row.node), sid, "failed", error)
     if res.phase is ReservationPhase.RUNNING:
-        return master.node_status(str(row["node"]), str(row["id"]), "running", {})
-    return str(row["state"])
+        return master.node_status(str(row.node), row.id, "running", None)
+    return str(row.state)
 
 
-def resolve_abandoned(master: CubeMaster, row: Row) -> str:
+def resolve_abandoned(master: CubeMaster, row: SandboxRow) -> str:
     """Settle a `scheduling`/`placing` row whose create died (a replica crash between claim and reply).
 
     Its node's Cubelet decides: a running reservation → `running` (the user's sandbox exists); none → `failed`,
     which also stops the row counting as a claim on the node. A reservation caught half-way (reserved, never
     started) is released through the Cubelet and the row `failed`. Returns the row's state afterwards.
     """
-    sid, state = str(row["id"]), str(row["state"])
-    url = master.node_url(row["node"]) if row["state"] is SS.PLACING else None
+    sid, state = row.id, str(row.state)
+    url = master.node_url(row.node) if row.state is SS.PLACING else None
     res: Reservation | None = None
     if url is not None:
         try:
@@ -160,10 +162,10 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
         master.store.update_sandbox(
             sid,
             "reserved",
-            expect=(row["state"],),
+            expect=(row.state,),
             event=SE.READY,
             by=MAINT,
-            detail={"node": row["node"], "recovered": True},
+            detail=Recovered(node=row.node),
             device_ids=list(res.device_ids),
             cubelet_created_at=res.created_at,
         )
@@ -175,18 +177,18 @@ def resolve_abandoned(master: CubeMaster, row: Row) -> str:
         master.store.update_sandbox(
             sid,
             "failed",
-            expect=(row["state"],),
+            expect=(row.state,),
             event=SE.FAIL,
             by=MAINT,
-            error={
-                "code": "sandbox.placement_abandoned",
-                "message": f"the create placing it stopped in state {state} "
-                f"and node {row['node']} holds {'no' if res is None else 'an unstarted'} reservation for it",
-            },
+            error=W.SandboxError(
+                code="sandbox.placement_abandoned",
+                message=f"the create placing it stopped in state {state} "
+                f"and node {row.node} holds {'no' if res is None else 'an unstarted'} reservation for it",
+            ),
         )
     master.cache.invalidate()
     current = master.store.sandbox(sid)
-    return "gone" if current is None else str(current["state"])
+    return "gone" if current is None else str(current.state)
 
 
 def _release(master: CubeMaster, url: str, sid: str) -> None:
@@ -250,16 +252,16 @@ class Maintenance:
                 try:
                     resolve_abandoned(self.master, row)
                 except CubeError as e:
-                    self._note(f"abandoned {row['id']}: {e}")
+                    self._note(f"abandoned {row.id}: {e}")
         for row in self.master.store.sandboxes(states=(SS.STARTING,)):
-            if now - float(row["updated_at"]) > STARTING_POLL_AFTER_S:
+            if now - row.updated_at > STARTING_POLL_AFTER_S:
                 try:
                     poll_starting(self.master, row)
                 except (CubeError, httpx.HTTPError, KeyError) as e:
-                    self._note(f"starting {row['id']}: {e}")
+                    self._note(f"starting {row.id}: {e}")
         for row in self.master.store.sandboxes(states=(SS.STARTING, SS.RUNNING)):
-            if row["expires_at"] is not None and row["expires_at"] < now:
-                self.master.store.update_sandbox(row["id"], "timeout", event=SE.TIMEOUT, by=MAINT)
+            if row.expires_at is not None and row.expires_at < now:
+                self.master.store.update_sandbox(row.id, "timeout", event=SE.TIMEOUT, by=MAINT)
         self._drain_warm_pools(now)
         advertised = {v.name: {w.id for p in v.warm_pools for w in p.sandboxes} for v in self.master.cache.views()}
         if self.master.store.settle_warm_claims(advertised):

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from cubeaccel.master.records import SandboxChange
 from cubeaccel.master.scheduler import Decision
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.transport.telemetry import API_BUCKETS, ApiTelemetry
@@ -141,10 +142,10 @@ class MasterMetrics:
         self.creates.labels(outcome, reason).inc()
         self.create_seconds.labels(outcome).observe(seconds)
 
-    def sandbox_changed(self, change: dict[str, Any]) -> None:
-        self.transitions.labels(change["event"], change["actor"], change["to_state"]).inc()
+    def sandbox_changed(self, change: SandboxChange) -> None:
+        self.transitions.labels(change.event, change.actor, change.to_state).inc()
         if log.isEnabledFor(logging.INFO):
-            log.info("sandbox_transition", extra={"fields": change})
+            log.info("sandbox_transition", extra={"fields": change.to_json()})
 
 
 def metrics_of(master: CubeMaster) -> MasterMetrics:

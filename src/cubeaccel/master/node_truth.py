@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from cubeaccel.master.service import CubeMaster
+from cubeaccel.master.service import CubeMaster, sandbox_error
 from cubeaccel.master.shown import LIVE_STATES
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.wire.heartbeat import EndedSandbox, NodeNews
@@ -52,13 +52,13 @@ class NodeTruth:
             if key in self._settled:
                 return
         row = self.master.store.sandbox(e.sandbox_id)
-        if row is not None and row["node"] == node and row["state"] is SS.PLACING:
+        if row is not None and row.node == node and row.state is SS.PLACING:
             return  # the create's reply settles it; look again next heartbeat
         ours = (
             row is not None
-            and row["node"] == node
-            and row["state"] in LIVE_STATES  # `placing` is its create's to settle
-            and row["cubelet_created_at"] in (None, e.created_at)  # a later sandbox reusing the id is not this one
+            and row.node == node
+            and row.state in LIVE_STATES  # `placing` is its create's to settle
+            and row.cubelet_created_at in (None, e.created_at)  # a later sandbox reusing the id is not this one
         )
         if ours:
             self.master.store.update_sandbox(
@@ -67,7 +67,7 @@ class NodeTruth:
                 expect=LIVE_STATES,
                 event=SandboxEvent.FAIL,
                 by=SandboxActor.CUBELET,
-                error={**e.error.model_dump(), "node": node},
+                error=sandbox_error(e.error).model_copy(update={"node": node}),
             )
             self.master.cache.invalidate()
         with self._lock:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, TypeVar
 
-from cubeaccel.master.store import MasterStore, Row
+from cubeaccel.master.records import TemplateRecord
+from cubeaccel.master.store import MasterStore
 from cubeaccel.model.contract import CompatibilityContract, Template, check_template, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import validate_class
@@ -70,12 +71,12 @@ class Registry:
                 "template.unknown",
                 f"no template {ref!r} is registered",
                 "template",
-                {"template": ref, "known": sorted({r["name"] for r in self.store.templates()})},
+                {"template": ref, "known": sorted({r.name for r in self.store.templates()})},
             )
-        key = (row["name"], row["version"])
+        key = (row.name, row.version)
         c = self._frozen.get(key)
         if c is None:
-            c = self._frozen[key] = freeze(Template.from_json(row["document"]))
+            c = self._frozen[key] = freeze(Template.from_json(row.document))
         return c
 
     def default_for(self, accel_class: str) -> CompatibilityContract:
@@ -94,8 +95,8 @@ class Registry:
         row = self.store.template(name, version or None)
         if row is None:
             raise CubeError("template.not_found", f"no template {ref!r}", "template")
-        versions = [r["version"] for r in self.store.templates() if r["name"] == name]
-        return self._row(row, W.TemplateShown, versions=versions, document=row["document"])
+        versions = [r.version for r in self.store.templates() if r.name == name]
+        return self._row(row, W.TemplateShown, versions=versions, document=row.document)
 
     def list(self) -> list[W.TemplateRow]:
         return [self._row(r, W.TemplateRow) for r in self.store.templates()]
@@ -107,13 +108,13 @@ class Registry:
             raise CubeError("template.not_found", f"no template {ref!r}", "template")
         return W.TemplateDeleted(deleted=n, template=ref)
 
-    def _row(self, r: Row, model: type[RowT], **extra: Any) -> RowT:
+    def _row(self, r: TemplateRecord, model: type[RowT], **extra: Any) -> RowT:
         return model(
-            name=r["name"],
-            version=r["version"],
-            accel_class=r["accel_class"],
-            digest=r["digest"],
-            default=self.store.defaults().get(r["accel_class"]) == r["name"],
-            created_at=r["created_at"],
+            name=r.name,
+            version=r.version,
+            accel_class=r.accel_class,
+            digest=r.digest,
+            default=self.store.defaults().get(r.accel_class) == r.name,
+            created_at=r.created_at,
             **extra,
         )

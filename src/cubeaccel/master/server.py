@@ -34,7 +34,6 @@ from cubeaccel.master.auth import (
     TENANT,
     DatabaseSeal,
     Identity,
-    Quota,
     SignedRequest,
     audit_seals,
     forbidden,
@@ -43,8 +42,8 @@ from cubeaccel.master.dashboard import PAGE, DashboardFeed
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.metrics import metrics_of
 from cubeaccel.master.node_truth import NodeTruth, silent_nodes
-from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_record
-from cubeaccel.master.store import Row
+from cubeaccel.master.records import Quota, SandboxRow
+from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_error, sandbox_record
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
@@ -249,10 +248,10 @@ def create_app(
 
     app.add_middleware(AuditedRequests, hook=audit_request)
 
-    def owned(ident: Identity, sandbox_id: str) -> Row:
+    def owned(ident: Identity, sandbox_id: str) -> SandboxRow:
         """A tenant sees only its own sandboxes: another tenant's is 404, as if it did not exist."""
         row = master.get(sandbox_id)
-        if ident.role == TENANT and row["tenant"] != ident.tenant:
+        if ident.role == TENANT and row.tenant != ident.tenant:
             raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api")
         return row
 
@@ -494,7 +493,7 @@ def create_app(
         return W.DefaultSet(accel_class=accel_class, template=body.template)
 
     # ---- sandboxes --------------------------------------------------------------------------------
-    async def settle(sandbox_id: str, wait_s: float) -> Row:
+    async def settle(sandbox_id: str, wait_s: float) -> SandboxRow:
         """The sandbox once it is running (guest validated, so its workload service is up: the shim waits for
         it before validation), failed (code and layer in `error`) or gone, or as it is when `wait_s` ends. Async
         so that a thousand waiting callers hold no worker thread (heartbeats must still get one)."""
@@ -502,7 +501,7 @@ def create_app(
         deadline = loop.time() + wait_s
         while True:
             row = await run_in_threadpool(master.get, sandbox_id)
-            if row["state"] in SETTLED_STATES or loop.time() >= deadline:
+            if row.state in SETTLED_STATES or loop.time() >= deadline:
                 return row
             await asyncio.sleep(WAIT_POLL_S)
 
@@ -552,7 +551,7 @@ def create_app(
         metrics.created("created" if created else "replayed", time.perf_counter() - t0)
         if not created:
             response.status_code = 200
-        token = master.issued_tokens.pop(str(row["id"]), None)
+        token = master.issued_tokens.pop(str(row.id), None)
         return sandbox_record(row, W.SandboxReply, access_token=token)
 
     @app.get("/v1/sandboxes", response_model=W.SandboxList)
@@ -565,14 +564,14 @@ def create_app(
             raise CubeError("api.invalid_state", f"unknown state {state!r}; known: {list(SANDBOX_STATES)}", "api")
         rows = master.store.sandboxes(states=(SandboxState(state),) if state else None, node=node)
         if ident.role == TENANT:
-            rows = [r for r in rows if r["tenant"] == ident.tenant]
+            rows = [r for r in rows if r.tenant == ident.tenant]
         silent = silent_nodes(master)
         return W.SandboxList(sandboxes=[sandbox_record(r, W.Sandbox, silent) for r in rows])
 
     @app.get("/v1/sandboxes/{sandbox_id}", response_model=W.SandboxReply)
     async def sandbox(sandbox_id: str, request: Request, wait: float = WaitQuery) -> W.SandboxReply:
         row = await run_in_threadpool(owned, request.state.identity, sandbox_id)
-        if wait > 0 and row["state"] not in SETTLED_STATES:
+        if wait > 0 and row.state not in SETTLED_STATES:
             row = await settle(sandbox_id, wait)
         return sandbox_record(row, W.SandboxReply, silent_nodes(master))
 
@@ -581,32 +580,32 @@ def create_app(
         """The start phases the sandbox's node recorded, fetched with the node token (a user has none)."""
         row = owned(request.state.identity, sandbox_id)
         phases, answered = master.start_phases(row)
-        return W.SandboxEvents(sandbox_id=sandbox_id, state=row["state"], phases=phases, node_answered=answered)
+        return W.SandboxEvents(sandbox_id=sandbox_id, state=row.state, phases=phases, node_answered=answered)
 
     @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
     def sandbox_workload(sandbox_id: str, request: Request) -> W.WorkloadEndpoint:
         """The node's workload proxy for the caller's own running sandbox: a tenant's way to exec and copy, which
         needs no node route (those are admins')."""
         row = owned(request.state.identity, sandbox_id)
-        url = master.node_url(row["node"]) if row["state"] == SandboxState.RUNNING.value else None
-        if url is None:
+        url = master.node_url(row.node) if row.state == SandboxState.RUNNING.value else None
+        if url is None or row.node is None:
             raise CubeError(
                 "workload.not_running",
-                f"sandbox {sandbox_id} is {row['state']}, not running",
+                f"sandbox {sandbox_id} is {row.state}, not running",
                 "api",
-                {"state": row["state"]},
+                {"state": row.state},
             )
         base = f"{url.rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
-        return W.WorkloadEndpoint(sandbox_id=sandbox_id, node=row["node"], url=base)
+        return W.WorkloadEndpoint(sandbox_id=sandbox_id, node=row.node, url=base)
 
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
     def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> W.SandboxReply:
-        request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
+        request.state.tenant = owned(request.state.identity, sandbox_id).tenant
         return sandbox_record(master.set_timeout(sandbox_id, body.timeout_s), W.SandboxReply)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
     def delete(sandbox_id: str, request: Request) -> W.SandboxReply:
-        request.state.tenant = owned(request.state.identity, sandbox_id)["tenant"]
+        request.state.tenant = owned(request.state.identity, sandbox_id).tenant
         return sandbox_record(master.delete(sandbox_id), W.SandboxReply)
 
     @app.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status", response_model=W.StatusReply)
@@ -614,7 +613,7 @@ def create_app(
         """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
         if (body.phase == "failed") != (body.error is not None):
             raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not", "api")
-        error = {} if body.error is None else body.error.model_dump()
+        error = None if body.error is None else sandbox_error(body.error)
         return W.StatusReply(state=master.node_status(node, sandbox_id, body.phase, error))
 
     return app

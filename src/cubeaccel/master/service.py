@@ -25,11 +25,12 @@ from pydantic import ValidationError
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.capacity_wait import ArrivalQueue, expired, returning
+from cubeaccel.master.records import IdempotencyClaim, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
 from cubeaccel.master.shown import shown_state
-from cubeaccel.master.store import MasterStore, Row
+from cubeaccel.master.store import MasterStore
 from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmAsk, WarmCandidate, claim_phases
 from cubeaccel.master.warm import candidates as warm_candidates
 from cubeaccel.master.warm import refilling as warm_refilling
@@ -41,15 +42,28 @@ from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
-from cubeaccel.wire.cubelet_api import ReservationBody, ReservationView
+from cubeaccel.wire.cubelet_api import Failure, ReservationBody, ReservationView
+from cubeaccel.wire.cubelet_api import TimelineEntry as CubeletStep
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
+from cubeaccel.wire.sandbox_timeline import (
+    AbandonedDelete,
+    ColdPath,
+    ReserveAttempt,
+    Reserved,
+    Scheduled,
+    TimeoutSet,
+    WarmAttempt,
+    WarmPath,
+)
 from cubeaccel.wire.warm import WarmClaimBody
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 SandboxT = TypeVar("SandboxT", bound=W.Sandbox)
 
 # A start whose reservation closed with no failure recorded (a Cubelet that predates failure records).
-START_FAILED = {"code": "sandbox.start_failed", "layer": "cubelet", "message": "the reservation closed during start"}
+START_FAILED = W.SandboxError(
+    code="sandbox.start_failed", layer="cubelet", message="the reservation closed during start"
+)
 LIFETIME_SLACK_S = 60.0  # CubeMaster times a sandbox out first; the Cubelet's own lifetime is the backstop
 RETRYABLE = (
     "reserve.insufficient_devices",
@@ -156,7 +170,7 @@ class CubeMaster:
             out.append((ch, c, compile_selector(ch.selector) if ch.selector else None))
         return out
 
-    def create(self, spec: CreateSpec) -> tuple[Row, bool]:
+    def create(self, spec: CreateSpec) -> tuple[SandboxRow, bool]:
         """Returns (sandbox, created): created is False for an idempotent repeat."""
         resolved = self.resolve(spec)
         if spec.tenant in self.auth.revoked_tenants():  # an admin's create for it, too (issue 30 #2)
@@ -191,19 +205,18 @@ class CubeMaster:
         network = narrow_network(resolved[0][1].template.sandbox.network, spec.network) if resolved else None
         if network is not None and network.has_nic:
             normalized["network_policy"] = network.to_json()  # the effective one, as `sandbox show` prints it
-        row = {
-            "id": sid,
-            "tenant": spec.tenant,
-            "idempotency_key": spec.idempotency_key,
-            "request": normalized,
-            "state": SS.SCHEDULING.value,  # born here; every later change is an event through the table
-            "count": spec.request.primary.count,
-            "device_ids": [],
-            "timeline": [{"at": now, "phase": "requested"}],
-            "created_at": now,
-            "updated_at": now,
-            "expires_at": now + lifetime,
-        }
+        row = SandboxRow(
+            id=sid,
+            tenant=spec.tenant,
+            idempotency_key=spec.idempotency_key,
+            request=W.SandboxRequest.model_validate(normalized),
+            state=SS.SCHEDULING,  # born here; every later change is an event through the table
+            count=spec.request.primary.count,
+            timeline=(W.TimelineEntry(at=now, phase="requested"),),
+            created_at=now,
+            updated_at=now,
+            expires_at=now + lifetime,
+        )
         existing = self._claim(row, spec)
         if existing is not None:
             return existing, False
@@ -213,11 +226,11 @@ class CubeMaster:
             # A refused create leaves no record behind, but its idempotency claim keeps the refusal for a retry.
             # A create that died after its claim may have left a reservation on the Cubelet: with no record,
             # the next reconcile releases it there.
-            self.store.refuse_create(sid, e.to_json()["error"] if isinstance(e, CubeError) else None)
+            self.store.refuse_create(sid, Refusal.of(e) if isinstance(e, CubeError) else None)
             self.cache.invalidate()
             raise
 
-    def _claim(self, row: Row, spec: CreateSpec) -> Row | None:
+    def _claim(self, row: SandboxRow, spec: CreateSpec) -> SandboxRow | None:
         """Record the create (None), or the outcome an earlier create with the same id or key had: its record
         once it left placement, or its refusal raised again. A twin that arrives while the first is still
         placing waits for that outcome rather than answer with a record that a refusal is about to delete."""
@@ -226,29 +239,28 @@ class CubeMaster:
             kind, existing = self.store.claim_sandbox(row)
             if kind == "inserted":
                 return None
-            if kind == "refused":
-                assert existing is not None
-                self._same_request(existing["request"], existing["sandbox_id"], row)
-                r = existing["refusal"]
-                raise CubeError(r["code"], r["message"], r["layer"], {**r["details"], "replayed": True}, 0)
+            if isinstance(existing, IdempotencyClaim):  # refused
+                assert existing.refusal is not None
+                self._same_request(existing.request.model_dump(mode="json"), existing.sandbox_id, row)
+                raise existing.refusal.replayed()
             if existing is not None:
-                self._same_request(existing["request"], existing["id"], row, existing["tenant"])
-                if SS(existing["state"]) not in PLACEMENT_STATES or self.placement_abandoned(existing, time.time()):
+                self._same_request(existing.request_json(), existing.id, row, existing.tenant)
+                if existing.state not in PLACEMENT_STATES or self.placement_abandoned(existing, time.time()):
                     return existing
             if time.monotonic() > deadline:
                 raise CubeError(
                     "sandbox.create_in_progress",
-                    f"sandbox {row['id'] if existing is None else existing['id']} is still being placed; retry",
+                    f"sandbox {row.id if existing is None else existing.id} is still being placed; retry",
                     "api",
                 )
             time.sleep(0.05)
 
     @staticmethod
-    def _same_request(request: Any, sandbox_id: str, row: Row, tenant: str | None = None) -> None:
-        if request != row["request"] or (tenant is not None and tenant != row["tenant"]):
+    def _same_request(request: dict[str, Any], sandbox_id: str, row: SandboxRow, tenant: str | None = None) -> None:
+        if request != row.request_json() or (tenant is not None and tenant != row.tenant):
             # The earlier request is shown only to its own tenant: env vars are secrets (issue 30 #1). Tenants
             # cannot reach another's id (their ids are namespaced); this guards an admin's create for a tenant.
-            mine = tenant is None or tenant == row["tenant"]
+            mine = tenant is None or tenant == row.tenant
             raise CubeError(
                 "sandbox.conflict",
                 f"sandbox {sandbox_id} exists with another request",
@@ -256,7 +268,7 @@ class CubeMaster:
                 {"existing": request} if mine else {},
             )
 
-    def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row:
+    def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> SandboxRow:
         ticket: list[int] = []  # this create's turn among those waiting for capacity, held until placed
         try:
             warm = self._claim_warm(sid, spec, resolved)
@@ -300,9 +312,9 @@ class CubeMaster:
                 return None
             self.waiters.pause(min(0.25, max(0.0, t0 + bound - time.monotonic())))
 
-    def _place_in_turn(self, sid: str, spec: CreateSpec, resolved: list[Resolved], ticket: list[int]) -> Row:
+    def _place_in_turn(self, sid: str, spec: CreateSpec, resolved: list[Resolved], ticket: list[int]) -> SandboxRow:
         t0 = time.perf_counter()
-        attempts: list[dict[str, Any]] = []
+        attempts: list[ReserveAttempt] = []
         tried: set[tuple[str, str]] = set()
         lost = 0  # claims another placement won first
         for round_ in range(3):
@@ -346,7 +358,12 @@ class CubeMaster:
                 self.store.update_sandbox(
                     sid,
                     "scheduled",
-                    detail={"node": cand.node.name, "decision_ms": round(decided_ms, 3), **cand.to_json()},
+                    detail=Scheduled(
+                        node=cand.node.name,
+                        decision_ms=round(decided_ms, 3),
+                        group=dict(cand.group.labels),
+                        score=list(cand.score),
+                    ),
                 )
                 placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts)
                 if placed is not None:
@@ -358,7 +375,7 @@ class CubeMaster:
             f"{len(attempts)} node(s) refused the reservation and "
             f"{lost} candidate(s) were taken by concurrent placements; retry",
             "scheduler",
-            {"attempts": attempts, "claims_lost": lost},
+            {"attempts": [a.model_dump(mode="json") for a in attempts], "claims_lost": lost},
         )
 
     def _reserve(
@@ -368,8 +385,8 @@ class CubeMaster:
         cand: Candidate,
         choice: AcceleratorChoice,
         contract: CompatibilityContract,
-        attempts: list[dict[str, Any]],
-    ) -> Row | None:
+        attempts: list[ReserveAttempt],
+    ) -> SandboxRow | None:
         raw: dict[str, Any] = {
             "sandbox_id": sid,
             "count": choice.count,
@@ -385,14 +402,14 @@ class CubeMaster:
         }
         row = self.store.sandbox(sid)
         if row is not None:  # the Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)
-            raw["tenant"] = row["tenant"]  # and whose it is: the node's audit trail names who had the device
-            deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])
+            raw["tenant"] = row.tenant  # and whose it is: the node's audit trail names who had the device
+            deadline = row.created_at + self._lifetime_cap(row.tenant)
             raw["lifetime_s"] = max(1.0, deadline - time.time() + LIFETIME_SLACK_S)
         try:
             reply = self.client(cand.node.cubelet_url).reserve(ReservationBody.model_validate(raw))
         except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
-            attempts.append({"node": cand.node.name, "code": code, "message": str(e)[:300]})
+            attempts.append(ReserveAttempt(node=cand.node.name, code=code, message=str(e)[:300]))
             self.store.update_sandbox(
                 sid,
                 "reserve_refused",
@@ -415,7 +432,7 @@ class CubeMaster:
             sid,
             "reserved",
             expect=(SS.PLACING,),
-            detail={"node": cand.node.name, "cubelet_timeline": _timeline(reply)},
+            detail=Reserved(node=cand.node.name, cubelet_timeline=_timeline(reply)),
             event=event,
             by=SA.PLACEMENT,
             device_ids=[] if reply.reservation is None else list(reply.reservation.device_ids),
@@ -425,14 +442,14 @@ class CubeMaster:
             template_version=contract.template_version,
             contract=contract.to_json(),
             cubelet_created_at=None if reply.reservation is None else reply.reservation.created_at,
-            **error,
+            error=error,
         )
         row = self.store.sandbox(sid)
         assert row is not None
         return row
 
     # ---- warm claim (docs/warm.md) ------------------------------------------------------------------
-    def _claim_warm(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> Row | None:
+    def _claim_warm(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> SandboxRow | None:
         """Hand the create a matching warm sandbox, or None (the cold path follows) with the miss reason in the
         timeline. Each try: a claim row for one advertised warm id under the node's row lock (with the tenant's
         quota, which may refuse the create outright), then the Cubelet's claim of exactly that id, whose
@@ -441,7 +458,7 @@ class CubeMaster:
         views, now, stale = self.cache.views(), time.time(), self.config.staleness_s
         ask = WarmAsk(resolved, spec.memory_mib, spec.vcpus, network)
         cands, reason = warm_candidates(views, ask, now, stale)
-        tried: list[dict[str, Any]] = []
+        tried: list[WarmAttempt] = []
         for cand in cands:
             if len(tried) >= self.config.max_attempts:
                 break
@@ -468,12 +485,9 @@ class CubeMaster:
                     self.on_path("warm", "")
                 return row
             reason = CLAIM_FAILED
-        detail: dict[str, Any] = {"path": "cold", "reason": reason}
-        if tried:
-            detail["warm_attempts"] = tried
-        if reason == POOL_EMPTY:  # warm starts on the way are not waited for (docs/decisions.md)
-            detail["refilling"] = warm_refilling(views, ask, now, stale)
-        self.store.update_sandbox(sid, "path", detail=detail)
+        # warm starts on the way are not waited for (docs/decisions.md)
+        refilling = warm_refilling(views, ask, now, stale) if reason == POOL_EMPTY else None
+        self.store.update_sandbox(sid, "path", detail=ColdPath.of(reason, tried, refilling))
         if self.on_path is not None:
             self.on_path("cold", reason)
         return None
@@ -486,14 +500,12 @@ class CubeMaster:
         return policy.to_json() if policy.has_nic else None
 
     def _hand_over(
-        self, sid: str, spec: CreateSpec, cand: WarmCandidate, warm_id: str, tried: list[dict[str, Any]]
-    ) -> Row | None:
+        self, sid: str, spec: CreateSpec, cand: WarmCandidate, warm_id: str, tried: list[WarmAttempt]
+    ) -> SandboxRow | None:
         contract, node = cand.contract, cand.node
-        self.store.update_sandbox(
-            sid, "path", detail={"path": "warm", "node": node.name, "warm_id": warm_id, "pool": cand.pool.key}
-        )
+        self.store.update_sandbox(sid, "path", detail=WarmPath(node=node.name, warm_id=warm_id, pool=cand.pool.key))
         placing = self.store.sandbox(sid)
-        requested_at = time.time() if placing is None else float(placing["created_at"])
+        requested_at = time.time() if placing is None else placing.created_at
         body = WarmClaimBody.model_validate(
             {
                 "sandbox_id": sid,
@@ -518,7 +530,7 @@ class CubeMaster:
         except (CubeError, httpx.HTTPError, ValidationError) as e:  # a malformed 201: outcome unknown, as unreachable
             code = e.code if isinstance(e, CubeError) else "cubelet.unreachable"
             why = e.details.get("reason") if isinstance(e, CubeError) else None
-            tried.append({"node": node.name, "warm_id": warm_id, "code": code, "reason": why, "message": str(e)[:300]})
+            tried.append(WarmAttempt(node=node.name, warm_id=warm_id, code=code, reason=why, message=str(e)[:300]))
             if not (isinstance(e, CubeError) and e.code == "warm.no_match"):
                 # Outcome unknown (unreachable) or torn down: the node lets go of anything under this id.
                 with suppress(CubeError, httpx.HTTPError):
@@ -543,13 +555,13 @@ class CubeMaster:
             sid,
             "reserved",
             expect=(SS.PLACING,),
-            detail={
-                "node": node.name,
-                "path": "warm",
-                "claim_ms": round((time.perf_counter() - t0) * 1000, 3),
-                "phases": claim_phases(requested_at, sent_at, time.time(), reply),
-                "cubelet_timeline": _timeline(reply),
-            },
+            detail=Reserved(
+                node=node.name,
+                path="warm",
+                claim_ms=round((time.perf_counter() - t0) * 1000, 3),
+                phases=claim_phases(requested_at, sent_at, time.time(), reply),
+                cubelet_timeline=_timeline(reply),
+            ),
             event=event,
             by=SA.PLACEMENT,
             device_ids=[] if reply.reservation is None else list(reply.reservation.device_ids),
@@ -559,30 +571,30 @@ class CubeMaster:
             template_version=contract.template_version,
             contract=contract.to_json(),
             cubelet_created_at=None if reply.reservation is None else reply.reservation.created_at,
-            **error,
+            error=error,
         )
         self.cache.invalidate()
         row = self.store.sandbox(sid)
         assert row is not None
         return row
 
-    def _node_lifetime(self, row: Row | None) -> float | None:
+    def _node_lifetime(self, row: SandboxRow | None) -> float | None:
         """The Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)."""
         if row is None:
             return None
-        deadline = float(row["created_at"]) + self._lifetime_cap(row["tenant"])
+        deadline = row.created_at + self._lifetime_cap(row.tenant)
         return max(1.0, deadline - time.time() + LIFETIME_SLACK_S)
 
     def _lifetime_cap(self, tenant: str) -> float:
         return self.auth.quota(tenant).max_lifetime_s or MAX_LIFETIME_S
 
-    def set_timeout(self, sandbox_id: str, timeout_s: float) -> Row:
+    def set_timeout(self, sandbox_id: str, timeout_s: float) -> SandboxRow:
         """Extend (or shorten) a live sandbox's lifetime: it now expires `timeout_s` from now; at expiry the
         maintenance pass deletes it through the release path (event `timeout`). Never past its tenant's maximum
         lifetime counted from creation, which is also what its Cubelet enforces as a backstop."""
         row = self.get(sandbox_id)
-        cap = self._lifetime_cap(row["tenant"])
-        if time.time() + timeout_s > float(row["created_at"]) + cap:
+        cap = self._lifetime_cap(row.tenant)
+        if time.time() + timeout_s > row.created_at + cap:
             raise CubeError(
                 "quota.lifetime",
                 f"sandbox {sandbox_id} may live at most {cap:g}s from its creation",
@@ -593,52 +605,53 @@ class CubeMaster:
             sandbox_id,
             "timeout_set",
             expect=(SS.STARTING, SS.RUNNING),
-            detail={"timeout_s": timeout_s},
+            detail=TimeoutSet(timeout_s=timeout_s),
             expires_at=time.time() + timeout_s,
         )
         if not ok:
-            raise CubeError("sandbox.not_live", f"sandbox {sandbox_id} is {row['state']}: its lifetime is over", "api")
+            raise CubeError("sandbox.not_live", f"sandbox {sandbox_id} is {row.state}: its lifetime is over", "api")
         return self.get(sandbox_id)
 
     # ---- delete -----------------------------------------------------------------------------------
-    def delete(self, sandbox_id: str) -> Row:
+    def delete(self, sandbox_id: str) -> SandboxRow:
         row = self.get(sandbox_id)
-        if row["state"] in PLACEMENT_STATES:
+        if row.state in PLACEMENT_STATES:
             if not self.placement_abandoned(row, time.time()):
                 raise CubeError("sandbox.busy", f"sandbox {sandbox_id} is being placed; retry", "api")
             # The create that owned it died: whatever it may have reserved is released on the Cubelet.
             self.store.update_sandbox(
                 sandbox_id,
                 "delete_requested",
-                expect=(row["state"],),
-                detail={"abandoned_in": row["state"]},
+                expect=(row.state,),
+                detail=AbandonedDelete(abandoned_in=row.state.value),
                 event=SE.DELETE,
                 by=SA.USER,
             )
             row = self.get(sandbox_id)
-        if row["state"] in (SS.STARTING, SS.RUNNING, SS.DELETING):
+        if row.state in (SS.STARTING, SS.RUNNING, SS.DELETING):
             self.store.update_sandbox(
                 sandbox_id,
-                None if row["state"] is SS.DELETING else "delete_requested",
+                None if row.state is SS.DELETING else "delete_requested",
                 expect=(SS.STARTING, SS.RUNNING, SS.DELETING),
                 event=SE.DELETE,
                 by=SA.USER,
             )
             self.release(self.get(sandbox_id), by=SA.USER)
-        elif row["state"] in (SS.LOST, SS.FAILED):
+        elif row.state in (SS.LOST, SS.FAILED):
             self.store.update_sandbox(sandbox_id, "deleted", event=SE.DELETED, by=SA.USER)
         return self.get(sandbox_id)
 
-    def node_status(self, node: str, sandbox_id: str, phase: str, error: dict[str, Any]) -> SandboxState:
+    def node_status(self, node: str, sandbox_id: str, phase: str, error: W.SandboxError | None) -> SandboxState:
         """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
-        (at start or later) → `failed` with the Cubelet's code and layer. Only that sandbox's own node counts."""
+        (at start or later) → `failed` with the Cubelet's code and layer (`error`, which the node is added to).
+        Only that sandbox's own node counts."""
         row = self.get(sandbox_id)
-        if row["node"] != node:
+        if row.node != node:
             raise CubeError(
                 "sandbox.not_on_node",
                 f"sandbox {sandbox_id} is not placed on node {node}",
                 "api",
-                {"node": row["node"]},
+                {"node": row.node},
             )
         if phase == "running":
             self.store.update_sandbox(sandbox_id, "ready", expect=(SS.STARTING,), event=SE.READY, by=SA.CUBELET)
@@ -649,14 +662,14 @@ class CubeMaster:
                 expect=(SS.PLACING, SS.STARTING, SS.RUNNING),
                 event=SE.FAIL,
                 by=SA.CUBELET,
-                error={**error, "node": node},
+                error=(W.SandboxError() if error is None else error).model_copy(update={"node": node}),
             )
             self.cache.invalidate()
-        state: SandboxState = self.get(sandbox_id)["state"]
+        state: SandboxState = self.get(sandbox_id).state
         return state
 
-    def placement_abandoned(self, row: Row, now: float) -> bool:
-        return row["state"] in PLACEMENT_STATES and now - float(row["updated_at"]) > self.config.placement_stale_s
+    def placement_abandoned(self, row: SandboxRow, now: float) -> bool:
+        return row.state in PLACEMENT_STATES and now - float(row.updated_at) > self.config.placement_stale_s
 
     def end_revoked(self, tenants: Collection[str], by: SandboxActor) -> list[str]:
         """A revoked tenant's credential reached its sandboxes; they end with it (docs/security.md): each live one
@@ -666,26 +679,29 @@ class CubeMaster:
         ended = []
         for row in self.store.sandboxes(states=(SS.STARTING, SS.RUNNING), tenants=tenants, limit=100_000):
             if self.store.update_sandbox(
-                row["id"], "tenant_revoked", expect=(SS.STARTING, SS.RUNNING), event=SE.REVOKED, by=by
+                row.id, "tenant_revoked", expect=(SS.STARTING, SS.RUNNING), event=SE.REVOKED, by=by
             ):
-                ended.append(row["id"])
-                self.release(self.get(row["id"]), by=by)
+                ended.append(row.id)
+                self.release(self.get(row.id), by=by)
         return ended
 
-    def release(self, row: Row, by: SandboxActor = SA.MAINTENANCE) -> None:
+    def release(self, row: SandboxRow, by: SandboxActor = SA.MAINTENANCE) -> None:
         """Ask the node's Cubelet to run its release path; `deleted` only once it says the devices are back."""
-        url = self.node_url(row["node"])
+        url = self.node_url(row.node)
         try:
-            released = self.client(url).release(row["id"]).released if url else True
+            released = self.client(url).release(row.id).released if url else True
         except CubeError as e:
             released = e.code == "reservation.not_found"
         except (httpx.HTTPError, ValidationError) as e:
             self.store.update_sandbox(
-                row["id"], None, expect=(SS.DELETING,), error={"code": "cubelet.unreachable", "message": str(e)[:300]}
+                row.id,
+                None,
+                expect=(SS.DELETING,),
+                error=W.SandboxError(code="cubelet.unreachable", message=str(e)[:300]),
             )
             return
         if released:
-            self.store.update_sandbox(row["id"], "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=by)
+            self.store.update_sandbox(row.id, "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=by)
             self.cache.invalidate()
 
     def node_url(self, node: str | None) -> str | None:
@@ -694,15 +710,15 @@ class CubeMaster:
         v = next((v for v in self.cache.views() if v.name == node), None)
         return v.cubelet_url if v else None
 
-    def start_phases(self, row: Row) -> tuple[list[W.StartPhase], bool]:
+    def start_phases(self, row: SandboxRow) -> tuple[list[W.StartPhase], bool]:
         """The sandbox's start phases from its node's event journal (VM up, memory pinned, device attached,
         workload service up, guest validated), first of each, in time order; and whether the node answered.
         Through CubeMaster because only CubeMaster holds the node token that the Cubelet's TCP API asks for."""
-        url = self.node_url(row["node"])
+        url = self.node_url(row.node)
         if url is None:
             return [], False
         try:
-            page = self.client(url).events(limit=10000, sandbox_id=row["id"])
+            page = self.client(url).events(limit=10000, sandbox_id=row.id)
         except (CubeError, httpx.HTTPError, OSError, ValidationError):
             return [], False
         phases: dict[str, W.StartPhase] = {}
@@ -712,30 +728,35 @@ class CubeMaster:
                 phases[label] = W.StartPhase(phase=label, event=str(e.event), at=e.at)
         return sorted(phases.values(), key=lambda p: p.at), True
 
-    def get(self, sandbox_id: str) -> Row:
+    def get(self, sandbox_id: str) -> SandboxRow:
         row = self.store.sandbox(sandbox_id)
         if row is None:
             raise CubeError("sandbox.not_found", f"no sandbox {sandbox_id!r}", "api")
         return row
 
 
-def _start_outcome(reply: ReservationView) -> tuple[SandboxEvent, dict[str, Any]]:
+def _start_outcome(reply: ReservationView) -> tuple[SandboxEvent, W.SandboxError | None]:
     """Ready means ready: `running` only once the Cubelet says the guest validated; a start that already failed
     (and may be released already) is `failed` with the Cubelet's code and layer."""
     res = reply.reservation
     if reply.failure is not None or res is None:
-        return SE.FAIL, {"error": START_FAILED if reply.failure is None else reply.failure.model_dump(mode="json")}
-    return (SE.READY if res.phase is ReservationPhase.RUNNING else SE.STARTED), {}
+        return SE.FAIL, START_FAILED if reply.failure is None else sandbox_error(reply.failure)
+    return (SE.READY if res.phase is ReservationPhase.RUNNING else SE.STARTED), None
 
 
-def _timeline(reply: ReservationView) -> list[dict[str, Any]]:
+def _timeline(reply: ReservationView) -> list[CubeletStep]:
     """The Cubelet's last steps of the start, kept in the sandbox's detail."""
-    return [e.model_dump(mode="json") for e in reply.timeline[-20:]]
+    return reply.timeline[-20:]
 
 
-def _with_attempts(e: CubeError, attempts: list[dict[str, Any]]) -> CubeError:
+def sandbox_error(failure: Failure | W.StatusError) -> W.SandboxError:
+    """The Cubelet's failure as the sandbox records it: its fields as the Cubelet sent them."""
+    return W.SandboxError.model_validate(failure.model_dump(mode="json"))
+
+
+def _with_attempts(e: CubeError, attempts: list[ReserveAttempt]) -> CubeError:
     if attempts:
-        e.details["attempts"] = attempts
+        e.details["attempts"] = [a.model_dump(mode="json") for a in attempts]
     return e
 
 
@@ -749,30 +770,31 @@ NODE_PHASES = {
 }
 
 
-def sandbox_record(row: Row, model: type[SandboxT], silent_nodes: Collection[str] = (), **extra: Any) -> SandboxT:
+def sandbox_record(
+    row: SandboxRow, model: type[SandboxT], silent_nodes: Collection[str] = (), **extra: Any
+) -> SandboxT:
     """The reply's record of a stored sandbox (`model`: `Sandbox`, or a reply that adds `extra` fields).
     `silent_nodes`: nodes whose heartbeats are stale (master/node_truth.py); their live sandboxes show `unknown`,
     with the stored state in `last_known_state`."""
-    state, last_known = shown_state(row["state"], row["node"], silent_nodes)
+    state, last_known = shown_state(row.state, row.node, silent_nodes)
     template = None
-    if row["template_name"] is not None:
-        digest = (row["contract"] or {}).get("template", {}).get("digest")
-        template = W.SandboxTemplate(name=row["template_name"], version=row["template_version"], digest=digest)
+    if row.template_name is not None:
+        template = W.SandboxTemplate(name=row.template_name, version=row.template_version, digest=row.template_digest)
     return model(
-        id=row["id"],
-        tenant=row["tenant"],
+        id=row.id,
+        tenant=row.tenant,
         state=state,
         last_known_state=last_known,
-        node=row["node"],
-        accel_class=row["accel_class"],
-        count=row["count"],
-        device_ids=row["device_ids"],
+        node=row.node,
+        accel_class=row.accel_class,
+        count=row.count,
+        device_ids=list(row.device_ids),
         template=template,
-        request=None if row["request"] is None else W.SandboxRequest.model_validate(row["request"]),
-        error=None if row["error"] is None else W.SandboxError.model_validate(row["error"]),
-        timeline=[W.TimelineEntry.model_validate(t) for t in row["timeline"] or ()],
-        expires_at=row["expires_at"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
+        request=row.request,
+        error=row.error,
+        timeline=list(row.timeline),
+        expires_at=row.expires_at,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
         **extra,
     )

@@ -12,12 +12,21 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 
 from cubeaccel.host.service.private import private_file
 from cubeaccel.master import schema as S
+from cubeaccel.master.records import (
+    IdempotencyClaim,
+    Quota,
+    Refusal,
+    SandboxChange,
+    SandboxRow,
+    TemplateRecord,
+    WarmClaim,
+)
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import (
@@ -32,15 +41,15 @@ from cubeaccel.model.sandbox_states import (
     SandboxState,
 )
 from cubeaccel.model.states import Actor
+from cubeaccel.wire import master_api as W
+from cubeaccel.wire.base import Record
 
-Row = dict[str, Any]
 SS = SandboxState
+ClaimKind = Literal["inserted", "sandbox", "refused", "retry"]
 
 
-def _row(r: sa.Row[Any]) -> Row:
-    row = dict(r._mapping)
-    row["state"] = SandboxState(row["state"])
-    return row
+def _row(r: sa.Row[Any]) -> SandboxRow:
+    return SandboxRow.from_columns(dict(r._mapping))
 
 
 def engine_for(url: str) -> sa.Engine:
@@ -76,7 +85,7 @@ class MasterStore:
         self.url = url
         self.engine = engine_for(url)
         self.dialect = self.engine.dialect.name
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []  # each sandbox state change, once it is in
+        self.listeners: list[Callable[[SandboxChange], None]] = []  # each sandbox state change, once it is in
         with self.engine.begin() as conn:
             self.schema_version = S.migrate(conn)
 
@@ -292,18 +301,18 @@ class MasterStore:
             c.execute(wc.insert().values(node=node, warm_id=free[0], sandbox_id=sandbox_id, pool=pool, claimed_at=now))
             return free[0]
 
-    def warm_claims(self) -> list[Row]:
+    def warm_claims(self) -> list[WarmClaim]:
         with self.tx() as c:
-            return [dict(r._mapping) for r in c.execute(sa.select(S.warm_claims))]
+            return [WarmClaim(**r._mapping) for r in c.execute(sa.select(S.warm_claims))]
 
     def warm_claimed(self) -> dict[str, frozenset[str]]:
         """node → warm ids a claim row holds (not offered to another create)."""
         out: dict[str, set[str]] = {}
         for r in self.warm_claims():
-            out.setdefault(r["node"], set()).add(r["warm_id"])
+            out.setdefault(r.node, set()).add(r.warm_id)
         return {k: frozenset(v) for k, v in out.items()}
 
-    def settle_warm_claims(self, advertised: Mapping[str, Collection[str]]) -> list[Row]:
+    def settle_warm_claims(self, advertised: Mapping[str, Collection[str]]) -> list[WarmClaim]:
         """Free the claim rows that hold nothing any more; returns them. A row stays while its create is placing
         with it, and while its sandbox is live with it and the node still advertises the id (a heartbeat from
         before the claim): a warm id is never advertised again once claimed on the node. Every other row — the
@@ -312,7 +321,7 @@ class MasterStore:
         deleted."""
         wc, s = S.warm_claims, S.sandboxes
         live = (SS.STARTING.value, SS.RUNNING.value, SS.DELETING.value)
-        freed: list[Row] = []
+        freed: list[WarmClaim] = []
         with self.tx() as c:
             q = sa.select(wc, s.c.state, s.c.warm_id.label("taken")).select_from(
                 wc.outerjoin(s, s.c.id == wc.c.sandbox_id)
@@ -324,7 +333,7 @@ class MasterStore:
                 )
                 if not keep:
                     c.execute(wc.delete().where(wc.c.node == r.node, wc.c.warm_id == r.warm_id))
-                    freed.append({"node": r.node, "warm_id": r.warm_id, "sandbox_id": r.sandbox_id})
+                    freed.append(WarmClaim(r.node, r.warm_id, r.sandbox_id, r.pool, r.claimed_at))
         return freed
 
     # ---- templates --------------------------------------------------------------------------------
@@ -359,16 +368,16 @@ class MasterStore:
             )
             return True
 
-    def template(self, name: str, version: str | None = None) -> Row | None:
+    def template(self, name: str, version: str | None = None) -> TemplateRecord | None:
         q = sa.select(S.templates).where(S.templates.c.name == name)
         q = q.where(S.templates.c.version == version) if version else q.order_by(S.templates.c.seq.desc())
         with self.tx() as c:
             r = c.execute(q.limit(1)).first()
-        return None if r is None else dict(r._mapping)
+        return None if r is None else TemplateRecord(**r._mapping)
 
-    def templates(self) -> list[Row]:
+    def templates(self) -> list[TemplateRecord]:
         with self.tx() as c:
-            return [dict(r._mapping) for r in c.execute(sa.select(S.templates).order_by(S.templates.c.seq))]
+            return [TemplateRecord(**r._mapping) for r in c.execute(sa.select(S.templates).order_by(S.templates.c.seq))]
 
     def delete_template(self, name: str, version: str | None = None) -> int:
         with self.tx() as c:
@@ -390,53 +399,53 @@ class MasterStore:
             return {r.accel_class: r.template_name for r in c.execute(sa.select(S.defaults))}
 
     # ---- sandboxes --------------------------------------------------------------------------------
-    def insert_sandbox(self, row: Row) -> Row | None:
+    def insert_sandbox(self, row: SandboxRow) -> SandboxRow | None:
         """Insert; on a duplicate id or (tenant, idempotency key) return the existing record instead."""
-        kind, existing = self.claim_sandbox(row)
-        return existing if kind == "sandbox" else None
+        _, existing = self.claim_sandbox(row)
+        return existing if isinstance(existing, SandboxRow) else None
 
-    def claim_sandbox(self, row: Row) -> tuple[str, Row | None]:
+    def claim_sandbox(self, row: SandboxRow) -> tuple[ClaimKind, SandboxRow | IdempotencyClaim | None]:
         """Insert the record and, with a key, its idempotency claim, in one transaction. Returns
         ("inserted", None); ("sandbox", existing) on a duplicate id or key whose record exists;
         ("refused", claim) when the keyed create was refused (its claim holds the refusal); or ("retry", None)
         when the row that conflicted is gone (a refusal deleted it between our insert and our look)."""
-        key = row.get("idempotency_key")
+        key = row.idempotency_key
         try:
             with self.tx() as c:
                 if key:
                     c.execute(
                         S.idempotency.insert().values(
-                            tenant=row["tenant"],
+                            tenant=row.tenant,
                             idempotency_key=key,
-                            sandbox_id=row["id"],
-                            request=row["request"],
+                            sandbox_id=row.id,
+                            request=row.request_json(),
                             refusal=None,
-                            created_at=row["created_at"],
+                            created_at=row.created_at,
                         )
                     )
-                c.execute(S.sandboxes.insert().values(**row))
+                c.execute(S.sandboxes.insert().values(**row.columns()))
             return "inserted", None
         except sa.exc.IntegrityError:
             pass
         if key:
-            claim = self.idempotency_claim(row["tenant"], key)
+            claim = self.idempotency_claim(row.tenant, key)
             if claim is not None:
-                if claim["refusal"] is not None:
+                if claim.refusal is not None:
                     return "refused", claim
-                existing = self.sandbox(claim["sandbox_id"])
+                existing = self.sandbox(claim.sandbox_id)
                 if existing is not None:
                     return "sandbox", existing
-        existing = self.sandbox(row["id"])
+        existing = self.sandbox(row.id)
         return ("sandbox", existing) if existing is not None else ("retry", None)
 
-    def idempotency_claim(self, tenant: str, key: str) -> Row | None:
+    def idempotency_claim(self, tenant: str, key: str) -> IdempotencyClaim | None:
         with self.tx() as c:
             r = c.execute(
                 sa.select(S.idempotency).where(S.idempotency.c.tenant == tenant, S.idempotency.c.idempotency_key == key)
             ).first()
-        return None if r is None else dict(r._mapping)
+        return None if r is None else IdempotencyClaim.from_columns(dict(r._mapping))
 
-    def refuse_create(self, sandbox_id: str, refusal: dict[str, Any] | None) -> None:
+    def refuse_create(self, sandbox_id: str, refusal: Refusal | None) -> None:
         """A create that failed before its sandbox existed anywhere: delete its row (while a create still owns
         it) and, in the same transaction, record the refusal on its idempotency claim — or, with no refusal to
         replay (the create died of something else), drop the claim so a retry places afresh."""
@@ -453,9 +462,9 @@ class MasterStore:
             if refusal is None:
                 c.execute(S.idempotency.delete().where(claims))
             else:
-                c.execute(S.idempotency.update().where(claims).values(refusal=refusal))
+                c.execute(S.idempotency.update().where(claims).values(refusal=refusal.to_json()))
 
-    def sandbox(self, sandbox_id: str) -> Row | None:
+    def sandbox(self, sandbox_id: str) -> SandboxRow | None:
         with self.tx() as c:
             r = c.execute(sa.select(S.sandboxes).where(S.sandboxes.c.id == sandbox_id)).first()
         return None if r is None else _row(r)
@@ -466,7 +475,7 @@ class MasterStore:
         node: str | None = None,
         limit: int = 1000,
         tenants: Collection[str] | None = None,
-    ) -> list[Row]:
+    ) -> list[SandboxRow]:
         q = sa.select(S.sandboxes).order_by(S.sandboxes.c.created_at).limit(limit)
         if tenants is not None:
             q = q.where(S.sandboxes.c.tenant.in_(list(tenants)))
@@ -482,13 +491,15 @@ class MasterStore:
         sandbox_id: str,
         phase: str | None = None,
         expect: tuple[SandboxState, ...] | None = None,
-        detail: Mapping[str, Any] | None = None,
+        detail: Record | None = None,
         *,
         event: SandboxEvent | None = None,
         by: SandboxActor | None = None,
+        error: W.SandboxError | None = None,
         **values: Any,
     ) -> bool:
-        """Set columns (and append a timeline entry `phase`) if the sandbox is in one of `expect` states.
+        """Set columns (and append a timeline entry `phase` with its `detail`; record `error`) if the sandbox is in
+        one of `expect` states.
 
         A state change is an `event` fired `by` an actor, never a `state=` value: the table decides the target,
         and its guard is the states that actor may fire the event from, narrowed by `expect`. An `expect` naming
@@ -498,6 +509,8 @@ class MasterStore:
         """
         if "state" in values:
             raise TypeError("update_sandbox: change the state with event=, not state=")
+        if error is not None:
+            values["error"] = error.model_dump(mode="json")
         guard: frozenset[SandboxState] | None = None if expect is None else frozenset(expect)
         if event is not None:
             if by is None:
@@ -515,11 +528,11 @@ class MasterStore:
             if event is not None and by is not None:
                 values["state"] = SANDBOX_MACHINE.transition(SandboxState(r.state), event, by).value
             if phase is not None:
-                values["timeline"] = [*r.timeline, {"at": now, "phase": phase, **(detail or {})}]
+                entry = {"at": now, "phase": phase, **({} if detail is None else detail.model_dump(mode="json"))}
+                values["timeline"] = [*r.timeline, entry]
             c.execute(S.sandboxes.update().where(S.sandboxes.c.id == sandbox_id).values(updated_at=now, **values))
         if event is not None and by is not None:
-            change: dict[str, Any] = {"sandbox_id": sandbox_id, "event": event.value, "actor": by.value}
-            change |= {"from_state": r.state, "to_state": values["state"], "phase": phase}
+            change = SandboxChange(sandbox_id, event.value, by.value, r.state, values["state"], phase)
             for listener in self.listeners:
                 with suppress(Exception):  # telemetry never fails a change that is already made
                     listener(change)
@@ -550,7 +563,7 @@ def _check_quota(
     t = c.execute(sa.select(S.tenants.c.quota).where(S.tenants.c.name == tenant).with_for_update()).first()
     if t is None:
         return  # a tenant with no record (an admin's create for a name never registered) has no quota
-    q: Mapping[str, Any] = t.quota or {}
+    q = Quota.from_json(t.quota or {})
     s = S.sandboxes
     mine = sa.and_(
         s.c.tenant == tenant,
@@ -560,13 +573,11 @@ def _check_quota(
     n, pinned = c.execute(
         sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(s.c.pinned_mib), 0)).where(mine)
     ).one()
-    if q.get("max_sandboxes") is not None and n + 1 > q["max_sandboxes"]:
-        raise _quota("quota.sandboxes", tenant, "concurrent sandboxes", q["max_sandboxes"], int(n), 1)
-    if q.get("max_pinned_mib") is not None and pinned + pinned_mib > q["max_pinned_mib"]:
-        raise _quota(
-            "quota.pinned_memory", tenant, "MiB of pinned memory", q["max_pinned_mib"], int(pinned), pinned_mib
-        )
-    limit = (q.get("max_accelerators") or {}).get(accel_class or "")
+    if q.max_sandboxes is not None and n + 1 > q.max_sandboxes:
+        raise _quota("quota.sandboxes", tenant, "concurrent sandboxes", q.max_sandboxes, int(n), 1)
+    if q.max_pinned_mib is not None and pinned + pinned_mib > q.max_pinned_mib:
+        raise _quota("quota.pinned_memory", tenant, "MiB of pinned memory", q.max_pinned_mib, int(pinned), pinned_mib)
+    limit = q.max_accelerators.get(accel_class or "")
     if limit is not None:
         used = c.execute(
             sa.select(sa.func.coalesce(sa.func.sum(s.c.count), 0)).where(mine, s.c.accel_class == accel_class)

@@ -20,6 +20,7 @@ from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.wire.cubelet_api import ReservationView
 from cubeaccel.wire.master_api import WarmSandbox
+from cubeaccel.wire.sandbox_timeline import ClaimPhases
 from cubeaccel.wire.warm import WarmPoolFact
 
 WARM_STATE = "warm"  # how CubeMaster lists a node's warm sandbox (`GET /v1/sandboxes?state=warm`)
@@ -170,20 +171,23 @@ def warm_rows(views: Sequence[NodeView]) -> list[WarmSandbox]:
     ]
 
 
-def claim_phases(requested_at: float, sent_at: float, answered_at: float, reply: ReservationView) -> dict[str, Any]:
+def claim_phases(requested_at: float, sent_at: float, answered_at: float, reply: ReservationView) -> ClaimPhases:
     """A warm create's phases in ms, for its timeline (issue 28: which path, and where its time went): CubeMaster
     before the claim (match, claim row), the Cubelet until its journal CAS committed, the shim's RNG reseed and
     rebind, and the rest of the claim's round trip (ack recorded, reply). Times are this host's and the node's
     wall clocks: a phase across them is only as good as their agreement."""
     cas_at = next((e.at for e in reply.timeline if e.kind == EventKind.WARM_CLAIMED), None)
     hand = reply.hand_off
-    out: dict[str, Any] = {
-        "master_ms": round((sent_at - requested_at) * 1000, 1),
-        "claim_ms": round((answered_at - sent_at) * 1000, 1),
-        "cas_ms": None if cas_at is None else round((cas_at - sent_at) * 1000, 1),
-        "reseed_ms": None if hand is None else hand.reseed_ms,
-        "rebind_ms": None if hand is None else hand.rebind_ms,
-    }
-    known = [v for k, v in out.items() if k in ("cas_ms", "reseed_ms", "rebind_ms") and v is not None]
-    out["claim_other_ms"] = round(out["claim_ms"] - sum(known), 1)
-    return out
+    claim_ms = round((answered_at - sent_at) * 1000, 1)
+    cas_ms = None if cas_at is None else round((cas_at - sent_at) * 1000, 1)
+    reseed_ms = None if hand is None else hand.reseed_ms
+    rebind_ms = None if hand is None else hand.rebind_ms
+    known = [v for v in (cas_ms, reseed_ms, rebind_ms) if v is not None]
+    return ClaimPhases(
+        master_ms=round((sent_at - requested_at) * 1000, 1),
+        claim_ms=claim_ms,
+        cas_ms=cas_ms,
+        reseed_ms=reseed_ms,
+        rebind_ms=rebind_ms,
+        claim_other_ms=round(claim_ms - sum(known), 1),
+    )

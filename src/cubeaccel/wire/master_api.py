@@ -241,7 +241,7 @@ class SandboxError(Sparse):
 
 class TimelineEntry(Record):
     at: float
-    phase: str  # and the phase's own detail fields
+    phase: str  # and the phase's own detail fields (wire/sandbox_timeline.py)
 
 
 class SandboxRecord(Record):
