@@ -229,7 +229,10 @@ def test_a_malformed_status_push_is_refused_and_changes_nothing(
 
 def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, master: CubeMaster) -> None:
     _starting(master)
-    failed = {"phase": "failed", "error": {"code": "compat.modules_img_module_failed", "layer": "modules_img"}}
+    failed: dict[str, Any] = {
+        "phase": "failed",
+        "error": {"code": "compat.modules_img_module_failed", "layer": "modules_img"},
+    }
     r = api.put("/v1/nodes/n2/sandboxes/sb-push/status", json=failed)
     assert (r.status_code, r.json()["error"]["code"]) == (409, "sandbox.not_on_node")
     assert api.put("/v1/nodes/n1/sandboxes/sb-nope/status", json=failed).status_code == 404

@@ -131,7 +131,7 @@ def test_revoking_a_tenant_ends_its_sandboxes_and_their_tokens(stack: Stack) -> 
     drops them and their envd tokens with them); the admin can still see and delete them; another tenant's
     sandboxes are untouched."""
     node = Node()
-    stack.master.node_url = lambda name: "http://node"  # type: ignore[method-assign]
+    stack.master.node_url = lambda node: "http://node"  # type: ignore[method-assign]
     stack.master.client = lambda url: node  # type: ignore[assignment,method-assign,return-value]
     doomed = [running(stack, node, "t1", "a"), running(stack, node, "t1", "b")]
     kept = running(stack, node, "t2", "c")
