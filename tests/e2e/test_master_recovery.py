@@ -154,8 +154,16 @@ class _RacingClient(CubeletClient):
         super().__init__(url=url, token=token)
         self.between: Callable[[], None] | None = between
 
-    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        reply = super().request(method, path, json=json, params=params)
+    def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        reply = super().request(method, path, json=json, params=params, headers=headers, timeout=timeout)
         if (method, path) == ("GET", "/v1/reservations") and self.between is not None:
             between, self.between = self.between, None
             between()
