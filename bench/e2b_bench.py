@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +82,11 @@ def per_call(stack: dict[str, Any], opts: dict[str, Any], calls: int) -> dict[st
     via.http.headers["E2b-Sandbox-Id"] = sbx.sandbox_id
     out: dict[str, Any] = {}
     try:
-        for name, fn in (
+        calls_under_test: list[tuple[str, Callable[[WorkloadClient], object]]] = [
             ("list", lambda wl: wl.unary("process.Process/List", {})),
             ("exec_true", lambda wl: wl.exec(["/bin/true"])),
-        ):
+        ]
+        for name, fn in calls_under_test:
             times: dict[str, list[float]] = {"front_door": [], "direct": []}
             for _ in range(calls):
                 for label, wl in (("front_door", via), ("direct", direct)):
