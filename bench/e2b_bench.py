@@ -82,11 +82,11 @@ def per_call(stack: dict[str, Any], opts: dict[str, Any], calls: int) -> dict[st
     via.http.headers["E2b-Sandbox-Id"] = sbx.sandbox_id
     out: dict[str, Any] = {}
     try:
-        calls_under_test: list[tuple[str, Callable[[WorkloadClient], object]]] = [
+        fn: Callable[[WorkloadClient], object]
+        for name, fn in (
             ("list", lambda wl: wl.unary("process.Process/List", {})),
             ("exec_true", lambda wl: wl.exec(["/bin/true"])),
-        ]
-        for name, fn in calls_under_test:
+        ):
             times: dict[str, list[float]] = {"front_door": [], "direct": []}
             for _ in range(calls):
                 for label, wl in (("front_door", via), ("direct", direct)):
