@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ def per_call(stack: dict[str, Any], opts: dict[str, Any], calls: int) -> dict[st
     via.http.headers["E2b-Sandbox-Id"] = sbx.sandbox_id
     out: dict[str, Any] = {}
     try:
+        fn: Callable[[WorkloadClient], object]
         for name, fn in (
             ("list", lambda wl: wl.unary("process.Process/List", Empty(), ListResponse.from_json)),
             ("exec_true", lambda wl: wl.exec(["/bin/true"])),

@@ -31,7 +31,7 @@ def _timed_create(client: MasterClient, sid: str, body: dict[str, Any]) -> tuple
     t0 = time.perf_counter()
     row = client.create({"gpu": "H100:1", "id": sid, **body})
     ms = (time.perf_counter() - t0) * 1000
-    assert row["state"] == "running", row
+    assert row.state == "running", row
     return ms, str(path_entries(row)[-1]["path"])
 
 
@@ -50,7 +50,7 @@ def main() -> None:
             m.client.register_template(TEMPLATE, default=True)
             warm_pool(node, 1)
             for i in range(args.runs):
-                poll(lambda: [p["claimable"] for p in advertised(m, "n")] == [1], 60)
+                poll(lambda: [p.claimable for p in advertised(m, "n")] == [1], 60)
                 ms, path = _timed_create(m.client, f"w-{i}", {})
                 assert path == "warm"
                 times["warm"].append(ms)
@@ -59,11 +59,13 @@ def main() -> None:
                 times["cold"].append(ms)
                 for sid in (f"w-{i}", f"c-{i}"):
                     m.client.delete(sid)
-                poll(lambda: all(s["state"] == "deleted" for s in m.client.sandboxes()), 60)
+                poll(lambda: all(s.state == "deleted" for s in m.client.sandboxes()), 60)
         finally:
             node.stop()
             m.stop()
-    out = {p: {"min": min(v), "median": statistics.median(v), "max": max(v), "n": len(v)} for p, v in times.items()}
+    out: dict[str, Any] = {
+        p: {"min": min(v), "median": statistics.median(v), "max": max(v), "n": len(v)} for p, v in times.items()
+    }
     out["ratio_median"] = {"warm/cold": out["warm"]["median"] / out["cold"]["median"]}
     out["loadavg"] = list(os.getloadavg())
     print(json.dumps(out))

@@ -131,7 +131,7 @@ def threads_bench(gibs: list[int], threads: list[int], runs: int) -> list[dict[s
     for gib in gibs:
         mib = gib << 10
         memset_s(mib)
-        times: dict[str, list[float]] = {"memset": []} | {f"threads={n}": [] for n in threads}
+        times: dict[str, list[float]] = {"memset": [], **{f"threads={n}": [] for n in threads}}
         loads: list[float] = []
         for _ in range(runs):
             times["memset"].append(memset_s(mib))

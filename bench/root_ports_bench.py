@@ -27,7 +27,7 @@ from typing import Any
 from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.images.builder import build
 from cubeaccel.shim.qemu import SOCKETS, VmmFds, _listen, build_argv
-from cubeaccel.shim.template import ensure_template
+from cubeaccel.shim.template import prepare_template
 from cubeaccel.shim.vmm import VmConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -58,7 +58,8 @@ def run(cfg: VmConfig, accel: str, state: Path | None) -> dict[str, float]:
     t0 = time.monotonic()
     listeners = [_listen(cfg.state_dir / name) for name in SOCKETS]
     console = os.open(cfg.state_dir / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    fds = VmmFds(*(s.fileno() for s in listeners), console)
+    qmp_fd, aux_fd, agent_fd, workload_fd = (s.fileno() for s in listeners)
+    fds = VmmFds(qmp_fd, aux_fd, agent_fd, workload_fd, console)
     argv = build_argv(cfg, accel, incoming=state is not None, fds=fds)
     proc = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=fds.all()
@@ -133,7 +134,7 @@ def main() -> int:
             for n in ports
         }
         states = {
-            n: ensure_template(replace(c, state_dir=work / f"t{n}"), manifest, work / "templates")[0]
+            n: prepare_template(replace(c, state_dir=work / f"t{n}"), manifest, work / "templates")[0]
             for n, c in cfgs.items()
         }
         cold: dict[int, list[float]] = {n: [] for n in ports}

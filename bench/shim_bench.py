@@ -82,7 +82,8 @@ def raw_cycle(cfg: VmConfig, accel: str, restore: Path | None) -> dict[str, floa
     # The VMM gets its listening sockets and console log as descriptors (it opens no file), as the shim does.
     listeners = [_listen(cfg.state_dir / name) for name in SOCKETS]
     console = os.open(cfg.state_dir / "console.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    fds = VmmFds(*(s.fileno() for s in listeners), console)
+    qmp_fd, aux_fd, agent_fd, workload_fd = (s.fileno() for s in listeners)
+    fds = VmmFds(qmp_fd, aux_fd, agent_fd, workload_fd, console)
     proc = subprocess.Popen(
         build_argv(cfg, accel, incoming=restore is not None, fds=fds),
         stdout=subprocess.DEVNULL,

@@ -11,6 +11,7 @@ Run: `PYTHONPATH=src:. .venv/bin/python bench/vmm_locked_bench.py [--shapes 256:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -41,6 +42,10 @@ def main() -> int:
     p = CubeletProcess(base / "node", "-", *args_).start()
     results: dict[str, Any] = {"load_before": Path("/proc/loadavg").read_text().split()[:3], "shapes": {}}
     try:
+
+        def vmm_gone(sid: str) -> bool:
+            return p.vmm(sid) is None
+
         for mib, vcpus in shapes:
             above, charged = [], 0
             for run in range(args.runs):
@@ -50,7 +55,7 @@ def main() -> int:
                 print(f"{sid}: peak VmLck {s.peak_vmlck_kib} KiB, charged {s.charge_mib} MiB", flush=True)
                 charged = s.charge_mib - mib
                 p.client.release(sid)
-                poll(lambda sid=sid: p.vmm(sid) is None, 120, what=f"{sid}'s VMM gone")
+                poll(functools.partial(vmm_gone, sid), 120, what=f"{sid}'s VMM gone")
             results["shapes"][f"{mib}:{vcpus}"] = {
                 "vmlck_above_guest_mib": {"min": min(above), "median": statistics.median(above), "max": max(above)},
                 "runs": above,

@@ -19,6 +19,7 @@ and before and after (the machine is shared).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -97,13 +98,14 @@ def shim_seconds(cubelet: Any, sid: str) -> float:
     return 0.0
 
 
-def advertised_warm(master: Any) -> int:
+def advertised_warm(master: MasterProcess) -> int:
     """Warm sandboxes CubeMaster sees (the heartbeat's pools): what a create can claim now."""
-    return sum(p.get("warm", 0) for n in master.client.nodes() if n["node"] == NODE for p in n.get("warm_pools", []))
+    return sum(p.warm for n in master.client.nodes() if n.node == NODE for p in n.warm_pools)
 
 
 def round_of(stack: dict[str, Any], opts: dict[str, Any], clients: int, warm: bool) -> list[dict[str, Any]]:
-    cubelet, master = stack["cubelet"], stack["master"]
+    cubelet = stack["cubelet"]
+    master: MasterProcess = stack["master"]
     if warm:
 
         def full() -> bool:
@@ -118,13 +120,17 @@ def round_of(stack: dict[str, Any], opts: dict[str, Any], clients: int, warm: bo
         if sid is None:
             continue
         row = master.client.sandbox(sid)
-        paths[sid] = next((e["path"] for e in row["timeline"] if e.get("phase") == "path"), "?")
+        paths[sid] = next((e.model_dump().get("path", "?") for e in row.timeline if e.phase == "path"), "?")
         master.client.delete(sid)
+
+    def deleted(sid: str) -> bool:
+        return master.client.sandbox(sid).state == "deleted"
+
     for _, sid, _ in done:
         if sid is not None:
-            poll(lambda s=sid: master.client.sandbox(s)["state"] == "deleted", 300)
+            poll(functools.partial(deleted, sid), 300)
     settled = ("deleted", "failed", "lost", "warm")
-    poll(lambda: not [r for r in master.client.sandboxes() if r["state"] not in settled], 300)
+    poll(lambda: not [r for r in master.client.sandboxes() if r.state not in settled], 300)
     return [
         {"ms": ms, "path": "failed", "error": why, "load": load}
         if sid is None
@@ -156,7 +162,7 @@ def main() -> int:
     load = [Path("/proc/loadavg").read_text().split()[:3]]
     fd = None
     try:
-        poll(lambda: any(n["node"] == NODE and n["state"] == "ready" for n in master.client.nodes()), 600)
+        poll(lambda: any(n.node == NODE and n.state == "ready" for n in master.client.nodes()), 600)
         master.client.register_template(doc)
         fd = FrontDoorProcess(base / "fd", master.url, master.admin_key).start()
         opts = {"api_key": master.tenant_key, "api_url": fd.url, "sandbox_url": fd.url, "request_timeout": 900}

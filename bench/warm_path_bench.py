@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +173,7 @@ def raw_start(client: httpx.Client, url: str, headers: dict[str, str]) -> float:
     return ms
 
 
-def median_of(n: int, f: Any) -> float:
+def median_of(n: int, f: Callable[[], float]) -> float:
     return statistics.median(f() for _ in range(n))
 
 

@@ -49,13 +49,13 @@ def main() -> int:
     cubelet.start()
     results: dict[str, Any] = {"load_before": Path("/proc/loadavg").read_text().split()[:3]}
     try:
-        poll(lambda: any(n["node"] == "bench" and n["state"] == "ready" for n in master.client.nodes()), 30)
+        poll(lambda: any(n.node == "bench" and n.state == "ready" for n in master.client.nodes()), 30)
         master.client.register_template(edu_template(build()[0], "edu-bench"))
         t0 = time.monotonic()
         sb = master.client.create({"template": "edu-bench", "accelerators": [{"class": "accelerator"}]}, wait_s=240)
         results["create_wait_s"] = round(time.monotonic() - t0, 1)
-        sid, token = sb["id"], sb["access_token"]
-        assert sb["state"] == "running", sb
+        sid, token = sb.id, sb.access_token
+        assert sb.state == "running" and token is not None, sb
         sock = base / "cubelet" / "shims" / sid / "workload.sock"
         paths = {
             "whole_path": WorkloadClient.over(f"http://127.0.0.1:{port}/v1/sandboxes/{sid}/workload", token),
@@ -68,7 +68,7 @@ def main() -> int:
             wl.close()
         results["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
         master.client.delete(sid)
-        poll(lambda: master.client.sandbox(sid)["state"] == "deleted", 90)
+        poll(lambda: master.client.sandbox(sid).state == "deleted", 90)
     finally:
         cubelet.stop()
         master.stop()

@@ -46,7 +46,8 @@ class Stream:
     def end(self) -> dict[str, Any]:
         ends = [e["event"]["end"] for e in self.events if "end" in e["event"]]
         assert len(ends) == 1, self.kinds()
-        return ends[0]
+        end: dict[str, Any] = ends[0]
+        return end
 
     @property
     def pid(self) -> int:

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from e2b import (  # type: ignore[import-not-found]
+from e2b import (
     FilesystemEventType,
     FileType,
     NotFoundException,
@@ -26,9 +26,9 @@ from e2b import (  # type: ignore[import-not-found]
     SandboxException,
     TimeoutException,
 )
-from e2b.connection_config import ConnectionConfig  # type: ignore[import-not-found]
-from e2b.sandbox.main import SandboxBase  # type: ignore[import-not-found]
-from packaging.version import Version  # type: ignore[import-not-found]
+from e2b.connection_config import ConnectionConfig
+from e2b.sandbox.main import SandboxBase
+from packaging.version import Version
 
 SDK = importlib.metadata.version("e2b")
 
@@ -36,7 +36,7 @@ SDK = importlib.metadata.version("e2b")
 def sandbox(url: str, token: str, version: str) -> Any:
     headers = {"X-Access-Token": token, "E2b-Sandbox-Id": "sdk-check", "E2b-Sandbox-Port": "49983"}
     cfg = ConnectionConfig(api_key="e2b_" + "0" * 40, sandbox_url=url, extra_sandbox_headers=headers)
-    opts = {
+    opts: dict[str, Any] = {  # what this SDK line's Sandbox takes of these differs per line
         "sandbox_id": "sdk-check",
         "sandbox_domain": None,
         "envd_version": Version(version),
@@ -178,13 +178,13 @@ def stream_watch(sbx: Any, scratch: str) -> None:
     d = f"{scratch}/streamed"
     sbx.files.make_dir(d)
     accepted = inspect.signature(SandboxBase.__init__).parameters
-    opts = {k: getattr(sbx, f"_{k}", None) for k in accepted if k != "self"}
+    opts: dict[str, Any] = {k: getattr(sbx, f"_{k}", None) for k in accepted if k != "self"}
     opts.update(sandbox_id=sbx.sandbox_id, connection_config=sbx.connection_config)
 
     async def main() -> list[tuple[Any, str]]:  # the async SDK's client wants the running loop at construction
         asbx = AsyncSandbox(**{k: v for k, v in opts.items() if v is not None or k in ("sandbox_domain",)})
         seen: list[tuple[Any, str]] = []
-        handle = await asbx.files.watch_dir(d, lambda e: seen.append((e.type, e.name)))
+        handle: Any = await asbx.files.watch_dir(d, lambda e: seen.append((e.type, e.name)))
         await asbx.files.write(f"{d}/s.txt", "streamed")
         deadline = time.monotonic() + 10
         while (FilesystemEventType.WRITE, "s.txt") not in seen and time.monotonic() < deadline:

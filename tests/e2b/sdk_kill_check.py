@@ -8,7 +8,7 @@ import json
 import sys
 from importlib.metadata import version
 
-from e2b import Sandbox  # type: ignore[import-not-found]
+from e2b import Sandbox
 
 
 def main() -> int:

@@ -9,7 +9,7 @@ import sys
 from importlib.metadata import version
 from typing import Any
 
-from e2b import Sandbox  # type: ignore[import-not-found]
+from e2b import Sandbox
 
 CASES: dict[str, dict[str, Any]] = {
     "deny_some": {"network": {"deny_out": ["10.1.2.0/24"]}},

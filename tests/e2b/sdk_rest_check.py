@@ -8,7 +8,7 @@ import json
 import sys
 from importlib.metadata import version
 
-from e2b import Sandbox, SandboxQuery  # type: ignore[import-not-found]
+from e2b import Sandbox, SandboxQuery
 
 
 def main() -> int:

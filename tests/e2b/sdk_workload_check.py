@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import sys
 
-from e2b import CommandExitException, Sandbox  # type: ignore[import-not-found]
-from e2b.connection_config import ConnectionConfig  # type: ignore[import-not-found]
-from e2b.exceptions import AuthenticationException, FileNotFoundException  # type: ignore[import-not-found]
-from packaging.version import Version  # type: ignore[import-not-found]
+from e2b import CommandExitException, Sandbox
+from e2b.connection_config import ConnectionConfig
+from e2b.exceptions import AuthenticationException, FileNotFoundException
+from packaging.version import Version
 
 
 def sandbox(url: str, token: str, version: str) -> Sandbox:
@@ -53,7 +53,7 @@ def main() -> int:
     assert h.wait().stdout == "hello\n"
     h = sbx.commands.run("sleep 0.5; echo late", background=True)
     assert sbx.commands.connect(h.pid).wait().stdout == "late\n"
-    from e2b.sandbox.commands.command_handle import PtySize  # type: ignore[import-not-found]
+    from e2b.sandbox.commands.command_handle import PtySize
 
     got = bytearray()
     term = sbx.pty.create(PtySize(rows=24, cols=80), cwd=scratch)

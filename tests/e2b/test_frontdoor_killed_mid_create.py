@@ -77,10 +77,12 @@ def test_a_create_whose_front_door_died_is_deleted_within_its_lease(stack: tuple
     assert "reply" not in outcome, outcome  # no client learned the id
     host.set_reset_delay(0.0)
     deleting.join(60)
-    placed = poll(lambda: (s := cl.c.sandbox(orphan)).node == NODE and s, 30, what="the orphan placed")
-    assert placed.expires_at - placed.created_at <= LEASE_S + 1  # its lease, not the 600 s asked for
+    placed = poll(lambda: s if (s := cl.c.sandbox(orphan)).node == NODE else None, 30, what="the orphan placed")
+    assert (
+        placed.expires_at is not None and placed.expires_at - placed.created_at <= LEASE_S + 1
+    )  # its lease, not the 600 s asked for
     t0 = time.monotonic()
-    gone = poll(lambda: (s := cl.c.sandbox(orphan)).state == "deleted" and s, LEASE_S + 30, what="reaped")
+    gone = poll(lambda: s if (s := cl.c.sandbox(orphan)).state == "deleted" else None, LEASE_S + 30, what="reaped")
     print(f"orphan deleted {time.monotonic() - t0:.1f}s after it was placed (lease {LEASE_S:g}s)")
     assert [t.phase for t in gone.timeline if t.phase == "timeout"] == ["timeout"]
     poll(lambda: all(n.allocatable == n.total for n in cl.c.nodes()), 30, what="the device is back")

@@ -49,7 +49,12 @@ def test_sigkill_between_steps_then_restart_converges(tmp_path: Path, step: str)
             poll(lambda: all(s == "allocatable" for s in _states(p).values()))
             assert host.find_process("vmm:sb") is None
         else:
-            final = poll(lambda: (s := _states(p)) and all(s[d] == "quarantined" for d in devs) and s)
+
+            def quarantined() -> dict[str, str] | None:
+                s = _states(p)
+                return s if all(s[d] == "quarantined" for d in devs) else None
+
+            final = poll(quarantined)
             assert all(final[d] == "quarantined" for d in devs)
             reasons = {d.reason for d in c.devices() if d.id in devs}
             assert reasons == {"release.holder_stuck"}

@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 class _Master(ThreadingHTTPServer):
     beats: list[tuple[str, dict[str, Any]]]
-    auth: list[str]
+    auth: list[tuple[str, str, str, bytes]]  # path, authorization, body digest header, body
     up: bool
 
 
@@ -58,7 +58,7 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
     p = CubeletProcess(tmp_path, "2xh100,2xt4", "--master", url, "--listen", f"127.0.0.1:{port}", "--node", "n7")
     p.start()
     try:
-        path, body = poll(lambda: master.beats and master.beats[-1])
+        path, body = poll(lambda: master.beats[-1] if master.beats else None)
         assert path == "/v1/nodes/n7"
         assert body["cubelet_url"] == f"http://127.0.0.1:{port}"
         assert body["capacity"]["total"] == 4 and body["capacity"]["allocatable"] == 4

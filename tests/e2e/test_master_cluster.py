@@ -33,7 +33,7 @@ def holders(cl: Cluster) -> dict[str, str]:
 def test_gpu_shorthand_alone_places_on_a_node_that_has_it_and_the_cubelet_agrees(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1"})
     assert s.state == "running" and s.node in ("n1", "n2") and len(s.device_ids) == 1
-    assert s.template.name == "cuda12-h100"
+    assert s.template is not None and s.template.name == "cuda12-h100"
     assert [p.phase for p in s.timeline] == ["requested", "path", "scheduled", "reserved"]
     assert s.timeline[1].model_dump()["path"] == "cold"  # no warm pool in this cluster (docs/warm.md)
     assert holders(c) == {f"{s.node}/{s.device_ids[0]}": s.id}

@@ -12,6 +12,7 @@ import pytest
 from cubeaccel.cubelet.memory_ledger import VmmHost, locked
 from cubeaccel.host.pci.readiness import check_host
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.wire.master_api import NodeSummary
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, example, free_port
@@ -102,7 +103,9 @@ def test_64_gib_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_
         assert sum(d.state == "reserved" for d in p.client.devices()) == 1  # the refused ones touched nothing
         ledger = p.client.host().pinned_memory
         # The VMM's own locked memory on this host: its accelerator (TCG cache) and CPUs (preallocation pool).
-        charged = locked({"memory_mib": 64 * GIB, "vcpus": 1, "pin_memory": True}, VmmHost.here(vfio=True)).node_mib
+        charged = locked(
+            ReservationParams(memory_mib=64 * GIB, vcpus=1, pin_memory=True), VmmHost.here(vfio=True)
+        ).node_mib
         assert charged >= 64 * GIB + 400
         assert ledger.lockable_mib == 100 * GIB and ledger.sandboxes == {"api-0": charged}
         p.client.release("api-0")

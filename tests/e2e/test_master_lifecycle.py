@@ -56,11 +56,12 @@ def test_restart_reconcile_releases_reservations_master_does_not_know(c: Cluster
 
 def test_master_record_lost_when_the_cubelet_no_longer_holds_it(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1", "id": "gone-1"})
+    assert s.node is not None
     c.cubelets[s.node].client.release("gone-1")  # the node lost it behind CubeMaster's back
     report = c.c.node_verb(s.node, "reconcile")
     assert report.model_dump()["lost"] == ["gone-1"]
     got = c.c.sandbox("gone-1")
-    assert got.state == "lost" and got.error.code == "sandbox.lost"
+    assert got.state == "lost" and got.error is not None and got.error.code == "sandbox.lost"
     assert c.c.delete("gone-1").state == "deleted"
 
 
@@ -123,14 +124,15 @@ def test_templates_are_versioned_and_sandboxes_keep_their_frozen_version(c: Clus
     c.c.register_template(v2)
     try:
         s = c.c.create({"gpu": "H100:1"})
-        assert s.template.version == "2"
+        assert s.template is not None and s.template.version == "2"
         pinned = c.c.create({"gpu": "H100:1", "template": "cuda12-h100@1"})
-        assert pinned.template.version == "1"
+        assert pinned.template is not None and pinned.template.version == "1"
         shown = c.c.request("GET", "/v1/templates/cuda12-h100")
         assert shown["versions"] == ["1", "2"] and shown["default"] is True
     finally:
         c.c.request("DELETE", "/v1/templates/cuda12-h100@2")
-    assert c.c.sandbox(s.id).template.version == "2"  # the copy outlives the template
+    kept = c.c.sandbox(s.id).template
+    assert kept is not None and kept.version == "2"  # the copy outlives the template
 
 
 def test_create_is_idempotent_per_id_and_per_idempotency_key(c: Cluster) -> None:
@@ -149,6 +151,7 @@ def test_create_is_idempotent_per_id_and_per_idempotency_key(c: Cluster) -> None
 def test_a_lifetime_is_extended_then_expires_through_the_release_path(c: Cluster) -> None:
     s = c.c.create({"gpu": "H100:1", "timeout_s": 1.0})
     extended = c.c.set_timeout(s.id, 60)
+    assert extended.expires_at is not None and s.expires_at is not None
     assert extended.expires_at > s.expires_at + 50
     time.sleep(1.5)  # past the first deadline: nothing to poll for, the extension must hold
     assert c.c.sandbox(s.id).state == "running"
@@ -166,6 +169,7 @@ def test_delete_gives_devices_back_through_the_cubelet_and_timeouts_delete(c: Cl
     poll(lambda: c.c.sandbox(s.id).state == "deleted")
     phases = [p.phase for p in c.c.sandbox(s.id).timeline]
     assert phases[-2:] == ["timeout", "deleted"]
+    assert s.node is not None
     cub = c.cubelets[s.node].client
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
     s2 = c.c.create({"gpu": "H100:1"})

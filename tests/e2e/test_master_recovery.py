@@ -26,6 +26,7 @@ from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_builders import sandbox_row
 from tests.support.master_harness import free_port
 from tests.support.poll import poll
+from tests.support.stored_rows import stored_state
 
 NODE = "n1"
 AN_HOUR = 3600.0  # far older than any live create leaves its row untouched (2 x Cubelet request timeout)
@@ -99,7 +100,7 @@ def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
     claimed_row(master, "sb-run")
     devices = reserve(cub, "sb-run")  # the Cubelet did its part; the replica died before recording it
     Maintenance(master).tick()
-    assert master.store.sandbox("sb-run").state == "placing"  # type: ignore[index]  # young: may be live
+    assert stored_state(master.store, "sb-run") == "placing"  # young: may be live
     age(master, "sb-run", AN_HOUR)
     Maintenance(master).tick()
     row = master.store.sandbox("sb-run")
@@ -128,7 +129,7 @@ def test_abandoned_reservation_that_never_started_is_released_on_the_cubelet(
     reserve(cub, "sb-half", start=False)
     age(master, "sb-half", AN_HOUR)
     Maintenance(master).tick()
-    assert master.store.sandbox("sb-half").state == "failed"  # type: ignore[index]
+    assert stored_state(master.store, "sb-half") == "failed"
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 
@@ -154,8 +155,16 @@ class _RacingClient(CubeletClient):
         super().__init__(url=url, token=token)
         self.between: Callable[[], None] | None = between
 
-    def request(self, method: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        reply = super().request(method, path, json=json, params=params)
+    def request(
+        self,
+        method: str,
+        path: str,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Any:
+        reply = super().request(method, path, json=json, params=params, headers=headers, timeout=timeout)
         if (method, path) == ("GET", "/v1/reservations") and self.between is not None:
             between, self.between = self.between, None
             between()
@@ -183,7 +192,7 @@ def test_reconcile_does_not_lose_a_create_that_completes_while_it_reads_the_cube
     token = master.auth.current_node_token(NODE)
     master._clients[(url, token)] = _RacingClient(url, create_completes, token)
     report = reconcile_node(master, NODE)
-    assert report["lost"] == [] and master.store.sandbox("sb-race").state == "running"  # type: ignore[union-attr]
+    assert report["lost"] == [] and stored_state(master.store, "sb-race") == "running"
     assert reconcile_node(master, NODE)["released_orphans"] == []
     held = {r["sandbox_id"] for r in cub.client.request("GET", "/v1/reservations")["reservations"]}
     assert "sb-race" in held

@@ -70,14 +70,14 @@ def test_cubelet_dying_with_its_vm_is_failed_at_cubemaster_right_after_the_resta
     t0 = time.monotonic()
     node.start()
     final = poll(
-        lambda: (s := master.client.sandbox(sid)).state != "running" and s,
+        lambda: s if (s := master.client.sandbox(sid)).state != "running" else None,
         TRUTH_WITHIN_S,
         what="CubeMaster shows the dead sandbox",
     )
     took = time.monotonic() - t0
     print(f"restart to CubeMaster's truth: {took:.2f}s")
     assert final.state == "failed", final
-    assert final.error.code == "reconcile.vmm_gone"
+    assert final.error is not None and final.error.code == "reconcile.vmm_gone"
     assert final.error.node == NODE
     assert master.client.nodes()[0].state == "ready"  # never seen stale: the heartbeat said it
 
@@ -88,9 +88,11 @@ def test_a_sandbox_on_a_silent_node_is_shown_unknown_and_running_again_when_it_r
     master, node = quick_to_stale
     sid = master.client.create({"gpu": "H100:1"}, wait_s=20).id
     node.sigkill()
-    unknown = poll(lambda: (s := master.client.sandbox(sid)).state == "unknown" and s, 20, what="shown unknown")
+    unknown = poll(
+        lambda: s if (s := master.client.sandbox(sid)).state == "unknown" else None, 20, what="shown unknown"
+    )
     assert unknown.last_known_state == "running"
     assert [s.state for s in master.client.sandboxes() if s.id == sid] == ["unknown"]
     node.start()  # its VMM survived: the node's reconcile keeps it, and CubeMaster shows it running again
-    back = poll(lambda: (s := master.client.sandbox(sid)).state == "running" and s, 20, what="running again")
+    back = poll(lambda: s if (s := master.client.sandbox(sid)).state == "running" else None, 20, what="running again")
     assert back.last_known_state is None

@@ -12,6 +12,7 @@ import pytest
 
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
+from cubeaccel.wire.master_api import NodeVerbReply
 from cubeaccel.wire.templates import parse_template
 from cubeaccel.wire.warm import WarmDrainReply
 from tests.support.cubelet_process import CubeletProcess
@@ -35,6 +36,12 @@ def _warm_ids(p: CubeletProcess) -> set[str]:
     return {r["sandbox_id"] for r in _rows(p) if r["sandbox_id"].startswith("warm-")}
 
 
+def _warm(reply: NodeVerbReply) -> WarmDrainReply:
+    """The node's own drain reply, which CubeMaster passes on when it reached the Cubelet."""
+    assert isinstance(reply.warm, WarmDrainReply), reply.warm
+    return reply.warm
+
+
 def _teardown_reasons(p: CubeletProcess, sid: str) -> list[str | None]:
     events = p.client.events(0, 10000).events
     return [e.reason for e in events if e.sandbox_id == sid and e.kind == "teardown_started"]
@@ -53,7 +60,7 @@ def test_a_drain_tears_down_the_warm_sandboxes_first_and_stops_the_refill_and_un
 
     reply = c.c.node_verb("w1", "drain", "alice", "kernel update")
     assert reply.model_dump()["state"] == "draining"
-    assert reply.warm.draining is True and set(reply.warm.torn_down) == warm
+    assert _warm(reply).draining is True and set(_warm(reply).torn_down) == warm
     for sid in warm:
         assert _teardown_reasons(node, sid) == ["warm.drained"]
     poll(lambda: not _warm_ids(node), 60, what="the warm reservations closed (VMMs gone)")
@@ -100,7 +107,7 @@ def test_a_drain_outlives_a_cubelet_restart_and_so_does_the_undrain(c: Cluster) 
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 2})
     poll(lambda: _pool(node)["warm"] == 2, 60, what="two warm sandboxes")
     warm = _warm_ids(node)
-    assert set(c.c.node_verb("w1", "drain", "alice", "kernel update").warm.torn_down) == warm
+    assert set(_warm(c.c.node_verb("w1", "drain", "alice", "kernel update")).torn_down) == warm
     poll(lambda: not _warm_ids(node), 60, what="the warm sandboxes released")
 
     node.sigkill()  # a crash: nothing is written on the way out
@@ -113,7 +120,7 @@ def test_a_drain_outlives_a_cubelet_restart_and_so_does_the_undrain(c: Cluster) 
     assert miss.value.details["reason"] == "warm.drained"
     _holds(lambda: _pool(node)["starting"] == 0 and not _warm_ids(node), 3, "a drained node refilled")
 
-    assert c.c.node_verb("w1", "undrain", "alice").warm.draining is False
+    assert _warm(c.c.node_verb("w1", "undrain", "alice")).draining is False
     poll(lambda: _pool(node)["warm"] == 2, 60, what="the pool refilled after undrain")
     node.sigkill()
     node.start()
@@ -134,7 +141,7 @@ def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster
     shape = {"contract": freeze(parse_template(doc)).to_json(), "template": "cuda12-h100", "class": "gpu"}
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 1})
     poll(lambda: _pool(node)["warm"] == 1, 60, what="a warm sandbox")
-    assert c.c.node_verb("w1", "drain", "alice", "kernel update").warm.draining is True
+    assert _warm(c.c.node_verb("w1", "drain", "alice", "kernel update")).draining is True
     poll(lambda: not _warm_ids(node), 60, what="the warm sandbox released")
 
     node.client.request("POST", "/v1/warm/undrain")  # the Cubelet alone forgets the drain
@@ -144,7 +151,7 @@ def test_a_drain_the_cubelet_did_not_keep_is_sent_again_by_cubemaster(c: Cluster
     assert len(drains) == 2, drains  # the operator's, then CubeMaster's once (not one per maintenance tick)
 
     node.client.request("PUT", "/v1/warm/pools", {**shape, "memory_mib": 1024, "size": 0})  # no refill after
-    assert c.c.node_verb("w1", "undrain", "alice").warm.draining is False
+    assert _warm(c.c.node_verb("w1", "undrain", "alice")).draining is False
     for sid in _warm_ids(node):
         node.client.release(sid)
     poll(lambda: not _rows(node), 60)

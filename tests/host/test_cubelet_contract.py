@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
-from cubeaccel.model.contract import freeze
+from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reservation_params import parse_contract
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.templates import load_template
 from tests.support.cubelet_harness import Node
@@ -18,8 +19,8 @@ from tests.support.cubelet_harness import Node
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"
 
 
-def _h100_contract() -> dict[str, Any]:
-    return freeze(load_template(EXAMPLES / "cuda12-h100.yaml")).to_json()
+def _h100_contract() -> CompatibilityContract:
+    return freeze(load_template(EXAMPLES / "cuda12-h100.yaml"))
 
 
 def test_contract_matching_devices_are_reserved(tmp_path: Path) -> None:
@@ -43,10 +44,10 @@ def test_reservation_refused_by_check_device_leaves_devices_allocatable_and_no_r
 
 
 def test_tampered_contract_is_refused(node: Node) -> None:
-    c = _h100_contract()
+    c = _h100_contract().to_json()
     c["document"]["spec"]["memory"]["size_mib"] = 1024
-    with pytest.raises(CubeError) as err:
-        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=c))
+    with pytest.raises(CubeError) as err:  # as a peer's JSON is parsed (the body of POST /v1/reservations)
+        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=parse_contract(c)))
     assert err.value.code == "contract.digest_mismatch"
     assert node.cubelet.store.reservation("sb") is None
 
@@ -92,7 +93,7 @@ def test_an_inconsistent_frozen_contract_is_refused_even_with_a_valid_digest(nod
     t = load_template(EXAMPLES / "cuda12-h100.yaml")
     old_driver = replace(t, kernel_driver=KernelDriver("nvidia", "535.104.05"))  # too old for CUDA 12.4
     with pytest.raises(CubeError) as err:
-        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=freeze(old_driver).to_json()))
+        node.cubelet.reserve("sb", ReservationRequest(count=1, contract=freeze(old_driver)))
     assert err.value.status == 422 and err.value.layer in ("cuda_runtime", "userspace_driver", "kernel_driver")
     assert node.cubelet.store.reservation("sb") is None
 
@@ -108,7 +109,7 @@ def test_the_shim_is_told_the_contracts_pinned_image_by_digest(node: Node) -> No
     contract = _h100_contract()
     node.cubelet.reserve("sb", ReservationRequest(count=1, contract=contract))
     res = node.cubelet.start("sb")
-    pinned = contract["document"]["spec"]["guest"]["image"]["digest"]
+    pinned = contract.to_json()["document"]["spec"]["guest"]["image"]["digest"]
     assert res is not None and res.checkpoint.image_digest == pinned
     assert [r["image_digest"] for r in _shim_reports(node, "sb", "vm_started")] == [pinned]
 

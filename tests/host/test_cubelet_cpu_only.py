@@ -59,7 +59,7 @@ def test_a_cpu_only_sandbox_runs_and_is_released_without_any_device_moving(tmp_p
     "req",
     [
         cpu_only(count=1),  # a CPU-only contract takes no device
-        ReservationRequest(count=0, contract=freeze(template(EDU_FILE)).to_json()),  # a device contract needs one
+        ReservationRequest(count=0, contract=freeze(template(EDU_FILE))),  # a device contract needs one
         ReservationRequest(count=0),  # no contract: an ordinary reservation of 1.. devices
     ],
 )

@@ -303,15 +303,18 @@ def test_a_shim_still_starting_its_vmm_is_not_mistaken_for_a_dead_vm(node: Node)
     ],
 )
 def test_vmm_gone_needs_host_evidence_that_no_vmm_can_appear(
-    facts: dict[str, bool], shim: bool | None, vmm: bool | None, gone: bool | None
+    facts: dict[str, Any], shim: bool | None, vmm: bool | None, gone: bool | None
 ) -> None:
     from cubeaccel.cubelet.lifecycle import Cubelet
     from cubeaccel.cubelet.shim_driver import ShimStatus
     from cubeaccel.cubelet.store import Reservation
     from cubeaccel.model.checkpoint import ReservationCheckpoint
+    from cubeaccel.model.reservation_params import ReservationParams
     from cubeaccel.model.reservation_states import ReservationPhase
 
-    res = Reservation("sb", {}, [], ReservationPhase.RELEASING, 0.0, None, ReservationCheckpoint(**facts))
+    res = Reservation(
+        "sb", ReservationParams(), [], ReservationPhase.RELEASING, 0.0, None, ReservationCheckpoint(**facts)
+    )
     assert Cubelet.vmm_gone(res, ShimStatus(shim, vmm)) is gone
 
 
@@ -429,7 +432,7 @@ def test_a_shim_that_cannot_be_launched_fails_the_start_and_releases_the_devices
     def broken_start(spec: object) -> None:
         raise OSError(2, "No such file or directory: 'qemu-system-x86_64'")
 
-    node.shim.start = broken_start  # type: ignore[method-assign,assignment]
+    node.shim.start = broken_start  # type: ignore[method-assign]
     res = node.cubelet.reserve("sb", ReservationRequest(count=1))
     node.cubelet.start("sb")
     dev = res.device_ids[0]

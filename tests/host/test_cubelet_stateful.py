@@ -130,8 +130,8 @@ class CubeletMachine(RuleBasedStateMachine):
                     seen[dev] = r.sandbox_id
         for d in self.node.devices():
             if d.state in TENANT_STATES:
-                r = self.node.cubelet.store.reservation(d.sandbox_id or "")
-                assert r is not None and d.id in r.device_ids
+                held = self.node.cubelet.store.reservation(d.sandbox_id or "")
+                assert held is not None and d.id in held.device_ids
 
     @invariant()
     def held_devices_are_never_allocatable(self) -> None:

@@ -21,7 +21,7 @@ import pytest
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.release import CubeletConfig
 from cubeaccel.host.net import netpolicy
-from cubeaccel.model.contract import freeze
+from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import NetworkRequest
 from cubeaccel.model.sandbox_policy import NetworkPolicy
@@ -243,6 +243,7 @@ def test_the_cubelets_reconcile_pass_refuses_an_address_the_node_gains_later(
     subnet = routed["node"].rsplit(".", 1)[0]
     allow = {"network": {"mode": "allowlist", "egress": [f"{subnet}.0/24:8080"]}}
     res = node.cubelet.reserve(sid, ReservationRequest(contract=_tool_contract(allow)))
+    assert res.params.network is not None
     net = netpolicy.setup(sid, res.params.network, node="n1", uplink_netns=routed["uplink"])
     try:
         with node.cubelet.store.tx() as t:  # as the Cubelet's start path records it (the simulated shim builds none)
@@ -264,11 +265,11 @@ def test_the_cubelets_reconcile_pass_refuses_an_address_the_node_gains_later(
         netpolicy.teardown(sid, node="n1", uplink_netns=routed["uplink"])
 
 
-def _tool_contract(sandbox: dict[str, Any]) -> dict[str, Any]:
+def _tool_contract(sandbox: dict[str, Any]) -> CompatibilityContract:
     doc = copy.deepcopy(load_document(EXAMPLES / "cuda12-h100.yaml"))
     assert isinstance(doc, dict)
     doc["spec"]["sandbox"] = sandbox
-    return freeze(parse_template(doc)).to_json()
+    return freeze(parse_template(doc))
 
 
 def test_cubelet_refuses_mounts_the_operator_did_not_allowlist(tmp_path: Path) -> None:

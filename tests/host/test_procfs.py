@@ -54,7 +54,7 @@ def test_a_process_whose_fds_cannot_be_read_is_an_unknown_holder(
             raise PermissionError(13, "Permission denied", str(path))
         return real_scandir(path)
 
-    monkeypatch.setattr(procfs.os, "scandir", scandir)
+    monkeypatch.setattr(os, "scandir", scandir)
     found = procfs.find_holders(procfs.exact(["/dev/vfio/12"]), tmp_path)
     assert found == [
         Holder(500, "secretive", procfs.UNREADABLE, unknown=True),
@@ -68,18 +68,18 @@ def test_an_fd_that_cannot_be_resolved_is_an_unknown_holder_but_a_closed_one_is_
     _fake_proc(tmp_path, 600, "racy", {3: "/dev/null", 4: "/dev/null"})
     real_readlink = os.readlink
 
-    def readlink(path: Any) -> str:
+    def readlink(path: str | os.PathLike[str]) -> str:
         if str(path).endswith("/600/fd/3"):
             raise FileNotFoundError(2, "closed meanwhile", str(path))
         return real_readlink(path)
 
-    monkeypatch.setattr(procfs.os, "readlink", readlink)
+    monkeypatch.setattr(os, "readlink", readlink)
     assert procfs.find_holders(procfs.exact(["/dev/vfio/12"]), tmp_path) == []
 
     def denied(path: Any) -> str:
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(procfs.os, "readlink", denied)
+    monkeypatch.setattr(os, "readlink", denied)
     assert [h.unknown for h in procfs.find_holders(procfs.exact(["/dev/vfio/12"]), tmp_path)] == [True]
 
 

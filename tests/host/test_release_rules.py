@@ -25,13 +25,12 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.scrub import SimulatedScrubRunner
-from cubeaccel.cubelet.shim_driver import ShimSpec
 from cubeaccel.cubelet.store import Store
-from cubeaccel.host.pci import procfs
 from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.shim_spec import ShimSpec
 from tests.support.cubelet_harness import Clock
 from tests.support.fake_sysfs import Dev, FakeSysfs
 from tests.support.holder_proc import unreadable_pids
@@ -263,7 +262,7 @@ def test_an_unreadable_fd_dir_is_an_unknown_holder_quarantined_after_the_timeout
                 raise PermissionError(13, "Permission denied", str(path))
             return real_scandir(path)
 
-        monkeypatch.setattr(procfs.os, "scandir", scandir)
+        monkeypatch.setattr(os, "scandir", scandir)
         vfio.cubelet.release(vfio.sid)
         vfio.shims.kill(vfio.sid)
         vfio.cubelet.try_release(vfio.sid)
@@ -311,7 +310,6 @@ def test_a_group_node_handed_to_the_vmm_uid_is_taken_back_before_the_device_retu
 def test_a_group_node_that_cannot_be_taken_back_quarantines_the_device(
     vfio: VfioNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cubeaccel.host.vmm import confine
 
     group = vfio.fake.dev.resolve() / "vfio" / "7"
     vfio.running()
@@ -320,7 +318,7 @@ def test_a_group_node_that_cannot_be_taken_back_quarantines_the_device(
     def refuse(path: Any, uid: int, gid: int) -> None:
         raise PermissionError(1, "Operation not permitted", str(path))
 
-    monkeypatch.setattr(confine.os, "chown", refuse)
+    monkeypatch.setattr(os, "chown", refuse)  # as host/vmm/confine.py calls it
     vfio.cubelet.release(vfio.sid)
     vfio.shims.kill(vfio.sid)
     vfio.cubelet.try_release(vfio.sid)

@@ -8,6 +8,7 @@ argv, environment, working directory and log can be checked without racing its e
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -17,6 +18,7 @@ import sys
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,7 +37,7 @@ class HeldReports:
     when the test says so."""
 
     def __init__(self, path: Path) -> None:
-        self.bodies: queue.Queue[dict[str, object]] = queue.Queue()
+        self.bodies: queue.Queue[dict[str, Any]] = queue.Queue()
         self.release = threading.Event()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
@@ -140,8 +142,8 @@ def test_a_forked_shim_shows_the_spawned_argv_and_runs_with_the_callers_env_cwd_
         held.release.set()
         poll(lambda: gone(pid), 30, what="forked shim exited and reaped by its server")
         assert find_shim(sid, under=shims) is None
-        log = (tmp_path / "shim.log").read_text()
-        assert '"msg":"report"' not in log  # INFO lines, which the fork server's own environment would allow
+        logged = (tmp_path / "shim.log").read_text()
+        assert '"msg":"report"' not in logged  # INFO lines, which the fork server's own environment would allow
     finally:
         forks.close()
 
@@ -298,16 +300,14 @@ def test_a_lost_answer_never_gives_a_sandbox_two_shims(tmp_path: Path) -> None:
     silent = subprocess.Popen(
         [sys.executable, "-c", SILENT_SERVER, str(driver.dir / SOCKET_NAME), sid, str(spec)],
         stdout=subprocess.PIPE,
-        text=True,
     )
     stand_in = None
     try:
-        assert silent.stdout is not None and silent.stdout.readline() == "listening\n"
+        assert silent.stdout is not None and silent.stdout.readline() == b"listening\n"
         driver.forks._proc = silent  # the server this driver started, gone quiet
-        real_launch = driver.forks.launch
-        driver.forks.launch = lambda *a, **k: real_launch(*a, **k, reply_timeout_s=2.0)  # type: ignore[method-assign]
+        driver.forks.launch = functools.partial(driver.forks.launch, reply_timeout_s=2.0)  # type: ignore[method-assign]
         driver.start(ShimSpec.model_validate(refused_spec(sid, tmp_path / "reports.sock")))
-        assert driver.forks.unanswered and driver.forks.last_refusal.startswith("no reply")
+        assert driver.forks.unanswered and (driver.forks.last_refusal or "").startswith("no reply")
         assert silent.poll() is not None  # the quiet server was killed: nothing it forks later can run
         stand_in = find_shim(sid, under=driver.dir)
         assert stand_in is not None and sid not in driver._children  # found the forked one; spawned none

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -126,8 +127,12 @@ def test_restore_to_a_driver_without_an_id_table_binds_it_by_override(tmp_path: 
 def test_read_only_host_refuses_every_write_before_touching_files(fake: FakeSysfs) -> None:
     host = fake.host(read_only=True)
     before = (fake.devdir(GPU) / "driver_override").read_text()
-    for action in (lambda: host.bind(ADDR, "vfio-pci"), lambda: host.reset(ADDR),
-                   lambda: host.restore_driver(ADDR, "nvidia")):  # fmt: skip
+    actions: list[Callable[[], object]] = [
+        lambda: host.bind(ADDR, "vfio-pci"),
+        lambda: host.reset(ADDR),
+        lambda: host.restore_driver(ADDR, "nvidia"),
+    ]
+    for action in actions:
         with pytest.raises(HostError) as e:
             action()
         assert e.value.code == "host.read_only"

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from cubeaccel.backends.base import Problem
 from cubeaccel.backends.vfio import VfioBackend
-from cubeaccel.host.pci import procfs
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
@@ -56,8 +57,8 @@ def _device(backend: VfioBackend, address: str, state: DeviceState = DeviceState
     return _record(d, state)
 
 
-def _codes(problems: list[object]) -> list[str]:
-    return [p.code for p in problems]  # type: ignore[attr-defined]
+def _codes(problems: Sequence[Problem]) -> list[str]:
+    return [p.code for p in problems]
 
 
 def test_discovery_takes_gpus_by_class_not_their_audio_or_nvswitch(tmp_path: Path) -> None:
@@ -374,7 +375,7 @@ def test_an_exempt_unreadable_process_does_not_hide_the_open_count(
             raise PermissionError(13, "Permission denied", str(path))
         return real_scandir(path)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(procfs.os, "scandir", scandir)
+    monkeypatch.setattr(os, "scandir", scandir)
     host = fake.host()
     host.exempt_pids = frozenset({1})  # an unreadable pid 1 the operator declared harmless
     (h,) = host.holders(PciAddress.parse(GPU))

@@ -272,8 +272,8 @@ def _overlay_cpio(dest: Path, cubelet_from: Path | None, extra: dict[str, Path] 
             shutil.copy2(src, root / guest_path.lstrip("/"))
         shutil.copy2(GUEST_DIR / "init", root / "init")
         (root / "init").chmod(0o755)
-        with dest.open("wb") as f:
-            cpio.write_tree(root, f)
+        with dest.open("wb") as archive:
+            cpio.write_tree(root, archive)
 
 
 @dataclass(frozen=True)

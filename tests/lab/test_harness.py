@@ -4,6 +4,7 @@ runner, bounded waits, results parsed from the console even with kernel noise be
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -101,7 +102,7 @@ def test_a_scenario_that_raised_fails_with_its_traceback(tmp_path: Path) -> None
 def test_the_allowances_stretch_with_the_load_per_core_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     from tests.lab import harness
 
-    monkeypatch.setattr(harness.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     for load, scale in ((0.5, 1.0), (4.0, 2.0), (18.0, MAX_LOAD_SCALE)):
-        monkeypatch.setattr(harness.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
         assert harness.load_scale() == scale

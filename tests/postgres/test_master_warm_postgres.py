@@ -158,7 +158,7 @@ def test_a_replica_sigkilled_mid_claim_converges(
             assert [r["facts"]["shim_id"] for r in mine] == [w]
             poll(lambda: w not in advertised(b, "n")[0].sandboxes, 30)
         else:  # it never did: W is still warm, its claim row is freed, and it is handed out again
-            assert row.error.code == "sandbox.placement_abandoned" and not mine
+            assert row.error is not None and row.error.code == "sandbox.placement_abandoned" and not mine
             poll(lambda: w in advertised(b, "n")[0].sandboxes and advertised(b, "n")[0].claimable == 2, 30)
         # Either way: no warm sandbox in two sandboxes, and the rest stay claimable, once each.
         left = warm - set(claimed_warm_ids(node))

@@ -118,8 +118,8 @@ class FakeSysfs:
         (fake.proc / "cmdline").write_text(cmdline + "\n")
         (fake.proc / "cpuinfo").write_text("processor\t: 0\nflags\t\t: fpu vmx\n")
         (fake.proc / "modules").write_text("".join(f"{m} 16384 0 - Live 0x0\n" for m in modules))
-        for d in devices:
-            fake.add_device(d)
+        for dev in devices:
+            fake.add_device(dev)
         return fake
 
     def add_driver(self, name: str) -> None:

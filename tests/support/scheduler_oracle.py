@@ -10,7 +10,6 @@ from cubeaccel.master.scheduler import (
     Candidate,
     ChoiceOutcome,
     Context,
-    Group,
     _evaluate_cpu,
     _group_ok,
     _node_contract_ok,
@@ -18,7 +17,7 @@ from cubeaccel.master.scheduler import (
     explain,
     score,
 )
-from cubeaccel.master.view import NodeView
+from cubeaccel.master.view import Group, NodeView
 from cubeaccel.model.sandbox_states import NodeState
 
 

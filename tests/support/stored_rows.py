@@ -14,7 +14,7 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.store import MasterStore
 from cubeaccel.wire import master_api as W
 
-text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
+text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
 scalar = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False)
 choice = st.fixed_dictionaries(
     {"class": st.sampled_from(["gpu", "accelerator", "none"]), "count": st.integers(0, 8)},
@@ -115,3 +115,10 @@ def old_record(row: dict[str, Any], model: type[W.Sandbox] = W.Sandbox) -> W.San
 
 def reply_bytes(model: W.Sandbox) -> str:
     return model.model_dump_json(by_alias=True)
+
+
+def stored_state(store: MasterStore, sandbox_id: str) -> str:
+    """The state CubeMaster's store holds for a sandbox it must have."""
+    row = store.sandbox(sandbox_id)
+    assert row is not None, f"{sandbox_id} is not in the store"
+    return row.state

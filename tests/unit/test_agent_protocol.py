@@ -62,7 +62,7 @@ class Peer:
 
     def reply_to(self, request_id: object, timeout: float = 10.0) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """The reply with this id, and every other reply seen before it (error replies to garbage)."""
-        others = []
+        others: list[dict[str, Any]] = []
         while True:
             message = self.line(timeout)
             if message.get("id") == request_id and "event" not in message:
@@ -355,8 +355,6 @@ def test_cube_agent_serve_opens_a_port_by_device_path(tmp_path: Path) -> None:
 
 def test_port_mode_waits_across_host_eof_instead_of_exiting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A virtio-serial port reads EOF while the host is disconnected; the agent must still be there after."""
-    import cubeaccel.agent.serve as serve_mod
-
     real_read, eofs = os.read, [0]
     ours, theirs = socket.socketpair()
 
@@ -366,7 +364,7 @@ def test_port_mode_waits_across_host_eof_instead_of_exiting(monkeypatch: pytest.
             return b""
         return real_read(fd, n)
 
-    monkeypatch.setattr(serve_mod.os, "read", flaky_read)
+    monkeypatch.setattr(os, "read", flaky_read)
     agent = Agent()
     thread = threading.Thread(
         target=serve, args=(agent, theirs.fileno(), theirs.fileno(), ServeOptions(eof="wait")), daemon=True
@@ -389,8 +387,6 @@ def test_port_mode_waits_across_host_eof_instead_of_exiting(monkeypatch: pytest.
 def test_half_a_line_from_a_host_that_went_away_does_not_spoil_the_next_hosts_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import cubeaccel.agent.serve as serve_mod
-
     real_read, eof_next = os.read, [False]
     ours, theirs = socket.socketpair()
 
@@ -404,7 +400,7 @@ def test_half_a_line_from_a_host_that_went_away_does_not_spoil_the_next_hosts_re
         eof_next[0] = not data.endswith(b"\n")
         return data
 
-    monkeypatch.setattr(serve_mod.os, "read", read_then_eof)
+    monkeypatch.setattr(os, "read", read_then_eof)
     thread = threading.Thread(
         target=serve, args=(Agent(), theirs.fileno(), theirs.fileno(), ServeOptions(eof="wait")), daemon=True
     )

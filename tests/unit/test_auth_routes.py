@@ -113,7 +113,7 @@ def routes() -> list[tuple[str, str]]:
         app = create_app(CubeMaster(store))
         store.close()
     return sorted(
-        (m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods if r.path != "/openapi.json"
+        (m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods or () if r.path != "/openapi.json"
     )
 
 
@@ -129,8 +129,7 @@ class World:
         _, t1 = auth.create_key(TENANT, "t1")
         _, t2 = auth.create_key(TENANT, "t2")
         self.params = {**PARAMS, "key_id": auth.create_key(TENANT, "t1")[0]}
-        self.keys = {
-            "none": None,
+        self.keys: dict[str, str] = {  # and the caller "none", with no key
             "wrong_key": t1[:-4] + ("aaaa" if not t1.endswith("aaaa") else "bbbb"),  # t1's id, a wrong secret
             "tenant": t1,
             "other_tenant": t2,
@@ -142,7 +141,7 @@ class World:
         self.master.store.insert_sandbox(sandbox_row("sb-t1", now, tenant="t1", state="failed"))
 
     def call(self, caller: str, method: str, path: str) -> Any:
-        key = self.keys[caller]
+        key = None if caller == "none" else self.keys[caller]
         node = caller == "node"  # a node signs each request with its token (never sends it)
         headers = {"Authorization": f"Bearer {key}"} if key and not node else {}
         url = path.format(**self.params)

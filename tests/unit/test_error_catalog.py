@@ -136,6 +136,8 @@ def test_no_code_is_assembled_from_pieces() -> None:
     built: list[str] = []
     for path, tree in _modules():
         for n in ast.walk(tree):
+            if not isinstance(n, ast.expr):
+                continue
             head: object = None
             if isinstance(n, ast.JoinedStr) and n.values and isinstance(n.values[0], ast.Constant):
                 head = n.values[0].value

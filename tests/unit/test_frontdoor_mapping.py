@@ -7,6 +7,7 @@ import json
 import struct
 import urllib.parse
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -195,7 +196,7 @@ _NETWORK = st.fixed_dictionaries(
 
 @given(_NETWORK, st.sampled_from([None, True, False]))
 def test_every_e2b_network_option_is_either_a_narrowing_or_a_named_refusal(
-    network: dict[str, object], internet: bool | None
+    network: dict[str, Any], internet: bool | None
 ) -> None:
     from cubeaccel.model.error_catalog import CATALOG
     from cubeaccel.model.sandbox_policy import AddressNarrowing, NetworkPolicy, narrow_network
@@ -213,7 +214,7 @@ def test_every_e2b_network_option_is_either_a_narrowing_or_a_named_refusal(
         assert "network" not in body.model_fields_set  # the template's policy
         return
     narrowing = body.network
-    assert AddressNarrowing.asked(narrowing)
+    assert narrowing is not None and AddressNarrowing.asked(narrowing)
     parsed = AddressNarrowing.from_json(narrowing)  # what CubeMaster and the Cubelet read
     masked = {
         k: [ipaddress.IPv4Network(x, strict=False) for x in network.get(k) or []] for k in ("allowOut", "denyOut")

@@ -19,9 +19,20 @@ def guest(ts: list[int]) -> GuestMetrics:
 
 
 def node_devices() -> list[Device]:
-    ident = {"vendor_id": "1234", "device_id": "11e8", "subsystem_vendor_id": "0000", "subsystem_device_id": "0000"}
+    ident: dict[str, object] = {
+        "vendor_id": "1234",
+        "device_id": "11e8",
+        "subsystem_vendor_id": "0000",
+        "subsystem_device_id": "0000",
+    }
     ident |= {"class_code": "120000", "revision": "10", "serial": None, "bars": []}
-    common = {"address": "0000:00:03.0", "reason": None, "labels": {}, "class": "accelerator", "backend": "emulated"}
+    common: dict[str, object] = {
+        "address": "0000:00:03.0",
+        "reason": None,
+        "labels": {},
+        "class": "accelerator",
+        "backend": "emulated",
+    }
     common |= {"numa_node": 0, "iommu_group": None, "expected_driver": None, "identity": ident}
     common |= {"generation": 1, "updated_at": 0.0}
     return [

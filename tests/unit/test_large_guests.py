@@ -178,7 +178,7 @@ def test_a_cold_start_names_its_reason_and_the_timeline_keeps_only_the_latest_st
     assert cold_start_reason("template", policy_devices=True) == COLD_POLICY_DEVICES
     assert cold_start_reason("cold", policy_devices=False) == COLD_CONFIGURED
     restored = {"start": "template", "cold_reason": None}
-    cold = {"start": "cold", "cold_reason": COLD_NO_SNAPSHOT}
+    cold: dict[str, str | None] = {"start": "cold", "cold_reason": COLD_NO_SNAPSHOT}
     trail = [
         ("reservation_created", None, {}),
         ("shim_report", "vm_started", restored),

@@ -43,7 +43,7 @@ def test_a_heartbeat_landing_during_a_reload_frees_neither_a_held_device_nor_its
     after["sent_at"] = 1501.0
 
     read_views = store.node_views
-    landed = []
+    landed: list[object] = []
 
     def views_then_heartbeat(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[str]]:
         out = read_views(*args, **kwargs)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings, target
@@ -142,7 +144,7 @@ class End:
     pending: dict[int, bytearray] = field(default_factory=dict)  # what the app still wants to send
     unconsumed: dict[int, int] = field(default_factory=dict)
 
-    def handle(self, events: list[object]) -> None:
+    def handle(self, events: Sequence[object]) -> None:
         for ev in events:
             if isinstance(ev, StreamOpened):
                 self.opened.append(ev.stream_id)
@@ -200,7 +202,7 @@ op = st.one_of(
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 6), st.lists(op, min_size=5, max_size=60), st.lists(st.integers(0, 2000), max_size=5))
 def test_any_interleaving_of_streams_round_trips_within_the_windows(
-    first: int, ops: list[tuple], cuts: list[int]
+    first: int, ops: list[tuple[Any, ...]], cuts: list[int]
 ) -> None:
     host, guest = End(Session(client=True, config=SMALL)), End(Session(client=False, config=SMALL))
     sent: dict[int, bytearray] = {}  # (stream id) -> everything the *host* app wrote on it

@@ -18,7 +18,7 @@ def test_the_simulated_node_holds_exactly_the_guests_the_example_templates_pin()
     from cubeaccel.master.up import EXAMPLES
     from cubeaccel.wire.templates import load_template
 
-    base = load_template(EXAMPLES / "base.yaml")  # E2B's default, on the userland image
+    base = load_template(str(EXAMPLES / "base.yaml"))  # E2B's default, on the userland image
     assert (pinned_image(h100()), pinned_image(edu()), pinned_image(base)) == simulated_guest_images()
 
 

@@ -18,6 +18,7 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import cubelet_url
 from cubeaccel.model.errors import CubeError
 from tests.support.master_builders import EXAMPLE_IMAGES, Credentials, group, heartbeat, image, sandbox_row
+from tests.support.stored_rows import stored_state
 
 URL = "http://127.0.0.1:9"  # nothing listens there
 
@@ -224,16 +225,19 @@ def test_a_malformed_status_push_is_refused_and_changes_nothing(
     _starting(master)
     r = api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=body)
     assert r.status_code == 422 and r.json()["error"]["layer"] == "api"
-    assert master.store.sandbox("sb-push").state == "starting"  # type: ignore[index]
+    assert stored_state(master.store, "sb-push") == "starting"
 
 
 def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, master: CubeMaster) -> None:
     _starting(master)
-    failed = {"phase": "failed", "error": {"code": "compat.modules_img_module_failed", "layer": "modules_img"}}
+    failed: dict[str, Any] = {
+        "phase": "failed",
+        "error": {"code": "compat.modules_img_module_failed", "layer": "modules_img"},
+    }
     r = api.put("/v1/nodes/n2/sandboxes/sb-push/status", json=failed)
     assert (r.status_code, r.json()["error"]["code"]) == (409, "sandbox.not_on_node")
     assert api.put("/v1/nodes/n1/sandboxes/sb-nope/status", json=failed).status_code == 404
-    assert master.store.sandbox("sb-push").state == "starting"  # type: ignore[index]
+    assert stored_state(master.store, "sb-push") == "starting"
     assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=failed).json() == {"v": 1, "state": "failed"}
     row = master.store.sandbox("sb-push")
     assert (

@@ -196,6 +196,6 @@ def test_the_probe_deadline_outlasts_the_agents_own_step_timeouts() -> None:
 
     ctx = ProbeContext()
     assert probe_timeout_s(None) == 60.0
-    frozen = {"guest_probes": {"modules": ["nvidia", "nvidia_uvm"], "cuda": {"version": "12.4"}}}
+    frozen: dict[str, object] = {"guest_probes": {"modules": ["nvidia", "nvidia_uvm"], "cuda": {"version": "12.4"}}}
     assert probe_timeout_s(frozen) > 2 * ctx.modprobe_timeout_s + 2 * ctx.cuda_timeout_s
     assert probe_timeout_s({"probes": {"modules": ["a", "b", "c"]}}) > 3 * ctx.modprobe_timeout_s

@@ -14,6 +14,7 @@ from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.lifecycle_ops import UNSUPPORTED, refuse
+from cubeaccel.model.reservation_params import parse_contract
 from cubeaccel.wire.shim_spec import MAX_DEVICES, DeviceSpec, ShimSpec, load_spec, parse_spec
 from cubeaccel.wire.templates import load_template
 from tests.support.cubelet_harness import Node
@@ -166,7 +167,7 @@ def test_the_spec_cubelet_builds_round_trips_through_the_file_the_shim_reads(tmp
         memory_mib=512,
         vcpus=2,
         pin_memory=True,
-        contract=freeze(load_template(EXAMPLES / "edu-demo.yaml")),
+        contract=parse_contract(freeze(load_template(EXAMPLES / "edu-demo.yaml"))),
         start_id="abc-1",
         image_digest="sha256:" + "a" * 64,
         state_dir=Path("/run/sb-1"),

@@ -21,6 +21,7 @@ from cubeaccel.model.sandbox_states import SandboxActor as SA
 from cubeaccel.model.sandbox_states import SandboxEvent as SE
 from cubeaccel.wire.cubelet_api import Release
 from tests.support.master_builders import sandbox_row
+from tests.support.stored_rows import stored_state
 
 SECRET = "sk-live-0123456789abcdef"
 REQUEST = {"template": None, "accelerators": [{"alternatives": [{"class": "gpu", "count": 1}]}]}
@@ -132,18 +133,18 @@ def test_revoking_a_tenant_ends_its_sandboxes_and_their_tokens(stack: Stack) -> 
     drops them and their envd tokens with them); the admin can still see and delete them; another tenant's
     sandboxes are untouched."""
     node = Node()
-    stack.master.node_url = lambda name: "http://node"  # type: ignore[method-assign]
+    stack.master.node_url = lambda node: "http://node"  # type: ignore[method-assign]
     stack.master.client = lambda url: node  # type: ignore[assignment,method-assign,return-value]
     doomed = [running(stack, node, "t1", "a"), running(stack, node, "t1", "b")]
     kept = running(stack, node, "t2", "c")
     admin = {"Authorization": f"Bearer {stack.master.auth.create_key('admin')[1]}"}
     assert stack.api.delete("/v1/tenants/t1", headers=admin).status_code == 200
     for sid in doomed:
-        assert stack.master.store.sandbox(sid).state == "deleted"  # type: ignore[index]
+        assert stored_state(stack.master.store, sid) == "deleted"
         assert sid not in node.held  # the node released it: its envd token reaches nothing
         r = stack.api.delete(f"/v1/sandboxes/{sid}", headers=admin)
         assert (r.status_code, r.json()["state"]) == (202, "deleted")
-    assert stack.master.store.sandbox(kept).state == "running" and kept in node.held  # type: ignore[index]
+    assert stored_state(stack.master.store, kept) == "running" and kept in node.held
     # a create racing the revoke that lands after it is ended by the next maintenance pass
     late = tenant_sandbox_prefix("t1") + "late"
     stack.master.store.insert_sandbox(sandbox_row(late, time.time(), tenant="t1", state="running", node="n1"))
@@ -151,6 +152,6 @@ def test_revoking_a_tenant_ends_its_sandboxes_and_their_tokens(stack: Stack) -> 
     from cubeaccel.master.maintenance import Maintenance
 
     Maintenance(stack.master).tick()
-    assert stack.master.store.sandbox(late).state == "deleted" and late not in node.held  # type: ignore[index]
+    assert stored_state(stack.master.store, late) == "deleted" and late not in node.held
     r = stack.api.post("/v1/sandboxes", json={"gpu": "H100:1", "tenant": "t1"}, headers=admin)
     assert (r.status_code, r.json()["error"]["code"]) == (404, "tenant.not_found")  # nothing new for it either

@@ -86,7 +86,7 @@ def test_proto_json_field_access() -> None:
 
 
 def _body(wire: bytes, length: int | None, chunked: bool) -> Body:
-    return Body(io.BufferedReader(io.BytesIO(wire)), length, chunked, lambda: None)  # type: ignore[arg-type]
+    return Body(io.BufferedReader(io.BytesIO(wire)), length, chunked, lambda: None)
 
 
 def chunked_encoding(data: bytes, sizes: list[int]) -> bytes:

@@ -71,7 +71,7 @@ def test_setup_configures_a_cgroup_tree(tmp_path: Path, monkeypatch: pytest.Monk
     group.mkdir()
     for f in ("pids.max", "memory.max", "cpu.weight"):
         (group / f).write_text("max\n")
-    monkeypatch.setattr(limits.Path, "write_text", _recording_write_text(monkeypatch), raising=True)
+    monkeypatch.setattr(Path, "write_text", _recording_write_text(monkeypatch), raising=True)
     got = limits.setup(300, root=tmp_path)
     assert got.procs == str(group / "cgroup.procs")
     assert (group / "pids.max").read_text() == "300"

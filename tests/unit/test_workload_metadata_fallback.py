@@ -23,7 +23,7 @@ def no_user_xattrs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             raise OSError(errno.EOPNOTSUPP, "Operation not supported")
         real(target, name, value, *args)
 
-    monkeypatch.setattr(fs.os, "setxattr", setxattr)
+    monkeypatch.setattr(os, "setxattr", setxattr)
     yield
 
 

@@ -7,6 +7,7 @@ inspected: processes by the pids its Cubelet reports, networks by its sandboxes'
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import shutil
@@ -129,7 +130,7 @@ def test_kills_in_a_create_exec_loop_leave_nothing_behind(
         sids.append(sid)
         token = secrets.token_urlsafe(24)
         node.client.reserve(sid, 1, contract=contract, start=True, workload_token=token)
-        poll(lambda sid=sid: _seen(node, sid, "guest_checked"), 240, what=f"{sid} validated")
+        poll(functools.partial(_seen, node, sid, "guest_checked"), 240, what=f"{sid} validated")
         # While it runs, the leak check sees every kind of thing it looks for (else it could never fail).
         live = _leaks(node, tmp_path, [sid], uplink)
         assert {"vmms", "processes", "netns", "uplink_veths", "locked_mib", "run_dirs", "devices"} <= live.keys()
@@ -140,7 +141,7 @@ def test_kills_in_a_create_exec_loop_leave_nothing_behind(
         finally:
             wl.close()
         _kill(node, sid, what)
-        poll(lambda sid=sid: _seen(node, sid, "reservation_closed"), 180, what=f"{sid} closed after a {what} kill")
+        poll(functools.partial(_seen, node, sid, "reservation_closed"), 180, what=f"{sid} closed after a {what} kill")
 
     def clean() -> bool:
         found = _leaks(node, tmp_path, sids, uplink)

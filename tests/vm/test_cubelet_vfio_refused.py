@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.wire.cubelet_api import Event
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.fake_sysfs import Dev, FakeSysfs
 from tests.support.holder_proc import unreadable_pids
@@ -44,7 +45,10 @@ def test_vfio_hotplug_refused_by_qemu_is_attach_failed_and_released_safely(
     try:
         body = p.client.reserve("vf-1", 1, memory_mib=256, start=True)
         dev = body.devices[0].id
-        events = lambda: p.client.events(0, 10000).events  # noqa: E731
+
+        def events() -> list[Event]:
+            return p.client.events(0, 10000).events
+
         poll(lambda: any(e.event == "attach_failed" and e.kind == "shim_report" for e in events()), 120)
         poll(lambda: p.client.devices()[0].state == "allocatable", 60)
         failed = next(e for e in events() if e.event == "attach_failed" and e.kind == "shim_report")

@@ -37,7 +37,7 @@ def _device_bar2(run: ShimRun) -> dict[str, Any]:
     aux = QEMUMonitorProtocol(connect_path(run.state_dir / "qmp-aux.sock"))
     aux.connect()
     try:
-        buses = aux.cmd("query-pci")
+        buses: Any = aux.cmd("query-pci")  # QMP's JSON
     finally:
         aux.close()
     port = next(d for d in buses[0]["devices"] if d.get("qdev_id") == "rp1")

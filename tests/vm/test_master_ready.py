@@ -64,7 +64,8 @@ def test_a_guest_that_fails_validation_is_failed_at_cubemaster_with_its_layer_wi
     sid = sb.id
     poll(lambda: master.client.sandbox(sid).state == "failed", 120)
     row = master.client.sandbox(sid)
-    assert row.error.layer == "modules_img" and row.error.code.startswith("compat.modules_img")
+    assert row.error is not None
+    assert row.error.layer == "modules_img" and (row.error.code or "").startswith("compat.modules_img")
     report = next(
         e
         for e in cubelet.client.events(0, 10000).events

@@ -9,6 +9,7 @@ nothing the guest sends can leave. Everything is removed in teardown, by name an
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -75,8 +76,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory, guest_image: Manifest, uplin
         narrowed = {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}"]}
         sb_tool = master.client.create({"template": "edu-tool", "accelerators": acc, "network": narrowed})
         started.append(sb_tool.id)
+
+        def running(sid: str) -> bool:
+            return _running(master.client.sandbox(sid))
+
         for sb in (sb_closed, sb_tool):
-            poll(lambda sb=sb: _running(master.client.sandbox(sb.id)), 240, what=f"{sb.id} running")
+            poll(functools.partial(running, sb.id), 240, what=f"{sb.id} running")
         yield {
             "master": master,
             "cubelet": cubelet,

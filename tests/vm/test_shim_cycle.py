@@ -264,7 +264,7 @@ def test_two_devices_go_to_their_own_root_ports_and_both_detach(shim_factory: An
     run = shim_factory(start="template", devices=2).start()
 
     def both_attached() -> bool:
-        kinds = run.kinds()
+        kinds: list[str] = run.kinds()
         assert "shim_exiting" not in kinds, run.log_tail()  # fails the wait at once
         return kinds.count("device_attached") >= 2
 

@@ -112,7 +112,10 @@ def test_a_warm_sandbox_is_refused_until_claimed_then_runs_the_tenants_command_a
     # (allocatable) → the pool refills with a new warm sandbox.
     dev = body["devices"][0]["id"]
     node.client.release("tenant-1")
-    rows = lambda: node.client.request("GET", "/v1/reservations")["reservations"]  # noqa: E731
+
+    def rows() -> list[dict[str, Any]]:
+        return list(node.client.request("GET", "/v1/reservations")["reservations"])
+
     poll(lambda: all(r["sandbox_id"] != "tenant-1" for r in rows()), 120)  # closed: VMM proven gone
     assert node.vmm(warm_id) is None
 

@@ -28,13 +28,14 @@ from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationReque
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.scrub import SimulatedScrubRunner
-from cubeaccel.cubelet.shim_driver import NodeFacts, ShimSpec
+from cubeaccel.cubelet.shim_driver import NodeFacts
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.wire.shim_spec import ShimSpec
 
 K = ShimReportKind
 # The lab guest locks 1 GiB; a sandbox is charged its guest and the measured VMM overhead (model/pinned_memory.py:

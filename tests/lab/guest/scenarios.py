@@ -144,7 +144,7 @@ def prepare() -> dict[str, Any]:
 
 def device_files() -> dict[str, Any]:
     ensure_vfio(*ALL)
-    out = {}
+    out: dict[str, Any] = {}
     for a in ALL:
         files = host.device_files(a)
         out[str(a)] = {

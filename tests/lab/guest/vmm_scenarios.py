@@ -213,7 +213,7 @@ def vmm_group_not_viable() -> dict[str, Any]:
     ensure_vfio(MF0, MF1)
     host.bind(MF1, "uio_pci_generic")
     try:
-        out = {"validate": problems(backend.validate(record(MF0))), "vmm": refused_open(MF0)}
+        out: dict[str, Any] = {"validate": problems(backend.validate(record(MF0))), "vmm": refused_open(MF0)}
     finally:
         ensure_vfio(MF1)
     out["group"] = fn(MF0).iommu_group
