@@ -58,7 +58,7 @@ def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:
         pci_devices=pci,
         device_files=files,
         kernel_driver_version=driver,
-        libraries={name: lib.to_json() for name, lib in libs.items()},
+        libraries={name: lib.info() for name, lib in libs.items()},
         cuda=cuda,
         nvml=nvml,
         probes=tuple(results),
