@@ -177,9 +177,10 @@ class Agent:
         return self.hello()
 
     def _contract(self, contract: Json | None) -> Json:
-        if contract is None and self.contract is None:
+        found = contract if contract is not None else self.contract
+        if found is None:
             raise bad_contract("no contract in the request and none configured with --contract")
-        return contract if contract is not None else self.contract  # type: ignore[return-value]
+        return found
 
     def _m_probe(self, params: Json) -> ProbeReply:
         p = ProbeParams.from_json(params)

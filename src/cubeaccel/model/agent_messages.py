@@ -387,27 +387,31 @@ class ScrubParams:
     @classmethod
     def from_json(cls, data: Json) -> ScrubParams:
         """Only the fields of the method asked for are judged, with that method's message."""
-        method, out = data.get("method"), cls(data.get("method"), data.get("modules"))
+        method, modules = data.get("method"), data.get("modules")
         if method == "bar-memory":
             address, resource = _address(data.get("address")), data.get("resource", "resource2")
             if address is None or resource not in BAR_RESOURCES:
                 raise invalid_params("scrub bar-memory needs a PCI address and resource0..5")
-            return cls(method, out.modules, address=address, resource=resource)
+            return cls(method, modules, address=address, resource=resource)
         if method == "bar":
             address, layout = _address(data.get("address")), data.get("layout", "edu")
             if address is None or layout not in SCRUB_LAYOUTS:
                 raise invalid_params("scrub bar needs a PCI address and a known layout")
-            return cls(method, out.modules, address=address, layout=layout)
+            return cls(method, modules, address=address, layout=layout)
         if method == "cuda":
-            max_bytes, index, timeout = data.get("max_bytes"), data.get("device", 0), data.get("timeout_s", 600.0)
-            if max_bytes is not None and (not _is_int(max_bytes) or max_bytes < 1):
-                raise invalid_params("max_bytes must be a positive integer or null")
-            if not _is_int(index) or not 0 <= index < 64:
-                raise invalid_params("device must be a CUDA device index")
-            if not _is_number(timeout) or not timeout > 0:
-                raise invalid_params("timeout_s must be a positive number")
-            return cls(method, out.modules, max_bytes=max_bytes, device=index, timeout_s=float(timeout))
-        return out  # an unknown method is refused by the agent, after the modules
+            return cls._cuda(data, modules)
+        return cls(method, modules)  # an unknown method is refused by the agent, after the modules
+
+    @classmethod
+    def _cuda(cls, data: Json, modules: object) -> ScrubParams:
+        max_bytes, index, timeout = data.get("max_bytes"), data.get("device", 0), data.get("timeout_s", 600.0)
+        if max_bytes is not None and (not _is_int(max_bytes) or max_bytes < 1):
+            raise invalid_params("max_bytes must be a positive integer or null")
+        if not _is_int(index) or not 0 <= index < 64:
+            raise invalid_params("device must be a CUDA device index")
+        if not _is_number(timeout) or not timeout > 0:
+            raise invalid_params("timeout_s must be a positive number")
+        return cls("cuda", modules, max_bytes=max_bytes, device=index, timeout_s=float(timeout))
 
 
 # ---- wait_pci, pci_resources ---------------------------------------------------------------------------------
