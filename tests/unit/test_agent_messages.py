@@ -528,3 +528,11 @@ reports = st.builds(
 @given(report=reports)
 def test_a_guest_report_round_trips_through_its_json(report: GuestReport) -> None:
     assert GuestReport.from_json(json.loads(json.dumps(report.to_json()))) == report
+
+
+def test_load_modules_reads_no_probe_flag_and_no_contract_when_it_names_its_modules() -> None:
+    """Only `probe` has a `load_modules` flag; `load_modules` with its own list never looks at `contract`."""
+    assert M.LoadModulesParams.from_json({"modules": ["a"], "load_modules": "x", "contract": 5}).contract is None
+    with pytest.raises(CubeError) as bad:
+        M.LoadModulesParams.from_json({"contract": 5})
+    assert (bad.value.code, bad.value.message) == ("agent.invalid_contract", "contract must be a JSON object")

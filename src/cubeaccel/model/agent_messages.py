@@ -256,6 +256,16 @@ class ReadyEvent:
         return cls(HelloResult.from_json(_obj(data.get("result"))))
 
 
+def _contract(data: Json) -> Json | None:
+    """`contract` as sent (None: absent, the agent's default applies); an explicit null names none at all."""
+    contract = data.get("contract")
+    if "contract" in data and contract is None:
+        raise bad_contract("no contract in the request and none configured with --contract")
+    if contract is not None and not isinstance(contract, dict):
+        raise bad_contract("contract must be a JSON object")
+    return contract
+
+
 # ---- probe ---------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ProbeParams:
@@ -271,13 +281,8 @@ class ProbeParams:
 
     @classmethod
     def from_json(cls, data: Json) -> ProbeParams:
-        contract = data.get("contract")
-        if "contract" in data and contract is None:
-            raise bad_contract("no contract in the request and none configured with --contract")
-        if contract is not None and not isinstance(contract, dict):
-            raise bad_contract("contract must be a JSON object")
         flag = _flag(data, "load_modules", True) if "load_modules" in data else None
-        return cls(contract, flag)
+        return cls(_contract(data), flag)
 
 
 @dataclass(frozen=True)
@@ -336,7 +341,7 @@ class LoadModulesParams:
     @classmethod
     def from_json(cls, data: Json) -> LoadModulesParams:
         modules = data.get("modules")
-        return cls(modules, None if modules is not None else ProbeParams.from_json(data).contract)
+        return cls(modules, None if modules is not None else _contract(data))
 
 
 @dataclass(frozen=True)
