@@ -12,7 +12,7 @@ import yaml
 
 from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, PciAddress, device_id_for
 from cubeaccel.model.profiles import labels_for
-from cubeaccel.model.reports import GuestReport
+from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, NvmlInfo
 from cubeaccel.model.states import DeviceState
 from cubeaccel.model.template_spec import Template
 from cubeaccel.wire.templates import parse_template
@@ -87,6 +87,20 @@ def device(
     )
 
 
+def report_from(fields: dict[str, Any]) -> GuestReport:
+    """A report built in memory; its typed records (libraries, cuda, nvml) read from the guest's JSON shapes. Other
+    fields stay as given, malformed too: the judge (`guest_checks._sane`) must survive them."""
+    libs, cuda, nvml = fields.get("libraries", {}), fields.get("cuda"), fields.get("nvml")
+    if isinstance(libs, dict):
+        libs = {k: LibraryInfo.from_json(v) if isinstance(v, dict) else v for k, v in libs.items()}
+    typed = {
+        "libraries": libs,
+        "cuda": CudaInfo.from_json(cuda) if isinstance(cuda, dict) else cuda,
+        "nvml": NvmlInfo.from_json(nvml) if isinstance(nvml, dict) else nvml,
+    }
+    return GuestReport(**{**fields, **typed})
+
+
 def good_h100_report(**changes: Any) -> GuestReport:
     """What cube-agent reports from a healthy cuda12-h100 guest."""
     fields: dict[str, Any] = {
@@ -104,7 +118,7 @@ def good_h100_report(**changes: Any) -> GuestReport:
         "cuda": {"driver_version": 12020, "init_ok": True, "device_count": 1, "error": None},
     }
     fields.update(changes)
-    return GuestReport(**fields)
+    return report_from(fields)
 
 
 def good_edu_report(**changes: Any) -> GuestReport:
@@ -115,4 +129,4 @@ def good_edu_report(**changes: Any) -> GuestReport:
         "pci_devices": ({"address": "0000:01:00.0", "vendor_id": "0x1234", "device_id": "0x11e8", "class": "00ff00"},),
     }
     fields.update(changes)
-    return GuestReport(**fields)
+    return report_from(fields)

@@ -53,7 +53,7 @@ def by_name(report: GuestReport) -> dict[str, ProbeResult]:
 
 def test_libraries_load_from_lib_path_with_the_driver_version_of_their_file(ctx: ProbeContext, libdir: Path) -> None:
     report = build_report(parse_spec(CUDA_SPEC), ctx)
-    assert report.libraries["libcuda.so.1"] == {
+    assert report.libraries["libcuda.so.1"].to_json() == {
         "loaded": True,
         "path": str(libdir / f"libcuda.so.{DRIVER_VERSION}"),
         "version": DRIVER_VERSION,
@@ -69,8 +69,8 @@ def test_cuda_driver_api_answers_version_init_and_device_count(
     monkeypatch.setenv("FAKE_CUDA_VERSION", "12060")
     report = build_report(parse_spec(CUDA_SPEC), ctx)
     assert report.cuda is not None
-    assert report.cuda["driver_version"] == 12060 and report.cuda["driver_version_text"] == "12.6"
-    assert report.cuda["init_ok"] is True and report.cuda["device_count"] == 8
+    assert report.cuda.driver_version == 12060 and report.cuda.driver_version_text == "12.6"
+    assert report.cuda.init_ok is True and report.cuda.device_count == 8
     probes = by_name(report)
     assert probes["cuda:driver_version"].ok and probes["cuda:driver_version"].expected == ">= 12.4"
     assert probes["cuda:device_count"].found == "8"
@@ -92,8 +92,8 @@ def test_cuinit_failure_is_reported_with_the_cuda_error_name(
     report = build_report(parse_spec(CUDA_SPEC), ctx)
     p = by_name(report)["cuda:init"]
     assert (p.ok, p.layer, p.code) == (False, "cuda_runtime", "compat.cuda_init_failed")
-    assert report.cuda is not None and report.cuda["error"] == "cuInit: CUDA_ERROR_NO_DEVICE"
-    assert report.cuda["device_count"] is None and not by_name(report)["cuda:device_count"].ok
+    assert report.cuda is not None and report.cuda.error == "cuInit: CUDA_ERROR_NO_DEVICE"
+    assert report.cuda.device_count is None and not by_name(report)["cuda:device_count"].ok
 
 
 def test_zero_cuda_devices_is_a_failure(ctx: ProbeContext, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,8 +132,8 @@ def test_nvml_reports_count_name_memory_and_persistence(ctx: ProbeContext, monke
     monkeypatch.setenv("FAKE_NVML_COUNT", "2")
     report = build_report(parse_spec(CUDA_SPEC), ctx)
     assert report.nvml is not None
-    assert report.nvml["driver_version"] == DRIVER_VERSION and report.nvml["device_count"] == 2
-    assert report.nvml["devices"][1] == {
+    assert report.nvml.driver_version == DRIVER_VERSION and report.nvml.device_count == 2
+    assert report.nvml.devices[1].to_json() == {
         "index": 1,
         "name": "NVIDIA H100 80GB HBM3",
         "memory_total_bytes": 85520809984,
@@ -159,7 +159,7 @@ def test_persistence_mode_is_set_only_when_the_contract_asks_and_the_caller_allo
     report = build_report(asked, not_asked)
     assert state.read_text() == "1\n"
     assert by_name(report)["persistence_mode"].ok
-    assert report.nvml is not None and report.nvml["devices"][0]["persistence_set_result"] == 0
+    assert report.nvml is not None and report.nvml.devices[0].persistence_set_result == 0
 
 
 def test_nvml_init_failure_is_a_userspace_driver_failure(ctx: ProbeContext, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,7 +187,7 @@ def test_a_library_without_the_cuda_symbols_is_an_error_not_a_crash(ctx: ProbeCo
     if not target.exists():
         target.symlink_to(libdir / f"libnvidia-ml.so.{DRIVER_VERSION}")
     report = build_report(parse_spec({"cuda": {"version": "12.4"}}), other)
-    assert report.cuda is not None and "AttributeError" in report.cuda["error"]
+    assert report.cuda is not None and "AttributeError" in str(report.cuda.error)
     assert by_name(report)["cuda:init"].code == "compat.cuda_init_failed"
 
 

@@ -11,7 +11,8 @@ import pytest
 
 from cubeaccel.agent.hotplug import find_new, wait_pci
 from cubeaccel.agent.probes import ProbeContext
-from cubeaccel.agent.protocol import METHODS, Agent
+from cubeaccel.agent.protocol import Agent
+from cubeaccel.model.agent_messages import METHODS
 from tests.unit.test_agent_fakes import FakeGuest
 
 BOOT = ("0000:00:00.0", "0000:00:01.0")
@@ -26,7 +27,7 @@ def guest(tmp_path: Path) -> FakeGuest:
 def test_a_function_already_known_is_never_the_new_one(tmp_path: Path) -> None:
     ctx = ProbeContext(root=guest(tmp_path).root)
     assert find_new(ctx, "1234", "11e8", frozenset(BOOT)) is None
-    reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=0.2)
+    reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=0.2).to_json()
     assert reply["device"] is None and reply["waited_ms"] >= 200 and reply["uevents"] is False
 
 
@@ -36,7 +37,7 @@ def test_a_function_that_appears_while_waiting_is_answered_with_its_address(tmp_
     plug = threading.Timer(0.15, lambda: g.pci("0000:01:00.0", "1234", "11e8"))
     plug.start()
     try:
-        reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=10)
+        reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=10).to_json()
     finally:
         plug.join()
     assert reply["device"] == {"address": "0000:01:00.0", "vendor_id": "1234", "device_id": "11e8", "class": "00ff00"}
@@ -45,12 +46,12 @@ def test_a_function_that_appears_while_waiting_is_answered_with_its_address(tmp_
 
 def test_another_vendor_device_appearing_does_not_end_the_wait(tmp_path: Path) -> None:
     g = guest(tmp_path).pci("0000:02:00.0", "10de", "2330")
-    reply = wait_pci(ProbeContext(root=g.root), "1234", "11e8", frozenset(BOOT), timeout_s=0.1)
+    reply = wait_pci(ProbeContext(root=g.root), "1234", "11e8", frozenset(BOOT), timeout_s=0.1).to_json()
     assert reply["device"] is None
 
 
 def test_hello_names_the_functions_present_and_offers_wait_pci(tmp_path: Path) -> None:
-    hello = Agent(ctx=ProbeContext(root=guest(tmp_path).root)).hello()
+    hello = Agent(ctx=ProbeContext(root=guest(tmp_path).root)).hello().to_json()
     assert hello["pci_addresses"] == list(BOOT) and "wait_pci" in hello["methods"] and "wait_pci" in METHODS
 
 

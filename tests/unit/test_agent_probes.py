@@ -204,7 +204,7 @@ def test_probe_reply_of_a_frozen_contract_includes_check_guest_violations(tmp_pa
     )  # fmt: skip
     frozen = contract_mod.freeze(template).to_json()
     FakeGuest(tmp_path).pci("0000:01:00.0", "10de", "2330")
-    reply = probe_reply(frozen, parse_spec(frozen), ProbeContext(root=tmp_path))
+    reply = probe_reply(frozen, parse_spec(frozen), ProbeContext(root=tmp_path)).to_json()
     assert reply["contract_check"] == "applied"
     assert {(v["layer"], v["code"]) for v in reply["violations"]} == {
         ("kernel_driver", "compat.kernel_driver_not_loaded")

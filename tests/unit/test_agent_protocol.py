@@ -24,9 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cubeaccel.agent.probes import ProbeContext
-from cubeaccel.agent.protocol import METHODS, Agent, LineFramer
+from cubeaccel.agent.protocol import Agent, LineFramer
 from cubeaccel.agent.serve import ServeOptions, serve
 from cubeaccel.guest.virtio_port import resolve_port
+from cubeaccel.model.agent_messages import METHODS
 from cubeaccel.model.errors import CubeError
 from tests.support.poll import poll
 from tests.unit.test_agent_fakes import EDU, FakeGuest

@@ -13,6 +13,7 @@ from cubeaccel.model.contract import Layer, NodeSummary, check_device, check_gue
 from cubeaccel.model.device import AcceleratorClass
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, pinned_image
 from cubeaccel.model.profiles import labels_for
+from cubeaccel.model.reports import CudaInfo
 from cubeaccel.wire.templates import parse_template
 from tests.support.contract_builders import (
     EDU_FILE,
@@ -232,7 +233,7 @@ def test_a_driver_that_refused_its_device_is_one_kernel_driver_failure_in_the_ke
     violations = check_guest(freeze(h100()), report)
     assert pairs(violations) == [(Layer.KERNEL_DRIVER, "compat.kernel_driver_load_failed")]
     assert "No NVIDIA GPU found" in violations[0].found
-    too_old = replace(report, cuda={"driver_version": 11080, "init_ok": False})
+    too_old = replace(report, cuda=CudaInfo(driver_version=11080))
     assert pairs(check_guest(freeze(h100()), too_old))[-1] == (Layer.CUDA_RUNTIME, "compat.cuda_driver_api_too_old")
 
 

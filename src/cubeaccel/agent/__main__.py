@@ -24,6 +24,7 @@ from cubeaccel.agent.report import probe_reply
 from cubeaccel.agent.serve import ServeOptions, log, poweroff, serve
 from cubeaccel.agent.spec import parse_spec
 from cubeaccel.guest.virtio_port import open_port, resolve_port
+from cubeaccel.model.agent_messages import PCI_ADDRESS
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.errors import CubeError
 
@@ -106,7 +107,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _scrub(args: argparse.Namespace) -> int:
-    from cubeaccel.agent.protocol import PCI_ADDRESS
     from cubeaccel.agent.scrub import EDU_REGISTERS, MiB, scrub_bar, scrub_cuda
 
     if args.bar is not None:
@@ -152,7 +152,7 @@ def _probe(args: argparse.Namespace) -> int:
     contract = _load_contract(args.contract)
     spec = parse_spec(contract)
     ctx = _context(args, load_modules=args.load_modules, set_persistence=args.allow_set_persistence)
-    reply = probe_reply(contract, spec, ctx)
+    reply = probe_reply(contract, spec, ctx).to_json()
     print(json.dumps(reply, indent=2, default=str) if args.json else _table(reply))
     return 0 if reply["ok"] else 1
 

@@ -13,9 +13,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
+
+from cubeaccel.model.reports import CudaInfo, LibraryInfo, NvmlDevice, NvmlInfo
 
 T = TypeVar("T")
 
@@ -67,8 +69,8 @@ class LoadedLibrary:
     version: str | None = None
     error: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"loaded": self.handle is not None, "path": self.path, "version": self.version, "error": self.error}
+    def info(self) -> LibraryInfo:
+        return LibraryInfo(self.handle is not None, self.path, self.version, self.error)
 
 
 def _version_from_path(name: str, path: str | None) -> str | None:
@@ -134,10 +136,9 @@ def _cuda_error(lib: ctypes.CDLL, rc: int) -> str:
     return CUDA_ERRORS.get(rc, f"CUresult {rc}")
 
 
-def query_cuda(lib: ctypes.CDLL, initialize: bool = True) -> dict[str, Any]:
+def query_cuda(lib: ctypes.CDLL, initialize: bool = True) -> CudaInfo:
     """cuDriverGetVersion, cuInit(0), cuDeviceGetCount — the minimum that proves CUDA answers
     (`initialize=False`: the version only, which needs no device and no kernel driver)."""
-    out: dict[str, Any] = {"driver_version": None, "init_ok": False, "device_count": None, "error": None}
     get_version, init, get_count = lib.cuDriverGetVersion, lib.cuInit, lib.cuDeviceGetCount
     get_version.argtypes = [ctypes.POINTER(ctypes.c_int)]
     init.argtypes = [ctypes.c_uint]
@@ -147,28 +148,22 @@ def query_cuda(lib: ctypes.CDLL, initialize: bool = True) -> dict[str, Any]:
     raw = ctypes.c_int(0)
     rc = get_version(ctypes.byref(raw))
     if rc != 0:
-        out["error"] = f"cuDriverGetVersion: {_cuda_error(lib, rc)}"
-        return out
-    out["driver_version"] = raw.value  # 12040 = CUDA 12.4, as cuDriverGetVersion returns it
-    out["driver_version_text"] = f"{raw.value // 1000}.{(raw.value % 1000) // 10}"
+        return CudaInfo(error=f"cuDriverGetVersion: {_cuda_error(lib, rc)}")
+    # 12040 = CUDA 12.4, as cuDriverGetVersion returns it
+    out = CudaInfo(driver_version=raw.value, driver_version_text=f"{raw.value // 1000}.{(raw.value % 1000) // 10}")
     if not initialize:
-        out["error"] = "cuInit not called: the kernel driver did not load"
-        return out
+        return replace(out, error="cuInit not called: the kernel driver did not load")
     started = time.perf_counter()
     rc = init(0)
-    out["init_ms"] = round((time.perf_counter() - started) * 1000.0, 3)  # the probe's own timer only judges
-    out["init_result"] = rc
+    # the probe's own timer only judges
+    out = replace(out, init_ms=round((time.perf_counter() - started) * 1000.0, 3), init_result=rc)
     if rc != 0:
-        out["error"] = f"cuInit: {_cuda_error(lib, rc)}"
-        return out
-    out["init_ok"] = True
+        return replace(out, error=f"cuInit: {_cuda_error(lib, rc)}")
     count = ctypes.c_int(0)
     rc = get_count(ctypes.byref(count))
     if rc != 0:
-        out["error"] = f"cuDeviceGetCount: {_cuda_error(lib, rc)}"
-        return out
-    out["device_count"] = count.value
-    return out
+        return replace(out, init_ok=True, error=f"cuDeviceGetCount: {_cuda_error(lib, rc)}")
+    return replace(out, init_ok=True, device_count=count.value)
 
 
 class _Memory(ctypes.Structure):
@@ -182,55 +177,50 @@ def _nvml(lib: ctypes.CDLL, symbol: str, *argtypes: Any) -> Callable[..., int]:
     return fn  # type: ignore[no-any-return]
 
 
-def query_nvml(lib: ctypes.CDLL, set_persistence: bool) -> dict[str, Any]:
+def query_nvml(lib: ctypes.CDLL, set_persistence: bool) -> NvmlInfo:
     """Driver version, device count, name, memory and persistence mode; turns persistence on only if asked."""
-    out: dict[str, Any] = {"driver_version": None, "device_count": None, "devices": [], "error": None}
     rc = _nvml(lib, "nvmlInit_v2")()
     if rc != NVML_SUCCESS:
-        out["error"] = f"nvmlInit_v2 returned {rc}"
-        return out
+        return NvmlInfo(error=f"nvmlInit_v2 returned {rc}")
     try:
+        version = None
         buf = ctypes.create_string_buffer(96)
         if _nvml(lib, "nvmlSystemGetDriverVersion", ctypes.c_char_p, ctypes.c_uint)(buf, 96) == NVML_SUCCESS:
-            out["driver_version"] = buf.value.decode(errors="replace")
+            version = buf.value.decode(errors="replace")
         count = ctypes.c_uint(0)
         rc = _nvml(lib, "nvmlDeviceGetCount_v2", ctypes.POINTER(ctypes.c_uint))(ctypes.byref(count))
         if rc != NVML_SUCCESS:
-            out["error"] = f"nvmlDeviceGetCount_v2 returned {rc}"
-            return out
-        out["device_count"] = count.value
-        for index in range(min(count.value, 64)):
-            out["devices"].append(_nvml_device(lib, index, set_persistence))
+            return NvmlInfo(driver_version=version, error=f"nvmlDeviceGetCount_v2 returned {rc}")
+        devices = tuple(_nvml_device(lib, index, set_persistence) for index in range(min(count.value, 64)))
+        return NvmlInfo(driver_version=version, device_count=count.value, devices=devices)
     finally:
         _nvml(lib, "nvmlShutdown")()
-    return out
 
 
-def _nvml_device(lib: ctypes.CDLL, index: int, set_persistence: bool) -> dict[str, Any]:
-    dev: dict[str, Any] = {"index": index}
+def _nvml_device(lib: ctypes.CDLL, index: int, set_persistence: bool) -> NvmlDevice:
     handle = ctypes.c_void_p()
     rc = _nvml(lib, "nvmlDeviceGetHandleByIndex_v2", ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p))(
         index, ctypes.byref(handle)
     )
     if rc != NVML_SUCCESS:
-        dev["error"] = f"nvmlDeviceGetHandleByIndex_v2 returned {rc}"
-        return dev
+        return NvmlDevice(index, error=f"nvmlDeviceGetHandleByIndex_v2 returned {rc}")
+    dev = NvmlDevice(index)
     name = ctypes.create_string_buffer(96)
     if _nvml(lib, "nvmlDeviceGetName", ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint)(handle, name, 96) == 0:
-        dev["name"] = name.value.decode(errors="replace")
+        dev = replace(dev, name=name.value.decode(errors="replace"))
     memory = _Memory()
     if (
         _nvml(lib, "nvmlDeviceGetMemoryInfo", ctypes.c_void_p, ctypes.POINTER(_Memory))(handle, ctypes.byref(memory))
         == 0
     ):
-        dev["memory_total_bytes"] = memory.total
+        dev = replace(dev, memory_total_bytes=memory.total)
     get_mode = _nvml(lib, "nvmlDeviceGetPersistenceMode", ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
     mode = ctypes.c_int(-1)
     if get_mode(handle, ctypes.byref(mode)) == 0:
-        dev["persistence_mode"] = mode.value == 1
-    if set_persistence and dev.get("persistence_mode") is False:
+        dev = replace(dev, persistence_mode=mode.value == 1)
+    if set_persistence and dev.persistence_mode is False:
         rc = _nvml(lib, "nvmlDeviceSetPersistenceMode", ctypes.c_void_p, ctypes.c_int)(handle, 1)
-        dev["persistence_set_result"] = rc
+        dev = replace(dev, persistence_set_result=rc)
         if rc == NVML_SUCCESS and get_mode(handle, ctypes.byref(mode)) == 0:
-            dev["persistence_mode"] = mode.value == 1
+            dev = replace(dev, persistence_mode=mode.value == 1)
     return dev

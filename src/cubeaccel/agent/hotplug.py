@@ -13,9 +13,9 @@ import os
 import select
 import socket
 import time
-from typing import Any
 
 from cubeaccel.agent.probes import ProbeContext
+from cubeaccel.model.agent_messages import PciFunction, WaitPciResult
 
 RECHECK_S = 0.05
 NETLINK_KOBJECT_UEVENT = 15
@@ -30,7 +30,7 @@ def _read_id(path: str) -> str:
     return raw[2:] if raw.startswith("0x") else raw
 
 
-def find_new(ctx: ProbeContext, vendor: str, device: str, known: frozenset[str]) -> dict[str, str] | None:
+def find_new(ctx: ProbeContext, vendor: str, device: str, known: frozenset[str]) -> PciFunction | None:
     """The first function (by address) not in `known` with this vendor:device, or None."""
     base = ctx.path("/sys/bus/pci/devices")
     try:
@@ -42,7 +42,7 @@ def find_new(ctx: ProbeContext, vendor: str, device: str, known: frozenset[str])
             key: _read_id(str(base / name / file)) for key, file in (("vendor_id", "vendor"), ("device_id", "device"))
         }
         if found == {"vendor_id": vendor, "device_id": device}:
-            return {"address": name, **found, "class": _read_id(str(base / name / "class"))}
+            return PciFunction(name, vendor, device, _read_id(str(base / name / "class")))
     return None
 
 
@@ -75,9 +75,9 @@ def _uevents(ctx: ProbeContext) -> socket.socket | None:
     return s
 
 
-def wait_pci(ctx: ProbeContext, vendor: str, device: str, known: frozenset[str], timeout_s: float) -> dict[str, Any]:
-    """{"device": {...} | None, "waited_ms", "uevents"}: listening starts before the first look, so an add
-    that lands between the two is still seen (`uevents`: whether the netlink socket was there at all)."""
+def wait_pci(ctx: ProbeContext, vendor: str, device: str, known: frozenset[str], timeout_s: float) -> WaitPciResult:
+    """The function (or None), how long it took, and whether the netlink socket was there at all. Listening
+    starts before the first look, so an add that lands between the two is still seen."""
     t0 = time.monotonic()
     deadline = t0 + timeout_s
     events = _uevents(ctx)
@@ -96,4 +96,4 @@ def wait_pci(ctx: ProbeContext, vendor: str, device: str, known: frozenset[str],
     finally:
         if events is not None:
             events.close()
-    return {"device": found, "waited_ms": round((time.monotonic() - t0) * 1000, 1), "uevents": events is not None}
+    return WaitPciResult(found, round((time.monotonic() - t0) * 1000, 1), events is not None)

@@ -14,6 +14,7 @@ from cubeaccel.agent import probes
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.spec import ProbeSpec
 from cubeaccel.agent.userspace import Libraries, check_library, check_userspace_version, probe_cuda, probe_nvml
+from cubeaccel.model.agent_messages import ProbeReply
 from cubeaccel.model.agent_protocol import AGENT_VERSION
 from cubeaccel.model.reports import GuestReport, ProbeResult
 
@@ -58,7 +59,7 @@ def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:
         pci_devices=pci,
         device_files=files,
         kernel_driver_version=driver,
-        libraries={name: lib.to_json() for name, lib in libs.items()},
+        libraries={name: lib.info() for name, lib in libs.items()},
         cuda=cuda,
         nvml=nvml,
         probes=tuple(results),
@@ -89,17 +90,17 @@ def contract_violations(contract: dict[str, Any], report: GuestReport) -> tuple[
         return None, f"failed: {type(exc).__name__}: {exc}"[:500]
 
 
-def probe_reply(contract: dict[str, Any], spec: ProbeSpec, ctx: ProbeContext) -> dict[str, Any]:
+def probe_reply(contract: dict[str, Any], spec: ProbeSpec, ctx: ProbeContext) -> ProbeReply:
     """What the `probe` method returns and `cube-agent probe --json` prints."""
     report = build_report(spec, ctx)
     violations, status = contract_violations(contract, report)
     failed = [p for p in report.probes if not p.ok]
     layers = {p.layer for p in failed} | {str(v["layer"]) for v in violations or [] if v.get("layer")}
-    return {
-        "ok": not failed and not violations,
-        "failed": [p.name for p in failed],
-        "failed_layers": sorted(layers),
-        "report": report.to_json(),
-        "violations": violations or [],
-        "contract_check": status,
-    }
+    return ProbeReply(
+        ok=not failed and not violations,
+        failed=tuple(p.name for p in failed),
+        failed_layers=tuple(sorted(layers)),
+        report=report.to_json(),
+        violations=violations or [],
+        contract_check=status,
+    )

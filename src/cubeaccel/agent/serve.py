@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from cubeaccel.agent.protocol import DEFAULT_MAX_REQUEST_BYTES, Agent, LineFramer, encode, reply_error
-from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
+from cubeaccel.model.agent_messages import ReadyEvent
 from cubeaccel.model.errors import CubeError
 
 EOF_RETRY_S = 0.2  # poll interval while a virtio port's host side is away (EOF is always "readable")
@@ -69,7 +69,7 @@ def serve(agent: Agent, rfd: int, wfd: int, options: ServeOptions = ServeOptions
     partial_since: float | None = None
     while not agent.stopping:
         if announce:  # a virtio port blocks writes while the host is away: try briefly, retry after EOF
-            ready = encode({"v": PROTOCOL_VERSION, "event": "ready", "result": agent.hello()})
+            ready = encode(ReadyEvent(agent.hello()).to_json())
             announce = not write_all(wfd, ready, ANNOUNCE_TIMEOUT_S if options.eof == "wait" else WRITE_TIMEOUT_S)
             announce = announce and options.eof == "wait"
         timeout = None

@@ -19,16 +19,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.model.agent_messages import bad_contract
 
 _HEX16 = re.compile(r"(?:0x)?([0-9a-fA-F]{4})")
 _NAME = re.compile(r"[A-Za-z0-9_.+-]{1,128}")
 _VERSION = re.compile(r"[A-Za-z0-9_.+~-]{1,64}")
 _LAYERS = ("userspace_driver", "cuda_runtime", "kernel_driver", "modules_img")
-
-
-def bad_contract(message: str, **details: Any) -> CubeError:
-    return CubeError("agent.invalid_contract", message, layer="template", details=details, status=422)
 
 
 @dataclass(frozen=True)

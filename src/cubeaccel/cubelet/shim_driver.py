@@ -20,7 +20,7 @@ from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
-from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, ShimReport, ShimReportKind
 from cubeaccel.wire.shim_spec import ShimSpec
 from cubeaccel.wire.warm import ShimClaim, ShimClaimAck
 
@@ -48,9 +48,9 @@ def simulated_guest_report(spec: ShimSpec) -> GuestReport:
         return GuestReport(agent_version=1, kernel_release="simulated", pci_devices=pci)
     t = spec.contract.template
     modules = ([t.kernel_driver.module] if t.kernel_driver else []) + list(t.probes.modules)
-    libraries: dict[str, dict[str, Any]] = {n: {"loaded": True, "version": None} for n in t.probes.libraries}
+    libraries = {n: LibraryInfo(loaded=True) for n in t.probes.libraries}
     if t.userspace_driver:
-        libraries |= {n: {"loaded": True, "version": t.userspace_driver.version} for n in t.userspace_driver.libraries}
+        libraries |= {n: LibraryInfo(True, version=t.userspace_driver.version) for n in t.userspace_driver.libraries}
     need = min_driver_api(t)
     return GuestReport(
         agent_version=1,
@@ -60,7 +60,7 @@ def simulated_guest_report(spec: ShimSpec) -> GuestReport:
         device_files={p: True for p in t.probes.device_files},
         kernel_driver_version=t.kernel_driver.version if t.kernel_driver else None,
         libraries=libraries,
-        cuda=None if need is None else {"init_ok": True, "driver_version": need, "device_count": len(spec.devices)},
+        cuda=None if need is None else CudaInfo(driver_version=need, init_ok=True, device_count=len(spec.devices)),
     )
 
 

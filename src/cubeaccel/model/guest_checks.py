@@ -12,7 +12,7 @@ from typing import Any
 
 from cubeaccel.model.device import DeviceRecord, parse_hex_id
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestReport
+from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, NvmlInfo
 from cubeaccel.model.template_spec import Template
 from cubeaccel.model.versions import CudaVersion
 from cubeaccel.model.violations import ContractViolation, Layer
@@ -56,9 +56,9 @@ def _sane(r: GuestReport) -> GuestReport:
         pci_devices=tuple(d for d in seq(r.pci_devices) if isinstance(d, dict)),
         device_files={k: v is True for k, v in dict_of(r.device_files).items() if isinstance(k, str)},
         kernel_driver_version=r.kernel_driver_version if isinstance(r.kernel_driver_version, str) else None,
-        libraries={k: v for k, v in dict_of(r.libraries).items() if isinstance(k, str) and isinstance(v, dict)},
-        cuda=r.cuda if isinstance(r.cuda, dict) else None,
-        nvml=r.nvml if isinstance(r.nvml, dict) else None,
+        libraries={k: v for k, v in dict_of(r.libraries).items() if isinstance(k, str) and isinstance(v, LibraryInfo)},
+        cuda=r.cuda if isinstance(r.cuda, CudaInfo) else None,
+        nvml=r.nvml if isinstance(r.nvml, NvmlInfo) else None,
     )
 
 
@@ -169,9 +169,10 @@ def _kernel_driver(t: Template, r: GuestReport, _: DeviceRecord | None) -> Itera
 
 
 def _library(r: GuestReport, name: str) -> tuple[bool, str | None, str]:
-    info: dict[str, Any] = r.libraries.get(name) or {}
-    version = info.get("version")
-    return bool(info.get("loaded")), (None if version is None else str(version)), str(info.get("error") or "")
+    info = r.libraries.get(name)
+    if info is None:
+        return False, None, ""
+    return info.loaded, info.version, info.error or ""
 
 
 def _userspace(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[ContractViolation]:
@@ -217,26 +218,21 @@ def _cuda(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Contr
     if r.driver_refusal is not None:  # cuInit needs the kernel driver: only the driver API version is judged
         yield from _driver_api(t, c, need)
         return
-    if c.get("init_ok") is not True:
-        yield V(
-            L.CUDA_RUNTIME,
-            "compat.cuda_init_failed",
-            "cuInit(0) == CUDA_SUCCESS",
-            str(c.get("error") or "failed")[:200],
-        )
+    if c.init_ok is not True:
+        yield V(L.CUDA_RUNTIME, "compat.cuda_init_failed", "cuInit(0) == CUDA_SUCCESS", (c.error or "failed")[:200])
         return
     violations = list(_driver_api(t, c, need))
     yield from violations
     if any(v.code == "compat.cuda_driver_api_invalid" for v in violations):
         return
-    count = c.get("device_count")
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    count = c.device_count
+    if count is None or count < 1:
         yield V(L.CUDA_RUNTIME, "compat.cuda_no_device", "cuDeviceGetCount >= 1", repr(count)[:40])
 
 
-def _driver_api(t: Template, c: dict[str, Any], need: int) -> Iterator[ContractViolation]:
+def _driver_api(t: Template, c: CudaInfo, need: int) -> Iterator[ContractViolation]:
     """cuDriverGetVersion's answer against the CUDA version the workload was built for (needs no device)."""
-    raw = c.get("driver_version")
+    raw = c.driver_version
     try:
         api = CudaVersion.from_driver_api(raw)
     except CubeError:

@@ -56,6 +56,158 @@ class ProbeResult:
     duration_ms: float = 0.0
     detail: str = ""
 
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProbeResult:
+        """Strict: an unknown or missing field is a TypeError (the Cubelet calls the report malformed)."""
+        return cls(**data)
+
+
+def _opt_str(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _opt_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class LibraryInfo:
+    """One driver library as the guest's dynamic linker found it."""
+
+    loaded: bool
+    path: str | None = None
+    version: str | None = None  # from the file name (libcuda.so.550.54.15 → 550.54.15)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"loaded": self.loaded, "path": self.path, "version": self.version, "error": self.error}
+
+    @classmethod
+    def from_json(cls, data: object) -> LibraryInfo | None:
+        """Lenient (the guest wrote it): not an object reads as not reported, a field as its text."""
+        if not isinstance(data, dict):
+            return None
+        return cls(
+            bool(data.get("loaded")),
+            _opt_str(data.get("path")),
+            _opt_str(data.get("version")),
+            str(data["error"]) if data.get("error") else None,
+        )
+
+
+@dataclass(frozen=True)
+class CudaInfo:
+    """cuDriverGetVersion / cuInit / cuDeviceGetCount as the guest's libcuda answered. The last three fields
+    are there only once that step ran (None: absent from the JSON)."""
+
+    driver_version: int | str | None = None  # 12040 = CUDA 12.4 (the host also reads "12.4")
+    init_ok: bool = False
+    device_count: int | None = None
+    error: str | None = None
+    driver_version_text: str | None = None
+    init_ms: float | None = None
+    init_result: int | None = None  # cuInit's CUresult
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "driver_version": self.driver_version,
+            "init_ok": self.init_ok,
+            "device_count": self.device_count,
+            "error": self.error,
+        }
+        for key in ("driver_version_text", "init_ms", "init_result"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> CudaInfo | None:
+        """Lenient: a mistyped field reads as not reported, and its check fails on the host."""
+        if not isinstance(data, dict):
+            return None
+        ms = data.get("init_ms")
+        return cls(
+            driver_version=version if isinstance(version := data.get("driver_version"), int | str) else None,
+            init_ok=data.get("init_ok") is True,
+            device_count=_opt_int(data.get("device_count")),
+            error=str(data["error"]) if data.get("error") else None,
+            driver_version_text=data.get("driver_version_text")
+            if isinstance(data.get("driver_version_text"), str)
+            else None,
+            init_ms=float(ms) if isinstance(ms, int | float) and not isinstance(ms, bool) else None,
+            init_result=_opt_int(data.get("init_result")),
+        )
+
+
+@dataclass(frozen=True)
+class NvmlDevice:
+    """One device as NVML saw it; a field NVML did not answer is None and absent from the JSON."""
+
+    index: int
+    error: str | None = None
+    name: str | None = None
+    memory_total_bytes: int | None = None
+    persistence_mode: bool | None = None
+    persistence_set_result: int | None = None  # nvmlDeviceSetPersistenceMode's return, when it was called
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index}
+        for key in ("error", "name", "memory_total_bytes", "persistence_mode", "persistence_set_result"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    @classmethod
+    def from_json(cls, data: object) -> NvmlDevice | None:
+        if not isinstance(data, dict) or _opt_int(data.get("index")) is None:
+            return None
+        mode = data.get("persistence_mode")
+        return cls(
+            index=data["index"],
+            error=_opt_str(data.get("error")),
+            name=_opt_str(data.get("name")),
+            memory_total_bytes=_opt_int(data.get("memory_total_bytes")),
+            persistence_mode=mode if isinstance(mode, bool) else None,
+            persistence_set_result=_opt_int(data.get("persistence_set_result")),
+        )
+
+
+@dataclass(frozen=True)
+class NvmlInfo:
+    driver_version: str | None = None
+    device_count: int | None = None  # None: NVML did not answer
+    devices: tuple[NvmlDevice, ...] = ()
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "driver_version": self.driver_version,
+            "device_count": self.device_count,
+            "devices": [d.to_json() for d in self.devices],
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_json(cls, data: object) -> NvmlInfo | None:
+        if not isinstance(data, dict):
+            return None
+        devices = data.get("devices")
+        found = (NvmlDevice.from_json(d) for d in devices) if isinstance(devices, list) else ()
+        return cls(
+            driver_version=_opt_str(data.get("driver_version")),
+            device_count=_opt_int(data.get("device_count")),
+            devices=tuple(d for d in found if d is not None),
+            error=_opt_str(data.get("error")),
+        )
+
+
+def _items(value: object) -> list[tuple[object, object]]:
+    """A JSON object's entries; `dict(x)` of anything else used to be a TypeError (report malformed)."""
+    return list(dict(value).items())  # type: ignore[call-overload]
+
 
 @dataclass(frozen=True)
 class GuestReport:
@@ -74,13 +226,26 @@ class GuestReport:
     pci_devices: tuple[dict[str, str], ...] = ()  # {"address", "vendor_id", "device_id", "class"}
     device_files: dict[str, bool] = field(default_factory=dict)
     kernel_driver_version: str | None = None
-    libraries: dict[str, dict[str, Any]] = field(default_factory=dict)  # name → {loaded, version, error}
-    cuda: dict[str, Any] | None = None  # {driver_version, init_ok, device_count, error}
-    nvml: dict[str, Any] | None = None
+    libraries: dict[str, LibraryInfo] = field(default_factory=dict)
+    cuda: CudaInfo | None = None
+    nvml: NvmlInfo | None = None
     probes: tuple[ProbeResult, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {
+            "agent_version": self.agent_version,
+            "kernel_release": self.kernel_release,
+            "modules_loaded": list(self.modules_loaded),
+            "module_failures": dict(self.module_failures),
+            "driver_refusal": self.driver_refusal,
+            "pci_devices": [dict(d) for d in self.pci_devices],
+            "device_files": dict(self.device_files),
+            "kernel_driver_version": self.kernel_driver_version,
+            "libraries": {name: lib.to_json() for name, lib in self.libraries.items()},
+            "cuda": None if self.cuda is None else self.cuda.to_json(),
+            "nvml": None if self.nvml is None else self.nvml.to_json(),
+            "probes": [p.to_json() for p in self.probes],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GuestReport:
@@ -93,8 +258,12 @@ class GuestReport:
             pci_devices=tuple(dict(d) for d in data.get("pci_devices", ())),
             device_files=dict(data.get("device_files", {})),
             kernel_driver_version=data.get("kernel_driver_version"),
-            libraries=dict(data.get("libraries", {})),
-            cuda=data.get("cuda"),
-            nvml=data.get("nvml"),
-            probes=tuple(ProbeResult(**p) for p in data.get("probes", ())),
+            libraries={
+                name: lib
+                for name, raw in _items(data.get("libraries", {}))
+                if isinstance(name, str) and (lib := LibraryInfo.from_json(raw)) is not None
+            },
+            cuda=CudaInfo.from_json(data.get("cuda")),
+            nvml=NvmlInfo.from_json(data.get("nvml")),
+            probes=tuple(ProbeResult.from_json(p) for p in data.get("probes", ())),
         )

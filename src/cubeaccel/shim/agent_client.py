@@ -1,7 +1,9 @@
 """Host side of cube-agent's JSON-lines protocol over the VMM's virtio-serial socket.
 
-Own line buffer over `recv` with deadlines (a `makefile()` reader is unusable after a timeout). Unsolicited
-`event` lines (the agent's `ready` announcement) are remembered, not mistaken for replies.
+The messages are the agent's own records (model/agent_messages.py); a method's result is read leniently (the
+guest is untrusted: a mistyped field reads as absent, and the caller judges). Own line buffer over `recv` with
+deadlines (a `makefile()` reader is unusable after a timeout). Unsolicited `event` lines (the agent's `ready`
+announcement) are remembered, not mistaken for replies.
 """
 
 from __future__ import annotations
@@ -15,7 +17,24 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.host.service.unix_path import connect_path
-from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
+from cubeaccel.model.agent_messages import (
+    HelloResult,
+    Json,
+    PciFunction,
+    PciResourcesParams,
+    PciResourcesResult,
+    ProbeParams,
+    ProbeReply,
+    ReadyEvent,
+    Request,
+    ReseedParams,
+    ReseedResult,
+    ShutdownParams,
+    WaitPciParams,
+    WaitPciResult,
+    read_reply,
+)
+from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES
 from cubeaccel.model.error_catalog import CATALOG
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire import json_guard
@@ -33,7 +52,7 @@ class AgentClient:
         self._sock: socket.socket | None = None
         self._buf = bytearray()
         self._next_id = 1
-        self.ready_event: dict[str, Any] | None = None
+        self.ready_event: ReadyEvent | None = None
 
     def connect(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -56,7 +75,7 @@ class AgentClient:
             self._sock.close()
             self._sock = None
 
-    def _readline(self, deadline: float, cancel_fd: int | None = None) -> dict[str, Any] | None:
+    def _readline(self, deadline: float, cancel_fd: int | None = None) -> Json | None:
         """One reply line from an untrusted guest: bounded in size and time; anything unreadable is `{}`.
         A readable `cancel_fd` (the shim's stop pipe) ends the wait at once: teardown never waits on a probe."""
         assert self._sock is not None
@@ -85,13 +104,13 @@ class AgentClient:
             return {}
         return msg if isinstance(msg, dict) else {}
 
-    def _send(self, method: str, params: dict[str, Any], deadline: float) -> int:
+    def _send(self, method: str, params: Json, deadline: float) -> int:
         """A guest that stops reading must not hang the shim (teardown included): the send has what is left of
         the call's own bound, never more."""
         assert self._sock is not None
         rid = self._next_id
         self._next_id += 1
-        data = json.dumps({"v": PROTOCOL_VERSION, "id": rid, "method": method, "params": params}).encode() + b"\n"
+        data = json.dumps(Request(rid, method, params).to_json()).encode() + b"\n"
         left = deadline - time.monotonic()
         if left <= 0:
             raise agent_error("agent.timeout", f"no time left to send {method}", method=method)
@@ -109,9 +128,10 @@ class AgentClient:
         return rid
 
     def call(
-        self, method: str, params: dict[str, Any] | None = None, timeout_s: float = 10.0, cancel_fd: int | None = None
-    ) -> dict[str, Any]:
-        """One request, its reply's `result`; agent errors become CubeErrors with the agent's code and layer."""
+        self, method: str, params: Json | None = None, timeout_s: float = 10.0, cancel_fd: int | None = None
+    ) -> Json:
+        """One request, its reply's `result` object (read with the method's result type); agent errors become
+        CubeErrors with the agent's code and layer."""
         if self._sock is None:
             raise agent_error("agent.not_connected", "agent channel not connected")
         deadline = time.monotonic() + timeout_s
@@ -121,28 +141,25 @@ class AgentClient:
             if msg is None:
                 raise agent_error("agent.timeout", f"no reply to {method} within {timeout_s:.1f} s", method=method)
             if "event" in msg:
-                self.ready_event = msg
+                self.ready_event = ReadyEvent.from_json(msg)
                 continue
-            if msg.get("id") != rid:
+            said, answer = read_reply(msg)
+            if said != rid:
                 continue
-            if msg.get("ok") is True:
-                result = msg.get("result")
-                return result if isinstance(result, dict) else {}
-            err = msg.get("error")
-            if not isinstance(err, dict):
+            if isinstance(answer, dict):
+                return answer
+            if answer is None:
                 raise agent_error("agent.bad_reply", f"unreadable error reply to {method}", method=method)
-            said = str(err.get("code", "agent.error"))[:100]
-            code = said if said in GUEST_ERROR_CODES else "agent.error"  # never a host code from a guest
-            details = err.get("details")
+            code = answer.code if answer.code in GUEST_ERROR_CODES else "agent.error"  # never a host code from a guest
             raise agent_error(
                 code,
-                str(err.get("message", ""))[:1000],
+                answer.message,
                 layer=CATALOG[code].layer,
-                details=details if isinstance(details, dict) else None,
-                **({} if code == said else {"guest_code": said}),
+                details=answer.details,
+                **({} if code == answer.code else {"guest_code": answer.code}),
             )
 
-    def notify(self, method: str, params: dict[str, Any], timeout_s: float) -> None:
+    def notify(self, method: str, params: Json, timeout_s: float) -> None:
         """Send a request whose reply nobody waits for (teardown's `shutdown`: the guest may still be busy with
         a request the shim gave up on, and the teardown does not wait for it to finish)."""
         if self._sock is None:
@@ -151,7 +168,7 @@ class AgentClient:
 
     def wait_hello(
         self, timeout_s: float, retry_s: float = 2.0, cancelled: Callable[[], bool] = lambda: False
-    ) -> dict[str, Any]:
+    ) -> HelloResult:
         """Until the agent answers `hello` (it may still be booting; requests wait in the port until it reads)."""
         deadline = time.monotonic() + timeout_s
         while not cancelled():
@@ -159,15 +176,33 @@ class AgentClient:
             if left <= 0:
                 raise agent_error("agent.not_ready", f"cube-agent did not answer within {timeout_s:.0f} s")
             try:
-                return self.call("hello", timeout_s=min(retry_s, left))
+                return HelloResult.from_json(self.call("hello", timeout_s=min(retry_s, left)))
             except CubeError as e:
                 if e.code != "agent.timeout":
                     raise
         raise agent_error("agent.cancelled", "stopped while waiting for cube-agent", layer="cubelet")
 
-    def pci_devices(self, timeout_s: float = 10.0) -> list[dict[str, str]]:
+    def probe(self, params: ProbeParams, timeout_s: float, cancel_fd: int | None = None) -> ProbeReply:
+        return ProbeReply.from_json(self.call("probe", params.to_json(), timeout_s, cancel_fd))
+
+    def wait_pci(self, params: WaitPciParams, timeout_s: float, cancel_fd: int | None = None) -> WaitPciResult:
+        return WaitPciResult.from_json(self.call("wait_pci", params.to_json(), timeout_s, cancel_fd))
+
+    def pci_resources(self, address: str, timeout_s: float, cancel_fd: int | None = None) -> PciResourcesResult:
+        params = PciResourcesParams(address).to_json()
+        return PciResourcesResult.from_json(self.call("pci_resources", params, timeout_s, cancel_fd))
+
+    def reseed(self, seed: str, timeout_s: float, cancel_fd: int | None = None) -> ReseedResult:
+        return ReseedResult.from_json(self.call("reseed", ReseedParams(seed).to_json(), timeout_s, cancel_fd))
+
+    def scrub(self, params: Json, timeout_s: float, cancel_fd: int | None = None) -> Json:
+        """The registry's parameters for the method, sent unchanged; the result is judged as wire ScrubReport."""
+        return self.call("scrub", params, timeout_s, cancel_fd)
+
+    def shutdown(self, params: ShutdownParams, timeout_s: float) -> None:
+        """Asked, not awaited (`notify`)."""
+        self.notify("shutdown", params.to_json(), timeout_s)
+
+    def pci_devices(self, timeout_s: float = 10.0) -> list[PciFunction]:
         """The guest's PCI functions, via a probe with an empty contract (no modules loaded)."""
-        reply = self.call("probe", {"contract": {"probes": {}}, "load_modules": False}, timeout_s)
-        report = reply.get("report", {})
-        devices = report.get("pci_devices", []) if isinstance(report, dict) else []
-        return [d for d in devices if isinstance(d, dict)]
+        return self.probe(ProbeParams({"probes": {}}, load_modules=False), timeout_s).pci_devices()

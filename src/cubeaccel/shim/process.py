@@ -15,7 +15,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from types import FrameType
 
@@ -25,6 +24,7 @@ from cubeaccel.host.vmm import scratch
 from cubeaccel.host.vmm.hypervisor import host_cpus, numa_nodes
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.agent_messages import PciFunction, ProbeParams, ShutdownParams, WaitPciParams
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.bars import (
     human_bytes,
@@ -57,7 +57,6 @@ BAR_SETTLE_S = 3.0  # from the function's appearance to every BAR placed (ms in 
 AGENT_SHUTDOWN_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
 RESEED_TIMEOUT_S = 5.0  # one write and two ioctls in the guest
-RESEED_FACTS = ("mixed", "credited_bits", "crng_reseeded", "why_not")
 SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
 
 
@@ -273,14 +272,13 @@ class Shim:
         self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
         agent.connect(10.0)
         hello = agent.wait_hello(self.deadlines.guest_ready_s, cancelled=lambda: self._stop)
-        methods = hello.get("methods")
-        self._agent_methods = frozenset(str(m) for m in methods) if isinstance(methods, list) else frozenset()
+        self._agent_methods = frozenset(hello.methods or ())
         self._check_stop()
         t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
-        self.reporter.report(K.GUEST_READY, agent=hello)
-        addresses = hello.get("pci_addresses")
-        if "wait_pci" in (hello.get("methods") or ()) and isinstance(addresses, list) and len(addresses) <= 1024:
-            self._known = {str(a) for a in addresses}  # an older agent: probes before and after instead
+        self.reporter.report(K.GUEST_READY, agent=hello.to_json())
+        addresses = hello.pci_addresses
+        if "wait_pci" in self._agent_methods and addresses is not None and len(addresses) <= 1024:
+            self._known = set(addresses)  # an older agent: probes before and after instead
         for i, dev in enumerate(spec.devices):
             self._check_stop()
             self._attach(vmm, agent, i, dev)
@@ -313,9 +311,9 @@ class Shim:
         with self._agent_lock:
             if self.agent is None or self._stop:
                 return False
-            result = self.agent.call("reseed", {"seed": seed}, timeout_s=RESEED_TIMEOUT_S, cancel_fd=self._wake_r)
-        self._reseeded = {k: result.get(k) for k in RESEED_FACTS}  # what the guest says it did, for the report
-        return result.get("mixed") is True and result.get("crng_reseeded") is True
+            result = self.agent.reseed(seed, timeout_s=RESEED_TIMEOUT_S, cancel_fd=self._wake_r)
+        self._reseeded = result.facts()  # what the guest says it did, for the report
+        return result.reseeded
 
     def _claimed(self, claim: ShimClaim) -> None:
         self.reporter.report(K.WARM_CLAIMED, claimed_as=claim.sandbox_id, reseed=self._reseeded)
@@ -363,7 +361,7 @@ class Shim:
         qid = qdev_id(index)
         t0 = time.monotonic()
         waits = self._known is not None  # the agent waits in the guest: no probe before, no polling after
-        before = set(self._known) if self._known is not None else {str(d.get("address")) for d in agent.pci_devices()}
+        before = set(self._known) if self._known is not None else {d.address for d in agent.pci_devices()}
         try:
             properties = dict(dev.properties)
             if dev.memory_file is not None:
@@ -379,9 +377,7 @@ class Shim:
                 status=500,
             ) from e
         self.added[qid] = dev
-        seen: list[Mapping[str, object]] = (
-            self._wait_visible(agent, dev, before, t0 + VISIBLE_TIMEOUT_S) if waits else []
-        )
+        seen: list[PciFunction] = self._wait_visible(agent, dev, before, t0 + VISIBLE_TIMEOUT_S) if waits else []
         deadline = t0 + VISIBLE_TIMEOUT_S
         while not seen:
             seen = [d for d in agent.pci_devices() if self._is_new(d, dev, before)]
@@ -396,9 +392,9 @@ class Shim:
                     status=500,
                 )
             time.sleep(0.02)
+        address = seen[0].address
         if self._known is not None:
-            self._known.add(str(seen[0].get("address")))
-        address = str(seen[0].get("address"))
+            self._known.add(address)
         self.guest_addresses[dev.device_id] = address
         placed = self._confirm_bars(agent, dev, address, slot=index)
         self.reporter.report(
@@ -430,9 +426,7 @@ class Shim:
             )
         deadline = time.monotonic() + BAR_SETTLE_S
         while True:
-            reply = agent.call("pci_resources", {"address": address}, timeout_s=10.0, cancel_fd=self._wake_r)
-            resource = reply.get("resource")
-            text = resource if isinstance(resource, str) else None
+            text = agent.pci_resources(address, timeout_s=10.0, cancel_fd=self._wake_r).resource
             misses = unassigned_bars(dev.bars, text)
             if not misses:
                 lines = {line.index: line for line in parse_resource_lines(text)}
@@ -464,22 +458,20 @@ class Shim:
         )
 
     @staticmethod
-    def _is_new(d: Mapping[str, object], dev: DeviceSpec, before: set[str]) -> bool:
+    def _is_new(d: PciFunction, dev: DeviceSpec, before: set[str]) -> bool:
         """The guest says so, and it is untrusted: the host checks vendor:device and novelty itself."""
-        same = f"{d.get('vendor_id')}:{d.get('device_id')}".lower() == dev.vendor_device
-        return same and str(d.get("address")) not in before
+        return d.vendor_device == dev.vendor_device and d.address not in before
 
     def _wait_visible(
         self, agent: AgentClient, dev: DeviceSpec, before: set[str], deadline: float
-    ) -> list[Mapping[str, object]]:
+    ) -> list[PciFunction]:
         """One `wait_pci` the guest answers when the function appears ([] when it says it did not: the polling
         path then decides, until the same deadline)."""
         vendor, _, device = dev.vendor_device.partition(":")
         left = max(0.1, deadline - time.monotonic())
-        params = {"vendor_id": vendor, "device_id": device, "known": sorted(before), "timeout_s": round(left, 3)}
-        reply = agent.call("wait_pci", params, timeout_s=left + 5.0, cancel_fd=self._wake_r)
-        found = reply.get("device")
-        return [found] if isinstance(found, dict) and self._is_new(found, dev, before) else []
+        params = WaitPciParams(vendor, device, tuple(sorted(before)), round(left, 3))
+        found = agent.wait_pci(params, timeout_s=left + 5.0, cancel_fd=self._wake_r).device
+        return [found] if found is not None and self._is_new(found, dev, before) else []
 
     def _probe_contract(self) -> dict[str, object]:
         """The frozen contract, or the minimum the host knows: its devices' vendor:device (Cubelet also checks
@@ -493,29 +485,28 @@ class Shim:
         ids = tuple(d.device_id for d in self.spec.devices)
         contract = self._probe_contract()
         try:
-            reply = agent.call(
-                "probe", {"contract": contract}, timeout_s=probe_timeout_s(contract), cancel_fd=self._wake_r
-            )
+            reply = agent.probe(ProbeParams(contract), timeout_s=probe_timeout_s(contract), cancel_fd=self._wake_r)
         except CubeError as e:
             if e.code == "agent.cancelled":  # teardown was asked for: not a verdict on the guest
                 raise
             self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, reason=e.code, layer=e.layer, message=e.message)
             raise
-        if reply.get("ok"):
-            self.reporter.report(K.GUEST_VALIDATED, ids, report=reply.get("report"))
+        if reply.ok:
+            self.reporter.report(K.GUEST_VALIDATED, ids, report=reply.report)
             return
+        failed_layers = list(reply.failed_layers)
         self.reporter.report(
             K.GUEST_VALIDATION_FAILED,
             ids,
-            report=reply.get("report"),
-            violations=reply.get("violations"),
-            failed_layers=reply.get("failed_layers"),
+            report=reply.report,
+            violations=reply.violations,
+            failed_layers=failed_layers,
         )
         raise CubeError(
             "guest.validation_failed",
             "guest does not satisfy the contract",
             layer="guest_kernel",
-            details={"failed_layers": reply.get("failed_layers")},
+            details={"failed_layers": failed_layers},
         )
 
     def _scrub(self) -> tuple[int, str]:
@@ -530,7 +521,7 @@ class Shim:
             if self.spec.scrub != "cuda":  # a BAR method works on the device's function in the guest
                 params["address"] = self.guest_addresses[dev.device_id]
             try:
-                result = self.agent.call("scrub", params, timeout_s=SCRUB_TIMEOUT_S, cancel_fd=self._wake_r)
+                result = self.agent.scrub(params, timeout_s=SCRUB_TIMEOUT_S, cancel_fd=self._wake_r)
             except CubeError as e:
                 result = {"ok": False, "method": self.spec.scrub, "error": f"{e.code}: {e.message}"[:500]}
             try:
@@ -568,9 +559,8 @@ class Shim:
         with self._agent_lock:
             if alive and self.agent is not None:
                 with contextlib.suppress(Exception):  # the guest is untrusted: nothing it says stops the teardown
-                    self.agent.notify(
-                        "shutdown",
-                        {"poweroff": False},
+                    self.agent.shutdown(
+                        ShutdownParams(poweroff=False),
                         timeout_s=min(AGENT_SHUTDOWN_TIMEOUT_S, self.spec.detach_timeout_s),
                     )
             if self.agent is not None:

@@ -166,7 +166,7 @@ def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float
             "memory_mib": cfg.memory_mib,
             "vcpus": cfg.vcpus,
             "accel": vmm.accel,
-            "kernel_release": hello.get("kernel_release"),
+            "kernel_release": hello.kernel_release,
             "build_s": round(time.monotonic() - t0, 3),
             "state_bytes": state.stat().st_size,
         }
