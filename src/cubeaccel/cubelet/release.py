@@ -43,6 +43,7 @@ P, RE = ReservationPhase, ReservationEvent
 SCRUB_PENDING = "release.scrub_pending"  # a released device's reason while its scrub is owed or running
 USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
 StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
+HostEvent = tuple[str, str | None, dict[str, Any]]  # (event kind, reason, details)
 
 
 @dataclass(frozen=True)
@@ -240,71 +241,99 @@ class ReleasePath:
             res = self.store.reservation(sandbox_id)
             if res is None:
                 return
-            st = self.vmm_status(res)
             now = float(self.store.clock())
             overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
-            gone = self.vmm_gone(res, st)
-            # A shim that died mid-teardown will never stop its VMM: waiting for the timeout only holds the
-            # devices and the pinned memory. Its VMM is killed now; the release rules still need proof it is gone.
-            orphaned = st.shim_alive is False and st.vmm_alive is True
-            if not gone and (overdue or orphaned) and res.checkpoint.kill_at is None:
-                self.shim.kill(res.shim_id)
-                res.checkpoint.kill_at = now
-                with self.change() as t:
-                    cur = t.reservation(sandbox_id)
-                    if cur is not None and cur.checkpoint.kill_at is None:
-                        cur.checkpoint.kill_at = now
-                        t.update_reservation(cur)
-                st = self.vmm_status(res)
-                gone = self.vmm_gone(res, st)
-            kill_at = res.checkpoint.kill_at
-            give_up = overdue and (bool(gone) or (kill_at is not None and now - kill_at > self.config.kill_grace_s))
+            st, gone = self._vmm_evidence(res, now, overdue)
+            give_up = overdue and (bool(gone) or self._kill_grace_over(res, now))
             for device_id in res.device_ids:
-                with self.device_locks.hold(device_id):
-                    d = self.store.device(device_id)
-                    if d is None or d.sandbox_id != sandbox_id:
-                        continue
-                    if d.state is S.RELEASING:
-                        outcome = self._judge_release(d, res, st, give_up)
-                    elif d.state is S.RELEASED:
-                        outcome = ReleaseOutcome(revalidation=self.backend.validate(d))
-                    else:
-                        continue
-                    self._apply_outcome(d, sandbox_id, outcome)
-                    self.advance_scrub(device_id)
+                self._release_device(device_id, res, st, give_up)
             # The sandbox's own host state (network namespace, scratch disk): host work, outside the lock too.
             host_events = self._release_sandbox_host(res) if gone else []
-            closed = False
-            with self.change() as t:
-                cur = t.reservation(sandbox_id)
-                if cur is None:
-                    return
-                for kind, reason, details in host_events:
-                    t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
-                if any(kind == "network_teardown_failed" for kind, _, _ in host_events):
-                    return  # retried on the next pass: the reservation outlives its network until it is gone
-                remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
-                if not remaining and gone:
-                    t.delete_reservation(sandbox_id)
-                    t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
-                        "reservation_closed",
-                        Actor.CUBELET,
-                        sandbox_id=sandbox_id,
-                        details={"facts": cur.checkpoint.to_json()},
-                    )
-                    closed = True
-                if not closed and not remaining and give_up and not cur.checkpoint.vmm_survives:
-                    cur.checkpoint.vmm_survives = True
-                    t.event(
-                        "release_vmm_survives",
-                        Actor.CUBELET,
-                        sandbox_id=sandbox_id,
-                        reason="release.vmm_not_exited",
-                        details={"vmm_pid": st.vmm_pid},
-                    )
-                    t.update_reservation(cur)
-            if closed:
+            if self._close_reservation(sandbox_id, st, gone, give_up, host_events):
                 self.retire_runs()
+
+    def _vmm_evidence(self, res: Reservation, now: float, overdue: bool) -> tuple[ShimStatus, bool | None]:
+        """Rules 1 and 2: the VMM exited, and the shim is gone or sent its final report (`vmm_gone`).
+
+        A shim that died mid-teardown will never stop its VMM: waiting for the timeout only holds the devices
+        and the pinned memory. Its VMM is killed now, as is one past the release timeout; the rules still need
+        proof it is gone, so the status is read again after the kill."""
+        st = self.vmm_status(res)
+        gone = self.vmm_gone(res, st)
+        orphaned = st.shim_alive is False and st.vmm_alive is True
+        if gone or not (overdue or orphaned) or res.checkpoint.kill_at is not None:
+            return st, gone
+        self._kill_vmm(res, now)
+        st = self.vmm_status(res)
+        return st, self.vmm_gone(res, st)
+
+    def _kill_vmm(self, res: Reservation, now: float) -> None:
+        """Once per reservation: the kill time is durable, so a restart waits out the same grace."""
+        self.shim.kill(res.shim_id)
+        res.checkpoint.kill_at = now
+        with self.change() as t:
+            cur = t.reservation(res.sandbox_id)
+            if cur is not None and cur.checkpoint.kill_at is None:
+                cur.checkpoint.kill_at = now
+                t.update_reservation(cur)
+
+    def _kill_grace_over(self, res: Reservation, now: float) -> bool:
+        """A killed VMM gets `kill_grace_s` to be reaped before its devices' missing evidence is final."""
+        kill_at = res.checkpoint.kill_at
+        return kill_at is not None and now - kill_at > self.config.kill_grace_s
+
+    def _release_device(self, device_id: str, res: Reservation, st: ShimStatus, give_up: bool) -> None:
+        """Rules 3 and 4 for one device under its own lock: no holder, cleanup done (`_judge_release`); a
+        `released` one is only revalidated (or scrubbed first)."""
+        with self.device_locks.hold(device_id):
+            d = self.store.device(device_id)
+            if d is None or d.sandbox_id != res.sandbox_id:
+                return
+            if d.state is S.RELEASING:
+                outcome = self._judge_release(d, res, st, give_up)
+            elif d.state is S.RELEASED:
+                outcome = ReleaseOutcome(revalidation=self.backend.validate(d))
+            else:
+                return
+            self._apply_outcome(d, res.sandbox_id, outcome)
+            self.advance_scrub(device_id)
+
+    def _close_reservation(
+        self, sandbox_id: str, st: ShimStatus, gone: bool | None, give_up: bool, host_events: list[HostEvent]
+    ) -> bool:
+        """The reservation closes only once the VMM is proven gone, no device is still the tenant's and the
+        sandbox's network is torn down; True when it closed. Given up on with a VMM that will not go, it stays,
+        marked once, so the VMM is never forgotten nor its sandbox id reused while it runs."""
+        with self.change() as t:
+            cur = t.reservation(sandbox_id)
+            if cur is None:
+                return False
+            for kind, reason, details in host_events:
+                t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
+            if any(kind == "network_teardown_failed" for kind, _, _ in host_events):
+                return False  # retried on the next pass: the reservation outlives its network until it is gone
+            if any(d.state in TENANT_STATES for d in self._sandbox_devices(t, sandbox_id)):
+                return False
+            if gone:
+                t.delete_reservation(sandbox_id)
+                t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
+                    "reservation_closed",
+                    Actor.CUBELET,
+                    sandbox_id=sandbox_id,
+                    details={"facts": cur.checkpoint.to_json()},
+                )
+                return True
+            if give_up and not cur.checkpoint.vmm_survives:
+                cur.checkpoint.vmm_survives = True
+                t.event(
+                    "release_vmm_survives",
+                    Actor.CUBELET,
+                    sandbox_id=sandbox_id,
+                    reason="release.vmm_not_exited",
+                    details={"vmm_pid": st.vmm_pid},
+                )
+                t.update_reservation(cur)
+            return False
 
     def retire_runs(self) -> list[str]:
         """The files of runs that are over leave the live directory (kept for post-mortems by a bounded rule,
@@ -314,14 +343,14 @@ class ReleasePath:
         except OSError:
             return []
 
-    def _release_sandbox_host(self, res: Reservation) -> list[tuple[str, str | None, dict[str, Any]]]:
+    def _release_sandbox_host(self, res: Reservation) -> list[HostEvent]:
         """Once the VMM is proven gone: remove the sandbox's network namespace (TAP, veth, rules) and its scratch
         disk. Idempotent (run on every pass until the reservation closes); returns the events to record, one
         `network_teardown_failed` while the namespace could not be removed."""
         from cubeaccel.host.net import netpolicy  # host I/O of the release path only
 
         sid = res.sandbox_id
-        out: list[tuple[str, str | None, dict[str, Any]]] = []
+        out: list[HostEvent] = []
         if removed := self.shim.release_files(res.shim_id):
             out.append(("sandbox_files_removed", None, {"files": removed}))
         net = res.checkpoint.network
