@@ -60,6 +60,7 @@ from cubeaccel.model.sandbox_policy import (
 )
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.transport.telemetry import request_id
+from cubeaccel.wire.master_api import StatusBody
 from cubeaccel.wire.reports import DeviceAttached, GuestValidated, StartFailed, VmmConfined, VmStarted
 from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
@@ -563,7 +564,7 @@ class Cubelet(ReleasePath):
                 message=f"Cubelet's /proc check of the VMM: {'; '.join(unconfined)}"[:500],
             )
         elif ready and not warm:  # a warm sandbox is the node's: CubeMaster has no record of it
-            self.notify(sid, {"phase": "running"})
+            self.notify(sid, StatusBody(phase="running"))
         else:
             self._act_on_failure(res, report, violations)
 

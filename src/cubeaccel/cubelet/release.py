@@ -37,12 +37,13 @@ from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+from cubeaccel.wire.master_api import StatusBody
 
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
 SCRUB_PENDING = "release.scrub_pending"  # a released device's reason while its scrub is owed or running
 USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
-StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
+StatusSink = Callable[[str, StatusBody], None]  # (sandbox id, its status) → CubeMaster
 HostEvent = tuple[str, str | None, dict[str, Any]]  # (event kind, reason, details)
 
 
@@ -159,7 +160,7 @@ class ReleasePath:
         ids = set(res.device_ids) if res is not None else set()
         return [d for d in t.devices_of(sandbox_id) if d.id in ids]
 
-    def notify(self, sandbox_id: str, status: dict[str, Any]) -> None:
+    def notify(self, sandbox_id: str, status: StatusBody) -> None:
         """Tell CubeMaster at once (ready, or failed with code and layer); never blocks the lifecycle."""
         if self.status_sink is not None:
             self.status_sink(sandbox_id, status)
@@ -202,8 +203,9 @@ class ReleasePath:
                     t.transition(d, ev, Actor.CUBELET, reason=reason)
             stop = first and res.checkpoint.shim_started
         if failure is not None and not unclaimed:  # an unclaimed warm sandbox is the node's: nobody to tell
-            self.ended.record(sandbox_id, res.created_at, status_error(failure))  # each heartbeat repeats it
-            self.notify(sandbox_id, {"phase": "failed", "error": failure.to_json()})
+            error = status_error(failure)
+            self.ended.record(sandbox_id, res.created_at, error)  # each heartbeat repeats it
+            self.notify(sandbox_id, StatusBody(phase="failed", error=error))
         if stop:
             self.shim.stop(res.shim_id)
         self.try_release(sandbox_id)
