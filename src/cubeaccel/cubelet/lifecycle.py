@@ -601,19 +601,19 @@ class Cubelet(ReleasePath):
         return []
 
     def _on_vm_started(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
-        res.checkpoint.vmm_pid = VmStarted.model_validate(report.details).pid
+        res.checkpoint.vmm_pid = VmStarted.read(report.details).pid
         return []
 
     def _on_vmm_confined(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
         if not self._gated:
             return []
-        problems = self._confinement_problems(res.checkpoint, VmmConfined.model_validate(report.details))
+        problems = self._confinement_problems(res.checkpoint, VmmConfined.read(report.details))
         res.checkpoint.vmm_confined = not problems
         return problems
 
     def _on_device_attached(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
         named = set(report.device_ids)  # one report per device; none named means all
-        address = DeviceAttached.model_validate(report.details).guest_address
+        address = DeviceAttached.read(report.details).guest_address
         for d in self._sandbox_devices(t, res.sandbox_id):
             if d.state is S.PREPARING and (not named or d.id in named):
                 t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
@@ -636,7 +636,7 @@ class Cubelet(ReleasePath):
         history (the shim_report event), not release evidence."""
         sid, k = res.sandbox_id, report.kind
         if k is ShimReportKind.ATTACH_FAILED:
-            failed = StartFailed.model_validate(report.details)
+            failed = StartFailed.read(report.details)
             self.begin_teardown(
                 sid,
                 failed.reason or "attach_failed",
@@ -645,7 +645,7 @@ class Cubelet(ReleasePath):
                 message=failed.message or "",
             )
         elif k is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
-            reason, layer, message = _guest_failure(StartFailed.model_validate(report.details), violations)
+            reason, layer, message = _guest_failure(StartFailed.read(report.details), violations)
             self.begin_teardown(sid, reason, layer=layer, message=message)
         elif k is ShimReportKind.VMM_EXITED:
             self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
@@ -657,7 +657,7 @@ class Cubelet(ReleasePath):
         contract = res.params.get("contract")
         if report.kind not in (ShimReportKind.GUEST_VALIDATED, ShimReportKind.GUEST_VALIDATION_FAILED):
             return []
-        raw = GuestValidated.model_validate(report.details).report
+        raw = GuestValidated.read(report.details).report
         if report.kind is ShimReportKind.GUEST_VALIDATION_FAILED and raw is None:
             return []  # the agent could not even probe: the shim's own reason decides
         try:

@@ -33,7 +33,6 @@ from cubeaccel.model.bars import (
 )
 from cubeaccel.model.cold_start import COLD_NO_SNAPSHOT, cold_start_reason
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
@@ -47,6 +46,23 @@ from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.warm_control import WarmControl, unknowable_token, warm_up
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.transport.telemetry import configure_logging, set_request_id
+from cubeaccel.wire.reports import (
+    AttachFailed,
+    DetachTimeout,
+    DeviceAttached,
+    DeviceDetached,
+    GuestReady,
+    GuestValidated,
+    GuestValidationFailed,
+    MemoryPinned,
+    ScrubFinished,
+    ShimExiting,
+    VmmConfined,
+    VmmExited,
+    VmStarted,
+    WarmClaimed,
+    WorkloadReady,
+)
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 from cubeaccel.wire.warm import ShimClaim
@@ -147,31 +163,25 @@ class Shim:
             rc, reason = (0, "stop_requested") if stopped else (1, e.code)
             if rc:
                 self.reporter.report(
-                    K.ATTACH_FAILED,
+                    AttachFailed(reason=e.code, layer=e.layer, message=e.message, **e.details),
                     tuple(d.device_id for d in self.spec.devices),
-                    reason=e.code,
-                    layer=e.layer,
-                    message=e.message,
-                    **e.details,
                 )
         except Exception as e:  # a bug or a hostile guest's reply: still report, still tear down
             rc, reason = 1, "shim.internal_error"
             self.reporter.report(
-                K.ATTACH_FAILED,
+                AttachFailed(reason=reason, layer="cubelet", message=f"{type(e).__name__}: {e}"[:500]),
                 tuple(d.device_id for d in self.spec.devices),
-                reason=reason,
-                layer="cubelet",
-                message=f"{type(e).__name__}: {e}"[:500],
             )
         finally:
             exit_info = self._teardown()
             self.console.stop()
             self.reporter.report(
-                K.SHIM_EXITING,
-                reason=reason,
-                exit_code=rc,
-                timeline=self.timeline,
-                vmm_exit=exit_info.to_json() if exit_info else None,
+                ShimExiting(
+                    reason=reason,
+                    exit_code=rc,
+                    timeline=self.timeline,
+                    vmm_exit=exit_info.to_json() if exit_info else None,
+                )
             )
         return rc
 
@@ -250,25 +260,26 @@ class Shim:
             self.bridge.start(10.0)
         t = self._phase("vmm_start_s", t)
         self.reporter.report(
-            K.VM_STARTED,
-            pid=vmm.pid,
-            vmm=vmm.kind,
-            accel=vmm.accel,
-            accel_reason=vmm.accel_reason,
-            start="cold" if restore is None else "template",
-            cold_reason=cold_reason,
-            image_digest=manifest.image_digest,
-            kernel_release=manifest.kernel_release,
-            image_mismatches=mismatches,
-            uid=vmm.lease.uid if vmm.lease else None,
+            VmStarted(
+                pid=vmm.pid,
+                vmm=vmm.kind,
+                accel=vmm.accel,
+                accel_reason=vmm.accel_reason,
+                start="cold" if restore is None else "template",
+                cold_reason=cold_reason,
+                image_digest=manifest.image_digest,
+                kernel_release=manifest.kernel_release,
+                image_mismatches=mismatches,
+                uid=vmm.lease.uid if vmm.lease else None,
+            )
         )
         # Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own mounts).
-        self.reporter.report(K.VMM_CONFINED, **vmm.verify_confined())
+        self.reporter.report(VmmConfined(**vmm.verify_confined()))
         t = self._phase("confinement_proof_s", t)
         if spec.pin_memory:
             proof = self._prove_pinned(vmm)
             t = self._phase("pin_proof_s", t)
-            self.reporter.report(K.MEMORY_PINNED, **proof)
+            self.reporter.report(MemoryPinned(**proof))
         self._check_stop()
         self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
         agent.connect(10.0)
@@ -277,7 +288,7 @@ class Shim:
         self._agent_methods = frozenset(str(m) for m in methods) if isinstance(methods, list) else frozenset()
         self._check_stop()
         t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
-        self.reporter.report(K.GUEST_READY, agent=hello)
+        self.reporter.report(GuestReady(agent=hello))
         addresses = hello.get("pci_addresses")
         if "wait_pci" in (hello.get("methods") or ()) and isinstance(addresses, list) and len(addresses) <= 1024:
             self._known = {str(a) for a in addresses}  # an older agent: probes before and after instead
@@ -288,7 +299,7 @@ class Shim:
         if self.bridge is not None:  # before validation: a sandbox reported validated is one that can run work
             took = self.bridge.wait_healthy(spec.boot_timeout_s, cancelled=lambda: self._stop)
             t = self._phase("workload_up_s", t)
-            self.reporter.report(K.WORKLOAD_READY, health_ms=round(took * 1000, 1), socket="workload.sock")
+            self.reporter.report(WorkloadReady(health_ms=round(took * 1000, 1), socket="workload.sock"))
         if spec.warm and self.bridge is not None:
             if warm_token is not None:
                 warm_up(self.bridge, warm_token)  # a failure costs the first command its cold start, never the sandbox
@@ -318,7 +329,7 @@ class Shim:
         return result.get("mixed") is True and result.get("crng_reseeded") is True
 
     def _claimed(self, claim: ShimClaim) -> None:
-        self.reporter.report(K.WARM_CLAIMED, claimed_as=claim.sandbox_id, reseed=self._reseeded)
+        self.reporter.report(WarmClaimed(claimed_as=claim.sandbox_id, reseed=self._reseeded))
 
     def _manifest(self) -> Manifest:
         """The image named in the spec: an explicit manifest, else the cached image with `image_digest` (or, when
@@ -402,15 +413,16 @@ class Shim:
         self.guest_addresses[dev.device_id] = address
         placed = self._confirm_bars(agent, dev, address, slot=index)
         self.reporter.report(
-            K.DEVICE_ATTACHED,
+            DeviceAttached(
+                qdev_id=qid,
+                bus=att.bus,
+                guest_address=address,
+                vendor_device=dev.vendor_device,
+                bars=[b.to_json() for b in dev.bars],
+                guest_bars=placed,
+                hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
+            ),
             (dev.device_id,),
-            qdev_id=qid,
-            bus=att.bus,
-            guest_address=address,
-            vendor_device=dev.vendor_device,
-            bars=[b.to_json() for b in dev.bars],
-            guest_bars=placed,
-            hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
         )
 
     def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[dict[str, object]]:
@@ -499,17 +511,18 @@ class Shim:
         except CubeError as e:
             if e.code == "agent.cancelled":  # teardown was asked for: not a verdict on the guest
                 raise
-            self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, reason=e.code, layer=e.layer, message=e.message)
+            self.reporter.report(GuestValidationFailed(reason=e.code, layer=e.layer, message=e.message), ids)
             raise
         if reply.get("ok"):
-            self.reporter.report(K.GUEST_VALIDATED, ids, report=reply.get("report"))
+            self.reporter.report(GuestValidated(report=reply.get("report")), ids)
             return
         self.reporter.report(
-            K.GUEST_VALIDATION_FAILED,
+            GuestValidationFailed(
+                report=reply.get("report"),
+                violations=reply.get("violations"),
+                failed_layers=reply.get("failed_layers"),
+            ),
             ids,
-            report=reply.get("report"),
-            violations=reply.get("violations"),
-            failed_layers=reply.get("failed_layers"),
         )
         raise CubeError(
             "guest.validation_failed",
@@ -539,7 +552,7 @@ class Shim:
                 result, evidence = {"ok": False, "error": f"malformed scrub result: {e}"[:500]}, {}
             ok = ok and bool(result.get("ok"))
             self.reporter.report(
-                K.SCRUB_FINISHED, (dev.device_id,), result=result, evidence=evidence, image_digest=self.image_digest
+                ScrubFinished(result=result, evidence=evidence, image_digest=self.image_digest), (dev.device_id,)
             )
         self._phase("scrub_s", t)
         return (0, "scrubbed") if ok else (1, "release.scrub_failed")
@@ -583,7 +596,7 @@ class Shim:
         if info.how != "unreaped":  # the scratch disk goes with the VMM (the release path makes sure of it)
             scratch.remove_scratch(self.spec.run_dir)
         if info.how != "unreaped":  # never report an exit the kernel has not confirmed
-            self.reporter.report(K.VMM_EXITED, tuple(d.device_id for d in self.spec.devices), **info.to_json())
+            self.reporter.report(VmmExited(**info.to_json()), tuple(d.device_id for d in self.spec.devices))
         return info
 
     def _detach(self, vmm: QemuVmm) -> None:
@@ -595,19 +608,17 @@ class Shim:
                 requested.add(qid)
             except CubeError as e:
                 self.reporter.report(
-                    K.DETACH_TIMEOUT, (self.added[qid].device_id,), qdev_id=qid, reason=e.code, message=e.message
+                    DetachTimeout(qdev_id=qid, reason=e.code, message=e.message), (self.added[qid].device_id,)
                 )
         removed = vmm.wait_removed(requested, self.spec.detach_timeout_s)
         for qid in sorted(requested):
             dev = self.added[qid]
             if qid in removed:
                 self.reporter.report(
-                    K.DEVICE_DETACHED, (dev.device_id,), qdev_id=qid, detach_ms=round((time.monotonic() - t0) * 1000, 1)
+                    DeviceDetached(qdev_id=qid, detach_ms=round((time.monotonic() - t0) * 1000, 1)), (dev.device_id,)
                 )
             else:
-                self.reporter.report(
-                    K.DETACH_TIMEOUT, (dev.device_id,), qdev_id=qid, timeout_s=self.spec.detach_timeout_s
-                )
+                self.reporter.report(DetachTimeout(qdev_id=qid, timeout_s=self.spec.detach_timeout_s), (dev.device_id,))
 
 
 def read_workload_token() -> str | None:
