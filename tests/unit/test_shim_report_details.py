@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from cubeaccel.model.bars import Bar, BarKind
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.wire import reports as R
@@ -84,7 +85,7 @@ SENT: list[tuple[ShimReportKind, dict[str, Any]]] = [
             "bus": "rp0",
             "guest_address": "0000:01:00.0",
             "vendor_device": "10de:2330",
-            "bars": [{"index": 0, "size": 16777216, "prefetch": False}],
+            "bars": [{"index": 0, "size": 16777216, "kind": "mem64", "prefetch": True}],
             "guest_bars": [{"bar": "BAR0", "start": "0xfe000000", "size": 16777216}],
             "hotplug_ms": 81.3,
         },
@@ -161,6 +162,25 @@ def test_the_reporters_undelivered_line_is_byte_identical(
     assert line == _old_line(kind, details, at=json.loads(line)["at"]) + "\n"
 
 
+def test_the_shims_own_values_encode_as_their_json_did() -> None:
+    """The shim passes its BARs and its VMM's exit as they are; the keyword path passed their JSON."""
+    bars = (Bar(0, 1 << 24, BarKind.MEM64, True), Bar(2, 1 << 12, BarKind.MEM32))
+    placed = R.PlacedBar(bar="BAR0", start="0xfe000000", size=1 << 24)
+    new = R.DeviceAttached(qdev_id="accel0", bars=bars, guest_bars=[placed], hotplug_ms=1.0)
+    old = {
+        "qdev_id": "accel0",
+        "bars": [b.to_json() for b in bars],
+        "guest_bars": [placed.model_dump()],
+        "hotplug_ms": 1.0,
+    }
+    assert _new_line(new) == _old_line(K.DEVICE_ATTACHED, old)
+    exit_ = R.VmmExited(pid=7, status=0, exit_code=0, signal=None, how="quit")
+    old_exit = {"pid": 7, "status": 0, "exit_code": 0, "signal": None, "how": "quit"}
+    new_exiting = R.ShimExiting(reason="stop_requested", exit_code=0, timeline={}, vmm_exit=exit_)
+    old_exiting = {"reason": "stop_requested", "exit_code": 0, "timeline": {}, "vmm_exit": old_exit}
+    assert _new_line(new_exiting) == _old_line(K.SHIM_EXITING, old_exiting)
+
+
 def test_a_typo_or_a_wrong_type_is_refused_where_the_details_are_built() -> None:
     with pytest.raises(ValidationError):
         R.VmStarted(pdi=1)  # type: ignore[call-arg]
@@ -208,6 +228,14 @@ def _strategy(annotation: Any) -> st.SearchStrategy[Any]:
         return st.lists(_strategy(args[0]), max_size=3)
     if origin is dict:
         return st.dictionaries(st.text(max_size=6), _strategy(args[1]), max_size=3)
+    if origin is tuple:
+        return st.lists(_strategy(args[0]), max_size=3)
+    if annotation is Bar:  # as the shim sent them: each BAR's own JSON
+        kinds = st.sampled_from(BarKind)
+        sizes = st.integers(0, 48).map(lambda e: 1 << e)
+        return st.builds(Bar, st.integers(0, 5), sizes, kinds, st.booleans()).map(Bar.to_json)
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return _details(annotation)
     simple: dict[Any, st.SearchStrategy[Any]] = {
         type(None): st.none(),
         int: _INT64,
@@ -218,15 +246,16 @@ def _strategy(annotation: Any) -> st.SearchStrategy[Any]:
     return simple[annotation]
 
 
-def _details(model: type[ReportDetails]) -> st.SearchStrategy[dict[str, Any]]:
-    """Keyword arguments as a sending site passes them: any subset of the fields, in the model's order."""
+def _details(model: type[BaseModel]) -> st.SearchStrategy[dict[str, Any]]:
+    """Keyword arguments as a sending site passes them: any subset of the optional fields, in the model's order."""
     fields = {name: _strategy(f.annotation) for name, f in model.model_fields.items()}
     if model is R.VmStarted:
         fields["pid"] = st.none() | st.integers(1, (1 << 22) - 1)
 
     @st.composite
     def build(draw: st.DrawFn) -> dict[str, Any]:
-        return {name: draw(s) for name, s in fields.items() if draw(st.booleans())}
+        required = {n for n, f in model.model_fields.items() if f.is_required()}
+        return {name: draw(s) for name, s in fields.items() if name in required or draw(st.booleans())}
 
     return build()
 
@@ -240,10 +269,8 @@ def test_any_details_encode_as_before_and_read_back(model: type[ReportDetails], 
     assert line == _old_line(model.kind, details)
     got = parse_report(json.loads(line))
     assert (got.kind, got.details) == (model.kind, details)
-    read = model.read(got.details)
-    assert {n: getattr(read, n) for n in model.model_fields} == {
-        n: _as_read(model, n, details) for n in model.model_fields
-    }
+    read = model.read(got.details).model_dump(mode="json", exclude_unset=True)
+    assert read == {n: _as_read(model, n, details) for n in details if n in model.model_fields}
 
 
 def _as_read(model: type[ReportDetails], name: str, details: dict[str, Any]) -> Any:

@@ -55,6 +55,7 @@ from cubeaccel.wire.reports import (
     GuestValidated,
     GuestValidationFailed,
     MemoryPinned,
+    PlacedBar,
     ScrubFinished,
     ShimExiting,
     VmmConfined,
@@ -75,6 +76,10 @@ STOP_GRACE_S = 5.0
 RESEED_TIMEOUT_S = 5.0  # one write and two ioctls in the guest
 RESEED_FACTS = ("mixed", "credited_bits", "crng_reseeded", "why_not")
 SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
+
+
+def exit_details(info: ExitInfo) -> VmmExited:
+    return VmmExited(pid=info.pid, status=info.status, exit_code=info.exit_code, signal=info.signal, how=info.how)
 
 
 def qdev_id(index: int) -> str:
@@ -180,7 +185,7 @@ class Shim:
                     reason=reason,
                     exit_code=rc,
                     timeline=self.timeline,
-                    vmm_exit=exit_info.to_json() if exit_info else None,
+                    vmm_exit=exit_details(exit_info) if exit_info else None,
                 )
             )
         return rc
@@ -418,14 +423,14 @@ class Shim:
                 bus=att.bus,
                 guest_address=address,
                 vendor_device=dev.vendor_device,
-                bars=[b.to_json() for b in dev.bars],
+                bars=dev.bars,
                 guest_bars=placed,
                 hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
             ),
             (dev.device_id,),
         )
 
-    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[dict[str, object]]:
+    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[PlacedBar]:
         """Attached means usable: the guest placed every memory BAR at its size, read from its own `resource`.
 
         The kernel may still be placing them when the function appears, so the guest is asked again until
@@ -449,7 +454,7 @@ class Shim:
             if not misses:
                 lines = {line.index: line for line in parse_resource_lines(text)}
                 return [
-                    {"bar": f"BAR{b.index}", "start": f"0x{lines[b.index].start:x}", "size": lines[b.index].size}
+                    PlacedBar(bar=f"BAR{b.index}", start=f"0x{lines[b.index].start:x}", size=lines[b.index].size)
                     for b in dev.bars
                     if b.index in lines and lines[b.index].assigned
                 ]
@@ -596,7 +601,7 @@ class Shim:
         if info.how != "unreaped":  # the scratch disk goes with the VMM (the release path makes sure of it)
             scratch.remove_scratch(self.spec.run_dir)
         if info.how != "unreaped":  # never report an exit the kernel has not confirmed
-            self.reporter.report(VmmExited(**info.to_json()), tuple(d.device_id for d in self.spec.devices))
+            self.reporter.report(exit_details(info), tuple(d.device_id for d in self.spec.devices))
         return info
 
     def _detach(self, vmm: QemuVmm) -> None:

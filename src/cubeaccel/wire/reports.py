@@ -26,6 +26,7 @@ from pydantic import (
 from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.wire.base import Finite, LenientMessage
 from cubeaccel.wire.json_guard import INT64, check_value
+from cubeaccel.wire.shim_spec import Bars
 
 
 class ShimReportBody(LenientMessage):
@@ -172,14 +173,23 @@ class WorkloadReady(ReportDetails):
     socket: str | None = None
 
 
+class PlacedBar(BaseModel):
+    """A memory BAR where the guest placed it, read from its `resource`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    bar: str  # "BAR0"
+    start: str  # hex, "0x..."
+    size: int
+
+
 class DeviceAttached(ReportDetails):
     kind = ShimReportKind.DEVICE_ATTACHED
     qdev_id: str | None = None
     bus: str | None = None
     guest_address: str | None = None  # where the guest sees the device
     vendor_device: str | None = None
-    bars: list[dict[str, Any]] | None = None
-    guest_bars: list[dict[str, Any]] | None = None  # where the guest placed them
+    bars: Bars | None = None  # the device's memory BARs, as discovery recorded them
+    guest_bars: list[PlacedBar] | None = None
     hotplug_ms: float | None = None
 
 
@@ -239,7 +249,7 @@ class ShimExiting(ReportDetails):
     reason: str | None = None
     exit_code: int | None = None
     timeline: dict[str, float] | None = None
-    vmm_exit: dict[str, Any] | None = None  # `VmmExited`'s fields
+    vmm_exit: VmmExited | None = None
 
 
 class WarmClaimed(ReportDetails):
