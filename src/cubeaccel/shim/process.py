@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 from types import FrameType
 
 from cubeaccel.host.net import netpolicy
@@ -210,6 +211,43 @@ class Shim:
         return vm_config(self.spec, manifest, host_cpus(), numa_nodes())
 
     def _start(self) -> None:
+        """The start in its safety order: the image checked against the contract; the VMM started and reported;
+        its confinement and locked memory proven before anything reaches the guest; the guest's agent met; each
+        device hot-plugged and seen by the guest; the workload up; the guest validated."""
+        manifest, mismatches = self._checked_image()
+        cfg = self._policy_devices(self._vm_config(manifest))
+        vmm, restore, cold_reason, t = self._launch(cfg, manifest)
+        warm_token = self._open_bridge()
+        t = self._phase("vmm_start_s", t)
+        self.reporter.report(
+            VmStarted(
+                pid=vmm.pid,
+                vmm=vmm.kind,
+                accel=vmm.accel,
+                accel_reason=vmm.accel_reason,
+                start="cold" if restore is None else "template",
+                cold_reason=cold_reason,
+                image_digest=manifest.image_digest,
+                kernel_release=manifest.kernel_release,
+                image_mismatches=mismatches,
+                uid=vmm.lease.uid if vmm.lease else None,
+            )
+        )
+        t = self._prove_vmm(vmm, t)
+        self._check_stop()
+        agent, t = self._meet_agent("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
+        for i, dev in enumerate(self.spec.devices):
+            self._check_stop()
+            self._attach(vmm, agent, i, dev)
+        t = self._phase("hotplug_to_visible_s", t)
+        t = self._workload_up(warm_token, t)
+        # Every sandbox is validated in the guest, a CPU-only one too (its kernel, modules, libraries); without a
+        # contract, the minimal checks.
+        self._validate(agent)
+        self._phase("guest_validation_s", t)
+
+    def _checked_image(self) -> tuple[Manifest, list[dict[str, str]]]:
+        """The guest image to boot and how it differs from the contract (refused when the spec enforces it)."""
         spec = self.spec
         if not spec.hotplug and spec.devices:  # a CPU-only sandbox (no device) plugs nothing
             raise CubeError(
@@ -231,10 +269,14 @@ class Shim:
                 layer=first["layer"],
                 details={"mismatches": mismatches},
             )
-        cfg = self._policy_devices(self._vm_config(manifest))
+        return manifest, mismatches
+
+    def _launch(self, cfg: VmConfig, manifest: Manifest) -> tuple[QemuVmm, Path | None, str | None, float]:
+        """The VMM, restored from the machine's template state when there is one and the start may use it:
+        (the VMM, the state restored or None, why it booted cold, the time it was up)."""
         t = time.monotonic()
         restore = None
-        cold_reason: str | None = cold_start_reason(spec.start, spec.policy_devices)
+        cold_reason: str | None = cold_start_reason(self.spec.start, self.spec.policy_devices)
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
             if cold_reason is None:  # only looked up: a snapshot is never made on a tenant's start
                 restore = lease.enter_context(template_lease(cfg, manifest, cache_dir() / "templates"))
@@ -252,72 +294,68 @@ class Shim:
                 while self._policy_fds:  # the VMM holds its own copies now
                     os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
-        warm_token: str | None = None  # a warm sandbox's own token: the warm-up's, never kept past this start
-        if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
-            if spec.warm and not self.workload_token:  # refuses everything until a claim brings the tenant's
-                self.workload_token = warm_token = unknowable_token()
-            if not self.workload_token:
-                raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
-            self.bridge = WorkloadBridge(
-                spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
-            )
-            self.workload_token = None  # the bridge holds it (a warm one must not outlive its claim anywhere)
-            self.bridge.start(10.0)
-        t = self._phase("vmm_start_s", t)
-        self.reporter.report(
-            VmStarted(
-                pid=vmm.pid,
-                vmm=vmm.kind,
-                accel=vmm.accel,
-                accel_reason=vmm.accel_reason,
-                start="cold" if restore is None else "template",
-                cold_reason=cold_reason,
-                image_digest=manifest.image_digest,
-                kernel_release=manifest.kernel_release,
-                image_mismatches=mismatches,
-                uid=vmm.lease.uid if vmm.lease else None,
-            )
+        return vmm, restore, cold_reason, t
+
+    def _open_bridge(self) -> str | None:
+        """The workload bridge, connected now: the preamble waits in the port until the guest service reads it.
+        Returns a warm sandbox's own token (the warm-up's, never kept past this start)."""
+        spec = self.spec
+        if not spec.workload:
+            return None
+        warm_token: str | None = None
+        if spec.warm and not self.workload_token:  # refuses everything until a claim brings the tenant's
+            self.workload_token = warm_token = unknowable_token()
+        if not self.workload_token:
+            raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
+        self.bridge = WorkloadBridge(
+            spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
         )
-        # Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own mounts).
+        self.workload_token = None  # the bridge holds it (a warm one must not outlive its claim anywhere)
+        self.bridge.start(10.0)
+        return warm_token
+
+    def _prove_vmm(self, vmm: QemuVmm, t: float) -> float:
+        """Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own
+        mounts), and its guest memory is locked where the spec asks."""
         self.reporter.report(VmmConfined(**vmm.verify_confined()))
         t = self._phase("confinement_proof_s", t)
-        if spec.pin_memory:
+        if self.spec.pin_memory:
             proof = self._prove_pinned(vmm)
             t = self._phase("pin_proof_s", t)
             self.reporter.report(MemoryPinned(**proof))
-        self._check_stop()
-        self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
+        return t
+
+    def _meet_agent(self, phase: str, t: float) -> tuple[AgentClient, float]:
+        """The guest's agent said hello: what it can do, and the PCI addresses it already had."""
+        self.agent = agent = AgentClient(self.spec.run_dir / "agent.sock")
         agent.connect(10.0)
         hello = agent.wait_hello(self.deadlines.guest_ready_s, cancelled=lambda: self._stop)
         methods = hello.get("methods")
         self._agent_methods = frozenset(str(m) for m in methods) if isinstance(methods, list) else frozenset()
         self._check_stop()
-        t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
+        t = self._phase(phase, t)
         self.reporter.report(GuestReady(agent=hello))
         addresses = hello.get("pci_addresses")
         if "wait_pci" in (hello.get("methods") or ()) and isinstance(addresses, list) and len(addresses) <= 1024:
             self._known = {str(a) for a in addresses}  # an older agent: probes before and after instead
-        for i, dev in enumerate(spec.devices):
-            self._check_stop()
-            self._attach(vmm, agent, i, dev)
-        t = self._phase("hotplug_to_visible_s", t)
-        if self.bridge is not None:  # before validation: a sandbox reported validated is one that can run work
-            took = self.bridge.wait_healthy(spec.boot_timeout_s, cancelled=lambda: self._stop)
-            t = self._phase("workload_up_s", t)
-            self.reporter.report(WorkloadReady(health_ms=round(took * 1000, 1), socket="workload.sock"))
-        if spec.warm and self.bridge is not None:
+        return agent, t
+
+    def _workload_up(self, warm_token: str | None, t: float) -> float:
+        """Before validation: a sandbox reported validated is one that can run work (and, warm, be claimed)."""
+        if self.bridge is None:
+            return t
+        took = self.bridge.wait_healthy(self.spec.boot_timeout_s, cancelled=lambda: self._stop)
+        t = self._phase("workload_up_s", t)
+        self.reporter.report(WorkloadReady(health_ms=round(took * 1000, 1), socket="workload.sock"))
+        if self.spec.warm:
             if warm_token is not None:
                 warm_up(self.bridge, warm_token)  # a failure costs the first command its cold start, never the sandbox
                 t = self._phase("warm_up_s", t)
-                warm_token = None
             # Listening before the validated report, after which the Cubelet may claim at once; a claim cannot
             # come earlier (the sandbox is warm only once validated).
-            self.control = WarmControl(spec.run_dir, self.bridge, self._claimed, self._reseed)
+            self.control = WarmControl(self.spec.run_dir, self.bridge, self._claimed, self._reseed)
             self.control.start()
-        # Every sandbox is validated in the guest, a CPU-only one too (its kernel, modules, libraries); without a
-        # contract, the minimal checks.
-        self._validate(agent)
-        self._phase("guest_validation_s", t)
+        return t
 
     def _reseed(self, seed: str) -> bool:
         """The claim's seed into the guest kernel's RNG (cube-agent's `reseed`); True only when the guest says
