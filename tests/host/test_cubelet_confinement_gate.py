@@ -14,8 +14,8 @@ from pathlib import Path
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.host.vmm.confine import cubelet_verdict
-from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.reports import ReportDetails, VmmConfined, VmStarted
 from tests.support.cubelet_harness import Node
 
 
@@ -28,12 +28,12 @@ class RealShimLike(SimulatedShimDriver):
 
     host_devices = True
 
-    def _report(self, sid: str, kind: ShimReportKind, dev_ids: tuple[str, ...] = (), **details: object) -> None:
-        if kind is ShimReportKind.VM_STARTED:
-            details["pid"] = os.getpid()
-        super()._report(sid, kind, dev_ids, **details)
-        if kind is ShimReportKind.VM_STARTED and self.vouch:
-            super()._report(sid, ShimReportKind.VMM_CONFINED, pid=os.getpid(), uid=1900000001, seccomp=2)
+    def _report(self, sid: str, details: ReportDetails, dev_ids: tuple[str, ...] = ()) -> None:
+        if isinstance(details, VmStarted):
+            details = VmStarted(**{**details.to_json(), "pid": os.getpid()})
+        super()._report(sid, details, dev_ids)
+        if isinstance(details, VmStarted) and self.vouch:
+            super()._report(sid, VmmConfined.model_validate({"pid": os.getpid(), "uid": 1900000001, "seccomp": 2}))
 
 
 def node_with(tmp_path: Path, vouch: bool) -> Node:

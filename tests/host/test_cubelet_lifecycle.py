@@ -12,6 +12,7 @@ from cubeaccel.host.pci.simulated import Fault
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.master_api import StatusBody
 from tests.support.cubelet_harness import Node
 
 S = DeviceState
@@ -442,8 +443,8 @@ def test_a_shim_that_cannot_be_launched_fails_the_start_and_releases_the_devices
     assert node.cubelet.store.reservation("sb") is None
 
 
-def _pushed(node: Node) -> list[tuple[str, dict[str, Any]]]:
-    sent: list[tuple[str, dict[str, Any]]] = []
+def _pushed(node: Node) -> list[tuple[str, StatusBody]]:
+    sent: list[tuple[str, StatusBody]] = []
     node.cubelet.status_sink = lambda sid, status: sent.append((sid, status))
     return sent
 
@@ -456,7 +457,7 @@ def test_running_only_after_guest_validation_and_cubemaster_is_told_at_once(node
     assert res is not None and res.phase == "running"
     kinds = [e.event or e.kind for e in node.cubelet.store.events(sandbox_id="sb-ok")]
     assert kinds.index("guest_validated") < kinds.index("sandbox_running")
-    assert sent == [("sb-ok", {"phase": "running"})]
+    assert sent == [("sb-ok", StatusBody(phase="running"))]
 
 
 def test_a_guest_validation_failure_is_pushed_with_its_layer(node: Node) -> None:
@@ -464,9 +465,10 @@ def test_a_guest_validation_failure_is_pushed_with_its_layer(node: Node) -> None
     node.shim.failed_guest_validation.add("sb-bad")
     node.cubelet.reserve("sb-bad", ReservationRequest(count=1))
     node.cubelet.start("sb-bad")
-    assert [s["phase"] for _, s in sent] == ["failed"]
-    error = sent[0][1]["error"]
-    assert (error["code"], error["layer"], error["phase"]) == ("guest.validation_failed", "kernel_driver", "starting")
+    assert [s.phase for _, s in sent] == ["failed"]
+    error = sent[0][1].error
+    assert error is not None
+    assert (error.code, error.layer, error.phase) == ("guest.validation_failed", "kernel_driver", "starting")
     assert "sandbox_running" not in node.kinds("sb-bad")
 
 
@@ -489,7 +491,7 @@ def test_without_a_contract_the_device_must_still_be_seen_where_it_was_plugged(n
         pci_devices=({"address": "0000:02:00.0", "vendor_id": "10de", "device_id": "2330", "class": "0302"},),
     )
     report(ShimReportKind.GUEST_VALIDATED, report=elsewhere.to_json())
-    assert [(s["phase"], s["error"]["code"], s["error"]["layer"]) for _, s in sent] == [
+    assert [(s.phase, s.error and s.error.code, s.error and s.error.layer) for _, s in sent] == [
         ("failed", "compat.device_not_visible_in_guest", "host_hardware")
     ]
     assert node.device(dev).state in (S.RELEASING, S.ALLOCATABLE)

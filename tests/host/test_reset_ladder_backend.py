@@ -11,6 +11,7 @@ from pathlib import Path
 from cubeaccel.backends.base import ResetContext
 from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.model.device import DeviceRecord, PciAddress
+from cubeaccel.model.reset_ladder import Rung
 from cubeaccel.model.states import DeviceState
 from tests.support.fake_sysfs import Dev, FakeSysfs, _resource_line
 from tests.support.holder_proc import holding
@@ -57,8 +58,8 @@ def test_flr_that_did_not_take_is_followed_by_a_bus_reset_within_the_group(tmp_p
     result = backend.reset_ladder(_device(backend, GPU), ResetContext())
     assert result.problems == []
     assert fake.reset_log == [(GPU, "flr"), (GPU, "bus")]
-    assert [(a["rung"], a["ok"]) for a in result.attempts] == [("function", False), ("bus", True)]
-    assert result.attempts[0]["check"] == ["backend.reset_failed"]
+    assert [(a.step.rung, a.ok) for a in result.attempts] == [(Rung.FUNCTION, False), (Rung.BUS, True)]
+    assert result.attempts[0].check == ("backend.reset_failed",)
     assert (fake.devdir(GPU) / "reset_method").read_text().strip() == "flr bus"  # the function's own list is back
 
 
@@ -71,7 +72,7 @@ def test_bus_reset_reaching_a_function_of_another_group_is_refused_and_names_it(
     assert (p.code, p.hard) == ("backend.bus_reset_refused", False)
     assert f"{SIBLING}(IOMMU group 13, not 12)" in p.message
     assert fake.reset_log == [(GPU, "flr")]  # no bus reset was written
-    assert result.attempts[-1]["refused"] == [f"{SIBLING}(IOMMU group 13, not 12)"]
+    assert result.attempts[-1].step.refused == (f"{SIBLING}(IOMMU group 13, not 12)",)
 
 
 def test_bus_reset_reaching_a_busy_function_of_the_same_group_is_refused(tmp_path: Path) -> None:
@@ -128,7 +129,7 @@ def test_nvidia_preference_falls_back_to_flr_when_the_bus_reset_is_refused(tmp_p
     backend = VfioBackend(fake.host(), allow=["10de:2330"])
     result = backend.reset_ladder(_device(backend, GPU), ResetContext(unclean_exit=True))
     assert result.problems == [] and fake.reset_log == [(GPU, "flr")]
-    assert result.attempts[0]["refused"] == [f"{SIBLING}(IOMMU group 13, not 12)"]
+    assert result.attempts[0].step.refused == (f"{SIBLING}(IOMMU group 13, not 12)",)
 
 
 def test_bars_that_changed_across_the_reset_fail_the_check(tmp_path: Path) -> None:

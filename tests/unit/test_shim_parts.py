@@ -14,11 +14,11 @@ import pytest
 
 from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.shim.memory import prove_pinned, status_kib
 from cubeaccel.shim.qemu import SANDBOX_ARG, VmmFds, build_argv
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.vmm import VmConfig
+from cubeaccel.wire.reports import ShimExiting, VmmExited, VmStarted
 from cubeaccel.wire.shim_spec import MAX_DEVICES
 
 
@@ -140,15 +140,15 @@ def test_this_process_is_not_locked_so_the_real_proof_fails() -> None:
 
 def test_file_reports_are_json_lines_in_order(tmp_path: Path) -> None:
     r = Reporter("sb-1", None, tmp_path / "r.jsonl", tmp_path)
-    r.report(ShimReportKind.VM_STARTED, pid=1)
-    r.report(ShimReportKind.VMM_EXITED, ("d1",), pid=1, status=0)
+    r.report(VmStarted(pid=1))
+    r.report(VmmExited(pid=1, status=0), ("d1",))
     lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
     assert [x["kind"] for x in lines] == ["vm_started", "vmm_exited"] and lines[1]["device_ids"] == ["d1"]
 
 
 def test_undeliverable_socket_reports_are_kept_in_the_state_dir(tmp_path: Path) -> None:
     r = Reporter("sb-1", tmp_path / "nobody.sock", None, tmp_path, retries=1)
-    r.report(ShimReportKind.SHIM_EXITING)
+    r.report(ShimExiting())
     kept = json.loads((tmp_path / "undelivered.jsonl").read_text())
     assert kept["kind"] == "shim_exiting"
 

@@ -24,10 +24,10 @@ from cubeaccel.master.server import create_app as master_app
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.cold_start import cold_start_phases
-from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.model.states import Actor, DeviceEvent
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.transport.telemetry import REDACTED, configure_logging, log_fields, parse_level, set_request_id
+from cubeaccel.wire.reports import ShimExiting, VmStarted
 from tests.support.cubelet_harness import Node
 
 
@@ -180,8 +180,8 @@ def test_a_shim_sends_its_spec_request_id_with_every_report(tmp_path: Path) -> N
     try:
         ctx = contextvars.copy_context()  # the shim adopts its spec's id for the whole process: a context here
         ctx.run(set_request_id, "create-7")
-        ctx.run(Reporter("sb-1", sock, None, tmp_path).report, ShimReportKind.VM_STARTED)
-        Reporter("sb-1", sock, None, tmp_path).report(ShimReportKind.SHIM_EXITING)  # outside: none
+        ctx.run(Reporter("sb-1", sock, None, tmp_path).report, VmStarted())
+        Reporter("sb-1", sock, None, tmp_path).report(ShimExiting())  # outside: none
     finally:
         server.shutdown()
         server.server_close()

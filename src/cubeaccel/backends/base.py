@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from cubeaccel.host.pci.base import Holder
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
+from cubeaccel.model.reset_ladder import ResetAttempt
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class ResetContext:
 @dataclass(frozen=True)
 class ResetResult:
     problems: list[Problem]
-    attempts: list[dict[str, Any]]  # one per rung tried or refused: evidence for the release's event
+    attempts: list[ResetAttempt]  # one per rung tried or refused: evidence for the release's event
 
 
 @runtime_checkable

@@ -29,7 +29,7 @@ from cubeaccel.host.pci.snapshot import SnapshotHost
 from cubeaccel.host.vmm.confine import take_back
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice, PciAddress
 from cubeaccel.model.profiles import labels_for
-from cubeaccel.model.reset_ladder import Reached, ResetFacts, ResetStep, Rung, next_step
+from cubeaccel.model.reset_ladder import Reached, ResetAttempt, ResetFacts, ResetStep, Rung, next_step
 from cubeaccel.model.states import DeviceState
 
 VFIO_DRIVER = "vfio-pci"
@@ -320,24 +320,24 @@ class VfioBackend:
         f, problems = self._presence(device)
         if f is None or problems:
             return ResetResult(problems, [])
-        attempts: list[dict[str, object]] = []
+        attempts: list[ResetAttempt] = []
         tried: set[Rung] = set()
         last: list[Problem] = []
         while True:
             step = next_step(self._reset_facts(f, context, tried))
             if step.rung is Rung.QUARANTINE:
-                attempts.append(_attempt(step, None))
+                attempts.append(ResetAttempt(step))
                 return ResetResult(_ladder_problems(step, last), attempts)
             try:
                 self.host.reset(device.address, step.methods)
             except HostError as e:
                 if e.code == "host.no_reset_method":  # the kernel offers no reset at all (no `reset` attribute)
-                    attempts.append(_attempt(step, ["backend.no_reset_method"]))
+                    attempts.append(ResetAttempt(step, ("backend.no_reset_method",)))
                     return ResetResult([Problem("backend.no_reset_method", e.message, hard=False)], attempts)
                 last = [Problem("backend.reset_failed", e.message, hard=False)]
             else:
                 last = self._post_reset_check(device)
-            attempts.append(_attempt(step, [p.code for p in last]))
+            attempts.append(ResetAttempt(step, tuple(p.code for p in last)))
             if not last or any(p.hard for p in last):  # a hard finding (new fatal AER) ends it: unhealthy
                 return ResetResult(last, attempts)
             tried.add(step.rung)
@@ -413,19 +413,6 @@ class VfioBackend:
             return []
         why = take_back(dev_root / "vfio" / str(group))
         return [Problem("release.device_node_not_returned", why, hard=False)] if why else []
-
-
-def _attempt(step: ResetStep, check: list[str] | None) -> dict[str, object]:
-    out: dict[str, object] = {"rung": step.rung.value, "reason": step.reason}
-    if step.rung is Rung.QUARANTINE:
-        out["code"] = step.code
-    else:
-        out["methods"] = list(step.methods)
-        out["check"] = check or []
-        out["ok"] = not check
-    if step.refused:
-        out["refused"] = list(step.refused)
-    return out
 
 
 def _ladder_problems(step: ResetStep, last: list[Problem]) -> list[Problem]:

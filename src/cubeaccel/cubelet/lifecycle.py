@@ -60,6 +60,7 @@ from cubeaccel.model.sandbox_policy import (
 )
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.transport.telemetry import request_id
+from cubeaccel.wire.master_api import StatusBody
 from cubeaccel.wire.reports import DeviceAttached, GuestValidated, StartFailed, VmmConfined, VmStarted
 from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
@@ -549,7 +550,7 @@ class Cubelet(ReleasePath):
                 message=f"Cubelet's /proc check of the VMM: {'; '.join(unconfined)}"[:500],
             )
         elif ready and not warm:  # a warm sandbox is the node's: CubeMaster has no record of it
-            self.notify(sid, {"phase": "running"})
+            self.notify(sid, StatusBody(phase="running"))
         else:
             self._act_on_failure(res, report, violations)
 
@@ -586,19 +587,19 @@ class Cubelet(ReleasePath):
         return []
 
     def _on_vm_started(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
-        res.checkpoint.vmm_pid = VmStarted.model_validate(report.details).pid
+        res.checkpoint.vmm_pid = VmStarted.read(report.details).pid
         return []
 
     def _on_vmm_confined(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
         if not self._gated:
             return []
-        problems = self._confinement_problems(res.checkpoint, VmmConfined.model_validate(report.details))
+        problems = self._confinement_problems(res.checkpoint, VmmConfined.read(report.details))
         res.checkpoint.vmm_confined = not problems
         return problems
 
     def _on_device_attached(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
         named = set(report.device_ids)  # one report per device; none named means all
-        address = DeviceAttached.model_validate(report.details).guest_address
+        address = DeviceAttached.read(report.details).guest_address
         for d in self._sandbox_devices(t, res.sandbox_id):
             if d.state is S.PREPARING and (not named or d.id in named):
                 t.transition(d, E.ATTACH_SUCCEEDED, Actor.SHIM)
@@ -621,7 +622,7 @@ class Cubelet(ReleasePath):
         history (the shim_report event), not release evidence."""
         sid, k = res.sandbox_id, report.kind
         if k is ShimReportKind.ATTACH_FAILED:
-            failed = StartFailed.model_validate(report.details)
+            failed = StartFailed.read(report.details)
             self.begin_teardown(
                 sid,
                 failed.reason or "attach_failed",
@@ -630,7 +631,7 @@ class Cubelet(ReleasePath):
                 message=failed.message or "",
             )
         elif k is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
-            reason, layer, message = _guest_failure(StartFailed.model_validate(report.details), violations)
+            reason, layer, message = _guest_failure(StartFailed.read(report.details), violations)
             self.begin_teardown(sid, reason, layer=layer, message=message)
         elif k is ShimReportKind.VMM_EXITED:
             self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
@@ -642,7 +643,7 @@ class Cubelet(ReleasePath):
         contract = res.params.contract
         if report.kind not in (ShimReportKind.GUEST_VALIDATED, ShimReportKind.GUEST_VALIDATION_FAILED):
             return []
-        raw = GuestValidated.model_validate(report.details).report
+        raw = GuestValidated.read(report.details).report
         if report.kind is ShimReportKind.GUEST_VALIDATION_FAILED and raw is None:
             return []  # the agent could not even probe: the shim's own reason decides
         try:

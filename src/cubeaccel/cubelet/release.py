@@ -32,17 +32,20 @@ from cubeaccel.cubelet.scrub import (
 )
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.host.pci.base import Holder
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
+from cubeaccel.model.reset_ladder import ResetAttempt
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+from cubeaccel.wire.master_api import StatusBody
 
 S, E = DeviceState, DeviceEvent
 P, RE = ReservationPhase, ReservationEvent
 SCRUB_PENDING = "release.scrub_pending"  # a released device's reason while its scrub is owed or running
 USER_RELEASE = "sandbox_deleted"  # the one teardown reason that is not a failure of the sandbox
-StatusSink = Callable[[str, dict[str, Any]], None]  # (sandbox id, {"phase", "error"}) → CubeMaster
+StatusSink = Callable[[str, StatusBody], None]  # (sandbox id, its status) → CubeMaster
 
 
 @dataclass(frozen=True)
@@ -100,14 +103,87 @@ def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: An
 
 
 @dataclass(frozen=True)
+class HostEvent:
+    """A change to the sandbox's own host state (its files, its network), for the event trail."""
+
+    kind: str
+    reason: str | None
+    details: dict[str, Any]  # the event's details, as the trail keeps them
+
+
+@dataclass(frozen=True)
+class Blocking:
+    """The host evidence a device was held on: its holders, the VMM, the shim, the detach."""
+
+    holders: tuple[Holder, ...]
+    vmm_pid: int | None
+    shim_alive: bool | None
+    detach_confirmed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "holders": [h.__dict__ for h in self.holders],
+            "vmm_pid": self.vmm_pid,
+            "shim_alive": self.shim_alive,
+            "detach_confirmed": self.detach_confirmed,
+        }
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A release rule that is not met: its code (the device's reason), and what the host showed."""
+
+    reason: str
+    blocking: Blocking | None = None
+    problems: tuple[Problem, ...] = ()  # device nodes not taken back from the tenant's uid
+
+    def details(self) -> dict[str, Any] | None:
+        if self.blocking is not None:
+            return self.blocking.to_json()
+        return {"problems": [p.__dict__ for p in self.problems]} if self.problems else None
+
+
+@dataclass(frozen=True)
+class ReleaseEvidence:
+    """Every release rule met, as the `release_confirmed` transition records it (model/sanitize.py reads the
+    scrub fields back from the trail). The VMM exited, no holder and the reset passed are implied: recorded as
+    constants, as they always were."""
+
+    shim_exited: bool
+    shim_final_report: bool
+    detach_confirmed: bool
+    reset_ladder: tuple[ResetAttempt, ...] | None  # None: the backend has no ladder (its `cleanup` ran)
+    scrub_owed: bool  # a device no VMM of the tenant's ever had holds nothing of theirs
+    scrub_policy: ScrubPolicy  # recorded, not implied: the sanitizing stage this release relies on
+    scrub_method: str | None
+    vmm_started: bool
+
+    def to_json(self) -> dict[str, Any]:
+        ladder = {} if self.reset_ladder is None else {"reset_ladder": [a.to_json() for a in self.reset_ladder]}
+        return {
+            "vmm_exited": True,
+            "shim_exited": self.shim_exited,
+            "shim_final_report": self.shim_final_report,
+            "detach_confirmed": self.detach_confirmed,
+            "holders": 0,
+            "reset": True,
+            **ladder,
+            "scrub_owed": self.scrub_owed,
+            "scrub_policy": self.scrub_policy.value,
+            "scrub_method": self.scrub_method,
+            "vmm_started": self.vmm_started,
+        }
+
+
+@dataclass(frozen=True)
 class ReleaseOutcome:
     """What the host work on one device found, applied later in one transaction. At most one of the first
     three; none of them means cleanup succeeded (`evidence` when it was a release) and `revalidation` decides."""
 
-    quarantine: tuple[str, dict[str, Any] | None] | None = None
-    waiting: tuple[str, dict[str, Any]] | None = None
+    quarantine: Hold | None = None
+    waiting: Hold | None = None
     cleanup: list[Problem] | None = None
-    evidence: dict[str, Any] | None = None
+    evidence: ReleaseEvidence | None = None
     revalidation: list[Problem] | None = None
 
 
@@ -158,7 +234,7 @@ class ReleasePath:
         ids = set(res.device_ids) if res is not None else set()
         return [d for d in t.devices_of(sandbox_id) if d.id in ids]
 
-    def notify(self, sandbox_id: str, status: dict[str, Any]) -> None:
+    def notify(self, sandbox_id: str, status: StatusBody) -> None:
         """Tell CubeMaster at once (ready, or failed with code and layer); never blocks the lifecycle."""
         if self.status_sink is not None:
             self.status_sink(sandbox_id, status)
@@ -171,28 +247,13 @@ class ReleasePath:
         Any reason but a user's delete is a failure of the sandbox: recorded in the reservation (`failure`,
         with code and layer, kept in the `reservation_closed` event) and pushed to CubeMaster. The lifecycle
         lock covers only the transaction: stopping the shim and the release itself are host work."""
-        failure: SandboxFailure | None = None
         with self.change() as t:
             res = t.reservation(sandbox_id)
             if res is None:
                 return
             first = res.phase is not P.RELEASING
             unclaimed = res.checkpoint.warm_pool is not None and res.checkpoint.claimed_at is None
-            if first:
-                was = res.phase.value
-                res.fire(RE.TEARDOWN)
-                res.releasing_since = t.now
-                if reason != USER_RELEASE:
-                    failure = SandboxFailure(reason, layer, message[:500] or reason, was)
-                    res.checkpoint.failure = failure
-                t.update_reservation(res)
-                t.event(
-                    "teardown_started",
-                    Actor.CUBELET,
-                    sandbox_id=sandbox_id,
-                    reason=reason,  # the teardown reason lives here, in the event trail
-                    details={"failure": None if failure is None else failure.to_json()},
-                )
+            failure = self._enter_releasing(t, res, reason, layer, message) if first else None
             for d in self._sandbox_devices(t, sandbox_id):
                 if d.state is S.ATTACHED:
                     t.transition(d, E.TEARDOWN, Actor.CUBELET, reason=reason)
@@ -201,11 +262,31 @@ class ReleasePath:
                     t.transition(d, ev, Actor.CUBELET, reason=reason)
             stop = first and res.checkpoint.shim_started
         if failure is not None and not unclaimed:  # an unclaimed warm sandbox is the node's: nobody to tell
-            self.ended.record(sandbox_id, res.created_at, status_error(failure))  # each heartbeat repeats it
-            self.notify(sandbox_id, {"phase": "failed", "error": failure.to_json()})
+            error = status_error(failure)
+            self.ended.record(sandbox_id, res.created_at, error)  # each heartbeat repeats it
+            self.notify(sandbox_id, StatusBody(phase="failed", error=error))
         if stop:
             self.shim.stop(res.shim_id)
         self.try_release(sandbox_id)
+
+    @staticmethod
+    def _enter_releasing(t: Tx, res: Reservation, reason: str, layer: str, message: str) -> SandboxFailure | None:
+        """The reservation's move to `releasing`, with the failure it records (None for a user's delete)."""
+        was = res.phase.value
+        res.fire(RE.TEARDOWN)
+        res.releasing_since = t.now
+        failure = None if reason == USER_RELEASE else SandboxFailure(reason, layer, message[:500] or reason, was)
+        if failure is not None:
+            res.checkpoint.failure = failure
+        t.update_reservation(res)
+        t.event(
+            "teardown_started",
+            Actor.CUBELET,
+            sandbox_id=res.sandbox_id,
+            reason=reason,  # the teardown reason lives here, in the event trail
+            details={"failure": None if failure is None else failure.to_json()},
+        )
+        return failure
 
     def vmm_status(self, res: Reservation) -> ShimStatus:
         if not res.checkpoint.shim_started:
@@ -240,71 +321,99 @@ class ReleasePath:
             res = self.store.reservation(sandbox_id)
             if res is None:
                 return
-            st = self.vmm_status(res)
             now = float(self.store.clock())
             overdue = res.releasing_since is not None and now - res.releasing_since > self.config.release_timeout_s
-            gone = self.vmm_gone(res, st)
-            # A shim that died mid-teardown will never stop its VMM: waiting for the timeout only holds the
-            # devices and the pinned memory. Its VMM is killed now; the release rules still need proof it is gone.
-            orphaned = st.shim_alive is False and st.vmm_alive is True
-            if not gone and (overdue or orphaned) and res.checkpoint.kill_at is None:
-                self.shim.kill(res.shim_id)
-                res.checkpoint.kill_at = now
-                with self.change() as t:
-                    cur = t.reservation(sandbox_id)
-                    if cur is not None and cur.checkpoint.kill_at is None:
-                        cur.checkpoint.kill_at = now
-                        t.update_reservation(cur)
-                st = self.vmm_status(res)
-                gone = self.vmm_gone(res, st)
-            kill_at = res.checkpoint.kill_at
-            give_up = overdue and (bool(gone) or (kill_at is not None and now - kill_at > self.config.kill_grace_s))
+            st, gone = self._vmm_evidence(res, now, overdue)
+            give_up = overdue and (bool(gone) or self._kill_grace_over(res, now))
             for device_id in res.device_ids:
-                with self.device_locks.hold(device_id):
-                    d = self.store.device(device_id)
-                    if d is None or d.sandbox_id != sandbox_id:
-                        continue
-                    if d.state is S.RELEASING:
-                        outcome = self._judge_release(d, res, st, give_up)
-                    elif d.state is S.RELEASED:
-                        outcome = ReleaseOutcome(revalidation=self.backend.validate(d))
-                    else:
-                        continue
-                    self._apply_outcome(d, sandbox_id, outcome)
-                    self.advance_scrub(device_id)
+                self._release_device(device_id, res, st, give_up)
             # The sandbox's own host state (network namespace, scratch disk): host work, outside the lock too.
             host_events = self._release_sandbox_host(res) if gone else []
-            closed = False
-            with self.change() as t:
-                cur = t.reservation(sandbox_id)
-                if cur is None:
-                    return
-                for kind, reason, details in host_events:
-                    t.event(kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=reason, details=details)
-                if any(kind == "network_teardown_failed" for kind, _, _ in host_events):
-                    return  # retried on the next pass: the reservation outlives its network until it is gone
-                remaining = [d for d in self._sandbox_devices(t, sandbox_id) if d.state in TENANT_STATES]
-                if not remaining and gone:
-                    t.delete_reservation(sandbox_id)
-                    t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
-                        "reservation_closed",
-                        Actor.CUBELET,
-                        sandbox_id=sandbox_id,
-                        details={"facts": cur.checkpoint.to_json()},
-                    )
-                    closed = True
-                if not closed and not remaining and give_up and not cur.checkpoint.vmm_survives:
-                    cur.checkpoint.vmm_survives = True
-                    t.event(
-                        "release_vmm_survives",
-                        Actor.CUBELET,
-                        sandbox_id=sandbox_id,
-                        reason="release.vmm_not_exited",
-                        details={"vmm_pid": st.vmm_pid},
-                    )
-                    t.update_reservation(cur)
-            if closed:
+            if self._close_reservation(sandbox_id, st, gone, give_up, host_events):
                 self.retire_runs()
+
+    def _vmm_evidence(self, res: Reservation, now: float, overdue: bool) -> tuple[ShimStatus, bool | None]:
+        """Rules 1 and 2: the VMM exited, and the shim is gone or sent its final report (`vmm_gone`).
+
+        A shim that died mid-teardown will never stop its VMM: waiting for the timeout only holds the devices
+        and the pinned memory. Its VMM is killed now, as is one past the release timeout; the rules still need
+        proof it is gone, so the status is read again after the kill."""
+        st = self.vmm_status(res)
+        gone = self.vmm_gone(res, st)
+        orphaned = st.shim_alive is False and st.vmm_alive is True
+        if gone or not (overdue or orphaned) or res.checkpoint.kill_at is not None:
+            return st, gone
+        self._kill_vmm(res, now)
+        st = self.vmm_status(res)
+        return st, self.vmm_gone(res, st)
+
+    def _kill_vmm(self, res: Reservation, now: float) -> None:
+        """Once per reservation: the kill time is durable, so a restart waits out the same grace."""
+        self.shim.kill(res.shim_id)
+        res.checkpoint.kill_at = now
+        with self.change() as t:
+            cur = t.reservation(res.sandbox_id)
+            if cur is not None and cur.checkpoint.kill_at is None:
+                cur.checkpoint.kill_at = now
+                t.update_reservation(cur)
+
+    def _kill_grace_over(self, res: Reservation, now: float) -> bool:
+        """A killed VMM gets `kill_grace_s` to be reaped before its devices' missing evidence is final."""
+        kill_at = res.checkpoint.kill_at
+        return kill_at is not None and now - kill_at > self.config.kill_grace_s
+
+    def _release_device(self, device_id: str, res: Reservation, st: ShimStatus, give_up: bool) -> None:
+        """Rules 3 and 4 for one device under its own lock: no holder, cleanup done (`_judge_release`); a
+        `released` one is only revalidated (or scrubbed first)."""
+        with self.device_locks.hold(device_id):
+            d = self.store.device(device_id)
+            if d is None or d.sandbox_id != res.sandbox_id:
+                return
+            if d.state is S.RELEASING:
+                outcome = self._judge_release(d, res, st, give_up)
+            elif d.state is S.RELEASED:
+                outcome = ReleaseOutcome(revalidation=self.backend.validate(d))
+            else:
+                return
+            self._apply_outcome(d, res.sandbox_id, outcome)
+            self.advance_scrub(device_id)
+
+    def _close_reservation(
+        self, sandbox_id: str, st: ShimStatus, gone: bool | None, give_up: bool, host_events: list[HostEvent]
+    ) -> bool:
+        """The reservation closes only once the VMM is proven gone, no device is still the tenant's and the
+        sandbox's network is torn down; True when it closed. Given up on with a VMM that will not go, it stays,
+        marked once, so the VMM is never forgotten nor its sandbox id reused while it runs."""
+        with self.change() as t:
+            cur = t.reservation(sandbox_id)
+            if cur is None:
+                return False
+            for e in host_events:
+                t.event(e.kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=e.reason, details=e.details)
+            if any(e.kind == "network_teardown_failed" for e in host_events):
+                return False  # retried on the next pass: the reservation outlives its network until it is gone
+            if any(d.state in TENANT_STATES for d in self._sandbox_devices(t, sandbox_id)):
+                return False
+            if gone:
+                t.delete_reservation(sandbox_id)
+                t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
+                    "reservation_closed",
+                    Actor.CUBELET,
+                    sandbox_id=sandbox_id,
+                    details={"facts": cur.checkpoint.to_json()},
+                )
+                return True
+            if give_up and not cur.checkpoint.vmm_survives:
+                cur.checkpoint.vmm_survives = True
+                t.event(
+                    "release_vmm_survives",
+                    Actor.CUBELET,
+                    sandbox_id=sandbox_id,
+                    reason="release.vmm_not_exited",
+                    details={"vmm_pid": st.vmm_pid},
+                )
+                t.update_reservation(cur)
+            return False
 
     def retire_runs(self) -> list[str]:
         """The files of runs that are over leave the live directory (kept for post-mortems by a bounded rule,
@@ -314,24 +423,24 @@ class ReleasePath:
         except OSError:
             return []
 
-    def _release_sandbox_host(self, res: Reservation) -> list[tuple[str, str | None, dict[str, Any]]]:
+    def _release_sandbox_host(self, res: Reservation) -> list[HostEvent]:
         """Once the VMM is proven gone: remove the sandbox's network namespace (TAP, veth, rules) and its scratch
         disk. Idempotent (run on every pass until the reservation closes); returns the events to record, one
         `network_teardown_failed` while the namespace could not be removed."""
         from cubeaccel.host.net import netpolicy  # host I/O of the release path only
 
         sid = res.sandbox_id
-        out: list[tuple[str, str | None, dict[str, Any]]] = []
+        out: list[HostEvent] = []
         if removed := self.shim.release_files(res.shim_id):
-            out.append(("sandbox_files_removed", None, {"files": removed}))
+            out.append(HostEvent("sandbox_files_removed", None, {"files": removed}))
         net = res.checkpoint.network
         if net is not None:
             try:
                 found = netpolicy.teardown(sid, node=self.config.node_name, uplink_netns=net.get("uplink_netns"))
             except CubeError as e:
-                return [*out, ("network_teardown_failed", "network.teardown_failed", {"message": e.message})]
+                return [*out, HostEvent("network_teardown_failed", "network.teardown_failed", {"message": e.message})]
             if found:
-                out.append(("network_removed", None, {"netns": net.get("netns")}))
+                out.append(HostEvent("network_removed", None, {"netns": net.get("netns")}))
                 self.audit_host("network:teardown", sid, netns=net.get("netns"))
         return out
 
@@ -342,57 +451,53 @@ class ReleasePath:
             audit.append(action, "cubelet", "ok", target=sandbox_id, node=self.config.node_name, **fields)
 
     def _judge_release(self, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> ReleaseOutcome:
-        """The release rules on host evidence (holders, reset, revalidation): host I/O, no transaction open."""
-        detached = d.id in res.checkpoint.detached  # recorded as evidence, never a substitute
+        """The release rules on host evidence, in their order (holders, node hand-back, reset, revalidation): host
+        I/O, no transaction open. A rule not met holds the device (`waiting`), past the timeout for good."""
         gone = self.vmm_gone(res, st)
         if gone is None:
-            return ReleaseOutcome(quarantine=("release.vmm_state_unknown", None))
-        blocked: str | None = None
-        holders = self.backend.holders(d) if gone else []
-        if not gone:
-            blocked = "release.vmm_not_exited"
-        elif any(h.unknown for h in holders):
-            blocked = "release.holder_unknown"
-        elif holders:
-            blocked = "release.holder_stuck"
-        if blocked is not None:
-            details = {
-                "holders": [h.__dict__ for h in holders],
-                "vmm_pid": st.vmm_pid,
-                "shim_alive": st.shim_alive,
-                "detach_confirmed": detached,
-            }
-            if overdue:
-                return ReleaseOutcome(quarantine=(blocked, details))
-            return ReleaseOutcome(waiting=(blocked, details))
-        unreturned = self._reclaim_nodes(d)
-        if unreturned:  # still openable by the last tenant's uid: never handed to the next one
-            return ReleaseOutcome(quarantine=(unreturned[0].code, {"problems": [p.__dict__ for p in unreturned]}))
+            return ReleaseOutcome(quarantine=Hold("release.vmm_state_unknown"))
+        if (blocked := self._blocked(d, res, st, gone)) is not None:
+            return ReleaseOutcome(quarantine=blocked) if overdue else ReleaseOutcome(waiting=blocked)
+        if unreturned := self._reclaim_nodes(d):  # still openable by the last tenant's uid: never handed to the next
+            return ReleaseOutcome(quarantine=Hold(unreturned[0].code, problems=tuple(unreturned)))
         # unclean: the VMM was killed, or a started shim never sent its final report (it or its VMM died)
         unclean = res.checkpoint.kill_at is not None or (res.checkpoint.shim_started and not res.checkpoint.shim_exited)
         problems, ladder = self.reset_device(d, unclean)
         if problems:
             return ReleaseOutcome(cleanup=problems)
-        evidence = {
-            "vmm_exited": True,
-            "shim_exited": not st.shim_alive,
-            "shim_final_report": res.checkpoint.shim_exited,
-            "detach_confirmed": detached,
-            "holders": 0,
-            "reset": True,
-            **({"reset_ladder": ladder} if ladder is not None else {}),
-            # A device no VMM of the tenant's ever had (a reservation that never started) holds nothing of theirs.
-            "scrub_owed": self.scrub_policy(d) is ScrubPolicy.TRUSTED_VM
-            and scrub_needs_vm(d)
-            and res.checkpoint.shim_started,
-            # recorded, not implied: the sanitizing stage this release relies on (model/sanitize.py checks trails)
-            "scrub_policy": self.scrub_policy(d).value,
-            "scrub_method": scrub_method_name(d),
-            "vmm_started": res.checkpoint.shim_started,
-        }
-        return ReleaseOutcome(evidence=evidence, revalidation=self.backend.validate(d))
+        return ReleaseOutcome(evidence=self._evidence(d, res, st, ladder), revalidation=self.backend.validate(d))
 
-    def reset_device(self, d: DeviceRecord, unclean: bool) -> tuple[list[Problem], list[dict[str, Any]] | None]:
+    def _blocked(self, d: DeviceRecord, res: Reservation, st: ShimStatus, gone: bool) -> Hold | None:
+        """The VMM exited (and no shim can start another), and nothing holds the device's files: an fd that
+        cannot be read is an unknown holder. A confirmed detach is recorded, never a substitute."""
+        holders = self.backend.holders(d) if gone else []
+        if not gone:
+            reason = "release.vmm_not_exited"
+        elif any(h.unknown for h in holders):
+            reason = "release.holder_unknown"
+        elif holders:
+            reason = "release.holder_stuck"
+        else:
+            return None
+        return Hold(reason, Blocking(tuple(holders), st.vmm_pid, st.shim_alive, d.id in res.checkpoint.detached))
+
+    def _evidence(
+        self, d: DeviceRecord, res: Reservation, st: ShimStatus, ladder: list[ResetAttempt] | None
+    ) -> ReleaseEvidence:
+        policy = self.scrub_policy(d)
+        started = res.checkpoint.shim_started
+        return ReleaseEvidence(
+            shim_exited=not st.shim_alive,
+            shim_final_report=res.checkpoint.shim_exited,
+            detach_confirmed=d.id in res.checkpoint.detached,
+            reset_ladder=None if ladder is None else tuple(ladder),
+            scrub_owed=policy is ScrubPolicy.TRUSTED_VM and scrub_needs_vm(d) and started,
+            scrub_policy=policy,
+            scrub_method=scrub_method_name(d),
+            vmm_started=started,
+        )
+
+    def reset_device(self, d: DeviceRecord, unclean: bool) -> tuple[list[Problem], list[ResetAttempt] | None]:
         """Release step: the backend's reset — through its reset ladder where it has one, told which other devices
         a tenant holds (a bus reset must never reach them) and whether the VMM ended cleanly."""
         ladder = self.capabilities.ladder
@@ -419,32 +524,40 @@ class ReleasePath:
             if cur is None or (cur.state, cur.generation) != (d.state, d.generation):
                 return
             if o.quarantine is not None:
-                reason, details = o.quarantine
-                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=reason, details=details)
+                hold = o.quarantine
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=hold.reason, details=hold.details())
             elif o.waiting is not None:
-                blocked, details = o.waiting
-                res = t.reservation(sandbox_id)
-                waiting = res.checkpoint.release_waits if res is not None else {}
-                if res is not None and blocked not in waiting.get(d.id, []):  # one event per device and cause
-                    waiting.setdefault(d.id, []).append(blocked)
-                    t.update_reservation(res)
-                    t.event(
-                        "release_waiting",
-                        Actor.CUBELET,
-                        device_id=d.id,
-                        sandbox_id=sandbox_id,
-                        reason=blocked,
-                        details=details,
-                    )
+                self._record_waiting(t, d, sandbox_id, o.waiting)
             elif o.cleanup:
                 record_problems(t, cur, o.cleanup)
             else:
                 if o.evidence is not None:
-                    pending = SCRUB_PENDING if o.evidence.get("scrub_owed") else None
-                    cur = t.transition(cur, E.RELEASE_CONFIRMED, Actor.CUBELET, reason=pending, details=o.evidence)
+                    pending = SCRUB_PENDING if o.evidence.scrub_owed else None
+                    details = o.evidence.to_json()
+                    cur = t.transition(cur, E.RELEASE_CONFIRMED, Actor.CUBELET, reason=pending, details=details)
                 if self.scrub_owed(cur):
                     return  # revalidation waits for the scrub, started right after this transaction
                 self._finish_revalidation(t, cur, o.revalidation or [])
+
+    @staticmethod
+    def _record_waiting(t: Tx, d: DeviceRecord, sandbox_id: str, hold: Hold) -> None:
+        """One `release_waiting` event per device and cause, the cause kept in the reservation."""
+        res = t.reservation(sandbox_id)
+        if res is None:
+            return
+        waiting = res.checkpoint.release_waits
+        if hold.reason in waiting.get(d.id, []):
+            return
+        waiting.setdefault(d.id, []).append(hold.reason)
+        t.update_reservation(res)
+        t.event(
+            "release_waiting",
+            Actor.CUBELET,
+            device_id=d.id,
+            sandbox_id=sandbox_id,
+            reason=hold.reason,
+            details=hold.details(),
+        )
 
     # ---- scrub between tenants (cubelet/scrub.py, docs/scrub.md) ----------------------------------------------------
     def scrub_policy(self, d: DeviceRecord) -> ScrubPolicy:
@@ -505,12 +618,7 @@ class ReleasePath:
         """Passed: reset again (the scrub VM was the device's last user) and revalidate. Failed: quarantine."""
         o = job.outcome
         assert o is not None
-        problems: list[Problem] = []
-        unreturned: list[Problem] = []
-        if o.ok:  # the scrub VM was a VMM like a tenant's: what the release path takes back from one (the VFIO
-            # group node handed to its uid) is taken back here too, before this reset
-            unreturned = self._reclaim_nodes(d)
-            problems = unreturned or self.reset_device(d, unclean=False)[0] or self.backend.validate(d)
+        unreturned, problems = self._after_scrub_vm(d) if o.ok else ([], [])
         duration = round(time.monotonic() - job.started, 3)
         reset_after = None if not o.ok else (problems[0].code if problems else "ok")  # the reset after the scrub VM
         with self.change() as t:
@@ -525,16 +633,17 @@ class ReleasePath:
             if not o.ok:
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=o.reason, details=details)
             elif unreturned:  # still openable by the scrub VM's uid: never handed to the next tenant
-                reason = unreturned[0].code
-                t.transition(
-                    cur,
-                    E.QUARANTINE,
-                    Actor.CUBELET,
-                    reason=reason,
-                    details={"problems": [p.__dict__ for p in unreturned]},
-                )
+                hold = Hold(unreturned[0].code, problems=tuple(unreturned))
+                t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=hold.reason, details=hold.details())
             else:
                 self._finish_revalidation(t, cur, problems)
+
+    def _after_scrub_vm(self, d: DeviceRecord) -> tuple[list[Problem], list[Problem]]:
+        """(nodes not taken back, what the reset and revalidation found). The scrub VM was a VMM like a tenant's:
+        what the release path takes back from one (the VFIO group node handed to its uid) is taken back here too,
+        before this reset."""
+        unreturned = self._reclaim_nodes(d)
+        return unreturned, unreturned or self.reset_device(d, unclean=False)[0] or self.backend.validate(d)
 
     def _finish_revalidation(self, t: Tx, d: DeviceRecord, problems: list[Problem]) -> None:
         from cubeaccel.cubelet import host_ready  # it builds on the lifecycle; imported late

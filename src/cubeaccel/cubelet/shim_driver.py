@@ -13,14 +13,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, Protocol
+from typing import Protocol
 
 from cubeaccel.host.pci.base import Holder
 from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
-from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, ShimReport, ShimReportKind
+from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, ShimReport
+from cubeaccel.wire.reports import (
+    AttachFailed,
+    DetachTimeout,
+    DeviceAttached,
+    DeviceDetached,
+    GuestReady,
+    GuestValidated,
+    GuestValidationFailed,
+    MemoryPinned,
+    ReportDetails,
+    ShimExiting,
+    VmmExited,
+    VmStarted,
+    WarmClaimed,
+)
 from cubeaccel.wire.shim_spec import ShimSpec
 from cubeaccel.wire.warm import ShimClaim, ShimClaimAck
 
@@ -180,14 +195,14 @@ class SimulatedShimDriver:
             time.sleep(0.05)
         if pid is None:
             return ShimClaimAck(ok=False, code="warm.claim_unanswered", message="no shim")
-        self._report(shim_id, ShimReportKind.WARM_CLAIMED, claimed_as=claim.sandbox_id)
+        self._report(shim_id, WarmClaimed(claimed_as=claim.sandbox_id))
         return ShimClaimAck(ok=True, rebind_ms=0.0)
 
     def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         return []
 
-    def _report(self, sid: str, kind: ShimReportKind, dev_ids: tuple[str, ...] = (), **details: Any) -> None:
-        report = ShimReport(sid, kind, dev_ids, details, time.time(), self._start_id(sid))
+    def _report(self, sid: str, details: ReportDetails, dev_ids: tuple[str, ...] = ()) -> None:
+        report = ShimReport(sid, details.kind, dev_ids, details.to_json(), time.time(), self._start_id(sid))
         if sid in self.cubelet_down:
             self._undelivered.setdefault(sid, []).append(report)
         elif self.sink is not None:
@@ -226,70 +241,67 @@ class SimulatedShimDriver:
         dev_ids = tuple(d.device_id for d in spec.devices)
         refused = self._refusal(spec)
         if refused is not None:  # as the real shim: before any VMM exists
-            self._report(sid, ShimReportKind.ATTACH_FAILED, dev_ids, **refused)
+            self._report(sid, refused, dev_ids)
             return
         vmm = self.host.spawn(
             f"vmm:{sid}", f"qemu-system-x86_64 -name cubeaccel-sandbox={sid}", immortal=sid in self.immortal_vmm
         )
-        self._report(sid, ShimReportKind.VM_STARTED, pid=vmm, vmm="simulated", image_digest=spec.image_digest)
+        self._report(sid, VmStarted(pid=vmm, vmm="simulated", image_digest=spec.image_digest))
         if spec.pin_memory:
-            self._report(
-                sid, ShimReportKind.MEMORY_PINNED, vmlck_kib=spec.memory_mib * 1024, guest_kib=spec.memory_mib * 1024
-            )
-        self._report(sid, ShimReportKind.GUEST_READY)
+            self._report(sid, MemoryPinned(vmlck_kib=spec.memory_mib * 1024, guest_kib=spec.memory_mib * 1024))
+        self._report(sid, GuestReady())
         if sid in self.fail_attach:
-            self._report(
-                sid, ShimReportKind.ATTACH_FAILED, dev_ids, reason="device_add failed (injected)", layer="backend"
-            )
+            self._report(sid, AttachFailed(reason="device_add failed (injected)", layer="backend"), dev_ids)
             return
         for i, d in enumerate(spec.devices):
             assert d.address is not None  # Cubelet's lifecycle always names the host device
             self.host.add_holder(PciAddress.parse(d.address), Holder(vmm, "qemu-system-x86_64", "/dev/vfio/sim"))
-            self._report(sid, ShimReportKind.DEVICE_ATTACHED, (d.device_id,), guest_address=guest_address(i))
+            self._report(sid, DeviceAttached(guest_address=guest_address(i)), (d.device_id,))
         if sid in self.failed_guest_validation:
             self._report(
                 sid,
-                ShimReportKind.GUEST_VALIDATION_FAILED,
+                GuestValidationFailed(
+                    failed_layers=["kernel_driver"],
+                    violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_not_loaded"}],
+                ),
                 dev_ids,
-                failed_layers=["kernel_driver"],
-                violations=[{"layer": "kernel_driver", "code": "compat.kernel_driver_not_loaded"}],
             )
         else:
-            self._report(sid, ShimReportKind.GUEST_VALIDATED, dev_ids, report=simulated_guest_report(spec).to_json())
+            self._report(sid, GuestValidated(report=simulated_guest_report(spec).to_json()), dev_ids)
 
-    def _refusal(self, spec: ShimSpec) -> dict[str, str] | None:
+    def _refusal(self, spec: ShimSpec) -> AttachFailed | None:
         """The real shim's refusals (shim/process.py), judged on the simulated node's facts."""
         if not spec.hotplug and spec.devices:  # a CPU-only sandbox plugs nothing
-            return {
-                "reason": "shim.coldplug_unsupported",
-                "layer": "backend",
-                "message": "the template expects cold-plug; this VMM only hot-plugs",
-            }
+            return AttachFailed(
+                reason="shim.coldplug_unsupported",
+                layer="backend",
+                message="the template expects cold-plug; this VMM only hot-plugs",
+            )
         if not self.hotplug and spec.devices:
-            return {"reason": "vmm.hotplug_unsupported", "layer": "backend", "message": "this VMM cannot hot-plug"}
+            return AttachFailed(reason="vmm.hotplug_unsupported", layer="backend", message="this VMM cannot hot-plug")
         if spec.image_digest is None or spec.image_digest not in {i.digest for i in self.guest_images}:
-            return {
-                "reason": "shim.image_not_found",
-                "layer": "template",
-                "message": f"guest image {spec.image_digest} is not on this node",
-            }
+            return AttachFailed(
+                reason="shim.image_not_found",
+                layer="template",
+                message=f"guest image {spec.image_digest} is not on this node",
+            )
         return None
 
     def stop(self, sandbox_id: str) -> None:
         vmm = self.host.find_process(f"vmm:{sandbox_id}")
         if vmm is not None:
             if sandbox_id in self.uncooperative_guest:
-                self._report(sandbox_id, ShimReportKind.DETACH_TIMEOUT, timeout_s=5.0)
+                self._report(sandbox_id, DetachTimeout(timeout_s=5.0))
             else:
                 for f in self.host.functions():
                     if any(h.pid == vmm for h in self.host.holders(f.address)):
                         self.host.remove_holders(f.address, vmm)
-                self._report(sandbox_id, ShimReportKind.DEVICE_DETACHED)
+                self._report(sandbox_id, DeviceDetached())
             if self.host.kill(vmm):
-                self._report(sandbox_id, ShimReportKind.VMM_EXITED, pid=vmm, status=0)
+                self._report(sandbox_id, VmmExited(pid=vmm, status=0))
         shim = self.host.find_process(f"shim:{sandbox_id}")
         if shim is not None and self.host.kill(shim):
-            self._report(sandbox_id, ShimReportKind.SHIM_EXITING)
+            self._report(sandbox_id, ShimExiting())
 
     def kill(self, sandbox_id: str) -> None:
         for tag in (f"vmm:{sandbox_id}", f"shim:{sandbox_id}"):

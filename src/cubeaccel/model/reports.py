@@ -12,28 +12,32 @@ from typing import Any
 
 
 class ShimReportKind(StrEnum):
-    """What a shim tells Cubelet. Only Cubelet turns these into device transitions."""
+    """What a shim tells Cubelet. Only Cubelet turns these into device transitions. Each kind's details are its
+    model in `wire.reports` (`VmStarted`, ...), which both the shim and the Cubelet use."""
 
-    VM_STARTED = "vm_started"  # details: pid, vmm, accel (tcg/kvm)
-    VMM_CONFINED = "vmm_confined"  # /proc: uid, caps, seccomp, mount ns as launched; details: uid, capeff, ...
-    MEMORY_PINNED = "memory_pinned"  # details: vmlck_kib, guest_kib
+    VM_STARTED = "vm_started"
+    VMM_CONFINED = "vmm_confined"  # /proc: uid, caps, seccomp, mount ns as launched
+    MEMORY_PINNED = "memory_pinned"
     GUEST_READY = "guest_ready"  # cube-agent said hello
-    WORKLOAD_READY = "workload_ready"  # the workload service answered over its channel; details: health_ms
+    WORKLOAD_READY = "workload_ready"  # the workload service answered over its channel
     DEVICE_ATTACHED = "device_attached"  # VMM confirmed and the guest saw vendor:device
-    ATTACH_FAILED = "attach_failed"  # details: reason, layer
-    GUEST_VALIDATED = "guest_validated"  # details: report (GuestReport.to_json())
-    GUEST_VALIDATION_FAILED = "guest_validation_failed"  # details: report, violations
+    ATTACH_FAILED = "attach_failed"
+    GUEST_VALIDATED = "guest_validated"
+    GUEST_VALIDATION_FAILED = "guest_validation_failed"
     DEVICE_DETACHED = "device_detached"  # DEVICE_DELETED seen
     DETACH_TIMEOUT = "detach_timeout"  # no DEVICE_DELETED within the bound
-    VMM_EXITED = "vmm_exited"  # details: pid, status — the VMM process was waited for
+    VMM_EXITED = "vmm_exited"  # the VMM process was waited for
     SHIM_EXITING = "shim_exiting"
-    WARM_CLAIMED = "warm_claimed"  # a warm shim's bridge serves the claimant's token; details: claimed_as
-    SCRUB_FINISHED = "scrub_finished"  # scrub VMs only (docs/scrub.md); details: result (the agent's ScrubResult)
+    WARM_CLAIMED = "warm_claimed"  # a warm shim's bridge serves the claimant's token
+    SCRUB_FINISHED = "scrub_finished"  # scrub VMs only (docs/scrub.md)
 
 
 @dataclass(frozen=True)
 class ShimReport:
-    """Its JSON form (the shim's POST body, an `undelivered.jsonl` line) is `wire.reports.ShimReportBody`."""
+    """Its JSON form (the shim's POST body, an `undelivered.jsonl` line) is `wire.reports.ShimReportBody`.
+
+    `details` stays the JSON as sent (docs/decisions.md): the event trail keeps it so, and each reader parses it
+    with its kind's model."""
 
     sandbox_id: str
     kind: ShimReportKind

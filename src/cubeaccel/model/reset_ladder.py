@@ -59,6 +59,30 @@ class ResetStep:
     refused: tuple[str, ...] = ()  # functions that kept the bus rung from running, each with why
 
 
+@dataclass(frozen=True)
+class ResetAttempt:
+    """One rung tried or refused, as the release's event records it (`reset_ladder` in its evidence)."""
+
+    step: ResetStep
+    check: tuple[str, ...] | None = None  # the post-reset check's codes; None: not run (the quarantine rung)
+
+    @property
+    def ok(self) -> bool:
+        return self.step.rung is not Rung.QUARANTINE and not self.check
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"rung": self.step.rung.value, "reason": self.step.reason}
+        if self.step.rung is Rung.QUARANTINE:
+            out["code"] = self.step.code
+        else:
+            out["methods"] = list(self.step.methods)
+            out["check"] = list(self.check or ())
+            out["ok"] = self.ok
+        if self.step.refused:
+            out["refused"] = list(self.step.refused)
+        return out
+
+
 def bus_offenders(facts: ResetFacts) -> tuple[str, ...]:
     """The functions a bus reset would reach that are outside the device's group or busy, each with why.
     Empty when a bus reset is safe (or there is no bus to reset: see `reach`)."""

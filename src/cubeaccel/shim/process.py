@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import FrameType
 
 from cubeaccel.host.net import netpolicy
@@ -33,7 +34,6 @@ from cubeaccel.model.bars import (
 )
 from cubeaccel.model.cold_start import COLD_NO_SNAPSHOT, cold_start_reason
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import ShimReportKind as K
 from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
@@ -47,6 +47,24 @@ from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.warm_control import WarmControl, unknowable_token, warm_up
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.transport.telemetry import configure_logging, set_request_id
+from cubeaccel.wire.reports import (
+    AttachFailed,
+    DetachTimeout,
+    DeviceAttached,
+    DeviceDetached,
+    GuestReady,
+    GuestValidated,
+    GuestValidationFailed,
+    MemoryPinned,
+    PlacedBar,
+    ScrubFinished,
+    ShimExiting,
+    VmmConfined,
+    VmmExited,
+    VmStarted,
+    WarmClaimed,
+    WorkloadReady,
+)
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
 from cubeaccel.wire.warm import ShimClaim
@@ -58,6 +76,10 @@ AGENT_SHUTDOWN_TIMEOUT_S = 2.0
 STOP_GRACE_S = 5.0
 RESEED_TIMEOUT_S = 5.0  # one write and two ioctls in the guest
 SCRUB_TIMEOUT_S = 3600.0  # the agent's own bound; Cubelet's scrub timeout (which kills this VM) comes first
+
+
+def exit_details(info: ExitInfo) -> VmmExited:
+    return VmmExited(pid=info.pid, status=info.status, exit_code=info.exit_code, signal=info.signal, how=info.how)
 
 
 def qdev_id(index: int) -> str:
@@ -146,31 +168,25 @@ class Shim:
             rc, reason = (0, "stop_requested") if stopped else (1, e.code)
             if rc:
                 self.reporter.report(
-                    K.ATTACH_FAILED,
+                    AttachFailed(reason=e.code, layer=e.layer, message=e.message, **e.details),
                     tuple(d.device_id for d in self.spec.devices),
-                    reason=e.code,
-                    layer=e.layer,
-                    message=e.message,
-                    **e.details,
                 )
         except Exception as e:  # a bug or a hostile guest's reply: still report, still tear down
             rc, reason = 1, "shim.internal_error"
             self.reporter.report(
-                K.ATTACH_FAILED,
+                AttachFailed(reason=reason, layer="cubelet", message=f"{type(e).__name__}: {e}"[:500]),
                 tuple(d.device_id for d in self.spec.devices),
-                reason=reason,
-                layer="cubelet",
-                message=f"{type(e).__name__}: {e}"[:500],
             )
         finally:
             exit_info = self._teardown()
             self.console.stop()
             self.reporter.report(
-                K.SHIM_EXITING,
-                reason=reason,
-                exit_code=rc,
-                timeline=self.timeline,
-                vmm_exit=exit_info.to_json() if exit_info else None,
+                ShimExiting(
+                    reason=reason,
+                    exit_code=rc,
+                    timeline=self.timeline,
+                    vmm_exit=exit_details(exit_info) if exit_info else None,
+                )
             )
         return rc
 
@@ -194,6 +210,43 @@ class Shim:
         return vm_config(self.spec, manifest, host_cpus(), numa_nodes())
 
     def _start(self) -> None:
+        """The start in its safety order: the image checked against the contract; the VMM started and reported;
+        its confinement and locked memory proven before anything reaches the guest; the guest's agent met; each
+        device hot-plugged and seen by the guest; the workload up; the guest validated."""
+        manifest, mismatches = self._checked_image()
+        cfg = self._policy_devices(self._vm_config(manifest))
+        vmm, restore, cold_reason, t = self._launch(cfg, manifest)
+        warm_token = self._open_bridge()
+        t = self._phase("vmm_start_s", t)
+        self.reporter.report(
+            VmStarted(
+                pid=vmm.pid,
+                vmm=vmm.kind,
+                accel=vmm.accel,
+                accel_reason=vmm.accel_reason,
+                start="cold" if restore is None else "template",
+                cold_reason=cold_reason,
+                image_digest=manifest.image_digest,
+                kernel_release=manifest.kernel_release,
+                image_mismatches=mismatches,
+                uid=vmm.lease.uid if vmm.lease else None,
+            )
+        )
+        t = self._prove_vmm(vmm, t)
+        self._check_stop()
+        agent, t = self._meet_agent("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
+        for i, dev in enumerate(self.spec.devices):
+            self._check_stop()
+            self._attach(vmm, agent, i, dev)
+        t = self._phase("hotplug_to_visible_s", t)
+        t = self._workload_up(warm_token, t)
+        # Every sandbox is validated in the guest, a CPU-only one too (its kernel, modules, libraries); without a
+        # contract, the minimal checks.
+        self._validate(agent)
+        self._phase("guest_validation_s", t)
+
+    def _checked_image(self) -> tuple[Manifest, list[dict[str, str]]]:
+        """The guest image to boot and how it differs from the contract (refused when the spec enforces it)."""
         spec = self.spec
         if not spec.hotplug and spec.devices:  # a CPU-only sandbox (no device) plugs nothing
             raise CubeError(
@@ -215,10 +268,14 @@ class Shim:
                 layer=first["layer"],
                 details={"mismatches": mismatches},
             )
-        cfg = self._policy_devices(self._vm_config(manifest))
+        return manifest, mismatches
+
+    def _launch(self, cfg: VmConfig, manifest: Manifest) -> tuple[QemuVmm, Path | None, str | None, float]:
+        """The VMM, restored from the machine's template state when there is one and the start may use it:
+        (the VMM, the state restored or None, why it booted cold, the time it was up)."""
         t = time.monotonic()
         restore = None
-        cold_reason: str | None = cold_start_reason(spec.start, spec.policy_devices)
+        cold_reason: str | None = cold_start_reason(self.spec.start, self.spec.policy_devices)
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
             if cold_reason is None:  # only looked up: a snapshot is never made on a tenant's start
                 restore = lease.enter_context(template_lease(cfg, manifest, cache_dir() / "templates"))
@@ -236,70 +293,67 @@ class Shim:
                 while self._policy_fds:  # the VMM holds its own copies now
                     os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
-        warm_token: str | None = None  # a warm sandbox's own token: the warm-up's, never kept past this start
-        if spec.workload:  # connected now: the preamble waits in the port until the guest service reads it
-            if spec.warm and not self.workload_token:  # refuses everything until a claim brings the tenant's
-                self.workload_token = warm_token = unknowable_token()
-            if not self.workload_token:
-                raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
-            self.bridge = WorkloadBridge(
-                spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
-            )
-            self.workload_token = None  # the bridge holds it (a warm one must not outlive its claim anywhere)
-            self.bridge.start(10.0)
-        t = self._phase("vmm_start_s", t)
-        self.reporter.report(
-            K.VM_STARTED,
-            pid=vmm.pid,
-            vmm=vmm.kind,
-            accel=vmm.accel,
-            accel_reason=vmm.accel_reason,
-            start="cold" if restore is None else "template",
-            cold_reason=cold_reason,
-            image_digest=manifest.image_digest,
-            kernel_release=manifest.kernel_release,
-            image_mismatches=mismatches,
-            uid=vmm.lease.uid if vmm.lease else None,
+        return vmm, restore, cold_reason, t
+
+    def _open_bridge(self) -> str | None:
+        """The workload bridge, connected now: the preamble waits in the port until the guest service reads it.
+        Returns a warm sandbox's own token (the warm-up's, never kept past this start)."""
+        spec = self.spec
+        if not spec.workload:
+            return None
+        warm_token: str | None = None
+        if spec.warm and not self.workload_token:  # refuses everything until a claim brings the tenant's
+            self.workload_token = warm_token = unknowable_token()
+        if not self.workload_token:
+            raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
+        self.bridge = WorkloadBridge(
+            spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
         )
-        # Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own mounts).
-        self.reporter.report(K.VMM_CONFINED, **vmm.verify_confined())
+        self.workload_token = None  # the bridge holds it (a warm one must not outlive its claim anywhere)
+        self.bridge.start(10.0)
+        return warm_token
+
+    def _prove_vmm(self, vmm: QemuVmm, t: float) -> float:
+        """Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own
+        mounts), and its guest memory is locked where the spec asks."""
+        self.reporter.report(VmmConfined(**vmm.verify_confined()))
         t = self._phase("confinement_proof_s", t)
-        if spec.pin_memory:
+        if self.spec.pin_memory:
             proof = self._prove_pinned(vmm)
             t = self._phase("pin_proof_s", t)
-            self.reporter.report(K.MEMORY_PINNED, **proof)
-        self._check_stop()
-        self.agent = agent = AgentClient(spec.run_dir / "agent.sock")
+            self.reporter.report(MemoryPinned(**proof))
+        return t
+
+    def _meet_agent(self, phase: str, t: float) -> tuple[AgentClient, float]:
+        """The guest's agent said hello: what it can do, and the PCI addresses it already had."""
+        self.agent = agent = AgentClient(self.spec.run_dir / "agent.sock")
         agent.connect(10.0)
         hello = agent.wait_hello(self.deadlines.guest_ready_s, cancelled=lambda: self._stop)
         self._agent_methods = frozenset(hello.methods or ())
         self._check_stop()
-        t = self._phase("boot_to_agent_s" if restore is None else "restore_to_agent_s", t)
-        self.reporter.report(K.GUEST_READY, agent=hello.to_json())
+        t = self._phase(phase, t)
+        self.reporter.report(GuestReady(agent=hello.to_json()))
         addresses = hello.pci_addresses
         if "wait_pci" in self._agent_methods and addresses is not None and len(addresses) <= 1024:
             self._known = set(addresses)  # an older agent: probes before and after instead
-        for i, dev in enumerate(spec.devices):
-            self._check_stop()
-            self._attach(vmm, agent, i, dev)
-        t = self._phase("hotplug_to_visible_s", t)
-        if self.bridge is not None:  # before validation: a sandbox reported validated is one that can run work
-            took = self.bridge.wait_healthy(spec.boot_timeout_s, cancelled=lambda: self._stop)
-            t = self._phase("workload_up_s", t)
-            self.reporter.report(K.WORKLOAD_READY, health_ms=round(took * 1000, 1), socket="workload.sock")
-        if spec.warm and self.bridge is not None:
+        return agent, t
+
+    def _workload_up(self, warm_token: str | None, t: float) -> float:
+        """Before validation: a sandbox reported validated is one that can run work (and, warm, be claimed)."""
+        if self.bridge is None:
+            return t
+        took = self.bridge.wait_healthy(self.spec.boot_timeout_s, cancelled=lambda: self._stop)
+        t = self._phase("workload_up_s", t)
+        self.reporter.report(WorkloadReady(health_ms=round(took * 1000, 1), socket="workload.sock"))
+        if self.spec.warm:
             if warm_token is not None:
                 warm_up(self.bridge, warm_token)  # a failure costs the first command its cold start, never the sandbox
                 t = self._phase("warm_up_s", t)
-                warm_token = None
             # Listening before the validated report, after which the Cubelet may claim at once; a claim cannot
             # come earlier (the sandbox is warm only once validated).
-            self.control = WarmControl(spec.run_dir, self.bridge, self._claimed, self._reseed)
+            self.control = WarmControl(self.spec.run_dir, self.bridge, self._claimed, self._reseed)
             self.control.start()
-        # Every sandbox is validated in the guest, a CPU-only one too (its kernel, modules, libraries); without a
-        # contract, the minimal checks.
-        self._validate(agent)
-        self._phase("guest_validation_s", t)
+        return t
 
     def _reseed(self, seed: str) -> bool:
         """The claim's seed into the guest kernel's RNG (cube-agent's `reseed`); True only when the guest says
@@ -316,7 +370,7 @@ class Shim:
         return result.reseeded
 
     def _claimed(self, claim: ShimClaim) -> None:
-        self.reporter.report(K.WARM_CLAIMED, claimed_as=claim.sandbox_id, reseed=self._reseeded)
+        self.reporter.report(WarmClaimed(claimed_as=claim.sandbox_id, reseed=self._reseeded))
 
     def _manifest(self) -> Manifest:
         """The image named in the spec: an explicit manifest, else the cached image with `image_digest` (or, when
@@ -398,18 +452,19 @@ class Shim:
         self.guest_addresses[dev.device_id] = address
         placed = self._confirm_bars(agent, dev, address, slot=index)
         self.reporter.report(
-            K.DEVICE_ATTACHED,
+            DeviceAttached(
+                qdev_id=qid,
+                bus=att.bus,
+                guest_address=address,
+                vendor_device=dev.vendor_device,
+                bars=dev.bars,
+                guest_bars=placed,
+                hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
+            ),
             (dev.device_id,),
-            qdev_id=qid,
-            bus=att.bus,
-            guest_address=address,
-            vendor_device=dev.vendor_device,
-            bars=[b.to_json() for b in dev.bars],
-            guest_bars=placed,
-            hotplug_ms=round((time.monotonic() - t0) * 1000, 1),
         )
 
-    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[dict[str, object]]:
+    def _confirm_bars(self, agent: AgentClient, dev: DeviceSpec, address: str, slot: int) -> list[PlacedBar]:
         """Attached means usable: the guest placed every memory BAR at its size, read from its own `resource`.
 
         The kernel may still be placing them when the function appears, so the guest is asked again until
@@ -431,7 +486,7 @@ class Shim:
             if not misses:
                 lines = {line.index: line for line in parse_resource_lines(text)}
                 return [
-                    {"bar": f"BAR{b.index}", "start": f"0x{lines[b.index].start:x}", "size": lines[b.index].size}
+                    PlacedBar(bar=f"BAR{b.index}", start=f"0x{lines[b.index].start:x}", size=lines[b.index].size)
                     for b in dev.bars
                     if b.index in lines and lines[b.index].assigned
                 ]
@@ -489,18 +544,15 @@ class Shim:
         except CubeError as e:
             if e.code == "agent.cancelled":  # teardown was asked for: not a verdict on the guest
                 raise
-            self.reporter.report(K.GUEST_VALIDATION_FAILED, ids, reason=e.code, layer=e.layer, message=e.message)
+            self.reporter.report(GuestValidationFailed(reason=e.code, layer=e.layer, message=e.message), ids)
             raise
         if reply.ok:
-            self.reporter.report(K.GUEST_VALIDATED, ids, report=reply.report)
+            self.reporter.report(GuestValidated(report=reply.report), ids)
             return
         failed_layers = list(reply.failed_layers)
         self.reporter.report(
-            K.GUEST_VALIDATION_FAILED,
+            GuestValidationFailed(report=reply.report, violations=reply.violations, failed_layers=failed_layers),
             ids,
-            report=reply.report,
-            violations=reply.violations,
-            failed_layers=failed_layers,
         )
         raise CubeError(
             "guest.validation_failed",
@@ -530,7 +582,7 @@ class Shim:
                 result, evidence = {"ok": False, "error": f"malformed scrub result: {e}"[:500]}, {}
             ok = ok and bool(result.get("ok"))
             self.reporter.report(
-                K.SCRUB_FINISHED, (dev.device_id,), result=result, evidence=evidence, image_digest=self.image_digest
+                ScrubFinished(result=result, evidence=evidence, image_digest=self.image_digest), (dev.device_id,)
             )
         self._phase("scrub_s", t)
         return (0, "scrubbed") if ok else (1, "release.scrub_failed")
@@ -573,7 +625,7 @@ class Shim:
         if info.how != "unreaped":  # the scratch disk goes with the VMM (the release path makes sure of it)
             scratch.remove_scratch(self.spec.run_dir)
         if info.how != "unreaped":  # never report an exit the kernel has not confirmed
-            self.reporter.report(K.VMM_EXITED, tuple(d.device_id for d in self.spec.devices), **info.to_json())
+            self.reporter.report(exit_details(info), tuple(d.device_id for d in self.spec.devices))
         return info
 
     def _detach(self, vmm: QemuVmm) -> None:
@@ -585,19 +637,17 @@ class Shim:
                 requested.add(qid)
             except CubeError as e:
                 self.reporter.report(
-                    K.DETACH_TIMEOUT, (self.added[qid].device_id,), qdev_id=qid, reason=e.code, message=e.message
+                    DetachTimeout(qdev_id=qid, reason=e.code, message=e.message), (self.added[qid].device_id,)
                 )
         removed = vmm.wait_removed(requested, self.spec.detach_timeout_s)
         for qid in sorted(requested):
             dev = self.added[qid]
             if qid in removed:
                 self.reporter.report(
-                    K.DEVICE_DETACHED, (dev.device_id,), qdev_id=qid, detach_ms=round((time.monotonic() - t0) * 1000, 1)
+                    DeviceDetached(qdev_id=qid, detach_ms=round((time.monotonic() - t0) * 1000, 1)), (dev.device_id,)
                 )
             else:
-                self.reporter.report(
-                    K.DETACH_TIMEOUT, (dev.device_id,), qdev_id=qid, timeout_s=self.spec.detach_timeout_s
-                )
+                self.reporter.report(DetachTimeout(qdev_id=qid, timeout_s=self.spec.detach_timeout_s), (dev.device_id,))
 
 
 def read_workload_token() -> str | None:

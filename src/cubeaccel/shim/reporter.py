@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.model.reports import ShimReport
 from cubeaccel.transport.telemetry import outgoing_headers
-from cubeaccel.wire.reports import report_json
+from cubeaccel.wire.reports import ReportDetails, report_json
 
 log = logging.getLogger("cubeaccel.shim")
 
@@ -39,8 +39,10 @@ class Reporter:
         self.retries = retries
         self.sent: list[ShimReport] = []
 
-    def report(self, kind: ShimReportKind, device_ids: tuple[str, ...] = (), /, **details: Any) -> ShimReport:
-        r = ShimReport(self.sandbox_id, kind, device_ids, details, time.time(), self.start_id)
+    def report(self, details: ReportDetails, device_ids: tuple[str, ...] = ()) -> ShimReport:
+        """`details` is the kind's model (wire/reports.py): its kind names the report."""
+        kind = details.kind
+        r = ShimReport(self.sandbox_id, kind, device_ids, details.to_json(), time.time(), self.start_id)
         body = report_json(r)
         log.info("report", extra={"fields": {"sandbox_id": self.sandbox_id, "kind": kind.value, "devices": device_ids}})
         if self.file_path is not None:

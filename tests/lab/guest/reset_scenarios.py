@@ -78,7 +78,7 @@ def _ladder(a: PciAddress, context: ResetContext | None = None, via: VfioBackend
         "reset_method_after": (SYS / str(a) / "reset_method").read_text().strip() if methods_before else None,
         "reach": [str(x) for x in host.bus_reach(a) or []] if host.bus_reach(a) is not None else None,
         "problems": problems(result.problems),
-        "attempts": result.attempts,
+        "attempts": [x.to_json() for x in result.attempts],
         "ms": elapsed,
         "identity_same": before.identity == after.identity and before.bars == after.bars,
         "validate_after": problems(backend.validate(record(a))),
