@@ -12,19 +12,22 @@ import pytest
 
 from cubeaccel.cubelet.store import Store
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import Actor
 
+MARK = EventKind.RECONCILE_REPAIR  # any kind: the events are told apart by their reason
 
-def _kinds(store: Store) -> list[str]:
-    return [e.kind for e in store.events()]
+
+def _kinds(store: Store) -> list[str | None]:
+    return [e.reason for e in store.events()]
 
 
 def test_a_body_that_raises_rolls_back_alone(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.db")
     with store.tx() as t:
-        t.event("kept", Actor.CUBELET)
+        t.event(MARK, Actor.CUBELET, reason="kept")
     with pytest.raises(RuntimeError), store.tx() as t:
-        t.event("rolled_back", Actor.CUBELET)
+        t.event(MARK, Actor.CUBELET, reason="rolled_back")
         raise RuntimeError("the decision failed")
     assert _kinds(store) == ["kept"]
     store.close()
@@ -34,9 +37,9 @@ def test_a_body_that_raises_rolls_back_alone(tmp_path: Path) -> None:
 def test_an_inner_transaction_that_raises_rolls_back_alone_and_the_outer_one_commits(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.db")
     with store.tx() as outer:
-        outer.event("outer", Actor.CUBELET)
+        outer.event(MARK, Actor.CUBELET, reason="outer")
         with pytest.raises(RuntimeError), store.tx() as inner:
-            inner.event("inner", Actor.CUBELET)
+            inner.event(MARK, Actor.CUBELET, reason="inner")
             raise RuntimeError("the inner decision failed")
     assert _kinds(store) == ["outer"]
     store.close()
@@ -47,9 +50,11 @@ def test_each_change_is_one_commit_made_before_tx_returns(tmp_path: Path) -> Non
     before = store.commits
     for i in range(3):
         with store.tx() as t:
-            t.event(f"e{i}", Actor.CUBELET)
+            t.event(MARK, Actor.CUBELET, reason=f"e{i}")
         other = sqlite3.connect(str(tmp_path / "s.db"))  # another process's view of the file
-        assert [r[0] for r in other.execute("SELECT kind FROM events ORDER BY seq")] == [f"e{j}" for j in range(i + 1)]
+        assert [r[0] for r in other.execute("SELECT reason FROM events ORDER BY seq")] == [
+            f"e{j}" for j in range(i + 1)
+        ]
         other.close()
     assert store.commits == before + 3
     store.close()
@@ -61,7 +66,7 @@ def test_reads_do_not_wait_for_an_open_transaction_and_see_only_committed_state(
 
     def writer() -> None:
         with store.tx() as t:
-            t.event("pending", Actor.CUBELET)
+            t.event(MARK, Actor.CUBELET, reason="pending")
             inside.set()
             assert leave.wait(10)
 
@@ -83,10 +88,10 @@ def test_a_commit_that_fails_makes_no_change_and_says_so(tmp_path: Path) -> None
     store._conn.execute("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
     store._conn.execute("CREATE TABLE child (p INTEGER REFERENCES parent(id) DEFERRABLE INITIALLY DEFERRED)")
     with pytest.raises(CubeError) as e, store.tx() as t:
-        t.event("lost", Actor.CUBELET)
+        t.event(MARK, Actor.CUBELET, reason="lost")
         t.c.execute("INSERT INTO child VALUES (42)")
     assert e.value.code == "store.commit_failed"
     with store.tx() as t:
-        t.event("next", Actor.CUBELET)
+        t.event(MARK, Actor.CUBELET, reason="next")
     assert _kinds(store) == ["next"]
     store.close()

@@ -24,6 +24,7 @@ from cubeaccel.master.server import create_app as master_app
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.cold_start import cold_start_phases
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import Actor, DeviceEvent
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.transport.telemetry import REDACTED, configure_logging, log_fields, parse_level, set_request_id
@@ -145,7 +146,7 @@ def test_counters_come_from_committed_events_only_and_scrubs_are_timed(tmp_path:
     assert _samples(m.registry, "cubeaccel_device_quarantines_total") == {}
     with node.cubelet.store.tx() as t:
         t.transition(dev, DeviceEvent.QUARANTINE, Actor.OPERATOR, reason="operator.quarantine")
-        t.event("scrub_finished", Actor.CUBELET, device_id=dev.id, details={"ok": False, "duration_s": 1.5})
+        t.event(EventKind.SCRUB_FINISHED, Actor.CUBELET, device_id=dev.id, details={"ok": False, "duration_s": 1.5})
     quarantines = _samples(m.registry, "cubeaccel_device_quarantines_total")
     assert quarantines == {frozenset({("reason", "operator.quarantine")}): 1}
     scrubs = _samples(m.registry, "cubeaccel_scrub_duration_seconds_sum")

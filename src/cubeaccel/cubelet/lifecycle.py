@@ -46,6 +46,7 @@ from cubeaccel.model.contract import (
 )
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
@@ -218,7 +219,7 @@ class Cubelet(ReleasePath):
             )
             t.insert_reservation(res)
             t.event(
-                "reservation_created",
+                EventKind.RESERVATION_CREATED,
                 Actor.CUBELET,
                 sandbox_id=sandbox_id,
                 details={"device_ids": res.device_ids, "params": params.to_json()},
@@ -324,7 +325,7 @@ class Cubelet(ReleasePath):
             cur = self._reservation(t, sandbox_id)
             cur.checkpoint.network = net.to_json()
             t.update_reservation(cur)
-            t.event("network_applied", Actor.CUBELET, sandbox_id=sandbox_id, details=net.to_json())
+            t.event(EventKind.NETWORK_APPLIED, Actor.CUBELET, sandbox_id=sandbox_id, details=net.to_json())
         self.audit_host("network:apply", sandbox_id, netns=net.netns, egress=list(net.egress), veth=net.veth_cidr)
 
     def start(self, sandbox_id: str, token: str | None = None, warm_pool: str | None = None) -> Reservation | None:
@@ -364,7 +365,7 @@ class Cubelet(ReleasePath):
                 raise conflict("sandbox.releasing", f"sandbox {sandbox_id} is being released")
             if any(failed.values()):
                 t.event(
-                    "startup_failed",
+                    EventKind.STARTUP_FAILED,
                     Actor.CUBELET,
                     sandbox_id=sandbox_id,
                     reason="prepare.revalidation_failed",
@@ -539,7 +540,7 @@ class Cubelet(ReleasePath):
             warm = cp.warm_pool is not None and cp.claimed_at is None
             if ready:  # ready means ready: every device attached *and* validated in the guest
                 res.fire(RE.WARMED if warm else RE.READY)
-                t.event("sandbox_warm" if warm else "sandbox_running", Actor.CUBELET, sandbox_id=sid)
+                t.event(EventKind.SANDBOX_WARM if warm else EventKind.SANDBOX_RUNNING, Actor.CUBELET, sandbox_id=sid)
             t.update_reservation(res)
         if unconfined:  # the VMM gets no device: the start fails and what it holds goes through the release path
             self.begin_teardown(
@@ -564,7 +565,7 @@ class Cubelet(ReleasePath):
             # A late report from an earlier start (reused sandbox id), a forged one, or one for a
             # reservation no shim serves yet (not started: no nonce to match): evidence of nothing.
             t.event(
-                "shim_report_rejected",
+                EventKind.SHIM_REPORT_REJECTED,
                 Actor.SHIM,
                 sandbox_id=sid,
                 event=report.kind.value,
@@ -573,7 +574,7 @@ class Cubelet(ReleasePath):
             )
             return None
         details = report.details if res else {**report.details, "reservation": "closed"}
-        t.event("shim_report", Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
+        t.event(EventKind.SHIM_REPORT, Actor.SHIM, sandbox_id=sid, event=report.kind.value, details=details)
         return res
 
     def _unproven(self, kind: ShimReportKind, cp: ReservationCheckpoint) -> list[str]:
@@ -652,7 +653,7 @@ class Cubelet(ReleasePath):
             guest = GuestReport.from_json(raw)
         except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:  # the guest wrote it
             t.event(
-                "guest_checked",
+                EventKind.GUEST_CHECKED,
                 Actor.CUBELET,
                 sandbox_id=res.sandbox_id,
                 reason="guest.report_malformed",
@@ -664,7 +665,7 @@ class Cubelet(ReleasePath):
         else:
             violations = check_guest(contract, guest)
         t.event(
-            "guest_checked",
+            EventKind.GUEST_CHECKED,
             Actor.CUBELET,
             sandbox_id=res.sandbox_id,
             reason=violations[0].code if violations else None,

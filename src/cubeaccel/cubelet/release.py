@@ -36,6 +36,7 @@ from cubeaccel.host.pci.base import Holder
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.reset_ladder import ResetAttempt
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
@@ -106,7 +107,7 @@ def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: An
 class HostEvent:
     """A change to the sandbox's own host state (its files, its network), for the event trail."""
 
-    kind: str
+    kind: EventKind
     reason: str | None
     details: dict[str, Any]  # the event's details, as the trail keeps them
 
@@ -280,7 +281,7 @@ class ReleasePath:
             res.checkpoint.failure = failure
         t.update_reservation(res)
         t.event(
-            "teardown_started",
+            EventKind.TEARDOWN_STARTED,
             Actor.CUBELET,
             sandbox_id=res.sandbox_id,
             reason=reason,  # the teardown reason lives here, in the event trail
@@ -390,14 +391,14 @@ class ReleasePath:
                 return False
             for e in host_events:
                 t.event(e.kind, Actor.CUBELET, sandbox_id=sandbox_id, reason=e.reason, details=e.details)
-            if any(e.kind == "network_teardown_failed" for e in host_events):
+            if any(e.kind == EventKind.NETWORK_TEARDOWN_FAILED for e in host_events):
                 return False  # retried on the next pass: the reservation outlives its network until it is gone
             if any(d.state in TENANT_STATES for d in self._sandbox_devices(t, sandbox_id)):
                 return False
             if gone:
                 t.delete_reservation(sandbox_id)
                 t.event(  # `facts` is the checkpoint's wire name; CubeMaster reads the failure from it
-                    "reservation_closed",
+                    EventKind.RESERVATION_CLOSED,
                     Actor.CUBELET,
                     sandbox_id=sandbox_id,
                     details={"facts": cur.checkpoint.to_json()},
@@ -406,7 +407,7 @@ class ReleasePath:
             if give_up and not cur.checkpoint.vmm_survives:
                 cur.checkpoint.vmm_survives = True
                 t.event(
-                    "release_vmm_survives",
+                    EventKind.RELEASE_VMM_SURVIVES,
                     Actor.CUBELET,
                     sandbox_id=sandbox_id,
                     reason="release.vmm_not_exited",
@@ -432,15 +433,18 @@ class ReleasePath:
         sid = res.sandbox_id
         out: list[HostEvent] = []
         if removed := self.shim.release_files(res.shim_id):
-            out.append(HostEvent("sandbox_files_removed", None, {"files": removed}))
+            out.append(HostEvent(EventKind.SANDBOX_FILES_REMOVED, None, {"files": removed}))
         net = res.checkpoint.network
         if net is not None:
             try:
                 found = netpolicy.teardown(sid, node=self.config.node_name, uplink_netns=net.get("uplink_netns"))
             except CubeError as e:
-                return [*out, HostEvent("network_teardown_failed", "network.teardown_failed", {"message": e.message})]
+                return [
+                    *out,
+                    HostEvent(EventKind.NETWORK_TEARDOWN_FAILED, "network.teardown_failed", {"message": e.message}),
+                ]
             if found:
-                out.append(HostEvent("network_removed", None, {"netns": net.get("netns")}))
+                out.append(HostEvent(EventKind.NETWORK_REMOVED, None, {"netns": net.get("netns")}))
                 self.audit_host("network:teardown", sid, netns=net.get("netns"))
         return out
 
@@ -551,7 +555,7 @@ class ReleasePath:
         waiting.setdefault(d.id, []).append(hold.reason)
         t.update_reservation(res)
         t.event(
-            "release_waiting",
+            EventKind.RELEASE_WAITING,
             Actor.CUBELET,
             device_id=d.id,
             sandbox_id=sandbox_id,
@@ -587,7 +591,7 @@ class ReleasePath:
         policy = self.scrub_policy(d)
         with self.change() as t:
             t.event(
-                "scrub_started",
+                EventKind.SCRUB_STARTED,
                 Actor.CUBELET,
                 device_id=d.id,
                 sandbox_id=d.sandbox_id,  # the tenant whose leftovers are being cleared
@@ -629,7 +633,7 @@ class ReleasePath:
                 return  # an operator or reconcile decided meanwhile
             details = {"ok": o.ok, "duration_s": duration, "message": o.message, **o.details}
             details["reset_after"] = reset_after
-            t.event("scrub_finished", Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, details=details)
+            t.event(EventKind.SCRUB_FINISHED, Actor.CUBELET, device_id=d.id, sandbox_id=d.sandbox_id, details=details)
             if not o.ok:
                 t.transition(cur, E.QUARANTINE, Actor.CUBELET, reason=o.reason, details=details)
             elif unreturned:  # still openable by the scrub VM's uid: never handed to the next tenant
@@ -669,7 +673,7 @@ class ReleasePath:
         ]
         for sid in expired:
             with self.store.tx() as t:
-                t.event("reservation_expired", Actor.CUBELET, sandbox_id=sid, reason="reserve.expired")
+                t.event(EventKind.RESERVATION_EXPIRED, Actor.CUBELET, sandbox_id=sid, reason="reserve.expired")
             self.begin_teardown(sid, "reserve.expired", message="the reservation was never started")
         for r in self.store.reservations():  # every sandbox has a lifetime, also one created here directly
             started = r.checkpoint.started_at
@@ -677,7 +681,10 @@ class ReleasePath:
             if r.phase in (P.STARTING, P.RUNNING) and started is not None and now - started > lifetime:
                 with self.store.tx() as t:
                     t.event(
-                        "lifetime_expired", Actor.CUBELET, sandbox_id=r.sandbox_id, reason="sandbox.lifetime_expired"
+                        EventKind.LIFETIME_EXPIRED,
+                        Actor.CUBELET,
+                        sandbox_id=r.sandbox_id,
+                        reason="sandbox.lifetime_expired",
                     )
                 self.begin_teardown(r.sandbox_id, "sandbox.lifetime_expired", message=f"lived past {lifetime:g}s")
                 expired.append(r.sandbox_id)

@@ -27,6 +27,7 @@ from cubeaccel.model.device import (
     PciAddress,
 )
 from cubeaccel.model.errors import CubeError
+from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase, next_phase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
@@ -210,7 +211,7 @@ class Tx:
             ),
         )
         self.event(
-            "discovered",
+            EventKind.DISCOVERED,
             actor,
             device_id=d.device_id,
             to_state=DeviceState.INITIALIZED.value,
@@ -246,7 +247,7 @@ class Tx:
                 status=409,
             )
         self.event(
-            "transition",
+            EventKind.TRANSITION,
             actor,
             device_id=device.id,
             sandbox_id=new_sandbox or device.sandbox_id,
@@ -367,7 +368,7 @@ class Tx:
     # ---- events and meta ------------------------------------------------------------------------
     def event(
         self,
-        kind: str,
+        kind: EventKind,
         actor: Actor | str,
         *,
         device_id: str | None = None,
