@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
@@ -48,11 +48,11 @@ def bad_contract(message: str, **details: Any) -> CubeError:
     return CubeError("agent.invalid_contract", message, layer="template", details=details, status=422)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -73,11 +73,11 @@ def _str(value: object) -> str | None:
 
 
 def _int(value: object) -> int | None:
-    return value if _is_int(value) else None  # type: ignore[return-value]
+    return value if _is_int(value) else None
 
 
 def _num(value: object) -> float | None:
-    return value if _is_number(value) else None  # type: ignore[return-value]
+    return value if _is_number(value) else None
 
 
 def _strs(value: object) -> tuple[str, ...] | None:
