@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -247,57 +247,77 @@ class CubeletMetrics:
                 log.info(e.kind, extra={"fields": {"node": node, **_event_fields(e)}})
 
     def _count(self, e: Event) -> None:
-        kind, sid = e.kind, e.sandbox_id
-        if kind == EventKind.TRANSITION:
-            self.transitions.labels(e.event or "", e.actor, e.to_state or "").inc()
-            if e.to_state == DeviceState.QUARANTINED.value:
-                self.quarantines.labels(e.reason or "none").inc()
-            elif e.to_state == DeviceState.UNHEALTHY.value:
-                self.unhealthy.labels(e.reason or "none").inc()
-        elif kind == EventKind.RESERVATION_CREATED:
-            self.reservations.labels("created").inc()
-        elif kind == EventKind.RESERVATION_EXPIRED:
-            self.reservations.labels("expired").inc()
-        elif kind == EventKind.RELEASE_WAITING:
-            self.release_waits.labels(e.reason or "none").inc()
-        elif kind in (EventKind.SCRUB_STARTED, EventKind.SCRUB_FINISHED) and isinstance(
-            e.details.get("duration_s"), int | float
-        ):
-            cls = str(e.details.get("class") or self.classes.get(e.device_id or "", ""))
-            ok = e.details.get("ok")
-            self.observe_scrub(float(e.details["duration_s"]), cls, ok=ok if isinstance(ok, bool) else e.reason is None)
-        elif kind == EventKind.TEARDOWN_STARTED and sid is not None:
-            with self._lock:
-                self._teardowns[sid] = e.at
-                self._trails.pop(sid, None)
-            failure = e.details.get("failure")
-            if isinstance(failure, dict):
-                phase = str(failure.get("phase", ""))
-                self.failures.labels(str(failure.get("code", e.reason)), phase).inc()
-                if phase in STARTING_PHASES:
-                    self.starts.labels("failed").inc()
-        elif kind == EventKind.RESERVATION_CLOSED and sid is not None:
-            self.reservations.labels("closed").inc()
-            with self._lock:
-                began = self._teardowns.pop(sid, None)
-                self._trails.pop(sid, None)
-            if began is not None:
-                self.release.observe(max(0.0, e.at - began))
-        if sid is None or kind not in _MILESTONE_KINDS | {EventKind.RESERVATION_CREATED}:
+        """Each kind moves its own series (`_COUNTERS`); a start's milestones also build its cold-start trail."""
+        counter = _COUNTERS.get(e.kind)
+        if counter is not None:
+            counter(self, e)
+        if e.sandbox_id is not None and (e.kind in _MILESTONE_KINDS or e.kind == EventKind.RESERVATION_CREATED):
+            self._milestone(e.sandbox_id, e)
+
+    def _transition(self, e: Event) -> None:
+        self.transitions.labels(e.event or "", e.actor, e.to_state or "").inc()
+        if e.to_state == DeviceState.QUARANTINED.value:
+            self.quarantines.labels(e.reason or "none").inc()
+        elif e.to_state == DeviceState.UNHEALTHY.value:
+            self.unhealthy.labels(e.reason or "none").inc()
+
+    def _scrub(self, e: Event) -> None:
+        duration = e.details.get("duration_s")
+        if not isinstance(duration, int | float):
+            return
+        cls = str(e.details.get("class") or self.classes.get(e.device_id or "", ""))
+        ok = e.details.get("ok")
+        self.observe_scrub(float(duration), cls, ok=ok if isinstance(ok, bool) else e.reason is None)
+
+    def _teardown_started(self, e: Event) -> None:
+        if e.sandbox_id is None:
             return
         with self._lock:
-            if kind == EventKind.RESERVATION_CREATED:
+            self._teardowns[e.sandbox_id] = e.at
+            self._trails.pop(e.sandbox_id, None)
+        failure = e.details.get("failure")
+        if isinstance(failure, dict):
+            phase = str(failure.get("phase", ""))
+            self.failures.labels(str(failure.get("code", e.reason)), phase).inc()
+            if phase in STARTING_PHASES:
+                self.starts.labels("failed").inc()
+
+    def _reservation_closed(self, e: Event) -> None:
+        if e.sandbox_id is None:
+            return
+        self.reservations.labels("closed").inc()
+        with self._lock:
+            began = self._teardowns.pop(e.sandbox_id, None)
+            self._trails.pop(e.sandbox_id, None)
+        if began is not None:
+            self.release.observe(max(0.0, e.at - began))
+
+    def _milestone(self, sid: str, e: Event) -> None:
+        with self._lock:
+            if e.kind == EventKind.RESERVATION_CREATED:
                 self._trails[sid] = []
             trail = self._trails.get(sid)
             if trail is None:
                 return
-            trail.append((kind, e.event, e.at))
-            if kind != EventKind.SANDBOX_RUNNING:
+            trail.append((e.kind, e.event, e.at))
+            if e.kind != EventKind.SANDBOX_RUNNING:
                 return
             del self._trails[sid]
         self.starts.labels("running").inc()
         for phase, seconds in cold_start_phases(trail).items():
             self.cold_start.labels(phase).observe(seconds)
+
+
+_COUNTERS: dict[str, Callable[[CubeletMetrics, Event], None]] = {
+    EventKind.TRANSITION: CubeletMetrics._transition,
+    EventKind.RESERVATION_CREATED: lambda m, e: m.reservations.labels("created").inc(),
+    EventKind.RESERVATION_EXPIRED: lambda m, e: m.reservations.labels("expired").inc(),
+    EventKind.RELEASE_WAITING: lambda m, e: m.release_waits.labels(e.reason or "none").inc(),
+    EventKind.SCRUB_STARTED: CubeletMetrics._scrub,
+    EventKind.SCRUB_FINISHED: CubeletMetrics._scrub,
+    EventKind.TEARDOWN_STARTED: CubeletMetrics._teardown_started,
+    EventKind.RESERVATION_CLOSED: CubeletMetrics._reservation_closed,
+}
 
 
 def _event_fields(e: Event) -> dict[str, Any]:
