@@ -137,57 +137,12 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
         found = {d.device_id: d for d in discovered}
         for d in cubelet.store.devices():
-            if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
-                continue  # parked: an operator brings these back (transient quarantines: retry_quarantined)
-            missing = _presence_problem(d, found)
-            if missing is not None:
-                with cubelet.change() as t:
-                    cur = t.device(d.id)
-                    if cur is not None and cur.state is d.state:
-                        t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
-                _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
-                if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
-                    later.append(_teardown(cubelet, d.sandbox_id, missing))
-                continue
-            if d.state is S.ALLOCATABLE:
-                with cubelet.device_locks.hold(d.id):
-                    refused = cubelet.scrub_refusal(d)  # a policy made stricter across a restart: out, untouched
-                    problems = [refused] if refused is not None else cubelet.backend.validate(d)
-                    if problems:
-                        event, reason = problem_event(problems)
-                        with cubelet.change() as t:
-                            cur = t.device(d.id)
-                            applied = _unchanged(cur, d)
-                            if applied and cur is not None:
-                                record_problems(t, cur, problems)
-                        if applied:
-                            _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
-            elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
-                _check_tenant(cubelet, d, repairs, later)
+            _check_device(cubelet, d, found, repairs, later)
         validate_initialized(cubelet, discovered)
     for run in later:
         run()
-    for res in cubelet.store.reservations():
-        late = cubelet.shim.pending_reports(res.shim_id)
-        if late:
-            _record(
-                cubelet,
-                repairs,
-                Repair(
-                    None,
-                    res.sandbox_id,
-                    "replayed",
-                    f"{len(late)} shim report(s) undelivered while Cubelet was down",
-                ),
-            )
-            for report in late:
-                cubelet.handle_report(report)
-    for sid in cubelet.warm.unacknowledged():  # the journal says claimed, the shim never said so (docs/warm.md)
-        cubelet.begin_teardown(sid, "warm.claim_unacknowledged", message="the warm shim never acknowledged the claim")
-        repairs.append(Repair(None, sid, "failed", "warm.claim_unacknowledged"))
-    for sid in cubelet.warm.orphans():  # warm sandboxes of a pool not kept here: never claimable, never counted
-        cubelet.begin_teardown(sid, "warm.no_pool", message="no warm pool of this sandbox's shape is kept here")
-        repairs.append(Repair(None, sid, "failed", "warm.no_pool"))
+    _replay_reports(cubelet, repairs)
+    _end_warm_leftovers(cubelet, repairs)
     for res in cubelet.store.reservations():
         if res.phase is ReservationPhase.RELEASING:
             cubelet.try_release(res.sandbox_id)
@@ -201,6 +156,65 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
     backend_facts.persist(cubelet)
     _refresh_node_addresses(cubelet, repairs)
     return repairs
+
+
+def _check_device(
+    cubelet: Cubelet, d: DeviceRecord, found: dict[str, DiscoveredDevice], repairs: list[Repair], later: Later
+) -> None:
+    """One device against the host: gone from it, no longer valid while free, or held for a tenant."""
+    if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
+        return  # parked: an operator brings these back (transient quarantines: retry_quarantined)
+    missing = _presence_problem(d, found)
+    if missing is not None:
+        with cubelet.change() as t:
+            cur = t.device(d.id)
+            if cur is not None and cur.state is d.state:
+                t.transition(cur, E.HEALTH_FAILED, Actor.CUBELET, reason=missing)
+        _record(cubelet, repairs, Repair(d.id, d.sandbox_id, "unhealthy", missing))
+        if d.sandbox_id and cubelet.store.reservation(d.sandbox_id):
+            later.append(_teardown(cubelet, d.sandbox_id, missing))
+        return
+    if d.state is S.ALLOCATABLE:
+        _revalidate_free(cubelet, d, repairs)
+    elif d.state in (S.RESERVED, S.PREPARING, S.ATTACHED):
+        _check_tenant(cubelet, d, repairs, later)
+
+
+def _revalidate_free(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> None:
+    with cubelet.device_locks.hold(d.id):
+        refused = cubelet.scrub_refusal(d)  # a policy made stricter across a restart: out, untouched
+        problems = [refused] if refused is not None else cubelet.backend.validate(d)
+        if not problems:
+            return
+        event, reason = problem_event(problems)
+        with cubelet.change() as t:
+            cur = t.device(d.id)
+            applied = _unchanged(cur, d)
+            if applied and cur is not None:
+                record_problems(t, cur, problems)
+        if applied:
+            _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
+
+
+def _replay_reports(cubelet: Cubelet, repairs: list[Repair]) -> None:
+    """Shim reports that could not be delivered while the Cubelet was down, in the order they were written."""
+    for res in cubelet.store.reservations():
+        late = cubelet.shim.pending_reports(res.shim_id)
+        if not late:
+            continue
+        message = f"{len(late)} shim report(s) undelivered while Cubelet was down"
+        _record(cubelet, repairs, Repair(None, res.sandbox_id, "replayed", message))
+        for report in late:
+            cubelet.handle_report(report)
+
+
+def _end_warm_leftovers(cubelet: Cubelet, repairs: list[Repair]) -> None:
+    for sid in cubelet.warm.unacknowledged():  # the journal says claimed, the shim never said so (docs/warm.md)
+        cubelet.begin_teardown(sid, "warm.claim_unacknowledged", message="the warm shim never acknowledged the claim")
+        repairs.append(Repair(None, sid, "failed", "warm.claim_unacknowledged"))
+    for sid in cubelet.warm.orphans():  # warm sandboxes of a pool not kept here: never claimable, never counted
+        cubelet.begin_teardown(sid, "warm.no_pool", message="no warm pool of this sandbox's shape is kept here")
+        repairs.append(Repair(None, sid, "failed", "warm.no_pool"))
 
 
 def _refresh_node_addresses(cubelet: Cubelet, repairs: list[Repair]) -> None:
