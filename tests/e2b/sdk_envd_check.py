@@ -216,4 +216,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    # The verdict is printed; the SDK's HTTP runtime (Rust threads) was seen to abort once at interpreter
+    # teardown after an async stream (SIGABRT, after every check passed). Its teardown is not under test.
+    os._exit(code)

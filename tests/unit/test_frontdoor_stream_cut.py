@@ -18,10 +18,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from cubeaccel.frontdoor import envd
 from cubeaccel.frontdoor.envd import relayed
 from cubeaccel.frontdoor.serve import expose_client_sockets
 from tests.support.master_harness import free_port
 
+SERVER_LOG = "tests.hypercorn.error"
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\nTransfer-Encoding: chunked\r\n\r\n"
 
 
@@ -62,7 +64,7 @@ def front(request: pytest.FixtureRequest) -> Iterator[str]:
     cfg = Config()
     cfg.bind = [f"127.0.0.1:{port}"]
     cfg.accesslog = None
-    cfg.errorlog = logging.getLogger("tests.hypercorn.error")  # what the server says, for caplog
+    cfg.errorlog = logging.getLogger(SERVER_LOG)  # what the server says, for the test to read
     expose_client_sockets()
     loop = asyncio.new_event_loop()
     stop = asyncio.Event()
@@ -87,8 +89,34 @@ def front(request: pytest.FixtureRequest) -> Iterator[str]:
         upstream_sock.close()
 
 
-def test_a_stream_cut_upstream_is_a_reset_for_the_caller(front: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO)
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def logs() -> Iterator[Records]:
+    """The front door's and the server's records, straight from their loggers: another test's logging setup
+    may keep `cubeaccel` records from reaching the root logger (and caplog)."""
+    records = Records()
+    loggers = [logging.getLogger(name) for name in (envd.__name__, SERVER_LOG)]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+        lg.addHandler(records)
+    try:
+        yield records
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.removeHandler(records)
+            lg.setLevel(level)
+
+
+def test_a_stream_cut_upstream_is_a_reset_for_the_caller(front: str, logs: Records) -> None:
     got = bytearray()
     with pytest.raises(pyqwest.ReadError) as cut, pyqwest.SyncClient().stream("GET", f"{front}/stream") as r:
         for chunk in r.content:
@@ -96,6 +124,6 @@ def test_a_stream_cut_upstream_is_a_reset_for_the_caller(front: str, caplog: pyt
     assert bytes(got) == b"first"
     assert "reset" in str(cut.value).lower()
     # A designed cut is one line of the front door's, not the server's traceback of an app error.
-    cuts = [r for r in caplog.records if r.name == "cubeaccel.frontdoor" and "stream cut" in r.getMessage()]
+    cuts = [r for r in logs.records if r.name == envd.__name__ and "stream cut" in r.getMessage()]
     assert len(cuts) == 1 and "GET /stream" in cuts[0].getMessage()
-    assert not [r for r in caplog.records if r.name == "tests.hypercorn.error" and r.levelno >= logging.ERROR]
+    assert not [r for r in logs.records if r.name == SERVER_LOG and r.levelno >= logging.ERROR]

@@ -53,7 +53,7 @@ TRAFFIC_TOKEN_HEADER = "e2b-traffic-access-token"  # E2B's header for a sandbox'
 PORT_INVALID = "port.invalid"
 PORT_TOKEN_REQUIRED = "port.token_required"
 PORT_UPGRADE = "port.upgrade_unsupported"
-log = logging.getLogger("cubeaccel.frontdoor")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
