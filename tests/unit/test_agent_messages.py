@@ -536,3 +536,27 @@ def test_load_modules_reads_no_probe_flag_and_no_contract_when_it_names_its_modu
     with pytest.raises(CubeError) as bad:
         M.LoadModulesParams.from_json({"contract": 5})
     assert (bad.value.code, bad.value.message) == ("agent.invalid_contract", "contract must be a JSON object")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"method": "bar-memory", "address": ADDR, "resource": ["resource0"]}, "PCI address and resource0..5"),
+        ({"method": "bar", "address": ADDR, "layout": {"edu": 1}}, "PCI address and a known layout"),
+    ],
+)
+def test_a_scrub_resource_or_layout_that_is_not_text_is_refused_not_an_internal_error(
+    params: dict[str, Any], message: str
+) -> None:
+    """The dict code looked an unhashable value up in a frozenset: a TypeError, answered as agent.internal_error."""
+    line = json.dumps({"v": 1, "id": 1, "method": "scrub", "params": params})
+    reply = Agent(ctx=ProbeContext(root=Path("/nonexistent"))).handle_line(line.encode())
+    assert reply is not None and reply["error"]["code"] == "agent.invalid_params"
+    assert message in reply["error"]["message"]
+
+
+def test_a_probe_verdict_the_guest_got_wrong_reads_as_absent_in_load_modules_result() -> None:
+    """The dict code passed each entry to ProbeResult(**entry): a number or a missing field raised TypeError."""
+    good = asdict(PROBE)
+    result = M.LoadModulesResult.from_json({"ok": True, "probes": [1, {"name": "x"}, good, "p"]})
+    assert result.ok and result.probes == (PROBE,)

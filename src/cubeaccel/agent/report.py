@@ -101,6 +101,6 @@ def probe_reply(contract: dict[str, Any], spec: ProbeSpec, ctx: ProbeContext) ->
         failed=tuple(p.name for p in failed),
         failed_layers=tuple(sorted(layers)),
         report=report.to_json(),
-        violations=violations or [],
+        violations=list(violations or []),
         contract_check=status,
     )
