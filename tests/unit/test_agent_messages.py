@@ -28,7 +28,15 @@ from cubeaccel.model import agent_messages as M
 from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
 from cubeaccel.model.error_catalog import CATALOG
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, NvmlDevice, NvmlInfo, ProbeResult
+from cubeaccel.model.reports import (
+    CudaInfo,
+    GuestPciDevice,
+    GuestReport,
+    LibraryInfo,
+    NvmlDevice,
+    NvmlInfo,
+    ProbeResult,
+)
 from cubeaccel.shim.agent_client import AgentClient
 from tests.unit.test_agent_fakes import EDU, FakeGuest
 
@@ -484,7 +492,9 @@ reports = st.builds(
     st.lists(words, max_size=3).map(tuple),
     st.dictionaries(words, words, max_size=2),
     opt_words,
-    st.lists(pci_functions.map(lambda p: {k: str(v) for k, v in p.to_json().items()}), max_size=2).map(tuple),
+    st.lists(
+        pci_functions.map(lambda p: GuestPciDevice.from_json({k: str(v) for k, v in p.to_json().items()})), max_size=2
+    ).map(tuple),
     st.dictionaries(words, st.booleans(), max_size=2),
     opt_words,
     st.dictionaries(words, st.builds(LibraryInfo, st.booleans(), opt_words, opt_words, st.none() | words.filter(bool))),

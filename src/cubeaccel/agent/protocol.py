@@ -170,7 +170,7 @@ class Agent:
             pid=os.getpid(),
             uptime_s=round(time.monotonic() - self.started, 3),
             # What is there before any hot-plug: `wait_pci`'s `known` without a probe of its own.
-            pci_addresses=tuple(d["address"] for d in pci_devices(self.ctx)),
+            pci_addresses=tuple(d.address for d in pci_devices(self.ctx) if d.address is not None),
         )
 
     def _m_hello(self, params: Json) -> HelloResult:
