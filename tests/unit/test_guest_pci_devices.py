@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from cubeaccel.model.contract import check_guest
 from cubeaccel.model.guest_minimal import check_minimal
@@ -58,3 +60,21 @@ def test_an_entry_that_is_not_an_object_makes_the_report_malformed_as_it_did(ent
 def test_an_id_that_is_not_text_reads_as_not_reported(ids: dict[str, Any]) -> None:
     """The dict code judged str(1234) as hex 0x1234: a number is not what sysfs says, so it shows no device."""
     assert _not_visible(_report({"address": ADDR, **ids})) and not _not_visible(_report(AGENT_ENTRY))
+
+
+texts = st.text(max_size=8)
+json_values = st.none() | st.booleans() | st.integers() | texts | st.lists(texts, max_size=2)
+KEYS = ("address", "vendor_id", "device_id", "class")
+
+
+@given(entry=st.dictionaries(st.sampled_from(KEYS) | texts, json_values, max_size=6))
+def test_any_object_reads_as_a_record_and_its_text_fields_survive(entry: dict[str, Any]) -> None:
+    record = GuestPciDevice.from_json(entry)
+    assert record.to_json() == {k: v for k in KEYS if isinstance(v := entry.get(k), str)}
+    assert GuestPciDevice.from_json(json.loads(json.dumps(record.to_json()))) == record
+
+
+@given(values=st.tuples(texts, texts, texts, texts))
+def test_an_entry_as_the_agent_writes_it_is_the_same_bytes_after_reading(values: tuple[str, ...]) -> None:
+    entry = dict(zip(KEYS, values, strict=True))
+    assert json.dumps(_report(entry).to_json()["pci_devices"]) == json.dumps([entry])
