@@ -10,7 +10,7 @@ import pytest
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.model.contract import CompatibilityContract, freeze
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_params import parse_contract
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.templates import load_template
@@ -61,7 +61,7 @@ def test_guest_report_without_the_nvidia_driver_tears_the_sandbox_down(node: Nod
         agent_version=1,
         kernel_release="6.1.0-57-amd64",
         module_failures={"nvidia": "modprobe: FATAL: Module nvidia not found"},
-        pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "030200"},),
+        pci_devices=(GuestPciDevice("0000:01:00.0", "10de", "2330", "030200"),),
     )
     # Even a shim that claims success is judged again on the host.
     start_id = node.cubelet.store.reservation("sb").checkpoint.start_id  # type: ignore[union-attr]

@@ -10,7 +10,7 @@ from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.host.pci.simulated import Fault
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.master_api import StatusBody
 from tests.support.cubelet_harness import Node
@@ -488,7 +488,7 @@ def test_without_a_contract_the_device_must_still_be_seen_where_it_was_plugged(n
     elsewhere = GuestReport(
         1,
         "6.1.0",
-        pci_devices=({"address": "0000:02:00.0", "vendor_id": "10de", "device_id": "2330", "class": "0302"},),
+        pci_devices=(GuestPciDevice("0000:02:00.0", "10de", "2330", "0302"),),
     )
     report(ShimReportKind.GUEST_VALIDATED, report=elsewhere.to_json())
     assert [(s.phase, s.error and s.error.code, s.error and s.error.layer) for _, s in sent] == [

@@ -28,7 +28,7 @@ from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
 from cubeaccel.wire.shim_spec import ShimSpec
 from tests.support.cubelet_harness import Clock
@@ -141,7 +141,7 @@ class VfioNode:
         guest = GuestReport(
             1,
             "6.1.0",
-            pci_devices=({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "0302"},),
+            pci_devices=(GuestPciDevice("0000:01:00.0", "10de", "2330", "0302"),),
         )
         self.report(K.GUEST_VALIDATED, report=guest.to_json())
         assert self.state() is S.ATTACHED

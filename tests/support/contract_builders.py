@@ -12,7 +12,7 @@ import yaml
 
 from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, PciAddress, device_id_for
 from cubeaccel.model.profiles import labels_for
-from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, NvmlInfo
+from cubeaccel.model.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, NvmlInfo
 from cubeaccel.model.states import DeviceState
 from cubeaccel.model.template_spec import Template
 from cubeaccel.wire.templates import parse_template
@@ -88,12 +88,16 @@ def device(
 
 
 def report_from(fields: dict[str, Any]) -> GuestReport:
-    """A report built in memory; its typed records (libraries, cuda, nvml) read from the guest's JSON shapes. Other
-    fields stay as given, malformed too: the judge (`guest_checks._sane`) must survive them."""
+    """A report built in memory; its typed records (pci devices, libraries, cuda, nvml) read from the guest's JSON
+    shapes. Other fields stay as given, malformed too: the judge (`guest_checks._sane`) must survive them."""
     libs, cuda, nvml = fields.get("libraries", {}), fields.get("cuda"), fields.get("nvml")
     if isinstance(libs, dict):
         libs = {k: LibraryInfo.from_json(v) if isinstance(v, dict) else v for k, v in libs.items()}
+    pci = fields.get("pci_devices", ())
+    if isinstance(pci, list | tuple):
+        pci = tuple(GuestPciDevice.from_json(d) if isinstance(d, dict) else d for d in pci)
     typed = {
+        "pci_devices": pci,
         "libraries": libs,
         "cuda": CudaInfo.from_json(cuda) if isinstance(cuda, dict) else cuda,
         "nvml": NvmlInfo.from_json(nvml) if isinstance(nvml, dict) else nvml,

@@ -27,8 +27,8 @@ def guest(tmp_path: Path) -> FakeGuest:
 def test_a_function_already_known_is_never_the_new_one(tmp_path: Path) -> None:
     ctx = ProbeContext(root=guest(tmp_path).root)
     assert find_new(ctx, "1234", "11e8", frozenset(BOOT)) is None
-    reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=0.2).to_json()
-    assert reply["device"] is None and reply["waited_ms"] >= 200 and reply["uevents"] is False
+    reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=0.2)
+    assert reply.device is None and (reply.waited_ms or 0) >= 200 and reply.uevents is False
 
 
 def test_a_function_that_appears_while_waiting_is_answered_with_its_address(tmp_path: Path) -> None:
@@ -37,11 +37,16 @@ def test_a_function_that_appears_while_waiting_is_answered_with_its_address(tmp_
     plug = threading.Timer(0.15, lambda: g.pci("0000:01:00.0", "1234", "11e8"))
     plug.start()
     try:
-        reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=10).to_json()
+        reply = wait_pci(ctx, "1234", "11e8", frozenset(BOOT), timeout_s=10)
     finally:
         plug.join()
-    assert reply["device"] == {"address": "0000:01:00.0", "vendor_id": "1234", "device_id": "11e8", "class": "00ff00"}
-    assert 100 <= reply["waited_ms"] < 10_000
+    assert reply.to_json()["device"] == {
+        "address": "0000:01:00.0",
+        "vendor_id": "1234",
+        "device_id": "11e8",
+        "class": "00ff00",
+    }
+    assert 100 <= (reply.waited_ms or 0) < 10_000
 
 
 def test_another_vendor_device_appearing_does_not_end_the_wait(tmp_path: Path) -> None:
@@ -51,8 +56,10 @@ def test_another_vendor_device_appearing_does_not_end_the_wait(tmp_path: Path) -
 
 
 def test_hello_names_the_functions_present_and_offers_wait_pci(tmp_path: Path) -> None:
-    hello = Agent(ctx=ProbeContext(root=guest(tmp_path).root)).hello().to_json()
-    assert hello["pci_addresses"] == list(BOOT) and "wait_pci" in hello["methods"] and "wait_pci" in METHODS
+    hello = Agent(ctx=ProbeContext(root=guest(tmp_path).root)).hello()
+    assert (
+        hello.to_json()["pci_addresses"] == list(BOOT) and "wait_pci" in (hello.methods or ()) and "wait_pci" in METHODS
+    )
 
 
 @pytest.mark.parametrize(

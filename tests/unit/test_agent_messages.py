@@ -28,7 +28,15 @@ from cubeaccel.model import agent_messages as M
 from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
 from cubeaccel.model.error_catalog import CATALOG
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, NvmlDevice, NvmlInfo, ProbeResult
+from cubeaccel.model.reports import (
+    CudaInfo,
+    GuestPciDevice,
+    GuestReport,
+    LibraryInfo,
+    NvmlDevice,
+    NvmlInfo,
+    ProbeResult,
+)
 from cubeaccel.shim.agent_client import AgentClient
 from tests.unit.test_agent_fakes import EDU, FakeGuest
 
@@ -484,7 +492,9 @@ reports = st.builds(
     st.lists(words, max_size=3).map(tuple),
     st.dictionaries(words, words, max_size=2),
     opt_words,
-    st.lists(pci_functions.map(lambda p: {k: str(v) for k, v in p.to_json().items()}), max_size=2).map(tuple),
+    st.lists(
+        pci_functions.map(lambda p: GuestPciDevice.from_json({k: str(v) for k, v in p.to_json().items()})), max_size=2
+    ).map(tuple),
     st.dictionaries(words, st.booleans(), max_size=2),
     opt_words,
     st.dictionaries(words, st.builds(LibraryInfo, st.booleans(), opt_words, opt_words, st.none() | words.filter(bool))),
@@ -536,3 +546,27 @@ def test_load_modules_reads_no_probe_flag_and_no_contract_when_it_names_its_modu
     with pytest.raises(CubeError) as bad:
         M.LoadModulesParams.from_json({"contract": 5})
     assert (bad.value.code, bad.value.message) == ("agent.invalid_contract", "contract must be a JSON object")
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"method": "bar-memory", "address": ADDR, "resource": ["resource0"]}, "PCI address and resource0..5"),
+        ({"method": "bar", "address": ADDR, "layout": {"edu": 1}}, "PCI address and a known layout"),
+    ],
+)
+def test_a_scrub_resource_or_layout_that_is_not_text_is_refused_not_an_internal_error(
+    params: dict[str, Any], message: str
+) -> None:
+    """The dict code looked an unhashable value up in a frozenset: a TypeError, answered as agent.internal_error."""
+    line = json.dumps({"v": 1, "id": 1, "method": "scrub", "params": params})
+    reply = Agent(ctx=ProbeContext(root=Path("/nonexistent"))).handle_line(line.encode())
+    assert reply is not None and reply["error"]["code"] == "agent.invalid_params"
+    assert message in reply["error"]["message"]
+
+
+def test_a_probe_verdict_the_guest_got_wrong_reads_as_absent_in_load_modules_result() -> None:
+    """The dict code passed each entry to ProbeResult(**entry): a number or a missing field raised TypeError."""
+    good = asdict(PROBE)
+    result = M.LoadModulesResult.from_json({"ok": True, "probes": [1, {"name": "x"}, good, "p"]})
+    assert result.ok and result.probes == (PROBE,)

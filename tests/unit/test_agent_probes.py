@@ -16,7 +16,7 @@ from cubeaccel.agent.probes import ProbeContext, kernel_driver_version, pci_devi
 from cubeaccel.agent.report import build_report, probe_reply
 from cubeaccel.agent.spec import parse_spec, version_matches
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestReport, ProbeResult
+from cubeaccel.model.reports import GuestPciDevice, GuestReport, ProbeResult
 from tests.unit.test_agent_fakes import DRIVER_VERSION, EDU, FakeGuest
 
 NVIDIA_SPEC: dict[str, Any] = {
@@ -41,12 +41,13 @@ def test_edu_guest_reports_the_hotplugged_device_and_its_address(tmp_path: Path)
     probes = by_name(report)
     assert probes["pci"].ok and probes["pci"].found == "1234:11e8@0000:01:00.0"
     assert probes["guest_kernel"].ok and report.kernel_release == "6.1.0-27-amd64"
-    assert {
-        "address": "0000:01:00.0",
-        "vendor_id": "1234",
-        "device_id": "11e8",
-        "class": "00ff00",
-    } in report.pci_devices
+    assert GuestPciDevice("0000:01:00.0", "1234", "11e8", "00ff00") in report.pci_devices
+    assert json.dumps(report.to_json()["pci_devices"]) == json.dumps(  # the dict code's keys, in its order
+        [
+            {"address": "0000:00:00.0", "vendor_id": "8086", "device_id": "29c0", "class": "060000"},
+            {"address": "0000:01:00.0", "vendor_id": "1234", "device_id": "11e8", "class": "00ff00"},
+        ]
+    )
     assert all(p.duration_ms >= 0 for p in report.probes) and guest.root == tmp_path
 
 

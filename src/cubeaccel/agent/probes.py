@@ -19,7 +19,7 @@ from pathlib import Path
 
 from cubeaccel.agent.spec import ProbeSpec, version_matches
 from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
-from cubeaccel.model.reports import ProbeResult
+from cubeaccel.model.reports import GuestPciDevice, ProbeResult
 
 _NVRM = re.compile(r"Kernel Module(?: for [^\s]+)?\s+(\d+(?:\.\d+)+)")
 _MAX_ERROR_TEXT = 500
@@ -90,21 +90,19 @@ def loaded_modules(ctx: ProbeContext) -> tuple[str, ...]:
     return tuple(line.split()[0] for line in text.splitlines() if line.strip())
 
 
-def pci_devices(ctx: ProbeContext) -> tuple[dict[str, str], ...]:
+def pci_devices(ctx: ProbeContext) -> tuple[GuestPciDevice, ...]:
     """Every PCI function the guest kernel knows, straight from sysfs (no lspci parsing)."""
     base = ctx.path("/sys/bus/pci/devices")
     try:
         names = sorted(os.listdir(base))
     except OSError:
         return ()
-    out = []
-    for name in names:
-        fields = {"address": name}
-        for key, file in (("vendor_id", "vendor"), ("device_id", "device"), ("class", "class")):
-            raw = (_read(base / name / file) or "").strip().lower()
-            fields[key] = raw[2:] if raw.startswith("0x") else raw
-        out.append(fields)
-    return tuple(out)
+
+    def hex_of(name: str, file: str) -> str:
+        raw = (_read(base / name / file) or "").strip().lower()
+        return raw[2:] if raw.startswith("0x") else raw
+
+    return tuple(GuestPciDevice(n, hex_of(n, "vendor"), hex_of(n, "device"), hex_of(n, "class")) for n in names)
 
 
 def device_files(ctx: ProbeContext, paths: tuple[str, ...]) -> dict[str, bool]:
@@ -349,20 +347,16 @@ def check_modules(
     return results
 
 
-def check_pci(spec: ProbeSpec, devices: tuple[dict[str, str], ...]) -> ProbeResult:
+def check_pci(spec: ProbeSpec, devices: tuple[GuestPciDevice, ...]) -> ProbeResult:
     """Any one of the contract's vendor:device pairs must be in the guest's PCI tree; `found` names where."""
 
     def fn() -> Verdict:
         wanted = {(w.vendor_id, w.device_id) for w in spec.pci}
-        matches = [
-            f"{d['vendor_id']}:{d['device_id']}@{d['address']}"
-            for d in devices
-            if (d["vendor_id"], d["device_id"]) in wanted
-        ]
+        matches = [f"{d.vendor_id}:{d.device_id}@{d.address}" for d in devices if (d.vendor_id, d.device_id) in wanted]
         expected = " or ".join(w.label for w in spec.pci)
         if matches:
             return Verdict(True, expected=expected, found=",".join(matches))
-        seen = ",".join(sorted({f"{d['vendor_id']}:{d['device_id']}" for d in devices})) or None
+        seen = ",".join(sorted({f"{d.vendor_id}:{d.device_id}" for d in devices})) or None
         return Verdict(False, "compat.device_not_visible_in_guest", expected, seen, "hot-plug did not reach the guest")
 
     return timed("pci", "host_hardware", fn)

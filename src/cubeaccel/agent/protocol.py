@@ -18,7 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from cubeaccel.agent.hotplug import read_resource, wait_pci  # imported at start: in a template, before the snapshot
 from cubeaccel.agent.probes import ProbeContext, kernel_release, loaded_modules, pci_devices, run_modprobe
@@ -104,7 +104,7 @@ class LineFramer:
         self._buf, self._discarding, self._discarded = bytearray(), False, 0
 
 
-def reply_error(request_id: RequestId, err: CubeError) -> Json:
+def reply_error(request_id: RequestId, err: CubeError) -> dict[str, Any]:
     return Reply(request_id, error=err).to_json()
 
 
@@ -128,13 +128,13 @@ class Agent:
     """Dispatches requests; `stopping` is set by `shutdown` and read by the serve loop."""
 
     ctx: ProbeContext = field(default_factory=ProbeContext)
-    contract: Json | None = None  # default contract when `probe` carries none
+    contract: dict[str, object] | None = None  # default contract when `probe` carries none
     load_modules_default: bool = True
     started: float = field(default_factory=time.monotonic)
     stopping: bool = False
     poweroff_requested: bool = False
 
-    def handle_line(self, line: bytes) -> Json | None:
+    def handle_line(self, line: bytes) -> dict[str, Any] | None:
         """One request line → one reply (None for a blank line). Never raises."""
         if not line.strip():
             return None
@@ -170,13 +170,13 @@ class Agent:
             pid=os.getpid(),
             uptime_s=round(time.monotonic() - self.started, 3),
             # What is there before any hot-plug: `wait_pci`'s `known` without a probe of its own.
-            pci_addresses=tuple(d["address"] for d in pci_devices(self.ctx)),
+            pci_addresses=tuple(d.address for d in pci_devices(self.ctx) if d.address is not None),
         )
 
     def _m_hello(self, params: Json) -> HelloResult:
         return self.hello()
 
-    def _contract(self, contract: Json | None) -> Json:
+    def _contract(self, contract: dict[str, object] | None) -> dict[str, object]:
         found = contract if contract is not None else self.contract
         if found is None:
             raise bad_contract("no contract in the request and none configured with --contract")

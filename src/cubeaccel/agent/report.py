@@ -14,7 +14,7 @@ from cubeaccel.agent import probes
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.spec import ProbeSpec
 from cubeaccel.agent.userspace import Libraries, check_library, check_userspace_version, probe_cuda, probe_nvml
-from cubeaccel.model.agent_messages import ProbeReply
+from cubeaccel.model.agent_messages import Json, ProbeReply
 from cubeaccel.model.agent_protocol import AGENT_VERSION
 from cubeaccel.model.reports import GuestReport, ProbeResult
 
@@ -66,7 +66,7 @@ def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:
     )
 
 
-def contract_violations(contract: dict[str, Any], report: GuestReport) -> tuple[list[dict[str, Any]] | None, str]:
+def contract_violations(contract: Json, report: GuestReport) -> tuple[list[dict[str, Any]] | None, str]:
     """The contract's own `check_guest` on this report; never raises.
 
     Runs only for a whole frozen contract (`contract_version`) or template document (`apiVersion`):
@@ -90,7 +90,7 @@ def contract_violations(contract: dict[str, Any], report: GuestReport) -> tuple[
         return None, f"failed: {type(exc).__name__}: {exc}"[:500]
 
 
-def probe_reply(contract: dict[str, Any], spec: ProbeSpec, ctx: ProbeContext) -> ProbeReply:
+def probe_reply(contract: Json, spec: ProbeSpec, ctx: ProbeContext) -> ProbeReply:
     """What the `probe` method returns and `cube-agent probe --json` prints."""
     report = build_report(spec, ctx)
     violations, status = contract_violations(contract, report)
@@ -101,6 +101,6 @@ def probe_reply(contract: dict[str, Any], spec: ProbeSpec, ctx: ProbeContext) ->
         failed=tuple(p.name for p in failed),
         failed_layers=tuple(sorted(layers)),
         report=report.to_json(),
-        violations=violations or [],
+        violations=list(violations or []),
         contract_check=status,
     )

@@ -13,10 +13,10 @@ import select
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from cubeaccel.agent.protocol import DEFAULT_MAX_REQUEST_BYTES, Agent, LineFramer, encode, reply_error
-from cubeaccel.model.agent_messages import ReadyEvent
+from cubeaccel.model.agent_messages import Json, ReadyEvent
 from cubeaccel.model.errors import CubeError
 
 EOF_RETRY_S = 0.2  # poll interval while a virtio port's host side is away (EOF is always "readable")
@@ -109,7 +109,7 @@ def serve(agent: Agent, rfd: int, wfd: int, options: ServeOptions = ServeOptions
     return 0
 
 
-def _send(wfd: int, message: dict[str, Any]) -> None:
+def _send(wfd: int, message: Json) -> None:
     if not write_all(wfd, encode(message)):
         log(f"reply dropped (peer not reading): id={message.get('id')!r}")
 

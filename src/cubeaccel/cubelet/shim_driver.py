@@ -20,7 +20,7 @@ from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
-from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, ShimReport
+from cubeaccel.model.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, ShimReport
 from cubeaccel.wire.reports import (
     AttachFailed,
     DetachTimeout,
@@ -51,12 +51,7 @@ def simulated_guest_report(spec: ShimSpec) -> GuestReport:
     """The simulated guest is exactly what its contract asks for (there is no guest to disagree): the host-side
     judge still runs over it, so a wrong contract, device or address is caught as with a real guest."""
     pci = tuple(
-        {
-            "address": guest_address(i),
-            "vendor_id": f"{d.vendor_id:04x}",
-            "device_id": f"{d.device_id_hex:04x}",
-            "class": "0302",
-        }
+        GuestPciDevice(guest_address(i), f"{d.vendor_id:04x}", f"{d.device_id_hex:04x}", "0302")
         for i, d in enumerate(spec.devices)
     )
     if spec.contract is None:

@@ -15,6 +15,7 @@ cache speak to new shims and back (tests/unit/test_agent_messages.py holds the b
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -33,10 +34,10 @@ MAX_WAIT_S = 30.0
 MAX_ID_CHARS = 128
 
 RequestId = int | str | None
-Json = dict[str, Any]  # a JSON object as the stdlib decoder gives it
+Json = Mapping[str, object]  # a decoded JSON object, read field by field (a field is whatever the peer sent)
 
 
-def protocol_error(code: str, message: str, **details: Any) -> CubeError:
+def protocol_error(code: str, message: str, **details: object) -> CubeError:
     return CubeError(code, message, layer="agent", details=details, status=400)
 
 
@@ -44,7 +45,7 @@ def invalid_params(message: str) -> CubeError:
     return protocol_error("agent.invalid_params", message)
 
 
-def bad_contract(message: str, **details: Any) -> CubeError:
+def bad_contract(message: str, **details: object) -> CubeError:
     return CubeError("agent.invalid_contract", message, layer="template", details=details, status=422)
 
 
@@ -54,6 +55,15 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_object(value: object) -> TypeGuard[dict[str, object]]:
+    """A JSON object (the decoder's keys are always strings)."""
+    return isinstance(value, dict)
+
+
+def _is_list(value: object) -> TypeGuard[list[object]]:
+    return isinstance(value, list)
 
 
 def _flag(data: Json, key: str, default: bool) -> bool:
@@ -84,8 +94,26 @@ def _strs(value: object) -> tuple[str, ...] | None:
     return tuple(v for v in value if isinstance(v, str)) if isinstance(value, list | tuple) else None
 
 
-def _obj(value: object) -> Json:
-    return value if isinstance(value, dict) else {}
+def _obj(value: object) -> dict[str, object]:
+    return value if _is_object(value) else {}
+
+
+def _probe_result(value: object) -> ProbeResult | None:
+    """None unless an object with ProbeResult's fields (`ProbeResult.from_json` itself is strict)."""
+    if not _is_object(value):
+        return None
+    try:
+        return ProbeResult.from_json(value)
+    except TypeError:
+        return None
+
+
+def _addresses(value: object) -> tuple[str, ...] | None:
+    """None unless a list of at most MAX_KNOWN PCI addresses."""
+    if not _is_list(value) or len(value) > MAX_KNOWN:
+        return None
+    found = tuple(a for a in map(_address, value) if a is not None)
+    return found if len(found) == len(value) else None
 
 
 # ---- a PCI function as the guest kernel lists it ------------------------------------------------------------
@@ -109,7 +137,7 @@ class PciFunction:
     @classmethod
     def from_json(cls, data: object) -> PciFunction | None:
         """None unless address, vendor_id and device_id are strings (a guest's other shapes name no function)."""
-        if not isinstance(data, dict):
+        if not _is_object(data):
             return None
         address, vendor, device = data.get("address"), data.get("vendor_id"), data.get("device_id")
         if not (isinstance(address, str) and isinstance(vendor, str) and isinstance(device, str)):
@@ -134,7 +162,7 @@ class Request:
     method: str
     params: Json = field(default_factory=dict)
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {"v": PROTOCOL_VERSION, "id": self.id, "method": self.method, "params": self.params}
 
     @classmethod
@@ -151,7 +179,7 @@ class Request:
         if not isinstance(method, str) or method not in METHODS:
             raise protocol_error("agent.unknown_method", f"unknown method {str(method)[:64]!r}", methods=list(METHODS))
         params = data.get("params") or {}
-        if not isinstance(params, dict):
+        if not _is_object(params):
             raise invalid_params("params must be an object")
         return cls(rid, method, params)
 
@@ -169,7 +197,7 @@ class Reply:
     def ok(self) -> bool:
         return self.error is None
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, Any]:
         if self.error is not None:
             return {"v": PROTOCOL_VERSION, "id": self.id, "ok": False, **self.error.to_json()}
         return {"v": PROTOCOL_VERSION, "id": self.id, "ok": True, "result": self.result}
@@ -184,20 +212,20 @@ class ReplyError:
     details: Json | None
 
 
-def read_reply(data: Json) -> tuple[RequestId, Json | ReplyError | None]:
-    """A reply line from the guest: its id and its result object ({} when the result is not one), its error,
-    or None when it is neither (an unreadable error reply)."""
+def read_reply(data: Json) -> tuple[object, dict[str, object] | ReplyError | None]:
+    """A reply line from the guest: its id as sent (the caller compares it with its own), and its result object
+    ({} when the result is not one), its error, or None when it is neither (an unreadable error reply)."""
     rid = data.get("id")
     if data.get("ok") is True:
         return rid, _obj(data.get("result"))
     err = data.get("error")
-    if not isinstance(err, dict):
+    if not _is_object(err):
         return rid, None
     details = err.get("details")
     return rid, ReplyError(
         str(err.get("code", "agent.error"))[:100],
         str(err.get("message", ""))[:1000],
-        details if isinstance(details, dict) else None,
+        details if _is_object(details) else None,
     )
 
 
@@ -216,8 +244,8 @@ class HelloResult:
     uptime_s: float | None = None
     pci_addresses: tuple[str, ...] | None = None
 
-    def to_json(self) -> Json:
-        out: Json = {
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
             "agent_version": self.agent_version,
             "protocol": self.protocol,
             "methods": None if self.methods is None else list(self.methods),
@@ -248,7 +276,7 @@ class ReadyEvent:
 
     hello: HelloResult
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {"v": PROTOCOL_VERSION, "event": "ready", "result": self.hello.to_json()}
 
     @classmethod
@@ -256,12 +284,14 @@ class ReadyEvent:
         return cls(HelloResult.from_json(_obj(data.get("result"))))
 
 
-def _contract(data: Json) -> Json | None:
+def _contract(data: Json) -> dict[str, object] | None:
     """`contract` as sent (None: absent, the agent's default applies); an explicit null names none at all."""
     contract = data.get("contract")
     if "contract" in data and contract is None:
         raise bad_contract("no contract in the request and none configured with --contract")
-    if contract is not None and not isinstance(contract, dict):
+    if contract is None:
+        return None
+    if not _is_object(contract):
         raise bad_contract("contract must be a JSON object")
     return contract
 
@@ -272,11 +302,11 @@ class ProbeParams:
     """`contract`: a frozen contract, template document or probe spec (agent/spec.py reads all three); None:
     the agent's own default. `load_modules`: None lets the agent decide."""
 
-    contract: Json | None = None
+    contract: dict[str, object] | None = None  # free-form here: agent/spec.py reads it
     load_modules: bool | None = None
 
-    def to_json(self) -> Json:
-        out: Json = {} if self.contract is None else {"contract": self.contract}
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {} if self.contract is None else {"contract": self.contract}
         return out if self.load_modules is None else {**out, "load_modules": self.load_modules}
 
     @classmethod
@@ -293,11 +323,11 @@ class ProbeReply:
     ok: bool
     failed: tuple[str, ...] = ()
     failed_layers: tuple[str, ...] = ()
-    report: Json | None = None
-    violations: list[Any] | None = None
+    report: dict[str, object] | None = None
+    violations: list[object] | None = None
     contract_check: str | None = None
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "failed": list(self.failed),
@@ -314,15 +344,15 @@ class ProbeReply:
             ok=data.get("ok") is True,
             failed=_strs(data.get("failed")) or (),
             failed_layers=_strs(data.get("failed_layers")) or (),
-            report=report if isinstance(report, dict) else None,
-            violations=violations if isinstance(violations, list) else None,
+            report=report if _is_object(report) else None,
+            violations=violations if _is_list(violations) else None,
             contract_check=_str(data.get("contract_check")),
         )
 
     def pci_devices(self) -> list[PciFunction]:
         """The report's PCI functions, those that read as one."""
         devices = (self.report or {}).get("pci_devices")
-        found = (PciFunction.from_json(d) for d in devices) if isinstance(devices, list) else ()
+        found = (PciFunction.from_json(d) for d in devices) if _is_list(devices) else ()
         return [d for d in found if d is not None]
 
 
@@ -332,10 +362,10 @@ class LoadModulesParams:
     """`modules` is checked by the contract's own name rules (agent/spec.py); None: the contract's modules."""
 
     modules: object = None
-    contract: Json | None = None
+    contract: dict[str, object] | None = None
 
-    def to_json(self) -> Json:
-        out: Json = {} if self.modules is None else {"modules": self.modules}
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {} if self.modules is None else {"modules": self.modules}
         return out if self.contract is None else {**out, "contract": self.contract}
 
     @classmethod
@@ -351,7 +381,7 @@ class LoadModulesResult:
     modules_loaded: tuple[str, ...] = ()
     probes: tuple[ProbeResult, ...] = ()
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {
             "ok": self.ok,
             "failures": dict(self.failures),
@@ -361,15 +391,13 @@ class LoadModulesResult:
 
     @classmethod
     def from_json(cls, data: Json) -> LoadModulesResult:
-        failures = _obj(data.get("failures"))
         probes = data.get("probes")
+        found = (_probe_result(p) for p in probes) if _is_list(probes) else ()
         return cls(
             ok=data.get("ok") is True,
-            failures={k: str(v) for k, v in failures.items() if isinstance(k, str)},
+            failures={k: str(v) for k, v in _obj(data.get("failures")).items()},
             modules_loaded=_strs(data.get("modules_loaded")) or (),
-            probes=tuple(
-                p for p in (ProbeResult.from_json(x) for x in (probes if isinstance(probes, list) else ())) if p
-            ),
+            probes=tuple(p for p in found if p is not None),
         )
 
 
@@ -395,12 +423,12 @@ class ScrubParams:
         method, modules = data.get("method"), data.get("modules")
         if method == "bar-memory":
             address, resource = _address(data.get("address")), data.get("resource", "resource2")
-            if address is None or resource not in BAR_RESOURCES:
+            if address is None or not isinstance(resource, str) or resource not in BAR_RESOURCES:
                 raise invalid_params("scrub bar-memory needs a PCI address and resource0..5")
             return cls(method, modules, address=address, resource=resource)
         if method == "bar":
             address, layout = _address(data.get("address")), data.get("layout", "edu")
-            if address is None or layout not in SCRUB_LAYOUTS:
+            if address is None or not isinstance(layout, str) or layout not in SCRUB_LAYOUTS:
                 raise invalid_params("scrub bar needs a PCI address and a known layout")
             return cls(method, modules, address=address, layout=layout)
         if method == "cuda":
@@ -410,7 +438,7 @@ class ScrubParams:
     @classmethod
     def _cuda(cls, data: Json, modules: object) -> ScrubParams:
         max_bytes, index, timeout = data.get("max_bytes"), data.get("device", 0), data.get("timeout_s", 600.0)
-        if max_bytes is not None and (not _is_int(max_bytes) or max_bytes < 1):
+        if max_bytes is not None and not (_is_int(max_bytes) and max_bytes >= 1):
             raise invalid_params("max_bytes must be a positive integer or null")
         if not _is_int(index) or not 0 <= index < 64:
             raise invalid_params("device must be a CUDA device index")
@@ -429,7 +457,7 @@ class WaitPciParams:
     known: tuple[str, ...] = ()
     timeout_s: float = 10.0
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {
             "vendor_id": self.vendor_id,
             "device_id": self.device_id,
@@ -439,17 +467,17 @@ class WaitPciParams:
 
     @classmethod
     def from_json(cls, data: Json) -> WaitPciParams:
-        vendor, device, known = data.get("vendor_id"), data.get("device_id"), data.get("known", [])
+        vendor, device, known = data.get("vendor_id"), data.get("device_id"), _addresses(data.get("known", []))
         timeout = data.get("timeout_s", 10.0)
         if not (isinstance(vendor, str) and PCI_ID.fullmatch(vendor) and isinstance(device, str)) or not (
             PCI_ID.fullmatch(device)
         ):
             raise invalid_params("vendor_id and device_id must be 4 lower-case hex digits")
-        if not isinstance(known, list) or len(known) > MAX_KNOWN or not all(_address(a) for a in known):
+        if known is None:
             raise invalid_params(f"known must be a list of at most {MAX_KNOWN} PCI addresses")
         if not _is_number(timeout) or not 0 < timeout <= MAX_WAIT_S:
             raise invalid_params(f"timeout_s must be a number in (0, {MAX_WAIT_S:.0f}]")
-        return cls(vendor, device, tuple(known), float(timeout))
+        return cls(vendor, device, known, float(timeout))
 
 
 @dataclass(frozen=True)
@@ -458,7 +486,7 @@ class WaitPciResult:
     waited_ms: float | None = None
     uevents: bool | None = None  # whether the guest listened for the kernel's uevents at all
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         device = None if self.device is None else self.device.to_json()
         return {"device": device, "waited_ms": self.waited_ms, "uevents": self.uevents}
 
@@ -476,7 +504,7 @@ class WaitPciResult:
 class PciResourcesParams:
     address: str
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {"address": self.address}
 
     @classmethod
@@ -495,7 +523,7 @@ class PciResourcesResult:
     address: str | None
     resource: str | None
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {"address": self.address, "resource": self.resource}
 
     @classmethod
@@ -508,7 +536,7 @@ class PciResourcesResult:
 class ReseedParams:
     seed: str  # 64 lower-case hex digits
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {"seed": self.seed}
 
     @classmethod
@@ -528,11 +556,15 @@ class ReseedResult:
     crng_reseeded: bool | None = None
     why_not: str | None = None
 
-    def to_json(self) -> Json:
-        out: Json = {"mixed": self.mixed, "credited_bits": self.credited_bits, "crng_reseeded": self.crng_reseeded}
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "mixed": self.mixed,
+            "credited_bits": self.credited_bits,
+            "crng_reseeded": self.crng_reseeded,
+        }
         return out if self.why_not is None else {**out, "why_not": self.why_not}
 
-    def facts(self) -> Json:
+    def facts(self) -> dict[str, object]:
         """Every fact, a missing one as null: what the warm claim's report carries."""
         return {**self.to_json(), "why_not": self.why_not}
 
@@ -555,7 +587,7 @@ class ReseedResult:
 class ShutdownParams:
     poweroff: bool = False
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {"poweroff": self.poweroff}
 
     @classmethod
@@ -568,5 +600,5 @@ class ShutdownResult:
     stopping: bool
     poweroff: bool
 
-    def to_json(self) -> Json:
+    def to_json(self) -> dict[str, object]:
         return {"stopping": self.stopping, "poweroff": self.poweroff}

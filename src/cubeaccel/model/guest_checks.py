@@ -12,7 +12,7 @@ from typing import Any
 
 from cubeaccel.model.device import DeviceRecord, parse_hex_id
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import CudaInfo, GuestReport, LibraryInfo, NvmlInfo
+from cubeaccel.model.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, NvmlInfo
 from cubeaccel.model.template_spec import Template
 from cubeaccel.model.versions import CudaVersion
 from cubeaccel.model.violations import ContractViolation, Layer
@@ -53,7 +53,7 @@ def _sane(r: GuestReport) -> GuestReport:
         modules_loaded=tuple(m for m in seq(r.modules_loaded) if isinstance(m, str)),
         module_failures={k: str(v) for k, v in dict_of(r.module_failures).items() if isinstance(k, str)},
         driver_refusal=r.driver_refusal if isinstance(r.driver_refusal, str) else None,
-        pci_devices=tuple(d for d in seq(r.pci_devices) if isinstance(d, dict)),
+        pci_devices=tuple(d for d in seq(r.pci_devices) if isinstance(d, GuestPciDevice)),
         device_files={k: v is True for k, v in dict_of(r.device_files).items() if isinstance(k, str)},
         kernel_driver_version=r.kernel_driver_version if isinstance(r.kernel_driver_version, str) else None,
         libraries={k: v for k, v in dict_of(r.libraries).items() if isinstance(k, str) and isinstance(v, LibraryInfo)},
@@ -81,9 +81,9 @@ def _kernel(t: Template, r: GuestReport, _: DeviceRecord | None) -> Iterator[Con
         )
 
 
-def _pci_ids(entry: dict[str, str]) -> tuple[int, int] | None:
+def _pci_ids(entry: GuestPciDevice) -> tuple[int, int] | None:
     try:
-        return parse_hex_id(str(entry.get("vendor_id", ""))), parse_hex_id(str(entry.get("device_id", "")))
+        return parse_hex_id(entry.vendor_id or ""), parse_hex_id(entry.device_id or "")
     except CubeError:
         return None
 

@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.reports import GuestReport
+from cubeaccel.model.reports import GuestPciDevice, GuestReport
 from cubeaccel.model.violations import ContractViolation, Layer
 
 
 def _ids(entry: object) -> tuple[str, str, str] | None:
-    if not isinstance(entry, dict):
+    if not isinstance(entry, GuestPciDevice):
         return None
-    fields = (entry.get("address"), entry.get("vendor_id"), entry.get("device_id"))
-    if not all(isinstance(f, str) for f in fields):
+    address, vendor, device = entry.address, entry.vendor_id, entry.device_id
+    if address is None or vendor is None or device is None:
         return None
-    return str(fields[0]), str(fields[1]).lower(), str(fields[2]).lower()
+    return address, vendor.lower(), device.lower()
 
 
 def check_minimal(

@@ -6,6 +6,7 @@ speak exactly the same shapes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -208,6 +209,35 @@ class NvmlInfo:
         )
 
 
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class GuestPciDevice:
+    """One PCI function in the guest's report: sysfs's words, hex without 0x. Lenient (the guest wrote it): a
+    field missing or not text is None, left out of the JSON, and each host check skips an entry that lacks what it
+    needs (the contract's check only vendor:device, the check without a contract the address too)."""
+
+    address: str | None = None
+    vendor_id: str | None = None
+    device_id: str | None = None
+    class_: str | None = None
+
+    def to_json(self) -> dict[str, str]:
+        out = {"address": self.address, "vendor_id": self.vendor_id, "device_id": self.device_id, "class": self.class_}
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> GuestPciDevice:
+        return cls(
+            _text(data.get("address")),
+            _text(data.get("vendor_id")),
+            _text(data.get("device_id")),
+            _text(data.get("class")),
+        )
+
+
 def _items(value: object) -> list[tuple[object, object]]:
     """A JSON object's entries; `dict(x)` of anything else used to be a TypeError (report malformed)."""
     return list(dict(value).items())  # type: ignore[call-overload]
@@ -227,7 +257,7 @@ class GuestReport:
     module_failures: dict[str, str] = field(default_factory=dict)  # module → error text
     # The driver module was in modules.img, built for this kernel, and its own init refused: the kernel's words.
     driver_refusal: str | None = None
-    pci_devices: tuple[dict[str, str], ...] = ()  # {"address", "vendor_id", "device_id", "class"}
+    pci_devices: tuple[GuestPciDevice, ...] = ()
     device_files: dict[str, bool] = field(default_factory=dict)
     kernel_driver_version: str | None = None
     libraries: dict[str, LibraryInfo] = field(default_factory=dict)
@@ -242,7 +272,7 @@ class GuestReport:
             "modules_loaded": list(self.modules_loaded),
             "module_failures": dict(self.module_failures),
             "driver_refusal": self.driver_refusal,
-            "pci_devices": [dict(d) for d in self.pci_devices],
+            "pci_devices": [d.to_json() for d in self.pci_devices],
             "device_files": dict(self.device_files),
             "kernel_driver_version": self.kernel_driver_version,
             "libraries": {name: lib.to_json() for name, lib in self.libraries.items()},
@@ -259,7 +289,8 @@ class GuestReport:
             modules_loaded=tuple(data.get("modules_loaded", ())),
             module_failures=dict(data.get("module_failures", {})),
             driver_refusal=data.get("driver_refusal"),
-            pci_devices=tuple(dict(d) for d in data.get("pci_devices", ())),
+            # dict(): an entry that is not an object is a TypeError or ValueError (the report is malformed)
+            pci_devices=tuple(GuestPciDevice.from_json(dict(d)) for d in data.get("pci_devices", ())),
             device_files=dict(data.get("device_files", {})),
             kernel_driver_version=data.get("kernel_driver_version"),
             libraries={

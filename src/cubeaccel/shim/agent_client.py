@@ -14,7 +14,6 @@ import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.agent_messages import (
@@ -26,6 +25,7 @@ from cubeaccel.model.agent_messages import (
     ProbeParams,
     ProbeReply,
     ReadyEvent,
+    ReplyError,
     Request,
     ReseedParams,
     ReseedResult,
@@ -42,7 +42,7 @@ from cubeaccel.wire import json_guard
 MAX_REPLY = 4 << 20  # a guest is untrusted: a reply line larger than this ends the conversation
 
 
-def agent_error(code: str, message: str, layer: str = "guest_kernel", **details: Any) -> CubeError:
+def agent_error(code: str, message: str, layer: str = "guest_kernel", **details: object) -> CubeError:
     return CubeError(code=code, message=message, layer=layer, details=dict(details), status=500)
 
 
@@ -129,7 +129,7 @@ class AgentClient:
 
     def call(
         self, method: str, params: Json | None = None, timeout_s: float = 10.0, cancel_fd: int | None = None
-    ) -> Json:
+    ) -> dict[str, object]:
         """One request, its reply's `result` object (read with the method's result type); agent errors become
         CubeErrors with the agent's code and layer."""
         if self._sock is None:
@@ -146,10 +146,10 @@ class AgentClient:
             said, answer = read_reply(msg)
             if said != rid:
                 continue
-            if isinstance(answer, dict):
-                return answer
             if answer is None:
                 raise agent_error("agent.bad_reply", f"unreadable error reply to {method}", method=method)
+            if not isinstance(answer, ReplyError):
+                return answer
             code = answer.code if answer.code in GUEST_ERROR_CODES else "agent.error"  # never a host code from a guest
             raise agent_error(
                 code,
@@ -195,7 +195,7 @@ class AgentClient:
     def reseed(self, seed: str, timeout_s: float, cancel_fd: int | None = None) -> ReseedResult:
         return ReseedResult.from_json(self.call("reseed", ReseedParams(seed).to_json(), timeout_s, cancel_fd))
 
-    def scrub(self, params: Json, timeout_s: float, cancel_fd: int | None = None) -> Json:
+    def scrub(self, params: Json, timeout_s: float, cancel_fd: int | None = None) -> dict[str, object]:
         """The registry's parameters for the method, sent unchanged; the result is judged as wire ScrubReport."""
         return self.call("scrub", params, timeout_s, cancel_fd)
 

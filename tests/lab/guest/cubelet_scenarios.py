@@ -34,7 +34,7 @@ from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
-from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
+from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.shim_spec import ShimSpec
 
 K = ShimReportKind
@@ -135,8 +135,7 @@ def cubelet_cycle() -> dict[str, Any]:
         report(K.VM_STARTED, pid=vmm.pid)
         report(K.GUEST_READY)
         report(K.DEVICE_ATTACHED, guest_address="0000:01:00.0")
-        guest = GuestReport(1, "6.1.0", pci_devices=({"address": "0000:01:00.0", "vendor_id": "1234",
-                                                      "device_id": "11e8", "class": "00ff"},))  # fmt: skip
+        guest = GuestReport(1, "6.1.0", pci_devices=(GuestPciDevice("0000:01:00.0", "1234", "11e8", "00ff"),))
         report(K.GUEST_VALIDATED, report=guest.to_json())
         out["attached"] = state()
         out["holders_attached"] = holders(RP)
