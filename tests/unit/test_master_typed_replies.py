@@ -183,3 +183,10 @@ def test_a_malformed_ledger_is_refused_when_the_heartbeat_arrives(ledger: dict[s
     with pytest.raises(CubeError) as e:
         view_from_heartbeat(heartbeat("n", group(H100, 1), pinned=ledger), 1000.0)
     assert e.value.code == "node.invalid_heartbeat" and where in e.value.message
+
+
+def test_a_stored_entry_without_class_or_count_reads_with_the_parsers_defaults_and_stays_as_stored() -> None:
+    row = {"accelerators": [{"alternatives": [{"class": "gpu", "count": 1}]}]}
+    shown = W.SandboxRequest.model_validate(row)
+    assert (shown.accelerators[0].accel_class, shown.accelerators[0].count) == ("gpu", 1)
+    assert shown.model_dump(mode="json") == row and json.loads(dumped(shown)) == row

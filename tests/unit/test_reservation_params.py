@@ -384,3 +384,11 @@ def test_a_client_reads_the_params_by_attribute_and_refuses_a_malformed_one_by_n
     with pytest.raises(ValidationError) as e:
         W.ReservationParamsShown.model_validate(bad)
     assert [err["loc"] for err in e.value.errors()] == [("count",)]
+
+
+def test_an_older_cubelets_params_read_with_the_defaults_it_meant_and_serve_as_they_came() -> None:
+    older = {"class": "gpu", "count": 2, "labels": {}, "memory_mib": 1024, "template": None}  # no vcpus, contract…
+    shown = W.ReservationParamsShown.model_validate(older)
+    assert (shown.vcpus, shown.pin_memory, shown.contract, shown.lifetime_s) == (1, True, None, None)
+    assert json.dumps(shown.model_dump(mode="json", by_alias=True)) == json.dumps(older)
+    assert "class" not in W.ReservationParamsShown.model_validate({"count": 1}).model_dump(by_alias=True)

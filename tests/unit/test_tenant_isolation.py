@@ -24,7 +24,7 @@ from tests.support.master_builders import sandbox_row
 from tests.support.stored_rows import stored_state
 
 SECRET = "sk-live-0123456789abcdef"
-REQUEST = {"template": None, "accelerators": [{"class": "gpu", "count": 1}]}  # as a create stores it
+REQUEST = {"template": None, "accelerators": [{"alternatives": [{"class": "gpu", "count": 1}]}]}
 
 
 class Stack:

@@ -114,8 +114,13 @@ class Reply(Record):
 
 def _leave_out_unset(self: BaseModel, handler: SerializerFunctionWrapHandler) -> Any:
     out = handler(self)
-    unset = set(type(self).model_fields) - self.model_fields_set  # an aliased Sparse field must be required
-    return {k: v for k, v in out.items() if k not in unset} if isinstance(out, dict) else out
+    if not isinstance(out, dict):
+        return out
+    fields = type(self).model_fields
+    unset = {  # by name or by alias, however it was dumped
+        key for name in fields.keys() - self.model_fields_set for key in (name, fields[name].serialization_alias)
+    }
+    return {k: v for k, v in out.items() if k not in unset}
 
 
 # Without a declared return type the serializer leaves the model's own fields as its JSON schema: `Any` would

@@ -253,19 +253,20 @@ class EffectiveNetwork(Sparse):
 class ReservationParamsShown(Sparse):
     """The reservation request as the Cubelet stored it (model/reservation_params.ReservationParams). Fields are
     in sorted order, as the journal's row is; `network` and `tenant` are absent when unset. The frozen contract
-    stays the JSON it arrived as: the Cubelet and the shim parse it where they use it, CubeMaster never does."""
+    stays the JSON it arrived as: the Cubelet and the shim parse it where they use it, CubeMaster never does.
+    The defaults are `ReservationParams`'s, for a field an older Cubelet's row did not hold."""
 
-    accel_class: str | None = Field(alias="class")  # required, so never left out as unset (`Sparse`)
-    contract: dict[str, Any] | None  # model/reservation_params.CarriedContract, as carried
-    count: int
-    labels: dict[str, str]
-    lifetime_s: int | float | None  # as stored: an int stays one
-    memory_mib: int
+    accel_class: str | None = Field(default=None, alias="class")
+    contract: dict[str, Any] | None = None  # model/reservation_params.CarriedContract, as carried
+    count: int = 1
+    labels: dict[str, str] = {}
+    lifetime_s: int | float | None = None  # as stored: an int stays one
+    memory_mib: int = 512
     network: EffectiveNetwork | None = None
-    pin_memory: bool
-    template: str | None
+    pin_memory: bool = True
+    template: str | None = None
     tenant: str | None = None
-    vcpus: int
+    vcpus: int = 1
 
     @classmethod
     def of(cls, p: ReservationParams) -> ReservationParamsShown:

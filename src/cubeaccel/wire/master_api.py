@@ -249,8 +249,10 @@ class AcceleratorChoiceShown(Sparse):
 
     model_config = ConfigDict(serialize_by_alias=True)  # `class` in the stored row, whoever dumps it
 
-    accel_class: str = ClassField  # required, so never left out as unset (`Sparse`)
-    count: int
+    accel_class: str = Field(  # model/request.parse_accelerators's defaults, for a row without them
+        default="gpu", validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class"
+    )
+    count: int = 1
     selector: str | None = None  # CEL over the device's labels
     model: str | None = None  # a model label, exact or as a `MODEL-` prefix
 
