@@ -9,12 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
+from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from cubeaccel.master.auth import Auth
+from cubeaccel.master import schema as S
+from cubeaccel.master.auth import ADMIN
 from cubeaccel.master.records import Quota
+from cubeaccel.master.server import create_app
+from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import view_from_heartbeat
 from cubeaccel.model.errors import CubeError
@@ -62,20 +67,25 @@ def test_a_quota_is_served_as_the_stored_row(quota: Quota, dropped: set[str]) ->
     assert shown.max_sandboxes == row.get("max_sandboxes") and shown.max_lifetime_s == row.get("max_lifetime_s")
 
 
-def test_the_tenant_list_serves_each_quota_typed_and_as_stored(tmp_path: Path) -> None:
-    store = MasterStore(str(tmp_path / "m.db"))
+def test_the_tenant_list_serves_each_quota_as_stored(tmp_path: Path) -> None:
+    master = CubeMaster(MasterStore(str(tmp_path / "m.db")))
     try:
-        auth = Auth(store)
-        auth.create_tenant("acme", Quota(2, {"gpu": 4}, 8192, 3600.0, None))
-        auth.create_tenant("zed", Quota())
-        rows = auth.tenants()
-        assert [dumped(r.quota) for r in rows] == [
-            json.dumps(Quota(2, {"gpu": 4}, 8192, 3600.0, None).to_json()),
-            json.dumps(Quota().to_json()),
-        ]
-        assert rows[0].quota.max_accelerators == {"gpu": 4} and rows[1].quota.max_sandboxes is None
+        _, admin = master.auth.create_key(ADMIN)
+        api = TestClient(create_app(master))
+        auth = {"Authorization": f"Bearer {admin}"}
+        quota = {"max_sandboxes": 2, "max_accelerators": {"gpu": 4}, "max_lifetime_s": 3600}
+        assert api.post("/v1/tenants", json={"name": "acme", "quota": quota}, headers=auth).status_code == 201
+        master.auth.create_tenant("zed", Quota())
+        with master.store.tx() as c:  # a row written before `default_lifetime_s` existed
+            c.execute(sa.update(S.tenants).where(S.tenants.c.name == "zed").values(quota={"max_sandboxes": None}))
+        text = api.get("/v1/tenants", headers=auth).text
+        served = [t["quota"] for t in json.loads(text)["tenants"]]
+        assert served == [Quota.from_json(quota).to_json(), {"max_sandboxes": None}]
+        assert json.dumps(served[0]) == json.dumps(Quota(2, {"gpu": 4}, None, 3600.0, None).to_json())
+        rows = master.auth.tenants()
+        assert rows[0].quota.max_accelerators == {"gpu": 4} and rows[0].quota.max_lifetime_s == 3600.0
     finally:
-        store.close()
+        master.store.close()
 
 
 # ---- a create's accelerator request: stored and served as `AcceleratorRequest.to_json` wrote it ----
