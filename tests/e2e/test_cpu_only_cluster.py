@@ -33,7 +33,7 @@ def test_a_cpu_only_sandbox_takes_no_device_and_its_release_completes(cl: Cluste
     cub = cl.cubelets["full"].client
     held = cub.reservation("cpu-1")
     assert held.reservation is not None and held.reservation.device_ids == [] and held.devices == []
-    poll(lambda: "cpu-1" in node(cl, "full").pinned_memory["sandboxes"], 20, what="the ledger charges it")
+    poll(lambda: "cpu-1" in (node(cl, "full").pinned_memory.sandboxes or {}), 20, what="the ledger charges it")
     assert {n: node(cl, n).allocatable for n in PROFILES} == before
     cursor = max((e.seq for e in cub.events(limit=10000).events), default=0)
     cl.c.delete("cpu-1")

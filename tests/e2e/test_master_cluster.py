@@ -182,7 +182,7 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
     assert on_fake() == "host_not_ready"
     assert on_fake(ready=True, host_problems=[], max_devices_per_sandbox=4) == "device_limit"
     assert on_fake(max_devices_per_sandbox=None) == "kernel_incompatible"
-    h100 = next(i for i in c.c.nodes() if i.node == "n1").guest_images[0]  # the guest cuda12-h100 pins
+    h100 = next(i for i in c.c.nodes() if i.node == "n1").guest_images[0].model_dump()  # the guest cuda12-h100 pins
     assert on_fake(guest_images=[{**h100, "modules_img_digest": guest["modules_img_digest"]}]) == "modules_img_missing"
     assert on_fake(guest_images=[{**h100, "digest": guest["digest"]}]) == "image_missing"
     assert on_fake(hotplug=[]) == "hotplug_unsupported"

@@ -147,15 +147,13 @@ def test_sandboxes_against_100_gib_lockable_are_refused_at_pinned_memory_through
         assert e.code == "schedule.unschedulable", (e.code, e.message, e.details)
         assert e.details["tried"][0]["reasons"] == {"pinned_memory": 1}
         assert "pinned_memory" in e.details["tried"][0]["nodes"]["n100"]["detail"]
-        node = poll(lambda: (n := _node(master, "n100")) and n.pinned_memory["locked_mib"] > 0 and n)
-        assert node.pinned_memory["lockable_mib"] == 100 * GIB
+        node = poll(lambda: n if (n := _node(master, "n100")) and (n.pinned_memory.locked_mib or 0) > 0 else None)
+        assert node.pinned_memory.lockable_mib == 100 * GIB
         for s in created:  # whatever state each has reached: "running" only would leave a starting one holding 40 GiB
             master.client.delete(s.id)
         poll(
             lambda: (
-                (n := _node(master, "n100"))
-                and n.pinned_memory["locked_mib"] == 0
-                and n.pinned_memory["claimed_mib"] == 0
+                (n := _node(master, "n100")) and n.pinned_memory.locked_mib == 0 and n.pinned_memory.claimed_mib == 0
             )
         )
         assert master.client.create({"gpu": "H100:1", "template": "h100-64g"}).node == "n100"

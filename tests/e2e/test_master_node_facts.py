@@ -30,8 +30,8 @@ def pinned_to(name: str, image: dict[str, Any]) -> dict[str, Any]:
 
 def test_each_node_reports_the_guest_images_it_holds(c: Cluster) -> None:
     nodes = {n.node: n for n in c.c.nodes()}
-    assert nodes["b"].guest_images == [K99]
-    assert "6.1.0-57-amd64" in {i["kernel_release"] for i in nodes["a"].guest_images}
+    assert [i.model_dump(mode="json") for i in nodes["b"].guest_images] == [K99]
+    assert "6.1.0-57-amd64" in {i.kernel_release for i in nodes["a"].guest_images}
     assert nodes["a"].hotplug == nodes["b"].hotplug == ["pcie-root-port-acpi"]
 
 

@@ -16,10 +16,11 @@ from cubeaccel.wire import master_api as W
 
 text = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=12)
 scalar = st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.floats(allow_nan=False, allow_infinity=False)
+CHOICE_KEYS = ("class", "count", "selector", "model")  # in the order `AcceleratorChoice.to_json` writes them
 choice = st.fixed_dictionaries(
     {"class": st.sampled_from(["gpu", "accelerator", "none"]), "count": st.integers(0, 8)},
     optional={"selector": text, "model": text},
-)
+).map(lambda c: {k: c[k] for k in CHOICE_KEYS if k in c})  # Hypothesis shuffles a dict's keys
 accelerators = choice.flatmap(
     lambda c: st.one_of(st.just(c), st.lists(choice, min_size=1, max_size=2).map(lambda a: {**c, "alternatives": a}))
 )

@@ -17,8 +17,9 @@ from cubeaccel.master.view import group_key
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationPhase
-from cubeaccel.wire.cubelet_api import Checkpoint, Reservation, ReservationBody, ReservationView
+from cubeaccel.wire.cubelet_api import Checkpoint, Reservation, ReservationBody, ReservationParamsShown, ReservationView
 from tests.support.contract_builders import example_doc
 from tests.support.master_builders import group, heartbeat, sandbox_row
 from tests.support.poll import poll
@@ -35,7 +36,7 @@ class Cubelet:
             sandbox_id=sid,
             reservation=Reservation(
                 sandbox_id=sid,
-                params={},
+                params=ReservationParamsShown.of(ReservationParams()),
                 device_ids=[f"dev-{sid}"],
                 phase=ReservationPhase.RUNNING,
                 created_at=time.time(),

@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.server import create_app
@@ -21,6 +22,7 @@ from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.transport.cubelet_client import _sent
+from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire.cubelet_api import ReservationBody
 from cubeaccel.wire.templates import load_template
 from tests.support.cubelet_harness import Node
@@ -305,3 +307,88 @@ def test_a_network_narrowing_without_a_contract_is_still_refused_by_the_cubelet(
     _, client, _ = http
     r = client.post("/v1/reservations", json={"sandbox_id": "sb", "network": {"mode": "none"}})
     assert r.status_code == 422 and r.json()["error"]["code"] == "network.policy_widened"
+
+
+# ---- the params as the Cubelet serves them: typed, and the JSON the dict reply gave, byte for byte ----
+
+NETWORKS = [
+    None,
+    {"mode": "none"},
+    {"mode": "allowlist", "egress": ["1.2.3.0/24:443/tcp"]},
+    {"mode": "allowlist", "egress": ["10.0.0.0/8:53/udp", "1.2.3.4/32:443/tcp"]},
+]
+
+
+def served(params: ReservationParams) -> str:
+    """The params as a reply carries them (FastAPI dumps replies by alias)."""
+    return json.dumps(W.ReservationParamsShown.of(params).model_dump(mode="json", by_alias=True))
+
+
+@pytest.mark.parametrize("row", OLD_ROWS, ids=range(len(OLD_ROWS)))
+def test_the_served_params_are_the_stored_row_byte_for_byte(row: dict[str, Any]) -> None:
+    params = ReservationParams.from_json(json.loads(stored(row)))
+    assert served(params) == json.dumps(params.as_stored()) == json.dumps(json.loads(stored(row)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    count=st.integers(0, 64),
+    accel_class=st.none() | st.sampled_from(["gpu", "accelerator"]),
+    labels=st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=8), max_size=3),
+    memory=st.integers(64, 1 << 20),
+    pin=st.booleans(),
+    lifetime=st.none() | st.floats(0.001, 31 * 86400) | st.integers(1, 86400),
+    tenant=st.none() | st.text(min_size=1, max_size=12),
+    contract=st.sampled_from([None, H100, TOOL]),
+    network=st.sampled_from(NETWORKS),
+)
+def test_any_params_are_served_as_the_dict_reply_served_them_and_read_back(
+    count: int,
+    accel_class: str | None,
+    labels: dict[str, str],
+    memory: int,
+    pin: bool,
+    lifetime: float | None,
+    tenant: str | None,
+    contract: CompatibilityContract | None,
+    network: dict[str, Any] | None,
+) -> None:
+    req = {
+        "count": count,
+        "class": accel_class,
+        "labels": labels,
+        "memory_mib": memory,
+        "pin_memory": pin,
+        "lifetime_s": lifetime,
+        "tenant": tenant,
+        "network": network,
+        "contract": None if contract is None else contract.to_json(),
+    }
+    params = ReservationParams.from_json(old_params(req))
+    old = json.dumps(params.as_stored())  # what `Reservation.params` served as a dict
+    assert served(params) == old
+    shown = W.ReservationParamsShown.model_validate_json(old)  # what a client reads
+    assert json.dumps(shown.model_dump(mode="json", by_alias=True)) == old
+    assert (shown.count, shown.accel_class, shown.tenant, shown.lifetime_s) == (count, accel_class, tenant, lifetime)
+    assert (shown.network is None) == (params.network is None)
+    if shown.network is not None and params.network is not None:
+        assert shown.network.model_dump(mode="json") == json.loads(json.dumps(params.network.to_json(), sort_keys=True))
+
+
+def test_a_client_reads_the_params_by_attribute_and_refuses_a_malformed_one_by_name() -> None:
+    params = ReservationParams.from_json(OLD_ROWS[4])
+    shown = W.ReservationParamsShown.of(params)
+    assert shown.network is not None and shown.network.mode == "allowlist"
+    assert shown.network.egress == ["1.2.3.0/24:443/tcp"] and shown.contract == TOOL.to_json()
+    bad = {**params.as_stored(), "count": "two"}
+    with pytest.raises(ValidationError) as e:
+        W.ReservationParamsShown.model_validate(bad)
+    assert [err["loc"] for err in e.value.errors()] == [("count",)]
+
+
+def test_an_older_cubelets_params_read_with_the_defaults_it_meant_and_serve_as_they_came() -> None:
+    older = {"class": "gpu", "count": 2, "labels": {}, "memory_mib": 1024, "template": None}  # no vcpus, contract…
+    shown = W.ReservationParamsShown.model_validate(older)
+    assert (shown.vcpus, shown.pin_memory, shown.contract, shown.lifetime_s) == (1, True, None, None)
+    assert json.dumps(shown.model_dump(mode="json", by_alias=True)) == json.dumps(older)
+    assert "class" not in W.ReservationParamsShown.model_validate({"count": 1}).model_dump(by_alias=True)

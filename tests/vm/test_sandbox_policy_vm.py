@@ -133,7 +133,7 @@ def test_a_closed_sandbox_has_no_network_interface_but_lo(stack: dict[str, Any])
     assert r.returncode == 0 and r.stdout.split() == [b"lo"], r.stderr
     assert probe(stack, "closed", f"{ALLOWED}:{PORT}") == {f"{ALLOWED}:{PORT}": "OSError"}  # ENETUNREACH
     res = stack["cubelet"].client.reservation(stack["closed"].id).reservation
-    assert res.facts.network is None and "network" not in res.params
+    assert res.facts.network is None and res.params.network is None
 
 
 def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: dict[str, Any]) -> None:
@@ -161,10 +161,11 @@ def test_the_allowlisted_guest_reaches_only_the_allowed_address_and_port(stack: 
 def test_the_policy_is_recorded_shown_and_audited(stack: dict[str, Any]) -> None:
     sid = stack["tool"].id
     res = stack["cubelet"].client.reservation(sid).reservation
-    assert res.params["network"] == {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{PORT}/tcp"]}
+    assert res.params.network is not None
+    assert (res.params.network.mode, res.params.network.egress) == ("allowlist", [f"{ALLOWED}/32:{PORT}/tcp"])
     assert res.facts.network["netns"] == f"cube-{sid}"
     shown = stack["master"].client.sandbox(sid)
-    assert shown.request.network_policy == res.params["network"]
+    assert shown.request.network_policy == res.params.network.model_dump(mode="json")
     audit = [json.loads(x) for x in (stack["base"] / "cubelet" / "audit.jsonl").read_text().splitlines()]
     applied = [e for e in audit if e.get("action") == "network:apply" and e.get("target") == sid]
     assert applied and applied[0]["egress"] == [f"{ALLOWED}/32:{PORT}/tcp"]

@@ -401,7 +401,7 @@ def _view(res: Reservation, local: bool) -> W.Reservation:
     facts = W.LocalCheckpoint.of(res.checkpoint) if local else W.Checkpoint.of(res.checkpoint)
     return W.Reservation(
         sandbox_id=res.sandbox_id,
-        params=res.params.as_stored(),
+        params=W.ReservationParamsShown.of(res.params),
         device_ids=res.device_ids,
         phase=res.phase,
         created_at=res.created_at,

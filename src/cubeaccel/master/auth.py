@@ -31,7 +31,7 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE
 from cubeaccel.transport import node_sig
-from cubeaccel.wire.master_api import KeyRow, TenantRow
+from cubeaccel.wire.master_api import KeyRow, QuotaShown, TenantRow
 
 ADMIN, TENANT, NODE, ANONYMOUS = "admin", "tenant", "node", "anonymous"
 DEFAULT_TENANT = "default"
@@ -247,7 +247,7 @@ class Auth:
             return [
                 TenantRow(
                     name=r.name,
-                    quota=r.quota,
+                    quota=QuotaShown.model_validate(r.quota),
                     created_at=r.created_at,
                     revoked=r.revoked_at is not None,
                     keys=sorted(keys.get(r.name, [])),

@@ -125,15 +125,17 @@ class NodeView:
             schedulable=self.state == NodeState.READY and self.host_ready and not stale,
             ready=self.host_ready,
             host_problems=[W.HostProblem(code=c, message=m) for c, m in self.host_problems],
-            pinned_memory={
-                **self.pinned,
-                "claimed_mib": self.memory_claims_mib,
-                "free_after_claims_mib": self.free_pinnable_mib(),
-            },
+            pinned_memory=W.PinnedMemoryShown.model_validate(
+                {
+                    **self.pinned,
+                    "claimed_mib": self.memory_claims_mib,
+                    "free_after_claims_mib": self.free_pinnable_mib(),
+                }
+            ),
             last_heartbeat_age_s=round(now - self.received_at, 3),
             backends=sorted(self.backends),
             pinnable_memory_mib=self.pinnable_memory_mib,
-            guest_images=[i.to_json() for i in self.guest_images],
+            guest_images=[W.GuestImage.model_validate(i.to_json()) for i in self.guest_images],
             hotplug=sorted(self.hotplug),
             max_devices_per_sandbox=self.max_devices,
             warm=sum(p.warm for p in self.warm_pools),

@@ -112,15 +112,27 @@ class Reply(Record):
     v: Literal[1] = 1
 
 
+def _leave_out_unset(self: BaseModel, handler: SerializerFunctionWrapHandler) -> Any:
+    out = handler(self)
+    if not isinstance(out, dict):
+        return out
+    fields = type(self).model_fields
+    unset = {  # by name or by alias, however it was dumped
+        key for name in fields.keys() - self.model_fields_set for key in (name, fields[name].serialization_alias)
+    }
+    return {k: v for k, v in out.items() if k not in unset}
+
+
+# Without a declared return type the serializer leaves the model's own fields as its JSON schema: `Any` would
+# document every Sparse reply as `{}`.
+del _leave_out_unset.__annotations__["return"]
+
+
 class Sparse(Record):
     """A stored document nested in a reply, whose writer left out what it did not have: a field that was not
     given stays out of the JSON (absent is not null), as it was stored."""
 
-    @model_serializer(mode="wrap")
-    def _leave_out_unset(self, handler: SerializerFunctionWrapHandler) -> Any:
-        out = handler(self)
-        unset = set(type(self).model_fields) - self.model_fields_set  # Sparse fields have no aliases
-        return {k: v for k, v in out.items() if k not in unset} if isinstance(out, dict) else out
+    _sparse = model_serializer(mode="wrap")(_leave_out_unset)
 
 
 CUBE_ERROR = "cube_error"  # the pydantic error type of a field whose own parser raised a catalogued CubeError

@@ -11,9 +11,10 @@ from cubeaccel.model.bars import BarKind
 from cubeaccel.model.checkpoint import ReservationCheckpoint, SandboxFailure
 from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
+from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
-from cubeaccel.wire.base import Message, Record, Reply
+from cubeaccel.wire.base import Message, Record, Reply, Sparse
 from cubeaccel.wire.frozen_contract import Contract, Network
 
 
@@ -241,11 +242,42 @@ def _checkpoint_fields(c: ReservationCheckpoint) -> dict[str, Any]:
     }
 
 
+class EffectiveNetwork(Sparse):
+    """A sandbox's effective network policy (model/sandbox_policy.NetworkPolicy) as its reservation stored it;
+    `mode: none` has no `egress`."""
+
+    egress: list[str] = []  # sorted keys, as the journal holds them
+    mode: Literal["none", "allowlist"]
+
+
+class ReservationParamsShown(Sparse):
+    """The reservation request as the Cubelet stored it (model/reservation_params.ReservationParams). Fields are
+    in sorted order, as the journal's row is; `network` and `tenant` are absent when unset. The frozen contract
+    stays the JSON it arrived as: the Cubelet and the shim parse it where they use it, CubeMaster never does.
+    The defaults are `ReservationParams`'s, for a field an older Cubelet's row did not hold."""
+
+    accel_class: str | None = Field(default=None, alias="class")
+    contract: dict[str, Any] | None = None  # model/reservation_params.CarriedContract, as carried
+    count: int = 1
+    labels: dict[str, str] = {}
+    lifetime_s: int | float | None = None  # as stored: an int stays one
+    memory_mib: int = 512
+    network: EffectiveNetwork | None = None
+    pin_memory: bool = True
+    template: str | None = None
+    tenant: str | None = None
+    vcpus: int = 1
+
+    @classmethod
+    def of(cls, p: ReservationParams) -> ReservationParamsShown:
+        return cls.model_validate(p.as_stored())
+
+
 class Reservation(Record):
     """A sandbox's claim on devices, with its start's checkpoint (`facts`)."""
 
     sandbox_id: str
-    params: dict[str, Any]  # the reservation request as the Cubelet stored it (cubelet/lifecycle.py)
+    params: ReservationParamsShown
     device_ids: list[str]
     phase: ReservationPhase
     created_at: float

@@ -19,7 +19,7 @@ from pydantic import BeforeValidator, Field, StrictBool, StrictStr, field_valida
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images, parse_hotplug
 from cubeaccel.wire.base import Count, Finite, Lenient, LenientMessage, count
 from cubeaccel.wire.capacity import CapacitySummary
-from cubeaccel.wire.master_api import StatusError
+from cubeaccel.wire.master_api import PinnedLedger, StatusError
 from cubeaccel.wire.warm import WarmPoolFact
 
 PINNED_COUNTS = ("lockable_mib", "locked_mib", "free_mib", "vmm_overhead_mib", "vmm_overhead_per_vcpu_mib")
@@ -58,7 +58,7 @@ class Heartbeat(LenientMessage, NodeNews):
     version: Annotated[str, BeforeValidator(str)] = ""
     capacity: CapacitySummary
     pinnable_memory_mib: Count = 0  # free lockable memory: what a new sandbox may lock
-    pinned_memory: dict[str, Any] = {}  # the ledger (cubelet/memory_ledger.py); its counts are checked
+    pinned_memory: dict[str, Any] = {}  # the ledger (cubelet/memory_ledger.py) as sent, checked as `PinnedLedger`
     ready: StrictBool = True
     host_problems: Annotated[list[HostProblem], BeforeValidator(_none_is_empty)] = []
     guest_images: list[dict[str, Any]] | None = None  # newest first; checked by model.node_facts
@@ -78,7 +78,8 @@ class Heartbeat(LenientMessage, NodeNews):
     def _pinned_counts(cls, raw: Any) -> Any:
         raw = raw or {}
         if isinstance(raw, dict):
-            return {k: count(v) if k in PINNED_COUNTS else v for k, v in raw.items()}
+            raw = {k: count(v) if k in PINNED_COUNTS else v for k, v in raw.items()}
+            PinnedLedger.model_validate(raw)  # what CubeMaster serves of it: refused here, not on every node list
         return raw
 
     @field_validator("guest_images", mode="after")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, StrictInt, StringConstraints
+from pydantic import AliasChoices, ConfigDict, Field, StrictInt, StringConstraints
 
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.sandbox_states import NodeState, SandboxState
@@ -116,6 +116,36 @@ class WarmPoolShown(Record):
     sandboxes: list[str]
 
 
+class PinnedLedger(Sparse):
+    """A node's pinned-memory ledger as its heartbeat sent it (cubelet/memory_ledger.Ledger.to_json): a field an
+    older Cubelet did not send stays absent, one a newer Cubelet added passes through."""
+
+    lockable_mib: int | None = None
+    locked_mib: int | None = None
+    free_mib: int | None = None
+    source: str | None = None
+    per_vmm_limit_mib: int | None = None
+    vmm_overhead_mib: int | None = None
+    vmm_overhead_per_vcpu_mib: int | None = None
+    sandboxes: dict[str, int] | None = None  # sandbox id → MiB it locks
+
+
+class PinnedMemoryShown(PinnedLedger):
+    """The ledger with this cluster's claims: what is placed there that the ledger cannot show yet."""
+
+    claimed_mib: int
+    free_after_claims_mib: int
+
+
+class GuestImage(Record):
+    """A guest the node can boot (model/node_facts.GuestImageFact)."""
+
+    digest: str
+    kernel_release: str
+    kernel_digests: list[str]
+    modules_img_digest: str
+
+
 class NodeSummary(Record):
     node: str
     cubelet_url: str
@@ -124,11 +154,11 @@ class NodeSummary(Record):
     schedulable: bool
     ready: bool
     host_problems: list[HostProblem]
-    pinned_memory: dict[str, Any]  # the heartbeat's ledger as sent, with this cluster's claims
+    pinned_memory: PinnedMemoryShown
     last_heartbeat_age_s: float
     backends: list[str]
     pinnable_memory_mib: int
-    guest_images: list[dict[str, Any]]
+    guest_images: list[GuestImage]  # newest first
     hotplug: list[str]
     max_devices_per_sandbox: int | None = None  # None: the Cubelet did not say
     warm: int = 0
@@ -214,12 +244,32 @@ class SandboxTemplate(Record):
     digest: str | None  # the contract's template digest (None: a record without one)
 
 
+class AcceleratorChoiceShown(Sparse):
+    """One acceptable shape of a create's accelerator request (model/request.AcceleratorChoice.to_json)."""
+
+    model_config = ConfigDict(serialize_by_alias=True)  # `class` in the stored row, whoever dumps it
+
+    accel_class: str = Field(  # model/request.parse_accelerators's defaults, for a row without them
+        default="gpu", validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class"
+    )
+    count: int = 1
+    selector: str | None = None  # CEL over the device's labels
+    model: str | None = None  # a model label, exact or as a `MODEL-` prefix
+
+
+class AcceleratorShown(AcceleratorChoiceShown):
+    """A create's accelerator request (model/request.AcceleratorRequest.to_json): its first choice, then the
+    alternatives tried in order."""
+
+    alternatives: list[AcceleratorChoiceShown] = []
+
+
 class SandboxRequest(Sparse):
     """The create request as stored with the sandbox (normalized): what it asked for, and the effective network
     policy. Fields a create did not give are left out, as they were stored."""
 
     template: str | None = None
-    accelerators: list[dict[str, Any]] = []  # model/request.AcceleratorRequest.to_json, one per request
+    accelerators: list[AcceleratorShown] = []  # one per request
     memory_mib: int | None = None
     vcpus: int = 1
     timeout_s: float | None = None
@@ -338,9 +388,19 @@ class TenantCreated(Reply):
     key: str  # shown once
 
 
+class QuotaShown(Sparse):
+    """A tenant's quota as stored (master/records.Quota.to_json); None is unlimited."""
+
+    max_sandboxes: int | None = None
+    max_accelerators: dict[str, int] = {}  # by class
+    max_pinned_mib: int | None = None
+    max_lifetime_s: int | float | None = None  # as stored: an int stays one
+    default_lifetime_s: int | float | None = None
+
+
 class TenantRow(Record):
     name: str
-    quota: dict[str, Any]
+    quota: QuotaShown
     created_at: float
     revoked: bool
     keys: list[str]
