@@ -102,3 +102,46 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
     finally:
         p.stop()
         master.shutdown()
+
+
+def test_the_first_heartbeat_comes_from_a_cubelet_that_answers(tmp_path: Path) -> None:
+    """A heartbeat says the node is ready: CubeMaster (and `up`) may call it at once. So the Cubelet sends its
+    first one only once both listeners accept connections; this master tries both before it answers the beat."""
+    port = _free_port()
+    seen: list[tuple[bool, bool]] = []
+
+    def answers(connect: Any) -> bool:
+        try:
+            connect().close()
+            return True
+        except OSError:
+            return False
+
+    def unix() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(tmp_path / "cubelet.sock"))
+        return s
+
+    class Probing(BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            if not seen:
+                seen.append((answers(lambda: socket.create_connection(("127.0.0.1", port), 1)), answers(unix)))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"state": "ready"}')
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    master = ThreadingHTTPServer(("127.0.0.1", 0), Probing)
+    threading.Thread(target=master.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{master.server_address[1]}"
+    p = CubeletProcess(tmp_path, "h100x1", "--master", url, "--listen", f"127.0.0.1:{port}", "--node", "n8")
+    p.start()
+    try:
+        assert poll(lambda: seen[0] if seen else None) == (True, True)
+    finally:
+        p.stop()
+        master.shutdown()

@@ -291,7 +291,6 @@ def serve_cmd(
         pusher.start()
         cubelet.status_sink = pusher.push
         heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick, token=token)
-        heartbeat.start()
     sock = state_dir / "cubelet.sock"
     from cubeaccel.cubelet.heartbeat import host_state
 
@@ -311,7 +310,9 @@ def serve_cmd(
         flush=True,
     )
     try:
-        serve(cubelet, sock, addr, token)
+        # The node tells CubeMaster it is ready only once its API answers: a heartbeat before the listeners are
+        # bound let a create (or `up`) reach a Cubelet that refused the connection.
+        serve(cubelet, sock, addr, token, on_serving=heartbeat.start if heartbeat is not None else None)
     finally:
         ticker.stop()
         if heartbeat is not None:

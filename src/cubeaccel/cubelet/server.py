@@ -541,7 +541,9 @@ def serve(
     socket_path: Path,
     listen: tuple[str, int] | None,
     token: str | Callable[[], str | None] | None = None,
+    on_serving: Callable[[], None] | None = None,
 ) -> None:
+    """Serve the unix socket (and `listen`); `on_serving` runs once every listener accepts connections."""
     import uvicorn
 
     audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
@@ -571,7 +573,7 @@ def serve(
         from cubeaccel.host.service import sdnotify
 
         status = f"cubelet {cubelet.config.node_name}: serving {socket_path}"
-        await asyncio.gather(*(s.serve() for s in servers), sdnotify.when_started(servers, status))
+        await asyncio.gather(*(s.serve() for s in servers), sdnotify.when_started(servers, status, on_serving))
 
     run_servers(run(), configs[0])
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 
@@ -35,15 +35,18 @@ def stopping() -> bool:
     return notify("STOPPING=1")
 
 
-async def when_started(servers: Sequence[Any], status: str) -> None:
+async def when_started(servers: Sequence[Any], status: str, then: Callable[[], None] | None = None) -> None:
     """Report READY once every uvicorn server in `servers` listens (their `started` flag), then STOPPING when
     one is told to exit (uvicorn re-raises SIGTERM after serving, so a `finally` would never run). Nothing if a
-    server gives up before it listens (a port in use: the unit then fails instead of claiming readiness)."""
+    server gives up before it listens (a port in use: the unit then fails instead of claiming readiness).
+    `then` runs once they listen: what may only be said of a server that answers (a node's heartbeat)."""
     while not all(s.started for s in servers):
         if any(s.should_exit for s in servers):
             return
         await asyncio.sleep(0.02)
     ready(status)
+    if then is not None:
+        then()
     while not any(s.should_exit for s in servers):
         await asyncio.sleep(0.1)
     stopping()
