@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from pydantic import BaseModel
@@ -20,6 +21,11 @@ from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.transport.master_client import Calls
 from cubeaccel.transport.node_sig import TokenFile
 from cubeaccel.wire.cubelet_api import DeviceReply, Event, Reservation
+
+if TYPE_CHECKING:  # the serve path imports these lazily: a CLI call that does not serve does not load them
+    from cubeaccel.cubelet.heartbeat import Heartbeat
+    from cubeaccel.cubelet.lifecycle import Cubelet
+    from cubeaccel.cubelet.reconcile import Repair
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
 reservation_app = typer.Typer(no_args_is_help=True, help="Reservations a Cubelet holds (node view).")
@@ -86,6 +92,66 @@ def _warm_request(path: Path) -> Any:
         memory_mib=t.memory_mib,
         pin_memory=t.pin_memory,
     )
+
+
+def _check_durations(
+    tick: float, reservation_ttl: float, release_timeout: float, lifetime: float, detach: float, scrub: float
+) -> None:
+    if min(tick, reservation_ttl, release_timeout, lifetime, scrub) <= 0 or not 0 < detach <= 3600:
+        raise typer.BadParameter("tick, reservation-ttl, release-timeout, detach-timeout and scrub-timeout must be > 0")
+
+
+def _bring_up(
+    cubelet: Cubelet,
+    vm_start: str,
+    shapes: list[tuple[int, int]],
+    exempt_pids: list[int],
+    warm_reset: bool,
+    warm: list[str],
+) -> list[Repair]:
+    """Before anything is served: the shim fork server and template snapshots started, the host initialized,
+    the store reconciled with the host (before any capacity is advertised), the warm pools set. The repairs."""
+    from cubeaccel.cubelet.inventory import initialize_host
+    from cubeaccel.cubelet.metrics import metrics_of
+    from cubeaccel.cubelet.process_shim import ProcessShimDriver
+    from cubeaccel.cubelet.reconcile import reconcile
+
+    metrics_of(cubelet)  # counting from the first event: the host's initialization
+    if isinstance(cubelet.shim, ProcessShimDriver):  # its fork server comes up while the host initializes
+        cubelet.shim.warm()
+        if vm_start == "template":  # snapshots made now, in the background, never on a tenant's start
+            cubelet.shim.prepare_templates(shapes)
+    if exempt_pids:
+        with cubelet.store.tx() as t:
+            t.event(EventKind.HOLDER_SCAN_EXEMPT, "operator", details={"pids": sorted(exempt_pids)})
+    initialize_host(cubelet)
+    if warm_reset:
+        cubelet.warm.reset()  # before reconcile, which then releases the forgotten pools' warm sandboxes
+    repairs = reconcile(cubelet)
+    for tpl_path, size in _warm_pools(warm):
+        cubelet.warm.set_pool(_warm_request(tpl_path), size)
+    cubelet.warm.start()
+    return repairs
+
+
+def _link_to_master(
+    cubelet: Cubelet,
+    master: str | None,
+    addr: tuple[str, int] | None,
+    node: str,
+    tick: float,
+    token: Callable[[], str | None] | None,
+) -> Heartbeat | None:
+    """With `--master`: status pushes from now on, and the heartbeat (not started: it starts once serving)."""
+    if master is None or addr is None:
+        return None
+    from cubeaccel.cubelet.heartbeat import Heartbeat
+    from cubeaccel.cubelet.status_push import StatusPush
+
+    pusher = StatusPush(master, node, token=token)
+    pusher.start()
+    cubelet.status_sink = pusher.push
+    return Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick, token=token)
 
 
 @app.command("serve")
@@ -191,9 +257,7 @@ def serve_cmd(
     from cubeaccel.transport.telemetry import configure_logging
 
     configure_logging(log_level)  # None: $CUBEACCEL_LOG_LEVEL, else info
-    from cubeaccel.cubelet.inventory import initialize_host
     from cubeaccel.cubelet.lifecycle import CubeletConfig
-    from cubeaccel.cubelet.reconcile import reconcile
     from cubeaccel.cubelet.runtime import RuntimeOptions, build_cubelet
     from cubeaccel.cubelet.server import Ticker, serve
 
@@ -213,15 +277,7 @@ def serve_cmd(
         raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
     token = TokenFile(node_token_file).current if node_token_file is not None else None  # re-read on change
     shapes = _shapes(prepare_shape or [])
-    if (
-        tick <= 0
-        or reservation_ttl <= 0
-        or release_timeout <= 0
-        or default_lifetime <= 0
-        or not 0 < detach_timeout <= 3600
-        or scrub_timeout <= 0
-    ):
-        raise typer.BadParameter("tick, reservation-ttl, release-timeout, detach-timeout and scrub-timeout must be > 0")
+    _check_durations(tick, reservation_ttl, release_timeout, default_lifetime, detach_timeout, scrub_timeout)
     from cubeaccel.cubelet.scrub import parse_policy
 
     try:
@@ -258,39 +314,13 @@ def serve_cmd(
                 memory_devices=tuple(memory_device or ()),
             )
         )
-        from cubeaccel.cubelet.metrics import metrics_of
-
-        metrics_of(cubelet)  # counting from the first event: the host's initialization
-        from cubeaccel.cubelet.process_shim import ProcessShimDriver
-
-        if isinstance(cubelet.shim, ProcessShimDriver):  # its fork server comes up while the host initializes
-            cubelet.shim.warm()
-            if vm_start == "template":  # snapshots made now, in the background, never on a tenant's start
-                cubelet.shim.prepare_templates(shapes)
-        if holder_scan_exempt_pid:
-            with cubelet.store.tx() as t:
-                t.event(EventKind.HOLDER_SCAN_EXEMPT, "operator", details={"pids": sorted(holder_scan_exempt_pid)})
-        initialize_host(cubelet)
-        if warm_reset:
-            cubelet.warm.reset()  # before reconcile, which then releases the forgotten pools' warm sandboxes
-        repairs = reconcile(cubelet)  # before any capacity is advertised
-        for tpl_path, size in _warm_pools(warm or []):
-            cubelet.warm.set_pool(_warm_request(tpl_path), size)
-        cubelet.warm.start()
+        repairs = _bring_up(cubelet, vm_start, shapes, holder_scan_exempt_pid or [], warm_reset, warm or [])
     except CubeError as e:
         _fail(e)
         return
     ticker = Ticker(cubelet, tick)
     ticker.start()
-    heartbeat = None
-    if master is not None and addr is not None:
-        from cubeaccel.cubelet.heartbeat import Heartbeat
-        from cubeaccel.cubelet.status_push import StatusPush
-
-        pusher = StatusPush(master, node, token=token)
-        pusher.start()
-        cubelet.status_sink = pusher.push
-        heartbeat = Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick, token=token)
+    heartbeat = _link_to_master(cubelet, master, addr, node, tick, token)
     sock = state_dir / "cubelet.sock"
     from cubeaccel.cubelet.heartbeat import host_state
 
