@@ -9,7 +9,7 @@ and the Cubelet's closure (cubelet, shim, agent, images; qemu.qmp; sqlite3) so t
 
 One boot runs many scenarios (`tests/lab/guest/scenarios.py`); results are JSON lines on the serial console. A
 boot that never reaches the runner is retried once; everything has a deadline. Measured facts and pitfalls:
-`../shared/notes/vfio-nested-lab.md`.
+docs/vfio.md, "The lab's measured facts".
 """
 
 from __future__ import annotations

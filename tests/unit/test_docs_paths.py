@@ -28,13 +28,21 @@ ABSENT = {
     "tests/unit/test_cloudhv.py": "decisions.md says it was deleted with the cloud-hypervisor backend",
     "XDG_CONFIG_HOME/cubeaccel/config.toml": "a path under an environment variable",
 }
-# Outside this repository: the shared directory beside it (ARCHITECTURE, seed, notes).
-SHARED = ROOT.parent / "shared"
+
+
+def _outside(path: str, doc: Path) -> bool:
+    """A path that leaves the repository (the team's `shared/` beside the clone, or any `..` that climbs out): a
+    user's clone has nothing there, so a doc may not send anyone to it."""
+    parts = Path(path).parts
+    climbed = [p for p in parts if p != ".."]
+    if climbed and climbed[0] == "shared":
+        return True
+    return ".." in parts and not (doc.parent / path).resolve().is_relative_to(ROOT)
 
 
 def _resolve(path: str, doc: Path) -> Path | None:
-    if path.startswith("shared/"):  # checked where the shared directory is there (not in a bare clone)
-        return ROOT.parent / path if (ROOT.parent / path).exists() or not SHARED.is_dir() else None
+    if _outside(path, doc):
+        return None
     for base in (ROOT, PACKAGE, ROOT / "src", doc.parent):
         if (base / path).exists():
             return base / path
@@ -71,7 +79,9 @@ def names_in(text: str, doc: Path) -> list[str]:
     """What `text` (a doc's body) names that does not exist, one line each."""
     missing = []
     for path in sorted(set(PATH.findall(text)) - set(ABSENT)):
-        if _resolve(path, doc) is None:
+        if _outside(path, doc):
+            missing.append(f"outside the repository {path}")
+        elif _resolve(path, doc) is None:
             missing.append(f"file {path}")
     for path, name, ellipsis in sorted(set(NAMED.findall(text))):
         found = _resolve(path, doc)
@@ -96,9 +106,11 @@ def test_the_check_finds_each_kind_of_dangling_reference() -> None:
     text = (
         "`cubeaccel.shim.find.find_vmm`, `cubeaccel.host.nowhere`, `src/cubeaccel/host/gone.py`, "
         "`wire/heartbeat.py::NoSuchModel`, `tests/unit/test_docs_paths.py::test_nothing_like_this…`, "
-        "`test_never_written.py`"
+        "`test_never_written.py`, `../shared/notes/vfio-nested-lab.md`, `shared/seed/design.md`"
     )
     assert names_in(text, doc) == [
+        "outside the repository ../shared/notes/vfio-nested-lab.md",
+        "outside the repository shared/seed/design.md",
         "file src/cubeaccel/host/gone.py",
         "tests/unit/test_docs_paths.py::test_nothing_like_this…",
         "wire/heartbeat.py::NoSuchModel",
