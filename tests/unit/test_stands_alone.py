@@ -40,5 +40,12 @@ def test_no_tracked_file_names_the_shared_directory() -> None:
 
 
 def test_the_check_finds_each_way_of_naming_it() -> None:
-    text = "see ../shared/notes/x.md\nor /work/shared/seed/y.txt\nor shared/notes/z.md\nfine: shared memory, docs/shared/x.md"
+    text = "\n".join(
+        [
+            "see ../shared/notes/x.md",
+            "or /work/shared/seed/y.txt",
+            "or shared/notes/z.md",
+            "fine: shared memory, docs/shared/x.md",
+        ]
+    )
     assert len(references_outside(text)) == 3
