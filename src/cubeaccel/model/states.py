@@ -71,7 +71,7 @@ TRANSITIONS: tuple[Transition[S, E, Actor], ...] = (
     _t(E.VALIDATED, {S.INITIALIZED}, S.ALLOCATABLE, {C}, "driver binding, viable IOMMU group, no holders"),
     _t(E.HOST_NOT_READY, {S.ALLOCATABLE}, S.INITIALIZED, {C}, "host readiness failed; no tenant holds it"),
     _t(E.RESERVE, {S.ALLOCATABLE}, S.RESERVED, {C}, "atomic; records sandbox, template, contract, memory"),
-    _t(E.PREPARE, {S.RESERVED}, S.PREPARING, {C}, "contract revalidated against this device"),
+    _t(E.PREPARE, {S.RESERVED}, S.PREPARING, {C}, "backend revalidated host state; CAS on the reserved generation"),
     _t(E.ATTACH_SUCCEEDED, {S.PREPARING}, S.ATTACHED, {SH}, "VMM confirmed the device; guest saw it"),
     _t(E.STARTUP_FAILED, {S.RESERVED, S.PREPARING}, S.RELEASING, {C}, "cleanup must run"),
     _t(E.ATTACH_FAILED, {S.RESERVED, S.PREPARING}, S.RELEASING, {SH, C}, "cleanup must run"),
