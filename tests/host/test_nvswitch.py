@@ -143,7 +143,7 @@ def test_nvswitches_are_recognised_by_vendor_and_class_not_by_an_id_list() -> No
 
 
 def test_a_simulated_hgx_node_holds_its_gpus_and_advertises_none(tmp_path: Path) -> None:
-    node = Node.create(tmp_path, "h100x2,2xnvswitch")
+    node = Node.create(tmp_path, "h100sxmx2,2xnvswitch")
     assert {(d.state, d.reason) for d in node.devices()} == {(S.INITIALIZED, CODE)}  # the switches are not devices
     assert len(node.devices()) == 2 and not node.host.writes()  # nothing rebound to vfio-pci
     body = heartbeat_body(node.cubelet, "http://127.0.0.1:1")

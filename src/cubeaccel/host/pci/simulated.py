@@ -46,11 +46,14 @@ def _gpu_bars(bar1: int) -> tuple[Bar, ...]:
 
 
 PROFILES: dict[str, SimProfile] = {
-    "h100": SimProfile(0x10DE, 0x2330, 0x030200, 0x16C1, _gpu_bars(128 << 30), "nvidia"),
+    # the part the shipped GPU templates target: H100 PCIe (no NVSwitch, so a node can serve it today)
+    "h100": SimProfile(0x10DE, 0x2331, 0x030200, 0x1839, _gpu_bars(128 << 30), "nvidia"),
+    "h100nvl": SimProfile(0x10DE, 0x2321, 0x030200, 0x1839, _gpu_bars(128 << 30), "nvidia"),
+    "h100sxm": SimProfile(0x10DE, 0x2330, 0x030200, 0x16C1, _gpu_bars(128 << 30), "nvidia"),
     "a100": SimProfile(0x10DE, 0x20B2, 0x030200, 0x1463, _gpu_bars(128 << 30), "nvidia"),
     "t4": SimProfile(0x10DE, 0x1EB8, 0x030200, 0x12A2, _gpu_bars(256 << 20), "nvidia"),
     "edu": SimProfile(0x1234, 0x11E8, 0x00FF00, 0x1100, (Bar(0, 1 << 20, BarKind.MEM32),), None),
-    # HGX H100's third-generation NVSwitch (bridge/other): `h100x8,4xnvswitch` is an HGX baseboard
+    # HGX H100's third-generation NVSwitch (bridge/other): `h100sxmx8,4xnvswitch` is an HGX baseboard
     "nvswitch": SimProfile(0x10DE, 0x22A3, 0x068000, 0x1796, (Bar(0, 32 << 20, BarKind.MEM32),), None),
 }
 
