@@ -23,7 +23,7 @@ test: deps
 	$(BIN)/ruff format --check src tests bench scripts
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/pytest -q -p no:cacheprovider; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
+	$(BIN)/pytest -q -p no:cacheprovider --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then rc=0; fi; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
