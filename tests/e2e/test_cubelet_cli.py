@@ -21,7 +21,7 @@ def _cli(p: CubeletProcess, *args: str) -> subprocess.CompletedProcess[str]:
 def test_devices_table_a_quarantine_and_its_event(cubelet: CubeletProcess) -> None:
     out = _cli(cubelet, "devices")
     assert out.returncode == 0
-    assert "0000:10:00.0" in out.stdout and "H100-SXM5-80GB" in out.stdout and "allocatable" in out.stdout
+    assert "0000:10:00.0" in out.stdout and "H100-PCIe-80GB" in out.stdout and "allocatable" in out.stdout
     dev = json.loads(_cli(cubelet, "devices", "--json").stdout)["devices"][0]["id"]
     q = _cli(cubelet, "device", "quarantine", dev, "--who", "alice", "--reason", "ECC")
     assert q.returncode == 0 and "quarantined" in q.stdout

@@ -62,7 +62,7 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
         assert path == "/v1/nodes/n7"
         assert body["cubelet_url"] == f"http://127.0.0.1:{port}"
         assert body["capacity"]["total"] == 4 and body["capacity"]["allocatable"] == 4
-        assert {g["labels"]["model"] for g in body["capacity"]["groups"]} == {"H100-SXM5-80GB", "T4-16GB"}
+        assert {g["labels"]["model"] for g in body["capacity"]["groups"]} == {"H100-PCIe-80GB", "T4-16GB"}
         assert body["pinnable_memory_mib"] > 0
         # The TCP listener serves CubeMaster's calls (its node token; device verbs it forwards for an admin),
         # but never shim evidence.

@@ -34,7 +34,7 @@ def test_stable_shapes_and_full_cycle(cubelet: CubeletProcess) -> None:
     assert out.released is True
     assert all(d.state == "allocatable" for d in c.devices())
     cap = c.capacity()
-    assert cap.allocatable == 8 and cap.groups[0].labels["model"] == "H100-SXM5-80GB"
+    assert cap.allocatable == 8 and cap.groups[0].labels["model"] == "H100-PCIe-80GB"
     kinds = [e.kind for e in c.events().events]
     assert "reservation_created" in kinds and "reservation_closed" in kinds and "reconcile_repair" not in kinds
 

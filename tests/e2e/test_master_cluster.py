@@ -157,7 +157,7 @@ def test_every_rejection_reason_is_reachable(c: Cluster) -> None:
                 {
                     "class": "gpu",
                     "labels": {
-                        "model": "H100-SXM5-80GB",
+                        "model": "H100-PCIe-80GB",
                         "memory_gib": "80",
                         "backend": "vfio",
                         "vendor": "nvidia",
@@ -197,4 +197,4 @@ def test_rejection_message_counts_reasons_per_node(c: Cluster) -> None:
     err = c.refused({"gpu": "H100:5"})
     assert err.status == 409 and err.layer == "scheduler"
     assert re.search(r"H100: 0/\d nodes: 2 insufficient_devices, 1 labels_mismatch\(model\)", err.message)
-    assert err.details["tried"][0]["nodes"]["n2"]["detail"] == "5 wanted, free: H100-SXM5-80GB=2"
+    assert err.details["tried"][0]["nodes"]["n2"]["detail"] == "5 wanted, free: H100-PCIe-80GB=2"

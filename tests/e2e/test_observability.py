@@ -87,7 +87,7 @@ def test_metrics_move_by_a_sandbox_lifecycle_and_logs_follow_one_request_id(c: C
     cub = c.cubelets["a"].client
     heartbeat_landed(c, allocatable=2)
     m0, k0 = m.master(), m.cubelet()
-    assert value(k0, "cubeaccel_devices", Hostname="a", state="allocatable", modelName="H100-SXM5-80GB") == 2
+    assert value(k0, "cubeaccel_devices", Hostname="a", state="allocatable", modelName="H100-PCIe-80GB") == 2
     assert value(k0, "cubeaccel_device_state", Hostname="a", state="allocatable") == 2
     assert value(m0, "cubeaccel_node_devices", Hostname="a", kind="allocatable") == 2
 

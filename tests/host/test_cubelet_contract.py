@@ -26,7 +26,7 @@ def _h100_contract() -> CompatibilityContract:
 def test_contract_matching_devices_are_reserved(tmp_path: Path) -> None:
     node = Node.create(tmp_path, "2xt4,2xh100")
     res = node.cubelet.reserve("sb", ReservationRequest(count=2, contract=_h100_contract()))
-    assert {node.device(d).labels["model"] for d in res.device_ids} == {"H100-SXM5-80GB"}
+    assert {node.device(d).labels["model"] for d in res.device_ids} == {"H100-PCIe-80GB"}
     assert res.params.memory_mib == 65536  # the contract's memory wins
 
 
@@ -37,7 +37,7 @@ def test_reservation_refused_by_check_device_leaves_devices_allocatable_and_no_r
         node.cubelet.reserve("sb", ReservationRequest(count=1, contract=_h100_contract()))
     assert err.value.layer == "host_hardware"
     assert err.value.code == "compat.device_not_supported"
-    assert err.value.details["violations"][0]["expected"] == "10de:2330"
+    assert err.value.details["violations"][0]["expected"] == "10de:2331 or 10de:2321"
     assert set(node.states().values()) == {DeviceState.ALLOCATABLE}
     assert node.cubelet.store.reservation("sb") is None
     assert len(node.cubelet.store.events()) == events_before
@@ -61,7 +61,7 @@ def test_guest_report_without_the_nvidia_driver_tears_the_sandbox_down(node: Nod
         agent_version=1,
         kernel_release="6.1.0-57-amd64",
         module_failures={"nvidia": "modprobe: FATAL: Module nvidia not found"},
-        pci_devices=(GuestPciDevice("0000:01:00.0", "10de", "2330", "030200"),),
+        pci_devices=(GuestPciDevice("0000:01:00.0", "10de", "2331", "030200"),),
     )
     # Even a shim that claims success is judged again on the host.
     start_id = node.cubelet.store.reservation("sb").checkpoint.start_id  # type: ignore[union-attr]
@@ -142,7 +142,7 @@ def test_bars_read_at_discovery_reach_the_node_facts_and_the_shim_spec(tmp_path:
     node = Node.create(tmp_path, "2xt4,2xh100")
     aperture = Bar(1, 128 << 30, BarKind.MEM64, prefetch=True)
     summary = capacity_summary(node.cubelet.store.devices(), "n1", ["vfio"])
-    h100 = next(g for g in summary.groups if g.labels.get("model") == "H100-SXM5-80GB")
+    h100 = next(g for g in summary.groups if g.labels.get("model") == "H100-PCIe-80GB")
     assert {"index": 1, "size": 128 << 30, "kind": "mem64", "prefetch": True} in [b.model_dump() for b in h100.bars]
     node.cubelet.reserve("sb", ReservationRequest(count=1, contract=_h100_contract()))
     spec = node.cubelet._spec("sb")

@@ -488,7 +488,7 @@ def test_without_a_contract_the_device_must_still_be_seen_where_it_was_plugged(n
     elsewhere = GuestReport(
         1,
         "6.1.0",
-        pci_devices=(GuestPciDevice("0000:02:00.0", "10de", "2330", "0302"),),
+        pci_devices=(GuestPciDevice("0000:02:00.0", "10de", "2331", "0302"),),
     )
     report(ShimReportKind.GUEST_VALIDATED, report=elsewhere.to_json())
     assert [(s.phase, s.error and s.error.code, s.error and s.error.layer) for _, s in sent] == [

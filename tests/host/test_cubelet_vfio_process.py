@@ -68,7 +68,7 @@ def test_discovers_binds_and_validates_through_real_sysfs_code(vfio_node: tuple[
     devs = _by_address(p)
     assert set(devs) == {"0000:3b:00.0", "0000:86:00.0", "0000:af:00.0"}  # the audio function is not ours
     assert devs["0000:3b:00.0"].state == "allocatable"
-    assert devs["0000:3b:00.0"].labels["model"] == "H100-SXM5-80GB"
+    assert devs["0000:3b:00.0"].labels["model"] == "H100-PCIe-80GB"
     # The nvidia-bound one was bound the documented way: override, unbind the old driver, probe; never new_id.
     sysfs = fake.sys
     assert (sysfs / "bus/pci/devices/0000:af:00.0/driver_override").read_text().strip() == "vfio-pci"
@@ -97,6 +97,6 @@ def test_identity_change_at_the_same_address_is_caught_by_periodic_reconcile(
     vfio_node: tuple[CubeletProcess, FakeSysfs],
 ) -> None:
     p, fake = vfio_node
-    fake.change_identity("0000:3b:00.0", 0x2331)
+    fake.change_identity("0000:3b:00.0", 0x2330)
     poll(lambda: _by_address(p)["0000:3b:00.0"].state == "unhealthy")
     assert _by_address(p)["0000:3b:00.0"].reason == "host.identity_changed"

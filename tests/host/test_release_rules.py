@@ -141,7 +141,7 @@ class VfioNode:
         guest = GuestReport(
             1,
             "6.1.0",
-            pci_devices=(GuestPciDevice("0000:01:00.0", "10de", "2330", "0302"),),
+            pci_devices=(GuestPciDevice("0000:01:00.0", "10de", "2331", "0302"),),
         )
         self.report(K.GUEST_VALIDATED, report=guest.to_json())
         assert self.state() is S.ATTACHED

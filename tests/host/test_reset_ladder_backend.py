@@ -54,7 +54,7 @@ def test_bus_reach_is_every_function_under_the_bridge_above_and_none_on_a_root_b
 def test_flr_that_did_not_take_is_followed_by_a_bus_reset_within_the_group(tmp_path: Path) -> None:
     fake = _tree(tmp_path)
     fake.flr_ineffective.add(GPU)
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     result = backend.reset_ladder(_device(backend, GPU), ResetContext())
     assert result.problems == []
     assert fake.reset_log == [(GPU, "flr"), (GPU, "bus")]
@@ -66,7 +66,7 @@ def test_flr_that_did_not_take_is_followed_by_a_bus_reset_within_the_group(tmp_p
 def test_bus_reset_reaching_a_function_of_another_group_is_refused_and_names_it(tmp_path: Path) -> None:
     fake = _tree(tmp_path, sibling_group=13)
     fake.flr_ineffective.add(GPU)
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     result = backend.reset_ladder(_device(backend, GPU), ResetContext())
     (p,) = result.problems
     assert (p.code, p.hard) == ("backend.bus_reset_refused", False)
@@ -77,7 +77,7 @@ def test_bus_reset_reaching_a_function_of_another_group_is_refused_and_names_it(
 
 def test_bus_reset_reaching_a_busy_function_of_the_same_group_is_refused(tmp_path: Path) -> None:
     fake = _tree(tmp_path, reset_method=("bus",))
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     claims = {PciAddress.parse(SIBLING): "attached to sandbox sb-2"}
     (p,) = backend.reset_ladder(_device(backend, GPU), ResetContext(claims=claims)).problems
     assert p.code == "backend.bus_reset_refused" and f"{SIBLING}(attached to sandbox sb-2)" in p.message
@@ -91,7 +91,7 @@ def test_bus_reset_reaching_a_function_held_open_is_refused(tmp_path: Path) -> N
     group_file = fake.dev / "vfio" / "12"
     group_file.parent.mkdir(parents=True, exist_ok=True)
     group_file.touch()
-    backend = VfioBackend(host, allow=["10de:2330"])
+    backend = VfioBackend(host, allow=["10de:2331"])
     with holding(group_file):
         (p,) = backend.reset_ladder(_device(backend, GPU), ResetContext()).problems
     assert p.code == "backend.bus_reset_refused" and "held by" in p.message
@@ -100,7 +100,7 @@ def test_bus_reset_reaching_a_function_held_open_is_refused(tmp_path: Path) -> N
 
 def test_bus_reset_reaching_a_function_on_a_host_driver_is_refused(tmp_path: Path) -> None:
     fake = _tree(tmp_path, sibling_driver="snd_hda_intel", reset_method=("bus",))
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     (p,) = backend.reset_ladder(_device(backend, GPU), ResetContext()).problems
     assert p.code == "backend.bus_reset_refused" and f"{SIBLING}(bound to snd_hda_intel)" in p.message
 
@@ -116,7 +116,7 @@ def test_a_device_on_a_root_bus_whose_flr_did_not_take_is_quarantined(tmp_path: 
 
 def test_nvidia_gpu_after_an_unclean_vmm_exit_starts_at_the_bus_rung(tmp_path: Path) -> None:
     fake = _tree(tmp_path)
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     device = _device(backend, GPU)
     result = backend.reset_ladder(device, ResetContext(unclean_exit=True))
     assert result.problems == [] and fake.reset_log == [(GPU, "bus")]
@@ -126,7 +126,7 @@ def test_nvidia_gpu_after_an_unclean_vmm_exit_starts_at_the_bus_rung(tmp_path: P
 
 def test_nvidia_preference_falls_back_to_flr_when_the_bus_reset_is_refused(tmp_path: Path) -> None:
     fake = _tree(tmp_path, sibling_group=13)
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     result = backend.reset_ladder(_device(backend, GPU), ResetContext(unclean_exit=True))
     assert result.problems == [] and fake.reset_log == [(GPU, "flr")]
     assert result.attempts[0].step.refused == (f"{SIBLING}(IOMMU group 13, not 12)",)
@@ -134,7 +134,7 @@ def test_nvidia_preference_falls_back_to_flr_when_the_bus_reset_is_refused(tmp_p
 
 def test_bars_that_changed_across_the_reset_fail_the_check(tmp_path: Path) -> None:
     fake = _tree(tmp_path, reset_method=("flr",))
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     device = _device(backend, GPU)
     resource = fake.devdir(GPU) / "resource"
     lines = resource.read_text().splitlines(keepends=True)
@@ -146,6 +146,6 @@ def test_bars_that_changed_across_the_reset_fail_the_check(tmp_path: Path) -> No
 def test_a_device_enabled_after_its_reset_fails_the_check(tmp_path: Path) -> None:
     fake = _tree(tmp_path, reset_method=("flr",))
     (fake.devdir(GPU) / "enable").write_text("1\n")
-    backend = VfioBackend(fake.host(), allow=["10de:2330"])
+    backend = VfioBackend(fake.host(), allow=["10de:2331"])
     (p,) = backend.cleanup(_device(backend, GPU))
     assert p.code == "backend.reset_check_failed" and "enable reads 1" in p.message

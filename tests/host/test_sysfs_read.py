@@ -42,7 +42,7 @@ def test_links_are_shaped_like_the_kernel_makes_them(fake: FakeSysfs) -> None:
 def test_every_attribute_of_a_gpu_is_read(fake: FakeSysfs) -> None:
     f = fake.host().function(PciAddress.parse(GPU))
     assert f is not None
-    assert (f.vendor_id, f.device_id, f.subsystem_vendor_id, f.subsystem_device_id) == (0x10DE, 0x2330, 0x10DE, 0x16C1)
+    assert (f.vendor_id, f.device_id, f.subsystem_vendor_id, f.subsystem_device_id) == (0x10DE, 0x2331, 0x10DE, 0x1839)
     assert (f.class_code, f.revision, f.numa_node, f.iommu_group) == (0x030200, 0xA1, 1, 12)
     assert (f.driver, f.driver_override) == ("nvidia", None)
     pref = BarKind.MEM64

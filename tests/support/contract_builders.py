@@ -61,7 +61,7 @@ def edu() -> Template:
 
 def device(
     vendor_id: int = 0x10DE,
-    device_id: int = 0x2330,
+    device_id: int = 0x2331,
     *,
     backend: str = "vfio",
     accel_class: AcceleratorClass = AcceleratorClass.GPU,
@@ -112,7 +112,7 @@ def good_h100_report(**changes: Any) -> GuestReport:
         "kernel_release": "6.1.0-57-amd64",
         "modules_loaded": ("nvidia_uvm", "nvidia", "virtio_console"),
         "module_failures": {},
-        "pci_devices": ({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2330", "class": "030200"},),
+        "pci_devices": ({"address": "0000:01:00.0", "vendor_id": "10de", "device_id": "2331", "class": "030200"},),
         "device_files": {"/dev/nvidiactl": True, "/dev/nvidia0": True, "/dev/nvidia-uvm": True},
         "kernel_driver_version": "535.309.01",
         "libraries": {

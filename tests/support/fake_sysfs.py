@@ -33,10 +33,10 @@ class Dev:
 
     address: str
     vendor: int = 0x10DE
-    device: int = 0x2330
+    device: int = 0x2331  # H100 PCIe, what the shipped GPU templates name
     class_code: int = 0x030200
     subsystem_vendor: int = 0x10DE
-    subsystem_device: int = 0x16C1
+    subsystem_device: int = 0x1839
     revision: int = 0xA1
     numa_node: int = 0
     iommu_group: int | None = None

@@ -15,7 +15,7 @@ from cubeaccel.transport import node_sig
 from tests.support.contract_builders import template
 
 MODELS = {
-    "H100-SXM5-80GB": {"vendor": "nvidia", "memory_gib": "80", "architecture": "hopper"},
+    "H100-PCIe-80GB": {"vendor": "nvidia", "memory_gib": "80", "architecture": "hopper"},
     "T4-16GB": {"vendor": "nvidia", "memory_gib": "16", "architecture": "turing"},
     "A100-SXM4-80GB": {"vendor": "nvidia", "memory_gib": "80", "architecture": "ampere"},
 }

@@ -95,7 +95,7 @@ PARAMS = {
     "device_id": "simulated-0000:3b:00.0",
 }
 BODIES: dict[tuple[str, str], Any] = {
-    ("PUT", "/v1/nodes/{node}"): heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL),
+    ("PUT", "/v1/nodes/{node}"): heartbeat("n1", group("H100-PCIe-80GB", 2), url=URL),
     ("PUT", "/v1/nodes/{node}/sandboxes/{sandbox_id}/status"): {"phase": "running"},
     ("POST", "/v1/nodes/{node}/{verb}"): {},
     ("POST", "/v1/nodes/{node}/devices/{device_id}/{verb}"): {"reason": "suspect"},
@@ -136,7 +136,7 @@ class World:
             "admin": admin,
             "node": auth.enrol_node("n1"),
         }
-        self.master.store.heartbeat(heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL), time.time(), 10.0)
+        self.master.store.heartbeat(heartbeat("n1", group("H100-PCIe-80GB", 2), url=URL), time.time(), 10.0)
         now = time.time()
         self.master.store.insert_sandbox(sandbox_row("sb-t1", now, tenant="t1", state="failed"))
 
@@ -207,7 +207,7 @@ def put_signed(world: World, path: str, body: Any, token: str, **over: Any) -> A
 
 
 def test_a_forged_registration_and_a_heartbeat_signed_as_another_node_are_refused(world: World) -> None:
-    hb = heartbeat("n2", group("H100-SXM5-80GB", 2), url=URL)
+    hb = heartbeat("n2", group("H100-PCIe-80GB", 2), url=URL)
     r = put_signed(world, "/v1/nodes/n2", hb, world.keys["node"])  # n1's token, acting as n2
     assert (r.status_code, r.json()["error"]["code"]) == (403, "auth.wrong_node")
     forged = "cbn:n2:1:" + "0" * 64  # a node never enrolled, with a made-up token
@@ -221,7 +221,7 @@ def test_a_forged_registration_and_a_heartbeat_signed_as_another_node_are_refuse
 
 def test_a_replayed_stale_tampered_or_bearer_node_request_is_refused(world: World) -> None:
     token, path = world.keys["node"], "/v1/nodes/n1"
-    body = heartbeat("n1", group("H100-SXM5-80GB", 3), url=URL)
+    body = heartbeat("n1", group("H100-PCIe-80GB", 3), url=URL)
     raw = json.dumps(body).encode()
     captured = {"Content-Type": "application/json", **sign(token, "PUT", path, raw)}
     assert world.api.put(path, content=raw, headers=captured).status_code == 200
@@ -229,7 +229,7 @@ def test_a_replayed_stale_tampered_or_bearer_node_request_is_refused(world: Worl
     r = world.api.put(path, content=raw, headers=captured)  # the same request again
     assert (r.status_code, r.json()["error"]["code"]) == (401, "auth.invalid_credential"), r.text
     assert "replay" in r.json()["error"]["message"]
-    other = json.dumps(heartbeat("n1", group("H100-SXM5-80GB", 0), url=URL)).encode()
+    other = json.dumps(heartbeat("n1", group("H100-PCIe-80GB", 0), url=URL)).encode()
     assert world.api.put(path, content=other, headers={**captured, **sign(token, "PUT", path, raw)}).status_code == 401
     stale = sign(token, "PUT", path, raw, at=time.time() - 3600)
     assert world.api.put(path, content=raw, headers={"Content-Type": "application/json", **stale}).status_code == 401
@@ -239,7 +239,7 @@ def test_a_replayed_stale_tampered_or_bearer_node_request_is_refused(world: Worl
 
 
 def test_a_replaced_or_revoked_node_token_is_refused(world: World) -> None:
-    body, path = heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL), "/v1/nodes/n1"
+    body, path = heartbeat("n1", group("H100-PCIe-80GB", 2), url=URL), "/v1/nodes/n1"
     old = world.keys["node"]
     new = world.master.auth.enrol_node("n1")  # re-enrolment: the earlier token stops working
     assert put_signed(world, path, body, old).status_code == 401
@@ -282,7 +282,7 @@ def test_made_up_keys_from_the_shared_address_lock_out_no_one(world: World) -> N
     assert world.call("tenant", "GET", "/v1/sandboxes").status_code == 200
     assert world.call("other_tenant", "GET", "/v1/sandboxes").status_code == 200
     assert world.call("admin", "GET", "/v1/sandboxes/sb-t1").status_code == 200  # the front door's lookup
-    beat = heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL)
+    beat = heartbeat("n1", group("H100-PCIe-80GB", 2), url=URL)
     assert put_signed(world, "/v1/nodes/n1", beat, world.keys["node"]).status_code == 200
 
 

@@ -99,7 +99,7 @@ def test_guest_probes_are_plain_json_the_agent_understands() -> None:
             {"name": "libcuda.so.1", "version": "535.309.01", "layer": "userspace_driver"},
             {"name": "libnvidia-ml.so.1", "version": "535.309.01", "layer": "userspace_driver"},
         ],
-        "pci": [{"vendor_id": "10de", "device_id": "2330"}],
+        "pci": [{"vendor_id": "10de", "device_id": "2321"}, {"vendor_id": "10de", "device_id": "2331"}],
         "cuda": {"version": "12.2", "min_driver_api": 12020},
         "load_modules": True,
         "persistence_mode": False,

@@ -27,7 +27,7 @@ from tests.support.contract_builders import (
     template,
 )
 
-H100_LABELS = labels_for(0x10DE, 0x2330)
+H100_LABELS = labels_for(0x10DE, 0x2331)
 
 
 def pairs(violations: list[Any]) -> list[tuple[Layer, str]]:
@@ -49,7 +49,7 @@ def test_the_reserved_h100_matches_the_h100_contract() -> None:
         (device(backend="emulated"), (Layer.BACKEND, "compat.device_backend_mismatch")),
         (device(accel_class=AcceleratorClass.ACCELERATOR), (Layer.HOST_HARDWARE, "compat.device_class_mismatch")),
         (
-            device(labels={**H100_LABELS, "model": "H100-SXM5-64GB"}),
+            device(labels={**H100_LABELS, "model": "H100-PCIe-64GB"}),
             (Layer.HOST_HARDWARE, "compat.device_label_mismatch"),
         ),
         (device(labels={**H100_LABELS, "memory_gib": "64"}), (Layer.HOST_HARDWARE, "compat.device_memory_too_small")),
@@ -63,7 +63,7 @@ def test_a_device_that_no_longer_matches_is_refused_with_its_layer(dev: Any, exp
 
 def test_a_device_refusal_names_what_was_expected_and_found() -> None:
     (v,) = check_device(freeze(h100()), device(0x10DE, 0x20B2))
-    assert v.expected == "10de:2330"
+    assert v.expected == "10de:2331 or 10de:2321"
     assert v.found == "10de:20b2 (A100-SXM4-80GB)"
 
 
@@ -141,7 +141,7 @@ def test_a_node_with_no_guest_images_hosts_no_template_and_says_so() -> None:
 def test_node_rejection_lists_the_models_it_has() -> None:
     (v,) = check_node(h100(), node(devices=[labels_for(0x10DE, 0x20B2), labels_for(0x10DE, 0x1EB8)]))
     assert v.found == "A100-SXM4-80GB, T4-16GB"
-    assert "10de:2330" in v.expected and "model=H100-SXM5-80GB" in v.expected
+    assert "10de:2331" in v.expected and "model=H100-PCIe-80GB" in v.expected
 
 
 def test_a_free_device_labelled_for_another_backend_does_not_count() -> None:
@@ -266,9 +266,9 @@ def test_minor_version_contract_accepts_an_older_driver_api_of_the_same_major() 
 def test_with_the_reserved_device_the_guest_must_show_exactly_that_device() -> None:
     contract = freeze(h100())
     assert check_guest(contract, good_h100_report(), device=device()) == []
-    other = good_h100_report(pci_devices=({"vendor_id": "10de", "device_id": "2331"},))
+    other = good_h100_report(pci_devices=({"vendor_id": "10de", "device_id": "2321"},))
     (v,) = check_guest(contract, other, device=device())
-    assert (v.layer, v.code, v.found) == (Layer.HOST_HARDWARE, "compat.device_not_visible_in_guest", "10de:2331")
+    assert (v.layer, v.code, v.found) == (Layer.HOST_HARDWARE, "compat.device_not_visible_in_guest", "10de:2321")
 
 
 def test_garbage_pci_entries_from_the_guest_are_ignored_not_fatal() -> None:

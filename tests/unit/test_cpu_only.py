@@ -32,7 +32,7 @@ from tests.support.scheduler_oracle import evaluate
 
 BASE_FILE = EXAMPLES / "base.yaml"
 NOW, STALE = 1001.0, 10.0
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 NO_DEVICES = AcceleratorChoice(NO_ACCELERATOR, 0)
 
 

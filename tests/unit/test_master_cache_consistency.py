@@ -16,7 +16,7 @@ from cubeaccel.master.view import NodeView
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
 from tests.support.master_builders import group, heartbeat, sandbox_row
 
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 GIB = 1024
 
 

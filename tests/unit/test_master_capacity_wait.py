@@ -24,7 +24,7 @@ from tests.support.contract_builders import example_doc
 from tests.support.master_builders import group, heartbeat, sandbox_row
 from tests.support.poll import poll
 
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 
 
 class Cubelet:

@@ -30,7 +30,7 @@ from tests.support.cubelet_harness import Node
 from tests.support.master_builders import group, h100_contract, heartbeat, view
 
 NOW, STALE = 1001.0, 10.0
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 
 
 def gpus(count: int) -> AcceleratorChoice:

@@ -20,7 +20,7 @@ from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
 from cubeaccel.wire.master_api import NodeSummary
 from tests.support.master_builders import group, h100_contract, heartbeat, sandbox_row, view
 
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 GIB = 1024
 LEDGER = {
     "lockable_mib": 100 * GIB,

@@ -17,7 +17,7 @@ from tests.support.scheduler_oracle import evaluate
 
 NOW, STALE = 1001.0, 10.0
 CONTRACT = h100_contract()
-MODELS = ["H100-SXM5-80GB", "H100-PCIE-80GB", "A100-SXM4-80GB", "T4-16GB"]
+MODELS = ["H100-PCIe-80GB", "H100-PCIE-80GB", "A100-SXM4-80GB", "T4-16GB"]
 SELECTORS = [None, Selector("int(device.memory_gib) >= 80")]
 
 
@@ -128,8 +128,8 @@ def test_index_kept_incrementally_agrees_after_claims_heartbeats_and_removals(
 
 def test_a_decision_visits_the_best_entries_first_not_every_node() -> None:
     """Packing: the node with the fewest free devices that still fit wins, wherever it is in the cluster."""
-    views = [view(f"n{i:04d}", group("H100-SXM5-80GB", 8)) for i in range(2000)]
-    views.append(view("tight", group("H100-SXM5-80GB", 8, free=2)))
+    views = [view(f"n{i:04d}", group("H100-PCIe-80GB", 8)) for i in range(2000)]
+    views.append(view("tight", group("H100-PCIe-80GB", 8, free=2)))
     index = indexed(views)
     d = decide(index.views(), [(AcceleratorChoice("gpu", 2), CONTRACT, None)], NOW, STALE, index=index)
     assert d.candidates[0].node.name == "tight"
@@ -137,7 +137,7 @@ def test_a_decision_visits_the_best_entries_first_not_every_node() -> None:
 
 
 def test_a_full_group_leaves_the_index_and_a_release_brings_it_back() -> None:
-    v = view("only", group("H100-SXM5-80GB", 2))
+    v = view("only", group("H100-PCIe-80GB", 2))
     index = indexed([v])
     ask = [(AcceleratorChoice("gpu", 2), CONTRACT, None)]
     gkey = v.groups[0].key

@@ -28,7 +28,7 @@ from cubeaccel.wire import master_api as W
 from tests.support.master_builders import EXAMPLE_IMAGES, group, heartbeat
 from tests.support.stored_rows import normalized_requests
 
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 LEDGER_KEYS = (  # cubelet/memory_ledger.Ledger.to_json, in its order
     "lockable_mib",
     "locked_mib",

@@ -21,7 +21,7 @@ from tests.support.master_builders import Credentials, group, heartbeat, sandbox
 @pytest.fixture
 def api(tmp_path: Path) -> Iterator[tuple[CubeMaster, TestClient]]:
     master = CubeMaster(MasterStore(str(tmp_path / "m.db")), MasterConfig(staleness_s=30.0))
-    master.store.heartbeat(heartbeat("n1", group("H100-SXM5-80GB", 2), url="http://127.0.0.1:9"), time.time(), 30.0)
+    master.store.heartbeat(heartbeat("n1", group("H100-PCIe-80GB", 2), url="http://127.0.0.1:9"), time.time(), 30.0)
     master.store.insert_sandbox(sandbox_row("sb-w", time.time(), tenant="default", state="starting", node="n1"))
     client = TestClient(create_app(master))
     client.auth = Credentials(master)

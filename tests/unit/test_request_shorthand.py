@@ -63,7 +63,7 @@ def test_malformed_shorthand_is_refused(text: str) -> None:
 
 def test_model_matches_exactly_or_as_a_dash_prefix_case_insensitively() -> None:
     c = AcceleratorChoice("gpu", 1, model="h100")
-    assert c.model_matches("H100-SXM5-80GB") and c.model_matches("H100")
+    assert c.model_matches("H100-PCIe-80GB") and c.model_matches("H100")
     assert not c.model_matches("H1000") and not c.model_matches("H200-SXM-141GB")
 
 

@@ -55,7 +55,7 @@ def stored(params: dict[str, Any]) -> str:
 
 OLD_ROWS = [
     old_params({}),
-    old_params({"count": 2, "class": "gpu", "labels": {"model": "H100-SXM5-80GB"}, "template": "cuda12-h100"}),
+    old_params({"count": 2, "class": "gpu", "labels": {"model": "H100-PCIe-80GB"}, "template": "cuda12-h100"}),
     old_params({"contract": H100.to_json(), "memory_mib": 65536, "lifetime_s": 30.0, "tenant": "acme"}),
     old_params({"contract": H100.to_json(), "pin_memory": False, "vcpus": 8, "lifetime_s": 7}),
     {**old_params({"contract": TOOL.to_json()}), "network": {"mode": "allowlist", "egress": ["1.2.3.0/24:443/tcp"]}},
@@ -111,7 +111,7 @@ def test_any_params_the_dict_code_wrote_round_trip_byte_for_byte(
 def test_the_journal_holds_what_the_dict_code_recorded_for_the_same_request(tmp_path: Path) -> None:
     node = Node.create(tmp_path, "h100x4")
     req = ReservationRequest(
-        count=1, accel_class="gpu", labels=(("model", "H100-SXM5-80GB"),), template="cuda12-h100", contract=H100
+        count=1, accel_class="gpu", labels=(("model", "H100-PCIe-80GB"),), template="cuda12-h100", contract=H100
     )
     node.cubelet.reserve("sb", ReservationRequest(**{**req.__dict__, "lifetime_s": 60.0, "tenant": "acme"}))
     with sqlite3.connect(node.cubelet.store.path) as c:
@@ -120,7 +120,7 @@ def test_the_journal_holds_what_the_dict_code_recorded_for_the_same_request(tmp_
         {
             "count": 1,
             "class": "gpu",
-            "labels": {"model": "H100-SXM5-80GB"},
+            "labels": {"model": "H100-PCIe-80GB"},
             "template": "cuda12-h100",
             "memory_mib": H100.memory_mib,  # the contract's memory and pinning win, as before
             "pin_memory": H100.pin_memory,

@@ -98,7 +98,7 @@ def test_a_state_can_no_longer_be_written_as_a_column(shared: MasterStore) -> No
 
 def test_claim_moves_scheduling_to_placing_once(shared: MasterStore) -> None:
     node = f"n-{next(_ids)}"
-    shared.heartbeat(heartbeat(node, group("H100-SXM5-80GB", 4)), time.time(), 10)
+    shared.heartbeat(heartbeat(node, group("H100-PCIe-80GB", 4)), time.time(), 10)
     key = next(v for v in shared.all_node_views() if v.name == node).groups[0].key
     sid = f"claim-{next(_ids)}"
     shared.insert_sandbox(sandbox(sid))
@@ -109,7 +109,7 @@ def test_claim_moves_scheduling_to_placing_once(shared: MasterStore) -> None:
 
 def test_node_drain_and_undrain_go_through_the_node_table(shared: MasterStore) -> None:
     node = f"n-{next(_ids)}"
-    shared.heartbeat(heartbeat(node, group("H100-SXM5-80GB", 1)), time.time(), 10)
+    shared.heartbeat(heartbeat(node, group("H100-PCIe-80GB", 1)), time.time(), 10)
     assert shared.node_event(node, NodeEvent.DRAIN) is NodeState.DRAINING
     assert shared.node_event(node, NodeEvent.DRAIN) is NodeState.DRAINING  # idempotent, as the verb always was
     views = {v.name: v for v in shared.all_node_views()}

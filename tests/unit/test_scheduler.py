@@ -15,7 +15,7 @@ from tests.support.master_builders import group, h100_contract, heartbeat, image
 from tests.support.scheduler_oracle import evaluate
 
 NOW, STALE = 1001.0, 10.0
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 
 
 def run(
@@ -108,7 +108,7 @@ def test_selector_sees_class_and_device_ids() -> None:
     placed, _ = run(
         [view("n", group(H100, 8))],
         one(),
-        selector="device.class == 'gpu' && device.vendor_id == '10de' && device.device_id == '2330'",
+        selector="device.class == 'gpu' && device.vendor_id == '10de' && device.device_id == '2331'",
     )
     assert placed == ["n"]
 

@@ -38,7 +38,7 @@ def api(master: CubeMaster) -> TestClient:
 
 
 def hb(**changes: Any) -> dict[str, Any]:
-    return {**heartbeat("n1", group("H100-SXM5-80GB", 2), url=URL), **changes}
+    return {**heartbeat("n1", group("H100-PCIe-80GB", 2), url=URL), **changes}
 
 
 def put_raw(api: TestClient, body: str) -> tuple[int, str]:
@@ -91,7 +91,7 @@ def test_the_node_list_shows_the_guests_and_hot_plug_paths_a_node_reported(api: 
 
 @pytest.mark.parametrize("where", ["total", "allocatable", "numa"])
 def test_group_counts_must_be_finite_whole_numbers(api: TestClient, where: str) -> None:
-    g = group("H100-SXM5-80GB", 2)
+    g = group("H100-PCIe-80GB", 2)
     if where == "total":
         g["total"] = 1.5
     elif where == "allocatable":

@@ -15,7 +15,7 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.model.sandbox_states import NodeEvent, SandboxActor, SandboxEvent
 from tests.support.master_builders import group, heartbeat, sandbox_row
 
-H100 = "H100-SXM5-80GB"
+H100 = "H100-PCIe-80GB"
 
 
 @pytest.fixture

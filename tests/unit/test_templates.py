@@ -28,8 +28,8 @@ def test_the_h100_example_loads_with_its_values() -> None:
     assert t.kernel_driver is not None and t.kernel_driver.version == "535.309.01"
     assert t.cuda is not None and (t.cuda.version, t.cuda.compatibility) == ("12.2", "toolkit")
     assert (t.memory_mib, t.pin_memory, t.hotplug) == (65536, True, True)
-    assert [d.vendor_device for d in t.devices] == ["10de:2330"]
-    assert t.devices[0].labels == {"model": "H100-SXM5-80GB", "architecture": "hopper"}
+    assert [d.vendor_device for d in t.devices] == ["10de:2331", "10de:2321"]
+    assert t.devices[0].labels == {"model": "H100-PCIe-80GB", "architecture": "hopper"}
 
 
 def test_guest_init_defaults_to_loading_modules_without_persistence_mode() -> None:

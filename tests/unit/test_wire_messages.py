@@ -74,7 +74,7 @@ def test_the_capacity_summary_round_trips_and_refuses_an_unknown_version(node: N
 
 
 def test_a_heartbeat_round_trips_and_reads_an_older_cubelets_body() -> None:
-    body = heartbeat("n1", group("H100-SXM5-80GB", 2), url="http://127.0.0.1:9")
+    body = heartbeat("n1", group("H100-PCIe-80GB", 2), url="http://127.0.0.1:9")
     hb = Heartbeat.model_validate(body)
     assert hb.v == 1  # the builder writes no v, as a Cubelet before versions did
     assert Heartbeat.model_validate(json.loads(json.dumps(hb.to_json()))) == hb
