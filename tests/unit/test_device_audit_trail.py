@@ -76,3 +76,21 @@ def test_a_quarantine_does_not_end_the_holding() -> None:
     ]
     assert holding_at(log, "d0", 5.0)["holder"]["tenant"] == "acme"
     assert holding_at(log, "d0", 9.5)["holder"] is None
+
+
+def test_a_warm_claim_hands_the_holding_from_the_node_to_the_tenant_at_one_instant() -> None:
+    log = [
+        *entry(ev("transition", 1.0, "d0", "warm-1", "reserve", tenant=None, template="t")),
+        *entry(ev("transition", 2.0, "d0", "warm-1", "attach_succeeded")),
+        *entry(ev("device_claimed", 5.0, "d0", "sb-a", warm_id="warm-1", tenant="acme", template="t")),
+        *entry(ev("transition", 8.0, "d0", "sb-a", "release_confirmed")),
+    ]
+    assert (holding_at(log, "d0", 4.9)["holder"]["sandbox"], holding_at(log, "d0", 4.9)["holder"]["tenant"]) == (
+        "warm-1",
+        None,
+    )
+    at = holding_at(log, "d0", 5.0)
+    assert (at["holder"]["sandbox"], at["holder"]["tenant"], at["holder"]["assigned_at"]) == ("sb-a", "acme", 5.0)
+    assert (at["previous"]["sandbox"], at["previous"]["released_at"]) == ("warm-1", 5.0)
+    assert at["holder"]["trail"][0]["warm_id"] == "warm-1"
+    assert holding_at(log, "d0", 9.0)["previous"]["tenant"] == "acme"

@@ -410,6 +410,16 @@ class WarmPools:
             t.event(
                 EventKind.WARM_CLAIMED, Actor.CUBELET, sandbox_id=w.sandbox_id, details={**details, "as": sandbox_id}
             )
+            custody = {
+                "warm_id": w.sandbox_id,
+                "tenant": req.tenant,
+                "template": req.template,
+                "contract_digest": None if params.contract is None else params.contract.digest,
+            }
+            for device_id in w.device_ids:  # the custody record names the claimer from this instant on
+                t.event(
+                    EventKind.DEVICE_CLAIMED, Actor.CUBELET, device_id=device_id, sandbox_id=sandbox_id, details=custody
+                )
             with self._cv:
                 self.claiming.add(sandbox_id)
                 self.pools[key].claims += 1
