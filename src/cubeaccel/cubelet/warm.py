@@ -63,6 +63,14 @@ def pool_key(params: ReservationParams) -> str:
     return f"{digest.removeprefix('sha256:')[:12]}-{params.memory_mib}m{params.vcpus}c-{h[:12]}"
 
 
+def refuse_reserved_id(sandbox_id: str) -> str:
+    """A requester's id (a claim's, a reservation's over the API) may not be in the node's own namespace: an id
+    a warm sandbox holds, or will, is never a requester's to name, reserve or have released."""
+    if sandbox_id.startswith(WARM_PREFIX):
+        raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
+    return sandbox_id
+
+
 class WarmHost(Protocol):
     """What the pool needs of the Cubelet (lifecycle.Cubelet; a protocol, so this module does not import it)."""
 
@@ -372,9 +380,7 @@ class WarmPools:
         `warm.no_pool`, `warm.pool_empty`). `warm_id`: only that warm sandbox (CubeMaster names the one its
         claim row holds); a miss when it is no longer warm. Returns the reservation, the token it serves and the
         shim's ack (the hand-off's timing)."""
-        validate_sandbox_id(sandbox_id)
-        if sandbox_id.startswith(WARM_PREFIX):
-            raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
+        refuse_reserved_id(validate_sandbox_id(sandbox_id))
         _, params = self.cubelet.request_params(req)
         key = pool_key(params)
         if key not in self.pools:
