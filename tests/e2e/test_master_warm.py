@@ -173,3 +173,28 @@ def test_an_admin_create_naming_a_warm_id_is_refused_and_the_warm_sandbox_is_kep
     assert "teardown_started" not in [e["kind"] for e in page["events"]]
     sb = m.client.create({"gpu": "H100:1", "id": "sb-after"})  # still the pool's, and claimable
     assert [(e["path"], e.get("warm_id")) for e in path_entries(sb)] == [("warm", wid)]
+
+
+def test_a_new_template_version_rebuilds_the_nodes_warm_pool_and_frees_the_old_ones_devices(
+    stack: tuple[MasterProcess, CubeletProcess],
+) -> None:
+    """The pool's key carries the contract digest, so after a new version no create matches the old pool: the
+    old pool is dropped, its warm sandboxes released, and the same pool refilled from the new document."""
+    m, node = stack
+    warm_pool(node, 2)
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [2], 60)
+    (old,) = advertised(m, "n")
+    v2 = m.client.register_template({**TEMPLATE, "metadata": {**TEMPLATE["metadata"], "version": "2"}})
+
+    poll(lambda: [(p.key != old.key, p.claimable) for p in advertised(m, "n")] == [(True, 2)], 90)
+    (new,) = advertised(m, "n")
+    assert (new.template, new.size, new.vcpus) == ("cuda12-h100", 2, 1)
+
+    def on_node() -> set[str]:
+        return {r["sandbox_id"] for r in node.client.request("GET", "/v1/reservations")["reservations"]}
+
+    poll(lambda: not set(old.sandboxes) & on_node(), 60)  # released, none kept holding a device
+    poll(lambda: m.client.capacity().allocatable == 2, 30)  # 4 devices: the new pool's 2 and 2 free
+    sb = m.client.create({"gpu": "H100:1", "id": "sb-v2"})
+    assert [e["path"] for e in path_entries(sb)] == ["warm"]
+    assert sb.template is not None and (sb.template.version, sb.template.digest) == ("2", v2.digest)

@@ -2,8 +2,9 @@
 
 The Cubelet writes one hash-chained audit entry per step of a device's life (`cubelet/device_audit.py`): its
 assignment to a sandbox of a tenant (template, contract digest), a warm sandbox's claim (the same, for the
-claimer), attach, detach, VMM exit, reset, scrub, release, quarantine and recovery. `holding_at` answers from those entries which tenant (and sandbox) held a device at a
-given time. Pure: entries are the log's decoded JSON lines, in order.
+claimer), attach, detach, VMM exit, reset, scrub, release, quarantine and recovery. `holding_at` answers from
+those entries which tenant (and sandbox) held a device at a given time. Pure: entries are the log's decoded
+JSON lines, in order.
 """
 
 from __future__ import annotations

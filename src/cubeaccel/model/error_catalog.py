@@ -81,7 +81,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("warm.claim_malformed", None, "cubelet", "a warm shim's answer to a claim line it could not read"),
     _c("warm.already_claimed", 503, "cubelet", "a warm shim refused a second claim (it stays its first tenant's)"),
     _c("warm.claim_unacknowledged", None, "cubelet", "reconcile: claimed, never acked by its shim: failed"),
-    _c("warm.superseded", None, "cubelet", "a warm pool replaced by its template's new version: its warm ones torn down"),
+    _c("warm.superseded", None, "cubelet", "a pool replaced by its template's new version: its warm ones torn down"),
     _c("warm.drained", None, "cubelet", "drain or `cubeaccel down`: unclaimed warm ones torn down; claims miss"),
     _c("warm.claim_failed", None, "scheduler", "miss reason: a warm claim was tried and handed nothing over (cold)"),
     _c("sandbox.releasing", 409, "cubelet", "the sandbox is being torn down; retry after the release"),
