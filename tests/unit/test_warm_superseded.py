@@ -37,11 +37,12 @@ def warm_ids(node: Node, key: str) -> list[str]:
 
 def fill(node: Node, req: ReservationRequest, size: int) -> str:
     pool = node.cubelet.warm.set_pool(req, size)
-    for _ in range(size):
-        node.cubelet.warm.refill_once()
-        n = len(warm_ids(node, pool.key))
-        poll(lambda n=n: len(warm_ids(node, pool.key)) > n or len(warm_ids(node, pool.key)) == size, 20)
-    poll(lambda: len(warm_ids(node, pool.key)) == size, 20)
+
+    def full() -> bool:
+        node.cubelet.warm.refill_once()  # starts what the pool lacks, within the bound on concurrent starts
+        return len(warm_ids(node, pool.key)) == size
+
+    poll(full, 20)
     return pool.key
 
 
@@ -51,8 +52,8 @@ def test_a_new_template_version_supersedes_the_pool_and_releases_its_warm_sandbo
 
     new_key = fill(node, shape(V2), 2)
     assert list(node.cubelet.warm.pools) == [new_key]  # the old pool is gone, from the journal too
+    poll(lambda: all(node.cubelet.store.reservation(sid) is None for sid in old_ids), 20)
     for sid in old_ids:  # released through the ordinary path, with the reason
-        poll(lambda sid=sid: node.cubelet.store.reservation(sid) is None, 20)
         reasons = [
             e.reason for e in node.cubelet.store.events(0, 10000, sandbox_id=sid) if e.kind == "teardown_started"
         ]
