@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from cubeaccel.cubelet.device_audit import entries_of
 from cubeaccel.cubelet.store import Event
 from cubeaccel.model.audit_trail import DEVICE_ACTIONS, holding_at
@@ -94,3 +97,30 @@ def test_a_warm_claim_hands_the_holding_from_the_node_to_the_tenant_at_one_insta
     assert (at["previous"]["sandbox"], at["previous"]["released_at"]) == ("warm-1", 5.0)
     assert at["holder"]["trail"][0]["warm_id"] == "warm-1"
     assert holding_at(log, "d0", 9.0)["previous"]["tenant"] == "acme"
+
+
+@given(st.lists(st.tuples(st.booleans(), st.sampled_from(["acme", "beta", None])), min_size=1, max_size=8))
+def test_whoever_the_log_says_claimed_a_device_holds_it_until_its_release_and_nobody_else(
+    lives: list[tuple[bool, str | None]],
+) -> None:
+    """A device's successive lives, each a warm sandbox (claimed or not) or a cold start: at every instant the
+    holder is the last assignment's or claim's sandbox and tenant, and none covers the time between lives."""
+    log: list[dict[str, Any]] = []
+    expect: list[tuple[float, float, str, str | None]] = []  # from, until, sandbox, tenant
+    for i, (warm, tenant) in enumerate(lives):
+        t0 = 10.0 * i
+        first = f"warm-{i}" if warm else f"sb-{i}"
+        log += entry(ev("transition", t0, "d0", first, "reserve", tenant=None if warm else tenant))
+        log += entry(ev("transition", t0 + 1, "d0", first, "attach_succeeded"))
+        if warm and tenant is not None:
+            log += entry(ev("device_claimed", t0 + 3, "d0", f"sb-{i}", warm_id=first, tenant=tenant))
+            expect += [(t0, t0 + 3, first, None), (t0 + 3, t0 + 6, f"sb-{i}", tenant)]
+        else:
+            expect.append((t0, t0 + 6, first, None if warm else tenant))
+        log += entry(ev("transition", t0 + 6, "d0", None, "release_confirmed"))
+    for start, until, sandbox, tenant in expect:
+        for at in (start, (start + until) / 2, until - 0.01):
+            holder = holding_at(log, "d0", at)["holder"]
+            assert holder is not None and (holder["sandbox"], holder["tenant"]) == (sandbox, tenant)
+        between = holding_at(log, "d0", until + 0.5)["holder"]
+        assert between is None or between["assigned_at"] == until  # the claim's instant, or nobody
