@@ -58,8 +58,8 @@ def superseded(
             continue
         for p in v.warm_pools:
             known = versions.get(p.template or "")
-            if known is None or p.contract_digest not in known.earlier:
-                continue
+            if known is None or p.contract_digest not in known.earlier or known.latest.accel_class != p.accel_class:
+                continue  # a name reused for another class is not this pool's next version
             c = known.latest
             body = WarmPoolBody.model_validate(
                 {
