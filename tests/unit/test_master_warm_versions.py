@@ -33,7 +33,7 @@ def test_the_latest_an_unregistered_document_another_template_or_an_unfit_node_i
     assert superseded([node(pool(contract_digest=V2.digest))], VERSIONS, 1000.0, 10.0) == []
     assert superseded([node(pool(contract_digest="sha256:" + "0" * 64))], VERSIONS, 1000.0, 10.0) == []
     assert superseded([node(pool(contract_digest=V1.digest, template="other"))], VERSIONS, 1000.0, 10.0) == []
-    assert superseded([node(pool(contract_digest=V1.digest, **{"class": "fpga"}))], VERSIONS, 1000.0, 10.0) == []
+    assert superseded([node({**pool(contract_digest=V1.digest), "class": "fpga"})], VERSIONS, 1000.0, 10.0) == []
     assert superseded([node(pool(contract_digest=V1.digest), received_at=0.0)], VERSIONS, 1000.0, 10.0) == []
     drained = node(pool(contract_digest=V1.digest))
     drained.state = "draining"
