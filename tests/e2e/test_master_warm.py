@@ -153,3 +153,48 @@ def test_with_every_warm_sandbox_taken_a_matching_create_goes_cold_with_pool_emp
     assert [(e["path"], e.get("reason"), e.get("refilling")) for e in path_entries(second)] == [
         ("cold", "warm.pool_empty", 0)  # size 0: none on the way either
     ]
+
+
+def test_an_admin_create_naming_a_warm_id_is_refused_and_the_warm_sandbox_is_kept(
+    stack: tuple[MasterProcess, CubeletProcess],
+) -> None:
+    """`warm-*` is the nodes' own namespace: a create naming one is refused before any node is asked, so no
+    claim is refused for it and no cleanup releases the node's warm sandbox of that id."""
+    m, node = stack
+    warm_pool(node, 1)
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [1], 60)
+    (wid,) = advertised(m, "n")[0].sandboxes
+    with pytest.raises(CubeError) as refused:
+        m.client.create({"gpu": "H100:1", "id": wid})
+    assert (refused.value.code, refused.value.status) == ("sandbox.reserved_id", 422)
+    res = node.client.reservation(wid).reservation
+    assert res is not None and res.phase == "warm"
+    page = node.client.request("GET", "/v1/events", params={"sandbox_id": wid})
+    assert "teardown_started" not in [e["kind"] for e in page["events"]]
+    sb = m.client.create({"gpu": "H100:1", "id": "sb-after"})  # still the pool's, and claimable
+    assert [(e["path"], e.get("warm_id")) for e in path_entries(sb)] == [("warm", wid)]
+
+
+def test_a_new_template_version_rebuilds_the_nodes_warm_pool_and_frees_the_old_ones_devices(
+    stack: tuple[MasterProcess, CubeletProcess],
+) -> None:
+    """The pool's key carries the contract digest, so after a new version no create matches the old pool: the
+    old pool is dropped, its warm sandboxes released, and the same pool refilled from the new document."""
+    m, node = stack
+    warm_pool(node, 2)
+    poll(lambda: [p.claimable for p in advertised(m, "n")] == [2], 60)
+    (old,) = advertised(m, "n")
+    v2 = m.client.register_template({**TEMPLATE, "metadata": {**TEMPLATE["metadata"], "version": "2"}})
+
+    poll(lambda: [(p.key != old.key, p.claimable) for p in advertised(m, "n")] == [(True, 2)], 90)
+    (new,) = advertised(m, "n")
+    assert (new.template, new.size, new.vcpus) == ("cuda12-h100", 2, 1)
+
+    def on_node() -> set[str]:
+        return {r["sandbox_id"] for r in node.client.request("GET", "/v1/reservations")["reservations"]}
+
+    poll(lambda: not set(old.sandboxes) & on_node(), 60)  # released, none kept holding a device
+    poll(lambda: m.client.capacity().allocatable == 2, 30)  # 4 devices: the new pool's 2 and 2 free
+    sb = m.client.create({"gpu": "H100:1", "id": "sb-v2"})
+    assert [e["path"] for e in path_entries(sb)] == ["warm"]
+    assert sb.template is not None and (sb.template.version, sb.template.digest) == ("2", v2.digest)

@@ -184,3 +184,13 @@ def call(
     asyncio.run(app(scope, receive, send))
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), at_start
+
+
+def test_a_reservation_naming_the_nodes_warm_namespace_is_refused_and_reserves_nothing(
+    local: tuple[Node, TestClient, Path],
+) -> None:
+    """A `warm-*` id is the node's own: an idempotent reserve under it must never answer with a warm sandbox."""
+    node, client, _ = local
+    r = client.post("/v1/reservations", json={"sandbox_id": "warm-" + "a" * 16, "count": 1})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "warm.reserved_id"
+    assert node.cubelet.store.reservations() == [] and {d.state.value for d in node.devices()} == {"allocatable"}

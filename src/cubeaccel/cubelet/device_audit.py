@@ -58,6 +58,10 @@ def entries_of(ev: Event) -> list[Entry]:
             out.append((A.RESET, "ok", {**base, "after": "release"}))
         out.append((A.DEVICE_ACTIONS[event], "ok", fields))
         return out
+    if ev.kind == EventKind.DEVICE_CLAIMED:  # a warm sandbox's device, from the node to its claimer
+        return [
+            (A.CLAIMED, "ok", {**base, **{k: d.get(k) for k in ("warm_id", "tenant", "template", "contract_digest")}})
+        ]
     if ev.kind == EventKind.SCRUB_STARTED:
         return [(A.SCRUB_STARTED, "ok", {**base, "policy": d.get("policy")})]
     if ev.kind == EventKind.SCRUB_FINISHED:

@@ -27,6 +27,7 @@ from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sa
 from cubeaccel.cubelet.metrics import metrics_of
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.store import Event, Reservation
+from cubeaccel.cubelet.warm import refuse_reserved_id
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.host.service.throttle import Throttle
 from cubeaccel.host.service.unix_path import connect_path
@@ -205,7 +206,7 @@ def create_app(
     def reserve_now(body: W.ReservationBody) -> W.ReservationView:
         req = _request(body)
         try:
-            cubelet.reserve(body.sandbox_id, req)
+            cubelet.reserve(refuse_reserved_id(body.sandbox_id), req)
         except CubeError as e:
             metrics.refused(e.code)
             raise

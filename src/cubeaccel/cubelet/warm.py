@@ -48,6 +48,7 @@ BACKOFF_FIRST_S = 2.0
 BACKOFF_MAX_S = 300.0
 DRAINED = "warm.drained"  # teardown reason and miss reason while the node's pools are drained
 NO_POOL = "warm.no_pool"  # miss reason, and teardown reason of a warm sandbox no configured pool keeps
+SUPERSEDED = "warm.superseded"  # teardown reason: its pool was replaced by another version of its template
 SETTINGS_KEY = "warm"  # the journal's `meta` row holding `WarmSettings`
 CLAIM_TIMEOUT_S = 40.0  # the shim's rebind waits up to 30 s for the guest's new session
 # Labels are not in the key: they narrow which devices qualify, so a claim checks the warm sandbox's devices.
@@ -61,6 +62,25 @@ def pool_key(params: ReservationParams) -> str:
     shape = {k: recorded.get(k) for k in KEY_FIELDS}
     h = hashlib.sha256(json.dumps({"contract": digest, **shape}, sort_keys=True).encode()).hexdigest()
     return f"{digest.removeprefix('sha256:')[:12]}-{params.memory_mib}m{params.vcpus}c-{h[:12]}"
+
+
+def refuse_reserved_id(sandbox_id: str) -> str:
+    """A requester's id (a claim's, a reservation's over the API) may not be in the node's own namespace: an id
+    a warm sandbox holds, or will, is never a requester's to name, reserve or have released."""
+    if sandbox_id.startswith(WARM_PREFIX):
+        raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
+    return sandbox_id
+
+
+def supersedes(new: Any, old: Any) -> bool:
+    """Whether a pool of request `new` replaces the pool of `old`: the same template by name and the same shape a
+    pool is asked for by (class, count, vCPUs), another document (a new version, or the same one edited). Memory
+    and pinning are the template's, so they may change with it. A pool without a contract is never replaced."""
+    if new.contract is None or old.contract is None:
+        return False
+    shape = (new.contract.template_name, new.accel_class, new.count, new.vcpus)
+    same = shape == (old.contract.template_name, old.accel_class, old.count, old.vcpus)
+    return same and new.contract.digest != old.contract.digest
 
 
 class WarmHost(Protocol):
@@ -116,11 +136,16 @@ class WarmPools:
     # ---- configuration -------------------------------------------------------------------------------------
     def set_pool(self, req: Any, size: int) -> Pool:
         """Keep `size` warm sandboxes of `req`'s shape (validated as a reservation would be); 0 stops refilling
-        (the warm ones stay until claimed or the node is drained)."""
+        (the warm ones stay until claimed or the node is drained). A pool of another version of the same
+        template and shape is superseded: dropped, and its unclaimed warm sandboxes released at once, since no
+        create that resolves the template to this version can claim them."""
         _, params = self.cubelet.request_params(req)
         key = pool_key(params)
         with self.cubelet.change() as t:
             with self._cv:
+                superseded = [k for k, p in self.pools.items() if k != key and supersedes(req, p.request)]
+                for k in superseded:
+                    del self.pools[k]
                 pool = self.pools.get(key)
                 if pool is None:
                     pool = self.pools[key] = Pool(key, req, size)
@@ -128,9 +153,23 @@ class WarmPools:
                 pool.backoff_s, pool.retry_at = 0.0, 0.0
                 self._save(t)
                 self._cv.notify_all()
-            details = {"pool": key, "size": size, "template": req.template}
+            details = {"pool": key, "size": size, "template": req.template, "superseded": superseded}
             t.event(EventKind.WARM_POOL_SET, Actor.CUBELET, details=details)
+        for k in superseded:
+            self._retire(k)
         return pool
+
+    def _retire(self, key: str) -> list[str]:
+        """Release the unclaimed warm sandboxes (warm or starting) of a superseded pool; a warm start of it still
+        in flight ends as an orphan, which reconcile releases (`orphans`)."""
+        ids = [
+            r.sandbox_id
+            for r in self.cubelet.store.reservations()
+            if r.checkpoint.warm_pool == key and r.checkpoint.claimed_at is None and r.phase is not P.RELEASING
+        ]
+        for sid in ids:
+            self.cubelet.begin_teardown(sid, SUPERSEDED, message="its warm pool's template has a newer version here")
+        return ids
 
     # ---- the journal's record: pools and drain outlive this process ------------------------------------------
     def _save(self, t: Tx) -> None:
@@ -372,9 +411,7 @@ class WarmPools:
         `warm.no_pool`, `warm.pool_empty`). `warm_id`: only that warm sandbox (CubeMaster names the one its
         claim row holds); a miss when it is no longer warm. Returns the reservation, the token it serves and the
         shim's ack (the hand-off's timing)."""
-        validate_sandbox_id(sandbox_id)
-        if sandbox_id.startswith(WARM_PREFIX):
-            raise conflict("warm.reserved_id", f"ids starting {WARM_PREFIX!r} are the node's own", layer="cubelet")
+        refuse_reserved_id(validate_sandbox_id(sandbox_id))
         _, params = self.cubelet.request_params(req)
         key = pool_key(params)
         if key not in self.pools:
@@ -410,6 +447,16 @@ class WarmPools:
             t.event(
                 EventKind.WARM_CLAIMED, Actor.CUBELET, sandbox_id=w.sandbox_id, details={**details, "as": sandbox_id}
             )
+            custody = {
+                "warm_id": w.sandbox_id,
+                "tenant": req.tenant,
+                "template": req.template,
+                "contract_digest": None if params.contract is None else params.contract.digest,
+            }
+            for device_id in w.device_ids:  # the custody record names the claimer from this instant on
+                t.event(
+                    EventKind.DEVICE_CLAIMED, Actor.CUBELET, device_id=device_id, sandbox_id=sandbox_id, details=custody
+                )
             with self._cv:
                 self.claiming.add(sandbox_id)
                 self.pools[key].claims += 1

@@ -25,6 +25,7 @@ import httpx
 
 from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.service import START_FAILED, CubeMaster, sandbox_error
+from cubeaccel.master.warm_versions import superseded, versions_of
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -219,6 +220,7 @@ class Maintenance:
         self.last_errors: list[str] = []
         self._warm_drain_sent: dict[str, float] = {}  # node → when its warm drain was last sent (master clock)
         self._warm_drain_seen: dict[str, float] = {}  # node → when its undrained pools were first seen draining
+        self._warm_rebuild_sent: dict[tuple[str, str], float] = {}  # (node, pool) → when its rebuild was last asked
 
     def request_reconcile(self, node: str) -> None:
         with self._lock:
@@ -263,6 +265,7 @@ class Maintenance:
             if row.expires_at is not None and row.expires_at < now:
                 self.master.store.update_sandbox(row.id, "timeout", event=SE.TIMEOUT, by=MAINT)
         self._drain_warm_pools(now)
+        self._rebuild_superseded_pools(now)
         advertised = {v.name: {w.id for p in v.warm_pools for w in p.sandboxes} for v in self.master.cache.views()}
         if self.master.store.settle_warm_claims(advertised):
             self.master.cache.invalidate()
@@ -294,6 +297,29 @@ class Maintenance:
                 self.master.client(v.cubelet_url).warm_drain()
             except (CubeError, httpx.HTTPError) as e:
                 self._note(f"warm drain {v.name}: {e}")
+
+    def _rebuild_superseded_pools(self, now: float) -> None:
+        """A node's warm pool of a template version since superseded here is rebuilt from the latest document
+        (master/warm_versions.py); asked once per staleness bound per pool until the heartbeat stops showing it."""
+        views = self.master.cache.views()
+        names = {p.template for v in views for p in v.warm_pools if p.template}
+        if not names:
+            return
+        latest = {}
+        for name in sorted(names):
+            try:
+                latest[name] = self.master.registry.contract(name)
+            except CubeError:  # not registered here: the node operator's pool
+                continue
+        versions = versions_of(self.master.store.templates(), latest)
+        for r in superseded(views, versions, now, self.master.config.staleness_s):
+            if now - self._warm_rebuild_sent.get((r.node, r.pool), 0.0) < self.master.config.staleness_s:
+                continue
+            self._warm_rebuild_sent[(r.node, r.pool)] = now
+            try:
+                self.master.client(r.cubelet_url).set_warm_pool(r.body)
+            except (CubeError, httpx.HTTPError) as e:
+                self._note(f"warm pool {r.node}/{r.pool} superseded, not rebuilt: {e}")
 
     def _note(self, msg: str) -> None:
         self.last_errors = [*self.last_errors[-19:], msg]

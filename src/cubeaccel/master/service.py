@@ -55,7 +55,7 @@ from cubeaccel.wire.sandbox_timeline import (
     WarmAttempt,
     WarmPath,
 )
-from cubeaccel.wire.warm import WarmClaimBody
+from cubeaccel.wire.warm import WARM_ID_PREFIX, WarmClaimBody
 
 SS, SE, SA = SandboxState, SandboxEvent, SandboxActor
 SandboxT = TypeVar("SandboxT", bound=W.Sandbox)
@@ -172,6 +172,16 @@ class CubeMaster:
 
     def create(self, spec: CreateSpec) -> tuple[SandboxRow, bool]:
         """Returns (sandbox, created): created is False for an idempotent repeat."""
+        if spec.sandbox_id is not None and spec.sandbox_id.startswith(WARM_ID_PREFIX):
+            # The nodes' own warm sandboxes' ids: refused before any node is asked, since a claim or a cleanup
+            # under such an id would reach the node's warm sandbox of that name.
+            raise CubeError(
+                "sandbox.reserved_id",
+                f"sandbox ids starting {WARM_ID_PREFIX!r} are the nodes' warm sandboxes'; choose another or leave"
+                " `id` out",
+                "api",
+                {"reserved_prefix": WARM_ID_PREFIX},
+            )
         resolved = self.resolve(spec)
         if spec.tenant in self.auth.revoked_tenants():  # an admin's create for it, too (issue 30 #2)
             raise CubeError("tenant.not_found", f"no live tenant {spec.tenant!r}", "api")

@@ -1,9 +1,10 @@
 """Who had which device: the audit actions a device's lifecycle is recorded under, and the question asked of them.
 
 The Cubelet writes one hash-chained audit entry per step of a device's life (`cubelet/device_audit.py`): its
-assignment to a sandbox of a tenant (template, contract digest), attach, detach, VMM exit, reset, scrub, release,
-quarantine and recovery. `holding_at` answers from those entries which tenant (and sandbox) held a device at a
-given time. Pure: entries are the log's decoded JSON lines, in order.
+assignment to a sandbox of a tenant (template, contract digest), a warm sandbox's claim (the same, for the
+claimer), attach, detach, VMM exit, reset, scrub, release, quarantine and recovery. `holding_at` answers from
+those entries which tenant (and sandbox) held a device at a given time. Pure: entries are the log's decoded
+JSON lines, in order.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ VMM_EXITED = "vmm:exited"  # the sandbox's VMM process was waited for
 SCRUB_STARTED = "device:scrub_started"
 SCRUBBED = "device:scrubbed"  # outcome ok or failed; the scrub's evidence (docs/scrub.md)
 RETRY_ATTEMPT = "device:retry_attempt"  # reconcile's automatic retry of a transient quarantine: its probe
+# A warm sandbox's device handed to the create that claimed it: the node's holding (no tenant) ends and the
+# claimer's begins at that instant, naming the tenant and the sandbox id the tenant sees (`warm_id`: the one before).
+CLAIMED = "device:claimed"
 # A tenant stops holding a device when its release is confirmed (VMM gone, no holder, reset) or the device is
 # handed back or parked by someone else; a quarantine does not end it (the release was never proven).
 _ENDS_HOLDING = {
@@ -78,7 +82,10 @@ def holdings(entries: Iterable[dict[str, Any]], device: str) -> list[Holding]:
     current: Holding | None = None
     for e in entries:
         names_device = e.get("device") == device
-        if names_device and e.get("action") == DEVICE_ACTIONS[E.RESERVE]:
+        if names_device and e.get("action") == CLAIMED and current is not None and current.released_at is None:
+            current.trail.append(e)
+            current.released_at = float(e.get("at") or 0.0)
+        if names_device and e.get("action") in (DEVICE_ACTIONS[E.RESERVE], CLAIMED):
             current = Holding(
                 device,
                 _str(e.get("sandbox")),

@@ -48,6 +48,7 @@ class EventKind(StrEnum):
     WARM_DRAINED = "warm_drained"
     WARM_UNDRAINED = "warm_undrained"
     WARM_CLAIMED = "warm_claimed"
+    DEVICE_CLAIMED = "device_claimed"  # one per device of a claimed warm sandbox: its custody passes to the claimer
     WARM_CLAIM_ACKED = "warm_claim_acked"
     # the node
     HOST_READY = "host_ready"

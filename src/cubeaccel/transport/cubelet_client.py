@@ -27,7 +27,7 @@ from cubeaccel.wire.cubelet_api import (
     ReservationView,
 )
 from cubeaccel.wire.dashboard import NodeDashboard
-from cubeaccel.wire.warm import WarmClaimBody, WarmDrainReply
+from cubeaccel.wire.warm import WarmClaimBody, WarmDrainReply, WarmPoolBody, WarmPoolList
 
 
 class CubeletClient:
@@ -83,6 +83,12 @@ class CubeletClient:
 
     def warm_undrain(self) -> WarmDrainReply:
         return WarmDrainReply.model_validate(self.request("POST", "/v1/warm/undrain"))
+
+    def set_warm_pool(self, body: WarmPoolBody) -> WarmPoolList:
+        """`PUT /v1/warm/pools`: keep `body.size` warm sandboxes of its shape (a pool of another version of its
+        template is superseded)."""
+        sent = body.model_dump(mode="json", by_alias=True)
+        return WarmPoolList.model_validate(self.request("PUT", "/v1/warm/pools", sent))
 
     def start(self, sandbox_id: str) -> ReservationView:
         return ReservationView.model_validate(self.request("POST", f"/v1/reservations/{_seg(sandbox_id)}/start"))
