@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from cubeaccel.cli import output
+from cubeaccel.cli.exec_argv import ExecCommand
 from cubeaccel.cli.master_access import (
     AsJson,
     MasterUrl,
@@ -214,7 +215,7 @@ def _env_pairs(values: list[str]) -> dict[str, str]:
 TIMED_OUT_EXIT = 124
 
 
-@sandbox_app.command("exec", context_settings={"allow_interspersed_args": False})
+@sandbox_app.command("exec", cls=ExecCommand, context_settings={"allow_interspersed_args": False})
 def sandbox_exec(
     sandbox_id: Annotated[str, typer.Argument(help="sandbox id")],
     cmd: Annotated[list[str], typer.Argument(help="the command and its arguments (after --)")],
@@ -229,7 +230,7 @@ def sandbox_exec(
     """Run CMD in the sandbox: stdout/stderr stream live, stdin is passed, the exit code is the command's."""
     import sys
 
-    if cmd and cmd[0] == "--":  # kept by click when interspersed options are off
+    if cmd and cmd[0] == "--":  # ExecCommand puts it after the id; click keeps it
         cmd = cmd[1:]
     if not cmd:
         raise typer.BadParameter("no command after --")
