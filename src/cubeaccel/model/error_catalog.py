@@ -35,6 +35,7 @@ def _c(code: str, status: int | None, layer: str, meaning: str) -> CodeInfo:
 # fmt: off
 CODES: tuple[CodeInfo, ...] = (
     # ---- API edge (Cubelet and CubeMaster) ----
+    _c("api.internal_error", 500, "api", "a bug in the E2B front door: the exception is logged, never sent"),
     _c("api.bad_http_request", 400, "api", "an HTTP request that does not parse (bad framing, a malformed header)"),
     _c("api.headers_too_large", 431, "api", "request line and headers over 16 KiB (counted on the parsed request)"),
     _c("api.body_timeout", 408, "api", "the request body did not arrive within the body deadline (30 s)"),
