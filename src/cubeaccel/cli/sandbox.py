@@ -115,7 +115,9 @@ def sandbox_create(
     sandbox_id: Annotated[str | None, typer.Option("--id")] = None,
     memory_mib: Annotated[int | None, typer.Option()] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds until CubeMaster deletes it")] = None,
-    tenant: Annotated[str, typer.Option()] = "default",
+    tenant: Annotated[
+        str | None, typer.Option(help="an admin's: whose sandbox (default: default); a tenant key names its own")
+    ] = None,
     wait: Annotated[
         bool, typer.Option("--wait/--no-wait", help="return once running (or failed), phases shown")
     ] = True,
@@ -125,7 +127,7 @@ def sandbox_create(
 ) -> None:
     """Create a sandbox and wait until it runs (phases shown live); on refusal or failure, print why."""
     as_json = as_json or output.machine()
-    body: dict[str, Any] = {"tenant": tenant}
+    body: dict[str, Any] = {} if tenant is None else {"tenant": tenant}  # unset: the key's own (CubeMaster says)
     if gpu:
         body["gpu"] = gpu
     if accel_class or selector:
