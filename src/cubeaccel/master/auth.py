@@ -29,7 +29,7 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.records import Quota
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.ids import NODE_ID_RE
+from cubeaccel.model.ids import NODE_ID_RE, tenant_sandbox_prefix, unkeyed_tenant_sandbox_prefix
 from cubeaccel.transport import node_sig
 from cubeaccel.wire.master_api import KeyRow, QuotaShown, TenantRow
 
@@ -124,6 +124,10 @@ class Auth:
             self._secret = bytes.fromhex(
                 c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == "node_secret")).scalar_one()
             )
+            self._tenant_id_key = bytes.fromhex(
+                c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == S.TENANT_ID_KEY)).scalar_one()
+            )
+        self._prefixes: dict[str, str] = {}  # tenant → its id prefix (fixed at its creation)
 
     # ---- verifying ----------------------------------------------------------------------------------
     def authenticate(self, header: str | None, signed: SignedRequest | None = None) -> Identity | None:
@@ -237,7 +241,23 @@ class Auth:
             r = c.execute(sa.select(S.tenants.c.name).where(S.tenants.c.name == name)).first()
             if r is not None:
                 raise CubeError("tenant.exists", f"tenant {name!r} exists", "api")
-            c.execute(S.tenants.insert().values(name=name, quota=quota.to_json(), created_at=time.time()))
+            prefix = tenant_sandbox_prefix(name, self._tenant_id_key)
+            c.execute(
+                S.tenants.insert().values(name=name, quota=quota.to_json(), created_at=time.time(), id_prefix=prefix)
+            )
+
+    def sandbox_prefix(self, tenant: str) -> str:
+        """The start of every sandbox id `tenant` chooses: stored at its creation (keyed with the installation's
+        secret; a tenant made before that keeps its unkeyed one, so ids issued stay valid)."""
+        if tenant not in self._prefixes:
+            with self.store.tx() as c:
+                r = c.execute(sa.select(S.tenants.c.id_prefix).where(S.tenants.c.name == tenant)).first()
+            # No row (a create for a tenant that is refused later) or a row an older replica wrote: the keyed one
+            # for an unknown name, the unkeyed one it had for a row without a prefix.
+            if r is None:
+                return tenant_sandbox_prefix(tenant, self._tenant_id_key)
+            self._prefixes[tenant] = r.id_prefix or unkeyed_tenant_sandbox_prefix(tenant)
+        return self._prefixes[tenant]
 
     def tenants(self) -> list[TenantRow]:
         with self.store.tx() as c:

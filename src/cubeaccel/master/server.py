@@ -46,7 +46,7 @@ from cubeaccel.master.records import Quota, SandboxRow
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_error, sandbox_record
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
+from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, NodeState, SandboxActor, SandboxState
 from cubeaccel.transport import node_sig
@@ -260,7 +260,7 @@ def create_app(
     @app.get("/v1/whoami", response_model=W.WhoAmI)
     def whoami(request: Request) -> W.WhoAmI:
         ident: Identity = request.state.identity
-        prefix = tenant_sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
+        prefix = auth.sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
         return W.WhoAmI(
             role=ident.role, tenant=ident.tenant, node=ident.node, key_id=ident.key_id, sandbox_id_prefix=prefix
         )
@@ -523,7 +523,7 @@ def create_app(
             if body.tenant not in (None, ident.tenant):
                 raise forbidden(f"tenant {ident.tenant}'s key cannot create for tenant {body.tenant}")
             body = body.model_copy(update={"tenant": ident.tenant})
-            prefix = tenant_sandbox_prefix(ident.tenant or "")
+            prefix = auth.sandbox_prefix(ident.tenant or "")
             if body.id is not None and not body.id.startswith(prefix):
                 # Whether the id is free, another tenant's or deleted, the answer is this one (issue 30 #1).
                 raise CubeError(
