@@ -23,6 +23,7 @@ from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.sandbox_states import SandboxActor as SA
 from cubeaccel.model.sandbox_states import SandboxEvent as SE
+from cubeaccel.transport import workload_client
 from cubeaccel.transport.master_client import MasterClient
 
 NODE_URL = "http://node-1.test:7701"
@@ -46,6 +47,8 @@ class Stack:
 
     def place(self, sid: str, spec: CreateSpec, resolved: Any) -> SandboxRow:
         self.specs.append(spec)
+        if spec.workload_token is not None:  # the node starts it with the token given and says it once
+            self.master.issued_tokens[sid] = spec.workload_token
         store = self.master.store
         store.update_sandbox(sid, "scheduled", event=SE.CLAIM, by=SA.PLACEMENT, node="node-1")
         store.update_sandbox(sid, "reserved", event=SE.READY, by=SA.PLACEMENT)
@@ -76,7 +79,8 @@ def cli(stack: Stack, who: str, *argv: str, monkeypatch: pytest.MonkeyPatch, tmp
     key_file = tmp_path / f"{who}.key"
     key_file.write_text(stack.keys[who] + "\n")
     monkeypatch.setenv("CUBEACCEL_API_KEY_FILE", str(key_file))
-    return CliRunner().invoke(sandbox_app, [*argv, "--master", "http://master.test"], input="")
+    command, *rest = argv
+    return CliRunner().invoke(sandbox_app, [command, "--master", "http://master.test", *rest], input="")
 
 
 def test_a_tenant_key_creates_for_its_own_tenant_without_naming_it(
@@ -119,3 +123,83 @@ def test_an_admin_key_without_tenant_creates_for_default_and_with_one_for_it(
         )
         assert r.exit_code == 0, r.output
         assert json.loads(r.output)["tenant"] == tenant
+
+
+class Ran:
+    exit_code = 0
+
+
+class NodeProxy:
+    """The sandbox's node's workload proxy as the CLI reaches it: records the endpoint and token each client got."""
+
+    def __init__(self) -> None:
+        self.clients: list[tuple[str, str]] = []
+        self.ran: list[list[str]] = []
+
+    def over(self, url: str, token: str, timeout: float | None = None) -> NodeProxy:
+        self.clients.append((url, token))
+        return self
+
+    def exec(self, cmd: list[str], **kw: Any) -> Ran:
+        self.ran.append(cmd)
+        return Ran()
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def node(monkeypatch: pytest.MonkeyPatch) -> NodeProxy:
+    proxy = NodeProxy()
+    monkeypatch.setattr(workload_client.WorkloadClient, "over", proxy.over)
+    return proxy
+
+
+def created(stack: Stack, who: str, **body: Any) -> dict[str, Any]:
+    r = TestClient(stack.app).post(
+        "/v1/sandboxes", json={"gpu": "H100:1", **body}, headers={"Authorization": f"Bearer {stack.keys[who]}"}
+    )
+    assert r.status_code == 201, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_exec_with_only_the_tenants_key_obtains_the_sandboxs_token_itself(
+    stack: Stack, node: NodeProxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    sb = created(stack, "acme")
+    r = cli(
+        stack, "acme", "exec", sb["id"], "--no-stdin", "--", "nvidia-smi", monkeypatch=monkeypatch, tmp_path=tmp_path
+    )
+    assert r.exit_code == 0, r.output
+    endpoint = f"{NODE_URL}/v1/sandboxes/{sb['id']}/workload"
+    assert node.clients == [(endpoint, sb["access_token"])] and node.ran == [["nvidia-smi"]]
+
+
+def test_connect_gives_the_same_token_every_time_and_only_to_the_owner(stack: Stack) -> None:
+    sb = created(stack, "acme")
+    api = TestClient(stack.app)
+    for who in ("acme", "acme", "admin"):
+        r = api.post(f"/v1/sandboxes/{sb['id']}/connect", headers={"Authorization": f"Bearer {stack.keys[who]}"})
+        assert r.status_code == 200 and r.json()["access_token"] == sb["access_token"], r.text
+    r = api.post(f"/v1/sandboxes/{sb['id']}/connect", headers={"Authorization": f"Bearer {stack.keys['globex']}"})
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "sandbox.not_found")
+
+
+def test_two_sandboxes_get_different_tokens(stack: Stack) -> None:
+    assert created(stack, "acme")["access_token"] != created(stack, "acme")["access_token"]
+
+
+def test_a_token_the_creator_chose_is_not_handed_out_and_token_still_works(
+    stack: Stack, node: NodeProxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The E2B front door derives its own token (it gives it on E2B's connect); CubeMaster cannot give it."""
+    chosen = "f" * 43
+    sb = created(stack, "acme", workload_token=chosen)
+    r = cli(stack, "acme", "exec", sb["id"], "--", "true", monkeypatch=monkeypatch, tmp_path=tmp_path)
+    assert r.exit_code == 1 and "workload.token_unavailable" in r.output and node.clients == []
+    r = cli(
+        stack, "acme", "exec", "--token", chosen, sb["id"], "--", "true", monkeypatch=monkeypatch, tmp_path=tmp_path
+    )
+    assert r.exit_code == 0, r.output
+    assert node.clients == [(f"{NODE_URL}/v1/sandboxes/{sb['id']}/workload", chosen)]

@@ -146,8 +146,8 @@ def sandbox_create(
         print(json.dumps(s.model_dump(mode="json", by_alias=True), indent=2))
     else:
         console.print(_sandbox_table([s]))
-        if s.access_token:  # shown once: only its hash is kept
-            console.print(f"access token (for exec/cp; shown once): {s.access_token}")
+        if s.access_token:  # for other tools; exec and cp obtain it with the key (connect)
+            console.print(f"access token (envd; `sandbox exec`/`cp` get it with your key): {s.access_token}")
     if s.state == SandboxState.FAILED:
         raise typer.Exit(1)
 
@@ -187,21 +187,25 @@ def sandbox_delete(sandbox_id: str, url: MasterUrl = None) -> None:
 TokenOpt = Annotated[
     str | None,
     typer.Option(
-        "--token", help="the sandbox's access token (from `sandbox create`; default $CUBEACCEL_SANDBOX_TOKEN)"
+        "--token",
+        help="the sandbox's access token (default $CUBEACCEL_SANDBOX_TOKEN; without either, the key obtains it)",
     ),
 ]
 
 
 def _workload(sandbox_id: str, url: str | None, token: str | None, timeout: float | None = None) -> Any:
-    """A workload client for the sandbox, at its node's Cubelet proxy: CubeMaster names it to the sandbox's own
-    tenant (`GET /v1/sandboxes/{id}/workload`), so a tenant key is enough."""
+    """A workload client for the sandbox, at its node's Cubelet proxy. CubeMaster names it to the sandbox's own
+    tenant, so a tenant key is enough: with a token given (`--token`, $CUBEACCEL_SANDBOX_TOKEN) only the endpoint
+    is asked for (`GET …/workload`); without one, connect (`POST …/connect`) gives the endpoint and the token, as
+    E2B's connect gives it to the owner."""
     from cubeaccel.transport.workload_client import WorkloadClient
 
     token = token or os.environ.get("CUBEACCEL_SANDBOX_TOKEN")
-    if not token:
-        fail(CubeError("workload.unauthenticated", "no access token: --token or $CUBEACCEL_SANDBOX_TOKEN", "api"))
-    endpoint = call_master(url, lambda c: c.workload_endpoint(sandbox_id))
-    return WorkloadClient.over(endpoint.url, str(token), timeout=timeout)
+    if token:
+        endpoint = call_master(url, lambda c: c.workload_endpoint(sandbox_id))
+        return WorkloadClient.over(endpoint.url, token, timeout=timeout)
+    connection = call_master(url, lambda c: c.connect(sandbox_id))
+    return WorkloadClient.over(connection.url, connection.access_token, timeout=timeout)
 
 
 def _env_pairs(values: list[str]) -> dict[str, str]:

@@ -92,6 +92,9 @@ sandboxes = sa.Table(
     sa.Column("expires_at", sa.Float, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    # With `workload_token_key`, derives the sandbox's workload token (master/auth.py): its owner can get it again
+    # (POST /v1/sandboxes/{id}/connect) while nothing stores it. NULL: the creator chose the token, or v6 and older.
+    sa.Column("token_salt", sa.String(32), nullable=True),
     sa.UniqueConstraint("tenant", "idempotency_key", name="uq_sandbox_idempotency"),
     sa.Index("ix_sandboxes_node_state", "node", "state"),
     sa.Index("ix_sandboxes_state", "state"),
@@ -208,6 +211,19 @@ def _v6(conn: sa.Connection) -> None:
         conn.execute(tenants.update().where(tenants.c.name == name).values(id_prefix=prefix))
 
 
+WORKLOAD_TOKEN_KEY = "workload_token_key"  # meta row: the secret deriving sandboxes' workload tokens (hex)
+
+
+def _v7(conn: sa.Connection) -> None:
+    """Workload tokens CubeMaster can give the owner again: each sandbox's salt, and the installation's secret."""
+    import secrets
+
+    if "token_salt" not in {c["name"] for c in sa.inspect(conn).get_columns("sandboxes")}:
+        conn.execute(sa.text("ALTER TABLE sandboxes ADD COLUMN token_salt VARCHAR(32)"))
+    if conn.execute(sa.select(meta.c.key).where(meta.c.key == WORKLOAD_TOKEN_KEY)).first() is None:
+        conn.execute(meta.insert().values(key=WORKLOAD_TOKEN_KEY, value=secrets.token_hex(32)))
+
+
 MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [
     (1, _v1),
     (2, _v2),
@@ -215,6 +231,7 @@ MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [
     (4, _v4),
     (5, _v5),
     (6, _v6),
+    (7, _v7),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

@@ -252,6 +252,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("workload.unauthenticated", 401, "api", "workload proxy: missing or wrong sandbox access token"),
     _c("workload.not_running", 409, "api", "workload proxy: the sandbox is not running on this node"),
     _c("workload.unavailable", 503, "api", "workload proxy: the sandbox's workload endpoint cannot be reached"),
+    _c("workload.token_unavailable", 409, "api", "connect: the sandbox's creator chose its token (not CubeMaster's)"),
     _c("sandbox.not_live", 409, "api", "a lifetime change for a sandbox that is no longer starting or running"),
     _c("workload.refused", None, "workload", "the workload service refused a call (`connect_code` names envd's code)"),
     _c("workload.bad_reply", None, "workload", "the workload service's reply does not parse as envd's protocol"),
