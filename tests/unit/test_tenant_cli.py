@@ -135,6 +135,7 @@ class NodeProxy:
     def __init__(self) -> None:
         self.clients: list[tuple[str, str]] = []
         self.ran: list[list[str]] = []
+        self.files: dict[str, bytes] = {}
 
     def over(self, url: str, token: str, timeout: float | None = None) -> NodeProxy:
         self.clients.append((url, token))
@@ -143,6 +144,9 @@ class NodeProxy:
     def exec(self, cmd: list[str], **kw: Any) -> Ran:
         self.ran.append(cmd)
         return Ran()
+
+    def upload(self, path: str, f: Any, user: str | None = None) -> None:
+        self.files[path] = f.read()
 
     def close(self) -> None:
         pass
@@ -203,3 +207,21 @@ def test_a_token_the_creator_chose_is_not_handed_out_and_token_still_works(
     )
     assert r.exit_code == 0, r.output
     assert node.clients == [(f"{NODE_URL}/v1/sandboxes/{sb['id']}/workload", chosen)]
+
+
+def test_cp_with_only_the_tenants_key_obtains_the_token_too(
+    stack: Stack, node: NodeProxy, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    sb = created(stack, "acme")
+    (tmp_path / "in.txt").write_bytes(b"weights")
+    r = cli(
+        stack,
+        "acme",
+        "cp",
+        str(tmp_path / "in.txt"),
+        f"{sb['id']}:/data/in.txt",
+        monkeypatch=monkeypatch,
+        tmp_path=tmp_path,
+    )
+    assert r.exit_code == 0, r.output
+    assert node.clients[0][1] == sb["access_token"] and node.files == {"/data/in.txt": b"weights"}
