@@ -12,8 +12,7 @@ import pytest
 
 from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.ids import tenant_sandbox_prefix
-from cubeaccel.transport.master_client import MasterClient
+from cubeaccel.transport.master_client import Calls, MasterClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, example, wait_nodes_ready
 from tests.support.poll import poll
@@ -119,11 +118,14 @@ def test_50_concurrent_creates_from_a_tenant_with_a_4_gpu_quota_through_two_repl
         replicas[0].client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
         quota = {"max_accelerators": {"gpu": 4}}
         key = replicas[0].client.request("POST", "/v1/tenants", {"name": "q4", "quota": quota})["key"]
+        me = MasterClient(replicas[1].url, key=key)  # the other replica: the prefix is the database's, not one's
+        prefix = me.call(Calls.whoami()).sandbox_id_prefix
+        me.close()
 
         def create(i: int) -> tuple[int, str]:
             r = httpx.post(
                 f"{replicas[i % 2].url}/v1/sandboxes",
-                json={"gpu": "H100:1", "id": f"{tenant_sandbox_prefix('q4')}q-{i}"},  # its own id namespace
+                json={"gpu": "H100:1", "id": f"{prefix}q-{i}"},  # its own id namespace
                 headers={"Authorization": f"Bearer {key}"},
                 timeout=120,
             )

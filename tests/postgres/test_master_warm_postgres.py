@@ -16,8 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from cubeaccel.model.ids import tenant_sandbox_prefix
-from cubeaccel.transport.master_client import MasterClient
+from cubeaccel.transport.master_client import Calls, MasterClient
 from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_pool
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, cubelet, wait_nodes_ready
@@ -60,7 +59,9 @@ def test_20_concurrent_creates_on_two_replicas_against_4_warm_sandboxes_hand_eac
         warm = _frozen_pool(replicas[1], nodes[0], "n0", 4)
         quota = {"max_accelerators": {"gpu": 10}}
         key = replicas[0].client.request("POST", "/v1/tenants", {"name": "w10", "quota": quota})["key"]
-        prefix = tenant_sandbox_prefix("w10")
+        me = MasterClient(replicas[1].url, key=key)  # the other replica: the prefix is the database's, not one's
+        prefix = me.call(Calls.whoami()).sandbox_id_prefix
+        me.close()
         go = threading.Barrier(20)
 
         def create(i: int) -> tuple[int, str]:

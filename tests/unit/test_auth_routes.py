@@ -63,6 +63,7 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): T | A,
     ("GET", "/v1/sandboxes/{sandbox_id}/events"): T | A,
     ("GET", "/v1/sandboxes/{sandbox_id}/workload"): T | A,  # the tenant CLI's way to exec and cp
+    ("POST", "/v1/sandboxes/{sandbox_id}/connect"): T | A,  # and the sandbox's token, for its owner
     ("POST", "/v1/tenants"): A,
     ("GET", "/v1/tenants"): A,
     ("DELETE", "/v1/tenants/{tenant}"): A,
@@ -82,6 +83,7 @@ OWNED = {
     "/v1/sandboxes/{sandbox_id}/timeout",
     "/v1/sandboxes/{sandbox_id}/events",
     "/v1/sandboxes/{sandbox_id}/workload",
+    "/v1/sandboxes/{sandbox_id}/connect",
     "/v1/keys/{key_id}",
 }
 PARAMS = {

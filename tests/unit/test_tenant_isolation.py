@@ -16,7 +16,6 @@ from cubeaccel.master.records import Quota, SandboxRow
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.ids import tenant_sandbox_prefix
 from cubeaccel.model.sandbox_states import SandboxActor as SA
 from cubeaccel.model.sandbox_states import SandboxEvent as SE
 from cubeaccel.wire.cubelet_api import Release
@@ -75,8 +74,8 @@ def shape(reply: Any, sid: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("state", ["running", "deleted", "failed"])
 def test_a_create_naming_another_tenants_id_answers_as_for_a_free_id(stack: Stack, state: str) -> None:
-    taken = tenant_sandbox_prefix("t1") + "job-1"
-    free = tenant_sandbox_prefix("t1") + "job-2"
+    taken = stack.master.auth.sandbox_prefix("t1") + "job-1"
+    free = stack.master.auth.sandbox_prefix("t1") + "job-2"
     t1_sandbox(stack, taken, state)
     on_taken = stack.create("t2", taken, env_vars={"X": "1"})
     on_free = stack.create("t2", free, env_vars={"X": "1"})
@@ -92,7 +91,7 @@ def test_a_create_naming_another_tenants_id_answers_as_for_a_free_id(stack: Stac
 
 
 def test_a_tenant_retrying_a_create_with_its_own_id_gets_its_sandbox(stack: Stack) -> None:
-    sid = tenant_sandbox_prefix("t2") + "nightly"
+    sid = stack.master.auth.sandbox_prefix("t2") + "nightly"
     first = stack.create("t2", sid, env_vars={"X": "1"})
     again = stack.create("t2", sid, env_vars={"X": "1"})
     assert (first.status_code, again.status_code) == (201, 200), (first.text, again.text)
@@ -103,8 +102,8 @@ def test_a_tenant_retrying_a_create_with_its_own_id_gets_its_sandbox(stack: Stac
 
 def test_whoami_tells_a_tenant_its_sandbox_id_prefix(stack: Stack) -> None:
     r = stack.api.get("/v1/whoami", headers={"Authorization": f"Bearer {stack.keys['t2']}"})
-    assert r.json()["sandbox_id_prefix"] == tenant_sandbox_prefix("t2")
-    assert tenant_sandbox_prefix("t1") != tenant_sandbox_prefix("t2")
+    assert r.json()["sandbox_id_prefix"] == stack.master.auth.sandbox_prefix("t2")
+    assert stack.master.auth.sandbox_prefix("t1") != stack.master.auth.sandbox_prefix("t2")
 
 
 class Node:
@@ -120,7 +119,7 @@ class Node:
 
 
 def running(stack: Stack, node: Node, tenant: str, name: str) -> str:
-    sid = tenant_sandbox_prefix(tenant) + name
+    sid = stack.master.auth.sandbox_prefix(tenant) + name
     r = stack.create(tenant, sid)
     assert r.status_code == 201, r.text
     stack.master.store.update_sandbox(sid, "ready", event=SE.READY, by=SA.CUBELET)
@@ -146,7 +145,7 @@ def test_revoking_a_tenant_ends_its_sandboxes_and_their_tokens(stack: Stack) -> 
         assert (r.status_code, r.json()["state"]) == (202, "deleted")
     assert stored_state(stack.master.store, kept) == "running" and kept in node.held
     # a create racing the revoke that lands after it is ended by the next maintenance pass
-    late = tenant_sandbox_prefix("t1") + "late"
+    late = stack.master.auth.sandbox_prefix("t1") + "late"
     stack.master.store.insert_sandbox(sandbox_row(late, time.time(), tenant="t1", state="running", node="n1"))
     node.held.add(late)
     from cubeaccel.master.maintenance import Maintenance

@@ -11,7 +11,6 @@ import pytest
 
 from cubeaccel.master.auth import TENANT
 from cubeaccel.master.records import Quota
-from cubeaccel.model.ids import tenant_sandbox_prefix
 from tests.unit.test_tenant_isolation import Stack
 
 
@@ -26,11 +25,11 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 def test_a_create_without_timeout_lives_as_long_as_the_tenants_cap(stack: Stack) -> None:
     t0 = time.time()
-    r = stack.create("short", tenant_sandbox_prefix("short") + "a")
+    r = stack.create("short", stack.master.auth.sandbox_prefix("short") + "a")
     assert r.status_code in (200, 201), r.text
     assert t0 + 590 <= r.json()["expires_at"] <= time.time() + 600
 
 
 def test_an_explicit_timeout_over_the_cap_is_still_refused(stack: Stack) -> None:
-    r = stack.create("short", tenant_sandbox_prefix("short") + "b", timeout_s=601)
+    r = stack.create("short", stack.master.auth.sandbox_prefix("short") + "b", timeout_s=601)
     assert r.status_code == 422 and r.json()["error"]["code"] == "quota.lifetime"

@@ -92,6 +92,20 @@ def test_exit_code_survives_a_stdin_that_stays_open(stack: dict[str, Any]) -> No
     assert (rc, out) == (7, b"done\n"), err
 
 
+def test_a_tenant_key_alone_is_enough_for_exec(stack: dict[str, Any]) -> None:
+    """No token given: the CLI obtains the sandbox's access token with the tenant's key (connect)."""
+    sid = stack["sb"].id
+    bare = {k: v for k, v in env(stack).items() if k != "CUBEACCEL_SANDBOX_TOKEN"}
+    r = subprocess.run(
+        [*CLI, "sandbox", "exec", sid, "--no-stdin", "--", "sh", "-c", "echo via-key"],
+        capture_output=True,
+        env=bare,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    assert (r.returncode, r.stdout) == (0, b"via-key\n"), r.stderr
+
+
 def test_tenant_cp_copies_both_ways(stack: dict[str, Any], tmp_path: Path) -> None:
     sid = stack["sb"].id
     src, back = tmp_path / "in.bin", tmp_path / "back.bin"

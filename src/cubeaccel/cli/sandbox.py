@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from cubeaccel.cli import output
+from cubeaccel.cli.exec_argv import ExecCommand
 from cubeaccel.cli.master_access import (
     AsJson,
     MasterUrl,
@@ -114,7 +115,9 @@ def sandbox_create(
     sandbox_id: Annotated[str | None, typer.Option("--id")] = None,
     memory_mib: Annotated[int | None, typer.Option()] = None,
     timeout: Annotated[float | None, typer.Option(help="seconds until CubeMaster deletes it")] = None,
-    tenant: Annotated[str, typer.Option()] = "default",
+    tenant: Annotated[
+        str | None, typer.Option(help="an admin's: whose sandbox (default: default); a tenant key names its own")
+    ] = None,
     wait: Annotated[
         bool, typer.Option("--wait/--no-wait", help="return once running (or failed), phases shown")
     ] = True,
@@ -124,7 +127,7 @@ def sandbox_create(
 ) -> None:
     """Create a sandbox and wait until it runs (phases shown live); on refusal or failure, print why."""
     as_json = as_json or output.machine()
-    body: dict[str, Any] = {"tenant": tenant}
+    body: dict[str, Any] = {} if tenant is None else {"tenant": tenant}  # unset: the key's own (CubeMaster says)
     if gpu:
         body["gpu"] = gpu
     if accel_class or selector:
@@ -143,8 +146,8 @@ def sandbox_create(
         print(json.dumps(s.model_dump(mode="json", by_alias=True), indent=2))
     else:
         console.print(_sandbox_table([s]))
-        if s.access_token:  # shown once: only its hash is kept
-            console.print(f"access token (for exec/cp; shown once): {s.access_token}")
+        if s.access_token:  # for other tools; exec and cp obtain it with the key (connect)
+            console.print(f"access token (envd; `sandbox exec`/`cp` get it with your key): {s.access_token}")
     if s.state == SandboxState.FAILED:
         raise typer.Exit(1)
 
@@ -184,21 +187,25 @@ def sandbox_delete(sandbox_id: str, url: MasterUrl = None) -> None:
 TokenOpt = Annotated[
     str | None,
     typer.Option(
-        "--token", help="the sandbox's access token (from `sandbox create`; default $CUBEACCEL_SANDBOX_TOKEN)"
+        "--token",
+        help="the sandbox's access token (default $CUBEACCEL_SANDBOX_TOKEN; without either, the key obtains it)",
     ),
 ]
 
 
 def _workload(sandbox_id: str, url: str | None, token: str | None, timeout: float | None = None) -> Any:
-    """A workload client for the sandbox, at its node's Cubelet proxy: CubeMaster names it to the sandbox's own
-    tenant (`GET /v1/sandboxes/{id}/workload`), so a tenant key is enough."""
+    """A workload client for the sandbox, at its node's Cubelet proxy. CubeMaster names it to the sandbox's own
+    tenant, so a tenant key is enough: with a token given (`--token`, $CUBEACCEL_SANDBOX_TOKEN) only the endpoint
+    is asked for (`GET …/workload`); without one, connect (`POST …/connect`) gives the endpoint and the token, as
+    E2B's connect gives it to the owner."""
     from cubeaccel.transport.workload_client import WorkloadClient
 
     token = token or os.environ.get("CUBEACCEL_SANDBOX_TOKEN")
-    if not token:
-        fail(CubeError("workload.unauthenticated", "no access token: --token or $CUBEACCEL_SANDBOX_TOKEN", "api"))
-    endpoint = call_master(url, lambda c: c.workload_endpoint(sandbox_id))
-    return WorkloadClient.over(endpoint.url, str(token), timeout=timeout)
+    if token:
+        endpoint = call_master(url, lambda c: c.workload_endpoint(sandbox_id))
+        return WorkloadClient.over(endpoint.url, token, timeout=timeout)
+    connection = call_master(url, lambda c: c.connect(sandbox_id))
+    return WorkloadClient.over(connection.url, connection.access_token, timeout=timeout)
 
 
 def _env_pairs(values: list[str]) -> dict[str, str]:
@@ -214,7 +221,7 @@ def _env_pairs(values: list[str]) -> dict[str, str]:
 TIMED_OUT_EXIT = 124
 
 
-@sandbox_app.command("exec", context_settings={"allow_interspersed_args": False})
+@sandbox_app.command("exec", cls=ExecCommand, context_settings={"allow_interspersed_args": False})
 def sandbox_exec(
     sandbox_id: Annotated[str, typer.Argument(help="sandbox id")],
     cmd: Annotated[list[str], typer.Argument(help="the command and its arguments (after --)")],
@@ -229,7 +236,7 @@ def sandbox_exec(
     """Run CMD in the sandbox: stdout/stderr stream live, stdin is passed, the exit code is the command's."""
     import sys
 
-    if cmd and cmd[0] == "--":  # kept by click when interspersed options are off
+    if cmd and cmd[0] == "--":  # ExecCommand puts it after the id; click keeps it
         cmd = cmd[1:]
     if not cmd:
         raise typer.BadParameter("no command after --")

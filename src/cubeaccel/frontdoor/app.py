@@ -301,7 +301,12 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         status = int(getattr(exc, "status_code", 404))
         return error(status, f"cubeaccel (api): {request.method} {request.url.path}: no such E2B route here")
 
-    on_error = {Refusal: refusal, 404: no_route, 405: no_route}
+    async def internal(request: Request, exc: Exception) -> Response:
+        """A bug, in E2B's format (Starlette's default is `text/plain`, which the SDK cannot read); the exception
+        itself goes to the log, never to the caller."""
+        return error(500, "cubeaccel (api): api.internal_error: the front door failed on this request (logged)")
+
+    on_error = {Refusal: refusal, 404: no_route, 405: no_route, Exception: internal}
     rest = EdgeGuard(
         Starlette(routes=routes, lifespan=lifespan, exception_handlers=on_error),
         body_timeout_s=HttpLimits.from_env().body_timeout_s,

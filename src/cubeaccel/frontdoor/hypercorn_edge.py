@@ -11,6 +11,12 @@ What Hypercorn enforces, read from its code (0.17/0.18) and checked by tests/e2e
 - A request that does not parse is answered by Hypercorn with an empty body; `answer_protocol_errors_in_json`
   makes it E2B's error body with the catalogued code, as `http_server.GuardedH11` does for uvicorn.
 There is no bound on concurrent connections in Hypercorn (nor in uvicorn as configured): docs/decisions.md.
+
+HTTP/2 without TLS (h2c): Hypercorn serves it two ways on a plain listener, and the front door keeps one. HTTP/2
+with prior knowledge (a client or an L7 proxy that opens with the h2 preface) is served, as documented in
+docs/e2b.md; an HTTP/1.1 request asking `Upgrade: h2c` is answered in HTTP/1.1 (`ignore_h2c_upgrade`): a reverse
+proxy that passes Upgrade headers on (as one set up for WebSockets does) would otherwise hand its client an h2c
+tunnel to this server, past the proxy's own routing, limits and logs (h2c smuggling).
 """
 
 from __future__ import annotations
@@ -69,3 +75,23 @@ def answer_protocol_errors_in_json() -> None:
 
     send_error_response.cubeaccel_wrapped = True  # type: ignore[attr-defined]
     setattr(H11Protocol, "_send_error_response", send_error_response)  # noqa: B010
+
+
+def ignore_h2c_upgrade() -> None:
+    """An HTTP/1.1 request with `Upgrade: h2c` served as HTTP/1.1 (RFC 9110 lets a server ignore Upgrade), never
+    switched to HTTP/2: Hypercorn has no setting for it, so its H11 protocol's check is wrapped (pinned by
+    tests/unit/test_frontdoor_h2c.py, for the Hypercorn versions pyproject allows). The h2 preface (prior
+    knowledge) still goes to Hypercorn's check, which serves HTTP/2."""
+    from hypercorn.protocol.h11 import H11Protocol
+
+    original = H11Protocol._check_protocol
+    if getattr(original, "cubeaccel_wrapped", False):
+        return
+
+    async def check_protocol(self: Any, event: Any) -> None:
+        if any(name.lower() == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers):
+            return
+        await original(self, event)
+
+    check_protocol.cubeaccel_wrapped = True  # type: ignore[attr-defined]
+    setattr(H11Protocol, "_check_protocol", check_protocol)  # noqa: B010

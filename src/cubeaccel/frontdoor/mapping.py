@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.wire import json_guard
 from cubeaccel.wire.e2b_api import ListedSandbox, NewSandbox, SandboxCreated, SandboxDetail
 from cubeaccel.wire.master_api import Sandbox, SandboxBody, WarmSandbox
 
@@ -90,10 +91,10 @@ def create_body(req: NewSandbox, sandbox_id: str, token: str) -> SandboxBody:
     if spec is not None:
         text = spec.strip()
         if text.startswith("["):
-            try:
-                body["accelerators"] = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise Refusal(400, f"cubeaccel (api): metadata {ACCELERATORS_KEY} is not valid JSON: {e}") from e
+            try:  # the strict parser: a hostile depth is a refusal by code, not a RecursionError (a 500)
+                body["accelerators"] = json_guard.loads(text)
+            except json_guard.JsonRefused as e:
+                raise Refusal(400, f"cubeaccel (api): metadata {ACCELERATORS_KEY}: {e.code}: {e}") from e
         else:
             body["gpu"] = text
     return SandboxBody.model_construct(**body)
@@ -305,7 +306,7 @@ def page(
     start = 0
     if token:
         try:
-            at, sid = json.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
+            at, sid = json_guard.loads(base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)))
             after = (float(at), str(sid))
         except (ValueError, TypeError, binascii.Error) as e:
             raise Refusal(400, "cubeaccel (api): invalid nextToken") from e

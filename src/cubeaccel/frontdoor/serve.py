@@ -1,5 +1,6 @@
-"""Run the front door under Hypercorn: plain HTTP/1.1 (the E2B_API_URL/E2B_SANDBOX_URL way) or TLS with the
-operator's certificate, HTTP/2 and HTTP/1.1 by ALPN (the E2B_DOMAIN way)."""
+"""Run the front door under Hypercorn: plain HTTP/1.1, and HTTP/2 with prior knowledge (the E2B_API_URL/
+E2B_SANDBOX_URL way; `Upgrade: h2c` is not honoured: hypercorn_edge.py), or TLS with the operator's certificate,
+HTTP/2 and HTTP/1.1 by ALPN (the E2B_DOMAIN way)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from cubeaccel.frontdoor.app import FrontDoorConfig, create_app
 from cubeaccel.frontdoor.envd import CLIENT_TRANSPORT
-from cubeaccel.frontdoor.hypercorn_edge import answer_protocol_errors_in_json, bounded_config
+from cubeaccel.frontdoor.hypercorn_edge import answer_protocol_errors_in_json, bounded_config, ignore_h2c_upgrade
 from cubeaccel.host.service import sdnotify
 
 
@@ -48,6 +49,7 @@ def serve(cfg: FrontDoorConfig, listen: str, certfile: Path | None = None, keyfi
 
     expose_client_sockets()
     answer_protocol_errors_in_json()
+    ignore_h2c_upgrade()
     hc = bounded_config(listen)  # header, idle and header-size bounds; bodies: the shared edge guard (app.py)
     if certfile is not None:
         hc.certfile = str(certfile)

@@ -12,6 +12,7 @@ one never is.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -29,13 +30,14 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.records import Quota
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.ids import NODE_ID_RE
+from cubeaccel.model.ids import NODE_ID_RE, tenant_sandbox_prefix, unkeyed_tenant_sandbox_prefix
 from cubeaccel.transport import node_sig
 from cubeaccel.wire.master_api import KeyRow, QuotaShown, TenantRow
 
 ADMIN, TENANT, NODE, ANONYMOUS = "admin", "tenant", "node", "anonymous"
 DEFAULT_TENANT = "default"
 TENANT_RE = NODE_ID_RE
+WORKLOAD_TOKEN_CONTEXT = b"cubeaccel.workload-token:"
 
 
 @dataclass(frozen=True)
@@ -115,15 +117,21 @@ def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+def _meta_secret(c: sa.Connection, key: str) -> bytes:
+    """One of the installation's secrets, made by a migration (master/schema.py) and kept in the database."""
+    return bytes.fromhex(c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == key)).scalar_one())
+
+
 class Auth:
     def __init__(self, store: MasterStore, throttle: Throttle | None = None) -> None:
         self.store = store
         self.throttle = throttle or Throttle()
         self.nonces = node_sig.NonceCache()  # this replica's: see docs/security.md for the window across replicas
         with store.tx() as c:
-            self._secret = bytes.fromhex(
-                c.execute(sa.select(S.meta.c.value).where(S.meta.c.key == "node_secret")).scalar_one()
-            )
+            self._secret = _meta_secret(c, "node_secret")
+            self._tenant_id_key = _meta_secret(c, S.TENANT_ID_KEY)
+            self._workload_token_key = _meta_secret(c, S.WORKLOAD_TOKEN_KEY)
+        self._prefixes: dict[str, str] = {}  # tenant → its id prefix (fixed at its creation)
 
     # ---- verifying ----------------------------------------------------------------------------------
     def authenticate(self, header: str | None, signed: SignedRequest | None = None) -> Identity | None:
@@ -178,6 +186,14 @@ class Auth:
                 if t is None or t.revoked_at is not None:
                     return None
         return Identity(str(r.role), tenant=r.tenant, key_id=str(r.id))
+
+    def workload_token(self, sandbox_id: str, salt: str) -> str:
+        """A sandbox's workload (envd) access token, derived rather than stored: CubeMaster passes it to the node
+        at the start and gives it again to the sandbox's owner (connect), as E2B's connect does; nothing stores the
+        token (the node keeps its hash). The per-sandbox salt keeps an id used again from getting the same token."""
+        msg = WORKLOAD_TOKEN_CONTEXT + f"{sandbox_id}:{salt}".encode()
+        mac = hmac.new(self._workload_token_key, msg, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(mac).decode().rstrip("=")
 
     def node_token(self, node: str, generation: int) -> str:
         mac = hmac.new(self._secret, f"{node}:{generation}".encode(), hashlib.sha256).hexdigest()
@@ -237,7 +253,23 @@ class Auth:
             r = c.execute(sa.select(S.tenants.c.name).where(S.tenants.c.name == name)).first()
             if r is not None:
                 raise CubeError("tenant.exists", f"tenant {name!r} exists", "api")
-            c.execute(S.tenants.insert().values(name=name, quota=quota.to_json(), created_at=time.time()))
+            prefix = tenant_sandbox_prefix(name, self._tenant_id_key)
+            c.execute(
+                S.tenants.insert().values(name=name, quota=quota.to_json(), created_at=time.time(), id_prefix=prefix)
+            )
+
+    def sandbox_prefix(self, tenant: str) -> str:
+        """The start of every sandbox id `tenant` chooses: stored at its creation (keyed with the installation's
+        secret; a tenant made before that keeps its unkeyed one, so ids issued stay valid)."""
+        if tenant not in self._prefixes:
+            with self.store.tx() as c:
+                r = c.execute(sa.select(S.tenants.c.id_prefix).where(S.tenants.c.name == tenant)).first()
+            # No row (a create for a tenant that is refused later) or a row an older replica wrote: the keyed one
+            # for an unknown name, the unkeyed one it had for a row without a prefix.
+            if r is None:
+                return tenant_sandbox_prefix(tenant, self._tenant_id_key)
+            self._prefixes[tenant] = r.id_prefix or unkeyed_tenant_sandbox_prefix(tenant)
+        return self._prefixes[tenant]
 
     def tenants(self) -> list[TenantRow]:
         with self.store.tx() as c:

@@ -42,6 +42,9 @@ class SandboxRow:
     error: W.SandboxError | None = None
     timeline: tuple[W.TimelineEntry, ...] = ()
     expires_at: float | None = None
+    # What CubeMaster derived the sandbox's workload token from (master/auth.py `workload_token`), so that the
+    # owner can get it again (connect); None: its creator chose the token (the E2B front door) or it predates.
+    token_salt: str | None = None
 
     @classmethod
     def from_columns(cls, c: Mapping[str, Any]) -> SandboxRow:
@@ -69,6 +72,7 @@ class SandboxRow:
             error=None if error is None else W.SandboxError.model_validate(error),
             timeline=tuple(W.TimelineEntry.model_validate(t) for t in timeline or ()),
             expires_at=c.get("expires_at"),
+            token_salt=c.get("token_salt"),
         )
 
     def columns(self) -> dict[str, Any]:
@@ -93,6 +97,7 @@ class SandboxRow:
             "error": None if self.error is None else self.error.model_dump(mode="json"),
             "timeline": [t.model_dump(mode="json") for t in self.timeline],
             "expires_at": self.expires_at,
+            "token_salt": self.token_salt,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
         }

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 import sqlalchemy as sa
 
+from cubeaccel.model.ids import unkeyed_tenant_sandbox_prefix
+
 metadata = sa.MetaData()
 
 meta = sa.Table(
@@ -90,6 +92,9 @@ sandboxes = sa.Table(
     sa.Column("expires_at", sa.Float, nullable=True),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    # With `workload_token_key`, derives the sandbox's workload token (master/auth.py): its owner can get it again
+    # (POST /v1/sandboxes/{id}/connect) while nothing stores it. NULL: the creator chose the token, or v6 and older.
+    sa.Column("token_salt", sa.String(32), nullable=True),
     sa.UniqueConstraint("tenant", "idempotency_key", name="uq_sandbox_idempotency"),
     sa.Index("ix_sandboxes_node_state", "node", "state"),
     sa.Index("ix_sandboxes_state", "state"),
@@ -130,6 +135,9 @@ tenants = sa.Table(
     sa.Column("quota", sa.JSON, nullable=False),  # master/auth.py Quota; locked by every claim of the tenant
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float, nullable=True),
+    # The start of every sandbox id the tenant chooses (model/ids.py), fixed at its creation: keyed with the
+    # `tenant_id_key` secret since v6; a tenant made before keeps the unkeyed one it had, so its ids stay valid.
+    sa.Column("id_prefix", sa.String(16), nullable=True),
 )
 
 api_keys = sa.Table(
@@ -186,7 +194,45 @@ def _v5(conn: sa.Connection) -> None:
         conn.execute(sa.text("ALTER TABLE sandboxes ADD COLUMN warm_id VARCHAR(63)"))
 
 
-MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [(1, _v1), (2, _v2), (3, _v3), (4, _v4), (5, _v5)]
+TENANT_ID_KEY = "tenant_id_key"  # meta row: the secret keying tenant id prefixes (hex)
+
+
+def _v6(conn: sa.Connection) -> None:
+    """Keyed tenant id prefixes: the installation's `tenant_id_key` secret (made here, once; backed up with the
+    database), and each existing tenant's prefix stored as it was (unkeyed), so ids already issued stay valid."""
+    import secrets
+
+    if "id_prefix" not in {c["name"] for c in sa.inspect(conn).get_columns("tenants")}:
+        conn.execute(sa.text("ALTER TABLE tenants ADD COLUMN id_prefix VARCHAR(16)"))
+    if conn.execute(sa.select(meta.c.key).where(meta.c.key == TENANT_ID_KEY)).first() is None:
+        conn.execute(meta.insert().values(key=TENANT_ID_KEY, value=secrets.token_hex(32)))
+    for (name,) in conn.execute(sa.select(tenants.c.name).where(tenants.c.id_prefix.is_(None))).all():
+        prefix = unkeyed_tenant_sandbox_prefix(name)
+        conn.execute(tenants.update().where(tenants.c.name == name).values(id_prefix=prefix))
+
+
+WORKLOAD_TOKEN_KEY = "workload_token_key"  # meta row: the secret deriving sandboxes' workload tokens (hex)
+
+
+def _v7(conn: sa.Connection) -> None:
+    """Workload tokens CubeMaster can give the owner again: each sandbox's salt, and the installation's secret."""
+    import secrets
+
+    if "token_salt" not in {c["name"] for c in sa.inspect(conn).get_columns("sandboxes")}:
+        conn.execute(sa.text("ALTER TABLE sandboxes ADD COLUMN token_salt VARCHAR(32)"))
+    if conn.execute(sa.select(meta.c.key).where(meta.c.key == WORKLOAD_TOKEN_KEY)).first() is None:
+        conn.execute(meta.insert().values(key=WORKLOAD_TOKEN_KEY, value=secrets.token_hex(32)))
+
+
+MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [
+    (1, _v1),
+    (2, _v2),
+    (3, _v3),
+    (4, _v4),
+    (5, _v5),
+    (6, _v6),
+    (7, _v7),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 

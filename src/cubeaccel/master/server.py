@@ -46,7 +46,7 @@ from cubeaccel.master.records import Quota, SandboxRow
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_error, sandbox_record
 from cubeaccel.master.warm import WARM_STATE, warm_rows
 from cubeaccel.model.errors import CubeError
-from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE, tenant_sandbox_prefix
+from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, NodeState, SandboxActor, SandboxState
 from cubeaccel.transport import node_sig
@@ -98,6 +98,7 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): (USERS, "sandbox:set_timeout"),
     ("GET", "/v1/sandboxes/{sandbox_id}/events"): (USERS, "sandbox:events"),
     ("GET", "/v1/sandboxes/{sandbox_id}/workload"): (USERS, "sandbox:workload"),
+    ("POST", "/v1/sandboxes/{sandbox_id}/connect"): (USERS, "sandbox:connect"),  # hands out a secret: audited
     ("POST", "/v1/tenants"): (ADMINS, "tenant:create"),
     ("GET", "/v1/tenants"): (ADMINS, "tenant:list"),
     ("DELETE", "/v1/tenants/{tenant}"): (ADMINS, "tenant:revoke"),
@@ -260,7 +261,7 @@ def create_app(
     @app.get("/v1/whoami", response_model=W.WhoAmI)
     def whoami(request: Request) -> W.WhoAmI:
         ident: Identity = request.state.identity
-        prefix = tenant_sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
+        prefix = auth.sandbox_prefix(ident.tenant) if ident.role == TENANT and ident.tenant else None
         return W.WhoAmI(
             role=ident.role, tenant=ident.tenant, node=ident.node, key_id=ident.key_id, sandbox_id_prefix=prefix
         )
@@ -523,7 +524,7 @@ def create_app(
             if body.tenant not in (None, ident.tenant):
                 raise forbidden(f"tenant {ident.tenant}'s key cannot create for tenant {body.tenant}")
             body = body.model_copy(update={"tenant": ident.tenant})
-            prefix = tenant_sandbox_prefix(ident.tenant or "")
+            prefix = auth.sandbox_prefix(ident.tenant or "")
             if body.id is not None and not body.id.startswith(prefix):
                 # Whether the id is free, another tenant's or deleted, the answer is this one (issue 30 #1).
                 raise CubeError(
@@ -582,21 +583,41 @@ def create_app(
         phases, answered = master.start_phases(row)
         return W.SandboxEvents(sandbox_id=sandbox_id, state=row.state, phases=phases, node_answered=answered)
 
-    @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
-    def sandbox_workload(sandbox_id: str, request: Request) -> W.WorkloadEndpoint:
-        """The node's workload proxy for the caller's own running sandbox: a tenant's way to exec and copy, which
-        needs no node route (those are admins')."""
-        row = owned(request.state.identity, sandbox_id)
+    def workload_of(row: SandboxRow) -> W.WorkloadEndpoint:
         url = master.node_url(row.node) if row.state == SandboxState.RUNNING.value else None
         if url is None or row.node is None:
             raise CubeError(
                 "workload.not_running",
-                f"sandbox {sandbox_id} is {row.state}, not running",
+                f"sandbox {row.id} is {row.state}, not running",
                 "api",
                 {"state": row.state},
             )
-        base = f"{url.rstrip('/')}/v1/sandboxes/{quote(sandbox_id, safe='')}/workload"
-        return W.WorkloadEndpoint(sandbox_id=sandbox_id, node=row.node, url=base)
+        base = f"{url.rstrip('/')}/v1/sandboxes/{quote(row.id, safe='')}/workload"
+        return W.WorkloadEndpoint(sandbox_id=row.id, node=row.node, url=base)
+
+    @app.get("/v1/sandboxes/{sandbox_id}/workload", response_model=W.WorkloadEndpoint)
+    def sandbox_workload(sandbox_id: str, request: Request) -> W.WorkloadEndpoint:
+        """The node's workload proxy for the caller's own running sandbox: a tenant's way to exec and copy, which
+        needs no node route (those are admins')."""
+        return workload_of(owned(request.state.identity, sandbox_id))
+
+    @app.post("/v1/sandboxes/{sandbox_id}/connect", response_model=W.WorkloadConnection)
+    def sandbox_connect(sandbox_id: str, request: Request) -> W.WorkloadConnection:
+        """The caller's own running sandbox's workload endpoint and access token: the owner's key is enough to
+        obtain it, as E2B's connect gives it to the owner (the CLI's exec and cp need no `--token`). Only for a
+        token CubeMaster derived: one the creator chose (the E2B front door's) is the creator's to give."""
+        row = owned(request.state.identity, sandbox_id)
+        request.state.tenant = row.tenant
+        endpoint = workload_of(row)
+        if row.token_salt is None:
+            raise CubeError(
+                "workload.token_unavailable",
+                f"sandbox {sandbox_id}'s access token was chosen by its creator (the E2B front door gives it on"
+                " connect) or predates tokens CubeMaster can give again: pass --token",
+                "api",
+            )
+        token = auth.workload_token(row.id, row.token_salt)
+        return W.WorkloadConnection(**endpoint.model_dump(exclude={"v"}), access_token=token)
 
     @app.post("/v1/sandboxes/{sandbox_id}/timeout", response_model=W.SandboxReply)
     def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> W.SandboxReply:

@@ -11,12 +11,13 @@ the reasons (`schedule.unschedulable`).
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 import uuid
 from collections.abc import Callable, Collection
 from contextlib import suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import httpx
@@ -215,6 +216,9 @@ class CubeMaster:
         network = narrow_network(resolved[0][1].template.sandbox.network, spec.network) if resolved else None
         if network is not None and network.has_nic:
             normalized["network_policy"] = network.to_json()  # the effective one, as `sandbox show` prints it
+        salt = None if spec.workload_token is not None else secrets.token_hex(16)
+        if salt is not None:  # the token is ours: derived, so the owner can get it again (connect)
+            spec = replace(spec, workload_token=self.auth.workload_token(sid, salt))
         row = SandboxRow(
             id=sid,
             tenant=spec.tenant,
@@ -226,6 +230,7 @@ class CubeMaster:
             created_at=now,
             updated_at=now,
             expires_at=now + lifetime,
+            token_salt=salt,
         )
         existing = self._claim(row, spec)
         if existing is not None:

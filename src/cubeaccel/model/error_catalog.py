@@ -35,6 +35,7 @@ def _c(code: str, status: int | None, layer: str, meaning: str) -> CodeInfo:
 # fmt: off
 CODES: tuple[CodeInfo, ...] = (
     # ---- API edge (Cubelet and CubeMaster) ----
+    _c("api.internal_error", 500, "api", "a bug in the E2B front door: the exception is logged, never sent"),
     _c("api.bad_http_request", 400, "api", "an HTTP request that does not parse (bad framing, a malformed header)"),
     _c("api.headers_too_large", 431, "api", "request line and headers over 16 KiB (counted on the parsed request)"),
     _c("api.body_timeout", 408, "api", "the request body did not arrive within the body deadline (30 s)"),
@@ -252,6 +253,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("workload.unauthenticated", 401, "api", "workload proxy: missing or wrong sandbox access token"),
     _c("workload.not_running", 409, "api", "workload proxy: the sandbox is not running on this node"),
     _c("workload.unavailable", 503, "api", "workload proxy: the sandbox's workload endpoint cannot be reached"),
+    _c("workload.token_unavailable", 409, "api", "connect: the sandbox's creator chose its token (not CubeMaster's)"),
     _c("sandbox.not_live", 409, "api", "a lifetime change for a sandbox that is no longer starting or running"),
     _c("workload.refused", None, "workload", "the workload service refused a call (`connect_code` names envd's code)"),
     _c("workload.bad_reply", None, "workload", "the workload service's reply does not parse as envd's protocol"),

@@ -143,6 +143,11 @@ class Calls:
         return Call("GET", f"/v1/sandboxes/{_q(sandbox_id)}/workload", W.WorkloadEndpoint)
 
     @staticmethod
+    def connect(sandbox_id: str) -> Call[W.WorkloadConnection]:
+        """The caller's own running sandbox's workload endpoint with its access token (the owner's key is enough)."""
+        return Call("POST", f"/v1/sandboxes/{_q(sandbox_id)}/connect", W.WorkloadConnection)
+
+    @staticmethod
     def set_timeout(sandbox_id: str, timeout_s: float) -> Call[W.SandboxReply]:
         return Call("POST", f"/v1/sandboxes/{_q(sandbox_id)}/timeout", W.SandboxReply, {"timeout_s": timeout_s})
 
@@ -238,6 +243,9 @@ class MasterClient:
 
     def workload_endpoint(self, sandbox_id: str) -> W.WorkloadEndpoint:
         return self.call(Calls.workload_endpoint(sandbox_id))
+
+    def connect(self, sandbox_id: str) -> W.WorkloadConnection:
+        return self.call(Calls.connect(sandbox_id))
 
     def sandboxes(self, state: str | None = None) -> list[W.Sandbox | W.WarmSandbox]:
         return self.call(Calls.sandboxes(state)).sandboxes

@@ -351,6 +351,13 @@ class WorkloadEndpoint(Reply):
     url: str
 
 
+class WorkloadConnection(WorkloadEndpoint):
+    """`POST /v1/sandboxes/{id}/connect`: the running sandbox's workload endpoint and its access token, for the
+    sandbox's owner (its tenant's key, or an admin's), as E2B's connect gives `envdAccessToken`. Audited."""
+
+    access_token: str = Field(repr=False)
+
+
 class SandboxEvents(Reply):
     """`GET /v1/sandboxes/{id}/events`: the start phases the node recorded (through CubeMaster)."""
 
