@@ -100,6 +100,7 @@ def _refuse_unless_running(res: Reservation) -> None:
         raise conflict(
             "network.not_running",
             f"sandbox {res.sandbox_id} is {res.phase.value}: only a running sandbox's network policy is changed",
+            layer="api",
             details={"phase": res.phase.value},
         )
 
@@ -120,7 +121,7 @@ def _journal(
     with cubelet.change() as t:
         cur = t.reservation(sandbox_id)
         if cur is None:
-            raise conflict("network.not_running", f"sandbox {sandbox_id} has no reservation any more")
+            raise conflict("network.not_running", f"sandbox {sandbox_id} has no reservation any more", layer="api")
         if check_running:
             _refuse_unless_running(cur)
         cur.params = dataclasses.replace(cur.params, network=policy if policy.has_nic else None)
