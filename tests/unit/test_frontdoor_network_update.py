@@ -88,7 +88,7 @@ def test_an_update_that_names_nothing_clears_the_narrowing_to_the_templates_whol
 
 def test_what_changes_nothing_here_is_accepted() -> None:
     """A null proxy is E2B's "no proxy"; DNS servers matter only with a domain in allowOut (refused here)."""
-    body = {"egressProxy": None, "rules": {}, "dnsServers": ["1.1.1.1"], "allowPublicTraffic": True}
+    body: dict[str, Any] = {"egressProxy": None, "rules": {}, "dnsServers": ["1.1.1.1"], "allowPublicTraffic": True}
     assert _policy(body) == TEMPLATE
 
 

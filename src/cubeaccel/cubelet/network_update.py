@@ -117,9 +117,12 @@ def _journal(
     details: dict[str, Any],
     check_running: bool = True,
 ) -> None:
-    """Record `policy` as the sandbox's (params and checkpoint) with its event, in one transaction."""
+    """Record `policy` as the sandbox's (params and checkpoint) with its event, in one transaction. A setting back
+    (`check_running` False) of a reservation that closed meanwhile has nothing left to set."""
     with cubelet.change() as t:
         cur = t.reservation(sandbox_id)
+        if cur is None and not check_running:
+            return
         if cur is None:
             raise conflict("network.not_running", f"sandbox {sandbox_id} has no reservation any more", layer="api")
         if check_running:
