@@ -449,3 +449,26 @@ def test_update_network_replaces_a_running_sandboxs_policy_whole_on_its_node_rec
         sbx.kill()
     with pytest.raises(NotFoundException):
         Sandbox.update_network(sbx.sandbox_id, {}, **opts(stack))
+
+
+def test_an_update_the_node_refuses_leaves_the_sandboxs_record_and_journal_as_they_were(stack: dict[str, Any]) -> None:
+    """CubeMaster cannot know a node's sandbox address pool: the Cubelet refuses an allowlist that reaches it
+    (`network.pool_overlap`), and nothing is recorded anywhere."""
+    cl = stack["cluster"]
+    tpl = example("cuda12-h100", metadata__name="fd-net-pool", spec__memory__size_mib=1024)
+    tpl["spec"]["sandbox"] = {"network": {"mode": "allowlist", "egress": ["100.64.0.0/10:443"]}}
+    cl.c.register_template(tpl)
+    sbx = Sandbox.create("fd-net-pool", network={"deny_out": ["100.96.0.0/16"]}, **opts(stack))
+    try:
+        before = cl.c.sandbox(sbx.sandbox_id)
+        held = cl.cubelets[NODE].client.reservation(sbx.sandbox_id).reservation
+        assert held is not None and before.request.network_policy is not None
+        with pytest.raises(SandboxException) as e:
+            sbx.update_network({})  # the template's whole allowlist, the node's pool 100.96.0.0/16 with it
+        assert "cubeaccel (cubelet): network.pool_overlap" in str(e.value)
+        after = cl.c.sandbox(sbx.sandbox_id)
+        assert (after.request, after.timeline) == (before.request, before.timeline)
+        again = cl.cubelets[NODE].client.reservation(sbx.sandbox_id).reservation
+        assert again is not None and again.params == held.params
+    finally:
+        sbx.kill()
