@@ -208,7 +208,8 @@ def test_cli_sandbox_network_replaces_a_running_sandboxs_egress_narrowing(c: Clu
         out = run(cli, ["sandbox", "network", s.id, "--deny-out", "198.51.100.0/24"], env=env)
         assert out.exit_code == 0, out.output
         assert "192.0.2.0/24:443/tcp" in out.output and "198.51.100" not in out.output
-        assert c.c.sandbox(s.id).request.network_policy == {"mode": "allowlist", "egress": ["192.0.2.0/24:443/tcp"]}
+        req = c.c.sandbox(s.id).request
+        assert req is not None and req.network_policy == {"mode": "allowlist", "egress": ["192.0.2.0/24:443/tcp"]}
         out = run(cli, ["-o", "json", "sandbox", "network", s.id], env=env)  # nothing named: the template's whole
         assert json.loads(out.output)["network_policy"]["egress"] == ["192.0.2.0/24:443/tcp", "198.51.100.0/24:443/tcp"]
         bad = run(cli, ["sandbox", "network", s.id, "--allow-out", "203.0.113.9"], env=env)
