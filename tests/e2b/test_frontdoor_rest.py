@@ -375,6 +375,11 @@ def test_older_sdk_lines_send_network_options_the_front_door_maps_or_refuses_by_
     assert "0.0.0.0/0" in asked["no_internet"].network["deny_out"]
     assert "network.e2b_destination_unsupported" in seen["by_name"]["error"]
     assert "network.policy_widened" in seen["widened"]["error"]
+    if line == SDK_245:  # its update_network sends 2.63's body (allowOut/denyOut/allow_internet_access)
+        updated = stack["cluster"].c.sandbox(seen["updated"]["sandbox_id"]).request
+        assert updated is not None and updated.network == {"allow_out": [], "deny_out": ["10.9.0.0/16"]}
+    else:
+        assert "updated" not in seen  # 2.15 has no update_network
 
 
 def test_the_2_15_sdks_connect_names_the_sandbox_in_envds_headers_and_is_still_rest(stack: dict[str, Any]) -> None:
