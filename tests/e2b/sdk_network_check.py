@@ -1,5 +1,6 @@
 """E2B's network options through an older SDK line, against the front door's REST surface only (no envd).
-Run by a Python whose path has that SDK first. Usage: sdk_network_check.py TEMPLATE TAG; the SDK reads
+Run by a Python whose path has that SDK first (a line with `update_network` also updates one running sandbox).
+Usage: sdk_network_check.py TEMPLATE TAG; the SDK reads
 E2B_API_KEY, E2B_API_URL and E2B_SANDBOX_URL. Prints one JSON line: per case, the sandbox id or the error."""
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def main() -> int:
             out[name] = {"error": f"{type(e).__name__}: {e}"}
         else:
             out[name] = {"sandbox_id": sbx.sandbox_id}
+            sbx.kill()
+    if hasattr(Sandbox, "update_network"):  # a running sandbox's egress, replaced whole (2.45 has it, 2.15 not)
+        sbx = Sandbox.create(template, metadata={"suite": tag}, request_timeout=60, **CASES["deny_some"])
+        try:
+            sbx.update_network({"deny_out": ["10.9.0.0/16"]})
+            out["updated"] = {"sandbox_id": sbx.sandbox_id}
+        except Exception as e:
+            out["updated"] = {"error": f"{type(e).__name__}: {e}"}
+        finally:
             sbx.kill()
     print(json.dumps(out))
     return 0

@@ -109,3 +109,23 @@ def test_what_cannot_be_expressed_is_refused_by_name(stack: dict[str, Any], netw
         create(stack, network)
     assert code in str(e.value)
     assert {s.id for s in stack["master"].client.sandboxes()} == before  # nothing was created
+
+
+def test_update_network_changes_a_running_sandboxs_egress_in_place(stack: dict[str, Any]) -> None:
+    """SDK 2.63's `update_network` on a running MicroVM: the new policy replaces the old whole (the peer it took
+    away is refused, the one it gave is reached) with no restart, and CubeMaster shows it."""
+    sbx = create(stack, {"allow_out": [ALLOWED], "deny_out": [ALL_TRAFFIC]})
+    try:
+        targets = (f"{ALLOWED}:{PORT}", f"{OTHER}:{PORT}")
+        got = probe(sbx, *targets)
+        assert (
+            got[targets[0]].startswith(f"hello {PORT} from {ALLOWED}") and got[targets[1]] == "ConnectionRefusedError"
+        )
+        sbx.update_network({"deny_out": [ALLOWED]})
+        got = probe(sbx, *targets)
+        assert got[targets[0]] == "ConnectionRefusedError" and got[targets[1]].startswith(f"hello {PORT} from {OTHER}")
+        shown = stack["master"].client.sandbox(sbx.sandbox_id)
+        assert shown.request.network_policy == {"mode": "allowlist", "egress": [f"{OTHER}/32:{PORT}/tcp"]}
+        assert shown.state == "running"
+    finally:
+        sbx.kill()

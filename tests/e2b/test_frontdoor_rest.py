@@ -4,6 +4,7 @@ calls never reach envd). The envd path with a real MicroVM is tests/e2b/test_e2b
 from __future__ import annotations
 
 import hashlib
+import json
 import socket
 import ssl
 import time
@@ -20,7 +21,7 @@ from e2b.exceptions import AuthenticationException, NotFoundException, SandboxEx
 from cubeaccel.workload import ENVD_VERSION
 from tests.support.e2b_sdk import run_check
 from tests.support.frontdoor_process import ConnectProxy, FrontDoorProcess, tls_files
-from tests.support.master_harness import Cluster
+from tests.support.master_harness import Cluster, example
 
 NODE = "fd-n1"
 SDK_245 = "2.45.1"
@@ -374,6 +375,11 @@ def test_older_sdk_lines_send_network_options_the_front_door_maps_or_refuses_by_
     assert "0.0.0.0/0" in asked["no_internet"].network["deny_out"]
     assert "network.e2b_destination_unsupported" in seen["by_name"]["error"]
     assert "network.policy_widened" in seen["widened"]["error"]
+    if line == SDK_245:  # its update_network sends 2.63's body (allowOut/denyOut/allow_internet_access)
+        updated = stack["cluster"].c.sandbox(seen["updated"]["sandbox_id"]).request
+        assert updated is not None and updated.network == {"allow_out": [], "deny_out": ["10.9.0.0/16"]}
+    else:
+        assert "updated" not in seen  # 2.15 has no update_network
 
 
 def test_the_2_15_sdks_connect_names_the_sandbox_in_envds_headers_and_is_still_rest(stack: dict[str, Any]) -> None:
@@ -391,5 +397,83 @@ def test_the_2_15_sdks_connect_names_the_sandbox_in_envds_headers_and_is_still_r
         # a sandbox that line connected sends envd traffic with only its token: a token no sandbox has is envd's 401
         wrong = httpx.get(f"{stack['fd'].url}/health", headers={"X-Access-Token": "not-a-sandboxes-token"})
         assert (wrong.status_code, wrong.json()["message"]) == (401, "missing or wrong access token")
+    finally:
+        sbx.kill()
+
+
+def test_update_network_replaces_a_running_sandboxs_policy_whole_on_its_node_recorded_and_audited(
+    stack: dict[str, Any],
+) -> None:
+    """SDK 2.63's `update_network` (`PUT /sandboxes/{id}/network`): E2B's update replaces the egress configuration
+    whole, so what it leaves out is cleared; CubeMaster records and audits it, the node journals it."""
+    cl = stack["cluster"]
+    tpl = example("cuda12-h100", metadata__name="fd-net", spec__memory__size_mib=1024)
+    template_egress = ["192.0.2.0/24:443/tcp", "198.51.100.0/24:443/tcp"]
+    tpl["spec"]["sandbox"] = {"network": {"mode": "allowlist", "egress": template_egress}}
+    cl.c.register_template(tpl)
+    sbx = Sandbox.create("fd-net", network={"deny_out": ["198.51.100.0/24"]}, **opts(stack))
+
+    def policy() -> tuple[Any, Any]:
+        row = cl.c.sandbox(sbx.sandbox_id)
+        held = cl.cubelets[NODE].client.reservation(sbx.sandbox_id).reservation
+        assert held is not None
+        params = held.params
+        node = None if params.network is None else params.network.model_dump()["egress"]
+        return (row.request.network_policy or {}).get("egress"), node
+
+    try:
+        assert policy() == (["192.0.2.0/24:443/tcp"], ["192.0.2.0/24:443/tcp"])
+        sbx.update_network({"allow_out": ["198.51.100.7"], "deny_out": ["0.0.0.0/0"]})
+        assert policy() == (["198.51.100.7/32:443/tcp"], ["198.51.100.7/32:443/tcp"])
+        row = cl.c.sandbox(sbx.sandbox_id)
+        assert row.request.network == {"allow_out": ["198.51.100.7/32"], "deny_out": ["0.0.0.0/0"]}
+        assert [t.model_dump()["egress"] for t in row.timeline if t.phase == "network_set"] == [
+            ["198.51.100.7/32:443/tcp"]
+        ]
+        sbx.update_network({})  # nothing named: the template's whole allowlist again
+        assert policy() == (template_egress, template_egress)
+        Sandbox.update_network(sbx.sandbox_id, {"allow_internet_access": False}, **opts(stack))
+        assert policy() == (None, None)  # E2B: denyOut 0.0.0.0/0
+        for network, code in [
+            ({"allow_out": ["api.example.com"]}, "network.e2b_destination_unsupported"),
+            ({"egress_proxy": {"address": "proxy.test:1080"}}, "network.e2b_option_unsupported"),
+            ({"allow_out": ["203.0.113.9"], "deny_out": ["0.0.0.0/0"]}, "network.policy_widened"),
+        ]:
+            with pytest.raises(SandboxException) as e:
+                sbx.update_network(network)  # type: ignore[arg-type]
+            assert code in str(e.value)
+        assert policy() == (None, None)  # refused: nothing changed
+        r = rest(stack, "PUT", f"/sandboxes/{sbx.sandbox_id}/network", json={"allowOut": []}, key=stack["other"])
+        assert r.status_code == 404  # another tenant's
+        audited = [json.loads(line) for line in cl.master.audit_log.read_text().splitlines()]
+        mine = [
+            (a["outcome"], a["status"]) for a in audited if a["target"] == f"/v1/sandboxes/{sbx.sandbox_id}/network"
+        ]
+        assert [a for a in audited if a["action"] == "sandbox:set_network"] and mine.count(("ok", 200)) == 3
+    finally:
+        sbx.kill()
+    with pytest.raises(NotFoundException):
+        Sandbox.update_network(sbx.sandbox_id, {}, **opts(stack))
+
+
+def test_an_update_the_node_refuses_leaves_the_sandboxs_record_and_journal_as_they_were(stack: dict[str, Any]) -> None:
+    """CubeMaster cannot know a node's sandbox address pool: the Cubelet refuses an allowlist that reaches it
+    (`network.pool_overlap`), and nothing is recorded anywhere."""
+    cl = stack["cluster"]
+    tpl = example("cuda12-h100", metadata__name="fd-net-pool", spec__memory__size_mib=1024)
+    tpl["spec"]["sandbox"] = {"network": {"mode": "allowlist", "egress": ["100.64.0.0/10:443"]}}
+    cl.c.register_template(tpl)
+    sbx = Sandbox.create("fd-net-pool", network={"deny_out": ["100.96.0.0/16"]}, **opts(stack))
+    try:
+        before = cl.c.sandbox(sbx.sandbox_id)
+        held = cl.cubelets[NODE].client.reservation(sbx.sandbox_id).reservation
+        assert held is not None and before.request.network_policy is not None
+        with pytest.raises(SandboxException) as e:
+            sbx.update_network({})  # the template's whole allowlist, the node's pool 100.96.0.0/16 with it
+        assert "cubeaccel (cubelet): network.pool_overlap" in str(e.value)
+        after = cl.c.sandbox(sbx.sandbox_id)
+        assert (after.request, after.timeline) == (before.request, before.timeline)
+        again = cl.cubelets[NODE].client.reservation(sbx.sandbox_id).reservation
+        assert again is not None and again.params == held.params
     finally:
         sbx.kill()

@@ -194,3 +194,25 @@ def test_cli_sandbox_create_list_show_delete_and_nodes(c: Cluster) -> None:
     bad = run(root, ["sandbox", "create", "--gpu", "H100:0"], env=env)
     assert bad.exit_code == 1 and "request.invalid_count" in bad.output
     assert run(root, ["sandbox", "delete", "cli-1"], env=env).exit_code == 0
+
+
+def test_cli_sandbox_network_replaces_a_running_sandboxs_egress_narrowing(c: Cluster) -> None:
+    tpl = example("cuda12-h100", metadata__name="cli-net", spec__memory__size_mib=1024)
+    tpl["spec"]["sandbox"] = {"network": {"mode": "allowlist", "egress": ["192.0.2.0/24:443", "198.51.100.0/24:443"]}}
+    c.c.register_template(tpl)
+    run = CliRunner().invoke
+    env = {"CUBEACCEL_MASTER": c.master.url, "CUBEACCEL_API_KEY": c.master.admin_key, "COLUMNS": "200"}
+    s = c.c.create({"template": "cli-net", "id": "cli-net-1"})
+    try:
+        poll(lambda: c.c.sandbox(s.id).state == "running", 30)
+        out = run(cli, ["sandbox", "network", s.id, "--deny-out", "198.51.100.0/24"], env=env)
+        assert out.exit_code == 0, out.output
+        assert "192.0.2.0/24:443/tcp" in out.output and "198.51.100" not in out.output
+        req = c.c.sandbox(s.id).request
+        assert req is not None and req.network_policy == {"mode": "allowlist", "egress": ["192.0.2.0/24:443/tcp"]}
+        out = run(cli, ["-o", "json", "sandbox", "network", s.id], env=env)  # nothing named: the template's whole
+        assert json.loads(out.output)["network_policy"]["egress"] == ["192.0.2.0/24:443/tcp", "198.51.100.0/24:443/tcp"]
+        bad = run(cli, ["sandbox", "network", s.id, "--allow-out", "203.0.113.9"], env=env)
+        assert bad.exit_code == 1 and "network.policy_widened" in bad.output
+    finally:
+        c.c.delete(s.id)

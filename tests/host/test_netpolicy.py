@@ -113,11 +113,11 @@ def test_the_ruleset_allows_only_the_listed_destinations_and_never_the_node() ->
     assert "elements = { 10.0.0.5, 192.0.2.10 }" in text
     forward = [line.strip() for line in text.split("chain forward")[1].splitlines()]
     refuse = forward.index('iifname "tap0" ip daddr @node meta l4proto tcp reject with tcp reset')
-    assert refuse < min(i for i, line in enumerate(forward) if "ct state new accept" in line)
-    accepts = [line.strip() for line in text.splitlines() if "ct state new accept" in line]
+    assert refuse < min(i for i, line in enumerate(forward) if "ct state new,established accept" in line)
+    accepts = [line.strip() for line in text.splitlines() if "ct state new,established accept" in line]
     assert accepts == [
-        'iifname "tap0" oifname "up0" ip daddr 192.0.2.10/32 tcp dport 8080 ct state new accept',
-        'iifname "tap0" oifname "up0" ip daddr 198.51.100.0/24 udp dport 53 ct state new accept',
+        'iifname "tap0" oifname "up0" ip daddr 192.0.2.10/32 tcp dport 8080 ct state new,established accept',
+        'iifname "tap0" oifname "up0" ip daddr 198.51.100.0/24 udp dport 53 ct state new,established accept',
     ]
     assert "policy drop" in text.split("chain input")[1].split("}")[0]
 
@@ -215,13 +215,13 @@ def test_an_allowlist_containing_a_node_address_reaches_the_peer_but_never_the_n
         # the uplink end of the sandbox's own veth is the node's too
         uplink_end = str(ipaddress.IPv4Interface(net.veth_cidr).ip + 1)
         assert ipaddress.IPv4Address(uplink_end) in netpolicy.node_addresses(routed["uplink"])
-        # an address the node gains later is refused once the set is refreshed (the Cubelet's reconcile pass)
+        # an address the node gains later is refused once the ruleset is loaded again (the Cubelet's reconcile pass)
         later = node.rsplit(".", 1)[0] + ".77"
         sh("ip", "-n", routed["uplink"], "addr", "add", f"{later}/24", "dev", "pu0")
         assert probe(routed["guest"], f"{later}:8080") == {f"{later}:8080": f"hello from {later}"}
         now = netpolicy.node_addresses(routed["uplink"])
         assert ipaddress.IPv4Address(later) in now
-        netpolicy.refresh_node_addresses(sid, now)
+        netpolicy.apply(sid, policy, now)
         got = probe(routed["guest"], f"{later}:8080", f"{node}:8080", f"{other}:8080")
         assert got == {
             f"{later}:8080": "ConnectionRefusedError",

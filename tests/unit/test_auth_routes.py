@@ -61,6 +61,7 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/sandboxes/{sandbox_id}"): T | A,
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): T | A,
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): T | A,
+    ("PUT", "/v1/sandboxes/{sandbox_id}/network"): T | A,
     ("GET", "/v1/sandboxes/{sandbox_id}/events"): T | A,
     ("GET", "/v1/sandboxes/{sandbox_id}/workload"): T | A,  # the tenant CLI's way to exec and cp
     ("POST", "/v1/sandboxes/{sandbox_id}/connect"): T | A,  # and the sandbox's token, for its owner
@@ -81,6 +82,7 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
 OWNED = {
     "/v1/sandboxes/{sandbox_id}",
     "/v1/sandboxes/{sandbox_id}/timeout",
+    "/v1/sandboxes/{sandbox_id}/network",
     "/v1/sandboxes/{sandbox_id}/events",
     "/v1/sandboxes/{sandbox_id}/workload",
     "/v1/sandboxes/{sandbox_id}/connect",
@@ -105,6 +107,7 @@ BODIES: dict[tuple[str, str], Any] = {
     ("PUT", "/v1/template-defaults/{accel_class}"): {"template": "nope"},
     ("POST", "/v1/sandboxes"): {"gpu": "H100:1"},
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): {"timeout_s": 60},
+    ("PUT", "/v1/sandboxes/{sandbox_id}/network"): {"network": {"allow_out": [], "deny_out": []}},
     ("POST", "/v1/tenants"): {"name": "t9"},
 }
 

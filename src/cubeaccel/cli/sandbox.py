@@ -1,4 +1,4 @@
-"""`cubeaccel sandbox create|list|show|timeout|delete|exec|cp`: a user's sandboxes through CubeMaster, and
+"""`cubeaccel sandbox create|list|show|timeout|network|delete|exec|cp`: a user's sandboxes through CubeMaster, and
 their workloads through the sandbox's node."""
 
 from __future__ import annotations
@@ -175,6 +175,26 @@ def sandbox_timeout(
     """Extend (or shorten) a sandbox's lifetime; at expiry it is deleted through the release path."""
     s: SandboxReply = call_master(url, lambda c: c.set_timeout(sandbox_id, seconds))
     console.print(f"{sandbox_id} expires at {s.expires_at or 0:.0f} (in {seconds:.0f} s)")
+
+
+@sandbox_app.command("network")
+def sandbox_network(
+    sandbox_id: str,
+    allow_out: Annotated[
+        list[str] | None, typer.Option("--allow-out", help="IPv4 address or CIDR kept whatever --deny-out says")
+    ] = None,
+    deny_out: Annotated[list[str] | None, typer.Option("--deny-out", help="IPv4 address or CIDR taken away")] = None,
+    url: MasterUrl = None,
+) -> None:
+    """Replace a running sandbox's egress narrowing, in place: the template's allowlist less --deny-out, plus
+    --allow-out (neither: the template's whole allowlist). It replaces the create's narrowing whole."""
+    body = {"allow_out": list(allow_out or []), "deny_out": list(deny_out or [])}
+    s: SandboxReply = call_master(url, lambda c: c.set_network(sandbox_id, body))
+    policy = s.request.network_policy if s.request is not None else None
+    output.emit(
+        {"sandbox_id": sandbox_id, "network_policy": policy},
+        lambda: console.print(f"{sandbox_id} egress: {', '.join((policy or {}).get('egress') or []) or 'none'}"),
+    )
 
 
 @sandbox_app.command("delete")

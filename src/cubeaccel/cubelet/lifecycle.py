@@ -146,7 +146,7 @@ class Cubelet(ReleasePath):
         self.scrubs: dict[str, ScrubJob] = {}
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
         self.warm.restore()  # the pools and drain this node was given, before reconcile looks at warm sandboxes
-        self.node_address_sets: dict[str, frozenset[ipaddress.IPv4Address]] = {}  # sandbox → last refused set
+        self.loaded_networks: dict[str, netpolicy.Loaded] = {}  # sandbox → its namespace's last loaded ruleset
         shim.bind(self.handle_report)
 
     # ---- helpers --------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ class Cubelet(ReleasePath):
         """The reservation's recorded parameters: the frozen contract's memory and the effective network policy
         (what the sandbox gets), re-derived here. A warm pool's key is derived from these too."""
         contract = None if req.contract is None else recheck_contract(req.contract)
-        network = self._network_policy(contract, req.network)
+        network = self.network_policy(contract, req.network)
         params = ReservationParams(
             count=req.count,
             accel_class=req.accel_class,
@@ -276,9 +276,7 @@ class Cubelet(ReleasePath):
         )
         return contract, params
 
-    def _network_policy(
-        self, contract: CompatibilityContract | None, requested: NetworkRequest | None
-    ) -> NetworkPolicy:
+    def network_policy(self, contract: CompatibilityContract | None, requested: NetworkRequest | None) -> NetworkPolicy:
         """The sandbox's policy, re-derived here (not trusted from CubeMaster): the template's narrowed by the
         request; refused when it names this node's pool, needs a NIC this node cannot build, or a mount the
         operator did not allowlist."""

@@ -13,7 +13,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 
-from cubeaccel.cubelet import backend_facts, host_ready
+from cubeaccel.cubelet import backend_facts, host_ready, network_update
 from cubeaccel.cubelet.inventory import register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.cubelet.quarantine_retry import retry_quarantined
@@ -154,7 +154,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         repairs.append(Repair(None, sid, "expired", "reserve.expired"))
     health_check(cubelet)
     backend_facts.persist(cubelet)
-    _refresh_node_addresses(cubelet, repairs)
+    _reload_networks(cubelet, repairs)
     return repairs
 
 
@@ -217,10 +217,11 @@ def _end_warm_leftovers(cubelet: Cubelet, repairs: list[Repair]) -> None:
         repairs.append(Repair(None, sid, "failed", "warm.no_pool"))
 
 
-def _refresh_node_addresses(cubelet: Cubelet, repairs: list[Repair]) -> None:
-    """The node's addresses as they are now, in each live sandbox network's refused set: an address the host
-    gained after a sandbox's network was built is no destination there either (host/net/netpolicy.py). One address
-    read per uplink per pass; a sandbox's set is rewritten only when it differs from what was last applied."""
+def _reload_networks(cubelet: Cubelet, repairs: list[Repair]) -> None:
+    """Each live sandbox network's ruleset as the journal says, with the node's addresses as they are now: an
+    address the host gained after a sandbox's network was built is no destination there either
+    (host/net/netpolicy.py), and a policy change journaled by a Cubelet that died before loading it is loaded now.
+    One address read per uplink per pass; a ruleset is loaded again only when it would differ."""
     now: dict[str | None, frozenset[IPv4Address]] = {}
     live: set[str] = set()
     for res in cubelet.store.reservations():
@@ -232,14 +233,12 @@ def _refresh_node_addresses(cubelet: Cubelet, repairs: list[Repair]) -> None:
         try:
             if uplink not in now:
                 now[uplink] = frozenset(netpolicy.node_addresses(uplink))
-            if cubelet.node_address_sets.get(sid) != now[uplink]:
-                netpolicy.refresh_node_addresses(sid, now[uplink])
-                cubelet.node_address_sets[sid] = now[uplink]
+            network_update.reload(cubelet, sid, now[uplink])
         except CubeError as e:
             if netpolicy.exists(sid):  # not a release racing this pass
                 _record(cubelet, repairs, Repair(None, sid, "network_refresh_failed", e.code))
-    for gone in set(cubelet.node_address_sets) - live:
-        del cubelet.node_address_sets[gone]
+    for gone in set(cubelet.loaded_networks) - live:
+        del cubelet.loaded_networks[gone]
 
 
 def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> None:

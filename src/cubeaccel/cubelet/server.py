@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 
-from cubeaccel.cubelet import operator
+from cubeaccel.cubelet import network_update, operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.heartbeat import host_state
@@ -262,6 +262,13 @@ def create_app(
     def start(sandbox_id: str) -> W.ReservationView:
         cubelet.start(validate_sandbox_id(sandbox_id))
         return reservation_view(cubelet, sandbox_id, local, access_token=cubelet.take_token(sandbox_id))
+
+    @app.put("/v1/reservations/{sandbox_id}/network", response_model=W.ReservationView)
+    def set_network(sandbox_id: str, body: W.NetworkUpdateBody) -> W.ReservationView:
+        """A running sandbox's egress policy, changed in place: journaled, then loaded as one nft transaction
+        (cubelet/network_update.py); the reservation with its new effective policy."""
+        network_update.set_network(cubelet, validate_sandbox_id(sandbox_id), body.network)
+        return reservation_view(cubelet, sandbox_id, local)
 
     @app.post("/v1/reservations/{sandbox_id}/{operation}")
     def lifecycle_operation(sandbox_id: str, operation: str) -> dict[str, Any]:

@@ -339,6 +339,14 @@ class Tx:
             ),
         )
 
+    def update_reservation_params(self, res: Reservation) -> None:
+        """A running sandbox's recorded parameters changed in place (its egress policy:
+        cubelet/network_update.py), with its checkpoint, in the caller's transaction."""
+        self.c.execute(
+            "UPDATE reservations SET params=?, checkpoint=? WHERE sandbox_id=?",
+            (json.dumps(res.params.to_json(), sort_keys=True), json.dumps(res.checkpoint.to_json()), res.sandbox_id),
+        )
+
     def claim_reservation(self, warm_id: str, res: Reservation) -> bool:
         """A warm reservation becomes `res` (its new sandbox id, params and checkpoint), and its devices follow:
         one compare-and-swap on the warm row's phase, so two claims never take the same one."""

@@ -35,7 +35,7 @@ from cubeaccel.transport.api_edges import EdgeGuard
 from cubeaccel.transport.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 from cubeaccel.transport.master_client import Calls
 from cubeaccel.wire import json_guard
-from cubeaccel.wire.e2b_api import ConnectBody, Error, NewSandbox, TimeoutBody
+from cubeaccel.wire.e2b_api import ConnectBody, Error, NetworkUpdate, NewSandbox, TimeoutBody
 from cubeaccel.wire.master_api import SandboxReply
 
 GONE = (SandboxState.DELETING, SandboxState.DELETED)  # E2B's kill answers 404 for these
@@ -59,6 +59,7 @@ REST_ROUTES = [
     ("GET", "/sandboxes/{sandbox_id}", "get_info"),
     ("DELETE", "/sandboxes/{sandbox_id}", "kill"),
     ("POST", "/sandboxes/{sandbox_id}/timeout", "set_timeout"),
+    ("PUT", "/sandboxes/{sandbox_id}/network", "update_network"),
     ("GET", "/sandboxes/{sandbox_id}/metrics", "metrics"),
     ("POST", "/v2/sandboxes/{sandbox_id}/connect", "connect"),
     ("POST", "/sandboxes/{sandbox_id}/connect", "connect"),
@@ -262,6 +263,17 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         await master.call(Calls.set_timeout(sid, max(1.0, req.timeout)), key)
         return Response(status_code=204)
 
+    async def update_network(request: Request) -> Response:
+        """E2B's `update_network`: the running sandbox's egress policy replaced whole, in place (CubeMaster records
+        and audits it; the node loads it: docs/e2b.md)."""
+        key = api_key(request)
+        sid = request.path_params["sandbox_id"]
+        req: NetworkUpdate = await body_of(request, NetworkUpdate, required=False)
+        narrowing = M.network_update(req)
+        await live(key, sid)
+        await master.call(Calls.set_network(sid, narrowing), key)
+        return Response(status_code=204)
+
     async def refused(request: Request) -> Response:
         api_key(request)
         what = REFUSED.get(request.path_params.get("op", ""), request.url.path)
@@ -281,6 +293,7 @@ def create_app(cfg: FrontDoorConfig) -> Callable[[Scope, Receive, Send], Awaitab
         "get_info": get_info,
         "kill": kill,
         "set_timeout": set_timeout,
+        "update_network": update_network,
         "metrics": metrics,
         "connect": connect,
         "refused": refused,

@@ -15,7 +15,7 @@ from typing import Any
 
 from cubeaccel.model.sandbox_states import SandboxState
 from cubeaccel.wire import json_guard
-from cubeaccel.wire.e2b_api import ListedSandbox, NewSandbox, SandboxCreated, SandboxDetail
+from cubeaccel.wire.e2b_api import ListedSandbox, NetworkUpdate, NewSandbox, SandboxCreated, SandboxDetail
 from cubeaccel.wire.master_api import Sandbox, SandboxBody, WarmSandbox
 
 # What the guest's cube-workload implements (docs/workload.md); a test holds it equal to the guest's own constant.
@@ -110,6 +110,10 @@ E2B_NETWORK_UNSUPPORTED = {
 # `allowPublicTraffic` asks whether a sandbox's other ports may be reached without a token; here they never are
 # (the traffic token or the envd token is always needed: docs/decisions.md), so either value is accepted.
 E2B_NETWORK_KNOWN = {"allowOut", "denyOut", "allowPublicTraffic", *E2B_NETWORK_UNSUPPORTED}
+# The update's options (E2B's SandboxNetworkUpdateConfig, and `allowPublicTraffic` as at create). `dnsServers`
+# opens the firewall to those servers only when `allowOut` names a domain, which is refused here: it is checked
+# (IPv4 addresses) and changes nothing. A null `egressProxy` is E2B's "no proxy", the only way egress goes here.
+E2B_UPDATE_KNOWN = {"allowOut", "denyOut", "allowPublicTraffic", "dnsServers", "egressProxy", "rules"}
 ALL_TRAFFIC = "0.0.0.0/0"
 OPTION_UNSUPPORTED = "network.e2b_option_unsupported"
 DESTINATION_UNSUPPORTED = "network.e2b_destination_unsupported"
@@ -141,12 +145,25 @@ def _destinations(network: dict[str, Any], key: str) -> list[str]:
     return out
 
 
-def network_narrowing(req: NewSandbox) -> dict[str, list[str]] | None:
-    """E2B's `network` (and `allow_internet_access`) as CubeMaster's address narrowing of the template's
-    allowlist (model/sandbox_policy.AddressNarrowing): `denyOut` takes addresses away, `allowOut` keeps them
-    whatever `denyOut` says, and the template's allowlist is E2B's "all traffic". None: the template's policy."""
-    network = dict(req.network or {})
-    if unknown := sorted(set(network) - E2B_NETWORK_KNOWN):
+def _dns_servers(network: dict[str, Any]) -> None:
+    raw = network.get("dnsServers")
+    if raw is None:
+        return
+    ok = isinstance(raw, list) and len(raw) <= 10
+    for entry in raw if ok else ():
+        try:
+            ok = ok and isinstance(entry, str) and ipaddress.ip_address(entry.strip()).version == 4
+        except ValueError:
+            ok = False
+    if not ok:
+        raise _network_refusal(OPTION_UNSUPPORTED, "dnsServers must be a list of at most 10 IPv4 addresses")
+
+
+def _narrowing(network: dict[str, Any], known: set[str], allow_internet_access: bool | None) -> dict[str, list[str]]:
+    """E2B's network options as CubeMaster's address narrowing (model/sandbox_policy.AddressNarrowing): `denyOut`
+    takes addresses away, `allowOut` keeps them whatever `denyOut` says, `allow_internet_access: false` is
+    `denyOut: [0.0.0.0/0]`, and the template's allowlist is E2B's "all traffic"."""
+    if unknown := sorted(set(network) - known):
         raise _network_refusal(OPTION_UNSUPPORTED, f"unknown network option(s) {', '.join(unknown)[:200]}")
     asked = [key for key in E2B_NETWORK_UNSUPPORTED if network.get(key) not in (None, "", [], {})]
     if asked:
@@ -154,12 +171,26 @@ def network_narrowing(req: NewSandbox) -> dict[str, list[str]] | None:
         raise _network_refusal(OPTION_UNSUPPORTED, f"{what}: sandbox egress is filtered by address, with no proxy")
     if not isinstance(network.get("allowPublicTraffic", True), bool):
         raise _network_refusal(OPTION_UNSUPPORTED, "allowPublicTraffic must be true or false")
+    _dns_servers(network)
     allow, deny = _destinations(network, "allowOut"), _destinations(network, "denyOut")
-    if req.allow_internet_access is False:  # E2B: the same as denyOut [0.0.0.0/0]
+    if allow_internet_access is False:  # E2B: the same as denyOut [0.0.0.0/0]
         deny.append(ALL_TRAFFIC)
-    if not allow and not deny:
-        return None
     return {"allow_out": allow, "deny_out": deny}
+
+
+def network_narrowing(req: NewSandbox) -> dict[str, list[str]] | None:
+    """A create's `network` (and `allow_internet_access`) as CubeMaster's narrowing of the template's allowlist.
+    None: the template's policy."""
+    out = _narrowing(dict(req.network or {}), E2B_NETWORK_KNOWN, req.allow_internet_access)
+    return out if out["allow_out"] or out["deny_out"] else None
+
+
+def network_update(req: NetworkUpdate) -> dict[str, list[str]]:
+    """An update's body (`update_network`) as the running sandbox's new narrowing, whole: E2B's update replaces
+    the egress configuration, so what it leaves out is cleared (no lists: the template's whole allowlist)."""
+    network = req.model_dump(by_alias=True, exclude_unset=True)
+    allow_internet_access = network.pop("allow_internet_access", None)
+    return _narrowing(network, E2B_UPDATE_KNOWN, allow_internet_access)
 
 
 def iso(ts: float) -> str:

@@ -44,6 +44,12 @@ OPERATIONS = {
     "get_info": Operation("one running sandbox of the caller", 200, E.SandboxDetail),
     "kill": Operation("delete a sandbox", 204),
     "set_timeout": Operation("the sandbox now expires `timeout` s from now", 204, body=E.TimeoutBody),
+    "update_network": Operation(
+        "the running sandbox's egress policy, replaced whole (omitted fields are cleared)",
+        204,
+        body=E.NetworkUpdate,
+        body_required=False,
+    ),
     "metrics": Operation(
         "the guest's samples within start/end", 200, E.SandboxMetric, many=True, query=("start", "end")
     ),
@@ -62,6 +68,7 @@ MODELS: list[type[BaseModel]] = [
     E.NewSandbox,
     E.ConnectBody,
     E.TimeoutBody,
+    E.NetworkUpdate,
     E.SandboxCreated,
     E.ListedSandbox,
     E.SandboxDetail,

@@ -25,6 +25,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import BaseRoute
 
 from cubeaccel.host.service.audit import AuditLog
+from cubeaccel.master import sandbox_network
 from cubeaccel.master.auth import (
     ADMIN,
     ANON,
@@ -96,6 +97,7 @@ POLICY: dict[tuple[str, str], tuple[frozenset[str], str]] = {
     ("GET", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:show"),
     ("DELETE", "/v1/sandboxes/{sandbox_id}"): (USERS, "sandbox:delete"),
     ("POST", "/v1/sandboxes/{sandbox_id}/timeout"): (USERS, "sandbox:set_timeout"),
+    ("PUT", "/v1/sandboxes/{sandbox_id}/network"): (USERS, "sandbox:set_network"),
     ("GET", "/v1/sandboxes/{sandbox_id}/events"): (USERS, "sandbox:events"),
     ("GET", "/v1/sandboxes/{sandbox_id}/workload"): (USERS, "sandbox:workload"),
     ("POST", "/v1/sandboxes/{sandbox_id}/connect"): (USERS, "sandbox:connect"),  # hands out a secret: audited
@@ -623,6 +625,12 @@ def create_app(
     def set_timeout(sandbox_id: str, body: W.TimeoutBody, request: Request) -> W.SandboxReply:
         request.state.tenant = owned(request.state.identity, sandbox_id).tenant
         return sandbox_record(master.set_timeout(sandbox_id, body.timeout_s), W.SandboxReply)
+
+    @app.put("/v1/sandboxes/{sandbox_id}/network", response_model=W.SandboxReply)
+    def set_network(sandbox_id: str, body: W.NetworkBody, request: Request) -> W.SandboxReply:
+        """A running sandbox's egress policy, changed on its node, then recorded (master/sandbox_network.py)."""
+        request.state.tenant = owned(request.state.identity, sandbox_id).tenant
+        return sandbox_record(sandbox_network.set_network(master, sandbox_id, body.network), W.SandboxReply)
 
     @app.delete("/v1/sandboxes/{sandbox_id}", status_code=202, response_model=W.SandboxReply)
     def delete(sandbox_id: str, request: Request) -> W.SandboxReply:

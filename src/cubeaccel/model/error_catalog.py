@@ -316,6 +316,8 @@ CODES: tuple[CodeInfo, ...] = (
     _c("network.unavailable", 409, "cubelet", "this node cannot build sandbox networks (no ip/nft, or disabled)"),
     _c("network.setup_failed", None, "cubelet", "sandbox error: the network namespace, TAP or rules failed"),
     _c("network.teardown_failed", None, "cubelet", "release: the sandbox's network namespace could not be removed"),
+    _c("network.not_running", 409, "api", "a network policy change for a sandbox that is not running"),
+    _c("network.no_nic", 409, "cubelet", "a policy change that needs a NIC the running sandbox was started without"),
     _c("filesystem.mount_not_allowlisted", 409, "cubelet", "a read-only mount source this node does not allowlist"),
     _c("filesystem.scratch_failed", None, "backend", "sandbox error: the scratch disk could not be created"),
     _c("compat.template_unknown_class", 422, "template", "template class is not gpu or accelerator"),

@@ -30,6 +30,9 @@ class EventKind(StrEnum):
     STARTUP_FAILED = "startup_failed"
     SANDBOX_RUNNING = "sandbox_running"
     SANDBOX_WARM = "sandbox_warm"
+    # a running sandbox's egress policy changed in place
+    NETWORK_UPDATED = "network_updated"
+    NETWORK_UPDATE_FAILED = "network_update_failed"  # the old ruleset stayed in force; the journal says so again
     # a sandbox's end
     LIFETIME_EXPIRED = "lifetime_expired"
     TEARDOWN_STARTED = "teardown_started"

@@ -93,6 +93,11 @@ class CubeletClient:
     def start(self, sandbox_id: str) -> ReservationView:
         return ReservationView.model_validate(self.request("POST", f"/v1/reservations/{_seg(sandbox_id)}/start"))
 
+    def set_network(self, sandbox_id: str, network: dict[str, Any]) -> ReservationView:
+        """`PUT /v1/reservations/{id}/network`: the running sandbox's egress policy, changed in place."""
+        path = f"/v1/reservations/{_seg(sandbox_id)}/network"
+        return ReservationView.model_validate(self.request("PUT", path, {"network": network}))
+
     def release(self, sandbox_id: str) -> Release:
         return Release.model_validate(self.request("DELETE", f"/v1/reservations/{_seg(sandbox_id)}"))
 

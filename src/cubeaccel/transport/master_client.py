@@ -152,6 +152,10 @@ class Calls:
         return Call("POST", f"/v1/sandboxes/{_q(sandbox_id)}/timeout", W.SandboxReply, {"timeout_s": timeout_s})
 
     @staticmethod
+    def set_network(sandbox_id: str, network: dict[str, Any]) -> Call[W.SandboxReply]:
+        return Call("PUT", f"/v1/sandboxes/{_q(sandbox_id)}/network", W.SandboxReply, {"network": network})
+
+    @staticmethod
     def delete(sandbox_id: str) -> Call[W.SandboxReply]:
         return Call("DELETE", f"/v1/sandboxes/{_q(sandbox_id)}", W.SandboxReply)
 
@@ -252,6 +256,9 @@ class MasterClient:
 
     def set_timeout(self, sandbox_id: str, timeout_s: float) -> W.SandboxReply:
         return self.call(Calls.set_timeout(sandbox_id, timeout_s))
+
+    def set_network(self, sandbox_id: str, network: dict[str, Any]) -> W.SandboxReply:
+        return self.call(Calls.set_network(sandbox_id, network))
 
     def delete(self, sandbox_id: str) -> W.SandboxReply:
         return self.call(Calls.delete(sandbox_id))

@@ -40,6 +40,13 @@ class ReservationBody(Message):
     tenant: str | None = Field(default=None, min_length=1, max_length=128)
 
 
+class NetworkUpdateBody(Message):
+    """`PUT /v1/reservations/{id}/network`: a running sandbox's new narrowing of its template's network policy,
+    whole (it replaces the create's); the Cubelet derives the effective policy again and loads it in place."""
+
+    network: Network = Field(title="Network")
+
+
 class OperatorBody(Message):
     who: str = Field(min_length=1, max_length=200)
     reason: str = Field(min_length=1, max_length=2000)

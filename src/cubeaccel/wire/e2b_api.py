@@ -31,6 +31,22 @@ class NewSandbox(E2BRequest):
     allow_internet_access: bool | None = Field(default=None, alias="allow_internet_access")
 
 
+class NetworkUpdate(E2BRequest):
+    """`PUT /sandboxes/{id}/network` (SDK 2.63's `update_network`): the running sandbox's egress configuration,
+    whole: what it leaves out is cleared (E2B's semantics), so an empty body gives back the template's allowlist.
+    Options with no equivalent are refused by name (frontdoor/mapping.network_update), unknown ones too."""
+
+    model_config = ConfigDict(extra="allow", frozen=True, populate_by_name=True)
+
+    allow_out: list[Any] | None = Field(default=None, alias="allowOut")
+    deny_out: list[Any] | None = Field(default=None, alias="denyOut")
+    dns_servers: list[Any] | None = Field(default=None, alias="dnsServers")
+    egress_proxy: Any = Field(default=None, alias="egressProxy")
+    rules: dict[str, Any] | None = None
+    allow_internet_access: bool | None = Field(default=None, alias="allow_internet_access")
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
+
+
 class ConnectBody(E2BRequest):
     timeout: int | None = Field(default=None, ge=1, le=30 * 86400)
 

@@ -60,6 +60,13 @@ class TimeoutBody(Message):
     timeout_s: float = Field(gt=0, le=MAX_LIFETIME_S)
 
 
+class NetworkBody(Message):
+    """`PUT /v1/sandboxes/{id}/network`: a running sandbox's new narrowing of its template's network policy, as a
+    create's `network` (rules of its own, or `allow_out`/`deny_out`); it replaces the create's whole."""
+
+    network: dict[str, Any]
+
+
 class OperatorBody(Message):
     """Like the Cubelet's operator body, but `reason` may be left out (node verbs need none); empty is a 422."""
 

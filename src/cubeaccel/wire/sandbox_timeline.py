@@ -104,3 +104,11 @@ class TimeoutSet(Record):
     """`timeout_set`: the new lifetime, from now."""
 
     timeout_s: float
+
+
+class NetworkSet(Record):
+    """`network_set`: a running sandbox's egress policy changed in place: the narrowing asked for (it replaces the
+    create's whole) and the effective allowlist its node loaded."""
+
+    network: dict[str, Any]
+    egress: list[str]

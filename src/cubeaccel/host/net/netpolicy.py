@@ -3,7 +3,7 @@
     guest eth0 169.254.100.2/30 ─ tap0 169.254.100.1/30 [netns cube-<sandbox>] up0 P+1/30 ─ veth P+2/30 [uplink]
 
 The guest link is link-local on purpose: no allowlist can name link-local, so no rule can overlap it. The
-namespace forwards only new connections to the allowlisted `CIDR:port/proto`s (and their replies), masquerading
+namespace forwards only the guest's packets to the allowlisted `CIDR:port/proto`s (and their replies), masquerading
 them to its veth address; everything else from the guest is rejected (TCP reset, ICMP admin-prohibited), the
 namespace itself accepts nothing from the guest, and IPv6 is off. The node itself is never a destination, whatever
 the allowlist: every address (and broadcast) on every interface of the uplink namespace is in the set `node`,
@@ -12,6 +12,13 @@ rejected before any allow rule — read when the sandbox's network is built and 
 only. The uplink is the host's namespace (production:
 the operator routes the pool onward) or a named one (tests: a namespace with nothing beyond it). Each sandbox
 takes one /30 of the node's pool for its veth; allowlists overlapping the pool are refused (other sandboxes).
+
+The rules are one ruleset, always loaded whole (`apply`: one `nft -f` transaction that flushes and rebuilds it),
+so a changed policy (`PUT …/network`) replaces the old one atomically: no moment has neither, and a ruleset that
+fails to load leaves the old one in force. An established connection is judged by the allowlist too (only its
+replies are let in by connection state): a destination a changed policy takes away is cut at once, open
+connections included (the guest's next packet there is answered with a reset), while connections the new
+policy still allows carry on.
 
 The TAP is persistent in the sandbox namespace; the shim opens it there (`open_tap`) and hands QEMU the fd, so
 the VMM needs neither /dev/net/tun nor CAP_NET_ADMIN. Removing the namespace removes TAP, veth and rules.
@@ -107,6 +114,14 @@ class SandboxNet:
         }
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """What a sandbox's namespace holds: the policy and the node addresses its ruleset was last loaded with."""
+
+    policy: NetworkPolicy
+    node: frozenset[ipaddress.IPv4Address]
+
+
 def _run(args: list[str], stdin: str | None = None) -> str:
     try:
         p = subprocess.run(
@@ -135,9 +150,12 @@ def _elements(addresses: Iterable[ipaddress.IPv4Address]) -> str:
 
 def ruleset(policy: NetworkPolicy, node_addresses: Iterable[ipaddress.IPv4Address] = ()) -> str:
     """The namespace's whole nftables ruleset (it is the only one there): allowlist forward, masquerade, drop.
-    `node_addresses` (the uplink namespace's own) are refused before any allow rule."""
+    `node_addresses` (the uplink namespace's own) are refused before any allow rule. The guest's packets pass
+    only by the allowlist, new or established (an established connection is not waved through by its state, so
+    a policy that no longer allows its destination cuts it); replies pass by connection state."""
     allow = [
-        f'    iifname "{TAP}" oifname "{UPLINK_IF}" ip daddr {r.network} {r.proto} dport {r.port} ct state new accept'
+        f'    iifname "{TAP}" oifname "{UPLINK_IF}" ip daddr {r.network} {r.proto} dport {r.port}'
+        " ct state new,established accept"
         for r in policy.egress
     ]
     elements = _elements(node_addresses)
@@ -162,7 +180,6 @@ def ruleset(policy: NetworkPolicy, node_addresses: Iterable[ipaddress.IPv4Addres
         "    type filter hook forward priority 0; policy drop;",
         "    meta nfproto ipv6 drop",
         f'    iifname "{UPLINK_IF}" oifname "{TAP}" ct state established,related accept',
-        f'    iifname "{TAP}" oifname "{UPLINK_IF}" ct state established,related accept',
         f'    iifname "{TAP}" ip daddr @{NODE_SET} meta l4proto tcp reject with tcp reset',
         f'    iifname "{TAP}" ip daddr @{NODE_SET} reject with icmpx type admin-prohibited',
         *allow,
@@ -198,14 +215,11 @@ def node_addresses(uplink_netns: str | None) -> set[ipaddress.IPv4Address]:
     }
 
 
-def refresh_node_addresses(sandbox_id: str, addresses: Iterable[ipaddress.IPv4Address]) -> None:
-    """Replace the sandbox's `node` set with `addresses` (the node's as they are now, `node_addresses`), in one
-    nft transaction, so no moment has an empty set."""
-    elements = _elements(addresses)
-    script = f"flush set inet cube {NODE_SET}\n" + (
-        f"add element inet cube {NODE_SET} {{ {elements} }}\n" if elements else ""
-    )
-    _run(["ip", "netns", "exec", netns_name(sandbox_id), "nft", "-f", "-"], stdin=script)
+def apply(sandbox_id: str, policy: NetworkPolicy, addresses: Iterable[ipaddress.IPv4Address]) -> None:
+    """Load the sandbox's whole ruleset for `policy`, refusing `addresses` (the node's as they are now,
+    `node_addresses`): one nft transaction that flushes and rebuilds it, so the old ruleset stays in force until
+    the new one is complete, and stays whole if the new one fails to load (`network.setup_failed`)."""
+    _run(["ip", "netns", "exec", netns_name(sandbox_id), "nft", "-f", "-"], stdin=ruleset(policy, addresses))
 
 
 def _slot(sandbox_id: str, pool: ipaddress.IPv4Network, uplink_netns: str | None) -> ipaddress.IPv4Network:
@@ -254,7 +268,7 @@ def setup(
         _ip(uplink_netns, "addr", "add", f"{theirs}/30", "dev", upif)
         _ip(uplink_netns, "link", "set", upif, "up")
         # read last: the uplink end of this sandbox's own veth is one of the node's addresses too
-        _run(["ip", "netns", "exec", ns, "nft", "-f", "-"], stdin=ruleset(policy, node_addresses(uplink_netns)))
+        apply(sandbox_id, policy, node_addresses(uplink_netns))
     except CubeError:
         teardown(sandbox_id, node=node, uplink_netns=uplink_netns)
         raise
