@@ -15,6 +15,7 @@ from cubeaccel.cli import output
 from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
 from cubeaccel.cli.master_access import MasterUrl, call_master
 from cubeaccel.cli.render import console, device_table, event_table
+from cubeaccel.model.bars import is_bar_size
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.transport.cubelet_client import CubeletClient
@@ -252,6 +253,13 @@ def serve_cmd(
             "(repeatable); a shape with none boots cold"
         ),
     ] = None,
+    testdev_membar: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="--backend emulated: a GPU-shaped pci-testdev stand-in whose 64-bit prefetchable BAR2 is BYTES (a "
+            "power of two; repeatable; docs/shim.md)"
+        ),
+    ] = None,
 ) -> None:
     """Run Cubelet: initialize the host, reconcile, then serve the API."""
     from cubeaccel.transport.telemetry import configure_logging
@@ -277,6 +285,8 @@ def serve_cmd(
         raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
     token = TokenFile(node_token_file).current if node_token_file is not None else None  # re-read on change
     shapes = _shapes(prepare_shape or [])
+    if not all(is_bar_size(m) for m in testdev_membar or ()):
+        raise typer.BadParameter(f"--testdev-membar {testdev_membar}: each a power of two up to 2^48 bytes")
     _check_durations(tick, reservation_ttl, release_timeout, default_lifetime, detach_timeout, scrub_timeout)
     from cubeaccel.cubelet.scrub import parse_policy
 
@@ -312,6 +322,7 @@ def serve_cmd(
                 scrub_image=scrub_image,
                 emulated_devices=emulated_devices,
                 memory_devices=tuple(memory_device or ()),
+                testdev_membars=tuple(testdev_membar or ()),
             )
         )
         repairs = _bring_up(cubelet, vm_start, shapes, holder_scan_exempt_pid or [], warm_reset, warm or [])
