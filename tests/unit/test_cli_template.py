@@ -145,8 +145,9 @@ def test_prepare_on_a_node_without_the_templates_image_fails_naming_the_image(
 
 def test_cubelet_prepare_shapes_parse_memory_and_vcpus() -> None:
     from cubeaccel.cli.cubelet import _shapes
+    from cubeaccel.cubelet.snapshots import Shape
 
-    assert _shapes(["65536:8", "256"]) == [(65536, 8), (256, 1)]
-    for bad in ("64G", "32", "256:x"):
+    assert _shapes(["65536:8", "256"]) == [Shape(65536, 8), Shape(256, 1)]
+    for bad in ("64G", "32", "256:x", "256:0"):
         with pytest.raises(typer.BadParameter):
             _shapes([bad])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -18,6 +18,9 @@ from rich.table import Table
 from cubeaccel.model.contract import ContractViolation, check_template, freeze
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.templates import load_template
+
+if TYPE_CHECKING:
+    from cubeaccel.wire.snapshot import SnapshotPlan
 
 app = typer.Typer(no_args_is_help=True, help="accelerator templates: validate, show, prepare snapshots")
 
@@ -150,18 +153,26 @@ def prepare_cmd(
     vcpus: int = typer.Option(1, "--vcpus", min=1, max=256),
     memory_backend: str = typer.Option("ram", "--memory-backend", help="ram | memfd | hugepages"),
     image: str | None = typer.Option(None, "--image", help="guest image digest (default: FILE's, else the newest)"),
+    plan: Path | None = typer.Option(
+        None, "--plan", help="a snapshot plan (JSON, wire.snapshot.SnapshotPlan): what the Cubelet queues"
+    ),
     as_json: bool = AsJson,
 ) -> None:
     """Make this node's template snapshot of one machine shape now, so no tenant's start waits for it.
 
-    Sandboxes of a shape with no snapshot boot cold (`start.cold_no_snapshot`); Cubelet prepares its
-    `--prepare-shape`s at start the same way."""
+    Sandboxes of a shape with no snapshot boot cold (`start.cold_no_snapshot`). FILE or --memory-mib make the
+    machine of a sandbox with no device (or edu-sized ones); a GPU's BARs shape the machine, so the Cubelet
+    plans its snapshots from its devices (`--prepare-template`, `--prepare-shape`) and runs `--plan` for each."""
     from cubeaccel.images.builder import cache_dir, find_image, latest
     from cubeaccel.shim.template import prepare_template, shape_config
 
     as_json = as_json or _machine()
     digest = image
-    if file is not None:
+    planned = _read_plan(plan, as_json) if plan is not None else None
+    if planned is not None:
+        memory_mib, vcpus, memory_backend = planned.memory_mib, planned.vcpus, planned.memory_backend
+        digest = planned.image_digest
+    elif file is not None:
         try:
             t = load_template(file)
         except CubeError as e:
@@ -181,18 +192,34 @@ def prepare_cmd(
         return
     root = cache_dir() / "templates"
     try:
-        cfg = shape_config(manifest, memory_mib, vcpus, root / "prepare", memory_backend)
-        state, created = prepare_template(cfg, manifest, root)
+        bars = planned.template_bars if planned is not None else ()
+        cfg = shape_config(manifest, memory_mib, vcpus, root / "prepare", memory_backend, bars)
+        state, created = prepare_template(cfg, manifest, root, prepared_for=planned.label if planned else None)
     except CubeError as e:
         _prepare_error(CubeError("template.prepare_failed", e.message, "template", {"cause": e.code}), as_json)
         return
     meta = json.loads((state.parent / "meta.json").read_text())
+    meta.pop("machine", None)  # the key's fields, kept for a start's lookup; `key` names them
     out = {"state": str(state), "created": created, **meta}
     if as_json:
         typer.echo(json.dumps(out, indent=2))
     else:
         verb = "prepared" if created else "already prepared"
         typer.echo(f"{verb}: {memory_mib} MiB x {vcpus} vCPU ({memory_backend}) -> {state} ({meta.get('build_s')} s)")
+
+
+def _read_plan(path: Path, as_json: bool) -> SnapshotPlan:
+    from pydantic import ValidationError
+
+    from cubeaccel.wire.snapshot import SnapshotPlan
+
+    try:
+        return SnapshotPlan.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as e:
+        _prepare_error(
+            CubeError("template.prepare_failed", f"{path}: not a snapshot plan: {e}"[:500], "template"), as_json
+        )
+        raise  # unreachable: _prepare_error exits
 
 
 # ---- registered templates (CubeMaster) ------------------------------------------------------------------------
