@@ -11,7 +11,7 @@ from pathlib import Path
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.cubelet.snapshots import Shape, TemplateSnapshots
+from cubeaccel.cubelet.snapshots import DoneFn, Shape, TemplateSnapshots
 from cubeaccel.model.bars import MachineShape
 from cubeaccel.model.contract import freeze
 from cubeaccel.model.errors import CubeError
@@ -31,7 +31,7 @@ class Queue:
     def __init__(self) -> None:
         self.plans: list[SnapshotPlan] = []
 
-    def __call__(self, plans: Sequence[SnapshotPlan]) -> None:
+    def __call__(self, plans: Sequence[SnapshotPlan], done: DoneFn) -> None:
         self.plans += plans
 
 

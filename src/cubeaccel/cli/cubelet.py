@@ -126,16 +126,9 @@ def _snapshots(cubelet: Cubelet, vm_start: str, templates: list[Any], shapes: li
     from cubeaccel.cubelet.process_shim import ProcessShimDriver
     from cubeaccel.cubelet.snapshots import TemplateSnapshots
 
-    shim = cubelet.shim
-    if not isinstance(shim, ProcessShimDriver) or vm_start != "template":
+    if not isinstance(cubelet.shim, ProcessShimDriver) or vm_start != "template":
         return None
-    snapshots: TemplateSnapshots
-
-    def prepare(plans: Any) -> None:
-        shim.prepare_snapshots(plans, snapshots.prepared)
-
-    snapshots = TemplateSnapshots(cubelet, prepare, templates, shapes)
-    return snapshots
+    return TemplateSnapshots(cubelet, cubelet.shim.prepare_snapshots, templates, shapes)
 
 
 def _bring_up(

@@ -19,6 +19,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -39,13 +40,14 @@ from cubeaccel.wire.reports import parse_report
 from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec, spec_error
 from cubeaccel.wire.snapshot import SnapshotPlan
+
+if TYPE_CHECKING:
+    from cubeaccel.cubelet.snapshots import DoneFn
 from cubeaccel.wire.warm import MAX_CONTROL_LINE, ShimClaim, ShimClaimAck
 
 CONTROL_SOCKET = "control.sock"  # a warm shim's claim socket (shim/warm_control.py: the same name)
 _Signature = tuple[tuple[int, int], ...]
 LAUNCH_MODES = ("fork", "spawn")
-# a plan's outcome: (the plan, the preparer's answer (key, created, build_s), or the error)
-SnapshotDone = Callable[[SnapshotPlan, dict[str, object] | None, CubeError | None], None]
 
 
 class ProcessShimDriver:
@@ -77,7 +79,7 @@ class ProcessShimDriver:
         self.forks = ForkServer(self.dir, python) if launch == "fork" else None
         self.launches = {"fork": 0, "spawn": 0}  # how this process's shim starts went (a metric)
         self._prepare_lock = threading.Lock()
-        self._prepare_queue: list[tuple[SnapshotPlan, SnapshotDone]] = []
+        self._prepare_queue: list[tuple[SnapshotPlan, DoneFn]] = []
         self._preparer: threading.Thread | None = None
 
     def warm(self) -> None:
@@ -85,7 +87,7 @@ class ProcessShimDriver:
         if self.forks is not None:
             self.forks.ensure_started()
 
-    def prepare_snapshots(self, plans: Sequence[SnapshotPlan], done: SnapshotDone) -> None:
+    def prepare_snapshots(self, plans: Sequence[SnapshotPlan], done: DoneFn) -> None:
         """Host initialization and inventory changes: each plan's template snapshot, one `cubeaccel template
         prepare --plan` after another on one background thread (a sandbox started meanwhile boots cold and says
         so); `done` hears each outcome."""
@@ -112,20 +114,7 @@ class ProcessShimDriver:
                 run = subprocess.run(
                     argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, check=False, env=component_env()
                 )
-            try:
-                out = json_guard.loads(run.stdout)
-            except ValueError:
-                out = None
-            if run.returncode == 0 and isinstance(out, dict):
-                done(plan, {k: out[k] for k in ("key", "created", "build_s") if k in out}, None)
-            else:
-                err = out.get("error") if isinstance(out, dict) else None
-                message = err.get("message") if isinstance(err, dict) else None
-                done(
-                    plan,
-                    None,
-                    CubeError("template.prepare_failed", str(message or f"exit {run.returncode}"), "template"),
-                )
+            done(plan, *_prepared(run.returncode, run.stdout))
 
     def close(self) -> None:
         """The fork server goes (shims keep running); spawned children are not waited for; images are let go."""
@@ -291,3 +280,18 @@ class ProcessShimDriver:
             return ShimStatus(None, None)
         vmm = find_vmm(sandbox_id, self.proc, under=self.dir)
         return ShimStatus(shim_alive=self._shim_pid(sandbox_id) is not None, vmm_alive=vmm is not None, vmm_pid=vmm)
+
+
+def _prepared(returncode: int, stdout: bytes) -> tuple[dict[str, object] | None, CubeError | None]:
+    """`cubeaccel template prepare --json`'s answer: the state's key, whether it was made now and how long it took;
+    or its error's message (`{"ok": false, "error": {...}}`), or how it exited when it printed none."""
+    try:
+        out = json_guard.loads(stdout)
+    except (ValueError, RecursionError):
+        out = None
+    if returncode == 0 and isinstance(out, dict):
+        return {k: out[k] for k in ("key", "created", "build_s") if k in out}, None
+    err = out.get("error") if isinstance(out, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    why = str(message or f"`cubeaccel template prepare` exited {returncode} without an answer")[:500]
+    return None, CubeError("template.prepare_failed", why, "template")

@@ -26,7 +26,10 @@ from cubeaccel.wire.snapshot import SnapshotPlan
 if TYPE_CHECKING:
     from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
 
-PrepareFn = Callable[[Sequence[SnapshotPlan]], None]
+# a plan's outcome: (the plan, the preparer's answer (key, created, build_s), or the error)
+DoneFn = Callable[[SnapshotPlan, dict[str, object] | None, CubeError | None], None]
+# queues plans to be made in the background, each outcome told to the callback (ProcessShimDriver.prepare_snapshots)
+PrepareFn = Callable[[Sequence[SnapshotPlan], DoneFn], None]
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ class Shape:
 
 
 class TemplateSnapshots:
-    """Plans the node's snapshots and hands each new plan to `prepare` (the process driver's queue) once."""
+    """Plans the node's snapshots and hands each new plan to `prepare` (the process driver's queue) once; each
+    outcome comes back to `prepared`."""
 
     def __init__(
         self,
@@ -97,7 +101,7 @@ class TemplateSnapshots:
             with self.cubelet.store.tx() as t:
                 for p in new:
                     t.event(EventKind.TEMPLATE_SNAPSHOT_QUEUED, "cubelet", details=_details(p))
-            self.prepare(new)
+            self.prepare(new, self.prepared)
         return new
 
     def prepared(self, plan: SnapshotPlan, result: dict[str, object] | None, error: CubeError | None) -> None:
