@@ -8,6 +8,8 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
+
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
@@ -152,3 +154,39 @@ def test_a_failed_preparation_names_its_cause(tmp_path: Path) -> None:
     err = done[0][2]
     assert done[0][1] is None and err is not None
     assert (err.code, err.message) == ("template.prepare_failed", "no image")
+
+
+def test_a_device_read_over_the_api_is_the_record_the_cubelet_holds(tmp_path: Path) -> None:
+    from cubeaccel.wire.cubelet_api import Device
+
+    node = Node.create(tmp_path, "t4x1,h100x1,edux1")
+    for record in node.devices():
+        assert Device.model_validate_json(Device.of(record).model_dump_json(by_alias=True)).record() == record
+        assert Device.of(record).record().identity.bars == record.identity.bars  # compare=False: checked apart
+
+
+def test_template_prepare_by_hand_shapes_the_machine_for_the_devices_of_the_nodes_cubelet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`cubeaccel template prepare FILE` asks this host's Cubelet for its devices: the H100 template's machine is
+    the one of its 128 GiB BAR1 (the T4s are not admitted); with no Cubelet it says the machine is of no device."""
+    from typer.testing import CliRunner
+
+    from cubeaccel.cli import app
+    from tests.support.cubelet_process import CubeletProcess
+
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "empty-cache"))  # stops at the image: no QEMU needed
+    runner = CliRunner()
+    (tmp_path / "node").mkdir()
+    cubelet = CubeletProcess(tmp_path / "node", "2xt4,2xh100").start()
+    prepare = ["template", "prepare", str(EXAMPLES / "cuda12-h100.yaml"), "--json", "--state-dir"]
+    try:
+        r = runner.invoke(app, [*prepare, str(cubelet.state_dir)])
+    finally:
+        cubelet.stop()
+    details = json.loads(r.output)["error"]["details"]
+    assert details["plan"] == "cuda12-h100 65536 MiB x 1, BAR 128 GiB"
+    assert details["shaped_for"].startswith("the 1 BAR layout(s) the template admits among the devices of the Cubelet")
+    r = runner.invoke(app, [*prepare, str(tmp_path / "none")])
+    details = json.loads(r.output)["error"]["details"]
+    assert details["plan"] == "cuda12-h100 65536 MiB x 1" and details["shaped_for"].startswith("no device: no Cubelet")

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StrictInt, StrictStr
 
-from cubeaccel.model.bars import human_bytes
+from cubeaccel.model.bars import Bar, human_bytes
 from cubeaccel.wire.base import Lenient, Message
 from cubeaccel.wire.shim_spec import Bars
 
@@ -33,10 +33,15 @@ class SnapshotPlan(Message):
 
     @property
     def label(self) -> str:
-        """How events and logs name it: the template (or `shape`), its memory and vCPUs, the widest BAR."""
-        widest = max((b.size for layout in self.template_bars for b in layout), default=0)
-        bar = f", BAR {human_bytes(widest)}" if widest else ""
-        return f"{self.template or 'shape'} {self.memory_mib} MiB x {self.vcpus}{bar}"
+        return plan_label(self.template, self.memory_mib, self.vcpus, self.template_bars)
+
+
+def plan_label(template: str | None, memory_mib: int, vcpus: int, template_bars: tuple[tuple[Bar, ...], ...]) -> str:
+    """How events, logs and a state's `meta.json` name a plan: the template (or `shape`), its memory and vCPUs,
+    the widest BAR its machine is shaped for."""
+    widest = max((b.size for layout in template_bars for b in layout), default=0)
+    bar = f", BAR {human_bytes(widest)}" if widest else ""
+    return f"{template or 'shape'} {memory_mib} MiB x {vcpus}{bar}"
 
 
 class SnapshotLookup(Lenient):
