@@ -151,3 +151,17 @@ def test_cubelet_prepare_shapes_parse_memory_and_vcpus() -> None:
     for bad in ("64G", "32", "256:x", "256:0"):
         with pytest.raises(typer.BadParameter):
             _shapes([bad])
+
+
+def test_cubelet_prepare_templates_parse_file_and_vcpus_and_name_a_missing_file() -> None:
+    from cubeaccel.cli.cubelet import _prepared_templates
+    from cubeaccel.model.errors import CubeError
+
+    (one, two) = _prepared_templates([str(H100_FILE), f"{H100_FILE}=4"])
+    assert (one.template, one.vcpus, two.vcpus) == ("cuda12-h100", 1, 4)
+    assert one.contract is not None and one.memory_mib == 65536
+    with pytest.raises(typer.BadParameter):
+        _prepared_templates([f"{H100_FILE}=0"])
+    with pytest.raises(CubeError) as err:
+        _prepared_templates(["/nonexistent/t.yaml"])
+    assert err.value.code == "template.not_found"

@@ -325,7 +325,6 @@ def serve_cmd(
     shapes = _shapes(prepare_shape or [])
     if not all(is_bar_size(m) for m in testdev_membar or ()):
         raise typer.BadParameter(f"--testdev-membar {testdev_membar}: each a power of two up to 2^48 bytes")
-    templates = _prepared_templates(prepare_template or [])
     _check_durations(tick, reservation_ttl, release_timeout, default_lifetime, detach_timeout, scrub_timeout)
     from cubeaccel.cubelet.scrub import parse_policy
 
@@ -364,6 +363,7 @@ def serve_cmd(
                 testdev_membars=tuple(testdev_membar or ()),
             )
         )
+        templates = _prepared_templates(prepare_template or [])  # a file that does not load: refused by code
         snapshots = _snapshots(cubelet, vm_start, templates, shapes)
         repairs = _bring_up(cubelet, snapshots, holder_scan_exempt_pid or [], warm_reset, warm or [])
     except CubeError as e:
