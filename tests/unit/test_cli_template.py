@@ -145,8 +145,23 @@ def test_prepare_on_a_node_without_the_templates_image_fails_naming_the_image(
 
 def test_cubelet_prepare_shapes_parse_memory_and_vcpus() -> None:
     from cubeaccel.cli.cubelet import _shapes
+    from cubeaccel.cubelet.snapshots import Shape
 
-    assert _shapes(["65536:8", "256"]) == [(65536, 8), (256, 1)]
-    for bad in ("64G", "32", "256:x"):
+    assert _shapes(["65536:8", "256"]) == [Shape(65536, 8), Shape(256, 1)]
+    for bad in ("64G", "32", "256:x", "256:0"):
         with pytest.raises(typer.BadParameter):
             _shapes([bad])
+
+
+def test_cubelet_prepare_templates_parse_file_and_vcpus_and_name_a_missing_file() -> None:
+    from cubeaccel.cli.cubelet import _prepared_templates
+    from cubeaccel.model.errors import CubeError
+
+    (one, two) = _prepared_templates([str(H100_FILE), f"{H100_FILE}=4"])
+    assert (one.template, one.vcpus, two.vcpus) == ("cuda12-h100", 1, 4)
+    assert one.contract is not None and one.memory_mib == 65536
+    with pytest.raises(typer.BadParameter):
+        _prepared_templates([f"{H100_FILE}=0"])
+    with pytest.raises(CubeError) as err:
+        _prepared_templates(["/nonexistent/t.yaml"])
+    assert err.value.code == "template.not_found"

@@ -7,6 +7,7 @@ tests/vm/test_template_guard.py.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from cubeaccel.backends.emulated import pci_testdev_identity
 from cubeaccel.host.vmm.hypervisor import detect_accel
 from cubeaccel.model.errors import CubeError
 from cubeaccel.shim import snapshot_guard as guard
@@ -246,3 +248,25 @@ def test_prune_waits_for_a_restore_in_another_process(tmp_path: Path, monkeypatc
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_start_names_the_plan_it_restored_or_how_the_nearest_prepared_machine_differs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64 GiB BAR's machine misses the edu-shaped state: the lookup says the shape differs, by how much."""
+    from cubeaccel.model.bars import uniform_shape
+    from cubeaccel.shim.template import machine_doc, snapshot_lookup
+
+    cfg, manifest = _templates(tmp_path, monkeypatch)
+    key = template_key(cfg, manifest, detect_accel()[0])
+    meta = {"machine": machine_doc(cfg, manifest, detect_accel()[0]), "prepared_for": ["shape 256 MiB x 1"]}
+    (tmp_path / key / "meta.json").write_text(json.dumps(meta))
+    restored = snapshot_lookup(cfg, manifest, tmp_path, tmp_path / key / "state")
+    assert (restored.key, restored.prepared_for, restored.prepared) == (key, ("shape 256 MiB x 1",), 4)
+    testdev = pci_testdev_identity(64 << 30).bars
+    wide = replace(cfg, shape=uniform_shape([testdev], cfg.root_ports, cfg.memory_mib))
+    miss = snapshot_lookup(wide, manifest, tmp_path, None)
+    assert miss.key != key and (miss.nearest, miss.differs) == (key, ("shape",))
+    assert "shape 256 MiB x 1" in miss.why and "root port window 128 GiB here, 2 GiB there" in miss.why
+    empty = snapshot_lookup(cfg, manifest, tmp_path / "none", None)
+    assert (empty.prepared, empty.nearest, empty.why) == (0, None, "no template snapshot is prepared here")

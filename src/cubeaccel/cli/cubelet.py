@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -15,6 +16,7 @@ from cubeaccel.cli import output
 from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
 from cubeaccel.cli.master_access import MasterUrl, call_master
 from cubeaccel.cli.render import console, device_table, event_table
+from cubeaccel.model.bars import is_bar_size
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.transport.cubelet_client import CubeletClient
@@ -26,6 +28,7 @@ if TYPE_CHECKING:  # the serve path imports these lazily: a CLI call that does n
     from cubeaccel.cubelet.heartbeat import Heartbeat
     from cubeaccel.cubelet.lifecycle import Cubelet
     from cubeaccel.cubelet.reconcile import Repair
+    from cubeaccel.cubelet.snapshots import Shape, TemplateSnapshots
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
 reservation_app = typer.Typer(no_args_is_help=True, help="Reservations a Cubelet holds (node view).")
@@ -57,13 +60,30 @@ def _fail(e: CubeError, exit_code: int = 1) -> None:
     output.fail(e, exit_code)
 
 
-def _shapes(raw: list[str]) -> list[tuple[int, int]]:
+def _shapes(raw: list[str]) -> list[Shape]:
+    from cubeaccel.cubelet.snapshots import Shape
+
     out = []
     for item in raw:
         mem, _, cpus = item.partition(":")
         if not mem.isdigit() or not (cpus or "1").isdigit() or not 64 <= int(mem) <= 4 << 20:
             raise typer.BadParameter(f"--prepare-shape {item!r}: want MIB[:VCPUS], e.g. 65536:8")
-        out.append((int(mem), int(cpus or "1")))
+        if not 1 <= int(cpus or "1") <= 256:
+            raise typer.BadParameter(f"--prepare-shape {item!r}: VCPUS is 1..256")
+        out.append(Shape(int(mem), int(cpus or "1")))
+    return out
+
+
+def _prepared_templates(raw: list[str]) -> list[Any]:
+    """`--prepare-template FILE[=VCPUS]`: each template as a request of its sandboxes (one device of its class)."""
+    out = []
+    for item in raw:
+        path, eq, cpus = item.rpartition("=")
+        if not eq or not cpus.isdigit():
+            path, cpus = item, "1"
+        if not 1 <= int(cpus) <= 256:
+            raise typer.BadParameter(f"--prepare-template {item!r}: want TEMPLATE_FILE[=VCPUS], VCPUS 1..256")
+        out.append(replace(_warm_request(Path(path)), vcpus=int(cpus)))
     return out
 
 
@@ -101,16 +121,27 @@ def _check_durations(
         raise typer.BadParameter("tick, reservation-ttl, release-timeout, detach-timeout and scrub-timeout must be > 0")
 
 
+def _snapshots(cubelet: Cubelet, vm_start: str, templates: list[Any], shapes: list[Shape]) -> TemplateSnapshots | None:
+    """The node's template snapshots, planned from its devices (real MicroVMs starting from templates only)."""
+    from cubeaccel.cubelet.process_shim import ProcessShimDriver
+    from cubeaccel.cubelet.snapshots import TemplateSnapshots
+
+    if not isinstance(cubelet.shim, ProcessShimDriver) or vm_start != "template":
+        return None
+    return TemplateSnapshots(cubelet, cubelet.shim.prepare_snapshots, templates, shapes)
+
+
 def _bring_up(
     cubelet: Cubelet,
-    vm_start: str,
-    shapes: list[tuple[int, int]],
+    snapshots: TemplateSnapshots | None,
     exempt_pids: list[int],
     warm_reset: bool,
     warm: list[str],
 ) -> list[Repair]:
-    """Before anything is served: the shim fork server and template snapshots started, the host initialized,
-    the store reconciled with the host (before any capacity is advertised), the warm pools set. The repairs."""
+    """Before anything is served: the shim fork server started, the host initialized, the store reconciled
+    with the host (before any capacity is advertised), the warm pools set, then the template snapshots of what
+    the node serves, shaped by the devices it found, queued (made in the background, never on a tenant's
+    start). The repairs."""
     from cubeaccel.cubelet.inventory import initialize_host
     from cubeaccel.cubelet.metrics import metrics_of
     from cubeaccel.cubelet.process_shim import ProcessShimDriver
@@ -119,8 +150,6 @@ def _bring_up(
     metrics_of(cubelet)  # counting from the first event: the host's initialization
     if isinstance(cubelet.shim, ProcessShimDriver):  # its fork server comes up while the host initializes
         cubelet.shim.warm()
-        if vm_start == "template":  # snapshots made now, in the background, never on a tenant's start
-            cubelet.shim.prepare_templates(shapes)
     if exempt_pids:
         with cubelet.store.tx() as t:
             t.event(EventKind.HOLDER_SCAN_EXEMPT, "operator", details={"pids": sorted(exempt_pids)})
@@ -130,6 +159,8 @@ def _bring_up(
     repairs = reconcile(cubelet)
     for tpl_path, size in _warm_pools(warm):
         cubelet.warm.set_pool(_warm_request(tpl_path), size)
+    if snapshots is not None:  # before the first warm start, which restores one
+        snapshots.refresh()
     cubelet.warm.start()
     return repairs
 
@@ -248,8 +279,23 @@ def serve_cmd(
     prepare_shape: Annotated[
         list[str] | None,
         typer.Option(
-            help="real MicroVMs: MIB[:VCPUS], a machine shape whose template snapshot is made at start "
-            "(repeatable); a shape with none boots cold"
+            help="real MicroVMs: MIB[:VCPUS], sandboxes without a template: their snapshots (the default image, "
+            "one per machine the node's devices give) are made at start and when devices change (repeatable)"
+        ),
+    ] = None,
+    prepare_template: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="real MicroVMs: TEMPLATE_FILE[=VCPUS], the template's snapshot, its machine shaped for the BARs of "
+            "the node's devices it admits, made at start and when devices change (repeatable; warm pools' "
+            "templates are prepared too)"
+        ),
+    ] = None,
+    testdev_membar: Annotated[
+        list[int] | None,
+        typer.Option(
+            help="--backend emulated: a GPU-shaped pci-testdev stand-in whose 64-bit prefetchable BAR2 is BYTES (a "
+            "power of two; repeatable; docs/shim.md)"
         ),
     ] = None,
 ) -> None:
@@ -277,6 +323,8 @@ def serve_cmd(
         raise typer.BadParameter("--listen needs --node-token-file: the TCP API accepts only CubeMaster's credential")
     token = TokenFile(node_token_file).current if node_token_file is not None else None  # re-read on change
     shapes = _shapes(prepare_shape or [])
+    if not all(is_bar_size(m) for m in testdev_membar or ()):
+        raise typer.BadParameter(f"--testdev-membar {testdev_membar}: each a power of two up to 2^48 bytes")
     _check_durations(tick, reservation_ttl, release_timeout, default_lifetime, detach_timeout, scrub_timeout)
     from cubeaccel.cubelet.scrub import parse_policy
 
@@ -312,13 +360,16 @@ def serve_cmd(
                 scrub_image=scrub_image,
                 emulated_devices=emulated_devices,
                 memory_devices=tuple(memory_device or ()),
+                testdev_membars=tuple(testdev_membar or ()),
             )
         )
-        repairs = _bring_up(cubelet, vm_start, shapes, holder_scan_exempt_pid or [], warm_reset, warm or [])
+        templates = _prepared_templates(prepare_template or [])  # a file that does not load: refused by code
+        snapshots = _snapshots(cubelet, vm_start, templates, shapes)
+        repairs = _bring_up(cubelet, snapshots, holder_scan_exempt_pid or [], warm_reset, warm or [])
     except CubeError as e:
         _fail(e)
         return
-    ticker = Ticker(cubelet, tick)
+    ticker = Ticker(cubelet, tick, after_pass=snapshots.refresh if snapshots is not None else None)
     ticker.start()
     heartbeat = _link_to_master(cubelet, master, addr, node, tick, token)
     sock = state_dir / "cubelet.sock"

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from cubeaccel.model.bars import Bar
 from cubeaccel.model.contract import ContractViolation, check_template, freeze
+from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError
 from cubeaccel.wire.templates import load_template
+
+if TYPE_CHECKING:
+    from cubeaccel.wire.snapshot import SnapshotPlan
 
 app = typer.Typer(no_args_is_help=True, help="accelerator templates: validate, show, prepare snapshots")
 
@@ -150,24 +155,49 @@ def prepare_cmd(
     vcpus: int = typer.Option(1, "--vcpus", min=1, max=256),
     memory_backend: str = typer.Option("ram", "--memory-backend", help="ram | memfd | hugepages"),
     image: str | None = typer.Option(None, "--image", help="guest image digest (default: FILE's, else the newest)"),
+    plan: Path | None = typer.Option(
+        None, "--plan", help="a snapshot plan (JSON, wire.snapshot.SnapshotPlan): what the Cubelet queues"
+    ),
+    state_dir: Path | None = typer.Option(
+        None, "--state-dir", help="FILE: the Cubelet whose devices shape the machine (default: this host's)"
+    ),
     as_json: bool = AsJson,
 ) -> None:
     """Make this node's template snapshot of one machine shape now, so no tenant's start waits for it.
 
-    Sandboxes of a shape with no snapshot boot cold (`start.cold_no_snapshot`); Cubelet prepares its
-    `--prepare-shape`s at start the same way."""
+    Sandboxes of a shape with no snapshot boot cold (`start.cold_no_snapshot`). A machine's root ports are
+    shaped by the BARs of the devices it may receive: with FILE, those of the devices this node's Cubelet has
+    that the template admits (none when no Cubelet answers: say so); --memory-mib makes the machine of a
+    sandbox with no device. The Cubelet plans its own (`--prepare-template`, `--prepare-shape`, warm pools) and
+    runs `--plan` for each."""
     from cubeaccel.images.builder import cache_dir, find_image, latest
+    from cubeaccel.model.snapshot_layouts import snapshot_layouts
     from cubeaccel.shim.template import prepare_template, shape_config
+    from cubeaccel.wire.snapshot import plan_label
 
     as_json = as_json or _machine()
     digest = image
-    if file is not None:
+    planned = _read_plan(plan, as_json) if plan is not None else None
+    bars: tuple[tuple[Bar, ...], ...] = ()
+    label, shaped_for = None, "no device (--memory-mib)"
+    if planned is not None:
+        memory_mib, vcpus, memory_backend = planned.memory_mib, planned.vcpus, planned.memory_backend
+        digest, bars, label, shaped_for = planned.image_digest, planned.template_bars, planned.label, "the plan"
+    elif file is not None:
         try:
             t = load_template(file)
         except CubeError as e:
             _load_error(file, e, as_json)
             return
         memory_mib, digest = t.memory_mib, image or t.guest_image_digest
+        devices, where = _node_devices(state_dir)
+        shaped_for = where
+        if devices is not None:
+            bars = snapshot_layouts(freeze(t), devices)[0]
+            shaped_for = (
+                f"the {len(bars)} BAR layout(s) the template admits among the devices of the Cubelet at {where}"
+            )
+        label = plan_label(t.name, t.memory_mib, vcpus, bars)
     if memory_mib is None or memory_backend not in ("ram", "memfd", "hugepages"):
         raise typer.BadParameter("give a template FILE or --memory-mib; --memory-backend is ram, memfd or hugepages")
     manifest = find_image(digest) if digest else latest()
@@ -176,23 +206,62 @@ def prepare_cmd(
             "template.prepare_failed",
             f"guest image {digest or '(newest)'} is not in {cache_dir() / 'images'}: run `cubeaccel image build`",
             layer="template",
+            details={"plan": label, "shaped_for": shaped_for},
         )
         _prepare_error(err, as_json)
         return
     root = cache_dir() / "templates"
     try:
-        cfg = shape_config(manifest, memory_mib, vcpus, root / "prepare", memory_backend)
-        state, created = prepare_template(cfg, manifest, root)
+        cfg = shape_config(manifest, memory_mib, vcpus, root / "prepare", memory_backend, bars)
+        state, created = prepare_template(cfg, manifest, root, prepared_for=label)
     except CubeError as e:
-        _prepare_error(CubeError("template.prepare_failed", e.message, "template", {"cause": e.code}), as_json)
+        details = {"cause": e.code, "plan": label, "shaped_for": shaped_for}
+        _prepare_error(CubeError("template.prepare_failed", e.message, "template", details), as_json)
         return
     meta = json.loads((state.parent / "meta.json").read_text())
-    out = {"state": str(state), "created": created, **meta}
+    meta.pop("machine", None)  # the key's fields, kept for a start's lookup; `key` names them
+    out = {"state": str(state), "created": created, **meta, "shaped_for": shaped_for}
     if as_json:
         typer.echo(json.dumps(out, indent=2))
     else:
         verb = "prepared" if created else "already prepared"
         typer.echo(f"{verb}: {memory_mib} MiB x {vcpus} vCPU ({memory_backend}) -> {state} ({meta.get('build_s')} s)")
+        typer.echo(f"  root ports shaped for {shaped_for}")
+
+
+def _node_devices(state_dir: Path | None) -> tuple[list[DeviceRecord] | None, str]:
+    """The devices of this host's Cubelet (what shapes a template's machine) and its socket; (None, why) when no
+    Cubelet answers: the machine is then the one of no device, and the output says so."""
+    import httpx
+
+    from cubeaccel.cli.locate import cubelet_socket
+    from cubeaccel.transport.cubelet_client import CubeletClient
+
+    sock = cubelet_socket(state_dir)
+    if not sock.exists():
+        return None, f"no device: no Cubelet at {sock} to ask for its devices' BARs (--state-dir)"
+    client = CubeletClient(socket=sock)
+    try:
+        devices = [d.record() for d in client.devices()]
+    except (CubeError, httpx.TransportError, OSError) as e:
+        return None, f"no device: the Cubelet at {sock} did not answer ({type(e).__name__})"
+    finally:
+        client.close()
+    return devices, str(sock)
+
+
+def _read_plan(path: Path, as_json: bool) -> SnapshotPlan:
+    from pydantic import ValidationError
+
+    from cubeaccel.wire.snapshot import SnapshotPlan
+
+    try:
+        return SnapshotPlan.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as e:
+        _prepare_error(
+            CubeError("template.prepare_failed", f"{path}: not a snapshot plan: {e}"[:500], "template"), as_json
+        )
+        raise  # unreachable: _prepare_error exits
 
 
 # ---- registered templates (CubeMaster) ------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from cubeaccel.host.net import netpolicy
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.host.vmm import confine
 from cubeaccel.host.vmm.meminfo import available_mib
-from cubeaccel.model.bars import Bar, port_shape
 from cubeaccel.model.checkpoint import ReservationCheckpoint
 from cubeaccel.model.contract import (
     CompatibilityContract,
@@ -59,6 +58,7 @@ from cubeaccel.model.sandbox_policy import (
     mount_not_allowlisted,
     narrowed,
 )
+from cubeaccel.model.snapshot_layouts import template_bars
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.transport.telemetry import request_id
 from cubeaccel.wire.master_api import StatusBody
@@ -457,7 +457,6 @@ class Cubelet(ReleasePath):
             )
         p = res.params
         contract = p.contract
-        admitted = [d for d in node_devs if contract is not None and not check_device(contract, d)] or devs
         fs = contract.template.sandbox.filesystem if contract is not None else FilesystemPolicy()
         net = res.checkpoint.network
         return ShimSpec(
@@ -481,7 +480,7 @@ class Cubelet(ReleasePath):
             start_id=res.checkpoint.start_id,
             image_digest=res.checkpoint.image_digest or self._image_digest(res),
             hotplug=contract.hotplug if contract is not None else True,
-            template_bars=tuple(sorted({d.identity.bars for d in admitted if d.identity.bars}, key=_widest))[:64],
+            template_bars=template_bars(contract, node_devs, devs),  # as the node's snapshots were prepared
         )
 
     def _image_digest(self, res: Reservation) -> str | None:
@@ -699,9 +698,3 @@ def _guest_failure(failed: StartFailed, violations: list[ContractViolation]) -> 
     layer = failed.layer or (str(failed.failed_layers[0]) if failed.failed_layers else "guest_kernel")
     reason = failed.reason or "guest.validation_failed"
     return reason, layer, failed.message or "the guest does not satisfy the contract"
-
-
-def _widest(bars: tuple[Bar, ...]) -> tuple[int, int]:
-    """Widest port first, so a node with more layouts than a spec carries keeps the one that matters."""
-    shape = port_shape(bars)
-    return (-shape.pref64_bytes, -shape.mem32_bytes)

@@ -9,6 +9,7 @@ lie under this Cubelet's `shims/` directory are its own: another Cubelet on the 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -16,8 +17,9 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -30,12 +32,17 @@ from cubeaccel.host.vmm.hypervisor import hotplug_paths
 from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images, find_image, hold_image, label_of
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
 from cubeaccel.model.reports import ShimReport
 from cubeaccel.wire import json_guard
 from cubeaccel.wire.reports import parse_report
 from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec, spec_error
+from cubeaccel.wire.snapshot import SnapshotPlan
+
+if TYPE_CHECKING:
+    from cubeaccel.cubelet.snapshots import DoneFn
 from cubeaccel.wire.warm import MAX_CONTROL_LINE, ShimClaim, ShimClaimAck
 
 CONTROL_SOCKET = "control.sock"  # a warm shim's claim socket (shim/warm_control.py: the same name)
@@ -71,27 +78,43 @@ class ProcessShimDriver:
             raise ValueError(f"shim launch {launch!r}: want one of {', '.join(LAUNCH_MODES)}")
         self.forks = ForkServer(self.dir, python) if launch == "fork" else None
         self.launches = {"fork": 0, "spawn": 0}  # how this process's shim starts went (a metric)
+        self._prepare_lock = threading.Lock()
+        self._prepare_queue: list[tuple[SnapshotPlan, DoneFn]] = []
+        self._preparer: threading.Thread | None = None
 
     def warm(self) -> None:
         """Start the fork server now (a daemon's start), so even the first sandbox start is forked."""
         if self.forks is not None:
             self.forks.ensure_started()
 
-    def prepare_templates(self, shapes: list[tuple[int, int]]) -> None:
-        """Host initialization: each shape's template snapshot, one `cubeaccel template prepare` after another in
-        the background (a sandbox started meanwhile boots cold, `start.cold_no_snapshot`)."""
-        if not shapes:
-            return
-        log_path = self.dir / "template-prepare.log"
+    def prepare_snapshots(self, plans: Sequence[SnapshotPlan], done: DoneFn) -> None:
+        """Host initialization and inventory changes: each plan's template snapshot, one `cubeaccel template
+        prepare --plan` after another on one background thread (a sandbox started meanwhile boots cold and says
+        so); `done` hears each outcome."""
+        with self._prepare_lock:
+            self._prepare_queue.extend((p, done) for p in plans)
+            if self._preparer is None or not self._preparer.is_alive():
+                self._preparer = threading.Thread(target=self._prepare_all, name="template-prepare", daemon=True)
+                self._preparer.start()
 
-        def run() -> None:
-            with open(log_path, "ab") as log:
-                for mem, cpus in shapes:
-                    argv = [self.python, "-c", "from cubeaccel.cli import main; main()", "template", "prepare"]
-                    argv += ["--memory-mib", str(mem), "--vcpus", str(cpus), "--json"]
-                    subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, check=False)
-
-        threading.Thread(target=run, name="template-prepare", daemon=True).start()
+    def _prepare_all(self) -> None:
+        folder = self.dir / "template-prepare"
+        folder.mkdir(exist_ok=True)
+        while True:
+            with self._prepare_lock:
+                if not self._prepare_queue:
+                    self._preparer = None
+                    return
+                plan, done = self._prepare_queue.pop(0)
+            path = folder / f"{hashlib.sha256(plan.model_dump_json().encode()).hexdigest()[:16]}.json"
+            path.write_text(plan.model_dump_json())
+            argv = [self.python, "-c", "from cubeaccel.cli import main; main()", "template", "prepare"]
+            argv += ["--plan", str(path), "--json"]
+            with open(self.dir / "template-prepare.log", "ab") as log:
+                run = subprocess.run(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, check=False, env=component_env()
+                )
+            done(plan, *_prepared(run.returncode, run.stdout))
 
     def close(self) -> None:
         """The fork server goes (shims keep running); spawned children are not waited for; images are let go."""
@@ -257,3 +280,18 @@ class ProcessShimDriver:
             return ShimStatus(None, None)
         vmm = find_vmm(sandbox_id, self.proc, under=self.dir)
         return ShimStatus(shim_alive=self._shim_pid(sandbox_id) is not None, vmm_alive=vmm is not None, vmm_pid=vmm)
+
+
+def _prepared(returncode: int, stdout: bytes) -> tuple[dict[str, object] | None, CubeError | None]:
+    """`cubeaccel template prepare --json`'s answer: the state's key, whether it was made now and how long it took;
+    or its error's message (`{"ok": false, "error": {...}}`), or how it exited when it printed none."""
+    try:
+        out = json_guard.loads(stdout)
+    except (ValueError, RecursionError):
+        out = None
+    if returncode == 0 and isinstance(out, dict):
+        return {k: out[k] for k in ("key", "created", "build_s") if k in out}, None
+    err = out.get("error") if isinstance(out, dict) else None
+    message = err.get("message") if isinstance(err, dict) else None
+    why = str(message or f"`cubeaccel template prepare` exited {returncode} without an answer")[:500]
+    return None, CubeError("template.prepare_failed", why, "template")

@@ -38,6 +38,7 @@ class RuntimeOptions:
     scrub_image: str | None = None  # real nodes: the scrub VM's guest image digest (None: the newest built)
     emulated_devices: int = 2  # emulated nodes: how many edu stand-ins
     memory_devices: tuple[int, ...] = ()  # emulated nodes: ivshmem-plain stand-ins (bytes each), files kept
+    testdev_membars: tuple[int, ...] = ()  # emulated nodes: pci-testdev stand-ins, their BAR2 sizes (GPU-shaped)
 
 
 INSTANCE_FILE = "instance-id"
@@ -134,6 +135,7 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
             instance_id(opts.state_dir),
             slots=opts.emulated_devices,
             memory_devices=opts.memory_devices,
+            testdev_membars=opts.testdev_membars,
             memory_dir=(opts.state_dir / "device-memory").absolute(),
             vmm_root=(opts.state_dir / "shims").absolute(),
             uid=os.getuid(),

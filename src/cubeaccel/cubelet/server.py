@@ -518,9 +518,11 @@ def _failure(res: Reservation | None, closed: dict[str, Any] | None) -> W.Failur
 class Ticker:
     """Periodic reconcile (which also expires reservations and retries releases)."""
 
-    def __init__(self, cubelet: Cubelet, interval_s: float) -> None:
+    def __init__(self, cubelet: Cubelet, interval_s: float, after_pass: Callable[[], object] | None = None) -> None:
+        """`after_pass`: what follows each pass (the template snapshots' plan, when the devices changed)."""
         self.cubelet = cubelet
         self.interval_s = interval_s
+        self.after_pass = after_pass
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cubelet-ticker", daemon=True)
 
@@ -534,6 +536,8 @@ class Ticker:
         while not self._stop.wait(self.interval_s):
             try:
                 reconcile(self.cubelet)
+                if self.after_pass is not None:
+                    self.after_pass()
             except Exception as e:  # a failed tick is logged as an event and retried next tick
                 with self.cubelet.store.tx() as t:
                     t.event(EventKind.RECONCILE_FAILED, "cubelet", reason=type(e).__name__, details={"error": str(e)})

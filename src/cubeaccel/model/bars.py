@@ -198,9 +198,13 @@ def machine_shape(port_bars: Sequence[Iterable[Bar]], root_ports: int, memory_mi
 def uniform_shape(candidates: Iterable[Iterable[Bar]], root_ports: int, memory_mib: int) -> MachineShape:
     """A template's machine: every port can take the largest of `candidates` (a template state fits each of
     its sandboxes only when it does not depend on which device lands in which port)."""
+    return _around((widest_port(candidates),) * root_ports, memory_mib)
+
+
+def widest_port(candidates: Iterable[Iterable[Bar]]) -> PortShape:
+    """The port every one of `candidates` fits: each window as wide as the widest any of them needs."""
     shapes = [port_shape(c) for c in candidates] or [PortShape()]
-    widest = PortShape(max(s.pref64_bytes for s in shapes), max(s.mem32_bytes for s in shapes))
-    return _around((widest,) * root_ports, memory_mib)
+    return PortShape(max(s.pref64_bytes for s in shapes), max(s.mem32_bytes for s in shapes))
 
 
 def _around(ports: tuple[PortShape, ...], memory_mib: int) -> MachineShape:

@@ -53,6 +53,10 @@ class EventKind(StrEnum):
     WARM_CLAIMED = "warm_claimed"
     DEVICE_CLAIMED = "device_claimed"  # one per device of a claimed warm sandbox: its custody passes to the claimer
     WARM_CLAIM_ACKED = "warm_claim_acked"
+    # template snapshots (cubelet/snapshots.py)
+    TEMPLATE_SNAPSHOT_QUEUED = "template_snapshot_queued"
+    TEMPLATE_SNAPSHOT_READY = "template_snapshot_ready"
+    TEMPLATE_SNAPSHOT_FAILED = "template_snapshot_failed"
     # the node
     HOST_READY = "host_ready"
     HOST_NOT_READY = "host_not_ready"

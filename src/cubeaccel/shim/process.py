@@ -42,7 +42,7 @@ from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.reporter import Reporter
-from cubeaccel.shim.template import template_lease
+from cubeaccel.shim.template import snapshot_lookup, template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.warm_control import WarmControl, unknowable_token, warm_up
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
@@ -67,6 +67,7 @@ from cubeaccel.wire.reports import (
 )
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
+from cubeaccel.wire.snapshot import SnapshotLookup
 from cubeaccel.wire.warm import ShimClaim
 
 PIN_PROOF_TIMEOUT_S = 5.0
@@ -215,7 +216,7 @@ class Shim:
         device hot-plugged and seen by the guest; the workload up; the guest validated."""
         manifest, mismatches = self._checked_image()
         cfg = self._policy_devices(self._vm_config(manifest))
-        vmm, restore, cold_reason, t = self._launch(cfg, manifest)
+        vmm, restore, cold_reason, lookup, t = self._launch(cfg, manifest)
         warm_token = self._open_bridge()
         t = self._phase("vmm_start_s", t)
         self.reporter.report(
@@ -226,6 +227,7 @@ class Shim:
                 accel_reason=vmm.accel_reason,
                 start="cold" if restore is None else "template",
                 cold_reason=cold_reason,
+                snapshot=lookup,
                 image_digest=manifest.image_digest,
                 kernel_release=manifest.kernel_release,
                 image_mismatches=mismatches,
@@ -270,16 +272,21 @@ class Shim:
             )
         return manifest, mismatches
 
-    def _launch(self, cfg: VmConfig, manifest: Manifest) -> tuple[QemuVmm, Path | None, str | None, float]:
+    def _launch(
+        self, cfg: VmConfig, manifest: Manifest
+    ) -> tuple[QemuVmm, Path | None, str | None, SnapshotLookup | None, float]:
         """The VMM, restored from the machine's template state when there is one and the start may use it:
-        (the VMM, the state restored or None, why it booted cold, the time it was up)."""
+        (the VMM, the state restored or None, why it booted cold, what the lookup found, the time it was up)."""
         t = time.monotonic()
         restore = None
+        lookup = None
         cold_reason: str | None = cold_start_reason(self.spec.start, self.spec.policy_devices)
         with contextlib.ExitStack() as lease:  # the template state cannot be pruned until the restore read it
             if cold_reason is None:  # only looked up: a snapshot is never made on a tenant's start
-                restore = lease.enter_context(template_lease(cfg, manifest, cache_dir() / "templates"))
+                root = cache_dir() / "templates"
+                restore = lease.enter_context(template_lease(cfg, manifest, root))
                 cold_reason = None if restore is not None else COLD_NO_SNAPSHOT
+                lookup = snapshot_lookup(cfg, manifest, root, restore)
                 t = self._phase("template_lookup_s", t)
             vmm = QemuVmm(cfg, restore_from=restore, deadlines=self.deadlines)
             try:
@@ -293,7 +300,7 @@ class Shim:
                 while self._policy_fds:  # the VMM holds its own copies now
                     os.close(self._policy_fds.pop())
         self.timeline.update({k: round(v, 4) for k, v in vmm.timings.items()})
-        return vmm, restore, cold_reason, t
+        return vmm, restore, cold_reason, lookup, t
 
     def _open_bridge(self) -> str | None:
         """The workload bridge, connected now: the preamble waits in the port until the guest service reads it.

@@ -4,10 +4,11 @@ The template's machine (memory size, vCPUs, root ports and their windows, accel,
 restored sandbox always has the machine its state was saved from. The template VM never has a device attached
 (`QemuVmm.save_state` refuses), and its memory is not locked — each sandbox preallocates and locks its own.
 
-A snapshot is made by `prepare_template` only: at host initialization (Cubelet's `--prepare-shape`) or by
-`cubeaccel template prepare`. A sandbox's start only looks one up (`template_lease`): building one took a
-tenant's start ~49 s for 256 MiB under load, and grows with the guest. A start that finds none boots cold and
-says why (`start.cold_no_snapshot`).
+A snapshot is made by `prepare_template` only: for each plan the Cubelet derives from what it serves and its
+devices' BARs (cubelet/snapshots.py, run as `cubeaccel template prepare --plan`), or by hand. A sandbox's start
+only looks one up (`template_lease`): building one took a tenant's start ~49 s for 256 MiB under load, and
+grows with the guest. A start that finds none boots cold and says why (`start.cold_no_snapshot`, and
+`snapshot_lookup`: the nearest prepared machine and the fields that differ).
 """
 
 from __future__ import annotations
@@ -22,25 +23,29 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from cubeaccel.host.vmm.hypervisor import detect_accel, host_cpus, numa_nodes
 from cubeaccel.images.builder import prune
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.bars import Bar
+from cubeaccel.model.bars import Bar, human_bytes
 from cubeaccel.model.start_deadlines import BASE_S, start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.qemu import QemuVmm, qemu_binary
 from cubeaccel.shim.vmm import VmConfig
 from cubeaccel.wire.shim_spec import ShimSpec
+from cubeaccel.wire.snapshot import SnapshotLookup
 
 KEEP_TEMPLATES = 4  # each saved state is about the guest's touched RAM (~150 MB for 256 MiB guests)
 
 
-def template_key(cfg: VmConfig, manifest: Manifest, accel: str) -> str:
+def machine_doc(cfg: VmConfig, manifest: Manifest, accel: str) -> dict[str, Any]:
+    """Everything a saved state depends on, by field: hashed into the key, kept in the state's `meta.json` so a
+    start that finds no state can say which fields differ from the nearest one."""
     qemu = Path(qemu_binary())
     st = qemu.stat()
-    doc = {
+    return {
         "image": manifest.image_digest,
         "cmdline": cfg.cmdline,
         "memory_mib": cfg.memory_mib,
@@ -51,7 +56,14 @@ def template_key(cfg: VmConfig, manifest: Manifest, accel: str) -> str:
         "accel": accel,
         "qemu": [str(qemu), st.st_size, int(st.st_mtime)],
     }
+
+
+def _key_of(doc: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def template_key(cfg: VmConfig, manifest: Manifest, accel: str) -> str:
+    return _key_of(machine_doc(cfg, manifest, accel))
 
 
 PRUNE_LOCK = ".prune.lock"  # in the templates root: restores hold it shared, pruning exclusive
@@ -80,15 +92,85 @@ def template_lease(cfg: VmConfig, manifest: Manifest, root: Path) -> Iterator[Pa
         yield state if state.is_file() else None
 
 
+def snapshot_lookup(cfg: VmConfig, manifest: Manifest, root: Path, found: Path | None) -> SnapshotLookup:
+    """What a template start reports of its lookup (`found`: the state it restores, None: it boots cold): the
+    plans the state was prepared for, or why none of the node's states is this machine's."""
+    doc = machine_doc(cfg, manifest, detect_accel()[0])
+    key = _key_of(doc)
+    metas = _prepared_metas(root)
+    if found is not None:
+        return SnapshotLookup(key=key, prepared_for=_labels(metas.get(key, {})), prepared=len(metas))
+    scored = sorted(
+        (sorted(k for k in doc.keys() | m["machine"].keys() if doc.get(k) != m["machine"].get(k)), k2)
+        for k2, m in metas.items()
+        if isinstance(m.get("machine"), dict)
+    )
+    if not scored:
+        why = f"{len(metas)} prepared, none records its machine" if metas else "no template snapshot is prepared here"
+        return SnapshotLookup(key=key, prepared=len(metas), why=why)
+    differs, nearest = scored[0]
+    labels = "; ".join(_labels(metas[nearest])) or "an unnamed shape"
+    why = f"{len(metas)} prepared, none of this machine: the nearest ({labels}) differs in {', '.join(differs)}"
+    if "shape" in differs:
+        why += f" (root port window {_widest(doc['shape'])} here, {_widest(metas[nearest]['machine']['shape'])} there)"
+    return SnapshotLookup(key=key, prepared=len(metas), nearest=nearest, differs=tuple(differs), why=why)
+
+
+def _labels(meta: dict[str, Any]) -> tuple[str, ...]:
+    found = meta.get("prepared_for")
+    return tuple(x for x in found if isinstance(x, str)) if isinstance(found, list) else ()
+
+
+def _widest(shape: Any) -> str:
+    ports = shape.get("ports") if isinstance(shape, dict) else None
+    sizes = (
+        [p[0] for p in ports if isinstance(p, list) and p and isinstance(p[0], int)] if isinstance(ports, list) else []
+    )
+    return human_bytes(max(sizes)) if sizes else "unknown"
+
+
+def _prepared_metas(root: Path) -> dict[str, dict[str, Any]]:
+    """The node's prepared states by key (their `meta.json`; a state without a readable one counts, unnamed)."""
+    out: dict[str, dict[str, Any]] = {}
+    for state in root.glob("*/state") if root.is_dir() else ():
+        try:
+            meta = json.loads((state.parent / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        out[state.parent.name] = meta if isinstance(meta, dict) else {}
+    return out
+
+
 def prepare_template(
-    cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = BASE_S
+    cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float = BASE_S, prepared_for: str | None = None
 ) -> tuple[Path, bool]:
-    """The saved state for this machine, made now when missing, and whether it was: off any tenant's path."""
+    """The saved state for this machine, made now when missing, and whether it was: off any tenant's path.
+    `prepared_for` (a plan's label) is recorded in its `meta.json`, so a start names what it restored."""
     with _root_lock(root, fcntl.LOCK_SH):
-        state, created = _ensure(cfg, manifest, root, boot_timeout_s)
+        state, created = _ensure(cfg, manifest, root, boot_timeout_s, prepared_for)
     if created:
         prune_templates(root, protect=state.parent.name)
     return state, created
+
+
+def shape_spec(
+    memory_mib: int,
+    vcpus: int,
+    state_dir: Path,
+    memory_backend: str = "ram",
+    template_bars: tuple[tuple[Bar, ...], ...] = (),
+) -> ShimSpec:
+    """A template start's spec with no device: restored sandboxes' root ports fit the widest of `template_bars`
+    (the BAR layouts their own specs will carry, model/snapshot_layouts.py)."""
+    return ShimSpec(
+        sandbox_id="template-shape",
+        memory_mib=memory_mib,
+        vcpus=vcpus,
+        memory_backend=memory_backend,  # type: ignore[arg-type]
+        state_dir=state_dir,
+        start="template",
+        template_bars=template_bars,
+    )
 
 
 def shape_config(
@@ -99,17 +181,8 @@ def shape_config(
     memory_backend: str = "ram",
     template_bars: tuple[tuple[Bar, ...], ...] = (),
 ) -> VmConfig:
-    """A machine shape as the sandboxes of that shape will have it on this host (shim/machine.py): restored
-    sandboxes' root ports fit the widest device their contract admits here (`template_bars`)."""
-    spec = ShimSpec(
-        sandbox_id="template-shape",
-        memory_mib=memory_mib,
-        vcpus=vcpus,
-        memory_backend=memory_backend,  # type: ignore[arg-type]
-        state_dir=state_dir,
-        start="template",
-        template_bars=template_bars,
-    )
+    """A machine shape as the sandboxes of that shape will have it on this host (shim/machine.py)."""
+    spec = shape_spec(memory_mib, vcpus, state_dir, memory_backend, template_bars)
     return vm_config(spec, manifest, host_cpus(), numa_nodes())
 
 
@@ -135,14 +208,18 @@ def prune_templates(root: Path, keep: int = KEEP_TEMPLATES, protect: str = "", w
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float) -> tuple[Path, bool]:
-    key = template_key(cfg, manifest, detect_accel()[0])
+def _ensure(
+    cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float, prepared_for: str | None
+) -> tuple[Path, bool]:
+    doc = machine_doc(cfg, manifest, detect_accel()[0])
+    key = _key_of(doc)
     tdir = root / key
     state = tdir / "state"
     tdir.mkdir(parents=True, exist_ok=True)
     with (tdir / ".lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if state.exists():
+            _add_label(tdir / "meta.json", prepared_for)
             return state, False
         run_dir = tdir / f"build-{os.getpid()}"
         tcfg = replace(cfg, sandbox_id=f"template-{key}", state_dir=run_dir, pin_memory=False, device_ids=())
@@ -169,7 +246,23 @@ def _ensure(cfg: VmConfig, manifest: Manifest, root: Path, boot_timeout_s: float
             "kernel_release": hello.kernel_release,
             "build_s": round(time.monotonic() - t0, 3),
             "state_bytes": state.stat().st_size,
+            "machine": doc,
+            "prepared_for": [prepared_for] if prepared_for else [],
         }
         (tdir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         shutil.rmtree(run_dir, ignore_errors=True)
     return state, True
+
+
+def _add_label(path: Path, prepared_for: str | None) -> None:
+    """Another plan with the same machine (two templates of one image and size) shares the state: named too."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    labels = meta.get("prepared_for") if isinstance(meta, dict) else None
+    if prepared_for and isinstance(labels, list) and prepared_for not in labels:
+        meta["prepared_for"] = [*labels, prepared_for]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(meta, indent=2) + "\n")
+        os.replace(tmp, path)

@@ -9,7 +9,7 @@ from pydantic import Field, SecretStr, StrictBool, StrictInt
 from cubeaccel.model import bars
 from cubeaccel.model.bars import BarKind
 from cubeaccel.model.checkpoint import ReservationCheckpoint, SandboxFailure
-from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord
+from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, PciAddress
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -65,6 +65,9 @@ class Bar(Record):
     def of(cls, bar: bars.Bar) -> Bar:
         return cls(index=bar.index, size=bar.size, kind=bar.kind, prefetch=bar.prefetch)
 
+    def model(self) -> bars.Bar:
+        return bars.Bar(self.index, self.size, self.kind, self.prefetch)
+
 
 class Identity(Record):
     """What a device is, in the hex spellings `lspci -n` uses."""
@@ -89,6 +92,18 @@ class Identity(Record):
             revision=f"{ident.revision:02x}",
             serial=ident.serial,
             bars=[Bar.of(b) for b in ident.bars],
+        )
+
+    def model(self) -> DeviceIdentity:
+        return DeviceIdentity(
+            vendor_id=int(self.vendor_id, 16),
+            device_id=int(self.device_id, 16),
+            subsystem_vendor_id=int(self.subsystem_vendor_id, 16),
+            subsystem_device_id=int(self.subsystem_device_id, 16),
+            class_code=int(self.class_code, 16),
+            revision=int(self.revision, 16),
+            serial=self.serial,
+            bars=tuple(b.model() for b in self.bars),
         )
 
 
@@ -127,6 +142,25 @@ class Device(Record):
             identity=Identity.of(d.identity),
             generation=d.generation,
             updated_at=d.updated_at,
+        )
+
+    def record(self) -> DeviceRecord:
+        """The record as the Cubelet's store holds it (a client that judges devices as the Cubelet does)."""
+        return DeviceRecord(
+            id=self.id,
+            address=PciAddress.parse(self.address),
+            identity=self.identity.model(),
+            accel_class=self.accel_class,
+            backend=self.backend,
+            numa_node=self.numa_node,
+            iommu_group=self.iommu_group,
+            expected_driver=self.expected_driver,
+            labels=dict(self.labels),
+            state=self.state,
+            generation=self.generation,
+            reason=self.reason,
+            sandbox_id=self.sandbox_id,
+            updated_at=self.updated_at,
         )
 
 

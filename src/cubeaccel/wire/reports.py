@@ -27,6 +27,7 @@ from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.wire.base import Finite, LenientMessage
 from cubeaccel.wire.json_guard import INT64, check_value
 from cubeaccel.wire.shim_spec import Bars
+from cubeaccel.wire.snapshot import SnapshotLookup
 
 
 class ShimReportBody(LenientMessage):
@@ -138,6 +139,7 @@ class VmStarted(ReportDetails):
     accel_reason: str | None = None
     start: Literal["cold", "template"] | None = None
     cold_reason: str | None = None
+    snapshot: SnapshotLookup | None = None  # a template start's lookup: the state it restored, or why none matched
     image_digest: str | None = None
     kernel_release: str | None = None
     image_mismatches: list[dict[str, str]] | None = None
