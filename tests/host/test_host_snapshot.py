@@ -71,3 +71,21 @@ def test_a_write_drops_the_snapshot(tmp_path: Path) -> None:
     assert snap.config_vendor_id(addr) == before_reset  # inside the pass: the snapshot's answer
     snap.reset(addr)
     assert snap.config_vendor_id(addr) == 0xFFFF  # after a write: read again
+
+
+def test_a_bind_rereads_the_bound_function_and_keeps_the_rest_of_the_pass(tmp_path: Path) -> None:
+    """Host initialization binds every new device inside one pass: the bus is not listed again for each."""
+    host = SimulatedPciHost("h100x2", tmp_path / "host.json")
+    counting = Counting(host)
+    snap = SnapshotHost(host)
+    bound, other = PciAddress.parse("0000:10:00.0"), PciAddress.parse("0000:11:00.0")
+    assert {f.driver for f in snap.functions()} == {"nvidia"}
+    before = snap.config_vendor_id(other)
+    host.inject(Fault.HEALTH_FAIL, other)
+    snap.bind(bound, "vfio-pci")
+    drivers = {f.address: f.driver for f in snap.functions()}
+    assert drivers == {bound: "vfio-pci", other: "nvidia"}  # the listing shows the bind
+    f = snap.function(bound)
+    assert f is not None and f.driver == "vfio-pci"
+    assert snap.config_vendor_id(other) == before  # the other device's answers are the pass's
+    assert counting.calls["functions"] == 1 and counting.per_address[("function", str(bound))] == 1

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+
 from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet import host_ready
 from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
@@ -59,13 +61,21 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
                     t.transition(cur, DeviceEvent.VALIDATED, Actor.CUBELET)
 
 
+def host_pass(cubelet: Cubelet) -> AbstractContextManager[None]:
+    """The pass reads the host once (its function list, each function, group and config space), where the backend
+    can: without it every device's checks would list the whole bus again."""
+    snaps = cubelet.capabilities.snapshots
+    return snaps.snapshot() if snaps is not None else nullcontext()
+
+
 def initialize_host(cubelet: Cubelet) -> list[DiscoveredDevice]:
     from cubeaccel.cubelet import backend_facts
 
     backend_facts.seed(cubelet)  # before any validation compares against them
-    discovered = cubelet.backend.discover()
-    register_new(cubelet, discovered)
-    host_ready.check(cubelet)  # before anything is bound, validated or advertised
-    validate_initialized(cubelet, discovered)
+    with host_pass(cubelet):
+        discovered = cubelet.backend.discover()
+        register_new(cubelet, discovered)
+        host_ready.check(cubelet)  # before anything is bound, validated or advertised
+        validate_initialized(cubelet, discovered)
     backend_facts.persist(cubelet)
     return discovered
