@@ -3,7 +3,8 @@
 
 In process, per run: a first start (half the GPUs bound to nvidia, so it binds them to vfio-pci, then validates
 every GPU), a restart (a new Store and Cubelet over the same journal and tree) and one reconcile pass; each is
-timed and the host's function listings are counted. Aim: first start of 1,000 GPUs ≤ 5 s.
+timed (wall clock and, for the first start, this process's CPU time) and the host's function listings are
+counted. Aim: first start of 1,000 GPUs ≤ 5 s.
 Process, per run: seconds from launch until the Cubelet answers with every GPU allocatable, first start and
 after SIGKILL; `restart_adds_s` is the second minus the first. Aim: < 1 s.
 Prints one JSON line per run and min/median/max, with the load average.
@@ -71,9 +72,9 @@ def in_process(n: int) -> dict[str, object]:
             return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp / "run"), cfg), host
 
         first, host = build()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         initialize_host(first)
-        first_s = time.perf_counter() - t0
+        first_s, first_cpu = time.perf_counter() - t0, time.process_time() - c0
         first_listings = host.listings
         allocatable = sum(1 for x in first.store.devices() if x.state.value == "allocatable")
         first.store.close()
@@ -90,6 +91,7 @@ def in_process(n: int) -> dict[str, object]:
         "devices": n,
         "allocatable": allocatable,
         "first_start_s": round(first_s, 3),
+        "first_start_cpu_s": round(first_cpu, 3),  # this process's CPU: what the load on the machine does not add
         "first_start_listings": first_listings,
         "restart_init_s": round(restart_s, 3),
         "restart_listings": restart_listings,
@@ -150,7 +152,7 @@ def main() -> None:
         r["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
         print(json.dumps(r))
         rows.append(r)
-    for key in ("first_start_s", "restart_init_s", "reconcile_pass_s"):
+    for key in ("first_start_s", "first_start_cpu_s", "restart_init_s", "reconcile_pass_s"):
         _summary(f"{key} ({n} GPUs)", [float(str(r[key])) for r in rows])
     if os.environ.get("BENCH_PROCESS", "1") == "0":
         return
