@@ -1,12 +1,13 @@
 """Host initialization: host readiness → discover → `initialized` → prepare host binding → validate →
-`allocatable`. On a host that is not ready devices are registered and stay `initialized` (host_ready.py)."""
+`allocatable`. On a host that is not ready devices are registered and stay `initialized` (host_ready.py); so do
+devices whose scrub VM's image is not here (scrub_ready.py)."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 
 from cubeaccel.backends.base import Problem
-from cubeaccel.cubelet import host_ready
+from cubeaccel.cubelet import host_ready, scrub_ready
 from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
 from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -76,6 +77,8 @@ def initialize_host(cubelet: Cubelet) -> list[DiscoveredDevice]:
         discovered = cubelet.backend.discover()
         register_new(cubelet, discovered)
         host_ready.check(cubelet)  # before anything is bound, validated or advertised
+        scrub_ready.reclassify_legacy(cubelet)  # an older release's quarantines for a missing image: retried
+        scrub_ready.check(cubelet)  # a device its scrub VM could not clear after a tenant is held before one
         validate_initialized(cubelet, discovered)
     backend_facts.persist(cubelet)
     return discovered

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 
-from cubeaccel.cubelet import backend_facts, host_ready
+from cubeaccel.cubelet import backend_facts, host_ready, scrub_ready
 from cubeaccel.cubelet.inventory import host_pass, register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.cubelet.quarantine_retry import retry_quarantined
@@ -128,6 +128,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
         for dev_id in register_new(cubelet, discovered):  # new devices: one transaction
             _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
         host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
+        scrub_ready.check(cubelet)  # so does a class whose scrub image is gone; one that is back is served again
         found = {d.device_id: d for d in discovered}
         for d in cubelet.store.devices():
             _check_device(cubelet, d, found, repairs, later)
