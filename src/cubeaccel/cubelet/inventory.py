@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 
-from cubeaccel.backends.base import Problem
+from cubeaccel.backends.base import HostBinding, Problem
 from cubeaccel.cubelet import host_ready, scrub_ready
 from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
 from cubeaccel.model.device import DiscoveredDevice
@@ -34,13 +34,18 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
             return
     by_id = {d.device_id: d for d in discovered}
     binding = cubelet.capabilities.binding  # VFIO binds to vfio-pci here; emulated has nothing to bind
+    with host_pass(cubelet):  # inside a pass already (host init, reconcile), or one of its own (operator's enable)
+        _validate_each(cubelet, by_id, binding)
+
+
+def _validate_each(cubelet: Cubelet, by_id: dict[str, DiscoveredDevice], binding: HostBinding | None) -> None:
     for rec in cubelet.store.devices():
         if rec.state is not DeviceState.INITIALIZED:
             continue
         with cubelet.device_locks.hold(rec.id):  # binding and validation are host I/O: no lifecycle lock
             problems: list[Problem] = []
             original: tuple[str | None] | None = None
-            refused = cubelet.scrub_refusal(rec)  # no known scrub method under trusted-vm: never bound or touched
+            refused = cubelet.scrub_refusal(rec)  # no scrub method or image under trusted-vm: never bound or touched
             if refused is not None:
                 problems = [refused]
             elif binding is not None and rec.id in by_id:
