@@ -77,7 +77,7 @@ def _record(cubelet: Cubelet, now: dict[str, dict[str, str]]) -> None:
         for stack in sorted(set(before) | set(now)):
             was, is_ = before.get(stack), now.get(stack)
             if was is not None and is_ is None:
-                t.event(EventKind.SCRUB_IMAGE_READY, Actor.CUBELET, reason=stack or "cpu", details={"was": was})
+                t.event(EventKind.SCRUB_IMAGE_READY, Actor.CUBELET, details={"stack": stack, "was": was})
             elif is_ is not None and (was is None or was["code"] != is_["code"]):
                 details = {**is_, "stack": stack, "was": was}
                 t.event(EventKind.SCRUB_IMAGE_MISSING, Actor.CUBELET, reason=is_["code"], details=details)
