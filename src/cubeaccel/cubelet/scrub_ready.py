@@ -108,8 +108,10 @@ def reclassify_legacy(cubelet: Cubelet) -> list[str]:
     themselves once the image is here. Recognised by the quarantine's own record: no shim ran (no `shim_rc`) and
     its message is the missing image's. Returns the device ids."""
     changed = []
-    for d in cubelet.store.devices():
-        if d.state is not DeviceState.QUARANTINED or d.reason != SCRUB_FAILED:
+    with cubelet.store.read() as t:
+        quarantined = t.devices(DeviceState.QUARANTINED)
+    for d in quarantined:
+        if d.reason != SCRUB_FAILED:
             continue
         with cubelet.store.read() as t:
             row = t.c.execute(
