@@ -138,6 +138,7 @@ class ScrubImages:
     def _save(self) -> None:
         if self._memo_path is None:
             return
+        self._memo = {k: v for k, v in self._memo.items() if Path(k).is_dir()}  # images pruned since: forgotten
         data = {k: {"sig": [list(s) for s in sig], "bad": list(bad)} for k, (sig, bad) in self._memo.items()}
         tmp = self._memo_path.with_suffix(".tmp")
         with contextlib.suppress(OSError):  # a memo that cannot be written only costs a hash after a restart
