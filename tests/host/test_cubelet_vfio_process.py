@@ -18,9 +18,8 @@ from tests.support.holder_proc import unreadable_pids
 from tests.support.poll import poll
 
 
-@pytest.fixture
-def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
-    fake = FakeSysfs.build(
+def _fake(tmp_path: Path) -> FakeSysfs:
+    return FakeSysfs.build(
         tmp_path / "fake",
         [
             Dev("0000:3b:00.0", iommu_group=1, driver="vfio-pci", numa_node=0),
@@ -37,9 +36,12 @@ def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
             ),
         ],
     )
+
+
+def _process(tmp_path: Path, fake: FakeSysfs, *extra: str) -> CubeletProcess:
     state = tmp_path / "state"
     state.mkdir()
-    p = CubeletProcess(
+    return CubeletProcess(
         state,
         "-",
         "--backend",
@@ -53,10 +55,33 @@ def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
         "--proc-root",
         str(fake.proc),
         *(f"--holder-scan-exempt-pid={pid}" for pid in unreadable_pids()),
+        *extra,
     )
-    p.start()
+
+
+@pytest.fixture
+def vfio_node(tmp_path: Path) -> Iterator[tuple[CubeletProcess, FakeSysfs]]:
+    fake = _fake(tmp_path)
+    # These tests are about the sysfs code; whether this machine's image cache holds an NVIDIA scrub image that
+    # carries this tree's agent (host readiness: cubelet/scrub_ready.py) is the next test's.
+    p = _process(tmp_path, fake, "--scrub", "gpu=none").start()
     yield p, fake
     p.stop()
+
+
+def test_without_the_gpu_scrub_image_the_gpus_are_held_and_the_host_reply_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path / "empty-cache"))  # the Cubelet process inherits it
+    p = _process(tmp_path, _fake(tmp_path)).start()
+    try:
+        devs = _by_address(p)
+        assert {(d.state, d.reason) for d in devs.values()} == {("initialized", "host.scrub_image_missing")}
+        host = p.client.host()
+        assert host.ready is True and [x.code for x in host.problems] == ["host.scrub_image_missing"]
+        assert "cubeaccel image build --vendor nvidia" in host.problems[0].message
+    finally:
+        p.stop()
 
 
 def _by_address(p: CubeletProcess) -> dict[str, Device]:

@@ -3,9 +3,13 @@ devices; a write inside the pass (bind, reset) is never answered from before it.
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.host.pci.simulated import Fault, SimulatedPciHost
@@ -71,3 +75,56 @@ def test_a_write_drops_the_snapshot(tmp_path: Path) -> None:
     assert snap.config_vendor_id(addr) == before_reset  # inside the pass: the snapshot's answer
     snap.reset(addr)
     assert snap.config_vendor_id(addr) == 0xFFFF  # after a write: read again
+
+
+def test_a_bind_rereads_the_bound_function_and_keeps_the_rest_of_the_pass(tmp_path: Path) -> None:
+    """Host initialization binds every new device inside one pass: the bus is not listed again for each."""
+    host = SimulatedPciHost("h100x2", tmp_path / "host.json")
+    counting = Counting(host)
+    snap = SnapshotHost(host)
+    bound, other = PciAddress.parse("0000:10:00.0"), PciAddress.parse("0000:11:00.0")
+    assert {f.driver for f in snap.functions()} == {"nvidia"}
+    before = snap.config_vendor_id(other)
+    host.inject(Fault.HEALTH_FAIL, other)
+    snap.bind(bound, "vfio-pci")
+    drivers = {f.address: f.driver for f in snap.functions()}
+    assert drivers == {bound: "vfio-pci", other: "nvidia"}  # the listing shows the bind
+    f = snap.function(bound)
+    assert f is not None and f.driver == "vfio-pci"
+    assert snap.config_vendor_id(other) == before  # the other device's answers are the pass's
+    assert counting.calls["functions"] == 1 and counting.per_address[("function", str(bound))] == 1
+
+
+ADDRESSES = [PciAddress.parse(f"0000:{0x10 + i:02x}:00.0") for i in range(4)]
+Op = tuple[str, int, str]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["bind", "function", "functions", "group"]),
+            st.integers(0, 3),
+            st.sampled_from(["vfio-pci", "nvidia"]),
+        ),
+        max_size=20,
+    )
+)
+def test_after_any_binds_the_pass_answers_as_the_host_does(tmp_path: Path, ops: list[Op]) -> None:
+    """Binds inside a pass re-read only what they wrote; whatever mix of reads and binds, every answer the pass
+    gives equals the host's own at that moment (nothing else changes the host meanwhile)."""
+    host = SimulatedPciHost("h100x4", tmp_path / f"host-{uuid.uuid4().hex}.json")
+    snap = SnapshotHost(host)
+    for name, i, driver in ops:
+        address = ADDRESSES[i]
+        if name == "bind":
+            snap.bind(address, driver)
+        elif name == "function":
+            assert snap.function(address) == host.function(address)
+        elif name == "functions":
+            assert snap.functions() == host.functions()
+        else:
+            f = host.function(address)
+            assert f is not None and f.iommu_group is not None
+            assert snap.iommu_group_members(f.iommu_group) == host.iommu_group_members(f.iommu_group)
+    assert snap.functions() == host.functions()

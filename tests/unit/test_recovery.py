@@ -31,6 +31,7 @@ def test_a_reason_nobody_classed_waits_for_the_operator() -> None:
     assert recovery_of("backend.something_new") is Recovery.PERMANENT and recovery_of(None) is Recovery.PERMANENT
     assert recovery_of("release.scrub_vm_not_started") is Recovery.TRANSIENT
     assert recovery_of("release.scrub_failed") is Recovery.PERMANENT  # a scrub that ran and did not verify
+    assert recovery_of("release.scrub_image_unavailable") is Recovery.HOST_FACT  # nothing ran: the image was missing
 
 
 @given(st.integers(1, 200))
@@ -55,6 +56,25 @@ def test_a_transient_reason_is_retried_only_within_the_bound_and_after_its_wait(
 )
 def test_a_permanent_reason_is_never_due(reason: str, attempts: int, waited: float) -> None:
     assert not retry_due(reason, attempts, waited)
+
+
+@given(
+    st.sampled_from(sorted(r for r, c in QUARANTINE_REASONS.items() if c is Recovery.HOST_FACT)),
+    st.integers(0, 50),
+    st.floats(0, 1e9, allow_nan=False),
+    st.booleans(),
+)
+def test_a_host_fact_reason_is_due_when_its_fact_is_back_whatever_the_wait_within_the_bound(
+    reason: str, attempts: int, waited: float, back: bool
+) -> None:
+    """A missing scrub image: no attempt is spent while it is missing, none waits once it is there."""
+    assert retry_due(reason, attempts, waited, host_fact_back=back) == (back and attempts < RETRY_LIMIT)
+
+
+@given(st.sampled_from(sorted(QUARANTINE_REASONS)), st.integers(0, 50), st.floats(0, 1e9, allow_nan=False))
+def test_only_a_host_fact_reason_listens_to_its_fact(reason: str, attempts: int, waited: float) -> None:
+    if QUARANTINE_REASONS[reason] is not Recovery.HOST_FACT:
+        assert retry_due(reason, attempts, waited, host_fact_back=True) == retry_due(reason, attempts, waited)
 
 
 def test_a_whole_episode_ends_within_a_bounded_time() -> None:

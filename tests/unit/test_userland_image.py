@@ -185,9 +185,9 @@ def test_a_cpu_scrub_vm_boots_the_validation_flavour_even_when_a_userland_image_
     os.utime(validation.directory / "manifest.json", (old, old))  # the userland image is the newest
     assert Manifest.load(userland.directory / "manifest.json").flavour == "userland"
     runner = ProcessScrubRunner(tmp_path / "state")
-    assert runner._image(EDU_REGISTERS) == validation.image_digest
+    assert runner.image(EDU_REGISTERS).digest == validation.image_digest
     shutil.rmtree(validation.directory)
-    assert runner._image(EDU_REGISTERS) == userland.image_digest  # the only one that carries this agent
+    assert runner.image(EDU_REGISTERS).digest == userland.image_digest  # the only one that carries this agent
 
 
 def test_an_image_built_under_a_private_umask_is_readable_by_the_vmms(tmp_path: Path) -> None:

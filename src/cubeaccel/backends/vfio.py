@@ -81,10 +81,12 @@ class VfioBackend:
             yield
             return
         self._pass.host = SnapshotHost(self._host)
+        self._pass.fabric = None
         try:
             yield
         finally:
             self._pass.host = None
+            self._pass.fabric = None
 
     # ---- host readiness ---------------------------------------------------------------------------
     def readiness(self) -> list[Problem]:
@@ -175,11 +177,24 @@ class VfioBackend:
     # ---- checks ---------------------------------------------------------------------------------
     def _vendor_holds(self, f: PciFunction) -> list[Problem]:
         """Devices this release cannot serve on this host although they are sound (held, not failed): NVIDIA GPUs
-        on an NVSwitch fabric. Host-wide facts, read from the pass's snapshot when there is one."""
+        on an NVSwitch fabric."""
         if f.vendor_id != nvidia.NVIDIA_VENDOR:
             return []
-        p = nvidia.Fabric.of(self.host.functions()).problem(f)
+        p = self._fabric().problem(f)
         return [p] if p is not None else []
+
+    def _fabric(self) -> nvidia.Fabric:
+        """The host's NVSwitch fabric: a host-wide fact, so one listing of the bus per pass, not one per device
+        (host initialization asks for every device twice, in `prepare` and `validate`). Binding a device to
+        vfio-pci changes no function's vendor or class, so the pass's answer holds until it ends; outside a pass
+        (a release's revalidation) it is read each time."""
+        cached: nvidia.Fabric | None = getattr(self._pass, "fabric", None)
+        if cached is not None:
+            return cached
+        fabric = nvidia.Fabric.of(self.host.functions())
+        if getattr(self._pass, "host", None) is not None:
+            self._pass.fabric = fabric
+        return fabric
 
     def _presence(self, device: Device) -> tuple[PciFunction | None, list[Problem]]:
         f = self.host.function(device.address)

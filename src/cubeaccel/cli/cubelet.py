@@ -373,7 +373,7 @@ def serve_cmd(
     ticker.start()
     heartbeat = _link_to_master(cubelet, master, addr, node, tick, token)
     sock = state_dir / "cubelet.sock"
-    from cubeaccel.cubelet.heartbeat import host_state
+    from cubeaccel.cubelet.heartbeat import held, host_state
 
     host, _ = host_state(cubelet)  # serving, but says so when nothing can be handed out on this host
     print(
@@ -385,7 +385,7 @@ def serve_cmd(
                 "repairs": len(repairs),
                 "pid": os.getpid(),
                 "host_ready": host.ready,
-                "host_problems": [p.code for p in host.problems],
+                "host_problems": [p.code for p in (*host.problems, *held(cubelet))],
             }
         ),
         flush=True,

@@ -14,10 +14,13 @@ from rich.console import Console
 from rich.table import Table
 
 from cubeaccel.backends import nvidia
+from cubeaccel.backends.scrub_methods import kind_key, method_for
 from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.host.pci.base import function_json
-from cubeaccel.host.pci.readiness import HostReadiness, Status, check_host
+from cubeaccel.host.pci.readiness import Check, HostReadiness, Status, check_host
 from cubeaccel.host.pci.sysfs import SysfsPciHost
+from cubeaccel.images.scrub_image import ScrubImages
+from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.errors import CubeError
 
 app = typer.Typer(no_args_is_help=True, help="host readiness and discovery (read-only)")
@@ -32,14 +35,29 @@ _MARK = {Status.PASS: "[green]pass[/]", Status.FAIL: "[red]FAIL[/]", Status.WARN
 
 @app.command("check")
 def check(
-    sysfs_root: Path = SysfsRoot, dev_root: Path = DevRoot, proc_root: Path = ProcRoot, as_json: bool = AsJson
+    sysfs_root: Path = SysfsRoot,
+    dev_root: Path = DevRoot,
+    proc_root: Path = ProcRoot,
+    as_json: bool = AsJson,
+    allow: list[str] = typer.Option(["10de:*"], "--allow", help="the Cubelet's --allow: whose scrub image to check"),
+    scrub_image: str | None = typer.Option(None, "--scrub-image", help="the Cubelet's --scrub-image digest"),
 ) -> None:
     """Check VFIO passthrough prerequisites. Exits 1 when the host cannot pass devices through."""
     result = check_host(sysfs_root, dev_root, proc_root)
     # Vendor facts are the vendor backend's: the GPUs it will keep out on this host, and why.
-    functions = SysfsPciHost(sysfs_root, read_only=True).functions()
+    host = SysfsPciHost(sysfs_root, read_only=True)
+    functions = host.functions()
     fabric = nvidia.Fabric.of(functions)
-    result = HostReadiness((*result.checks, nvidia.fabric_check(functions)), {**result.facts, **fabric.facts()})
+    try:
+        devices = VfioBackend(host, allow=allow).discover()
+    except CubeError as e:
+        typer.echo(json.dumps(e.to_json()), err=True)
+        raise typer.Exit(2) from e
+    scrub_checks, scrub_facts = _scrub_images(devices, scrub_image)
+    result = HostReadiness(
+        (*result.checks, nvidia.fabric_check(functions), *scrub_checks),
+        {**result.facts, **fabric.facts(), "scrub_images": scrub_facts},
+    )
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))
     else:
@@ -101,6 +119,36 @@ def discover(
                 _opt(f.iommu_group), f.driver or "-", " ".join(f.reset_method) or "-",
             )  # fmt: skip
         console.print(table)
+
+
+def _scrub_images(devices: list[DiscoveredDevice], named: str | None) -> tuple[list[Check], dict[str, str | None]]:
+    """One line per scrub image the host's accelerators need under policy trusted-vm (the default): a warning, not
+    a failure, like the NVSwitch line: the host can pass devices through, the Cubelet holds back the devices of a
+    kind whose scrub VM could not boot. Facts: stack → the image's digest."""
+    from cubeaccel.images.builder import agent_digest, cache_dir, cached_images
+
+    stacks: dict[str, list[str]] = {}
+    for d in devices:
+        method = method_for(d.identity)
+        if method is not None and method.needs_vm:
+            stacks.setdefault(method.image_stack, []).append(kind_key(d.identity))
+    if not stacks:
+        return [Check("scrub_image", Status.PASS, "no accelerator here boots a scrub VM between tenants")], {}
+    images = ScrubImages(named, images=lambda: cached_images(cache_dir()), agent=agent_digest)
+    checks, facts = [], {}
+    for stack, kinds in sorted(stacks.items()):
+        chosen = images.choose(stack)
+        name = f"scrub_image_{stack or 'cpu'}"
+        facts[stack or "cpu"] = chosen.digest if chosen.usable else None
+        whose = f"{len(kinds)} device(s) ({', '.join(sorted(set(kinds)))})"
+        if chosen.code is not None:
+            checks.append(
+                Check(name, Status.WARN, f"{chosen.message}; until then the Cubelet holds {whose}", chosen.code)
+            )
+        else:
+            checks.append(Check(name, Status.PASS, f"{chosen.digest}: carries this release's agent, files match"
+                                f" their pinned digests; the scrub VM of {whose} boots it"))  # fmt: skip
+    return checks, facts
 
 
 def _opt(value: int | None) -> str:

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 
 from cubeaccel import __version__
-from cubeaccel.cubelet import host_ready, memory_ledger
+from cubeaccel.backends.base import Problem
+from cubeaccel.cubelet import host_ready, memory_ledger, scrub_ready
 from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.model.errors import CubeError
@@ -36,7 +37,7 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         pinnable_memory_mib=pinned.free_mib,  # free lockable memory: what a new sandbox may lock
         pinned_memory=pinned.to_json(),
         ready=readiness.ready,
-        host_problems=[HostProblem(code=p.code, message=p.message) for p in readiness.problems],
+        host_problems=[HostProblem(code=p.code, message=p.message) for p in (*readiness.problems, *held(cubelet))],
         guest_images=[i.to_json() for i in facts.guest_images],
         hotplug=list(facts.hotplug),
         max_devices_per_sandbox=cubelet.max_devices_per_sandbox,
@@ -87,6 +88,13 @@ def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
             )
         )
     return out
+
+
+def held(cubelet: Cubelet) -> tuple[Problem, ...]:
+    """What holds one kind of device back on a host that is ready (`ready` stays true: the node serves its other
+    devices): a missing or mismatched scrub image (scrub_ready.py). Listed with the host's problems."""
+    with cubelet.store.read() as t:
+        return scrub_ready.current(t)
 
 
 def host_state(cubelet: Cubelet) -> tuple[host_ready.Readiness, memory_ledger.Ledger]:

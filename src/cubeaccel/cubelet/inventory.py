@@ -1,10 +1,13 @@
 """Host initialization: host readiness → discover → `initialized` → prepare host binding → validate →
-`allocatable`. On a host that is not ready devices are registered and stay `initialized` (host_ready.py)."""
+`allocatable`. On a host that is not ready devices are registered and stay `initialized` (host_ready.py); so do
+devices whose scrub VM's image is not here (scrub_ready.py)."""
 
 from __future__ import annotations
 
-from cubeaccel.backends.base import Problem
-from cubeaccel.cubelet import host_ready
+from contextlib import AbstractContextManager, nullcontext
+
+from cubeaccel.backends.base import HostBinding, Problem
+from cubeaccel.cubelet import host_ready, scrub_ready
 from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
 from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
@@ -31,13 +34,18 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
             return
     by_id = {d.device_id: d for d in discovered}
     binding = cubelet.capabilities.binding  # VFIO binds to vfio-pci here; emulated has nothing to bind
+    with host_pass(cubelet):  # inside a pass already (host init, reconcile), or one of its own (operator's enable)
+        _validate_each(cubelet, by_id, binding)
+
+
+def _validate_each(cubelet: Cubelet, by_id: dict[str, DiscoveredDevice], binding: HostBinding | None) -> None:
     for rec in cubelet.store.devices():
         if rec.state is not DeviceState.INITIALIZED:
             continue
         with cubelet.device_locks.hold(rec.id):  # binding and validation are host I/O: no lifecycle lock
             problems: list[Problem] = []
             original: tuple[str | None] | None = None
-            refused = cubelet.scrub_refusal(rec)  # no known scrub method under trusted-vm: never bound or touched
+            refused = cubelet.scrub_refusal(rec)  # no scrub method or image under trusted-vm: never bound or touched
             if refused is not None:
                 problems = [refused]
             elif binding is not None and rec.id in by_id:
@@ -59,13 +67,23 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
                     t.transition(cur, DeviceEvent.VALIDATED, Actor.CUBELET)
 
 
+def host_pass(cubelet: Cubelet) -> AbstractContextManager[None]:
+    """The pass reads the host once (its function list, each function, group and config space), where the backend
+    can: without it every device's checks would list the whole bus again."""
+    snaps = cubelet.capabilities.snapshots
+    return snaps.snapshot() if snaps is not None else nullcontext()
+
+
 def initialize_host(cubelet: Cubelet) -> list[DiscoveredDevice]:
     from cubeaccel.cubelet import backend_facts
 
     backend_facts.seed(cubelet)  # before any validation compares against them
-    discovered = cubelet.backend.discover()
-    register_new(cubelet, discovered)
-    host_ready.check(cubelet)  # before anything is bound, validated or advertised
-    validate_initialized(cubelet, discovered)
+    with host_pass(cubelet):
+        discovered = cubelet.backend.discover()
+        register_new(cubelet, discovered)
+        host_ready.check(cubelet)  # before anything is bound, validated or advertised
+        scrub_ready.reclassify_legacy(cubelet)  # an older release's quarantines for a missing image: retried
+        scrub_ready.check(cubelet)  # a device its scrub VM could not clear after a tenant is held before one
+        validate_initialized(cubelet, discovered)
     backend_facts.persist(cubelet)
     return discovered

@@ -144,6 +144,7 @@ class Cubelet(ReleasePath):
         simulated = isinstance(shim, SimulatedShimDriver)
         self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
         self.scrubs: dict[str, ScrubJob] = {}
+        self.scrub_image_problems: dict[str, Problem] = {}  # none known until host initialization checks
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
         self.warm.restore()  # the pools and drain this node was given, before reconcile looks at warm sandboxes
         self.loaded_networks: dict[str, netpolicy.Loaded] = {}  # sandbox → its namespace's last loaded ruleset

@@ -1,6 +1,7 @@
 """Reconcile's bounded retry of transient quarantines (model/recovery.py: which reasons, how often, how many).
 
-Per quarantined device whose reason is transient and whose next attempt is due: probe it again on host evidence,
+Per quarantined device whose reason is transient and whose next attempt is due (or whose reason names a host fact
+that is back: the scrub image its scrub VM boots, as this pass's check found it): probe it again on host evidence,
 under its lock, with no transaction open — the sandbox's VMM proven gone, no holder of its files, device nodes
 taken back, the reset — and record the attempt (`quarantine_retry`, with the probe's result; the audit log gets
 it as `device:retry_attempt`). A passing probe moves the device `quarantined → released` (event `retry`); from
@@ -62,10 +63,11 @@ def retry_quarantined(cubelet: Cubelet) -> list[tuple[str, str, bool]]:
     made: list[tuple[str, str, bool]] = []
     now = float(cubelet.store.clock())
     for d in cubelet.store.devices():
-        if d.state is not S.QUARANTINED or recovery_of(d.reason) is not Recovery.TRANSIENT:
+        if d.state is not S.QUARANTINED or recovery_of(d.reason) is Recovery.PERMANENT:
             continue
         attempts, last = history(cubelet, d.id)
-        if not retry_due(d.reason, attempts, now - max(last or 0.0, d.updated_at)):
+        back = recovery_of(d.reason) is Recovery.HOST_FACT and cubelet.scrub_refusal(d) is None  # the image is here
+        if not retry_due(d.reason, attempts, now - max(last or 0.0, d.updated_at), host_fact_back=back):
             continue
         with cubelet.device_locks.hold(d.id):
             problems = probe(cubelet, d)

@@ -9,12 +9,11 @@ Prefer safety: what cannot be proven safe is quarantined; a vanished device stay
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from ipaddress import IPv4Address
 
-from cubeaccel.cubelet import backend_facts, host_ready, network_update
-from cubeaccel.cubelet.inventory import register_new, validate_initialized
+from cubeaccel.cubelet import backend_facts, host_ready, network_update, scrub_ready
+from cubeaccel.cubelet.inventory import host_pass, register_new, validate_initialized
 from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
 from cubeaccel.cubelet.quarantine_retry import retry_quarantined
 from cubeaccel.host.net import netpolicy
@@ -114,12 +113,6 @@ def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair], late
         later.append(_teardown(cubelet, res.sandbox_id, "reconcile.shim_gone", kill=True))
 
 
-def _snapshot(cubelet: Cubelet) -> AbstractContextManager[None]:
-    """The pass reads the host once (each function, group and config space), where the backend can."""
-    snaps = cubelet.capabilities.snapshots
-    return snaps.snapshot() if snaps is not None else nullcontext()
-
-
 def _unchanged(cur: DeviceRecord | None, d: DeviceRecord) -> bool:
     """The compare-and-swap a check's outcome needs: the record the host work looked at is still the one stored."""
     return cur is not None and (cur.state, cur.generation) == (d.state, d.generation)
@@ -130,11 +123,12 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
     without the lifecycle lock, so reservations, releases and reads go on during a pass."""
     repairs: list[Repair] = []
     later: Later = []
-    with _snapshot(cubelet):
+    with host_pass(cubelet):
         discovered = cubelet.backend.discover()
         for dev_id in register_new(cubelet, discovered):  # new devices: one transaction
             _record(cubelet, repairs, Repair(dev_id, None, "registered", "device appeared on the host"))
         host_ready.check(cubelet)  # a host that is not ready holds its devices back (an event when it changes)
+        scrub_ready.check(cubelet)  # so does a class whose scrub image is gone; one that is back is served again
         found = {d.device_id: d for d in discovered}
         for d in cubelet.store.devices():
             _check_device(cubelet, d, found, repairs, later)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem, ResetContext
+from cubeaccel.backends.scrub_methods import method_for
 from cubeaccel.cubelet.ended import EndedSandboxes, status_error
 from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.memory_ledger import VmmHost
@@ -217,6 +218,7 @@ class ReleasePath:
     ended: EndedSandboxes
     scrub_runner: ScrubRunner
     scrubs: dict[str, ScrubJob]
+    scrub_image_problems: dict[str, Problem]  # image stack → why its scrub VM cannot boot here (scrub_ready.py)
 
     @contextmanager
     def change(self) -> Iterator[Tx]:
@@ -568,8 +570,16 @@ class ReleasePath:
         return policy_for(self.config.scrub_policy, d)
 
     def scrub_refusal(self, d: DeviceRecord) -> Problem | None:
-        """`host.no_scrub_method` (held) for a kind with no registered scrub method under trusted-vm."""
-        return refusal(self.config.scrub_policy, d)
+        """Held under trusted-vm: `host.no_scrub_method` for a kind with no registered scrub method, and
+        `host.scrub_image_missing` / `host.scrub_image_mismatch` while the image its scrub VM boots is not here
+        (as the last readiness check found it): the device could not be cleared after a tenant."""
+        refused = refusal(self.config.scrub_policy, d)
+        if refused is not None or self.scrub_policy(d) is not ScrubPolicy.TRUSTED_VM:
+            return refused
+        method = method_for(d.identity)
+        if method is None or not method.needs_vm:
+            return None
+        return self.scrub_image_problems.get(method.image_stack)
 
     @staticmethod
     def scrub_owed(d: DeviceRecord) -> bool:

@@ -23,14 +23,14 @@ import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from cubeaccel.backends.base import AttachSpec, Problem
 from cubeaccel.backends.scrub_methods import NO_METHOD, ScrubMethod, kind_key, method_for, no_method_message
 from cubeaccel.cubelet import runfiles
 from cubeaccel.host.service.childenv import component_env
 from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm, vmm_processes
-from cubeaccel.images.manifest import Manifest
+from cubeaccel.images.scrub_image import ScrubImage, ScrubImages
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
 from cubeaccel.model.errors import invalid
 from cubeaccel.wire.scrub import ScrubReport
@@ -106,6 +106,7 @@ def scrub_needs_vm(device: DeviceRecord) -> bool:
 
 SCRUB_FAILED = "release.scrub_failed"  # the scrub ran and did not verify (or did not finish): the operator looks
 VM_NOT_STARTED = "release.scrub_vm_not_started"  # the scrub VM never got to scrub: reconcile retries it
+IMAGE_UNAVAILABLE = "release.scrub_image_unavailable"  # no usable image to boot: retried once the image is here
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,14 @@ class ScrubRunner(Protocol):
     def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
         """Boot the scrub VM with the device, scrub, verify, tear down; blocks; never raises for a device fault."""
         ...
+
+
+@runtime_checkable
+class ScrubImageCheck(Protocol):
+    """A runner that boots an image can say, before any tenant, whether it has one for a method (host readiness,
+    cubelet/scrub_ready.py). A runner without this check (simulated, none) has no image to miss."""
+
+    def image_problem(self, method: ScrubMethod) -> Problem | None: ...
 
 
 class SimulatedScrubRunner:
@@ -171,28 +180,35 @@ class ProcessScrubRunner:
         self.dir = (state_dir / "shims").absolute()
         self.start_mode = start_mode
         self.image_digest = image_digest  # None: the node's default image (the newest our builder made)
+        from cubeaccel.images.builder import agent_digest, cache_dir, cached_images
+
+        self.images = ScrubImages(
+            image_digest,
+            images=lambda: cached_images(cache_dir()),  # the cache as it is now: $CUBEACCEL_CACHE_DIR at each look
+            agent=agent_digest,
+            memo=state_dir / "scrub-images.json" if state_dir.is_dir() else None,
+        )
         self.python = python
         self.proc = proc
         self.detach_timeout_s = detach_timeout_s
 
-    def _image(self, method: ScrubMethod) -> str | None:
+    def image(self, method: ScrubMethod) -> ScrubImage:
         """The operator's `--scrub-image` (unless the cache shows it is of another stack), else the newest built
         image of the method's stack (`nvidia` for `cuda`: its driver and libcuda; "" CPU-only) that carries
         *this* Cubelet's agent: the scrub op is the one this code ships, never whatever agent the newest image in
-        a shared cache happens to have (an older one answers `agent.unknown_method`)."""
-        from cubeaccel.images.builder import agent_digest, cached_images
+        a shared cache happens to have (an older one answers `agent.unknown_method`). Its files verified against
+        the digests its manifest pins (images/scrub_image.py)."""
+        return self.images.choose(method.image_stack)
 
-        images = cached_images()
-        if self.image_digest is not None:  # the operator's, unless the cache shows it is of another stack
-            named = next((m for m in images if m.image_digest == self.image_digest), None)
-            if named is None or _stack(named) == method.image_stack:
-                return self.image_digest
-        mine = agent_digest()
-        fits = [m for m in images if m.agent_sha256 == mine and _stack(m) == method.image_stack]
-        # The validation flavour first (newest first within each): a scrub runs no user's tools, and the userland's
-        # larger initrd may not even fit the scrub VM's memory.
-        fits.sort(key=lambda m: m.flavour != "validation")
-        return fits[0].image_digest if fits else None
+    def image_problem(self, method: ScrubMethod) -> Problem | None:
+        """Host readiness for the devices this method scrubs: None when their scrub VM's image is here and intact;
+        else held (`host.scrub_image_missing` / `host.scrub_image_mismatch`), never a failed scrub."""
+        if not method.needs_vm:
+            return None
+        chosen = self.image(method)
+        if chosen.code is None:
+            return None
+        return Problem(chosen.code, chosen.message, hard=False, held=True)
 
     def spec(self, sid: str, device: DeviceRecord, attach: AttachSpec) -> ShimSpec:
         run_dir = self.dir / sid
@@ -217,7 +233,7 @@ class ProcessScrubRunner:
                 "memory_mib": method.memory_mib,
                 "vcpus": 1,
                 "pin_memory": True,
-                "image_digest": self._image(method),
+                "image_digest": self.image(method).digest,
                 "start": method.start or self.start_mode,
                 "state_dir": str(run_dir),
                 "report": {"file": str(run_dir / REPORTS)},
@@ -235,13 +251,11 @@ class ProcessScrubRunner:
             spec = self.spec(sid, device, attach)
         except ValueError as e:
             return ScrubOutcome(False, f"cannot build the scrub VM's spec: {e}"[:500], {"scrub_vm": sid})
-        if spec.image_digest is None:
-            why = "no built guest image carries this Cubelet's agent: run `cubeaccel image build` (or --scrub-image)"
-            stack = scrub_method(device).image_stack
-            if stack:
-                why = f"no built {stack} guest image carries this Cubelet's agent: run "
-                why += f"`cubeaccel image build --vendor {stack}`"
-            return ScrubOutcome(False, why, {"scrub_vm": sid})
+        chosen = self.image(scrub_method(device))
+        if not chosen.usable:
+            # nothing was booted: the device is as the reset left it, and it is retried once the image is here
+            details = {"scrub_vm": sid, "image_problem": chosen.code, "image_digest": chosen.digest}
+            return ScrubOutcome(False, chosen.message, details, IMAGE_UNAVAILABLE)
         # A scrub VM of this device left by a Cubelet that died mid-scrub: ended before another one boots.
         ended = self.end_scrub_vms(device.id)
         run_dir = self.dir / sid
@@ -362,10 +376,6 @@ class ProcessScrubRunner:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         return child.wait()
-
-
-def _stack(m: Manifest) -> str:
-    return m.vendor.stack if m.vendor is not None else ""
 
 
 def _reports(path: Path) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from starlette.responses import Response
 from cubeaccel.cubelet import network_update, operator
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.device_audit import DeviceAudit
-from cubeaccel.cubelet.heartbeat import host_state
+from cubeaccel.cubelet.heartbeat import held, host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
 from cubeaccel.cubelet.metrics import metrics_of
 from cubeaccel.cubelet.reconcile import reconcile
@@ -312,7 +312,7 @@ def create_app(
             backend=cubelet.backend.name,
             ready=readiness.ready,
             checked_at=readiness.checked_at,
-            problems=[W.HostProblem(code=p.code, message=p.message) for p in readiness.problems],
+            problems=[W.HostProblem(code=p.code, message=p.message) for p in (*readiness.problems, *held(cubelet))],
             pinned_memory=W.PinnedMemory(
                 lockable_mib=led.lockable_mib,
                 locked_mib=led.locked_mib,

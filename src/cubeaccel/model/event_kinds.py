@@ -60,6 +60,9 @@ class EventKind(StrEnum):
     # the node
     HOST_READY = "host_ready"
     HOST_NOT_READY = "host_not_ready"
+    SCRUB_IMAGE_READY = "scrub_image_ready"  # a stack's scrub image is here and intact again (`details.stack`)
+    SCRUB_IMAGE_MISSING = "scrub_image_missing"  # its devices are held: `reason` says missing or mismatched
+    QUARANTINE_RECLASSIFIED = "quarantine_reclassified"  # an older release's reason, read as the cause it recorded
     HOLDER_SCAN_EXEMPT = "holder_scan_exempt"
     MASTER_REACHABLE = "master_reachable"
     MASTER_UNREACHABLE = "master_unreachable"

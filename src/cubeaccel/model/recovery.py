@@ -5,8 +5,10 @@ can go away without anyone touching the device (a holder that exits, a scrub VM 
 Reconcile retries those with a backoff and a bound: each attempt probes the device again (no holder, the VMM
 gone, the reset), is recorded (journal and audit log) with its result, and only a passing probe moves the device
 on — back to `released` (event `retry`), never straight to `allocatable`, so the scrub (where owed) and the
-revalidation run again. *Permanent* reasons (a scrub that ran and did not verify, a reset that failed, state
-that disagrees) wait for an operator's `recover`. A reason not in the table is permanent: the operator decides.
+revalidation run again. *Host-fact* reasons name something of the host the Cubelet checks on every pass (the
+scrub image a device's scrub VM boots): retried as soon as that is back, not on a timer, within the same bound.
+*Permanent* reasons (a scrub that ran and did not verify, a reset that failed, state that disagrees) wait for an
+operator's `recover`. A reason not in the table is permanent: the operator decides.
 
 Codes are those of model/error_catalog.py (tests check every code here is catalogued and every `quarantine:`
 code of the catalog is classed here).
@@ -19,10 +21,11 @@ from enum import StrEnum
 
 class Recovery(StrEnum):
     TRANSIENT = "transient"  # reconcile retries it (bounded, with backoff)
+    HOST_FACT = "host_fact"  # reconcile retries it once the host fact it names is back (bounded, no backoff)
     PERMANENT = "permanent"  # an operator's `recover`
 
 
-T, P = Recovery.TRANSIENT, Recovery.PERMANENT
+T, H, P = Recovery.TRANSIENT, Recovery.HOST_FACT, Recovery.PERMANENT
 
 QUARANTINE_REASONS: dict[str, Recovery] = {
     # what blocked the proof can go away by itself
@@ -32,6 +35,8 @@ QUARANTINE_REASONS: dict[str, Recovery] = {
     "host.unexpected_holder": T,  # an unknown process opened the VFIO group
     "backend.vmm_still_running": T,  # (emulated) a VMM still listed the device
     "release.scrub_vm_not_started": T,  # the scrub VM did not boot or failed before scrubbing
+    # what blocked it is a fact of the host the Cubelet checks on every pass: retried when that fact is back
+    "release.scrub_image_unavailable": H,  # no usable scrub image: nothing was scrubbed; the image is built later
     # what only someone looking can settle
     "release.scrub_failed": P,  # the scrub ran and did not verify, or did not finish in time
     "release.vmm_not_exited": P,  # our VMM outlived SIGKILL
@@ -63,9 +68,14 @@ def retry_delay(attempt: int) -> float:
     return min(RETRY_CAP_S, RETRY_BASE_S * 2.0 ** min(attempt - 1, 32))
 
 
-def retry_due(reason: str | None, attempts: int, waited_s: float) -> bool:
-    """Whether reconcile tries the device now: a transient reason, fewer than RETRY_LIMIT attempts so far in this
-    episode, and `waited_s` (since the quarantine, or since the last attempt) at least the next attempt's delay."""
-    if recovery_of(reason) is not Recovery.TRANSIENT or attempts >= RETRY_LIMIT:
+def retry_due(reason: str | None, attempts: int, waited_s: float, host_fact_back: bool = False) -> bool:
+    """Whether reconcile tries the device now: fewer than RETRY_LIMIT attempts so far in this episode, and either
+    a transient reason with `waited_s` (since the quarantine, or since the last attempt) at least the next attempt's
+    delay, or a host-fact reason whose fact is back (`host_fact_back`: nothing is gained by waiting longer, and
+    nothing by trying before)."""
+    recovery = recovery_of(reason)
+    if recovery is Recovery.PERMANENT or attempts >= RETRY_LIMIT:
         return False
+    if recovery is Recovery.HOST_FACT:
+        return host_fact_back
     return waited_s >= retry_delay(attempts + 1)

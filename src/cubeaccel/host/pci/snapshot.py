@@ -15,14 +15,14 @@ _MISSING = object()
 
 
 class SnapshotHost:
-    """Implements `PciHost` over `inner`, caching reads until the next write."""
+    """Implements `PciHost` over `inner`, caching reads; a write reads again what it may have changed."""
 
     def __init__(self, inner: PciHost) -> None:
         self.inner = inner
         self._drop()
 
     def _drop(self) -> None:
-        self._functions: list[PciFunction] | None = None
+        self._functions: dict[PciAddress, PciFunction] | None = None  # the listing, in its order
         self._by_address: dict[PciAddress, PciFunction | None] = {}
         self._groups: dict[int, list[PciAddress]] | None = None
         self._vendor: dict[PciAddress, int] = {}
@@ -30,10 +30,9 @@ class SnapshotHost:
 
     def functions(self) -> list[PciFunction]:
         if self._functions is None:
-            self._functions = self.inner.functions()
-            for f in self._functions:
-                self._by_address[f.address] = f
-        return list(self._functions)
+            self._functions = {f.address: f for f in self.inner.functions()}
+            self._by_address.update(self._functions)
+        return list(self._functions.values())
 
     def function(self, address: PciAddress) -> PciFunction | None:
         if address not in self._by_address:
@@ -67,12 +66,23 @@ class SnapshotHost:
     def driver_available(self, driver: str) -> bool:
         return self.inner.driver_available(driver)
 
+    def _reread(self, address: PciAddress) -> None:
+        """After a driver change of `address`: its own answers read again, the rest of the snapshot kept."""
+        self._holders.pop(address, None)
+        self._vendor.pop(address, None)
+        fresh = self.inner.function(address)
+        self._by_address[address] = fresh
+        if self._functions is not None and address in self._functions:  # a function the listing omits stays out
+            if fresh is None:
+                del self._functions[address]
+            else:
+                self._functions[address] = fresh
+
     def bind(self, address: PciAddress, driver: str) -> None:
-        self._drop()
         try:
             self.inner.bind(address, driver)
         finally:
-            self._drop()
+            self._reread(address)
 
     def reset(self, address: PciAddress, methods: tuple[str, ...] = ()) -> None:
         self._drop()
@@ -83,8 +93,7 @@ class SnapshotHost:
 
     def restore_driver(self, address: PciAddress, driver: str | None) -> None:
         assert isinstance(self.inner, SupportsRestore)
-        self._drop()
         try:
             self.inner.restore_driver(address, driver)
         finally:
-            self._drop()
+            self._reread(address)

@@ -81,12 +81,13 @@ class SysfsPciHost:
         self.dev_root = Path(dev_root)
         self.read_only = read_only
         self.on_write = on_write
+        self._devices = self.root / "bus" / "pci" / "devices"  # every read starts here: joined once
 
     # ---- paths: the only places a path is built ------------------------------------------------
     def device_path(self, address: PciAddress, attr: str | None = None) -> Path:
         if not isinstance(address, PciAddress):
             raise invalid("device.invalid_address", f"not a PciAddress: {address!r}", layer="host_hardware")
-        base = self.root / "bus" / "pci" / "devices" / str(address)
+        base = self._devices / str(address)
         if attr is None:
             return base
         if attr not in DEVICE_ATTRS:
@@ -123,7 +124,7 @@ class SysfsPciHost:
 
     def functions(self) -> list[PciFunction]:
         try:
-            names = sorted(os.listdir(self.root / "bus" / "pci" / "devices"))
+            names = sorted(os.listdir(self._devices))
         except OSError:
             return []
         out = []
@@ -230,15 +231,16 @@ class SysfsPciHost:
     # ---- holders --------------------------------------------------------------------------------
     def device_files(self, address: PciAddress) -> list[str]:
         """Device files that give access to this function: its VFIO group, its iommufd cdev, its nvidia node."""
-        f = self.function(address)
-        if f is None:
+        if self._read(address, "vendor") is None:  # no such function (what `function` answers None for)
             return []
         files = []
-        if f.iommu_group is not None:
-            files.append(str(self.dev_root / "vfio" / str(f.iommu_group)))
-        if "vfio_cdev" in f.extra:
+        group = self._link_name(address, "iommu_group")  # the two facts needed, not the whole function
+        if group is not None and group.isdigit():
+            files.append(str(self.dev_root / "vfio" / group))
+        vfio_cdev = self._vfio_cdev(address)
+        if vfio_cdev is not None:
             # sysfs names vfio-dev/vfioN from Linux 6.1, the /dev node exists only from 6.6 (CONFIG_VFIO_DEVICE_CDEV)
-            cdev = self.dev_root / "vfio" / "devices" / f.extra["vfio_cdev"]
+            cdev = self.dev_root / "vfio" / "devices" / vfio_cdev
             if cdev.exists():
                 files.append(str(cdev))
         minor = self._nvidia_minor(address)
@@ -309,9 +311,10 @@ class SysfsPciHost:
             raise host_error("host.device_missing", f"no PCI function at {address}", address=str(address))
         return f
 
-    def _move(self, address: PciAddress, override: str, probe: bool) -> str | None:
-        """driver_override, then unbind from the current driver, then (optionally) drivers_probe."""
-        f = self._require(address)
+    def _move(self, address: PciAddress, override: str, probe: bool, f: PciFunction | None = None) -> str | None:
+        """driver_override, then unbind from the current driver, then (optionally) drivers_probe. `f`: the function
+        as the caller just read it (not read again)."""
+        f = f or self._require(address)
         if f.driver is not None and not is_driver_name(f.driver):  # checked before the first write
             raise host_error("host.bind_failed", f"{address} is bound to a driver we cannot name: {f.driver!r}")
         self._write(self.device_path(address, "driver_override"), override)
@@ -333,7 +336,7 @@ class SysfsPciHost:
             if current.driver_override != driver:
                 self._write(self.device_path(address, "driver_override"), driver + "\n")
             return
-        now = self._move(address, driver + "\n", probe=True)
+        now = self._move(address, driver + "\n", probe=True, f=current)
         if now != driver:
             raise host_error(
                 "host.bind_failed", f"{address} is bound to {now}, not {driver}, after drivers_probe", bound=now
@@ -366,7 +369,7 @@ class SysfsPciHost:
         except Exception:
             return None  # pci0000:00 — a root bus
         reached = []
-        for link in sorted((self.root / "bus" / "pci" / "devices").iterdir()):
+        for link in sorted(self._devices.iterdir()):
             try:
                 other = PciAddress.parse(link.name)
                 target = link.resolve(strict=True)
