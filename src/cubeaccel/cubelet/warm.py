@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from cubeaccel.cubelet.capacity_wait import CAPACITY_CODES, CapacityWaits
 from cubeaccel.cubelet.release import CubeletConfig
 from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.shim_driver import ShimDriver
@@ -63,18 +64,27 @@ def pool_key(params: ReservationParams) -> str:
     return f"{digest.removeprefix('sha256:')[:12]}-{params.memory_mib}m{params.vcpus}c-{h[:12]}"
 
 
+def _never_fits(refusal: CubeError, count: int) -> bool:
+    """A pool asking for more devices than the node has at all: no release makes room, so it is a failure."""
+    by_state = refusal.details.get("devices_by_state")
+    return isinstance(by_state, dict) and sum(by_state.values()) < count
+
+
 class WarmHost(Protocol):
     """What the pool needs of the Cubelet (lifecycle.Cubelet; a protocol, so this module does not import it)."""
 
     store: Store
     shim: ShimDriver
     config: CubeletConfig
+    capacity_waits: CapacityWaits
 
     def request_params(self, req: Any) -> tuple[Any, ReservationParams]: ...
 
     def pool_request(self, shape: WarmPoolSetting) -> Any: ...
 
-    def reserve(self, sandbox_id: str, req: Any) -> Reservation: ...
+    def reserve(
+        self, sandbox_id: str, req: Any, capacity_wait_s: float = 0.0, yield_to_waiting: bool = False
+    ) -> Reservation: ...
 
     def start(self, sandbox_id: str, token: str | None = None, warm_pool: str | None = None) -> Reservation | None: ...
 
@@ -95,6 +105,11 @@ class Pool:
     failures: int = 0
     backoff_s: float = 0.0
     retry_at: float = 0.0
+    # A start refused for capacity (no free device, no lockable memory, a device owed to a waiting create): the
+    # refusal's code and the node's capacity-change count then. Not a failure: the refill retries once capacity
+    # changed (a device allocatable again), never on a timer and never backed off.
+    waiting_for: str | None = None
+    waiting_mark: int = 0
     refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations
     refills: int = 0  # warm starts that became warm, and their total time (metrics: a summary)
     refill_total_s: float = 0.0
@@ -112,6 +127,7 @@ class WarmPools:
         self._stopped = False
         self.draining = False  # drain or `down`: no refill, no claim, the unclaimed ones torn down
         self._thread: threading.Thread | None = None
+        cubelet.capacity_waits.wakers.append(self.poke)  # a device back: a pool waiting for one refills now
 
     # ---- configuration -------------------------------------------------------------------------------------
     def set_pool(self, req: Any, size: int) -> Pool:
@@ -239,6 +255,7 @@ class WarmPools:
                     misses=pool.misses,
                     failures=pool.failures,
                     backoff_s=pool.backoff_s,
+                    waiting_for=pool.waiting_for,
                 )
             )
         return out
@@ -282,6 +299,8 @@ class WarmPools:
                 busy = len(self._inflight)
             if pool.size - warm - starting <= 0 or now < pool.retry_at or busy >= self.max_concurrent_starts:
                 continue
+            if pool.waiting_for is not None and pool.waiting_mark == self.cubelet.capacity_waits.changes:
+                continue  # nothing came back since the last refusal
             sid = WARM_PREFIX + secrets.token_hex(8)
             with self._cv:
                 self._inflight[sid] = pool.key
@@ -293,8 +312,17 @@ class WarmPools:
         """Reserve → start (the normal path) → wait until it is warm or gone; a failure backs the pool off."""
         t0 = time.monotonic()
         ok = False
+        waits = None  # the capacity refusal's code, when that is why this start did not happen
+        mark = self.cubelet.capacity_waits.changes  # read before the attempt: a change during it is not missed
         try:
-            self.cubelet.reserve(sid, pool.request)
+            try:
+                self.cubelet.reserve(sid, pool.request, yield_to_waiting=True)
+            except CubeError as e:
+                if not e.code.startswith(CAPACITY_CODES) or _never_fits(e, pool.request.count):
+                    raise
+                waits = e.code
+                return
+            pool.waiting_for = None
             if self.draining:  # the drain's scan may have run before this reservation existed
                 self.cubelet.begin_teardown(sid, DRAINED, message="the node's warm pools are drained")
                 return
@@ -316,7 +344,9 @@ class WarmPools:
         finally:
             with self._cv:
                 self._inflight.pop(sid, None)
-                if ok:
+                if waits is not None:
+                    pool.waiting_for, pool.waiting_mark = waits, mark
+                elif ok:
                     pool.backoff_s, pool.retry_at = 0.0, 0.0
                     took = time.monotonic() - t0
                     pool.refill_s = [*pool.refill_s[-9:], round(took, 3)]
