@@ -24,7 +24,8 @@ from cubeaccel.master.store import MasterStore
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.states import DeviceState
-from cubeaccel.wire.cubelet_api import Release, ReservationBody, ReservationView
+from cubeaccel.wire.cubelet_api import Release, ReservationBody, ReservationView, WarmHandOff
+from cubeaccel.wire.warm import WarmClaimBody
 from tests.host.test_cubelet_scrub import PASSED, GatedRunner
 from tests.support.contract_builders import example_doc
 from tests.support.cubelet_harness import Node
@@ -45,6 +46,12 @@ class InProcess:
         if body.start:
             c.start(body.sandbox_id, body.workload_token.get_secret_value() if body.workload_token else None)
         return reservation_view(c, body.sandbox_id, True, access_token=c.take_token(body.sandbox_id))
+
+    def claim_warm(self, body: WarmClaimBody) -> ReservationView:
+        given = body.workload_token.get_secret_value() if body.workload_token else None
+        _, token, ack = self.node.cubelet.warm.claim(body.sandbox_id, _request(body), given, body.warm_id)
+        hand_off = WarmHandOff(reseed_ms=ack.reseed_ms, rebind_ms=ack.rebind_ms, reseeded=ack.reseeded)
+        return reservation_view(self.node.cubelet, body.sandbox_id, True, access_token=token, hand_off=hand_off)
 
     def release(self, sandbox_id: str) -> Release:
         return _release_view(self.node.cubelet, sandbox_id, self.node.cubelet.release(sandbox_id), True)
@@ -138,3 +145,63 @@ def _kill_then_create(m: CubeMaster, node: Node, gate: GatedRunner, killed: str,
     assert create.row is not None and create.row.state == "running" and list(create.row.device_ids) == [dev]
     assert node.device(dev).sandbox_id == sid  # the create's, not a warm start's
     assert node.cubelet.warm.views()[0].failures == 0  # the refill waited; it never failed for want of a device
+
+
+class Beating:
+    """The node's heartbeats to CubeMaster every 0.1 s while in use, as a running Cubelet sends them."""
+
+    def __init__(self, m: CubeMaster, node: Node) -> None:
+        self.m, self.node = m, node
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.1):
+            beat(self.m, self.node)
+
+    def __enter__(self) -> Beating:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def test_a_create_whose_returning_device_the_refill_took_first_gets_the_warm_sandbox_it_became(
+    one_gpu: tuple[CubeMaster, Node, GatedRunner],
+) -> None:
+    """The device came back and the warm refill (of the create's own shape) took it a moment before the create's
+    reserve reached the node: the node refuses, and the create waits for that warm start and claims it."""
+    m, node, gate = one_gpu
+    (dev,) = node.states()
+    warm = node.cubelet.warm
+    beat(m, node)
+    m.create(spec("sb-0"))
+    gate.gate.clear()
+    m.delete("sb-0")
+    poll(lambda: node.device(dev).state is DeviceState.RELEASED, 10, what="the device being scrubbed")
+    beat(m, node)  # CubeMaster's last word from the node: the device is coming back
+    c = m.registry.default_for("gpu")
+    shape = ReservationRequest(
+        count=1,
+        accel_class="gpu",
+        template=c.template_name,
+        memory_mib=c.memory_mib,
+        vcpus=1,
+        pin_memory=c.pin_memory,
+        contract=c,
+    )
+    warm.set_pool(ReservationRequest(count=1, template="warm-shape"), 0)  # only a pool of the create's own shape
+    warm.set_pool(shape, 1)
+    warm.start()
+    gate.gate.set()  # back: the refill, woken by it, takes it before any create asks
+    poll(lambda: (node.device(dev).sandbox_id or "").startswith("warm-"), 10, what="the refill took the device")
+    create = Create(m, "sb-1")
+    create.start()
+    poll(lambda: create.error or len(m.waiters) == 1, 10, what="the create waiting")
+    with Beating(m, node):
+        create.join(30)
+    assert create.error is None, create.error
+    assert create.row is not None and create.row.state == "running" and list(create.row.device_ids) == [dev]
+    assert [t.model_dump()["path"] for t in create.row.timeline if t.phase == "path"][-1] == "warm"

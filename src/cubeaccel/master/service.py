@@ -287,24 +287,27 @@ class CubeMaster:
             turn.leave()
 
     def _wait_for_capacity(
-        self, spec: CreateSpec, resolved: list[Resolved], decision: Decision, turn: Turn
-    ) -> tuple[Decision, int, dict[tuple[str, str], int]] | None:
+        self, sid: str, spec: CreateSpec, resolved: list[Resolved], decision: Decision, turn: Turn
+    ) -> tuple[Decision, int, dict[tuple[str, str], int]] | SandboxRow | None:
         """A decision with candidates once devices coming back are back, in arrival order, or one placing the
         head of the queue on them where the node's reserve waits for them itself (with, per node and group, the
-        devices coming back its claim may count on); None when nothing that fits is coming back (refuse at
-        once); `schedule.capacity_returning` when the bound passes."""
-        back = returning(decision, {v.name: v for v in self.cache.views()}, self.store.deleting_devices())
+        devices coming back its claim may count on); the sandbox itself when a warm start of its shape that was
+        on the way became warm and was claimed; None when nothing that fits is coming back (refuse at once);
+        `schedule.capacity_returning` when the bound passes."""
+        back = self._coming_back(spec, resolved, decision)
         if not back:
             return None
         turn.join(back)
         while True:
             turn.wait_turn(back)
+            if self._warm_ready(spec, resolved) and (row := self._claim_warm(sid, spec, resolved)) is not None:
+                return row
             fresh, total = self.cache.decide(resolved, time.time(), self.config.staleness_s, spec.vcpus, fresh=True)
             if fresh.candidates:
                 return fresh, total, {}
             views = {v.name: v for v in self.cache.views()}
             groups = returning_groups(fresh, views, self.store.deleting_devices())
-            back = sum(r.back for r in groups)
+            back = self._coming_back(spec, resolved, fresh)
             if not back:
                 return None
             waiting = [r for r in groups if r.node.reserve_waits and r.alternative == groups[0].alternative]
@@ -314,6 +317,20 @@ class CubeMaster:
                 owed = {(r.node.name, r.group.key): r.back for r in waiting}
                 return Decision(choice, contract, cands, fresh.outcomes), total, owed
             turn.pause()
+
+    def _coming_back(self, spec: CreateSpec, resolved: list[Resolved], decision: Decision) -> int:
+        """Devices coming back that would fit, plus warm sandboxes of the create's own shape on the way or ready
+        (a refill that took the device is capacity in motion for a create it would fit)."""
+        views, now, stale = self.cache.views(), time.time(), self.config.staleness_s
+        back = returning(decision, {v.name: v for v in views}, self.store.deleting_devices())
+        ask = WarmAsk(resolved, spec.memory_mib, spec.vcpus, self._effective_network(spec, resolved))
+        ready = sum(len(c.warm_ids) for c in warm_candidates(views, ask, now, stale)[0])
+        return back + warm_refilling(views, ask, now, stale) + ready
+
+    def _warm_ready(self, spec: CreateSpec, resolved: list[Resolved]) -> bool:
+        """A warm sandbox of the create's shape is advertised and unclaimed (a refill that was on the way)."""
+        ask = WarmAsk(resolved, spec.memory_mib, spec.vcpus, self._effective_network(spec, resolved))
+        return bool(warm_candidates(self.cache.views(), ask, time.time(), self.config.staleness_s)[0])
 
     def _place_in_turn(self, sid: str, spec: CreateSpec, resolved: list[Resolved], turn: Turn) -> SandboxRow:
         t0 = time.perf_counter()
@@ -348,9 +365,11 @@ class CubeMaster:
                     continue
                 if decision.candidates:
                     break  # every candidate was tried and refused for another reason
-                waited = self._wait_for_capacity(spec, resolved, decision, turn)
+                waited = self._wait_for_capacity(sid, spec, resolved, decision, turn)
                 if waited is None:
                     raise _with_attempts(rejection(decision, total), attempts)
+                if isinstance(waited, SandboxRow):
+                    return waited
                 decision, total, owed = waited
                 quick = 1
             assert decision.contract is not None and decision.choice is not None
