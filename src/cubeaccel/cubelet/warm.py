@@ -141,7 +141,7 @@ class WarmPools:
                 if pool is None:
                     pool = self.pools[key] = Pool(key, req, size)
                 pool.size = size
-                pool.backoff_s, pool.retry_at = 0.0, 0.0
+                pool.backoff_s, pool.retry_at, pool.waiting_for = 0.0, 0.0, None
                 self._save(t)
                 self._cv.notify_all()
             details = {"pool": key, "size": size, "template": req.template}
@@ -380,7 +380,7 @@ class WarmPools:
             with self._cv:
                 self.draining = False
                 for pool in self.pools.values():
-                    pool.backoff_s, pool.retry_at = 0.0, 0.0
+                    pool.backoff_s, pool.retry_at, pool.waiting_for = 0.0, 0.0, None
                 self._save(t)
                 self._cv.notify_all()
             t.event(EventKind.WARM_UNDRAINED, Actor.CUBELET, details={})
