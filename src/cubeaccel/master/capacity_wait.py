@@ -86,11 +86,14 @@ class Turn:
         return self.since + self.bound_s - time.monotonic()
 
     def join(self, back: int) -> None:
+        if not self.try_join():
+            raise expired(back, 0.0, f"{self.queue.limit} creates are already waiting for capacity")
+
+    def try_join(self) -> bool:
+        """Take a ticket (once); False when `limit` creates wait already."""
         if self.ticket is None:
-            t = self.queue.join()
-            if t is None:
-                raise expired(back, 0.0, f"{self.queue.limit} creates are already waiting for capacity")
-            self.ticket = t
+            self.ticket = self.queue.join()
+        return self.ticket is not None
 
     def wait_turn(self, back: int) -> None:
         """Until this create heads the queue; `schedule.capacity_returning` once the bound passed."""

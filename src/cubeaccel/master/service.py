@@ -357,8 +357,7 @@ class CubeMaster:
             if not any((c.node.name, c.group.key) not in tried for c in decision.candidates):
                 if quick == 1:
                     continue  # our copy may be old: decide once more on fresh summaries
-                if held:  # capacity in motion on those nodes: wait, in turn, for their word since the refusal
-                    turn.join(len(held))
+                if held and turn.try_join():  # capacity in motion there: wait, in turn, for their word since
                     turn.wait_turn(len(held))
                     turn.pause()
                     quick = 1
@@ -371,6 +370,8 @@ class CubeMaster:
                 if isinstance(waited, SandboxRow):
                     return waited
                 decision, total, owed = waited
+                if all((c.node.name, c.group.key) in tried for c in decision.candidates):
+                    break  # the nodes it would wait on refused it already, for another reason
                 quick = 1
             assert decision.contract is not None and decision.choice is not None
             decided_ms = (time.perf_counter() - t0) * 1000
