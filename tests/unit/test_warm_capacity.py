@@ -5,10 +5,11 @@ Cubelet and SQLite store on simulated devices; the scrub VM is a gate the test o
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
-from cubeaccel.cubelet.lifecycle import ReservationRequest
+from cubeaccel.cubelet.lifecycle import CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.store import Reservation
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -132,3 +133,14 @@ def test_a_reserve_that_waited_its_bound_says_what_was_coming_back(node: Node) -
     assert e.value.code == "reserve.insufficient_devices"
     assert e.value.details["returning_devices"] == 8 and e.value.details["waited_s"] >= 0.3
     gate.gate.set()
+
+
+def test_a_warm_start_refused_for_lockable_memory_waits_too(tmp_path: Path) -> None:
+    node = Node.create(tmp_path, "h100x8", CubeletConfig(reservation_ttl_s=60, pinnable_memory_mib=256))
+    warm = node.cubelet.warm
+    warm.set_pool(SHAPE, 1)  # 512 MiB and the VMM's overhead: more than the node may lock
+    assert len(warm.refill_once()) == 1
+    _idle(node)
+    (view,) = warm.views()
+    assert (view.failures, view.backoff_s, view.waiting_for) == (0, 0.0, "reserve.pinned_memory_exhausted")
+    assert warm.refill_once() == []  # looked at again after 2 s (the host may free memory unseen), not at once

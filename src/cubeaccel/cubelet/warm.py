@@ -106,8 +106,9 @@ class Pool:
     backoff_s: float = 0.0
     retry_at: float = 0.0
     # A start refused for capacity (no free device, no lockable memory, a device owed to a waiting create): the
-    # refusal's code and the node's capacity-change count then. Not a failure: the refill retries once capacity
-    # changed (a device allocatable again), never on a timer and never backed off.
+    # refusal's code and the node's capacity-change count then. Not a failure, never backed off: the refill
+    # retries once capacity changed (a device allocatable again); for lockable memory, which the host may free
+    # without the journal seeing it, also every 2 s.
     waiting_for: str | None = None
     waiting_mark: int = 0
     refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations
@@ -299,8 +300,10 @@ class WarmPools:
                 busy = len(self._inflight)
             if pool.size - warm - starting <= 0 or now < pool.retry_at or busy >= self.max_concurrent_starts:
                 continue
-            if pool.waiting_for is not None and pool.waiting_mark == self.cubelet.capacity_waits.changes:
-                continue  # nothing came back since the last refusal
+            if pool.waiting_for == "reserve.insufficient_devices" and (
+                pool.waiting_mark == self.cubelet.capacity_waits.changes
+            ):
+                continue  # no device came back since the last refusal
             sid = WARM_PREFIX + secrets.token_hex(8)
             with self._cv:
                 self._inflight[sid] = pool.key
@@ -346,6 +349,8 @@ class WarmPools:
                 self._inflight.pop(sid, None)
                 if waits is not None:
                     pool.waiting_for, pool.waiting_mark = waits, mark
+                    if waits != "reserve.insufficient_devices":  # lockable memory: the host's, freed unseen too
+                        pool.retry_at = time.monotonic() + BACKOFF_FIRST_S  # so also looked at again, not doubled
                 elif ok:
                     pool.backoff_s, pool.retry_at = 0.0, 0.0
                     took = time.monotonic() - t0
