@@ -153,3 +153,49 @@ def test_capacity_that_cannot_come_back_is_refused_at_once(master: CubeMaster, s
         master.create(spec("sb-never", 30))
     assert e.value.code == "schedule.unschedulable"
     assert e.value.details["tried"][0]["nodes"]["n1"]["reason"] == "insufficient_devices"
+
+
+class RefusesOnce(Cubelet):
+    """A node whose summary said a device was free, but whose device went elsewhere meanwhile (capacity in motion:
+    a release, a scrub, the warm refill): it refuses the first reserve for capacity, as a Cubelet does."""
+
+    def __init__(self) -> None:
+        self.bodies: list[ReservationBody] = []
+
+    def reserve(self, body: ReservationBody) -> ReservationView:
+        self.bodies.append(body)
+        if len(self.bodies) == 1:
+            raise CubeError("reserve.insufficient_devices", "1 device(s) requested, not enough", "cubelet", {}, 409)
+        return super().reserve(body)
+
+
+def test_a_node_refusing_for_capacity_its_summary_showed_free_is_waited_for_not_answered_409(
+    master: CubeMaster,
+) -> None:
+    node = RefusesOnce()
+    master.client = lambda url: node  # type: ignore[assignment,method-assign,return-value]
+    beat(master, allocatable=1)
+    create = Create(master, spec("sb-again", 30))
+    create.start()
+    poll(lambda: create.error or (len(node.bodies) == 1 and len(master.waiters) == 1), 10, what="waiting")
+    assert create.row is None and create.error is None, create.error  # not answered: waiting for the node's word
+    beat(master, allocatable=1)  # a heartbeat sent after the refusal: the node is asked again
+    create.join(20)
+    assert create.error is None, create.error
+    assert create.row is not None and create.row.state == "running" and len(node.bodies) == 2
+    assert [t.phase for t in create.row.timeline].count("reserve_refused") == 1
+
+
+def test_a_node_refusing_for_capacity_with_nothing_coming_back_is_refused_once_it_says_so(
+    master: CubeMaster,
+) -> None:
+    node = RefusesOnce()
+    master.client = lambda url: node  # type: ignore[assignment,method-assign,return-value]
+    beat(master, allocatable=1)
+    create = Create(master, spec("sb-taken", 30))
+    create.start()
+    poll(lambda: len(master.waiters) == 1, 10)
+    beat(master, attached=1)  # its next heartbeat: the device is held by a running sandbox
+    create.join(20)
+    assert create.error is not None and create.error.code == "schedule.unschedulable", create.error
+    assert create.error.details["attempts"][0]["code"] == "reserve.insufficient_devices"

@@ -43,6 +43,7 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         max_devices_per_sandbox=cubelet.max_devices_per_sandbox,
         warm_pools=warm_pool_facts(cubelet),
         warm_draining=cubelet.warm.draining,
+        reserve_waits=True,
         sent_at=sent_at,
         incarnation=cubelet.incarnation,
         ended=cubelet.ended.recent(),

@@ -6,6 +6,7 @@ rules (VMM exited, shim exited or final report, no holders, reset done, revalida
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import ipaddress
 import secrets
@@ -20,10 +21,11 @@ from pydantic import SecretStr
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
+from cubeaccel.cubelet.capacity_wait import CapacityWaits, reserve_waiting
 from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.ended import EndedSandboxes
 from cubeaccel.cubelet.locks import KeyedLocks
-from cubeaccel.cubelet.placement import choose_devices
+from cubeaccel.cubelet.placement import choose_devices, matches
 from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
 from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
@@ -145,6 +147,9 @@ class Cubelet(ReleasePath):
         self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
         self.scrubs: dict[str, ScrubJob] = {}
         self.scrub_image_problems: dict[str, Problem] = {}  # none known until host initialization checks
+
+        self.capacity_waits = CapacityWaits()  # reserves waiting for devices coming back, oldest first
+        store.listeners.append(self.capacity_waits.on_events)
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
         self.warm.restore()  # the pools and drain this node was given, before reconcile looks at warm sandboxes
         self.loaded_networks: dict[str, netpolicy.Loaded] = {}  # sandbox → its namespace's last loaded ruleset
@@ -163,11 +168,48 @@ class Cubelet(ReleasePath):
         return min(MAX_COUNT, self.shim.max_devices)
 
     # ---- reserve and start ----------------------------------------------------------------------
-    def reserve(self, sandbox_id: str, req: ReservationRequest) -> Reservation:
+    def reserve(
+        self, sandbox_id: str, req: ReservationRequest, capacity_wait_s: float = 0.0, yield_to_waiting: bool = False
+    ) -> Reservation:
+        """Reserve `req`'s devices for `sandbox_id`, or refuse. `capacity_wait_s`: when the devices that would fit
+        are coming back (releasing, being scrubbed), wait for them that long, in arrival order
+        (cubelet/capacity_wait.py). `yield_to_waiting` (the warm refill): refused while a waiting reserve is
+        owed a device this one could take."""
+        if capacity_wait_s <= 0:
+            return self._reserve_now(sandbox_id, req, yield_to_waiting)
+        validate_sandbox_id(sandbox_id)
+        with self.capacity_waits.queued(sandbox_id, req.accel_class) as w:
+            res = reserve_waiting(
+                self.capacity_waits,
+                w,
+                lambda: self._reserve_now(sandbox_id, req),
+                lambda: self.returning_fit(req),
+                capacity_wait_s,
+            )
+        assert isinstance(res, Reservation)
+        return res
+
+    def returning_fit(self, req: ReservationRequest) -> int:
+        """Matching devices releasing or being scrubbed, when they and the free ones would hold `req`; else 0."""
+        back = (S.RELEASING, S.RELEASED)
+        with self.store.read() as t:
+            devices = t.devices()
+        coming = [d for d in devices if d.state in back and matches(d, req.accel_class, dict(req.labels))]
+        soon = [dataclasses.replace(d, state=S.ALLOCATABLE) if d.state in back else d for d in devices]
+        fits = coming and choose_devices(soon, req.count, req.accel_class, dict(req.labels)) is not None
+        return len(coming) if fits else 0
+
+    def _reserve_now(self, sandbox_id: str, req: ReservationRequest, yield_to_waiting: bool = False) -> Reservation:
         validate_sandbox_id(sandbox_id)
         contract, params = self.request_params(req)
         self._check_count(req.count, contract)
         with self.change() as t:
+            if yield_to_waiting and (owed := self.capacity_waits.owed(req.accel_class)):
+                raise conflict(
+                    "reserve.insufficient_devices",
+                    f"{len(owed)} reserve(s) are waiting for devices here; they go first",
+                    details={"requested": req.count, "owed_to": owed},
+                )
             existing = t.reservation(sandbox_id)
             if existing is not None:
                 if existing.phase is P.RELEASING:

@@ -206,7 +206,7 @@ def create_app(
     def reserve_now(body: W.ReservationBody) -> W.ReservationView:
         req = _request(body)
         try:
-            cubelet.reserve(refuse_reserved_id(body.sandbox_id), req)
+            cubelet.reserve(refuse_reserved_id(body.sandbox_id), req, capacity_wait_s=body.capacity_wait_s or 0.0)
         except CubeError as e:
             metrics.refused(e.code)
             raise

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
+from cubeaccel.cubelet.capacity_wait import CAPACITY_CODES, CapacityWaits
 from cubeaccel.cubelet.release import CubeletConfig
 from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.shim_driver import ShimDriver
@@ -82,6 +83,11 @@ def supersedes(new: Any, old: Any) -> bool:
     same = shape == (old.contract.template_name, old.accel_class, old.count, old.vcpus)
     return same and new.contract.digest != old.contract.digest
 
+def _never_fits(refusal: CubeError, count: int) -> bool:
+    """A pool asking for more devices than the node has at all: no release makes room, so it is a failure."""
+    by_state = refusal.details.get("devices_by_state")
+    return isinstance(by_state, dict) and sum(by_state.values()) < count
+
 
 class WarmHost(Protocol):
     """What the pool needs of the Cubelet (lifecycle.Cubelet; a protocol, so this module does not import it)."""
@@ -89,12 +95,15 @@ class WarmHost(Protocol):
     store: Store
     shim: ShimDriver
     config: CubeletConfig
+    capacity_waits: CapacityWaits
 
     def request_params(self, req: Any) -> tuple[Any, ReservationParams]: ...
 
     def pool_request(self, shape: WarmPoolSetting) -> Any: ...
 
-    def reserve(self, sandbox_id: str, req: Any) -> Reservation: ...
+    def reserve(
+        self, sandbox_id: str, req: Any, capacity_wait_s: float = 0.0, yield_to_waiting: bool = False
+    ) -> Reservation: ...
 
     def start(self, sandbox_id: str, token: str | None = None, warm_pool: str | None = None) -> Reservation | None: ...
 
@@ -115,6 +124,12 @@ class Pool:
     failures: int = 0
     backoff_s: float = 0.0
     retry_at: float = 0.0
+    # A start refused for capacity (no free device, no lockable memory, a device owed to a waiting create): the
+    # refusal's code and the node's capacity-change count then. Not a failure, never backed off: the refill
+    # retries once capacity changed (a device allocatable again); for lockable memory, which the host may free
+    # without the journal seeing it, also every 2 s.
+    waiting_for: str | None = None
+    waiting_mark: int = 0
     refill_s: list[float] = field(default_factory=list)  # the last warm starts' durations
     refills: int = 0  # warm starts that became warm, and their total time (metrics: a summary)
     refill_total_s: float = 0.0
@@ -132,6 +147,7 @@ class WarmPools:
         self._stopped = False
         self.draining = False  # drain or `down`: no refill, no claim, the unclaimed ones torn down
         self._thread: threading.Thread | None = None
+        cubelet.capacity_waits.wakers.append(self.poke)  # a device back: a pool waiting for one refills now
 
     # ---- configuration -------------------------------------------------------------------------------------
     def set_pool(self, req: Any, size: int) -> Pool:
@@ -150,7 +166,7 @@ class WarmPools:
                 if pool is None:
                     pool = self.pools[key] = Pool(key, req, size)
                 pool.size = size
-                pool.backoff_s, pool.retry_at = 0.0, 0.0
+                pool.backoff_s, pool.retry_at, pool.waiting_for = 0.0, 0.0, None
                 self._save(t)
                 self._cv.notify_all()
             details = {"pool": key, "size": size, "template": req.template, "superseded": superseded}
@@ -278,6 +294,7 @@ class WarmPools:
                     misses=pool.misses,
                     failures=pool.failures,
                     backoff_s=pool.backoff_s,
+                    waiting_for=pool.waiting_for,
                 )
             )
         return out
@@ -321,6 +338,10 @@ class WarmPools:
                 busy = len(self._inflight)
             if pool.size - warm - starting <= 0 or now < pool.retry_at or busy >= self.max_concurrent_starts:
                 continue
+            if pool.waiting_for == "reserve.insufficient_devices" and (
+                pool.waiting_mark == self.cubelet.capacity_waits.changes
+            ):
+                continue  # no device came back since the last refusal
             sid = WARM_PREFIX + secrets.token_hex(8)
             with self._cv:
                 self._inflight[sid] = pool.key
@@ -332,8 +353,17 @@ class WarmPools:
         """Reserve → start (the normal path) → wait until it is warm or gone; a failure backs the pool off."""
         t0 = time.monotonic()
         ok = False
+        waits = None  # the capacity refusal's code, when that is why this start did not happen
+        mark = self.cubelet.capacity_waits.changes  # read before the attempt: a change during it is not missed
         try:
-            self.cubelet.reserve(sid, pool.request)
+            try:
+                self.cubelet.reserve(sid, pool.request, yield_to_waiting=True)
+            except CubeError as e:
+                if not e.code.startswith(CAPACITY_CODES) or _never_fits(e, pool.request.count):
+                    raise
+                waits = e.code
+                return
+            pool.waiting_for = None
             if self.draining:  # the drain's scan may have run before this reservation existed
                 self.cubelet.begin_teardown(sid, DRAINED, message="the node's warm pools are drained")
                 return
@@ -355,7 +385,11 @@ class WarmPools:
         finally:
             with self._cv:
                 self._inflight.pop(sid, None)
-                if ok:
+                if waits is not None:
+                    pool.waiting_for, pool.waiting_mark = waits, mark
+                    if waits != "reserve.insufficient_devices":  # lockable memory: the host's, freed unseen too
+                        pool.retry_at = time.monotonic() + BACKOFF_FIRST_S  # so also looked at again, not doubled
+                elif ok:
                     pool.backoff_s, pool.retry_at = 0.0, 0.0
                     took = time.monotonic() - t0
                     pool.refill_s = [*pool.refill_s[-9:], round(took, 3)]
@@ -389,7 +423,7 @@ class WarmPools:
             with self._cv:
                 self.draining = False
                 for pool in self.pools.values():
-                    pool.backoff_s, pool.retry_at = 0.0, 0.0
+                    pool.backoff_s, pool.retry_at, pool.waiting_for = 0.0, 0.0, None
                 self._save(t)
                 self._cv.notify_all()
             t.event(EventKind.WARM_UNDRAINED, Actor.CUBELET, details={})

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
-from cubeaccel.master.capacity_wait import ArrivalQueue, expired, returning
+from cubeaccel.master.capacity_wait import CAPACITY_REFUSALS, ArrivalQueue, Turn, returning, returning_groups
 from cubeaccel.master.records import IdempotencyClaim, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
@@ -284,13 +284,14 @@ class CubeMaster:
             )
 
     def _place(self, sid: str, spec: CreateSpec, resolved: list[Resolved]) -> SandboxRow:
-        ticket: list[int] = []  # this create's turn among those waiting for capacity, held until placed
+        bound = self.config.capacity_wait_s if spec.capacity_wait_s is None else spec.capacity_wait_s
+        turn = Turn(self.waiters, bound)  # this create's wait for capacity, its ticket held until placed
         try:
             warm = self._claim_warm(sid, spec, resolved)
             if warm is not None:
                 return warm
             try:
-                return self._place_in_turn(sid, spec, resolved, ticket)
+                return self._place_in_turn(sid, spec, resolved, turn)
             except CubeError as e:
                 if e.code.startswith("schedule."):  # say what warm sandboxes hold: not free for this request
                     held = {v.name: n for v in self.cache.views() if (n := sum(p.warm for p in v.warm_pools))}
@@ -298,58 +299,99 @@ class CubeMaster:
                         e.details["warm_held"] = held
                 raise
         finally:
-            for t in ticket:
-                self.waiters.leave(t)
+            turn.leave()
 
     def _wait_for_capacity(
-        self, spec: CreateSpec, resolved: list[Resolved], decision: Decision, ticket: list[int]
-    ) -> tuple[Decision, int] | None:
-        """A decision with candidates once devices coming back are back, in arrival order; None when nothing
-        that fits is coming back (refuse at once); `schedule.capacity_returning` when the bound passes."""
-        back = returning(decision, {v.name: v for v in self.cache.views()}, self.store.deleting_devices())
+        self, sid: str, spec: CreateSpec, resolved: list[Resolved], decision: Decision, turn: Turn
+    ) -> tuple[Decision, int, dict[tuple[str, str], int]] | SandboxRow | None:
+        """A decision with candidates once devices coming back are back, in arrival order, or one placing the
+        head of the queue on them where the node's reserve waits for them itself (with, per node and group, the
+        devices coming back its claim may count on); the sandbox itself when a warm start of its shape that was
+        on the way became warm and was claimed; None when nothing that fits is coming back (refuse at once);
+        `schedule.capacity_returning` when the bound passes."""
+        back = self._coming_back(spec, resolved, decision)
         if not back:
             return None
-        t0 = time.monotonic()
-        bound = self.config.capacity_wait_s if spec.capacity_wait_s is None else spec.capacity_wait_s
-        t = self.waiters.join()
-        if t is None:
-            raise expired(back, 0.0, f"{self.waiters.limit} creates are already waiting for capacity")
-        ticket.append(t)
+        turn.join(back)
         while True:
-            left = t0 + bound - time.monotonic()
-            if left <= 0 or not self.waiters.wait_turn(t, left):
-                raise expired(back, time.monotonic() - t0, f"they were not back within {bound:g}s")
+            turn.wait_turn(back)
+            if self._warm_ready(spec, resolved) and (row := self._claim_warm(sid, spec, resolved)) is not None:
+                return row
             fresh, total = self.cache.decide(resolved, time.time(), self.config.staleness_s, spec.vcpus, fresh=True)
             if fresh.candidates:
-                return fresh, total
-            back = returning(fresh, {v.name: v for v in self.cache.views()}, self.store.deleting_devices())
+                return fresh, total, {}
+            views = {v.name: v for v in self.cache.views()}
+            groups = returning_groups(fresh, views, self.store.deleting_devices())
+            back = self._coming_back(spec, resolved, fresh)
             if not back:
                 return None
-            self.waiters.pause(min(0.25, max(0.0, t0 + bound - time.monotonic())))
+            waiting = [r for r in groups if r.node.reserve_waits and r.alternative == groups[0].alternative]
+            if waiting:  # the node keeps the device for this create from its return (cubelet/capacity_wait.py)
+                choice, contract, _ = resolved[groups[0].alternative]
+                cands = [Candidate(r.node, r.group, (float(r.back),)) for r in waiting]
+                owed = {(r.node.name, r.group.key): r.back for r in waiting}
+                return Decision(choice, contract, cands, fresh.outcomes), total, owed
+            turn.pause()
 
-    def _place_in_turn(self, sid: str, spec: CreateSpec, resolved: list[Resolved], ticket: list[int]) -> SandboxRow:
+    def _coming_back(self, spec: CreateSpec, resolved: list[Resolved], decision: Decision) -> int:
+        """Devices coming back that would fit, plus warm sandboxes of the create's own shape on the way or ready
+        (a refill that took the device is capacity in motion for a create it would fit)."""
+        views, now, stale = self.cache.views(), time.time(), self.config.staleness_s
+        back = returning(decision, {v.name: v for v in views}, self.store.deleting_devices())
+        ask = WarmAsk(resolved, spec.memory_mib, spec.vcpus, self._effective_network(spec, resolved))
+        ready = sum(len(c.warm_ids) for c in warm_candidates(views, ask, now, stale)[0])
+        return back + warm_refilling(views, ask, now, stale) + ready
+
+    def _warm_ready(self, spec: CreateSpec, resolved: list[Resolved]) -> bool:
+        """A warm sandbox of the create's shape is advertised and unclaimed (a refill that was on the way)."""
+        ask = WarmAsk(resolved, spec.memory_mib, spec.vcpus, self._effective_network(spec, resolved))
+        return bool(warm_candidates(self.cache.views(), ask, time.time(), self.config.staleness_s)[0])
+
+    def _place_in_turn(self, sid: str, spec: CreateSpec, resolved: list[Resolved], turn: Turn) -> SandboxRow:
         t0 = time.perf_counter()
         attempts: list[ReserveAttempt] = []
         tried: set[tuple[str, str]] = set()
+        # Nodes that refused for capacity their summary showed free (capacity in motion: a release, a scrub, the
+        # warm refill): tried again once a heartbeat newer than the refusal arrived.
+        held: dict[str, float] = {}
         lost = 0  # claims another placement won first
-        for round_ in range(3):
+        quick = 0  # decisions that did not wait: three, as before, then the create gives up
+        while True:
             t_decide = time.perf_counter()
             decision, total = self.cache.decide(
-                resolved, time.time(), self.config.staleness_s, spec.vcpus, fresh=round_ > 0
+                resolved, time.time(), self.config.staleness_s, spec.vcpus, fresh=quick > 0
             )
-            if self.on_decision is not None and (decision.candidates or round_ > 0):  # the one acted on
+            quick += 1
+            if self.on_decision is not None and (decision.candidates or quick > 1):  # the one acted on
                 self.on_decision(decision, time.perf_counter() - t_decide)
-            if not decision.candidates:
-                if round_ == 0:
+            for node, refused_at in list(held.items()):
+                if any(v.name == node and v.received_at > refused_at for v in self.cache.views()):
+                    tried = {k for k in tried if k[0] != node}
+                    del held[node]
+            owed: dict[tuple[str, str], int] = {}  # placed on devices coming back: those its claim counts on
+            if not any((c.node.name, c.group.key) not in tried for c in decision.candidates):
+                if quick == 1:
                     continue  # our copy may be old: decide once more on fresh summaries
-                waited = None if ticket else self._wait_for_capacity(spec, resolved, decision, ticket)
+                if held and turn.try_join():  # capacity in motion there: wait, in turn, for their word since
+                    turn.wait_turn(len(held))
+                    turn.pause()
+                    quick = 1
+                    continue
+                if decision.candidates:
+                    break  # every candidate was tried and refused for another reason
+                waited = self._wait_for_capacity(sid, spec, resolved, decision, turn)
                 if waited is None:
                     raise _with_attempts(rejection(decision, total), attempts)
-                decision, total = waited
+                if isinstance(waited, SandboxRow):
+                    return waited
+                decision, total, owed = waited
+                if all((c.node.name, c.group.key) in tried for c in decision.candidates):
+                    break  # the nodes it would wait on refused it already, for another reason
+                quick = 1
             assert decision.contract is not None and decision.choice is not None
             decided_ms = (time.perf_counter() - t0) * 1000
             for cand in decision.candidates:
-                if len(attempts) >= self.config.max_attempts:
+                if len([a for a in attempts if not a.code.startswith(CAPACITY_REFUSALS)]) >= self.config.max_attempts:
                     break
                 if (cand.node.name, cand.group.key) in tried:
                     continue
@@ -366,6 +408,7 @@ class CubeMaster:
                     pinned,
                     tenant=spec.tenant,
                     accel_class=decision.choice.accel_class,
+                    returning=owed.get((cand.node.name, cand.group.key), 0),
                 ):
                     lost += 1
                     continue  # another placement got there first; not a Cubelet attempt
@@ -380,10 +423,18 @@ class CubeMaster:
                         score=list(cand.score),
                     ),
                 )
-                placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts)
+                refused_at = time.time()
+                placed = self._reserve(sid, spec, cand, decision.choice, decision.contract, attempts, turn)
                 if placed is not None:
                     return placed
-            if len(attempts) >= self.config.max_attempts:
+                if attempts[-1].code.startswith(CAPACITY_REFUSALS):
+                    back = owed.get((cand.node.name, cand.group.key))
+                    if back and turn.left() <= 0:  # the node waited for them as long as we may
+                        raise turn.expired(back)
+                    held[cand.node.name] = refused_at
+            if len([a for a in attempts if not a.code.startswith(CAPACITY_REFUSALS)]) >= self.config.max_attempts:
+                break
+            if quick >= 3 and not held:
                 break
         raise CubeError(
             "schedule.placement_failed",
@@ -401,6 +452,7 @@ class CubeMaster:
         choice: AcceleratorChoice,
         contract: CompatibilityContract,
         attempts: list[ReserveAttempt],
+        turn: Turn | None = None,
     ) -> SandboxRow | None:
         raw: dict[str, Any] = {
             "sandbox_id": sid,
@@ -415,6 +467,10 @@ class CubeMaster:
             "workload_token": spec.workload_token,
             "network": spec.network,  # Cubelet narrows again: it trusts no policy it did not derive
         }
+        if turn is not None and cand.node.reserve_waits and (left := turn.left()) > 0:
+            # devices coming back there are waited for on the node, in its arrival order, within our bound and
+            # under the request's own timeout (the start follows the reserve in the same call)
+            raw["capacity_wait_s"] = round(min(left, max(0.0, self.config.cubelet_timeout_s - 10)), 3)
         row = self.store.sandbox(sid)
         if row is not None:  # the Cubelet's backstop: the longest this sandbox may live (set_timeout extends ours)
             raw["tenant"] = row.tenant  # and whose it is: the node's audit trail names who had the device

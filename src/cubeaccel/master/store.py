@@ -240,9 +240,12 @@ class MasterStore:
         *,
         tenant: str | None = None,
         accel_class: str | None = None,
+        returning: int = 0,
     ) -> bool:
         """Admit a placement on `node` under its row lock, or say no (the caller tries the next node).
-        Devices and pinned memory are both re-checked against the summary minus the claims it cannot show.
+        Devices and pinned memory are both re-checked against the summary minus the claims it cannot show;
+        `returning`: devices of the group coming back that this placement may count on (a create whose reserve
+        waits for them on the node, master/capacity_wait.py).
         The tenant's quota is checked in the same transaction under the tenant's row lock (taken after the
         node's, always in that order), so concurrent creates through any replica cannot overshoot it: a
         refusal raises `quota.*`."""
@@ -253,7 +256,7 @@ class MasterStore:
             view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
             group = next((g for g in view.groups if g.key == group_key), None)
             claimed = _claims(c, node).get(node, {}).get(group_key, 0)
-            if count > 0 and (group is None or group.allocatable - claimed < count):
+            if count > 0 and (group is None or group.allocatable + returning - claimed < count):
                 return False  # a CPU-only placement (count 0) takes no device: only memory and quota decide
             if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
                 return False

@@ -71,6 +71,7 @@ class NodeView:
     warm_pools: tuple[WarmPoolFact, ...] = ()  # docs/warm.md: shape, counts, the ids ready to claim
     warm_claimed: frozenset[str] = frozenset()  # warm ids this cluster's claim rows hold (not offered again)
     warm_draining: bool | None = None  # the Cubelet's warm drain as its last heartbeat said; None: not said
+    reserve_waits: bool = False  # its reserve waits for devices coming back when asked (`capacity_wait_s`)
 
     def free(self, g: Group) -> int:
         return g.allocatable - self.claims.get(g.key, 0)
@@ -248,4 +249,5 @@ def view_from_heartbeat(body: Mapping[str, Any], received_at: float, state: str 
         max_devices=hb.max_devices_per_sandbox,
         warm_pools=tuple(hb.warm_pools),
         warm_draining=hb.warm_draining,
+        reserve_waits=hb.reserve_waits,
     )

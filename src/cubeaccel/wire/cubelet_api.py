@@ -38,6 +38,10 @@ class ReservationBody(Message):
     # Whose sandbox it is, for the node's audit trail (who had which device). Absent from an older CubeMaster and
     # from local callers: the assignment is then audited with tenant null.
     tenant: str | None = Field(default=None, min_length=1, max_length=128)
+    # When the devices that fit are being released or scrubbed on this node: wait for them this long, in arrival
+    # order, before refusing (cubelet/capacity_wait.py). None: refuse at once. CubeMaster sends it only to a
+    # Cubelet whose heartbeat says `reserve_waits`.
+    capacity_wait_s: float | None = Field(default=None, ge=0, le=600)
 
 
 class NetworkUpdateBody(Message):

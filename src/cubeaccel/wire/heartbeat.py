@@ -71,6 +71,9 @@ class Heartbeat(LenientMessage, NodeNews):
     warm_pools: Annotated[list[WarmPoolFact], BeforeValidator(_none_is_empty)] = []
     # Whether the node's warm pools are drained (a node drain, `down`). None: a Cubelet older than the field.
     warm_draining: StrictBool | None = None
+    # Whether this Cubelet's reserve takes `capacity_wait_s` (waits on the node for devices coming back). False:
+    # a Cubelet older than the field, which would refuse the field; CubeMaster waits on its heartbeats instead.
+    reserve_waits: StrictBool = False
     sent_at: Finite | None = None  # Cubelet clock, read before the capacity: the summary is at least this fresh
 
     @field_validator("pinned_memory", mode="before")

@@ -90,6 +90,9 @@ class WarmPoolView(Reply):
     misses: int
     failures: int  # warm starts that failed (the refill backs off)
     backoff_s: float
+    # The refill's last start was refused for capacity (that code): it waits for a device to come back, not
+    # counted as a failure, not backed off. None: not waiting.
+    waiting_for: str | None = None
 
 
 class WarmPoolList(Reply):
