@@ -26,7 +26,7 @@ from cubeaccel.host.vmm.hypervisor import host_cpus, numa_nodes
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_messages import PciFunction, ProbeParams, ShutdownParams, WaitPciParams
-from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
+from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S, deadline_scale
 from cubeaccel.model.bars import (
     human_bytes,
     parse_resource_lines,
@@ -86,14 +86,24 @@ def qdev_id(index: int) -> str:
     return f"accel{index}"
 
 
-def probe_timeout_s(contract: dict[str, object] | None) -> float:
+def probe_timeout_s(contract: dict[str, object] | None, scale: float = 1.0) -> float:
     """Long enough for the agent's own timeouts to fire first, so a slow step is reported at its real layer
-    (modules_img, cuda_runtime) rather than as an `agent.timeout` of the whole probe."""
+    (modules_img, cuda_runtime) rather than as an `agent.timeout` of the whole probe. `scale`: the load stretch
+    sent with the probe (`host_deadline_scale`), which stretches the agent's timeouts alike."""
     probes = (contract or {}).get("guest_probes") or (contract or {}).get("probes") or {}
     modules = probes.get("modules", []) if isinstance(probes, dict) else []
     cuda = isinstance(probes, dict) and bool(probes.get("cuda") or probes.get("libraries"))
     n = len(modules) if isinstance(modules, list) else 0
-    return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0))
+    return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0)) * scale
+
+
+def host_deadline_scale() -> float:
+    """This host's load stretch for the guest's deadlines (a TCG guest runs as fast as its host lets it)."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return 1.0
+    return deadline_scale(load, os.cpu_count() or 1)
 
 
 class Shim:
@@ -540,7 +550,12 @@ class Shim:
         ids = tuple(d.device_id for d in self.spec.devices)
         contract = self._probe_contract()
         try:
-            reply = agent.probe(ProbeParams(contract), timeout_s=probe_timeout_s(contract), cancel_fd=self._wake_r)
+            scale = host_deadline_scale()
+            reply = agent.probe(
+                ProbeParams(contract, deadline_scale=scale),
+                timeout_s=probe_timeout_s(contract, scale),
+                cancel_fd=self._wake_r,
+            )
         except CubeError as e:
             if e.code == "agent.cancelled":  # teardown was asked for: not a verdict on the guest
                 raise
