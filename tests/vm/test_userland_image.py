@@ -16,6 +16,8 @@ import httpx
 import pytest
 
 from cubeaccel.images.manifest import Manifest
+from cubeaccel.images.userland import BASE_USERLAND
+from tests.support.cpio_names import cpio_names
 from tests.support.vmm_cleanup import kill_started_vmms
 from tests.vm.conftest import ShimRun, emulated_id
 from tests.workload_client import WorkloadClient
@@ -46,6 +48,15 @@ COMMANDS = {
     " && getfattr --only-values -n user.e2b.author x.txt | grep -qx mish",
     "ca_bundle": "test -s /etc/ssl/certs/ca-certificates.crt && python3 -c 'import ssl; "
     'assert ssl.create_default_context().cert_store_stats()["x509_ca"] > 100\'',
+    # what the SDK's users check first: each of E2B base's tools is found on PATH
+    "command_v": "for t in xargs sort grep git curl sudo tput python3 pip ls awk sed find; do"
+    ' command -v "$t" >/dev/null || { echo "missing $t"; exit 1; }; done',
+    # E2B's own git tests serve their remote with `git daemon`: a clone from it over loopback
+    "git_daemon": 'd="$(mktemp -d)" && git init -q --bare "$d/r.git" && git daemon --reuseaddr --export-all'
+    ' --base-path="$d" --listen=127.0.0.1 --port=9418 --detach --pid-file="$d/pid"'
+    " && for i in $(seq 100); do git ls-remote git://127.0.0.1/r.git >/dev/null 2>&1 && break; sleep 0.1; done"
+    ' && git clone -q git://127.0.0.1/r.git "$d/c" 2>&1 | grep -v "empty repository"; test -d "$d/c/.git"; rc=$?;'
+    ' kill "$(cat "$d/pid")"; exit $rc',
 }
 
 
@@ -96,6 +107,18 @@ def wl(vm: ShimRun) -> Iterator[WorkloadClient]:
     assert vm.workload_token is not None
     yield WorkloadClient(http, vm.workload_token)
     http.close()
+
+
+@pytest.mark.parametrize("image", ["userland_image", "gpu_image"])
+def test_every_image_a_template_pins_carries_the_whole_base_userland(
+    request: pytest.FixtureRequest, image: str
+) -> None:
+    """The GPU image is the userland with NVIDIA's stack added: nothing of the userland is missing from it."""
+    m: Manifest = request.getfixturevalue(image)
+    names = cpio_names(m.path(m.rootfs))
+    missing = {tool: rel for tool, rel in BASE_USERLAND.items() if rel not in names}
+    assert not missing, f"{m.key}: {missing}"
+    assert "usr/share/git-core/templates/description" in names  # git init's templates, not only the directory
 
 
 def test_the_image_records_its_flavour(userland_image: Manifest) -> None:

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from cubeaccel.images import packages
 from cubeaccel.images.packages import image_error
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.mux import WORKLOAD_PORT_NAME
@@ -218,6 +219,26 @@ def prune(root: Path, keep: tuple[str, ...] = (), keep_dynload: tuple[str, ...] 
     for so in dynload.glob("*.so"):
         if so.name.startswith(_PRUNE_DYNLOAD_PREFIXES) and not so.name.startswith(keep_dynload or ("\0",)):
             so.unlink()
+
+
+def extract_adding(debs: list[Path], root: Path, drop: tuple[str, ...]) -> None:
+    """Extract `debs` over `root`, then remove what they added under the `drop` directories, and only that: a
+    vendor stack's documentation goes, the flavour's kept files there (git's templates) stay."""
+    before = {rel: _tree(root / rel) for rel in drop}
+    for deb in debs:
+        packages.extract(deb, root)
+    for rel, kept in before.items():
+        for path in sorted(_tree(root / rel) - kept, key=lambda p: len(p.parts), reverse=True):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _tree(top: Path) -> set[Path]:
+    if top.is_symlink() or not top.is_dir():
+        return {top} if top.is_symlink() or top.exists() else set()
+    return {top, *top.rglob("*")}
 
 
 def install_busybox(root: Path) -> None:
