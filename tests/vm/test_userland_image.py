@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shlex
 import uuid
 from collections.abc import Iterator
 
@@ -137,3 +138,53 @@ def test_e2b_base_tools_run_as_user_in_a_login_shell(wl: WorkloadClient, tool: s
 def test_the_commands_ran_as_user_and_sudo_made_root(wl: WorkloadClient) -> None:
     s = wl.run("id -un; sudo -n id -un; tput -T xterm cols")
     assert s.output().decode().split() == ["user", "root", "80"], s.output()
+
+
+def _ok(wl: WorkloadClient, script: str) -> str:
+    s = wl.run(script)
+    out = (s.output() + s.output("stderr")).decode(errors="replace")
+    assert s.end.get("exitCode", 0) == 0 and s.end.get("exited"), f"{script}: {s.end} {out[-800:]}"
+    return s.output().decode()
+
+
+def test_tmp_and_the_home_share_one_disk_bounded_below_the_guests_memory(wl: WorkloadClient) -> None:
+    """Bounded together: one RAM disk holds both (each on its own, at half the memory, could fill the guest)."""
+    tmp_dev, home_dev = _ok(wl, "stat -c %d /tmp; stat -c %d ~").split()
+    assert tmp_dev == home_dev
+    disk_kib, mem_kib = (int(x) for x in _ok(wl, "df -k --output=size /tmp | tail -1; grep MemTotal /proc/meminfo"
+                                              " | tr -s ' ' | cut -d' ' -f2").split())  # fmt: skip
+    assert disk_kib < mem_kib // 2, (disk_kib, mem_kib)
+    assert _ok(wl, "stat -c %a /tmp").strip() == "1777"
+
+
+def test_the_guests_services_are_out_of_the_oom_killers_reach_and_commands_are_not(wl: WorkloadClient) -> None:
+    out = _ok(
+        wl,
+        "for p in $(ps -e -o pid=,args= | grep -E '[c]ubeaccel\\.(agent|workload) serve' | cut -c1-8); do"
+        " cat /proc/$p/oom_score_adj; done; echo self $(cat /proc/self/oom_score_adj)",
+    )
+    *services, (_, mine) = [line.split() for line in out.splitlines()]
+    assert len(services) >= 2 and all(s == ["-1000"] for s in services), out
+    assert mine == "100"
+
+
+def test_a_command_that_fills_tmp_and_its_home_gets_enospc_and_the_sandbox_keeps_answering(wl: WorkloadClient) -> None:
+    """What used to OOM the guest (its services killed, the sandbox `running`, calls hanging): now a full disk."""
+    fill = (
+        "import errno, os, sys\n"
+        "n = 0\n"
+        "for path in ('/tmp/fill', os.path.expanduser('~/fill')):\n"
+        "    try:\n"
+        "        with open(path, 'wb') as f:\n"
+        "            while n < 4096:\n"
+        "                f.write(b'x' * (1 << 20)); f.flush(); n += 1\n"
+        "    except OSError as e:\n"
+        "        print(path, errno.errorcode[e.errno], n)\n"
+    )
+    try:
+        out = _ok(wl, f"python3 -c {shlex.quote(fill)}").split()
+        assert out[1] == "ENOSPC" and out[4] == "ENOSPC", out  # /tmp filled the disk, then the home found it full
+        assert _ok(wl, "echo still here").strip() == "still here"
+    finally:
+        _ok(wl, "rm -f /tmp/fill ~/fill")
+    assert _ok(wl, "head -c 1048576 /dev/zero > /tmp/again && echo ok; rm /tmp/again").strip() == "ok"
