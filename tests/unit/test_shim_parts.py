@@ -206,14 +206,14 @@ def test_the_probe_deadline_stretches_with_the_hosts_load_as_the_agents_do(
 ) -> None:
     """The shim sends its load stretch with the probe; its own deadline still outlasts the stretched agent's."""
     from cubeaccel.agent.probes import ProbeContext
-    from cubeaccel.shim import process
+    from cubeaccel.shim import load_scale, process
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 0.0, 0.0))
-    scale = process.host_deadline_scale()
+    scale = load_scale.host_deadline_scale()
     assert scale == 2.5
     stretched = ProbeContext(root=tmp_path).stretched(scale)  # (no guest load of its own)
     frozen: dict[str, object] = {"guest_probes": {"modules": ["nvidia", "nvidia_uvm"], "cuda": {"version": "12.4"}}}
     assert process.probe_timeout_s(frozen, scale) > 2 * stretched.modprobe_timeout_s + 2 * stretched.cuda_timeout_s
     monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.0, 0.0))
-    assert process.host_deadline_scale() == 1.0
+    assert load_scale.host_deadline_scale() == 1.0

@@ -26,7 +26,7 @@ from cubeaccel.host.vmm.hypervisor import host_cpus, numa_nodes
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.agent_messages import PciFunction, ProbeParams, ShutdownParams, WaitPciParams
-from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S, deadline_scale
+from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.bars import (
     human_bytes,
     parse_resource_lines,
@@ -45,6 +45,7 @@ from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.warm_control import WarmControl, unknowable_token, warm_up
+from cubeaccel.shim.load_scale import host_deadline_scale
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.transport.telemetry import configure_logging, set_request_id
 from cubeaccel.wire.reports import (
@@ -64,6 +65,8 @@ from cubeaccel.wire.reports import (
     VmStarted,
     WarmClaimed,
     WorkloadReady,
+    WorkloadRecovered,
+    WorkloadUnresponsive,
 )
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
@@ -95,15 +98,6 @@ def probe_timeout_s(contract: dict[str, object] | None, scale: float = 1.0) -> f
     cuda = isinstance(probes, dict) and bool(probes.get("cuda") or probes.get("libraries"))
     n = len(modules) if isinstance(modules, list) else 0
     return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0)) * scale
-
-
-def host_deadline_scale() -> float:
-    """This host's load stretch for the guest's deadlines (a TCG guest runs as fast as its host lets it)."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return 1.0
-    return deadline_scale(load, os.cpu_count() or 1)
 
 
 class Shim:
@@ -317,11 +311,21 @@ class Shim:
         if not self.workload_token:
             raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
         self.bridge = WorkloadBridge(
-            spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
+            spec.run_dir / "workload-vmm.sock",
+            spec.run_dir / "workload.sock",
+            self.workload_token,
+            on_health=self._workload_health,
         )
         self.workload_token = None  # the bridge holds it (a warm one must not outlive its claim anywhere)
         self.bridge.start(10.0)
         return warm_token
+
+    def _workload_health(self, answering: bool, why: str) -> None:
+        """The bridge found the workload service gone (or back): the Cubelet's event trail says so, by name."""
+        if answering:
+            self.reporter.report(WorkloadRecovered(message=why))
+        else:
+            self.reporter.report(WorkloadUnresponsive(reason="workload.unresponsive", message=why))
 
     def _prove_vmm(self, vmm: QemuVmm, t: float) -> float:
         """Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own
