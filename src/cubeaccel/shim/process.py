@@ -38,6 +38,7 @@ from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
 from cubeaccel.shim.image_check import image_mismatches
+from cubeaccel.shim.load_scale import host_deadline_scale
 from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
@@ -45,7 +46,6 @@ from cubeaccel.shim.reporter import Reporter
 from cubeaccel.shim.template import template_lease
 from cubeaccel.shim.vmm import ExitInfo, VmConfig
 from cubeaccel.shim.warm_control import WarmControl, unknowable_token, warm_up
-from cubeaccel.shim.load_scale import host_deadline_scale
 from cubeaccel.shim.workload_bridge import WorkloadBridge, workload_error
 from cubeaccel.transport.telemetry import configure_logging, set_request_id
 from cubeaccel.wire.reports import (
