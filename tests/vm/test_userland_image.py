@@ -188,3 +188,35 @@ def test_a_command_that_fills_tmp_and_its_home_gets_enospc_and_the_sandbox_keeps
     finally:
         _ok(wl, "rm -f /tmp/fill ~/fill")
     assert _ok(wl, "head -c 1048576 /dev/zero > /tmp/again && echo ok; rm /tmp/again").strip() == "ok"
+
+
+# Stops the workload service (as root, the tenant's sudo) and resumes it later from a process of its own session.
+FREEZE = (
+    "import os, signal, subprocess, sys, time\n"
+    "pid = int(subprocess.run(['pgrep', '-f', '-o', 'cubeaccel.workload serve'], capture_output=True,"
+    " text=True).stdout.split()[0])\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        time.sleep(float(sys.argv[1]))\n"
+    "        os.kill(pid, signal.SIGCONT)\n"
+    "    os._exit(0)\n"
+    "os.kill(pid, signal.SIGSTOP)\n"
+)
+
+
+def test_a_workload_service_that_stops_answering_is_named_to_the_caller_and_reported(
+    vm: ShimRun, wl: WorkloadClient
+) -> None:
+    """Nothing closes a virtio port when the guest's service stops: the bridge's PINGs go unanswered, calls get a
+    503 naming `workload.unresponsive` instead of hanging, the shim reports it, and the service is served again
+    once it answers. (Last in this module: the service is frozen for minutes.)"""
+    resume_after_s = 240  # past the bridge's 20 s, stretched up to 3x on a loaded host
+    with pytest.raises(httpx.HTTPError):  # this call's reply can never come: the service froze under it
+        wl.run(f"sudo -n python3 -c {shlex.quote(FREEZE)} {resume_after_s}")
+    reported = vm.wait_for("workload_unresponsive", 120)
+    assert reported["details"]["reason"] == "workload.unresponsive"
+    refused = wl.http.post("/process.Process/Start", json={}, headers={"X-Access-Token": wl.token})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "workload.unresponsive"
+    vm.wait_for("workload_recovered", resume_after_s + 120)
+    assert _ok(wl, "echo back").strip() == "back"
