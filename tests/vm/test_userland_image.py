@@ -211,6 +211,7 @@ def test_a_workload_service_that_stops_answering_is_named_to_the_caller_and_repo
     """Nothing closes a virtio port when the guest's service stops: the bridge's PINGs go unanswered, calls get a
     503 naming `workload.unresponsive` instead of hanging, the shim reports it, and the service is served again
     once it answers. (Last in this module: the service is frozen for minutes.)"""
+    assert "workload_unresponsive" not in vm.kinds()  # boot, validation, a full disk: none made it miss a PING
     resume_after_s = 240  # past the bridge's 20 s, stretched up to 3x on a loaded host
     with pytest.raises(httpx.HTTPError):  # this call's reply can never come: the service froze under it
         wl.run(f"sudo -n python3 -c {shlex.quote(FREEZE)} {resume_after_s}")
