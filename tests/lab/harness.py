@@ -34,6 +34,7 @@ from typing import Any
 
 from cubeaccel.images import cpio, kernel, packages
 from cubeaccel.images.builder import build, cache_dir, resolve_inputs
+from cubeaccel.model.agent_protocol import MAX_DEADLINE_SCALE, deadline_scale
 
 SRC_PKG = Path(__file__).resolve().parents[2] / "src" / "cubeaccel"
 GUEST_DIR = Path(__file__).resolve().parent / "guest"
@@ -421,14 +422,14 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-MAX_LOAD_SCALE = 3.0
+MAX_LOAD_SCALE = MAX_DEADLINE_SCALE
 
 
 def load_scale() -> float:
     """How much longer than on an idle machine a TCG boot may take now: the 1-minute load per core, from 1 up to
-    MAX_LOAD_SCALE (at load 12-18 on 2 cores the fixed allowances ran out and the lab errored)."""
-    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
-    return min(MAX_LOAD_SCALE, max(1.0, per_core))
+    MAX_LOAD_SCALE (at load 12-18 on 2 cores the fixed allowances ran out and the lab errored); the rule the
+    guest's own deadlines follow (model/agent_protocol.deadline_scale)."""
+    return deadline_scale(os.getloadavg()[0], os.cpu_count() or 1)
 
 
 def boot(

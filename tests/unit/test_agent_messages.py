@@ -26,6 +26,7 @@ from cubeaccel.agent.protocol import Agent, encode
 from cubeaccel.agent.serve import ServeOptions, serve
 from cubeaccel.model import agent_messages as M
 from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
+from cubeaccel.model.agent_protocol import MAX_DEADLINE_SCALE as MAX_SCALE
 from cubeaccel.model.error_catalog import CATALOG
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import (
@@ -456,7 +457,9 @@ typed_messages = st.one_of(
         M.ReseedResult, st.none() | st.booleans(), st.none() | st.integers(0, 256), st.none() | st.booleans(), opt_words
     ),
     st.builds(M.ShutdownParams, st.booleans()),
-    st.builds(M.ProbeParams, st.none() | json_objects, st.none() | st.booleans()),
+    st.builds(
+        M.ProbeParams, st.none() | json_objects, st.none() | st.booleans(), st.none() | st.floats(1.0, MAX_SCALE)
+    ),
     st.builds(
         M.ProbeReply,
         st.booleans(),
@@ -546,6 +549,22 @@ def test_load_modules_reads_no_probe_flag_and_no_contract_when_it_names_its_modu
     with pytest.raises(CubeError) as bad:
         M.LoadModulesParams.from_json({"contract": 5})
     assert (bad.value.code, bad.value.message) == ("agent.invalid_contract", "contract must be a JSON object")
+
+
+@pytest.mark.parametrize("scale", [0.5, MAX_SCALE + 1, "2", True, None, float("nan")])
+def test_a_deadline_scale_out_of_its_range_is_refused_by_name(scale: object) -> None:
+    """The host's load stretch is 1..MAX_DEADLINE_SCALE: a guest never waits without bound on a host's word."""
+    for params in (M.ProbeParams, M.LoadModulesParams):
+        with pytest.raises(CubeError) as bad:
+            params.from_json({"modules": ["a"], "deadline_scale": scale})
+        assert bad.value.code == "agent.invalid_params" and "deadline_scale" in bad.value.message
+
+
+def test_an_older_shims_probe_has_no_deadline_scale_and_a_newer_one_sends_it() -> None:
+    assert M.ProbeParams({"probes": {}}).to_json() == {"contract": {"probes": {}}}  # byte for byte as before
+    sent = M.ProbeParams({"probes": {}}, deadline_scale=2.5).to_json()
+    assert sent["deadline_scale"] == 2.5 and M.ProbeParams.from_json(sent).deadline_scale == 2.5
+    assert M.LoadModulesParams.from_json(M.LoadModulesParams(["a"], deadline_scale=3).to_json()).deadline_scale == 3
 
 
 @pytest.mark.parametrize(

@@ -275,6 +275,41 @@ def test_a_contract_that_says_load_modules_false_gets_no_modprobe(tmp_path: Path
     assert result["failed_layers"] == ["modules_img"]  # still checked: nvidia is not loaded
 
 
+def _slow_modprobe(root: Path, seconds: float) -> str:
+    """A modprobe that succeeds after `seconds` (a big module under TCG on a loaded host)."""
+    script = root / "slow-modprobe.sh"
+    script.write_text(f'#!/bin/sh\nsleep {seconds}\necho "$1 16384 0 - Live 0x0" >> "{root}/proc/modules"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_a_probe_from_a_loaded_host_stretches_the_modprobe_deadline_by_the_hosts_figure(tmp_path: Path) -> None:
+    """The host sends its load stretch with the probe: a modprobe that outlasts the idle deadline but not the
+    stretched one loads, and is not reported as a timeout at the wrong layer."""
+    FakeGuest(tmp_path)
+    ctx = ProbeContext(root=tmp_path, modprobe=(_slow_modprobe(tmp_path, 1.0),), modprobe_timeout_s=0.6)
+    with served(Agent(ctx=ctx), OPTIONS) as (peer, _):
+        idle = peer.call("probe", request_id=1, contract={"modules": ["nvidia"]})["result"]
+        loaded = peer.call("probe", request_id=2, contract={"modules": ["nvidia"]}, deadline_scale=3.0)["result"]
+        modules = peer.call("load_modules", request_id=3, modules=["nvidia_uvm"], deadline_scale=3.0)["result"]
+    assert idle["report"]["module_failures"] == {"nvidia": "modprobe timed out after 0.6s"}
+    assert loaded["report"]["module_failures"] == {}
+    assert "modprobe:nvidia" not in loaded["failed"] and "modprobe:nvidia" in idle["failed"]
+    assert modules["ok"] is True and "nvidia_uvm" in modules["modules_loaded"]
+
+
+def test_the_guests_own_load_stretches_its_deadlines_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    ctx = ProbeContext(root=tmp_path, modprobe_timeout_s=30.0, cuda_timeout_s=20.0)
+    assert ctx.stretched(None) is ctx  # no /proc/loadavg under the fake root: idle
+    (tmp_path / "proc").mkdir(exist_ok=True)
+    (tmp_path / "proc/loadavg").write_text("4.00 1.00 0.50 2/80 123\n")
+    assert (ctx.stretched(None).modprobe_timeout_s, ctx.stretched(None).cuda_timeout_s) == (60.0, 40.0)
+    assert ctx.stretched(3.0).modprobe_timeout_s == 90.0  # the larger figure wins
+    (tmp_path / "proc/loadavg").write_text("40.0 1.00 0.50 2/80 123\n")
+    assert ctx.stretched(None).modprobe_timeout_s == 90.0  # never more than MAX_DEADLINE_SCALE
+
+
 def test_shutdown_replies_then_ends_the_serve_loop() -> None:
     agent = Agent()
     with served(agent, OPTIONS) as (peer, thread):

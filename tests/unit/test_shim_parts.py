@@ -199,3 +199,21 @@ def test_the_probe_deadline_outlasts_the_agents_own_step_timeouts() -> None:
     frozen: dict[str, object] = {"guest_probes": {"modules": ["nvidia", "nvidia_uvm"], "cuda": {"version": "12.4"}}}
     assert probe_timeout_s(frozen) > 2 * ctx.modprobe_timeout_s + 2 * ctx.cuda_timeout_s
     assert probe_timeout_s({"probes": {"modules": ["a", "b", "c"]}}) > 3 * ctx.modprobe_timeout_s
+
+
+def test_the_probe_deadline_stretches_with_the_hosts_load_as_the_agents_do(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The shim sends its load stretch with the probe; its own deadline still outlasts the stretched agent's."""
+    from cubeaccel.agent.probes import ProbeContext
+    from cubeaccel.shim import load_scale, process
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (5.0, 0.0, 0.0))
+    scale = load_scale.host_deadline_scale()
+    assert scale == 2.5
+    stretched = ProbeContext(root=tmp_path).stretched(scale)  # (no guest load of its own)
+    frozen: dict[str, object] = {"guest_probes": {"modules": ["nvidia", "nvidia_uvm"], "cuda": {"version": "12.4"}}}
+    assert process.probe_timeout_s(frozen, scale) > 2 * stretched.modprobe_timeout_s + 2 * stretched.cuda_timeout_s
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.0, 0.0))
+    assert load_scale.host_deadline_scale() == 1.0

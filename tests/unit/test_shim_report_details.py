@@ -28,6 +28,8 @@ MODELS: tuple[type[ReportDetails], ...] = (
     R.MemoryPinned,
     R.GuestReady,
     R.WorkloadReady,
+    R.WorkloadUnresponsive,
+    R.WorkloadRecovered,
     R.DeviceAttached,
     R.AttachFailed,
     R.GuestValidationFailed,
@@ -78,6 +80,8 @@ SENT: list[tuple[ShimReportKind, dict[str, Any]]] = [
     (K.GUEST_READY, {"agent": {"version": 1, "methods": ["probe", "wait_pci"], "pci_addresses": ["0000:00:01.0"]}}),
     (K.GUEST_READY, {}),
     (K.WORKLOAD_READY, {"health_ms": 12.5, "socket": "workload.sock"}),
+    (K.WORKLOAD_UNRESPONSIVE, {"reason": "workload.unresponsive", "message": "no answer for 20 s"}),
+    (K.WORKLOAD_RECOVERED, {"message": "answering again after 31.0 s (0.2 s)"}),
     (
         K.DEVICE_ATTACHED,
         {

@@ -86,3 +86,25 @@ def test_a_flow_style_guest_section_is_refused_not_half_rewritten() -> None:
     with pytest.raises(CubeError) as e:
         pin_yaml_text("spec:\n  guest: {image: {digest: x}}\n", {("spec", "guest", "image", "digest"): "y"})
     assert e.value.code == "template.pin_failed"
+
+
+def test_up_pins_every_example_a_user_drives_to_the_userland_image_not_the_lean_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """edu-demo and base are driven through the SDK: each carries E2B base's userland (xargs, git, curl, sudo…),
+    so `up` pins both to the userland image even when a validation image is newer, and gives them room for it."""
+    from dataclasses import replace
+
+    from cubeaccel.master import up
+
+    lean = fake_image(tmp_path)
+    userland = replace(lean, key="userland-k2", rootfs=Artifact("rootfs.cpio", "sha256:" + "7" * 64))
+    monkeypatch.setenv("CUBEACCEL_CACHE_DIR", str(tmp_path))
+    (tmp_path / "images/userland-k2").mkdir()
+    userland = replace(userland, directory=tmp_path / "images/userland-k2")
+    userland.save()
+    (tmp_path / "images/latest-userland").write_text("userland-k2\n")
+    for name in ("edu-demo.yaml", "base.yaml"):
+        doc = up.example_document(name, pin_to_image=True)
+        assert doc["spec"]["guest"]["image"]["digest"] == userland.image_digest != lean.image_digest, name
+        assert doc["spec"]["memory"]["size_mib"] >= 512, name  # the userland initrd and its rootfs during boot

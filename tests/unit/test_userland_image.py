@@ -22,7 +22,16 @@ from cubeaccel.images.cpio import write_tree
 from cubeaccel.images.flavour import VALIDATION
 from cubeaccel.images.manifest import Artifact, Manifest
 from cubeaccel.images.nvidia import NVIDIA
-from cubeaccel.images.userland import CA_BUNDLE, USERLAND, USERLAND_LIBRARIES, USERLAND_TOOLS, before_prune
+from cubeaccel.images.userland import (
+    BASE_USERLAND,
+    CA_BUNDLE,
+    USERLAND,
+    USERLAND_LIBRARIES,
+    USERLAND_TOOLS,
+    before_prune,
+    check_base,
+    install,
+)
 from cubeaccel.model.errors import CubeError
 
 needs_apt = pytest.mark.skipif(shutil.which("apt-cache") is None, reason="apt-cache missing (not a Debian host)")
@@ -201,3 +210,74 @@ def test_an_image_built_under_a_private_umask_is_readable_by_the_vmms(tmp_path: 
     (d / "vmlinux").chmod(0o600)
     readable_by_vmms(d)
     assert (d.stat().st_mode & 0o777, (d / "vmlinux").stat().st_mode & 0o777) == (0o755, 0o644)
+
+
+def _fake_userland(root: Path) -> None:
+    """Every file BASE_USERLAND names, as the packages would leave it (links as the build makes them)."""
+    for rel in BASE_USERLAND.values():
+        if rel == "usr/share/git-core/templates":
+            (root / rel).mkdir(parents=True, exist_ok=True)
+            (root / rel / "description").write_text("x\n")
+        elif rel not in ("usr/bin/awk", "usr/bin/python"):
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text("x\n")
+    (root / "usr/bin/gawk").write_text("x\n")
+    (root / "usr/bin/python3").unlink()
+    (root / "usr/bin/python3.11").write_text("x\n")
+    (root / "usr/bin/python3").symlink_to("python3.11")
+
+
+def test_the_userland_build_keeps_git_daemon_which_e2bs_own_git_tests_start_as_their_remote(tmp_path: Path) -> None:
+    """The build's drops and its configuration leave every part of E2B base's userland in place."""
+    _fake_userland(tmp_path)
+    install(tmp_path)
+    assert (tmp_path / "usr/lib/git-core/git-daemon").is_file()
+    assert not (tmp_path / "usr/lib/git-core/git-http-backend").exists()  # still dropped: a server nobody runs
+    check_base(tmp_path)
+
+
+def test_an_image_missing_part_of_the_base_userland_fails_its_build_naming_the_part(tmp_path: Path) -> None:
+    _fake_userland(tmp_path)
+    (tmp_path / "usr/bin/awk").symlink_to("gawk")
+    (tmp_path / "usr/bin/python").symlink_to("/usr/bin/python3")  # absolute: resolved inside the rootfs
+    check_base(tmp_path)
+    (tmp_path / "usr/bin/xargs").unlink()
+    shutil.rmtree(tmp_path / "usr/share/git-core")
+    (tmp_path / "usr/bin/gawk").unlink()  # a dangling link counts as missing
+    with pytest.raises(CubeError) as e:
+        check_base(tmp_path)
+    assert e.value.code == "image.userland_incomplete"
+    assert e.value.details["missing"] == ["xargs", "awk", "git init's templates"]
+
+
+def _deb(out: Path, name: str, files: dict[str, str]) -> Path:
+    tree = out / f"{name}-tree"
+    (tree / "DEBIAN").mkdir(parents=True)
+    (tree / "DEBIAN/control").write_text(
+        f"Package: {name}\nVersion: 1\nArchitecture: all\nMaintainer: t <t@t>\nDescription: t\n"
+    )
+    for rel, text in files.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-b", str(tree), str(out / f"{name}.deb")], check=True,
+                   capture_output=True)  # fmt: skip
+    return out / f"{name}.deb"
+
+
+@pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="dpkg-deb missing (not a Debian host)")
+def test_a_vendor_stack_drops_its_own_documentation_and_keeps_the_userlands_files_there(tmp_path: Path) -> None:
+    """A GPU image adds NVIDIA's stack to the userland: the stack's usr/share goes, git's templates stay."""
+    root = tmp_path / "root"
+    (root / "usr/share/git-core/templates").mkdir(parents=True)
+    (root / "usr/share/git-core/templates/description").write_text("kept\n")
+    debs = [
+        _deb(tmp_path, "libcuda1", {"usr/lib/libcuda.so.1": "elf", "usr/share/doc/libcuda1/copyright": "c"}),
+        _deb(tmp_path, "nvidia-smi", {"usr/bin/nvidia-smi": "elf", "usr/share/git-core/templates/x": "added"}),
+    ]
+    rootfs.extract_adding(debs, root, drop=("usr/share", "usr/lib/gbm"))
+    assert (root / "usr/lib/libcuda.so.1").is_file() and (root / "usr/bin/nvidia-smi").is_file()
+    assert sorted(p.relative_to(root).as_posix() for p in (root / "usr/share").rglob("*")) == [
+        "usr/share/git-core",
+        "usr/share/git-core/templates",
+        "usr/share/git-core/templates/description",
+    ]

@@ -262,3 +262,58 @@ def test_streams_the_guest_opens_are_refused(tmp_path: Path) -> None:
     finally:
         bridge.close()
         guest.stop()
+
+
+class OneServicePort(RespawningPort):
+    """A port whose service, once gone, is not restarted until `restart` is set (a guest out of memory: the OOM
+    killer took the service and init cannot bring it back). Its end stays open, as a virtio port's does."""
+
+    def __init__(self, path: Path) -> None:
+        self.restart = False
+        super().__init__(path)
+
+    def spawn(self, conn: socket.socket) -> None:
+        if not self.procs or self.restart:
+            super().spawn(conn)
+
+
+def test_a_service_that_stops_answering_is_reported_by_name_and_calls_fail_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    port = OneServicePort(tmp_path / "vmm.sock")
+    token = secrets.token_urlsafe(24)
+    told: list[tuple[bool, str]] = []
+    bridge = WorkloadBridge(
+        tmp_path / "vmm.sock",
+        tmp_path / "workload.sock",
+        token,
+        on_health=lambda answering, why: told.append((answering, why)),
+        unresponsive_after_s=1.0,
+        ping_every_s=0.2,
+    )
+    bridge.start(10)
+    bridge.wait_healthy(30)
+    http = httpx.Client(
+        transport=httpx.HTTPTransport(uds=str(tmp_path / "workload.sock")), base_url="http://w", timeout=60
+    )
+    wl = WorkloadClient(http, token)
+    try:
+        assert echo(wl, "first") == b"first\n"
+        port.procs[0].send_signal(signal.SIGKILL)  # gone, and nothing closes the channel
+        port.procs[0].wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(httpx.HTTPError):  # the call in flight ends with its connection closed
+            echo(wl, "in flight")
+        assert time.monotonic() - t0 < 30
+        poll(lambda: told == [(False, told[0][1])] if told else False, 30, what="the bridge said the service is gone")
+        refused = http.post("/process.Process/Start", json={})
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "workload.unresponsive"
+        port.restart = True  # the service comes back: the next reconnect finds it
+        poll(lambda: len(told) == 2, 60, what="the bridge said the service answers again")
+        assert told[1][0] is True and bridge.unresponsive_since is None
+        assert echo(wl, "again") == b"again\n"
+    finally:
+        http.close()
+        bridge.close()
+        port.stop()

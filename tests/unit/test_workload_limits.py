@@ -62,6 +62,15 @@ def test_confine_writes_the_pid_into_the_groups_procs_file_while_the_command_is_
     assert procs.read_text() == out.decode().strip()  # the command's own pid (sh exec'd it: same pid)
 
 
+def test_a_command_is_always_within_the_oom_killers_reach_though_the_service_is_not(tmp_path: Path) -> None:
+    """The guest init starts the services with oom_score_adj -1000, which every child inherits: each command gets
+    envd's +100 before it runs, with or without a cgroup (a guest without cgroup v2 too)."""
+    for procs in (None, str(tmp_path / "cgroup.procs")):
+        table = ProcessTable(limits=limits.CommandLimits(procs=procs, shell="/bin/bash"))
+        out, end = _run(table, "/bin/cat", "/proc/self/oom_score_adj")
+        assert end.exit_code == 0 and out.decode().strip() == str(limits.COMMAND_OOM_SCORE_ADJ), procs
+
+
 def test_setup_configures_a_cgroup_tree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if os.geteuid() != 0:
         pytest.skip("setup() only acts as root")

@@ -43,10 +43,11 @@ def test_the_cuda_templates_pin_the_gpu_image_this_tree_builds(name: str, gpu_im
     assert not stale, f"re-pin with `cubeaccel template pin --vendor nvidia {EXAMPLES / name}`: {stale}"
 
 
-def test_e2bs_default_template_pins_the_userland_image_this_tree_builds(userland_image: Manifest) -> None:
-    """`base` is E2B's base in content too: git, curl, sudo, tput, pip (issue 29 item 3)."""
-    stale = _stale("base.yaml", userland_image)
-    assert not stale, f"re-pin with `cubeaccel template pin --flavour userland {EXAMPLES / 'base.yaml'}`: {stale}"
+@pytest.mark.parametrize("name", ["base.yaml", "edu-demo.yaml"])
+def test_the_sdk_templates_pin_the_userland_image_this_tree_builds(name: str, userland_image: Manifest) -> None:
+    """`base` and `edu-demo` are E2B's base in content too: xargs, git, curl, sudo, tput, pip."""
+    stale = _stale(name, userland_image)
+    assert not stale, f"re-pin with `cubeaccel template pin --flavour userland {EXAMPLES / name}`: {stale}"
 
 
 def test_a_second_gpu_image_build_from_the_same_inputs_gives_the_same_digests(

@@ -30,7 +30,7 @@ def emulated(tmp_path: Path, guest_image: Manifest) -> Iterator[CubeletProcess]:
     kill_started_vmms(tmp_path)
 
 
-# The template fixes guest RAM (edu-demo: 256 MiB); the vCPUs are the request's.
+# The contract fixes guest RAM (edu_contract on the validation image: 256 MiB); the vCPUs are the request's.
 @pytest.mark.parametrize(("memory_mib", "vcpus"), [(256, 1), (256, 2)])
 def test_ledger_charges_at_least_the_peak_vmlck_of_a_real_vmm(
     emulated: CubeletProcess, guest_image: Manifest, memory_mib: int, vcpus: int

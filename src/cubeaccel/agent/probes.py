@@ -14,11 +14,11 @@ import stat
 import subprocess
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cubeaccel.agent.spec import ProbeSpec, version_matches
-from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
+from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S, deadline_scale
 from cubeaccel.model.reports import GuestPciDevice, ProbeResult
 
 _NVRM = re.compile(r"Kernel Module(?: for [^\s]+)?\s+(\d+(?:\.\d+)+)")
@@ -39,6 +39,24 @@ class ProbeContext:
 
     def path(self, absolute: str) -> Path:
         return self.root / absolute.lstrip("/")
+
+    def stretched(self, host_scale: float | None) -> ProbeContext:
+        """The step timeouts stretched with the load: the larger of the host's figure (a TCG guest runs as fast
+        as its host lets it, which the guest's own load does not show) and this guest's own 1-minute load."""
+        scale = max(host_scale or 1.0, self.own_load_scale())
+        if scale == 1.0:
+            return self
+        return replace(
+            self, modprobe_timeout_s=self.modprobe_timeout_s * scale, cuda_timeout_s=self.cuda_timeout_s * scale
+        )
+
+    def own_load_scale(self) -> float:
+        """deadline_scale of this guest's /proc/loadavg; 1 where it cannot be read (a test's fake root)."""
+        try:
+            load = float(self.path("/proc/loadavg").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 1.0
+        return deadline_scale(load, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -188,13 +188,14 @@ class Agent:
         spec = parse_spec(contract)
         wanted = self.load_modules_default if p.load_modules is None else p.load_modules
         ctx = replace(self.ctx, load_modules=wanted and spec.load_modules is not False)  # the contract may forbid
+        ctx = ctx.stretched(p.deadline_scale)
         return probe_reply(contract, spec, ctx)
 
     def _m_load_modules(self, params: Json) -> LoadModulesResult:
         p = LoadModulesParams.from_json(params)
         modules = p.modules if p.modules is not None else list(parse_spec(self._contract(p.contract)).modules)
         spec = parse_spec({"probes": {"modules": modules}})  # same name validation as a contract
-        outcome = run_modprobe(self.ctx, spec.modules)
+        outcome = run_modprobe(self.ctx.stretched(p.deadline_scale), spec.modules)
         return LoadModulesResult(
             ok=not outcome.failures,
             failures=outcome.failures,

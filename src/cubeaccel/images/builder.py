@@ -394,6 +394,7 @@ def _build(cache: Path, inputs: Inputs, on_phase: Phase = _quiet) -> Manifest:
         if inputs.stack is not None and built_mods is not None:
             on_phase(f"{inputs.stack.stack.name} user space and firmware")
             vendor_build = _install_stack(inputs.stack, debs[n_base:], root, built_mods)
+        inputs.flavour.check(root)  # after the stack: it adds to the flavour, never takes a part of it away
         on_phase("compiling bytecode, smoke-testing the guest python")
         rootfs.compile_and_smoke_test(root, inputs.flavour.precompile)
         on_phase("writing rootfs.cpio and initrd.img")
@@ -438,10 +439,7 @@ def _install_stack(stack: StackInputs, debs: list[Path], root: Path, built_mods:
     """Extract the stack's user space and firmware, make its links, check every binary's libraries resolve in
     the guest, and read the versions the manifest records from the built files."""
     recipe = stack.stack
-    for deb in debs:
-        packages.extract(deb, root)
-    for rel in ("usr/share", "usr/lib/x86_64-linux-gnu/gbm"):
-        shutil.rmtree(root / rel, ignore_errors=True)
+    rootfs.extract_adding(debs, root, drop=("usr/share", "usr/lib/x86_64-linux-gnu/gbm"))
     vendor.install_rootfs(recipe, root)
     if missing := vendor.missing_libraries(root, [root / rel for rel in recipe.checked_elves]):
         raise CubeError(

@@ -30,6 +30,7 @@ class Flavour:
     modes: dict[str, int] = field(default_factory=dict)  # cpio modes other than the normalized ones
     before_prune: Callable[[Path], None] = _nothing  # reads package files the prune removes
     install: Callable[[Path], None] = _nothing  # after the base install: configuration, links, checks
+    check: Callable[[Path], None] = _nothing  # last, after any vendor stack: what the flavour promises is there
 
 
 VALIDATION = Flavour("validation", "")

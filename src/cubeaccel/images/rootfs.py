@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from cubeaccel.images import packages
 from cubeaccel.images.packages import image_error
 from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.mux import WORKLOAD_PORT_NAME
@@ -110,6 +111,9 @@ _APPLETS = (
 )
 
 WORKLOAD_USER = "user"
+# /tmp and the home, together, may take this share of the memory available once the root is unpacked; the rest is
+# the services' and the commands' (docs/decisions.md).
+DISK_SHARE_PCT = 50
 PASSWD = "root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
 GROUP = "root:x:0:\nuser:x:1000:\n"
 
@@ -120,24 +124,38 @@ export PATH=/bin:/usr/bin:/sbin:/usr/sbin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
-mkdir -p /tmp /run /dev/pts && mount -t tmpfs tmpfs /tmp && chmod 1777 /tmp
+mkdir -p /tmp /run /dev/pts
 mount -t devpts devpts /dev/pts
+# The guest's own services (this init, cube-agent, cube-workload) are out of the OOM killer's reach; the workload
+# raises each command's own (workload/limits.py), so an OOM can only pick a command.
+echo -1000 > /proc/self/oom_score_adj
 # A name /etc/hosts resolves (sudo warns on stderr, every time, when it cannot resolve the host's name).
 echo sandbox > /proc/sys/kernel/hostname
-# The user's home has user xattrs (E2B's file metadata, a user's own `setfattr -n user.…`), which the RAM-backed
-# root (Linux 6.1's tmpfs) refuses: ext4 (no journal) on a RAM disk of half the guest's memory, tmpfs's default
-# bound. Its pages are taken as blocks are first written and kept (6.1's brd has no discard), so the home costs
-# its high-water mark. A scratch disk (cube.scratch below) is mounted over it.
-read -r _ mem_kib _ < /proc/meminfo
+# /tmp and the user's home share one RAM disk: ext4 (no journal, user xattrs for E2B's file metadata, which the
+# RAM-backed root, Linux 6.1's tmpfs, refuses) of {DISK_SHARE_PCT}% of the memory available once the root is
+# unpacked, so together they are bounded below the guest's memory: a command that fills both gets ENOSPC, and the
+# services keep the rest. Its pages are taken as blocks are first written and kept (6.1's brd has no discard):
+# it costs its high-water mark. A scratch disk (cube.scratch below) takes its place.
+while read -r key kib _; do [ "$key" = MemAvailable: ] && break; done < /proc/meminfo
 # e2fsprogs' mke2fs by path (busybox sh runs its own applets first, and that one writes every inode table); inode
 # tables are left to lazy init, and never initialised (noinit_itable): a fresh RAM disk reads zeros. Its UUID and
 # hash seed come from the kernel's uuid file: mke2fs's own getrandom() blocks until the CRNG is seeded, 4 s of an
 # idle guest at this point of a TCG boot.
-modprobe brd rd_nr=1 rd_size=$((mem_kib / 2)) max_part=0 && modprobe crc32c_generic && modprobe ext4 \
-  && /sbin/mke2fs -q -t ext4 -O ^has_journal -m 0 -U "$(cat /proc/sys/kernel/random/uuid)" \
-    -E lazy_itable_init=1,nodiscard,hash_seed="$(cat /proc/sys/kernel/random/uuid)" /dev/ram0 \
-  && mount -t ext4 -o nosuid,nodev,noinit_itable /dev/ram0 /home/user && echo "cube-init: home on /dev/ram0"
-rmdir /home/user/lost+found 2>/dev/null  # mke2fs's, for an fsck this RAM disk never gets: not the user's
+case " $(cat /proc/cmdline) " in
+  *" cube.scratch="*) ;;  # the scratch disk (below) holds /tmp and the homes
+  *)
+    disk_kib=$((kib * {DISK_SHARE_PCT} / 100))
+    if modprobe brd rd_nr=1 rd_size=$disk_kib max_part=0 && modprobe crc32c_generic && modprobe ext4 \
+      && /sbin/mke2fs -q -t ext4 -O ^has_journal -m 0 -U "$(cat /proc/sys/kernel/random/uuid)" \
+        -E lazy_itable_init=1,nodiscard,hash_seed="$(cat /proc/sys/kernel/random/uuid)" /dev/ram0 \
+      && mkdir -p /scratch && mount -t ext4 -o nosuid,nodev,noinit_itable /dev/ram0 /scratch \
+      && rmdir /scratch/lost+found && mkdir -p /scratch/tmp /scratch/home/user && chmod 1777 /scratch/tmp \
+      && mount --bind /scratch/tmp /tmp && mount --bind /scratch/home/user /home/user; then
+      echo "cube-init: /tmp and home on /dev/ram0 ($disk_kib KiB)"
+    else  # no RAM disk (its modules missing): /tmp on tmpfs of the same bound, the home on the root
+      mount -t tmpfs -o size=${{disk_kib}}k,nosuid,nodev tmpfs /tmp && chmod 1777 /tmp
+    fi ;;
+esac
 chown 1000:1000 /home/user && chmod 0750 /home/user /root
 modprobe virtio_pci
 modprobe virtio_console
@@ -218,6 +236,26 @@ def prune(root: Path, keep: tuple[str, ...] = (), keep_dynload: tuple[str, ...] 
     for so in dynload.glob("*.so"):
         if so.name.startswith(_PRUNE_DYNLOAD_PREFIXES) and not so.name.startswith(keep_dynload or ("\0",)):
             so.unlink()
+
+
+def extract_adding(debs: list[Path], root: Path, drop: tuple[str, ...]) -> None:
+    """Extract `debs` over `root`, then remove what they added under the `drop` directories, and only that: a
+    vendor stack's documentation goes, the flavour's kept files there (git's templates) stay."""
+    before = {rel: _tree(root / rel) for rel in drop}
+    for deb in debs:
+        packages.extract(deb, root)
+    for rel, kept in before.items():
+        for path in sorted(_tree(root / rel) - kept, key=lambda p: len(p.parts), reverse=True):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+
+
+def _tree(top: Path) -> set[Path]:
+    if top.is_symlink() or not top.is_dir():
+        return {top} if top.is_symlink() or top.exists() else set()
+    return {top, *top.rglob("*")}
 
 
 def install_busybox(root: Path) -> None:

@@ -103,8 +103,8 @@ _KEEP = (
 )
 _KEEP_DYNLOAD = ("_sqlite3", "_curses", "readline")
 # Parts of the packages a sandbox never runs (servers, mail, interactive perl helpers without a perl to run them).
+# Not `git daemon`: E2B's base has it, and E2B's own git tests start one as their remote.
 _DROP = (
-    "usr/lib/git-core/git-daemon",
     "usr/lib/git-core/git-http-backend",
     "usr/lib/git-core/git-http-push",
     "usr/lib/git-core/git-imap-send",
@@ -116,6 +116,31 @@ _DROP = (
     "usr/sbin/sudo_sendlog",
     "usr/lib/python3.11/EXTERNALLY-MANAGED",
 )
+# E2B base's userland, as a shell finds it (`command -v`, git's subcommands), and the file providing each: the
+# build checks every one is there, in the userland image and in every image built on it (a vendor stack adds to
+# the userland, never replaces a part of it).
+BASE_USERLAND: dict[str, str] = {
+    "ls": "bin/ls",
+    "sort": "usr/bin/sort",
+    "xargs": "usr/bin/xargs",
+    "find": "usr/bin/find",
+    "grep": "bin/grep",
+    "sed": "bin/sed",
+    "awk": "usr/bin/awk",
+    "git": "usr/bin/git",
+    "git daemon": "usr/lib/git-core/git-daemon",
+    "git init's templates": "usr/share/git-core/templates",
+    "curl": "usr/bin/curl",
+    "CA bundle": "etc/ssl/certs/ca-certificates.crt",
+    "sudo": "usr/bin/sudo",
+    "tput": "usr/bin/tput",
+    "xterm terminfo": "lib/terminfo/x/xterm",
+    "python3": "usr/bin/python3",
+    "python": "usr/bin/python",
+    "pip": "usr/bin/pip",
+    "ps": "bin/ps",
+    "setfattr": "usr/bin/setfattr",
+}
 # Where ELF files whose libraries the build checks live.
 _ELF_DIRS = ("bin", "sbin", "usr/bin", "usr/sbin", "usr/lib/git-core", "usr/libexec/sudo")
 
@@ -192,6 +217,29 @@ def install(root: Path) -> None:
         )
 
 
+def check_base(root: Path) -> None:
+    """Every part of BASE_USERLAND is in `root` (a link counts where its target, inside the rootfs, is there),
+    or the build fails naming what is missing."""
+    missing = [name for name, rel in BASE_USERLAND.items() if not _present(root, rel)]
+    if missing:
+        raise image_error(
+            "image.userland_incomplete",
+            f"the image lacks part of the base userland: {', '.join(missing)}",
+            layer="template",
+            missing=missing,
+        )
+
+
+def _present(root: Path, rel: str) -> bool:
+    path = root / rel
+    for _ in range(8):  # links inside the rootfs, resolved against it (never the host's own files)
+        if not path.is_symlink():
+            return path.exists()
+        target = os.readlink(path)
+        path = root / target.lstrip("/") if target.startswith("/") else path.parent / target
+    return False
+
+
 def _link(path: Path, target: str) -> None:
     if path.is_symlink() or path.exists():
         if path.is_dir() and not path.is_symlink():
@@ -218,4 +266,5 @@ USERLAND = Flavour(
     modes={"usr/bin/sudo": 0o4755, "etc/sudoers": 0o440},
     before_prune=before_prune,
     install=install,
+    check=check_base,
 )

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 EXAMPLES = resources.files("cubeaccel") / "examples" / "templates"
 DEFAULTS = {"edu-demo.yaml": "accelerator", "cuda12-h100.yaml": "gpu"}
 WARM_TEMPLATE = {"emulated": "edu-demo.yaml", "simulated": "cuda12-h100.yaml"}  # what `up`'s warm pool keeps
+PINNED_FLAVOUR = "userland"  # what `up` pins edu-demo and base to: a sandbox's shell has E2B base's userland
 BY_NAME = ("base.yaml",)  # registered, default for no class: asked for by name (E2B's default templateID)
 SIMULATED_PINNABLE_MIB = 1 << 20  # a simulated node advertises 1 TiB lockable
 
@@ -113,7 +114,7 @@ def _wait(what: str, fn: Any, deadline_s: float, procs: list[subprocess.Popen[by
 
 def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image: bool = False) -> dict[str, Any]:
     """An example template as registered; with `pin_to_image`, an emulated or CPU-only one names this host's
-    image (the userland one for CPU-only `base`)."""
+    userland image (E2B base's tools: every template a user drives carries them, docs/images.md)."""
     doc = loads_document((directory / name).read_text(), name)
     if not isinstance(doc, dict):
         raise CubeError("template.invalid", f"example template {name} is not a mapping", "template")
@@ -122,8 +123,7 @@ def example_document(name: str, directory: Traversable = EXAMPLES, pin_to_image:
         from cubeaccel.images.builder import latest
         from cubeaccel.images.manifest import pin_template_document
 
-        # CPU-only `base` is E2B's base: the userland image (docs/images.md); edu-demo validates a device
-        image = (latest(flavour="userland") or latest()) if backend == "none" else latest()
+        image = latest(flavour=PINNED_FLAVOUR) or latest()
         if image is not None:
             doc = pin_template_document(doc, image)
     return doc

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
+from cubeaccel.model.agent_protocol import MAX_DEADLINE_SCALE, PROTOCOL_VERSION
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reports import ProbeResult
 
@@ -71,6 +71,16 @@ def _flag(data: Json, key: str, default: bool) -> bool:
     if not isinstance(value, bool):
         raise invalid_params(f"{key} must be true or false")
     return value
+
+
+def _deadline_scale(data: Json) -> float | None:
+    """`deadline_scale` as sent (None: absent, an older shim's request): a number from 1 to MAX_DEADLINE_SCALE."""
+    if "deadline_scale" not in data:
+        return None
+    value = data["deadline_scale"]
+    if not _is_number(value) or not 1.0 <= value <= MAX_DEADLINE_SCALE:
+        raise invalid_params(f"deadline_scale must be a number from 1 to {MAX_DEADLINE_SCALE:g}")
+    return float(value)
 
 
 def _address(value: object) -> str | None:
@@ -304,15 +314,17 @@ class ProbeParams:
 
     contract: dict[str, object] | None = None  # free-form here: agent/spec.py reads it
     load_modules: bool | None = None
+    deadline_scale: float | None = None  # the host's load stretch (agent_protocol.deadline_scale); None: 1
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {} if self.contract is None else {"contract": self.contract}
-        return out if self.load_modules is None else {**out, "load_modules": self.load_modules}
+        out = out if self.load_modules is None else {**out, "load_modules": self.load_modules}
+        return out if self.deadline_scale is None else {**out, "deadline_scale": self.deadline_scale}
 
     @classmethod
     def from_json(cls, data: Json) -> ProbeParams:
         flag = _flag(data, "load_modules", True) if "load_modules" in data else None
-        return cls(_contract(data), flag)
+        return cls(_contract(data), flag, _deadline_scale(data))
 
 
 @dataclass(frozen=True)
@@ -363,15 +375,17 @@ class LoadModulesParams:
 
     modules: object = None
     contract: dict[str, object] | None = None
+    deadline_scale: float | None = None  # as ProbeParams'
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {} if self.modules is None else {"modules": self.modules}
-        return out if self.contract is None else {**out, "contract": self.contract}
+        out = out if self.contract is None else {**out, "contract": self.contract}
+        return out if self.deadline_scale is None else {**out, "deadline_scale": self.deadline_scale}
 
     @classmethod
     def from_json(cls, data: Json) -> LoadModulesParams:
         modules = data.get("modules")
-        return cls(modules, None if modules is not None else _contract(data))
+        return cls(modules, None if modules is not None else _contract(data), _deadline_scale(data))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ AGENT_PORT_NAME = "cube-agent"  # the virtserialport name the VMM gives the agen
 PROTOCOL_VERSION = 1  # "v" in every protocol line: bumped when the wire format changes
 MODPROBE_TIMEOUT_S = 30.0  # one `modprobe` in the guest, unless the agent's command line says otherwise
 CUDA_TIMEOUT_S = 20.0  # one CUDA/NVML query in the guest, likewise
+MAX_DEADLINE_SCALE = 3.0  # the most a deadline stretches with the load (the lab's boot allowances stretch alike)
 
 # The error codes cube-agent itself replies with. A guest is untrusted: any other code in an error reply (say
 # `shim.stop_requested` or `agent.cancelled`, which the shim acts on) is reported as `agent.error` with the
@@ -32,3 +33,14 @@ GUEST_ERROR_CODES = frozenset(
         "agent.unsupported_version",
     }
 )
+
+
+def deadline_scale(load_1min: float, cpus: int) -> float:
+    """How much longer than on an idle machine a step may take now: the 1-minute load per core, from 1 up to
+    MAX_DEADLINE_SCALE. A guest under TCG runs as fast as its host lets it, so the host measures and sends its
+    figure with each probe (`ProbeParams.deadline_scale`); the guest takes the larger of that and its own.
+    Measured: loading nvidia.ko (a 60 MB module) took over the fixed 30 s at load 12-18 on 2 cores."""
+    per_core = load_1min / max(1, cpus)
+    if per_core != per_core:  # NaN: no figure, no stretch
+        return 1.0
+    return min(MAX_DEADLINE_SCALE, max(1.0, per_core))

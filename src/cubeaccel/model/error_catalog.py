@@ -256,6 +256,7 @@ CODES: tuple[CodeInfo, ...] = (
     _c("workload.no_token", 502, "workload", "the shim was asked to bridge the workload service but got no token"),
     _c("workload.channel_unreachable", 502, "workload", "the VMM's workload port socket cannot be connected"),
     _c("workload.channel_closed", 502, "workload", "the workload channel to the guest ended (a new stream is refused)"),
+    _c("workload.unresponsive", 503, "workload", "the guest's workload service stopped answering (PINGs unanswered)"),
     _c("workload.unauthenticated", 401, "api", "workload proxy: missing or wrong sandbox access token"),
     _c("workload.not_running", 409, "api", "workload proxy: the sandbox is not running on this node"),
     _c("workload.unavailable", 503, "api", "workload proxy: the sandbox's workload endpoint cannot be reached"),

@@ -21,6 +21,8 @@ class ShimReportKind(StrEnum):
     MEMORY_PINNED = "memory_pinned"
     GUEST_READY = "guest_ready"  # cube-agent said hello
     WORKLOAD_READY = "workload_ready"  # the workload service answered over its channel
+    WORKLOAD_UNRESPONSIVE = "workload_unresponsive"  # it stopped answering: calls fail with workload.unresponsive
+    WORKLOAD_RECOVERED = "workload_recovered"  # it answers /health again after being unresponsive
     DEVICE_ATTACHED = "device_attached"  # VMM confirmed and the guest saw vendor:device
     ATTACH_FAILED = "attach_failed"
     GUEST_VALIDATED = "guest_validated"

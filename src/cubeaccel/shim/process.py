@@ -38,6 +38,7 @@ from cubeaccel.model.start_deadlines import start_deadlines
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
 from cubeaccel.shim.image_check import image_mismatches
+from cubeaccel.shim.load_scale import host_deadline_scale
 from cubeaccel.shim.machine import vm_config
 from cubeaccel.shim.memory import prove_pinned
 from cubeaccel.shim.qemu import QemuVmm
@@ -64,6 +65,8 @@ from cubeaccel.wire.reports import (
     VmStarted,
     WarmClaimed,
     WorkloadReady,
+    WorkloadRecovered,
+    WorkloadUnresponsive,
 )
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import DeviceSpec, ShimSpec
@@ -87,14 +90,15 @@ def qdev_id(index: int) -> str:
     return f"accel{index}"
 
 
-def probe_timeout_s(contract: dict[str, object] | None) -> float:
+def probe_timeout_s(contract: dict[str, object] | None, scale: float = 1.0) -> float:
     """Long enough for the agent's own timeouts to fire first, so a slow step is reported at its real layer
-    (modules_img, cuda_runtime) rather than as an `agent.timeout` of the whole probe."""
+    (modules_img, cuda_runtime) rather than as an `agent.timeout` of the whole probe. `scale`: the load stretch
+    sent with the probe (`host_deadline_scale`), which stretches the agent's timeouts alike."""
     probes = (contract or {}).get("guest_probes") or (contract or {}).get("probes") or {}
     modules = probes.get("modules", []) if isinstance(probes, dict) else []
     cuda = isinstance(probes, dict) and bool(probes.get("cuda") or probes.get("libraries"))
     n = len(modules) if isinstance(modules, list) else 0
-    return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0))
+    return max(60.0, 10.0 + MODPROBE_TIMEOUT_S * n + (2 * CUDA_TIMEOUT_S if cuda else 0.0)) * scale
 
 
 class Shim:
@@ -314,11 +318,21 @@ class Shim:
         if not self.workload_token:
             raise workload_error("workload.no_token", "the spec asks for the workload bridge but no token came")
         self.bridge = WorkloadBridge(
-            spec.run_dir / "workload-vmm.sock", spec.run_dir / "workload.sock", self.workload_token
+            spec.run_dir / "workload-vmm.sock",
+            spec.run_dir / "workload.sock",
+            self.workload_token,
+            on_health=self._workload_health,
         )
         self.workload_token = None  # the bridge holds it (a warm one must not outlive its claim anywhere)
         self.bridge.start(10.0)
         return warm_token
+
+    def _workload_health(self, answering: bool, why: str) -> None:
+        """The bridge found the workload service gone (or back): the Cubelet's event trail says so, by name."""
+        if answering:
+            self.reporter.report(WorkloadRecovered(message=why))
+        else:
+            self.reporter.report(WorkloadUnresponsive(reason="workload.unresponsive", message=why))
 
     def _prove_vmm(self, vmm: QemuVmm, t: float) -> float:
         """Before anything reaches the guest: the VMM runs as launched (uid, no capabilities, seccomp, own
@@ -547,7 +561,12 @@ class Shim:
         ids = tuple(d.device_id for d in self.spec.devices)
         contract = self._probe_contract()
         try:
-            reply = agent.probe(ProbeParams(contract), timeout_s=probe_timeout_s(contract), cancel_fd=self._wake_r)
+            scale = host_deadline_scale()
+            reply = agent.probe(
+                ProbeParams(contract, deadline_scale=scale),
+                timeout_s=probe_timeout_s(contract, scale),
+                cancel_fd=self._wake_r,
+            )
         except CubeError as e:
             if e.code == "agent.cancelled":  # teardown was asked for: not a verdict on the guest
                 raise

@@ -17,11 +17,19 @@ client sees its connection closed, and a supervisor thread reconnects to the VMM
 and probes `GET /health`, backing off between tries (`RECONNECT_PAUSE_S`, doubling to `RECONNECT_MAX_S`); new
 connections wait for it up to `OPEN_WAIT_S`. Each session has its own reader and writer threads bound to its own
 socket and `Session`, so a stale thread never touches the new one.
+
+Liveness: a guest whose service died without a restart (the OOM killer took it, or init could not restart it)
+closes nothing — a virtio port shows the host no close — so its calls would wait forever. A watchdog PINGs the
+channel every `PING_EVERY_S`; a PING unanswered for `UNRESPONSIVE_AFTER_S` (stretched with the host's load) ends
+the session as `workload.unresponsive` and tells the shim (`on_health`), which reports it. Until a reconnect
+answers `/health` again, every new connection is answered at once with a 503 naming that code, instead of
+waiting: the tenant reads why, and nothing hangs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import socket
@@ -50,6 +58,7 @@ from cubeaccel.model.mux import (
     StreamReset,
     token_preamble,
 )
+from cubeaccel.shim.load_scale import host_deadline_scale
 
 CHUNK = 64 * 1024
 RECONNECT_PAUSE_S = 0.5  # first pause after a session ends: the guest must see the host side go away (EOF)
@@ -58,6 +67,13 @@ RECONNECT_HEALTH_S = 10.0  # a new session that does not answer /health within t
 OPEN_WAIT_S = 15.0  # how long a new connection waits for a reconnect in progress
 HANDOVER_ACK_S = 5.0  # an in-place rebind whose GOAWAY+PING is not answered within this reconnects instead
 HEALTH_REQUEST = b"GET /health HTTP/1.1\r\nHost: workload\r\nConnection: close\r\n\r\n"
+PING_EVERY_S = 5.0  # the watchdog's PING on a live session
+UNRESPONSIVE_AFTER_S = 20.0  # an unanswered PING this old (times the host's load stretch): the service is gone
+HealthListener = Callable[[bool, str], None]  # (answering, why): told when the service stops or starts answering
+
+
+def _ignore_health(_answering: bool, _why: str) -> None:
+    pass
 
 
 def workload_error(code: str, message: str, **details: object) -> CubeError:
@@ -86,7 +102,16 @@ class _Stream:
 
 
 class WorkloadBridge:
-    def __init__(self, vmm_socket: Path, listen: Path, token: str, config: MuxConfig | None = None) -> None:
+    def __init__(
+        self,
+        vmm_socket: Path,
+        listen: Path,
+        token: str,
+        config: MuxConfig | None = None,
+        on_health: HealthListener = _ignore_health,
+        unresponsive_after_s: float = UNRESPONSIVE_AFTER_S,
+        ping_every_s: float = PING_EVERY_S,
+    ) -> None:
         self.vmm_socket = vmm_socket
         self.listen_path = listen
         self._preamble = token_preamble(token)
@@ -107,6 +132,12 @@ class WorkloadBridge:
         self._writer: threading.Thread | None = None  # the current session's writer
         self._handover: _Handover | None = None  # an in-place rebind waiting for the guest's answer
         self.in_place_rebinds = 0  # rebinds done without reconnecting (tests, reports)
+        self._on_health = on_health
+        self.unresponsive_after_s = unresponsive_after_s
+        self.ping_every_s = ping_every_s
+        self._ping: tuple[Session, int, float] | None = None  # the watchdog's PING awaiting its answer
+        self.unresponsive_since: float | None = None  # the service stopped answering; None: it answers
+        self._armed = False  # the service answered /health once: from then on its silence means it is gone
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 10.0) -> None:
@@ -124,6 +155,7 @@ class WorkloadBridge:
         self._listener = lsock
         threading.Thread(target=self._accept_loop, daemon=True, name="workload accept").start()
         threading.Thread(target=self._supervise, daemon=True, name="workload reconnect").start()
+        threading.Thread(target=self._watch, daemon=True, name="workload watchdog").start()
 
     def _connect(self, timeout_s: float) -> None:
         """A new session: connect (retrying until `timeout_s`), preamble, a reader and a writer for it."""
@@ -179,11 +211,15 @@ class WorkloadBridge:
             time.sleep(pause)  # the guest must see the host side go away before it comes back
             try:
                 self._connect(RECONNECT_MAX_S)
-                self.wait_healthy(RECONNECT_HEALTH_S, cancelled=lambda: self._closing)
+                took = self.wait_healthy(RECONNECT_HEALTH_S, cancelled=lambda: self._closing)
                 pause = RECONNECT_PAUSE_S
                 with self._cv:
                     self._reconnecting = False
+                    was = self.unresponsive_since
+                    self.unresponsive_since = None
                     self._cv.notify_all()
+                if was is not None:
+                    self._on_health(True, f"answering again after {time.monotonic() - was:.1f} s ({took:.1f} s)")
             except CubeError:
                 pause = min(pause * 2, RECONNECT_MAX_S)
                 with self._cv:
@@ -295,6 +331,8 @@ class WorkloadBridge:
         if b" 204 " not in status + b" " and not status.endswith(b" 204"):
             detail = str(self.error) if self.error else status.decode(errors="replace")[:100]
             raise workload_error("workload.not_up", f"the guest's workload service is not serving: {detail}")
+        with self._cv:
+            self._armed = True  # (a guest still booting answers no PING: the watchdog waits for this)
         return time.monotonic() - t0
 
     def request(self, raw: bytes, limit: int = 64 * 1024, wait: bool = True) -> bytes:
@@ -327,6 +365,8 @@ class WorkloadBridge:
     # ---- stream operations ---------------------------------------------------------------------------------
     def _open(self, wait: bool = True) -> _Stream:
         with self._cv:
+            if wait and self.unresponsive_since is not None:  # known gone: no wait for a reconnect that may not come
+                raise self._unresponsive_error()
             deadline = time.monotonic() + OPEN_WAIT_S
             while wait and (self.ended or self._reconnecting) and not self._closing and self.reconnect:
                 left = deadline - time.monotonic()
@@ -421,8 +461,13 @@ class WorkloadBridge:
     def _serve(self, client: socket.socket) -> None:
         try:
             stream = self._open()  # may wait for a reconnect in progress
-        except (CubeError, MuxError):
-            client.close()  # channel gone, or too many streams: the caller sees a closed connection
+        except CubeError as e:
+            if e.code == "workload.unresponsive":
+                _answer_error(client, e)  # the caller reads why
+            client.close()  # channel gone: the caller sees a closed connection
+            return
+        except MuxError:
+            client.close()  # too many streams: the caller sees a closed connection
             return
         up = threading.Thread(target=self._up, args=(client, stream), daemon=True, name=f"workload {stream.sid} up")
         up.start()
@@ -519,6 +564,9 @@ class WorkloadBridge:
                 stream.reset = isinstance(ev, StreamReset)
         elif isinstance(ev, SessionEnding):
             self.ended = True
+        elif isinstance(ev, PingAnswered):
+            if self._ping is not None and self._ping[1] == ev.value:
+                self._ping = None  # the service's reader answered: it is alive
         elif isinstance(ev, StreamOpened):
             with contextlib.suppress(MuxError):
                 self.session.reset(ev.stream_id, ResetCode.REFUSED)  # the guest serves; it opens nothing
@@ -544,6 +592,51 @@ class WorkloadBridge:
             if finished and not out:
                 return
 
+    def _watch(self) -> None:
+        """PING the live session every `ping_every_s`; one unanswered for `unresponsive_after_s` (stretched with
+        the host's load) ends it as `workload.unresponsive`."""
+        while True:
+            with self._cv:
+                wake = time.monotonic() + self.ping_every_s
+                while not self._closing and (left := wake - time.monotonic()) > 0:
+                    self._cv.wait(left)
+                if self._closing:
+                    return
+                silent = self._check_liveness(time.monotonic())
+            if silent is not None:
+                self._on_health(False, f"no answer on the workload channel for {silent:.0f} s")
+
+    def _check_liveness(self, now: float) -> float | None:
+        """(Lock held.) Send the next PING, or judge the one outstanding; the seconds of silence when the service
+        is found gone."""
+        if not self._armed or self.ended or self._reconnecting or self._handover is not None or not self._reader_alive:
+            self._ping = None  # no live session to judge (the supervisor's /health probe judges a new one)
+            return None
+        if self._ping is not None and self._ping[0] is self.session:
+            silent = now - self._ping[2]
+            if silent <= self.unresponsive_after_s * host_deadline_scale():
+                return None
+            self._ping = None
+            self.unresponsive_since = now
+            self._drop_session(self._unresponsive_error(silent))
+            return silent
+        with contextlib.suppress(MuxError):
+            self._ping = (self.session, self.session.ping(), now)
+            self._cv.notify_all()  # the writer sends it
+        return None
+
+    def _unresponsive_error(self, silent: float | None = None) -> CubeError:
+        since = self.unresponsive_since
+        silent = silent if silent is not None else (time.monotonic() - since if since is not None else 0.0)
+        return CubeError(
+            "workload.unresponsive",
+            "the sandbox's workload service stopped answering (the guest may be out of memory); "
+            "calls fail until it answers again",
+            layer="workload",
+            details={"silent_s": round(silent, 1)},
+            status=503,
+        )
+
     def _drop_session(self, error: BaseException | None, how: int = socket.SHUT_RDWR) -> None:
         """End the current session (called with the lock held): clients see their connections closed."""
         if self.error is None:
@@ -568,3 +661,16 @@ class WorkloadBridge:
             with contextlib.suppress(OSError):
                 self._chan.shutdown(socket.SHUT_RDWR)
             self._chan.close()
+
+
+def _answer_error(client: socket.socket, err: CubeError) -> None:
+    """An HTTP response naming `err` on a connection no stream was opened for (its request is left unread)."""
+    body = json.dumps(err.to_json()).encode()
+    head = (
+        f"HTTP/1.1 {err.status} Service Unavailable\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    with contextlib.suppress(OSError):
+        client.settimeout(5.0)
+        client.sendall(head.encode() + body)
+        client.shutdown(socket.SHUT_WR)

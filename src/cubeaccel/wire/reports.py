@@ -175,6 +175,20 @@ class WorkloadReady(ReportDetails):
     socket: str | None = None
 
 
+class WorkloadUnresponsive(ReportDetails):
+    """The workload service stopped answering on its channel (its PINGs unanswered): the tenant's calls fail with
+    `reason` at once instead of waiting, until `workload_recovered`."""
+
+    kind = ShimReportKind.WORKLOAD_UNRESPONSIVE
+    reason: Text = None
+    message: Text = None
+
+
+class WorkloadRecovered(ReportDetails):
+    kind = ShimReportKind.WORKLOAD_RECOVERED
+    message: Text = None
+
+
 class PlacedBar(BaseModel):
     """A memory BAR where the guest placed it, read from its `resource`."""
 

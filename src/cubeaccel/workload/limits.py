@@ -3,10 +3,10 @@
 Every command joins one cgroup v2 group, `/sys/fs/cgroup/cube-workload` (created at service start when we are
 root), with `pids.max` (tasks, threads included), `memory.max` (what the guest has available when we start, less
 a reserve for the services: the root filesystem is in RAM and cannot be reclaimed, so MemTotal would promise too
-much) and a low `cpu.weight`. The services stay in the root group and lower their own `oom_score_adj`, commands
-raise theirs (envd's 100): a command at its limits cannot stop us from accepting a call, starting a thread or
-killing it, and an OOM picks a command. Commands of a non-root user also get RLIMIT_NPROC (per uid; the kernel
-exempts root, hence the cgroup).
+much) and a low `cpu.weight`. The services stay in the root group with `oom_score_adj` -1000 (the guest init
+starts them so: the OOM killer never picks one), commands raise theirs (envd's 100), cgroup or not: a command at
+its limits cannot stop us from accepting a call, starting a thread or killing it, and an OOM picks a command.
+Commands of a non-root user also get RLIMIT_NPROC (per uid; the kernel exempts root, hence the cgroup).
 
 How a command gets there before any of its code runs: it starts as
 `/bin/sh -c 'kill -STOP $$; exec -a "$0" "$@"' CMD /abs/path/of/CMD ARGS…` (busybox, as the target user, plain
@@ -32,7 +32,7 @@ GROUP_NAME = "cube-workload"
 DEFAULT_MAX_TASKS = 512
 MEMORY_RESERVE_MIB = 64  # of MemAvailable at start, kept for cube-agent and us (threads, buffers)
 MEMORY_FLOOR_MIB = 32
-SERVICE_OOM_SCORE_ADJ = -500
+SERVICE_OOM_SCORE_ADJ = -1000  # never chosen: the guest init starts every service with it (images/rootfs.py)
 COMMAND_OOM_SCORE_ADJ = 100
 COMMAND_CPU_WEIGHT = 20  # of the default 100: the services win the CPU from a busy command
 
@@ -60,9 +60,10 @@ class CommandLimits:
         _, status = os.waitpid(pid, os.WUNTRACED)
         if not os.WIFSTOPPED(status):
             return os.waitstatus_to_exitcode(status)
+        with contextlib.suppress(OSError):  # with or without a cgroup: never the services' -1000, inherited
+            _write(f"/proc/{pid}/oom_score_adj", str(COMMAND_OOM_SCORE_ADJ).encode())
         if self.procs is not None:
             with contextlib.suppress(OSError):
-                _write(f"/proc/{pid}/oom_score_adj", str(COMMAND_OOM_SCORE_ADJ).encode())
                 _write(self.procs, str(pid).encode())
         if uid:
             with contextlib.suppress(OSError, ValueError):
