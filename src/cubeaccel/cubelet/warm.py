@@ -83,6 +83,7 @@ def supersedes(new: Any, old: Any) -> bool:
     same = shape == (old.contract.template_name, old.accel_class, old.count, old.vcpus)
     return same and new.contract.digest != old.contract.digest
 
+
 def _never_fits(refusal: CubeError, count: int) -> bool:
     """A pool asking for more devices than the node has at all: no release makes room, so it is a failure."""
     by_state = refusal.details.get("devices_by_state")
