@@ -131,10 +131,11 @@ def test_creates_against_100_simulated_nodes_with_random_deaths_never_double_pla
                     assert (again.sandbox, again.code) == (None, first.code), (key, first, again)
             # CubeMaster's running records agree with the fleet's: each device held by the sandbox it names.
             rows = [r for r in master.client.sandboxes("running") if r.id in placed(answers)]
-            devices = Counter((r.node, d) for r in rows for d in r.device_ids)
+            devices = Counter((str(r.node), d) for r in rows for d in r.device_ids)
             assert all(c == 1 for c in devices.values()), devices.most_common(3)
-            for (node, d), _ in devices.items():
-                assert fleet.ledger.holders.get((node, d)) in {r.id for r in rows}
+            ids: set[str | None] = {r.id for r in rows}
+            for device in devices:
+                assert fleet.ledger.holders.get(device) in ids
             for i in deaths:
                 fleet.revive(i)
     finally:
