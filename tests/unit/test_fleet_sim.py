@@ -86,3 +86,12 @@ def test_a_dead_node_answers_nothing_and_keeps_what_it_holds() -> None:
     api.faults.dead.add(0)
     assert asyncio.run(api(_request("GET", "/v1/reservations/sb-1", b"", token))) is None
     assert api.counters.dropped == 1 and api.journals[0].free == 7
+
+
+def test_fleet_simulate_refuses_an_unknown_profile_before_touching_cubemaster() -> None:
+    from typer.testing import CliRunner
+
+    from cubeaccel.cli.root import app
+
+    r = CliRunner().invoke(app, ["fleet", "simulate", "--master", "http://127.0.0.1:1", "--profile", "calm"])
+    assert r.exit_code == 2 and "unknown profile 'calm'" in r.output
