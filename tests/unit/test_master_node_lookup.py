@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +55,35 @@ def test_a_node_the_copy_does_not_hold_yet_is_found_after_a_reload(master: CubeM
     assert master.node_url("n9") == "http://127.1.0.9:7"
     assert master.cache.node_at("http://127.1.0.9:7") == "n9"
     assert master.node_url("nobody") is None
+
+
+class _NoReservations:
+    def reservations(self) -> list[object]:
+        return []
+
+
+def test_reconciling_one_node_reads_its_row_not_every_nodes_views(
+    master: CubeMaster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At startup every node is reconciled once per replica: a full reload for each is O(N²) at 10,000 nodes."""
+    from cubeaccel.master.maintenance import reconcile_node
+
+    master.cache.views()
+    reads: list[int] = []
+    real = master.store.node_views
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[str]]:
+        reads.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(master.store, "node_views", counted)
+    asked: list[str] = []
+
+    def client(url: str) -> _NoReservations:
+        asked.append(url)
+        return _NoReservations()
+
+    monkeypatch.setattr(master, "client", client)
+    assert reconcile_node(master, "n1") == {"node": "n1", "lost": [], "released_orphans": []}
+    assert asked == ["http://127.1.0.2:7"] and reads == []
+    assert reconcile_node(master, "nobody") == {"node": "nobody", "skipped": "unknown node"}
