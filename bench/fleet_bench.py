@@ -198,7 +198,10 @@ def run_once(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "ready_s": round(ready_s, 1),
             "ready_share_at_start": round(ready_share, 3),
             "placements": placements,
-            "placements_per_s": round(placements / wall, 1),
+            # completed within the load's window; creates still waiting when it closed finish later (late)
+            "placements_per_s": round(sum(rates) / args.seconds, 1),
+            "late_placements": placements - sum(rates),
+            "wall_s": round(wall, 1),
             "p50_ms": round(1000 * lat[len(lat) // 2], 1) if lat else None,
             "p99_ms": round(1000 * lat[int(len(lat) * 0.99)], 1) if lat else None,
             "refused": dict(load.refused),
