@@ -43,6 +43,7 @@ class Faults:
 @dataclass
 class Counters:
     requests: int = 0
+    arrived_reserves: int = 0  # reservation requests received, counted before any injected latency
     reserves: int = 0
     refused: int = 0
     releases: int = 0
@@ -64,6 +65,8 @@ class FleetApi:
             self.counters.dropped += 1
             return None
         self.counters.requests += 1
+        if req.method == "POST" and req.path == "/v1/reservations":
+            self.counters.arrived_reserves += 1
         if f.latency_s or f.jitter_s:
             await asyncio.sleep(f.latency_s + f.rng.random() * f.jitter_s)
             if req.node in f.dead:  # died while answering
