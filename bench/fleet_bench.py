@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tests.support.frontdoor_process import FrontDoorProcess
 from tests.support.master_harness import MasterProcess, example
 from tests.support.pg_cluster import PgCluster
 
@@ -41,16 +42,23 @@ from cubeaccel.fleet.sim import Fleet
 TICK_S = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes (all their threads) so far."""
+def cpu_s(pids: list[int], reaped: bool = False) -> float:
+    """User + system CPU seconds of these processes (all their threads) so far; `reaped`: the first one's
+    exited children too (PostgreSQL's backends come and go under the postmaster)."""
     total = 0
-    for pid in pids:
+    for n, pid in enumerate(pids):
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])
+            if reaped and n == 0:
+                total += int(fields[13]) + int(fields[14])
         except (OSError, IndexError, ValueError):
             continue
     return total / TICK_S
+
+
+def pg_cpu(pg: PgCluster) -> float:
+    return cpu_s(pg.pids(), reaped=True)
 
 
 @dataclass
@@ -58,6 +66,7 @@ class Load:
     replicas: list[MasterProcess]
     keep: int
     end: float
+    front_door: FrontDoorProcess | None = None  # E2B-shaped creates through it instead of CubeMaster's API
     dead: set[int] = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
     done: list[tuple[float, float]] = field(default_factory=list)  # (finished at, seconds) of each placement
@@ -68,9 +77,23 @@ class Load:
     delete_errors: int = 0
 
 
+def refusal_code(reply: dict[str, Any]) -> str:
+    """CubeMaster's error code, or the front door's E2B refusal as `status: message` (E2B's shape has no code)."""
+    err = reply.get("error")
+    if isinstance(err, dict):
+        return str(err.get("code"))
+    return f"{reply.get('code')}: {str(reply.get('message', ''))[:60]}"
+
+
 def client(load: Load, k: int) -> None:
-    headers = load.replicas[0].headers()
-    https = [httpx.Client(base_url=m.url, headers=headers, timeout=60.0) for m in load.replicas]
+    if load.front_door is not None:
+        headers = {"X-API-Key": load.replicas[0].tenant_key}
+        https = [httpx.Client(base_url=load.front_door.url, headers=headers, timeout=60.0)]
+        create_path, body, id_key = "/sandboxes", {"templateID": "cuda12-h100", "timeout": 3600}, "sandboxID"
+    else:
+        https = [httpx.Client(base_url=m.url, headers=load.replicas[0].headers(), timeout=60.0) for m in load.replicas]
+        create_path, body, id_key = "/v1/sandboxes", {"gpu": "H100:1"}, "id"
+    delete_prefix = "/sandboxes/" if load.front_door is not None else "/v1/sandboxes/"
     mine: list[tuple[int, str]] = []
     try:
         while time.time() < load.end:
@@ -79,16 +102,17 @@ def client(load: Load, k: int) -> None:
             outcome: tuple[int, str] | None = None
             for attempt in range(len(https) * 3):
                 i = (k + attempt) % len(https)
-                if i in load.dead:
+                if i in load.dead and load.front_door is None:
                     continue
                 try:
-                    r = https[i].post("/v1/sandboxes", json={"gpu": "H100:1"}, headers={"Idempotency-Key": key})
+                    r = https[i].post(create_path, json=body, headers={"Idempotency-Key": key})
                 except httpx.HTTPError:
                     with load.lock:
                         load.retried += 1
                     continue
-                body = r.json()
-                outcome = (i, body["id"]) if r.status_code in (200, 201) else (-1, body["error"]["code"])
+                reply = r.json()
+                ok = r.status_code in (200, 201)
+                outcome = (i, reply[id_key]) if ok else (-1, refusal_code(reply))
                 break
             with load.lock:
                 if outcome is None:
@@ -104,10 +128,10 @@ def client(load: Load, k: int) -> None:
                 _, sid = mine.pop(0)
                 for attempt in range(len(https)):
                     i = (k + attempt) % len(https)
-                    if i in load.dead:
+                    if i in load.dead and load.front_door is None:
                         continue
                     try:
-                        https[i].delete(f"/v1/sandboxes/{sid}")
+                        https[i].delete(f"{delete_prefix}{sid}")
                         with load.lock:
                             load.deletes += 1
                         break
@@ -144,6 +168,7 @@ def run_once(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     pg = PgCluster()
     replicas: list[MasterProcess] = []
     fleet: Fleet | None = None
+    fd: FrontDoorProcess | None = None
     try:
         for i in range(args.replicas):
             extra = ("--tick", "1.0", "--log-level", args.log_level)
@@ -155,22 +180,25 @@ def run_once(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         ready_s, ready_share = wait_ready(replicas[0], fleet, args.ready_deadline)
         replicas[0].client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
         master_pids = [m.proc.pid for m in replicas if m.proc is not None]
+        if args.front_door:
+            fd = FrontDoorProcess(root / "fd", ",".join(m.url for m in replicas), replicas[0].admin_key).start()
 
         # Heartbeats alone: what ingesting them costs CubeMaster and PostgreSQL.
-        beats0, c_m, c_pg, t0 = fleet.report()["heartbeats_sent"], cpu_s(master_pids), cpu_s(pg.pids()), time.time()
+        beats0, c_m, c_pg, t0 = fleet.report()["heartbeats_sent"], cpu_s(master_pids), pg_cpu(pg), time.time()
         time.sleep(args.heartbeat_window)
         hb_wall = time.time() - t0
         hb = {
             "heartbeats_per_s": round((fleet.report()["heartbeats_sent"] - beats0) / hb_wall, 1),
             "heartbeats_expected_per_s": round(args.nodes / args.period, 1),
             "heartbeat_master_cores": round((cpu_s(master_pids) - c_m) / hb_wall, 3),
-            "heartbeat_postgres_cores": round((cpu_s(pg.pids()) - c_pg) / hb_wall, 3),
+            "heartbeat_postgres_cores": round((pg_cpu(pg) - c_pg) / hb_wall, 3),
         }
 
         keep = max(2, int(args.nodes * 8 * args.fill / args.clients))
         start = time.time()
-        load = Load(replicas, keep, start + args.seconds)
-        c_m, c_pg, c_me = cpu_s(master_pids), cpu_s(pg.pids()), time.process_time()
+        load = Load(replicas, keep, start + args.seconds, fd)
+        fd_pids = [fd.proc.pid] if fd is not None and fd.proc is not None else []
+        c_m, c_pg, c_me, c_fd = cpu_s(master_pids), pg_cpu(pg), time.process_time(), cpu_s(fd_pids)
         threads = [threading.Thread(target=client, args=(load, k), daemon=True) for k in range(args.clients)]
         for th in threads:
             th.start()
@@ -208,8 +236,12 @@ def run_once(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "retried_on_another_replica": load.retried,
             "deletes": load.deletes,
             "master_cpu_ms_per_placement": round(1000 * (cpu_s(master_pids) - c_m) / max(1, placements), 2),
-            "postgres_cpu_ms_per_placement": round(1000 * (cpu_s(pg.pids()) - c_pg) / max(1, placements), 2),
+            "postgres_cpu_ms_per_placement": round(1000 * (pg_cpu(pg) - c_pg) / max(1, placements), 2),
             "bench_cpu_ms_per_placement": round(1000 * (time.process_time() - c_me) / max(1, placements), 2),
+            "front_door_cpu_ms_per_placement": round(1000 * (cpu_s(fd_pids) - c_fd) / max(1, placements), 2)
+            if fd is not None
+            else None,
+            "via": "front door" if fd is not None else "CubeMaster API",
             "rates_per_s": rates,
             **hb,
         }
@@ -228,6 +260,8 @@ def run_once(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         )
         return out
     finally:
+        if fd is not None:
+            fd.stop()
         if fleet is not None:
             fleet.stop()
         for m in replicas:
@@ -248,6 +282,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--ready-deadline", type=float, default=240.0)
     p.add_argument("--log-level", default="warning", help="CubeMaster's log level (info logs every request)")
+    p.add_argument("--front-door", action="store_true", help="E2B creates through `api serve` (both replicas)")
     args = p.parse_args()
     print(f"load average before: {os.getloadavg()} on {os.cpu_count()} CPUs", flush=True)
     results = []

@@ -34,6 +34,7 @@ class Faults:
 
     latency_s: float = 0.0
     jitter_s: float = 0.0
+    release_s: float = 0.0  # added to a release's answer: devices coming back slowly (scrub, reset)
     error_rate: float = 0.0
     dead: set[int] = field(default_factory=set)
     stale: set[int] = field(default_factory=set)
@@ -67,8 +68,9 @@ class FleetApi:
         self.counters.requests += 1
         if req.method == "POST" and req.path == "/v1/reservations":
             self.counters.arrived_reserves += 1
-        if f.latency_s or f.jitter_s:
-            await asyncio.sleep(f.latency_s + f.rng.random() * f.jitter_s)
+        delay = f.latency_s + f.rng.random() * f.jitter_s + (f.release_s if req.method == "DELETE" else 0.0)
+        if delay:
+            await asyncio.sleep(delay)
             if req.node in f.dead:  # died while answering
                 self.counters.dropped += 1
                 return None
