@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import signal
 import statistics
@@ -55,6 +56,37 @@ def cpu_s(pids: list[int], reaped: bool = False) -> float:
         except (OSError, IndexError, ValueError):
             continue
     return total / TICK_S
+
+
+class FleetProcess:
+    """The simulated fleet in a process of its own (`--fleet-process`): its API, its heartbeat senders and the
+    bench's clients then hold different GILs, so at 10,000 nodes the simulator's own Python does not slow the
+    answers CubeMaster waits for. The parent asks it for its names and reports over a pipe."""
+
+    def __init__(self, masters: list[str], admin_key: str, nodes: int, period_s: float) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_fleet_main, args=(child, masters, admin_key, nodes, period_s), daemon=True)
+        self.proc.start()
+        self.names: list[str] = self.conn.recv()
+
+    def report(self) -> dict[str, Any]:
+        self.conn.send("report")
+        out: dict[str, Any] = self.conn.recv()
+        return out
+
+    def stop(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(30)
+
+
+def _fleet_main(conn: Any, masters: list[str], admin_key: str, nodes: int, period_s: float) -> None:
+    fleet = Fleet(masters, admin_key, nodes, period_s=period_s).start()
+    conn.send(fleet.names)
+    while (cmd := conn.recv()) != "stop":
+        if cmd == "report":
+            conn.send(fleet.report())
+    fleet.stop()
 
 
 def pg_cpu(pg: PgCluster) -> float:
@@ -145,7 +177,7 @@ def client(load: Load, k: int) -> None:
             h.close()
 
 
-def wait_ready(m: MasterProcess, fleet: Fleet, deadline_s: float) -> tuple[float, float]:
+def wait_ready(m: MasterProcess, fleet: Fleet | FleetProcess, deadline_s: float) -> tuple[float, float]:
     """Seconds until every node is ready, or (at the deadline, when CubeMaster cannot take every node's
     heartbeat within the staleness bound) until every node has heartbeated once; and the share ready then."""
     t0 = time.time()
@@ -167,15 +199,18 @@ def wait_ready(m: MasterProcess, fleet: Fleet, deadline_s: float) -> tuple[float
 def run_once(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     pg = PgCluster()
     replicas: list[MasterProcess] = []
-    fleet: Fleet | None = None
+    fleet: Fleet | FleetProcess | None = None
     fd: FrontDoorProcess | None = None
     try:
         for i in range(args.replicas):
             extra = ("--tick", "1.0", "--log-level", args.log_level)
             replicas.append(MasterProcess(root / f"m{i}", pg.url, 10.0, *extra).start())
         t = time.time()
-        fleet = Fleet([m.url for m in replicas], replicas[0].admin_key, args.nodes, period_s=args.period)
-        fleet.start()
+        urls = [m.url for m in replicas]
+        if args.fleet_process:
+            fleet = FleetProcess(urls, replicas[0].admin_key, args.nodes, args.period)
+        else:
+            fleet = Fleet(urls, replicas[0].admin_key, args.nodes, period_s=args.period).start()
         enrol_s = time.time() - t
         ready_s, ready_share = wait_ready(replicas[0], fleet, args.ready_deadline)
         replicas[0].client.register_template(example("cuda12-h100", spec__memory__size_mib=1024), default=True)
@@ -242,6 +277,7 @@ def run_once(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             if fd is not None
             else None,
             "via": "front door" if fd is not None else "CubeMaster API",
+            "fleet_process": bool(args.fleet_process),
             "rates_per_s": rates,
             **hb,
         }
@@ -283,6 +319,7 @@ def main() -> None:
     p.add_argument("--ready-deadline", type=float, default=240.0)
     p.add_argument("--log-level", default="warning", help="CubeMaster's log level (info logs every request)")
     p.add_argument("--front-door", action="store_true", help="E2B creates through `api serve` (both replicas)")
+    p.add_argument("--fleet-process", action="store_true", help="run the simulated fleet in its own process")
     args = p.parse_args()
     print(f"load average before: {os.getloadavg()} on {os.cpu_count()} CPUs", flush=True)
     results = []
