@@ -9,14 +9,21 @@ from typing import Annotated
 import typer
 
 from cubeaccel.cli.locate import UP_STATE
-from cubeaccel.cli.master_access import MasterUrl, master_url, write_secret
+from cubeaccel.cli.master_access import master_url, write_secret
 
 app = typer.Typer(no_args_is_help=True, help="The E2B-compatible API: `from e2b import Sandbox` against cubeaccel.")
 
 
 @app.command("serve")
 def serve_cmd(
-    master: MasterUrl = None,
+    master: Annotated[
+        str | None,
+        typer.Option(
+            "--master",
+            help="CubeMaster URL, or several comma-separated (replicas: failover between them); default: "
+            "$CUBEACCEL_MASTER, then the one `cubeaccel up` started",
+        ),
+    ] = None,
     listen: Annotated[str, typer.Option(help="HOST:PORT")] = "127.0.0.1:3000",
     admin_key_file: Annotated[
         Path, typer.Option(help="a CubeMaster admin key: finds each sandbox's node for envd traffic")

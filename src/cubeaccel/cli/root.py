@@ -8,7 +8,21 @@ from typing import Annotated
 import typer
 
 from cubeaccel import __version__
-from cubeaccel.cli import api, cubelet, host, identities, image, master, nodes, output, sandbox, shim, template, up
+from cubeaccel.cli import (
+    api,
+    cubelet,
+    fleet,
+    host,
+    identities,
+    image,
+    master,
+    nodes,
+    output,
+    sandbox,
+    shim,
+    template,
+    up,
+)
 
 app = typer.Typer(no_args_is_help=True, add_completion=True, help="GPU sandboxes for Cube Sandbox.")
 
@@ -47,6 +61,7 @@ app.add_typer(image.app, name="image")
 app.add_typer(shim.app, name="shim")
 app.add_typer(master.app, name="master")
 app.add_typer(api.app, name="api")
+app.add_typer(fleet.app, name="fleet")
 cubelet.register_top_level(app)
 for area in (identities, nodes, up, sandbox):  # in this order in `--help`
     area.register_top_level(app)

@@ -124,6 +124,11 @@ class EnvdProxy:
         self._nodes: dict[str, tuple[float, str]] = {}
         self._running: tuple[float, list[str]] = (float("-inf"), [])
         self._running_refresh = asyncio.Lock()  # one re-read at a time: concurrent forged URLs wait for it
+        # sha256 of each running sandbox's envd token → the sandbox: a request that names its sandbox only by
+        # its token is one dict lookup, not one HMAC per running sandbox. Kept per sandbox id, so a re-read
+        # derives tokens only for the sandboxes it had not seen.
+        self._token_digests: dict[str, bytes] = {}
+        self._by_token: dict[bytes, str] = {}
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -160,11 +165,18 @@ class EnvdProxy:
         return await self._running_sandbox(lambda sid: signed_by(request, envd_token(self.secret, sid)))
 
     async def token_sandbox(self, request: Request) -> str | None:
-        """The running sandbox whose envd access token the request presents, or None."""
+        """The running sandbox whose envd access token the request presents, or None: found by the token's
+        digest (O(1) however many sandboxes run), then checked against the sandbox's own token."""
         token = request.headers.get("x-access-token", "").encode()
-        return await self._running_sandbox(
-            lambda sid: hmac.compare_digest(token, envd_token(self.secret, sid).encode())
-        )
+        key = hashlib.sha256(token).digest()
+        for attempt in range(2):
+            stamp = self._running[0]
+            sid = self._by_token.get(key)
+            if sid is not None and hmac.compare_digest(token, envd_token(self.secret, sid).encode()):
+                return sid
+            if attempt or not await self._reread_running(stamp):
+                return None
+        return None
 
     async def _running_sandbox(self, match: Callable[[str], bool]) -> str | None:
         """The running sandbox `match` picks. The running list comes from CubeMaster, re-read at most once a
@@ -174,16 +186,23 @@ class EnvdProxy:
             for sid in ids:
                 if match(sid):
                     return sid
-            if attempt:
+            if attempt or not await self._reread_running(stamp):
                 return None
-            async with self._running_refresh:
-                if time.monotonic() - self._running[0] < RUNNING_REFRESH_S:
-                    if self._running[0] == stamp:
-                        return None  # read within the interval: nothing newer to try
-                    continue  # another request re-read it while this one waited: try the new list
-                listed = await self.master.admin(Calls.sandboxes(LIVE))
-                self._running = (time.monotonic(), [r.id for r in listed.sandboxes])
         return None
+
+    async def _reread_running(self, stamp: float) -> bool:
+        """Re-read CubeMaster's running list unless it was read within `RUNNING_REFRESH_S`; whether there is a
+        list newer than the one read at `stamp` to try (another request may have re-read it meanwhile)."""
+        async with self._running_refresh:
+            if time.monotonic() - self._running[0] < RUNNING_REFRESH_S:
+                return self._running[0] != stamp
+            listed = await self.master.admin(Calls.sandboxes(LIVE))
+            ids = [r.id for r in listed.sandboxes]
+            known = self._token_digests
+            digests = {sid: known.get(sid) or _token_digest(self.secret, sid) for sid in ids}
+            self._token_digests, self._by_token = digests, {d: sid for sid, d in digests.items()}
+            self._running = (time.monotonic(), ids)
+            return True
 
     async def route(self, sandbox_id: str, fresh: bool = False) -> Route | None:
         """The sandbox's node and envVars (CubeMaster, with the front door's admin key); None when it is gone."""
@@ -387,6 +406,10 @@ def signature_refusal(request: Request, token: str) -> str | None:
     if expiration is not None and int(expiration) < time.time():
         return SIGNATURE_EXPIRED
     return None
+
+
+def _token_digest(secret: bytes, sandbox_id: str) -> bytes:
+    return hashlib.sha256(envd_token(secret, sandbox_id).encode()).digest()
 
 
 def signed_by(request: Request, token: str) -> bool:

@@ -28,6 +28,7 @@ class NodeCache:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._index = NodeIndex()
+        self._by_url: dict[str, str] = {}  # cubelet_url → node, for the Cubelet calls that start from a URL
         self._loaded_at = 0.0
 
     def views(self, fresh: bool = False) -> list[NodeView]:
@@ -35,6 +36,31 @@ class NodeCache:
             if fresh or time.monotonic() - self._loaded_at > self.ttl_s:
                 self._reload()
             return self._index.views()
+
+    def view(self, name: str) -> NodeView | None:
+        """One node's view by name, without a copy of every view: a Cubelet call per create must not visit the
+        whole fleet. Reloaded (within the TTL rule) only when the copy does not hold the node yet."""
+        with self._lock:
+            try:
+                return self._index.view(name)
+            except KeyError:
+                pass
+        self.views()
+        with self._lock:
+            try:
+                return self._index.view(name)
+            except KeyError:
+                return None
+
+    def node_at(self, url: str) -> str | None:
+        """The node registered at `url`, looked up the same way as `view`."""
+        with self._lock:
+            name = self._by_url.get(url)
+        if name is None:
+            self.views()
+            with self._lock:
+                name = self._by_url.get(url)
+        return name
 
     def decide(
         self,
@@ -91,6 +117,7 @@ class NodeCache:
         for v in changed:
             v.claims, v.memory_claims_mib = claims_of(v)
         self._index.replace_all(fresh.values())
+        self._by_url = {v.cubelet_url: v.name for v in fresh.values()}
         for name, v in fresh.items():
             self._index.set_claims(name, *claims_of(v))
             v.warm_claimed = warm.get(name, frozenset())

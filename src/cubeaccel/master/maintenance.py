@@ -57,11 +57,10 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
     `placing` (left alone) instead of as a `running` record the Cubelet "lacks", which would mark it lost
     and release its live reservation as an orphan on the next pass.
     """
-    view = next((v for v in master.cache.views(fresh=True) if v.name == name), None)
-    if view is None:
+    url = master.store.node_url(name)  # its row alone: a reload of every view per node is O(N²) at startup
+    if url is None:
         return {"node": name, "skipped": "unknown node"}
     rows = master.store.sandboxes(states=HELD_STATES, node=name)
-    url = view.cubelet_url
     held = {r.sandbox_id: r for r in _on_node(master, url, lambda c: c.reservations())}
     lost, orphans = [], []
     for row in rows:

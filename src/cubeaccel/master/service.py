@@ -134,7 +134,7 @@ class CubeMaster:
 
     def client(self, url: str) -> CubeletClient:
         """A client for the Cubelet at `url`, presenting that node's token (its TCP API asks for it)."""
-        node = next((v.name for v in self.cache.views() if v.cubelet_url == url), None)
+        node = self.cache.node_at(url)
         token = None if node is None else self.auth.current_node_token(node)
         with self._clients_lock:
             c = self._clients.get((url, token))
@@ -778,7 +778,7 @@ class CubeMaster:
     def node_url(self, node: str | None) -> str | None:
         if node is None:
             return None
-        v = next((v for v in self.cache.views() if v.name == node), None)
+        v = self.cache.view(node)
         return v.cubelet_url if v else None
 
     def start_phases(self, row: SandboxRow) -> tuple[list[W.StartPhase], bool]:

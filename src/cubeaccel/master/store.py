@@ -161,6 +161,12 @@ class MasterStore:
             rows = c.execute(sa.select(S.nodes).where(S.nodes.c.name.in_(changed))).all() if changed else []
         return [view_from_heartbeat(r.heartbeat, r.received_at, r.state) for r in rows], [r.name for r in index]
 
+    def node_url(self, name: str) -> str | None:
+        """One node's registered Cubelet URL, as stored now (one row, not every node's)."""
+        with self.tx() as c:
+            url = c.execute(sa.select(S.nodes.c.cubelet_url).where(S.nodes.c.name == name)).scalar()
+        return None if url is None else str(url)
+
     def claims(self) -> dict[str, dict[str, int]]:
         with self.tx() as c:
             return _claims(c, None)

@@ -1,0 +1,1 @@
+"""A simulated fleet of Cubelets for CubeMaster's tests and benchmarks (sim.py)."""
