@@ -15,7 +15,7 @@ from cubeaccel import __version__
 from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet import host_ready, memory_ledger, scrub_ready
 from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.ports import HeartbeatSource
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
@@ -25,7 +25,7 @@ from cubeaccel.wire.heartbeat import HostProblem
 from cubeaccel.wire.warm import WarmPoolFact, WarmSandboxFact
 
 
-def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
+def heartbeat_body(cubelet: HeartbeatSource, cubelet_url: str) -> dict[str, Any]:
     sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
     facts = cubelet.shim.node_facts()  # learned from the host each beat: an image removed stops being offered
     readiness, pinned = host_state(cubelet)
@@ -49,7 +49,7 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
     ).to_json()
 
 
-def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
+def warm_pool_facts(cubelet: HeartbeatSource) -> list[WarmPoolFact]:
     """Each warm pool's shape (the fields its key is derived from), counts and the ids ready to claim, so
     CubeMaster can match a create and name the warm sandbox it claims (docs/warm.md)."""
     out: list[WarmPoolFact] = []
@@ -90,14 +90,14 @@ def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
     return out
 
 
-def held(cubelet: Cubelet) -> tuple[Problem, ...]:
+def held(cubelet: HeartbeatSource) -> tuple[Problem, ...]:
     """What holds one kind of device back on a host that is ready (`ready` stays true: the node serves its other
     devices): a missing or mismatched scrub image (scrub_ready.py). Listed with the host's problems."""
     with cubelet.store.read() as t:
         return scrub_ready.current(t)
 
 
-def host_state(cubelet: Cubelet) -> tuple[host_ready.Readiness, memory_ledger.Ledger]:
+def host_state(cubelet: HeartbeatSource) -> tuple[host_ready.Readiness, memory_ledger.Ledger]:
     """Host readiness and the pinned-memory ledger, as the heartbeat and `GET /v1/host` show them (one read)."""
     with cubelet.store.read() as t:
         readiness = host_ready.current(t)
@@ -110,7 +110,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        cubelet: Cubelet,
+        cubelet: HeartbeatSource,
         master_url: str,
         cubelet_url: str,
         interval_s: float,
