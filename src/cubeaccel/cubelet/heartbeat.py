@@ -1,6 +1,7 @@
 """Cubelet → CubeMaster: register and heartbeat the capacity summary (derived from the store each time).
 
-The body's shape is `wire.heartbeat.Heartbeat`."""
+The body's shape is `wire.heartbeat.Heartbeat`; it goes out through the typed CubeMaster client
+(`transport/master_client.py`, `Calls.heartbeat`), signed with the node's token, like every other call to CubeMaster."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from cubeaccel import __version__
 from cubeaccel.backends.base import Problem
@@ -19,13 +21,18 @@ from cubeaccel.cubelet.ports import HeartbeatSource
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
-from cubeaccel.transport.node_sig import NodeAuth
+from cubeaccel.transport.master_client import MasterClient
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
 from cubeaccel.wire.heartbeat import HostProblem
 from cubeaccel.wire.warm import WarmPoolFact, WarmSandboxFact
 
 
 def heartbeat_body(cubelet: HeartbeatSource, cubelet_url: str) -> dict[str, Any]:
+    """The heartbeat as the JSON it is sent as."""
+    return heartbeat_message(cubelet, cubelet_url).to_json()
+
+
+def heartbeat_message(cubelet: HeartbeatSource, cubelet_url: str) -> HeartbeatBody:
     sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
     facts = cubelet.shim.node_facts()  # learned from the host each beat: an image removed stops being offered
     readiness, pinned = host_state(cubelet)
@@ -46,7 +53,7 @@ def heartbeat_body(cubelet: HeartbeatSource, cubelet_url: str) -> dict[str, Any]
         sent_at=sent_at,
         incarnation=cubelet.incarnation,
         ended=cubelet.ended.recent(),
-    ).to_json()
+    )
 
 
 def warm_pool_facts(cubelet: HeartbeatSource) -> list[WarmPoolFact]:
@@ -118,8 +125,9 @@ class Heartbeat:
     ) -> None:
         """`token`: the node token (or where to get the current one); every heartbeat is signed with it."""
         self.cubelet = cubelet
-        self.auth = NodeAuth(token) if token else None
-        self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
+        self.token = token
+        self.master_url = master_url
+        self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"  # named in reachability events
         self.cubelet_url = cubelet_url
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -132,13 +140,14 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
-    def beat(self, http: httpx.Client) -> bool:
+    def beat(self, master: MasterClient) -> bool:
+        """One heartbeat; reachable means CubeMaster accepted it and its ack reads as `HeartbeatAck`."""
+        body = heartbeat_message(self.cubelet, self.cubelet_url)
         try:
-            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url))
-            ok = r.status_code < 300
-            detail = "" if ok else r.text[:500]
-        except httpx.HTTPError as e:
-            ok, detail = False, str(e)
+            master.heartbeat(self.cubelet.config.node_name, body)
+            ok, detail = True, ""
+        except (CubeError, httpx.HTTPError, ValidationError) as e:  # refused, not reached, or an unreadable ack
+            ok, detail = False, str(e)[:500]
         if ok != self._reachable:
             with self.cubelet.store.tx() as t:
                 t.event(
@@ -150,8 +159,11 @@ class Heartbeat:
         return ok
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0, auth=self.auth) as http:
+        master = MasterClient(self.master_url, timeout=5.0, node_token=self.token)
+        try:
             while True:
-                self.beat(http)
+                self.beat(master)
                 if self._stop.wait(self.interval_s):
                     return
+        finally:
+            master.close()
