@@ -59,8 +59,8 @@ class _ShimLaunches(Collector):
         self.cubelet = cubelet
 
     def collect(self) -> Iterator[Metric]:
-        launches = getattr(self.cubelet.shim, "launches", None)
-        if not isinstance(launches, dict):
+        launches = self.cubelet.shim.launches
+        if not launches:
             return
         family = CounterMetricFamily(
             "cubeaccel_shim_launches", "Shim starts by how the process was made: fork or spawn", labels=["how"]
