@@ -40,7 +40,7 @@ def _handler(server: _Master) -> type[BaseHTTPRequestHandler]:
             self.send_response(code)
             self.send_header("content-type", "application/json")
             self.end_headers()
-            self.wfile.write(b'{"state": "ready"}')
+            self.wfile.write(json.dumps({"node": self.path.split("/")[3], "state": "ready"}).encode())  # the ack
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -99,6 +99,7 @@ def test_heartbeat_carries_the_capacity_summary_and_losing_the_master_is_one_eve
         poll(lambda: len(master.beats) > n + 1)  # keeps trying
         kinds = [e.kind for e in p.client.events().events]
         assert kinds.count("master_unreachable") == 1  # a change, not a flood
+        assert kinds.index("master_reachable") < kinds.index("master_unreachable")  # the ack read, then lost
     finally:
         p.stop()
         master.shutdown()
@@ -130,7 +131,7 @@ def test_the_first_heartbeat_comes_from_a_cubelet_that_answers(tmp_path: Path) -
             self.send_response(200)
             self.send_header("content-type", "application/json")
             self.end_headers()
-            self.wfile.write(b'{"state": "ready"}')
+            self.wfile.write(json.dumps({"node": self.path.split("/")[3], "state": "ready"}).encode())  # the ack
 
         def log_message(self, *args: Any) -> None:
             pass

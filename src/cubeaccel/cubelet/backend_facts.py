@@ -6,10 +6,10 @@ and seeds a fresh backend from the store at startup, so "nothing a restart needs
 
 from __future__ import annotations
 
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.ports import AerFacts
 
 
-def seed(cubelet: Cubelet) -> None:
+def seed(cubelet: AerFacts) -> None:
     aer = cubelet.capabilities.aer
     if aer is None:
         return
@@ -20,7 +20,7 @@ def seed(cubelet: Cubelet) -> None:
                 aer.set_aer_baseline(d.address, stored[d.id])
 
 
-def persist(cubelet: Cubelet) -> None:
+def persist(cubelet: AerFacts) -> None:
     aer = cubelet.capabilities.aer
     if aer is None:
         return

@@ -1,6 +1,7 @@
 """Cubelet → CubeMaster: register and heartbeat the capacity summary (derived from the store each time).
 
-The body's shape is `wire.heartbeat.Heartbeat`."""
+The body's shape is `wire.heartbeat.Heartbeat`; it goes out through the typed CubeMaster client
+(`transport/master_client.py`, `Calls.heartbeat`), signed with the node's token, like every other call to CubeMaster."""
 
 from __future__ import annotations
 
@@ -10,22 +11,28 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
 
 from cubeaccel import __version__
 from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet import host_ready, memory_ledger, scrub_ready
 from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.ports import HeartbeatSource
 from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
-from cubeaccel.transport.node_sig import NodeAuth
+from cubeaccel.transport.master_client import MasterClient
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
 from cubeaccel.wire.heartbeat import HostProblem
 from cubeaccel.wire.warm import WarmPoolFact, WarmSandboxFact
 
 
-def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
+def heartbeat_body(cubelet: HeartbeatSource, cubelet_url: str) -> dict[str, Any]:
+    """The heartbeat as the JSON it is sent as."""
+    return heartbeat_message(cubelet, cubelet_url).to_json()
+
+
+def heartbeat_message(cubelet: HeartbeatSource, cubelet_url: str) -> HeartbeatBody:
     sent_at = time.time()  # before the capacity is read: the summary is at least this fresh
     facts = cubelet.shim.node_facts()  # learned from the host each beat: an image removed stops being offered
     readiness, pinned = host_state(cubelet)
@@ -47,10 +54,10 @@ def heartbeat_body(cubelet: Cubelet, cubelet_url: str) -> dict[str, Any]:
         sent_at=sent_at,
         incarnation=cubelet.incarnation,
         ended=cubelet.ended.recent(),
-    ).to_json()
+    )
 
 
-def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
+def warm_pool_facts(cubelet: HeartbeatSource) -> list[WarmPoolFact]:
     """Each warm pool's shape (the fields its key is derived from), counts and the ids ready to claim, so
     CubeMaster can match a create and name the warm sandbox it claims (docs/warm.md)."""
     out: list[WarmPoolFact] = []
@@ -91,14 +98,14 @@ def warm_pool_facts(cubelet: Cubelet) -> list[WarmPoolFact]:
     return out
 
 
-def held(cubelet: Cubelet) -> tuple[Problem, ...]:
+def held(cubelet: HeartbeatSource) -> tuple[Problem, ...]:
     """What holds one kind of device back on a host that is ready (`ready` stays true: the node serves its other
     devices): a missing or mismatched scrub image (scrub_ready.py). Listed with the host's problems."""
     with cubelet.store.read() as t:
         return scrub_ready.current(t)
 
 
-def host_state(cubelet: Cubelet) -> tuple[host_ready.Readiness, memory_ledger.Ledger]:
+def host_state(cubelet: HeartbeatSource) -> tuple[host_ready.Readiness, memory_ledger.Ledger]:
     """Host readiness and the pinned-memory ledger, as the heartbeat and `GET /v1/host` show them (one read)."""
     with cubelet.store.read() as t:
         readiness = host_ready.current(t)
@@ -111,7 +118,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        cubelet: Cubelet,
+        cubelet: HeartbeatSource,
         master_url: str,
         cubelet_url: str,
         interval_s: float,
@@ -119,8 +126,9 @@ class Heartbeat:
     ) -> None:
         """`token`: the node token (or where to get the current one); every heartbeat is signed with it."""
         self.cubelet = cubelet
-        self.auth = NodeAuth(token) if token else None
-        self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"
+        self.token = token
+        self.master_url = master_url
+        self.url = f"{master_url.rstrip('/')}/v1/nodes/{cubelet.config.node_name}"  # named in reachability events
         self.cubelet_url = cubelet_url
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -133,13 +141,14 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
 
-    def beat(self, http: httpx.Client) -> bool:
+    def beat(self, master: MasterClient) -> bool:
+        """One heartbeat; reachable means CubeMaster accepted it and its ack reads as `HeartbeatAck`."""
+        body = heartbeat_message(self.cubelet, self.cubelet_url)
         try:
-            r = http.put(self.url, json=heartbeat_body(self.cubelet, self.cubelet_url))
-            ok = r.status_code < 300
-            detail = "" if ok else r.text[:500]
-        except httpx.HTTPError as e:
-            ok, detail = False, str(e)
+            master.heartbeat(self.cubelet.config.node_name, body)
+            ok, detail = True, ""
+        except (CubeError, httpx.HTTPError, ValidationError) as e:  # refused, not reached, or an unreadable ack
+            ok, detail = False, str(e)[:500]
         if ok != self._reachable:
             with self.cubelet.store.tx() as t:
                 t.event(
@@ -151,8 +160,11 @@ class Heartbeat:
         return ok
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0, auth=self.auth) as http:
+        master = MasterClient(self.master_url, timeout=5.0, node_token=self.token)
+        try:
             while True:
-                self.beat(http)
+                self.beat(master)
                 if self._stop.wait(self.interval_s):
                     return
+        finally:
+            master.close()

@@ -28,8 +28,9 @@ META_KEY = "host_readiness"
 NOT_CHECKED = Problem("host.not_checked", "host readiness has not been checked yet")
 
 
-class Cubelet(Protocol):
-    """What a check needs of `lifecycle.Cubelet` (which imports this module, so it is not imported here)."""
+class ReadinessHost(Protocol):
+    """What a check needs of `lifecycle.Cubelet` (which imports this module, so neither it nor `ports.py`, which
+    names lifecycle's types, is imported here)."""
 
     @property
     def backend(self) -> Backend: ...
@@ -67,7 +68,7 @@ def current(t: Tx) -> Readiness:
     return Readiness(tuple(Problem(p["code"], p["message"]) for p in data["problems"]), data["checked_at"])
 
 
-def check(cubelet: Cubelet) -> Readiness:
+def check(cubelet: ReadinessHost) -> Readiness:
     """Run the backend's readiness checks, record the answer, and hold devices back while it fails."""
     problems = tuple(cubelet.backend.readiness())
     with cubelet.lock:
@@ -88,7 +89,7 @@ def check(cubelet: Cubelet) -> Readiness:
     return now
 
 
-def _hold(cubelet: Cubelet, problems: tuple[Problem, ...]) -> None:
+def _hold(cubelet: ReadinessHost, problems: tuple[Problem, ...]) -> None:
     """Nothing of this backend is allocatable on a host that cannot serve it; the reason says why."""
     reason = problems[0].code
     detail = {"problems": [{"code": p.code, "message": p.message} for p in problems]}

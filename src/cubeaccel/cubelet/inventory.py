@@ -8,12 +8,13 @@ from contextlib import AbstractContextManager, nullcontext
 
 from cubeaccel.backends.base import HostBinding, Problem
 from cubeaccel.cubelet import host_ready, scrub_ready
-from cubeaccel.cubelet.lifecycle import Cubelet, record_problems
+from cubeaccel.cubelet.ports import Inventory, NodeInit
+from cubeaccel.cubelet.release import record_problems
 from cubeaccel.model.device import DiscoveredDevice
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 
 
-def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[str]:
+def register_new(cubelet: Inventory, discovered: list[DiscoveredDevice]) -> list[str]:
     """Insert devices the store has never seen, as `initialized`. Known devices are reconcile's job."""
     new = []
     binding = cubelet.capabilities.binding
@@ -26,7 +27,7 @@ def register_new(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> list[s
     return new
 
 
-def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -> None:
+def validate_initialized(cubelet: Inventory, discovered: list[DiscoveredDevice]) -> None:
     """Bind what the backend needs bound, then validate each `initialized` device — only on a ready host:
     nothing is bound to vfio-pci (or handed out) where passthrough cannot work."""
     with cubelet.store.read() as t:
@@ -38,7 +39,7 @@ def validate_initialized(cubelet: Cubelet, discovered: list[DiscoveredDevice]) -
         _validate_each(cubelet, by_id, binding)
 
 
-def _validate_each(cubelet: Cubelet, by_id: dict[str, DiscoveredDevice], binding: HostBinding | None) -> None:
+def _validate_each(cubelet: Inventory, by_id: dict[str, DiscoveredDevice], binding: HostBinding | None) -> None:
     for rec in cubelet.store.devices():
         if rec.state is not DeviceState.INITIALIZED:
             continue
@@ -67,14 +68,14 @@ def _validate_each(cubelet: Cubelet, by_id: dict[str, DiscoveredDevice], binding
                     t.transition(cur, DeviceEvent.VALIDATED, Actor.CUBELET)
 
 
-def host_pass(cubelet: Cubelet) -> AbstractContextManager[None]:
+def host_pass(cubelet: Inventory) -> AbstractContextManager[None]:
     """The pass reads the host once (its function list, each function, group and config space), where the backend
     can: without it every device's checks would list the whole bus again."""
     snaps = cubelet.capabilities.snapshots
     return snaps.snapshot() if snaps is not None else nullcontext()
 
 
-def initialize_host(cubelet: Cubelet) -> list[DiscoveredDevice]:
+def initialize_host(cubelet: NodeInit) -> list[DiscoveredDevice]:
     from cubeaccel.cubelet import backend_facts
 
     backend_facts.seed(cubelet)  # before any validation compares against them

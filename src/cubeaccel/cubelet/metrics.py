@@ -27,6 +27,7 @@ from cubeaccel.transport.telemetry import ApiTelemetry
 
 if TYPE_CHECKING:
     from cubeaccel.cubelet.lifecycle import Cubelet
+    from cubeaccel.cubelet.ports import MetricsSource
 
 log = logging.getLogger("cubeaccel.cubelet")
 STATES = tuple(s.value for s in DeviceState)
@@ -54,12 +55,12 @@ class _ShimLaunches(Collector):
     """Shim starts by how they went — `fork` (the fork server) or `spawn` (a new interpreter: the fork server
     was off, not up yet, or gone) — as the shim driver counts them; nothing for drivers that do not count."""
 
-    def __init__(self, cubelet: Cubelet) -> None:
+    def __init__(self, cubelet: MetricsSource) -> None:
         self.cubelet = cubelet
 
     def collect(self) -> Iterator[Metric]:
-        launches = getattr(self.cubelet.shim, "launches", None)
-        if not isinstance(launches, dict):
+        launches = self.cubelet.shim.launches
+        if not launches:
             return
         family = CounterMetricFamily(
             "cubeaccel_shim_launches", "Shim starts by how the process was made: fork or spawn", labels=["how"]
@@ -75,7 +76,7 @@ class _ShimLaunches(Collector):
 class _Devices(Collector):
     """Computed from the store at each scrape: never out of step with it."""
 
-    def __init__(self, cubelet: Cubelet, classes: dict[str, str]) -> None:
+    def __init__(self, cubelet: MetricsSource, classes: dict[str, str]) -> None:
         self.cubelet = cubelet
         self.classes = classes
 
@@ -110,13 +111,11 @@ class _Devices(Collector):
 class _WarmPools(Collector):
     """The warm pools (docs/warm.md) as the refill and the journal see them at each scrape."""
 
-    def __init__(self, cubelet: Cubelet) -> None:
+    def __init__(self, cubelet: MetricsSource) -> None:
         self.cubelet = cubelet
 
     def collect(self) -> Iterator[Metric]:
-        warm = getattr(self.cubelet, "warm", None)
-        if warm is None:
-            return
+        warm = self.cubelet.warm
         labels = ["pool", "template"]
         size = GaugeMetricFamily(
             "cubeaccel_warm_pool_size", "Warm sandboxes each pool is configured to keep", labels=labels
@@ -160,7 +159,7 @@ class _WarmPools(Collector):
 class CubeletMetrics:
     """One per Cubelet: its registry (served at `/metrics` by both listeners) and its store listener."""
 
-    def __init__(self, cubelet: Cubelet) -> None:
+    def __init__(self, cubelet: MetricsSource) -> None:
         self.cubelet = cubelet
         r = self.registry = CollectorRegistry()
         self.api = ApiTelemetry(r, "cubelet")

@@ -19,7 +19,7 @@ import dataclasses
 from ipaddress import IPv4Address
 from typing import Any
 
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.ports import NetworkHost
 from cubeaccel.cubelet.store import Reservation
 from cubeaccel.host.net import netpolicy
 from cubeaccel.model.errors import CubeError, conflict
@@ -39,7 +39,7 @@ def recorded_policy(res: Reservation) -> NetworkPolicy:
     return res.params.network or NetworkPolicy()
 
 
-def set_network(cubelet: Cubelet, sandbox_id: str, requested: NetworkRequest) -> Reservation:
+def set_network(cubelet: NetworkHost, sandbox_id: str, requested: NetworkRequest) -> Reservation:
     """The running sandbox's policy becomes its template's narrowed by `requested` (which replaces the create's
     narrowing whole: E2B's update clears what it leaves out). Journaled, then loaded; the reservation after."""
     with cubelet.device_locks.hold(_lock_key(sandbox_id)):
@@ -82,7 +82,7 @@ def set_network(cubelet: Cubelet, sandbox_id: str, requested: NetworkRequest) ->
         return cubelet.get_reservation(sandbox_id)
 
 
-def reload(cubelet: Cubelet, sandbox_id: str, node: frozenset[IPv4Address]) -> None:
+def reload(cubelet: NetworkHost, sandbox_id: str, node: frozenset[IPv4Address]) -> None:
     """Load the sandbox's journaled policy with the node's addresses `node` as they are now, unless that is what
     its namespace already holds (the reconcile pass; after a restart nothing is known loaded)."""
     with cubelet.device_locks.hold(_lock_key(sandbox_id)):
@@ -110,7 +110,7 @@ def _rules(policy: NetworkPolicy) -> list[str]:
 
 
 def _journal(
-    cubelet: Cubelet,
+    cubelet: NetworkHost,
     sandbox_id: str,
     policy: NetworkPolicy,
     kind: EventKind,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.ports import OperatorHost
 from cubeaccel.cubelet.release import SCRUB_PENDING
 from cubeaccel.cubelet.scrub import ScrubPolicy, scrub_method_name, scrub_needs_vm
 from cubeaccel.model.device import DeviceRecord
@@ -22,21 +22,21 @@ def _audit(who: str, why: str) -> dict[str, str]:
     return {"who": who, "why": why}
 
 
-def _device(cubelet: Cubelet, device_id: str) -> DeviceRecord:
+def _device(cubelet: OperatorHost, device_id: str) -> DeviceRecord:
     d = cubelet.store.device(device_id)
     if d is None:
         raise not_found("device.not_found", f"no device {device_id!r}")
     return d
 
 
-def quarantine(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
+def quarantine(cubelet: OperatorHost, device_id: str, who: str, why: str) -> DeviceRecord:
     audit = _audit(who, why)
     with cubelet.change() as t:
         d = _device(cubelet, device_id)
         return t.transition(d, DeviceEvent.QUARANTINE, Actor.OPERATOR, reason="operator.quarantine", details=audit)
 
 
-def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
+def recover(cubelet: OperatorHost, device_id: str, who: str, why: str) -> DeviceRecord:
     """Back to `allocatable` only if Cubelet's own revalidation passes now — and only once its last tenant's
     leftovers are proven gone. The operator vouches for the hardware, not for what a tenant left in its memory:
     where a scrub is still owed (policy `trusted-vm`, a method that needs a VM, no sanitizing stage since the last
@@ -50,7 +50,7 @@ def recover(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecor
     return rec
 
 
-def _scrub_still_owed(cubelet: Cubelet, d: DeviceRecord) -> dict[str, Any]:
+def _scrub_still_owed(cubelet: OperatorHost, d: DeviceRecord) -> dict[str, Any]:
     """Why a recover does or does not owe the scrub (recorded in the transition's details)."""
     policy = cubelet.scrub_policy(d)
     tenant = leftover_tenant(e.to_json() for e in cubelet.store.events(device_id=d.id, limit=1_000_000))
@@ -58,7 +58,7 @@ def _scrub_still_owed(cubelet: Cubelet, d: DeviceRecord) -> dict[str, Any]:
     return {"scrub_owed": owed, "scrub_policy": policy.value, "scrub_method": scrub_method_name(d), "tenant": tenant}
 
 
-def _recover(cubelet: Cubelet, device_id: str, audit: dict[str, str]) -> DeviceRecord:
+def _recover(cubelet: OperatorHost, device_id: str, audit: dict[str, str]) -> DeviceRecord:
     with cubelet.lock:
         d = _device(cubelet, device_id)
         if d.state not in (DeviceState.QUARANTINED, DeviceState.UNHEALTHY):
@@ -98,7 +98,7 @@ def _recover(cubelet: Cubelet, device_id: str, audit: dict[str, str]) -> DeviceR
             )
 
 
-def _refuse_while_vmm_may_live(cubelet: Cubelet, d: DeviceRecord) -> None:
+def _refuse_while_vmm_may_live(cubelet: OperatorHost, d: DeviceRecord) -> None:
     """The release rules bind operators too: a device whose last VMM is not proven gone stays out, whatever
     the revalidation sees (after device_del no holder is visible, yet the VMM may still map its memory)."""
     res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
@@ -114,7 +114,7 @@ def _refuse_while_vmm_may_live(cubelet: Cubelet, d: DeviceRecord) -> None:
         )
 
 
-def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver: bool = False) -> DeviceRecord:
+def disable(cubelet: OperatorHost, device_id: str, who: str, why: str, restore_driver: bool = False) -> DeviceRecord:
     """A device a sandbox holds is not disabled under it: release the sandbox first.
 
     With `restore_driver`, the device goes back to the host driver it had before we bound vfio-pci.
@@ -151,7 +151,7 @@ def disable(cubelet: Cubelet, device_id: str, who: str, why: str, restore_driver
         return d
 
 
-def enable(cubelet: Cubelet, device_id: str, who: str, why: str) -> DeviceRecord:
+def enable(cubelet: OperatorHost, device_id: str, who: str, why: str) -> DeviceRecord:
     """disabled → initialized, then the normal validation decides allocatable or not."""
     from cubeaccel.cubelet.inventory import validate_initialized
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.ports import RetryHost
 from cubeaccel.cubelet.release import SCRUB_PENDING
 from cubeaccel.cubelet.scrub import ScrubPolicy, scrub_method_name, scrub_needs_vm
 from cubeaccel.model.device import DeviceRecord
@@ -29,7 +29,7 @@ S, E = DeviceState, DeviceEvent
 KIND = EventKind.QUARANTINE_RETRY
 
 
-def history(cubelet: Cubelet, device_id: str) -> tuple[int, float | None]:
+def history(cubelet: RetryHost, device_id: str) -> tuple[int, float | None]:
     """(attempts so far in this episode, time of the last one)."""
     with cubelet.store.read() as t:
         start = t.c.execute(
@@ -43,7 +43,7 @@ def history(cubelet: Cubelet, device_id: str) -> tuple[int, float | None]:
     return int(n), (None if last is None else float(last))
 
 
-def probe(cubelet: Cubelet, d: DeviceRecord) -> list[dict[str, Any]]:
+def probe(cubelet: RetryHost, d: DeviceRecord) -> list[dict[str, Any]]:
     """What still stands in the way (empty: the device can go back through the release path). Host I/O."""
     res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
     if res is not None and d.id in res.device_ids and not cubelet.vmm_gone(res, cubelet.vmm_status(res)):
@@ -58,7 +58,7 @@ def probe(cubelet: Cubelet, d: DeviceRecord) -> list[dict[str, Any]]:
     return [{"code": p.code, "message": p.message} for p in problems]
 
 
-def retry_quarantined(cubelet: Cubelet) -> list[tuple[str, str, bool]]:
+def retry_quarantined(cubelet: RetryHost) -> list[tuple[str, str, bool]]:
     """One pass: (device id, its quarantine reason, probe passed) for every attempt made."""
     made: list[tuple[str, str, bool]] = []
     now = float(cubelet.store.clock())

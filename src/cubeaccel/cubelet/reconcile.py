@@ -14,8 +14,9 @@ from ipaddress import IPv4Address
 
 from cubeaccel.cubelet import backend_facts, host_ready, network_update, scrub_ready
 from cubeaccel.cubelet.inventory import host_pass, register_new, validate_initialized
-from cubeaccel.cubelet.lifecycle import Cubelet, problem_event, record_problems
+from cubeaccel.cubelet.ports import ReconcileHost
 from cubeaccel.cubelet.quarantine_retry import retry_quarantined
+from cubeaccel.cubelet.release import problem_event, record_problems
 from cubeaccel.host.net import netpolicy
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
 from cubeaccel.model.errors import CubeError
@@ -35,7 +36,7 @@ class Repair:
     why: str
 
 
-def _record(cubelet: Cubelet, repairs: list[Repair], r: Repair) -> None:
+def _record(cubelet: ReconcileHost, repairs: list[Repair], r: Repair) -> None:
     repairs.append(r)
     with cubelet.store.tx() as t:
         t.event(
@@ -60,7 +61,7 @@ def _presence_problem(d: DeviceRecord, found: dict[str, DiscoveredDevice]) -> st
 Later = list[Callable[[], None]]
 
 
-def _teardown(cubelet: Cubelet, sandbox_id: str, reason: str, kill: bool = False) -> Callable[[], None]:
+def _teardown(cubelet: ReconcileHost, sandbox_id: str, reason: str, kill: bool = False) -> Callable[[], None]:
     """A teardown the pass starts after its host snapshot is closed: release work reads the live host."""
 
     def run() -> None:
@@ -72,7 +73,7 @@ def _teardown(cubelet: Cubelet, sandbox_id: str, reason: str, kill: bool = False
     return run
 
 
-def _check_tenant(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair], later: Later) -> None:
+def _check_tenant(cubelet: ReconcileHost, d: DeviceRecord, repairs: list[Repair], later: Later) -> None:
     """reserved/preparing/attached: the sandbox, its shim and its VMM must still be there."""
     sid = d.sandbox_id
     res = cubelet.store.reservation(sid) if sid else None
@@ -118,7 +119,7 @@ def _unchanged(cur: DeviceRecord | None, d: DeviceRecord) -> bool:
     return cur is not None and (cur.state, cur.generation) == (d.state, d.generation)
 
 
-def reconcile(cubelet: Cubelet) -> list[Repair]:
+def reconcile(cubelet: ReconcileHost) -> list[Repair]:
     """One pass, one device at a time: host I/O runs under that device's lock with no transaction open and
     without the lifecycle lock, so reservations, releases and reads go on during a pass."""
     repairs: list[Repair] = []
@@ -153,7 +154,7 @@ def reconcile(cubelet: Cubelet) -> list[Repair]:
 
 
 def _check_device(
-    cubelet: Cubelet, d: DeviceRecord, found: dict[str, DiscoveredDevice], repairs: list[Repair], later: Later
+    cubelet: ReconcileHost, d: DeviceRecord, found: dict[str, DiscoveredDevice], repairs: list[Repair], later: Later
 ) -> None:
     """One device against the host: gone from it, no longer valid while free, or held for a tenant."""
     if d.state in (S.DISABLED, S.QUARANTINED, S.UNHEALTHY):
@@ -174,7 +175,7 @@ def _check_device(
         _check_tenant(cubelet, d, repairs, later)
 
 
-def _revalidate_free(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -> None:
+def _revalidate_free(cubelet: ReconcileHost, d: DeviceRecord, repairs: list[Repair]) -> None:
     with cubelet.device_locks.hold(d.id):
         refused = cubelet.scrub_refusal(d)  # a policy made stricter across a restart: out, untouched
         problems = [refused] if refused is not None else cubelet.backend.validate(d)
@@ -190,7 +191,7 @@ def _revalidate_free(cubelet: Cubelet, d: DeviceRecord, repairs: list[Repair]) -
             _record(cubelet, repairs, Repair(d.id, None, event.value, reason))
 
 
-def _replay_reports(cubelet: Cubelet, repairs: list[Repair]) -> None:
+def _replay_reports(cubelet: ReconcileHost, repairs: list[Repair]) -> None:
     """Shim reports that could not be delivered while the Cubelet was down, in the order they were written."""
     for res in cubelet.store.reservations():
         late = cubelet.shim.pending_reports(res.shim_id)
@@ -202,7 +203,7 @@ def _replay_reports(cubelet: Cubelet, repairs: list[Repair]) -> None:
             cubelet.handle_report(report)
 
 
-def _end_warm_leftovers(cubelet: Cubelet, repairs: list[Repair]) -> None:
+def _end_warm_leftovers(cubelet: ReconcileHost, repairs: list[Repair]) -> None:
     for sid in cubelet.warm.unacknowledged():  # the journal says claimed, the shim never said so (docs/warm.md)
         cubelet.begin_teardown(sid, "warm.claim_unacknowledged", message="the warm shim never acknowledged the claim")
         repairs.append(Repair(None, sid, "failed", "warm.claim_unacknowledged"))
@@ -211,7 +212,7 @@ def _end_warm_leftovers(cubelet: Cubelet, repairs: list[Repair]) -> None:
         repairs.append(Repair(None, sid, "failed", "warm.no_pool"))
 
 
-def _reload_networks(cubelet: Cubelet, repairs: list[Repair]) -> None:
+def _reload_networks(cubelet: ReconcileHost, repairs: list[Repair]) -> None:
     """Each live sandbox network's ruleset as the journal says, with the node's addresses as they are now: an
     address the host gained after a sandbox's network was built is no destination there either
     (host/net/netpolicy.py), and a policy change journaled by a Cubelet that died before loading it is loaded now.
@@ -235,7 +236,7 @@ def _reload_networks(cubelet: Cubelet, repairs: list[Repair]) -> None:
         del cubelet.loaded_networks[gone]
 
 
-def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> None:
+def _released_without_reservation(cubelet: ReconcileHost, repairs: list[Repair]) -> None:
     """A crash between release_confirmed and revalidated leaves `released`: revalidate now."""
     for d in cubelet.store.devices():
         res = cubelet.store.reservation(d.sandbox_id) if d.sandbox_id else None
@@ -262,7 +263,7 @@ def _released_without_reservation(cubelet: Cubelet, repairs: list[Repair]) -> No
         _record(cubelet, repairs, Repair(d.id, d.sandbox_id, what, why))
 
 
-def health_check(cubelet: Cubelet) -> None:
+def health_check(cubelet: ReconcileHost) -> None:
     """Periodic: a hard failure on an attached device makes it unhealthy and tears its sandbox down."""
     for d in cubelet.store.devices():
         if d.state not in (S.ATTACHED, S.PREPARING):

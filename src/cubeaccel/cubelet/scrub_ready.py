@@ -19,7 +19,7 @@ import json
 
 from cubeaccel.backends.base import Problem
 from cubeaccel.backends.scrub_methods import ScrubMethod, method_for
-from cubeaccel.cubelet.lifecycle import Cubelet
+from cubeaccel.cubelet.ports import ScrubReadyHost
 from cubeaccel.cubelet.scrub import IMAGE_UNAVAILABLE, SCRUB_FAILED, ScrubImageCheck, ScrubPolicy
 from cubeaccel.cubelet.store import Tx
 from cubeaccel.model.event_kinds import EventKind
@@ -30,7 +30,7 @@ META_KEY = "scrub_images"
 LEGACY_MISSING = "guest image carries this Cubelet's agent"
 
 
-def needed(cubelet: Cubelet) -> dict[str, ScrubMethod]:
+def needed(cubelet: ScrubReadyHost) -> dict[str, ScrubMethod]:
     """Image stack → a method booting it, for the node's devices whose policy is trusted-vm and whose method
     boots a VM."""
     out: dict[str, ScrubMethod] = {}
@@ -49,7 +49,7 @@ def current(t: Tx) -> tuple[Problem, ...]:
     return tuple(Problem(p["code"], p["message"], hard=False, held=True) for p in json.loads(raw).values())
 
 
-def check(cubelet: Cubelet) -> dict[str, Problem]:
+def check(cubelet: ScrubReadyHost) -> dict[str, Problem]:
     """Ask the scrub runner about each stack the node needs; record the answer, hold what it cannot scrub. Writes
     only what changed: a pass whose answer is the last one's commits nothing."""
     runner = cubelet.scrub_runner
@@ -69,7 +69,7 @@ def check(cubelet: Cubelet) -> dict[str, Problem]:
     return problems
 
 
-def _record(cubelet: Cubelet, now: dict[str, dict[str, str]]) -> None:
+def _record(cubelet: ScrubReadyHost, now: dict[str, dict[str, str]]) -> None:
     with cubelet.change() as t:
         raw = t.meta(META_KEY)
         before: dict[str, dict[str, str]] = json.loads(raw) if raw is not None else {}
@@ -83,7 +83,7 @@ def _record(cubelet: Cubelet, now: dict[str, dict[str, str]]) -> None:
                 t.event(EventKind.SCRUB_IMAGE_MISSING, Actor.CUBELET, reason=is_["code"], details=details)
 
 
-def _hold(cubelet: Cubelet) -> None:
+def _hold(cubelet: ScrubReadyHost) -> None:
     """Allocatable devices whose scrub image is gone go back to `initialized` with the reason now, not at the next
     release; `initialized` ones get it from their validation (inventory.py)."""
     if not cubelet.scrub_image_problems:
@@ -102,7 +102,7 @@ def _hold(cubelet: Cubelet) -> None:
             t.transition(cur, DeviceEvent.HOST_NOT_READY, Actor.CUBELET, reason=refused.code, details=details)
 
 
-def reclassify_legacy(cubelet: Cubelet) -> list[str]:
+def reclassify_legacy(cubelet: ScrubReadyHost) -> list[str]:
     """Quarantines an older release recorded as `release.scrub_failed` although no scrub VM was started because no
     image carried its agent: read as what they were (`release.scrub_image_unavailable`), so they recover by
     themselves once the image is here. Recognised by the quarantine's own record: no shim ran (no `shim_rc`) and

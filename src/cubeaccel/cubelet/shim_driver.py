@@ -115,6 +115,7 @@ class ShimStatus:
 class ShimDriver(Protocol):
     max_devices: int  # how many devices one VM can take (root ports)
     host_devices: bool  # real MicroVMs: sandbox networks and scratch disks are built on the host for them
+    launches: dict[str, int]  # shim starts by how the process was made (fork, spawn); empty: this driver makes none
 
     def bind(self, sink: ReportSink) -> None: ...
 
@@ -168,6 +169,7 @@ class SimulatedShimDriver:
     guest_images: tuple[GuestImageFact, ...] = field(default_factory=simulated_guest_images)  # the node's set
     hotplug: tuple[str, ...] = SIMULATED_HOTPLUG
     sink: ReportSink | None = None
+    launches: dict[str, int] = field(default_factory=dict, init=False)  # in-process: no shim process is made
     _pending: dict[str, ShimSpec] = field(default_factory=dict)
     _start_ids: dict[str, str | None] = field(default_factory=dict)
     _undelivered: dict[str, list[ShimReport]] = field(default_factory=dict)

@@ -24,7 +24,8 @@ from cubeaccel.model.snapshot_layouts import snapshot_layouts
 from cubeaccel.wire.snapshot import SnapshotPlan
 
 if TYPE_CHECKING:
-    from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
+    from cubeaccel.cubelet.lifecycle import ReservationRequest
+    from cubeaccel.cubelet.ports import SnapshotHost
 
 # a plan's outcome: (the plan, the preparer's answer (key, created, build_s), or the error)
 DoneFn = Callable[[SnapshotPlan, dict[str, object] | None, CubeError | None], None]
@@ -46,7 +47,7 @@ class TemplateSnapshots:
 
     def __init__(
         self,
-        cubelet: Cubelet,
+        cubelet: SnapshotHost,
         prepare: PrepareFn,
         templates: Sequence[ReservationRequest] = (),
         shapes: Sequence[Shape] = (),

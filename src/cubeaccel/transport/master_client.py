@@ -5,6 +5,7 @@ Errors come back as `CubeError`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
@@ -16,6 +17,7 @@ from cubeaccel.transport.http_reply import reply_body
 from cubeaccel.transport.node_sig import NodeAuth
 from cubeaccel.transport.telemetry import add_request_id
 from cubeaccel.wire import master_api as W
+from cubeaccel.wire.heartbeat import Heartbeat
 
 
 def _credentials(key: str | None) -> tuple[dict[str, str] | None, NodeAuth | None]:
@@ -197,11 +199,33 @@ class Calls:
     def seals() -> Call[W.AuditSeals]:
         return Call("GET", "/v1/audit/seals", W.AuditSeals)
 
+    # ---- a node's own calls (signed with its node token) ----------------------------------------------------------
+    @staticmethod
+    def heartbeat(node: str, body: Heartbeat) -> Call[W.HeartbeatAck]:
+        """The node's capacity summary; CubeMaster answers with the state it now holds the node in."""
+        return Call("PUT", f"/v1/nodes/{_q(node)}", W.HeartbeatAck, body.to_json())
+
+    @staticmethod
+    def sandbox_status(node: str, sandbox_id: str, status: W.StatusBody) -> Call[W.StatusReply]:
+        """A sandbox on the node became ready, or failed (code and layer); CubeMaster answers with its state."""
+        path = f"/v1/nodes/{_q(node)}/sandboxes/{_q(sandbox_id)}/status"
+        return Call("PUT", path, W.StatusReply, status.model_dump(mode="json"))
+
 
 class MasterClient:
-    def __init__(self, url: str, timeout: float = 60.0, key: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float = 60.0,
+        key: str | None = None,
+        node_token: str | Callable[[], str | None] | None = None,
+    ) -> None:
+        """`node_token`: where a node's client reads its current token (it may be renewed while the client
+        lives); each request is signed with it, as `key` would for a fixed `cbn:` token."""
         self.url = url.rstrip("/")
         headers, auth = _credentials(key)
+        if node_token:
+            auth = NodeAuth(node_token)
         self._http = httpx.Client(
             base_url=self.url, timeout=timeout, headers=headers, auth=auth, event_hooks={"request": [add_request_id]}
         )
@@ -265,6 +289,12 @@ class MasterClient:
 
     def node_verb(self, node: str, verb: str, who: str = "operator", reason: str | None = None) -> W.NodeVerbReply:
         return self.call(Calls.node_verb(node, verb, who, reason))
+
+    def heartbeat(self, node: str, body: Heartbeat) -> W.HeartbeatAck:
+        return self.call(Calls.heartbeat(node, body))
+
+    def sandbox_status(self, node: str, sandbox_id: str, status: W.StatusBody) -> W.StatusReply:
+        return self.call(Calls.sandbox_status(node, sandbox_id, status))
 
     def close(self) -> None:
         self._http.close()
