@@ -331,13 +331,3 @@ def _event_fields(e: Event) -> dict[str, Any]:
         "actor": e.actor,
         "reason": e.reason,
     }
-
-
-def metrics_of(cubelet: Cubelet) -> CubeletMetrics:
-    """The Cubelet's metrics, made on first use (both listeners of one Cubelet share them)."""
-    existing: Any = getattr(cubelet, "metrics", None)
-    if isinstance(existing, CubeletMetrics):
-        return existing
-    m = CubeletMetrics(cubelet)
-    cubelet.metrics = m  # type: ignore[attr-defined]
-    return m

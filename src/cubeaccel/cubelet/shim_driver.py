@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Protocol
 
 from cubeaccel.host.pci.base import Holder
@@ -147,6 +148,11 @@ class ShimDriver(Protocol):
         """Hand a warm shim its claim (the tenant's workload token, an RNG seed); its answer, or a refusal."""
         ...
 
+    def workload_socket(self, sandbox_id: str) -> Path | None:
+        """Where the shim bridges its guest's workload service (the Cubelet's proxy connects there); None for a
+        driver whose shims run no guest to reach."""
+        ...
+
     def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         """Move the files of every run that is over (no open reservation, no process) out of the way, keeping
         a bounded number for post-mortems (cubelet/runfiles.py); returns their ids."""
@@ -192,6 +198,9 @@ class SimulatedShimDriver:
             return ShimClaimAck(ok=False, code="warm.claim_unanswered", message="no shim")
         self._report(shim_id, WarmClaimed(claimed_as=claim.sandbox_id))
         return ShimClaimAck(ok=True, rebind_ms=0.0)
+
+    def workload_socket(self, sandbox_id: str) -> Path | None:
+        return None  # simulated guests run no workload service
 
     def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         return []
