@@ -150,7 +150,7 @@ def _bring_up(
     if isinstance(cubelet.shim, ProcessShimDriver):  # its fork server comes up while the host initializes
         cubelet.shim.warm()
     if exempt_pids:
-        with cubelet.store.tx() as t:
+        with cubelet.change() as t:
             t.event(EventKind.HOLDER_SCAN_EXEMPT, "operator", details={"pids": sorted(exempt_pids)})
     initialize_host(cubelet)
     if warm_reset:

@@ -58,8 +58,8 @@ class _ShimLaunches(Collector):
         self.cubelet = cubelet
 
     def collect(self) -> Iterator[Metric]:
-        launches = getattr(self.cubelet.shim, "launches", None)
-        if not isinstance(launches, dict):
+        launches = self.cubelet.shim.launches
+        if launches is None:
             return
         family = CounterMetricFamily(
             "cubeaccel_shim_launches", "Shim starts by how the process was made: fork or spawn", labels=["how"]
@@ -114,9 +114,7 @@ class _WarmPools(Collector):
         self.cubelet = cubelet
 
     def collect(self) -> Iterator[Metric]:
-        warm = getattr(self.cubelet, "warm", None)
-        if warm is None:
-            return
+        warm = self.cubelet.warm
         labels = ["pool", "template"]
         size = GaugeMetricFamily(
             "cubeaccel_warm_pool_size", "Warm sandboxes each pool is configured to keep", labels=labels

@@ -148,6 +148,11 @@ class ShimDriver(Protocol):
         """Hand a warm shim its claim (the tenant's workload token, an RNG seed); its answer, or a refusal."""
         ...
 
+    @property
+    def launches(self) -> dict[str, int] | None:
+        """How this process's shim starts went, by how the process was made (a metric); None: not counted."""
+        ...
+
     def workload_socket(self, sandbox_id: str) -> Path | None:
         """Where the shim bridges its guest's workload service (the Cubelet's proxy connects there); None for a
         driver whose shims run no guest to reach."""
@@ -173,6 +178,7 @@ class SimulatedShimDriver:
     cubelet_down: set[str] = field(default_factory=set)  # reports cannot be delivered: the shim keeps them
     guest_images: tuple[GuestImageFact, ...] = field(default_factory=simulated_guest_images)  # the node's set
     hotplug: tuple[str, ...] = SIMULATED_HOTPLUG
+    launches: dict[str, int] | None = None  # no process is made for a simulated shim: not counted
     sink: ReportSink | None = None
     _pending: dict[str, ShimSpec] = field(default_factory=dict)
     _start_ids: dict[str, str | None] = field(default_factory=dict)
