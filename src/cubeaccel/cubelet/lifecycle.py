@@ -118,7 +118,7 @@ def contract_refusal(violations: list[ContractViolation], count: int) -> CubeErr
 
 
 class Cubelet:
-    """The node agent's lifecycle: reserve, start, shim reports; the release path is its own object (`release`).
+    """The node agent's lifecycle: reserve, start, shim reports; the release path is its own object (`release_path`).
 
     Built whole by the composition root (`cubelet/runtime.py::assemble`), which hands it the journal, backend,
     shim driver and release path it shares with the parts it builds; the warm pools, which drive this facade,
