@@ -5,6 +5,12 @@ exited (no live process carries the sandbox's tag), the shim exited or its final
 nothing holds the device's files (an fd we cannot read is an unknown holder), and cleanup (reset) succeeded;
 then revalidation. A confirmed detach is recorded but replaces none of these. Anything unproven past the
 timeouts is quarantined. Reports from the shim are recorded elsewhere; here only host evidence counts.
+
+To follow one release: `ReleasePath.begin_teardown` (entered from `Cubelet.release`, a shim report or reconcile)
+→ `try_release` → `_vmm_evidence` (rules 1 and 2) → `_release_device` → `_judge_release` (`_blocked`,
+`_reclaim_nodes`, `reset_device`, `_evidence`) → `_apply_outcome` (the one `release_confirmed` transition) →
+`advance_scrub` → `_finish_scrub` → `_finish_revalidation` → `_close_reservation`. What each step is given was
+decided in one place, `cubelet/runtime.py::assemble`.
 """
 
 from __future__ import annotations
