@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -25,11 +24,9 @@ from cubeaccel.transport.node_sig import TokenFile
 from cubeaccel.wire.cubelet_api import DeviceReply, Event, Reservation
 
 if TYPE_CHECKING:  # the serve path imports these lazily: a CLI call that does not serve does not load them
-    from cubeaccel.cubelet.heartbeat import Heartbeat
     from cubeaccel.cubelet.lifecycle import Cubelet
     from cubeaccel.cubelet.reconcile import Repair
     from cubeaccel.cubelet.snapshots import Shape, TemplateSnapshots
-    from cubeaccel.cubelet.status_push import StatusPush
 
 app = typer.Typer(no_args_is_help=True, help="Cubelet: the node-local owner of every accelerator.")
 reservation_app = typer.Typer(no_args_is_help=True, help="Reservations a Cubelet holds (node view).")
@@ -164,32 +161,6 @@ def _bring_up(
     return repairs
 
 
-def _status_push(master: str | None, node: str, token: Callable[[], str | None] | None) -> StatusPush | None:
-    """With `--master`: where the Cubelet pushes sandbox status (built before it, started once it is up)."""
-    if master is None:
-        return None
-    from cubeaccel.cubelet.status_push import StatusPush
-
-    return StatusPush(master, node, token=token)
-
-
-def _link_to_master(
-    cubelet: Cubelet,
-    pusher: StatusPush | None,
-    master: str | None,
-    addr: tuple[str, int] | None,
-    tick: float,
-    token: Callable[[], str | None] | None,
-) -> Heartbeat | None:
-    """With `--master`: status pushes from now on, and the heartbeat (not started: it starts once serving)."""
-    if master is None or addr is None or pusher is None:
-        return None
-    from cubeaccel.cubelet.heartbeat import Heartbeat
-
-    pusher.start()
-    return Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick, token=token)
-
-
 @app.command("serve")
 def serve_cmd(
     state_dir: StateDir = DEFAULT_STATE,
@@ -309,7 +280,7 @@ def serve_cmd(
 
     configure_logging(log_level)  # None: $CUBEACCEL_LOG_LEVEL, else info
     from cubeaccel.cubelet.lifecycle import CubeletConfig
-    from cubeaccel.cubelet.runtime import RuntimeOptions, build_served
+    from cubeaccel.cubelet.runtime import MasterLink, RuntimeOptions, build_served
     from cubeaccel.cubelet.server import Ticker, serve
 
     addr = _listen(listen)
@@ -335,7 +306,7 @@ def serve_cmd(
     from cubeaccel.host.service.audit import AuditLog
 
     audit = AuditLog(state_dir / "audit.jsonl")  # requests, host changes for sandboxes and each device's custody
-    pusher = _status_push(master if addr is not None else None, node, token)
+    link = None if master is None or addr is None else MasterLink(master, f"http://{addr[0]}:{addr[1]}", tick, token)
     try:
         scrub_policy = parse_policy(scrub or [])
         served = build_served(
@@ -371,7 +342,7 @@ def serve_cmd(
                 testdev_membars=tuple(testdev_membar or ()),
             ),
             audit=audit,
-            status_sink=None if pusher is None else pusher.push,
+            master=link,
         )
         cubelet = served.cubelet
         templates = _prepared_templates(prepare_template or [])  # a file that does not load: refused by code
@@ -382,7 +353,9 @@ def serve_cmd(
         return
     ticker = Ticker(cubelet, tick, after_pass=snapshots.refresh if snapshots is not None else None)
     ticker.start()
-    heartbeat = _link_to_master(cubelet, pusher, master, addr, tick, token)
+    if served.status_push is not None:
+        served.status_push.start()  # status pushes from now on; the heartbeat starts once serving
+    heartbeat = served.heartbeat
     sock = state_dir / "cubelet.sock"
     from cubeaccel.cubelet.heartbeat import held, host_state
 

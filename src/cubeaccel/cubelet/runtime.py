@@ -2,8 +2,9 @@
 
 `assemble` wires given parts (the journal and its custody audit, the release path with its scrub runner, status
 sink and host audit, then the Cubelet, which builds the warm pools and metrics that read it); `build_cubelet`
-first chooses the store, backend, host and shim driver from command-line options. Nothing is attached to a
-Cubelet after this: a part it lacks here, it lacks for good."""
+first chooses the store, backend, host and shim driver from command-line options; `build_served` adds what a served
+node runs beside it (metrics, the status push that is its sink, the heartbeat). Nothing is attached to a Cubelet
+after this: a part it lacks here, it lacks for good."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import contextlib
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubeaccel.backends.base import Backend, Capabilities
 from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.ended import EndedSandboxes
+from cubeaccel.cubelet.heartbeat import Heartbeat
 from cubeaccel.cubelet.journal import Journal
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.locks import KeyedLocks
@@ -24,6 +27,7 @@ from cubeaccel.cubelet.metrics import CubeletMetrics
 from cubeaccel.cubelet.release import ReleasePath, StatusSink
 from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
+from cubeaccel.cubelet.status_push import StatusPush
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.errors import invalid
@@ -213,16 +217,37 @@ def build_cubelet(
 
 
 @dataclass(frozen=True)
+class MasterLink:
+    """`--master`: the CubeMaster this node reports to, how CubeMaster reaches this Cubelet, how often it reports,
+    and the node token every heartbeat and status push is signed with."""
+
+    master_url: str
+    cubelet_url: str
+    interval_s: float
+    token: Callable[[], str | None] | None = None
+
+
+@dataclass(frozen=True)
 class ServedCubelet:
-    """What `cubeaccel cubelet serve` runs: the Cubelet, and the metrics built from it that both listeners serve."""
+    """What `cubeaccel cubelet serve` runs: the Cubelet, the metrics both listeners serve, its audit log, and with
+    a CubeMaster the status push (its sink, started once the node is up) and the heartbeat (started once serving)."""
 
     cubelet: Cubelet
     metrics: CubeletMetrics
     audit: AuditLog
+    status_push: StatusPush | None
+    heartbeat: Heartbeat | None
 
 
-def build_served(opts: RuntimeOptions, *, audit: AuditLog, status_sink: StatusSink | None) -> ServedCubelet:
-    """The served node's Cubelet with its audit log and status sink, and its metrics, counting from the first
-    event (the host's initialization, which follows)."""
-    cubelet = build_cubelet(opts, audit=audit, status_sink=status_sink)
-    return ServedCubelet(cubelet, CubeletMetrics(cubelet), audit)
+def build_served(opts: RuntimeOptions, *, audit: AuditLog, master: MasterLink | None) -> ServedCubelet:
+    """The served node: its Cubelet, built with the audit log and (with a CubeMaster) the status push as its sink;
+    the metrics, counting from the first event (the host's initialization, which follows); the heartbeat. Nothing
+    is started here."""
+    push = None if master is None else StatusPush(master.master_url, opts.config.node_name, token=master.token)
+    cubelet = build_cubelet(opts, audit=audit, status_sink=None if push is None else push.push)
+    heartbeat = (
+        None
+        if master is None
+        else Heartbeat(cubelet, master.master_url, master.cubelet_url, master.interval_s, token=master.token)
+    )
+    return ServedCubelet(cubelet, CubeletMetrics(cubelet), audit, push, heartbeat)
