@@ -40,7 +40,7 @@ def _node(root: Path) -> tuple[Node, GatedRunner, dict[str, float]]:
     root.mkdir()
     node = Node.create(root, "h100")
     gate = GatedRunner(PASSED)
-    node.cubelet.scrub_runner = gate
+    node.scrub.runner = gate
     seen: dict[str, float] = {}
 
     def stamp(events: list[Event]) -> None:

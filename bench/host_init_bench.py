@@ -31,6 +31,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.base import PciFunction
 from cubeaccel.host.pci.readiness import HostRoots
@@ -69,7 +70,7 @@ def in_process(n: int) -> dict[str, object]:
             roots = HostRoots(fake.sys, fake.dev, fake.proc)
             backend = VfioBackend(host, allow=("10de:*",), readiness_roots=roots)
             cfg = CubeletConfig(pinnable_memory_mib=4096)
-            return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp / "run"), cfg), host
+            return assemble(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp / "run"), cfg), host
 
         first, host = build()
         t0, c0 = time.perf_counter(), time.process_time()

@@ -20,6 +20,7 @@ from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.simulated import SimulatedPciHost
@@ -44,7 +45,7 @@ def one_run(n: int) -> dict[str, float]:
         db = Path(d) / "cubelet.db"
 
         def build() -> Cubelet:
-            return Cubelet(Store(db), VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
+            return assemble(Store(db), VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
 
         t0 = time.perf_counter()
         first = build()

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.cubelet.inventory import initialize_host
-from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest
+from cubeaccel.cubelet.lifecycle import ReservationRequest
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.simulated import SimulatedPciHost
@@ -54,7 +55,7 @@ def store_cycles_per_s(dir: Path, seconds: float) -> tuple[float, int, float, fl
     this is the number of decisions a cycle must make durable one after another)."""
     host = SimulatedPciHost("h100x8")  # in-memory hardware: we measure the store, not JSON files
     store = Store(dir / "cubelet.db")
-    cubelet = Cubelet(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
+    cubelet = assemble(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
     initialize_host(cubelet)
     commits0 = store.commits
     n, end = 0, time.perf_counter() + seconds
@@ -77,7 +78,7 @@ def concurrent_cycles_per_s(dir: Path, seconds: float, threads: int = 16) -> tup
     Returns cycles/s, cycles, and durable commits per cycle (nan where the store does not count them)."""
     host = SimulatedPciHost(f"h100x{2 * threads}")
     store = Store(dir / "cubelet-concurrent.db")
-    cubelet = Cubelet(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
+    cubelet = assemble(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host))
     initialize_host(cubelet)
     counts = [0] * threads
     commits0 = getattr(store, "commits", None)

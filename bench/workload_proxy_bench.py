@@ -48,7 +48,7 @@ def main() -> int:
     node.cubelet.start("sb")
     token = node.cubelet.take_token("sb")
     assert token is not None
-    node.shim.workload_socket = lambda sandbox_id: tmp / "workload.sock"  # type: ignore[attr-defined]
+    node.shim.workload_socket = lambda sandbox_id: tmp / "workload.sock"  # type: ignore[method-assign]
     port = FakePort(tmp / "vmm.sock")
     bridge = WorkloadBridge(tmp / "vmm.sock", tmp / "workload.sock", token)
     bridge.start(10)

@@ -31,7 +31,8 @@ def master_doc(tmp: Path) -> dict[str, Any]:
 
 def cubelet_doc(tmp: Path, local: bool) -> dict[str, Any]:
     from cubeaccel.backends.vfio import VfioBackend
-    from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
+    from cubeaccel.cubelet.lifecycle import CubeletConfig
+    from cubeaccel.cubelet.runtime import assemble
     from cubeaccel.cubelet.server import create_app
     from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
     from cubeaccel.cubelet.store import Store
@@ -40,7 +41,7 @@ def cubelet_doc(tmp: Path, local: bool) -> dict[str, Any]:
     host = SimulatedPciHost("h100x8")
     store = Store(tmp / f"cubelet-{local}.db")
     try:
-        cubelet = Cubelet(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host), CubeletConfig())
+        cubelet = assemble(store, VfioBackend(host, allow=("10de:*",)), SimulatedShimDriver(host), CubeletConfig())
         return create_app(cubelet, local=local, token=None if local else "doc").openapi()
     finally:
         store.close()

@@ -11,6 +11,7 @@ from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.simulated import SimulatedPciHost
@@ -47,7 +48,7 @@ def _kinds(c: Cubelet) -> list[str]:
 
 def test_emulated_devices_expect_no_driver_and_disable_restores_nothing(tmp_path: Path) -> None:
     host = SimulatedPciHost("h100x2", tmp_path / "host.json")  # only for the shim driver; the devices are edu
-    c = Cubelet(Store(tmp_path / "c.db"), EmulatedBackend("capstest"), SimulatedShimDriver(host), CubeletConfig())
+    c = assemble(Store(tmp_path / "c.db"), EmulatedBackend("capstest"), SimulatedShimDriver(host), CubeletConfig())
     initialize_host(c)
     devices = c.store.devices()
     assert devices and all(d.expected_driver is None for d in devices)
@@ -58,7 +59,7 @@ def test_emulated_devices_expect_no_driver_and_disable_restores_nothing(tmp_path
 
 def test_vfio_devices_expect_vfio_pci_and_disable_asks_for_the_driver_back(tmp_path: Path) -> None:
     host = SimulatedPciHost("h100x2", tmp_path / "host.json")
-    c = Cubelet(Store(tmp_path / "c.db"), VfioBackend(host), SimulatedShimDriver(host), CubeletConfig())
+    c = assemble(Store(tmp_path / "c.db"), VfioBackend(host), SimulatedShimDriver(host), CubeletConfig())
     initialize_host(c)
     devices = c.store.devices()
     assert devices and all(d.expected_driver == "vfio-pci" for d in devices)

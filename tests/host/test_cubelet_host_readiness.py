@@ -15,6 +15,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.model.errors import CubeError
@@ -54,7 +55,7 @@ def _fix(fake: FakeSysfs) -> None:
 
 def _cubelet(tmp: Path, fake: FakeSysfs) -> Cubelet:
     backend = VfioBackend(fake.host(), readiness_roots=HostRoots(fake.sys, fake.dev, fake.proc))
-    return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), CubeletConfig())
+    return assemble(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), CubeletConfig())
 
 
 def _kinds(c: Cubelet, *kinds: str) -> list[str]:

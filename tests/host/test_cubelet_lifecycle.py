@@ -445,7 +445,7 @@ def test_a_shim_that_cannot_be_launched_fails_the_start_and_releases_the_devices
 
 def _pushed(node: Node) -> list[tuple[str, StatusBody]]:
     sent: list[tuple[str, StatusBody]] = []
-    node.cubelet.status_sink = lambda sid, status: sent.append((sid, status))
+    node.status.sink = lambda sid, status: sent.append((sid, status))
     return sent
 
 

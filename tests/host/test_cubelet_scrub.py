@@ -61,7 +61,7 @@ def kinds(node: Node, dev: str) -> list[str]:
 
 def test_device_is_allocatable_only_after_the_scrub_passed_then_reset_again(node: Node) -> None:
     runner = GatedRunner(PASSED)
-    node.cubelet.scrub_runner = runner
+    node.scrub.runner = runner
     dev = started_tenant(node, "tenant-a")
     node.cubelet.release("tenant-a")
     d = node.device(dev)
@@ -89,7 +89,7 @@ def test_device_is_allocatable_only_after_the_scrub_passed_then_reset_again(node
 def test_a_failed_scrub_quarantines_the_device(node: Node) -> None:
     runner = GatedRunner(ScrubOutcome(False, "2 sample(s) not zero after cuMemsetD8", {"bytes_zeroed": 1 << 20}))
     runner.gate.set()
-    node.cubelet.scrub_runner = runner
+    node.scrub.runner = runner
     dev = started_tenant(node, "tenant-a")
     node.cubelet.release("tenant-a")
     poll(lambda: node.device(dev).state is S.QUARANTINED, 10)
@@ -109,7 +109,7 @@ def test_a_runner_that_raises_is_a_failed_scrub(node: Node) -> None:
         def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
             raise OSError("no such file: qemu-system-x86_64")
 
-    node.cubelet.scrub_runner = Broken()
+    node.scrub.runner = Broken()
     dev = started_tenant(node, "tenant-a")
     node.cubelet.release("tenant-a")
     d = node.device(dev)
@@ -117,7 +117,7 @@ def test_a_runner_that_raises_is_a_failed_scrub(node: Node) -> None:
 
 
 def test_a_node_without_a_scrub_runner_never_skips_a_scrub(node: Node) -> None:
-    node.cubelet.scrub_runner = UnavailableScrubRunner()
+    node.scrub.runner = UnavailableScrubRunner()
     dev = started_tenant(node, "tenant-a")
     node.cubelet.release("tenant-a")
     assert node.device(dev).state is S.QUARANTINED
@@ -142,7 +142,7 @@ def test_a_reservation_that_never_started_owes_no_scrub(node: Node) -> None:
 
 def test_cubelet_restarted_mid_scrub_scrubs_again(node: Node) -> None:
     runner = GatedRunner(PASSED)
-    node.cubelet.scrub_runner = runner
+    node.scrub.runner = runner
     dev = started_tenant(node, "tenant-a")
     node.cubelet.release("tenant-a")
     assert node.device(dev).reason == "release.scrub_pending"
@@ -179,13 +179,11 @@ def test_the_process_runner_boots_only_an_image_with_this_cubelets_agent(
     assert spec.report == {"file": str((tmp_path / "state/shims/scrub-0123456789ab/scrub-reports.jsonl").absolute())}
 
 
-def test_every_scrub_records_its_evidence_in_the_journal_and_the_audit_log(node: Node, tmp_path: Path) -> None:
-    from cubeaccel.cubelet.device_audit import DeviceAudit
+def test_every_scrub_records_its_evidence_in_the_journal_and_the_audit_log(tmp_path: Path) -> None:
     from cubeaccel.host.service.audit import AuditLog, read
 
-    log = AuditLog(tmp_path / "audit.jsonl")
-    node.cubelet.device_audit = DeviceAudit(log, "n1")
-    node.cubelet.store.listeners.append(node.cubelet.device_audit)
+    (tmp_path / "node").mkdir()
+    node = Node.create(tmp_path / "node", "h100x8", audit=AuditLog(tmp_path / "audit.jsonl"))
     dev = started_tenant(node, "tenant-a")
     node.cubelet.release("tenant-a")
     (done,) = [e.details for e in node.cubelet.store.events(0, 10000, device_id=dev) if e.kind == "scrub_finished"]

@@ -13,6 +13,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.base import PciFunction
 from cubeaccel.host.pci.readiness import HostRoots
@@ -48,7 +49,7 @@ def _node(tmp: Path, fake: FakeSysfs) -> tuple[Cubelet, ListingCounter]:
     host = ListingCounter(fake.sys, proc_root=fake.proc, dev_root=fake.dev, on_write=fake.kernel)
     backend = VfioBackend(host, allow=("10de:*",), readiness_roots=HostRoots(fake.sys, fake.dev, fake.proc))
     cfg = CubeletConfig(pinnable_memory_mib=4096)
-    return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), cfg), host
+    return assemble(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), cfg), host
 
 
 def _listings(tmp: Path, n: int) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.base import PciFunction
 from cubeaccel.host.pci.readiness import HostRoots
@@ -55,7 +56,7 @@ def _cubelet(tmp: Path, fake: FakeSysfs) -> Cubelet:
     backend = VfioBackend(
         fake.host(), allow=("10de:*", "1234:11e8"), readiness_roots=HostRoots(fake.sys, fake.dev, fake.proc)
     )
-    return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), CubeletConfig(pinnable_memory_mib=4096))
+    return assemble(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), CubeletConfig(pinnable_memory_mib=4096))
 
 
 def _check(fake: FakeSysfs, *extra: str) -> tuple[int, str]:

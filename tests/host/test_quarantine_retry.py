@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 from cubeaccel.backends.base import AttachSpec
-from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.heartbeat import heartbeat_body
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.reconcile import reconcile
@@ -52,7 +51,7 @@ def retries(node: Node, dev: str) -> list[dict[str, object]]:
 
 
 def test_a_scrub_vm_that_did_not_boot_is_retried_after_its_backoff_and_the_device_scrubbed_again(node: Node) -> None:
-    runner = node.cubelet.scrub_runner = ScriptedRunner(NOT_BOOTED)
+    runner = node.scrub.runner = ScriptedRunner(NOT_BOOTED)
     dev = tenant_released(node, "tenant-a")
     d = node.device(dev)
     assert (d.state, d.reason) == (S.QUARANTINED, "release.scrub_vm_not_started")
@@ -111,7 +110,7 @@ def test_a_holder_that_never_goes_away_is_tried_only_up_to_the_bound(node: Node)
 
 
 def test_permanent_reasons_wait_for_the_operator(node: Node) -> None:
-    node.cubelet.scrub_runner = ScriptedRunner(ScrubOutcome(False, "1 sample not zero", {"method": "cuda"}))
+    node.scrub.runner = ScriptedRunner(ScrubOutcome(False, "1 sample not zero", {"method": "cuda"}))
     scrubbed = tenant_released(node, "tenant-a")
     assert node.device(scrubbed).reason == "release.scrub_failed"
     parked = next(d.id for d in node.devices() if d.state is S.ALLOCATABLE)
@@ -124,11 +123,10 @@ def test_permanent_reasons_wait_for_the_operator(node: Node) -> None:
     assert node.device(scrubbed).state is S.QUARANTINED and node.device(parked).state is S.QUARANTINED
 
 
-def test_each_retry_attempt_is_audited_with_its_probe(node: Node, tmp_path: Path) -> None:
-    log = AuditLog(tmp_path / "audit.jsonl")
-    node.cubelet.device_audit = DeviceAudit(log, "n1")
-    node.cubelet.store.listeners.append(node.cubelet.device_audit)
-    node.cubelet.scrub_runner = ScriptedRunner(NOT_BOOTED)
+def test_each_retry_attempt_is_audited_with_its_probe(tmp_path: Path) -> None:
+    (tmp_path / "node").mkdir()
+    node = Node.create(tmp_path / "node", "h100x8", audit=AuditLog(tmp_path / "audit.jsonl"))
+    node.scrub.runner = ScriptedRunner(NOT_BOOTED)
     dev = tenant_released(node, "tenant-a")
     node.clock.advance(retry_delay(1))
     reconcile(node.cubelet)
@@ -152,7 +150,7 @@ def test_each_retry_attempt_is_audited_with_its_probe(node: Node, tmp_path: Path
 def test_the_heartbeat_counts_unavailable_devices_per_reason(node: Node) -> None:
     from cubeaccel.cubelet import operator
 
-    node.cubelet.scrub_runner = ScriptedRunner(NOT_BOOTED, NOT_BOOTED)
+    node.scrub.runner = ScriptedRunner(NOT_BOOTED, NOT_BOOTED)
     tenant_released(node, "a")
     tenant_released(node, "b")
     free = [d.id for d in node.devices() if d.state is S.ALLOCATABLE]
@@ -172,7 +170,7 @@ def test_an_operators_recover_of_a_device_whose_scrub_failed_scrubs_it_before_it
     """The operator vouches for the hardware, not for what the last tenant left in its memory."""
     from cubeaccel.cubelet import operator
 
-    runner = node.cubelet.scrub_runner = ScriptedRunner(ScrubOutcome(False, "1 sample not zero", {"method": "cuda"}))
+    runner = node.scrub.runner = ScriptedRunner(ScrubOutcome(False, "1 sample not zero", {"method": "cuda"}))
     dev = tenant_released(node, "tenant-a")
     assert node.device(dev).reason == "release.scrub_failed" and runner.runs == 1
     back = operator.recover(node.cubelet, dev, "ops", "reseated the card")
@@ -187,7 +185,7 @@ def test_an_operators_recover_of_a_device_whose_scrub_failed_scrubs_it_before_it
 def test_a_recover_that_cannot_scrub_leaves_the_device_quarantined(node: Node) -> None:
     from cubeaccel.cubelet import operator
 
-    node.cubelet.scrub_runner = ScriptedRunner(ScrubOutcome(False, "first", {}), ScrubOutcome(False, "again", {}))
+    node.scrub.runner = ScriptedRunner(ScrubOutcome(False, "first", {}), ScrubOutcome(False, "again", {}))
     dev = tenant_released(node, "tenant-a")
     after = operator.recover(node.cubelet, dev, "ops", "try again")
     assert (after.state, after.reason) == (S.QUARANTINED, "release.scrub_failed")
@@ -196,7 +194,7 @@ def test_a_recover_that_cannot_scrub_leaves_the_device_quarantined(node: Node) -
 def test_a_recover_of_a_device_no_tenant_touched_since_its_scrub_owes_none(node: Node) -> None:
     from cubeaccel.cubelet import operator
 
-    runner = node.cubelet.scrub_runner = ScriptedRunner()
+    runner = node.scrub.runner = ScriptedRunner()
     tenant_released(node, "tenant-a")  # scrubbed and back
     parked = next(d.id for d in node.devices() if d.state is S.ALLOCATABLE)
     operator.quarantine(node.cubelet, parked, "ops", "looks odd")

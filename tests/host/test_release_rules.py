@@ -24,6 +24,7 @@ from cubeaccel.cubelet import host_ready
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
@@ -162,7 +163,7 @@ def vfio(tmp_path: Path) -> Iterator[VfioNode]:
     (tmp_path / "state").mkdir()
     shims = StandInShims(tmp_path / "state", [str(group)])
     backend = VfioBackend(host, readiness_roots=HostRoots(fake.sys, dev, fake.proc))
-    cubelet = Cubelet(
+    cubelet = assemble(
         Store(tmp_path / "cubelet.db", clock=clock),
         backend,
         shims,

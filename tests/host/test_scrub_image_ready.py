@@ -16,6 +16,7 @@ from cubeaccel.cubelet.heartbeat import heartbeat_body
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.scrub import IMAGE_UNAVAILABLE, SCRUB_FAILED, ScrubOutcome
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
@@ -56,7 +57,7 @@ def _fresh_node(tmp: Path, runner: ImageRunner) -> tuple[Cubelet, SimulatedPciHo
     host = SimulatedPciHost("h100x2", tmp / "host.json")
     cfg = CubeletConfig(pinnable_memory_mib=1 << 20)
     backend = VfioBackend(host, allow=("10de:*",))
-    cubelet = Cubelet(Store(tmp / "cubelet.db"), backend, SimulatedShimDriver(host), cfg, scrub_runner=runner)
+    cubelet = assemble(Store(tmp / "cubelet.db"), backend, SimulatedShimDriver(host), cfg, scrub_runner=runner)
     initialize_host(cubelet)
     return cubelet, host
 
@@ -89,7 +90,7 @@ def test_a_node_without_the_gpu_scrub_image_holds_its_gpus_before_any_tenant_and
 
 
 def test_an_image_removed_while_gpus_are_free_takes_them_back_at_the_next_pass(node: Node) -> None:
-    runner = node.cubelet.scrub_runner = ImageRunner(built=False)
+    runner = node.scrub.runner = ImageRunner(built=False)
     reconcile(node.cubelet)
     assert {(d.state, d.reason) for d in node.devices()} == {(S.INITIALIZED, MISSING)}
     runner.built = True
@@ -100,7 +101,7 @@ def test_an_image_removed_while_gpus_are_free_takes_them_back_at_the_next_pass(n
 
 
 def test_a_gpu_quarantined_by_a_missing_image_at_release_recovers_once_the_image_is_built(node: Node) -> None:
-    runner = node.cubelet.scrub_runner = ImageRunner(built=True)
+    runner = node.scrub.runner = ImageRunner(built=True)
     dev = node.cubelet.reserve("tenant-a", ReservationRequest(count=1)).device_ids[0]
     node.cubelet.start("tenant-a")
     runner.built = False  # an upgrade: the images built before it carry the old agent
@@ -134,7 +135,7 @@ def test_an_older_releases_quarantine_for_a_missing_image_recovers_after_the_upg
         def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
             return self.outcomes.pop(0)
 
-    node.cubelet.scrub_runner = Old()
+    node.scrub.runner = Old()
     devs = []
     for sid in ("tenant-a", "tenant-b"):
         devs.append(node.cubelet.reserve(sid, ReservationRequest(count=1)).device_ids[0])

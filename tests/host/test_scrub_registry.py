@@ -15,6 +15,7 @@ from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.scrub import ProcessScrubRunner, parse_policy
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
@@ -81,7 +82,7 @@ def _cubelet(tmp: Path, fake: FakeSysfs, scrub: list[str]) -> Cubelet:
         fake.host(), allow=("10de:*", "1002:*", "1234:11e8"), readiness_roots=HostRoots(fake.sys, fake.dev, fake.proc)
     )
     cfg = CubeletConfig(pinnable_memory_mib=4096, scrub_policy=parse_policy(scrub))
-    return Cubelet(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), cfg)
+    return assemble(Store(tmp / "cubelet.db"), backend, ProcessShimDriver(tmp), cfg)
 
 
 def test_each_kind_gets_its_registered_method_and_an_unknown_one_none() -> None:

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from cubeaccel.backends.base import AttachSpec, Problem
+from cubeaccel.backends.scrub_methods import ScrubMethod
 from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.cubelet.inventory import initialize_host
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.reconcile import Repair, reconcile
+from cubeaccel.cubelet.release import StatusSink
+from cubeaccel.cubelet.runtime import assemble
+from cubeaccel.cubelet.scrub import ScrubImageCheck, ScrubOutcome, ScrubRunner, SimulatedScrubRunner
 from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.simulated import SimulatedPciHost
+from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.device import DeviceRecord, PciAddress
 from cubeaccel.model.states import DeviceState
+from cubeaccel.wire.master_api import StatusBody
 
 
 class Clock:
@@ -27,6 +34,35 @@ class Clock:
         self.now += s
 
 
+class ScrubStandIn:
+    """The node's scrub runner, built into its Cubelet once: a test puts the runner it scripts behind it
+    (`node.scrub.runner = …`) instead of reaching into the Cubelet. An image check is the runner's, if it has one."""
+
+    def __init__(self, runner: ScrubRunner) -> None:
+        self.runner = runner
+
+    @property
+    def inline(self) -> bool:
+        return self.runner.inline
+
+    def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
+        return self.runner.run(device, attach, timeout_s)
+
+    def image_problem(self, method: ScrubMethod) -> Problem | None:
+        return self.runner.image_problem(method) if isinstance(self.runner, ScrubImageCheck) else None
+
+
+class StatusTap:
+    """The node's status sink: what the Cubelet tells CubeMaster goes to `sink`, when a test sets one."""
+
+    def __init__(self) -> None:
+        self.sink: StatusSink | None = None
+
+    def __call__(self, sandbox_id: str, status: StatusBody) -> None:
+        if self.sink is not None:
+            self.sink(sandbox_id, status)
+
+
 @dataclass
 class Node:
     """One simulated node; `restart()` models a Cubelet crash: new process, same disk and hardware."""
@@ -38,13 +74,18 @@ class Node:
     shim: SimulatedShimDriver
     cubelet: Cubelet
     config: CubeletConfig
+    audit: AuditLog | None = None  # device custody and host changes, from the first event (None: not audited)
+    scrub: ScrubStandIn = field(default_factory=lambda: ScrubStandIn(SimulatedScrubRunner()))
+    status: StatusTap = field(default_factory=StatusTap)
 
     @classmethod
-    def create(cls, dir: Path, profile: str = "h100x8", config: CubeletConfig | None = None) -> Node:
+    def create(
+        cls, dir: Path, profile: str = "h100x8", config: CubeletConfig | None = None, audit: AuditLog | None = None
+    ) -> Node:
         clock = Clock()
         cfg = config or CubeletConfig(reservation_ttl_s=60, release_timeout_s=10, pinnable_memory_mib=1 << 20)
         host = SimulatedPciHost(profile, dir / "host.json")
-        node = cls(dir, profile, clock, host, SimulatedShimDriver(host), None, cfg)  # type: ignore[arg-type]
+        node = cls(dir, profile, clock, host, SimulatedShimDriver(host), None, cfg, audit)  # type: ignore[arg-type]
         node.cubelet = node._build()
         initialize_host(node.cubelet)
         assert reconcile(node.cubelet) == []
@@ -52,7 +93,10 @@ class Node:
 
     def _build(self) -> Cubelet:
         store = Store(self.dir / "cubelet.db", clock=self.clock)
-        return Cubelet(store, VfioBackend(self.host, allow=("10de:*", "1234:11e8")), self.shim, self.config)
+        backend = VfioBackend(self.host, allow=("10de:*", "1234:11e8"))
+        return assemble(
+            store, backend, self.shim, self.config, scrub_runner=self.scrub, audit=self.audit, status_sink=self.status
+        )
 
     def restart(self) -> list[Repair]:
         self.cubelet.store.close()
@@ -65,6 +109,7 @@ class Node:
             immortal_vmm=old.immortal_vmm,
             failed_guest_validation=old.failed_guest_validation,
         )
+        self.scrub, self.status = ScrubStandIn(SimulatedScrubRunner()), StatusTap()  # the new process's own
         self.cubelet = self._build()
         initialize_host(self.cubelet)
         return reconcile(self.cubelet)

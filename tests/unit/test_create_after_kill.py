@@ -69,7 +69,7 @@ def one_gpu(tmp_path: Path) -> Iterator[tuple[CubeMaster, Node, GatedRunner]]:
     node = Node.create(tmp_path / "node", "h100")
     gate = GatedRunner(PASSED)
     gate.gate.set()
-    node.cubelet.scrub_runner = gate
+    node.scrub.runner = gate
     m = CubeMaster(MasterStore(str(tmp_path / "m.db")), MasterConfig(staleness_s=1e9))
     m.registry.register(example_doc(), default=True)
     cubelet = InProcess(node)

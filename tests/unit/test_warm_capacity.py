@@ -70,7 +70,7 @@ def test_a_reserve_waits_for_the_device_being_scrubbed_and_the_refill_does_not_t
     not take the free device it is owed, and once the scrub passes the create gets both."""
     c, warm = node.cubelet, node.cubelet.warm
     gate = GatedRunner(PASSED)
-    c.scrub_runner = gate
+    node.scrub.runner = gate
     c.reserve("filler", ReservationRequest(count=6))
     first = c.reserve("first", ReservationRequest(count=1))
     c.start("first")  # a tenant ran on it: it is scrubbed when released
@@ -124,7 +124,7 @@ def test_a_reserve_with_nothing_coming_back_is_refused_at_once(node: Node) -> No
 def test_a_reserve_that_waited_its_bound_says_what_was_coming_back(node: Node) -> None:
     c = node.cubelet
     gate = GatedRunner(PASSED)
-    c.scrub_runner = gate
+    node.scrub.runner = gate
     c.reserve("first", ALL)
     c.start("first")
     c.release("first")

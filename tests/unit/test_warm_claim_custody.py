@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.host.service.audit import AuditLog, read, verify
 from cubeaccel.model.audit_trail import holding_at
@@ -18,9 +17,10 @@ from tests.support.poll import poll
 SHAPE = ReservationRequest(count=1, template="t-1")
 
 
-def _audited(node: Node, path: Path) -> None:
-    node.cubelet.device_audit = DeviceAudit(AuditLog(path), "n1")
-    node.cubelet.store.listeners.append(node.cubelet.device_audit)
+def _audited(dir: Path, path: Path) -> Node:
+    """A node whose Cubelet was built with an audit log: every custody step is audited from its first event."""
+    dir.mkdir()
+    return Node.create(dir, "h100x8", audit=AuditLog(path))
 
 
 def _one_warm(node: Node) -> str:
@@ -32,11 +32,9 @@ def _one_warm(node: Node) -> str:
     return sid
 
 
-def test_a_claimed_warm_sandboxs_device_is_held_by_its_tenant_and_sandbox_id_from_the_claim(
-    node: Node, tmp_path: Path
-) -> None:
+def test_a_claimed_warm_sandboxs_device_is_held_by_its_tenant_and_sandbox_id_from_the_claim(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    _audited(node, path)
+    node = _audited(tmp_path / "node", path)
     warm_id = _one_warm(node)
     res = node.cubelet.store.reservation(warm_id)
     assert res is not None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -25,7 +24,6 @@ from cubeaccel.transport.node_sig import TokenFile
 from cubeaccel.wire.cubelet_api import DeviceReply, Event, Reservation
 
 if TYPE_CHECKING:  # the serve path imports these lazily: a CLI call that does not serve does not load them
-    from cubeaccel.cubelet.heartbeat import Heartbeat
     from cubeaccel.cubelet.lifecycle import Cubelet
     from cubeaccel.cubelet.reconcile import Repair
     from cubeaccel.cubelet.snapshots import Shape, TemplateSnapshots
@@ -143,15 +141,13 @@ def _bring_up(
     the node serves, shaped by the devices it found, queued (made in the background, never on a tenant's
     start). The repairs."""
     from cubeaccel.cubelet.inventory import initialize_host
-    from cubeaccel.cubelet.metrics import metrics_of
     from cubeaccel.cubelet.process_shim import ProcessShimDriver
     from cubeaccel.cubelet.reconcile import reconcile
 
-    metrics_of(cubelet)  # counting from the first event: the host's initialization
     if isinstance(cubelet.shim, ProcessShimDriver):  # its fork server comes up while the host initializes
         cubelet.shim.warm()
     if exempt_pids:
-        with cubelet.store.tx() as t:
+        with cubelet.change() as t:
             t.event(EventKind.HOLDER_SCAN_EXEMPT, "operator", details={"pids": sorted(exempt_pids)})
     initialize_host(cubelet)
     if warm_reset:
@@ -163,26 +159,6 @@ def _bring_up(
         snapshots.refresh()
     cubelet.warm.start()
     return repairs
-
-
-def _link_to_master(
-    cubelet: Cubelet,
-    master: str | None,
-    addr: tuple[str, int] | None,
-    node: str,
-    tick: float,
-    token: Callable[[], str | None] | None,
-) -> Heartbeat | None:
-    """With `--master`: status pushes from now on, and the heartbeat (not started: it starts once serving)."""
-    if master is None or addr is None:
-        return None
-    from cubeaccel.cubelet.heartbeat import Heartbeat
-    from cubeaccel.cubelet.status_push import StatusPush
-
-    pusher = StatusPush(master, node, token=token)
-    pusher.start()
-    cubelet.status_sink = pusher.push
-    return Heartbeat(cubelet, master, f"http://{addr[0]}:{addr[1]}", tick, token=token)
 
 
 @app.command("serve")
@@ -304,7 +280,7 @@ def serve_cmd(
 
     configure_logging(log_level)  # None: $CUBEACCEL_LOG_LEVEL, else info
     from cubeaccel.cubelet.lifecycle import CubeletConfig
-    from cubeaccel.cubelet.runtime import RuntimeOptions, build_cubelet
+    from cubeaccel.cubelet.runtime import MasterLink, RuntimeOptions, build_served
     from cubeaccel.cubelet.server import Ticker, serve
 
     addr = _listen(listen)
@@ -327,10 +303,13 @@ def serve_cmd(
         raise typer.BadParameter(f"--testdev-membar {testdev_membar}: each a power of two up to 2^48 bytes")
     _check_durations(tick, reservation_ttl, release_timeout, default_lifetime, detach_timeout, scrub_timeout)
     from cubeaccel.cubelet.scrub import parse_policy
+    from cubeaccel.host.service.audit import AuditLog
 
+    audit = AuditLog(state_dir / "audit.jsonl")  # requests, host changes for sandboxes and each device's custody
+    link = None if master is None or addr is None else MasterLink(master, f"http://{addr[0]}:{addr[1]}", tick, token)
     try:
         scrub_policy = parse_policy(scrub or [])
-        cubelet = build_cubelet(
+        served = build_served(
             RuntimeOptions(
                 state_dir=state_dir,
                 backend=backend,
@@ -361,8 +340,11 @@ def serve_cmd(
                 emulated_devices=emulated_devices,
                 memory_devices=tuple(memory_device or ()),
                 testdev_membars=tuple(testdev_membar or ()),
-            )
+            ),
+            audit=audit,
+            master=link,
         )
+        cubelet = served.cubelet
         templates = _prepared_templates(prepare_template or [])  # a file that does not load: refused by code
         snapshots = _snapshots(cubelet, vm_start, templates, shapes)
         repairs = _bring_up(cubelet, snapshots, holder_scan_exempt_pid or [], warm_reset, warm or [])
@@ -371,7 +353,9 @@ def serve_cmd(
         return
     ticker = Ticker(cubelet, tick, after_pass=snapshots.refresh if snapshots is not None else None)
     ticker.start()
-    heartbeat = _link_to_master(cubelet, master, addr, node, tick, token)
+    if served.status_push is not None:
+        served.status_push.start()  # status pushes from now on; the heartbeat starts once serving
+    heartbeat = served.heartbeat
     sock = state_dir / "cubelet.sock"
     from cubeaccel.cubelet.heartbeat import held, host_state
 
@@ -393,7 +377,15 @@ def serve_cmd(
     try:
         # The node tells CubeMaster it is ready only once its API answers: a heartbeat before the listeners are
         # bound let a create (or `up`) reach a Cubelet that refused the connection.
-        serve(cubelet, sock, addr, token, on_serving=heartbeat.start if heartbeat is not None else None)
+        serve(
+            cubelet,
+            served.metrics,
+            served.audit,
+            sock,
+            addr,
+            token,
+            on_serving=heartbeat.start if heartbeat is not None else None,
+        )
     finally:
         ticker.stop()
         if heartbeat is not None:

@@ -10,27 +10,28 @@ import dataclasses
 import hmac
 import ipaddress
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import SecretStr
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem
 from cubeaccel.cubelet import host_ready, memory_ledger
 from cubeaccel.cubelet.capacity_wait import CapacityWaits, reserve_waiting
-from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.ended import EndedSandboxes
+from cubeaccel.cubelet.journal import Journal
 from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.placement import choose_devices, matches
-from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, ScrubJob, problem_event, record_problems
+from cubeaccel.cubelet.release import CubeletConfig, ReleasePath, problem_event, record_problems, sandbox_devices
 from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
-from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
-from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
-from cubeaccel.cubelet.store import Reservation, Store, Tx
+from cubeaccel.cubelet.scrub import ScrubPolicy, ScrubRunner
+from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
+from cubeaccel.cubelet.store import Reservation, Tx
 from cubeaccel.cubelet.warm import WarmPools
 from cubeaccel.host.net import netpolicy
 from cubeaccel.host.service.audit import AuditLog
@@ -52,6 +53,7 @@ from cubeaccel.model.guest_minimal import check_minimal
 from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
+from cubeaccel.model.reset_ladder import ResetAttempt
 from cubeaccel.model.sandbox_policy import (
     FilesystemPolicy,
     NetworkPolicy,
@@ -117,43 +119,106 @@ def contract_refusal(violations: list[ContractViolation], count: int) -> CubeErr
     )
 
 
-class Cubelet(ReleasePath):
+class Cubelet:
+    """The node agent's lifecycle: reserve, start, shim reports; the release path is its own object (`release_path`).
+
+    Built whole by the composition root (`cubelet/runtime.py::assemble`), which hands it the journal, backend,
+    shim driver and release path it shares with the parts it builds; the warm pools, which drive this facade,
+    are built here, last, from it."""
+
     def __init__(
         self,
-        store: Store,
+        journal: Journal,
         backend: Backend,
+        capabilities: Capabilities,
         shim: ShimDriver,
-        config: CubeletConfig | None = None,
-        scrub_runner: ScrubRunner | None = None,
+        config: CubeletConfig,
+        release_path: ReleasePath,
+        *,
+        device_locks: KeyedLocks,
+        ended: EndedSandboxes,
     ) -> None:
-        self.store = store
+        self.journal = journal
+        self.store = journal.store
+        self.lock = journal.lock
         self.backend = backend
-        self.capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
+        self.capabilities = capabilities  # checked once; call sites never probe the backend
         self.shim = shim
-        self.config = config or CubeletConfig()
+        self.config = config
+        self.release_path = release_path
         self.vmm_host = self.config.vmm_host or memory_ledger.VmmHost.here(vfio=backend.name == "vfio")
-        self.lock = threading.RLock()  # lifecycle decisions: held only around short transactions, never host I/O
-        self.device_locks = KeyedLocks()  # host work per device (and per sandbox while it is released)
+        self.device_locks = device_locks  # host work per device (and per sandbox while it is released)
         self.launching: set[str] = set()  # sandboxes whose shim this process is launching right now
-        self.status_sink = None
         self.incarnation = uuid.uuid4().hex  # this process's: CubeMaster reconciles a node whose incarnation changed
-        self.ended = EndedSandboxes()  # what this process ended on its own, repeated by its heartbeats
+        self.ended = ended  # what this process ended on its own, repeated by its heartbeats
         self.issued_tokens: dict[str, str] = {}  # sandbox → workload token not yet given to the caller
-        self.audit: AuditLog | None = None  # set by the server: host changes made for sandboxes are audited
-        self.device_audit: DeviceAudit | None = None  # set by the server: each device's custody is audited
-        # The simulated node plays its scrub VMs as it plays its sandboxes' VMs; any other node without a runner
-        # fails every scrub it owes (quarantine), never skips one.
-        simulated = isinstance(shim, SimulatedShimDriver)
-        self.scrub_runner = scrub_runner or (SimulatedScrubRunner() if simulated else UnavailableScrubRunner())
-        self.scrubs: dict[str, ScrubJob] = {}
-        self.scrub_image_problems: dict[str, Problem] = {}  # none known until host initialization checks
-
+        self.loaded_networks: dict[str, netpolicy.Loaded] = {}  # sandbox → its namespace's last loaded ruleset
         self.capacity_waits = CapacityWaits()  # reserves waiting for devices coming back, oldest first
-        store.listeners.append(self.capacity_waits.on_events)
+        journal.store.listeners.append(self.capacity_waits.on_events)
         self.warm = WarmPools(self, self.config.warm_max_concurrent_starts)  # docs/warm.md
         self.warm.restore()  # the pools and drain this node was given, before reconcile looks at warm sandboxes
-        self.loaded_networks: dict[str, netpolicy.Loaded] = {}  # sandbox → its namespace's last loaded ruleset
         shim.bind(self.handle_report)
+
+    # ---- the release path's verbs, for the parts that drive it (reconcile, operator, warm, inventory) -----------
+    def change(self) -> AbstractContextManager[Tx]:
+        """One lifecycle decision: under the lifecycle lock, in one transaction, durable on return."""
+        return self.journal.change()
+
+    @staticmethod
+    def _sandbox_devices(t: Tx, sandbox_id: str) -> list[DeviceRecord]:
+        return sandbox_devices(t, sandbox_id)
+
+    @property
+    def audit(self) -> AuditLog | None:
+        return self.release_path.audit
+
+    @property
+    def scrub_runner(self) -> ScrubRunner:
+        return self.release_path.scrub_runner
+
+    @property
+    def scrub_image_problems(self) -> dict[str, Problem]:
+        return self.release_path.scrub_image_problems
+
+    def set_scrub_image_problems(self, problems: dict[str, Problem]) -> None:
+        self.release_path.set_scrub_image_problems(problems)
+
+    def notify(self, sandbox_id: str, status: StatusBody) -> None:
+        self.release_path.notify(sandbox_id, status)
+
+    def audit_host(self, action: str, sandbox_id: str, **fields: Any) -> None:
+        self.release_path.audit_host(action, sandbox_id, **fields)
+
+    def begin_teardown(
+        self, sandbox_id: str, reason: str, attach_failed: bool = False, layer: str = "cubelet", message: str = ""
+    ) -> None:
+        self.release_path.begin_teardown(sandbox_id, reason, attach_failed, layer, message)
+
+    def try_release(self, sandbox_id: str) -> None:
+        self.release_path.try_release(sandbox_id)
+
+    def expire_reservations(self) -> list[str]:
+        return self.release_path.expire_reservations()
+
+    def retire_runs(self) -> list[str]:
+        return self.release_path.retire_runs()
+
+    def vmm_status(self, res: Reservation) -> ShimStatus:
+        return self.release_path.vmm_status(res)
+
+    vmm_gone = staticmethod(ReleasePath.vmm_gone)
+
+    def reset_device(self, d: DeviceRecord, unclean: bool) -> tuple[list[Problem], list[ResetAttempt] | None]:
+        return self.release_path.reset_device(d, unclean)
+
+    def scrub_policy(self, d: DeviceRecord) -> ScrubPolicy:
+        return self.release_path.scrub_policy(d)
+
+    def scrub_refusal(self, d: DeviceRecord) -> Problem | None:
+        return self.release_path.scrub_refusal(d)
+
+    def advance_scrub(self, device_id: str) -> bool:
+        return self.release_path.advance_scrub(device_id)
 
     # ---- helpers --------------------------------------------------------------------------------
     def pinnable_mib(self) -> int:
@@ -367,7 +432,9 @@ class Cubelet(ReleasePath):
             cur.checkpoint.network = net.to_json()
             t.update_reservation(cur)
             t.event(EventKind.NETWORK_APPLIED, Actor.CUBELET, sandbox_id=sandbox_id, details=net.to_json())
-        self.audit_host("network:apply", sandbox_id, netns=net.netns, egress=list(net.egress), veth=net.veth_cidr)
+        self.release_path.audit_host(
+            "network:apply", sandbox_id, netns=net.netns, egress=list(net.egress), veth=net.veth_cidr
+        )
 
     def start(self, sandbox_id: str, token: str | None = None, warm_pool: str | None = None) -> Reservation | None:
         """Revalidate, move devices to `preparing`, record the intent, then launch the shim.
@@ -432,7 +499,7 @@ class Cubelet(ReleasePath):
                 t.update_reservation(res)
                 start_ok = True
         if not start_ok:
-            self.begin_teardown(sandbox_id, "prepare.revalidation_failed", layer="host_hardware")
+            self.release_path.begin_teardown(sandbox_id, "prepare.revalidation_failed", layer="host_hardware")
             raise conflict(
                 "prepare.revalidation_failed", f"devices of {sandbox_id} failed revalidation", layer="host_hardware"
             )
@@ -583,7 +650,7 @@ class Cubelet(ReleasePath):
                 t.event(EventKind.SANDBOX_WARM if warm else EventKind.SANDBOX_RUNNING, Actor.CUBELET, sandbox_id=sid)
             t.update_reservation(res)
         if unconfined:  # the VMM gets no device: the start fails and what it holds goes through the release path
-            self.begin_teardown(
+            self.release_path.begin_teardown(
                 sid,
                 "vmm.not_confined",
                 attach_failed=True,
@@ -591,7 +658,7 @@ class Cubelet(ReleasePath):
                 message=f"Cubelet's /proc check of the VMM: {'; '.join(unconfined)}"[:500],
             )
         elif ready and not warm:  # a warm sandbox is the node's: CubeMaster has no record of it
-            self.notify(sid, StatusBody(phase="running"))
+            self.release_path.notify(sid, StatusBody(phase="running"))
         else:
             self._act_on_failure(res, report, violations)
 
@@ -664,7 +731,7 @@ class Cubelet(ReleasePath):
         sid, k = res.sandbox_id, report.kind
         if k is ShimReportKind.ATTACH_FAILED:
             failed = StartFailed.read(report.details)
-            self.begin_teardown(
+            self.release_path.begin_teardown(
                 sid,
                 failed.reason or "attach_failed",
                 attach_failed=True,
@@ -673,11 +740,12 @@ class Cubelet(ReleasePath):
             )
         elif k is ShimReportKind.GUEST_VALIDATION_FAILED or violations:
             reason, layer, message = _guest_failure(StartFailed.read(report.details), violations)
-            self.begin_teardown(sid, reason, layer=layer, message=message)
+            self.release_path.begin_teardown(sid, reason, layer=layer, message=message)
         elif k is ShimReportKind.VMM_EXITED:
-            self.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
+            self.release_path.begin_teardown(sid, "vmm_exited", message="the VMM exited while the sandbox was in use")
         elif k is ShimReportKind.SHIM_EXITING and res.phase is P.RELEASING:
-            self.try_release(sid)  # the final report is release evidence: no waiting for the next reconcile pass
+            # the final report is release evidence: no waiting for the next reconcile pass
+            self.release_path.try_release(sid)
 
     def _judge_guest(self, t: Tx, res: Reservation, report: ShimReport) -> list[ContractViolation]:
         """Stage 5, judged again on the host: the agent's own verdict is not trusted alone."""
@@ -717,7 +785,7 @@ class Cubelet(ReleasePath):
     def release(self, sandbox_id: str, reason: str = "sandbox_deleted") -> Reservation | None:
         validate_sandbox_id(sandbox_id)
         self.get_reservation(sandbox_id)  # 404 when unknown
-        self.begin_teardown(sandbox_id, reason)
+        self.release_path.begin_teardown(sandbox_id, reason)
         return self.store.reservation(sandbox_id)
 
 

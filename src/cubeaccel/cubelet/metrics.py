@@ -26,7 +26,6 @@ from cubeaccel.model.states import DeviceState
 from cubeaccel.transport.telemetry import ApiTelemetry
 
 if TYPE_CHECKING:
-    from cubeaccel.cubelet.lifecycle import Cubelet
     from cubeaccel.cubelet.ports import MetricsSource
 
 log = logging.getLogger("cubeaccel.cubelet")
@@ -60,7 +59,7 @@ class _ShimLaunches(Collector):
 
     def collect(self) -> Iterator[Metric]:
         launches = self.cubelet.shim.launches
-        if not launches:
+        if launches is None:
             return
         family = CounterMetricFamily(
             "cubeaccel_shim_launches", "Shim starts by how the process was made: fork or spawn", labels=["how"]
@@ -330,13 +329,3 @@ def _event_fields(e: Event) -> dict[str, Any]:
         "actor": e.actor,
         "reason": e.reason,
     }
-
-
-def metrics_of(cubelet: Cubelet) -> CubeletMetrics:
-    """The Cubelet's metrics, made on first use (both listeners of one Cubelet share them)."""
-    existing: Any = getattr(cubelet, "metrics", None)
-    if isinstance(existing, CubeletMetrics):
-        return existing
-    m = CubeletMetrics(cubelet)
-    cubelet.metrics = m  # type: ignore[attr-defined]
-    return m

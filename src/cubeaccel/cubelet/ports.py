@@ -114,7 +114,12 @@ class ScrubReadyHost(Journal, ScrubRules, Protocol):
     @property
     def scrub_runner(self) -> ScrubRunner: ...
 
-    scrub_image_problems: dict[str, Problem]  # written by each check; read by `scrub_refusal`
+    @property
+    def scrub_image_problems(self) -> dict[str, Problem]: ...
+
+    def set_scrub_image_problems(self, problems: dict[str, Problem]) -> None:
+        """Each check's finding, read by the release path's `scrub_refusal`."""
+        ...
 
 
 class Inventory(Journal, HostAccess, ScrubRules, Protocol):

@@ -5,20 +5,27 @@ exited (no live process carries the sandbox's tag), the shim exited or its final
 nothing holds the device's files (an fd we cannot read is an unknown holder), and cleanup (reset) succeeded;
 then revalidation. A confirmed detach is recorded but replaces none of these. Anything unproven past the
 timeouts is quarantined. Reports from the shim are recorded elsewhere; here only host evidence counts.
+
+To follow one release: `ReleasePath.begin_teardown` (entered from `Cubelet.release`, a shim report or reconcile)
+→ `try_release` → `_vmm_evidence` (rules 1 and 2) → `_release_device` → `_judge_release` (`_blocked`,
+`_reclaim_nodes`, `reset_device`, `_evidence`) → `_apply_outcome` (the one `release_confirmed` transition) →
+`advance_scrub` → `_finish_scrub` → `_finish_revalidation` → `_close_reservation`. What each step is given was
+decided in one place, `cubelet/runtime.py::assemble`.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.backends.base import Backend, Capabilities, Problem, ResetContext
 from cubeaccel.backends.scrub_methods import method_for
 from cubeaccel.cubelet.ended import EndedSandboxes, status_error
+from cubeaccel.cubelet.journal import Journal
 from cubeaccel.cubelet.locks import KeyedLocks
 from cubeaccel.cubelet.memory_ledger import VmmHost
 from cubeaccel.cubelet.scrub import (
@@ -34,6 +41,7 @@ from cubeaccel.cubelet.scrub import (
 from cubeaccel.cubelet.shim_driver import ShimDriver, ShimStatus
 from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.host.pci.base import Holder
+from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
 from cubeaccel.model.errors import CubeError
@@ -102,6 +110,14 @@ def record_problems(t: Tx, d: DeviceRecord, problems: list[Problem], **extra: An
         problems = [Problem(p.code, p.message, hard=False) for p in problems]  # anywhere else: safety unproven
     event, reason = problem_event(problems)
     return t.transition(d, event, Actor.CUBELET, reason=reason, details=details)
+
+
+def sandbox_devices(t: Tx, sandbox_id: str) -> list[DeviceRecord]:
+    """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
+    forensics, and a sandbox id may be reused, so membership is the reservation's device list."""
+    res = t.reservation(sandbox_id)
+    ids = set(res.device_ids) if res is not None else set()
+    return [d for d in t.devices_of(sandbox_id) if d.id in ids]
 
 
 @dataclass(frozen=True)
@@ -200,42 +216,59 @@ class ScrubJob:
 
 
 class ReleasePath:
-    """Mixed into `Cubelet`: the attributes below are Cubelet's.
+    """The release path of one node, built by the composition root (`cubelet/runtime.py`) with what it uses: the
+    journal (store, lifecycle lock, audit settle), the backend and its capabilities, the shim driver, the scrub
+    runner, the per-device locks, the record of sandboxes this process ended, the status sink towards CubeMaster
+    and the host audit log. The Cubelet hands it teardowns; nothing here reads the Cubelet.
 
     Order of the release path, per device: VMM (and shim) exited → no holder → cleanup (reset) →
     `release_confirmed` (released) → scrub, where the class's policy asks for one (scrub VM, then reset again)
     → revalidation → allocatable. Steps other releases add (VFIO group hand-back, network and scratch teardown)
     come before `release_confirmed`: the scrub VM gets a device nothing of the tenant's still touches."""
 
-    store: Store
-    backend: Backend
-    capabilities: Capabilities
-    shim: ShimDriver
-    config: CubeletConfig
-    lock: threading.RLock
-    device_locks: KeyedLocks
-    status_sink: StatusSink | None
-    ended: EndedSandboxes
-    scrub_runner: ScrubRunner
-    scrubs: dict[str, ScrubJob]
-    scrub_image_problems: dict[str, Problem]  # image stack → why its scrub VM cannot boot here (scrub_ready.py)
+    def __init__(
+        self,
+        journal: Journal,
+        backend: Backend,
+        capabilities: Capabilities,
+        shim: ShimDriver,
+        config: CubeletConfig,
+        *,
+        device_locks: KeyedLocks,
+        ended: EndedSandboxes,
+        scrub_runner: ScrubRunner,
+        status_sink: StatusSink | None = None,
+        audit: AuditLog | None = None,
+    ) -> None:
+        """`status_sink`: None on a node with no CubeMaster to tell. `audit`: None on a node built without an
+        audit log (unit tests); a served node always has one."""
+        self.journal = journal
+        self.store: Store = journal.store
+        self.lock: threading.RLock = journal.lock
+        self.backend = backend
+        self.capabilities = capabilities
+        self.shim = shim
+        self.config = config
+        self.device_locks = device_locks
+        self.ended = ended
+        self.scrub_runner = scrub_runner
+        self.status_sink = status_sink
+        self.audit = audit
+        self.scrubs: dict[str, ScrubJob] = {}
+        # image stack → why its scrub VM cannot boot here (scrub_ready.py); none known until host initialization
+        self.scrub_image_problems: dict[str, Problem] = {}
 
-    @contextmanager
-    def change(self) -> Iterator[Tx]:
+    def change(self) -> AbstractContextManager[Tx]:
         """One lifecycle decision: under the lifecycle lock, in one transaction, durable on return."""
-        try:
-            with self.lock, self.store.tx() as t:
-                yield t
-        finally:
-            if (audit := getattr(self, "device_audit", None)) is not None:
-                audit.settle()  # the change's audit entries are on disk too before anything is replied
+        return self.journal.change()
 
-    def _sandbox_devices(self, t: Tx, sandbox_id: str) -> list[DeviceRecord]:
-        """Devices of the sandbox's *current* reservation: a quarantined device keeps its last tenant's id for
-        forensics, and a sandbox id may be reused, so membership is the reservation's device list."""
-        res = t.reservation(sandbox_id)
-        ids = set(res.device_ids) if res is not None else set()
-        return [d for d in t.devices_of(sandbox_id) if d.id in ids]
+    def set_scrub_image_problems(self, problems: dict[str, Problem]) -> None:
+        """The last readiness check's answer (scrub_ready.py), read by `scrub_refusal`."""
+        self.scrub_image_problems = dict(problems)
+
+    @staticmethod
+    def _sandbox_devices(t: Tx, sandbox_id: str) -> list[DeviceRecord]:
+        return sandbox_devices(t, sandbox_id)
 
     def notify(self, sandbox_id: str, status: StatusBody) -> None:
         """Tell CubeMaster at once (ready, or failed with code and layer); never blocks the lifecycle."""
@@ -452,9 +485,8 @@ class ReleasePath:
 
     def audit_host(self, action: str, sandbox_id: str, **fields: Any) -> None:
         """Host changes made for a sandbox (not API requests) go into the Cubelet's audit trail too."""
-        audit = getattr(self, "audit", None)
-        if audit is not None:
-            audit.append(action, "cubelet", "ok", target=sandbox_id, node=self.config.node_name, **fields)
+        if self.audit is not None:
+            self.audit.append(action, "cubelet", "ok", target=sandbox_id, node=self.config.node_name, **fields)
 
     def _judge_release(self, d: DeviceRecord, res: Reservation, st: ShimStatus, overdue: bool) -> ReleaseOutcome:
         """The release rules on host evidence, in their order (holders, node hand-back, reset, revalidation): host

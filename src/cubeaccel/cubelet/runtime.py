@@ -1,4 +1,10 @@
-"""Assemble a Cubelet from command-line choices: store, backend, host, shim driver."""
+"""The composition root: the one place a Cubelet is made, whole, with every part it uses.
+
+`assemble` wires given parts (the journal and its custody audit, the release path with its scrub runner, status
+sink and host audit, then the Cubelet, which builds the warm pools and metrics that read it); `build_cubelet`
+first chooses the store, backend, host and shim driver from command-line options; `build_served` adds what a served
+node runs beside it (metrics, the status push that is its sink, the heartbeat). Nothing is attached to a Cubelet
+after this: a part it lacks here, it lacks for good."""
 
 from __future__ import annotations
 
@@ -6,13 +12,24 @@ import contextlib
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cubeaccel.backends.base import Backend
+from cubeaccel.backends.base import Backend, Capabilities
+from cubeaccel.cubelet.device_audit import DeviceAudit
+from cubeaccel.cubelet.ended import EndedSandboxes
+from cubeaccel.cubelet.heartbeat import Heartbeat
+from cubeaccel.cubelet.journal import Journal
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
+from cubeaccel.cubelet.locks import KeyedLocks
+from cubeaccel.cubelet.metrics import CubeletMetrics
+from cubeaccel.cubelet.release import ReleasePath, StatusSink
+from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
+from cubeaccel.cubelet.status_push import StatusPush
 from cubeaccel.cubelet.store import Store
+from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.errors import invalid
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images
 
@@ -77,7 +94,49 @@ def _guest_images(path: Path) -> tuple[GuestImageFact, ...]:
         raise invalid("cubelet.invalid_guest_images", f"{path}: {e}") from e
 
 
-def build_cubelet(opts: RuntimeOptions) -> Cubelet:
+def assemble(
+    store: Store,
+    backend: Backend,
+    shim: ShimDriver,
+    config: CubeletConfig | None = None,
+    *,
+    scrub_runner: ScrubRunner | None = None,
+    audit: AuditLog | None = None,
+    status_sink: StatusSink | None = None,
+) -> Cubelet:
+    """A Cubelet from its parts. `scrub_runner` None: the simulated node plays its scrub VMs as it plays its
+    sandboxes' VMs; any other node without a runner fails every scrub it owes (quarantine), never skips one.
+    `audit`: host changes made for sandboxes and each device's custody go there (None: neither is audited, as
+    in unit tests). `status_sink`: where sandbox status goes to CubeMaster (None: a node without one)."""
+    config = config or CubeletConfig()
+    device_audit = None if audit is None else DeviceAudit(audit, config.node_name)
+    if device_audit is not None:
+        store.listeners.append(device_audit)  # each device's custody (who had it), from the store's own events
+    journal = Journal(store, device_audit)
+    capabilities = Capabilities.of(backend)  # checked once; call sites never probe the backend
+    device_locks, ended = KeyedLocks(), EndedSandboxes()
+    if scrub_runner is None:
+        simulated = isinstance(shim, SimulatedShimDriver)
+        scrub_runner = SimulatedScrubRunner() if simulated else UnavailableScrubRunner()
+    release_path = ReleasePath(
+        journal,
+        backend,
+        capabilities,
+        shim,
+        config,
+        device_locks=device_locks,
+        ended=ended,
+        scrub_runner=scrub_runner,
+        status_sink=status_sink,
+        audit=audit,
+    )
+    return Cubelet(journal, backend, capabilities, shim, config, release_path, device_locks=device_locks, ended=ended)
+
+
+def build_cubelet(
+    opts: RuntimeOptions, *, audit: AuditLog | None = None, status_sink: StatusSink | None = None
+) -> Cubelet:
+    """The Cubelet the options describe; `audit` and `status_sink` as in `assemble`."""
     if opts.vm_start not in ("template", "cold"):
         raise invalid("cubelet.invalid_vm_start", f"--vm-start must be template or cold, not {opts.vm_start!r}")
     if opts.shim_launch not in ("fork", "spawn"):
@@ -154,4 +213,41 @@ def build_cubelet(opts: RuntimeOptions) -> Cubelet:
         runner = ProcessScrubRunner(
             opts.state_dir, opts.vm_start, opts.scrub_image, detach_timeout_s=opts.detach_timeout_s
         )
-    return Cubelet(store, backend, shim, opts.config, scrub_runner=runner)
+    return assemble(store, backend, shim, opts.config, scrub_runner=runner, audit=audit, status_sink=status_sink)
+
+
+@dataclass(frozen=True)
+class MasterLink:
+    """`--master`: the CubeMaster this node reports to, how CubeMaster reaches this Cubelet, how often it reports,
+    and the node token every heartbeat and status push is signed with."""
+
+    master_url: str
+    cubelet_url: str
+    interval_s: float
+    token: Callable[[], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class ServedCubelet:
+    """What `cubeaccel cubelet serve` runs: the Cubelet, the metrics both listeners serve, its audit log, and with
+    a CubeMaster the status push (its sink, started once the node is up) and the heartbeat (started once serving)."""
+
+    cubelet: Cubelet
+    metrics: CubeletMetrics
+    audit: AuditLog
+    status_push: StatusPush | None
+    heartbeat: Heartbeat | None
+
+
+def build_served(opts: RuntimeOptions, *, audit: AuditLog, master: MasterLink | None) -> ServedCubelet:
+    """The served node: its Cubelet, built with the audit log and (with a CubeMaster) the status push as its sink;
+    the metrics, counting from the first event (the host's initialization, which follows); the heartbeat. Nothing
+    is started here."""
+    push = None if master is None else StatusPush(master.master_url, opts.config.node_name, token=master.token)
+    cubelet = build_cubelet(opts, audit=audit, status_sink=None if push is None else push.push)
+    heartbeat = (
+        None
+        if master is None
+        else Heartbeat(cubelet, master.master_url, master.cubelet_url, master.interval_s, token=master.token)
+    )
+    return ServedCubelet(cubelet, CubeletMetrics(cubelet), audit, push, heartbeat)

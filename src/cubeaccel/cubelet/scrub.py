@@ -118,7 +118,10 @@ class ScrubOutcome:
 
 
 class ScrubRunner(Protocol):
-    inline: bool  # True: runs in the caller's thread (simulated); False: Cubelet gives it a thread
+    @property
+    def inline(self) -> bool:
+        """True: runs in the caller's thread (simulated); False: Cubelet gives it a thread."""
+        ...
 
     def run(self, device: DeviceRecord, attach: AttachSpec, timeout_s: float) -> ScrubOutcome:
         """Boot the scrub VM with the device, scrub, verify, tear down; blocks; never raises for a device fault."""

@@ -59,7 +59,7 @@ def check(cubelet: ScrubReadyHost) -> dict[str, Problem]:
             problem = runner.image_problem(method)
             if problem is not None:
                 problems[stack] = problem
-    cubelet.scrub_image_problems = problems
+    cubelet.set_scrub_image_problems(problems)
     now = {stack: {"code": p.code, "message": p.message} for stack, p in problems.items()}
     with cubelet.store.read() as t:
         raw = t.meta(META_KEY)

@@ -21,10 +21,9 @@ from starlette.responses import Response
 
 from cubeaccel.cubelet import network_update, operator
 from cubeaccel.cubelet.capacity import capacity_summary
-from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.heartbeat import held, host_state
 from cubeaccel.cubelet.lifecycle import Cubelet, ReservationRequest, validate_sandbox_id
-from cubeaccel.cubelet.metrics import metrics_of
+from cubeaccel.cubelet.metrics import CubeletMetrics
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.store import Event, Reservation
 from cubeaccel.cubelet.warm import refuse_reserved_id
@@ -57,13 +56,15 @@ def create_app(
     token: str | Callable[[], str | None] | None = None,
     audit: AuditLog | None = None,
     peer_uids: frozenset[int] | None = None,
+    metrics: CubeletMetrics | None = None,
 ) -> FastAPI:
     """`local` (the unix socket, root-owned) also serves shim reports and reconcile; the TCP listener that
     CubeMaster uses does not, so nothing on the network can forge VM evidence. The TCP listener
     (`local=False`) answers only requests CubeMaster signed with this node's token, which forwards an admin's
     device verbs there (docs/security.md). `peer_uids`: on the unix socket, the uids a caller may have
-    (SO_PEERCRED, read by the HTTP server); anyone else is refused, whatever the socket's file mode."""
-    metrics = metrics_of(cubelet)
+    (SO_PEERCRED, read by the HTTP server); anyone else is refused, whatever the socket's file mode. `metrics`:
+    the node's, built by the composition root and shared by both listeners (None: this app's own)."""
+    metrics = metrics if metrics is not None else CubeletMetrics(cubelet)
     app = api_app("cubeaccel Cubelet", body_models=(ShimReportBody,), telemetry=metrics.api)
     if not local:
         current = token if callable(token) else (lambda: token)
@@ -550,18 +551,17 @@ def local_uids() -> frozenset[int]:
 
 def serve(
     cubelet: Cubelet,
+    metrics: CubeletMetrics,
+    audit: AuditLog,
     socket_path: Path,
     listen: tuple[str, int] | None,
     token: str | Callable[[], str | None] | None = None,
     on_serving: Callable[[], None] | None = None,
 ) -> None:
-    """Serve the unix socket (and `listen`); `on_serving` runs once every listener accepts connections."""
+    """Serve the unix socket (and `listen`); `on_serving` runs once every listener accepts connections. `audit`:
+    the log the Cubelet was built with (host changes, device custody): the requests are audited beside them."""
     import uvicorn
 
-    audit = AuditLog(socket_path.parent / "audit.jsonl")  # next to the store: the state dir
-    cubelet.audit = audit  # host changes for sandboxes (their networks) are audited beside the requests
-    cubelet.device_audit = DeviceAudit(audit, cubelet.config.node_name)  # and each device's custody (who had it)
-    cubelet.store.listeners.append(cubelet.device_audit)
     socket_path.unlink(missing_ok=True)
     socket_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     # Bound here, not by uvicorn, which chmods a unix socket it creates to 0666: this one takes shim reports
@@ -573,11 +573,15 @@ def serve(
     finally:
         os.umask(old)
     os.chmod(socket_path, 0o600)
-    local_app = create_app(cubelet, local=True, audit=audit, peer_uids=local_uids())
+    local_app = create_app(cubelet, local=True, audit=audit, peer_uids=local_uids(), metrics=metrics)
     configs = [server_config(local_app, fd=local.fileno())]
     if listen is not None:
         configs.append(
-            server_config(create_app(cubelet, local=False, token=token, audit=audit), host=listen[0], port=listen[1])
+            server_config(
+                create_app(cubelet, local=False, token=token, audit=audit, metrics=metrics),
+                host=listen[0],
+                port=listen[1],
+            )
         )
     servers = [uvicorn.Server(c) for c in configs]
 
@@ -604,8 +608,7 @@ def workload_socket(cubelet: Cubelet, sandbox_id: str) -> Path:
         raise CubeError(
             "workload.not_running", f"sandbox {sandbox_id} is not running here", "api", {"sandbox_id": sandbox_id}
         )
-    find = getattr(cubelet.shim, "workload_socket", None)  # only drivers that run real shims have one
-    path = find(res.shim_id) if find is not None else None  # a claimed warm sandbox's shim keeps its own id
+    path = cubelet.shim.workload_socket(res.shim_id)  # a claimed warm sandbox's shim keeps its own id
     if not isinstance(path, Path) or not path.exists():
         raise CubeError(
             "workload.unavailable",

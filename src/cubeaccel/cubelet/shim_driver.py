@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Protocol
 
 from cubeaccel.host.pci.base import Holder
@@ -115,7 +116,6 @@ class ShimStatus:
 class ShimDriver(Protocol):
     max_devices: int  # how many devices one VM can take (root ports)
     host_devices: bool  # real MicroVMs: sandbox networks and scratch disks are built on the host for them
-    launches: dict[str, int]  # shim starts by how the process was made (fork, spawn); empty: this driver makes none
 
     def bind(self, sink: ReportSink) -> None: ...
 
@@ -148,6 +148,16 @@ class ShimDriver(Protocol):
         """Hand a warm shim its claim (the tenant's workload token, an RNG seed); its answer, or a refusal."""
         ...
 
+    @property
+    def launches(self) -> dict[str, int] | None:
+        """How this process's shim starts went, by how the process was made (a metric); None: not counted."""
+        ...
+
+    def workload_socket(self, sandbox_id: str) -> Path | None:
+        """Where the shim bridges its guest's workload service (the Cubelet's proxy connects there); None for a
+        driver whose shims run no guest to reach."""
+        ...
+
     def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         """Move the files of every run that is over (no open reservation, no process) out of the way, keeping
         a bounded number for post-mortems (cubelet/runfiles.py); returns their ids."""
@@ -168,8 +178,8 @@ class SimulatedShimDriver:
     cubelet_down: set[str] = field(default_factory=set)  # reports cannot be delivered: the shim keeps them
     guest_images: tuple[GuestImageFact, ...] = field(default_factory=simulated_guest_images)  # the node's set
     hotplug: tuple[str, ...] = SIMULATED_HOTPLUG
+    launches: dict[str, int] | None = None  # no process is made for a simulated shim: not counted
     sink: ReportSink | None = None
-    launches: dict[str, int] = field(default_factory=dict, init=False)  # in-process: no shim process is made
     _pending: dict[str, ShimSpec] = field(default_factory=dict)
     _start_ids: dict[str, str | None] = field(default_factory=dict)
     _undelivered: dict[str, list[ShimReport]] = field(default_factory=dict)
@@ -194,6 +204,9 @@ class SimulatedShimDriver:
             return ShimClaimAck(ok=False, code="warm.claim_unanswered", message="no shim")
         self._report(shim_id, WarmClaimed(claimed_as=claim.sandbox_id))
         return ShimClaimAck(ok=True, rebind_ms=0.0)
+
+    def workload_socket(self, sandbox_id: str) -> Path | None:
+        return None  # simulated guests run no workload service
 
     def retire_runs(self, open_ids: Callable[[], set[str]]) -> list[str]:
         return []

@@ -24,9 +24,10 @@ from vmm_scenarios import Vmm, refused_open, start_vmm
 from cubeaccel.backends.base import Problem
 from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.cubelet.inventory import initialize_host
-from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig, ReservationRequest
+from cubeaccel.cubelet.lifecycle import CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
+from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.shim_driver import NodeFacts
 from cubeaccel.cubelet.store import Store
@@ -100,7 +101,7 @@ def cubelet_cycle() -> dict[str, Any]:
     host = SysfsPciHost()
     backend = TcgLabBackend(host, allow=[f"{EDU}@{RP}"], readiness_roots=HostRoots())
     shims = LabShims(work)
-    cubelet = Cubelet(
+    cubelet = assemble(
         Store(work / "cubelet.db", clock=clock),
         backend,
         shims,
