@@ -112,14 +112,23 @@ BODIES: dict[tuple[str, str], Any] = {
 }
 
 
+def api_routes(routes: list[Any]) -> Iterator[APIRoute]:
+    """Every route the app serves. The routers are included whole: an older FastAPI copies their routes into the
+    app's list, a newer one keeps each router as one entry holding its own (`original_router`)."""
+    for r in routes:
+        if isinstance(r, APIRoute):
+            yield r
+        inner = getattr(r, "original_router", None)
+        if inner is not None:
+            yield from api_routes(inner.routes)
+
+
 def routes() -> list[tuple[str, str]]:
     with tempfile.TemporaryDirectory() as d:
         store = MasterStore(str(Path(d) / "m.db"))
         app = create_app(CubeMaster(store))
         store.close()
-    return sorted(
-        (m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods or () if r.path != "/openapi.json"
-    )
+    return sorted((m, r.path) for r in api_routes(app.routes) for m in r.methods or () if r.path != "/openapi.json")
 
 
 class World:
