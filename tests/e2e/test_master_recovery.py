@@ -19,8 +19,8 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_builders import sandbox_row

@@ -48,7 +48,7 @@ _MODULE_GLOBS = (
     "*/modules.order",
 )
 # cubeaccel's parts the backend scenarios import: stdlib only.
-GUEST_PACKAGES = ("model", "host", "backends")
+GUEST_PACKAGES = ("protocol", "model", "host", "backends")
 # With a VMM, the Cubelet runs in the guest too: its closure (the wire models need pydantic), qemu.qmp, sqlite3.
 CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images", "wire", "transport")
 # Third-party distributions the Cubelet's closure imports, copied from this interpreter's site-packages (pure

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from cubeaccel.agent.probes import ProbeContext, kernel_driver_version, pci_devices
 from cubeaccel.agent.report import build_report, probe_reply
 from cubeaccel.agent.spec import parse_spec, version_matches
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestPciDevice, GuestReport, ProbeResult
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport, ProbeResult
 from tests.unit.test_agent_fakes import DRIVER_VERSION, EDU, FakeGuest
 
 NVIDIA_SPEC: dict[str, Any] = {

@@ -20,11 +20,11 @@ from cubeaccel.master.scheduler import CPU_GROUP, Context, decide, evaluate_inde
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_guest, check_node, freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.registration_checks import check_template
-from cubeaccel.model.reports import GuestReport
 from cubeaccel.model.request import AcceleratorChoice, for_template
 from cubeaccel.model.template_spec import NO_ACCELERATOR, Template
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestReport
 from cubeaccel.wire.templates import parse_template
 from tests.support.contract_builders import EXAMPLES, example_doc, set_path
 from tests.support.master_builders import group, heartbeat, image, sandbox_row, view

@@ -19,8 +19,8 @@ from cubeaccel.master.scheduler import Context, decide, explain, rejection
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import NodeView, view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.qemu import build_argv
 from cubeaccel.shim.vmm import VmConfig
 from cubeaccel.wire.master_api import NodeSummary

@@ -14,9 +14,9 @@ from cubeaccel.master.scheduler import decide, rejection
 from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import NodeSummary
 from tests.support.master_builders import group, h100_contract, heartbeat, sandbox_row, view
 

@@ -17,8 +17,8 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.records import Quota, Refusal, SandboxChange, SandboxRow
 from cubeaccel.master.service import sandbox_record
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from tests.support.stored_rows import (
     normalized_requests,

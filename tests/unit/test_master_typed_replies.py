@@ -22,8 +22,8 @@ from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from tests.support.master_builders import EXAMPLE_IMAGES, group, heartbeat
 from tests.support.stored_rows import normalized_requests

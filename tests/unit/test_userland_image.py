@@ -23,7 +23,7 @@ from cubeaccel.images.flavour import VALIDATION
 from cubeaccel.images.manifest import Artifact, Manifest
 from cubeaccel.images.nvidia import NVIDIA
 from cubeaccel.images.userland import CA_BUNDLE, USERLAND, USERLAND_LIBRARIES, USERLAND_TOOLS, before_prune
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 needs_apt = pytest.mark.skipif(shutil.which("apt-cache") is None, reason="apt-cache missing (not a Debian host)")
 # Dependencies the userland does without: interpreters and data its C tools never load (git's perl helpers stay

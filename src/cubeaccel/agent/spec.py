@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.model.agent_messages import bad_contract
+from cubeaccel.protocol.agent_messages import bad_contract
 
 _HEX16 = re.compile(r"(?:0x)?([0-9a-fA-F]{4})")
 _NAME = re.compile(r"[A-Za-z0-9_.+-]{1,128}")

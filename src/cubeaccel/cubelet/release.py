@@ -36,11 +36,11 @@ from cubeaccel.cubelet.store import Reservation, Store, Tx
 from cubeaccel.host.pci.base import Holder
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.reset_ladder import ResetAttempt
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import StatusBody
 
 S, E = DeviceState, DeviceEvent

@@ -26,11 +26,11 @@ from cubeaccel.model.device import (
     DiscoveredDevice,
     PciAddress,
 )
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase, next_phase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
+from cubeaccel.protocol.errors import CubeError
 
 
 class StaleRecord(CubeError):

@@ -28,9 +28,9 @@ from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
 from cubeaccel.frontdoor.master import FrontDoorMaster
 from cubeaccel.frontdoor.metrics import devices_of, e2b_metrics, window
 from cubeaccel.frontdoor.unread_body import close_when_body_unread
-from cubeaccel.model.error_catalog import http_status
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import ENDED_STATES, SandboxState
+from cubeaccel.protocol.error_catalog import http_status
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.api_edges import EdgeGuard
 from cubeaccel.transport.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 from cubeaccel.transport.master_client import Calls

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.images.vendor import VendorBuild
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact
+from cubeaccel.protocol.errors import CubeError
 
 FORMAT = 1
 

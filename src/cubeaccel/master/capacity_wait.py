@@ -11,7 +11,7 @@ from itertools import count
 
 from cubeaccel.master.scheduler import Decision
 from cubeaccel.master.view import NodeView
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 
 def returning(decision: Decision, views: Mapping[str, NodeView], deleting: Mapping[str, Mapping[str, int]]) -> int:

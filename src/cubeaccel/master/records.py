@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 
 

@@ -23,10 +23,10 @@ from cubeaccel.master.index import Entry, NodeIndex, Slot, facts_key
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import Group, NodeView, group_key
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, label_mismatch
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.model.template_spec import NO_ACCELERATOR
+from cubeaccel.protocol.errors import CubeError
 
 # check_node's codes → the scheduler's reason names (the layer stays in the detail)
 CONTRACT_REASONS = {

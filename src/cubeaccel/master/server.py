@@ -46,10 +46,10 @@ from cubeaccel.master.node_truth import NodeTruth, silent_nodes
 from cubeaccel.master.records import Quota, SandboxRow
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_error, sandbox_record
 from cubeaccel.master.warm import WARM_STATE, warm_rows
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import SETTLED_STATES, NodeEvent, NodeState, SandboxActor, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport import node_sig
 from cubeaccel.transport.api_edges import BeforeReplyMiddleware, api_app, json_body
 from cubeaccel.transport.cubelet_client import CubeletClient

@@ -36,11 +36,11 @@ from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmAsk, WarmCandida
 from cubeaccel.master.warm import candidates as warm_candidates
 from cubeaccel.master.warm import refilling as warm_refilling
 from cubeaccel.model.contract import CompatibilityContract
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import Failure, ReservationBody, ReservationView

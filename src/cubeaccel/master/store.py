@@ -28,7 +28,6 @@ from cubeaccel.master.records import (
     WarmClaim,
 )
 from cubeaccel.master.view import NodeView, view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import (
     HELD_STATES,
     NODE_MACHINE,
@@ -41,6 +40,7 @@ from cubeaccel.model.sandbox_states import (
     SandboxState,
 )
 from cubeaccel.model.states import Actor
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.base import Record
 

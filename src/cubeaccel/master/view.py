@@ -16,11 +16,11 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from cubeaccel.model.contract import ContractViolation
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact
 from cubeaccel.model.pinned_memory import sandbox_locked_mib
 from cubeaccel.model.profiles import PROFILES
 from cubeaccel.model.sandbox_states import NodeState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.capacity import CapacityGroup
 from cubeaccel.wire.heartbeat import Heartbeat

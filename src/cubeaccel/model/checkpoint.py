@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 CHECKPOINT_VERSION = 1
 # Keys the old `facts` dict carried that no decision read: dropped by migration 6 (they stay in the event trail).

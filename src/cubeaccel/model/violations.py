@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from cubeaccel.model import error_catalog
+from cubeaccel.protocol import error_catalog
 
 
 class Layer(StrEnum):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cubeaccel.model.bars import MachineShape, machine_shape
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.shim_spec import MAX_DEVICES
 
 

@@ -30,9 +30,9 @@ from pydantic import (
 )
 
 from cubeaccel.model.bars import BAR_COUNT, Bar
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.node_facts import DIGEST
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.base import Message, Strict, field_path
 from cubeaccel.wire.frozen_contract import Contract
 

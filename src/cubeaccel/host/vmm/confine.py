@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import LockedGuest, vmm_locked
+from cubeaccel.protocol.errors import CubeError
 
 CAP_IPC_LOCK = 14
 CAP_SYS_RESOURCE = 24

@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
-from cubeaccel.model.agent_protocol import PROTOCOL_VERSION
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import ProbeResult
+from cubeaccel.protocol.agent_protocol import PROTOCOL_VERSION
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import ProbeResult
 
 METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci", "pci_resources", "reseed")
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from cubeaccel.model import proto_json as pj
-from cubeaccel.model.proto_json import Json
+from cubeaccel.protocol import proto_json as pj
+from cubeaccel.protocol.proto_json import Json
 
 
 def _float(msg: Json, name: str) -> float:
