@@ -23,6 +23,7 @@ from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.capacity import CapacityGroup
+from cubeaccel.wire.cubelet_api import HostProblem
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.warm import WarmPoolFact
 
@@ -124,7 +125,7 @@ class NodeView:
             state="stale" if stale else NodeState(self.state),
             schedulable=self.state == NodeState.READY and self.host_ready and not stale,
             ready=self.host_ready,
-            host_problems=[W.HostProblem(code=c, message=m) for c, m in self.host_problems],
+            host_problems=[HostProblem(code=c, message=m) for c, m in self.host_problems],
             pinned_memory=W.PinnedMemoryShown.model_validate(
                 {
                     **self.pinned,

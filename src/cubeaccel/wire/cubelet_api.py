@@ -379,6 +379,8 @@ class EventPage(Reply):
     next: int  # the cursor for the next page (`since`)
 
 
+# One shape on both APIs: the Cubelet's readiness and CubeMaster's node view (master_api imports it). The
+# heartbeat's is a second class on purpose: it reads what a node sends leniently (wire/heartbeat.py).
 class HostProblem(Record):
     code: str
     message: str

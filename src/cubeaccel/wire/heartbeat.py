@@ -29,6 +29,8 @@ def _none_is_empty(raw: Any) -> Any:
     return [] if raw is None else raw
 
 
+# Not wire/cubelet_api.HostProblem: CubeMaster parses stored heartbeats again on every read, so this one is lenient
+# (texts coerced, message optional) and reads what an older Cubelet wrote.
 class HostProblem(Lenient):
     code: Annotated[str, BeforeValidator(str)]
     message: Annotated[str, BeforeValidator(str)] = ""

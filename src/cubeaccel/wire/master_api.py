@@ -9,7 +9,7 @@ from pydantic import AliasChoices, ConfigDict, Field, StrictInt, StringConstrain
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.sandbox_states import NodeState, SandboxState
 from cubeaccel.wire.base import Message, Record, Reply, Sparse, Strict
-from cubeaccel.wire.cubelet_api import Device, DeviceReply
+from cubeaccel.wire.cubelet_api import Device, DeviceReply, HostProblem
 from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 
 
@@ -91,11 +91,6 @@ class HeartbeatAck(Reply):
 
 
 ClassField = Field(validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class")
-
-
-class HostProblem(Record):
-    code: str
-    message: str
 
 
 class NodeGroup(Record):
