@@ -44,6 +44,8 @@ class LibraryExpectation:
     layer: str  # which layer a failure blames
 
 
+# The agent's stdlib reading of what model/template_spec.ProbeSpec and the frozen contract say: the guest
+# cannot import model/, so it parses the same JSON itself.
 @dataclass(frozen=True)
 class ProbeSpec:
     """What the guest must show. Empty fields mean "not checked"."""

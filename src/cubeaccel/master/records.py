@@ -116,6 +116,8 @@ class SandboxRow:
 JSON_NULLABLE = frozenset({"contract", "error"})
 
 
+# Not model/sandbox_policy.Refusal (one policy check's expected/found) nor frontdoor/mapping.Refusal (an E2B
+# error answer): a keyed create's stored CubeError.
 @dataclass(frozen=True)
 class Refusal:
     """The CubeError a keyed create was refused with, kept on its idempotency claim to answer a retry."""

@@ -117,6 +117,7 @@ def _addresses(value: object) -> tuple[str, ...] | None:
 
 
 # ---- a PCI function as the guest kernel lists it ------------------------------------------------------------
+# Hot-plug's answer, untrusted; host/pci/base.PciFunction is the host's own sysfs record (parsed ints).
 @dataclass(frozen=True)
 class PciFunction:
     """{"address", "vendor_id", "device_id", "class"}: sysfs's words, hex without 0x. Untrusted on the host: the
@@ -184,6 +185,8 @@ class Request:
         return cls(rid, method, params)
 
 
+# The agent protocol's answer line; wire/base.Reply is the base of HTTP reply bodies and workload/app.Reply
+# anything the workload service can serialize: three different things.
 @dataclass(frozen=True)
 class Reply:
     """One answer: a result (`ok`) or an error, never both. `result` stays the method's JSON object: the caller

@@ -38,6 +38,7 @@ CHUNK = 256 * 1024
 T = TypeVar("T")
 
 
+# Anything with `to_json` (the protocol/ envd messages); wire/base.Message is the pydantic base of API bodies.
 class Message(Protocol):
     def to_json(self) -> dict[str, object]: ...
 

@@ -69,6 +69,7 @@ class Bar(Record):
         return bars.Bar(self.index, self.size, self.kind, self.prefetch)
 
 
+# A device's identity; master/auth.Identity is a caller's (role, tenant, node): same word, unrelated.
 class Identity(Record):
     """What a device is, in the hex spellings `lspci -n` uses."""
 
@@ -184,6 +185,7 @@ class JournalEvent(Record):
     reason: str | None
 
 
+# The API's form of cubelet/store.Event (the journal's row): model/ and the store hold no pydantic.
 class Event(JournalEvent):
     """A journal row with `details`, the event's own facts."""
 
@@ -314,6 +316,7 @@ class ReservationParamsShown(Sparse):
         return cls.model_validate(p.as_stored())
 
 
+# The API's form of cubelet/store.Reservation (the journal's row), with the params shown, not stored.
 class Reservation(Record):
     """A sandbox's claim on devices, with its start's checkpoint (`facts`)."""
 
@@ -408,6 +411,7 @@ class HostReply(Reply):
     pinned_memory: PinnedMemory
 
 
+# The API's form of cubelet/reconcile.Repair, which reconcile builds without pydantic.
 class Repair(Record):
     device_id: str | None
     sandbox_id: str | None

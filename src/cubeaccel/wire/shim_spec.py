@@ -96,6 +96,8 @@ class MemoryFile(Strict):
     size: Annotated[StrictInt, Field(ge=4096, le=MAX_MEMORY_FILE)]
 
 
+# Not backends/vfio_spec.DeviceSpec (an operator's allow-list entry, vendor:device[@address]): this is one
+# device the shim hot-plugs, as the Cubelet hands it over.
 class DeviceSpec(Strict):
     device_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]  # Cubelet's id: emulated-0000:e0:00.0
     driver: Annotated[str, BeforeValidator(_qdev_name)]  # QMP device_add driver: edu, vfio-pci

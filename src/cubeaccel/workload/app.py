@@ -63,6 +63,7 @@ METRICS_SERIES = "/cubeaccel/metrics"  # ours: the hour of samples the guest kee
 DEADLINE_EXCEEDED = ConnectError("deadline_exceeded", "context deadline exceeded")  # Go's ctx.Err() text
 
 
+# Anything a unary handler returns (`to_json`); wire/base.Reply is the host's pydantic reply base.
 class Reply(Protocol):
     def to_json(self) -> dict[str, object]: ...
 

@@ -73,6 +73,8 @@ def end_stream(error: ConnectError | None = None) -> bytes:
     return encode_envelope({} if error is None else {"error": error.to_json()}, FLAG_END_STREAM)
 
 
+# protocol/connect_envelope.Envelope with Connect's JSON reading: the codec stays stdlib framing shared with the
+# host, the message parsing and its errors are the workload service's.
 @dataclass(frozen=True)
 class Envelope(envelope.Envelope):
     def message(self) -> dict[str, object]:
