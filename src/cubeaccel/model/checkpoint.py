@@ -71,7 +71,7 @@ class ReservationCheckpoint:
     release_waits: dict[str, list[str]] = field(default_factory=dict)  # device id → causes already reported
     v: int = CHECKPOINT_VERSION
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "v": self.v,
             "shim_started": self.shim_started,

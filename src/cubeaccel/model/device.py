@@ -89,7 +89,7 @@ class DeviceIdentity:
     def vendor_device(self) -> str:
         return f"{self.vendor_id:04x}:{self.device_id:04x}"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "vendor_id": f"{self.vendor_id:04x}",
             "device_id": f"{self.device_id:04x}",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from cubeaccel.protocol.agent_protocol import PROTOCOL_VERSION
 from cubeaccel.protocol.errors import CubeError
@@ -200,7 +200,7 @@ class Reply:
     def ok(self) -> bool:
         return self.error is None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         if self.error is not None:
             return {"v": PROTOCOL_VERSION, "id": self.id, "ok": False, **self.error.to_json()}
         return {"v": PROTOCOL_VERSION, "id": self.id, "ok": True, "result": self.result}
@@ -330,7 +330,7 @@ class ProbeReply:
     violations: list[object] | None = None
     contract_check: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "ok": self.ok,
             "failed": list(self.failed),
