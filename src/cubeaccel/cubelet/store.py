@@ -51,7 +51,7 @@ class Event:
     reason: str | None
     details: dict[str, Any]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 

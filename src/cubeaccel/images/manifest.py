@@ -78,7 +78,7 @@ class Manifest:
         except OSError:
             return 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "format": FORMAT,
             "key": self.key,

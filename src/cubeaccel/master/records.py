@@ -135,7 +135,7 @@ class Refusal:
     def from_json(cls, d: Mapping[str, Any]) -> Refusal:
         return cls(str(d["code"]), str(d["layer"]), str(d["message"]), dict(d.get("details") or {}))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """As `CubeError.to_json()["error"]`, which is what the column always held."""
         return {"code": self.code, "layer": self.layer, "message": self.message, "details": self.details}
 
@@ -203,7 +203,7 @@ class SandboxChange:
     to_state: str
     phase: str | None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "sandbox_id": self.sandbox_id,
             "event": self.event,
@@ -225,7 +225,7 @@ class Quota:
     max_lifetime_s: float | None = None
     default_lifetime_s: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "max_sandboxes": self.max_sandboxes,
             "max_accelerators": dict(self.max_accelerators),

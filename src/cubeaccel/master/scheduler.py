@@ -62,7 +62,7 @@ class Candidate:
     group: Group
     score: tuple[float, ...]  # larger is better
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"node": self.node.name, "group": dict(self.group.labels), "score": list(self.score)}
 
 

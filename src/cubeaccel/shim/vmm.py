@@ -98,7 +98,7 @@ class ExitInfo:
             return cls(pid, status, None, os.WTERMSIG(status), how)
         return cls(pid, status, os.WEXITSTATUS(status), None, how)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "pid": self.pid,
             "status": self.status,

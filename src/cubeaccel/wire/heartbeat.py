@@ -102,5 +102,5 @@ class Heartbeat(LenientMessage, NodeNews):
     def hotplug_paths(self) -> frozenset[str]:
         return parse_hotplug(self.hotplug)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json", by_alias=True)

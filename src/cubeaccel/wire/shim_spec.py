@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -260,7 +260,7 @@ class ShimSpec(Message):
     def report_file(self) -> Path | None:
         return Path(self.report["file"]) if self.report and "file" in self.report else None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json")
 
 

@@ -100,7 +100,7 @@ class SandboxNet:
     veth_cidr: str  # the sandbox's end; the uplink's is the next address
     egress: tuple[str, ...]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "netns": self.netns,
             "tap": self.tap,

@@ -174,7 +174,7 @@ class VmmCredentials:
     memlock_limit: str | None
     mounts: tuple[str, ...] = field(default=())
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "uid": self.uids[0] if self.uids else None,
             "gid": self.gids[0] if self.gids else None,
