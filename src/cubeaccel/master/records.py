@@ -120,7 +120,7 @@ JSON_NULLABLE = frozenset({"contract", "error"})
 # error answer): a keyed create's stored CubeError.
 @dataclass(frozen=True)
 class Refusal:
-    """The CubeError a keyed create was refused with, kept on its idempotency claim to answer a retry."""
+    """The CubeError a keyed create was refused with, kept on its idempotency record to answer a retry."""
 
     code: str
     layer: str
@@ -145,8 +145,8 @@ class Refusal:
 
 
 @dataclass(frozen=True)
-class IdempotencyClaim:
-    """One row of `idempotency`: a keyed create's claim, and its refusal once it was refused."""
+class IdempotencyRecord:
+    """One row of `idempotency`: a keyed create's record, and its refusal once it was refused."""
 
     tenant: str
     idempotency_key: str
@@ -156,7 +156,7 @@ class IdempotencyClaim:
     created_at: float
 
     @classmethod
-    def from_columns(cls, c: Mapping[str, Any]) -> IdempotencyClaim:
+    def from_columns(cls, c: Mapping[str, Any]) -> IdempotencyRecord:
         refusal = c["refusal"]
         return cls(
             tenant=c["tenant"],

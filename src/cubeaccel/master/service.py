@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.capacity_wait import ArrivalQueue, expired, returning
-from cubeaccel.master.records import IdempotencyClaim, Refusal, SandboxRow
+from cubeaccel.master.records import IdempotencyRecord, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
@@ -206,7 +206,7 @@ class CubeMaster:
             "vcpus": spec.vcpus,
             "timeout_s": spec.timeout_s,
         }
-        # Only when given, so the records (and idempotency claims) of creates without them keep their shape.
+        # Only when given, so the records (and idempotency records) of creates without them keep their shape.
         if spec.metadata:
             normalized["metadata"] = dict(spec.metadata)
         if spec.env_vars:
@@ -238,7 +238,7 @@ class CubeMaster:
         try:
             return self._place(sid, spec, resolved), True
         except BaseException as e:
-            # A refused create leaves no record behind, but its idempotency claim keeps the refusal for a retry.
+            # A refused create leaves no record behind, but its idempotency record keeps the refusal for a retry.
             # A create that died after its claim may have left a reservation on the Cubelet: with no record,
             # the next reconcile releases it there.
             self.store.refuse_create(sid, Refusal.of(e) if isinstance(e, CubeError) else None)
@@ -251,10 +251,10 @@ class CubeMaster:
         placing waits for that outcome rather than answer with a record that a refusal is about to delete."""
         deadline = time.monotonic() + self.config.placement_stale_s
         while True:
-            kind, existing = self.store.claim_sandbox(row)
+            kind, existing = self.store.insert_or_existing(row)
             if kind == "inserted":
                 return None
-            if isinstance(existing, IdempotencyClaim):  # refused
+            if isinstance(existing, IdempotencyRecord):  # refused
                 assert existing.refusal is not None
                 self._same_request(existing.request.model_dump(mode="json"), existing.sandbox_id, row)
                 raise existing.refusal.replayed()

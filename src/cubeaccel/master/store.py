@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from cubeaccel.host.service.private import private_file
 from cubeaccel.master import schema as S
 from cubeaccel.master.records import (
-    IdempotencyClaim,
+    IdempotencyRecord,
     Quota,
     Refusal,
     SandboxChange,
@@ -45,7 +45,7 @@ from cubeaccel.wire import master_api as W
 from cubeaccel.wire.base import Record
 
 SS = SandboxState
-ClaimKind = Literal["inserted", "sandbox", "refused", "retry"]
+InsertOutcome = Literal["inserted", "sandbox", "refused", "retry"]
 
 
 def _row(r: sa.Row[Any]) -> SandboxRow:
@@ -401,13 +401,13 @@ class MasterStore:
     # ---- sandboxes --------------------------------------------------------------------------------
     def insert_sandbox(self, row: SandboxRow) -> SandboxRow | None:
         """Insert; on a duplicate id or (tenant, idempotency key) return the existing record instead."""
-        _, existing = self.claim_sandbox(row)
+        _, existing = self.insert_or_existing(row)
         return existing if isinstance(existing, SandboxRow) else None
 
-    def claim_sandbox(self, row: SandboxRow) -> tuple[ClaimKind, SandboxRow | IdempotencyClaim | None]:
-        """Insert the record and, with a key, its idempotency claim, in one transaction. Returns
+    def insert_or_existing(self, row: SandboxRow) -> tuple[InsertOutcome, SandboxRow | IdempotencyRecord | None]:
+        """Insert the record and, with a key, its idempotency record, in one transaction. Returns
         ("inserted", None); ("sandbox", existing) on a duplicate id or key whose record exists;
-        ("refused", claim) when the keyed create was refused (its claim holds the refusal); or ("retry", None)
+        ("refused", record) when the keyed create was refused (its record holds the refusal); or ("retry", None)
         when the row that conflicted is gone (a refusal deleted it between our insert and our look)."""
         key = row.idempotency_key
         try:
@@ -428,27 +428,27 @@ class MasterStore:
         except sa.exc.IntegrityError:
             pass
         if key:
-            claim = self.idempotency_claim(row.tenant, key)
-            if claim is not None:
-                if claim.refusal is not None:
-                    return "refused", claim
-                existing = self.sandbox(claim.sandbox_id)
+            record = self.idempotency_record(row.tenant, key)
+            if record is not None:
+                if record.refusal is not None:
+                    return "refused", record
+                existing = self.sandbox(record.sandbox_id)
                 if existing is not None:
                     return "sandbox", existing
         existing = self.sandbox(row.id)
         return ("sandbox", existing) if existing is not None else ("retry", None)
 
-    def idempotency_claim(self, tenant: str, key: str) -> IdempotencyClaim | None:
+    def idempotency_record(self, tenant: str, key: str) -> IdempotencyRecord | None:
         with self.tx() as c:
             r = c.execute(
                 sa.select(S.idempotency).where(S.idempotency.c.tenant == tenant, S.idempotency.c.idempotency_key == key)
             ).first()
-        return None if r is None else IdempotencyClaim.from_columns(dict(r._mapping))
+        return None if r is None else IdempotencyRecord.from_columns(dict(r._mapping))
 
     def refuse_create(self, sandbox_id: str, refusal: Refusal | None) -> None:
         """A create that failed before its sandbox existed anywhere: delete its row (while a create still owns
-        it) and, in the same transaction, record the refusal on its idempotency claim — or, with no refusal to
-        replay (the create died of something else), drop the claim so a retry places afresh."""
+        it) and, in the same transaction, record the refusal on its idempotency record — or, with no refusal to
+        replay (the create died of something else), drop the record so a retry places afresh."""
         with self.tx() as c:
             gone = c.execute(
                 S.sandboxes.delete().where(
@@ -458,11 +458,11 @@ class MasterStore:
             ).rowcount
             if not gone:
                 return
-            claims = S.idempotency.c.sandbox_id == sandbox_id
+            keyed = S.idempotency.c.sandbox_id == sandbox_id
             if refusal is None:
-                c.execute(S.idempotency.delete().where(claims))
+                c.execute(S.idempotency.delete().where(keyed))
             else:
-                c.execute(S.idempotency.update().where(claims).values(refusal=refusal.to_json()))
+                c.execute(S.idempotency.update().where(keyed).values(refusal=refusal.to_json()))
 
     def sandbox(self, sandbox_id: str) -> SandboxRow | None:
         with self.tx() as c:
