@@ -77,7 +77,7 @@ def claimed_row(m: CubeMaster, sid: str) -> str:
     now = time.time()
     assert m.store.insert_sandbox(sandbox_row(sid, now, expires_at=None)) is None
     key = m.store.all_node_views()[0].groups[0].key
-    assert m.store.claim(sid, NODE, key, 1, now, m.config.staleness_s)
+    assert m.store.admit(sid, NODE, key, 1, now, m.config.staleness_s)
     return key
 
 

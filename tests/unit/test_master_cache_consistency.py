@@ -35,7 +35,7 @@ def test_a_heartbeat_landing_during_a_reload_frees_neither_a_held_device_nor_its
     store.heartbeat(before, time.time(), 10)
     key = store.all_node_views()[0].groups[0].key
     store.insert_sandbox(sandbox_row("a", time.time()))
-    assert store.claim("a", "n", key, 1, time.time(), 10, pinned_mib=40 * GIB)
+    assert store.admit("a", "n", key, 1, time.time(), 10, pinned_mib=40 * GIB)
     store.update_sandbox(
         "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
     )
@@ -67,7 +67,7 @@ def test_without_a_heartbeat_in_between_the_claims_are_the_aggregate_ones(store:
     key = store.all_node_views()[0].groups[0].key
     for sid, created in (("seen", 900.0), ("unseen", 1100.0), ("placing", None)):
         store.insert_sandbox(sandbox_row(sid, time.time()))
-        assert store.claim(sid, "n", key, 1, time.time(), 10, pinned_mib=10 * GIB)
+        assert store.admit(sid, "n", key, 1, time.time(), 10, pinned_mib=10 * GIB)
         if created is not None:
             store.update_sandbox(
                 sid, "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=created

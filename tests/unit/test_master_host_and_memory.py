@@ -74,13 +74,13 @@ def test_memory_claimed_between_heartbeats_is_deducted(tmp_path: Path, memory_gi
             continue
         need = views[0].locked_mib(memory_gib * GIB, 1, True)
         assert need == memory_gib * GIB + 400
-        assert store.claim(sid, "n", key, 1, now, 10, need)
+        assert store.admit(sid, "n", key, 1, now, 10, need)
         placed.append(sid)
     assert placed == [f"sb-{i}" for i in range(fits)]
     assert {r[0] for r in refused.values()} == {"pinned_memory"} and len(refused) == 3 - fits
     assert store.all_node_views()[0].memory_claims_mib == fits * (memory_gib * GIB + 400)
     # The row lock re-checks memory too: a replica deciding on an old copy cannot overdraw the node.
-    assert not store.claim("sb-2", "n", key, 1, time.time(), 10, memory_gib * GIB + 400)
+    assert not store.admit("sb-2", "n", key, 1, time.time(), 10, memory_gib * GIB + 400)
     store.close()
 
 
@@ -90,7 +90,7 @@ def test_a_heartbeat_that_shows_the_reservation_absorbs_the_memory_claim(tmp_pat
     key = store.all_node_views()[0].groups[0].key
     now = time.time()
     store.insert_sandbox(sandbox_row("a", now))
-    assert store.claim("a", "n", key, 1, now, 10, 40 * GIB + 400)
+    assert store.admit("a", "n", key, 1, now, 10, 40 * GIB + 400)
     store.update_sandbox(
         "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
     )

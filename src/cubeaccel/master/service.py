@@ -356,7 +356,7 @@ class CubeMaster:
                 tried.add((cand.node.name, cand.group.key))
                 t = decision.contract.template
                 pinned = cand.node.locked_mib(t.memory_mib, spec.vcpus, t.pin_memory)
-                if not self.store.claim(
+                if not self.store.admit(
                     sid,
                     cand.node.name,
                     cand.group.key,

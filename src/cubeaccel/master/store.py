@@ -228,7 +228,7 @@ class MasterStore:
             v.memory_claims_mib = memory.get(v.name, 0)
         return views
 
-    def claim(
+    def admit(
         self,
         sandbox_id: str,
         node: str,
