@@ -111,13 +111,13 @@ def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
 
 def test_abandoned_placing_row_without_reservation_fails_and_stops_counting_as_a_claim(master: CubeMaster) -> None:
     key = claimed_row(master, "sb-none")
-    assert master.store.claims() == {NODE: {key: 1}}
+    assert master.store.admitted() == {NODE: {key: 1}}
     age(master, "sb-none", AN_HOUR)
     Maintenance(master).tick()
     row = master.store.sandbox("sb-none")
     assert row is not None and row.state == "failed"
     assert row.error is not None and row.error.code == "sandbox.placement_abandoned"
-    assert master.store.claims() == {}
+    assert master.store.admitted() == {}
     assert master.delete("sb-none").state == "deleted"
 
 
@@ -144,7 +144,7 @@ def test_delete_of_an_abandoned_placing_row_releases_it_instead_of_busy_forever(
     assert (e.value.status, e.value.code) == (409, "sandbox.busy")
     age(master, "sb-del", AN_HOUR)
     assert master.delete("sb-del").state == "deleted"
-    assert master.store.claims() == {}
+    assert master.store.admitted() == {}
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 

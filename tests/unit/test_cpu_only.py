@@ -246,7 +246,7 @@ def test_a_cpu_only_claim_takes_no_device_but_the_nodes_lockable_memory(store: M
     assert store.admit("b", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)
     assert not store.admit("c", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)  # memory spent
     v = store.all_node_views()[0]
-    assert v.memory_claims_mib == 1024 and all(v.free(g) == g.allocatable for g in v.groups)
+    assert v.admitted_memory_mib == 1024 and all(v.free(g) == g.allocatable for g in v.groups)
 
 
 def test_cpu_only_sandboxes_count_against_the_sandbox_quota_and_never_a_device_quota(store: MasterStore) -> None:

@@ -147,5 +147,5 @@ def test_cubemaster_refuses_above_the_advertised_limit_before_any_reservation(ma
     assert err.value.code == "schedule.too_many_devices"
     assert err.value.details["tried"][0]["nodes"]["n4"]["reason"] == "device_limit"
     assert "attempts" not in err.value.details and NoCubelet.calls == []  # no Cubelet was asked to reserve
-    assert master.store.all_node_views()[0].claims == {}  # nothing was claimed on the node either
+    assert master.store.all_node_views()[0].admitted == {}  # nothing was claimed on the node either
     assert master.store.sandbox("sb-8") is None

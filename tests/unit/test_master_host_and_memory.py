@@ -78,7 +78,7 @@ def test_memory_claimed_between_heartbeats_is_deducted(tmp_path: Path, memory_gi
         placed.append(sid)
     assert placed == [f"sb-{i}" for i in range(fits)]
     assert {r[0] for r in refused.values()} == {"pinned_memory"} and len(refused) == 3 - fits
-    assert store.all_node_views()[0].memory_claims_mib == fits * (memory_gib * GIB + 400)
+    assert store.all_node_views()[0].admitted_memory_mib == fits * (memory_gib * GIB + 400)
     # The row lock re-checks memory too: a replica deciding on an old copy cannot overdraw the node.
     assert not store.admit("sb-2", "n", key, 1, time.time(), 10, memory_gib * GIB + 400)
     store.close()
@@ -99,7 +99,7 @@ def test_a_heartbeat_that_shows_the_reservation_absorbs_the_memory_claim(tmp_pat
     hb["sent_at"] = 1501.0
     store.heartbeat(hb, time.time(), 10)
     v = store.all_node_views()[0]
-    assert (v.memory_claims_mib, v.free_pinnable_mib()) == (0, 60 * GIB - 400)  # counted once, not twice
+    assert (v.admitted_memory_mib, v.free_pinnable_mib()) == (0, 60 * GIB - 400)  # counted once, not twice
     store.close()
 
 

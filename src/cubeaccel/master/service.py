@@ -369,7 +369,7 @@ class CubeMaster:
                 ):
                     lost += 1
                     continue  # another placement got there first; not a Cubelet attempt
-                self.cache.note_claim(cand.node.name, cand.group.key, decision.choice.count, pinned)
+                self.cache.note_admitted(cand.node.name, cand.group.key, decision.choice.count, pinned)
                 self.store.update_sandbox(
                     sid,
                     "scheduled",

@@ -161,12 +161,12 @@ class MasterStore:
             rows = c.execute(sa.select(S.nodes).where(S.nodes.c.name.in_(changed))).all() if changed else []
         return [view_from_heartbeat(r.heartbeat, r.received_at, r.state) for r in rows], [r.name for r in index]
 
-    def claims(self) -> dict[str, dict[str, int]]:
+    def admitted(self) -> dict[str, dict[str, int]]:
         with self.tx() as c:
-            return _claims(c, None)
+            return _admitted(c, None)
 
-    def claims_as_of(self) -> dict[str, NodeClaims]:
-        """Per node, what `claims()` and `memory_claims()` give, with the summary's `sent_at` they were derived
+    def admitted_as_of(self) -> dict[str, NodeAdmitted]:
+        """Per node, what `admitted()` and `admitted_memory()` give, with the summary's `sent_at` they were derived
         against: one statement, so each node's claims and that `sent_at` describe the same heartbeat."""
         s, n = S.sandboxes, S.nodes
         q = (
@@ -174,10 +174,10 @@ class MasterStore:
             .select_from(n.outerjoin(s, sa.and_(s.c.node == n.c.name, _unseen())))
             .group_by(n.c.name, n.c.sent_at, s.c.group_key)
         )
-        out: dict[str, NodeClaims] = {}
+        out: dict[str, NodeAdmitted] = {}
         with self.tx() as c:
             for name, sent_at, key, count, pinned in c.execute(q):
-                entry = out.setdefault(name, NodeClaims(sent_at))
+                entry = out.setdefault(name, NodeAdmitted(sent_at))
                 if key is not None and count:
                     entry.devices[key] = int(count)
                 entry.memory_mib += int(pinned or 0)
@@ -198,10 +198,10 @@ class MasterStore:
                 for node, key, count, pinned, state, created in c.execute(q)
             ]
 
-    def memory_claims(self) -> dict[str, int]:
+    def admitted_memory(self) -> dict[str, int]:
         """Per node, MiB of lockable memory placed that its last heartbeat cannot show yet."""
         with self.tx() as c:
-            return _memory_claims(c, None)
+            return _admitted_memory(c, None)
 
     def deleting_devices(self) -> dict[str, dict[str, int]]:
         """node → group key → devices of sandboxes being deleted, or deleted after the node's last heartbeat
@@ -222,10 +222,10 @@ class MasterStore:
 
     def all_node_views(self) -> list[NodeView]:
         views, _ = self.node_views()
-        claims, memory = self.claims(), self.memory_claims()
+        admitted, memory = self.admitted(), self.admitted_memory()
         for v in views:
-            v.claims = claims.get(v.name, {})
-            v.memory_claims_mib = memory.get(v.name, 0)
+            v.admitted = admitted.get(v.name, {})
+            v.admitted_memory_mib = memory.get(v.name, 0)
         return views
 
     def admit(
@@ -252,13 +252,13 @@ class MasterStore:
                 return False
             view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
             group = next((g for g in view.groups if g.key == group_key), None)
-            claimed = _claims(c, node).get(node, {}).get(group_key, 0)
-            if count > 0 and (group is None or group.allocatable - claimed < count):
+            admitted = _admitted(c, node).get(node, {}).get(group_key, 0)
+            if count > 0 and (group is None or group.allocatable - admitted < count):
                 return False  # a CPU-only placement (count 0) takes no device: only memory and quota decide
-            if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
+            if pinned_mib and view.pinnable_memory_mib - _admitted_memory(c, node).get(node, 0) < pinned_mib:
                 return False
             values = {"node": node, "group_key": group_key, "count": count, "pinned_mib": pinned_mib}
-            return _claim_row(c, sandbox_id, tenant, now, accel_class=accel_class, **values)
+            return _placement_row(c, sandbox_id, tenant, now, accel_class=accel_class, **values)
 
     def claim_warm(
         self,
@@ -296,7 +296,7 @@ class MasterStore:
             if not free:
                 return None
             values = {"node": node, "group_key": group_key, "count": count, "pinned_mib": pinned_mib}
-            if not _claim_row(c, sandbox_id, tenant, now, accel_class=accel_class, warm_id=free[0], **values):
+            if not _placement_row(c, sandbox_id, tenant, now, accel_class=accel_class, warm_id=free[0], **values):
                 return None
             c.execute(wc.insert().values(node=node, warm_id=free[0], sandbox_id=sandbox_id, pool=pool, claimed_at=now))
             return free[0]
@@ -539,7 +539,7 @@ class MasterStore:
         return True
 
 
-def _claim_row(
+def _placement_row(
     c: sa.Connection, sandbox_id: str, tenant: str | None, now: float, *, accel_class: str | None, **values: Any
 ) -> bool:
     """The placement's claim, cold or warm: the tenant's quota checked, then the row's CAS from a state the
@@ -597,7 +597,7 @@ def _quota(code: str, tenant: str, what: str, limit: int, used: int, asked: int)
 
 
 @dataclass
-class NodeClaims:
+class NodeAdmitted:
     sent_at: float  # of the summary these claims are relative to
     devices: dict[str, int] = field(default_factory=dict)  # group key -> devices
     memory_mib: int = 0
@@ -632,7 +632,7 @@ def _unseen() -> sa.ColumnElement[bool]:
     return sa.and_(placed, s.c.warm_id.is_(None))  # a warm claim's devices and memory were held before it
 
 
-def _memory_claims(c: sa.Connection, node: str | None) -> dict[str, int]:
+def _admitted_memory(c: sa.Connection, node: str | None) -> dict[str, int]:
     s, n = S.sandboxes, S.nodes
     q = (
         sa.select(s.c.node, sa.func.sum(s.c.pinned_mib))
@@ -645,7 +645,7 @@ def _memory_claims(c: sa.Connection, node: str | None) -> dict[str, int]:
     return {name: int(total) for name, total in c.execute(q)}
 
 
-def _claims(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
+def _admitted(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
     """Devices placed or being placed that the node's last summary (sent at `sent_at`) cannot show."""
     s, n = S.sandboxes, S.nodes
     unseen = _unseen()
