@@ -509,12 +509,12 @@ class ReleasePath:
         ladder = self.capabilities.ladder
         if ladder is None:
             return self.backend.cleanup(d), None
-        claims = {
+        reserved = {
             o.address: f"{o.state.value} (sandbox {o.sandbox_id})"
             for o in self.store.devices()
             if o.id != d.id and o.state in TENANT_STATES
         }
-        result = ladder.reset_ladder(d, ResetContext(unclean_exit=unclean, claims=claims))
+        result = ladder.reset_ladder(d, ResetContext(unclean_exit=unclean, reserved=reserved))
         return result.problems, result.attempts
 
     def _reclaim_nodes(self, d: DeviceRecord) -> list[Problem]:

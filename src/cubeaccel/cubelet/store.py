@@ -57,7 +57,7 @@ class Event:
 
 @dataclass
 class Reservation:
-    """A sandbox's claim on devices; `checkpoint` is what Cubelet recorded about its start and release."""
+    """A sandbox's reservation of devices; `checkpoint` is what Cubelet recorded about its start and release."""
 
     sandbox_id: str
     params: ReservationParams
