@@ -31,8 +31,8 @@ from tests.e2b.test_e2b_vm import TEMPLATE, start_stack, stop_stack
 from tests.support.poll import poll
 
 from cubeaccel.images.builder import build
-from cubeaccel.model.envd_process import ListResponse
-from cubeaccel.model.proto_json import Empty
+from cubeaccel.protocol.envd_process import ListResponse
+from cubeaccel.protocol.proto_json import Empty
 from cubeaccel.transport.workload_client import WorkloadClient
 
 

@@ -160,7 +160,7 @@ def run(n_nodes: int, decisions: int, baseline_decisions: int, seed: int = 11) -
             agree += pick == picked
         if pick is not None:
             v = next(x for x in views if x.name == pick[0])
-            v.claims = {**v.claims, pick[1]: v.claims.get(pick[1], 0) + choice.count}
+            v.admitted = {**v.admitted, pick[1]: v.admitted.get(pick[1], 0) + choice.count}
     bms = sorted(x * 1000 for x in blat)
     out.update(
         {
@@ -192,7 +192,7 @@ def placements(
         j = rng.randrange(n_nodes)  # heartbeat churn: a fresh view for one node
         old = views[j]
         fresh = view_from_heartbeat(bodies[j], old.received_at, old.state)
-        fresh.claims = old.claims
+        fresh.admitted = old.admitted
         views[j] = fresh
         if use_index:
             index.put(fresh)
@@ -207,15 +207,15 @@ def placements(
             rejections.append(time.perf_counter() - t0)
             for v in views:
                 if use_index:
-                    index.set_claims(v.name, {}, 0)
-                v.claims = {}
+                    index.set_admitted(v.name, {}, 0)
+                v.admitted = {}
             continue
         best = d.candidates[0]
-        claims = {**best.node.claims, best.group.key: best.node.claims.get(best.group.key, 0) + choice.count}
+        claims = {**best.node.admitted, best.group.key: best.node.admitted.get(best.group.key, 0) + choice.count}
         if use_index:
-            index.set_claims(best.node.name, claims, best.node.memory_claims_mib)
+            index.set_admitted(best.node.name, claims, best.node.admitted_memory_mib)
         else:
-            best.node.claims = claims
+            best.node.admitted = claims
         placed += 1
         lat.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)

@@ -1,4 +1,4 @@
-"""Regenerate the error table in docs/api.md from src/cubeaccel/model/error_catalog.py (between its markers)."""
+"""Regenerate the error table in docs/api.md from src/cubeaccel/protocol/error_catalog.py (between its markers)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from cubeaccel.model.error_catalog import markdown  # noqa: E402
+from cubeaccel.protocol.error_catalog import markdown  # noqa: E402
 
 BEGIN, END = "<!-- BEGIN error-catalog", "<!-- END error-catalog -->"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from cubeaccel.model import error_catalog
+from cubeaccel.protocol import error_catalog
 from tests.support.cubelet_harness import Node
 from tests.support.sanitize_check import violations
 

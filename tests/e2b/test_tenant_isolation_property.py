@@ -18,7 +18,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from tests.support.frontdoor_process import FrontDoorProcess
 from tests.support.master_harness import Cluster
 from tests.support.poll import poll

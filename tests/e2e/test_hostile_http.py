@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.model.error_catalog import CATALOG
+from cubeaccel.protocol.error_catalog import CATALOG
 from cubeaccel.transport.node_sig import sign
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.frontdoor_process import FrontDoorProcess

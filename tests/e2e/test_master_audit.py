@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import MasterClient
 from tests.support.master_harness import Cluster, example
 from tests.support.poll import poll

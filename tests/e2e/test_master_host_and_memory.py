@@ -11,8 +11,8 @@ import pytest
 
 from cubeaccel.cubelet.memory_ledger import VmmHost, locked
 from cubeaccel.host.pci.readiness import check_host
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import ReservationParams
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import NodeSummary
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, example, free_port

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cubeaccel.cli.root import app as cli
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from tests.support.master_harness import Cluster, example
 from tests.support.poll import poll
 

@@ -19,8 +19,8 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_builders import sandbox_row
@@ -77,7 +77,7 @@ def claimed_row(m: CubeMaster, sid: str) -> str:
     now = time.time()
     assert m.store.insert_sandbox(sandbox_row(sid, now, expires_at=None)) is None
     key = m.store.all_node_views()[0].groups[0].key
-    assert m.store.claim(sid, NODE, key, 1, now, m.config.staleness_s)
+    assert m.store.admit(sid, NODE, key, 1, now, m.config.staleness_s)
     return key
 
 
@@ -111,13 +111,13 @@ def test_abandoned_placing_row_whose_reservation_runs_becomes_running(
 
 def test_abandoned_placing_row_without_reservation_fails_and_stops_counting_as_a_claim(master: CubeMaster) -> None:
     key = claimed_row(master, "sb-none")
-    assert master.store.claims() == {NODE: {key: 1}}
+    assert master.store.admitted() == {NODE: {key: 1}}
     age(master, "sb-none", AN_HOUR)
     Maintenance(master).tick()
     row = master.store.sandbox("sb-none")
     assert row is not None and row.state == "failed"
     assert row.error is not None and row.error.code == "sandbox.placement_abandoned"
-    assert master.store.claims() == {}
+    assert master.store.admitted() == {}
     assert master.delete("sb-none").state == "deleted"
 
 
@@ -144,7 +144,7 @@ def test_delete_of_an_abandoned_placing_row_releases_it_instead_of_busy_forever(
     assert (e.value.status, e.value.code) == (409, "sandbox.busy")
     age(master, "sb-del", AN_HOUR)
     assert master.delete("sb-del").state == "deleted"
-    assert master.store.claims() == {}
+    assert master.store.admitted() == {}
     poll(lambda: all(d.state == "allocatable" for d in cub.devices()))
 
 

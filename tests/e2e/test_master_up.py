@@ -10,7 +10,7 @@ import pytest
 
 import cubeaccel
 from cubeaccel.master.up import DEFAULTS, EXAMPLES, choose_backend, run_down, run_up
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.transport.master_client import MasterClient
 from tests.support.poll import poll

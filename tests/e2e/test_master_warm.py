@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from cubeaccel.model.contract import freeze
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import Sandbox, WarmPoolShown
 from cubeaccel.wire.templates import parse_template
 from tests.support.cubelet_process import CubeletProcess

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.host.pci.simulated import SimulatedPciHost
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import SandboxReply
 from tests.e2e.test_master_warm import TEMPLATE, advertised, path_entries, warm_pool
 from tests.support.cubelet_process import CubeletProcess

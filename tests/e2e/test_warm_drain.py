@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.model.contract import freeze
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import NodeVerbReply
 from cubeaccel.wire.templates import parse_template
 from cubeaccel.wire.warm import WarmDrainReply

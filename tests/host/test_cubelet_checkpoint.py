@@ -21,9 +21,9 @@ from cubeaccel.model.checkpoint import (
     ReservationCheckpoint,
     SandboxFailure,
 )
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.cubelet_harness import Node
 
 S, P = DeviceState, ReservationPhase

@@ -9,10 +9,10 @@ import pytest
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.model.contract import CompatibilityContract, freeze
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_params import parse_contract
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.templates import load_template
 from tests.support.cubelet_harness import Node
 

@@ -12,9 +12,9 @@ import pytest
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.memory_ledger import ledger
 from cubeaccel.model.contract import freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.host.test_cubelet_confinement_gate import node_with
 from tests.support.contract_builders import EDU_FILE, EXAMPLES, template
 from tests.support.cubelet_harness import Node

@@ -18,8 +18,8 @@ from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.fake_sysfs import Dev, FakeSysfs
 
 S = DeviceState

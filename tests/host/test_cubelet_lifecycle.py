@@ -9,9 +9,9 @@ import pytest
 from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.host.pci.simulated import Fault
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.master_api import StatusBody
 from tests.support.cubelet_harness import Node
 
@@ -353,7 +353,7 @@ def test_a_large_guest_still_preallocating_is_not_torn_down_at_the_small_guests_
 
 def test_a_stale_or_forged_vmm_exited_report_frees_nothing(node: Node) -> None:
     """Reviewer's scenario: a report from an earlier start (reused sandbox id) or a forged one."""
-    from cubeaccel.model.reports import ShimReport, ShimReportKind
+    from cubeaccel.protocol.reports import ShimReport, ShimReportKind
 
     node.shim.slow_start.add("sb")
     res = node.cubelet.reserve("sb", ReservationRequest(count=1))

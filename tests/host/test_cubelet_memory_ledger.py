@@ -12,7 +12,6 @@ from cubeaccel.cubelet.lifecycle import CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.memory_ledger import VmmHost, ledger
 from cubeaccel.cubelet.store import Reservation
 from cubeaccel.model.checkpoint import ReservationCheckpoint
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import (
     PREALLOC_POOL_MIB,
     QEMU_LOCKED_OVERHEAD_MIB,
@@ -23,6 +22,7 @@ from cubeaccel.model.pinned_memory import (
 from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationPhase as P
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.cubelet_harness import Node
 
 GIB = 1024

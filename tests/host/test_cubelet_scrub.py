@@ -20,8 +20,8 @@ from cubeaccel.cubelet.scrub import (
     parse_policy,
 )
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.cubelet_harness import Node
 from tests.support.poll import poll
 

@@ -19,8 +19,8 @@ from cubeaccel.cubelet import operator
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.host.pci.simulated import Fault
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import TENANT_STATES, DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.cubelet_harness import Node
 
 SANDBOXES = st.sampled_from([f"s{i}" for i in range(3)])

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from cubeaccel.cubelet.process_shim import ProcessShimDriver
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.server import create_app
-from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.protocol.reports import ShimReport, ShimReportKind
 from cubeaccel.transport.node_sig import NodeAuth
 from tests.support.cubelet_harness import Node
 

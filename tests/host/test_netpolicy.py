@@ -22,9 +22,9 @@ from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.release import CubeletConfig
 from cubeaccel.host.net import netpolicy
 from cubeaccel.model.contract import CompatibilityContract, freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import NetworkRequest
 from cubeaccel.model.sandbox_policy import NetworkPolicy
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.templates import load_document, parse_template
 from tests.support.cubelet_harness import Node
 

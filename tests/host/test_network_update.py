@@ -16,10 +16,10 @@ from cubeaccel.cubelet import network_update
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.host.net import netpolicy
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import NetworkRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import NetworkPolicy
+from cubeaccel.protocol.errors import CubeError
 from tests.host.test_netpolicy import (  # noqa: F401 (fixtures)
     _tool_contract,
     in_ns,

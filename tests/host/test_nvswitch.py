@@ -22,8 +22,8 @@ from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.base import PciFunction
 from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.model.device import PciAddress
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.cubelet_harness import Node
 from tests.support.fake_sysfs import Dev, FakeSysfs
 

@@ -28,9 +28,9 @@ from cubeaccel.cubelet.runtime import assemble
 from cubeaccel.cubelet.scrub import SimulatedScrubRunner
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.shim_spec import ShimSpec
 from tests.support.cubelet_harness import Clock
 from tests.support.fake_sysfs import Dev, FakeSysfs

@@ -78,8 +78,8 @@ def test_bus_reset_reaching_a_function_of_another_group_is_refused_and_names_it(
 def test_bus_reset_reaching_a_busy_function_of_the_same_group_is_refused(tmp_path: Path) -> None:
     fake = _tree(tmp_path, reset_method=("bus",))
     backend = VfioBackend(fake.host(), allow=["10de:2331"])
-    claims = {PciAddress.parse(SIBLING): "attached to sandbox sb-2"}
-    (p,) = backend.reset_ladder(_device(backend, GPU), ResetContext(claims=claims)).problems
+    reserved = {PciAddress.parse(SIBLING): "attached to sandbox sb-2"}
+    (p,) = backend.reset_ladder(_device(backend, GPU), ResetContext(reserved=reserved)).problems
     assert p.code == "backend.bus_reset_refused" and f"{SIBLING}(attached to sandbox sb-2)" in p.message
     assert fake.resets == {}
 

@@ -22,8 +22,8 @@ from cubeaccel.cubelet.shim_driver import SimulatedShimDriver
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.cubelet_harness import Node
 
 S = DeviceState

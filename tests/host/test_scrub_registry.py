@@ -21,8 +21,8 @@ from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.images.builder import cached_images
 from cubeaccel.model.device import DeviceIdentity
-from cubeaccel.model.error_catalog import CATALOG
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.error_catalog import CATALOG
 from tests.support.fake_sysfs import Dev, FakeSysfs
 
 S = DeviceState

@@ -270,7 +270,7 @@ def test_a_cmdline_is_rewritten_in_place_and_never_past_its_room(tmp_path: Path)
 
 def test_an_unknown_shim_launch_mode_is_refused_before_anything_starts(tmp_path: Path) -> None:
     from cubeaccel.cubelet.runtime import RuntimeOptions, build_cubelet
-    from cubeaccel.model.errors import CubeError
+    from cubeaccel.protocol.errors import CubeError
 
     with pytest.raises(CubeError) as refused:
         build_cubelet(RuntimeOptions(state_dir=tmp_path / "state", backend="emulated", shim_launch="thread"))

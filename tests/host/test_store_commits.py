@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.cubelet.store import Store
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import Actor
+from cubeaccel.protocol.errors import CubeError
 
 MARK = EventKind.RECONCILE_REPAIR  # any kind: the events are told apart by their reason
 

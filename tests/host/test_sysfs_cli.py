@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from cubeaccel.backends.vfio_spec import DeviceSpec
 from cubeaccel.cli import app
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from tests.support.fake_sysfs import Dev, FakeSysfs
 
 

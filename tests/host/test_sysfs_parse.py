@@ -16,7 +16,7 @@ from cubeaccel.host.pci.sysfs_parse import (
     valid_driver_name,
 )
 from cubeaccel.model.bars import parse_resource, parse_resource_lines
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 
 @given(st.integers(0, 0xFFFFFFFF))

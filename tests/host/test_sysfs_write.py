@@ -10,7 +10,7 @@ import pytest
 from cubeaccel.host.pci.base import HostError
 from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.model.device import PciAddress
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from tests.support.fake_sysfs import Dev, FakeSysfs
 
 GPU = "0000:3b:00.0"

@@ -16,7 +16,7 @@ from cubeaccel.cubelet.reconcile import reconcile
 from cubeaccel.cubelet.snapshots import DoneFn, Shape, TemplateSnapshots
 from cubeaccel.model.bars import MachineShape
 from cubeaccel.model.contract import freeze
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.machine import shape_for
 from cubeaccel.shim.template import shape_spec
 from cubeaccel.shim.vmm import VmConfig

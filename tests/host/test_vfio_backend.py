@@ -12,8 +12,8 @@ import pytest
 from cubeaccel.backends.base import Problem
 from cubeaccel.backends.vfio import VfioBackend
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord, DiscoveredDevice, PciAddress
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.support.fake_sysfs import Dev, FakeSysfs
 from tests.support.holder_proc import holding, unreadable_pids
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from cubeaccel.images import cpio, kernel, packages
 from cubeaccel.images.builder import build, cache_dir, resolve_inputs
-from cubeaccel.model.agent_protocol import MAX_DEADLINE_SCALE, deadline_scale
+from cubeaccel.protocol.agent_protocol import MAX_DEADLINE_SCALE, deadline_scale
 
 SRC_PKG = Path(__file__).resolve().parents[2] / "src" / "cubeaccel"
 GUEST_DIR = Path(__file__).resolve().parent / "guest"
@@ -49,7 +49,7 @@ _MODULE_GLOBS = (
     "*/modules.order",
 )
 # cubeaccel's parts the backend scenarios import: stdlib only.
-GUEST_PACKAGES = ("model", "host", "backends")
+GUEST_PACKAGES = ("protocol", "model", "host", "backends")
 # With a VMM, the Cubelet runs in the guest too: its closure (the wire models need pydantic), qemu.qmp, sqlite3.
 CUBELET_PACKAGES = ("cubelet", "shim", "agent", "images", "wire", "transport")
 # Third-party distributions the Cubelet's closure imports, copied from this interpreter's site-packages (pure

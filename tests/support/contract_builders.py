@@ -12,9 +12,9 @@ import yaml
 
 from cubeaccel.model.device import AcceleratorClass, DeviceIdentity, DeviceRecord, PciAddress, device_id_for
 from cubeaccel.model.profiles import labels_for
-from cubeaccel.model.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, NvmlInfo
 from cubeaccel.model.states import DeviceState
 from cubeaccel.model.template_spec import Template
+from cubeaccel.protocol.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, NvmlInfo
 from cubeaccel.wire.templates import parse_template
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import MasterClient
 from cubeaccel.transport.node_sig import NodeAuth
 from tests.support.cubelet_process import CubeletProcess, terminate

@@ -35,7 +35,7 @@ def evaluate(nodes: Sequence[NodeView], ctx: Context, keep: int = 16) -> ChoiceO
     for i, n in enumerate(nodes):
         if n.received_at < cutoff or n.state != NodeState.READY or not n.host_ready or _over_limit(n, count):
             continue
-        claims = n.claims
+        claims = n.admitted
         for g in n.groups:
             ok = verdict.get(g.key)
             if ok is None:

@@ -66,7 +66,7 @@ def old_create_row(sid: str, request: dict[str, Any], now: float, key: str | Non
 
 
 def old_insert(store: MasterStore, row: dict[str, Any]) -> None:
-    """As the dict-based `claim_sandbox` wrote a create: its idempotency claim, then its row."""
+    """As the dict-based `insert_or_existing` wrote a create: its idempotency record, then its row."""
     with store.tx() as c:
         if row["idempotency_key"]:
             c.execute(

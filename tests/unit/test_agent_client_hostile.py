@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.agent_client import MAX_REPLY, AgentClient
 
 
@@ -99,8 +99,8 @@ def test_a_known_guest_code_is_kept(sock: Path) -> None:
 
 
 def test_every_guest_side_code_in_the_catalog_is_one_the_client_keeps() -> None:
-    from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES
-    from cubeaccel.model.error_catalog import CODES
+    from cubeaccel.protocol.agent_protocol import GUEST_ERROR_CODES
+    from cubeaccel.protocol.error_catalog import CODES
 
     assert {c.code for c in CODES if c.meaning.startswith("guest:")} == GUEST_ERROR_CODES
 

@@ -20,7 +20,7 @@ from cubeaccel.agent.cuda import CallTimeout, call_with_deadline, load_library
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.report import build_report
 from cubeaccel.agent.spec import parse_spec
-from cubeaccel.model.reports import GuestReport, ProbeResult
+from cubeaccel.protocol.reports import GuestReport, ProbeResult
 from tests.unit.test_agent_fakes import DRIVER_VERSION, FakeGuest, compile_driver_libs
 
 CUDA_SPEC: dict[str, Any] = {

@@ -12,7 +12,7 @@ import pytest
 from cubeaccel.agent.hotplug import find_new, wait_pci
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.protocol import Agent
-from cubeaccel.model.agent_messages import METHODS
+from cubeaccel.protocol.agent_messages import METHODS
 from tests.unit.test_agent_fakes import FakeGuest
 
 BOOT = ("0000:00:00.0", "0000:00:01.0")

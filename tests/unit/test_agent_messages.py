@@ -1,4 +1,4 @@
-"""cube-agent's typed messages (model/agent_messages.py) against the dict code they replaced.
+"""cube-agent's typed messages (protocol/agent_messages.py) against the dict code they replaced.
 
 Old guest images in the image cache talk to new shims and the other way round, so every line must stay byte for
 byte what the dict code wrote: the `_old_*` helpers below are that code, kept verbatim, and each test encodes the
@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.protocol import Agent, encode
 from cubeaccel.agent.serve import ServeOptions, serve
-from cubeaccel.model import agent_messages as M
-from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
-from cubeaccel.model.agent_protocol import MAX_DEADLINE_SCALE as MAX_SCALE
-from cubeaccel.model.error_catalog import CATALOG
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import (
+from cubeaccel.protocol import agent_messages as M
+from cubeaccel.protocol.agent_protocol import GUEST_ERROR_CODES, PROTOCOL_VERSION
+from cubeaccel.protocol.agent_protocol import MAX_DEADLINE_SCALE as MAX_SCALE
+from cubeaccel.protocol.error_catalog import CATALOG
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import (
     CudaInfo,
     GuestPciDevice,
     GuestReport,

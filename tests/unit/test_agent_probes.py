@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from cubeaccel.agent.probes import ProbeContext, kernel_driver_version, pci_devices
 from cubeaccel.agent.report import build_report, probe_reply
 from cubeaccel.agent.spec import parse_spec, version_matches
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import GuestPciDevice, GuestReport, ProbeResult
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport, ProbeResult
 from tests.unit.test_agent_fakes import DRIVER_VERSION, EDU, FakeGuest
 
 NVIDIA_SPEC: dict[str, Any] = {
@@ -207,9 +207,9 @@ def test_probe_reply_of_a_frozen_contract_includes_check_guest_violations(tmp_pa
     FakeGuest(tmp_path).pci("0000:01:00.0", "10de", "2330")
     reply = probe_reply(frozen, parse_spec(frozen), ProbeContext(root=tmp_path)).to_json()
     assert reply["contract_check"] == "applied"
-    assert {(v["layer"], v["code"]) for v in reply["violations"]} == {
-        ("kernel_driver", "compat.kernel_driver_not_loaded")
-    }
+    violations = reply["violations"]
+    assert isinstance(violations, list)
+    assert {(v["layer"], v["code"]) for v in violations} == {("kernel_driver", "compat.kernel_driver_not_loaded")}
     assert reply["ok"] is False and reply["failed_layers"] == ["kernel_driver"]
     assert GuestReport.from_json(json.loads(json.dumps(reply["report"]))).kernel_release == "6.1.0-27-amd64"
 

@@ -27,8 +27,8 @@ from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.protocol import Agent, LineFramer
 from cubeaccel.agent.serve import ServeOptions, serve
 from cubeaccel.guest.virtio_port import resolve_port
-from cubeaccel.model.agent_messages import METHODS
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.agent_messages import METHODS
+from cubeaccel.protocol.errors import CubeError
 from tests.support.poll import poll
 from tests.unit.test_agent_fakes import EDU, FakeGuest
 

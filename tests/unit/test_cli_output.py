@@ -12,7 +12,7 @@ from rich.console import Console
 
 from cubeaccel.cli import output
 from cubeaccel.cli.render import device_table
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 
 @pytest.fixture(autouse=True)

@@ -155,7 +155,7 @@ def test_cubelet_prepare_shapes_parse_memory_and_vcpus() -> None:
 
 def test_cubelet_prepare_templates_parse_file_and_vcpus_and_name_a_missing_file() -> None:
     from cubeaccel.cli.cubelet import _prepared_templates
-    from cubeaccel.model.errors import CubeError
+    from cubeaccel.protocol.errors import CubeError
 
     (one, two) = _prepared_templates([str(H100_FILE), f"{H100_FILE}=4"])
     assert (one.template, one.vcpus, two.vcpus) == ("cuda12-h100", 1, 4)

@@ -16,7 +16,7 @@ import typer
 from cubeaccel.cli import config
 from cubeaccel.cli.root import app
 from cubeaccel.images.builder import cache_dir
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "config.md"

@@ -1,4 +1,4 @@
-"""One Connect envelope codec (`model/connect_envelope.py`, issue 31): the guest's workload service, the host's
+"""One Connect envelope codec (`protocol/connect_envelope.py`, issue 31): the guest's workload service, the host's
 workload client, the Cubelet's proxy and the front door read and write the same bytes, however a stream is cut."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from cubeaccel.cubelet.server import _end_of_stream_error, _EnvelopeTracker
 from cubeaccel.frontdoor.envd import inject_envs
-from cubeaccel.model import connect_envelope as ce
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol import connect_envelope as ce
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.workload_client import envelope, envelopes
 from cubeaccel.workload import connect as guest
 

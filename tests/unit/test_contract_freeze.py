@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from cubeaccel.agent.spec import parse_spec
 from cubeaccel.model.contract import CompatibilityContract, FrozenContract, canonical_json, freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import CudaSpec
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.templates import parse_template
 from tests.support.contract_builders import device, edu, h100, template
 

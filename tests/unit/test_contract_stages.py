@@ -13,7 +13,7 @@ from cubeaccel.model.contract import Layer, NodeSummary, check_device, check_gue
 from cubeaccel.model.device import AcceleratorClass
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, pinned_image
 from cubeaccel.model.profiles import labels_for
-from cubeaccel.model.reports import CudaInfo
+from cubeaccel.protocol.reports import CudaInfo
 from cubeaccel.wire.templates import parse_template
 from tests.support.contract_builders import (
     EDU_FILE,

@@ -20,11 +20,11 @@ from cubeaccel.master.scheduler import CPU_GROUP, Context, decide, evaluate_inde
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_guest, check_node, freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.registration_checks import check_template
-from cubeaccel.model.reports import GuestReport
 from cubeaccel.model.request import AcceleratorChoice, for_template
 from cubeaccel.model.template_spec import NO_ACCELERATOR, Template
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestReport
 from cubeaccel.wire.templates import parse_template
 from tests.support.contract_builders import EXAMPLES, example_doc, set_path
 from tests.support.master_builders import group, heartbeat, image, sandbox_row, view
@@ -242,11 +242,11 @@ def test_a_cpu_only_claim_takes_no_device_but_the_nodes_lockable_memory(store: M
     for sid in ("a", "b", "c"):
         store.insert_sandbox(sandbox_row(sid, time.time(), count=0))
     now = time.time()
-    assert store.claim("a", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)
-    assert store.claim("b", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)
-    assert not store.claim("c", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)  # memory spent
+    assert store.admit("a", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)
+    assert store.admit("b", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)
+    assert not store.admit("c", "n", CPU_GROUP.key, 0, now, 10, 512, accel_class=NO_ACCELERATOR)  # memory spent
     v = store.all_node_views()[0]
-    assert v.memory_claims_mib == 1024 and all(v.free(g) == g.allocatable for g in v.groups)
+    assert v.admitted_memory_mib == 1024 and all(v.free(g) == g.allocatable for g in v.groups)
 
 
 def test_cpu_only_sandboxes_count_against_the_sandbox_quota_and_never_a_device_quota(store: MasterStore) -> None:
@@ -256,9 +256,9 @@ def test_cpu_only_sandboxes_count_against_the_sandbox_quota_and_never_a_device_q
         store.insert_sandbox(sandbox_row(sid, time.time(), count=0))
     now = time.time()
     for sid in ("a", "b"):
-        assert store.claim(sid, "n", CPU_GROUP.key, 0, now, 10, 512, tenant="t", accel_class=NO_ACCELERATOR)
+        assert store.admit(sid, "n", CPU_GROUP.key, 0, now, 10, 512, tenant="t", accel_class=NO_ACCELERATOR)
     with pytest.raises(CubeError) as e:
-        store.claim("c", "n", CPU_GROUP.key, 0, now, 10, 512, tenant="t", accel_class=NO_ACCELERATOR)
+        store.admit("c", "n", CPU_GROUP.key, 0, now, 10, 512, tenant="t", accel_class=NO_ACCELERATOR)
     assert e.value.code == "quota.sandboxes"
 
 

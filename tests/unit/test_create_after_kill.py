@@ -21,9 +21,9 @@ from cubeaccel.cubelet.server import _release_view, _request, reservation_view
 from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.cubelet_api import Release, ReservationBody, ReservationView, WarmHandOff
 from cubeaccel.wire.warm import WarmClaimBody
 from tests.host.test_cubelet_scrub import PASSED, GatedRunner

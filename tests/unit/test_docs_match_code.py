@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 
 from cubeaccel.cubelet.schema import SCHEMA_VERSION
-from cubeaccel.model.agent_messages import METHODS
-from cubeaccel.model.reports import ShimReportKind
+from cubeaccel.protocol.agent_messages import METHODS
+from cubeaccel.protocol.reports import ShimReportKind
 from cubeaccel.wire.reports import ReportDetails
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"

@@ -1,4 +1,4 @@
-"""envd's messages as both ends hold them (model/envd_process.py, envd_filesystem.py): each round-trips through
+"""envd's messages as both ends hold them (protocol/envd_process.py, envd_filesystem.py): each round-trips through
 its JSON; the JSON is byte-for-byte what the service and the host's client wrote before they were typed (the
 `_old_*` functions are that code, kept here as the oracle); a request decoder fed any JSON answers a Connect
 error, never a crash."""
@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.model import envd_filesystem as f
-from cubeaccel.model import envd_process as m
-from cubeaccel.model import proto_json as pj
-from cubeaccel.model.connect_envelope import encode_json
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.guest_metrics import MetricsSample, MetricsSeries, PciFunction
+from cubeaccel.protocol import envd_filesystem as f
+from cubeaccel.protocol import envd_process as m
+from cubeaccel.protocol import proto_json as pj
+from cubeaccel.protocol.connect_envelope import encode_json
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.guest_metrics import MetricsSample, MetricsSeries, PciFunction
 from cubeaccel.transport.workload_client import WorkloadClient as HostClient
 from cubeaccel.wire.e2b_api import GuestMetrics
 from cubeaccel.workload import connect as c

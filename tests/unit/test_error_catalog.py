@@ -18,10 +18,10 @@ import pytest
 
 from cubeaccel.agent import spec as agent_spec
 from cubeaccel.agent.userspace import LIBRARY_MISSING
-from cubeaccel.model import error_catalog
-from cubeaccel.model.error_catalog import CATALOG, CODES
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.violations import ContractViolation, Layer
+from cubeaccel.protocol import error_catalog
+from cubeaccel.protocol.error_catalog import CATALOG, CODES
+from cubeaccel.protocol.errors import CubeError
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "cubeaccel"
@@ -126,7 +126,7 @@ def _dotless_reasons() -> set[str]:
 def test_every_code_shaped_literal_in_src_is_catalogued_or_declared_not_a_code() -> None:
     literals = _literals()
     unknown = {c: where[:2] for c, where in literals.items() if c not in CATALOG and c not in NOT_CODES}
-    assert unknown == {}, "add these to model/error_catalog.py (or to NOT_CODES if they are not codes)"
+    assert unknown == {}, "add these to protocol/error_catalog.py (or to NOT_CODES if they are not codes)"
     assert sorted(c for c in _dotless_reasons() if c not in CATALOG) == []
 
 
@@ -198,16 +198,16 @@ def test_the_agents_library_codes_cover_every_layer_a_contract_may_name() -> Non
 
 
 def test_the_catalog_is_stdlib_only_so_the_guest_agent_can_import_it() -> None:
-    """model/errors.py imports the catalog, and the agent (stdlib-only, copied into the guest) imports errors."""
+    """protocol/errors.py imports the catalog, and the agent (stdlib-only, copied into the guest) imports errors."""
     for mod in ("error_catalog", "errors"):
-        tree = ast.parse((SRC / "model" / f"{mod}.py").read_text())
+        tree = ast.parse((SRC / "protocol" / f"{mod}.py").read_text())
         for n in ast.walk(tree):
             names = [a.name for a in n.names] if isinstance(n, ast.Import) else []
             if isinstance(n, ast.ImportFrom):
                 names = [n.module or ""]
             for name in names:
                 top = name.split(".")[0]
-                assert top in sys.stdlib_module_names or name.startswith("cubeaccel.model") or top == "__future__", (
+                assert top in sys.stdlib_module_names or name.startswith("cubeaccel.protocol") or top == "__future__", (
                     mod,
                     name,
                 )
@@ -235,7 +235,7 @@ def test_the_runtime_guard_reports_an_uncatalogued_code_and_a_wrong_status() -> 
 @pytest.mark.uncatalogued_codes
 def test_the_fixture_fails_a_test_that_builds_an_uncatalogued_code(catalogued_error_codes: list[str]) -> None:
     CubeError("nosuch.code", "m")
-    assert catalogued_error_codes == ["error code 'nosuch.code' is not in cubeaccel.model.error_catalog"]
+    assert catalogued_error_codes == ["error code 'nosuch.code' is not in cubeaccel.protocol.error_catalog"]
 
 
 def test_an_omitted_status_comes_from_the_catalog() -> None:
@@ -265,7 +265,7 @@ def test_the_error_table_in_api_md_is_generated_from_the_catalog() -> None:
 
 def test_the_markdown_command_prints_the_table() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "cubeaccel.model.error_catalog", "--markdown"],
+        [sys.executable, "-m", "cubeaccel.protocol.error_catalog", "--markdown"],
         capture_output=True,
         text=True,
         check=True,

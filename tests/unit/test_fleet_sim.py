@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cubeaccel.fleet.api import Faults, FleetApi
 from cubeaccel.fleet.http import Request, node_address, node_index
 from cubeaccel.fleet.journal import FleetLedger, NodeJournal
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport import node_sig
 from cubeaccel.wire.cubelet_api import Release, ReservationView
 

@@ -198,8 +198,8 @@ _NETWORK = st.fixed_dictionaries(
 def test_every_e2b_network_option_is_either_a_narrowing_or_a_named_refusal(
     network: dict[str, Any], internet: bool | None
 ) -> None:
-    from cubeaccel.model.error_catalog import CATALOG
     from cubeaccel.model.sandbox_policy import AddressNarrowing, NetworkPolicy, narrow_network
+    from cubeaccel.protocol.error_catalog import CATALOG
 
     req = NewSandbox.model_validate({"templateID": "x", "network": network, "allow_internet_access": internet})
     try:

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cubeaccel.frontdoor import mapping as M
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import NetworkPolicy, narrow_network
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.e2b_api import NetworkUpdate
 
 TEMPLATE = NetworkPolicy.from_json(

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.model.contract import check_guest
 from cubeaccel.model.guest_minimal import check_minimal
-from cubeaccel.model.reports import GuestPciDevice, GuestReport
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport
 from tests.support.contract_builders import device, edu
 
 ADDR = "0000:01:00.0"

@@ -35,7 +35,7 @@ def test_a_heartbeat_landing_during_a_reload_frees_neither_a_held_device_nor_its
     store.heartbeat(before, time.time(), 10)
     key = store.all_node_views()[0].groups[0].key
     store.insert_sandbox(sandbox_row("a", time.time()))
-    assert store.claim("a", "n", key, 1, time.time(), 10, pinned_mib=40 * GIB)
+    assert store.admit("a", "n", key, 1, time.time(), 10, pinned_mib=40 * GIB)
     store.update_sandbox(
         "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
     )
@@ -59,7 +59,7 @@ def test_a_heartbeat_landing_during_a_reload_frees_neither_a_held_device_nor_its
 
 def test_without_a_heartbeat_in_between_the_claims_are_the_aggregate_ones(store: MasterStore) -> None:
     """The usual reload reads the claims in one statement with each node's `sent_at`; they equal `claims()` and
-    `memory_claims()`, and a reservation the summary already shows is no claim."""
+    `admitted_memory()`, and a reservation the summary already shows is no claim."""
     for node in ("n", "m"):
         hb = heartbeat(node, group(H100, 4), pinnable=100 * GIB)
         hb["sent_at"] = 1000.0
@@ -67,16 +67,16 @@ def test_without_a_heartbeat_in_between_the_claims_are_the_aggregate_ones(store:
     key = store.all_node_views()[0].groups[0].key
     for sid, created in (("seen", 900.0), ("unseen", 1100.0), ("placing", None)):
         store.insert_sandbox(sandbox_row(sid, time.time()))
-        assert store.claim(sid, "n", key, 1, time.time(), 10, pinned_mib=10 * GIB)
+        assert store.admit(sid, "n", key, 1, time.time(), 10, pinned_mib=10 * GIB)
         if created is not None:
             store.update_sandbox(
                 sid, "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=created
             )
-    as_of = store.claims_as_of()
+    as_of = store.admitted_as_of()
     assert {n: (c.sent_at, c.devices, c.memory_mib) for n, c in as_of.items()} == {
         "n": (1000.0, {key: 2}, 20 * GIB),
         "m": (1000.0, {}, 0),
     }
-    assert store.claims() == {"n": {key: 2}} and store.memory_claims() == {"n": 20 * GIB}
+    assert store.admitted() == {"n": {key: 2}} and store.admitted_memory() == {"n": 20 * GIB}
     (n, m) = sorted(NodeCache(store).views(fresh=True), key=lambda v: v.name != "n")
     assert (n.free(n.groups[0]), m.free(m.groups[0])) == (2, 4)

@@ -15,10 +15,10 @@ from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import group_key
 from cubeaccel.model.checkpoint import ReservationCheckpoint
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.cubelet_api import Checkpoint, Reservation, ReservationBody, ReservationParamsShown, ReservationView
 from tests.support.contract_builders import example_doc
 from tests.support.master_builders import group, heartbeat, sandbox_row

@@ -19,8 +19,8 @@ from cubeaccel.master.scheduler import Context, decide, explain, rejection
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import NodeView, view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.qemu import build_argv
 from cubeaccel.shim.vmm import VmConfig
 from cubeaccel.wire.master_api import NodeSummary
@@ -147,5 +147,5 @@ def test_cubemaster_refuses_above_the_advertised_limit_before_any_reservation(ma
     assert err.value.code == "schedule.too_many_devices"
     assert err.value.details["tried"][0]["nodes"]["n4"]["reason"] == "device_limit"
     assert "attempts" not in err.value.details and NoCubelet.calls == []  # no Cubelet was asked to reserve
-    assert master.store.all_node_views()[0].claims == {}  # nothing was claimed on the node either
+    assert master.store.all_node_views()[0].admitted == {}  # nothing was claimed on the node either
     assert master.store.sandbox("sb-8") is None

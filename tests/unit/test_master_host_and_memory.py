@@ -14,9 +14,9 @@ from cubeaccel.master.scheduler import decide, rejection
 from cubeaccel.master.schema import SCHEMA_VERSION
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import NodeSummary
 from tests.support.master_builders import group, h100_contract, heartbeat, sandbox_row, view
 
@@ -74,13 +74,13 @@ def test_memory_claimed_between_heartbeats_is_deducted(tmp_path: Path, memory_gi
             continue
         need = views[0].locked_mib(memory_gib * GIB, 1, True)
         assert need == memory_gib * GIB + 400
-        assert store.claim(sid, "n", key, 1, now, 10, need)
+        assert store.admit(sid, "n", key, 1, now, 10, need)
         placed.append(sid)
     assert placed == [f"sb-{i}" for i in range(fits)]
     assert {r[0] for r in refused.values()} == {"pinned_memory"} and len(refused) == 3 - fits
-    assert store.all_node_views()[0].memory_claims_mib == fits * (memory_gib * GIB + 400)
+    assert store.all_node_views()[0].admitted_memory_mib == fits * (memory_gib * GIB + 400)
     # The row lock re-checks memory too: a replica deciding on an old copy cannot overdraw the node.
-    assert not store.claim("sb-2", "n", key, 1, time.time(), 10, memory_gib * GIB + 400)
+    assert not store.admit("sb-2", "n", key, 1, time.time(), 10, memory_gib * GIB + 400)
     store.close()
 
 
@@ -90,7 +90,7 @@ def test_a_heartbeat_that_shows_the_reservation_absorbs_the_memory_claim(tmp_pat
     key = store.all_node_views()[0].groups[0].key
     now = time.time()
     store.insert_sandbox(sandbox_row("a", now))
-    assert store.claim("a", "n", key, 1, now, 10, 40 * GIB + 400)
+    assert store.admit("a", "n", key, 1, now, 10, 40 * GIB + 400)
     store.update_sandbox(
         "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
     )
@@ -99,7 +99,7 @@ def test_a_heartbeat_that_shows_the_reservation_absorbs_the_memory_claim(tmp_pat
     hb["sent_at"] = 1501.0
     store.heartbeat(hb, time.time(), 10)
     v = store.all_node_views()[0]
-    assert (v.memory_claims_mib, v.free_pinnable_mib()) == (0, 60 * GIB - 400)  # counted once, not twice
+    assert (v.admitted_memory_mib, v.free_pinnable_mib()) == (0, 60 * GIB - 400)  # counted once, not twice
     store.close()
 
 

@@ -21,11 +21,11 @@ from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.sandbox_states import SandboxActor as SA
 from cubeaccel.model.sandbox_states import SandboxEvent as SE
 from cubeaccel.model.sandbox_states import SandboxState as SS
+from cubeaccel.protocol.errors import CubeError
 from tests.support.master_builders import Credentials
 
 REFUSAL = "schedule.placement_failed"

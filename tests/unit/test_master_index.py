@@ -52,7 +52,7 @@ def cluster(draw: st.DrawFn) -> list[NodeView]:
     size = draw(st.integers(0, 14))
     views = [draw(node(f"n{i:02d}")) for i in range(size)]
     for v in views:  # placements the summaries cannot show yet
-        v.claims = {g.key: draw(st.integers(0, g.allocatable)) for g in v.groups if draw(st.booleans())}
+        v.admitted = {g.key: draw(st.integers(0, g.allocatable)) for g in v.groups if draw(st.booleans())}
     return views
 
 
@@ -111,11 +111,11 @@ def test_index_kept_incrementally_agrees_after_claims_heartbeats_and_removals(
         if op in ("claim", "release"):
             g = data.draw(st.sampled_from(list(v.groups)))
             step = 1 if op == "claim" else -1
-            claims = {**v.claims, g.key: max(0, v.claims.get(g.key, 0) + step)}
-            index.set_claims(name, claims, v.memory_claims_mib)
+            claims = {**v.admitted, g.key: max(0, v.admitted.get(g.key, 0) + step)}
+            index.set_admitted(name, claims, v.admitted_memory_mib)
         elif op == "heartbeat":
             fresh = data.draw(node(name))
-            fresh.claims = dict(v.claims)
+            fresh.admitted = dict(v.admitted)
             by_name[name] = fresh
             index.put(fresh)
         else:
@@ -141,10 +141,10 @@ def test_a_full_group_leaves_the_index_and_a_release_brings_it_back() -> None:
     index = indexed([v])
     ask = [(AcceleratorChoice("gpu", 2), CONTRACT, None)]
     gkey = v.groups[0].key
-    index.set_claims("only", {gkey: 2}, 0)
+    index.set_admitted("only", {gkey: 2}, 0)
     refused = decide(index.views(), ask, NOW, STALE, index=index)
     assert refused.candidates == [] and {n: r.code for n, r in refused.outcomes[0].reasons.items()} == {
         "only": "insufficient_devices"
     }
-    index.set_claims("only", {}, 0)
+    index.set_admitted("only", {}, 0)
     assert [c.node.name for c in decide(index.views(), ask, NOW, STALE, index=index).candidates] == ["only"]

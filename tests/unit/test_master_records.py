@@ -17,8 +17,8 @@ from cubeaccel.master import schema as S
 from cubeaccel.master.records import Quota, Refusal, SandboxChange, SandboxRow
 from cubeaccel.master.service import sandbox_record
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from tests.support.stored_rows import (
     normalized_requests,
@@ -168,9 +168,9 @@ def test_a_refusal_is_kept_as_the_cubeerror_it_was(stores: tuple[MasterStore, Ma
         c.execute(S.idempotency.update().values(refusal=e.to_json()["error"]))
     new.refuse_create("sb-r", Refusal.of(e))
     assert raw_rows(new, S.idempotency) == raw_rows(old, S.idempotency)
-    claim = new.idempotency_claim("t", "k")
-    assert claim is not None and claim.refusal is not None
-    replayed = claim.refusal.replayed()
+    record = new.idempotency_record("t", "k")
+    assert record is not None and record.refusal is not None
+    replayed = record.refusal.replayed()
     assert (replayed.code, replayed.status, replayed.details) == (
         "quota.sandboxes",
         429,

@@ -22,8 +22,8 @@ from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from tests.support.master_builders import EXAMPLE_IMAGES, group, heartbeat
 from tests.support.stored_rows import normalized_requests
@@ -169,7 +169,7 @@ def test_a_node_is_served_with_its_ledger_and_images_as_the_dict_reply_served_th
     body = heartbeat("n", group(H100, 2), pinnable=1 << 20, pinned=sent)
     view = view_from_heartbeat(body, 1000.0)
     shown = view.summary(1001.0, 10.0, W.NodeSummary)
-    old = old_summary_fields(body, view.memory_claims_mib, view.free_pinnable_mib())
+    old = old_summary_fields(body, view.admitted_memory_mib, view.free_pinnable_mib())
     got = json.loads(dumped(shown))
     assert json.dumps(got["pinned_memory"]) == json.dumps(old["pinned_memory"])
     assert json.dumps(got["guest_images"]) == json.dumps(old["guest_images"]) == json.dumps(EXAMPLE_IMAGES)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from cubeaccel.master.selector import compile_selector
 from cubeaccel.master.view import NodeView, view_from_heartbeat
 from cubeaccel.master.warm import NO_POOL, POOL_EMPTY, WarmAsk, candidates, refilling, warm_rows
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import NodeVerbReply, SandboxList, WarmSandbox
 from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 from tests.support.master_builders import group, h100_contract, heartbeat

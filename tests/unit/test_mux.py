@@ -1,4 +1,4 @@
-"""The virtio-serial multiplexing framing (model/mux.py): codec and the session state machine both ends run.
+"""The virtio-serial multiplexing framing (protocol/mux.py): codec and the session state machine both ends run.
 
 Two sessions are wired back to back through a byte pipe that delivers in arbitrary chunks; Hypothesis drives any
 interleaving of opens, writes, half-closes and resets on many streams, and the receiver would raise
@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings, target
 from hypothesis import strategies as st
 
-from cubeaccel.model.mux import (
+from cubeaccel.protocol.mux import (
     ERROR_CODES,
     FLAG_ACK,
     HEADER,

@@ -9,7 +9,8 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from cubeaccel.master.server import NODES, POLICY, create_app
+from cubeaccel.master.api.access import NODES, POLICY
+from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.transport.master_client import Call, Calls

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cubeaccel.model.device import AcceleratorClass, PciAddress, parse_hex_id
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 
 @given(st.integers(0, 0xFFFF), st.integers(0, 0xFF), st.integers(0, 0x1F), st.integers(0, 7))

@@ -65,7 +65,7 @@ def test_readonly_mounts_are_read_only_9p_shares() -> None:
 def test_the_spec_refuses_a_malformed_network_or_scratch_size() -> None:
     import pytest
 
-    from cubeaccel.model.errors import CubeError
+    from cubeaccel.protocol.errors import CubeError
 
     base = {"sandbox_id": "sb-1", "memory_mib": 256, "state_dir": "/s", "report": {"file": "/r"}}
     ok = parse_spec(

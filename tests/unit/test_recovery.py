@@ -5,7 +5,6 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cubeaccel.model.error_catalog import CODES
 from cubeaccel.model.recovery import (
     QUARANTINE_REASONS,
     RETRY_BASE_S,
@@ -16,6 +15,7 @@ from cubeaccel.model.recovery import (
     retry_delay,
     retry_due,
 )
+from cubeaccel.protocol.error_catalog import CODES
 
 CATALOG = {c.code: c for c in CODES}
 TRANSIENT = sorted(r for r, c in QUARANTINE_REASONS.items() if c is Recovery.TRANSIENT)

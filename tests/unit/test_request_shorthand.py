@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import (
     MAX_COUNT,
     AcceleratorChoice,
     parse_accelerators,
     parse_shorthand,
 )
+from cubeaccel.protocol.errors import CubeError
 
 MODEL = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,20}", fullmatch=True).filter(
     lambda s: s.lower() not in ("gpu", "accelerator")

@@ -18,9 +18,9 @@ from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.server import create_app
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.contract import CompatibilityContract, freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import _sent
 from cubeaccel.wire import cubelet_api as W
 from cubeaccel.wire.cubelet_api import ReservationBody

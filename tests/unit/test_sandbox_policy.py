@@ -12,7 +12,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cubeaccel.model.contract import check_template, template_digest
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import (
     EgressRule,
     FilesystemPolicy,
@@ -21,6 +20,7 @@ from cubeaccel.model.sandbox_policy import (
     mount_not_allowlisted,
     narrow_network,
 )
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.templates import load_document, load_template, parse_template
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "src" / "cubeaccel" / "examples" / "templates"

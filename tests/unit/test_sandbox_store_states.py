@@ -102,8 +102,8 @@ def test_claim_moves_scheduling_to_placing_once(shared: MasterStore) -> None:
     key = next(v for v in shared.all_node_views() if v.name == node).groups[0].key
     sid = f"claim-{next(_ids)}"
     shared.insert_sandbox(sandbox(sid))
-    assert shared.claim(sid, node, key, 1, time.time(), 10)
-    assert not shared.claim(sid, node, key, 1, time.time(), 10)  # placing is no source of a claim
+    assert shared.admit(sid, node, key, 1, time.time(), 10)
+    assert not shared.admit(sid, node, key, 1, time.time(), 10)  # placing is no source of a claim
     assert shared.sandbox(sid).state is SS.PLACING  # type: ignore[union-attr]
 
 

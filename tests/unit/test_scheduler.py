@@ -140,7 +140,7 @@ def test_numa_locality_beats_packing_for_multi_device_requests() -> None:
 
 def test_claims_reduce_free_devices() -> None:
     n = view("n", group(H100, 2))
-    n.claims = {n.groups[0].key: 2}
+    n.admitted = {n.groups[0].key: 2}
     assert run([n], one())[1] == {"n": "insufficient_devices"}
 
 

@@ -16,7 +16,7 @@ from cubeaccel.master.server import create_app
 from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.view import cubelet_url
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from tests.support.master_builders import EXAMPLE_IMAGES, Credentials, group, heartbeat, image, sandbox_row
 from tests.support.stored_rows import stored_state
 

@@ -41,35 +41,35 @@ def test_claims_are_admitted_only_while_the_summary_minus_claims_has_room(store:
     for sid in ("a", "b", "c"):
         assert store.insert_sandbox(sandbox(sid)) is None
     now = time.time()
-    assert store.claim("a", "n", key, 1, now, 10) and store.claim("b", "n", key, 1, now, 10)
-    assert not store.claim("c", "n", key, 1, now, 10)
-    assert store.all_node_views()[0].claims == {key: 2}
+    assert store.admit("a", "n", key, 1, now, 10) and store.admit("b", "n", key, 1, now, 10)
+    assert not store.admit("c", "n", key, 1, now, 10)
+    assert store.all_node_views()[0].admitted == {key: 2}
 
 
 def test_a_heartbeat_sent_after_the_reservation_absorbs_the_claim(store: MasterStore) -> None:
     store.heartbeat(heartbeat("n", group(H100, 2)), time.time(), 10)
     key = store.all_node_views()[0].groups[0].key
     store.insert_sandbox(sandbox("a"))
-    assert store.claim("a", "n", key, 1, time.time(), 10)
+    assert store.admit("a", "n", key, 1, time.time(), 10)
     store.update_sandbox(
         "a", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, cubelet_created_at=1500.0
     )
-    assert store.all_node_views()[0].claims == {key: 1}  # the last summary (sent at 1000) cannot show it
+    assert store.all_node_views()[0].admitted == {key: 1}  # the last summary (sent at 1000) cannot show it
     hb = heartbeat("n", group(H100, 2, free=1))
     hb["sent_at"] = 1501.0
     store.heartbeat(hb, time.time(), 10)
-    assert store.all_node_views()[0].claims == {}
+    assert store.all_node_views()[0].admitted == {}
 
 
 def test_no_claim_on_stale_draining_or_unknown_nodes(store: MasterStore) -> None:
     store.heartbeat(heartbeat("n", group(H100, 8)), time.time() - 60, 10)
     key = store.all_node_views()[0].groups[0].key
     store.insert_sandbox(sandbox("a"))
-    assert not store.claim("a", "n", key, 1, time.time(), 10)  # stale
+    assert not store.admit("a", "n", key, 1, time.time(), 10)  # stale
     store.heartbeat(heartbeat("n", group(H100, 8)), time.time(), 10)
     store.node_event("n", NodeEvent.DRAIN)
-    assert not store.claim("a", "n", key, 1, time.time(), 10)
-    assert not store.claim("a", "other", key, 1, time.time(), 10)
+    assert not store.admit("a", "n", key, 1, time.time(), 10)
+    assert not store.admit("a", "other", key, 1, time.time(), 10)
 
 
 def test_duplicate_ids_and_idempotency_keys_return_the_existing_record(store: MasterStore) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cubeaccel.master.selector import Selector, compile_selector
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 H100 = {"model": "H100-PCIe-80GB", "memory_gib": "80", "vendor": "nvidia", "class": "gpu"}
 T4 = {"model": "T4-16GB", "memory_gib": "16", "vendor": "nvidia", "class": "gpu"}

@@ -121,7 +121,7 @@ def test_process_shim_driver_takes_undelivered_reports_once_and_skips_garbage(tm
     import json as _json
 
     from cubeaccel.cubelet.process_shim import ProcessShimDriver
-    from cubeaccel.model.reports import ShimReport, ShimReportKind
+    from cubeaccel.protocol.reports import ShimReport, ShimReportKind
     from cubeaccel.wire.reports import report_json
 
     driver = ProcessShimDriver(tmp_path)

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from cubeaccel.images import cpio, kernel
 from cubeaccel.images.manifest import Artifact, Manifest, sha256_file
 from cubeaccel.model.contract import CompatibilityContract, freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import GuestKernel, ModulesImg
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.shim_spec import ShimSpec, parse_spec
 from cubeaccel.wire.templates import load_template
 

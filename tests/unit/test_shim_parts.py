@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.host.vmm.hypervisor import detect_accel
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.memory import prove_pinned, status_kib
 from cubeaccel.shim.qemu import SANDBOX_ARG, VmmFds, build_argv
 from cubeaccel.shim.reporter import Reporter

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from cubeaccel.model.bars import Bar, BarKind
-from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.protocol.reports import ShimReport, ShimReportKind
 from cubeaccel.shim.reporter import Reporter
 from cubeaccel.wire import reports as R
 from cubeaccel.wire.reports import ReportDetails, parse_report, report_json

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.model.contract import freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.lifecycle_ops import UNSUPPORTED, refuse
 from cubeaccel.model.reservation_params import parse_contract
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.shim_spec import MAX_DEVICES, DeviceSpec, ShimSpec, load_spec, parse_spec
 from cubeaccel.wire.templates import load_template
 from tests.support.cubelet_harness import Node

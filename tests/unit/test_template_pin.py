@@ -12,7 +12,7 @@ import pytest
 from cubeaccel.cli.template import pin_yaml_text
 from cubeaccel.images.manifest import Artifact, Manifest
 from cubeaccel.master.up import EXAMPLES
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.templates import loads_document
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from cubeaccel.backends.emulated import pci_testdev_identity
 from cubeaccel.host.vmm.hypervisor import detect_accel
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.qemu import QemuVmm
 from cubeaccel.shim.template import prune_templates, template_key, template_lease

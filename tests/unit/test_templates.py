@@ -11,7 +11,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.templates import MAX_TEMPLATE_BYTES, load_template, loads_template, parse_template
 from tests.support.contract_builders import EDU_FILE, H100_FILE, example_doc, h100, set_path
 

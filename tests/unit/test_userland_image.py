@@ -32,7 +32,7 @@ from cubeaccel.images.userland import (
     check_base,
     install,
 )
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 needs_apt = pytest.mark.skipif(shutil.which("apt-cache") is None, reason="apt-cache missing (not a Debian host)")
 # Dependencies the userland does without: interpreters and data its C tools never load (git's perl helpers stay

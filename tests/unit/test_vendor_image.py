@@ -17,7 +17,7 @@ from cubeaccel.images.manifest import GUEST_PINS, VENDOR_PINS, Artifact, Manifes
 from cubeaccel.images.nvidia import NVIDIA
 from cubeaccel.images.vendor import VendorBuild
 from cubeaccel.master.up import EXAMPLES
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.templates import loads_document
 
 POLICY = """libcuda1:

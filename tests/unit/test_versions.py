@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.versions import CudaVersion, DriverVersion, KernelVersion
+from cubeaccel.protocol.errors import CubeError
 
 drivers = st.builds(
     lambda b, m, p: f"{b}.{m}" + ("" if p is None else f".{p:02d}"),

@@ -24,7 +24,6 @@ from cubeaccel.host.vmm.confine import (
     read_credentials,
     verify,
 )
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import (
     PREALLOC_POOL_MIB,
     QEMU_LOCKED_OVERHEAD_MIB,
@@ -32,6 +31,7 @@ from cubeaccel.model.pinned_memory import (
     THREAD_CONTEXT_MIB,
     LockedGuest,
 )
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.confined import launch_argv, setpriv_argv, vmm_exposure
 from cubeaccel.shim.vmm import VmConfig
 

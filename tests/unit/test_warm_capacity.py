@@ -11,9 +11,9 @@ import pytest
 
 from cubeaccel.cubelet.lifecycle import CubeletConfig, ReservationRequest
 from cubeaccel.cubelet.store import Reservation
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from tests.host.test_cubelet_scrub import PASSED, GatedRunner
 from tests.support.cubelet_harness import Node
 from tests.support.poll import poll

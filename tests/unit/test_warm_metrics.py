@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.metrics import CubeletMetrics
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from tests.support.cubelet_harness import Node
 from tests.support.poll import poll
 

@@ -15,9 +15,9 @@ from pydantic import BaseModel, ValidationError
 from cubeaccel.cubelet.capacity import capacity_summary
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.model.contract import freeze
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import ShimReport, ShimReportKind
 from cubeaccel.model.template_spec import API_VERSION, KIND
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import ShimReport, ShimReportKind
 from cubeaccel.transport.http_reply import reply_body
 from cubeaccel.wire import cubelet_api as CW
 from cubeaccel.wire import master_api as MW

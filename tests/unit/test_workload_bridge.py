@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.mux import parse_preamble, token_preamble
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.mux import parse_preamble, token_preamble
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from tests.workload_client import ROOT, WorkloadClient
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cubeaccel.model.mux import Frame, FrameType, ResetCode, Session, data_frame, token_preamble
+from cubeaccel.protocol.mux import Frame, FrameType, ResetCode, Session, data_frame, token_preamble
 from cubeaccel.shim import workload_bridge
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.workload.__main__ import read_preamble

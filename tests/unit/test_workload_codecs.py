@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cubeaccel.model import proto_json as pj
+from cubeaccel.protocol import proto_json as pj
 from cubeaccel.workload import connect as c
 from cubeaccel.workload.app import _accepts_gzip
 from cubeaccel.workload.files import Multipart, go_mode_string, timestamp

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from cubeaccel.model.envd_process import EndEvent, ProcessConfig, StartRequest
+from cubeaccel.protocol.envd_process import EndEvent, ProcessConfig, StartRequest
 from cubeaccel.workload import limits
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.process import ProcessTable

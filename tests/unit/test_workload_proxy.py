@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.cubelet.server import _EnvelopeTracker, create_app
-from cubeaccel.model.mux import data_frame
+from cubeaccel.protocol.mux import data_frame
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.workload.connect import encode_envelope
 from tests.support.cubelet_harness import Node

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.shim_spec import MAX_DEVICES
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_harness import MasterProcess, emulated_cubelet

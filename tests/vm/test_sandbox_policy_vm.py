@@ -172,7 +172,7 @@ def test_the_policy_is_recorded_shown_and_audited(stack: dict[str, Any]) -> None
 
 
 def test_a_request_cannot_widen_the_template_network(stack: dict[str, Any]) -> None:
-    from cubeaccel.model.errors import CubeError
+    from cubeaccel.protocol.errors import CubeError
 
     wider = {"mode": "allowlist", "egress": [f"{ALLOWED}/32:{OTHER_PORT}"]}
     with pytest.raises(CubeError) as e:

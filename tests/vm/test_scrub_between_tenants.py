@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.cubelet_api import Device, Event
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.poll import poll

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.qemu import QemuVmm

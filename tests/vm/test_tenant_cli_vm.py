@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import MasterClient
 from tests.support.master_harness import MasterProcess, emulated_cubelet
 from tests.support.poll import poll

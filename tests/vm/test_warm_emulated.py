@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.workload_client import WorkloadClient
 from cubeaccel.wire.cubelet_api import Event
 from tests.support.cubelet_process import CubeletProcess

@@ -24,9 +24,9 @@ from cubeaccel.agent.report import probe_reply
 from cubeaccel.agent.serve import ServeOptions, log, poweroff, serve
 from cubeaccel.agent.spec import parse_spec
 from cubeaccel.guest.virtio_port import open_port, resolve_port
-from cubeaccel.model.agent_messages import PCI_ADDRESS
-from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.agent_messages import PCI_ADDRESS
+from cubeaccel.protocol.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
+from cubeaccel.protocol.errors import CubeError
 
 LIB_PATH_ENV = "CUBE_AGENT_LIB_PATH"  # colon-separated directories tried before the dynamic linker
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cubeaccel.model.reports import CudaInfo, LibraryInfo, NvmlDevice, NvmlInfo
+from cubeaccel.protocol.reports import CudaInfo, LibraryInfo, NvmlDevice, NvmlInfo
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ import socket
 import time
 
 from cubeaccel.agent.probes import ProbeContext
-from cubeaccel.model.agent_messages import PciFunction, WaitPciResult
+from cubeaccel.protocol.agent_messages import PciFunction, WaitPciResult
 
 RECHECK_S = 0.05
 NETLINK_KOBJECT_UEVENT = 15

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cubeaccel.agent.spec import ProbeSpec, version_matches
-from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S, deadline_scale
-from cubeaccel.model.reports import GuestPciDevice, ProbeResult
+from cubeaccel.protocol.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S, deadline_scale
+from cubeaccel.protocol.reports import GuestPciDevice, ProbeResult
 
 _NVRM = re.compile(r"Kernel Module(?: for [^\s]+)?\s+(\d+(?:\.\d+)+)")
 _MAX_ERROR_TEXT = 500

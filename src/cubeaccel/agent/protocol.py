@@ -8,7 +8,7 @@ Reply:    {"v": 1, "id": 7, "ok": true, "result": {...}}
           {"v": 1, "id": 7, "ok": false, "error": {"code", "layer", "message", "details"}}
 Event:    {"v": 1, "event": "ready", "result": {...hello...}}   (sent once when serving starts)
 
-Each method's params and result are typed records in model/agent_messages.py, which the shim reads too.
+Each method's params and result are typed records in protocol/agent_messages.py, which the shim reads too.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cubeaccel.agent.probes import ProbeContext, kernel_release, loaded_modules,
 from cubeaccel.agent.report import probe_reply
 from cubeaccel.agent.reseed import reseed
 from cubeaccel.agent.spec import parse_spec
-from cubeaccel.model.agent_messages import (
+from cubeaccel.protocol.agent_messages import (
     METHODS,
     HelloResult,
     Json,
@@ -50,8 +50,8 @@ from cubeaccel.model.agent_messages import (
     protocol_error,
     request_id,
 )
-from cubeaccel.model.agent_protocol import AGENT_VERSION, PROTOCOL_VERSION
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.agent_protocol import AGENT_VERSION, PROTOCOL_VERSION
+from cubeaccel.protocol.errors import CubeError
 
 DEFAULT_MAX_REQUEST_BYTES = 256 * 1024
 

@@ -14,9 +14,9 @@ from cubeaccel.agent import probes
 from cubeaccel.agent.probes import ProbeContext
 from cubeaccel.agent.spec import ProbeSpec
 from cubeaccel.agent.userspace import Libraries, check_library, check_userspace_version, probe_cuda, probe_nvml
-from cubeaccel.model.agent_messages import Json, ProbeReply
-from cubeaccel.model.agent_protocol import AGENT_VERSION
-from cubeaccel.model.reports import GuestReport, ProbeResult
+from cubeaccel.protocol.agent_messages import Json, ProbeReply
+from cubeaccel.protocol.agent_protocol import AGENT_VERSION
+from cubeaccel.protocol.reports import GuestReport, ProbeResult
 
 
 def build_report(spec: ProbeSpec, ctx: ProbeContext) -> GuestReport:

@@ -15,7 +15,7 @@ import struct
 from dataclasses import replace
 from pathlib import Path
 
-from cubeaccel.model.agent_messages import ReseedResult
+from cubeaccel.protocol.agent_messages import ReseedResult
 
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2]): struct rand_pool_info {entropy_count, buf_size, buf[]}
 RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)

@@ -53,7 +53,7 @@ class ScrubResult:
     pages_sampled: int = 0  # read-back samples: 4 KiB pages (cuda), registers (bar)
     pages_nonzero: int = 0  # samples that did not read back as written (all of them; `mismatches` keeps 16)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self)
 
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cubeaccel.agent.protocol import DEFAULT_MAX_REQUEST_BYTES, Agent, LineFramer, encode, reply_error
-from cubeaccel.model.agent_messages import Json, ReadyEvent
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.agent_messages import Json, ReadyEvent
+from cubeaccel.protocol.errors import CubeError
 
 EOF_RETRY_S = 0.2  # poll interval while a virtio port's host side is away (EOF is always "readable")
 WRITE_TIMEOUT_S = 10.0

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from cubeaccel.model.agent_messages import bad_contract
+from cubeaccel.protocol.agent_messages import bad_contract
 
 _HEX16 = re.compile(r"(?:0x)?([0-9a-fA-F]{4})")
 _NAME = re.compile(r"[A-Za-z0-9_.+-]{1,128}")
@@ -44,6 +44,8 @@ class LibraryExpectation:
     layer: str  # which layer a failure blames
 
 
+# The agent's stdlib reading of what model/template_spec.ProbeSpec and the frozen contract say: the guest
+# cannot import model/, so it parses the same JSON itself.
 @dataclass(frozen=True)
 class ProbeSpec:
     """What the guest must show. Empty fields mean "not checked"."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from cubeaccel.agent.cuda import CallTimeout, LoadedLibrary, call_with_deadline, load_library, query_cuda, query_nvml
 from cubeaccel.agent.probes import ProbeContext, Verdict, timed
 from cubeaccel.agent.spec import LibraryExpectation, ProbeSpec, version_matches
-from cubeaccel.model.reports import CudaInfo, NvmlInfo, ProbeResult
+from cubeaccel.protocol.reports import CudaInfo, NvmlInfo, ProbeResult
 
 Libraries = dict[str, LoadedLibrary]
 

@@ -131,7 +131,7 @@ class ResetContext:
     """What the release path knows that the host does not, for the reset ladder (model/reset_ladder.py)."""
 
     unclean_exit: bool = False  # the tenant's VMM did not end cleanly (killed, or no final release report)
-    claims: Mapping[PciAddress, str] = field(default_factory=dict)  # other devices a tenant holds, and why
+    reserved: Mapping[PciAddress, str] = field(default_factory=dict)  # other devices a tenant holds, and why
 
 
 @dataclass(frozen=True)

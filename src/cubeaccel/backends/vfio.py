@@ -379,7 +379,7 @@ class VfioBackend:
             return Reached(str(address), None, "vanished")
         if address == device.address:
             return Reached(str(address), other.iommu_group)
-        busy: str | None = context.claims.get(address)
+        busy: str | None = context.reserved.get(address)
         if busy is None:
             holders = self.host.holders(address)
             if holders:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cubeaccel.host.pci.base import PciFunction
 from cubeaccel.model.device import AcceleratorClass
-from cubeaccel.model.errors import invalid
+from cubeaccel.protocol.errors import invalid
 
 _SPEC = re.compile(r"([0-9a-f]{4}|\*):([0-9a-f]{4}|\*)(?:@([0-9a-f*?:.]{1,12}))?")
 MAX_PATTERNS = 64

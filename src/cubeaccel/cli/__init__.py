@@ -36,7 +36,7 @@ def main() -> None:
     import typer
 
     from cubeaccel.cli import config, output
-    from cubeaccel.model.errors import CubeError
+    from cubeaccel.protocol.errors import CubeError
 
     try:
         argv, explicit = _pop_config(sys.argv[1:])

@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 ENV_PREFIX = "CUBEACCEL_"
 

@@ -16,8 +16,8 @@ from cubeaccel.cli.locate import CUBELET_STATE, cubelet_socket
 from cubeaccel.cli.master_access import MasterUrl, call_master
 from cubeaccel.cli.render import console, device_table, event_table
 from cubeaccel.model.bars import is_bar_size
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.transport.master_client import Calls
 from cubeaccel.transport.node_sig import TokenFile

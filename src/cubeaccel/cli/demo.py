@@ -18,9 +18,9 @@ from typing import Any
 from rich.table import Table
 
 from cubeaccel.cli.render import console, device_table, event_table
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire.cubelet_api import Device, Event
 

@@ -21,7 +21,7 @@ from cubeaccel.host.pci.readiness import Check, HostReadiness, Status, check_hos
 from cubeaccel.host.pci.sysfs import SysfsPciHost
 from cubeaccel.images.scrub_image import ScrubImages
 from cubeaccel.model.device import DiscoveredDevice
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 app = typer.Typer(no_args_is_help=True, help="host readiness and discovery (read-only)")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 app = typer.Typer(no_args_is_help=True, help="guest image: kernel, modules.img, rootfs with cube-agent")
 FlavourOption = typer.Option(

@@ -17,7 +17,7 @@ from cubeaccel.cli.master_access import (
     write_secret,
 )
 from cubeaccel.cli.render import console
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 app = typer.Typer(no_args_is_help=True, help="CubeMaster: cluster placement, templates and sandbox records.")
 

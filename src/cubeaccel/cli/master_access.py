@@ -11,7 +11,7 @@ import typer
 
 from cubeaccel.cli import output
 from cubeaccel.cli.locate import UP_STATE, up_info
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import MasterClient
 
 MasterUrl = Annotated[

@@ -19,9 +19,9 @@ from pydantic_core import to_jsonable_python
 from rich.console import Console
 from rich.text import Text
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import NodeState, SandboxState
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 
 FORMATS = ("table", "json", "yaml")
 _format = {"value": "table"}

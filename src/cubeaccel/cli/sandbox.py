@@ -21,8 +21,8 @@ from cubeaccel.cli.master_access import (
     fail,
 )
 from cubeaccel.cli.render import console
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import MasterClient
 from cubeaccel.wire.master_api import Sandbox, SandboxError, SandboxReply, StartPhase, WarmSandbox
 

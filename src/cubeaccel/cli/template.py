@@ -18,7 +18,7 @@ from rich.table import Table
 from cubeaccel.model.bars import Bar
 from cubeaccel.model.contract import ContractViolation, check_template, freeze
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.templates import load_template
 
 if TYPE_CHECKING:

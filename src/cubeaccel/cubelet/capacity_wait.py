@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from itertools import count
 
 from cubeaccel.cubelet.store import Event
-from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.event_kinds import EventKind
+from cubeaccel.protocol.errors import CubeError, conflict
 
 # The refusals a wait may outlast: free devices or free lockable memory, both of which a release gives back.
 CAPACITY_CODES = ("reserve.insufficient_devices", "reserve.pinned_memory_exhausted")

@@ -18,8 +18,8 @@ from cubeaccel.cubelet.store import Event
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model import audit_trail as A
 from cubeaccel.model.event_kinds import EventKind
-from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.model.states import DeviceEvent
+from cubeaccel.protocol.reports import ShimReportKind
 from cubeaccel.wire.scrub import RESULT_FIELDS
 
 IDENTITY = "cubelet"

@@ -18,9 +18,9 @@ from cubeaccel.backends.base import Problem
 from cubeaccel.cubelet import host_ready, memory_ledger, scrub_ready
 from cubeaccel.cubelet.capacity import SUMMARY_LABELS, capacity_summary
 from cubeaccel.cubelet.ports import HeartbeatSource
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import MasterClient
 from cubeaccel.wire.heartbeat import Heartbeat as HeartbeatBody
 from cubeaccel.wire.heartbeat import HostProblem

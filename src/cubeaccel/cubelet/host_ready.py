@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 from cubeaccel.backends.base import Backend, Problem
 from cubeaccel.cubelet.store import Store, Tx
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+from cubeaccel.protocol.errors import CubeError
 
 META_KEY = "host_readiness"
 NOT_CHECKED = Problem("host.not_checked", "host readiness has not been checked yet")

@@ -47,10 +47,8 @@ from cubeaccel.model.contract import (
     check_template,
 )
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.guest_minimal import check_minimal
-from cubeaccel.model.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams, parse_contract
 from cubeaccel.model.reservation_states import STARTED_PHASES, ReservationEvent, ReservationPhase
 from cubeaccel.model.reset_ladder import ResetAttempt
@@ -64,6 +62,8 @@ from cubeaccel.model.sandbox_policy import (
 )
 from cubeaccel.model.snapshot_layouts import template_bars
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+from cubeaccel.protocol.errors import CubeError, conflict, invalid, not_found
+from cubeaccel.protocol.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.transport.telemetry import request_id
 from cubeaccel.wire.master_api import StatusBody
 from cubeaccel.wire.reports import DeviceAttached, GuestValidated, StartFailed, VmmConfined, VmStarted

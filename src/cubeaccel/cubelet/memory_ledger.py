@@ -22,7 +22,6 @@ from typing import Any
 from cubeaccel.cubelet.store import Reservation, Tx
 from cubeaccel.host.vmm.hypervisor import detect_accel, host_cpus, numa_nodes
 from cubeaccel.host.vmm.meminfo import available_mib, memlock_limit_mib
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import (
     QEMU_LOCKED_OVERHEAD_MIB,
     QEMU_LOCKED_PER_VCPU_MIB,
@@ -33,6 +32,7 @@ from cubeaccel.model.pinned_memory import (
     vmm_locked,
 )
 from cubeaccel.model.reservation_params import ReservationParams
+from cubeaccel.protocol.errors import CubeError
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,12 @@ from typing import Any
 from cubeaccel.cubelet.ports import NetworkHost
 from cubeaccel.cubelet.store import Reservation
 from cubeaccel.host.net import netpolicy
-from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_params import NetworkRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import NetworkPolicy
 from cubeaccel.model.states import Actor
+from cubeaccel.protocol.errors import CubeError, conflict
 
 
 def _lock_key(sandbox_id: str) -> str:

@@ -8,10 +8,10 @@ from cubeaccel.cubelet.ports import OperatorHost
 from cubeaccel.cubelet.release import SCRUB_PENDING
 from cubeaccel.cubelet.scrub import ScrubPolicy, scrub_method_name, scrub_needs_vm
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import conflict, invalid, not_found
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.sanitize import leftover_tenant
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+from cubeaccel.protocol.errors import conflict, invalid, not_found
 
 
 def _audit(who: str, why: str) -> dict[str, str]:

@@ -25,10 +25,10 @@ from cubeaccel.cubelet.warm import WarmPools
 from cubeaccel.host.net import netpolicy
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.reports import ShimReport
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, ReservationParams
 from cubeaccel.model.reset_ladder import ResetAttempt
 from cubeaccel.model.sandbox_policy import NetworkPolicy
+from cubeaccel.protocol.reports import ShimReport
 
 if TYPE_CHECKING:
     from cubeaccel.cubelet.lifecycle import ReservationRequest

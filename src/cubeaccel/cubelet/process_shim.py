@@ -32,9 +32,9 @@ from cubeaccel.host.vmm.hypervisor import hotplug_paths
 from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm
 from cubeaccel.images.builder import cache_dir, cached_images, find_image, hold_image, label_of
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import MAX_IMAGES, GuestImageFact
-from cubeaccel.model.reports import ShimReport
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import ShimReport
 from cubeaccel.wire import json_guard
 from cubeaccel.wire.reports import parse_report
 from cubeaccel.wire.shim_spec import MAX_DEVICES as SHIM_MAX_DEVICES

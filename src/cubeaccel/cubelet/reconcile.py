@@ -19,11 +19,11 @@ from cubeaccel.cubelet.quarantine_retry import retry_quarantined
 from cubeaccel.cubelet.release import problem_event, record_problems
 from cubeaccel.host.net import netpolicy
 from cubeaccel.model.device import DeviceRecord, DiscoveredDevice
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.start_deadlines import startup_timeout_s
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
+from cubeaccel.protocol.errors import CubeError
 
 S, E = DeviceState, DeviceEvent
 

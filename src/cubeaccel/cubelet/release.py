@@ -44,11 +44,11 @@ from cubeaccel.host.pci.base import Holder
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.checkpoint import SandboxFailure
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.reset_ladder import ResetAttempt
 from cubeaccel.model.states import TENANT_STATES, Actor, DeviceEvent, DeviceState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import StatusBody
 
 S, E = DeviceState, DeviceEvent
@@ -541,12 +541,12 @@ class ReleasePath:
         ladder = self.capabilities.ladder
         if ladder is None:
             return self.backend.cleanup(d), None
-        claims = {
+        reserved = {
             o.address: f"{o.state.value} (sandbox {o.sandbox_id})"
             for o in self.store.devices()
             if o.id != d.id and o.state in TENANT_STATES
         }
-        result = ladder.reset_ladder(d, ResetContext(unclean_exit=unclean, claims=claims))
+        result = ladder.reset_ladder(d, ResetContext(unclean_exit=unclean, reserved=reserved))
         return result.problems, result.attempts
 
     def _reclaim_nodes(self, d: DeviceRecord) -> list[Problem]:

@@ -30,8 +30,8 @@ from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
 from cubeaccel.cubelet.status_push import StatusPush
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.service.audit import AuditLog
-from cubeaccel.model.errors import invalid
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images
+from cubeaccel.protocol.errors import invalid
 
 BACKENDS = ("simulated", "vfio", "emulated")
 SIMULATED_ALLOW = ("10de:*", "1234:11e8")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
-from cubeaccel.model.errors import invalid
 from cubeaccel.model.ids import SANDBOX_ID_RE
+from cubeaccel.protocol.errors import invalid
 
 
 def token_digest(token: str) -> str:

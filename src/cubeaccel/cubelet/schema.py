@@ -11,7 +11,7 @@ import sqlite3
 from collections.abc import Callable
 
 from cubeaccel.model.checkpoint import ReservationCheckpoint
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 SCHEMA_VERSION = 6
 

@@ -32,7 +32,7 @@ from cubeaccel.host.service.childenv import component_env
 from cubeaccel.host.vmm.vmmproc import find_shim, find_vmm, vmm_processes
 from cubeaccel.images.scrub_image import ScrubImage, ScrubImages
 from cubeaccel.model.device import AcceleratorClass, DeviceRecord
-from cubeaccel.model.errors import invalid
+from cubeaccel.protocol.errors import invalid
 from cubeaccel.wire.scrub import ScrubReport
 from cubeaccel.wire.shim_spec import SHIM_LIMITS, ShimSpec
 

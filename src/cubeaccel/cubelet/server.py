@@ -31,12 +31,12 @@ from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.host.service.throttle import Throttle
 from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.model.cold_start import cold_start_phases, start_path
-from cubeaccel.model.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
-from cubeaccel.model.errors import CubeError, invalid, not_found
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.lifecycle_ops import refuse
 from cubeaccel.model.pinned_memory import QEMU_LOCKED_PER_VCPU_MIB
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.protocol.connect_envelope import FLAG_END_STREAM, HEADER, encode_json
+from cubeaccel.protocol.errors import CubeError, invalid, not_found
 from cubeaccel.transport import node_sig, proxy
 from cubeaccel.transport.api_edges import BeforeReplyMiddleware, GateMiddleware, api_app, error_response, json_body
 from cubeaccel.transport.http_server import PEER_KEY, run_servers, server_config

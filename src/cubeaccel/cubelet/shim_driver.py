@@ -21,7 +21,7 @@ from cubeaccel.host.pci.simulated import SimulatedPciHost
 from cubeaccel.model.device import PciAddress
 from cubeaccel.model.guest_checks import min_driver_api
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI, GuestImageFact, pinned_image
-from cubeaccel.model.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, ShimReport
+from cubeaccel.protocol.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, ShimReport
 from cubeaccel.wire.reports import (
     AttachFailed,
     DetachTimeout,

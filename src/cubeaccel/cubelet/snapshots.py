@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.snapshot_layouts import snapshot_layouts
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.snapshot import SnapshotPlan
 
 if TYPE_CHECKING:

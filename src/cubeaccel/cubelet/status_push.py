@@ -17,7 +17,7 @@ from collections.abc import Callable
 import httpx
 from pydantic import ValidationError
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import MasterClient
 from cubeaccel.wire.master_api import StatusBody
 

@@ -26,11 +26,11 @@ from cubeaccel.model.device import (
     DiscoveredDevice,
     PciAddress,
 )
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase, next_phase
 from cubeaccel.model.states import Actor, DeviceEvent, DeviceState, transition
+from cubeaccel.protocol.errors import CubeError
 
 
 class StaleRecord(CubeError):
@@ -51,13 +51,13 @@ class Event:
     reason: str | None
     details: dict[str, Any]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 
 @dataclass
 class Reservation:
-    """A sandbox's claim on devices; `checkpoint` is what Cubelet recorded about its start and release."""
+    """A sandbox's reservation of devices; `checkpoint` is what Cubelet recorded about its start and release."""
 
     sandbox_id: str
     params: ReservationParams

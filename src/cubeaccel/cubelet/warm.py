@@ -35,11 +35,11 @@ from cubeaccel.cubelet.release import CubeletConfig
 from cubeaccel.cubelet.sandbox_ids import token_digest, validate_sandbox_id
 from cubeaccel.cubelet.shim_driver import ShimDriver
 from cubeaccel.cubelet.store import Reservation, Store, Tx
-from cubeaccel.model.errors import CubeError, conflict
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_params import ReservationParams
 from cubeaccel.model.reservation_states import ReservationEvent, ReservationPhase
 from cubeaccel.model.states import Actor
+from cubeaccel.protocol.errors import CubeError, conflict
 from cubeaccel.wire.warm import WARM_ID_PREFIX, ShimClaim, ShimClaimAck, WarmPoolSetting, WarmPoolView, WarmSettings
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from urllib.parse import unquote
 from cubeaccel.fleet import replies
 from cubeaccel.fleet.http import Request
 from cubeaccel.fleet.journal import NodeJournal
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport import node_sig
 
 PARAM_KEYS = ("class", "count", "labels", "lifetime_s", "memory_mib", "pin_memory", "template", "tenant", "vcpus")

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.model.errors import conflict, not_found
 from cubeaccel.model.reservation_states import ReservationPhase
+from cubeaccel.protocol.errors import conflict, not_found
 
 
 @dataclass

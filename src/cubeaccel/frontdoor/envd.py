@@ -36,10 +36,10 @@ from starlette.types import Receive, Scope, Send
 
 from cubeaccel.frontdoor.mapping import ENVD_PORT, LIVE, Refusal, envd_token, traffic_token
 from cubeaccel.frontdoor.master import FrontDoorMaster
-from cubeaccel.model import connect_envelope
-from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.sandbox_states import ENDED_STATES
+from cubeaccel.protocol import connect_envelope
+from cubeaccel.protocol.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.transport import proxy
 from cubeaccel.transport.master_client import Calls
 from cubeaccel.wire.e2b_api import GuestMetrics

@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from cubeaccel.frontdoor.envd import PORT_UPGRADE, EnvdProxy, envd_error
 from cubeaccel.frontdoor.errors import edge_error, error
 from cubeaccel.frontdoor.mapping import ENVD_PORT, Refusal
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.http_server import MAX_HEADER_BYTES, headers_too_large
 from cubeaccel.wire.e2b_api import Error
 

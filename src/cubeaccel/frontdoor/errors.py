@@ -8,8 +8,8 @@ from starlette.responses import JSONResponse, Response
 
 from cubeaccel.frontdoor import mapping as M
 from cubeaccel.frontdoor.mapping import Refusal
-from cubeaccel.model.error_catalog import http_status
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.error_catalog import http_status
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.e2b_api import Error
 
 

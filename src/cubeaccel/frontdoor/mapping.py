@@ -30,6 +30,7 @@ DEFAULT_TIMEOUT_S = 300  # E2B's lifetime for a create that names none (not Cube
 E2B_DEFAULT_TEMPLATE = "base"  # what the SDK sends when the caller names no template (examples/templates/base.yaml)
 
 
+# An E2B-format error to raise; model/sandbox_policy.Refusal is a policy check's finding.
 class Refusal(Exception):
     """An answer in E2B's error format: status, message, and whether the SDK may retry."""
 

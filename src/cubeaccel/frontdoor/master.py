@@ -9,7 +9,7 @@ import httpx
 from pydantic import ValidationError
 
 from cubeaccel.frontdoor.mapping import Refusal, refusal_from_master
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.http_reply import UNREADABLE_ERROR
 from cubeaccel.transport.master_client import AsyncMasterClient, Call, Calls, ReplyT
 

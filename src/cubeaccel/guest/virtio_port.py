@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 __all__ = ["open_port", "resolve_port"]
 

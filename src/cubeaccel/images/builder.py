@@ -26,7 +26,7 @@ from cubeaccel.images.nvidia import NVIDIA
 from cubeaccel.images.packages import HOST_APT, Apt
 from cubeaccel.images.userland import USERLAND
 from cubeaccel.images.vendor import StackInputs, VendorBuild, VendorStack
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 STACKS: dict[str, VendorStack] = {NVIDIA.name: NVIDIA}  # `cubeaccel image build --vendor NAME`
 FLAVOURS: dict[str, Flavour] = {f.name: f for f in (VALIDATION, USERLAND)}  # `--flavour NAME`

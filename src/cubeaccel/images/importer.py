@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.images.manifest import Manifest, pin_template_document, pinned_paths
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 _LAYER_OF = {"image": "template", "kernel": "guest_kernel", "modules_img": "modules_img", "driver": "kernel_driver"}
 

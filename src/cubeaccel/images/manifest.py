@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.images.vendor import VendorBuild
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact
+from cubeaccel.protocol.errors import CubeError
 
 FORMAT = 1
 
@@ -78,7 +78,7 @@ class Manifest:
         except OSError:
             return 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "format": FORMAT,
             "key": self.key,

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 KERNEL_META = "linux-image-amd64"
 _KERNEL_PKG = re.compile(r"linux-image-(\d+\.\d+\.\d+-\d+-amd64)")

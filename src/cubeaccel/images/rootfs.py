@@ -3,8 +3,8 @@
 Built from extracted Debian packages (no debootstrap): busybox-static provides the shell and `modprobe`; python
 comes from python3.11-minimal and libpython3.11-stdlib plus the shared libraries their core modules need. Bytecode
 is compiled once here with the guest's own interpreter (unchecked-hash pycs), because compiling the stdlib on every
-boot under TCG costs seconds. cube-agent and cube-workload (`src/cubeaccel/{agent,workload,guest,model}`) live in
-/opt/cubeaccel. bash and coreutils are there because the E2B SDK runs every command as `/bin/bash -l -c CMD`;
+boot under TCG costs seconds. cube-agent and cube-workload (`src/cubeaccel/{agent,workload,guest,protocol,model}`)
+live in /opt/cubeaccel. bash and coreutils are there because the E2B SDK runs every command as `/bin/bash -l -c CMD`;
 `/etc/passwd` names `root` and `user` (envd's default user), each with a home.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 from cubeaccel.images import packages
 from cubeaccel.images.packages import image_error
-from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
-from cubeaccel.model.mux import WORKLOAD_PORT_NAME
+from cubeaccel.protocol.agent_protocol import AGENT_PORT_NAME
+from cubeaccel.protocol.mux import WORKLOAD_PORT_NAME
 
 ROOTFS_PACKAGES = (
     "busybox-static",
@@ -278,8 +278,10 @@ def install_busybox(root: Path) -> None:
     init.chmod(0o755)
 
 
-# What of cubeaccel runs in the guest (stdlib only; layering contracts in pyproject.toml keep it so).
-GUEST_SOURCE_PACKAGES = ("agent", "workload", "guest", "model")
+# What of cubeaccel runs in the guest (stdlib only; layering contracts in pyproject.toml keep it so). The agent
+# imports only `protocol`; `model` rides along because the agent runs the host's own contract judge when a probe
+# carries a whole contract (agent/report.py loads `model.contract` by name and reports "unavailable" without it).
+GUEST_SOURCE_PACKAGES = ("agent", "workload", "guest", "protocol", "model")
 
 
 def install_agent(root: Path, src_pkg: Path) -> None:

@@ -29,8 +29,8 @@ from cubeaccel.host.service.throttle import Throttle
 from cubeaccel.master import schema as S
 from cubeaccel.master.records import Quota
 from cubeaccel.master.store import MasterStore
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE, tenant_sandbox_prefix, unkeyed_tenant_sandbox_prefix
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport import node_sig
 from cubeaccel.wire.master_api import KeyRow, QuotaShown, TenantRow
 

@@ -81,21 +81,21 @@ class NodeCache:
         with self._lock:
             self._loaded_at = 0.0
 
-    def note_claim(self, node: str, group_key: str, count: int, pinned_mib: int = 0) -> None:
+    def note_admitted(self, node: str, group_key: str, count: int, pinned_mib: int = 0) -> None:
         """Our own claim, visible to this replica's next decisions before the next reload."""
         with self._lock:
             try:
                 v = self._index.view(node)
             except KeyError:
                 return
-            claims = {**v.claims, group_key: v.claims.get(group_key, 0) + count}
-            self._index.set_claims(node, claims, v.memory_claims_mib + pinned_mib)
+            admitted = {**v.admitted, group_key: v.admitted.get(group_key, 0) + count}
+            self._index.set_admitted(node, admitted, v.admitted_memory_mib + pinned_mib)
 
     def _reload(self) -> None:
         old = {v.name: v for v in self._index.views()}
         known = {name: (v.received_at, v.state) for name, v in old.items()}
         changed, names = self.store.node_views(known)
-        as_of = self.store.claims_as_of()
+        as_of = self.store.admitted_as_of()
         warm = self.store.warm_claimed()
         fresh = {name: old[name] for name in names if name in old}
         for v in changed:  # unchanged views keep their contract and device memos
@@ -108,23 +108,23 @@ class NodeCache:
         for p in self.store.placements(torn) if torn else []:
             placed[p.node].append(p)
 
-        def claims_of(v: NodeView) -> tuple[dict[str, int], int]:
+        def admitted_of(v: NodeView) -> tuple[dict[str, int], int]:
             if v.name in placed:
-                return unseen_claims(placed[v.name], v.sent_at)
+                return unseen_admitted(placed[v.name], v.sent_at)
             c = as_of[v.name]
             return c.devices, c.memory_mib
 
         for v in changed:
-            v.claims, v.memory_claims_mib = claims_of(v)
+            v.admitted, v.admitted_memory_mib = admitted_of(v)
         self._index.replace_all(fresh.values())
         self._by_url = {v.cubelet_url: v.name for v in fresh.values()}
         for name, v in fresh.items():
-            self._index.set_claims(name, *claims_of(v))
+            self._index.set_admitted(name, *admitted_of(v))
             v.warm_claimed = warm.get(name, frozenset())
         self._loaded_at = time.monotonic()
 
 
-def unseen_claims(placements: Sequence[Placement], sent_at: float) -> tuple[dict[str, int], int]:
+def unseen_admitted(placements: Sequence[Placement], sent_at: float) -> tuple[dict[str, int], int]:
     """Devices per group key and MiB of lockable memory placed on a node that its summary sent at `sent_at`
     cannot show."""
     devices: dict[str, int] = {}

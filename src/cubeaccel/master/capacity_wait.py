@@ -19,7 +19,7 @@ from itertools import count
 
 from cubeaccel.master.scheduler import Decision
 from cubeaccel.master.view import Group, NodeView
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 # A Cubelet's refusals that say its capacity is taken or in motion, not that the request cannot fit there.
 CAPACITY_REFUSALS = ("reserve.insufficient_devices", "reserve.pinned_memory_exhausted")

@@ -20,8 +20,8 @@ from pydantic import ValidationError
 from cubeaccel.master.node_truth import silent_nodes
 from cubeaccel.master.service import CubeMaster, sandbox_record
 from cubeaccel.master.warm import warm_rows
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.master_api import NodeSummary, Sandbox
 
 CACHE_S = 0.25  # viewers polling together share one fan-out

@@ -12,9 +12,9 @@ Entries are also split by the node's boot facts (backends, guest images, hot-plu
 and by the power of two of its free lockable memory, so a contract (or a count) a whole class of nodes cannot meet
 skips their entries in one step: otherwise the nodes no template fits would stay at the front of the packing order
 and every decision would walk over them. Entries change only when a node's view (heartbeat, operator state) or
-its claims change; `NodeCache` makes those calls. Draining and not-ready nodes have no entries; staleness depends
-on the clock, so it is checked while merging. A refusal still runs the thorough `explain` over every view, so its
-reasons are the same.
+what was admitted on it changes; `NodeCache` makes those calls. Draining and not-ready nodes have no entries;
+staleness depends on the clock, so it is checked while merging. A refusal still runs the thorough `explain` over
+every view, so its reasons are the same.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class NodeIndex:
         return len(self._views)
 
     def put(self, view: NodeView) -> None:
-        """A new or changed view (its claims already attached)."""
+        """A new or changed view (what was admitted already attached)."""
         self._drop_entries(view.name)
         self._views[view.name] = view
         self._add_entries(view)
@@ -84,16 +84,16 @@ class NodeIndex:
         self._drop_entries(name)
         self._views.pop(name, None)
 
-    def set_claims(self, name: str, claims: Mapping[str, int], memory_mib: int) -> None:
+    def set_admitted(self, name: str, admitted: Mapping[str, int], memory_mib: int) -> None:
         """Claims changed the node's free counts (memory claims only feed the contract check, not the order)."""
         v = self._views.get(name)
         if v is None:
             return
         bits = v.free_pinnable_mib().bit_length()
-        v.memory_claims_mib = memory_mib
-        if v.claims == claims and v.free_pinnable_mib().bit_length() == bits:
+        v.admitted_memory_mib = memory_mib
+        if v.admitted == admitted and v.free_pinnable_mib().bit_length() == bits:
             return
-        v.claims = dict(claims)
+        v.admitted = dict(admitted)
         self._drop_entries(name)
         self._add_entries(v)
 

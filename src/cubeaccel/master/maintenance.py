@@ -26,7 +26,6 @@ import httpx
 from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.service import START_FAILED, CubeMaster, sandbox_error
 from cubeaccel.master.warm_versions import superseded, versions_of
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.event_kinds import EventKind
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import (
@@ -37,6 +36,7 @@ from cubeaccel.model.sandbox_states import (
     SandboxEvent,
     SandboxState,
 )
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import Failure, Reservation

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 
 
@@ -116,9 +116,11 @@ class SandboxRow:
 JSON_NULLABLE = frozenset({"contract", "error"})
 
 
+# Not model/sandbox_policy.Refusal (one policy check's expected/found) nor frontdoor/mapping.Refusal (an E2B
+# error answer): a keyed create's stored CubeError.
 @dataclass(frozen=True)
 class Refusal:
-    """The CubeError a keyed create was refused with, kept on its idempotency claim to answer a retry."""
+    """The CubeError a keyed create was refused with, kept on its idempotency record to answer a retry."""
 
     code: str
     layer: str
@@ -133,7 +135,7 @@ class Refusal:
     def from_json(cls, d: Mapping[str, Any]) -> Refusal:
         return cls(str(d["code"]), str(d["layer"]), str(d["message"]), dict(d.get("details") or {}))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         """As `CubeError.to_json()["error"]`, which is what the column always held."""
         return {"code": self.code, "layer": self.layer, "message": self.message, "details": self.details}
 
@@ -143,8 +145,8 @@ class Refusal:
 
 
 @dataclass(frozen=True)
-class IdempotencyClaim:
-    """One row of `idempotency`: a keyed create's claim, and its refusal once it was refused."""
+class IdempotencyRecord:
+    """One row of `idempotency`: a keyed create's record, and its refusal once it was refused."""
 
     tenant: str
     idempotency_key: str
@@ -154,7 +156,7 @@ class IdempotencyClaim:
     created_at: float
 
     @classmethod
-    def from_columns(cls, c: Mapping[str, Any]) -> IdempotencyClaim:
+    def from_columns(cls, c: Mapping[str, Any]) -> IdempotencyRecord:
         refusal = c["refusal"]
         return cls(
             tenant=c["tenant"],
@@ -201,7 +203,7 @@ class SandboxChange:
     to_state: str
     phase: str | None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "sandbox_id": self.sandbox_id,
             "event": self.event,
@@ -223,7 +225,7 @@ class Quota:
     max_lifetime_s: float | None = None
     default_lifetime_s: float | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "max_sandboxes": self.max_sandboxes,
             "max_accelerators": dict(self.max_accelerators),

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 from cubeaccel.master.records import TemplateRecord
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.contract import CompatibilityContract, Template, check_template, freeze
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import validate_class
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.templates import parse_template
 

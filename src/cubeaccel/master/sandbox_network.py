@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from cubeaccel.master.records import SandboxRow
 from cubeaccel.model.contract import CompatibilityContract
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import NetworkPolicy, narrow_network
 from cubeaccel.model.sandbox_states import SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.sandbox_timeline import NetworkSet
 

@@ -23,10 +23,10 @@ from cubeaccel.master.index import Entry, NodeIndex, Slot, facts_key
 from cubeaccel.master.selector import Selector
 from cubeaccel.master.view import Group, NodeView, group_key
 from cubeaccel.model.contract import CompatibilityContract, NodeSummary, check_node, label_mismatch
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice
 from cubeaccel.model.sandbox_states import NodeState
 from cubeaccel.model.template_spec import NO_ACCELERATOR
+from cubeaccel.protocol.errors import CubeError
 
 # check_node's codes → the scheduler's reason names (the layer stays in the detail)
 CONTRACT_REASONS = {
@@ -62,7 +62,7 @@ class Candidate:
     group: Group
     score: tuple[float, ...]  # larger is better
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"node": self.node.name, "group": dict(self.group.labels), "score": list(self.score)}
 
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from cel_expr_python import cel  # type: ignore[import-untyped]
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 _ENV_LOCK = threading.Lock()
 _ENV: cel.Env | None = None

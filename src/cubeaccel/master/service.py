@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from cubeaccel.master.auth import Auth
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.capacity_wait import CAPACITY_REFUSALS, ArrivalQueue, Turn, returning, returning_groups
-from cubeaccel.master.records import IdempotencyClaim, Refusal, SandboxRow
+from cubeaccel.master.records import IdempotencyRecord, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
@@ -36,11 +36,11 @@ from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmAsk, WarmCandida
 from cubeaccel.master.warm import candidates as warm_candidates
 from cubeaccel.master.warm import refilling as warm_refilling
 from cubeaccel.model.contract import CompatibilityContract
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.request import AcceleratorChoice, AcceleratorRequest
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_policy import narrow_network
 from cubeaccel.model.sandbox_states import PLACEMENT_STATES, SandboxActor, SandboxEvent, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.cubelet_api import Failure, ReservationBody, ReservationView
@@ -206,7 +206,7 @@ class CubeMaster:
             "vcpus": spec.vcpus,
             "timeout_s": spec.timeout_s,
         }
-        # Only when given, so the records (and idempotency claims) of creates without them keep their shape.
+        # Only when given, so the records (and idempotency records) of creates without them keep their shape.
         if spec.metadata:
             normalized["metadata"] = dict(spec.metadata)
         if spec.env_vars:
@@ -238,7 +238,7 @@ class CubeMaster:
         try:
             return self._place(sid, spec, resolved), True
         except BaseException as e:
-            # A refused create leaves no record behind, but its idempotency claim keeps the refusal for a retry.
+            # A refused create leaves no record behind, but its idempotency record keeps the refusal for a retry.
             # A create that died after its claim may have left a reservation on the Cubelet: with no record,
             # the next reconcile releases it there.
             self.store.refuse_create(sid, Refusal.of(e) if isinstance(e, CubeError) else None)
@@ -251,10 +251,10 @@ class CubeMaster:
         placing waits for that outcome rather than answer with a record that a refusal is about to delete."""
         deadline = time.monotonic() + self.config.placement_stale_s
         while True:
-            kind, existing = self.store.claim_sandbox(row)
+            kind, existing = self.store.insert_or_existing(row)
             if kind == "inserted":
                 return None
-            if isinstance(existing, IdempotencyClaim):  # refused
+            if isinstance(existing, IdempotencyRecord):  # refused
                 assert existing.refusal is not None
                 self._same_request(existing.request.model_dump(mode="json"), existing.sandbox_id, row)
                 raise existing.refusal.replayed()
@@ -398,7 +398,7 @@ class CubeMaster:
                 tried.add((cand.node.name, cand.group.key))
                 t = decision.contract.template
                 pinned = cand.node.locked_mib(t.memory_mib, spec.vcpus, t.pin_memory)
-                if not self.store.claim(
+                if not self.store.admit(
                     sid,
                     cand.node.name,
                     cand.group.key,
@@ -412,7 +412,7 @@ class CubeMaster:
                 ):
                     lost += 1
                     continue  # another placement got there first; not a Cubelet attempt
-                self.cache.note_claim(cand.node.name, cand.group.key, decision.choice.count, pinned)
+                self.cache.note_admitted(cand.node.name, cand.group.key, decision.choice.count, pinned)
                 self.store.update_sandbox(
                     sid,
                     "scheduled",

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from cubeaccel.host.service.private import private_file
 from cubeaccel.master import schema as S
 from cubeaccel.master.records import (
-    IdempotencyClaim,
+    IdempotencyRecord,
     Quota,
     Refusal,
     SandboxChange,
@@ -28,7 +28,6 @@ from cubeaccel.master.records import (
     WarmClaim,
 )
 from cubeaccel.master.view import NodeView, view_from_heartbeat
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_states import (
     HELD_STATES,
     NODE_MACHINE,
@@ -41,11 +40,12 @@ from cubeaccel.model.sandbox_states import (
     SandboxState,
 )
 from cubeaccel.model.states import Actor
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.base import Record
 
 SS = SandboxState
-ClaimKind = Literal["inserted", "sandbox", "refused", "retry"]
+InsertOutcome = Literal["inserted", "sandbox", "refused", "retry"]
 
 
 def _row(r: sa.Row[Any]) -> SandboxRow:
@@ -167,12 +167,12 @@ class MasterStore:
             url = c.execute(sa.select(S.nodes.c.cubelet_url).where(S.nodes.c.name == name)).scalar()
         return None if url is None else str(url)
 
-    def claims(self) -> dict[str, dict[str, int]]:
+    def admitted(self) -> dict[str, dict[str, int]]:
         with self.tx() as c:
-            return _claims(c, None)
+            return _admitted(c, None)
 
-    def claims_as_of(self) -> dict[str, NodeClaims]:
-        """Per node, what `claims()` and `memory_claims()` give, with the summary's `sent_at` they were derived
+    def admitted_as_of(self) -> dict[str, NodeAdmitted]:
+        """Per node, what `admitted()` and `admitted_memory()` give, with the summary's `sent_at` they were derived
         against: one statement, so each node's claims and that `sent_at` describe the same heartbeat."""
         s, n = S.sandboxes, S.nodes
         q = (
@@ -180,10 +180,10 @@ class MasterStore:
             .select_from(n.outerjoin(s, sa.and_(s.c.node == n.c.name, _unseen())))
             .group_by(n.c.name, n.c.sent_at, s.c.group_key)
         )
-        out: dict[str, NodeClaims] = {}
+        out: dict[str, NodeAdmitted] = {}
         with self.tx() as c:
             for name, sent_at, key, count, pinned in c.execute(q):
-                entry = out.setdefault(name, NodeClaims(sent_at))
+                entry = out.setdefault(name, NodeAdmitted(sent_at))
                 if key is not None and count:
                     entry.devices[key] = int(count)
                 entry.memory_mib += int(pinned or 0)
@@ -204,10 +204,10 @@ class MasterStore:
                 for node, key, count, pinned, state, created in c.execute(q)
             ]
 
-    def memory_claims(self) -> dict[str, int]:
+    def admitted_memory(self) -> dict[str, int]:
         """Per node, MiB of lockable memory placed that its last heartbeat cannot show yet."""
         with self.tx() as c:
-            return _memory_claims(c, None)
+            return _admitted_memory(c, None)
 
     def deleting_devices(self) -> dict[str, dict[str, int]]:
         """node → group key → devices of sandboxes being deleted, or deleted after the node's last heartbeat
@@ -228,13 +228,13 @@ class MasterStore:
 
     def all_node_views(self) -> list[NodeView]:
         views, _ = self.node_views()
-        claims, memory = self.claims(), self.memory_claims()
+        admitted, memory = self.admitted(), self.admitted_memory()
         for v in views:
-            v.claims = claims.get(v.name, {})
-            v.memory_claims_mib = memory.get(v.name, 0)
+            v.admitted = admitted.get(v.name, {})
+            v.admitted_memory_mib = memory.get(v.name, 0)
         return views
 
-    def claim(
+    def admit(
         self,
         sandbox_id: str,
         node: str,
@@ -261,13 +261,13 @@ class MasterStore:
                 return False
             view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
             group = next((g for g in view.groups if g.key == group_key), None)
-            claimed = _claims(c, node).get(node, {}).get(group_key, 0)
-            if count > 0 and (group is None or group.allocatable + returning - claimed < count):
+            admitted = _admitted(c, node).get(node, {}).get(group_key, 0)
+            if count > 0 and (group is None or group.allocatable + returning - admitted < count):
                 return False  # a CPU-only placement (count 0) takes no device: only memory and quota decide
-            if pinned_mib and view.pinnable_memory_mib - _memory_claims(c, node).get(node, 0) < pinned_mib:
+            if pinned_mib and view.pinnable_memory_mib - _admitted_memory(c, node).get(node, 0) < pinned_mib:
                 return False
             values = {"node": node, "group_key": group_key, "count": count, "pinned_mib": pinned_mib}
-            return _claim_row(c, sandbox_id, tenant, now, accel_class=accel_class, **values)
+            return _placement_row(c, sandbox_id, tenant, now, accel_class=accel_class, **values)
 
     def claim_warm(
         self,
@@ -305,7 +305,7 @@ class MasterStore:
             if not free:
                 return None
             values = {"node": node, "group_key": group_key, "count": count, "pinned_mib": pinned_mib}
-            if not _claim_row(c, sandbox_id, tenant, now, accel_class=accel_class, warm_id=free[0], **values):
+            if not _placement_row(c, sandbox_id, tenant, now, accel_class=accel_class, warm_id=free[0], **values):
                 return None
             c.execute(wc.insert().values(node=node, warm_id=free[0], sandbox_id=sandbox_id, pool=pool, claimed_at=now))
             return free[0]
@@ -410,13 +410,13 @@ class MasterStore:
     # ---- sandboxes --------------------------------------------------------------------------------
     def insert_sandbox(self, row: SandboxRow) -> SandboxRow | None:
         """Insert; on a duplicate id or (tenant, idempotency key) return the existing record instead."""
-        _, existing = self.claim_sandbox(row)
+        _, existing = self.insert_or_existing(row)
         return existing if isinstance(existing, SandboxRow) else None
 
-    def claim_sandbox(self, row: SandboxRow) -> tuple[ClaimKind, SandboxRow | IdempotencyClaim | None]:
-        """Insert the record and, with a key, its idempotency claim, in one transaction. Returns
+    def insert_or_existing(self, row: SandboxRow) -> tuple[InsertOutcome, SandboxRow | IdempotencyRecord | None]:
+        """Insert the record and, with a key, its idempotency record, in one transaction. Returns
         ("inserted", None); ("sandbox", existing) on a duplicate id or key whose record exists;
-        ("refused", claim) when the keyed create was refused (its claim holds the refusal); or ("retry", None)
+        ("refused", record) when the keyed create was refused (its record holds the refusal); or ("retry", None)
         when the row that conflicted is gone (a refusal deleted it between our insert and our look)."""
         key = row.idempotency_key
         try:
@@ -437,27 +437,27 @@ class MasterStore:
         except sa.exc.IntegrityError:
             pass
         if key:
-            claim = self.idempotency_claim(row.tenant, key)
-            if claim is not None:
-                if claim.refusal is not None:
-                    return "refused", claim
-                existing = self.sandbox(claim.sandbox_id)
+            record = self.idempotency_record(row.tenant, key)
+            if record is not None:
+                if record.refusal is not None:
+                    return "refused", record
+                existing = self.sandbox(record.sandbox_id)
                 if existing is not None:
                     return "sandbox", existing
         existing = self.sandbox(row.id)
         return ("sandbox", existing) if existing is not None else ("retry", None)
 
-    def idempotency_claim(self, tenant: str, key: str) -> IdempotencyClaim | None:
+    def idempotency_record(self, tenant: str, key: str) -> IdempotencyRecord | None:
         with self.tx() as c:
             r = c.execute(
                 sa.select(S.idempotency).where(S.idempotency.c.tenant == tenant, S.idempotency.c.idempotency_key == key)
             ).first()
-        return None if r is None else IdempotencyClaim.from_columns(dict(r._mapping))
+        return None if r is None else IdempotencyRecord.from_columns(dict(r._mapping))
 
     def refuse_create(self, sandbox_id: str, refusal: Refusal | None) -> None:
         """A create that failed before its sandbox existed anywhere: delete its row (while a create still owns
-        it) and, in the same transaction, record the refusal on its idempotency claim — or, with no refusal to
-        replay (the create died of something else), drop the claim so a retry places afresh."""
+        it) and, in the same transaction, record the refusal on its idempotency record — or, with no refusal to
+        replay (the create died of something else), drop the record so a retry places afresh."""
         with self.tx() as c:
             gone = c.execute(
                 S.sandboxes.delete().where(
@@ -467,11 +467,11 @@ class MasterStore:
             ).rowcount
             if not gone:
                 return
-            claims = S.idempotency.c.sandbox_id == sandbox_id
+            keyed = S.idempotency.c.sandbox_id == sandbox_id
             if refusal is None:
-                c.execute(S.idempotency.delete().where(claims))
+                c.execute(S.idempotency.delete().where(keyed))
             else:
-                c.execute(S.idempotency.update().where(claims).values(refusal=refusal.to_json()))
+                c.execute(S.idempotency.update().where(keyed).values(refusal=refusal.to_json()))
 
     def sandbox(self, sandbox_id: str) -> SandboxRow | None:
         with self.tx() as c:
@@ -548,7 +548,7 @@ class MasterStore:
         return True
 
 
-def _claim_row(
+def _placement_row(
     c: sa.Connection, sandbox_id: str, tenant: str | None, now: float, *, accel_class: str | None, **values: Any
 ) -> bool:
     """The placement's claim, cold or warm: the tenant's quota checked, then the row's CAS from a state the
@@ -606,7 +606,7 @@ def _quota(code: str, tenant: str, what: str, limit: int, used: int, asked: int)
 
 
 @dataclass
-class NodeClaims:
+class NodeAdmitted:
     sent_at: float  # of the summary these claims are relative to
     devices: dict[str, int] = field(default_factory=dict)  # group key -> devices
     memory_mib: int = 0
@@ -641,7 +641,7 @@ def _unseen() -> sa.ColumnElement[bool]:
     return sa.and_(placed, s.c.warm_id.is_(None))  # a warm claim's devices and memory were held before it
 
 
-def _memory_claims(c: sa.Connection, node: str | None) -> dict[str, int]:
+def _admitted_memory(c: sa.Connection, node: str | None) -> dict[str, int]:
     s, n = S.sandboxes, S.nodes
     q = (
         sa.select(s.c.node, sa.func.sum(s.c.pinned_mib))
@@ -654,7 +654,7 @@ def _memory_claims(c: sa.Connection, node: str | None) -> dict[str, int]:
     return {name: int(total) for name, total in c.execute(q)}
 
 
-def _claims(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
+def _admitted(c: sa.Connection, node: str | None) -> dict[str, dict[str, int]]:
     """Devices placed or being placed that the node's last summary (sent at `sent_at`) cannot show."""
     s, n = S.sandboxes, S.nodes
     unseen = _unseen()

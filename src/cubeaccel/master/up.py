@@ -30,10 +30,10 @@ import httpx
 from cubeaccel.host.pci.procfs import start_time
 from cubeaccel.host.service.childenv import component_env
 from cubeaccel.host.vmm.hypervisor import detect_accel, find_qemu
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_states import ReservationPhase
 from cubeaccel.model.sandbox_states import SandboxState
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.master_client import Calls, MasterClient
 from cubeaccel.wire.templates import loads_document
 

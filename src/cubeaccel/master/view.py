@@ -1,8 +1,9 @@
 """CubeMaster's picture of a node, built from its latest heartbeat: summaries only, never device state.
 
-A `NodeView` is immutable apart from two memo dicts; a new heartbeat makes a new view. Pending claims
-(placements this cluster made that the node's last summary cannot show yet) are kept beside it, so
-"free" is always derived: summary allocatable minus claims, never a counter kept in sync.
+A `NodeView` is immutable apart from two memo dicts; a new heartbeat makes a new view. What was admitted
+(placements this cluster made that the node's last summary cannot show yet; `claimed` in the API's JSON, a public
+name kept) is kept beside it, so "free" is always derived: summary allocatable minus admitted, never a counter kept
+in sync.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from urllib.parse import urlsplit
 from pydantic import ValidationError
 
 from cubeaccel.model.contract import ContractViolation
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import GuestImageFact
 from cubeaccel.model.pinned_memory import sandbox_locked_mib
 from cubeaccel.model.profiles import PROFILES
 from cubeaccel.model.sandbox_states import NodeState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.capacity import CapacityGroup
+from cubeaccel.wire.cubelet_api import HostProblem
 from cubeaccel.wire.heartbeat import Heartbeat
 from cubeaccel.wire.warm import WarmPoolFact
 
@@ -59,14 +61,14 @@ class NodeView:
     guest_images: tuple[GuestImageFact, ...]  # what the node can boot; empty: nothing (every template refused)
     hotplug: frozenset[str]  # hot-plug paths of the node's VMM; empty: hot-plug templates refused
     groups: tuple[Group, ...]
-    claims: dict[str, int] = field(default_factory=dict)  # group key → devices claimed, not yet in summary
+    admitted: dict[str, int] = field(default_factory=dict)  # group key → devices admitted, not yet in summary
     contract_memo: dict[str, list[ContractViolation]] = field(default_factory=dict)
     device_memo: dict[tuple[str, str], bool] = field(default_factory=dict)
     # Host readiness as the Cubelet last checked it (`ready`, `host_problems`); absent in a heartbeat: ready.
     host_ready: bool = True
     host_problems: tuple[tuple[str, str], ...] = ()  # (code, message)
     pinned: Mapping[str, Any] = field(default_factory=dict)  # the heartbeat's `pinned_memory` ledger, as sent
-    memory_claims_mib: int = 0  # MiB to be locked by placements the last heartbeat cannot show yet
+    admitted_memory_mib: int = 0  # MiB to be locked by placements the last heartbeat cannot show yet
     max_devices: int | None = None  # per sandbox, as the Cubelet advertised it; None: an older Cubelet, not said
     warm_pools: tuple[WarmPoolFact, ...] = ()  # docs/warm.md: shape, counts, the ids ready to claim
     warm_claimed: frozenset[str] = frozenset()  # warm ids this cluster's claim rows hold (not offered again)
@@ -74,11 +76,11 @@ class NodeView:
     reserve_waits: bool = False  # its reserve waits for devices coming back when asked (`capacity_wait_s`)
 
     def free(self, g: Group) -> int:
-        return g.allocatable - self.claims.get(g.key, 0)
+        return g.allocatable - self.admitted.get(g.key, 0)
 
     def free_pinnable_mib(self) -> int:
         """Free lockable memory: the heartbeat's, minus what this cluster placed since (as `free` for devices)."""
-        return max(0, self.pinnable_memory_mib - self.memory_claims_mib)
+        return max(0, self.pinnable_memory_mib - self.admitted_memory_mib)
 
     def locked_mib(self, memory_mib: int, vcpus: int, pin_memory: bool) -> int:
         """What a sandbox would take from this node's lockable memory, with the node's own VMM overhead."""
@@ -125,11 +127,11 @@ class NodeView:
             state="stale" if stale else NodeState(self.state),
             schedulable=self.state == NodeState.READY and self.host_ready and not stale,
             ready=self.host_ready,
-            host_problems=[W.HostProblem(code=c, message=m) for c, m in self.host_problems],
+            host_problems=[HostProblem(code=c, message=m) for c, m in self.host_problems],
             pinned_memory=W.PinnedMemoryShown.model_validate(
                 {
                     **self.pinned,
-                    "claimed_mib": self.memory_claims_mib,
+                    "claimed_mib": self.admitted_memory_mib,
                     "free_after_claims_mib": self.free_pinnable_mib(),
                 }
             ),
@@ -149,7 +151,7 @@ class NodeView:
                     labels=dict(g.labels),
                     total=g.total,
                     allocatable=max(0, self.free(g)),
-                    claimed=self.claims.get(g.key, 0),
+                    claimed=self.admitted.get(g.key, 0),
                     allocatable_by_numa=dict(g.by_numa),
                 )
                 for g in self.groups

@@ -72,7 +72,7 @@ class Holding:
     def covers(self, at: float) -> bool:
         return self.assigned_at <= at and (self.released_at is None or at < self.released_at)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 

@@ -59,7 +59,7 @@ class Bar:
         traits = [self.kind.value] + (["prefetchable"] if self.prefetch else [])
         return f"BAR{self.index} ({', '.join(traits)}, {human_bytes(self.size)})"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"index": self.index, "size": self.size, "kind": self.kind.value, "prefetch": self.prefetch}
 
     @classmethod
@@ -162,7 +162,7 @@ class MachineShape:
     hole64_bytes: int
     phys_bits: int
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "ports": [[p.pref64_bytes, p.mem32_bytes] for p in self.ports],
             "hole64_bytes": self.hole64_bytes,
@@ -240,7 +240,7 @@ class BarMiss:
             return f"assigned at {human_bytes(self.found_size)}"
         return "not assigned"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             **self.bar.to_json(),
             "bar": f"BAR{self.bar.index}",

@@ -8,10 +8,11 @@ VMM-exit reports, the teardown reason) lives in the event trail, not here. Store
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 CHECKPOINT_VERSION = 1
 # Keys the old `facts` dict carried that no decision read: dropped by migration 6 (they stay in the event trail).
@@ -71,7 +72,7 @@ class ReservationCheckpoint:
     release_waits: dict[str, list[str]] = field(default_factory=dict)  # device id → causes already reported
     v: int = CHECKPOINT_VERSION
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "v": self.v,
             "shim_started": self.shim_started,
@@ -153,14 +154,14 @@ def _dict(value: object) -> dict[str, Any]:
     return value
 
 
-def _bool(data: dict[str, Any], key: str) -> bool:
+def _bool(data: Mapping[str, object], key: str) -> bool:
     value = data.get(key, False)
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be a boolean")
     return value
 
 
-def _num(data: dict[str, Any], key: str) -> float | None:
+def _num(data: Mapping[str, object], key: str) -> float | None:
     value = data.get(key)
     if value is None:
         return None
@@ -169,14 +170,14 @@ def _num(data: dict[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def _int(data: dict[str, Any], key: str) -> int | None:
+def _int(data: Mapping[str, object], key: str) -> int | None:
     value = data.get(key)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
         raise ValueError(f"{key} must be an integer")
     return value
 
 
-def _str(data: dict[str, Any], key: str) -> str | None:
+def _str(data: Mapping[str, object], key: str) -> str | None:
     value = data.get(key)
     if value is not None and not isinstance(value, str):
         raise ValueError(f"{key} must be a string")
@@ -189,7 +190,7 @@ def _str_list(value: object, key: str) -> list[str]:
     return list(value)
 
 
-def _str_map(data: dict[str, Any], key: str) -> dict[str, str]:
+def _str_map(data: Mapping[str, object], key: str) -> dict[str, str]:
     value = _dict(data.get(key, {}))
     if not all(isinstance(x, str) for x in value.values()):
         raise ValueError(f"{key} must map strings to strings")

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from cubeaccel.model.event_kinds import EventKind
-from cubeaccel.model.reports import ShimReportKind
 from cubeaccel.model.states import DeviceEvent
+from cubeaccel.protocol.reports import ShimReportKind
 
 # Why a start booted cold instead of restoring its machine shape's template snapshot (error_catalog.py).
 COLD_NO_SNAPSHOT = "start.cold_no_snapshot"  # none was prepared for this shape on this node

@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.guest_checks import check_guest_template, min_driver_api, module_key
 from cubeaccel.model.node_facts import GuestImageFact
 from cubeaccel.model.registration_checks import check_template
-from cubeaccel.model.reports import GuestReport
 from cubeaccel.model.template_spec import DeviceMatch, ProbeSpec, Template
 from cubeaccel.model.violations import ContractViolation, Layer
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestReport
 
 __all__ = [
     "CompatibilityContract",

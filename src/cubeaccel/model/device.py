@@ -8,8 +8,8 @@ from enum import StrEnum
 from typing import Any
 
 from cubeaccel.model.bars import Bar
-from cubeaccel.model.errors import invalid
 from cubeaccel.model.states import DeviceState
+from cubeaccel.protocol.errors import invalid
 
 _BDF = re.compile(r"([0-9a-f]{4}):([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
 _HEX16 = re.compile(r"(?:0x)?([0-9a-f]{4})")
@@ -89,7 +89,7 @@ class DeviceIdentity:
     def vendor_device(self) -> str:
         return f"{self.vendor_id:04x}:{self.device_id:04x}"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "vendor_id": f"{self.vendor_id:04x}",
             "device_id": f"{self.device_id:04x}",

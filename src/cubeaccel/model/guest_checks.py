@@ -11,11 +11,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from cubeaccel.model.device import DeviceRecord, parse_hex_id
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, NvmlInfo
 from cubeaccel.model.template_spec import Template
 from cubeaccel.model.versions import CudaVersion
 from cubeaccel.model.violations import ContractViolation, Layer
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import CudaInfo, GuestPciDevice, GuestReport, LibraryInfo, NvmlInfo
 
 L = Layer
 V = ContractViolation

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from cubeaccel.model.device import DeviceRecord
-from cubeaccel.model.reports import GuestPciDevice, GuestReport
 from cubeaccel.model.violations import ContractViolation, Layer
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport
 
 
 def _ids(entry: object) -> tuple[str, str, str] | None:

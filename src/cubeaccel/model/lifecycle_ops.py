@@ -7,7 +7,7 @@ is refused too: a paused guest cannot complete a detach, which is exactly how de
 
 from __future__ import annotations
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 UNSUPPORTED = {
     "snapshot": "the device's state is in hardware, not in the snapshot",

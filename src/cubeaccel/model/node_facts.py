@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from cubeaccel.model.template_spec import Template
 
@@ -37,7 +36,7 @@ class GuestImageFact:
     kernel_digests: tuple[str, ...]
     modules_img_digest: str
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "digest": self.digest,
             "kernel_release": self.kernel_release,

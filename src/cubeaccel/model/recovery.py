@@ -10,7 +10,7 @@ scrub image a device's scrub VM boots): retried as soon as that is back, not on 
 *Permanent* reasons (a scrub that ran and did not verify, a reset that failed, state that disagrees) wait for an
 operator's `recover`. A reason not in the table is permanent: the operator decides.
 
-Codes are those of model/error_catalog.py (tests check every code here is catalogued and every `quarantine:`
+Codes are those of protocol/error_catalog.py (tests check every code here is catalogued and every `quarantine:`
 code of the catalog is classed here).
 """
 

@@ -18,13 +18,13 @@ from cubeaccel.model.compat_tables import (
     KNOWN_BACKENDS,
 )
 from cubeaccel.model.device import AcceleratorClass
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.profiles import PROFILES
 from cubeaccel.model.sandbox_policy import refusals
 from cubeaccel.model.template_spec import CUDA_COMPAT_MODES, NO_ACCELERATOR, DeviceMatch, Template
 from cubeaccel.model.versions import CudaVersion, DriverVersion, KernelVersion
 from cubeaccel.model.violations import ContractViolation, Layer
+from cubeaccel.protocol.errors import CubeError
 
 L = Layer
 V = ContractViolation

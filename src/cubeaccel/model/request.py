@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cubeaccel.model.device import AcceleratorClass
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import NO_ACCELERATOR
+from cubeaccel.protocol.errors import CubeError
 
 MAX_COUNT = 64  # the most devices one Cubelet reservation may take (Cubelet's own limit)
 MAX_ALTERNATIVES = 8

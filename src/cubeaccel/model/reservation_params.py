@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.model.contract import CompatibilityContract
-from cubeaccel.model.errors import CubeError, invalid
 from cubeaccel.model.sandbox_policy import AddressNarrowing, NetworkPolicy, parse_narrowing
+from cubeaccel.protocol.errors import CubeError, invalid
 
 INVALID_CONTRACT = "reserve.invalid_contract"
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cubeaccel.model.device import parse_hex_id
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import SandboxPolicy
+from cubeaccel.protocol.errors import CubeError
 
 API_VERSION = "cubeaccel/v1"
 KIND = "AcceleratorTemplate"

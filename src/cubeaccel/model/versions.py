@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Self
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 # NVIDIA prints the patch with two digits (470.42.01); requiring that keeps str(parse(s)) == s.
 _DRIVER = re.compile(r"(\d{2,4})\.(\d{1,3})(?:\.(\d{2}))?", re.ASCII)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from cubeaccel.model import error_catalog
+from cubeaccel.protocol import error_catalog
 
 
 class Layer(StrEnum):
@@ -39,7 +39,7 @@ class ContractViolation:
     def __post_init__(self) -> None:
         error_catalog.check(self.code)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "layer": self.layer.value,
             "code": self.code,

@@ -1,6 +1,6 @@
 """Host side of cube-agent's JSON-lines protocol over the VMM's virtio-serial socket.
 
-The messages are the agent's own records (model/agent_messages.py); a method's result is read leniently (the
+The messages are the agent's own records (protocol/agent_messages.py); a method's result is read leniently (the
 guest is untrusted: a mistyped field reads as absent, and the caller judges). Own line buffer over `recv` with
 deadlines (a `makefile()` reader is unusable after a timeout). Unsolicited `event` lines (the agent's `ready`
 announcement) are remembered, not mistaken for replies.
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cubeaccel.host.service.unix_path import connect_path
-from cubeaccel.model.agent_messages import (
+from cubeaccel.protocol.agent_messages import (
     HelloResult,
     Json,
     PciFunction,
@@ -34,9 +34,9 @@ from cubeaccel.model.agent_messages import (
     WaitPciResult,
     read_reply,
 )
-from cubeaccel.model.agent_protocol import GUEST_ERROR_CODES
-from cubeaccel.model.error_catalog import CATALOG
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.agent_protocol import GUEST_ERROR_CODES
+from cubeaccel.protocol.error_catalog import CATALOG
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import json_guard
 
 MAX_REPLY = 4 << 20  # a guest is untrusted: a reply line larger than this ends the conversation

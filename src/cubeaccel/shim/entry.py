@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 
 def parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from cubeaccel.model.agent_protocol import deadline_scale
+from cubeaccel.protocol.agent_protocol import deadline_scale
 
 
 def host_deadline_scale() -> float:

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from cubeaccel.images.manifest import Manifest
 from cubeaccel.model.bars import Bar, MachineShape, machine_shape, uniform_shape
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import numa_bind_node, prealloc_threads
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.vmm import VmConfig
 from cubeaccel.wire.shim_spec import ShimSpec
 

@@ -11,7 +11,7 @@ import os
 import resource
 from pathlib import Path
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 CAP_IPC_LOCK = 14
 

@@ -25,16 +25,16 @@ from cubeaccel.host.vmm import scratch
 from cubeaccel.host.vmm.hypervisor import host_cpus, numa_nodes
 from cubeaccel.images.builder import cache_dir, cached_images, find_image
 from cubeaccel.images.manifest import Manifest
-from cubeaccel.model.agent_messages import PciFunction, ProbeParams, ShutdownParams, WaitPciParams
-from cubeaccel.model.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
 from cubeaccel.model.bars import (
     human_bytes,
     parse_resource_lines,
     unassigned_bars,
 )
 from cubeaccel.model.cold_start import COLD_NO_SNAPSHOT, cold_start_reason
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.start_deadlines import start_deadlines
+from cubeaccel.protocol.agent_messages import PciFunction, ProbeParams, ShutdownParams, WaitPciParams
+from cubeaccel.protocol.agent_protocol import CUDA_TIMEOUT_S, MODPROBE_TIMEOUT_S
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.agent_client import AgentClient
 from cubeaccel.shim.console import CONSOLE_LOG, ConsoleCap
 from cubeaccel.shim.image_check import image_mismatches

@@ -34,12 +34,12 @@ from cubeaccel.host.service.unix_path import connect_path
 from cubeaccel.host.vmm import confine
 from cubeaccel.host.vmm import vmmproc as find
 from cubeaccel.host.vmm.hypervisor import detect_accel, find_qemu, host_phys_bits, numa_nodes
-from cubeaccel.model.agent_protocol import AGENT_PORT_NAME
 from cubeaccel.model.bars import DEFAULT_MEM32_WINDOW, DEFAULT_PHYS_BITS, DEFAULT_PREF64_WINDOW
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.mux import WORKLOAD_PORT_NAME
 from cubeaccel.model.pinned_memory import TCG_CACHE_MIB, LockedGuest
 from cubeaccel.model.start_deadlines import StartDeadlines, start_deadlines
+from cubeaccel.protocol.agent_protocol import AGENT_PORT_NAME
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.mux import WORKLOAD_PORT_NAME
 from cubeaccel.shim import snapshot_guard as guard
 from cubeaccel.shim.confined import VMM_ROOT_DIR, VmmExposure, launch_argv, vmm_exposure
 from cubeaccel.shim.console import CONSOLE_LOG, open_console

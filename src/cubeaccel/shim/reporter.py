@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.model.reports import ShimReport
+from cubeaccel.protocol.reports import ShimReport
 from cubeaccel.transport.telemetry import outgoing_headers
 from cubeaccel.wire.reports import ReportDetails, report_json
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 # vendor:device of the functions `build_argv` gives a q35 template VM (-nodefaults): host bridge, ICH9 LPC,
 # AHCI, SMBus, virtio-serial (legacy and modern ids), pcie-root-port.

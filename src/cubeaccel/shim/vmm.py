@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cubeaccel.model.bars import MachineShape, machine_shape
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.shim_spec import MAX_DEVICES
 
 
@@ -98,7 +98,7 @@ class ExitInfo:
             return cls(pid, status, None, os.WTERMSIG(status), how)
         return cls(pid, status, os.WEXITSTATUS(status), None, how)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "pid": self.pid,
             "status": self.status,

@@ -25,7 +25,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from cubeaccel.host.service.unix_path import connect_path
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.wire import json_guard
 from cubeaccel.wire.warm import MAX_CONTROL_LINE, ShimClaim, ShimClaimAck

@@ -1,8 +1,8 @@
 """The host end of the workload channel: each connection on the sandbox's `workload.sock` becomes one mux stream.
 
 The VMM's workload virtserialport is a unix socket (`workload-vmm.sock`, in the state dir); the shim is its only
-client. It writes the token preamble (`model.mux.token_preamble`), then runs the host side of the mux session
-(`model.mux.Session`, client: odd stream ids). `workload.sock` (0600, the state dir) is what Cubelet's proxy and
+client. It writes the token preamble (`protocol.mux.token_preamble`), then runs the host side of the mux session
+(`protocol.mux.Session`, client: odd stream ids). `workload.sock` (0600, the state dir) is what Cubelet's proxy and
 tests connect to; every accepted connection is opened as a stream and pumped both ways.
 
 Bounds: what a slow client has not read is at most one window per stream (the guest waits for credit), and what
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cubeaccel.host.service.unix_path import connect_path
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.mux import (
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.mux import (
     DataReceived,
     Frame,
     FrameType,

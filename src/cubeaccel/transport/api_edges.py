@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from cubeaccel.model.error_catalog import http_status
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.error_catalog import http_status
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.http_server import MAX_HEADER_BYTES, HttpLimits, headers_too_large
 from cubeaccel.transport.telemetry import ApiTelemetry
 from cubeaccel.wire import json_guard

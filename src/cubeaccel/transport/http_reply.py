@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.base import WIRE_VERSION
 
 UNREADABLE_ERROR = "http.error"  # an error reply without the server's `{"error": {...}}` (a proxy's page, a crash)

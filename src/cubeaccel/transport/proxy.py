@@ -1,7 +1,7 @@
 """The reverse-proxy relay both sandbox proxies share (the front door's envd proxy, the Cubelet's workload proxy).
 
 What a hop does to the message is the same at both, so it is written once: hop-by-hop headers dropped both ways
-(`model/hop_by_hop.py`; the upstream's Content-Length kept, since the body goes through raw and whole), the
+(`protocol/hop_by_hop.py`; the upstream's Content-Length kept, since the body goes through raw and whole), the
 body streamed chunk by chunk as it arrives and never buffered, and the upstream response closed whatever ends
 the relay: its end, an upstream error, or the caller going away. That last one is the reason for `Relay`: a
 streaming response left to a generator's `finally` closes the upstream only if the generator is resumed or
@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from cubeaccel.model.hop_by_hop import HOP_BY_HOP
+from cubeaccel.protocol.hop_by_hop import HOP_BY_HOP
 
 # An upstream error mid-stream → a last chunk that ends the caller's stream cleanly, or None to cut it (the
 # error propagates, and the server drops the connection).

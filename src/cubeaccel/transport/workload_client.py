@@ -1,7 +1,7 @@
 """Host-side client of a sandbox's workload service (envd's protocol), through Cubelet's proxy or a shim socket.
 
-Envelopes are the shared codec's (`model/connect_envelope.py`) and messages the shared models
-(`model/envd_process.py`), which the guest's service uses too. Used by `cubeaccel sandbox exec/cp` and `make demo`.
+Envelopes are the shared codec's (`protocol/connect_envelope.py`) and messages the shared models
+(`protocol/envd_process.py`), which the guest's service uses too. Used by `cubeaccel sandbox exec/cp` and `make demo`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import BinaryIO, Protocol, TypeVar
 
 import httpx
 
-from cubeaccel.model import connect_envelope
-from cubeaccel.model import proto_json as pj
-from cubeaccel.model.envd_process import (
+from cubeaccel.protocol import connect_envelope
+from cubeaccel.protocol import proto_json as pj
+from cubeaccel.protocol.envd_process import (
     DataEvent,
     EndEvent,
     ProcessConfig,
@@ -29,8 +29,8 @@ from cubeaccel.model.envd_process import (
     StartEvent,
     StartRequest,
 )
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.proto_json import Empty
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.proto_json import Empty
 
 END_STREAM = connect_envelope.FLAG_END_STREAM
 MAX_MESSAGE = 16 * 1024 * 1024
@@ -38,6 +38,7 @@ CHUNK = 256 * 1024
 T = TypeVar("T")
 
 
+# Anything with `to_json` (the protocol/ envd messages); wire/base.Message is the pydantic base of API bodies.
 class Message(Protocol):
     def to_json(self) -> dict[str, object]: ...
 

@@ -22,7 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 WIRE_VERSION = 1
 UNSUPPORTED_VERSION = "unsupported_version"  # the pydantic error type; the edges turn it into a stable code

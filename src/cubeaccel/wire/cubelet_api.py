@@ -73,6 +73,7 @@ class Bar(Record):
         return bars.Bar(self.index, self.size, self.kind, self.prefetch)
 
 
+# A device's identity; master/auth.Identity is a caller's (role, tenant, node): same word, unrelated.
 class Identity(Record):
     """What a device is, in the hex spellings `lspci -n` uses."""
 
@@ -188,6 +189,7 @@ class JournalEvent(Record):
     reason: str | None
 
 
+# The API's form of cubelet/store.Event (the journal's row): model/ and the store hold no pydantic.
 class Event(JournalEvent):
     """A journal row with `details`, the event's own facts."""
 
@@ -318,6 +320,7 @@ class ReservationParamsShown(Sparse):
         return cls.model_validate(p.as_stored())
 
 
+# The API's form of cubelet/store.Reservation (the journal's row), with the params shown, not stored.
 class Reservation(Record):
     """A sandbox's claim on devices, with its start's checkpoint (`facts`)."""
 
@@ -383,6 +386,8 @@ class EventPage(Reply):
     next: int  # the cursor for the next page (`since`)
 
 
+# One shape on both APIs: the Cubelet's readiness and CubeMaster's node view (master_api imports it). The
+# heartbeat's is a second class on purpose: it reads what a node sends leniently (wire/heartbeat.py).
 class HostProblem(Record):
     code: str
     message: str
@@ -410,6 +415,7 @@ class HostReply(Reply):
     pinned_memory: PinnedMemory
 
 
+# The API's form of cubelet/reconcile.Repair, which reconcile builds without pydantic.
 class Repair(Record):
     device_id: str | None
     sandbox_id: str | None

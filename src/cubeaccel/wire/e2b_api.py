@@ -125,6 +125,8 @@ class GuestSample(GuestRecord):
     disk_total: int = Field(ge=0)
 
 
+# Not protocol/reports.GuestPciDevice (cube-agent's report, `vendor_id` without 0x): this is the workload
+# service's metrics entry, the host's reading of protocol/guest_metrics.PciFunction.
 class GuestPciDevice(GuestRecord):
     address: str
     vendor: str  # "0x10de"

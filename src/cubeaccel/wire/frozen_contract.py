@@ -10,8 +10,8 @@ from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
 from pydantic_core import PydanticCustomError
 
 from cubeaccel.model.contract import CompatibilityContract
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.reservation_params import CarriedContract, NetworkRequest, parse_contract
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.base import cube_error_field
 
 T = TypeVar("T")

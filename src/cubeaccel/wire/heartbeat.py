@@ -29,6 +29,8 @@ def _none_is_empty(raw: Any) -> Any:
     return [] if raw is None else raw
 
 
+# Not wire/cubelet_api.HostProblem: CubeMaster parses stored heartbeats again on every read, so this one is lenient
+# (texts coerced, message optional) and reads what an older Cubelet wrote.
 class HostProblem(Lenient):
     code: Annotated[str, BeforeValidator(str)]
     message: Annotated[str, BeforeValidator(str)] = ""
@@ -103,5 +105,5 @@ class Heartbeat(LenientMessage, NodeNews):
     def hotplug_paths(self) -> frozenset[str]:
         return parse_hotplug(self.hotplug)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json", by_alias=True)

@@ -9,7 +9,7 @@ from pydantic import AliasChoices, ConfigDict, Field, StrictInt, StringConstrain
 from cubeaccel.model.limits import MAX_MEMORY_MIB, MIN_MEMORY_MIB
 from cubeaccel.model.sandbox_states import NodeState, SandboxState
 from cubeaccel.wire.base import Message, Record, Reply, Sparse, Strict
-from cubeaccel.wire.cubelet_api import Device, DeviceReply
+from cubeaccel.wire.cubelet_api import Device, DeviceReply, HostProblem
 from cubeaccel.wire.warm import WarmDrainReply, WarmVerbFailure
 
 
@@ -56,6 +56,7 @@ class SandboxBody(Message):
     network: dict[str, Any] | None = None
 
 
+# CubeMaster's body (seconds as a float, `timeout_s`); wire/e2b_api.TimeoutBody is E2B's (`timeout`, int).
 class TimeoutBody(Message):
     timeout_s: float = Field(gt=0, le=MAX_LIFETIME_S)
 
@@ -67,6 +68,7 @@ class NetworkBody(Message):
     network: dict[str, Any]
 
 
+# CubeMaster's own body (reason optional); wire/cubelet_api.OperatorBody requires one.
 class OperatorBody(Message):
     """Like the Cubelet's operator body, but `reason` may be left out (node verbs need none); empty is a 422."""
 
@@ -78,6 +80,7 @@ class DefaultBody(Message):
     template: str = Field(min_length=1, max_length=200)
 
 
+# CubeMaster's own /health; wire/cubelet_api.Health is the Cubelet's, a different body on another API.
 class Health(Reply):
     status: Literal["ok"]
     schema_version: int
@@ -91,11 +94,6 @@ class HeartbeatAck(Reply):
 
 
 ClassField = Field(validation_alias=AliasChoices("class", "accel_class"), serialization_alias="class")
-
-
-class HostProblem(Record):
-    code: str
-    message: str
 
 
 class NodeGroup(Record):
@@ -153,6 +151,8 @@ class GuestImage(Record):
     modules_img_digest: str
 
 
+# The node list's row; model/contract.NodeSummary is what placement judges a node by (its device labels,
+# guest images, hot-plug paths), built by the scheduler from its node view, not from this.
 class NodeSummary(Record):
     node: str
     cubelet_url: str
@@ -296,6 +296,7 @@ class SandboxError(Sparse):
     node: str | None = None
 
 
+# A sandbox's phase on CubeMaster's timeline; wire/cubelet_api.TimelineEntry is one Cubelet journal step.
 class TimelineEntry(Record):
     at: float
     phase: str  # and the phase's own detail fields (wire/sandbox_timeline.py)

@@ -1,6 +1,6 @@
 """Shim → Cubelet reports on the wire: `POST /v1/shim-reports` bodies and `undelivered.jsonl` lines.
 
-`model.reports.ShimReport` stays the value Cubelet reasons about; this is its JSON form. Unknown fields are
+`protocol.reports.ShimReport` stays the value Cubelet reasons about; this is its JSON form. Unknown fields are
 ignored as they always were (a newer shim may say more); an unknown version is refused.
 """
 
@@ -23,7 +23,7 @@ from pydantic import (
     field_validator,
 )
 
-from cubeaccel.model.reports import ShimReport, ShimReportKind
+from cubeaccel.protocol.reports import ShimReport, ShimReportKind
 from cubeaccel.wire.base import Finite, LenientMessage
 from cubeaccel.wire.json_guard import INT64, check_value
 from cubeaccel.wire.shim_spec import Bars

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BeforeValidator,
@@ -30,9 +30,9 @@ from pydantic import (
 )
 
 from cubeaccel.model.bars import BAR_COUNT, Bar
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.node_facts import DIGEST
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire.base import Message, Strict, field_path
 from cubeaccel.wire.frozen_contract import Contract
 
@@ -96,6 +96,8 @@ class MemoryFile(Strict):
     size: Annotated[StrictInt, Field(ge=4096, le=MAX_MEMORY_FILE)]
 
 
+# Not backends/vfio_spec.DeviceSpec (an operator's allow-list entry, vendor:device[@address]): this is one
+# device the shim hot-plugs, as the Cubelet hands it over.
 class DeviceSpec(Strict):
     device_id: Annotated[StrictStr, Field(min_length=1, max_length=128)]  # Cubelet's id: emulated-0000:e0:00.0
     driver: Annotated[str, BeforeValidator(_qdev_name)]  # QMP device_add driver: edu, vfio-pci
@@ -258,7 +260,7 @@ class ShimSpec(Message):
     def report_file(self) -> Path | None:
         return Path(self.report["file"]) if self.report and "file" in self.report else None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json")
 
 

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.template_spec import API_VERSION, KIND, Template
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import json_guard
 
 MAX_TEMPLATE_BYTES = 1 << 20

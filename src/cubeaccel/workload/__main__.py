@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from cubeaccel.model.mux import MAX_PREAMBLE, TOKEN_PREAMBLE, Session, parse_preamble
+from cubeaccel.protocol.mux import MAX_PREAMBLE, TOKEN_PREAMBLE, Session, parse_preamble
 from cubeaccel.workload import limits
 from cubeaccel.workload.app import Workload
 from cubeaccel.workload.http1 import Server, SocketListener, log

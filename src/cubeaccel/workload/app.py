@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from cubeaccel.model.envd_filesystem import (
+from cubeaccel.protocol.envd_filesystem import (
     CreateWatcherResponse,
     GetWatcherEventsResponse,
     ListDirRequest,
@@ -29,7 +29,7 @@ from cubeaccel.model.envd_filesystem import (
     WatcherRequest,
     WatchRequest,
 )
-from cubeaccel.model.envd_process import (
+from cubeaccel.protocol.envd_process import (
     DataEvent,
     EndEvent,
     KeepAlive,
@@ -44,8 +44,8 @@ from cubeaccel.model.envd_process import (
     StreamInputRequest,
     UpdateRequest,
 )
-from cubeaccel.model.guest_metrics import MetricsSeries
-from cubeaccel.model.proto_json import Empty, Json, ProtoJsonError
+from cubeaccel.protocol.guest_metrics import MetricsSeries
+from cubeaccel.protocol.proto_json import Empty, Json, ProtoJsonError
 from cubeaccel.workload import ENVD_VERSION
 from cubeaccel.workload import connect as c
 from cubeaccel.workload import files as fs
@@ -63,6 +63,7 @@ METRICS_SERIES = "/cubeaccel/metrics"  # ours: the hour of samples the guest kee
 DEADLINE_EXCEEDED = ConnectError("deadline_exceeded", "context deadline exceeded")  # Go's ctx.Err() text
 
 
+# Anything a unary handler returns (`to_json`); wire/base.Reply is the host's pydantic reply base.
 class Reply(Protocol):
     def to_json(self) -> dict[str, object]: ...
 

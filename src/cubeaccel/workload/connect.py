@@ -5,7 +5,7 @@ Unary:            POST /pkg.Service/Method, Content-Type application/json, body 
 Server-streaming: Content-Type application/connect+json; request = one envelope; reply 200 and envelopes
                   [flags u8][length u32 big-endian][json], the last with flags 0x02 holding {} or {"error": {...}}.
 
-Messages are envd's (`model/envd_process.py`, `model/envd_filesystem.py`: proto3 JSON as protojson writes it); a
+Messages are envd's (`protocol/envd_process.py`, `protocol/envd_filesystem.py`: proto3 JSON as protojson writes it); a
 malformed field is `invalid_argument`, as connect-go's JSON codec answers. Unknown fields are ignored, like that
 codec.
 """
@@ -16,8 +16,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from cubeaccel.model import connect_envelope as envelope
-from cubeaccel.model.proto_json import ProtoJsonError
+from cubeaccel.protocol import connect_envelope as envelope
+from cubeaccel.protocol.proto_json import ProtoJsonError
 
 ENVELOPE = envelope.HEADER
 FLAG_COMPRESSED = envelope.FLAG_COMPRESSED
@@ -73,6 +73,8 @@ def end_stream(error: ConnectError | None = None) -> bytes:
     return encode_envelope({} if error is None else {"error": error.to_json()}, FLAG_END_STREAM)
 
 
+# protocol/connect_envelope.Envelope with Connect's JSON reading: the codec stays stdlib framing shared with the
+# host, the message parsing and its errors are the workload service's.
 @dataclass(frozen=True)
 class Envelope(envelope.Envelope):
     def message(self) -> dict[str, object]:
@@ -80,7 +82,7 @@ class Envelope(envelope.Envelope):
 
 
 class EnvelopeDecoder:
-    """The shared codec (`model/connect_envelope.py`) with Connect's errors: an oversized length is
+    """The shared codec (`protocol/connect_envelope.py`) with Connect's errors: an oversized length is
     `resource_exhausted`, a stream cut inside an envelope `invalid_argument`."""
 
     def __init__(self, max_message: int = DEFAULT_MAX_MESSAGE) -> None:

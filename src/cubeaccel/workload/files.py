@@ -19,8 +19,8 @@ from datetime import UTC, datetime
 from email.message import Message
 from typing import Any
 
-from cubeaccel.model.envd_filesystem import EntryInfo, EntryResponse, ListDirResponse
-from cubeaccel.model.proto_json import Empty
+from cubeaccel.protocol.envd_filesystem import EntryInfo, EntryResponse, ListDirResponse
+from cubeaccel.protocol.proto_json import Empty
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.http1 import HttpError
 from cubeaccel.workload.users import User, chown, ensure_dirs, owner_names

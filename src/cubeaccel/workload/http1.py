@@ -253,6 +253,7 @@ class Body:
         return data
 
 
+# An HTTP/1 request line and headers; protocol/agent_messages.Request is an agent protocol line.
 @dataclass
 class Request:
     method: str

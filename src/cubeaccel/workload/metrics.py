@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 
-from cubeaccel.model.guest_metrics import MetricsSample, PciFunction
+from cubeaccel.protocol.guest_metrics import MetricsSample, PciFunction
 
 INTERVAL_S = 5.0
 KEEP = 720  # one hour of samples

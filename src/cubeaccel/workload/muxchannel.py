@@ -1,4 +1,4 @@
-"""The mux session (model/mux.py) driven over a real byte channel; its streams are `Connection`s.
+"""The mux session (protocol/mux.py) driven over a real byte channel; its streams are `Connection`s.
 
 Guest side: `MuxChannel(fd, fd, client=False)` is a `Listener` (`accept()` returns each stream the host opens),
 so the HTTP server runs over a virtio-serial port unchanged. Host side (and tests): `client=True`, `open()`.
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-from cubeaccel.model.mux import (
+from cubeaccel.protocol.mux import (
     DataReceived,
     MuxConfig,
     MuxError,

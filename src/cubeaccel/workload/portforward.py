@@ -5,7 +5,7 @@ channel (behind the sandbox's access token, checked by the caller: app.py) becom
 listens on port 8000 in the guest, and its reply comes back as it arrives (a fixed-length body streamed as is,
 anything else re-chunked per read). One TCP connection per forwarded request. An `Upgrade` (WebSocket) cannot
 be carried by a request/response channel and is refused, as is a port nothing listens on; codes are catalogued
-(`port.*`, model/error_catalog.py).
+(`port.*`, protocol/error_catalog.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import http.client
 import re
 import socket
 
-from cubeaccel.model.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
+from cubeaccel.protocol.hop_by_hop import HOP_BY_HOP, SANDBOX_CHANNEL_HEADERS
 from cubeaccel.workload.http1 import Request, Response
 
 PORT_PREFIX = "/cubeaccel/port/"

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cubeaccel.model.envd_process import (
+from cubeaccel.protocol.envd_process import (
     SIGNALS,
     DataEvent,
     EndEvent,

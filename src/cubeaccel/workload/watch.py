@@ -26,7 +26,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-from cubeaccel.model.envd_filesystem import FilesystemEvent
+from cubeaccel.protocol.envd_filesystem import FilesystemEvent
 from cubeaccel.workload.connect import ConnectError
 from cubeaccel.workload.files import entry_info
 

@@ -33,9 +33,9 @@ from cubeaccel.cubelet.shim_driver import NodeFacts
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.pci.readiness import HostRoots
 from cubeaccel.host.pci.sysfs import SysfsPciHost
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.node_facts import HOTPLUG_PCIE_ROOT_PORT_ACPI
-from cubeaccel.model.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import GuestPciDevice, GuestReport, ShimReport, ShimReportKind
 from cubeaccel.wire.shim_spec import ShimSpec
 
 K = ShimReportKind

@@ -120,7 +120,7 @@ def ladder_refused_busy() -> dict[str, Any]:
     deadline = time.monotonic() + 5
     while (SYS / str(pf1) / "enable").read_text().strip() != "0" and time.monotonic() < deadline:
         time.sleep(0.02)
-    claimed = _ladder(pf0, ResetContext(claims={pf1: "reserved (sandbox sb-lab)"}))
+    claimed = _ladder(pf0, ResetContext(reserved={pf1: "reserved (sandbox sb-lab)"}))
     return {"pf1": str(pf1), "held": held, "claimed": claimed, "idle": _ladder(pf0)}
 
 

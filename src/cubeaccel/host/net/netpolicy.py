@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.host.service.childenv import tool_env
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.sandbox_policy import NetworkPolicy
+from cubeaccel.protocol.errors import CubeError
 
 NETNS_DIR = Path("/run/netns")
 GUEST_ADDR = "169.254.100.2"
@@ -100,7 +100,7 @@ class SandboxNet:
     veth_cidr: str  # the sandbox's end; the uplink's is the next address
     egress: tuple[str, ...]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "netns": self.netns,
             "tap": self.tap,

@@ -12,7 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from cubeaccel.model.bars import Bar
 from cubeaccel.model.device import DeviceIdentity, PciAddress
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 
 class HostError(CubeError):

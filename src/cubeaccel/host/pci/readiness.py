@@ -52,7 +52,7 @@ class HostReadiness:
     def failures(self) -> list[Check]:
         return [c for c in self.checks if c.status == Status.FAIL]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"ready": self.ready, "checks": [c.to_json() for c in self.checks], "facts": self.facts}
 
 

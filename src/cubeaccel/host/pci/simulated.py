@@ -22,7 +22,7 @@ from typing import Any
 from cubeaccel.host.pci.base import Holder, PciFunction, host_error
 from cubeaccel.model.bars import Bar, BarKind
 from cubeaccel.model.device import PciAddress
-from cubeaccel.model.errors import invalid
+from cubeaccel.protocol.errors import invalid
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,8 @@ from cubeaccel.host.pci.sysfs_parse import (
 )
 from cubeaccel.model.bars import parse_resource
 from cubeaccel.model.device import PciAddress
-from cubeaccel.model.errors import invalid
 from cubeaccel.model.reset_ladder import KNOWN_METHODS
+from cubeaccel.protocol.errors import invalid
 
 # The only per-device attributes we read; the subset in _WRITABLE is the only one we write.
 DEVICE_ATTRS: Final = frozenset(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from cubeaccel.model.errors import invalid
+from cubeaccel.protocol.errors import invalid
 
 # Kernel driver names are identifiers plus '-' and '.' in practice (vfio-pci, virtio-pci, nvidia,
 # 8250_lpss). Anything else is not a driver name and never reaches a path.

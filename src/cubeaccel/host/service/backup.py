@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from cubeaccel.host.service import statelock
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 MANIFEST = "backup.json"
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 LOCKED_EXIT = 75  # EX_TEMPFAIL: the directory is busy, not broken; a unit with Restart=on-failure retries
 

@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 MAX_TRACKED = 10000  # made-up credentials each get an entry: at most this many are remembered
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.pinned_memory import LockedGuest, vmm_locked
+from cubeaccel.protocol.errors import CubeError
 
 CAP_IPC_LOCK = 14
 CAP_SYS_RESOURCE = 24
@@ -174,7 +174,7 @@ class VmmCredentials:
     memlock_limit: str | None
     mounts: tuple[str, ...] = field(default=())
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "uid": self.uids[0] if self.uids else None,
             "gid": self.gids[0] if self.gids else None,

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 from cubeaccel.host.service.childenv import tool_env
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 SCRATCH_FILE = "scratch.img"
 

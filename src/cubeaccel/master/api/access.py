@@ -17,7 +17,7 @@ from starlette.routing import BaseRoute
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.master.api.deps import AuthDep
 from cubeaccel.master.auth import ADMIN, ANON, ANONYMOUS, NODE, TENANT, Identity, SignedRequest, forbidden
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport import node_sig
 from cubeaccel.transport.api_edges import BeforeReplyMiddleware
 from cubeaccel.transport.telemetry import accept_request_id

@@ -17,9 +17,9 @@ from cubeaccel.master.api.access import DEVICE_VERBS
 from cubeaccel.master.api.deps import Caller, MaintenanceDep, MasterDep, TruthDep
 from cubeaccel.master.maintenance import reconcile_node
 from cubeaccel.master.service import CubeMaster
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import NODE_ID_RE
 from cubeaccel.model.sandbox_states import NodeEvent, NodeState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport.api_edges import json_body
 from cubeaccel.transport.cubelet_client import CubeletClient
 from cubeaccel.wire import master_api as W

@@ -20,10 +20,10 @@ from cubeaccel.master.node_truth import silent_nodes
 from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.service import CreateSpec, CubeMaster, sandbox_error, sandbox_record
 from cubeaccel.master.warm import WARM_STATE, warm_rows
-from cubeaccel.model.errors import CubeError
 from cubeaccel.model.ids import SANDBOX_ID_RE
 from cubeaccel.model.request import AcceleratorRequest, for_template, parse_accelerators, parse_shorthand
 from cubeaccel.model.sandbox_states import SETTLED_STATES, SandboxState
+from cubeaccel.protocol.errors import CubeError
 from cubeaccel.wire import master_api as W
 from cubeaccel.wire.master_api import SandboxBody
 

@@ -1,4 +1,4 @@
-"""proto3 JSON as envd's messages (`model/envd_process.py`, `model/envd_filesystem.py`) are read and written.
+"""proto3 JSON as envd's messages (`protocol/envd_process.py`, `protocol/envd_filesystem.py`) are read and written.
 
 Written as the guest's service has always written them, which is protojson's form: lowerCamelCase, int64 as a
 string, bytes as base64, defaults omitted (a few fields envd always sets are always written, and key order is

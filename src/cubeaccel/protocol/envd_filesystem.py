@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from cubeaccel.model import proto_json as pj
-from cubeaccel.model.proto_json import Json
+from cubeaccel.protocol import proto_json as pj
+from cubeaccel.protocol.proto_json import Json
 
 FILE_TYPES = ("FILE_TYPE_FILE", "FILE_TYPE_DIRECTORY", "FILE_TYPE_SYMLINK")
 

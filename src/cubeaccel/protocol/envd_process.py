@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cubeaccel.model import proto_json as pj
-from cubeaccel.model.proto_json import Json
+from cubeaccel.protocol import proto_json as pj
+from cubeaccel.protocol.proto_json import Json
 
 SIGNALS = {"SIGNAL_UNSPECIFIED": 0, "SIGNAL_SIGTERM": 15, "SIGNAL_SIGKILL": 9}
 

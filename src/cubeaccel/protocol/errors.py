@@ -1,6 +1,6 @@
 """Errors are values with a stable code and the layer that failed; they reach users verbatim.
 
-Every code is listed, with its HTTP status, in `model/error_catalog.py`.
+Every code is listed, with its HTTP status, in `protocol/error_catalog.py`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cubeaccel.model import error_catalog
+from cubeaccel.protocol import error_catalog
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from cubeaccel.model import proto_json as pj
-from cubeaccel.model.proto_json import Json
+from cubeaccel.protocol import proto_json as pj
+from cubeaccel.protocol.proto_json import Json
 
 
 def _float(msg: Json, name: str) -> float:
@@ -45,6 +45,8 @@ class MetricsSample:
         return cls(cpu_used_pct=_float(msg, "cpu_used_pct"), **ints)
 
 
+# Not agent_messages.PciFunction (hot-plug's, `vendor_id` without 0x, no driver) nor host/pci/base.PciFunction
+# (the host's sysfs record, ints): the workload service's metrics entry, as envd-style text.
 @dataclass(frozen=True)
 class PciFunction:
     """One PCI function the guest sees: ids and class as sysfs writes them (`0x10de`), `driver` "" when none."""

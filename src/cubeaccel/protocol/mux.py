@@ -23,7 +23,7 @@ import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from cubeaccel.model.errors import CubeError
+from cubeaccel.protocol.errors import CubeError
 
 VERSION = 1
 HEADER = struct.Struct(">BBHII")

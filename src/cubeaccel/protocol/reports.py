@@ -63,7 +63,7 @@ class ProbeResult:
     duration_ms: float = 0.0
     detail: str = ""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
@@ -89,7 +89,7 @@ class LibraryInfo:
     version: str | None = None  # from the file name (libcuda.so.550.54.15 → 550.54.15)
     error: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"loaded": self.loaded, "path": self.path, "version": self.version, "error": self.error}
 
     @classmethod
@@ -118,7 +118,7 @@ class CudaInfo:
     init_ms: float | None = None
     init_result: int | None = None  # cuInit's CUresult
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         out: dict[str, Any] = {
             "driver_version": self.driver_version,
             "init_ok": self.init_ok,
@@ -160,7 +160,7 @@ class NvmlDevice:
     persistence_mode: bool | None = None
     persistence_set_result: int | None = None  # nvmlDeviceSetPersistenceMode's return, when it was called
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         out: dict[str, Any] = {"index": self.index}
         for key in ("error", "name", "memory_total_bytes", "persistence_mode", "persistence_set_result"):
             if getattr(self, key) is not None:
@@ -189,7 +189,7 @@ class NvmlInfo:
     devices: tuple[NvmlDevice, ...] = ()
     error: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "driver_version": self.driver_version,
             "device_count": self.device_count,
@@ -267,7 +267,7 @@ class GuestReport:
     nvml: NvmlInfo | None = None
     probes: tuple[ProbeResult, ...] = ()
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "agent_version": self.agent_version,
             "kernel_release": self.kernel_release,

@@ -1,7 +1,7 @@
 """Every error and reason code cubeaccel emits: its HTTP status, the layer it names, one line of meaning.
 
 One fact, one place: docs/api.md's error table is generated from `CODES` (`python -m
-cubeaccel.model.error_catalog --markdown`, checked by tests/unit/test_error_catalog.py), the API edge takes an
+cubeaccel.protocol.error_catalog --markdown`, checked by tests/unit/test_error_catalog.py), the API edge takes an
 error's HTTP status from here, and a test fails when code under src/ emits a code that is not listed.
 
 `status` is the HTTP status of a reply whose `error.code` is this code. `None` means the code is never the
@@ -10,7 +10,7 @@ body, a guest-side (agent protocol) error, or a CLI-only error — or, for `api.
 the status is whatever the HTTP layer chose. Where the layer varies with the caller, `layer` names the usual
 one and the error's own `layer` field is authoritative.
 
-Stdlib only: the guest agent imports `model.errors`, which imports this. Adding a code is one line in `CODES`.
+Stdlib only: the guest agent imports `protocol.errors`, which imports this. Adding a code is one line in `CODES`.
 """
 
 from __future__ import annotations
@@ -522,7 +522,7 @@ def problem(code: str, status: int | None = None) -> str | None:
     """Why `code` (carried with `status`) is not what the catalog says, or None when it is."""
     info = CATALOG.get(code)
     if info is None:
-        return f"error code {code!r} is not in cubeaccel.model.error_catalog"
+        return f"error code {code!r} is not in cubeaccel.protocol.error_catalog"
     if status is not None and info.status is not None and status != info.status:
         return f"error code {code!r} carries HTTP {status}, the catalog says {info.status}"
     return None
@@ -557,7 +557,7 @@ def markdown() -> str:
 
 def main(argv: list[str]) -> int:
     if argv != ["--markdown"]:
-        sys.stderr.write("usage: python -m cubeaccel.model.error_catalog --markdown\n")
+        sys.stderr.write("usage: python -m cubeaccel.protocol.error_catalog --markdown\n")
         return 2
     sys.stdout.write(markdown())
     return 0

@@ -1,6 +1,6 @@
 """What the host side and cube-agent must agree on, in one place both may import.
 
-The agent runs in the guest and imports only the standard library and `cubeaccel.model`; the host side never
+The agent runs in the guest and imports only the standard library and `cubeaccel.protocol`; the host side never
 imports `cubeaccel.agent` (an import-linter contract holds both). So the versions, the port name and the
 agent's own step timeouts (which the shim's probe deadline must outlast) live here.
 """

@@ -17,11 +17,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
-from cubeaccel.model.agent_protocol import MAX_DEADLINE_SCALE, PROTOCOL_VERSION
-from cubeaccel.model.errors import CubeError
-from cubeaccel.model.reports import ProbeResult
+from cubeaccel.protocol.agent_protocol import MAX_DEADLINE_SCALE, PROTOCOL_VERSION
+from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import ProbeResult
 
 METHODS = ("hello", "probe", "load_modules", "scrub", "shutdown", "wait_pci", "pci_resources", "reseed")
 PCI_ADDRESS = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[01][0-9a-f]\.[0-7]")
@@ -127,6 +127,7 @@ def _addresses(value: object) -> tuple[str, ...] | None:
 
 
 # ---- a PCI function as the guest kernel lists it ------------------------------------------------------------
+# Hot-plug's answer, untrusted; host/pci/base.PciFunction is the host's own sysfs record (parsed ints).
 @dataclass(frozen=True)
 class PciFunction:
     """{"address", "vendor_id", "device_id", "class"}: sysfs's words, hex without 0x. Untrusted on the host: the
@@ -194,6 +195,8 @@ class Request:
         return cls(rid, method, params)
 
 
+# The agent protocol's answer line; wire/base.Reply is the base of HTTP reply bodies and workload/app.Reply
+# anything the workload service can serialize: three different things.
 @dataclass(frozen=True)
 class Reply:
     """One answer: a result (`ok`) or an error, never both. `result` stays the method's JSON object: the caller
@@ -207,7 +210,7 @@ class Reply:
     def ok(self) -> bool:
         return self.error is None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         if self.error is not None:
             return {"v": PROTOCOL_VERSION, "id": self.id, "ok": False, **self.error.to_json()}
         return {"v": PROTOCOL_VERSION, "id": self.id, "ok": True, "result": self.result}
@@ -339,7 +342,7 @@ class ProbeReply:
     violations: list[object] | None = None
     contract_check: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "ok": self.ok,
             "failed": list(self.failed),
