@@ -30,6 +30,8 @@ from tests.unit.test_workload_bridge import FakePort
 from workload_measure import measure
 
 from cubeaccel.cubelet import server as cubelet_server
+from cubeaccel.cubelet.api.deps import CubeletParts
+from cubeaccel.cubelet.api.workload_upstreams import WorkloadUpstreams
 from cubeaccel.cubelet.lifecycle import ReservationRequest
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.transport.workload_client import WorkloadClient
@@ -62,11 +64,11 @@ def main() -> int:
         time.sleep(0.05)
     results: dict[str, Any] = {"load_before": Path("/proc/loadavg").read_text().split()[:3], "n": args.n}
     whole = f"http://127.0.0.1:{http_port}/v1/sandboxes/sb/workload"
-    keepalive = cubelet_server.WorkloadUpstreams.KEEPALIVE
+    keepalive = WorkloadUpstreams.KEEPALIVE
     try:
         for name in ("raw_channel", "proxy_pooled", "proxy_fresh"):
-            cubelet_server.WorkloadUpstreams.KEEPALIVE = 0 if name == "proxy_fresh" else keepalive
-            app.state.workload_upstreams.drop("sb")  # the next call builds a client with this pool size
+            WorkloadUpstreams.KEEPALIVE = 0 if name == "proxy_fresh" else keepalive
+            CubeletParts.of(app).upstreams.drop("sb")  # the next call builds a client with this pool size
             wl = (
                 WorkloadClient.over("http://workload", token, uds=str(tmp / "workload.sock"))
                 if name == "raw_channel"

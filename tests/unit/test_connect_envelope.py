@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cubeaccel.cubelet.server import _end_of_stream_error, _EnvelopeTracker
+from cubeaccel.cubelet.api.workload import _end_of_stream_error, _EnvelopeTracker
 from cubeaccel.frontdoor.envd import inject_envs
 from cubeaccel.protocol import connect_envelope as ce
 from cubeaccel.protocol.errors import CubeError

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from cubeaccel.cubelet.api.views import release_view, reservation_request, reservation_view
 from cubeaccel.cubelet.heartbeat import heartbeat_body
 from cubeaccel.cubelet.lifecycle import ReservationRequest
-from cubeaccel.cubelet.server import _release_view, _request, reservation_view
 from cubeaccel.master.records import SandboxRow
 from cubeaccel.master.service import CreateSpec, CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore
@@ -42,19 +42,19 @@ class InProcess:
 
     def reserve(self, body: ReservationBody) -> ReservationView:
         c = self.node.cubelet
-        c.reserve(body.sandbox_id, _request(body), capacity_wait_s=body.capacity_wait_s or 0.0)
+        c.reserve(body.sandbox_id, reservation_request(body), capacity_wait_s=body.capacity_wait_s or 0.0)
         if body.start:
             c.start(body.sandbox_id, body.workload_token.get_secret_value() if body.workload_token else None)
         return reservation_view(c, body.sandbox_id, True, access_token=c.take_token(body.sandbox_id))
 
     def claim_warm(self, body: WarmClaimBody) -> ReservationView:
         given = body.workload_token.get_secret_value() if body.workload_token else None
-        _, token, ack = self.node.cubelet.warm.claim(body.sandbox_id, _request(body), given, body.warm_id)
+        _, token, ack = self.node.cubelet.warm.claim(body.sandbox_id, reservation_request(body), given, body.warm_id)
         hand_off = WarmHandOff(reseed_ms=ack.reseed_ms, rebind_ms=ack.rebind_ms, reseeded=ack.reseeded)
         return reservation_view(self.node.cubelet, body.sandbox_id, True, access_token=token, hand_off=hand_off)
 
     def release(self, sandbox_id: str) -> Release:
-        return _release_view(self.node.cubelet, sandbox_id, self.node.cubelet.release(sandbox_id), True)
+        return release_view(self.node.cubelet, sandbox_id, self.node.cubelet.release(sandbox_id), True)
 
 
 def beat(m: CubeMaster, node: Node) -> None:

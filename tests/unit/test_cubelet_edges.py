@@ -13,8 +13,9 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from cubeaccel.cubelet.api.views import reservation_view
 from cubeaccel.cubelet.reconcile import reconcile
-from cubeaccel.cubelet.server import create_app, reservation_view
+from cubeaccel.cubelet.server import create_app
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.transport.http_server import PEER_KEY
 from tests.support.cubelet_harness import Node

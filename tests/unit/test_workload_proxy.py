@@ -14,8 +14,9 @@ from fastapi.testclient import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cubeaccel.cubelet.api.workload import _EnvelopeTracker
 from cubeaccel.cubelet.lifecycle import ReservationRequest
-from cubeaccel.cubelet.server import _EnvelopeTracker, create_app
+from cubeaccel.cubelet.server import create_app
 from cubeaccel.protocol.mux import data_frame
 from cubeaccel.shim.workload_bridge import WorkloadBridge
 from cubeaccel.workload.connect import encode_envelope
