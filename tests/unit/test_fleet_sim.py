@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from cubeaccel.fleet.api import Faults, FleetApi
-from cubeaccel.fleet.http import Request, node_address, node_index
+from cubeaccel.fleet.http import NodeRequest, node_address, node_index
 from cubeaccel.fleet.journal import FleetLedger, NodeJournal
 from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport import node_sig
@@ -58,9 +58,9 @@ def _api() -> tuple[FleetApi, str]:
     return FleetApi([NodeJournal("n0", 8, FleetLedger())], [token], Faults()), token
 
 
-def _request(method: str, path: str, body: bytes, token: str | None) -> Request:
+def _request(method: str, path: str, body: bytes, token: str | None) -> NodeRequest:
     headers = {} if token is None else {k.lower(): v for k, v in node_sig.sign(token, method, path, body).items()}
-    return Request(0, method, path, "", headers, body)
+    return NodeRequest(0, method, path, "", headers, body)
 
 
 def test_a_simulated_node_refuses_an_unsigned_call_and_answers_a_signed_one_with_the_cubelets_models() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from cubeaccel.fleet import replies
-from cubeaccel.fleet.http import Request
+from cubeaccel.fleet.http import NodeRequest
 from cubeaccel.fleet.journal import NodeJournal
 from cubeaccel.protocol.errors import CubeError
 from cubeaccel.transport import node_sig
@@ -60,7 +60,7 @@ class FleetApi:
         self.counters = Counters()
         self.nonces = node_sig.NonceCache()
 
-    async def __call__(self, req: Request) -> tuple[int, dict[str, Any]] | None:
+    async def __call__(self, req: NodeRequest) -> tuple[int, dict[str, Any]] | None:
         f = self.faults
         if req.node >= len(self.journals) or req.node in f.dead:
             self.counters.dropped += 1
@@ -80,7 +80,7 @@ class FleetApi:
         except CubeError as e:
             return e.status, e.to_json()
 
-    def _authenticate(self, req: Request) -> None:
+    def _authenticate(self, req: NodeRequest) -> None:
         claim = node_sig.parse(req.headers.get("authorization"), req.headers.get(node_sig.BODY_HEADER))
         why = "no CubeSig signature"
         if claim is not None:
@@ -92,7 +92,7 @@ class FleetApi:
             self.counters.unauthenticated += 1
             raise CubeError("auth.invalid_credential", f"node {self.journals[req.node].name}: {why}", "api")
 
-    def _route(self, req: Request) -> tuple[int, dict[str, Any]]:
+    def _route(self, req: NodeRequest) -> tuple[int, dict[str, Any]]:
         j, now = self.journals[req.node], time.time()
         parts = [unquote(p) for p in req.path.strip("/").split("/")]
         m = req.method

@@ -42,7 +42,7 @@ def node_index(address: str) -> int | None:
 
 
 @dataclass(frozen=True)
-class Request:
+class NodeRequest:
     node: int
     method: str
     path: str
@@ -51,7 +51,7 @@ class Request:
     body: bytes
 
 
-Handler = Callable[[Request], Awaitable[tuple[int, dict[str, Any]] | None]]  # None: drop the connection
+Handler = Callable[[NodeRequest], Awaitable[tuple[int, dict[str, Any]] | None]]  # None: drop the connection
 
 
 async def serve_connection(
@@ -76,7 +76,7 @@ async def serve_connection(
             if length > MAX_BODY or "transfer-encoding" in req.headers:
                 return
             body = await reader.readexactly(length) if length else b""
-            reply = await handler(Request(req.node, req.method, req.path, req.query, req.headers, body))
+            reply = await handler(NodeRequest(req.node, req.method, req.path, req.query, req.headers, body))
             if reply is None:
                 return
             status, payload = reply
@@ -94,7 +94,7 @@ async def serve_connection(
         writer.close()
 
 
-def _parse(node: int, head: bytes) -> Request | None:
+def _parse(node: int, head: bytes) -> NodeRequest | None:
     try:
         lines = head.decode("latin-1").split("\r\n")
         method, target, _version = lines[0].split(" ", 2)
@@ -109,10 +109,10 @@ def _parse(node: int, head: bytes) -> Request | None:
             return None
         headers[name.strip().lower()] = value.strip()
     path, _, query = target.partition("?")
-    return Request(node, method, path, query, headers, b"")
+    return NodeRequest(node, method, path, query, headers, b"")
 
 
-class Listener:
+class NodeListener:
     """The listener on the wildcard address (every 127/8 address) and its open connections."""
 
     def __init__(self, handler: Handler) -> None:

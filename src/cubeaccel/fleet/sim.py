@@ -52,7 +52,7 @@ class Fleet:
         self._n_senders = max(1, min(senders, nodes))
         self.senders: list[Sender] = []
         self._loop = asyncio.new_event_loop()
-        self._listener: http.Listener | None = None
+        self._listener: http.NodeListener | None = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="fleet-api", daemon=True)
 
     @property
@@ -67,7 +67,7 @@ class Fleet:
         self.tokens = self._enrol()
         self.api = FleetApi(self.journals, self.tokens, self.faults)
         self._thread.start()
-        self._listener = http.Listener(self.api)
+        self._listener = http.NodeListener(self.api)
         self.port = asyncio.run_coroutine_threadsafe(self._listener.start(self.port), self._loop).result()
         incarnation = uuid.uuid4().hex
         bodies = [base_body(j, self.url(i), incarnation) for i, j in enumerate(self.journals)]

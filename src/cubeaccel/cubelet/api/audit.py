@@ -26,6 +26,7 @@ ACTIONS = {
 }
 
 
+# One per component, each its own listener's words; the other is master/api/access.py's RequestAudit.
 class RequestAudit:
     """A `BeforeReplyMiddleware` hook. `who`: the listener's caller as this node knows it (the local socket, or
     CubeMaster by the node token); `node`: this node's name, on every row."""

@@ -110,6 +110,7 @@ async def authorize(request: Request, auth: AuthDep) -> Identity:
     return ident
 
 
+# One per component, each its own listener's words; the other is cubelet/api/audit.py's RequestAudit.
 class RequestAudit:
     """Every refusal and every mutation but the noisy ones, written before the status line is sent. `log` None
     keeps none (unit tests that do not look at it)."""
