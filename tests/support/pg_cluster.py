@@ -1,7 +1,6 @@
-"""A throwaway PostgreSQL cluster outside pytest (benchmarks): initdb in a temp dir, unix socket only, no TCP.
-
-The same recipe as tests/postgres/conftest.py's session fixture: as root the server runs as `postgres`
-(`runuser`), fsync and synchronous commit off (a throwaway cluster; the numbers say so).
+"""A throwaway PostgreSQL cluster (the replica tests' session fixture and the benchmarks): initdb in a temp dir,
+unix socket only, no TCP. As root the server runs as `postgres` (`runuser`: root cannot run initdb); fsync and
+synchronous commit off (a throwaway cluster; benchmark numbers say so).
 """
 
 from __future__ import annotations
@@ -44,7 +43,20 @@ class PgCluster:
             f" -c max_connections={max_connections}"
         )
         subprocess.run(
-            [*self.as_pg, pg_ctl, "-D", str(self.data), "-o", opts, "-l", str(self.root / "pg.log"), "-w", "start"],
+            [
+                *self.as_pg,
+                pg_ctl,
+                "-D",
+                str(self.data),
+                "-o",
+                opts,
+                "-l",
+                str(self.root / "pg.log"),
+                "-w",
+                "-t",
+                "60",
+                "start",
+            ],
             check=True,
             capture_output=True,
         )
