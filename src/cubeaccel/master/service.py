@@ -30,7 +30,7 @@ from cubeaccel.master.records import IdempotencyClaim, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
-from cubeaccel.master.shown import shown_state
+from cubeaccel.master.shown import LIVE_STATES, shown_state, workload_condition
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmAsk, WarmCandidate, claim_phases
 from cubeaccel.master.warm import candidates as warm_candidates
@@ -55,6 +55,9 @@ from cubeaccel.wire.sandbox_timeline import (
     TimeoutSet,
     WarmAttempt,
     WarmPath,
+    WORKLOAD_RECOVERED,
+    WORKLOAD_UNRESPONSIVE,
+    WorkloadChanged,
 )
 from cubeaccel.wire.warm import WARM_ID_PREFIX, WarmClaimBody
 
@@ -712,10 +715,18 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "deleted", event=SE.DELETED, by=SA.USER)
         return self.get(sandbox_id)
 
-    def node_status(self, node: str, sandbox_id: str, phase: str, error: W.SandboxError | None) -> SandboxState:
+    def node_status(
+        self,
+        node: str,
+        sandbox_id: str,
+        phase: str,
+        error: W.SandboxError | None,
+        workload: W.WorkloadCondition | None = None,
+    ) -> SandboxState:
         """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
-        (at start or later) → `failed` with the Cubelet's code and layer (`error`, which the node is added to).
-        Only that sandbox's own node counts."""
+        (at start or later) → `failed` with the Cubelet's code and layer (`error`, which the node is added to);
+        a `workload` condition goes on a live sandbox's timeline and changes no state. Only that sandbox's own
+        node counts."""
         row = self.get(sandbox_id)
         if row.node != node:
             raise CubeError(
@@ -724,7 +735,11 @@ class CubeMaster:
                 "api",
                 {"node": row.node},
             )
-        if phase == "running":
+        if workload is not None:
+            said = WorkloadChanged(since=workload.since, reason=workload.reason, message=workload.message)
+            entry = WORKLOAD_UNRESPONSIVE if workload.state == "unresponsive" else WORKLOAD_RECOVERED
+            self.store.update_sandbox(sandbox_id, entry, expect=LIVE_STATES, detail=said)
+        elif phase == "running":
             self.store.update_sandbox(sandbox_id, "ready", expect=(SS.STARTING,), event=SE.READY, by=SA.CUBELET)
         else:
             self.store.update_sandbox(
@@ -856,6 +871,7 @@ def sandbox_record(
         tenant=row.tenant,
         state=state,
         last_known_state=last_known,
+        workload=workload_condition(row.state, row.timeline),
         node=row.node,
         accel_class=row.accel_class,
         count=row.count,
