@@ -61,6 +61,9 @@ def test_an_unanswering_workload_service_is_named_on_the_sandbox_until_it_recove
     assert json.loads(show.output)["workload"]["reason"] == "workload.unresponsive"
     listed = CliRunner().invoke(cli, ["sandbox", "list"], env=env)
     assert "workload unresponsive: workload.unresponsive" in listed.output
+    board = c.c.request("GET", "/v1/dashboard")
+    row = next(x for x in board["sandboxes"] if x["id"] == s.id)
+    assert (row["state"], row["workload"]["state"]) == ("running", "unresponsive")  # the dashboard's data
     e2b = mapping.detail(SandboxReply.model_validate(shown.model_dump()), "tok", None).body()
     assert e2b["state"] == "running" and e2b["workload"]["reason"] == "workload.unresponsive"
 
