@@ -47,6 +47,8 @@ from cubeaccel.wire.cubelet_api import Failure, ReservationBody, ReservationView
 from cubeaccel.wire.cubelet_api import TimelineEntry as CubeletStep
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 from cubeaccel.wire.sandbox_timeline import (
+    WORKLOAD_RECOVERED,
+    WORKLOAD_UNRESPONSIVE,
     AbandonedDelete,
     ColdPath,
     ReserveAttempt,
@@ -55,8 +57,6 @@ from cubeaccel.wire.sandbox_timeline import (
     TimeoutSet,
     WarmAttempt,
     WarmPath,
-    WORKLOAD_RECOVERED,
-    WORKLOAD_UNRESPONSIVE,
     WorkloadChanged,
 )
 from cubeaccel.wire.warm import WARM_ID_PREFIX, WarmClaimBody
