@@ -736,9 +736,7 @@ class CubeMaster:
                 {"node": row.node},
             )
         if workload is not None:
-            said = WorkloadChanged(since=workload.since, reason=workload.reason, message=workload.message)
-            entry = WORKLOAD_UNRESPONSIVE if workload.state == "unresponsive" else WORKLOAD_RECOVERED
-            self.store.update_sandbox(sandbox_id, entry, expect=LIVE_STATES, detail=said)
+            self.record_workload(row, workload)
         elif phase == "running":
             self.store.update_sandbox(sandbox_id, "ready", expect=(SS.STARTING,), event=SE.READY, by=SA.CUBELET)
         else:
@@ -753,6 +751,17 @@ class CubeMaster:
             self.cache.invalidate()
         state: SandboxState = self.get(sandbox_id).state
         return state
+
+    def record_workload(self, row: SandboxRow, workload: W.WorkloadCondition) -> bool:
+        """The node's word on a live sandbox's workload service, on its timeline (`workload_unresponsive` or
+        `workload_recovered`) unless the record already says so: a repeated push, or reconcile reading the
+        reservation after the push arrived, adds nothing. False when nothing was added."""
+        shown = workload_condition(row.state, row.timeline)
+        if shown is None if workload.state == "answering" else shown is not None and shown.since == workload.since:
+            return False
+        said = WorkloadChanged(since=workload.since, reason=workload.reason, message=workload.message)
+        entry = WORKLOAD_UNRESPONSIVE if workload.state == "unresponsive" else WORKLOAD_RECOVERED
+        return self.store.update_sandbox(row.id, entry, expect=LIVE_STATES, detail=said)
 
     def placement_abandoned(self, row: SandboxRow, now: float) -> bool:
         return row.state in PLACEMENT_STATES and now - float(row.updated_at) > self.config.placement_stale_s
