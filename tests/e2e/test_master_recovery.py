@@ -17,11 +17,15 @@ import pytest
 from cubeaccel.cubelet.shim_driver import SIMULATED_HOTPLUG, simulated_guest_images
 from cubeaccel.master import schema as S
 from cubeaccel.master.maintenance import Maintenance, reconcile_node
-from cubeaccel.master.service import CubeMaster
+from cubeaccel.master.service import CubeMaster, sandbox_record
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent, SandboxState
 from cubeaccel.protocol.errors import CubeError
+from cubeaccel.protocol.reports import ShimReportKind
 from cubeaccel.transport.cubelet_client import CubeletClient
+from cubeaccel.wire.cubelet_api import LocalCheckpoint
+from cubeaccel.wire.master_api import Sandbox
+from cubeaccel.wire.reports import ShimReportBody
 from tests.support.cubelet_process import CubeletProcess
 from tests.support.master_builders import sandbox_row
 from tests.support.master_harness import free_port
@@ -196,3 +200,33 @@ def test_reconcile_does_not_lose_a_create_that_completes_while_it_reads_the_cube
     assert reconcile_node(master, NODE)["released_orphans"] == []
     held = {r["sandbox_id"] for r in cub.client.request("GET", "/v1/reservations")["reservations"]}
     assert "sb-race" in held
+
+
+def _shim_says(cub: CubeletClient, sid: str, kind: ShimReportKind) -> None:
+    """A report as the sandbox's shim posts it, with its start's nonce (the unix socket shows it)."""
+    res = cub.reservation(sid).reservation
+    assert res is not None and isinstance(res.facts, LocalCheckpoint)
+    body = ShimReportBody(sandbox_id=sid, kind=kind, details={}, at=time.time(), start_id=res.facts.start_id)
+    cub.request("POST", "/v1/shim-reports", json=body.model_dump(mode="json"))
+
+
+def test_a_workload_stall_whose_push_never_arrived_is_read_from_the_node_by_reconcile(
+    master: CubeMaster, cubelet: tuple[CubeletProcess, str]
+) -> None:
+    """This Cubelet has no `--master`: every push is lost, as after its retries ran out."""
+    cub = cubelet[0].client
+    claimed_row(master, "sb-stall")
+    devices = reserve(cub, "sb-stall")
+    assert master.store.update_sandbox(
+        "sb-stall", "reserved", event=SandboxEvent.READY, by=SandboxActor.PLACEMENT, device_ids=devices
+    )
+    _shim_says(cub, "sb-stall", ShimReportKind.WORKLOAD_UNRESPONSIVE)
+    assert reconcile_node(master, NODE)["workload_healed"] == ["sb-stall"]
+    shown = sandbox_record(master.get("sb-stall"), Sandbox)
+    assert shown.state == "running" and shown.workload is not None and shown.workload.state == "unresponsive"
+    assert reconcile_node(master, NODE)["workload_healed"] == []  # the record already says it: nothing added
+
+    _shim_says(cub, "sb-stall", ShimReportKind.WORKLOAD_RECOVERED)
+    assert reconcile_node(master, NODE)["workload_healed"] == ["sb-stall"]
+    assert sandbox_record(master.get("sb-stall"), Sandbox).workload is None
+    assert reconcile_node(master, NODE)["workload_healed"] == []

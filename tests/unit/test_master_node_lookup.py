@@ -84,6 +84,6 @@ def test_reconciling_one_node_reads_its_row_not_every_nodes_views(
         return _NoReservations()
 
     monkeypatch.setattr(master, "client", client)
-    assert reconcile_node(master, "n1") == {"node": "n1", "lost": [], "released_orphans": []}
+    assert reconcile_node(master, "n1") == {"node": "n1", "lost": [], "released_orphans": [], "workload_healed": []}
     assert asked == ["http://127.1.0.2:7"] and reads == []
     assert reconcile_node(master, "nobody") == {"node": "nobody", "skipped": "unknown node"}

@@ -217,6 +217,9 @@ def _starting(master: CubeMaster, sid: str = "sb-push", node: str = "n1") -> Non
         {"phase": "failed", "error": {"code": "", "layer": "cubelet"}},
         {"phase": "failed", "error": {"code": "x", "layer": "cubelet", "extra": 1}},
         {"phase": "failed", "error": {"code": "x" * 201, "layer": "cubelet"}},
+        {"phase": "failed", "error": {"code": "x", "layer": "cubelet"}, "workload": {"state": "answering", "since": 1}},
+        {"phase": "running", "workload": {"state": "frozen", "since": 1.0}},  # not a condition
+        {"phase": "running", "workload": {"state": "unresponsive"}},  # no since
     ],
 )
 def test_a_malformed_status_push_is_refused_and_changes_nothing(
@@ -250,6 +253,30 @@ def test_a_status_push_counts_only_from_the_sandboxes_own_node(api: TestClient, 
         "v": 1,
         "state": "failed",
     }
+
+
+def test_a_workload_push_changes_no_state_and_shows_only_on_a_live_sandbox(api: TestClient, master: CubeMaster) -> None:
+    _starting(master)
+    stalled = {
+        "phase": "running",
+        "workload": {"state": "unresponsive", "reason": "workload.unresponsive", "since": 7.0},
+    }
+    for _ in range(2):  # a repeated push (the same stall, the same since) is one entry
+        assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=stalled).json() == {"v": 1, "state": "starting"}
+    shown = api.get("/v1/sandboxes/sb-push").json()
+    assert shown["workload"] == {
+        "state": "unresponsive",
+        "reason": "workload.unresponsive",
+        "since": 7.0,
+        "message": None,
+    }
+    failed = {"phase": "failed", "error": {"code": "vmm.exited", "layer": "backend"}}
+    api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=failed)
+    assert api.get("/v1/sandboxes/sb-push").json()["workload"] is None  # history only once it ended
+    back = {"phase": "running", "workload": {"state": "answering", "since": 9.0}}
+    assert api.put("/v1/nodes/n1/sandboxes/sb-push/status", json=back).json() == {"v": 1, "state": "failed"}
+    phases = [t["phase"] for t in api.get("/v1/sandboxes/sb-push").json()["timeline"]]
+    assert phases.count("workload_unresponsive") == 1 and "workload_recovered" not in phases  # not live: not kept
 
 
 def test_a_heartbeat_of_an_unknown_version_is_refused_and_one_without_a_version_is_v1(api: TestClient) -> None:

@@ -84,7 +84,7 @@ def _sandbox_table(rows: Sequence[Sandbox | WarmSandbox]) -> Table:
     for s in rows:
         t.add_row(
             s.id,
-            output.state(s.state),
+            output.state(s.state) + _workload_note(s),
             s.node or "-",
             _template_cell(s),
             ", ".join(s.device_ids) or "-",
@@ -97,6 +97,13 @@ def _template_cell(s: Sandbox | WarmSandbox) -> str:
     if s.template is None:
         return "-"
     return "@".join(x for x in (s.template.name, s.template.version) if x) or "-"
+
+
+def _workload_note(s: Sandbox | WarmSandbox) -> str:
+    """A running sandbox whose workload service stopped answering says so beside its state, with the code."""
+    if not isinstance(s, Sandbox) or s.workload is None:
+        return ""
+    return f" (workload {s.workload.state}: {s.workload.reason or '-'})"
 
 
 def _error_cell(s: Sandbox | WarmSandbox) -> str:

@@ -65,8 +65,16 @@ from cubeaccel.model.states import Actor, DeviceEvent, DeviceState
 from cubeaccel.protocol.errors import CubeError, conflict, invalid, not_found
 from cubeaccel.protocol.reports import GuestReport, ShimReport, ShimReportKind
 from cubeaccel.transport.telemetry import request_id
-from cubeaccel.wire.master_api import StatusBody
-from cubeaccel.wire.reports import DeviceAttached, GuestValidated, StartFailed, VmmConfined, VmStarted
+from cubeaccel.wire.master_api import StatusBody, WorkloadCondition
+from cubeaccel.wire.reports import (
+    DeviceAttached,
+    GuestValidated,
+    StartFailed,
+    VmmConfined,
+    VmStarted,
+    WorkloadRecovered,
+    WorkloadUnresponsive,
+)
 from cubeaccel.wire.shim_spec import DeviceSpec, MemoryFile, MountSpec, NetSpec, ShimSpec
 from cubeaccel.wire.warm import WarmPoolBody, WarmPoolSetting
 
@@ -659,6 +667,8 @@ class Cubelet:
             )
         elif ready and not warm:  # a warm sandbox is the node's: CubeMaster has no record of it
             self.release_path.notify(sid, StatusBody(phase="running"))
+        elif (workload := self._workload_status(res, report)) is not None:
+            self.release_path.notify(sid, workload)
         else:
             self._act_on_failure(res, report, violations)
 
@@ -723,6 +733,39 @@ class Cubelet:
     def _on_shim_exiting(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
         res.checkpoint.shim_exited = True
         return []
+
+    def _on_workload_unresponsive(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
+        """The first report of a stall keeps its time: a repeated one does not move `since`."""
+        cp = res.checkpoint
+        if cp.workload_unresponsive_since is None:
+            cp.workload_unresponsive_since = report.at or time.time()
+        cp.workload_reason = (WorkloadUnresponsive.read(report.details).reason or "workload.unresponsive")[:200]
+        return []
+
+    def _on_workload_recovered(self, t: Tx, res: Reservation, report: ShimReport) -> list[str]:
+        res.checkpoint.workload_unresponsive_since = res.checkpoint.workload_reason = None
+        return []
+
+    def _workload_status(self, res: Reservation, report: ShimReport) -> StatusBody | None:
+        """The push a workload report makes for a sandbox CubeMaster has a record of (not a warm one's)."""
+        if report.kind not in (ShimReportKind.WORKLOAD_UNRESPONSIVE, ShimReportKind.WORKLOAD_RECOVERED):
+            return None
+        cp = res.checkpoint
+        if res.phase not in (P.STARTING, P.RUNNING) or (cp.warm_pool is not None and cp.claimed_at is None):
+            return None
+        if cp.workload_unresponsive_since is None:
+            since = report.at or time.time()
+            message = WorkloadRecovered.read(report.details).message
+            back = WorkloadCondition(state="answering", since=since, message=message and message[:2000])
+            return StatusBody(phase="running", workload=back)
+        message = WorkloadUnresponsive.read(report.details).message
+        condition = WorkloadCondition(
+            state="unresponsive",
+            reason=cp.workload_reason,
+            since=cp.workload_unresponsive_since,
+            message=message and message[:2000],
+        )
+        return StatusBody(phase="running", workload=condition)
 
     def _act_on_failure(self, res: Reservation, report: ShimReport, violations: list[ContractViolation]) -> None:
         """What a report that is not a readiness means for the sandbox: a failed start or a dead VMM is torn down;
@@ -798,6 +841,8 @@ _REPORT_RECORDERS: dict[ShimReportKind, ReportRecorder] = {
     ShimReportKind.DEVICE_ATTACHED: Cubelet._on_device_attached,
     ShimReportKind.DEVICE_DETACHED: Cubelet._on_device_detached,
     ShimReportKind.SHIM_EXITING: Cubelet._on_shim_exiting,
+    ShimReportKind.WORKLOAD_UNRESPONSIVE: Cubelet._on_workload_unresponsive,
+    ShimReportKind.WORKLOAD_RECOVERED: Cubelet._on_workload_recovered,
 }
 
 

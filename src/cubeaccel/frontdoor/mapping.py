@@ -247,7 +247,17 @@ def listed(row: Sandbox) -> ListedSandbox:
 
 
 def detail(row: Sandbox, token: str, domain: str | None) -> SandboxDetail:
-    return SandboxDetail.model_validate({**_listed_fields(row), "envd_access_token": token, "domain": domain})
+    return SandboxDetail.model_validate(
+        {**_listed_fields(row), "envd_access_token": token, "domain": domain, "workload": _workload(row)}
+    )
+
+
+def _workload(row: Sandbox) -> dict[str, Any] | None:
+    """CubeMaster's workload condition as E2B's extra property (an ISO time, like the SDK's other times)."""
+    w = row.workload
+    if w is None or w.state != "unresponsive":
+        return None
+    return {"state": w.state, "reason": w.reason, "since": iso(w.since), "message": w.message}
 
 
 def parse_metadata_query(raw: str | None) -> dict[str, str]:

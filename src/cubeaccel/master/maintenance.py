@@ -62,9 +62,11 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
         return {"node": name, "skipped": "unknown node"}
     rows = master.store.sandboxes(states=HELD_STATES, node=name)
     held = {r.sandbox_id: r for r in _on_node(master, url, lambda c: c.reservations())}
-    lost, orphans = [], []
+    lost, orphans, healed = [], [], []
     for row in rows:
         if row.id in held:
+            if master.record_workload(row, _node_workload(held[row.id])):
+                healed.append(row.id)  # a workload push that never arrived
             continue
         if row.state is SS.DELETING:
             master.store.update_sandbox(row.id, "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=MAINT)
@@ -106,7 +108,15 @@ def reconcile_node(master: CubeMaster, name: str) -> dict[str, Any]:
             orphans.append(sid)
     master.store.mark_reconciled(name, now)
     master.cache.invalidate()
-    return {"node": name, "lost": lost, "released_orphans": orphans}
+    return {"node": name, "lost": lost, "released_orphans": orphans, "workload_healed": healed}
+
+
+def _node_workload(r: Reservation) -> W.WorkloadCondition:
+    """What the node's reservation says of the sandbox's workload service (its checkpoint keeps the stall)."""
+    f = r.facts
+    if f.workload_unresponsive_since is None:
+        return W.WorkloadCondition(state="answering", since=time.time(), message="read from the node by reconcile")
+    return W.WorkloadCondition(state="unresponsive", reason=f.workload_reason, since=f.workload_unresponsive_since)
 
 
 def _closed_failure(master: CubeMaster, url: str, sid: str) -> Failure | None:

@@ -30,7 +30,7 @@ from cubeaccel.master.records import IdempotencyRecord, Refusal, SandboxRow
 from cubeaccel.master.registry import Registry
 from cubeaccel.master.scheduler import Candidate, Decision, rejection
 from cubeaccel.master.selector import Selector, compile_selector
-from cubeaccel.master.shown import shown_state
+from cubeaccel.master.shown import LIVE_STATES, shown_state, workload_condition
 from cubeaccel.master.store import MasterStore
 from cubeaccel.master.warm import CLAIM_FAILED, POOL_EMPTY, WarmAsk, WarmCandidate, claim_phases
 from cubeaccel.master.warm import candidates as warm_candidates
@@ -47,6 +47,8 @@ from cubeaccel.wire.cubelet_api import Failure, ReservationBody, ReservationView
 from cubeaccel.wire.cubelet_api import TimelineEntry as CubeletStep
 from cubeaccel.wire.master_api import MAX_LIFETIME_S
 from cubeaccel.wire.sandbox_timeline import (
+    WORKLOAD_RECOVERED,
+    WORKLOAD_UNRESPONSIVE,
     AbandonedDelete,
     ColdPath,
     ReserveAttempt,
@@ -55,6 +57,7 @@ from cubeaccel.wire.sandbox_timeline import (
     TimeoutSet,
     WarmAttempt,
     WarmPath,
+    WorkloadChanged,
 )
 from cubeaccel.wire.warm import WARM_ID_PREFIX, WarmClaimBody
 
@@ -712,10 +715,18 @@ class CubeMaster:
             self.store.update_sandbox(sandbox_id, "deleted", event=SE.DELETED, by=SA.USER)
         return self.get(sandbox_id)
 
-    def node_status(self, node: str, sandbox_id: str, phase: str, error: W.SandboxError | None) -> SandboxState:
+    def node_status(
+        self,
+        node: str,
+        sandbox_id: str,
+        phase: str,
+        error: W.SandboxError | None,
+        workload: W.WorkloadCondition | None = None,
+    ) -> SandboxState:
         """A Cubelet's push about one of its sandboxes. `starting → running` once the guest validated; a failure
-        (at start or later) → `failed` with the Cubelet's code and layer (`error`, which the node is added to).
-        Only that sandbox's own node counts."""
+        (at start or later) → `failed` with the Cubelet's code and layer (`error`, which the node is added to);
+        a `workload` condition goes on a live sandbox's timeline and changes no state. Only that sandbox's own
+        node counts."""
         row = self.get(sandbox_id)
         if row.node != node:
             raise CubeError(
@@ -724,7 +735,9 @@ class CubeMaster:
                 "api",
                 {"node": row.node},
             )
-        if phase == "running":
+        if workload is not None:
+            self.record_workload(row, workload)
+        elif phase == "running":
             self.store.update_sandbox(sandbox_id, "ready", expect=(SS.STARTING,), event=SE.READY, by=SA.CUBELET)
         else:
             self.store.update_sandbox(
@@ -738,6 +751,17 @@ class CubeMaster:
             self.cache.invalidate()
         state: SandboxState = self.get(sandbox_id).state
         return state
+
+    def record_workload(self, row: SandboxRow, workload: W.WorkloadCondition) -> bool:
+        """The node's word on a live sandbox's workload service, on its timeline (`workload_unresponsive` or
+        `workload_recovered`) unless the record already says so: a repeated push, or reconcile reading the
+        reservation after the push arrived, adds nothing. False when nothing was added."""
+        shown = workload_condition(row.state, row.timeline)
+        if shown is None if workload.state == "answering" else shown is not None and shown.since == workload.since:
+            return False
+        said = WorkloadChanged(since=workload.since, reason=workload.reason, message=workload.message)
+        entry = WORKLOAD_UNRESPONSIVE if workload.state == "unresponsive" else WORKLOAD_RECOVERED
+        return self.store.update_sandbox(row.id, entry, expect=LIVE_STATES, detail=said)
 
     def placement_abandoned(self, row: SandboxRow, now: float) -> bool:
         return row.state in PLACEMENT_STATES and now - float(row.updated_at) > self.config.placement_stale_s
@@ -856,6 +880,7 @@ def sandbox_record(
         tenant=row.tenant,
         state=state,
         last_known_state=last_known,
+        workload=workload_condition(row.state, row.timeline),
         node=row.node,
         accel_class=row.accel_class,
         count=row.count,

@@ -1,4 +1,5 @@
-"""The state a reply shows for a sandbox, which is the stored one except on a silent node (issue 30 #8)."""
+"""The state a reply shows for a sandbox, which is the stored one except on a silent node; and its workload
+condition, read from its timeline."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Collection
 from typing import Literal
 
 from cubeaccel.model.sandbox_states import UNKNOWN_STATE, SandboxState
+from cubeaccel.wire.master_api import TimelineEntry, WorkloadCondition
+from cubeaccel.wire.sandbox_timeline import WORKLOAD_RECOVERED, WORKLOAD_UNRESPONSIVE, WorkloadChanged
 
 SS = SandboxState
 LIVE_STATES: tuple[SandboxState, ...] = (SS.STARTING, SS.RUNNING)  # a node's word about it can end it
@@ -21,3 +24,16 @@ def shown_state(
     if node is not None and node in silent_nodes and state in LIVE_STATES:
         return "unknown", state
     return state, None
+
+
+def workload_condition(state: SandboxState, timeline: Collection[TimelineEntry]) -> WorkloadCondition | None:
+    """`unresponsive` when the last workload entry of a live sandbox's timeline says its service stopped
+    answering; None once it recovered, before anything was said, or when the sandbox is no longer live (the
+    entries stay as history)."""
+    if state not in LIVE_STATES:
+        return None
+    last = next((t for t in reversed(list(timeline)) if t.phase in (WORKLOAD_UNRESPONSIVE, WORKLOAD_RECOVERED)), None)
+    if last is None or last.phase != WORKLOAD_UNRESPONSIVE:
+        return None
+    said = WorkloadChanged.model_validate(last.model_extra or {})
+    return WorkloadCondition(state="unresponsive", reason=said.reason, since=said.since, message=said.message)

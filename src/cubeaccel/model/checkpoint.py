@@ -62,6 +62,10 @@ class ReservationCheckpoint:
     guest_addresses: dict[str, str] = field(default_factory=dict)  # device id → guest PCI address
     detached: list[str] = field(default_factory=list)  # device ids whose detach the shim confirmed
     shim_exited: bool = False  # the shim's final report (`shim_exiting`): it starts nothing after it
+    # when the shim said the workload service stopped answering (`workload_unresponsive`), and the code its calls
+    # fail with; both None again on `workload_recovered`: what the reservation and CubeMaster's record show
+    workload_unresponsive_since: float | None = None
+    workload_reason: str | None = None
     # ---- release path ----
     failure: SandboxFailure | None = None
     # the network Cubelet built for this start (host/net/netpolicy.SandboxNet.to_json): removed in the release path,
@@ -89,6 +93,8 @@ class ReservationCheckpoint:
             "guest_addresses": dict(self.guest_addresses),
             "detached": list(self.detached),
             "shim_exited": self.shim_exited,
+            "workload_unresponsive_since": self.workload_unresponsive_since,
+            "workload_reason": self.workload_reason,
             "failure": None if self.failure is None else self.failure.to_json(),
             "network": None if self.network is None else dict(self.network),
             "kill_at": self.kill_at,
@@ -129,6 +135,8 @@ class ReservationCheckpoint:
             guest_addresses=_str_map(data, "guest_addresses"),
             detached=_str_list(data.get("detached", []), "detached"),
             shim_exited=_bool(data, "shim_exited"),
+            workload_unresponsive_since=_num(data, "workload_unresponsive_since"),
+            workload_reason=_str(data, "workload_reason"),
             failure=None if data.get("failure") is None else SandboxFailure.from_json(data["failure"]),
             network=None if data.get("network") is None else _dict(data["network"]),
             kill_at=_num(data, "kill_at"),

@@ -209,7 +209,8 @@ class Calls:
     def sandbox_status(node: str, sandbox_id: str, status: W.StatusBody) -> Call[W.StatusReply]:
         """A sandbox on the node became ready, or failed (code and layer); CubeMaster answers with its state."""
         path = f"/v1/nodes/{_q(node)}/sandboxes/{_q(sandbox_id)}/status"
-        return Call("PUT", path, W.StatusReply, status.model_dump(mode="json"))
+        # absent, not null, when unset: a CubeMaster that predates a field still takes the push
+        return Call("PUT", path, W.StatusReply, status.model_dump(mode="json", exclude_none=True))
 
 
 class MasterClient:

@@ -239,6 +239,9 @@ class _CheckpointRest(Record):
     guest_addresses: dict[str, str]
     detached: list[str]
     shim_exited: bool
+    # set while the shim says the workload service does not answer: since when, and the code calls fail with
+    workload_unresponsive_since: float | None = None
+    workload_reason: str | None = None
     failure: Failure | None
     network: dict[str, Any] | None  # host/netpolicy.SandboxNet as the release path reads it back
     kill_at: float | None
@@ -281,6 +284,8 @@ def _checkpoint_fields(c: ReservationCheckpoint) -> dict[str, Any]:
         "guest_addresses": dict(c.guest_addresses),
         "detached": list(c.detached),
         "shim_exited": c.shim_exited,
+        "workload_unresponsive_since": c.workload_unresponsive_since,
+        "workload_reason": c.workload_reason,
         "failure": None if c.failure is None else Failure.of(c.failure),
         "network": None if c.network is None else dict(c.network),
         "kill_at": c.kill_at,

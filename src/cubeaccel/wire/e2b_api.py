@@ -7,7 +7,7 @@ Replies carry E2B's camelCase names; they have no `v` (the SDK's schema has none
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -97,11 +97,23 @@ class ListedSandbox(E2BReply):
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
+class SandboxWorkload(E2BReply):
+    """A running sandbox whose workload service stopped answering (its calls fail with `reason`): E2B has no
+    such state, so `state` stays `running` for the SDK and this extra property, which the SDK keeps among a
+    reply's additional properties, says it."""
+
+    state: Literal["unresponsive"]
+    reason: str | None = None  # a catalog code, e.g. workload.unresponsive
+    since: str  # ISO 8601
+    message: str | None = None
+
+
 class SandboxDetail(ListedSandbox):
-    """get_info: a listed sandbox plus its access token and domain."""
+    """get_info: a listed sandbox plus its access token and domain, and `workload` while it does not answer."""
 
     envd_access_token: str | None = Field(default=None, alias="envdAccessToken")
     domain: str | None = None
+    workload: SandboxWorkload | None = None
 
 
 # ---- GET /sandboxes/{id}/metrics ---------------------------------------------------------------------------------

@@ -20,11 +20,24 @@ class StatusError(Strict):
     phase: str | None = Field(default=None, max_length=32)  # the Cubelet phase it failed in
 
 
+class WorkloadCondition(Strict):
+    """Whether the sandbox's workload service answers its shim (docs/decisions.md: a condition beside the state,
+    not a state): `unresponsive` since `since` (the Cubelet's clock when the shim said so) with the code its calls
+    now fail with, or `answering` again. A sandbox's record shows it only while `unresponsive`."""
+
+    state: Literal["unresponsive", "answering"]
+    reason: str | None = Field(default=None, max_length=200)  # a catalog code, e.g. workload.unresponsive
+    since: float
+    message: str | None = Field(default=None, max_length=2000)
+
+
 class StatusBody(Message):
-    """Cubelet's push for one sandbox: ready (guest validated), or failed with code and layer."""
+    """Cubelet's push for one sandbox: ready (guest validated), or failed with code and layer; with `workload`
+    (phase `running`), only its workload service's condition changed."""
 
     phase: Literal["running", "failed"]
     error: StatusError | None = None
+    workload: WorkloadCondition | None = None
 
 
 MAX_LIFETIME_S = 30 * 86400.0  # no sandbox lives longer, whatever its tenant's quota says
@@ -325,6 +338,7 @@ class Sandbox(SandboxRecord):
 
     state: SandboxState | Literal["unknown"]  # `unknown` while its node's heartbeats are stale
     last_known_state: SandboxState | None = None  # the stored state when `state` shows `unknown`
+    workload: WorkloadCondition | None = None  # set while its workload service does not answer (live sandboxes)
 
 
 class WarmSandbox(SandboxRecord):

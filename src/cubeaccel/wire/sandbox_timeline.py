@@ -112,3 +112,17 @@ class NetworkSet(Record):
 
     network: dict[str, Any]
     egress: list[str]
+
+
+WORKLOAD_UNRESPONSIVE = "workload_unresponsive"
+WORKLOAD_RECOVERED = "workload_recovered"
+
+
+class WorkloadChanged(Sparse):
+    """`workload_unresponsive` / `workload_recovered`: the node said the sandbox's workload service stopped, or
+    started again, answering. The sandbox's `workload` condition is read from the last of these, so the timeline
+    stays the one place it is stored (no column of its own)."""
+
+    since: float  # the Cubelet's clock when the shim reported it
+    reason: str | None = None
+    message: str | None = None

@@ -245,7 +245,9 @@ def delete(sandbox_id: str, request: Request, master: MasterDep, caller: Caller)
 @router.put("/v1/nodes/{node}/sandboxes/{sandbox_id}/status", response_model=W.StatusReply)
 def sandbox_status(node: str, sandbox_id: str, body: W.StatusBody, master: MasterDep) -> W.StatusReply:
     """Cubelet's push: the sandbox is ready (guest validated), or failed with code and layer."""
-    if (body.phase == "failed") != (body.error is not None):
-        raise CubeError("api.invalid_request", "a failed status carries an error; a running one does not", "api")
+    if (body.phase == "failed") != (body.error is not None) or (body.phase == "failed" and body.workload):
+        raise CubeError(
+            "api.invalid_request", "a failed status carries an error (no workload); a running one does not", "api"
+        )
     error = None if body.error is None else sandbox_error(body.error)
-    return W.StatusReply(state=master.node_status(node, sandbox_id, body.phase, error))
+    return W.StatusReply(state=master.node_status(node, sandbox_id, body.phase, error, body.workload))
