@@ -16,6 +16,7 @@ from cubeaccel.cubelet.scrub import ProcessScrubRunner
 from tests.host.test_scrub_vm_orphans import ATTACH, DEVICE, FAKE_SHIM
 from tests.support.cubelet_harness import Node
 from tests.support.poll import poll
+from tests.support.scrub_stand_ins import image_present
 from tests.support.vmm_cleanup import kill_started_vmms
 
 
@@ -36,7 +37,7 @@ def test_scrub_vms_leave_only_the_newest_finished_runs(
     fake.chmod(0o755)
     (state / "shims").mkdir(parents=True)
     (state / "shims" / "mode").write_text("die")
-    runner = ProcessScrubRunner(state, image_digest="sha256:" + "a" * 64, python=str(fake))
+    runner = image_present(ProcessScrubRunner(state, image_digest="sha256:" + "a" * 64, python=str(fake)))
     try:
         for _ in range(4):
             assert not runner.run(node.device(DEVICE), ATTACH, 60.0).ok

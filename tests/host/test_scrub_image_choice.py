@@ -121,7 +121,7 @@ def test_host_check_names_a_missing_gpu_scrub_image_and_the_one_it_finds(cache: 
     fake = FakeSysfs.build(tmp_path / "fake", [Dev(f"0000:{0x18 + i:02x}:00.0", iommu_group=10 + i) for i in range(2)])
     code, report = _host_check(fake)
     line = next(c for c in report["checks"] if c["name"] == "scrub_image_nvidia")
-    assert (line["status"], line["code"]) == ("warn", MISSING) and "2 device(s) (10de:2330)" in line["reason"]
+    assert (line["status"], line["code"]) == ("warn", MISSING) and "2 device(s) (10de:2331)" in line["reason"]
     assert code == 0 and report["ready"] is True  # the host passes devices through; the Cubelet holds these
     assert report["facts"]["scrub_images"] == {"nvidia": None}
     m = _image(cache, "nvidia", agent_digest(), stack="nvidia")

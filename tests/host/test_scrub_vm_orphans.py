@@ -22,6 +22,7 @@ from cubeaccel.cubelet.scrub import ProcessScrubRunner
 from cubeaccel.host.vmm.vmmproc import find_shim, inspect
 from tests.support.cubelet_harness import Node
 from tests.support.poll import poll
+from tests.support.scrub_stand_ins import image_present
 from tests.support.vmm_cleanup import kill_started_vmms, started_vmms
 
 DEVICE = "vfio-0000:10:00.0"
@@ -58,7 +59,9 @@ def runner(tmp_path: Path) -> Iterator[ProcessScrubRunner]:
     fake.chmod(0o755)
     (state / "shims").mkdir(parents=True)
     (state / "shims" / "mode").write_text("die")
-    yield ProcessScrubRunner(state, image_digest="sha256:" + "a" * 64, python=str(fake), detach_timeout_s=1.0)
+    yield image_present(
+        ProcessScrubRunner(state, image_digest="sha256:" + "a" * 64, python=str(fake), detach_timeout_s=1.0)
+    )
     kill_started_vmms(tmp_path)
 
 
@@ -84,7 +87,9 @@ def test_after_a_restart_the_orphaned_scrub_vm_is_ended_before_a_second_one_star
         assert find_shim(sid, under=runner.dir) == old_shim.pid
         (runner.dir / "mode").write_text("die")
         # The restarted Cubelet's runner (a new object: nothing in memory) scrubs the same device again.
-        restarted = ProcessScrubRunner(runner.dir.parent, image_digest=runner.image_digest, python=runner.python)
+        restarted = image_present(
+            ProcessScrubRunner(runner.dir.parent, image_digest=runner.image_digest, python=runner.python)
+        )
         out = restarted.run(node.device(DEVICE), ATTACH, 60.0)
         assert not out.ok
         new = [p for p in runner.dir.glob("seen-scrub-*.json") if p.name != f"seen-{sid}.json"]
