@@ -22,6 +22,7 @@ from cubeaccel.frontdoor import envd
 from cubeaccel.frontdoor.envd import relayed
 from cubeaccel.frontdoor.serve import expose_client_sockets
 from tests.support.master_harness import free_port
+from tests.support.poll import poll
 
 SERVER_LOG = "tests.hypercorn.error"
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/connect+json\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -123,7 +124,11 @@ def test_a_stream_cut_upstream_is_a_reset_for_the_caller(front: str, logs: Recor
             got.extend(chunk)
     assert bytes(got) == b"first"
     assert "reset" in str(cut.value).lower()
-    # A designed cut is one line of the front door's, not the server's traceback of an app error.
-    cuts = [r for r in logs.records if r.name == envd.__name__ and "stream cut" in r.getMessage()]
+    # A designed cut is one line of the front door's, not the server's traceback of an app error. The caller sees
+    # the reset before the server's task logs it: wait for the line, then check there is exactly one.
+    def cut_lines() -> list[logging.LogRecord]:
+        return [r for r in logs.records if r.name == envd.__name__ and "stream cut" in r.getMessage()]
+
+    cuts = poll(cut_lines, 20.0, what="the front door's stream-cut line")
     assert len(cuts) == 1 and "GET /stream" in cuts[0].getMessage()
     assert not [r for r in logs.records if r.name == SERVER_LOG and r.levelno >= logging.ERROR]
