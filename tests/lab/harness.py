@@ -428,7 +428,7 @@ MAX_LOAD_SCALE = MAX_DEADLINE_SCALE
 def load_scale() -> float:
     """How much longer than on an idle machine a TCG boot may take now: the 1-minute load per core, from 1 up to
     MAX_LOAD_SCALE (at load 12-18 on 2 cores the fixed allowances ran out and the lab errored); the rule the
-    guest's own deadlines follow (model/agent_protocol.deadline_scale)."""
+    guest's own deadlines follow (protocol/agent_protocol.deadline_scale)."""
     return deadline_scale(os.getloadavg()[0], os.cpu_count() or 1)
 
 

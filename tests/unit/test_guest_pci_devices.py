@@ -1,4 +1,4 @@
-"""The guest report's PCI functions as typed records (model/reports.GuestPciDevice), read as the host's two checks
+"""The guest report's PCI functions as typed records (protocol/reports.GuestPciDevice), read as the host's two checks
 need them: the contract's check by vendor:device, the check without a contract by address too."""
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cubeaccel.backends.base import Backend, Capabilities
 from cubeaccel.cubelet.device_audit import DeviceAudit
 from cubeaccel.cubelet.ended import EndedSandboxes
-from cubeaccel.cubelet.heartbeat import Heartbeat
 from cubeaccel.cubelet.journal import Journal
 from cubeaccel.cubelet.lifecycle import Cubelet, CubeletConfig
 from cubeaccel.cubelet.locks import KeyedLocks
@@ -27,11 +27,14 @@ from cubeaccel.cubelet.metrics import CubeletMetrics
 from cubeaccel.cubelet.release import ReleasePath, StatusSink
 from cubeaccel.cubelet.scrub import ScrubRunner, SimulatedScrubRunner, UnavailableScrubRunner
 from cubeaccel.cubelet.shim_driver import ShimDriver, SimulatedShimDriver
-from cubeaccel.cubelet.status_push import StatusPush
 from cubeaccel.cubelet.store import Store
 from cubeaccel.host.service.audit import AuditLog
 from cubeaccel.model.node_facts import GuestImageFact, parse_guest_images
 from cubeaccel.protocol.errors import invalid
+
+if TYPE_CHECKING:  # httpx, which the lab guest's Cubelet closure lacks: imported where a served node is built
+    from cubeaccel.cubelet.heartbeat import Heartbeat
+    from cubeaccel.cubelet.status_push import StatusPush
 
 BACKENDS = ("simulated", "vfio", "emulated")
 SIMULATED_ALLOW = ("10de:*", "1234:11e8")
@@ -243,6 +246,9 @@ def build_served(opts: RuntimeOptions, *, audit: AuditLog, master: MasterLink | 
     """The served node: its Cubelet, built with the audit log and (with a CubeMaster) the status push as its sink;
     the metrics, counting from the first event (the host's initialization, which follows); the heartbeat. Nothing
     is started here."""
+    from cubeaccel.cubelet.heartbeat import Heartbeat
+    from cubeaccel.cubelet.status_push import StatusPush
+
     push = None if master is None else StatusPush(master.master_url, opts.config.node_name, token=master.token)
     cubelet = build_cubelet(opts, audit=audit, status_sink=None if push is None else push.push)
     heartbeat = (
