@@ -92,12 +92,17 @@ class NodeCache:
             self._index.set_claims(node, claims, v.memory_claims_mib + pinned_mib)
 
     def _reload(self) -> None:
+        """Re-parse only the nodes whose summary or state changed; the others keep their view (and its memos) and
+        take the row's new clocks in place, since a heartbeat that repeated its summary renewed only those."""
         old = {v.name: v for v in self._index.views()}
-        known = {name: (v.received_at, v.state) for name, v in old.items()}
-        changed, names = self.store.node_views(known)
+        known = {name: (v.summary_digest, v.state) for name, v in old.items()}
+        changed, liveness = self.store.node_views(known)
         as_of = self.store.claims_as_of()
         warm = self.store.warm_claimed()
-        fresh = {name: old[name] for name in names if name in old}
+        fresh = {x.name: old[x.name] for x in liveness if x.name in old}
+        for x in liveness:
+            if (v := fresh.get(x.name)) is not None:
+                v.received_at, v.sent_at = x.received_at, x.sent_at
         for v in changed:  # unchanged views keep their contract and device memos
             fresh[v.name] = v
         # A view's claims must be relative to the summary it holds. A heartbeat that landed after the views were
