@@ -26,15 +26,19 @@ class NodeCache:
     def __init__(self, store: MasterStore, ttl_s: float = 0.25) -> None:
         self.store = store
         self.ttl_s = ttl_s
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the index and the maps: held for lookups and merges, never across I/O
+        self._reloading = threading.Lock()  # one reload at a time; its reads run without `_lock`
         self._index = NodeIndex()
         self._by_url: dict[str, str] = {}  # cubelet_url → node, for the Cubelet calls that start from a URL
-        self._loaded_at = 0.0
+        self._loaded_at = 0.0  # monotonic time the last merged reload started reading
+        self._invalidated_at = 0.0
+        # Our own claims noted while a reload reads: re-applied after its merge, which may not show them yet
+        # (counted twice until the next reload if it does: a node looks fuller, never freer, than it is).
+        self._noted: list[tuple[str, str, int, int]] | None = None
 
     def views(self, fresh: bool = False) -> list[NodeView]:
+        self._refresh(fresh)
         with self._lock:
-            if fresh or time.monotonic() - self._loaded_at > self.ttl_s:
-                self._reload()
             return self._index.views()
 
     def view(self, name: str) -> NodeView | None:
@@ -45,7 +49,7 @@ class NodeCache:
                 return self._index.view(name)
             except KeyError:
                 pass
-        self.views()
+        self._refresh()
         with self._lock:
             try:
                 return self._index.view(name)
@@ -57,7 +61,7 @@ class NodeCache:
         with self._lock:
             name = self._by_url.get(url)
         if name is None:
-            self.views()
+            self._refresh()
             with self._lock:
                 name = self._by_url.get(url)
         return name
@@ -71,62 +75,103 @@ class NodeCache:
         fresh: bool = False,
     ) -> tuple[Decision, int]:
         """A decision over the indexed views, and how many nodes it was made over (for the refusal's counts)."""
+        self._refresh(fresh)
         with self._lock:
-            if fresh or time.monotonic() - self._loaded_at > self.ttl_s:
-                self._reload()
             # the index is the node list: no per-decision copy of every view (a refusal's `explain` reads them)
             return decide((), choices, now, staleness_s, vcpus, index=self._index), len(self._index)
 
     def invalidate(self) -> None:
         with self._lock:
-            self._loaded_at = 0.0
+            self._invalidated_at = time.monotonic()
 
     def note_claim(self, node: str, group_key: str, count: int, pinned_mib: int = 0) -> None:
         """Our own claim, visible to this replica's next decisions before the next reload."""
         with self._lock:
-            try:
-                v = self._index.view(node)
-            except KeyError:
+            if self._noted is not None:
+                self._noted.append((node, group_key, count, pinned_mib))
+            self._add_claim(node, group_key, count, pinned_mib)
+
+    def _add_claim(self, node: str, group_key: str, count: int, pinned_mib: int) -> None:
+        try:
+            v = self._index.view(node)
+        except KeyError:
+            return
+        claims = {**v.claims, group_key: v.claims.get(group_key, 0) + count}
+        self._index.set_claims(node, claims, v.memory_claims_mib + pinned_mib)
+
+    def _refresh(self, fresh: bool = False) -> None:
+        """Reload when the copy is older than the TTL, invalidated, or the caller asks for a fresh one.
+
+        Past the TTL alone, a caller finding a reload under way decides on the current copy instead of waiting
+        for it (the store re-checks every claim under the node's row lock). A fresh or invalidated copy is
+        waited for, and read again unless a reload started after the caller asked."""
+        asked = time.monotonic()
+        with self._lock:
+            must = fresh or self._loaded_at <= self._invalidated_at
+            if not must and asked - self._loaded_at <= self.ttl_s:
                 return
-            claims = {**v.claims, group_key: v.claims.get(group_key, 0) + count}
-            self._index.set_claims(node, claims, v.memory_claims_mib + pinned_mib)
+        if not self._reloading.acquire(blocking=must):
+            return
+        try:
+            with self._lock:
+                done = self._loaded_at > (asked if fresh else self._invalidated_at)
+                if done and (must or time.monotonic() - self._loaded_at <= self.ttl_s):
+                    return
+            self._reload()
+        finally:
+            self._reloading.release()
 
     def _reload(self) -> None:
         """Re-parse only the nodes whose summary or state changed; the others keep their view (and its memos) and
-        take the row's new clocks in place, since a heartbeat that repeated its summary renewed only those."""
-        old = {v.name: v for v in self._index.views()}
-        known = {name: (v.summary_digest, v.state) for name, v in old.items()}
-        changed, liveness = self.store.node_views(known)
-        as_of = self.store.claims_as_of()
-        warm = self.store.warm_claimed()
+        take the row's new clocks, since a heartbeat that repeated its summary renewed only those. The store is
+        read without the index's lock; only the merge holds it."""
+        started = time.monotonic()
+        with self._lock:
+            old = {v.name: v for v in self._index.views()}
+            self._noted = []
+        try:
+            known = {name: (v.summary_digest, v.state) for name, v in old.items()}
+            changed, liveness = self.store.node_views(known)
+            as_of = self.store.claims_as_of()
+            warm = self.store.warm_claimed()
+        except BaseException:
+            with self._lock:
+                self._noted = None
+            raise
         fresh = {x.name: old[x.name] for x in liveness if x.name in old}
-        for x in liveness:
-            if (v := fresh.get(x.name)) is not None:
-                v.received_at, v.sent_at = x.received_at, x.sent_at
+        clocks = {x.name: (x.received_at, x.sent_at) for x in liveness if x.name in old}
         for v in changed:  # unchanged views keep their contract and device memos
             fresh[v.name] = v
+            clocks[v.name] = (v.received_at, v.sent_at)
         # A view's claims must be relative to the summary it holds. A heartbeat that landed after the views were
         # read makes the claims relative to a newer one, which would free a device the view still shows held:
         # those few nodes' claims are derived again from their placements, against the view's own summary.
-        torn = [v.name for v in fresh.values() if (c := as_of.get(v.name)) is None or c.sent_at != v.sent_at]
+        torn = [name for name in fresh if (c := as_of.get(name)) is None or c.sent_at != clocks[name][1]]
         placed: dict[str, list[Placement]] = {name: [] for name in torn}
         for p in self.store.placements(torn) if torn else []:
             placed[p.node].append(p)
 
-        def claims_of(v: NodeView) -> tuple[dict[str, int], int]:
-            if v.name in placed:
-                return unseen_claims(placed[v.name], v.sent_at)
-            c = as_of[v.name]
+        def claims_of(name: str) -> tuple[dict[str, int], int]:
+            if name in placed:
+                return unseen_claims(placed[name], clocks[name][1])
+            c = as_of[name]
             return c.devices, c.memory_mib
 
+        claims = {name: claims_of(name) for name in fresh}
         for v in changed:
-            v.claims, v.memory_claims_mib = claims_of(v)
-        self._index.replace_all(fresh.values())
-        self._by_url = {v.cubelet_url: v.name for v in fresh.values()}
-        for name, v in fresh.items():
-            self._index.set_claims(name, *claims_of(v))
-            v.warm_claimed = warm.get(name, frozenset())
-        self._loaded_at = time.monotonic()
+            v.claims, v.memory_claims_mib = claims[v.name]
+        with self._lock:
+            for name, v in fresh.items():
+                v.received_at, v.sent_at = clocks[name]
+            self._index.replace_all(fresh.values())
+            self._by_url = {v.cubelet_url: v.name for v in fresh.values()}
+            for name, v in fresh.items():
+                self._index.set_claims(name, *claims[name])
+                v.warm_claimed = warm.get(name, frozenset())
+            for noted in self._noted or []:
+                self._add_claim(*noted)
+            self._noted = None
+            self._loaded_at = started
 
 
 def unseen_claims(placements: Sequence[Placement], sent_at: float) -> tuple[dict[str, int], int]:
