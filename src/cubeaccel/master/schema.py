@@ -226,12 +226,18 @@ def _v7(conn: sa.Connection) -> None:
         conn.execute(meta.insert().values(key=WORKLOAD_TOKEN_KEY, value=secrets.token_hex(32)))
 
 
+CREDENTIALS_CHANGED_KEY = "node_credentials_changed"  # meta row: rewritten at every re-enrolment or revocation
+
+
 def _v8(conn: sa.Connection) -> None:
     """Heartbeats that repeat the node's summary write only its liveness: the summary's digest, so the next beat
     and each replica's cache can tell an unchanged summary without reading or re-parsing the JSON. NULL (a row
-    written before) counts as changed: the next beat writes the whole row once."""
+    written before) counts as changed: the next beat writes the whole row once. And the node credentials' change
+    marker, which lets each replica keep the credentials it checked (master/credential_cache.py)."""
     if "summary_digest" not in {c["name"] for c in sa.inspect(conn).get_columns("nodes")}:
         conn.execute(sa.text("ALTER TABLE nodes ADD COLUMN summary_digest VARCHAR(64)"))
+    if conn.execute(sa.select(meta.c.key).where(meta.c.key == CREDENTIALS_CHANGED_KEY)).first() is None:
+        conn.execute(meta.insert().values(key=CREDENTIALS_CHANGED_KEY, value="0"))
 
 
 MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [
