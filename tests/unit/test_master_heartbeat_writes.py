@@ -11,13 +11,16 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from fastapi.testclient import TestClient
 
 from cubeaccel.master import store as store_module
 from cubeaccel.master import view as view_module
 from cubeaccel.master.cache import NodeCache
+from cubeaccel.master.server import create_app
+from cubeaccel.master.service import CubeMaster, MasterConfig
 from cubeaccel.master.store import MasterStore, NodeLiveness
 from cubeaccel.master.view import NodeView
-from tests.support.master_builders import group, heartbeat
+from tests.support.master_builders import Credentials, group, heartbeat
 
 H100 = "H100-PCIe-80GB"
 
@@ -144,3 +147,32 @@ def test_lookups_and_decisions_do_not_wait_for_a_reload_reading_the_store(
     view = cache.view("n")  # the reloader's merge, not another reload
     # the claim noted while the reload read is not lost by its merge (the store holds no claim row for it)
     assert view is not None and view.free(view.groups[0]) == 7
+
+
+def test_a_node_appearing_or_coming_back_is_taken_in_from_its_row_not_by_a_reload_of_every_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 10,000 nodes, nodes came back from stale by the hundred per second, and each forced a reload of all."""
+    master = CubeMaster(MasterStore(str(tmp_path / "api.db")), MasterConfig(staleness_s=10.0))
+    try:
+        api = TestClient(create_app(master), raise_server_exceptions=False)
+        api.auth = Credentials(master)
+        for i in range(5):
+            assert api.put(f"/v1/nodes/n{i}", json=beat(f"n{i}", 1000.0)).status_code == 200
+        master.cache.ttl_s = 3600.0  # only an invalidation would make the copy reload from here
+        master.cache.views()
+        full_reads: list[int] = []
+        read = master.store.node_views
+
+        def counted(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[NodeLiveness]]:
+            full_reads.append(1)
+            return read(*args, **kwargs)
+
+        monkeypatch.setattr(master.store, "node_views", counted)
+        assert api.put("/v1/nodes/n9", json=beat("n9", 1000.0)).status_code == 200  # a new node
+        view = master.cache.view("n9")
+        assert view is not None and view.free(view.groups[0]) == 8
+        assert sorted(v.name for v in master.cache.views()) == ["n0", "n1", "n2", "n3", "n4", "n9"]
+        assert full_reads == []
+    finally:
+        master.store.close()

@@ -84,6 +84,32 @@ class NodeCache:
         with self._lock:
             self._invalidated_at = time.monotonic()
 
+    def refresh_node(self, name: str) -> None:
+        """Take in one node from its row (one read, not every node's): a node that appeared or came back, or one
+        whose claims changed. Keeps the view object (and its memos) when its summary and state did not change."""
+        fresh = self.store.node_view(name)
+        with self._lock:
+            try:
+                v: NodeView | None = self._index.view(name)
+            except KeyError:
+                v = None
+            if fresh is None:
+                if v is not None:  # gone from the store: the next caller reloads
+                    self._invalidated_at = time.monotonic()
+                return
+            if v is None or (v.summary_digest, v.state) != (fresh.summary_digest, fresh.state):
+                if v is not None and self._by_url.get(v.cubelet_url) == name:
+                    del self._by_url[v.cubelet_url]
+                self._index.put(fresh)
+                self._by_url[fresh.cubelet_url] = name
+                v = fresh
+            else:
+                v.received_at, v.sent_at = fresh.received_at, fresh.sent_at
+                self._index.set_claims(name, fresh.claims, fresh.memory_claims_mib)
+            v.warm_claimed = fresh.warm_claimed
+            if self._noted is not None:  # a reload under way read before this: its merge must not undo it
+                self._invalidated_at = time.monotonic()
+
     def note_claim(self, node: str, group_key: str, count: int, pinned_mib: int = 0) -> None:
         """Our own claim, visible to this replica's next decisions before the next reload."""
         with self._lock:

@@ -361,8 +361,8 @@ def create_app(
         if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
             raise CubeError("node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api")
         state, returned = master.store.heartbeat(body, time.time(), cfg.staleness_s)  # validated the body
-        if returned:  # routine heartbeats reach the views within the cache's TTL; new nodes at once
-            master.cache.invalidate()
+        if returned:  # routine heartbeats reach the views within the cache's TTL; new nodes at once (their row only)
+            master.cache.refresh_node(node)
             if maintenance is not None:
                 maintenance.request_reconcile(node)
         try:  # what the node ended; a restart it came back from. The heartbeat is stored either way: a failure

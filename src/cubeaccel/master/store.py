@@ -171,6 +171,20 @@ class MasterStore:
             rows = c.execute(sa.select(n).where(n.c.name.in_(changed))).all() if changed else []
         return [_view(r) for r in rows], index
 
+    def node_view(self, name: str) -> NodeView | None:
+        """One node's view with its claims and warm claims, in one transaction: what a replica's cache needs to
+        take in a node that appeared or came back, without reading every node."""
+        n, w = S.nodes, S.warm_claims
+        with self.tx() as c:
+            r = c.execute(sa.select(n).where(n.c.name == name)).first()
+            if r is None:
+                return None
+            view = _view(r)
+            view.claims = _claims(c, name).get(name, {})
+            view.memory_claims_mib = _memory_claims(c, name).get(name, 0)
+            view.warm_claimed = frozenset(str(x) for (x,) in c.execute(sa.select(w.c.warm_id).where(w.c.node == name)))
+        return view
+
     def node_url(self, name: str) -> str | None:
         """One node's registered Cubelet URL, as stored now (one row, not every node's)."""
         with self.tx() as c:
