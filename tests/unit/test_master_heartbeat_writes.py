@@ -176,3 +176,26 @@ def test_a_node_appearing_or_coming_back_is_taken_in_from_its_row_not_by_a_reloa
         assert full_reads == []
     finally:
         master.store.close()
+
+
+def test_a_node_back_from_stale_with_its_summary_unchanged_is_taken_in_without_a_read(
+    store: MasterStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When CubeMaster cannot take every beat, nearly every beat is a return from stale: none may cost a read."""
+    store.heartbeat(beat("n", 1000.0), 5000.0, 10)
+    cache = NodeCache(store, ttl_s=3600.0)
+    cache.views()
+    reads: list[str] = []
+    read = store.node_view
+
+    def counted(name: str) -> NodeView | None:
+        reads.append(name)
+        return read(name)
+
+    monkeypatch.setattr(store, "node_view", counted)
+    cache.heard(store.record_heartbeat(beat("n", 1100.0), 5100.0, 10))  # stale for 100 s, same summary
+    view = cache.view("n")
+    assert reads == [] and view is not None and (view.received_at, view.sent_at) == (5100.0, 1100.0)
+    cache.heard(store.record_heartbeat(beat("n", 1200.0, free=3), 5200.0, 10))  # back with a new summary
+    view = cache.view("n")
+    assert reads == ["n"] and view is not None and view.free(view.groups[0]) == 3

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from cubeaccel.master.index import NodeIndex
 from cubeaccel.master.scheduler import Decision, decide
 from cubeaccel.master.selector import Selector
-from cubeaccel.master.store import MasterStore, Placement
+from cubeaccel.master.store import HeartbeatRecorded, MasterStore, Placement
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.contract import CompatibilityContract
 from cubeaccel.model.request import AcceleratorChoice
@@ -83,6 +83,21 @@ class NodeCache:
     def invalidate(self) -> None:
         with self._lock:
             self._invalidated_at = time.monotonic()
+
+    def heard(self, beat: HeartbeatRecorded) -> None:
+        """A heartbeat this replica stored for a node that was new or stale. A copy holding the same summary and
+        state takes the beat's clocks, with no read (its claims stay relative to the older `sent_at`: they may
+        count a placement the new summary shows, a node fuller than it is until the next reload, never freer);
+        otherwise the node is read from its row."""
+        with self._lock:
+            try:
+                v = self._index.view(beat.node)
+            except KeyError:
+                v = None
+            if v is not None and (v.summary_digest, v.state) == (beat.digest, beat.state):
+                v.received_at, v.sent_at = beat.received_at, beat.sent_at
+                return
+        self.refresh_node(beat.node)
 
     def refresh_node(self, name: str) -> None:
         """Take in one node from its row (one read, not every node's): a node that appeared or came back, or one

@@ -101,7 +101,12 @@ class MasterStore:
 
     # ---- nodes ------------------------------------------------------------------------------------
     def heartbeat(self, body: Mapping[str, Any], now: float, staleness_s: float) -> tuple[str, bool]:
-        """Record a heartbeat; returns (operator state, whether the node is new or was stale).
+        """Record a heartbeat; returns (operator state, whether the node is new or was stale)."""
+        beat = self.record_heartbeat(body, now, staleness_s)
+        return beat.state, beat.returned
+
+    def record_heartbeat(self, body: Mapping[str, Any], now: float, staleness_s: float) -> HeartbeatRecorded:
+        """Record a heartbeat; returns what a replica's cache needs to take it in without reading the row again.
 
         A live node's URL is not changed by a heartbeat naming another one (409 `node.url_conflict`):
         otherwise any caller could redirect a node's reservations. A stale node may come back elsewhere.
@@ -123,7 +128,7 @@ class MasterStore:
             values = {**clocks, "cubelet_url": view.cubelet_url, "heartbeat": stored, "summary_digest": digest}
             if row is None:
                 c.execute(n.insert().values(name=name, state=NodeState.READY.value, registered_at=now, **values))
-                return NodeState.READY.value, True
+                return HeartbeatRecorded(name, NodeState.READY.value, True, digest, now, view.sent_at)
             stale = now - float(row.received_at) > staleness_s
             if row.cubelet_url != view.cubelet_url and not stale:
                 raise CubeError(
@@ -135,7 +140,7 @@ class MasterStore:
                     {"cubelet_url": row.cubelet_url},
                 )
             c.execute(n.update().where(n.c.name == name).values(**(clocks if row.summary_digest == digest else values)))
-            return str(row.state), stale
+            return HeartbeatRecorded(name, str(row.state), stale, digest, now, view.sent_at)
 
     def node_event(self, name: str, event: NodeEvent, actor: Actor = Actor.OPERATOR) -> NodeState:
         """An operator's drain/undrain, through the node table; returns the node's state afterwards."""
@@ -649,6 +654,16 @@ class Placement:
     def unseen_by(self, sent_at: float) -> bool:
         """Whether a summary the node sent at `sent_at` (its clock) cannot show this placement (as `_unseen`)."""
         return self.cubelet_created_at is None or self.cubelet_created_at >= sent_at
+
+
+@dataclass(frozen=True)
+class HeartbeatRecorded:
+    node: str
+    state: str  # the operator state
+    returned: bool  # new, or stale until this beat
+    digest: str  # of the summary now stored
+    received_at: float
+    sent_at: float
 
 
 @dataclass(frozen=True)
