@@ -124,6 +124,7 @@ def test_a_stream_cut_upstream_is_a_reset_for_the_caller(front: str, logs: Recor
             got.extend(chunk)
     assert bytes(got) == b"first"
     assert "reset" in str(cut.value).lower()
+
     # A designed cut is one line of the front door's, not the server's traceback of an app error. The caller sees
     # the reset before the server's task logs it: wait for the line, then check there is exactly one.
     def cut_lines() -> list[logging.LogRecord]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from cubeaccel.master.cache import NodeCache
-from cubeaccel.master.store import MasterStore
+from cubeaccel.master.store import MasterStore, NodeLiveness
 from cubeaccel.master.view import NodeView
 from cubeaccel.model.sandbox_states import SandboxActor, SandboxEvent
 from tests.support.master_builders import group, heartbeat, sandbox_row
@@ -45,7 +45,7 @@ def test_a_heartbeat_landing_during_a_reload_frees_neither_a_held_device_nor_its
     read_views = store.node_views
     landed: list[object] = []
 
-    def views_then_heartbeat(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[str]]:
+    def views_then_heartbeat(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[NodeLiveness]]:
         out = read_views(*args, **kwargs)
         if not landed:  # the heartbeat lands just after the cache read the views, once
             landed.append(store.heartbeat(after, time.time(), 10))

@@ -12,7 +12,7 @@ import pytest
 
 from cubeaccel.master.cache import NodeCache
 from cubeaccel.master.service import CubeMaster
-from cubeaccel.master.store import MasterStore
+from cubeaccel.master.store import MasterStore, NodeLiveness
 from cubeaccel.master.view import NodeView
 from tests.support.master_builders import group, heartbeat
 
@@ -72,7 +72,7 @@ def test_reconciling_one_node_reads_its_row_not_every_nodes_views(
     reads: list[int] = []
     real = master.store.node_views
 
-    def counted(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[str]]:
+    def counted(*args: Any, **kwargs: Any) -> tuple[list[NodeView], list[NodeLiveness]]:
         reads.append(1)
         return real(*args, **kwargs)
 

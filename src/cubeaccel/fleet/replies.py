@@ -24,12 +24,14 @@ from cubeaccel.wire.cubelet_api import (
 )
 
 SCHEMA_VERSION = 0  # the simulator keeps no on-disk journal
-GPU_LABELS = {"vendor": "nvidia", "model": "H100-SXM5-80GB", "memory_gib": "80", "architecture": "hopper"}
+# An H100 PCIe 80GB: a GPU the shipped cuda12-h100 template supports (an HGX/SXM H100 is held out by nodes until
+# Fabric Manager partitions are managed, so the template no longer lists it and a fleet of them placed nothing).
+GPU_LABELS = {"vendor": "nvidia", "model": "H100-PCIe-80GB", "memory_gib": "80", "architecture": "hopper"}
 _IDENTITY = Identity(
     vendor_id="10de",
-    device_id="2330",
+    device_id="2331",
     subsystem_vendor_id="10de",
-    subsystem_device_id="16c1",
+    subsystem_device_id="1626",
     class_code="030200",
     revision="a1",
     serial=None,

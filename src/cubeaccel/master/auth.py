@@ -27,6 +27,7 @@ import sqlalchemy as sa
 
 from cubeaccel.host.service.throttle import Throttle
 from cubeaccel.master import schema as S
+from cubeaccel.master.credential_cache import NodeCredentialCache, mark_credentials_changed
 from cubeaccel.master.records import Quota
 from cubeaccel.master.store import MasterStore
 from cubeaccel.model.ids import NODE_ID_RE, tenant_sandbox_prefix, unkeyed_tenant_sandbox_prefix
@@ -132,6 +133,7 @@ class Auth:
             self._tenant_id_key = _meta_secret(c, S.TENANT_ID_KEY)
             self._workload_token_key = _meta_secret(c, S.WORKLOAD_TOKEN_KEY)
         self._prefixes: dict[str, str] = {}  # tenant → its id prefix (fixed at its creation)
+        self.credentials = NodeCredentialCache(store)  # live node credentials, without a read per request
 
     # ---- verifying ----------------------------------------------------------------------------------
     def authenticate(self, header: str | None, signed: SignedRequest | None = None) -> Identity | None:
@@ -163,9 +165,10 @@ class Auth:
         claim = node_sig.parse(header, req.body_sha)
         if claim is None or NODE_ID_RE.fullmatch(claim.node) is None:
             return None, "a malformed node signature"
-        with self.store.tx() as c:
-            r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == claim.node)).first()
-        if r is None or r.revoked or r.generation != claim.generation:
+        gen = self.credentials.generation(claim.node)
+        if gen is not None and gen < claim.generation:  # re-enrolled on another replica since this one looked
+            gen = self.credentials.generation(claim.node, fresh=True)
+        if gen != claim.generation:
             return None, "the node's credential is unknown, revoked or replaced"
         token = self.node_token(claim.node, claim.generation)
         why = node_sig.check(claim, token, req.method, req.target, self.nonces)
@@ -201,9 +204,8 @@ class Auth:
 
     def current_node_token(self, node: str) -> str | None:
         """What CubeMaster presents to `node`'s Cubelet (None: never enrolled or revoked)."""
-        with self.store.tx() as c:
-            r = c.execute(sa.select(S.node_credentials).where(S.node_credentials.c.node == node)).first()
-        return None if r is None or r.revoked else self.node_token(node, int(r.generation))
+        gen = self.credentials.generation(node)
+        return None if gen is None else self.node_token(node, gen)
 
     # ---- managing -----------------------------------------------------------------------------------
     def create_key(self, role: str, tenant: str | None = None) -> tuple[str, str]:
@@ -330,6 +332,8 @@ class Auth:
                     .where(S.node_credentials.c.node == node)
                     .values(generation=gen, revoked=False, enrolled_at=time.time())
                 )
+                mark_credentials_changed(c)
+        self.credentials.drop()
         return self.node_token(node, gen)
 
     def revoke_node(self, node: str) -> None:
@@ -337,6 +341,8 @@ class Auth:
             n = c.execute(
                 S.node_credentials.update().where(S.node_credentials.c.node == node).values(revoked=True)
             ).rowcount
+            mark_credentials_changed(c)
+        self.credentials.drop()
         if n != 1:
             raise CubeError("node.not_found", f"node {node!r} was never enrolled", "api")
 

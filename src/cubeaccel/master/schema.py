@@ -45,6 +45,8 @@ nodes = sa.Table(
     sa.Column("sent_at", sa.Float, nullable=False),  # Cubelet clock
     sa.Column("registered_at", sa.Float, nullable=False),
     sa.Column("reconciled_at", sa.Float, nullable=True),
+    # sha256 of the heartbeat body without `sent_at`: a beat that matches it renews only received_at/sent_at
+    sa.Column("summary_digest", sa.String(64), nullable=True),
 )
 
 templates = sa.Table(
@@ -224,6 +226,20 @@ def _v7(conn: sa.Connection) -> None:
         conn.execute(meta.insert().values(key=WORKLOAD_TOKEN_KEY, value=secrets.token_hex(32)))
 
 
+CREDENTIALS_CHANGED_KEY = "node_credentials_changed"  # meta row: rewritten at every re-enrolment or revocation
+
+
+def _v8(conn: sa.Connection) -> None:
+    """Heartbeats that repeat the node's summary write only its liveness: the summary's digest, so the next beat
+    and each replica's cache can tell an unchanged summary without reading or re-parsing the JSON. NULL (a row
+    written before) counts as changed: the next beat writes the whole row once. And the node credentials' change
+    marker, which lets each replica keep the credentials it checked (master/credential_cache.py)."""
+    if "summary_digest" not in {c["name"] for c in sa.inspect(conn).get_columns("nodes")}:
+        conn.execute(sa.text("ALTER TABLE nodes ADD COLUMN summary_digest VARCHAR(64)"))
+    if conn.execute(sa.select(meta.c.key).where(meta.c.key == CREDENTIALS_CHANGED_KEY)).first() is None:
+        conn.execute(meta.insert().values(key=CREDENTIALS_CHANGED_KEY, value="0"))
+
+
 MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [
     (1, _v1),
     (2, _v2),
@@ -232,6 +248,7 @@ MIGRATIONS: list[tuple[int, Callable[[sa.Connection], None]]] = [
     (5, _v5),
     (6, _v6),
     (7, _v7),
+    (8, _v8),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 

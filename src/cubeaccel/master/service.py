@@ -797,7 +797,10 @@ class CubeMaster:
             return
         if released:
             self.store.update_sandbox(row.id, "deleted", expect=(SS.DELETING,), event=SE.DELETED, by=by)
-            self.cache.invalidate()
+            if row.node is not None:  # its devices are free again: that node's claims, not every node's
+                self.cache.refresh_node(row.node)
+            else:
+                self.cache.invalidate()
 
     def node_url(self, node: str | None) -> str | None:
         if node is None:

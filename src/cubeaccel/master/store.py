@@ -7,12 +7,14 @@ fails half-way with "database is locked"; PostgreSQL uses row locks (`FOR UPDATE
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import sqlalchemy as sa
 
@@ -99,28 +101,34 @@ class MasterStore:
 
     # ---- nodes ------------------------------------------------------------------------------------
     def heartbeat(self, body: Mapping[str, Any], now: float, staleness_s: float) -> tuple[str, bool]:
-        """Record a heartbeat; returns (operator state, whether the node is new or was stale).
+        """Record a heartbeat; returns (operator state, whether the node is new or was stale)."""
+        beat = self.record_heartbeat(body, now, staleness_s)
+        return beat.state, beat.returned
+
+    def record_heartbeat(self, body: Mapping[str, Any], now: float, staleness_s: float) -> HeartbeatRecorded:
+        """Record a heartbeat; returns what a replica's cache needs to take it in without reading the row again.
 
         A live node's URL is not changed by a heartbeat naming another one (409 `node.url_conflict`):
         otherwise any caller could redirect a node's reservations. A stale node may come back elsewhere.
+        A beat whose summary (all but `sent_at`) matches the stored one's digest writes only the two clocks: most
+        beats repeat the last summary, and rewriting the whole JSON row for each was most of a beat's cost.
         """
         view = view_from_heartbeat(body, now)  # validates the shape before anything is written
         name = view.name
+        stored = {**body, "cubelet_url": view.cubelet_url}
+        digest = summary_digest(stored)
         with self.tx() as c:
+            n = S.nodes
             row = c.execute(
-                sa.select(S.nodes.c.state, S.nodes.c.received_at, S.nodes.c.cubelet_url)
-                .where(S.nodes.c.name == name)
+                sa.select(n.c.state, n.c.received_at, n.c.cubelet_url, n.c.summary_digest)
+                .where(n.c.name == name)
                 .with_for_update()
             ).first()
-            values = {
-                "cubelet_url": view.cubelet_url,
-                "heartbeat": {**body, "cubelet_url": view.cubelet_url},
-                "received_at": now,
-                "sent_at": view.sent_at,
-            }
+            clocks = {"received_at": now, "sent_at": view.sent_at}
+            values = {**clocks, "cubelet_url": view.cubelet_url, "heartbeat": stored, "summary_digest": digest}
             if row is None:
-                c.execute(S.nodes.insert().values(name=name, state=NodeState.READY.value, registered_at=now, **values))
-                return NodeState.READY.value, True
+                c.execute(n.insert().values(name=name, state=NodeState.READY.value, registered_at=now, **values))
+                return HeartbeatRecorded(name, NodeState.READY.value, True, digest, now, view.sent_at)
             stale = now - float(row.received_at) > staleness_s
             if row.cubelet_url != view.cubelet_url and not stale:
                 raise CubeError(
@@ -131,8 +139,8 @@ class MasterStore:
                     "api",
                     {"cubelet_url": row.cubelet_url},
                 )
-            c.execute(S.nodes.update().where(S.nodes.c.name == name).values(**values))
-            return str(row.state), stale
+            c.execute(n.update().where(n.c.name == name).values(**(clocks if row.summary_digest == digest else values)))
+            return HeartbeatRecorded(name, str(row.state), stale, digest, now, view.sent_at)
 
     def node_event(self, name: str, event: NodeEvent, actor: Actor = Actor.OPERATOR) -> NodeState:
         """An operator's drain/undrain, through the node table; returns the node's state afterwards."""
@@ -148,18 +156,37 @@ class MasterStore:
         with self.tx() as c:
             c.execute(S.nodes.update().where(S.nodes.c.name == name).values(reconciled_at=now))
 
-    def node_views(self, known: Mapping[str, tuple[float, str]] | None = None) -> tuple[list[NodeView], list[str]]:
-        """Nodes whose (received_at, state) differ from `known`, freshly parsed, and the names of all nodes.
+    def node_views(
+        self, known: Mapping[str, tuple[str | None, str]] | None = None
+    ) -> tuple[list[NodeView], list[NodeLiveness]]:
+        """Nodes whose (summary digest, state) differ from `known`, freshly parsed, and every node's liveness.
 
-        A replica re-reads only what changed since its last look; claims are attached by the caller from
-        `claims()`, which is one aggregate query.
+        A replica re-reads and re-parses only the summaries that changed since its last look; a beat that
+        repeated its summary reaches the replica as new clocks on the view it holds. Claims are attached by the
+        caller from `admitted_as_of()`, which is one aggregate query.
         """
         known = known or {}
+        n = S.nodes
         with self.tx() as c:
-            index = c.execute(sa.select(S.nodes.c.name, S.nodes.c.received_at, S.nodes.c.state)).all()
-            changed = [r.name for r in index if known.get(r.name) != (r.received_at, r.state)]
-            rows = c.execute(sa.select(S.nodes).where(S.nodes.c.name.in_(changed))).all() if changed else []
-        return [view_from_heartbeat(r.heartbeat, r.received_at, r.state) for r in rows], [r.name for r in index]
+            q = sa.select(n.c.name, n.c.summary_digest, n.c.state, n.c.received_at, n.c.sent_at)
+            index = [NodeLiveness(*r) for r in c.execute(q)]
+            changed = [x.name for x in index if x.digest is None or known.get(x.name) != (x.digest, x.state)]
+            rows = c.execute(sa.select(n).where(n.c.name.in_(changed))).all() if changed else []
+        return [_view(r) for r in rows], index
+
+    def node_view(self, name: str) -> NodeView | None:
+        """One node's view with its claims and warm claims, in one transaction: what a replica's cache needs to
+        take in a node that appeared or came back, without reading every node."""
+        n, w = S.nodes, S.warm_claims
+        with self.tx() as c:
+            r = c.execute(sa.select(n).where(n.c.name == name)).first()
+            if r is None:
+                return None
+            view = _view(r)
+            view.admitted = _admitted(c, name).get(name, {})
+            view.admitted_memory_mib = _admitted_memory(c, name).get(name, 0)
+            view.warm_claimed = frozenset(str(x) for (x,) in c.execute(sa.select(w.c.warm_id).where(w.c.node == name)))
+        return view
 
     def node_url(self, name: str) -> str | None:
         """One node's registered Cubelet URL, as stored now (one row, not every node's)."""
@@ -259,7 +286,7 @@ class MasterStore:
             r = c.execute(sa.select(S.nodes).where(S.nodes.c.name == node).with_for_update()).first()
             if r is None or r.state != NodeState.READY or now - r.received_at > staleness_s:
                 return False
-            view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
+            view = _view(r)
             group = next((g for g in view.groups if g.key == group_key), None)
             admitted = _admitted(c, node).get(node, {}).get(group_key, 0)
             if count > 0 and (group is None or group.allocatable + returning - admitted < count):
@@ -294,7 +321,7 @@ class MasterStore:
             r = c.execute(sa.select(S.nodes).where(S.nodes.c.name == node).with_for_update()).first()
             if r is None or r.state != NodeState.READY or now - r.received_at > staleness_s:
                 return None
-            view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
+            view = _view(r)
             advertised = {w.id for p in view.warm_pools if p.key == pool for w in p.sandboxes}
             wc = S.warm_claims
             held = {
@@ -625,6 +652,42 @@ class Placement:
     def unseen_by(self, sent_at: float) -> bool:
         """Whether a summary the node sent at `sent_at` (its clock) cannot show this placement (as `_unseen`)."""
         return self.cubelet_created_at is None or self.cubelet_created_at >= sent_at
+
+
+@dataclass(frozen=True)
+class HeartbeatRecorded:
+    node: str
+    state: str  # the operator state
+    returned: bool  # new, or stale until this beat
+    digest: str  # of the summary now stored
+    received_at: float
+    sent_at: float
+
+
+class NodeLiveness(NamedTuple):
+    """A node row's cheap columns: enough to tell whether its summary changed, and its clocks either way (a tuple:
+    a reload builds one per node, 10,000 at a time)."""
+
+    name: str
+    digest: str | None  # None: written before digests, or by a path that does not set one (always re-read)
+    state: str
+    received_at: float
+    sent_at: float
+
+
+def summary_digest(body: Mapping[str, Any]) -> str:
+    """A stored heartbeat body's digest without its `sent_at` (canonical JSON: key order does not matter)."""
+    rest = {k: v for k, v in body.items() if k != "sent_at"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _view(r: sa.Row[Any]) -> NodeView:
+    """A node row's view. The clocks come from the columns: a beat that repeated the summary renewed only them,
+    so the JSON's own `sent_at` may be older."""
+    view = view_from_heartbeat(r.heartbeat, r.received_at, r.state)
+    view.sent_at = float(r.sent_at)
+    view.summary_digest = r.summary_digest
+    return view
 
 
 def _unseen() -> sa.ColumnElement[bool]:

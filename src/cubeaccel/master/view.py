@@ -74,6 +74,7 @@ class NodeView:
     warm_claimed: frozenset[str] = frozenset()  # warm ids this cluster's claim rows hold (not offered again)
     warm_draining: bool | None = None  # the Cubelet's warm drain as its last heartbeat said; None: not said
     reserve_waits: bool = False  # its reserve waits for devices coming back when asked (`capacity_wait_s`)
+    summary_digest: str | None = None  # the stored summary's digest (master/store.py); None: not from a row
 
     def free(self, g: Group) -> int:
         return g.allocatable - self.admitted.get(g.key, 0)

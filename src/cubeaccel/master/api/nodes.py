@@ -36,9 +36,10 @@ def heartbeat(
 ) -> W.HeartbeatAck:
     if body.get("node") != node or NODE_ID_RE.fullmatch(node) is None:
         raise CubeError("node.name_mismatch", f"heartbeat for {body.get('node')!r} sent to /v1/nodes/{node}", "api")
-    state, returned = master.store.heartbeat(body, time.time(), master.config.staleness_s)  # validated the body
-    if returned:  # routine heartbeats reach the views within the cache's TTL; new nodes at once
-        master.cache.invalidate()
+    beat = master.store.record_heartbeat(body, time.time(), master.config.staleness_s)  # validated the body
+    state, returned = beat.state, beat.returned
+    if returned:  # routine heartbeats reach the views within the cache's TTL; new or returning nodes at once
+        master.cache.heard(beat)
         if maintenance is not None:
             maintenance.request_reconcile(node)
     try:  # what the node ended; a restart it came back from. The heartbeat is stored either way: a failure
