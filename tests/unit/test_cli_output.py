@@ -37,6 +37,17 @@ def test_o_is_taken_anywhere_before_the_command_of_exec(argv: list[str], rest: l
     assert output.output_format() == fmt
 
 
+def test_a_json_invocation_does_not_turn_the_next_one_in_the_same_process_into_json() -> None:
+    from typer.testing import CliRunner
+
+    from cubeaccel.cli.root import app
+
+    CliRunner().invoke(app, ["-o", "json", "--version"])
+    output.set_format("json")  # as a `-o json` invocation leaves it
+    CliRunner().invoke(app, ["host", "check", "--help"])
+    assert output.output_format() == "table"
+
+
 def test_an_unknown_format_is_refused() -> None:
     with pytest.raises(typer.BadParameter):
         output.pop_output(["devices", "-o", "xml"])

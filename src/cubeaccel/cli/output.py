@@ -24,7 +24,7 @@ from cubeaccel.model.states import DeviceState
 from cubeaccel.protocol.errors import CubeError
 
 FORMATS = ("table", "json", "yaml")
-_format = {"value": "table"}
+_format = {"value": "table", "from_argv": ""}  # from_argv: set by pop_output for this process
 
 # States by what an operator should notice: handed-out-able green, busy cyan, out of service red. Keyed by the
 # machines' own states (device, sandbox, node), so a renamed state cannot silently lose its colour.
@@ -61,10 +61,18 @@ ONE_LINE = {
 }  # their message names everything; details only under -o json
 
 
-def set_format(value: str) -> None:
+def set_format(value: str, from_argv: bool = False) -> None:
     if value not in FORMATS:
         raise typer.BadParameter(f"-o must be one of {', '.join(FORMATS)}, not {value!r}")
     _format["value"] = value
+    _format["from_argv"] = "yes" if from_argv else ""
+
+
+def set_format_of_invocation(value: str) -> None:
+    """The root command's `-o`: what this invocation asked for, else what `pop_output` found on the command line,
+    else a table. Never the last invocation's choice: one process may run many (a test's CliRunner)."""
+    if value != "table" or not _format["from_argv"]:
+        set_format(value)
 
 
 def output_format() -> str:
@@ -150,13 +158,13 @@ def pop_output(argv: list[str]) -> list[str]:
             out += argv[i:]
             break
         if a in ("-o", "--output") and i + 1 < len(argv):
-            set_format(argv[i + 1])
+            set_format(argv[i + 1], from_argv=True)
             i += 2
             continue
         if a.startswith("--output="):
-            set_format(a.split("=", 1)[1])
+            set_format(a.split("=", 1)[1], from_argv=True)
         elif a.startswith("-o") and len(a) > 2 and not a.startswith("--"):
-            set_format(a[2:])
+            set_format(a[2:], from_argv=True)
         else:
             out.append(a)
         i += 1

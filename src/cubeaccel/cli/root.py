@@ -50,8 +50,7 @@ def root(
     ] = None,
 ) -> None:
     """GPU sandboxes for Cube Sandbox."""
-    if out != "table":
-        output.set_format(out)
+    output.set_format_of_invocation(out)
 
 
 app.add_typer(cubelet.app, name="cubelet")
