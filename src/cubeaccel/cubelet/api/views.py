@@ -45,19 +45,7 @@ def shown(res: Reservation, local: bool) -> W.Reservation:
 
 
 def event_record(e: Event) -> W.Event:
-    return W.Event(
-        seq=e.seq,
-        at=e.at,
-        kind=e.kind,
-        device_id=e.device_id,
-        sandbox_id=e.sandbox_id,
-        event=e.event,
-        from_state=e.from_state,
-        to_state=e.to_state,
-        actor=e.actor,
-        reason=e.reason,
-        details=e.details,
-    )
+    return W.Event.model_validate(e, from_attributes=True)
 
 
 def reservation_view(
@@ -114,21 +102,7 @@ def dashboard_view(cubelet: Cubelet, n_events: int) -> NodeDashboard:
         node=cubelet.config.node_name,
         devices=[W.Device.of(d) for d in cubelet.store.devices()],
         sandboxes=sandboxes,
-        events=[
-            DashboardEvent(
-                seq=e.seq,
-                at=e.at,
-                kind=e.kind,
-                device_id=e.device_id,
-                sandbox_id=e.sandbox_id,
-                event=e.event,
-                from_state=e.from_state,
-                to_state=e.to_state,
-                actor=e.actor,
-                reason=e.reason,
-            )
-            for e in cubelet.store.latest_events(n_events)
-        ],
+        events=[DashboardEvent.model_validate(e, from_attributes=True) for e in cubelet.store.latest_events(n_events)],
     )
 
 
